@@ -1,0 +1,5 @@
+import sys
+
+from fastcar_compile.cli import main
+
+sys.exit(main())

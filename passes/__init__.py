@@ -1,0 +1,1 @@
+"""fastcar_compile.passes."""
