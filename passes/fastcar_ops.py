@@ -1,0 +1,139 @@
+"""The `ai.fastcar` custom ops, defined as ONNX functions.
+
+Each op ships inside fast.onnx as a model-local function, so a stock ONNX Runtime runs the model
+with no extra library (ORT inlines functions at session creation), while a registered native
+kernel with the same (domain, op) takes precedence and later backends see the ops as units.
+Bodies use only ops whose signature is stable from opset 13 up (no ReduceMean/ReduceMax with
+axes inputs), so one text serves models exported at opset 17 to 24. Semantics: docs/DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx.parser
+import onnx_ir as ir
+
+DOMAIN = "ai.fastcar"
+VERSION = 1
+
+_TEMPORAL_GATE = """
+<domain: "ai.fastcar", opset_import: ["" : {opset}]>
+TemporalGate <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start)
+    => (replay, tas, slot, write) {{
+  zero = Constant <value = int64[1] {{0}}> ()
+  one = Constant <value = int64[1] {{1}}> ()
+  two = Constant <value = int64[1] {{2}}> ()
+  minus1 = Constant <value = int64[1] {{-1}}> ()
+  last = Constant <value = int64[1] {{-1}}> ()
+  zero_s = Constant <value = int64 {{0}}> ()
+  one_s = Constant <value = int64 {{1}}> ()
+  L = Constant <value_int: int = @frame_tokens> ()
+  K = Constant <value_int: int = @max_replay> ()
+  q_shape = Shape (q)
+  k_shape = Shape (present_key)
+  S = Shape <start = 2, end = 3> (q)
+  T = Shape <start = 2, end = 3> (present_key)
+  S_s = Squeeze (S, zero)
+  T_s = Squeeze (T, zero)
+  P_s = Sub (T_s, S_s)
+  p = Range (P_s, T_s, one_s)
+  aligned = Sub (p, L)
+  idx = Max (aligned, zero_s)
+  k_al = Gather <axis = 2> (present_key, idx)
+  qf = Cast <to = 1> (q)
+  kf = Cast <to = 1> (k_al)
+  B = Shape <start = 0, end = 1> (q)
+  Hkv = Shape <start = 1, end = 2> (present_key)
+  SD = Shape <start = 2, end = 4> (q)
+  q5_shape = Concat <axis = 0> (B, Hkv, minus1, SD)
+  q5 = Reshape (qf, q5_shape)
+  q_grp = ReduceSum <keepdims = 0> (q5, two)
+  prod = Mul (q_grp, kf)
+  dots = ReduceSum <keepdims = 0> (prod, last)
+  dsum = ReduceSum <keepdims = 0> (dots, one)
+  H = Shape <start = 1, end = 2> (q)
+  D = Shape <start = 3, end = 4> (q)
+  H_s = Squeeze (H, zero)
+  D_s = Squeeze (D, zero)
+  Hf = Cast <to = 1> (H_s)
+  Df = Cast <to = 1> (D_s)
+  sqrt_d = Sqrt (Df)
+  denom = Mul (Hf, sqrt_d)
+  tas = Div (dsum, denom)
+  rel = Sub (p, video_start)
+  slot = Mod (rel, L)
+  first_written = Sub (T_s, L)
+  is_video = GreaterOrEqual (p, video_start)
+  in_last_frame = GreaterOrEqual (p, first_written)
+  write = And (is_video, in_last_frame)
+  single = Equal (S_s, one_s)
+  after_frame0 = GreaterOrEqual (aligned, video_start)
+  pos_ok = And (single, after_frame0)
+  age_slot = Gather <axis = 1> (past_mlp_age, slot)
+  written = GreaterOrEqual (age_slot, zero_s)
+  unlimited = Equal (K, zero_s)
+  young = Less (age_slot, K)
+  guard_ok = Or (unlimited, young)
+  slot_ok = And (written, guard_ok)
+  elig = And (slot_ok, pos_ok)
+  tau = Cast <to = 1> (threshold)
+  above = Greater (tas, tau)
+  replay = And (elig, above)
+}}
+"""
+
+_MLP_CACHE_READ = """
+<domain: "ai.fastcar", opset_import: ["" : {opset}]>
+MLPCacheRead (past_mlp_cache, slot) => (cached) {{
+  cached = Gather <axis = 1> (past_mlp_cache, slot)
+}}
+"""
+
+_MLP_CACHE_UPDATE = """
+<domain: "ai.fastcar", opset_import: ["" : {opset}]>
+MLPCacheUpdate (past_mlp_cache, past_mlp_age, branch, replay, slot, write)
+    => (present_mlp_cache, present_mlp_age) {{
+  zero = Constant <value = int64[1] {{0}}> ()
+  one_s = Constant <value = int64 {{1}}> ()
+  zero_s = Constant <value = int64 {{0}}> ()
+  shape_1w1 = Constant <value = int64[3] {{1, -1, 1}}> ()
+  shape_1w = Constant <value = int64[2] {{1, -1}}> ()
+  nz = NonZero (write)
+  widx = Squeeze (nz, zero)
+  slots_w = Gather (slot, widx)
+  vals_w = Gather <axis = 1> (branch, widx)
+  vshape = Shape (vals_w)
+  slots_1w1 = Reshape (slots_w, shape_1w1)
+  cache_idx = Expand (slots_1w1, vshape)
+  present_mlp_cache = ScatterElements <axis = 1> (past_mlp_cache, cache_idx, vals_w)
+  age_w = Gather <axis = 1> (past_mlp_age, slots_w)
+  rep_w = Gather <axis = 1> (replay, widx)
+  aged = Add (age_w, one_s)
+  zeros_w = Mul (age_w, zero_s)
+  new_age = Where (rep_w, aged, zeros_w)
+  ashape = Shape (new_age)
+  slots_1w = Reshape (slots_w, shape_1w)
+  age_idx = Expand (slots_1w, ashape)
+  present_mlp_age = ScatterElements <axis = 1> (past_mlp_age, age_idx, new_age)
+}}
+"""
+
+OP_TEXTS = {
+    "TemporalGate": _TEMPORAL_GATE,
+    "MLPCacheRead": _MLP_CACHE_READ,
+    "MLPCacheUpdate": _MLP_CACHE_UPDATE,
+}
+
+
+def function_proto(op: str, opset: int) -> onnx.FunctionProto:
+    """The FunctionProto of one ai.fastcar op, its body written against the model's default opset."""
+    return onnx.parser.parse_function(OP_TEXTS[op].format(opset=opset))
+
+
+def add_functions(model: ir.Model, opset: int) -> None:
+    """Register every ai.fastcar function in `model` (idempotent) and import the domain."""
+    for op in OP_TEXTS:
+        key = (DOMAIN, op, "")
+        if key not in model.functions:
+            model.functions[key] = ir.serde.deserialize_function(function_proto(op, opset))
+    model.opset_imports[DOMAIN] = VERSION
