@@ -1,0 +1,136 @@
+"""A minimal ONNX Runtime decode driver for the tests, independent of `fastcar_compile.runtime`.
+
+It feeds a model's inputs by name (the I/O contract of tests/zoo.py plus the FastCar state of docs/DESIGN.md),
+runs a prefill step and teacher-forced decode steps, carries every `present*` output back into the matching
+`past*` input, and returns per-step logits and the `replay_mask.N` / `tas.N` diagnostics when present.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+_ORT_TO_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+              "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+
+
+def make_session(path: str | Path, threads: int = 1) -> ort.InferenceSession:
+    """A CPU session with one intra-op thread (the test machine is shared)."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def past_name_for(output_name: str) -> str | None:
+    """The state input an output feeds next step: present.N.key -> past_key_values.N.key, present_X -> past_X."""
+    if output_name.startswith("present."):
+        return "past_key_values." + output_name[len("present."):]
+    if output_name.startswith("present_"):
+        return "past_" + output_name[len("present_"):]
+    return None
+
+
+@dataclass
+class DecodeResult:
+    """Per-step outputs of one decode; diagnostics are keyed by layer index."""
+
+    logits: list[np.ndarray] = field(default_factory=list)  # each [B, S_step, V]
+    replay_mask: dict[int, list[np.ndarray]] = field(default_factory=dict)  # each [B, S_step] bool
+    tas: dict[int, list[np.ndarray]] = field(default_factory=dict)  # each [B, S_step] float32
+    final_state: dict[str, np.ndarray] = field(default_factory=dict)  # last values of every past* input
+
+
+def _static_dim(shape: list, axis: int, what: str, name: str) -> int:
+    dim = shape[axis] if axis < len(shape) else None
+    if not isinstance(dim, int):
+        raise ValueError(f"input {name}: {what} (axis {axis}) must be a static dimension, got {dim!r}")
+    return dim
+
+
+def initial_state(sess: ort.InferenceSession, batch: int, frame_tokens: int | None = None) -> dict[str, np.ndarray]:
+    """Empty KV cache ([B, Hkv, 0, D]) and a new video's FastCar state (caches 0, ages -1)."""
+    meta = sess.get_modelmeta().custom_metadata_map
+    state: dict[str, np.ndarray] = {}
+    for inp in sess.get_inputs():
+        name, shape = inp.name, list(inp.shape)
+        dtype = _ORT_TO_NP[inp.type]
+        if name.startswith("past_key_values."):
+            hkv = _static_dim(shape, 1, "kv heads", name)
+            d = _static_dim(shape, 3, "head dim", name)
+            state[name] = np.zeros((batch, hkv, 0, d), dtype=dtype)
+        elif name.startswith(("past_mlp_cache.", "past_mlp_age.")):
+            L = shape[1] if isinstance(shape[1], int) else (frame_tokens or int(meta["fastcar.frame_tokens"]))
+            if name.startswith("past_mlp_cache."):
+                hidden = _static_dim(shape, 2, "hidden", name)
+                state[name] = np.zeros((batch, L, hidden), dtype=dtype)
+            else:
+                state[name] = np.full((batch, L), -1, dtype=dtype)
+        elif name.startswith("past"):
+            raise ValueError(f"unknown state input {name!r}: the driver does not know how to start it")
+    return state
+
+
+def left_pad_masks(pad: list[int] | np.ndarray, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """attention_mask (zeros on the left) and position_ids (cumsum - 1, pads at 1 as transformers does)."""
+    pad = np.asarray(pad, dtype=np.int64)
+    mask = (np.arange(prompt_len)[None, :] >= pad[:, None]).astype(np.int64)
+    pos = np.cumsum(mask, axis=1) - 1
+    pos = np.where(mask == 0, 1, pos).astype(np.int64)
+    return mask, pos
+
+
+def decode(model: str | Path | ort.InferenceSession, steps: list[np.ndarray], pad: list[int] | None = None,
+           video_start: int | None = None, threshold: float | list[float] | np.ndarray | None = None,
+           frame_tokens: int | None = None) -> DecodeResult:
+    """Run `steps` (token ids [B, S] each; the first is the prompt) carrying all state between steps.
+
+    pad: left-padding length per row of the prompt. video_start / threshold: override the graph's defaults
+    (`video_start`, `fastcar_threshold` inputs); None leaves the defaults in the model.
+    """
+    sess = model if isinstance(model, ort.InferenceSession) else make_session(model)
+    batch = int(steps[0].shape[0])
+    input_names = {i.name for i in sess.get_inputs()}
+    overridable = {i.name for i in sess.get_overridable_initializers()}
+    out_names = [o.name for o in sess.get_outputs()]
+    state = initial_state(sess, batch, frame_tokens)
+    mask, pos = left_pad_masks(pad if pad is not None else [0] * batch, int(steps[0].shape[1]))
+    extra: dict[str, np.ndarray] = {}
+    for name, value, dtype in (("video_start", video_start, np.int64), ("fastcar_threshold", threshold, np.float32)):
+        if value is None:
+            continue
+        if name not in input_names | overridable:
+            raise ValueError(f"model has no input {name!r} to override")
+        extra[name] = np.asarray(value, dtype=dtype)
+    res = DecodeResult()
+    for k, ids in enumerate(steps):
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.shape[0] != batch:
+            raise ValueError(f"step {k}: batch {ids.shape[0]} != {batch}")
+        if k > 0:
+            s = ids.shape[1]
+            pos = pos[:, -1:] + 1 + np.arange(s, dtype=np.int64)[None, :]
+            mask = np.concatenate([mask, np.ones((batch, s), dtype=np.int64)], axis=1)
+        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **state, **extra}
+        feeds = {n: v for n, v in feeds.items() if n in input_names or n in overridable}
+        missing = input_names - feeds.keys()
+        if missing:
+            raise ValueError(f"no feed for required inputs {sorted(missing)}")
+        outs = dict(zip(out_names, sess.run(out_names, feeds), strict=True))
+        res.logits.append(outs["logits"])
+        for name, val in outs.items():
+            m = re.fullmatch(r"(replay_mask|tas)\.(\d+)", name)
+            if m:
+                getattr(res, m.group(1)).setdefault(int(m.group(2)), []).append(val)
+            nxt = past_name_for(name)
+            if nxt is not None:
+                if nxt not in input_names:
+                    raise ValueError(f"output {name!r} has no matching state input {nxt!r}")
+                state[nxt] = val
+    res.final_state = state
+    return res
