@@ -14,8 +14,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-_ORT_TO_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-              "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+_ORT_TO_NP = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+}
 
 
 def make_session(path: str | Path, threads: int = 1) -> ort.InferenceSession:
@@ -30,9 +36,9 @@ def make_session(path: str | Path, threads: int = 1) -> ort.InferenceSession:
 def past_name_for(output_name: str) -> str | None:
     """The state input an output feeds next step: present.N.key -> past_key_values.N.key, present_X -> past_X."""
     if output_name.startswith("present."):
-        return "past_key_values." + output_name[len("present."):]
+        return "past_key_values." + output_name[len("present.") :]
     if output_name.startswith("present_"):
-        return "past_" + output_name[len("present_"):]
+        return "past_" + output_name[len("present_") :]
     return None
 
 
@@ -53,7 +59,9 @@ def _static_dim(shape: list, axis: int, what: str, name: str) -> int:
     return dim
 
 
-def initial_state(sess: ort.InferenceSession, batch: int, frame_tokens: int | None = None) -> dict[str, np.ndarray]:
+def initial_state(
+    sess: ort.InferenceSession, batch: int, frame_tokens: int | None = None
+) -> dict[str, np.ndarray]:
     """Empty KV cache ([B, Hkv, 0, D]) and a new video's FastCar state (caches 0, ages -1)."""
     meta = sess.get_modelmeta().custom_metadata_map
     state: dict[str, np.ndarray] = {}
@@ -85,9 +93,14 @@ def left_pad_masks(pad: list[int] | np.ndarray, prompt_len: int) -> tuple[np.nda
     return mask, pos
 
 
-def decode(model: str | Path | ort.InferenceSession, steps: list[np.ndarray], pad: list[int] | None = None,
-           video_start: int | None = None, threshold: float | list[float] | np.ndarray | None = None,
-           frame_tokens: int | None = None) -> DecodeResult:
+def decode(
+    model: str | Path | ort.InferenceSession,
+    steps: list[np.ndarray],
+    pad: list[int] | None = None,
+    video_start: int | None = None,
+    threshold: float | list[float] | np.ndarray | None = None,
+    frame_tokens: int | None = None,
+) -> DecodeResult:
     """Run `steps` (token ids [B, S] each; the first is the prompt) carrying all state between steps.
 
     pad: left-padding length per row of the prompt. video_start / threshold: override the graph's defaults
@@ -101,7 +114,10 @@ def decode(model: str | Path | ort.InferenceSession, steps: list[np.ndarray], pa
     state = initial_state(sess, batch, frame_tokens)
     mask, pos = left_pad_masks(pad if pad is not None else [0] * batch, int(steps[0].shape[1]))
     extra: dict[str, np.ndarray] = {}
-    for name, value, dtype in (("video_start", video_start, np.int64), ("fastcar_threshold", threshold, np.float32)):
+    for name, value, dtype in (
+        ("video_start", video_start, np.int64),
+        ("fastcar_threshold", threshold, np.float32),
+    ):
         if value is None:
             continue
         if name not in input_names | overridable:

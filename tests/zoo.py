@@ -62,23 +62,56 @@ def make_config(family: str, attn_implementation: str = "sdpa"):
 
     common = dict(vocab_size=VOCAB, tie_word_embeddings=False)
     if family == "llama":
-        cfg = tf.LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                             max_position_embeddings=MAX_POS, rms_norm_eps=1e-5, **common)
+        cfg = tf.LlamaConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=INTER,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            max_position_embeddings=MAX_POS,
+            rms_norm_eps=1e-5,
+            **common,
+        )
     elif family == "qwen2":
-        cfg = tf.Qwen2Config(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                             max_position_embeddings=MAX_POS, rms_norm_eps=1e-5, use_sliding_window=False,
-                             **common)
+        cfg = tf.Qwen2Config(
+            hidden_size=HIDDEN,
+            intermediate_size=INTER,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            max_position_embeddings=MAX_POS,
+            rms_norm_eps=1e-5,
+            use_sliding_window=False,
+            **common,
+        )
     elif family == "phi3":
-        cfg = tf.Phi3Config(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                            max_position_embeddings=MAX_POS, original_max_position_embeddings=MAX_POS,
-                            rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+        cfg = tf.Phi3Config(
+            hidden_size=HIDDEN,
+            intermediate_size=INTER,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            max_position_embeddings=MAX_POS,
+            original_max_position_embeddings=MAX_POS,
+            rms_norm_eps=1e-5,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            **common,
+        )
     elif family == "gpt2":
-        cfg = tf.GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=INTER, n_positions=MAX_POS,
-                            vocab_size=VOCAB, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0)
+        cfg = tf.GPT2Config(
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            n_inner=INTER,
+            n_positions=MAX_POS,
+            vocab_size=VOCAB,
+            tie_word_embeddings=False,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
     else:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     cfg._attn_implementation = attn_implementation
@@ -97,8 +130,12 @@ def build_model(family: str, seed: int = SEED) -> nn.Module:
 
     cfg = make_config(family)
     torch.manual_seed(seed)
-    cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "phi3": tf.Phi3ForCausalLM,
-           "gpt2": tf.GPT2LMHeadModel}[family]
+    cls = {
+        "llama": tf.LlamaForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "phi3": tf.Phi3ForCausalLM,
+        "gpt2": tf.GPT2LMHeadModel,
+    }[family]
     model = cls(cfg).eval().float()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -129,8 +166,14 @@ class FlatKVWrapper(nn.Module):
 
         pairs = [(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)]
         cache = DynamicCache(pairs, config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, return_dict=True)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            return_dict=True,
+        )
         pkv = out.past_key_values
         flat = []
         for i in range(self.num_layers):
@@ -167,23 +210,43 @@ def _export_dynamo(wrapper: nn.Module, info: ModelInfo, path: Path, opset: int) 
     kv_shapes = tuple({0: "batch", 2: "past"} for _ in range(2 * info.num_layers))
     # forward(input_ids, attention_mask, position_ids, *past): the varargs form one tuple in dynamic_shapes.
     shapes = ({0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, {0: "batch", 1: "seq"}, kv_shapes)
-    prog = torch.onnx.export(wrapper, example_inputs(info), input_names=ins, output_names=outs,
-                             dynamic_shapes=shapes, opset_version=opset, dynamo=True, optimize=True,
-                             verbose=False)
+    prog = torch.onnx.export(
+        wrapper,
+        example_inputs(info),
+        input_names=ins,
+        output_names=outs,
+        dynamic_shapes=shapes,
+        opset_version=opset,
+        dynamo=True,
+        optimize=True,
+        verbose=False,
+    )
     prog.save(str(path))
 
 
 def _export_torchscript(wrapper: nn.Module, info: ModelInfo, path: Path, opset: int = 17) -> None:
     ins, outs = io_names(info.num_layers)
-    axes: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "seq"},
-                                       "attention_mask": {0: "batch", 1: "total"},
-                                       "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+    axes: dict[str, dict[int, str]] = {
+        "input_ids": {0: "batch", 1: "seq"},
+        "attention_mask": {0: "batch", 1: "total"},
+        "position_ids": {0: "batch", 1: "seq"},
+        "logits": {0: "batch", 1: "seq"},
+    }
     for n in ins[3:]:
         axes[n] = {0: "batch", 2: "past"}
     for n in outs[1:]:
         axes[n] = {0: "batch", 2: "total"}
-    torch.onnx.export(wrapper, example_inputs(info), str(path), input_names=ins, output_names=outs,
-                      dynamic_axes=axes, opset_version=opset, dynamo=False, do_constant_folding=True)
+    torch.onnx.export(
+        wrapper,
+        example_inputs(info),
+        str(path),
+        input_names=ins,
+        output_names=outs,
+        dynamic_axes=axes,
+        opset_version=opset,
+        dynamo=False,
+        do_constant_folding=True,
+    )
 
 
 def _export_ortfusions(wrapper: nn.Module, info: ModelInfo, path: Path) -> dict[str, int]:
@@ -213,7 +276,7 @@ def export(family: str, exporter: str, out_dir: str | os.PathLike) -> Path:
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         if exporter.startswith("dynamo"):
-            _export_dynamo(wrapper, info, tmp, int(exporter[len("dynamo"):]))
+            _export_dynamo(wrapper, info, tmp, int(exporter[len("dynamo") :]))
         elif exporter == "torchscript17":
             _export_torchscript(wrapper, info, tmp, 17)
         elif exporter == "ortfusions20":
@@ -253,8 +316,12 @@ def _check_contract(path: Path, info: ModelInfo) -> None:
         raise RuntimeError(f"ONNX Runtime cannot open the exported graph: {exc}") from exc
 
 
-def export_all(out_dir: str | os.PathLike, families=FAMILIES, exporters=EXPORTERS,
-               progress: Callable[[str], None] | None = print) -> dict[str, dict[str, str]]:
+def export_all(
+    out_dir: str | os.PathLike,
+    families=FAMILIES,
+    exporters=EXPORTERS,
+    progress: Callable[[str], None] | None = print,
+) -> dict[str, dict[str, str]]:
     """Export every combination; return {family: {exporter: "ok" | "FAIL: <error>"}} and write status.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
