@@ -1,0 +1,137 @@
+"""Small dataflow helpers over onnx-ir graphs, shared by discovery and rewriting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import onnx_ir as ir
+
+# Ops that only move or reinterpret data along a tensor's path (GQA expansion, K^T, head split).
+LAYOUT_OPS = frozenset({"Unsqueeze", "Squeeze", "Expand", "Reshape", "Transpose", "Cast", "Identity", "Tile", "Flatten"})
+# Fused norms that also close a residual (onnxscript ort_fusions, ORT transformers optimizer).
+SKIP_NORM_OPS = frozenset({"SkipSimplifiedLayerNormalization", "SkipLayerNormalization"})
+NORM_OPS = frozenset(
+    {"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"} | SKIP_NORM_OPS
+)
+ATTENTION_OPS = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention"})
+ROTARY_OPS = frozenset({"RotaryEmbedding"})
+MATMUL_OPS = frozenset({"MatMul", "Gemm", "MatMulNBits", "FusedMatMul"})
+
+
+def describe(node: ir.Node | None) -> str:
+    if node is None:
+        return "<graph input>"
+    return f"{node.op_type} '{node.name or '?'}'"
+
+
+def real_consumers(value: ir.Value) -> list[ir.Node]:
+    """Consumers that use the data, not just the shape."""
+    return [n for n in value.consumers() if n.op_type != "Shape"]
+
+
+def is_static(value: ir.Value | None, _memo: dict | None = None) -> bool:
+    """True if the value is known at compile time (initializer, Constant, or computed only from those)."""
+    if value is None:
+        return True
+    memo = {} if _memo is None else _memo
+    if value in memo:
+        return memo[value]
+    if value.const_value is not None or value.is_initializer():
+        memo[value] = True
+        return True
+    producer = value.producer()
+    if producer is None:
+        memo[value] = False
+        return False
+    memo[value] = False  # cycle guard
+    result = all(is_static(v, memo) for v in producer.inputs)
+    memo[value] = result
+    return result
+
+
+def scalar_const(value: ir.Value | None) -> float | None:
+    """The number held by a constant scalar (or 1-element) value, else None."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+            tensor = producer.attributes["value"].value
+    if tensor is None:
+        return None
+    try:
+        arr = np.asarray(tensor.numpy())
+    except Exception:  # noqa: BLE001 - lazy external tensors that cannot be read are not scalars
+        return None
+    return float(arr.reshape(-1)[0]) if arr.size == 1 else None
+
+
+def static_dims(value: ir.Value) -> list[int | None] | None:
+    if value.shape is None:
+        return None
+    return [d if isinstance(d, int) else None for d in value.shape]
+
+
+def ancestors_until(outputs: Iterable[ir.Value], stop: set[ir.Value], limit: int = 100_000) -> set[ir.Node]:
+    """Nodes reachable backwards from `outputs` without passing through a value in `stop`."""
+    seen: set[ir.Node] = set()
+    stack = [v for v in outputs if v not in stop]
+    while stack and len(seen) < limit:
+        v = stack.pop()
+        node = v.producer()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(i for i in node.inputs if i is not None and i not in stop)
+    return seen
+
+
+def descendants(value: ir.Value, within: set[ir.Node]) -> set[ir.Node]:
+    """Nodes of `within` that depend on `value`."""
+    out: set[ir.Node] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        for node in v.consumers():
+            if node in within and node not in out:
+                out.add(node)
+                stack.extend(node.outputs)
+    return out
+
+
+def depends_on(value: ir.Value, source: ir.Value, limit: int = 5000) -> bool:
+    """Does `value` depend on `source` (bounded backwards search)?"""
+    seen: set[ir.Node] = set()
+    stack = [value]
+    while stack and len(seen) < limit:
+        v = stack.pop()
+        if v is source:
+            return True
+        node = v.producer()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(i for i in node.inputs if i is not None)
+    return False
+
+
+def in_graph_order(graph: ir.Graph, nodes: set[ir.Node]) -> list[ir.Node]:
+    return [n for n in graph if n in nodes]
+
+
+def weight_shape(value: ir.Value | None) -> tuple[int, ...] | None:
+    """Shape of an initializer/constant weight, without reading its data."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        if producer is not None and producer.op_type in LAYOUT_OPS and producer.inputs:
+            return weight_shape(producer.inputs[0])
+        if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+            tensor = producer.attributes["value"].value
+    if tensor is None:
+        return None
+    return tuple(int(d) for d in tensor.shape)
