@@ -1,0 +1,191 @@
+"""The video decode loop: prefill, then one token per step for `num_frames x L` tokens, with statistics.
+
+Every call starts from fresh state (the published FastCar code never resets its caches, so a second video
+replays the first one's last frame). With classifier-free guidance the batch holds conditional rows then
+unconditional rows; both get the same token and each row decides replay for itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastcar_compile.runtime.sampling import Sampler, guide
+from fastcar_compile.runtime.session import FastCarSession
+from fastcar_compile.runtime.stats import RunStats
+
+from fastcar_compile.errors import FastCarError
+
+FrameCallback = Callable[[int, np.ndarray], "bool | None"]
+AUTO_PROGRESS_TOKENS = 1024
+
+
+@dataclass
+class GenerationResult:
+    """Video tokens ([rows, n], n = frames_done x L unless interrupted mid-frame), statistics, and
+    (when asked with `keep_logits`) the guided logits each token was chosen from."""
+
+    tokens: np.ndarray
+    stats: RunStats
+    logits: np.ndarray | None = None  # [rows, n, vocab] float32
+
+    def frames(self) -> np.ndarray:
+        """Complete frames as [rows, frames, L]."""
+        L = self.stats.frame_tokens
+        n = self.tokens.shape[1] // L
+        return self.tokens[:, : n * L].reshape(self.tokens.shape[0], n, L)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad prompts of different lengths: ids and attention mask, both [rows, max_len] int64.
+
+    Left padding keeps every row's video at the same KV index, which `video_start` and the slot rule need.
+    """
+    n = max(len(r) for r in rows)
+    ids = np.full((len(rows), n), pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(rows), n), dtype=np.int64)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, n - len(r):] = np.asarray(r, dtype=np.int64)
+            mask[i, n - len(r):] = 1
+    return ids, mask
+
+
+def _as_rows(prompt_ids: Any, what: str) -> list[list[int]]:
+    if isinstance(prompt_ids, np.ndarray):
+        if prompt_ids.ndim == 1:
+            prompt_ids = prompt_ids[None]
+        if prompt_ids.ndim != 2:
+            raise FastCarError(f"{what} must be 1-D or 2-D token ids, got shape {list(prompt_ids.shape)}")
+        if not np.issubdtype(prompt_ids.dtype, np.integer):
+            raise FastCarError(f"{what} must hold integer token ids, got dtype {prompt_ids.dtype}")
+        return [list(map(int, r)) for r in prompt_ids]
+    rows = list(prompt_ids)
+    if rows and not isinstance(rows[0], (list, tuple, np.ndarray)):
+        rows = [rows]
+    rows = [list(map(int, r)) for r in rows]
+    if not rows or all(len(r) == 0 for r in rows):
+        raise FastCarError(f"{what} is empty; give at least one token per row")
+    if any(len(r) == 0 for r in rows):
+        raise FastCarError(f"{what}: every row needs at least one token")
+    return rows
+
+
+def generate(session: FastCarSession, prompt_ids: Any, num_frames: int, *, frame_tokens: int | None = None,
+             threshold: float | Sequence[float] | None = None, do_sample: bool = False, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, cfg_scale: float | None = None,
+             uncond_prompt_ids: Any = None, pad_token_id: int = 0, callback: FrameCallback | None = None,
+             progress: bool | None = None, collect_tas: bool = False, keep_logits: bool = False,
+             trace: str | None = None) -> GenerationResult:
+    """Generate `num_frames` frames of `L` tokens for each prompt row, from fresh state.
+
+    threshold: tau for this run (None: the model's baked default; float('inf') turns replay off).
+    cfg_scale + uncond_prompt_ids: classifier-free guidance, logits u + s (c - u), one unconditional
+    prompt per conditional one. callback(frame_index, tokens[rows, L]) after each frame; return False to
+    stop. Ctrl-C stops too; both return what was generated so far. `trace`: also save run.json there.
+    """
+    L = int(frame_tokens or session.frame_tokens or 0)
+    if session.frame_tokens and frame_tokens and frame_tokens != session.frame_tokens:
+        raise FastCarError(f"frame_tokens={frame_tokens} but the model was compiled for L={session.frame_tokens}")
+    if L <= 0:
+        raise FastCarError("frame size unknown: pass frame_tokens=L (a dense model has no fastcar metadata)")
+    if num_frames < 1:
+        raise FastCarError(f"num_frames must be >= 1, got {num_frames}")
+    if threshold is not None and not session.is_fastcar:
+        raise FastCarError("threshold given but this is a dense model (no FastCar replay); drop it")
+    if collect_tas and not session.has_diagnostics:
+        raise FastCarError("collect_tas needs a model compiled with --emit-diagnostics (tas.N outputs)")
+    sampler = Sampler(do_sample, temperature, top_k, top_p)
+    cond = _as_rows(prompt_ids, "prompt_ids")
+    rows = cond
+    cfg = cfg_scale is not None
+    if cfg:
+        if uncond_prompt_ids is None:
+            raise FastCarError("cfg_scale needs uncond_prompt_ids (one unconditional prompt per row)")
+        uncond = _as_rows(uncond_prompt_ids, "uncond_prompt_ids")
+        if len(uncond) != len(cond):
+            raise FastCarError(f"{len(cond)} conditional prompts but {len(uncond)} unconditional ones")
+        rows = cond + uncond
+    elif uncond_prompt_ids is not None:
+        raise FastCarError("uncond_prompt_ids given without cfg_scale")
+    ids, mask = left_pad(rows, pad_token_id)
+    batch, video_start = ids.shape
+    n_out = len(cond)
+    total = num_frames * L
+    rng = np.random.default_rng(seed)
+    mem = session.state_nbytes(batch)
+    stats = RunStats(model=str(session.path), fastcar=session.is_fastcar, frame_tokens=L,
+                     layers=list(session.layers), batch=batch, video_start=video_start, num_frames=num_frames,
+                     threshold=(float(threshold) if np.ndim(threshold) == 0 else list(map(float, threshold)))
+                     if threshold is not None else session.default_threshold,
+                     cfg_scale=cfg_scale, state_bytes=mem["fastcar_state"],
+                     kv_bytes_per_token=mem["kv_per_token"], native_ops=session.native_library is not None)
+    if collect_tas:
+        stats.tas = []
+    thr = None if threshold is None else session.threshold_array(threshold)
+    tokens = np.zeros((n_out, total), dtype=np.int64)
+    logit_rows: list[np.ndarray] = []
+
+    def choose(logits: np.ndarray) -> np.ndarray:
+        last = logits[:, -1, :]
+        g = guide(last[:n_out], last[n_out:], cfg_scale) if cfg else last.astype(np.float64)
+        if keep_logits:
+            logit_rows.append(g.astype(np.float32))
+        return sampler(g, rng)
+
+    show = progress if progress is not None else total >= AUTO_PROGRESS_TOKENS
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="tok", desc=session.path.name, disable=not show, leave=False)
+    n = 0
+    try:
+        state = session.new_state(batch, video_start=video_start)
+        t0 = time.perf_counter()
+        out = session.step(state, ids, attention_mask=mask, threshold=thr)
+        stats.prefill_ms = 1e3 * (time.perf_counter() - t0)
+        tokens[:, 0] = choose(out.logits)
+        n = 1
+        bar.update(1)
+        state = out.state
+        frame_ms = 0.0
+        one = np.ones((batch, 1), np.int64)
+        while n <= total:
+            if n % L == 0:  # a frame is complete
+                f = n // L - 1
+                stats.frame_ms.append(frame_ms)
+                frame_ms = 0.0
+                stats.frames_done = f + 1
+                if callback is not None and callback(f, tokens[:, f * L: n].copy()) is False:
+                    break
+            if n == total:
+                break
+            fed = tokens[:, n - 1]
+            feed = np.concatenate([fed, fed]) if cfg else fed
+            pos = state.past_len
+            t0 = time.perf_counter()
+            out = session.step(state, feed[:, None], attention_mask=one, threshold=thr, check=False)
+            dt = 1e3 * (time.perf_counter() - t0)
+            tokens[:, n] = choose(out.logits)
+            state = out.state
+            stats.step_ms.append(dt)
+            frame_ms += dt
+            rep = out.replay.astype(int).tolist() if out.replay is not None else []
+            stats.steps.append({"pos": int(pos), "replay": rep})
+            if collect_tas and out.tas is not None:
+                stats.tas.append(out.tas[:, :, 0].tolist())
+            n += 1
+            bar.update(1)
+    except KeyboardInterrupt:
+        stats.interrupted = True
+    finally:
+        bar.close()
+    stats.finalize()
+    kept = np.stack(logit_rows, axis=1) if keep_logits and logit_rows else None
+    result = GenerationResult(tokens[:, :n], stats, kept)
+    if trace:
+        stats.save(trace)
+    return result
+

@@ -1,0 +1,344 @@
+"""`FastCarSession`: one ONNX Runtime session plus the recurrent state a decoder carries between steps.
+
+A compiled fast.onnx carries state that generic decode drivers do not know (MLP caches, age counters, the
+threshold, `video_start`, docs/DESIGN.md). This class pairs every `past_*` input with its `present_*` output,
+allocates the new-video state, and runs one step at a time. The same class runs the original, uncompiled
+model (the dense baseline): it then simply has no FastCar state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastcar_compile.errors import FastCarError
+
+_ORT_DTYPES: dict[str, np.dtype] = {
+    "tensor(float)": np.dtype(np.float32),
+    "tensor(float16)": np.dtype(np.float16),
+    "tensor(double)": np.dtype(np.float64),
+    "tensor(int64)": np.dtype(np.int64),
+    "tensor(int32)": np.dtype(np.int32),
+    "tensor(bool)": np.dtype(np.bool_),
+    "tensor(uint8)": np.dtype(np.uint8),
+    "tensor(int8)": np.dtype(np.int8),
+}
+_KV_IN = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+DEFAULT_THREADS = 2
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One `past_*` input / `present_*` output pair and how to allocate it for a new video."""
+
+    input: str
+    output: str
+    dtype: np.dtype
+    shape: tuple[int | str, ...]  # ints, "batch", or the growing "past" axis of a KV cache
+    fill: float
+    kind: str  # "kv" or "fastcar"
+
+    def empty(self, batch: int) -> np.ndarray:
+        dims = [batch if d == "batch" else 0 if d == "past" else int(d) for d in self.shape]
+        return np.full(dims, self.fill, dtype=self.dtype)
+
+
+@dataclass
+class DecodeState:
+    """Everything a session carries between steps for one batch of rows (one video per row).
+
+    `owner` identifies the model that made it, so state from another model is refused instead of silently
+    producing garbage.
+    """
+
+    arrays: dict[str, np.ndarray]
+    batch: int
+    past_len: int
+    video_start: int
+    owner: str
+    attention_mask: np.ndarray  # [batch, past_len] int64: 0 for left padding
+
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.arrays.values()))
+
+
+@dataclass
+class StepOutput:
+    """Result of one step: last-position logits, the new state, and (FastCar models) what each layer did."""
+
+    logits: np.ndarray  # [batch, seq, vocab]
+    state: DecodeState
+    replay: np.ndarray | None = None  # [num_rewritten_layers, batch] bool, decode steps only
+    tas: np.ndarray | None = None  # [num_rewritten_layers, batch, seq] float32, diagnostics models only
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _ort():
+    import onnxruntime as ort
+
+    return ort
+
+
+def _meta_json(meta: dict[str, str], key: str, default: Any) -> Any:
+    if key not in meta:
+        return default
+    try:
+        return json.loads(meta[key])
+    except json.JSONDecodeError as exc:
+        raise FastCarError(f"metadata {key}={meta[key]!r} is not valid JSON; recompile the model") from exc
+
+
+class FastCarSession:
+    """Run a FastCar-compiled (or the original dense) decoder step by step in ONNX Runtime.
+
+    `frame_tokens` is read from the model's metadata; pass it for a dense model so `generate` knows the
+    frame size. The native `ai.fastcar` kernels are registered when built (see runtime/native) unless
+    `native=False`; without them ORT runs the model-local function bodies.
+    """
+
+    def __init__(self, path: str | os.PathLike, providers: Sequence[str] | None = None,
+                 session_options: Any = None, *, frame_tokens: int | None = None,
+                 native: bool | None = None, threads: int = DEFAULT_THREADS):
+        ort = _ort()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FastCarError(f"model file {self.path} does not exist; pass the path of an .onnx file")
+        so = session_options
+        if so is None:
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = threads
+            so.inter_op_num_threads = 1
+            so.log_severity_level = 3
+        self.native_library: str | None = None
+        if native is not False:
+            from fastcar_compile.runtime.native import library_path
+
+            lib = library_path()
+            if lib is None and native:
+                raise FastCarError("native=True but the ai.fastcar kernels are not built; run "
+                                   "`python runtime/native/build.py` (needs libonnxruntime-dev and g++)")
+            if lib is not None:
+                so.register_custom_ops_library(str(lib))
+                self.native_library = str(lib)
+        try:
+            self.session = ort.InferenceSession(str(self.path), sess_options=so,
+                                                providers=list(providers) if providers else
+                                                ["CPUExecutionProvider"])
+        except Exception as exc:  # ORT raises its own exception types; make it a user error
+            raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc}") from exc
+        self.meta: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
+        self.is_fastcar = "fastcar.version" in self.meta
+        self._inputs = {i.name: i for i in self.session.get_inputs()}
+        self._outputs = {o.name: o for o in self.session.get_outputs()}
+        self.output_names = list(self._outputs)
+        for need in ("input_ids",):
+            if need not in self._inputs:
+                raise FastCarError(f"{self.path} has no `{need}` input; is it a decoder exported with KV cache?")
+        if "logits" not in self._outputs:
+            raise FastCarError(f"{self.path} has no `logits` output; export the causal LM head too")
+        meta_l = int(self.meta["fastcar.frame_tokens"]) if "fastcar.frame_tokens" in self.meta else None
+        if meta_l is not None and frame_tokens is not None and frame_tokens != meta_l:
+            raise FastCarError(f"frame_tokens={frame_tokens} but {self.path.name} was compiled for "
+                               f"L={meta_l}; drop the argument or recompile")
+        self.frame_tokens: int | None = meta_l if meta_l is not None else frame_tokens
+        self.layers: list[int] = [int(x) for x in _meta_json(self.meta, "fastcar.layers", [])]
+        self.num_layers = int(self.meta.get("fastcar.num_layers", 0)) or self._count_kv_layers()
+        self.per_layer_threshold = self.meta.get("fastcar.per_layer_threshold", "false") == "true"
+        self.default_threshold = _meta_json(self.meta, "fastcar.threshold", None)
+        self.max_replay = int(self.meta.get("fastcar.max_replay", 0))
+        self.specs: list[StateSpec] = self._pair_state()
+        self.has_diagnostics = all(f"tas.{n}" in self._outputs for n in self.layers) and bool(self.layers)
+        self.signature = self._signature()
+
+    # ------------------------------------------------------------------ I/O pairing
+    def _count_kv_layers(self) -> int:
+        return len({m.group(1) for n in self._inputs if (m := _KV_IN.match(n))})
+
+    def _pair_state(self) -> list[StateSpec]:
+        """Pair each `past_*` input with its `present_*` output (metadata first, then the naming rule)."""
+        fast_meta = {d["input"]: d for d in _meta_json(self.meta, "fastcar.state", [])}
+        specs: list[StateSpec] = []
+        for name, arg in self._inputs.items():
+            if not name.startswith("past_"):
+                continue
+            m = _KV_IN.match(name)
+            out = f"present.{m.group(1)}.{m.group(2)}" if m else "present_" + name[len("past_"):]
+            if name in fast_meta:
+                out = fast_meta[name]["output"]
+            if out not in self._outputs:
+                raise FastCarError(f"{self.path.name}: state input {name} has no matching output {out}; "
+                                   "the model cannot carry its state between steps")
+            dtype = _ORT_DTYPES.get(arg.type)
+            if dtype is None:
+                raise FastCarError(f"{self.path.name}: state {name} has unsupported type {arg.type}")
+            if m:  # KV cache: [batch, heads, past, head_dim]; the past axis grows
+                shape = tuple("batch" if i == 0 else "past" if i == 2 else self._fixed(name, d)
+                              for i, d in enumerate(arg.shape))
+                specs.append(StateSpec(name, out, dtype, shape, 0.0, "kv"))
+            else:
+                info = fast_meta.get(name)
+                if info is not None:
+                    shape = tuple("batch" if d == "batch" else int(d) for d in info["shape"])
+                    fill = float(info.get("fill", 0))
+                else:  # state of a model compiled without metadata: batch first, other dims fixed
+                    shape = tuple("batch" if i == 0 else self._fixed(name, d) for i, d in enumerate(arg.shape))
+                    fill = -1.0 if "age" in name else 0.0
+                specs.append(StateSpec(name, out, dtype, shape, fill, "fastcar"))
+        return specs
+
+    def _fixed(self, name: str, d: Any) -> int:
+        if isinstance(d, int):
+            return d
+        raise FastCarError(f"{self.path.name}: state input {name} has a symbolic dimension {d!r} besides "
+                           "batch/past; re-export with fixed head counts")
+
+    def _signature(self) -> str:
+        h = hashlib.sha1()
+        for s in self.specs:
+            h.update(f"{s.input}:{s.dtype}:{s.shape};".encode())
+        h.update(self.meta.get("fastcar.frame_tokens", "").encode())
+        h.update(",".join(map(str, self.layers)).encode())
+        return h.hexdigest()[:16]
+
+    # ------------------------------------------------------------------ state
+    def new_state(self, batch: int, video_start: int = 0) -> DecodeState:
+        """Empty state for `batch` new videos: no KV, caches zero, ages -1 (per the model's `fill`)."""
+        if batch < 1:
+            raise FastCarError(f"batch must be >= 1, got {batch}")
+        arrays = {s.input: s.empty(batch) for s in self.specs}
+        return DecodeState(arrays, batch, 0, int(video_start), self.signature,
+                           np.zeros((batch, 0), dtype=np.int64))
+
+    def state_nbytes(self, batch: int = 1) -> dict[str, int]:
+        """Size of the fixed FastCar state and of the KV cache per token, in bytes, for `batch` rows."""
+        fixed = sum(int(np.prod([batch if d == "batch" else d for d in s.shape])) * s.dtype.itemsize
+                    for s in self.specs if s.kind == "fastcar")
+        kv_tok = sum(int(np.prod([batch if d == "batch" else 1 if d == "past" else d for d in s.shape]))
+                     * s.dtype.itemsize for s in self.specs if s.kind == "kv")
+        return {"fastcar_state": fixed, "kv_per_token": kv_tok}
+
+    def describe_memory(self, batch: int = 1, tokens: int | None = None) -> str:
+        """One line a user reads before a long run: fixed state size and KV growth."""
+        n = self.state_nbytes(batch)
+        s = (f"state: FastCar {n['fastcar_state'] / 2**20:.2f} MiB fixed (batch {batch}), "
+             f"KV cache {n['kv_per_token'] / 2**10:.1f} KiB per token")
+        if tokens:
+            s += f" -> {n['kv_per_token'] * tokens / 2**20:.1f} MiB at {tokens} tokens"
+        return s
+
+    def check_state(self, state: DecodeState) -> None:
+        """Refuse state made by another model or with wrong shapes/dtypes (clear error, not an ORT crash)."""
+        if not isinstance(state, DecodeState):
+            raise FastCarError(f"state must be a DecodeState from FastCarSession.new_state, got {type(state)}")
+        if state.owner != self.signature:
+            raise FastCarError(f"this state was made by another model (signature {state.owner}, this model "
+                               f"{self.signature}); call new_state() on this session")
+        missing = [s.input for s in self.specs if s.input not in state.arrays]
+        if missing:
+            raise FastCarError(f"state lacks {missing}; call new_state() on this session")
+        for s in self.specs:
+            a = state.arrays[s.input]
+            if a.dtype != s.dtype:
+                raise FastCarError(f"state {s.input} has dtype {a.dtype}, model expects {s.dtype}")
+            want = [state.batch if d == "batch" else state.past_len if d == "past" else d for d in s.shape]
+            if list(a.shape) != want:
+                raise FastCarError(f"state {s.input} has shape {list(a.shape)}, model expects {want} "
+                                   f"(batch {state.batch}, past {state.past_len})")
+
+    # ------------------------------------------------------------------ one step
+    def threshold_array(self, threshold: float | Sequence[float] | np.ndarray) -> np.ndarray:
+        """The `fastcar_threshold` input for a user value: scalar, or one value per rewritten layer."""
+        arg = self._inputs.get("fastcar_threshold")
+        if arg is None:
+            raise FastCarError(f"{self.path.name} has no fastcar_threshold input (a dense model has no tau)")
+        t = np.asarray(threshold, dtype=np.float32)
+        if self.per_layer_threshold:
+            n = len(self.layers)
+            if t.ndim == 0:
+                t = np.full([n], t, dtype=np.float32)
+            if t.shape != (n,):
+                raise FastCarError(f"threshold has shape {list(t.shape)}; this model takes one per rewritten "
+                                   f"layer ({n}) or a scalar")
+        elif t.ndim != 0:
+            raise FastCarError("this model takes one scalar threshold (compiled without --per-layer-threshold)")
+        return t
+
+    def step(self, state: DecodeState, input_ids: np.ndarray, *, attention_mask: np.ndarray | None = None,
+             position_ids: np.ndarray | None = None, threshold: float | np.ndarray | None = None,
+             check: bool = True) -> StepOutput:
+        """Run `seq` new tokens for every row and return logits plus the next state.
+
+        `attention_mask` covers only the new tokens ([batch, seq], 1 = real, 0 = left padding); the
+        session keeps the mask of the past. Position ids default to the count of real tokens before each.
+        """
+        if check:
+            self.check_state(state)
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        if ids.ndim != 2 or ids.shape[0] != state.batch:
+            raise FastCarError(f"input_ids must be [batch={state.batch}, seq], got {list(ids.shape)}")
+        b, seq = ids.shape
+        new_mask = np.ones((b, seq), np.int64) if attention_mask is None else \
+            np.asarray(attention_mask, dtype=np.int64)
+        if new_mask.shape != (b, seq):
+            raise FastCarError(f"attention_mask for the new tokens must be [{b}, {seq}], got {list(new_mask.shape)}")
+        mask = np.concatenate([state.attention_mask, new_mask], axis=1)
+        if position_ids is None:
+            position_ids = np.maximum(np.cumsum(mask, axis=1)[:, -seq:] - 1, 0)
+        feeds: dict[str, np.ndarray] = {"input_ids": ids}
+        if "attention_mask" in self._inputs:
+            feeds["attention_mask"] = mask
+        if "position_ids" in self._inputs:
+            feeds["position_ids"] = np.ascontiguousarray(position_ids, dtype=np.int64)
+        if "video_start" in self._inputs:
+            feeds["video_start"] = np.array(state.video_start, dtype=np.int64)
+        if threshold is not None:
+            feeds["fastcar_threshold"] = self.threshold_array(threshold)
+        feeds.update(state.arrays)
+        try:
+            outs = self.session.run(self.output_names, feeds)
+        except Exception as exc:
+            raise FastCarError(f"ONNX Runtime failed on {self.path.name}: {exc}") from exc
+        res = dict(zip(self.output_names, outs, strict=True))
+        arrays = {s.input: res[s.output] for s in self.specs}
+        new_state = DecodeState(arrays, b, state.past_len + seq, state.video_start, state.owner, mask)
+        out = StepOutput(res["logits"], new_state)
+        if self.layers:
+            out.replay = self._replay_of(res, state, seq)
+            if self.has_diagnostics:
+                out.tas = np.stack([res[f"tas.{n}"] for n in self.layers]).astype(np.float32)
+        return out
+
+    def _replay_of(self, res: dict[str, np.ndarray], state: DecodeState, seq: int) -> np.ndarray | None:
+        """Which rows replayed the MLP of each rewritten layer this step ([layers, batch]); None for prefill.
+
+        Read from the age counters so it works without diagnostics outputs: age > 0 at the written slot
+        means the value there was replayed (DESIGN.md).
+        """
+        if seq != 1:
+            return None
+        p = state.past_len
+        if p < state.video_start:
+            return np.zeros((len(self.layers), state.batch), dtype=bool)
+        if all(f"replay_mask.{n}" in res for n in self.layers):
+            return np.stack([res[f"replay_mask.{n}"][:, 0] for n in self.layers]).astype(bool)
+        slot = (p - state.video_start) % int(self.frame_tokens or 1)
+        return np.stack([res[f"present_mlp_age.{n}"][:, slot] > 0 for n in self.layers])
+
+    def __repr__(self) -> str:
+        kind = f"FastCar layers={self.layers} L={self.frame_tokens}" if self.is_fastcar else "dense"
+        return f"FastCarSession({self.path.name}, {kind})"
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_ids: Any, num_frames: int, **kwargs: Any):
+        """Generate `num_frames` frames of video tokens; see `fastcar_compile.runtime.decode.generate`."""
+        from fastcar_compile.runtime.decode import generate
+
+        return generate(self, prompt_ids, num_frames, **kwargs)

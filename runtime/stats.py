@@ -1,0 +1,144 @@
+"""Run statistics returned with the tokens; their JSON is also the replay trace the FPGA simulator reads.
+
+Replay ratio counts replayed MLPs over decode steps x rows x rewritten layers (SPEC.md section 1), so with
+8 frames of 256 tokens its ceiling is 1791/2047: frame 0 can never replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastcar_compile.errors import FastCarError
+
+
+@dataclass
+class RunStats:
+    """What one `generate` call did. `steps` is the DESIGN.md replay trace: one entry per decode step,
+    `pos` = KV index of the fed token, `replay` = [[0/1 per row] per rewritten layer]."""
+
+    model: str
+    fastcar: bool
+    frame_tokens: int
+    layers: list[int]
+    batch: int
+    video_start: int
+    num_frames: int
+    threshold: Any = None
+    cfg_scale: float | None = None
+    frames_done: int = 0
+    interrupted: bool = False
+    prefill_ms: float = 0.0
+    step_ms: list[float] = field(default_factory=list)
+    frame_ms: list[float] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    replay_ratio: float = 0.0
+    replay_per_layer: list[float] = field(default_factory=list)
+    replay_per_frame: list[float] = field(default_factory=list)
+    replay_per_row: list[float] = field(default_factory=list)
+    replay_layer_frame: list[list[float]] = field(default_factory=list)
+    eligible_ratio_ceiling: float = 0.0
+    tas: list[list[list[float]]] | None = None  # [step][layer][row], only when collected
+    state_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    native_ops: bool = False
+
+    # ------------------------------------------------------------------ derived numbers
+    def replay_array(self) -> np.ndarray:
+        """[steps, layers, batch] bool from the trace."""
+        if not self.steps or not self.layers:
+            return np.zeros((len(self.steps), len(self.layers), self.batch), dtype=bool)
+        return np.array([s["replay"] for s in self.steps], dtype=bool).reshape(
+            len(self.steps), len(self.layers), self.batch)
+
+    def finalize(self) -> RunStats:
+        """Recompute every ratio from the trace (called by generate; safe to call again)."""
+        r = self.replay_array()
+        frames = max(self.frames_done, 1)
+        pos = np.array([s["pos"] for s in self.steps], dtype=np.int64)
+        fr = (pos - self.video_start) // max(self.frame_tokens, 1)
+        if r.size:
+            self.replay_ratio = float(r.mean())
+            self.replay_per_layer = [float(x) for x in r.mean(axis=(0, 2))]
+            self.replay_per_row = [float(x) for x in r.mean(axis=(0, 1))]
+        else:
+            self.replay_ratio = 0.0
+            self.replay_per_layer = [0.0] * len(self.layers)
+            self.replay_per_row = [0.0] * self.batch
+        per_frame, lf = [], []
+        for f in range(frames):
+            sel = r[fr == f]
+            per_frame.append(float(sel.mean()) if sel.size else 0.0)
+            lf.append([float(x) for x in sel.mean(axis=(0, 2))] if sel.size else [0.0] * len(self.layers))
+        self.replay_per_frame = per_frame
+        self.replay_layer_frame = [list(col) for col in zip(*lf, strict=True)] if lf and self.layers else []
+        n = len(self.steps)
+        self.eligible_ratio_ceiling = float(((pos - self.frame_tokens) >= self.video_start).sum() / n) if n else 0.0
+        return self
+
+    @property
+    def ms_per_step(self) -> float:
+        return float(np.mean(self.step_ms)) if self.step_ms else 0.0
+
+    def summary(self) -> str:
+        """A few human-readable lines (what docs/runtime.md shows)."""
+        lines = [f"{Path(self.model).name}: {self.frames_done}/{self.num_frames} frames x {self.frame_tokens} "
+                 f"tokens, batch {self.batch}{' (interrupted)' if self.interrupted else ''}",
+                 f"  prefill {self.prefill_ms:.1f} ms, decode {self.ms_per_step:.2f} ms/step, "
+                 f"{np.mean(self.frame_ms) if self.frame_ms else 0:.0f} ms/frame"]
+        if self.fastcar:
+            lines.append(f"  replay {100 * self.replay_ratio:.1f}% (ceiling {100 * self.eligible_ratio_ceiling:.1f}%)"
+                         f" at tau={self.threshold}")
+            lines.append("  per layer: " + " ".join(f"L{n}={100 * v:.0f}%" for n, v in
+                                                    zip(self.layers, self.replay_per_layer, strict=True)))
+            lines.append("  per frame: " + " ".join(f"{100 * v:.0f}%" for v in self.replay_per_frame))
+            lines.append("  per row:   " + " ".join(f"{100 * v:.0f}%" for v in self.replay_per_row))
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write run.json atomically (temp file in the same folder, then rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.to_json())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_json(cls, text: str) -> RunStats:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise FastCarError(f"not a run.json (invalid JSON: {exc})") from exc
+        if not isinstance(d, dict):
+            raise FastCarError("not a run.json: expected a JSON object")
+        missing = [k for k in ("frame_tokens", "layers", "batch", "steps") if k not in d]
+        if missing:
+            raise FastCarError(f"not a run.json from the runtime: missing {missing}")
+        known = set(cls.__dataclass_fields__)
+        d.setdefault("model", "?")
+        d.setdefault("fastcar", bool(d["layers"]))
+        d.setdefault("video_start", 0)
+        d.setdefault("num_frames", 0)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> RunStats:
+        p = Path(path)
+        if not p.is_file():
+            raise FastCarError(f"{p} does not exist; write one with RunStats.save() or generate(..., trace=PATH)")
+        return cls.from_json(p.read_text())
