@@ -59,6 +59,9 @@ class MLPBlock:
     weights: list[tuple[int, ...]]
     hidden: int
     fused_norm: bool  # the norm feeding the branch is fused with the attention residual Add
+    # Shape tensors computed outside the branch (dynamo's shared symbolic sizes) that the branch's
+    # Reshapes read, with their length: row compaction must rebuild them for the compacted row count.
+    external_shapes: dict[ir.Value, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -333,9 +336,14 @@ def _find_mlp(graph: ir.Graph, attn: AttentionBlock, trace: list[str]) -> MLPBlo
     nodes = gu.in_graph_order(graph, nodes_set)
     produced = {o for n in nodes for o in n.outputs}
     memo: dict = {}
+    external_shapes: dict[ir.Value, int] = {}
     for node in nodes:
-        for inp in node.inputs:
+        for pos, inp in enumerate(node.inputs):
             if inp is None or inp is entry or inp in produced or gu.is_static(inp, memo):
+                continue
+            dims = gu.static_dims(inp)
+            if node.op_type == "Reshape" and pos == 1 and dims is not None and len(dims) == 1 and dims[0]:
+                external_shapes[inp] = int(dims[0])
                 continue
             raise MatchFailure("mlp", f"MLP branch reads {inp.name} from outside the branch "
                                f"(produced by {gu.describe(inp.producer())}); cannot isolate it", gu.describe(node))
@@ -357,4 +365,4 @@ def _find_mlp(graph: ir.Graph, attn: AttentionBlock, trace: list[str]) -> MLPBlo
     edims = gu.static_dims(entry)
     hidden = edims[-1] if edims and edims[-1] is not None else weights[0][0]
     trace.append(f"MLP branch: {len(nodes)} nodes, weights {weights}, closed by {gu.describe(closing)}")
-    return MLPBlock(entry, branch_out, residual, closing, nodes, weights, int(hidden), fused)
+    return MLPBlock(entry, branch_out, residual, closing, nodes, weights, int(hidden), fused, external_shapes)
