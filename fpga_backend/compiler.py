@@ -1,0 +1,93 @@
+"""One-call FPGA compile: model -> partition -> schedule -> encode -> .fcb file, with a report."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from . import isa
+from .encode import Program, save
+from .hwspec import BoardConfig, load_board
+from .modelspec import ModelSpec
+from .partition import partition
+from .schedule import emit_program
+
+
+@dataclasses.dataclass
+class FpgaCompileReport:
+    output: str | None
+    board: str
+    hw_hash: str
+    batch: int
+    context: int
+    model: dict[str, Any]
+    bundles: int
+    instructions: dict[str, int]
+    file_bytes: int
+    unsupported: list[str]
+    notes: list[str]
+    tasks_per_layer: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        m = self.model
+        lines = [
+            f"FPGA bundles for board {self.board} (hw hash {self.hw_hash}), batch {self.batch}, context {self.context}",
+            f"  model: {m['layers']} layers, hidden {m['hidden']}, intermediate {m['intermediate']}, heads "
+            f"{m['heads']}/{m['kv_heads']} x {m['head_dim']}, vocab {m['vocab']}",
+            f"  {self.bundles} bundles, {sum(self.instructions.values())} instructions "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.instructions.items())),
+            f"  {self.tasks_per_layer} tasks per layer",
+        ]
+        if self.output:
+            lines.append(f"  wrote {self.output} ({self.file_bytes} bytes)")
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.unsupported:
+            lines.append(f"  UNSUPPORTED ops ({len(self.unsupported)}): " + "; ".join(self.unsupported))
+        return "\n".join(lines)
+
+
+def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfig, batch: int = 1,
+                  context: int | None = None, *, num_heads: int | None = None, strict: bool = True) -> Program:
+    part = partition(model, board, num_heads=num_heads, strict=strict)
+    ctx = context if context is not None else 2 * part.spec.frame_tokens
+    return emit_program(part, batch, ctx)
+
+
+def report_for(program: Program, output: str | Path | None, file_bytes: int) -> FpgaCompileReport:
+    ops = program.bundles["opcode"]
+    counts = Counter(isa.Op(int(o)).name for o in ops.ravel() if o != isa.Op.NOP)
+    layer_tasks = 0
+    return FpgaCompileReport(
+        output=str(output) if output else None, board=program.board.name,
+        hw_hash=f"{program.board.structural_hash():016x}", batch=program.meta["batch"],
+        context=program.meta["context"], model=program.meta["model"], bundles=len(program),
+        instructions=dict(counts), file_bytes=file_bytes, unsupported=program.meta["unsupported"],
+        notes=program.meta["notes"], tasks_per_layer=layer_tasks or _tasks_per_layer(program),
+    )
+
+
+def _tasks_per_layer(program: Program) -> int:
+    lay = program.bundles[:, :-1]["layer"]
+    first = (lay == 0).any(axis=1)
+    return int(first.sum())
+
+
+def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Path | None, board: str = "kv260",
+                       board_file: str | Path | None = None, batch: int = 1, context: int | None = None, *,
+                       num_heads: int | None = None, strict: bool = True) -> FpgaCompileReport:
+    """Compile a fast.onnx (or plain decoder, or ModelSpec) to a `.fcb` bundle file for ``board``.
+
+    ``context`` is the KV length the attention instructions are encoded with (the simulator substitutes the
+    run-time length per step); default 2 x frame_tokens. Raises FastCarError on bad input.
+    """
+    cfg = load_board(board, board_file)
+    program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict)
+    size = save(program, output_path) if output_path is not None else 0
+    return report_for(program, output_path, size)

@@ -1,0 +1,178 @@
+"""The `.fcb` bundle container: encode and decode, symmetric, with every check in ``validate_bundles``.
+
+Layout (little-endian)::
+
+    header  (``HEADER``)  magic "FCAR", version, header bytes, structural hardware hash (u64), cores,
+                          slots per bundle (= cores + 1), instruction bytes, reserved (0), bundles, meta bytes
+    meta    UTF-8 JSON    board figures, model dims, tensor table, batch, context, binding
+    bundles n_bundles x slots x 32-byte instructions (``isa.INSTR_DTYPE``)
+    crc     u32           CRC32 of every byte before it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastcar_compile.errors import FastCarError
+
+from . import isa
+from .hwspec import BoardConfig, board_from_dict
+
+MAGIC = b"FCAR"
+VERSION = 1
+HEADER = struct.Struct("<4sHHQHHHHII")
+CRC = struct.Struct("<I")
+
+
+@dataclasses.dataclass
+class Program:
+    """A bundle stream plus what is needed to run it: the board it was tiled for and the metadata."""
+
+    board: BoardConfig
+    bundles: np.ndarray  # shape (n_bundles, cores + 1), dtype isa.INSTR_DTYPE
+    meta: dict[str, Any]
+
+    @property
+    def cores(self) -> int:
+        return self.bundles.shape[1] - 1
+
+    def __len__(self) -> int:
+        return self.bundles.shape[0]
+
+
+def encode(program: Program) -> bytes:
+    """Serialise a program; raises FastCarError if it holds an invalid instruction."""
+    bundles = np.ascontiguousarray(program.bundles, dtype=isa.INSTR_DTYPE)
+    if bundles.ndim != 2 or bundles.shape[1] != program.board.cores + 1:
+        raise FastCarError(
+            f"bundles must have shape (n, cores + 1 = {program.board.cores + 1}), got {bundles.shape}"
+        )
+    validate_bundles(bundles)
+    meta = dict(program.meta)
+    meta["board"] = program.board.to_dict()
+    meta_bytes = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    head = HEADER.pack(
+        MAGIC, VERSION, HEADER.size, program.board.structural_hash(), program.board.cores,
+        program.board.cores + 1, isa.INSTR_BYTES, 0, bundles.shape[0], len(meta_bytes),
+    )
+    body = head + meta_bytes + bundles.tobytes()
+    return body + CRC.pack(zlib.crc32(body))
+
+
+def decode(data: bytes) -> Program:
+    """Parse and check a `.fcb` image; every defect raises FastCarError naming it."""
+    if len(data) < HEADER.size + CRC.size:
+        raise FastCarError(f"not a FastCar bundle file: {len(data)} bytes is shorter than the header")
+    magic, version, header_bytes, hw_hash, cores, slots, instr_bytes, reserved, n_bundles, meta_len = (
+        HEADER.unpack_from(data, 0)
+    )
+    if magic != MAGIC:
+        raise FastCarError(f"not a FastCar bundle file: magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise FastCarError(f"bundle file version {version} is not supported (this tool reads {VERSION}); recompile")
+    (crc,) = CRC.unpack_from(data, len(data) - CRC.size)
+    if zlib.crc32(data[: -CRC.size]) != crc:
+        raise FastCarError("bundle file is corrupt: CRC32 mismatch (file truncated or modified); recompile it")
+    if header_bytes != HEADER.size or instr_bytes != isa.INSTR_BYTES or reserved != 0:
+        raise FastCarError(
+            f"bundle header is malformed (header {header_bytes} B, instruction {instr_bytes} B, reserved {reserved})"
+        )
+    if slots != cores + 1 or not 1 <= cores <= isa.MAX_ROWS:
+        raise FastCarError(f"bundle header is malformed: {slots} slots for {cores} cores (expected cores + 1)")
+    expected = HEADER.size + meta_len + n_bundles * slots * isa.INSTR_BYTES + CRC.size
+    if expected != len(data):
+        raise FastCarError(f"bundle file size {len(data)} does not match its header (expected {expected})")
+    try:
+        meta = json.loads(data[HEADER.size : HEADER.size + meta_len].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FastCarError(f"bundle metadata is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("board"), dict):
+        raise FastCarError("bundle metadata lacks the board description")
+    board = board_from_dict(meta.pop("board"))
+    if board.structural_hash() != hw_hash or board.cores != cores:
+        raise FastCarError(
+            f"bundle file hardware hash {hw_hash:016x} does not match its board {board.name!r} "
+            f"({board.structural_hash():016x}); the file was edited or mixed from two builds"
+        )
+    start = HEADER.size + meta_len
+    bundles = np.frombuffer(data, dtype=isa.INSTR_DTYPE, count=n_bundles * slots, offset=start)
+    bundles = bundles.reshape(n_bundles, slots).copy()
+    validate_bundles(bundles)
+    return Program(board=board, bundles=bundles, meta=meta)
+
+
+def _where(bundles: np.ndarray, bad: np.ndarray) -> str:
+    b, s = (int(x[0]) for x in np.nonzero(bad))
+    slot = "ctl" if s == bundles.shape[1] - 1 else f"c{s}"
+    rec = bundles[b, s]
+    return f"bundle {b} slot {slot} (opcode {int(rec['opcode'])}, flags {int(rec['flags']):#04x}, sub {int(rec['sub'])})"
+
+
+def validate_bundles(bundles: np.ndarray) -> None:
+    """Reject unknown opcodes, ops in the wrong slot kind, unknown sub-functions and non-zero reserved bits."""
+    if bundles.size == 0:
+        return
+    op = bundles["opcode"]
+    known = np.isin(op, [int(o) for o in isa.Op])
+    if not known.all():
+        raise FastCarError(f"unknown opcode in {_where(bundles, ~known)}")
+    core_ok = np.isin(op[:, :-1], [int(o) for o in isa.CORE_OPS])
+    if not core_ok.all():
+        bad = np.zeros(op.shape, bool)
+        bad[:, :-1] = ~core_ok
+        raise FastCarError(f"control opcode in a core slot: {_where(bundles, bad)}")
+    ctl_ok = np.isin(op[:, -1], [int(o) for o in isa.CONTROL_OPS])
+    if not ctl_ok.all():
+        bad = np.zeros(op.shape, bool)
+        bad[:, -1] = ~ctl_ok
+        raise FastCarError(f"core opcode in the control slot: {_where(bundles, bad)}")
+    bad = (bundles["flags"] & ~np.uint8(isa.FLAG_MASK)) != 0
+    if bad.any():
+        raise FastCarError(f"reserved flag bits set in {_where(bundles, bad)}")
+    bad = bundles["reserved"] != 0
+    if bad.any():
+        raise FastCarError(f"reserved byte set in {_where(bundles, bad)}")
+    sub_ok = np.zeros(op.shape, bool)
+    for code, allowed in isa.VALID_SUB.items():
+        sel = op == code
+        sub_ok[sel] = np.isin(bundles["sub"][sel], list(allowed))
+    if not sub_ok.all():
+        raise FastCarError(f"unknown sub-function for its opcode in {_where(bundles, ~sub_ok)}")
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write bytes to ``path`` via a temp file in the same folder and os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(program: Program, path: str | Path) -> int:
+    data = encode(program)
+    write_atomic(path, data)
+    return len(data)
+
+
+def load(path: str | Path) -> Program:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FastCarError(f"bundle file {path} not found") from None
+    return decode(data)

@@ -1,0 +1,226 @@
+"""Board descriptions for the FastCar FPGA accelerator model (one place for every hardware figure).
+
+A board is a frozen :class:`BoardConfig`. Presets follow SPEC.md section 2; where the paper gives no number
+(core count, array shape, clock, latencies, energy) the figure is our assumption and is named in
+``ASSUMPTIONS``. Every field can be overridden from a JSON file (``load_board``).
+
+Two hashes: ``config_hash`` covers every field; ``structural_hash`` covers only the fields the encoded program
+depends on (cores, array, buffers, dtype). Bundle files carry the structural hash, so a program can be
+re-simulated with other timing/energy figures (clock, bandwidth, efficiency, latency) but never on a board
+whose cores or buffers differ from the one it was tiled for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from fastcar_compile.errors import FastCarError
+
+KIB = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class BoardConfig:
+    """Hardware figures of one board; units are in the field names."""
+
+    name: str
+    cores: int  # matrix cores (one bundle slot each)
+    array_rows: int  # MAC array per core: reduction lanes
+    array_cols: int  # MAC array per core: output lanes
+    clock_mhz: float
+    dram_gbps: float  # peak DRAM/HBM bandwidth, GB/s (1e9 bytes)
+    dram_efficiency: float  # achieved / peak for long bursts (0.6-0.9)
+    weight_buffer_kib: int  # per core; half of it is one weight tile (double buffering)
+    act_buffer_kib: int  # per core
+    kv_buffer_kib: int  # per core
+    sram_bytes_per_cycle: int  # per core on-chip buffer bandwidth (array reads rows*cols weights a cycle)
+    vector_lanes: int  # per core vector unit (norm, add, act), elements per cycle
+    sfu_lanes: int  # per core special-function unit (exp in softmax, silu), elements per cycle
+    issue_latency: int  # fixed cycles per bundle (issue + DMA setup), SPEC: ~100-150
+    drs_overhead: int  # cycles for one DRS remap (Index -> Mapping Registers -> dispatch)
+    dtype_bytes: int  # weights, activations, KV
+    pj_per_mac: float
+    pj_per_dram_byte: float
+    pj_per_sram_byte: float
+    static_watts: float
+    double_buffering: bool = True
+
+    # ---- derived figures -------------------------------------------------------------------------
+    @property
+    def macs_per_cycle_core(self) -> int:
+        return self.array_rows * self.array_cols
+
+    @property
+    def macs_per_cycle(self) -> int:
+        return self.cores * self.macs_per_cycle_core
+
+    @property
+    def dram_bytes_per_cycle(self) -> float:
+        """Effective DRAM bytes per accelerator clock."""
+        return self.dram_gbps * 1e9 * self.dram_efficiency / (self.clock_mhz * 1e6)
+
+    @property
+    def weight_tile_bytes(self) -> int:
+        return self.weight_buffer_kib * KIB // (2 if self.double_buffering else 1)
+
+    @property
+    def kv_tile_bytes(self) -> int:
+        return self.kv_buffer_kib * KIB // (2 if self.double_buffering else 1)
+
+    # ---- hashing -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> int:
+        """64-bit hash of every field (stable across runs and Python versions)."""
+        return _hash64(self.to_dict())
+
+    def structural_hash(self) -> int:
+        """64-bit hash of the fields an encoded program depends on."""
+        return _hash64({k: getattr(self, k) for k in STRUCTURAL_FIELDS})
+
+    def replace(self, **changes: Any) -> BoardConfig:
+        return _validated(dataclasses.replace(self, **changes))
+
+
+STRUCTURAL_FIELDS = (
+    "cores",
+    "array_rows",
+    "array_cols",
+    "weight_buffer_kib",
+    "act_buffer_kib",
+    "kv_buffer_kib",
+    "dtype_bytes",
+    "double_buffering",
+)
+
+
+def _hash64(obj: dict[str, Any]) -> int:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+# Stated assumptions behind the presets (printed by reports next to energy figures).
+ASSUMPTIONS = {
+    "mac": "one 16-bit MAC per DSP slice per cycle; arrays use ~80-95% of the DSPs",
+    "energy_mac": "~1 pJ per 16-bit MAC in a 16 nm UltraScale+ DSP48E2 (incl. local routing)",
+    "energy_dram": "DDR4 ~20 pJ/bit (160 pJ/B incl. PHY); HBM2 ~7 pJ/bit (56 pJ/B)",
+    "energy_sram": "BRAM/URAM ~0.6 pJ/B per access",
+    "static_power": "board static power (FPGA + memory idle): KV260 ~2.5 W, ZCU102 ~4 W, U280 ~25 W",
+    "clock": "KV260/ZCU102 300 MHz, U280 250 MHz (SPEC: ~225-300 MHz)",
+    "drs": "DRS remap cost: SPEC 'hundreds to thousands of cycles'",
+}
+
+PRESETS: dict[str, BoardConfig] = {
+    # K26 SOM: 1,248 DSP, 144 BRAM36 (648 KiB) + 64 URAM (2,304 KiB), DDR4 19.2 GB/s.
+    "kv260": BoardConfig(
+        name="kv260", cores=4, array_rows=16, array_cols=16, clock_mhz=300.0, dram_gbps=19.2,
+        dram_efficiency=0.75, weight_buffer_kib=384, act_buffer_kib=64, kv_buffer_kib=128,
+        sram_bytes_per_cycle=1024, vector_lanes=16, sfu_lanes=4, issue_latency=120, drs_overhead=600,
+        dtype_bytes=2, pj_per_mac=1.0, pj_per_dram_byte=160.0, pj_per_sram_byte=0.6, static_watts=2.5,
+    ),
+    # ZU9EG: 2,520 DSP, 912 BRAM36 (4,104 KiB), no URAM, DDR4 ~19 GB/s.
+    "zcu102": BoardConfig(
+        name="zcu102", cores=8, array_rows=16, array_cols=16, clock_mhz=300.0, dram_gbps=19.2,
+        dram_efficiency=0.75, weight_buffer_kib=256, act_buffer_kib=64, kv_buffer_kib=128,
+        sram_bytes_per_cycle=1024, vector_lanes=16, sfu_lanes=4, issue_latency=120, drs_overhead=600,
+        dtype_bytes=2, pj_per_mac=1.0, pj_per_dram_byte=160.0, pj_per_sram_byte=0.6, static_watts=4.0,
+    ),
+    # Alveo U280: ~8,500 usable DSP, 960 URAM (33.75 MiB) + 2,016 BRAM36, HBM2 460 GB/s (32 x 14.375).
+    "u280": BoardConfig(
+        name="u280", cores=8, array_rows=32, array_cols=32, clock_mhz=250.0, dram_gbps=460.0,
+        dram_efficiency=0.8, weight_buffer_kib=2048, act_buffer_kib=256, kv_buffer_kib=1024,
+        sram_bytes_per_cycle=4096, vector_lanes=64, sfu_lanes=16, issue_latency=150, drs_overhead=1000,
+        dtype_bytes=2, pj_per_mac=1.0, pj_per_dram_byte=56.0, pj_per_sram_byte=0.6, static_watts=25.0,
+    ),
+}
+
+
+def _validated(cfg: BoardConfig) -> BoardConfig:
+    problems = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name in ("name", "double_buffering"):
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            problems.append(f"{f.name}={v!r} must be a positive number")
+    if not problems:
+        if cfg.cores > 32:
+            problems.append("cores must be <= 32 (Mapping Registers address at most 32 rows)")
+        if not 0 < cfg.dram_efficiency <= 1:
+            problems.append("dram_efficiency must be in (0, 1]")
+        for f in ("cores", "array_rows", "array_cols", "weight_buffer_kib", "dtype_bytes", "issue_latency"):
+            if int(getattr(cfg, f)) != getattr(cfg, f):
+                problems.append(f"{f} must be an integer")
+        if cfg.weight_tile_bytes < cfg.array_rows * cfg.array_cols * cfg.dtype_bytes:
+            problems.append("weight_buffer_kib too small to hold one array-sized tile")
+    if problems:
+        raise FastCarError(f"board {cfg.name!r}: " + "; ".join(problems))
+    return cfg
+
+
+def load_board(board: str | BoardConfig = "kv260", board_file: str | Path | None = None) -> BoardConfig:
+    """A preset by name, optionally with fields overridden from a JSON file.
+
+    The JSON file is an object of BoardConfig fields; it may name a preset in ``"base"`` (default: ``board``).
+    """
+    if isinstance(board, BoardConfig):
+        cfg = board
+    else:
+        key = str(board).lower()
+        if key not in PRESETS and board_file is None:
+            raise FastCarError(f"unknown board {board!r}; choose one of {sorted(PRESETS)} or pass --board-file")
+        cfg = PRESETS.get(key, PRESETS["kv260"])
+    if board_file is None:
+        return _validated(cfg)
+    path = Path(board_file)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FastCarError(f"board file {path} not found") from None
+    except json.JSONDecodeError as exc:
+        raise FastCarError(f"board file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise FastCarError(f"board file {path} must hold a JSON object of board fields")
+    base = data.pop("base", None)
+    if base is not None:
+        if base not in PRESETS:
+            raise FastCarError(f"board file {path}: unknown base {base!r}; choose one of {sorted(PRESETS)}")
+        cfg = PRESETS[base]
+    names = {f.name: f for f in dataclasses.fields(BoardConfig)}
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise FastCarError(f"board file {path}: unknown fields {unknown}; known: {sorted(names)}")
+    changes: dict[str, Any] = {}
+    for key, value in data.items():
+        current = getattr(cfg, key)
+        if isinstance(current, bool):
+            if not isinstance(value, bool):
+                raise FastCarError(f"board file {path}: {key} must be true/false")
+        elif isinstance(current, int) and not isinstance(current, bool):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise FastCarError(f"board file {path}: {key} must be an integer")
+        elif isinstance(current, float):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise FastCarError(f"board file {path}: {key} must be a number")
+            value = float(value)
+        elif not isinstance(value, str):
+            raise FastCarError(f"board file {path}: {key} must be a string")
+        changes[key] = value
+    if "name" not in changes:
+        changes["name"] = f"{cfg.name}+{path.stem}"
+    return cfg.replace(**changes)
+
+
+def board_from_dict(data: dict[str, Any]) -> BoardConfig:
+    """Rebuild a board stored in a bundle file's metadata."""
+    names = {f.name for f in dataclasses.fields(BoardConfig)}
+    try:
+        return _validated(BoardConfig(**{k: v for k, v in data.items() if k in names}))
+    except TypeError as exc:
+        raise FastCarError(f"bundle file holds an incomplete board description: {exc}") from None

@@ -1,0 +1,174 @@
+"""The FastCar accelerator ISA: every opcode, field, flag and constant is defined here once.
+
+Instruction: 32 bytes, little-endian, fixed width (``INSTR_DTYPE`` is the layout; encoder, decoder, assembler,
+disassembler and simulator all read it from here).
+
+======  =======  ==========================================================================================
+offset  type     field
+======  =======  ==========================================================================================
+0       u8       opcode (``Op``)
+1       u8       flags (``Flag``; bits 3-7 reserved, must be 0)
+2       u8       sub: memory space (``Space``) for LOAD/STORE/GEMM/XCHG, function (``Vec``) for VEC
+3       u8       dst: activation buffer written
+4       u8       src: activation buffer read
+5       u8       reserved, must be 0
+6       u16      layer (``NO_LAYER`` outside the decoder layers: final norm, LM head)
+8       u16      tensor: weight id (GEMM/RMSNORM), second source buffer (ADD, SILU_MUL)
+10      u16      n: columns per row (query heads per KV head for attention, heads for ROPE/SOFTMAX, else 1)
+12      u32      m: output extent (GEMM rows of W^T / context for attention; elements for VEC/LOAD/STORE)
+16      u32      k: reduction extent (GEMM), frame tokens L (TAS)
+20      u32      off_m: offset of the tile along m; TAS: threshold tau as float32 bits
+24      u32      off_k: offset of the tile along k (> 0 accumulates); TAS: video_start
+28      u32      arg: row mask (bit r = batch row r) for core slots; Index Register value for DRS_SET
+======  =======  ==========================================================================================
+
+A bundle is ``cores`` core slots followed by one control slot. Core slots hold LOAD/STORE/GEMM/VEC/TAS/XCHG;
+the control slot holds DRS_SET/DRS_DISPATCH/BARRIER/FINISH. NOP fills empty slots.
+
+Replay: an instruction flagged ``SKIP_ON_REPLAY`` belongs to a row's replayable MLP. At run time the
+dispatcher drops replayed rows from its row mask (static scheduler) or re-targets the compute rows to cores
+through the Mapping Registers (DRS); an instruction whose mask becomes empty is dropped. ``XCHG`` on the
+replay cache reads the cached MLP output for replayed rows and writes the fresh one for computed rows, so
+its traffic is the same for every mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+MAX_ROWS = 32  # Index Register width: one bit per batch row
+INSTR_BYTES = 32
+NO_LAYER = 0xFFFF
+ALL_ROWS = 0xFFFFFFFF
+
+INSTR_DTYPE = np.dtype(
+    [
+        ("opcode", "<u1"),
+        ("flags", "<u1"),
+        ("sub", "<u1"),
+        ("dst", "<u1"),
+        ("src", "<u1"),
+        ("reserved", "<u1"),
+        ("layer", "<u2"),
+        ("tensor", "<u2"),
+        ("n", "<u2"),
+        ("m", "<u4"),
+        ("k", "<u4"),
+        ("off_m", "<u4"),
+        ("off_k", "<u4"),
+        ("arg", "<u4"),
+    ]
+)
+assert INSTR_DTYPE.itemsize == INSTR_BYTES
+
+FIELDS: tuple[str, ...] = tuple(INSTR_DTYPE.names or ())
+# Fields an assembler line may set (reserved is never written by the tools).
+TEXT_FIELDS: tuple[str, ...] = tuple(f for f in FIELDS if f not in ("opcode", "flags", "sub", "reserved"))
+
+
+class Op(enum.IntEnum):
+    NOP = 0
+    LOAD = 1  # DRAM -> SRAM, m elements per row of the mask (space in sub)
+    STORE = 2  # SRAM -> DRAM, m elements per row (KV append, activations)
+    GEMM = 3  # dst[r, off_m:+m] (+)= src[r, off_k:+k] @ W[off_k:+k, off_m:+m]; W streamed (WEIGHT) or KV
+    VEC = 4  # vector / special-function op (function in sub)
+    TAS = 5  # temporal attention score + threshold compare -> Index Register bit per row
+    XCHG = 6  # replay cache exchange (see module doc)
+    DRS_SET = 7  # control: latch the Index Register (arg; FROM_TAS = take it from the TAS unit)
+    DRS_DISPATCH = 8  # control: remap compute rows to cores via Mapping Registers for the replayable region
+    BARRIER = 9  # control: all cores finish before the next bundle issues
+    FINISH = 10  # control: end of program
+
+
+CORE_OPS = frozenset({Op.NOP, Op.LOAD, Op.STORE, Op.GEMM, Op.VEC, Op.TAS, Op.XCHG})
+CONTROL_OPS = frozenset({Op.NOP, Op.DRS_SET, Op.DRS_DISPATCH, Op.BARRIER, Op.FINISH})
+
+
+class Space(enum.IntEnum):
+    WEIGHT = 0
+    ACT = 1
+    KV_K = 2
+    KV_V = 3
+    REPLAY = 4
+
+
+class Vec(enum.IntEnum):
+    RMSNORM = 0  # dst = src / rms(src) * W[tensor]
+    ROPE = 1  # rotary embedding at the current position, n heads of m / n
+    SOFTMAX = 2  # over the context, n heads (SFU)
+    SILU_MUL = 3  # dst = silu(src) * buf[tensor] (SFU)
+    ADD = 4  # dst = src + buf[tensor]
+
+
+class Flag(enum.IntFlag):
+    SKIP_ON_REPLAY = 1  # part of the replayable MLP: dropped for replayed rows
+    CTX = 2  # m is the run-time context length (attention); the encoded m is the compile-time one
+    FROM_TAS = 4  # DRS_SET: Index Register comes from the TAS unit at run time
+
+
+FLAG_MASK = int(Flag.SKIP_ON_REPLAY | Flag.CTX | Flag.FROM_TAS)
+
+# Which `sub` values are legal per opcode (others must have sub == 0).
+SUB_ENUM: dict[Op, type[enum.IntEnum]] = {
+    Op.LOAD: Space,
+    Op.STORE: Space,
+    Op.GEMM: Space,
+    Op.XCHG: Space,
+    Op.VEC: Vec,
+}
+VALID_SUB: dict[int, frozenset[int]] = {
+    int(op): frozenset(int(v) for v in SUB_ENUM[op]) if op in SUB_ENUM else frozenset({0}) for op in Op
+}
+
+# Activation buffer ids used by the compiler (the functional simulator keys its buffers by these).
+BUF_NAMES = (
+    "x", "xn", "q", "k", "v", "scores", "attn", "o", "gate", "up", "h", "mlp", "merged", "logits",
+)
+BUF = {name: i for i, name in enumerate(BUF_NAMES)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    """One instruction in Python form (the bulk path works on ``INSTR_DTYPE`` arrays instead)."""
+
+    opcode: int = Op.NOP
+    flags: int = 0
+    sub: int = 0
+    dst: int = 0
+    src: int = 0
+    reserved: int = 0
+    layer: int = 0
+    tensor: int = 0
+    n: int = 0
+    m: int = 0
+    k: int = 0
+    off_m: int = 0
+    off_k: int = 0
+    arg: int = 0
+
+    def to_record(self) -> np.ndarray:
+        rec = np.zeros((), dtype=INSTR_DTYPE)
+        for f in FIELDS:
+            rec[f] = getattr(self, f)
+        return rec
+
+    @classmethod
+    def from_record(cls, rec: np.void | np.ndarray) -> Instr:
+        return cls(**{f: int(rec[f]) for f in FIELDS})
+
+
+def field_limits() -> dict[str, int]:
+    """Largest value each field can hold."""
+    return {f: int(np.iinfo(INSTR_DTYPE[f]).max) for f in FIELDS}
+
+
+def popcount32(a: np.ndarray) -> np.ndarray:
+    """Number of set bits of each uint32 (row counts of row masks)."""
+    a = a.astype(np.uint32)
+    a = a - ((a >> 1) & 0x55555555)
+    a = (a & 0x33333333) + ((a >> 2) & 0x33333333)
+    a = (a + (a >> 4)) & 0x0F0F0F0F
+    return ((a * 0x01010101) & 0xFFFFFFFF) >> 24

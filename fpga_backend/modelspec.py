@@ -1,0 +1,250 @@
+"""Model dimensions the FPGA backend needs, from a dataclass or read off an ONNX decoder without its weights.
+
+A compiled fast.onnx carries them in ``fastcar.*`` metadata (docs/DESIGN.md); a plain exported decoder only
+has initializer shapes, from which hidden, intermediate, vocab, layers and the q/kv widths follow (MatMul
+weights are ``[in, out]`` after the exporter folds transposes). Head counts are not visible in shapes: they
+come from the metadata, from 4-D Reshape targets ``[.., .., heads, head_dim]``, or from the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import onnx
+from onnx import numpy_helper
+
+from fastcar_compile.errors import FastCarError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A LLaMA-style decoder: pre-norm, attention with KV cache, SwiGLU MLP, residual adds."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int = 2
+    frame_tokens: int = 256
+    replay_layers: tuple[int, ...] | None = None  # None: every layer; () : dense model
+    threshold: float = -4.0
+    video_start: int = 0
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes",
+                  "frame_tokens"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise FastCarError(f"model spec: {f}={v!r} must be a positive integer")
+        if self.heads % self.kv_heads:
+            raise FastCarError(f"model spec: heads {self.heads} not a multiple of kv_heads {self.kv_heads}")
+        if self.head_dim % 2:
+            raise FastCarError(f"model spec: head_dim {self.head_dim} must be even (RoPE pairs)")
+        if self.replay_layers is not None:
+            bad = [i for i in self.replay_layers if not 0 <= i < self.layers]
+            if bad:
+                raise FastCarError(f"model spec: replay layers {bad} outside 0..{self.layers - 1}")
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def replayable(self) -> frozenset[int]:
+        return frozenset(range(self.layers) if self.replay_layers is None else self.replay_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["replay_layers"] = None if self.replay_layers is None else list(self.replay_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        d = dict(d)
+        if d.get("replay_layers") is not None:
+            d["replay_layers"] = tuple(d["replay_layers"])
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    # Per-layer analytic totals (one decode step, one row), used by tests and reports.
+    def layer_weight_elems(self) -> dict[str, int]:
+        h, i = self.hidden, self.intermediate
+        return {"q": h * self.q_dim, "k": h * self.kv_dim, "v": h * self.kv_dim, "o": self.q_dim * h,
+                "gate": h * i, "up": h * i, "down": i * h}
+
+
+# Reference decoder sizes.
+LLAMA2_7B = ModelSpec(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, head_dim=128,
+                      vocab=32000, dtype_bytes=2, frame_tokens=256)
+TINY = ModelSpec(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=128,
+                 dtype_bytes=2, frame_tokens=4)
+
+
+def _meta(model: onnx.ModelProto) -> dict[str, str]:
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def _node_tags(node: onnx.NodeProto) -> dict[str, str]:
+    return {p.key: p.value for p in node.metadata_props}
+
+
+def iter_nodes(graph: onnx.GraphProto):
+    """Every node of a graph, including nodes of If/Loop subgraphs (the MLP sits inside an If)."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from iter_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from iter_nodes(g)
+
+
+def _initializers(graph: onnx.GraphProto, out: dict[str, onnx.TensorProto]) -> dict[str, onnx.TensorProto]:
+    for t in graph.initializer:
+        out[t.name] = t
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _initializers(attr.g, out)
+    return out
+
+
+def load_onnx_shapes_only(path: str | Path) -> onnx.ModelProto:
+    """The graph without external weight data (shapes are in the TensorProto dims)."""
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except FileNotFoundError:
+        raise FastCarError(f"model {path} not found") from None
+    except Exception as exc:  # onnx raises DecodeError and friends
+        raise FastCarError(f"cannot read ONNX model {path}: {exc}") from None
+
+
+def matmul_weights(model: onnx.ModelProto) -> list[dict[str, Any]]:
+    """MatMul/Gemm nodes whose second input is a 2-D initializer: name, shape [in, out], layer/part tags."""
+    inits = _initializers(model.graph, {})
+    out = []
+    for node in iter_nodes(model.graph):
+        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
+            continue
+        t = inits.get(node.input[1])
+        if t is None or len(t.dims) != 2:
+            continue
+        shape = [int(t.dims[0]), int(t.dims[1])]
+        if node.op_type == "Gemm":
+            trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            if trans_b:
+                shape = shape[::-1]
+        tags = _node_tags(node)
+        out.append({"name": t.name, "node": node.name, "shape": shape,
+                    "layer": int(tags["fastcar.layer"]) if "fastcar.layer" in tags else None,
+                    "part": tags.get("fastcar.part")})
+    return out
+
+
+def _reshape_heads(model: onnx.ModelProto, q_dim: int, kv_dim: int) -> tuple[int, int, int] | None:
+    """(heads, kv_heads, head_dim) from 4-D Reshape targets [.., .., H, D] with H*D == q_dim / kv_dim."""
+    consts: dict[str, list[int]] = {}
+    for t in _initializers(model.graph, {}).values():
+        if t.data_type == onnx.TensorProto.INT64 and len(t.dims) == 1 and t.dims[0] == 4:
+            consts[t.name] = [int(x) for x in numpy_helper.to_array(t)]
+    for node in iter_nodes(model.graph):
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value" and a.t.data_type == onnx.TensorProto.INT64 and list(a.t.dims) == [4]:
+                    consts[node.output[0]] = [int(x) for x in numpy_helper.to_array(a.t)]
+    cand_q, cand_kv = Counter(), Counter()
+    for node in iter_nodes(model.graph):
+        if node.op_type == "Reshape" and len(node.input) > 1 and node.input[1] in consts:
+            shp = consts[node.input[1]]
+            h, d = shp[2], shp[3]
+            if h > 0 and d > 0:
+                if h * d == q_dim:
+                    cand_q[(h, d)] += 1
+                if h * d == kv_dim:
+                    cand_kv[(h, d)] += 1
+    for (h, d), _ in cand_q.most_common():
+        if any(dd == d for (_, dd) in cand_kv):
+            return h, kv_dim // d, d
+    return None
+
+
+def spec_from_onnx(path: str | Path, *, num_heads: int | None = None, num_kv_heads: int | None = None,
+                   dtype_bytes: int = 2, frame_tokens: int | None = None) -> tuple[ModelSpec, list[str]]:
+    """Read model dims from a fast.onnx (metadata) or a plain decoder (shapes). Returns (spec, notes)."""
+    model = load_onnx_shapes_only(path)
+    return spec_from_model(model, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype_bytes=dtype_bytes,
+                           frame_tokens=frame_tokens)
+
+
+def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num_kv_heads: int | None = None,
+                    dtype_bytes: int = 2, frame_tokens: int | None = None) -> tuple[ModelSpec, list[str]]:
+    notes: list[str] = []
+    meta = _meta(model)
+    weights = matmul_weights(model)
+    if not weights:
+        raise FastCarError("no MatMul weights found: is this an exported decoder (MatMul with initializer weights)?")
+    shapes = Counter(tuple(w["shape"]) for w in weights)
+    in_dims = Counter()
+    for (i, _), c in shapes.items():
+        in_dims[i] += c
+    hidden = int(meta["fastcar.hidden_size"]) if "fastcar.hidden_size" in meta else in_dims.most_common(1)[0][0]
+    downs = [(i, c) for (i, o), c in shapes.items() if o == hidden and i != hidden]
+    if not downs:
+        raise FastCarError(f"cannot find the MLP down projection ([intermediate, {hidden}]) among MatMul weights")
+    intermediate, layers_found = max(downs, key=lambda ic: (ic[1], ic[0]))
+    layers = int(meta.get("fastcar.num_layers", layers_found))
+    outs_h = Counter({o: c for (i, o), c in shapes.items() if i == hidden and o != intermediate})
+    vocab_cands = [o for o, c in outs_h.items() if c == 1 and o != hidden]
+    # q/k/v widths: columns of [hidden, X] weights appearing once per layer (q) or twice (k, v), or 3x (MHA).
+    per_layer = {o: c // layers for o, c in outs_h.items() if c >= layers}
+    q_dim = next((o for o, c in per_layer.items() if c in (1, 3)), hidden)
+    kv_dim = next((o for o, c in per_layer.items() if c == 2), q_dim)
+    if "fastcar.num_heads" in meta:
+        heads = int(meta["fastcar.num_heads"])
+        kv_heads = int(meta.get("fastcar.num_kv_heads", heads))
+        head_dim = int(meta.get("fastcar.head_dim", hidden // heads))
+    elif num_heads:
+        heads = num_heads
+        head_dim = q_dim // heads
+        kv_heads = num_kv_heads or kv_dim // head_dim
+    else:
+        found = _reshape_heads(model, q_dim, kv_dim)
+        if found is None:
+            raise FastCarError("cannot tell the number of attention heads from this graph; pass num_heads")
+        heads, kv_heads, head_dim = found
+        notes.append(f"heads {heads}, kv heads {kv_heads}, head_dim {head_dim} read from Reshape targets")
+    emb = [tuple(t.dims) for t in model.graph.initializer if len(t.dims) == 2 and t.dims[1] == hidden]
+    vocab = max(vocab_cands) if vocab_cands else max((d[0] for d in emb), default=0)
+    if not vocab:
+        raise FastCarError("cannot find the vocabulary size (no LM head [hidden, vocab] or embedding weight)")
+    ft = frame_tokens or int(meta.get("fastcar.frame_tokens", 0)) or 256
+    if "fastcar.layers" in meta:
+        replay_layers: tuple[int, ...] | None = tuple(int(x) for x in json.loads(meta["fastcar.layers"]))
+    else:
+        replay_layers = None
+        notes.append("plain decoder (no fastcar.* metadata): every layer's MLP treated as replayable")
+    thr = meta.get("fastcar.threshold")
+    threshold = -4.0
+    if thr is not None:
+        val = json.loads(thr)
+        threshold = float(val[0] if isinstance(val, list) else val)
+        if isinstance(val, list):
+            notes.append("per-layer thresholds: the TAS unit uses the first one (one tau register)")
+    spec = ModelSpec(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
+                     head_dim=head_dim, vocab=vocab, dtype_bytes=dtype_bytes, frame_tokens=ft,
+                     replay_layers=replay_layers, threshold=threshold)
+    return spec, notes

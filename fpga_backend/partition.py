@@ -1,0 +1,275 @@
+"""Partitioner: model -> per-layer task graphs (networkx), each task on a unit and tiled to the board.
+
+Units: ``matrix`` (the MAC array of a core: projections, attention QK/PV, LM head), ``vector`` (norms,
+residual adds, RoPE, TAS), ``sfu`` (softmax, SiLU), ``dma`` (KV append, replay cache exchange, embedding).
+Weight GEMMs are tiled so one tile fills half of a core's weight buffer (the other half is the double
+buffer), rounded to whole array passes; attention is one macro-task per row whose extent is the run-time
+context (KV streamed through the KV buffer).
+
+Input: a :class:`ModelSpec`, or an ONNX decoder (compiled fast.onnx or plain export) read without its weights.
+ONNX ops the accelerator cannot run are reported by name in ``Partition.unsupported``, never dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import onnx
+
+from fastcar_compile.errors import FastCarError
+
+from . import isa
+from .hwspec import BoardConfig
+from .modelspec import ModelSpec, iter_nodes, load_onnx_shapes_only, matmul_weights, spec_from_model
+
+B = isa.BUF
+
+# ONNX ops that map onto the accelerator's units (compute) or vanish into DMA address generation (layout).
+COMPUTE_OPS = frozenset({
+    "MatMul", "Gemm", "Softmax", "Add", "Sub", "Mul", "Div", "Sqrt", "Reciprocal", "Pow", "ReduceMean", "Neg",
+    "Sigmoid", "Silu", "Exp", "Max", "Min", "Gather", "Cos", "Sin", "RMSNormalization", "SimplifiedLayerNormalization",
+    "SkipSimplifiedLayerNormalization", "Attention", "MultiHeadAttention", "GroupQueryAttention",
+    "RotaryEmbedding", "ReduceSum", "Erf", "Tanh",
+    # ai.fastcar ops (docs/DESIGN.md): TAS + gate on the vector unit, cache ops on the DMA engine.
+    "TemporalGate", "MLPCacheRead", "MLPCacheUpdate",
+})
+LAYOUT_OPS = frozenset({
+    "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Concat", "Slice", "Expand", "Shape", "Cast", "CastLike",
+    "Constant", "ConstantOfShape", "Range", "Identity", "Split", "Where", "Equal", "Less", "LessOrEqual",
+    "Greater", "GreaterOrEqual", "And", "Or", "Not", "If", "ScatterND", "ScatterElements", "NonZero",
+    "Compress", "GatherND", "GatherElements", "Trilu", "Size", "Mod", "Floor", "Tile", "ReduceMax", "ReduceMin",
+    "ArgMax", "IsNaN", "Abs", "Sign",
+})
+
+
+@dataclasses.dataclass
+class Task:
+    """One node of a layer's task graph; fields mirror the instruction it becomes."""
+
+    name: str
+    unit: str
+    op: isa.Op
+    sub: int = 0
+    dst: int = 0
+    src: int = 0
+    src2: int = 0  # second source buffer (ADD, SILU_MUL), encoded in the tensor field
+    weight: int | None = None  # tensor id (GEMM WEIGHT, RMSNORM)
+    m: int = 0
+    k: int = 0
+    n: int = 1
+    flags: int = 0
+    off_m: int = 0
+    off_k: int = 0
+    tiles: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)  # (off_m, m, off_k, k)
+
+    @property
+    def replayable(self) -> bool:
+        return bool(self.flags & isa.Flag.SKIP_ON_REPLAY)
+
+
+@dataclasses.dataclass
+class Partition:
+    spec: ModelSpec
+    board: BoardConfig
+    graphs: list[nx.DiGraph]  # one per decoder layer, then the head ("layer" NO_LAYER)
+    tensors: list[dict[str, Any]]  # id -> {name, layer, shape, source}
+    unsupported: list[str]
+    notes: list[str]
+    op_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def tasks(self, g: nx.DiGraph) -> list[Task]:
+        return [g.nodes[n]["task"] for n in g.graph["order"]]
+
+
+def _round_down(x: int, step: int) -> int:
+    return max(step, (x // step) * step)
+
+
+def tile_gemm(m_total: int, k_total: int, board: BoardConfig) -> list[tuple[int, int, int, int]]:
+    """Split a [k_total, m_total] weight into tiles that fit half a weight buffer, in whole array passes."""
+    tile_elems = board.weight_tile_bytes // board.dtype_bytes
+    k = min(k_total, _round_down(tile_elems // board.array_cols, board.array_rows))
+    m = min(m_total, _round_down(tile_elems // k, board.array_cols))
+    tiles = []
+    for om in range(0, m_total, m):
+        for ok in range(0, k_total, k):
+            tiles.append((om, min(m, m_total - om), ok, min(k, k_total - ok)))
+    return tiles
+
+
+def _tas_bits(tau: float) -> int:
+    return int(np.array([tau], np.float32).view(np.uint32)[0])
+
+
+def _layer_tasks(spec: ModelSpec, layer: int, wid: dict[str, int], board: BoardConfig) -> list[Task]:
+    h, i, qd, kvd = spec.hidden, spec.intermediate, spec.q_dim, spec.kv_dim
+    group = spec.heads // spec.kv_heads
+    W, KVK, KVV = isa.Space.WEIGHT, isa.Space.KV_K, isa.Space.KV_V
+    replay = layer in spec.replayable
+    skip = int(isa.Flag.SKIP_ON_REPLAY) if replay else 0
+    ctx = int(isa.Flag.CTX)
+
+    def gemm(name: str, dst: int, src: int, m: int, k: int, flags: int = 0) -> Task:
+        return Task(name, "matrix", isa.Op.GEMM, W, dst, src, weight=wid[name], m=m, k=k, flags=flags,
+                    tiles=tile_gemm(m, k, board))
+
+    tasks = [
+        Task("attn_norm", "vector", isa.Op.VEC, isa.Vec.RMSNORM, B["xn"], B["x"], weight=wid["attn_norm"], m=h),
+        gemm("q_proj", B["q"], B["xn"], qd, h),
+        gemm("k_proj", B["k"], B["xn"], kvd, h),
+        gemm("v_proj", B["v"], B["xn"], kvd, h),
+        Task("rope_q", "vector", isa.Op.VEC, isa.Vec.ROPE, B["q"], B["q"], m=qd, n=spec.heads),
+        Task("rope_k", "vector", isa.Op.VEC, isa.Vec.ROPE, B["k"], B["k"], m=kvd, n=spec.kv_heads),
+        Task("kv_store_k", "dma", isa.Op.STORE, KVK, 0, B["k"], m=kvd),
+        Task("kv_store_v", "dma", isa.Op.STORE, KVV, 0, B["v"], m=kvd),
+        Task("attn_qk", "matrix", isa.Op.GEMM, KVK, B["scores"], B["q"], m=0, k=kvd, n=group, flags=ctx),
+    ]
+    if replay:
+        tasks.append(Task("tas", "vector", isa.Op.TAS, 0, 0, B["q"], m=spec.head_dim, k=spec.frame_tokens,
+                          n=spec.heads, off_m=_tas_bits(spec.threshold), off_k=spec.video_start))
+    tasks += [
+        Task("softmax", "sfu", isa.Op.VEC, isa.Vec.SOFTMAX, B["scores"], B["scores"], m=0, n=spec.heads, flags=ctx),
+        Task("attn_pv", "matrix", isa.Op.GEMM, KVV, B["attn"], B["scores"], m=0, k=kvd, n=group, flags=ctx),
+        gemm("o_proj", B["o"], B["attn"], h, qd),
+        Task("attn_residual", "vector", isa.Op.VEC, isa.Vec.ADD, B["x"], B["x"], src2=B["o"], m=h),
+        Task("mlp_norm", "vector", isa.Op.VEC, isa.Vec.RMSNORM, B["xn"], B["x"], weight=wid["mlp_norm"], m=h,
+             flags=skip),
+        gemm("gate_proj", B["gate"], B["xn"], i, h, skip),
+        gemm("up_proj", B["up"], B["xn"], i, h, skip),
+        Task("act", "sfu", isa.Op.VEC, isa.Vec.SILU_MUL, B["h"], B["gate"], src2=B["up"], m=i, flags=skip),
+        gemm("down_proj", B["mlp"], B["h"], h, i, skip),
+    ]
+    if replay:
+        tasks.append(Task("replay_xchg", "dma", isa.Op.XCHG, isa.Space.REPLAY, B["mlp"], B["mlp"], m=h,
+                          k=spec.frame_tokens, off_k=spec.video_start))
+    tasks.append(Task("mlp_residual", "vector", isa.Op.VEC, isa.Vec.ADD, B["x"], B["x"], src2=B["mlp"], m=h))
+    return tasks
+
+
+def _graph(tasks: list[Task], layer: int) -> nx.DiGraph:
+    """Dependency graph from buffer reads/writes (and KV stores before KV reads)."""
+    g = nx.DiGraph(layer=layer, order=[t.name for t in tasks])
+    last_writer: dict[Any, str] = {}
+    for t in tasks:
+        g.add_node(t.name, task=t, unit=t.unit, replayable=t.replayable)
+        reads: list[Any] = [t.src]
+        if t.op == isa.Op.VEC and t.sub in (isa.Vec.ADD, isa.Vec.SILU_MUL):
+            reads.append(t.src2)
+        if t.op == isa.Op.GEMM and t.sub in (isa.Space.KV_K, isa.Space.KV_V):
+            reads.append(("kv", t.sub))
+        if t.op == isa.Op.TAS:
+            reads.append(("kv", isa.Space.KV_K))
+        for r in reads:
+            if r in last_writer and last_writer[r] != t.name:
+                g.add_edge(last_writer[r], t.name)
+        if t.op == isa.Op.STORE:
+            last_writer[("kv", t.sub)] = t.name
+        elif t.op != isa.Op.TAS:
+            last_writer[t.dst] = t.name
+    return g
+
+
+def partition_spec(spec: ModelSpec, board: BoardConfig, sources: dict[str, str] | None = None,
+                   unsupported: list[str] | None = None, notes: list[str] | None = None) -> Partition:
+    if spec.dtype_bytes != board.dtype_bytes:
+        raise FastCarError(
+            f"model dtype is {spec.dtype_bytes} bytes but board {board.name!r} computes in {board.dtype_bytes}-byte "
+            "values; pick a matching board file (dtype_bytes)"
+        )
+    tensors: list[dict[str, Any]] = []
+
+    def add(name: str, layer: int, shape: list[int]) -> int:
+        key = f"L{layer}.{name}" if layer != isa.NO_LAYER else name
+        tensors.append({"id": len(tensors), "name": key, "layer": layer, "shape": shape,
+                        "source": (sources or {}).get(key)})
+        return len(tensors) - 1
+
+    graphs = []
+    h, i = spec.hidden, spec.intermediate
+    for layer in range(spec.layers):
+        wid = {
+            "attn_norm": add("attn_norm", layer, [h]),
+            "q_proj": add("q_proj", layer, [h, spec.q_dim]),
+            "k_proj": add("k_proj", layer, [h, spec.kv_dim]),
+            "v_proj": add("v_proj", layer, [h, spec.kv_dim]),
+            "o_proj": add("o_proj", layer, [spec.q_dim, h]),
+            "mlp_norm": add("mlp_norm", layer, [h]),
+            "gate_proj": add("gate_proj", layer, [h, i]),
+            "up_proj": add("up_proj", layer, [h, i]),
+            "down_proj": add("down_proj", layer, [i, h]),
+        }
+        graphs.append(_graph(_layer_tasks(spec, layer, wid, board), layer))
+    if len(tensors) + 2 > np.iinfo(np.uint16).max:
+        raise FastCarError(f"{len(tensors)} weight tensors exceed the 16-bit tensor field")
+    fn = add("final_norm", isa.NO_LAYER, [h])
+    lm = add("lm_head", isa.NO_LAYER, [h, spec.vocab])
+    head = [
+        Task("final_norm", "vector", isa.Op.VEC, isa.Vec.RMSNORM, B["xn"], B["x"], weight=fn, m=h),
+        Task("lm_head", "matrix", isa.Op.GEMM, isa.Space.WEIGHT, B["logits"], B["xn"], weight=lm, m=spec.vocab,
+             k=h, tiles=tile_gemm(spec.vocab, h, board)),
+    ]
+    graphs.append(_graph(head, isa.NO_LAYER))
+    return Partition(spec, board, graphs, tensors, list(unsupported or []), list(notes or []))
+
+
+def scan_onnx_ops(model: onnx.ModelProto) -> tuple[list[str], dict[str, int]]:
+    """Ops of every node (subgraphs included): the unsupported ones by name, and a count per op type."""
+    bad: list[str] = []
+    counts: Counter[str] = Counter()
+    for node in iter_nodes(model.graph):
+        counts[node.op_type] += 1
+        if node.op_type not in COMPUTE_OPS and node.op_type not in LAYOUT_OPS:
+            bad.append(f"{node.op_type} ({node.name or 'unnamed'}, domain {node.domain or 'ai.onnx'})")
+    return bad, dict(counts)
+
+
+def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfig, *,
+              num_heads: int | None = None, frame_tokens: int | None = None, strict: bool = True) -> Partition:
+    """Build the task graphs from a ModelSpec or an ONNX decoder.
+
+    With ``strict`` (default) an ONNX model holding ops the accelerator cannot run raises FastCarError listing
+    them; otherwise they are kept in ``Partition.unsupported`` for the report.
+    """
+    if isinstance(model, ModelSpec):
+        return partition_spec(model, board)
+    proto = model if isinstance(model, onnx.ModelProto) else load_onnx_shapes_only(model)
+    spec, notes = spec_from_model(proto, num_heads=num_heads, dtype_bytes=board.dtype_bytes,
+                                  frame_tokens=frame_tokens)
+    bad, counts = scan_onnx_ops(proto)
+    if bad and strict:
+        shown = "; ".join(bad[:10]) + (f"; ... {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise FastCarError(f"the accelerator cannot run {len(bad)} op(s) of this model: {shown}. "
+                           "Remove them before export, or pass strict=False to list them in the report")
+    sources: dict[str, str] = {}
+    per_layer: dict[int, list[dict[str, Any]]] = {}
+    for w in matmul_weights(proto):
+        if w["layer"] is not None:
+            per_layer.setdefault(w["layer"], []).append(w)
+    for layer, ws in per_layer.items():
+        # Tagged weights in graph order; names follow the shape they must have.
+        want = {"q_proj": [spec.hidden, spec.q_dim], "k_proj": [spec.hidden, spec.kv_dim],
+                "v_proj": [spec.hidden, spec.kv_dim], "o_proj": [spec.q_dim, spec.hidden],
+                "gate_proj": [spec.hidden, spec.intermediate], "up_proj": [spec.hidden, spec.intermediate],
+                "down_proj": [spec.intermediate, spec.hidden]}
+        for w in ws:
+            name = next((n for n, s in want.items() if s == w["shape"]), None)
+            if name is not None:
+                sources[f"L{layer}.{name}"] = w["name"]
+                del want[name]
+    part = partition_spec(spec, board, sources=sources, unsupported=bad, notes=notes)
+    part.op_counts = counts
+    return part
+
+
+def total_tiles(part: Partition) -> int:
+    return sum(max(1, len(t.tiles)) for g in part.graphs for t in part.tasks(g))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else 0
+
