@@ -1,0 +1,156 @@
+"""`fastcar-compile model.onnx -o fast.onnx ...`: the compiler's command line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from fastcar_compile.errors import FastCarError
+
+
+def _threshold(text: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or comma-separated list of numbers: {text!r}") from None
+    if any(math.isnan(v) for v in values):
+        raise argparse.ArgumentTypeError("NaN is not a threshold; give a number (inf disables replay)")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fastcar_compile.cli import SUBCOMMANDS
+
+    sub = "\n".join(f"  fastcar-compile {name:<7} {text}" for name, (_, _, text) in SUBCOMMANDS.items())
+    p = argparse.ArgumentParser(
+        prog="fastcar-compile",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compile an exported AR video decoder (ONNX, with KV cache) so that it replays cached MLP "
+                    "outputs for tokens whose temporal attention score (TAS) exceeds a threshold (FastCar).",
+        epilog=f"other commands (each has --help):\n{sub}",
+    )
+    p.add_argument("model", help="input .onnx decoder (I/O: input_ids, attention_mask, position_ids, "
+                                 "past_key_values.N.key|value -> logits, present.N.key|value); never modified")
+    p.add_argument("-o", "--output", help="output path (.onnx, or .fcb with --target fpga); written atomically")
+    p.add_argument("--frame-tokens", type=int, help="tokens per video frame L (aligned token is L positions back)")
+    p.add_argument("--threshold", type=_threshold, default=[-4.0],
+                   help="tau: replay when TAS > tau (default -4; inf never replays). With --per-layer-threshold "
+                        "a comma-separated list, one per rewritten layer. Stored as the default of the "
+                        "overridable input 'fastcar_threshold'")
+    p.add_argument("--tas-query", choices=["rope", "raw"], default="rope",
+                   help="query for TAS: 'rope' = as attention uses it (default); 'raw' = before RoPE, as the "
+                        "published FastCar code does, so its thresholds (-1/-4/-8) carry over")
+    p.add_argument("--max-replay", type=int, default=0, metavar="K",
+                   help="drift guard: recompute a slot replayed K frames in a row (0 = unlimited, the paper)")
+    p.add_argument("--layers", help="rewrite only these decoder layers, e.g. 0,2-5 (default: all matched)")
+    p.add_argument("--per-layer-threshold", action="store_true",
+                   help="make fastcar_threshold a [layers] input, one tau per rewritten layer")
+    p.add_argument("--emit-diagnostics", action="store_true",
+                   help="add outputs replay_mask.N and tas.N per rewritten layer")
+    p.add_argument("--inspect", action="store_true",
+                   help="only report what discovery finds per layer (and why a layer does not match)")
+    p.add_argument("--verbose", "-v", action="store_true", help="with --inspect: print every anchor found")
+    p.add_argument("--no-validate", action="store_true",
+                   help="skip the onnx.checker + ONNX Runtime check of the result before it is written")
+    cal = p.add_argument_group("threshold calibration (needs the runtime)")
+    cal.add_argument("--calibrate-replay", type=float, metavar="RATIO",
+                     help="pick tau so that the replay ratio on --calib-data reaches RATIO (0-1)")
+    cal.add_argument("--calibrate-quality", type=float, metavar="BUDGET",
+                     help="pick the largest replay whose logits stay within BUDGET (mean abs diff) of dense")
+    cal.add_argument("--calib-data", help=".npy int array [prompts, prompt_len] of calibration prompts")
+    cal.add_argument("--calib-frames", type=int, default=3, help="frames generated per calibration prompt")
+    fpga = p.add_argument_group("FPGA backend")
+    fpga.add_argument("--target", choices=["onnx", "fpga"], default="onnx",
+                      help="onnx (default): write fast.onnx; fpga: compile a fast.onnx into DRS bundles (.fcb)")
+    fpga.add_argument("--board", default="kv260", help="board preset (kv260, zcu102, u280)")
+    fpga.add_argument("--board-file", help="JSON file overriding board parameters")
+    fpga.add_argument("--batch", type=int, default=1, help="batch rows the bundles are scheduled for (<= 32)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    import fastcar_compile as fc
+
+    if args.inspect:
+        report = fc.inspect(args.model)
+        print(report.format(verbose=args.verbose))
+        if not report.matched:
+            raise FastCarError("no decoder layer matched (see the missing anchors above)")
+        return 0
+    if args.target == "fpga":
+        return _fpga(args)
+    if args.frame_tokens is None:
+        raise FastCarError("--frame-tokens is required: the number of tokens per video frame (e.g. 256)")
+    if args.output is None:
+        raise FastCarError("-o/--output is required: where to write the compiled model")
+    if args.calibrate_replay is not None or args.calibrate_quality is not None:
+        return _calibrate(args)
+    start = time.perf_counter()
+    threshold = args.threshold if args.per_layer_threshold else _single(args.threshold)
+    _, report = fc.compile(args.model, args.output, frame_tokens=args.frame_tokens, threshold=threshold,
+                           tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers,
+                           per_layer_threshold=args.per_layer_threshold, emit_diagnostics=args.emit_diagnostics,
+                           validate=not args.no_validate)
+    print(report.format())
+    print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _single(values: list[float]) -> float:
+    if len(values) != 1:
+        raise FastCarError("several thresholds need --per-layer-threshold")
+    return values[0]
+
+
+def _fpga(args) -> int:
+    if args.output is None:
+        raise FastCarError("-o/--output is required: where to write the .fcb bundle file")
+    try:
+        from fastcar_compile.fpga_backend import compile_to_bundles
+    except ImportError as exc:
+        raise FastCarError(f"the FPGA backend is not available: {exc}") from None
+    report = compile_to_bundles(args.model, args.output, board=args.board, board_file=args.board_file,
+                                batch=args.batch)
+    print(report if isinstance(report, str) else getattr(report, "summary", lambda: report)())
+    return 0
+
+
+def _calibrate(args) -> int:
+    import tempfile
+
+    import numpy as np
+
+    import fastcar_compile as fc
+
+    if args.calib_data is None:
+        raise FastCarError("--calibrate-* needs --calib-data prompts.npy (int array [prompts, prompt_len])")
+    try:
+        prompts = np.load(args.calib_data)
+    except Exception as exc:  # noqa: BLE001
+        raise FastCarError(f"--calib-data {args.calib_data}: cannot read a .npy array ({exc})") from None
+    if prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
+        raise FastCarError(f"--calib-data must hold an integer array [prompts, prompt_len], got {prompts.dtype} "
+                           f"{prompts.shape}")
+    from fastcar_compile.runtime.calibrate import bake_threshold, calibrate_threshold
+
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.onnx"
+        fc.compile(args.model, probe, frame_tokens=args.frame_tokens, threshold=_single(args.threshold),
+                   tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers)
+        n_held = max(1, len(prompts) // 4) if len(prompts) > 1 else 0
+        calib, held = (prompts[:-n_held], prompts[-n_held:]) if n_held else (prompts, None)
+        result = calibrate_threshold(str(probe), calib, num_frames=args.calib_frames,
+                                     target_replay=args.calibrate_replay, quality_budget=args.calibrate_quality,
+                                     dense_model_path=args.model, heldout_prompts=held)
+        bake_threshold(str(probe), args.output, result.tau)
+    print(result)
+    print(f"wrote {args.output} with tau = {result.tau:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
