@@ -166,7 +166,7 @@ def _search(evaluate: Callable[[float], tuple[float, float | None]], good: Calla
             raise FastCarError(f"no tau up to {t:g} meets the goal (replay there {probes[-1][1]:.3f}); is the "
                                "model compiled with FastCar layers?")
         if lo is not None:
-            while len(probes) < max_probes and hi - lo > 1e-6 * max(1.0, abs(hi)):
+            while len(probes) < max_probes and hi - lo > 1e-3 * max(1.0, abs(hi)):
                 mid = 0.5 * (lo + hi)
                 if probe(mid):
                     hi = mid

@@ -136,7 +136,9 @@ class FastCarSession:
             raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc}") from exc
         self.meta: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self.is_fastcar = "fastcar.version" in self.meta
-        self._inputs = {i.name: i for i in self.session.get_inputs()}
+        # inputs with a default initializer (video_start, fastcar_threshold) are "overridable initializers"
+        self._inputs = {i.name: i for i in [*self.session.get_inputs(),
+                                            *self.session.get_overridable_initializers()]}
         self._outputs = {o.name: o for o in self.session.get_outputs()}
         self.output_names = list(self._outputs)
         for need in ("input_ids",):
