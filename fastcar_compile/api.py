@@ -245,6 +245,48 @@ def _unknown_contrib_op(exc: Exception, model: ir.Model) -> bool:
     return any(node.op_type == op for node in model.graph)
 
 
+def _save_linked(model: ir.Model, tmp_model: Path, data_name: str, source: Path | None) -> bool:
+    """Save without reading the weights: the input's external-data file is hard-linked (or copied, across
+    file systems) next to the output under the output's name, at unchanged offsets; the few new tensors
+    are stored inline. Returns False when the weights live in several files (then ir.save copies them)."""
+    if source is None:
+        return False
+    locations = {v.const_value.location for v in model.graph.initializers.values()
+                 if isinstance(v.const_value, ir.ExternalTensor)}
+    if len(locations) != 1:
+        return False
+    (location,) = locations
+    src = source.parent / location
+    if not src.is_file():
+        return False
+    proto = ir.to_proto(model)
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = data_name
+    try:
+        os.link(src, tmp_model.parent / data_name)
+    except OSError:
+        shutil.copyfile(src, tmp_model.parent / data_name)
+    with open(tmp_model, "wb") as f:
+        f.write(proto.SerializeToString())
+    return True
+
+
+def _without_external_weights(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The same graph with external weights turned into typed graph inputs, for a structural check."""
+    keep = []
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            proto.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+        else:
+            keep.append(tensor)
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(keep)
+    return proto
+
+
 def _ort_loads(path: Path) -> bool:
     import onnxruntime as ort
 
@@ -267,13 +309,15 @@ def save(model: ir.Model, output: Path, *, validate: bool = True, external: bool
     tmp = Path(tempfile.mkdtemp(prefix=".fastcar-", dir=output.parent))
     try:
         tmp_model = tmp / output.name
-        if external or big:
-            ir.save(model, tmp_model, external_data=data_name)
-        else:
+        if not (external or big):
             ir.save(model, tmp_model)
+        elif not _save_linked(model, tmp_model, data_name, source):
+            ir.save(model, tmp_model, external_data=data_name)
         if validate:
             try:
-                onnx.checker.check_model(str(tmp_model))
+                # Structure only: the weights are the input's, unchanged (and possibly hard-linked, which
+                # the checker's external-data check refuses).
+                onnx.checker.check_model(_without_external_weights(onnx.load(str(tmp_model), load_external_data=False)))
             except Exception as exc:  # noqa: BLE001
                 if not _unknown_contrib_op(exc, model):
                     raise FastCarError(f"internal error: the compiled model fails onnx.checker: {exc}") from None

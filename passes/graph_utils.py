@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -59,7 +60,7 @@ def scalar_const(value: ir.Value | None) -> float | None:
         producer = value.producer()
         if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
             tensor = producer.attributes["value"].value
-    if tensor is None:
+    if tensor is None or math.prod(tensor.shape) != 1:  # never read a weight just to learn it is no scalar
         return None
     try:
         arr = np.asarray(tensor.numpy())
