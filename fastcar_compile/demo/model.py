@@ -1,0 +1,83 @@
+"""The demo's video decoder: a small transformers LlamaForCausalLM over VQ tokens, and its sequence layout.
+
+Sequence = [BOS, motion token, VIDEO_START, frame 0 (L tokens), frame 1, ...]; `video_start` = 3 is the
+KV index of the first video token (docs/DESIGN.md). Frames follow each other with no separator, so the
+token at p - L is the same spatial position one frame earlier: FastCar's aligned token.
+
+The config is MLP-heavy on purpose: FastCar only skips MLPs, so the per-token speedup at replay ratio r is
+bounded by 1 / (1 - f r) with f the MLP share of a decode step. Measured in ORT CPU (1 thread, batch 1):
+a second layer costs ~60 small nodes (~40 us) of non-MLP work, so within the 20 MB budget 2 layers gave
+f = 0.57 and 1 layer with a 24x-wide MLP f = 0.62-0.64; the 1-layer model is the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from fastcar_compile.demo.data import MOTIONS
+from fastcar_compile.errors import FastCarError
+
+CODES = 512  # tokenizer codebook size: token ids [0, CODES)
+BOS = CODES
+MOTION0 = CODES + 1  # motion tokens MOTION0 + MOTIONS.index(name)
+VIDEO_START_TOKEN = MOTION0 + len(MOTIONS)
+VOCAB = VIDEO_START_TOKEN + 1
+PROMPT_LEN = 3  # BOS, motion, VIDEO_START
+VIDEO_START = PROMPT_LEN  # KV index of the first frame token
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Model sizes (saved next to the weights so a loader never guesses)."""
+
+    hidden_size: int = 192
+    intermediate_size: int = 4608
+    num_hidden_layers: int = 1
+    num_attention_heads: int = 6
+    num_key_value_heads: int = 6
+    vocab_size: int = VOCAB
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def llama_config(cfg: DemoConfig):
+    import transformers as tf
+
+    c = tf.LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                       num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
+                       max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=None, pad_token_id=None,
+                       rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+    c._attn_implementation = "eager"
+    return c
+
+
+def build_model(cfg: DemoConfig, seed: int = 0):
+    """A seeded, freshly initialised LlamaForCausalLM in float32."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    return tf.LlamaForCausalLM(llama_config(cfg)).float()
+
+
+def motion_token(motion: str) -> int:
+    if motion not in MOTIONS:
+        raise FastCarError(f"unknown motion {motion!r}; expected one of {MOTIONS}")
+    return MOTION0 + MOTIONS.index(motion)
+
+
+def prompt(motion: str) -> list[int]:
+    """The tokens before video_start."""
+    return [BOS, motion_token(motion), VIDEO_START_TOKEN]
+
+
+def sequence(motion: str, frame_tokens: np.ndarray) -> np.ndarray:
+    """Full training sequence from per-frame tokens [T, L]."""
+    return np.concatenate([np.asarray(prompt(motion), np.int64), np.asarray(frame_tokens, np.int64).reshape(-1)])

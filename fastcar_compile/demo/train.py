@@ -1,0 +1,151 @@
+"""Train the demo: k-means tokenizer, then next-token training of the Llama decoder on tokenized clips (CPU).
+
+Seeded end to end (data, init, batch order). The loss covers frames 1.. only: frame 0 is always given at
+generation time, so spending capacity on unconditional image modelling would not help the demo.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from fastcar_compile.demo import data
+from fastcar_compile.demo.model import VIDEO_START, DemoConfig, build_model, sequence
+from fastcar_compile.demo.tokenizer import PatchTokenizer, train_tokenizer
+
+
+@dataclass
+class TrainSettings:
+    clips: int = 6000
+    frames: int = 8
+    steps: int = 450
+    batch: int = 16
+    lr: float = 2e-3
+    warmup: int = 30
+    weight_decay: float = 0.01
+    seed: int = 0
+    threads: int = 2
+    tokenizer_clips: int = 600
+    codes: int = 512
+    bf16: bool = True
+    config: DemoConfig = field(default_factory=DemoConfig)
+
+
+def tokenize_clips(tok: PatchTokenizer, clips: list[data.Clip]) -> np.ndarray:
+    """[N, prompt + T*L] int64 sequences."""
+    return np.stack([sequence(c.motion, tok.encode(c.frames)) for c in clips])
+
+
+def _atomic_json(path: Path, obj) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def plot_loss(log: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(log["step"], log["loss"], lw=0.8, label="train (batch)")
+    if log.get("eval_step"):
+        ax.plot(log["eval_step"], log["eval_loss"], "o-", label="held-out clips")
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-token cross-entropy (nats)")
+    ax.set_title("demo decoder training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=png.parent, suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, png)
+
+
+def train(s: TrainSettings, log_json: Path | None = None, log_png: Path | None = None,
+          eval_clips: int = 32):
+    """Returns (model, tokenizer, log). Progress via tqdm."""
+    import torch
+
+    torch.set_num_threads(s.threads)
+    torch.manual_seed(s.seed)
+    t0 = time.time()
+    tok_frames = np.concatenate([c.frames for c in data.make_clips("train", s.tokenizer_clips, s.frames, s.seed)])
+    tok = train_tokenizer(tok_frames, codes=s.codes, seed=s.seed)
+    clips = [data.make_clip("train", i, s.frames, s.seed) for i in tqdm(range(s.clips), desc="train clips")]
+    seqs = torch.from_numpy(tokenize_clips(tok, clips))
+    ev = torch.from_numpy(tokenize_clips(tok, data.make_clips("eval", eval_clips, s.frames, s.seed)))
+    L = tok.tokens_per_frame
+    first_loss_pos = VIDEO_START + L  # labels from frame 1 on
+    model = build_model(s.config, seed=s.seed)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    log: dict = {"step": [], "loss": [], "lr": [], "eval_step": [], "eval_loss": [],
+                 "settings": {k: v for k, v in s.__dict__.items() if k != "config"}, "config": s.config.to_dict()}
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.bf16):
+            logits = model(input_ids=batch[:, :-1]).logits
+        logits = logits[:, first_loss_pos - 1:].float()
+        target = batch[:, first_loss_pos:]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    def eval_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            v = float(np.mean([loss_of(ev[i:i + 8]).item() for i in range(0, len(ev), 8)]))
+        model.train()
+        return v
+
+    order = torch.randperm(len(seqs), generator=gen)
+    pos = 0
+    bar = tqdm(range(s.steps), desc="train")
+    for step in bar:
+        if pos + s.batch > len(order):
+            order, pos = torch.randperm(len(seqs), generator=gen), 0
+        batch = seqs[order[pos:pos + s.batch]]
+        pos += s.batch
+        lr = s.lr * min(1.0, (step + 1) / s.warmup) * 0.5 * (1 + math.cos(math.pi * step / s.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = loss_of(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        log["step"].append(step)
+        log["loss"].append(float(loss.item()))
+        log["lr"].append(lr)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % max(1, s.steps // 8) == 0 or step + 1 == s.steps:
+            log["eval_step"].append(step)
+            log["eval_loss"].append(eval_loss())
+            if log_json:
+                _atomic_json(log_json, log)
+            if log_png:
+                plot_loss(log, log_png)
+    log["train_seconds"] = time.time() - t0
+    model.eval()
+    if log_json:
+        _atomic_json(log_json, log)
+    if log_png:
+        plot_loss(log, log_png)
+    return model, tok, log

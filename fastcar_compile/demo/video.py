@@ -1,0 +1,70 @@
+"""Generate demo videos in ONNX Runtime with the runtime's `FastCarSession` (dense and FastCar alike).
+
+The runtime's `generate()` puts `video_start` after the whole prompt; here frame 0 is *video* given as
+context (video_start = 3, after BOS, motion, VIDEO_START), so frame 1 may already replay frame 0's MLP
+outputs. This thin loop therefore drives `FastCarSession.step` with that `video_start` itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fastcar_compile.demo.model import CODES, VIDEO_START, prompt
+
+
+@dataclass
+class VideoRun:
+    """Tokens [frames, L], per-step replay [steps, layers] (bool), per-step wall time in ms."""
+
+    tokens: np.ndarray
+    replay: np.ndarray
+    step_ms: list[float] = field(default_factory=list)
+
+    @property
+    def replay_ratio(self) -> float:
+        return float(self.replay.mean()) if self.replay.size else 0.0
+
+    def replay_map(self, frame_tokens: int) -> np.ndarray:
+        """[frames, L] share of rewritten layers that replayed each token (frame 0 given: zeros)."""
+        per_tok = self.replay.mean(axis=1) if self.replay.size else np.zeros(len(self.step_ms))
+        out = np.zeros(self.tokens.shape, dtype=np.float32)
+        out.reshape(-1)[frame_tokens:frame_tokens + len(per_tok)] = per_tok
+        return out
+
+
+def open_session(path, threads: int = 1):
+    """A runtime session with `threads` intra-op threads (1 gives the steadiest per-token timings)."""
+    from fastcar_compile.runtime.session import FastCarSession
+
+    return FastCarSession(path, threads=threads)
+
+
+def generate_video(session, motion: str, frame0: np.ndarray, new_frames: int,
+                   threshold: float | None = None) -> VideoRun:
+    """Greedy: frame 0 tokens given, `new_frames` frames generated one token per step from fresh state."""
+    L = int(len(frame0))
+    ids = np.asarray([prompt(motion) + [int(t) for t in frame0]], dtype=np.int64)
+    thr = None if threshold is None or not session.is_fastcar else session.threshold_array(threshold)
+    state = session.new_state(1, video_start=VIDEO_START)
+    out = session.step(state, ids, threshold=thr)
+    state = out.state
+    n = new_frames * L
+    toks = np.empty(n, dtype=np.int64)
+    # replay[k]: decision of each rewritten layer for the step that fed generated token k (its MLP);
+    # the last token is never fed, so there are n - 1 decode steps.
+    replay = np.zeros((n - 1, len(session.layers)), dtype=bool)
+    times: list[float] = []
+    toks[0] = int(out.logits[0, -1, :CODES].argmax())
+    for k in range(n - 1):
+        t0 = time.perf_counter()
+        out = session.step(state, toks[k:k + 1][None], threshold=thr, check=False)
+        times.append(1e3 * (time.perf_counter() - t0))
+        state = out.state
+        if out.replay is not None:
+            replay[k] = out.replay[:, 0]
+        toks[k + 1] = int(out.logits[0, -1, :CODES].argmax())
+    frames = np.concatenate([np.asarray(frame0, np.int64), toks]).reshape(1 + new_frames, L)
+    return VideoRun(frames, replay, times)
