@@ -30,10 +30,13 @@ class FpgaCompileReport:
     file_bytes: int
     unsupported: list[str]
     notes: list[str]
-    tasks_per_layer: int
+    bundles_per_layer: int
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        return str(self)
 
     def __str__(self) -> str:
         m = self.model
@@ -43,7 +46,7 @@ class FpgaCompileReport:
             f"{m['heads']}/{m['kv_heads']} x {m['head_dim']}, vocab {m['vocab']}",
             f"  {self.bundles} bundles, {sum(self.instructions.values())} instructions "
             + ", ".join(f"{k} {v}" for k, v in sorted(self.instructions.items())),
-            f"  {self.tasks_per_layer} tasks per layer",
+            f"  {self.bundles_per_layer} bundles per decoder layer",
         ]
         if self.output:
             lines.append(f"  wrote {self.output} ({self.file_bytes} bytes)")
@@ -69,11 +72,11 @@ def report_for(program: Program, output: str | Path | None, file_bytes: int) -> 
         hw_hash=f"{program.board.structural_hash():016x}", batch=program.meta["batch"],
         context=program.meta["context"], model=program.meta["model"], bundles=len(program),
         instructions=dict(counts), file_bytes=file_bytes, unsupported=program.meta["unsupported"],
-        notes=program.meta["notes"], tasks_per_layer=layer_tasks or _tasks_per_layer(program),
+        notes=program.meta["notes"], bundles_per_layer=layer_tasks or _bundles_per_layer(program),
     )
 
 
-def _tasks_per_layer(program: Program) -> int:
+def _bundles_per_layer(program: Program) -> int:
     lay = program.bundles[:, :-1]["layer"]
     first = (lay == 0).any(axis=1)
     return int(first.sum())

@@ -330,8 +330,15 @@ def _ceil(a: np.ndarray | int, b: int) -> np.ndarray:
     return -(-np.asarray(a, dtype=np.int64) // b)
 
 
-def plot_timeline(result: SimResult, path: str | Path, title: str = "") -> None:
-    """Per-core timeline of the first simulated step: busy / stalled / idle per (layer, part) segment."""
+def plot_timeline(results: SimResult | list[SimResult], path: str | Path, title: str = "", layers: int = 3) -> None:
+    """Per-core timeline of the first simulated step (one panel per result, e.g. static and DRS).
+
+    Each (layer, part) segment shows, per core, the share busy (colour), stalled on memory/latency (grey) and
+    idle (blank). Only the first ``layers`` decoder layers are drawn (0: the whole step), so segments stay
+    readable; the axis is in microseconds.
+    """
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -339,41 +346,47 @@ def plot_timeline(result: SimResult, path: str | Path, title: str = "") -> None:
 
     from .encode import write_atomic
 
-    tl = result.timeline
-    if tl is None:
-        raise FastCarError("no timeline recorded; run the simulator with timeline=True")
-    t = tl["t"]
-    keep = t > 0
-    t, busy, own = t[keep], tl["busy"][keep], tl["own"][keep]
-    part, layer = tl["part"][keep], tl["layer"][keep]
-    start = np.concatenate([[0.0], np.cumsum(t)[:-1]])
-    key = part * 100000 + layer
-    cut = np.flatnonzero(np.diff(key)) + 1
-    seg_lo = np.concatenate([[0], cut])
-    seg_hi = np.concatenate([cut, [len(t)]])
+    results = results if isinstance(results, list) else [results]
+    cores = results[0].core_busy.shape[0]
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 0.6 + (0.4 * cores + 0.6) * len(results)), squeeze=False)
     colors = {0: "#4c72b0", 1: "#dd8452", 2: "#55a868"}
-    names = {0: "attention/norms", 1: "replayable MLP", 2: "head"}
-    cores = busy.shape[1]
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * cores))
-    us = 1.0 / result.clock_mhz
-    for lo, hi in zip(seg_lo, seg_hi, strict=True):
-        x0 = start[lo] * us
-        width = t[lo:hi].sum() * us
-        for c in range(cores):
-            b = busy[lo:hi, c].sum() * us
-            st = (own[lo:hi, c] - busy[lo:hi, c]).sum() * us
-            ax.broken_barh([(x0, b)], (c - 0.4, 0.8), color=colors[int(part[lo])])
-            ax.broken_barh([(x0 + b, st)], (c - 0.4, 0.8), color="#bbbbbb")
-        ax.axvline(x0 + width, color="white", lw=0.3)
-    ax.set_yticks(range(cores), [f"core {c}" for c in range(cores)])
-    ax.set_xlabel("time in the step (us); per layer segment: coloured = busy, grey = waiting on memory, blank = idle")
+    names = {0: "attention/norms/TAS", 1: "replayable MLP", 2: "head"}
+    xmax = 0.0
+    for ax, result in zip(axes[:, 0], results, strict=True):
+        tl = result.timeline
+        if tl is None:
+            raise FastCarError("no timeline recorded; run the simulator with timeline=True")
+        keep = tl["t"] > 0
+        if layers:
+            keep &= (tl["layer"] < layers) & (tl["part"] != 2)
+        t, busy, own = tl["t"][keep], tl["busy"][keep], tl["own"][keep]
+        part, layer = tl["part"][keep], tl["layer"][keep]
+        start = np.concatenate([[0.0], np.cumsum(t)[:-1]])
+        key = part * 100000 + layer
+        cut = np.flatnonzero(np.diff(key)) + 1
+        us = 1.0 / result.clock_mhz
+        for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(t)]]), strict=True):
+            x0 = start[lo] * us
+            for c in range(cores):
+                b = busy[lo:hi, c].sum() * us
+                st = (own[lo:hi, c] - busy[lo:hi, c]).sum() * us
+                ax.broken_barh([(x0, b)], (c - 0.4, 0.8), color=colors[int(part[lo])])
+                ax.broken_barh([(x0 + b, st)], (c - 0.4, 0.8), color="#bbbbbb")
+            ax.axvline(x0, color="black", lw=0.3, alpha=0.3)
+        xmax = max(xmax, float(t.sum() * us))
+        ax.set_yticks(range(cores), [f"core {c}" for c in range(cores)])
+        ax.set_ylim(-0.6, cores + 0.4)
+        ax.set_title(f"{result.policy}: {result.board}, batch {result.batch}", fontsize=9, loc="left")
+    for ax in axes[:, 0]:
+        ax.set_xlim(0, xmax * 1.01)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()] + [
         plt.Rectangle((0, 0), 1, 1, color="#bbbbbb")]
-    ax.legend(handles, [*names.values(), "stall (DRAM/latency)"], loc="upper right", fontsize=7, ncol=4)
-    ax.set_title(title or f"{result.board} {result.policy} batch {result.batch}: first step")
+    axes[0, 0].legend(handles, [*names.values(), "stall (DRAM/latency)"], loc="upper center", fontsize=7, ncol=4,
+                      bbox_to_anchor=(0.5, 1.35 if len(results) > 1 else 1.25))
+    what = f"first {layers} layers of the first step" if layers else "first step"
+    axes[-1, 0].set_xlabel(f"time (us), {what}; per segment and core: colour busy, grey stalled, blank idle")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
