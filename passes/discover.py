@@ -47,6 +47,25 @@ class AttentionBlock:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    join: ir.Node | None = None  # the Add / Skip*Norm that adds the attention output to the stream
+
+    def nodes(self) -> set[ir.Node]:
+        """Norm, projections, rotary, KV concat and attention: nodes between the incoming stream and the join."""
+        if self.join is None:
+            return set()
+        attn_in = [i for i in self.join.inputs[:2] if i is not None and gu.depends_on(i, self.core_output)]
+        stream_in = [i for i in self.join.inputs[:2] if i is not None and i not in attn_in]
+        if len(attn_in) != 1 or len(stream_in) != 1:
+            return set()
+        back = gu.ancestors_until(attn_in, set(stream_in))
+        sources = [stream_in[0]]
+        producer = stream_in[0].producer()
+        if producer is not None and producer.op_type in gu.SKIP_NORM_OPS:  # fused: its normed output feeds q/k/v
+            sources = [o for o in producer.outputs if o is not None]
+        found: set[ir.Node] = set()
+        for source in sources:
+            found |= gu.descendants(source, back)
+        return found
 
 
 @dataclass
@@ -311,7 +330,8 @@ def _find_residual_join(core_out: ir.Value, trace: list[str]) -> tuple[ir.Node, 
 
 
 def _find_mlp(graph: ir.Graph, attn: AttentionBlock, trace: list[str]) -> MLPBlock:
-    _, residual, entry, fused = _find_residual_join(attn.core_output, trace)
+    join, residual, entry, fused = _find_residual_join(attn.core_output, trace)
+    attn.join = join
     closing, branch_out = None, None
     # Exporters may route the stream through no-op Casts/Identities (TorchScript: RMSNorm's .to(float32)).
     aliases = [residual]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 from fastcar_compile.passes import fastcar_ops
+from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.discover import LayerMatch
 
 TAS_QUERIES = ("rope", "raw")
@@ -147,6 +148,8 @@ def _rewrite_layer(graph: ir.Graph, match: LayerMatch, k: int, opts: RewriteOpti
     dtype = mlp.entry.dtype or ir.DataType.FLOAT
     hd = mlp.hidden
 
+    for node in att.nodes():
+        _tag([node], n, "norm" if node.op_type in gu.NORM_OPS else "attention")
     past_cache = _graph_input(graph, f"past_mlp_cache.{n}", dtype, [batch, L, hd])
     past_age = _graph_input(graph, f"past_mlp_age.{n}", ir.DataType.INT64, [batch, L])
 
