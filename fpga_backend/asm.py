@@ -64,8 +64,8 @@ def disassemble_lines(program: Program) -> Iterator[str]:
     for b, bundle in enumerate(program.bundles):
         yield f"bundle ; {b}"
         for s in range(cores + 1):
-            if int(bundle[s]["opcode"]) == isa.Op.NOP:
-                continue
+            if int(bundle[s]["opcode"]) == isa.Op.NOP and not bundle[s].tobytes().strip(b"\0"):
+                continue  # an all-zero NOP is the default of an unlisted slot
             slot = "ctl" if s == cores else f"c{s}"
             yield f"  {slot:<3} {_instr_text(bundle[s])}"
 
@@ -173,7 +173,7 @@ def assemble(lines: str | Iterable[str]) -> Program:
             raise FastCarError(f"line {lineno}: unknown slot {slot_name!r}; use c0..c{cores - 1} or ctl")
         if len(tokens) < 2:
             raise FastCarError(f"line {lineno}: slot {slot_name} has no instruction")
-        if int(current[slot]["opcode"]) != isa.Op.NOP:
+        if current[slot].tobytes().strip(b"\0"):
             raise FastCarError(f"line {lineno}: slot {slot_name} given twice in one bundle")
         current[slot] = _parse_instr(tokens[1:], lineno, limits)
     if meta is None or cores is None:

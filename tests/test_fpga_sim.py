@@ -1,0 +1,161 @@
+"""Timing simulator: counters equal analytic totals from the model dims; scheduling properties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fastcar_compile.fpga_backend import ModelSpec, build_program, load_board
+from fastcar_compile.fpga_backend import masks as M
+from fastcar_compile.fpga_backend.simulate import Simulator
+
+SPEC = ModelSpec(layers=3, hidden=128, intermediate=352, heads=4, kv_heads=2, head_dim=32, vocab=200, frame_tokens=4,
+                 replay_layers=(0, 2))
+CTX = 37
+
+
+def _sim(board: str, batch: int, **over) -> Simulator:
+    cfg = load_board(board).replace(weight_buffer_kib=16, **over)
+    return Simulator(build_program(SPEC, cfg, batch=batch, context=CTX))
+
+
+def _analytic(spec: ModelSpec, replay: np.ndarray, ctx: int, stream: str, cores: int) -> dict[str, float]:
+    """Totals for one step from the dims alone; replay (layers, batch); static block binding for per-core."""
+    h, i, v, dt = spec.hidden, spec.intermediate, spec.vocab, spec.dtype_bytes
+    qd, kvd = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    batch = replay.shape[1]
+    per = -(-batch // cores)
+    core_of = np.arange(batch) // per
+    used = len(set(core_of))
+    attn_w = h * qd + 2 * h * kvd + qd * h
+    mlp_w = 3 * h * i
+    macs = batch * (h * v)
+    wbytes = (h + 0) * v * dt * (used if stream == "per_core" else 1)
+    kv = 0.0
+    for layer in range(spec.layers):
+        rep = replay[layer] if layer in spec.replay_layers else np.zeros(batch, bool)
+        computing = ~rep
+        macs += batch * (attn_w + 2 * ctx * spec.head_dim * spec.heads) + computing.sum() * mlp_w
+        if stream == "broadcast":
+            wbytes += attn_w * dt + (mlp_w * dt if computing.any() else 0)
+        else:
+            wbytes += attn_w * dt * used + mlp_w * dt * len(set(core_of[computing]))
+        kv += batch * (2 * ctx * kvd + 2 * kvd) * dt
+    return {"macs": macs, "weights": wbytes, "kv": kv,
+            "replay_cache": len(spec.replay_layers) * batch * h * dt, "activations": batch * h * dt}
+
+
+@pytest.mark.parametrize("board,batch,stream,policy", [
+    ("kv260", 1, "broadcast", "static"), ("kv260", 6, "broadcast", "drs"), ("u280", 13, "per_core", "static"),
+    ("zcu102", 32, "broadcast", "static"), ("zcu102", 5, "per_core", "static"),
+])
+def test_counters_equal_analytic_totals(board, batch, stream, policy):
+    sim = _sim(board, batch)
+    rng = np.random.default_rng(batch)
+    replay = rng.random((4, SPEC.layers, batch)) < 0.6
+    replay[1, 0, :] = True  # one layer where every row replays: the broadcast stream is skipped
+    res = sim.run(replay, CTX, policy=policy, stream=stream)
+    want = {k: 0.0 for k in ("macs", "weights", "kv", "replay_cache", "activations")}
+    for s in range(replay.shape[0]):
+        for k, val in _analytic(SPEC, replay[s], CTX, stream, sim.C).items():
+            want[k] += val
+    assert res.macs == pytest.approx(want["macs"], rel=1e-12)
+    for k in ("weights", "kv", "replay_cache", "activations"):
+        assert res.dram_bytes[k] == pytest.approx(want[k], rel=1e-12), k
+    # time can never beat the DRAM or the MAC-array floor
+    floor = max(sum(res.dram_bytes.values()) / sim.board.dram_bytes_per_cycle, res.macs / sim.board.macs_per_cycle)
+    assert res.cycles >= floor
+    np.testing.assert_allclose(res.core_busy + res.core_stall + res.core_idle, res.cycles, rtol=1e-9)
+    assert 0 < res.utilisation <= 1
+
+
+def test_context_grows_kv_reads_and_replay_never_skips_them():
+    sim = _sim("kv260", 4)
+    none = np.zeros((1, SPEC.layers, 4), bool)
+    allr = np.ones((1, SPEC.layers, 4), bool)
+    a = sim.run(none, 10, policy="static")
+    b = sim.run(none, 200, policy="static")
+    c = sim.run(allr, 200, policy="static")
+    kvd = SPEC.kv_heads * SPEC.head_dim
+    assert b.dram_bytes["kv"] - a.dram_bytes["kv"] == SPEC.layers * 4 * 2 * 190 * kvd * 2
+    assert c.dram_bytes["kv"] == b.dram_bytes["kv"]
+    assert b.cycles > a.cycles
+
+
+COMPUTE_BOUND = {"dram_gbps": 1e5}  # DRAM effectively free: the MAC arrays set the pace
+
+
+@pytest.mark.parametrize("board,batch", [("kv260", 8), ("u280", 16), ("zcu102", 11), ("u280", 1)])
+@pytest.mark.parametrize("policy", ["static", "drs"])
+def test_more_replay_never_costs_more_when_compute_bound(board, batch, policy):
+    sim = _sim(board, batch, **COMPUTE_BOUND)
+    ratios = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    for seed in range(3):
+        nested = M.nested(ratios, batch, SPEC.layers, steps=3, seed=seed)
+        cycles = [sim.run(m, CTX, policy=policy).cycles for m in nested]
+        assert all(b <= a for a, b in zip(cycles, cycles[1:], strict=False)), cycles
+        assert cycles[-1] < cycles[0]
+
+
+@pytest.mark.parametrize("board,batch,stream,over", [
+    ("kv260", 8, "broadcast", {}), ("u280", 16, "broadcast", {}), ("u280", 16, "per_core", {}),
+    ("zcu102", 32, "broadcast", COMPUTE_BOUND), ("kv260", 7, "per_core", COMPUTE_BOUND), ("u280", 3, "broadcast", {}),
+])
+def test_drs_never_slower_than_static_and_equal_without_replay(board, batch, stream, over):
+    sim = _sim(board, batch, **over)
+    for kind in M.MASK_KINDS:
+        for ratio in (0.1, 0.5, 0.87):
+            replay = M.synthetic(ratio, batch, SPEC.layers, 4, kind=kind, seed=3, replayable=frozenset(SPEC.replay_layers))
+            s = sim.run(replay, CTX, policy="static", stream=stream)
+            d = sim.run(replay, CTX, policy="drs", stream=stream)
+            assert d.cycles <= s.cycles + 1e-6
+            assert d.macs == s.macs
+    none = np.zeros((2, SPEC.layers, batch), bool)
+    s = sim.run(none, CTX, policy="static", stream=stream)
+    d = sim.run(none, CTX, policy="drs", stream=stream)
+    assert d.cycles == s.cycles and d.remaps == 0
+    assert d.dram_bytes == s.dram_bytes and d.macs == s.macs
+    np.testing.assert_array_equal(d.core_busy, s.core_busy)
+
+
+def test_drs_rebalances_a_clustered_mask_when_compute_bound():
+    batch = 16
+    sim = _sim("u280", batch, drs_overhead=20, **COMPUTE_BOUND)  # tiny model: its MLP is only ~100s of cycles
+    replay = np.zeros((1, SPEC.layers, batch), bool)
+    replay[0, :, 8:] = True  # rows 8-15 replay: cores 4-7 of the block binding fall idle
+    s = sim.run(replay, CTX, policy="static")
+    d = sim.run(replay, CTX, policy="drs")
+    assert d.remaps == len(SPEC.replay_layers)
+    assert d.cycles < s.cycles
+    assert d.drs_cycles == len(SPEC.replay_layers) * sim.board.drs_overhead
+    # the busiest core carries half the MLP rows under DRS: idle spread is smaller
+    assert np.ptp(d.core_busy) < np.ptp(s.core_busy)
+    # a remap that costs more than it saves is not taken
+    costly = Simulator(sim.program, sim.board.replace(drs_overhead=10**6))
+    assert costly.run(replay, CTX, policy="drs").cycles == costly.run(replay, CTX, policy="static").cycles
+
+
+def test_broadcast_saves_weight_traffic_only_when_every_row_skips():
+    sim = _sim("kv260", 4)
+    one = np.zeros((1, SPEC.layers, 4), bool)
+    one[0, 0, :3] = True
+    allr = one.copy()
+    allr[0, 0, :] = True
+    base = sim.run(np.zeros_like(one), CTX, policy="static")
+    a = sim.run(one, CTX, policy="static")
+    b = sim.run(allr, CTX, policy="static")
+    mlp_bytes = 3 * SPEC.hidden * SPEC.intermediate * SPEC.dtype_bytes
+    assert a.dram_bytes["weights"] == base.dram_bytes["weights"]
+    assert base.dram_bytes["weights"] - b.dram_bytes["weights"] == mlp_bytes
+    assert b.cycles < base.cycles  # batch 4 on a KV260 is bound by weight streaming
+
+
+def test_board_override_must_keep_structure():
+    sim = _sim("kv260", 2)
+    faster = sim.board.replace(clock_mhz=600.0)
+    Simulator(sim.program, faster)
+    from fastcar_compile.errors import FastCarError
+
+    with pytest.raises(FastCarError, match="recompile"):
+        Simulator(sim.program, sim.board.replace(cores=2))
+    with pytest.raises(FastCarError, match="exceeds"):
+        sim.run(np.zeros((1, SPEC.layers, 4), bool), CTX, batch=4)
