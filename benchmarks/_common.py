@@ -1,0 +1,203 @@
+"""Shared pieces of the benchmarks: a LLaMA-style decoder from a config, its dynamo export with the I/O contract
+of the compiler (input_ids, attention_mask, position_ids, past_key_values.N.key|value -> logits,
+present.N.key|value), and ONNX Runtime sessions.
+
+Kept here (not imported from tests/) so `python benchmarks/<script>.py` runs from any checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_CACHE = Path(os.environ.get("FASTCAR_BENCH_CACHE", Path.home() / ".cache" / "fastcar-bench"))
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The sizes that define the benchmark decoder (the cache key of its export)."""
+
+    hidden: int = 1024
+    layers: int = 8
+    heads: int = 16
+    kv_heads: int = 8
+    intermediate: int = 2816
+    vocab: int = 2048
+    max_pos: int = 4096
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def tag(self) -> str:
+        return "llama-" + "-".join(f"{k}{v}" for k, v in asdict(self).items())
+
+
+def llama_config(shape: LlamaShape):
+    """transformers LlamaConfig with SDPA attention (what a user exports)."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        vocab_size=shape.vocab,
+        max_position_embeddings=shape.max_pos,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    ins = ["input_ids", "attention_mask", "position_ids"]
+    outs = ["logits"]
+    for i in range(num_layers):
+        ins += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        outs += [f"present.{i}.key", f"present.{i}.value"]
+    return ins, outs
+
+
+def flat_kv_wrapper(model, num_layers: int):
+    """A module taking flat KV tensors and returning flat presents (the exported I/O contract)."""
+    import torch
+
+    class FlatKVWrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            from transformers import DynamicCache
+
+            pairs = [(past[2 * i], past[2 * i + 1]) for i in range(num_layers)]
+            cache = DynamicCache(pairs, config=self.model.config)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=cache, use_cache=True, return_dict=True)
+            flat = []
+            for layer in out.past_key_values.layers[:num_layers]:
+                flat += [layer.keys, layer.values]
+            return (out.logits, *flat)
+
+    return FlatKVWrapper().eval()
+
+
+def example_inputs(shape: LlamaShape, device: str = "cpu", batch: int = 2, seq: int = 3, past: int = 5):
+    """Distinct batch/seq/past sizes so the exporter keeps them dynamic."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape.vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    pos = torch.arange(past, past + seq, dtype=torch.int64).unsqueeze(0).expand(batch, seq).contiguous()
+    kv = [torch.randn(batch, shape.kv_heads, past, shape.head_dim, generator=g) for _ in range(2 * shape.layers)]
+    return tuple(t.to(device) for t in (ids, mask, pos, *kv))
+
+
+def dynamic_shapes(num_layers: int):
+    kv = tuple({0: "batch", 2: "past"} for _ in range(2 * num_layers))
+    return ({0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, {0: "batch", 1: "seq"}, kv)
+
+
+def export_program(wrapper, shape: LlamaShape, inputs, *, optimize: bool, opset: int = 20):
+    """torch.onnx.export (dynamo) of the wrapper; returns the ONNXProgram."""
+    import torch
+
+    ins, outs = io_names(shape.layers)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        return torch.onnx.export(wrapper, inputs, input_names=ins, output_names=outs,
+                                 dynamic_shapes=dynamic_shapes(shape.layers), opset_version=opset, dynamo=True,
+                                 optimize=optimize, verbose=False)
+
+
+def build_random_llama(shape: LlamaShape, seed: int = 0):
+    """Seeded random float32 LlamaForCausalLM (weights ~ 1/sqrt(fan_in), so activations stay O(1))."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(llama_config(shape)).eval().float()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                std = 1.0 if "embed" in name else 1.0 / (p.shape[-1] ** 0.5)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def cached_export(shape: LlamaShape, cache_dir: Path, seed: int = 0) -> Path:
+    """Export the seeded model once (dynamo, opset 20) into cache_dir/<tag>/model.onnx; reuse it afterwards."""
+    import onnx
+    import torch
+
+    folder = Path(cache_dir) / f"{shape.tag()}-seed{seed}"
+    path = folder / "model.onnx"
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    print(f"exporting {shape} (cached in {folder}) ...", file=sys.stderr)
+    model = build_random_llama(shape, seed)
+    prog = export_program(flat_kv_wrapper(model, shape.layers), shape, example_inputs(shape), optimize=True)
+    tmp = folder / ".model.tmp.onnx"
+    prog.save(str(tmp))
+    onnx.save(onnx.load(str(tmp)), str(tmp))  # one self-contained file (< 2 GB)
+    for side in folder.glob(".model.tmp.onnx.data"):
+        side.unlink()
+    os.replace(tmp, path)
+    return path
+
+
+def make_session(path: str | Path, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3  # the overridable-initializer warning of fast.onnx is by design
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def past_name_for(output_name: str) -> str | None:
+    """present.N.key -> past_key_values.N.key; present_X -> past_X (the FastCar state pairs of DESIGN.md)."""
+    if output_name.startswith("present."):
+        return "past_key_values." + output_name[len("present."):]
+    if output_name.startswith("present_"):
+        return "past_" + output_name[len("present_"):]
+    return None
+
+
+_ORT_TO_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+
+
+def empty_state(sess, batch: int, frame_tokens: int) -> dict[str, np.ndarray]:
+    """Empty KV cache and a new video's FastCar state (caches 0, ages -1)."""
+    state: dict[str, np.ndarray] = {}
+    for inp in sess.get_inputs():
+        name, shp, dtype = inp.name, list(inp.shape), _ORT_TO_NP[inp.type]
+        if name.startswith("past_key_values."):
+            state[name] = np.zeros((batch, shp[1], 0, shp[3]), dtype=dtype)
+        elif name.startswith("past_mlp_cache."):
+            state[name] = np.zeros((batch, frame_tokens, shp[2]), dtype=dtype)
+        elif name.startswith("past_mlp_age."):
+            state[name] = np.full((batch, frame_tokens), -1, dtype=dtype)
+    return state
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
