@@ -65,6 +65,7 @@ class DecodeState:
     video_start: int
     owner: str
     attention_mask: np.ndarray  # [batch, past_len] int64: 0 for left padding
+    consumed: bool = False  # set when a step updated these arrays in place (native kernels)
 
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.arrays.values()))
@@ -106,7 +107,7 @@ class FastCarSession:
 
     def __init__(self, path: str | os.PathLike, providers: Sequence[str] | None = None,
                  session_options: Any = None, *, frame_tokens: int | None = None,
-                 native: bool | None = None, threads: int = DEFAULT_THREADS):
+                 native: bool | None = None, threads: int = DEFAULT_THREADS, inplace: bool | None = None):
         ort = _ort()
         self.path = Path(path)
         if not self.path.is_file():
@@ -159,6 +160,13 @@ class FastCarSession:
         self.specs: list[StateSpec] = self._pair_state()
         self.has_diagnostics = all(f"tas.{n}" in self._outputs for n in self.layers) and bool(self.layers)
         self.signature = self._signature()
+        if inplace and self.native_library is None:
+            raise FastCarError("inplace=True needs the native kernels (the function bodies would read the "
+                               "cache while overwriting it); build them or drop inplace")
+        # in place: present_mlp_* are bound to the buffers of past_mlp_*, so the cache is never copied
+        self._vocab: int | None = None
+        self._logits_dtype = np.dtype(np.float32)
+        self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
 
     # ------------------------------------------------------------------ I/O pairing
     def _count_kv_layers(self) -> int:
@@ -240,6 +248,9 @@ class FastCarSession:
         """Refuse state made by another model or with wrong shapes/dtypes (clear error, not an ORT crash)."""
         if not isinstance(state, DecodeState):
             raise FastCarError(f"state must be a DecodeState from FastCarSession.new_state, got {type(state)}")
+        if state.consumed:
+            raise FastCarError("this state was updated in place by a later step (native kernels); continue "
+                               "from the newest state, or create the session with inplace=False")
         if state.owner != self.signature:
             raise FastCarError(f"this state was made by another model (signature {state.owner}, this model "
                                f"{self.signature}); call new_state() on this session")
@@ -305,10 +316,12 @@ class FastCarSession:
             feeds["fastcar_threshold"] = self.threshold_array(threshold)
         feeds.update(state.arrays)
         try:
-            outs = self.session.run(self.output_names, feeds)
+            res = self._run_inplace(feeds, state, seq) if self.inplace else None
+            if res is None:
+                res = dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=True))
+                self._vocab, self._logits_dtype = res["logits"].shape[-1], res["logits"].dtype
         except Exception as exc:
             raise FastCarError(f"ONNX Runtime failed on {self.path.name}: {exc}") from exc
-        res = dict(zip(self.output_names, outs, strict=True))
         arrays = {s.input: res[s.output] for s in self.specs}
         new_state = DecodeState(arrays, b, state.past_len + seq, state.video_start, state.owner, mask)
         out = StepOutput(res["logits"], new_state)
@@ -317,6 +330,54 @@ class FastCarSession:
             if self.has_diagnostics:
                 out.tas = np.stack([res[f"tas.{n}"] for n in self.layers]).astype(np.float32)
         return out
+
+    def _run_inplace(self, feeds: dict[str, np.ndarray], state: DecodeState, seq: int
+                     ) -> dict[str, np.ndarray] | None:
+        """Run with every output preallocated; present_mlp_* preallocated as the past_mlp_* buffers.
+
+        ORT then writes the native MLPCacheUpdate result straight into the input buffer: no copy of the
+        cache per step. IO binding cannot do this here (it refuses to bind inputs that have a default
+        initializer, like video_start), so this uses ORT's OrtValue-vector run. Returns None when an
+        output's shape cannot be predicted (the caller then runs normally).
+        """
+        if self._vocab is None:
+            return None
+        ort = _ort()
+        from onnxruntime.capi import _pybind_state as C
+
+        b = state.batch
+        fast = {s.output: s.input for s in self.specs if s.kind == "fastcar"}
+        kv = {s.output: s for s in self.specs if s.kind == "kv"}
+        outs: dict[str, np.ndarray] = {}
+        for name in self.output_names:
+            if name in fast:
+                a = feeds[fast[name]]
+                if not (a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"] and a.flags["OWNDATA"]):
+                    a = feeds[fast[name]] = state.arrays[fast[name]] = np.array(a)
+                outs[name] = a
+            elif name in kv:
+                sp = kv[name]
+                dims = [b if d == "batch" else state.past_len + seq if d == "past" else d for d in sp.shape]
+                outs[name] = np.empty(dims, dtype=sp.dtype)
+            elif name == "logits":
+                outs[name] = np.empty((b, seq, self._vocab), dtype=self._logits_dtype)
+            elif name.startswith(("tas.", "replay_mask.")):
+                outs[name] = np.empty((b, seq), dtype=np.float32 if name.startswith("tas.") else np.bool_)
+            else:
+                return None
+        names = list(feeds)
+        fv, ov = C.OrtValueVector(), C.OrtValueVector()
+        keep = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feeds[n])) for n in names]
+        for v in keep:
+            fv.push_back(v._ortvalue)
+        okeep = [ort.OrtValue.ortvalue_from_numpy(outs[n]) for n in self.output_names]
+        for v in okeep:
+            ov.push_back(v._ortvalue)
+        dev = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+        self.session._sess.run_with_ortvaluevector(C.RunOptions(), names, fv, self.output_names, ov,
+                                                   [dev] * len(self.output_names))
+        state.consumed = True
+        return outs
 
     def _replay_of(self, res: dict[str, np.ndarray], state: DecodeState, seq: int) -> np.ndarray | None:
         """Which rows replayed the MLP of each rewritten layer this step ([layers, batch]); None for prefill.

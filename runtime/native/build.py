@@ -1,0 +1,149 @@
+"""Build the native ai.fastcar kernels (libfastcar_ops.so) from fastcar_ops.cc; skip cleanly when impossible.
+
+ONNX Runtime's Python wheel ships no C headers. Searched in order:
+  1. $ORT_INCLUDE_DIR (a folder holding onnxruntime_c_api.h),
+  2. Debian/Ubuntu `libonnxruntime-dev` (/usr/include/onnxruntime; Debian trixie has 1.21),
+  3. a header cache (~/.cache/fastcar-compile/ort-include), filled once from the npm registry package
+     `com.github.asus4.onnxruntime` (MIT; ships ORT 1.2x headers) with `npm pack` when npm exists and
+     FASTCAR_NATIVE_FETCH is not 0. Only the header files are kept.
+The kernels use no symbol from libonnxruntime (the API table arrives at registration), so nothing is
+linked. Exit code 0 both when built and when skipped (the function bodies then run); 1 only when a
+compiler was found and the build failed.
+
+    python runtime/native/build.py [--force] [--quiet]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE / "fastcar_ops.cc"
+OUT_DIR = HERE / "build"
+LIB = OUT_DIR / "libfastcar_ops.so"
+NPM_PACKAGE = "com.github.asus4.onnxruntime@0.4.9"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastcar-compile" / "ort-include"
+NEEDED = ("onnxruntime_c_api.h", "onnxruntime_cxx_api.h", "onnxruntime_cxx_inline.h", "onnxruntime_float16.h",
+          "onnxruntime_lite_custom_op.h")
+MIN_API = 21
+
+
+def _has_headers(d: Path) -> bool:
+    return all((d / h).is_file() for h in NEEDED)
+
+
+def _api_version(d: Path) -> int:
+    m = re.search(r"#define ORT_API_VERSION (\d+)", (d / "onnxruntime_c_api.h").read_text(errors="replace"))
+    return int(m.group(1)) if m else 0
+
+
+def _fetch_npm(log) -> Path | None:
+    """Unpack only the ORT headers from the npm package into the cache (one download, ~150 MB)."""
+    npm = shutil.which("npm")
+    if npm is None or os.environ.get("FASTCAR_NATIVE_FETCH", "1") == "0":
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        log(f"fetching ORT headers: npm pack {NPM_PACKAGE}")
+        r = subprocess.run([npm, "pack", NPM_PACKAGE, "--silent"], cwd=tmp, capture_output=True, text=True,
+                           timeout=600)
+        tgz = [p for p in Path(tmp).glob("*.tgz")]
+        if r.returncode != 0 or not tgz:
+            log(f"npm pack failed: {r.stderr.strip()[-300:]}")
+            return None
+        part = CACHE.with_name(CACHE.name + ".part")
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir(parents=True)
+        with tarfile.open(tgz[0]) as tf:
+            members = [m for m in tf.getmembers() if m.isfile() and "ios-arm64_x86_64-simulator/" in m.name
+                       and "/Headers/" in m.name and m.name.endswith(".h")]
+            lic = [m for m in tf.getmembers() if m.name == "package/LICENSE"]
+            for m in members + lic:
+                f = tf.extractfile(m)
+                if f is not None:
+                    (part / Path(m.name).name).write_bytes(f.read())
+        if not _has_headers(part):
+            shutil.rmtree(part, ignore_errors=True)
+            log("npm package did not contain the ORT headers")
+            return None
+        shutil.rmtree(CACHE, ignore_errors=True)
+        os.replace(part, CACHE)
+    return CACHE
+
+
+def find_headers(log=print, fetch: bool = True) -> Path | None:
+    """The folder of onnxruntime_c_api.h and friends, or None."""
+    cands = [os.environ.get("ORT_INCLUDE_DIR"), "/usr/include/onnxruntime",
+             "/usr/include/onnxruntime/core/session", "/usr/local/include/onnxruntime", str(CACHE)]
+    for c in cands:
+        if c and _has_headers(Path(c)):
+            return Path(c)
+    return _fetch_npm(log) if fetch else None
+
+
+def _ort_api_supported() -> int:
+    """Highest C API version the installed onnxruntime serves (1.N -> N)."""
+    import onnxruntime
+
+    m = re.match(r"1\.(\d+)", onnxruntime.__version__)
+    return int(m.group(1)) if m else 0
+
+
+def build(force: bool = False, log=print) -> Path | None:
+    """Compile the library if needed; return its path, or None when skipped."""
+    if LIB.is_file() and not force and LIB.stat().st_mtime >= SRC.stat().st_mtime:
+        log(f"up to date: {LIB}")
+        return LIB
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        log("skipped: no C++ compiler (install g++); ORT will run the function bodies")
+        return None
+    inc = find_headers(log)
+    if inc is None:
+        log("skipped: ONNX Runtime C headers not found (set ORT_INCLUDE_DIR, install libonnxruntime-dev, "
+            "or allow the npm fetch); ORT will run the function bodies")
+        return None
+    api, have = _api_version(inc), _ort_api_supported()
+    if api < MIN_API or api > have:
+        log(f"skipped: headers are C API {api}, installed onnxruntime serves up to {have} (need {MIN_API}..{have})")
+        return None
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = OUT_DIR / f".{LIB.name}.{os.getpid()}.tmp"
+    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-march=x86-64-v2",
+           f"-I{inc}", str(SRC), "-o", str(tmp)]
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        cmd.remove("-march=x86-64-v2")
+    log(" ".join(cmd))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        log(r.stderr[-4000:])
+        raise RuntimeError("native build failed (see the compiler output above)")
+    os.replace(tmp, LIB)
+    log(f"built {LIB} (ORT C API {api})")
+    return LIB
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    log = (lambda *_: None) if a.quiet else (lambda m: print(f"native: {m}", file=sys.stderr))
+    try:
+        build(a.force, log)
+    except RuntimeError as exc:
+        print(f"native: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Native ai.fastcar kernels vs the model-local function bodies (max abs diff <= 1e-5), where they build."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from fastcar_compile.runtime.native import build
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def native_lib():
+    try:
+        lib = build.build(log=lambda *_: None)
+    except RuntimeError as exc:  # a compiler exists but the build broke: that is a failure, not a skip
+        pytest.fail(str(exc))
+    if lib is None:
+        pytest.skip("native kernels cannot be built here (no compiler or ORT headers)")
+    return lib
+
+
+def _ops_model(L: int, max_replay: int, opset: int = 20) -> onnx.ModelProto:
+    """q, key, age, cache, branch -> the three ops chained as the compiler wires them."""
+    from fastcar_compile.passes.fastcar_ops import DOMAIN, function_proto
+
+    f = TensorProto.FLOAT
+    i64 = TensorProto.INT64
+    nodes = [
+        helper.make_node("TemporalGate", ["q", "key", "age", "threshold", "video_start"],
+                         ["replay", "tas", "slot", "write"], domain=DOMAIN, frame_tokens=L, max_replay=max_replay),
+        helper.make_node("MLPCacheRead", ["cache", "slot"], ["cached"], domain=DOMAIN),
+        helper.make_node("Unsqueeze", ["replay", "axis2"], ["replay3"]),
+        helper.make_node("Where", ["replay3", "cached", "fresh"], ["branch"]),
+        helper.make_node("MLPCacheUpdate", ["cache", "age", "branch", "replay", "slot", "write"],
+                         ["new_cache", "new_age"], domain=DOMAIN),
+    ]
+    ins = [helper.make_tensor_value_info("q", f, ["B", "H", "S", "D"]),
+           helper.make_tensor_value_info("key", f, ["B", "Hkv", "T", "D"]),
+           helper.make_tensor_value_info("age", i64, ["B", L]),
+           helper.make_tensor_value_info("threshold", f, []),
+           helper.make_tensor_value_info("video_start", i64, []),
+           helper.make_tensor_value_info("cache", f, ["B", L, "Hd"]),
+           helper.make_tensor_value_info("fresh", f, ["B", "S", "Hd"])]
+    outs = [helper.make_tensor_value_info(n, t, None) for n, t in
+            (("replay", TensorProto.BOOL), ("tas", f), ("slot", i64), ("write", TensorProto.BOOL),
+             ("cached", f), ("new_cache", f), ("new_age", i64))]
+    axis = helper.make_tensor("axis2", i64, [1], [2])
+    g = helper.make_graph(nodes, "fastcar_ops", ins, outs, [axis])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)],
+                          functions=[function_proto(op, opset) for op in ("TemporalGate", "MLPCacheRead",
+                                                                           "MLPCacheUpdate")])
+    m.ir_version = 10
+    return m
+
+
+def _session(model: onnx.ModelProto, lib) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    if lib is not None:
+        so.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+CASES = [  # B, H, Hkv, S, D, L, Hd, past, video_start, max_replay
+    (8, 4, 2, 1, 16, 8, 32, 20, 3, 0),     # decode step, GQA: rows replay and compute
+    (1, 4, 4, 1, 8, 4, 16, 9, 2, 2),       # MHA, drift guard
+    (3, 8, 2, 1, 16, 8, 64, 5, 0, 0),      # aligned index < video_start: never eligible
+    (2, 4, 2, 6, 16, 4, 32, 0, 3, 0),      # prefill longer than a frame: only the last L video tokens write
+    (2, 4, 2, 3, 16, 8, 32, 11, 4, 0),     # multi-token step: no replay, writes
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_native_equals_function_bodies(native_lib, case):
+    B, H, Hkv, S, D, L, Hd, past, vs, K = case
+    rng = np.random.default_rng(sum(case))
+    T = past + S
+    feeds = {
+        "q": rng.standard_normal((B, H, S, D)).astype(np.float32),
+        "key": rng.standard_normal((B, Hkv, T, D)).astype(np.float32),
+        "age": rng.integers(-1, 4, (B, L)).astype(np.int64),
+        "threshold": np.array(0.0, np.float32),
+        "video_start": np.array(vs, np.int64),
+        "cache": rng.standard_normal((B, L, Hd)).astype(np.float32),
+        "fresh": rng.standard_normal((B, S, Hd)).astype(np.float32),
+    }
+    m = _ops_model(L, K)
+    ref = _session(m, None).run(None, feeds)
+    got = _session(m, native_lib).run(None, feeds)
+    names = [o.name for o in m.graph.output]
+    for n, a, b in zip(names, ref, got, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, n
+        if a.dtype == np.float32:
+            np.testing.assert_allclose(b, a, atol=1e-5, rtol=0, err_msg=n)
+        else:
+            np.testing.assert_array_equal(b, a, err_msg=n)
+    if case == CASES[0]:  # the comparison covered both decisions
+        assert ref[0].any() and not ref[0].all()
+
+
+def test_native_in_place_update(native_lib):
+    """Binding present_mlp_cache to past_mlp_cache's buffer updates it in place, same values as the copy."""
+    B, H, Hkv, S, D, L, Hd, past, vs = 2, 4, 2, 1, 16, 8, 32, 20, 3
+    rng = np.random.default_rng(5)
+    feeds = {
+        "q": rng.standard_normal((B, H, S, D)).astype(np.float32),
+        "key": rng.standard_normal((B, Hkv, past + S, D)).astype(np.float32),
+        "age": rng.integers(0, 3, (B, L)).astype(np.int64),
+        "threshold": np.array(-0.5, np.float32),
+        "video_start": np.array(vs, np.int64),
+        "cache": rng.standard_normal((B, L, Hd)).astype(np.float32),
+        "fresh": rng.standard_normal((B, S, Hd)).astype(np.float32),
+    }
+    m = _ops_model(L, 0)
+    want = _session(m, None).run(["new_cache", "new_age"], feeds)
+    sess = _session(m, native_lib)
+    cache, age = feeds["cache"].copy(), feeds["age"].copy()
+    io = sess.io_binding()
+    for k, v in feeds.items():
+        arr = {"cache": cache, "age": age}.get(k, v)
+        io.bind_cpu_input(k, arr)
+    io.bind_output("new_cache", "cpu", 0, np.float32, list(cache.shape), cache.ctypes.data)
+    io.bind_output("new_age", "cpu", 0, np.int64, list(age.shape), age.ctypes.data)
+    sess.run_with_iobinding(io)
+    np.testing.assert_allclose(cache, want[0], atol=1e-6)
+    np.testing.assert_array_equal(age, want[1])
