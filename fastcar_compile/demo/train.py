@@ -26,13 +26,13 @@ from fastcar_compile.demo.tokenizer import PatchTokenizer, train_tokenizer
 class TrainSettings:
     clips: int = 6000
     frames: int = 8
-    steps: int = 450
+    steps: int = 240
     batch: int = 16
     lr: float = 2e-3
     warmup: int = 30
     weight_decay: float = 0.01
     seed: int = 0
-    threads: int = 2
+    threads: int = 1
     tokenizer_clips: int = 600
     codes: int = 512
     bf16: bool = True

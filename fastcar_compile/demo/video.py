@@ -22,6 +22,7 @@ class VideoRun:
     tokens: np.ndarray
     replay: np.ndarray
     step_ms: list[float] = field(default_factory=list)
+    tas: np.ndarray | None = None  # [steps, layers] when the model has diagnostics outputs
 
     @property
     def replay_ratio(self) -> float:
@@ -57,6 +58,7 @@ def generate_video(session, motion: str, frame0: np.ndarray, new_frames: int,
     # the last token is never fed, so there are n - 1 decode steps.
     replay = np.zeros((n - 1, len(session.layers)), dtype=bool)
     times: list[float] = []
+    tas = np.zeros((n - 1, len(session.layers)), np.float32) if session.has_diagnostics else None
     toks[0] = int(out.logits[0, -1, :CODES].argmax())
     for k in range(n - 1):
         t0 = time.perf_counter()
@@ -65,6 +67,8 @@ def generate_video(session, motion: str, frame0: np.ndarray, new_frames: int,
         state = out.state
         if out.replay is not None:
             replay[k] = out.replay[:, 0]
+        if tas is not None and out.tas is not None:
+            tas[k] = out.tas[:, 0, 0]
         toks[k + 1] = int(out.logits[0, -1, :CODES].argmax())
     frames = np.concatenate([np.asarray(frame0, np.int64), toks]).reshape(1 + new_frames, L)
-    return VideoRun(frames, replay, times)
+    return VideoRun(frames, replay, times, tas)

@@ -1,0 +1,87 @@
+"""`fastcar-compile demo`: compile the bundled video model, generate held-out clips dense and with FastCar.
+
+Prints a table (replay ratio, ms per token, speedup, PSNR/SSIM vs dense and vs ground truth) and writes
+into --out: demo.gif (ground truth | dense | FastCar | replay map), strip.png, replay_heatmap.png,
+results.json and the compiled fast.onnx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from fastcar_compile.errors import FastCarError
+
+DEFAULT_TAU = 0.0  # post-RoPE TAS threshold giving ~80% replay on the bundled model (docs/demo.md)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fastcar-compile demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/demo"), help="output folder")
+    ap.add_argument("--clips", type=int, default=6, help="held-out clips to generate (default 6)")
+    ap.add_argument("--frames", type=int, default=8, help="frames per clip incl. the given frame 0 (default 8)")
+    ap.add_argument("--tau", type=float, default=DEFAULT_TAU, help=f"TAS threshold (default {DEFAULT_TAU})")
+    ap.add_argument("--tas-query", choices=("rope", "raw"), default="rope")
+    ap.add_argument("--max-replay", type=int, default=0, help="drift guard: max consecutive replays (0 = off)")
+    ap.add_argument("--threads", type=int, default=1, help="ORT intra-op threads for both models (default 1)")
+    ap.add_argument("--seed", type=int, default=0, help="clip selection seed (default 0)")
+    return ap
+
+
+def table(rows: list[tuple[str, str]]) -> str:
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    if a.clips < 1:
+        raise FastCarError(f"--clips must be >= 1, got {a.clips}")
+    if a.frames < 2:
+        raise FastCarError(f"--frames must be >= 2 (frame 0 is given, the rest generated), got {a.frames}")
+    if a.threads < 1:
+        raise FastCarError(f"--threads must be >= 1, got {a.threads}")
+    from fastcar_compile.demo import data
+    from fastcar_compile.demo.evaluate import compile_bundled, load_tokenizer, run_clips, summarize
+    from fastcar_compile.demo.export import ONNX
+    from fastcar_compile.demo.visuals import write_gif, write_heatmap, write_strip
+
+    t0 = time.time()
+    out: Path = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer()
+    print(f"compiling {ONNX.name} (L={tok.tokens_per_frame}, tau={a.tau:g}, tas_query={a.tas_query}, "
+          f"max_replay={a.max_replay}) ...", flush=True)
+    fast = compile_bundled(out / "fast.onnx", a.tau, a.tas_query, a.max_replay, frame_tokens=tok.tokens_per_frame)
+    clips = data.make_clips("eval", a.clips, a.frames, seed=a.seed)
+    results = run_clips(ONNX, fast, clips, tok, a.tau, threads=a.threads)
+    s = summarize(results, tok, a.tau, a.tas_query, a.max_replay)
+    files = [write_gif(results, tok, out / "demo.gif"), write_strip(results, tok, out / "strip.png"),
+             write_heatmap(results, tok, out / "replay_heatmap.png",
+                           f"replay per token, tau={a.tau:g} ({100 * s.replay_ratio:.0f}% overall)")]
+    res = out / "results.json"
+    from fastcar_compile.demo.evaluate import atomic_bytes
+
+    atomic_bytes(res, json.dumps({"summary": s.to_dict(), "clips": [
+        {"motion": r.motion, "source": r.source, "replay_ratio": r.fast.replay_ratio} for r in results]},
+        indent=1).encode())
+    files.append(res)
+    print(f"\n{s.clips} held-out clips x {s.frames} frames ({s.frames - 1} generated, greedy), "
+          f"{a.threads} ORT thread(s)")
+    print(table([
+        ("replay ratio", f"{100 * s.replay_ratio:.1f}% of decode-step MLPs (ceiling {100 * s.replay_ceiling:.0f}%)"),
+        ("ms per token", f"dense {s.dense_ms:.3f}  FastCar {s.fast_ms:.3f}  (median decode step)"),
+        ("speedup", f"{s.speedup:.2f}x per token"),
+        ("token agreement", f"{100 * s.token_agreement:.1f}% of generated tokens equal dense"),
+        ("FastCar vs dense", f"PSNR {s.psnr_fast_vs_dense:.2f} dB  SSIM {s.ssim_fast_vs_dense:.3f}"),
+        ("FastCar vs truth", f"PSNR {s.psnr_fast_vs_gt:.2f} dB  SSIM {s.ssim_fast_vs_gt:.3f}"),
+        ("dense vs truth", f"PSNR {s.psnr_dense_vs_gt:.2f} dB  SSIM {s.ssim_dense_vs_gt:.3f}"),
+        ("tokenizer ceiling", f"PSNR {s.psnr_tokenizer:.2f} dB (encode/decode of the truth)"),
+    ]))
+    print(f"\nwrote {len(files)} files in {out} ({time.time() - t0:.0f} s):")
+    for f in files:
+        print(f"  {f}")
+    print(f"  {fast} (compiled model)")
+    return 0

@@ -1,0 +1,146 @@
+"""`fastcar-compile eval`: sweep tau on the bundled video model, dense vs FastCar, in ORT.
+
+For each TAS variant (post-RoPE `rope`, pre-RoPE `raw`) and drift guard (max_replay 0 = off, K), the
+thresholds are the quantiles of the TAS values seen along dense generations (so the sweep lands near the
+target replay ratios 20/50/80/90% whatever the TAS scale), plus never/always replay. Writes eval.json,
+eval.md (table) and eval.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fastcar_compile.errors import FastCarError
+
+TARGETS = (0.2, 0.5, 0.8, 0.9)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fastcar-compile eval", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/eval"))
+    ap.add_argument("--clips", type=int, default=8, help="held-out clips (default 8)")
+    ap.add_argument("--frames", type=int, default=8)
+    ap.add_argument("--targets", type=str, default=",".join(map(str, TARGETS)),
+                    help="replay ratios whose TAS quantiles become the swept thresholds")
+    ap.add_argument("--variants", type=str, default="rope,raw", help="TAS variants (rope, raw)")
+    ap.add_argument("--guard", type=int, default=2, help="drift guard K swept next to 0 = off (default 2)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--retime", type=int, default=2, help="clips re-timed dense next to each FastCar run")
+    return ap
+
+
+def _fmt_table(rows: list[dict]) -> str:
+    head = ("| TAS | guard K | tau | replay | ms/token dense | ms/token FastCar | speedup | token agree | "
+            "PSNR vs dense | SSIM vs dense | PSNR vs GT | SSIM vs GT | dense PSNR vs GT |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(f"| {r['tas_query']} | {r['max_replay']} | {r['tau']:.3g} | {100 * r['replay_ratio']:.1f}% | "
+                     f"{r['dense_ms']:.3f} | {r['fast_ms']:.3f} | {r['speedup']:.2f}x | "
+                     f"{100 * r['token_agreement']:.1f}% | {r['psnr_fast_vs_dense']:.2f} | "
+                     f"{r['ssim_fast_vs_dense']:.3f} | {r['psnr_fast_vs_gt']:.2f} | {r['ssim_fast_vs_gt']:.3f} | "
+                     f"{r['psnr_dense_vs_gt']:.2f} |")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import os
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    keys = sorted({(r["tas_query"], r["max_replay"]) for r in rows})
+    for q, k in keys:
+        sel = sorted([r for r in rows if (r["tas_query"], r["max_replay"]) == (q, k)], key=lambda r: r["replay_ratio"])
+        x = [100 * r["replay_ratio"] for r in sel]
+        lab = f"{q}, K={k}" if k else f"{q}, no guard"
+        axes[0].plot(x, [r["speedup"] for r in sel], "o-", label=lab)
+        axes[1].plot(x, [r["psnr_fast_vs_gt"] - r["psnr_dense_vs_gt"] for r in sel], "o-", label=lab)
+        axes[2].plot(x, [r["psnr_fast_vs_dense"] for r in sel], "o-", label=lab)
+    paper_r, paper_s = [0, 20, 50, 80], [1.0, 1.24, 1.45, 1.76]
+    axes[0].plot(paper_r, paper_s, "k--", label="paper (FPGA, VILA-U 7B)")
+    axes[0].set_ylabel("speedup per token (ORT CPU)")
+    axes[1].axhline(-1, color="grey", ls=":", label="-1 dB target")
+    axes[1].set_ylabel("PSNR vs truth: FastCar - dense (dB)")
+    axes[2].set_ylabel("PSNR FastCar vs dense (dB, 100 = equal)")
+    for ax in axes:
+        ax.set_xlabel("replay ratio (%)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        targets = [float(x) for x in a.targets.split(",") if x.strip()]
+    except ValueError:
+        raise FastCarError(f"--targets must be comma-separated numbers in (0, 1), got {a.targets!r}") from None
+    if not targets or any(not 0 < t < 1 for t in targets):
+        raise FastCarError(f"--targets must be comma-separated numbers in (0, 1), got {a.targets!r}")
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    if not variants or any(v not in ("rope", "raw") for v in variants):
+        raise FastCarError(f"--variants takes rope and/or raw, got {a.variants!r}")
+    if a.clips < 1 or a.frames < 2 or a.guard < 0:
+        raise FastCarError("--clips >= 1, --frames >= 2 and --guard >= 0 are required")
+    from fastcar_compile.demo import data
+    from fastcar_compile.demo.evaluate import (
+        atomic_bytes,
+        compile_bundled,
+        load_tokenizer,
+        run_clips,
+        summarize,
+    )
+    from fastcar_compile.demo.export import ONNX
+    from fastcar_compile.demo.video import generate_video, open_session
+
+    t0 = time.time()
+    out: Path = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer()
+    clips = data.make_clips("eval", a.clips, a.frames)
+    dense_s = open_session(ONNX, a.threads)
+    dense_runs = [generate_video(dense_s, c.motion, tok.encode(c.frames)[0], a.frames - 1) for c in clips]
+    rows: list[dict] = []
+    guards = [0] + ([a.guard] if a.guard else [])
+    for q in variants:
+        # TAS along the dense trajectories: a never-replaying model (tau = +inf) generates the dense video
+        diag = compile_bundled(out / f"diag-{q}.onnx", float("inf"), q, 0, diagnostics=True,
+                               frame_tokens=tok.tokens_per_frame)
+        sess = open_session(diag, a.threads)
+        tas = np.concatenate([generate_video(sess, c.motion, tok.encode(c.frames)[0], a.frames - 1,
+                                             threshold=float("inf")).tas.reshape(-1) for c in clips])
+        taus = [float(np.quantile(tas, 1 - t)) for t in targets] + [float("-inf")]
+        for k in guards:
+            for tau in taus:
+                fast = compile_bundled(out / "fast.onnx", tau, q, k, frame_tokens=tok.tokens_per_frame)
+                res = run_clips(ONNX, fast, clips, tok, tau, a.threads, progress=False, dense_runs=dense_runs,
+                                retime_dense=a.retime)
+                s = summarize(res, tok, tau, q, k).to_dict()
+                rows.append(s)
+                print(f"{q:4s} K={k} tau={tau:9.3g}: replay {100 * s['replay_ratio']:5.1f}%  "
+                      f"speedup {s['speedup']:.2f}x  PSNR vs GT {s['psnr_fast_vs_gt']:.2f} "
+                      f"(dense {s['psnr_dense_vs_gt']:.2f})  vs dense {s['psnr_fast_vs_dense']:.2f}", flush=True)
+    atomic_bytes(out / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
+                                                "threads": a.threads}, indent=1).encode())
+    table = _fmt_table(rows)
+    atomic_bytes(out / "eval.md", (table + "\n").encode())
+    _plot(rows, out / "eval.png")
+    print("\n" + table)
+    print(f"\nwrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'} ({time.time() - t0:.0f} s)")
+    return 0

@@ -1,0 +1,149 @@
+"""Dense vs FastCar on held-out clips: the numbers behind `fastcar-compile demo` and `eval`.
+
+Timing is per decode step (ms per token), median over steps, dense and FastCar sessions both with one ORT
+thread and run alternately clip by clip so machine noise hits both alike. Quality is measured on
+generated frames 1.. (frame 0 is given), against the dense model's frames and against the ground truth.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from fastcar_compile.demo import data
+from fastcar_compile.demo.export import ONNX, TOKENIZER
+from fastcar_compile.demo.metrics import psnr, ssim
+from fastcar_compile.demo.tokenizer import PatchTokenizer
+from fastcar_compile.demo.video import VideoRun, generate_video, open_session
+from fastcar_compile.errors import FastCarError
+
+
+@dataclass
+class ClipResult:
+    motion: str
+    source: str
+    gt: np.ndarray  # [T, H, W, 3] uint8 ground truth pixels
+    dense: VideoRun
+    fast: VideoRun
+    dense_step_ms: list[float] | None = None  # dense re-timed next to this FastCar run (tau sweeps)
+
+
+@dataclass
+class Summary:
+    """One row of the demo/eval table."""
+
+    tau: float
+    tas_query: str
+    max_replay: int
+    replay_ratio: float
+    replay_ceiling: float
+    dense_ms: float
+    fast_ms: float
+    speedup: float
+    token_agreement: float
+    psnr_fast_vs_dense: float
+    ssim_fast_vs_dense: float
+    psnr_fast_vs_gt: float
+    ssim_fast_vs_gt: float
+    psnr_dense_vs_gt: float
+    ssim_dense_vs_gt: float
+    psnr_tokenizer: float
+    clips: int
+    frames: int
+    per_motion: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compile_bundled(out: Path, tau: float, tas_query: str = "rope", max_replay: int = 0,
+                    model: Path = ONNX, frame_tokens: int = 64, diagnostics: bool = False) -> Path:
+    """Compile the bundled decoder with the project's compiler into `out` (atomic)."""
+    import fastcar_compile
+
+    if not Path(model).exists():
+        raise FastCarError(f"bundled decoder {model} is missing; run scripts/export_demo.py")
+    fastcar_compile.compile(str(model), output=str(out), frame_tokens=frame_tokens, threshold=float(tau),
+                            tas_query=tas_query, max_replay=max_replay, emit_diagnostics=diagnostics)
+    return out
+
+
+def _mean_finite(xs: list[float], cap: float = 100.0) -> float:
+    return float(np.mean([min(x, cap) for x in xs])) if xs else float("nan")
+
+
+def run_clips(dense_path: Path, fast_path: Path, clips: list[data.Clip], tok: PatchTokenizer, tau: float,
+              threads: int = 1, progress: bool = True, dense_runs: list[VideoRun] | None = None,
+              retime_dense: int = 0) -> list[ClipResult]:
+    """Generate every clip with both models. Dense runs may be reused across a tau sweep; then the first
+    `retime_dense` clips are re-run dense (timing only) right before FastCar, so both see the same load."""
+    dense = open_session(dense_path, threads) if dense_runs is None or retime_dense else None
+    fast = open_session(fast_path, threads)
+    out = []
+    for i, c in enumerate(tqdm(clips, desc=f"clips tau={tau:g}", disable=not progress, leave=False)):
+        toks = tok.encode(c.frames)
+        d = dense_runs[i] if dense_runs is not None else generate_video(dense, c.motion, toks[0], len(c.frames) - 1)
+        again = None
+        if dense_runs is not None and i < retime_dense:
+            again = generate_video(dense, c.motion, toks[0], len(c.frames) - 1).step_ms
+        f = generate_video(fast, c.motion, toks[0], len(c.frames) - 1, threshold=tau)
+        out.append(ClipResult(c.motion, c.source, c.frames, d, f, again))
+    return out
+
+
+def summarize(results: list[ClipResult], tok: PatchTokenizer, tau: float, tas_query: str,
+              max_replay: int) -> Summary:
+    pf_d, sf_d, pf_g, sf_g, pd_g, sd_g, ptok, agree = [], [], [], [], [], [], [], []
+    rep, ceil, dms, fms = [], [], [], []
+    by_motion: dict[str, list[float]] = {}
+    for r in results:
+        gt = r.gt[1:]
+        dv = tok.decode(r.dense.tokens)[1:]
+        fv = tok.decode(r.fast.tokens)[1:]
+        pf_d.append(psnr(dv, fv))
+        sf_d.append(ssim(dv, fv))
+        pf_g.append(psnr(gt, fv))
+        sf_g.append(ssim(gt, fv))
+        pd_g.append(psnr(gt, dv))
+        sd_g.append(ssim(gt, dv))
+        ptok.append(psnr(gt, tok.decode(tok.encode(r.gt))[1:]))
+        agree.append(float((r.dense.tokens[1:] == r.fast.tokens[1:]).mean()))
+        rep.append(r.fast.replay_ratio)
+        steps = len(r.fast.step_ms)
+        ceil.append(1.0 if steps else 0.0)  # frame 0 is context: every decode step is eligible
+        if r.dense_step_ms is not None:
+            dms += r.dense_step_ms
+            fms += r.fast.step_ms
+        elif not any(x.dense_step_ms is not None for x in results):
+            dms += r.dense.step_ms
+            fms += r.fast.step_ms
+        by_motion.setdefault(r.motion, []).append(pf_g[-1] - pd_g[-1])
+    dense_ms, fast_ms = float(np.median(dms)), float(np.median(fms))
+    frames = int(results[0].gt.shape[0]) if results else 0
+    return Summary(tau=float(tau), tas_query=tas_query, max_replay=max_replay, replay_ratio=float(np.mean(rep)),
+                   replay_ceiling=float(np.mean(ceil)), dense_ms=dense_ms, fast_ms=fast_ms,
+                   speedup=dense_ms / fast_ms if fast_ms else float("nan"),
+                   token_agreement=float(np.mean(agree)), psnr_fast_vs_dense=_mean_finite(pf_d),
+                   ssim_fast_vs_dense=float(np.mean(sf_d)), psnr_fast_vs_gt=_mean_finite(pf_g),
+                   ssim_fast_vs_gt=float(np.mean(sf_g)), psnr_dense_vs_gt=_mean_finite(pd_g),
+                   ssim_dense_vs_gt=float(np.mean(sd_g)), psnr_tokenizer=_mean_finite(ptok),
+                   clips=len(results), frames=frames,
+                   per_motion={k: float(np.mean(v)) for k, v in sorted(by_motion.items())})
+
+
+def load_tokenizer(path: Path = TOKENIZER) -> PatchTokenizer:
+    return PatchTokenizer.load(path)
+
+
+def atomic_bytes(path: Path, data_bytes: bytes) -> None:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data_bytes)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)

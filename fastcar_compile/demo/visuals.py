@@ -1,0 +1,109 @@
+"""Pictures of a demo run: side-by-side GIF, PNG strip, replay heatmap (all written atomically)."""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from fastcar_compile.demo.evaluate import ClipResult, atomic_bytes
+from fastcar_compile.demo.tokenizer import PATCH, PatchTokenizer
+
+SCALE = 4
+COLUMNS = ("ground truth", "dense", "FastCar", "replay map")
+
+
+def _replay_rgb(share: np.ndarray, frame: int) -> np.ndarray:
+    """[L] share of layers that replayed -> RGB tile: dark = computed, orange = replayed."""
+    g = int(round(np.sqrt(share.size)))
+    s = share.reshape(g, g)
+    rgb = np.stack([40 + 215 * s, 40 + 120 * s, 60 - 40 * s], -1).astype(np.uint8)
+    return np.kron(rgb, np.ones((frame // g, frame // g, 1), np.uint8))
+
+
+def _panels(r: ClipResult, tok: PatchTokenizer) -> np.ndarray:
+    """[T, H, 4W, 3] ground truth | dense | FastCar | replay map."""
+    d, f = tok.decode(r.dense.tokens), tok.decode(r.fast.tokens)
+    rm = r.fast.replay_map(tok.tokens_per_frame)
+    maps = np.stack([_replay_rgb(rm[t], tok.frame) for t in range(len(rm))])
+    sep = np.full((*r.gt.shape[:2], 1, 3), 255, np.uint8)
+    return np.concatenate([r.gt, sep, d, sep, f, sep, maps], axis=2)
+
+
+def _upscale(img: np.ndarray, k: int = SCALE) -> np.ndarray:
+    return np.kron(img, np.ones((k, k, 1), np.uint8))
+
+
+def _header(width: int) -> np.ndarray:
+    im = Image.new("RGB", (width, 14), "white")
+    dr = ImageDraw.Draw(im)
+    col = width // 4
+    for i, name in enumerate(COLUMNS):
+        dr.text((i * col + 4, 1), name, fill="black")
+    return np.asarray(im)
+
+
+def write_gif(results: list[ClipResult], tok: PatchTokenizer, path: Path, fps: float = 4.0) -> Path:
+    """One GIF: clips stacked vertically, time along the animation."""
+    rows = [_upscale(_panels(r, tok)) for r in results]
+    T = min(p.shape[0] for p in rows)
+    frames = []
+    for t in range(T):
+        body = np.concatenate([np.concatenate([p[t], np.full((4, p.shape[2], 3), 255, np.uint8)])
+                               for p in rows])
+        frames.append(Image.fromarray(np.concatenate([_header(body.shape[1]), body])))
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+    atomic_bytes(path, buf.getvalue())
+    return path
+
+
+def write_strip(results: list[ClipResult], tok: PatchTokenizer, path: Path) -> Path:
+    """PNG: for each clip, 4 rows (ground truth, dense, FastCar, replay) x frames."""
+    blocks = []
+    for r in results:
+        p = _panels(r, tok)  # [T, H, 4W+3, 3]
+        W = tok.frame
+        cols = [p[:, :, i * (W + 1): i * (W + 1) + W] for i in range(4)]
+        rows = [np.concatenate(list(c), axis=1) for c in cols]
+        gap = np.full((2, rows[0].shape[1], 3), 255, np.uint8)
+        blocks.append(np.concatenate(sum(([row, gap] for row in rows), []) + [gap, gap]))
+    img = _upscale(np.concatenate(blocks), 3)
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    atomic_bytes(path, buf.getvalue())
+    return path
+
+
+def write_heatmap(results: list[ClipResult], tok: PatchTokenizer, path: Path, title: str = "") -> Path:
+    """PNG: replay share per spatial token and frame, averaged over clips (frame 0 is given context)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L, g = tok.tokens_per_frame, tok.frame // PATCH
+    maps = np.mean([r.fast.replay_map(L) for r in results], axis=0)  # [T, L]
+    T = maps.shape[0]
+    fig, axes = plt.subplots(1, T + 1, figsize=(1.6 * (T + 1) + 1, 2.4),
+                             gridspec_kw={"width_ratios": [1] * T + [0.08]})
+    for t in range(T):
+        ax = axes[t]
+        im = ax.imshow(maps[t].reshape(g, g), vmin=0, vmax=1, cmap="magma")
+        ax.set_title(f"frame {t}" + (" (given)" if t == 0 else f"\n{100 * maps[t].mean():.0f}%"), fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.colorbar(im, cax=axes[-1], label="replayed")
+    fig.suptitle(title or "MLP replay per token position (share of clips and layers)", fontsize=9)
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return path
