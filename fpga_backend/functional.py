@@ -35,6 +35,36 @@ def random_weights(program: Program, seed: int = 0, scale: float = 1.0) -> dict[
     return out
 
 
+def weights_from_onnx(program: Program, path: str) -> tuple[dict[int, np.ndarray], np.ndarray | None]:
+    """Weights of the program's tensor table read from the ONNX model it was compiled from (by the
+    initializer names the partitioner recorded), plus the embedding table (Gather [vocab, hidden]) if any."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    inits = {t.name: t for t in model.graph.initializer}
+    out, missing = {}, []
+    for t in program.meta["tensors"]:
+        src = t.get("source")
+        if not src or src not in inits:
+            missing.append(t["name"])
+            continue
+        arr = numpy_helper.to_array(inits[src]).astype(np.float64)
+        if list(arr.shape) != list(t["shape"]):
+            raise FastCarError(f"weight {t['name']} ({src}) has shape {list(arr.shape)}, expected {t['shape']}")
+        out[t["id"]] = arr
+    if missing:
+        raise FastCarError(f"cannot find the ONNX initializers of {missing}; functional mode needs every weight")
+    spec = ModelSpec.from_dict(program.meta["model"])
+    emb = None
+    for node in model.graph.node:
+        if node.op_type == "Gather" and node.input and node.input[0] in inits:
+            arr = numpy_helper.to_array(inits[node.input[0]])
+            if arr.shape == (spec.vocab, spec.hidden):
+                emb = arr.astype(np.float64)
+    return out, emb
+
+
 def rope(v: np.ndarray, heads: int, pos: int, theta: float) -> np.ndarray:
     d = v.size // heads
     x = v.reshape(heads, d)

@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
@@ -149,7 +150,7 @@ def matmul_weights(model: onnx.ModelProto) -> list[dict[str, Any]]:
             if trans_b:
                 shape = shape[::-1]
         tags = _node_tags(node)
-        out.append({"name": t.name, "node": node.name, "shape": shape,
+        out.append({"name": t.name, "node": node.name, "output": node.output[0], "shape": shape,
                     "layer": int(tags["fastcar.layer"]) if "fastcar.layer" in tags else None,
                     "part": tags.get("fastcar.part")})
     return out
@@ -179,6 +180,15 @@ def _reshape_heads(model: onnx.ModelProto, q_dim: int, kv_dim: int) -> tuple[int
     for (h, d), _ in cand_q.most_common():
         if any(dd == d for (_, dd) in cand_kv):
             return h, kv_dim // d, d
+    # RoPE inverse frequencies [head_dim / 2]: 1, theta^(-2/d), ... (transformers keeps them as a buffer)
+    for t in _initializers(model.graph, {}).values():
+        if len(t.dims) == 1 and t.dims[0] >= 2 and t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+            d = 2 * int(t.dims[0])
+            if q_dim % d or kv_dim % d:
+                continue
+            v = numpy_helper.to_array(t).astype(float)
+            if abs(v[0] - 1.0) < 1e-6 and (np.diff(v) < 0).all() and (v > 0).all():
+                return q_dim // d, kv_dim // d, d
     return None
 
 
@@ -207,12 +217,17 @@ def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num
         raise FastCarError(f"cannot find the MLP down projection ([intermediate, {hidden}]) among MatMul weights")
     intermediate, layers_found = max(downs, key=lambda ic: (ic[1], ic[0]))
     layers = int(meta.get("fastcar.num_layers", layers_found))
-    outs_h = Counter({o: c for (i, o), c in shapes.items() if i == hidden and o != intermediate})
-    vocab_cands = [o for o, c in outs_h.items() if c == 1 and o != hidden]
-    # q/k/v widths: columns of [hidden, X] weights appearing once per layer (q) or twice (k, v), or 3x (MHA).
-    per_layer = {o: c // layers for o, c in outs_h.items() if c >= layers}
-    q_dim = next((o for o, c in per_layer.items() if c in (1, 3)), hidden)
-    kv_dim = next((o for o, c in per_layer.items() if c == 2), q_dim)
+    # o_proj is [q_dim, hidden] once per layer; k/v are [hidden, kv_dim] twice per layer.
+    o_cands = [i for (i, o), c in shapes.items() if o == hidden and i != intermediate and c == layers]
+    q_dim = o_cands[0] if o_cands else hidden
+    kv_cands = [o for (i, o), c in shapes.items()
+                if i == hidden and o not in (q_dim, intermediate) and c == 2 * layers]
+    kv_dim = kv_cands[0] if kv_cands else q_dim
+    # LM head: [hidden, vocab] beyond the per-layer count; else the embedding table read by Gather.
+    per_layer_h = {intermediate: 2 * layers, q_dim: layers, kv_dim: 2 * layers}
+    if kv_dim == q_dim:
+        per_layer_h[q_dim] = 3 * layers
+    vocab_cands = [o for (i, o), c in shapes.items() if i == hidden and c > per_layer_h.get(o, 0)]
     if "fastcar.num_heads" in meta:
         heads = int(meta["fastcar.num_heads"])
         kv_heads = int(meta.get("fastcar.num_kv_heads", heads))
@@ -226,9 +241,12 @@ def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num
         if found is None:
             raise FastCarError("cannot tell the number of attention heads from this graph; pass num_heads")
         heads, kv_heads, head_dim = found
-        notes.append(f"heads {heads}, kv heads {kv_heads}, head_dim {head_dim} read from Reshape targets")
-    emb = [tuple(t.dims) for t in model.graph.initializer if len(t.dims) == 2 and t.dims[1] == hidden]
-    vocab = max(vocab_cands) if vocab_cands else max((d[0] for d in emb), default=0)
+        notes.append(f"heads {heads}, kv heads {kv_heads}, head_dim {head_dim} read from Reshape targets / RoPE table")
+    inits = _initializers(model.graph, {})
+    gathered = {n.input[0] for n in iter_nodes(model.graph) if n.op_type == "Gather" and n.input}
+    emb = [int(inits[g].dims[0]) for g in gathered if g in inits and len(inits[g].dims) == 2
+           and inits[g].dims[1] == hidden]
+    vocab = max(vocab_cands) if vocab_cands else max(emb, default=0)
     if not vocab:
         raise FastCarError("cannot find the vocabulary size (no LM head [hidden, vocab] or embedding weight)")
     ft = frame_tokens or int(meta.get("fastcar.frame_tokens", 0)) or 256

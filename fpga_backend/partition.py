@@ -217,6 +217,90 @@ def partition_spec(spec: ModelSpec, board: BoardConfig, sources: dict[str, str] 
     return Partition(spec, board, graphs, tensors, list(unsupported or []), list(notes or []))
 
 
+def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
+    """Initializer name of every weight of the task graphs, matched by node tags and shapes (never by name).
+
+    Tagged MatMuls (``fastcar.layer``) go to their layer; untagged ones (layers the compiler did not rewrite,
+    plain exports) fill the remaining layers in graph order q, k, v, o, gate, up, down. RMSNorm scales are
+    the 1-D [hidden] initializers multiplied in: per layer first attn_norm then mlp_norm; the last untagged
+    one is the final norm.
+    """
+    h = spec.hidden
+
+    def wanted() -> dict[str, list[int]]:
+        return {"q_proj": [h, spec.q_dim], "k_proj": [h, spec.kv_dim], "v_proj": [h, spec.kv_dim],
+                "o_proj": [spec.q_dim, h], "gate_proj": [h, spec.intermediate], "up_proj": [h, spec.intermediate],
+                "down_proj": [spec.intermediate, h]}
+
+    want = {layer: wanted() for layer in range(spec.layers)}
+    sources: dict[str, str] = {}
+    seen: set[str] = set()
+
+    def take(layer: int, w: dict[str, Any]) -> bool:
+        name = next((n for n, s in want[layer].items() if s == w["shape"]), None)
+        if name is None:
+            return False
+        sources[f"L{layer}.{name}"] = w["name"]
+        del want[layer][name]
+        return True
+
+    untagged = []
+    for w in matmul_weights(proto):
+        if w["name"] in seen:  # the same weight used again (If branches)
+            continue
+        seen.add(w["name"])
+        if w["layer"] is not None and 0 <= w["layer"] < spec.layers:
+            take(w["layer"], w)
+        else:
+            untagged.append(w)
+    free = [layer for layer in range(spec.layers) if len(want[layer]) == 7]
+    cur = 0
+    for w in untagged:
+        if w["shape"] == [h, spec.vocab] and "lm_head" not in sources and (cur >= len(free) or not want[free[cur]]):
+            sources["lm_head"] = w["name"]
+            continue
+        while cur < len(free) and not take(free[cur], w):
+            cur += 1
+        if cur >= len(free) and w["shape"] == [h, spec.vocab]:
+            sources["lm_head"] = w["name"]
+    # gate vs up share a shape: the gate's product goes through the SiLU (Sigmoid / Silu node)
+    consumers: dict[str, set[str]] = {}
+    for node in iter_nodes(proto.graph):
+        for name in node.input:
+            consumers.setdefault(name, set()).add(node.op_type)
+    out_of = {w["name"]: w["output"] for w in matmul_weights(proto)}
+    for layer in range(spec.layers):
+        g, u = sources.get(f"L{layer}.gate_proj"), sources.get(f"L{layer}.up_proj")
+        act = {"Sigmoid", "Silu"}
+        if g and u and not consumers.get(out_of[g], set()) & act and consumers.get(out_of[u], set()) & act:
+            sources[f"L{layer}.gate_proj"], sources[f"L{layer}.up_proj"] = u, g
+    inits = {}
+    for t in proto.graph.initializer:
+        if list(t.dims) == [h]:
+            inits[t.name] = t
+    norms: dict[int | None, list[str]] = {}
+    for node in iter_nodes(proto.graph):
+        if node.op_type not in ("Mul", "RMSNormalization", "SimplifiedLayerNormalization",
+                                "SkipSimplifiedLayerNormalization"):
+            continue
+        tags = {p.key: p.value for p in node.metadata_props}
+        layer = int(tags["fastcar.layer"]) if "fastcar.layer" in tags else None
+        for name in node.input:
+            if name in inits and name not in norms.setdefault(layer, []):
+                norms[layer].append(name)
+    for layer, names in norms.items():
+        if layer is not None and len(names) >= 2:
+            sources[f"L{layer}.attn_norm"], sources[f"L{layer}.mlp_norm"] = names[0], names[1]
+    untagged_norms = norms.get(None, [])
+    missing = [layer for layer in range(spec.layers) if f"L{layer}.attn_norm" not in sources]
+    if len(untagged_norms) == 2 * len(missing) + 1:  # plain export: pairs per layer in order, then final
+        for i, layer in enumerate(missing):
+            sources[f"L{layer}.attn_norm"], sources[f"L{layer}.mlp_norm"] = untagged_norms[2 * i : 2 * i + 2]
+    if untagged_norms:
+        sources["final_norm"] = untagged_norms[-1]
+    return sources
+
+
 def scan_onnx_ops(model: onnx.ModelProto) -> tuple[list[str], dict[str, int]]:
     """Ops of every node (subgraphs included): the unsupported ones by name, and a count per op type."""
     bad: list[str] = []
@@ -238,29 +322,14 @@ def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfi
     if isinstance(model, ModelSpec):
         return partition_spec(model, board)
     proto = model if isinstance(model, onnx.ModelProto) else load_onnx_shapes_only(model)
-    spec, notes = spec_from_model(proto, num_heads=num_heads, dtype_bytes=board.dtype_bytes,
-                                  frame_tokens=frame_tokens)
     bad, counts = scan_onnx_ops(proto)
     if bad and strict:
         shown = "; ".join(bad[:10]) + (f"; ... {len(bad) - 10} more" if len(bad) > 10 else "")
         raise FastCarError(f"the accelerator cannot run {len(bad)} op(s) of this model: {shown}. "
                            "Remove them before export, or pass strict=False to list them in the report")
-    sources: dict[str, str] = {}
-    per_layer: dict[int, list[dict[str, Any]]] = {}
-    for w in matmul_weights(proto):
-        if w["layer"] is not None:
-            per_layer.setdefault(w["layer"], []).append(w)
-    for layer, ws in per_layer.items():
-        # Tagged weights in graph order; names follow the shape they must have.
-        want = {"q_proj": [spec.hidden, spec.q_dim], "k_proj": [spec.hidden, spec.kv_dim],
-                "v_proj": [spec.hidden, spec.kv_dim], "o_proj": [spec.q_dim, spec.hidden],
-                "gate_proj": [spec.hidden, spec.intermediate], "up_proj": [spec.hidden, spec.intermediate],
-                "down_proj": [spec.intermediate, spec.hidden]}
-        for w in ws:
-            name = next((n for n, s in want.items() if s == w["shape"]), None)
-            if name is not None:
-                sources[f"L{layer}.{name}"] = w["name"]
-                del want[name]
+    spec, notes = spec_from_model(proto, num_heads=num_heads, dtype_bytes=board.dtype_bytes,
+                                  frame_tokens=frame_tokens)
+    sources = weight_sources(proto, spec)
     part = partition_spec(spec, board, sources=sources, unsupported=bad, notes=notes)
     part.op_counts = counts
     return part
