@@ -34,9 +34,10 @@ def write_report(stats: RunStats, out_dir: str | os.PathLike, stem: str = "run")
     written: list[Path] = []
     if stats.layers and stats.replay_layer_frame:
         m = 100 * np.asarray(stats.replay_layer_frame, dtype=float)
-        fig, ax = plt.subplots(figsize=(1.2 + 0.35 * m.shape[1], 1.0 + 0.3 * m.shape[0]))
+        fig, ax = plt.subplots(figsize=(max(4.5, 1.2 + 0.35 * m.shape[1]), max(2.5, 1.0 + 0.3 * m.shape[0])))
         im = ax.imshow(m, aspect="auto", cmap="viridis", vmin=0, vmax=100, interpolation="nearest")
         ax.set_yticks(range(len(stats.layers)), [str(n) for n in stats.layers])
+        ax.set_xticks(range(m.shape[1]))
         ax.set_xlabel("frame")
         ax.set_ylabel("layer")
         ax.set_title(f"MLP replay % (overall {100 * stats.replay_ratio:.1f}%, tau={stats.threshold})")

@@ -84,7 +84,8 @@ class RunStats:
 
     @property
     def ms_per_step(self) -> float:
-        return float(np.mean(self.step_ms)) if self.step_ms else 0.0
+        """Median decode step time (robust to the odd descheduled step on a shared machine)."""
+        return float(np.median(self.step_ms)) if self.step_ms else 0.0
 
     def summary(self) -> str:
         """A few human-readable lines (what docs/runtime.md shows)."""
