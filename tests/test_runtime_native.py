@@ -6,9 +6,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
-
 from fastcar_compile.runtime.native import build
+from onnx import TensorProto, helper
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -129,3 +128,32 @@ def test_native_in_place_update(native_lib):
     sess.run_with_iobinding(io)
     np.testing.assert_allclose(cache, want[0], atol=1e-6)
     np.testing.assert_array_equal(age, want[1])
+
+
+def test_compiled_model_with_native_kernels(native_lib, zoo_model, tmp_path):
+    """A whole compiled model: native (copying and in place) decodes exactly as the function bodies."""
+    fc = pytest.importorskip("fastcar_compile")
+    from fastcar_compile.runtime import FastCarSession
+
+    from fastcar_compile.errors import FastCarError
+
+    path = tmp_path / "fast.onnx"
+    fc.compile(str(zoo_model("llama", "dynamo20")), str(path), frame_tokens=8)
+    kw = dict(threshold=0.0, keep_logits=True, cfg_scale=2.0, uncond_prompt_ids=[[7], [8, 9]])
+    ref = FastCarSession(path, native=False, threads=1).generate([[1, 2, 3], [4, 5]], 4, **kw)
+    assert 0 < ref.stats.replay_ratio
+    for inplace in (False, True):
+        s = FastCarSession(path, native=True, inplace=inplace, threads=1)
+        assert s.native_library and s.inplace == inplace
+        got = s.generate([[1, 2, 3], [4, 5]], 4, **kw)
+        np.testing.assert_array_equal(got.tokens, ref.tokens)
+        assert got.stats.steps == ref.stats.steps
+        np.testing.assert_allclose(got.logits, ref.logits, atol=1e-5, rtol=0)
+    # in place consumes the state it was given: reusing it is refused, not silently wrong
+    s = FastCarSession(path, native=True, inplace=True, threads=1)
+    st = s.step(s.new_state(1, video_start=2), np.array([[1, 2]])).state
+    s.step(st, np.array([[3]]))
+    with pytest.raises(FastCarError, match="in place"):
+        s.step(st, np.array([[3]]))
+    with pytest.raises(FastCarError, match="native"):
+        FastCarSession(path, native=False, inplace=True)
