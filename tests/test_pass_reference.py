@@ -34,6 +34,7 @@ class Case:
     layers: tuple[int, ...] | None = None
     per_layer: bool = False
     runtime_tau: bool = False  # feed tau through the `fastcar_threshold` input instead of compiling it in
+    chunk: int = 0  # > 0: after the greedy decode, one multi-token step of this many tokens, then L + 1 more
 
     @property
     def id(self) -> str:
@@ -51,11 +52,13 @@ class Case:
             bits.append("perlayer")
         if self.runtime_tau:
             bits.append("rttau")
+        if self.chunk:
+            bits.append(f"chunk{self.chunk}")
         return "-".join(bits)
 
 
 DEFAULT_CASES = [
-    Case("llama", "dynamo20", "rope", max_replay=2, pad=(0, 2), video_start=3),
+    Case("llama", "dynamo20", "rope", max_replay=2, pad=(0, 2), video_start=3, chunk=L + 2),
     Case("llama", "dynamo20", "raw", max_replay=0, pad=(2, 0), video_start=2, layers=(1,), runtime_tau=True),
     Case("qwen2", "torchscript17", "raw", max_replay=1, pad=(1, 0), video_start=2, per_layer=True),
     Case("phi3", "ortfusions20", "rope", max_replay=2, pad=(0, 1), video_start=3, layers=(0,)),
@@ -64,7 +67,16 @@ DEFAULT_CASES = [
     ),
 ]
 SLOW_CASES = [
-    Case(f, e, q, max_replay=2, pad=(0, 2), video_start=3, per_layer=(q == "raw"))
+    Case(
+        f,
+        e,
+        q,
+        max_replay=2,
+        pad=(0, 2),
+        video_start=3,
+        per_layer=(q == "raw"),
+        chunk=(L + 2) * (q == "rope"),
+    )
     for f in zoo.FAMILIES
     for e in zoo.EXPORTERS
     for q in ("rope", "raw")
@@ -79,16 +91,22 @@ def _prompt(case: Case, seed: int = 11) -> np.ndarray:
 
 
 def _eligible(run: RefRun, video_start: int) -> np.ndarray:
-    """[B, n_decode] True where a single-token step may replay by position (p - L >= video_start)."""
-    start = run.steps[0].shape[1]
-    p = start + np.arange(len(run.steps) - 1)
-    return np.broadcast_to(p - L >= video_start, (run.steps[0].shape[0], len(p)))
+    """[decode tokens] True where a token may replay by position: single-token step, p - L >= video_start.
+
+    Same for every row (KV indices are aligned across rows); concatenated over the steps after the prompt.
+    """
+    out, p = [], run.steps[0].shape[1]
+    for ids in run.steps[1:]:
+        s = ids.shape[1]
+        out.append((p + np.arange(s) - L >= video_start) & (s == 1))
+        p += s
+    return np.concatenate(out)
 
 
 def _eligible_tas(run: RefRun, layer: int, video_start: int) -> np.ndarray:
     """TAS of the tokens whose decision depends on it."""
     tas = np.concatenate(run.tas[layer][1:], axis=1)
-    return tas[_eligible(run, video_start)]
+    return tas[:, _eligible(run, video_start)].ravel()
 
 
 def _gap_candidates(values: np.ndarray, quantile: float) -> list[float]:
@@ -102,7 +120,7 @@ def _gap_candidates(values: np.ndarray, quantile: float) -> list[float]:
 def _decisions(run: RefRun, layers: list[int], video_start: int) -> np.ndarray:
     """[B, eligible tokens x layers] replay decisions of the decode steps."""
     el = _eligible(run, video_start)
-    return np.concatenate([np.concatenate(run.replay[i][1:], axis=1)[:, el[0]] for i in layers], axis=1)
+    return np.concatenate([np.concatenate(run.replay[i][1:], axis=1)[:, el] for i in layers], axis=1)
 
 
 def _decisions_ok(run: RefRun, layers: list[int], taus: list[float], video_start: int) -> bool:
@@ -117,7 +135,10 @@ def _decisions_ok(run: RefRun, layers: list[int], taus: list[float], video_start
 
 
 def reference_run(case: Case, n_decode: int) -> tuple[RefRun, list[float], list[int]]:
-    """Pick per-layer taus in TAS gaps so that decisions are mixed, then decode greedily with them."""
+    """Pick per-layer taus in TAS gaps so that decisions are mixed, then decode greedily with them.
+
+    Greedy decoding makes the tokens depend on the decisions; a tau is accepted only after the run with it.
+    """
     model = zoo.build_model(case.family)
     layers = (
         list(case.layers) if case.layers is not None else list(range(zoo.model_info(case.family).num_layers))
@@ -132,6 +153,12 @@ def reference_run(case: Case, n_decode: int) -> tuple[RefRun, list[float], list[
     )
     with FastCarReference(model, threshold=math.inf, **kw) as ref:
         probe = ref.run([prompt], pad=case.pad, greedy=n_decode)
+        feed, greedy = [prompt], n_decode
+        if case.chunk:  # teacher-forced from here: greedy tokens, a whole chunk at once, then single tokens
+            rng = np.random.default_rng(5)
+            feed = probe.steps + [rng.integers(0, zoo.VOCAB, (2, case.chunk))]
+            feed += [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(L + 1)]
+            probe, greedy = ref.run(feed, pad=case.pad), 0
     # Per-layer taus sit at different quantiles so a per-layer model cannot pass with one shared tau.
     quantiles = (
         [0.35 + 0.3 * j / max(1, len(layers) - 1) for j in range(len(layers))] if case.per_layer else None
@@ -146,7 +173,7 @@ def reference_run(case: Case, n_decode: int) -> tuple[RefRun, list[float], list[
         else:
             taus = [cands[layers[0]][min(attempt, len(cands[layers[0]]) - 1)]] * len(layers)
         with FastCarReference(model, threshold=taus, **kw) as ref:
-            run = ref.run([prompt], pad=case.pad, greedy=n_decode)
+            run = ref.run(feed, pad=case.pad, greedy=greedy)
             run.final_age = {i: ref.mlp_age[i].numpy().copy() for i in layers}  # type: ignore[attr-defined]
             run.final_cache = {i: ref.mlp_cache[i].numpy().copy() for i in layers}  # type: ignore[attr-defined]
         if _decisions_ok(run, layers, taus, case.video_start):
