@@ -149,8 +149,12 @@ def _np_layer0_qk(model, family: str, ids: np.ndarray, positions: np.ndarray, ro
         x = h / np.sqrt((h * h).mean(-1, keepdims=True) + model.config.rms_norm_eps)
         x = x * sd["model.layers.0.input_layernorm.weight"]
         pre = "model.layers.0.self_attn."
-        q = x @ sd[pre + "q_proj.weight"].T + sd.get(pre + "q_proj.bias", 0.0)
-        k = x @ sd[pre + "k_proj.weight"].T + sd.get(pre + "k_proj.bias", 0.0)
+        if family == "phi3":  # fused projection, rows [q | k | v]
+            qkv = x @ sd[pre + "qkv_proj.weight"].T
+            q, k = qkv[:, : H * D], qkv[:, H * D : (H + Hkv) * D]
+        else:
+            q = x @ sd[pre + "q_proj.weight"].T + sd.get(pre + "q_proj.bias", 0.0)
+            k = x @ sd[pre + "k_proj.weight"].T + sd.get(pre + "k_proj.bias", 0.0)
     q, k = q.reshape(-1, H, D), k.reshape(-1, Hkv, D)
     if family != "gpt2":
         theta = float(model.config.rope_parameters["rope_theta"])
@@ -161,7 +165,8 @@ def _np_layer0_qk(model, family: str, ids: np.ndarray, positions: np.ndarray, ro
 
 
 @pytest.mark.parametrize(
-    "family,tas_query", [("llama", "rope"), ("llama", "raw"), ("qwen2", "rope"), ("gpt2", "raw")]
+    "family,tas_query",
+    [("llama", "rope"), ("llama", "raw"), ("qwen2", "rope"), ("phi3", "rope"), ("gpt2", "raw")],
 )
 def test_tas_matches_numpy(family, tas_query):
     """TAS of one decode token at layer 0, computed by hand with NumPy, equals the reference's."""
