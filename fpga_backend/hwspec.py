@@ -1,8 +1,9 @@
-"""Board descriptions for the FastCar FPGA accelerator model (one place for every hardware figure).
+"""Board descriptions for the FastCar FPGA accelerator model.
 
-A board is a frozen :class:`BoardConfig`. Presets follow SPEC.md section 2; where the paper gives no number
-(core count, array shape, clock, latencies, energy) the figure is our assumption and is named in
-``ASSUMPTIONS``. Every field can be overridden from a JSON file (``load_board``).
+A board is a frozen :class:`BoardConfig`. The presets are the JSON files in ``fpga_backend/boards/`` (the one
+place for every hardware figure; their ``_doc`` says where the figures come from, SPEC.md section 2). Where
+the paper gives no number (core count, array shape, clock, latencies, energy) the figure is our assumption,
+named in ``ASSUMPTIONS``. Every field can be overridden from a JSON file (``load_board``).
 
 Two hashes: ``config_hash`` covers every field; ``structural_hash`` covers only the fields the encoded program
 depends on (cores, array, buffers, dtype). Bundle files carry the structural hash, so a program can be
@@ -116,29 +117,28 @@ ASSUMPTIONS = {
     "drs": "DRS remap cost: SPEC 'hundreds to thousands of cycles'",
 }
 
-PRESETS: dict[str, BoardConfig] = {
-    # K26 SOM: 1,248 DSP, 144 BRAM36 (648 KiB) + 64 URAM (2,304 KiB), DDR4 19.2 GB/s.
-    "kv260": BoardConfig(
-        name="kv260", cores=4, array_rows=16, array_cols=16, clock_mhz=300.0, dram_gbps=19.2,
-        dram_efficiency=0.75, weight_buffer_kib=384, act_buffer_kib=64, kv_buffer_kib=128,
-        sram_bytes_per_cycle=1024, vector_lanes=16, sfu_lanes=4, issue_latency=120, drs_overhead=600,
-        dtype_bytes=2, pj_per_mac=1.0, pj_per_dram_byte=160.0, pj_per_sram_byte=0.6, static_watts=2.5,
-    ),
-    # ZU9EG: 2,520 DSP, 912 BRAM36 (4,104 KiB), no URAM, DDR4 ~19 GB/s.
-    "zcu102": BoardConfig(
-        name="zcu102", cores=8, array_rows=16, array_cols=16, clock_mhz=300.0, dram_gbps=19.2,
-        dram_efficiency=0.75, weight_buffer_kib=256, act_buffer_kib=64, kv_buffer_kib=128,
-        sram_bytes_per_cycle=1024, vector_lanes=16, sfu_lanes=4, issue_latency=120, drs_overhead=600,
-        dtype_bytes=2, pj_per_mac=1.0, pj_per_dram_byte=160.0, pj_per_sram_byte=0.6, static_watts=4.0,
-    ),
-    # Alveo U280: ~8,500 usable DSP, 960 URAM (33.75 MiB) + 2,016 BRAM36, HBM2 460 GB/s (32 x 14.375).
-    "u280": BoardConfig(
-        name="u280", cores=8, array_rows=32, array_cols=32, clock_mhz=250.0, dram_gbps=460.0,
-        dram_efficiency=0.8, weight_buffer_kib=2048, act_buffer_kib=256, kv_buffer_kib=1024,
-        sram_bytes_per_cycle=4096, vector_lanes=64, sfu_lanes=16, issue_latency=150, drs_overhead=1000,
-        dtype_bytes=2, pj_per_mac=1.0, pj_per_dram_byte=56.0, pj_per_sram_byte=0.6, static_watts=25.0,
-    ),
-}
+BOARDS_DIR = Path(__file__).with_name("boards")
+
+
+def _board_from_json(data: dict[str, Any], where: str) -> BoardConfig:
+    """A full board from a JSON object; keys starting with "_" are comments."""
+    names = {f.name for f in dataclasses.fields(BoardConfig)}
+    fields = {k: v for k, v in data.items() if not k.startswith("_")}
+    unknown, missing = sorted(set(fields) - names), sorted(names - set(fields) - {"double_buffering"})
+    if unknown or missing:
+        raise FastCarError(f"{where}: unknown fields {unknown}, missing fields {missing}")
+    return BoardConfig(**fields)
+
+
+def _load_presets() -> dict[str, BoardConfig]:
+    """The shipped presets: one JSON file per board in fpga_backend/boards/ (the single source of figures)."""
+    out = {}
+    for path in sorted(BOARDS_DIR.glob("*.json")):
+        out[path.stem] = _board_from_json(json.loads(path.read_text()), str(path))
+    return out
+
+
+PRESETS: dict[str, BoardConfig] = _load_presets()
 
 
 def _validated(cfg: BoardConfig) -> BoardConfig:
@@ -187,6 +187,7 @@ def load_board(board: str | BoardConfig = "kv260", board_file: str | Path | None
         raise FastCarError(f"board file {path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise FastCarError(f"board file {path} must hold a JSON object of board fields")
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
     base = data.pop("base", None)
     if base is not None:
         if base not in PRESETS:

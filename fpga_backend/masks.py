@@ -18,11 +18,12 @@ MASK_KINDS = ("random", "clustered")
 
 def synthetic(ratio: float, batch: int, layers: int, steps: int, *, kind: str = "random", seed: int = 0,
               replayable: frozenset[int] | None = None) -> np.ndarray:
-    """Replay masks with an expected replay ratio over the replayable layers.
+    """Replay masks with the replay ratio met exactly (up to one row) over the replayable layers.
 
-    Per step and layer k rows replay, k = ratio * batch with stochastic rounding. ``random`` picks the k rows
-    uniformly; ``clustered`` picks k neighbouring rows (wrapping), as correlated rows (CFG pairs, similar
-    prompts) do, which is what unbalances a block row->core binding.
+    Per step and layer k rows replay, the k's spread by cumulative rounding so the total is
+    round(ratio * cells) and every (step, layer) gets floor or ceil of ratio * batch. ``random`` picks the k
+    rows uniformly; ``clustered`` picks k neighbouring rows (wrapping), as correlated rows (CFG pairs,
+    similar prompts) do, which is what unbalances a block row->core binding.
     """
     if not 0.0 <= ratio <= 1.0:
         raise FastCarError(f"replay ratio {ratio} must be in [0, 1]")
@@ -30,19 +31,19 @@ def synthetic(ratio: float, batch: int, layers: int, steps: int, *, kind: str = 
         raise FastCarError(f"mask kind {kind!r} unknown; choose one of {MASK_KINDS}")
     rng = np.random.default_rng(seed)
     out = np.zeros((steps, layers, batch), bool)
-    layer_ids = sorted(replayable) if replayable is not None else range(layers)
-    for s in range(steps):
-        for layer in layer_ids:
-            want = ratio * batch
-            k = int(np.floor(want)) + int(rng.random() < want - np.floor(want))
-            if k == 0:
-                continue
-            if kind == "random":
-                rows = rng.choice(batch, size=k, replace=False)
-            else:
-                start = int(rng.integers(batch))
-                rows = (start + np.arange(k)) % batch
-            out[s, layer, rows] = True
+    layer_ids = sorted(replayable) if replayable is not None else list(range(layers))
+    cells = [(s, layer) for s in range(steps) for layer in layer_ids]
+    offset = rng.random()  # random phase of the rounding so small grids do not always round the same way
+    for i, (s, layer) in enumerate(cells):
+        k = int(np.floor((i + 1) * ratio * batch + offset)) - int(np.floor(i * ratio * batch + offset))
+        if k == 0:
+            continue
+        if kind == "random":
+            rows = rng.choice(batch, size=k, replace=False)
+        else:
+            start = int(rng.integers(batch))
+            rows = (start + np.arange(k)) % batch
+        out[s, layer, rows] = True
     return out
 
 

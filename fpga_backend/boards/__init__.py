@@ -1,0 +1,1 @@
+"""Board preset JSON files (package data; read by hwspec)."""
