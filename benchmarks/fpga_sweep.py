@@ -59,14 +59,15 @@ def sweep(model: str, boards: list[str], batches: list[int], ratios: list[float]
 
 
 def table(rows: list[dict], kind: str) -> str:
-    out = ["| board | batch | replay | dense ms/step | bound (dense) | static x | DRS x | DRS/static | util static | util DRS | paper x |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| board | batch | replay | dense ms/step | bound dense / DRS | static x | DRS x | DRS/static | util static "
+           "| util DRS | paper x |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["mask"] != kind:
             continue
         paper = PAPER.get(r["replay_target"])
         out.append(
-            f"| {r['board']} | {r['batch']} | {r['replay']:.0%} | {r['dense_ms']:.2f} | {r['bound_dense']} | "
+            f"| {r['board']} | {r['batch']} | {r['replay']:.0%} | {r['dense_ms']:.2f} | {r['bound_dense']} / "
+            f"{r['bound_drs']} | "
             f"{r['static_vs_dense']:.2f} | {r['drs_vs_dense']:.2f} | {r['drs_vs_static']:.3f} | "
             f"{r['util_static']:.0%} | {r['util_drs']:.0%} | {paper if paper and r['board'] == 'u280' else ''} |"
         )
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1152, help="KV length (8 frames x 256 + prompt: mid-video)")
     p.add_argument("--weights", choices=["broadcast", "per_core"], default="broadcast")
     p.add_argument("--quick", action="store_true", help="2 boards, batches 1 and 8, ratios 0.5 and 0.8")
+    p.add_argument("--table-only", action="store_true", help="re-print the tables of an earlier run's JSON")
     p.add_argument("--out-dir", default="docs", help="where the .md/.json/.png go (docs/fpga_sweep_*)")
     a = p.parse_args(argv)
     boards = a.boards.split(",")
@@ -125,10 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         boards, batches, ratios = boards[:1] + boards[-1:], [1, 8], [0.5, 0.8]
     t0 = time.perf_counter()
+    stem = f"fpga_sweep_{a.model}_{a.weights}"
+    if a.table_only:
+        rows = json.loads((Path(a.out_dir) / f"{stem}.json").read_text())
+        kinds = [k for k in M.MASK_KINDS if any(r["mask"] == k for r in rows)]
+        print("\n\n".join(f"### {k} masks\n\n{table(rows, k)}" for k in kinds))
+        return 0
     rows = sweep(a.model, boards, batches, ratios, kinds, a.steps, a.context, a.weights)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"fpga_sweep_{a.model}_{a.weights}"
     md = [f"Model {a.model}, context {a.context}, weights {a.weights}, {a.steps} steps per point; x = speedup over dense."]
     for kind in kinds:
         md += ["", f"### {kind} masks", "", table(rows, kind)]
