@@ -129,6 +129,8 @@ def make_config(family: str, attn_implementation: str = "sdpa"):
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
         )
     else:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
