@@ -147,7 +147,7 @@ def _calibrate(args) -> int:
                                      target_replay=args.calibrate_replay, quality_budget=args.calibrate_quality,
                                      dense_model_path=args.model, heldout_prompts=held)
         bake_threshold(str(probe), args.output, result.tau)
-    print(result)
+    print(result.summary())
     print(f"wrote {args.output} with tau = {result.tau:.4f}")
     return 0
 
