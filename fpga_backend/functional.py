@@ -117,8 +117,9 @@ class FunctionalSim:
         for bundle in self.p.bundles:
             ctl = bundle[C]
             cop = int(ctl["opcode"])
-            if cop == isa.Op.DRS_SET:
-                latched[int(ctl["layer"])] = index[int(ctl["layer"])]
+            if cop == isa.Op.DRS_SET:  # from the TAS unit, or an immediate Index Register value (tests, forcing)
+                layer = int(ctl["layer"])
+                latched[layer] = index[layer] if int(ctl["flags"]) & isa.Flag.FROM_TAS else int(ctl["arg"]) & all_rows
             elif cop == isa.Op.DRS_DISPATCH:
                 layer = int(ctl["layer"])
                 idx = latched[layer]
@@ -189,13 +190,13 @@ class FunctionalSim:
                             ka = self.kc[layer, r, aligned].reshape(s.kv_heads, hd)[np.arange(s.heads) // g]
                             tas[layer, r] = float(np.mean(np.sum(q * ka, axis=1)) / np.sqrt(hd))
                             if self.age[layer, r, slot] >= 0 and tas[layer, r] > tau:
-                                replay[layer, r] = True
                                 index[layer] &= ~(1 << r)
                     elif op == isa.Op.XCHG:
                         frame, vstart = k, int(ins["off_k"])
                         if pos < vstart:
                             continue
                         slot = (pos - vstart) % frame
+                        replay[layer, r] = not latched[layer] >> r & 1  # the Index Register decides
                         if replay[layer, r]:
                             buf[dst][r, :m] = self.cache[layer, r, slot]
                             self.age[layer, r, slot] += 1

@@ -35,7 +35,7 @@ class NumpyDecoder:
         x1, x2 = x[:, : d // 2], x[:, d // 2 :]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=1)
 
-    def step(self, x, pos):
+    def step(self, x, pos, force=None):
         s, w = self.s, self.w
         L = s.frame_tokens
         replay = np.zeros((s.layers, self.b), bool)
@@ -62,6 +62,8 @@ class NumpyDecoder:
                 if pos - L >= 0 and self.written[layer, r, slot]:
                     tas = np.mean([q[hh] @ Ks[pos - L, hh // rep] for hh in range(s.heads)]) / np.sqrt(s.head_dim)
                     do_replay = tas > s.threshold
+                if force is not None and layer in s.replayable:
+                    do_replay = bool(force[layer, r])
                 if do_replay:
                     mlp = self.cache[layer, r, slot]
                 else:
@@ -100,3 +102,34 @@ def test_functional_matches_numpy_and_policies_agree(board, kib):
     # the check is only meaningful if some rows replay and others compute in the same layer and step
     mixed = replays.any(axis=2) & ~replays.all(axis=2)
     assert mixed.any(), "test setup: no step with a partial replay mask"
+
+
+def test_immediate_index_register_drives_replay_under_both_policies():
+    """DRS_SET with an immediate Index Register (no FROM_TAS): any mask, dispatched static or DRS, gives the
+    numbers of the reference decoder forced to the same replay decisions."""
+    from fastcar_compile.fpga_backend import isa
+
+    batch, steps = 7, 8
+    cfg = load_board("zcu102").replace(weight_buffer_kib=1)
+    prog = build_program(SPEC, cfg, batch=batch, context=steps)
+    ctl = prog.bundles[:, -1]
+    sets = np.flatnonzero(ctl["opcode"] == isa.Op.DRS_SET)
+    assert len(sets) == SPEC.layers
+    w = random_weights(prog, seed=4)
+    named = {name: w[i] for name, i in _tensors(prog).items()}
+    rng = np.random.default_rng(1)
+    forced = rng.random((steps, SPEC.layers, batch)) < 0.5
+    forced[: SPEC.frame_tokens] = False  # the cache slots are written during the first frame
+    ref = NumpyDecoder(SPEC, named, batch)
+    sims = {p: FunctionalSim(prog, w, max_context=steps, policy=p) for p in ("static", "drs")}
+    for pos in range(steps):
+        for b in sets:
+            layer = int(ctl[b]["layer"])
+            ctl[b]["flags"] = 0
+            ctl[b]["arg"] = sum(1 << r for r in range(batch) if not forced[pos, layer, r])
+        x = rng.standard_normal((batch, SPEC.hidden))
+        want, _ = ref.step(x.copy(), pos, force=forced[pos])
+        for sim in sims.values():
+            got = sim.step(x, pos)
+            np.testing.assert_array_equal(got["replay"], forced[pos])
+            np.testing.assert_allclose(got["logits"], want, rtol=1e-9, atol=1e-9)
