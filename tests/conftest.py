@@ -11,12 +11,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import zoo  # noqa: E402
-
 
 def pytest_configure(config: pytest.Config) -> None:
-    import torch
-
+    try:  # torch is an optional extra: tests that need it import it themselves
+        import torch
+    except ImportError:
+        return
     torch.set_num_threads(1)
 
 
@@ -37,6 +37,9 @@ def zoo_model(zoo_dir: Path) -> Callable[[str, str], Path]:
     A combination listed in zoo.KNOWN_EXPORT_FAILURES is skipped with its recorded reason when it fails the
     recorded way; any other export failure fails the test (a broken exporter must not pass silently).
     """
+    zoo = pytest.importorskip(
+        "zoo", reason="the model zoo needs torch and transformers (pip install '.[torch]')"
+    )
     results: dict[tuple[str, str], Path | BaseException] = {}
 
     def get(family: str, exporter: str) -> Path:
