@@ -98,6 +98,9 @@ def plot(rows: list[dict], path: Path, boards: list[str], kinds: list[str]) -> N
             axes[i, j].grid(alpha=0.3)
         axes[0, j].set_ylabel("speedup (x)")
         axes[1, j].set_ylabel("speedup (x)")
+        top = max([r["drs_vs_static"] for r in sub] + [1.0])
+        axes[1, j].set_ylim(0.98, max(1.1, top * 1.03))  # no offset axis: a 1.0004x gain must look like 1.0
+        axes[1, j].ticklabel_format(axis="y", useOffset=False)
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
     buf = io.BytesIO()
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = json.loads((Path(a.out_dir) / f"{stem}.json").read_text())
         kinds = [k for k in M.MASK_KINDS if any(r["mask"] == k for r in rows)]
         print("\n\n".join(f"### {k} masks\n\n{table(rows, k)}" for k in kinds))
+        boards = list(dict.fromkeys(r["board"] for r in rows))
+        plot(rows, Path(a.out_dir) / f"{stem}.png", boards, kinds)
         return 0
     rows = sweep(a.model, boards, batches, ratios, kinds, a.steps, a.context, a.weights)
     out = Path(a.out_dir)
