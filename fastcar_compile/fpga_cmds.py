@@ -34,6 +34,8 @@ def _sim_parser() -> argparse.ArgumentParser:
 
 def sim_main(argv: list[str]) -> int:
     args = _sim_parser().parse_args(argv)
+    import numpy as np
+
     from fastcar_compile.fpga_backend import encode, masks
     from fastcar_compile.fpga_backend.hwspec import load_board
     from fastcar_compile.fpga_backend.simulate import Simulator, plot_timeline
@@ -49,6 +51,10 @@ def sim_main(argv: list[str]) -> int:
         if args.batch is not None and args.batch != batch:
             raise FastCarError(f"--batch {args.batch} disagrees with the trace's batch {batch}")
         source = f"trace {args.replay_trace} ({replay.shape[0]} steps)"
+        ignored = sorted(set(np.flatnonzero(replay.any(axis=(0, 2))).tolist()) - set(sim.replayable_layers))
+        if ignored:
+            print(f"note: the trace replays layers {ignored}, which this program computes densely; ignored",
+                  file=sys.stderr)
     else:
         batch = args.batch or sim.batch
         if args.steps < 1:
@@ -85,6 +91,9 @@ def sim_main(argv: list[str]) -> int:
         busy = " ".join(f"{b:.0%}" for b in d["core_busy"])
         stall = " ".join(f"{s:.0%}" for s in d["core_stall"])
         print(f"          core busy [{busy}]  stall [{stall}]")
+    print("  energy = MACs x pJ/MAC + DRAM/SRAM bytes x pJ/B + static W x time; figures and assumptions: "
+          f"board file ({sim.board.pj_per_mac} pJ/MAC, {sim.board.pj_per_dram_byte} pJ/B DRAM, "
+          f"{sim.board.static_watts} W static), --json for the list")
     if "drs_speedup_over_static" in out:
         print(f"  DRS speedup over static: {out['drs_speedup_over_static']:.3f}x")
     if args.timeline:

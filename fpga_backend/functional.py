@@ -80,6 +80,8 @@ class FunctionalSim:
     def __init__(self, program: Program, weights: dict[int, np.ndarray], max_context: int,
                  policy: str = "static") -> None:
         self.p = program
+        if not {"model", "batch", "binding_masks", "tensors"} <= set(program.meta):
+            raise FastCarError("functional mode needs a program made by the FPGA compiler (model, batch, tensors)")
         self.spec = ModelSpec.from_dict(program.meta["model"])
         self.batch = int(program.meta["batch"])
         self.binding = np.asarray(program.meta["binding_masks"], np.uint32)

@@ -114,6 +114,10 @@ class Simulator:
                 f"board {self.board.name!r} differs from the program's board {program.board.name!r} in cores, "
                 "array or buffers; recompile for it (only timing/energy figures may be overridden)"
             )
+        missing = [k for k in ("batch", "binding_masks", "model") if k not in program.meta]
+        if missing:
+            raise FastCarError(f"bundle metadata lacks {missing}: simulate programs made by the FPGA compiler "
+                               "(or keep the .meta line of a disassembled one)")
         self.batch = int(program.meta["batch"])
         self.binding = np.asarray(program.meta["binding_masks"], np.uint32)
         spec = program.meta["model"]
