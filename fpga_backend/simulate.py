@@ -354,7 +354,7 @@ def plot_timeline(results: SimResult | list[SimResult], path: str | Path, title:
     cores = results[0].core_busy.shape[0]
     fig, axes = plt.subplots(len(results), 1, figsize=(12, 0.6 + (0.4 * cores + 0.6) * len(results)), squeeze=False)
     colors = {0: "#4c72b0", 1: "#dd8452", 2: "#55a868"}
-    names = {0: "attention/norms/TAS", 1: "replayable MLP", 2: "head"}
+    names = {0: "attention/norms/TAS", 1: "replayable MLP", 2: "embedding / LM head"}
     xmax = 0.0
     for ax, result in zip(axes[:, 0], results, strict=True):
         tl = result.timeline
