@@ -44,7 +44,7 @@ def programs(draw):
     return Program(board=BOARD, bundles=arr, meta=meta)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, database=None)
 @given(programs())
 def test_encode_decode_round_trip(prog):
     data = encode(prog)
@@ -55,7 +55,7 @@ def test_encode_decode_round_trip(prog):
     assert encode(back) == data
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, database=None)
 @given(programs())
 def test_asm_disasm_round_trip(prog):
     text = disassemble(prog)
