@@ -32,7 +32,7 @@ def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def zoo_model(zoo_dir: Path) -> Callable[[str, str], Path]:
-    """zoo_model(family, exporter) -> path of the exported .onnx, exported at most once per session.
+    """zoo_model(family, exporter, dtype="float32") -> path of the exported .onnx, exported at most once per session.
 
     A combination listed in zoo.KNOWN_EXPORT_FAILURES is skipped with its recorded reason when it fails the
     recorded way; any other export failure fails the test (a broken exporter must not pass silently).
@@ -40,18 +40,18 @@ def zoo_model(zoo_dir: Path) -> Callable[[str, str], Path]:
     zoo = pytest.importorskip(
         "zoo", reason="the model zoo needs torch and transformers (pip install '.[torch]')"
     )
-    results: dict[tuple[str, str], Path | BaseException] = {}
+    results: dict[tuple[str, str, str], Path | BaseException] = {}
 
-    def get(family: str, exporter: str) -> Path:
-        key = (family, exporter)
+    def get(family: str, exporter: str, dtype: str = "float32") -> Path:
+        key = (family, exporter, dtype)
         if key not in results:
             try:
-                results[key] = zoo.export(family, exporter, zoo_dir)
+                results[key] = zoo.export(family, exporter, zoo_dir, dtype)
             except Exception as exc:  # remembered so the next test does not retry a 10 s export
                 results[key] = exc
         got = results[key]
         if isinstance(got, BaseException):
-            known = zoo.KNOWN_EXPORT_FAILURES.get(key)
+            known = zoo.KNOWN_EXPORT_FAILURES.get((family, exporter))
             if known is not None and known[0] in str(got):
                 pytest.skip(f"{family}/{exporter} cannot be exported here: {known[1]} ({known[0]})")
             raise got

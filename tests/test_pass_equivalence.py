@@ -245,3 +245,41 @@ def test_cli_compiles_and_leaves_input_byte_identical(workdir):
     meta = {p.key: p.value for p in onnx.load(str(workdir / "fast.onnx")).metadata_props}
     assert meta["fastcar.frame_tokens"] == "4" and float(meta["fastcar.threshold"]) == -1.0
     _no_output_left(workdir, {"model.onnx", "fast.onnx"})
+
+
+def test_float16_model_keeps_its_dtype(zoo_model, fc_compile, tmp_path):
+    """A float16 export: MLP cache in float16, TAS in float32, and tau = +inf is still the original model."""
+    src = zoo_model("llama", "dynamo20", "float16")
+    out = tmp_path / "fast.onnx"
+    fc_compile(str(src), output=str(out), frame_tokens=L, threshold=math.inf, emit_diagnostics=True)
+    sess = ort_driver.make_session(out)
+    ins = {i.name: i.type for i in sess.get_inputs()}
+    outs = {o.name: o.type for o in sess.get_outputs()}
+    for i in range(2):
+        assert ins[f"past_mlp_cache.{i}"] == outs[f"present_mlp_cache.{i}"] == "tensor(float16)"
+        assert ins[f"past_mlp_age.{i}"] == "tensor(int64)"
+        assert outs[f"tas.{i}"] == "tensor(float)"
+    steps = decode_steps()
+    base = ort_driver.decode(src, steps, pad=PAD)
+    fast = ort_driver.decode(sess, steps, pad=PAD)
+    # ORT may fuse the MLP's ops differently once they sit in a branch: allow float16 rounding (2 ulp of the
+    # largest logit).
+    worst_ulps = 0.0
+    for k, (b, f) in enumerate(zip(base.logits, fast.logits, strict=True)):
+        assert f.dtype == np.float16
+        m = real_mask(steps, PAD, k, aligned=False)
+        ulp = float(np.spacing(np.abs(b[m]).max()))  # float16 spacing at the step's largest logit
+        worst_ulps = max(
+            worst_ulps, float((np.abs(f[m].astype(np.float32) - b[m].astype(np.float32)) / ulp).max())
+        )
+    assert worst_ulps <= 2.0, f"float16 logits differ by {worst_ulps:.1f} ulp"
+    # TAS of a float16 model against the float32 reference: equal up to float16 rounding of q and k.
+    with FastCarReference(zoo.build_model("llama"), frame_tokens=L, threshold=math.inf) as ref:
+        want = ref.run(steps, pad=PAD)
+    worst = 0.0
+    for i in range(2):
+        for k in range(len(steps)):
+            m = real_mask(steps, PAD, k, aligned=True)
+            if m.any():
+                worst = max(worst, float(np.abs(fast.tas[i][k] - want.tas[i][k])[m].max()))
+    assert worst <= 2e-2, f"float16 TAS differs from the float32 reference by {worst:.3g}"

@@ -215,7 +215,9 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return ins, outs
 
 
-def example_inputs(info: ModelInfo, batch: int = 2, seq: int = 3, past: int = 5) -> tuple[torch.Tensor, ...]:
+def example_inputs(
+    info: ModelInfo, batch: int = 2, seq: int = 3, past: int = 5, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
     """Example inputs with distinct batch/seq/past sizes (so the exporter cannot specialise them)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, info.vocab, (batch, seq), generator=g)
@@ -223,7 +225,10 @@ def example_inputs(info: ModelInfo, batch: int = 2, seq: int = 3, past: int = 5)
     pos = torch.arange(past, past + seq, dtype=torch.int64).unsqueeze(0).expand(batch, seq).contiguous()
     kv = []
     for _ in range(info.num_layers):
-        kv += [torch.randn(batch, info.num_kv_heads, past, info.head_dim, generator=g) for _ in range(2)]
+        kv += [
+            torch.randn(batch, info.num_kv_heads, past, info.head_dim, generator=g).to(dtype)
+            for _ in range(2)
+        ]
     return (ids, mask, pos, *kv)
 
 
@@ -235,7 +240,7 @@ def _export_dynamo(wrapper: nn.Module, info: ModelInfo, path: Path, opset: int) 
     shapes = ({0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, {0: "batch", 1: "seq"}, kv_shapes)
     prog = torch.onnx.export(
         wrapper,
-        example_inputs(info),
+        example_inputs(info, dtype=next(wrapper.parameters()).dtype),
         input_names=ins,
         output_names=outs,
         dynamic_shapes=shapes,
@@ -261,7 +266,7 @@ def _export_torchscript(wrapper: nn.Module, info: ModelInfo, path: Path, opset: 
         axes[n] = {0: "batch", 2: "total"}
     torch.onnx.export(
         wrapper,
-        example_inputs(info),
+        example_inputs(info, dtype=next(wrapper.parameters()).dtype),
         str(path),
         input_names=ins,
         output_names=outs,
@@ -286,17 +291,21 @@ def _export_ortfusions(wrapper: nn.Module, info: ModelInfo, path: Path) -> dict[
     return {k: int(v) for k, v in fusion_counts.items()}
 
 
-def export(family: str, exporter: str, out_dir: str | os.PathLike) -> Path:
-    """Export one family with one exporter into out_dir/<family>-<exporter>.onnx (reused if present)."""
+def export(family: str, exporter: str, out_dir: str | os.PathLike, dtype: str = "float32") -> Path:
+    """Export one family with one exporter into out_dir/<family>-<exporter>[-<dtype>].onnx (reused if present).
+
+    dtype "float16"/"bfloat16" casts the whole model (weights, KV cache, logits) for the dtype-keeping checks.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{family}-{exporter}.onnx"
+    stem = f"{family}-{exporter}" + ("" if dtype == "float32" else f"-{dtype}")
+    path = out / f"{stem}.onnx"
     if path.exists():
         return path
     info = model_info(family)
-    model = build_model(family, attn_implementation=ATTN_IMPL.get(exporter, "sdpa"))
+    model = build_model(family, attn_implementation=ATTN_IMPL.get(exporter, "sdpa")).to(getattr(torch, dtype))
     wrapper = FlatKVWrapper(model, info.num_layers).eval()
-    tmp = out / f".{family}-{exporter}.tmp.onnx"
+    tmp = out / f".{stem}.tmp.onnx"
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
@@ -306,7 +315,7 @@ def export(family: str, exporter: str, out_dir: str | os.PathLike) -> Path:
                 _export_torchscript(wrapper, info, tmp, 17)
             elif exporter.startswith("ortfusions20"):
                 counts = _export_ortfusions(wrapper, info, tmp)
-                (out / f"{family}-{exporter}.fusions.json").write_text(json.dumps(counts, indent=1))
+                (out / f"{stem}.fusions.json").write_text(json.dumps(counts, indent=1))
             else:
                 raise ValueError(f"unknown exporter {exporter!r}; choose from {EXPORTERS}")
         _check_contract(tmp, info)
@@ -316,7 +325,7 @@ def export(family: str, exporter: str, out_dir: str | os.PathLike) -> Path:
         onnx.save(onnx.load(str(tmp)), str(tmp))
         os.replace(tmp, path)
     finally:
-        for side in out.glob(f".{family}-{exporter}.tmp*"):
+        for side in out.glob(f".{stem}.tmp*"):
             side.unlink(missing_ok=True)
     return path
 
