@@ -56,6 +56,12 @@ class CalibrationResult:
         return s + f"; ceiling {100 * self.ceiling:.1f}%, {len(self.probes)} probes"
 
 
+def replay_ceiling(num_frames: int, frame_tokens: int, given_video_tokens: int = 0) -> float:
+    """Largest replay ratio a video can reach: decode steps whose aligned token (p - L) is video."""
+    k = np.arange(num_frames * frame_tokens - 1)  # fed generated token k sits L*... after video_start
+    return float(((given_video_tokens + k) >= frame_tokens).mean()) if k.size else 0.0
+
+
 def _prompts(x: Any, what: str) -> list[list[int]]:
     if isinstance(x, (str, os.PathLike)):
         p = Path(x)
@@ -98,7 +104,8 @@ class _Prober:
             total += r.size
             self.ceiling = res.stats.eligible_ratio_ceiling
             if self.dense is not None:
-                kl = _teacher_forced_kl(self.dense, chunk, res.tokens, res.logits)
+                kl = _teacher_forced_kl(self.dense, chunk, res.tokens, res.logits,
+                                        self.gen_kwargs.get("logits_processor"))
                 kl_sum += float(kl.sum())
                 kl_n += kl.size
         return replayed / max(total, 1.0), (kl_sum / kl_n if kl_n else None)
@@ -111,22 +118,28 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _teacher_forced_kl(dense: FastCarSession, prompts: list[list[int]], tokens: np.ndarray,
-                       fast_logits: np.ndarray) -> np.ndarray:
+                       fast_logits: np.ndarray, processor: Callable[[np.ndarray], np.ndarray] | None = None
+                       ) -> np.ndarray:
     """KL(dense || fast) for each chosen video token [rows, n]: one dense prefill over prompt + video."""
     ids, mask = left_pad(prompts, 0)
     seq = np.concatenate([ids, tokens[:, :-1]], axis=1)
     full_mask = np.concatenate([mask, np.ones_like(tokens[:, :-1])], axis=1)
     out = dense.step(dense.new_state(len(prompts), video_start=ids.shape[1]), seq, attention_mask=full_mask)
-    dl = out.logits[:, ids.shape[1] - 1:, :]
+    dl = out.logits[:, ids.shape[1] - 1:, :].astype(np.float64)
+    if processor is not None:  # the same masking the fast logits went through
+        dl = np.stack([processor(dl[:, j]) for j in range(dl.shape[1])], axis=1)
     lp, lq = _log_softmax(dl), _log_softmax(fast_logits)
-    return (np.exp(lp) * (lp - lq)).sum(axis=-1)
+    p = np.exp(lp)
+    with np.errstate(invalid="ignore"):
+        return np.where(p > 0, p * (lp - lq), 0.0).sum(axis=-1)
 
 
 def _search(evaluate: Callable[[float], tuple[float, float | None]], good: Callable[[float, float | None], bool],
-            score: Callable[[float, float | None], float], max_probes: int, progress: bool
-            ) -> tuple[float, list[tuple[float, float, float | None]]]:
-    """Find the crossing of `good` in tau (good holds for large tau, fails for small tau, or the reverse is
-    not expected): expand a bracket from 0 by doubling, then bisect; return the best-scoring good tau."""
+            score: Callable[[float, float | None], float], max_probes: int, progress: bool,
+            replay_resolution: float = 0.0) -> tuple[float, list[tuple[float, float, float | None]]]:
+    """Find where `good` starts to hold as tau rises (replay falls with tau): expand a bracket from 0 by
+    doubling, then bisect until the score is 0, the replay ratios at both ends differ by at most
+    `replay_resolution`, or the probes run out; return the best-scoring good tau."""
     probes: list[tuple[float, float, float | None]] = []
     from tqdm.auto import tqdm
 
@@ -166,14 +179,18 @@ def _search(evaluate: Callable[[float], tuple[float, float | None]], good: Calla
             raise FastCarError(f"no tau up to {t:g} meets the goal (replay there {probes[-1][1]:.3f}); is the "
                                "model compiled with FastCar layers?")
         if lo is not None:
-            while len(probes) < max_probes and hi - lo > 1e-3 * max(1.0, abs(hi)):
+            at = {p[0]: p[1] for p in probes}
+            while len(probes) < max_probes and hi - lo > 1e-12 * max(1.0, abs(hi)):
+                if score(at[hi], next(p[2] for p in probes if p[0] == hi)) == 0.0:
+                    break
+                if at[lo] - at[hi] <= replay_resolution:
+                    break
                 mid = 0.5 * (lo + hi)
                 if probe(mid):
                     hi = mid
                 else:
                     lo = mid
-                if score(*probes[-1][1:]) == 0.0:
-                    break
+                at[mid] = probes[-1][1]
     finally:
         bar.close()
     cands = [p for p in probes if good(p[1], p[2])]
@@ -203,7 +220,7 @@ def calibrate_threshold(fast_model_path: str | os.PathLike, calib_prompts: np.nd
         raise FastCarError(f"{fast_model_path} is not a FastCar model (no fastcar.* metadata); compile it first")
     calib = _prompts(calib_prompts, "calib_prompts")
     held = _prompts(heldout_prompts, "heldout_prompts") if heldout_prompts is not None else None
-    ceiling = (num_frames * fast.frame_tokens - 1 - fast.frame_tokens) / (num_frames * fast.frame_tokens - 1)
+    ceiling = replay_ceiling(num_frames, fast.frame_tokens, int(generate_kwargs.get("given_video_tokens", 0)))
     show = bool(progress) if progress is not None else True
     dense = None
     if quality_budget is not None:
@@ -223,7 +240,8 @@ def calibrate_threshold(fast_model_path: str | os.PathLike, calib_prompts: np.nd
         mode, target = "replay", float(target_replay)
     else:
         tau, probes = _search(prober, good=lambda r, d: d is not None and d <= quality_budget,
-                              score=lambda r, d: -r, max_probes=max_probes, progress=show)
+                              score=lambda r, d: -r, max_probes=max_probes, progress=show,
+                              replay_resolution=0.002)
         mode, target = "quality", float(quality_budget)
     chosen = next(p for p in probes if p[0] == tau)
     res = CalibrationResult(tau=float(tau), mode=mode, target=target, replay_calib=chosen[1],

@@ -79,13 +79,17 @@ def generate(session: FastCarSession, prompt_ids: Any, num_frames: int, *, frame
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, cfg_scale: float | None = None,
              uncond_prompt_ids: Any = None, pad_token_id: int = 0, callback: FrameCallback | None = None,
              progress: bool | None = None, collect_tas: bool = False, keep_logits: bool = False,
-             trace: str | None = None) -> GenerationResult:
+             trace: str | None = None, given_video_tokens: int = 0,
+             logits_processor: Callable[[np.ndarray], np.ndarray] | None = None) -> GenerationResult:
     """Generate `num_frames` frames of `L` tokens for each prompt row, from fresh state.
 
     threshold: tau for this run (None: the model's baked default; float('inf') turns replay off).
     cfg_scale + uncond_prompt_ids: classifier-free guidance, logits u + s (c - u), one unconditional
     prompt per conditional one. callback(frame_index, tokens[rows, L]) after each frame; return False to
     stop. Ctrl-C stops too; both return what was generated so far. `trace`: also save run.json there.
+    given_video_tokens: the last k tokens of every prompt are already video (e.g. a conditioning frame 0),
+    so `video_start` sits before them and the first generated frame may replay at once.
+    logits_processor(logits[rows, vocab]) -> logits, applied after guidance (e.g. mask special tokens).
     """
     L = int(frame_tokens or session.frame_tokens or 0)
     if session.frame_tokens and frame_tokens and frame_tokens != session.frame_tokens:
@@ -112,13 +116,17 @@ def generate(session: FastCarSession, prompt_ids: Any, num_frames: int, *, frame
     elif uncond_prompt_ids is not None:
         raise FastCarError("uncond_prompt_ids given without cfg_scale")
     ids, mask = left_pad(rows, pad_token_id)
-    batch, video_start = ids.shape
+    batch, padded = ids.shape
+    if not 0 <= given_video_tokens <= min(len(r) for r in rows):
+        raise FastCarError(f"given_video_tokens={given_video_tokens} must be in [0, shortest prompt length]")
+    video_start = padded - given_video_tokens
     n_out = len(cond)
     total = num_frames * L
     rng = np.random.default_rng(seed)
     mem = session.state_nbytes(batch)
     stats = RunStats(model=str(session.path), fastcar=session.is_fastcar, frame_tokens=L,
                      layers=list(session.layers), batch=batch, video_start=video_start, num_frames=num_frames,
+                     given_video_tokens=given_video_tokens,
                      threshold=(float(threshold) if np.ndim(threshold) == 0 else list(map(float, threshold)))
                      if threshold is not None else session.default_threshold,
                      cfg_scale=cfg_scale, state_bytes=mem["fastcar_state"],
@@ -132,6 +140,8 @@ def generate(session: FastCarSession, prompt_ids: Any, num_frames: int, *, frame
     def choose(logits: np.ndarray) -> np.ndarray:
         last = logits[:, -1, :]
         g = guide(last[:n_out], last[n_out:], cfg_scale) if cfg else last.astype(np.float64)
+        if logits_processor is not None:
+            g = np.asarray(logits_processor(g), dtype=np.float64)
         if keep_logits:
             logit_rows.append(g.astype(np.float32))
         return sampler(g, rng)

@@ -112,29 +112,37 @@ class FastCarSession:
         self.path = Path(path)
         if not self.path.is_file():
             raise FastCarError(f"model file {self.path} does not exist; pass the path of an .onnx file")
-        so = session_options
-        if so is None:
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = threads
-            so.inter_op_num_threads = 1
-            so.log_severity_level = 3
+        so = session_options if session_options is not None else self._options(threads)
         self.native_library: str | None = None
+        lib = None
         if native is not False:
             from fastcar_compile.runtime.native import library_path
 
             lib = library_path()
             if lib is None and native:
                 raise FastCarError("native=True but the ai.fastcar kernels are not built; run "
-                                   "`python runtime/native/build.py` (needs libonnxruntime-dev and g++)")
-            if lib is not None:
-                so.register_custom_ops_library(str(lib))
-                self.native_library = str(lib)
+                                   "`python runtime/native/build.py` (needs g++ and the ORT C headers)")
+        provs = list(providers) if providers else ["CPUExecutionProvider"]
+        plain_so = so
+        if lib is not None:
+            plain_so = self._options(threads)  # for the float16 fallback below: same threads, no library
+            for attr in ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
+                         "enable_cpu_mem_arena", "log_severity_level"):
+                setattr(plain_so, attr, getattr(so, attr))
+            so.register_custom_ops_library(str(lib))
         try:
-            self.session = ort.InferenceSession(str(self.path), sess_options=so,
-                                                providers=list(providers) if providers else
-                                                ["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(self.path), sess_options=so, providers=provs)
+            self.native_library = str(lib) if lib is not None else None
         except Exception as exc:  # ORT raises its own exception types; make it a user error
-            raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc}") from exc
+            if lib is not None and native is None and "TemporalGate" in str(exc) + str(exc.__cause__):
+                # the kernels are float32 only: a float16 model keeps its function bodies
+                try:
+                    self.session = ort.InferenceSession(str(self.path), sess_options=plain_so, providers=provs)
+                except Exception as exc2:
+                    raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc2}") from exc2
+            else:
+                hint = " (the native kernels are float32 only; pass native=False)" if lib is not None else ""
+                raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc}{hint}") from exc
         self.meta: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self.is_fastcar = "fastcar.version" in self.meta
         # inputs with a default initializer (video_start, fastcar_threshold) are "overridable initializers"
@@ -167,6 +175,14 @@ class FastCarSession:
         self._vocab: int | None = None
         self._logits_dtype = np.dtype(np.float32)
         self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
+
+    @staticmethod
+    def _options(threads: int):
+        so = _ort().SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        return so
 
     # ------------------------------------------------------------------ I/O pairing
     def _count_kv_layers(self) -> int:

@@ -30,6 +30,7 @@ class RunStats:
     batch: int
     video_start: int
     num_frames: int
+    given_video_tokens: int = 0  # prompt tail that was already video (frame 0 given): frames count after it
     threshold: Any = None
     cfg_scale: float | None = None
     frames_done: int = 0
@@ -62,7 +63,7 @@ class RunStats:
         r = self.replay_array()
         frames = max(self.frames_done, 1)
         pos = np.array([s["pos"] for s in self.steps], dtype=np.int64)
-        fr = (pos - self.video_start) // max(self.frame_tokens, 1)
+        fr = (pos - self.video_start - self.given_video_tokens) // max(self.frame_tokens, 1)
         if r.size:
             self.replay_ratio = float(r.mean())
             self.replay_per_layer = [float(x) for x in r.mean(axis=(0, 2))]

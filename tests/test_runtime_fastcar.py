@@ -192,3 +192,21 @@ def test_threshold_checks_and_report(fast, tmp_path):
     assert all(len(s["replay"]) == len(fast.layers) and len(s["replay"][0]) == 1 for s in trace["steps"])
     assert main(["report", str(tmp_path / "run.json")]) == 0
     assert (tmp_path / "run.replay.png").stat().st_size > 1000
+
+
+def test_given_frame_and_logits_processor(fast):
+    """A prompt ending in a given frame: video_start sits before it, so generated frame 0 may replay."""
+
+    def low_ids(g):
+        g = g.copy()
+        g[:, 32:] = -np.inf
+        return g
+
+    prompt = [[1, 2] + list(range(40, 40 + L))]
+    res = fast.generate(prompt, 2, threshold=-1e9, given_video_tokens=L, logits_processor=low_ids)
+    assert res.stats.video_start == 2 and (res.tokens < 32).all()
+    assert res.stats.replay_per_frame[0] == 1.0 and res.stats.eligible_ratio_ceiling == 1.0
+    plain = fast.generate(prompt, 2, threshold=-1e9)
+    assert plain.stats.replay_per_frame[0] == 0.0
+    with pytest.raises(FastCarError, match="given_video_tokens"):
+        fast.generate([[1, 2]], 1, given_video_tokens=3)

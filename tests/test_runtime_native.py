@@ -157,3 +157,33 @@ def test_compiled_model_with_native_kernels(native_lib, zoo_model, tmp_path):
         s.step(st, np.array([[3]]))
     with pytest.raises(FastCarError, match="native"):
         FastCarSession(path, native=False, inplace=True)
+
+
+def test_float16_model_falls_back_to_function_bodies(native_lib, tmp_path):
+    """The kernels are float32 only: a float16 model still loads (function bodies) unless native=True."""
+    import torch
+    import zoo
+
+    fc = pytest.importorskip("fastcar_compile")
+    from fastcar_compile.runtime import FastCarSession
+
+    from fastcar_compile.errors import FastCarError
+
+    info = zoo.model_info("llama")
+    wrapper = zoo.FlatKVWrapper(zoo.build_model("llama").to(torch.float16), info.num_layers).eval()
+    orig = zoo.example_inputs
+    zoo.example_inputs = lambda i, *a, **k: tuple(t.half() if t.is_floating_point() else t for t in orig(i, *a, **k))
+    try:
+        with torch.no_grad():
+            zoo._export_dynamo(wrapper, info, tmp_path / "h.onnx", 20)
+    finally:
+        zoo.example_inputs = orig
+    fc.compile(str(tmp_path / "h.onnx"), str(tmp_path / "fast.onnx"), frame_tokens=4)
+    auto = FastCarSession(tmp_path / "fast.onnx", threads=1)
+    assert auto.native_library is None and not auto.inplace
+    plain = FastCarSession(tmp_path / "fast.onnx", native=False, threads=1)
+    a, b = auto.generate([[1, 2, 3]], 3, threshold=0.0), plain.generate([[1, 2, 3]], 3, threshold=0.0)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert a.stats.steps == b.stats.steps
+    with pytest.raises(FastCarError, match="float32 only"):
+        FastCarSession(tmp_path / "fast.onnx", native=True)
