@@ -138,7 +138,9 @@ def assemble(lines: str | Iterable[str]) -> Program:
     current: np.ndarray | None = None
     limits = isa.field_limits()
     for lineno, raw in enumerate(lines, 1):
-        line = raw.split(";", 1)[0].strip()
+        stripped = raw.strip()
+        # .meta carries JSON verbatim (it may contain ';'), every other line may end in a comment
+        line = stripped if stripped.startswith(".meta") else raw.split(";", 1)[0].strip()
         if not line:
             continue
         if line.startswith(".version"):
