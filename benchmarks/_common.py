@@ -160,10 +160,12 @@ def cached_export(shape: LlamaShape, cache_dir: Path, seed: int = 0) -> Path:
     return path
 
 
-def make_session(path: str | Path, threads: int):
+def make_session(path: str | Path, threads: int, spin: bool = True):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    if not spin:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
