@@ -125,9 +125,11 @@ def main(argv: list[str]) -> int:
         sess = open_session(diag, a.threads)
         tas = np.concatenate([generate_video(sess, c.motion, tok.encode(c.frames)[0], a.frames - 1,
                                              threshold=float("inf")).tas.reshape(-1) for c in clips])
-        taus = [float(np.quantile(tas, 1 - t)) for t in targets] + [float("-inf")]
+        taus = [float("inf")] + [float(np.quantile(tas, 1 - t)) for t in targets] + [float("-inf")]
         for k in guards:
             for tau in taus:
+                if k and tau == float("inf"):
+                    continue  # a guard changes nothing when nothing replays
                 fast = compile_bundled(out / "fast.onnx", tau, q, k, frame_tokens=tok.tokens_per_frame)
                 res = run_clips(ONNX, fast, clips, tok, tau, a.threads, progress=False, dense_runs=dense_runs,
                                 retime_dense=a.retime)

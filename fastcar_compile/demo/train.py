@@ -40,8 +40,9 @@ class TrainSettings:
 
 
 def tokenize_clips(tok: PatchTokenizer, clips: list[data.Clip]) -> np.ndarray:
-    """[N, prompt + T*L] int64 sequences."""
-    return np.stack([sequence(c.motion, tok.encode(c.frames)) for c in clips])
+    """[N, prompt + T*L] int64 sequences (one batched encode: per-clip calls are ~10x slower)."""
+    codes = tok.encode(np.stack([c.frames for c in clips]))
+    return np.stack([sequence(c.motion, k) for c, k in zip(clips, codes, strict=True)])
 
 
 def _atomic_json(path: Path, obj) -> None:
