@@ -170,6 +170,8 @@ class FunctionalSim:
                             buf[dst][r, om : om + m] = y
                         else:
                             buf[dst][r, om : om + m] += y
+                    elif op == isa.Op.STORE and sub == isa.Space.ACT:
+                        pass  # logits leave for the host; the buffer keeps them for the caller
                     elif op == isa.Op.STORE and sub in (isa.Space.KV_K, isa.Space.KV_V):
                         cache = self.kc if sub == isa.Space.KV_K else self.vc
                         cache[layer, r, pos] = buf[src][r, :m]

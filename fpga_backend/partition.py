@@ -4,7 +4,10 @@ Units: ``matrix`` (the MAC array of a core: projections, attention QK/PV, LM hea
 residual adds, RoPE, TAS), ``sfu`` (softmax, SiLU), ``dma`` (KV append, replay cache exchange, embedding).
 Weight GEMMs are tiled so one tile fills half of a core's weight buffer (the other half is the double
 buffer), rounded to whole array passes; attention is one macro-task per row whose extent is the run-time
-context (KV streamed through the KV buffer).
+context (K/V streamed through the KV buffer with an online softmax, so scores never fill the act buffer).
+A row's activations (residual, normed input, gate and up: 2 x hidden + 2 x intermediate values) stay in the
+act buffer; when a core's rows do not fit, ``act_footprint`` says so and the scheduler marks the program as
+spilling (every weight tile then re-reads its input slice and writes its output slice through DRAM).
 
 Input: a :class:`ModelSpec`, or an ONNX decoder (compiled fast.onnx or plain export) read without its weights.
 ONNX ops the accelerator cannot run are reported by name in ``Partition.unsupported``, never dropped.
@@ -212,6 +215,7 @@ def partition_spec(spec: ModelSpec, board: BoardConfig, sources: dict[str, str] 
         Task("final_norm", "vector", isa.Op.VEC, isa.Vec.RMSNORM, B["xn"], B["x"], weight=fn, m=h),
         Task("lm_head", "matrix", isa.Op.GEMM, isa.Space.WEIGHT, B["logits"], B["xn"], weight=lm, m=spec.vocab,
              k=h, tiles=tile_gemm(spec.vocab, h, board)),
+        Task("logits_store", "dma", isa.Op.STORE, isa.Space.ACT, 0, B["logits"], m=spec.vocab),
     ]
     graphs.append(_graph(head, isa.NO_LAYER))
     return Partition(spec, board, graphs, tensors, list(unsupported or []), list(notes or []))
@@ -333,6 +337,11 @@ def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfi
     part = partition_spec(spec, board, sources=sources, unsupported=bad, notes=notes)
     part.op_counts = counts
     return part
+
+
+def act_footprint(spec: ModelSpec, rows_per_core: int) -> int:
+    """Bytes of activations a core keeps on chip for its rows (MLP phase is the largest)."""
+    return rows_per_core * (2 * spec.hidden + 2 * spec.intermediate) * spec.dtype_bytes
 
 
 def total_tiles(part: Partition) -> int:

@@ -24,7 +24,7 @@ from fastcar_compile.errors import FastCarError
 
 from . import isa
 from .encode import Program
-from .partition import Partition, Task, ceil_div
+from .partition import Partition, Task, act_footprint, ceil_div
 
 
 def block_binding(batch: int, cores: int) -> np.ndarray:
@@ -135,14 +135,22 @@ def emit_program(part: Partition, batch: int, context: int) -> Program:
         end["layer"] = layer
         chunks.extend(layer_chunks)
     bundles = np.concatenate(chunks)
+    footprint = act_footprint(spec, ceil_div(batch, board.cores))
+    spill = footprint > board.act_buffer_kib * 1024
+    notes = list(part.notes)
+    if spill:
+        notes.append(f"activations of {ceil_div(batch, board.cores)} row(s) per core need {footprint // 1024} KiB > "
+                     f"act buffer {board.act_buffer_kib} KiB: weight tiles re-read inputs / write outputs via DRAM")
     meta = {
         "model": spec.to_dict(),
+        "act_footprint_bytes": footprint,
+        "act_spill": spill,
         "batch": batch,
         "context": context,
         "binding": "block",
         "binding_masks": [int(x) for x in binding],
         "tensors": part.tensors,
         "unsupported": part.unsupported,
-        "notes": part.notes,
+        "notes": notes,
     }
     return Program(board=board, bundles=bundles, meta=meta)

@@ -154,7 +154,10 @@ class Simulator:
         ).astype(np.float64)
         self.macs_row = np.where(is_gemm, self.m * self.k * self.n, 0).astype(np.float64)
         dma = (op == isa.Op.LOAD) | (op == isa.Op.STORE) | (op == isa.Op.XCHG)
-        self.dram_row = np.select([dma, self.kv_gemm], [self.m * dt, self.m * self.k * dt], 0).astype(np.float64)
+        self.spill = bool(program.meta.get("act_spill", False))
+        spill_row = (self.k + self.m) * dt if self.spill else 0  # input slice in, output slice out
+        self.dram_row = np.select([dma, self.kv_gemm, self.weight_gemm], [self.m * dt, self.m * self.k * dt, spill_row],
+                                  0).astype(np.float64)
         self.weight_bytes = np.where(self.weight_gemm, self.m * self.k * dt, 0).astype(np.float64)
         self.sram_row = np.select(
             [is_gemm, op == isa.Op.VEC, op == isa.Op.TAS, dma],
@@ -162,10 +165,11 @@ class Simulator:
              self.m * dt],
             0,
         ).astype(np.float64)
+        # per-row bytes by class (weight streams are counted per bundle, into "weights"; a weight GEMM's
+        # per-row bytes are activation spill)
         self.dram_class = np.select(
-            [self.weight_gemm, self.kv_gemm | (sub == isa.Space.KV_K) & dma | (sub == isa.Space.KV_V) & dma,
-             op == isa.Op.XCHG],
-            [0, 1, 2],
+            [self.kv_gemm | (sub == isa.Space.KV_K) & dma | (sub == isa.Space.KV_V) & dma, op == isa.Op.XCHG],
+            [1, 2],
             3,
         )
         ctl = b[:, C]

@@ -41,7 +41,8 @@ def _analytic(spec: ModelSpec, replay: np.ndarray, ctx: int, stream: str, cores:
             wbytes += attn_w * dt * used + mlp_w * dt * len(set(core_of[computing]))
         kv += batch * (2 * ctx * kvd + 2 * kvd) * dt
     return {"macs": macs, "weights": wbytes, "kv": kv,
-            "replay_cache": len(spec.replay_layers) * batch * h * dt, "activations": batch * h * dt}
+            "replay_cache": len(spec.replay_layers) * batch * h * dt,
+            "activations": batch * h * dt + batch * v * dt}  # embedding rows in, logits out
 
 
 @pytest.mark.parametrize("board,batch,stream,policy", [
@@ -159,3 +160,27 @@ def test_board_override_must_keep_structure():
         Simulator(sim.program, sim.board.replace(cores=2))
     with pytest.raises(FastCarError, match="exceeds"):
         sim.run(np.zeros((1, SPEC.layers, 4), bool), CTX, batch=4)
+
+
+def test_activation_spill_traffic_matches_the_instruction_stream():
+    """Rows whose activations overflow the act buffer: every weight tile moves its input and output slices."""
+    from fastcar_compile.fpga_backend import isa
+
+    batch = 8
+    fits = _sim("kv260", batch)
+    spills = Simulator(build_program(SPEC, fits.board.replace(act_buffer_kib=1), batch=batch, context=CTX))
+    assert not fits.program.meta["act_spill"] and spills.program.meta["act_spill"]
+    replay = M.synthetic(0.5, batch, SPEC.layers, 2, kind="random", seed=2, replayable=frozenset(SPEC.replay_layers))
+    a = fits.run(replay, CTX, policy="static")
+    b = spills.run(replay, CTX, policy="static")
+    core = spills.program.bundles[:, :-1]
+    w = (core["opcode"] == isa.Op.GEMM) & (core["sub"] == isa.Space.WEIGHT)
+    want = 0
+    for s in range(replay.shape[0]):
+        for ins in core[w]:
+            rows = [r for r in range(batch) if int(ins["arg"]) >> r & 1]
+            if ins["flags"] & isa.Flag.SKIP_ON_REPLAY:
+                rows = [r for r in rows if not replay[s, ins["layer"], r]]
+            want += len(rows) * (int(ins["k"]) + int(ins["m"])) * SPEC.dtype_bytes
+    assert b.dram_bytes["activations"] - a.dram_bytes["activations"] == want
+    assert b.dram_bytes["weights"] == a.dram_bytes["weights"] and b.cycles > a.cycles
