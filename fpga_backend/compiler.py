@@ -66,13 +66,12 @@ def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardC
 def report_for(program: Program, output: str | Path | None, file_bytes: int) -> FpgaCompileReport:
     ops = program.bundles["opcode"]
     counts = Counter(isa.Op(int(o)).name for o in ops.ravel() if o != isa.Op.NOP)
-    layer_tasks = 0
     return FpgaCompileReport(
         output=str(output) if output else None, board=program.board.name,
         hw_hash=f"{program.board.structural_hash():016x}", batch=program.meta["batch"],
         context=program.meta["context"], model=program.meta["model"], bundles=len(program),
         instructions=dict(counts), file_bytes=file_bytes, unsupported=program.meta["unsupported"],
-        notes=program.meta["notes"], bundles_per_layer=layer_tasks or _bundles_per_layer(program),
+        notes=program.meta["notes"], bundles_per_layer=_bundles_per_layer(program),
     )
 
 

@@ -29,6 +29,7 @@ from fastcar_compile.errors import FastCarError
 from . import isa
 from .encode import Program
 from .hwspec import ASSUMPTIONS, BoardConfig
+from .isa import popcount32
 from .schedule import drs_masks
 
 POLICIES = ("static", "drs")
@@ -142,7 +143,7 @@ class Simulator:
         self.op, self.sub = op, sub
         # per-row costs for the context-independent instructions (ctx ones are filled per step)
         passes = _ceil(self.m, bd.array_cols) * _ceil(self.k, bd.array_rows) * self.n
-        vec_elems = self.m * np.where(sub == isa.Vec.SOFTMAX, 1, 1)
+        vec_elems = self.m
         vec_cyc = np.select(
             [sub == isa.Vec.RMSNORM, sub == isa.Vec.ROPE, sub == isa.Vec.SOFTMAX, sub == isa.Vec.SILU_MUL],
             [_ceil(2 * vec_elems, bd.vector_lanes), _ceil(2 * vec_elems, bd.vector_lanes),
@@ -185,8 +186,6 @@ class Simulator:
     def _eval(self, ctx: int, skip_masks: np.ndarray, active: np.uint32, stream: str) -> dict[str, np.ndarray]:
         """Per-bundle time and per-slot figures for one step. skip_masks: (layers + 1, cores) row masks."""
         bd = self.board
-        from .isa import popcount32
-
         base = popcount32(self.arg & active).astype(np.float64)
         tab = popcount32(skip_masks).astype(np.float64)
         n_eff = np.where(self.skip, tab[np.minimum(self.layer_idx, self.num_layers), np.arange(self.C)[None, :]], base)
