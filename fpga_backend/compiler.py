@@ -76,9 +76,8 @@ def report_for(program: Program, output: str | Path | None, file_bytes: int) -> 
 
 
 def _bundles_per_layer(program: Program) -> int:
-    lay = program.bundles[:, :-1]["layer"]
-    first = (lay == 0).any(axis=1)
-    return int(first.sum())
+    core = program.bundles[:, :-1]
+    return int(((core["layer"] == 0) & (core["opcode"] != isa.Op.NOP)).any(axis=1).sum())
 
 
 def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Path | None, board: str = "kv260",
