@@ -174,11 +174,19 @@ def _walk_back_transpose(value: ir.Value) -> tuple[ir.Value, bool]:
     return value, False
 
 
-def _rope_input(q: ir.Value) -> tuple[ir.Value, str]:
-    """The query before positional rotation, and what rotary was found."""
+def _rope_input(q: ir.Value, depth: int = 0) -> tuple[ir.Value, str]:
+    """The query before positional rotation, and what rotary was found.
+
+    Looks through head-layout ops too: fused attention (MultiHeadAttention) takes the rotated query
+    re-laid out as [B, S, H*D], so the rotary sits behind a Transpose/Reshape.
+    """
     node = q.producer()
     if node is None:
         return q, "none"
+    if node.op_type in ("Reshape", "Transpose") and depth < 3:
+        inner, kind = _rope_input(node.inputs[0], depth + 1)
+        if kind != "none":
+            return inner, kind
     if node.op_type in gu.ROTARY_OPS:
         return node.inputs[0], f"{node.domain or 'onnx'}::RotaryEmbedding"
     if node.op_type == "Concat" and len(node.inputs) == 2:  # partial rotary: concat(rope(x[..:r]), x[r:])
