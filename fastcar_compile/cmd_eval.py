@@ -30,7 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--variants", type=str, default="rope,raw", help="TAS variants (rope, raw)")
     ap.add_argument("--guard", type=int, default=2, help="drift guard K swept next to 0 = off (default 2)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--retime", type=int, default=2, help="clips re-timed dense next to each FastCar run")
     return ap
 
 
@@ -114,8 +113,6 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer()
     clips = data.make_clips("eval", a.clips, a.frames)
-    dense_s = open_session(ONNX, a.threads)
-    dense_runs = [generate_video(dense_s, c.motion, tok.encode(c.frames)[0], a.frames - 1) for c in clips]
     rows: list[dict] = []
     guards = [0] + ([a.guard] if a.guard else [])
     for q in variants:
@@ -131,8 +128,7 @@ def main(argv: list[str]) -> int:
                 if k and tau == float("inf"):
                     continue  # a guard changes nothing when nothing replays
                 fast = compile_bundled(out / "fast.onnx", tau, q, k, frame_tokens=tok.tokens_per_frame)
-                res = run_clips(ONNX, fast, clips, tok, tau, a.threads, progress=False, dense_runs=dense_runs,
-                                retime_dense=a.retime)
+                res = run_clips(ONNX, fast, clips, tok, tau, a.threads, progress=False)
                 s = summarize(res, tok, tau, q, k).to_dict()
                 rows.append(s)
                 print(f"{q:4s} K={k} tau={tau:9.3g}: replay {100 * s['replay_ratio']:5.1f}%  "

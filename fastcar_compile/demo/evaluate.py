@@ -1,7 +1,8 @@
 """Dense vs FastCar on held-out clips: the numbers behind `fastcar-compile demo` and `eval`.
 
-Timing is per decode step (ms per token), median over steps, dense and FastCar sessions both with one ORT
-thread and run alternately clip by clip so machine noise hits both alike. Quality is measured on
+Timing is per decode step (ms per token, `FastCarSession.step` wall time: ORT plus the runtime's per-step
+Python work), median over steps; dense and FastCar sessions both with one ORT thread, stepped in lockstep
+so machine noise hits both alike. Quality is measured on
 generated frames 1.. (frame 0 is given), against the dense model's frames and against the ground truth.
 """
 
@@ -18,7 +19,7 @@ from fastcar_compile.demo import data
 from fastcar_compile.demo.export import ONNX, TOKENIZER
 from fastcar_compile.demo.metrics import psnr, ssim
 from fastcar_compile.demo.tokenizer import PatchTokenizer
-from fastcar_compile.demo.video import VideoRun, generate_video, open_session
+from fastcar_compile.demo.video import VideoRun, generate_pair, open_session
 from fastcar_compile.errors import FastCarError
 
 
@@ -29,7 +30,6 @@ class ClipResult:
     gt: np.ndarray  # [T, H, W, 3] uint8 ground truth pixels
     dense: VideoRun
     fast: VideoRun
-    dense_step_ms: list[float] | None = None  # dense re-timed next to this FastCar run (tau sweeps)
 
 
 @dataclass
@@ -77,21 +77,15 @@ def _mean_finite(xs: list[float], cap: float = 100.0) -> float:
 
 
 def run_clips(dense_path: Path, fast_path: Path, clips: list[data.Clip], tok: PatchTokenizer, tau: float,
-              threads: int = 1, progress: bool = True, dense_runs: list[VideoRun] | None = None,
-              retime_dense: int = 0) -> list[ClipResult]:
-    """Generate every clip with both models. Dense runs may be reused across a tau sweep; then the first
-    `retime_dense` clips are re-run dense (timing only) right before FastCar, so both see the same load."""
-    dense = open_session(dense_path, threads) if dense_runs is None or retime_dense else None
+              threads: int = 1, progress: bool = True) -> list[ClipResult]:
+    """Generate every clip with both models in lockstep (paired per-token timings, see generate_pair)."""
+    dense = open_session(dense_path, threads)
     fast = open_session(fast_path, threads)
     out = []
-    for i, c in enumerate(tqdm(clips, desc=f"clips tau={tau:g}", disable=not progress, leave=False)):
+    for c in tqdm(clips, desc=f"clips tau={tau:g}", disable=not progress, leave=False):
         toks = tok.encode(c.frames)
-        d = dense_runs[i] if dense_runs is not None else generate_video(dense, c.motion, toks[0], len(c.frames) - 1)
-        again = None
-        if dense_runs is not None and i < retime_dense:
-            again = generate_video(dense, c.motion, toks[0], len(c.frames) - 1).step_ms
-        f = generate_video(fast, c.motion, toks[0], len(c.frames) - 1, threshold=tau)
-        out.append(ClipResult(c.motion, c.source, c.frames, d, f, again))
+        d, f = generate_pair(dense, fast, c.motion, toks[0], len(c.frames) - 1, threshold=tau)
+        out.append(ClipResult(c.motion, c.source, c.frames, d, f))
     return out
 
 
@@ -115,12 +109,8 @@ def summarize(results: list[ClipResult], tok: PatchTokenizer, tau: float, tas_qu
         rep.append(r.fast.replay_ratio)
         steps = len(r.fast.step_ms)
         ceil.append(1.0 if steps else 0.0)  # frame 0 is context: every decode step is eligible
-        if r.dense_step_ms is not None:
-            dms += r.dense_step_ms
-            fms += r.fast.step_ms
-        elif not any(x.dense_step_ms is not None for x in results):
-            dms += r.dense.step_ms
-            fms += r.fast.step_ms
+        dms += r.dense.step_ms
+        fms += r.fast.step_ms
         by_motion.setdefault(r.motion, []).append(pf_g[-1] - pd_g[-1])
     dense_ms, fast_ms = float(np.median(dms)), float(np.median(fms))
     frames = int(results[0].gt.shape[0]) if results else 0

@@ -72,3 +72,37 @@ def generate_video(session, motion: str, frame0: np.ndarray, new_frames: int,
         toks[k + 1] = int(out.logits[0, -1, :CODES].argmax())
     frames = np.concatenate([np.asarray(frame0, np.int64), toks]).reshape(1 + new_frames, L)
     return VideoRun(frames, replay, times, tas)
+
+
+def generate_pair(dense, fast, motion: str, frame0: np.ndarray, new_frames: int,
+                  threshold: float | None = None) -> tuple[VideoRun, VideoRun]:
+    """Dense and FastCar greedy videos in lockstep: one dense step, one FastCar step (order alternating),
+    so both models' per-token times are taken under the same machine load (shared CPUs drift by 2x)."""
+    L = int(len(frame0))
+    ids = np.asarray([prompt(motion) + [int(t) for t in frame0]], dtype=np.int64)
+    thr = None if threshold is None or not fast.is_fastcar else fast.threshold_array(threshold)
+    sessions = (dense, fast)
+    thrs = (None, thr)
+    states, nxt = [], []
+    for s, t in zip(sessions, thrs, strict=True):
+        o = s.step(s.new_state(1, video_start=VIDEO_START), ids, threshold=t)
+        states.append(o.state)
+        nxt.append(int(o.logits[0, -1, :CODES].argmax()))
+    n = new_frames * L
+    toks = np.empty((2, n), dtype=np.int64)
+    toks[:, 0] = nxt
+    replay = np.zeros((n - 1, len(fast.layers)), dtype=bool)
+    times: tuple[list[float], list[float]] = ([], [])
+    for k in range(n - 1):
+        for j in ((0, 1) if k % 2 == 0 else (1, 0)):
+            s = sessions[j]
+            t0 = time.perf_counter()
+            o = s.step(states[j], toks[j, k:k + 1][None], threshold=thrs[j], check=False)
+            times[j].append(1e3 * (time.perf_counter() - t0))
+            states[j] = o.state
+            toks[j, k + 1] = int(o.logits[0, -1, :CODES].argmax())
+            if j == 1 and o.replay is not None:
+                replay[k] = o.replay[:, 0]
+    f0 = np.asarray(frame0, np.int64)
+    frames = [np.concatenate([f0, toks[j]]).reshape(1 + new_frames, L) for j in (0, 1)]
+    return (VideoRun(frames[0], np.zeros((n - 1, 0), bool), times[0]), VideoRun(frames[1], replay, times[1]))
