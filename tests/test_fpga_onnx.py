@@ -10,7 +10,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from fastcar_compile.fpga_backend import build_program, compile_to_bundles, load_board
-from fastcar_compile.fpga_backend.encode import load
 from fastcar_compile.fpga_backend.functional import FunctionalSim, weights_from_onnx
 from fastcar_compile.fpga_backend.modelspec import load_onnx_shapes_only, spec_from_onnx
 from fastcar_compile.fpga_backend.partition import partition_spec, weight_sources
@@ -85,12 +84,14 @@ def test_cli_compile_sim_disasm_asm(fast_model, tmp_path):
     assert cli([str(fast_model), "--target", "fpga", "--board", "u280", "--batch", "8", "-o", str(fcb)]) == 0
     rep = compile_to_bundles(fast_model, tmp_path / "again.fcb", board="u280", batch=8)
     assert (tmp_path / "again.fcb").read_bytes() == fcb.read_bytes() and rep.batch == 8
-    # a trace in the runtime's format (docs/DESIGN.md)
-    layers = load(fcb).meta["model"]["replay_layers"]
-    rng = np.random.default_rng(0)
-    steps = [{"pos": 12 + i, "replay": rng.integers(0, 2, size=(len(layers), 8)).tolist()} for i in range(5)]
+    # a real trace: the runtime generates 4 frames for 8 rows and records run.json (docs/DESIGN.md)
+    from fastcar_compile.runtime.session import FastCarSession
+
     trace = tmp_path / "run.json"
-    trace.write_text(json.dumps({"frame_tokens": FRAME, "layers": layers, "batch": 8, "steps": steps}))
+    prompt = np.random.default_rng(0).integers(0, 128, (8, 5))
+    FastCarSession(fast_model, native=False, threads=1).generate(prompt, 4, trace=str(trace), threshold=0.0)
+    steps = json.loads(trace.read_text())["steps"]
+    assert len(steps) > 5
     png = tmp_path / "tl.png"
     out = tmp_path / "sim.json"
     buf = io.StringIO()
@@ -115,5 +116,5 @@ def test_cli_compile_sim_disasm_asm(fast_model, tmp_path):
     bad.write_bytes(fcb.read_bytes()[:-1] + b"\x00")
     assert cli(["sim", str(bad)]) == 2
     assert cli(["sim", str(fcb), "--batch", "9"]) == 2
-    trace.write_text(json.dumps({"layers": [99], "batch": 8, "steps": steps}))
+    trace.write_text(json.dumps({"layers": [99], "batch": 8, "steps": steps}))  # a layer the model lacks
     assert cli(["sim", str(fcb), "--replay-trace", str(trace)]) == 2
