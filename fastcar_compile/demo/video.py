@@ -22,6 +22,7 @@ class VideoRun:
     tokens: np.ndarray
     replay: np.ndarray
     step_ms: list[float] = field(default_factory=list)
+    ort_ms: list[float] = field(default_factory=list)  # bare ORT run per token (ort_lockstep_ms)
     tas: np.ndarray | None = None  # [steps, layers] when the model has diagnostics outputs
 
     @property
@@ -106,3 +107,37 @@ def generate_pair(dense, fast, motion: str, frame0: np.ndarray, new_frames: int,
     f0 = np.asarray(frame0, np.int64)
     frames = [np.concatenate([f0, toks[j]]).reshape(1 + new_frames, L) for j in (0, 1)]
     return (VideoRun(frames[0], np.zeros((n - 1, 0), bool), times[0]), VideoRun(frames[1], replay, times[1]))
+
+
+def ort_lockstep_ms(dense, fast, seq_dense: np.ndarray, seq_fast: np.ndarray, prefill: int,
+                    threshold: float | None) -> tuple[list[float], list[float]]:
+    """Per-token time of the bare ORT `run` (no Python driver work), dense and FastCar in lockstep.
+
+    Each model re-runs its own generated sequence (teacher forcing reproduces its greedy video, hence the
+    same replay decisions); only `InferenceSession.run` is timed. This is the per-token cost a C/C++ driver
+    would see; `FastCarSession.step` adds its Python bookkeeping on top of it.
+    """
+    sess = (dense, fast)
+    seqs = (np.asarray(seq_dense, np.int64), np.asarray(seq_fast, np.int64))
+    names = [list(s.output_names) for s in sess]
+    pairs = [[(sp.input, sp.output) for sp in s.specs] for s in sess]
+    arrays = [dict(s.new_state(1, video_start=VIDEO_START).arrays) for s in sess]
+    extra = [{}, {}]
+    if "video_start" in fast._inputs:
+        extra[1]["video_start"] = np.array(VIDEO_START, np.int64)
+    if threshold is not None and fast.is_fastcar:
+        extra[1]["fastcar_threshold"] = fast.threshold_array(threshold)
+    times: tuple[list[float], list[float]] = ([], [])
+    n = len(seqs[0])
+    for a, b in [(0, prefill)] + [(t, t + 1) for t in range(prefill, n - 1)]:
+        for j in ((0, 1) if a % 2 == 0 else (1, 0)):
+            feeds = {"input_ids": seqs[j][None, a:b], "attention_mask": np.ones((1, b), np.int64),
+                     "position_ids": np.arange(a, b, dtype=np.int64)[None], **extra[j], **arrays[j]}
+            t0 = time.perf_counter()
+            outs = sess[j].session.run(names[j], feeds)
+            dt = 1e3 * (time.perf_counter() - t0)
+            if b - a == 1:
+                times[j].append(dt)
+            res = dict(zip(names[j], outs, strict=True))
+            arrays[j] = {i: res[o] for i, o in pairs[j]}
+    return times
