@@ -7,7 +7,7 @@ Generates the clips with the runtime (greedy, FastCar at the demo's default tau)
 (docs/DESIGN.md format, one clip per batch row), compiles the demo's fast.onnx to bundles for every board and
 simulates static vs DRS on that trace. The same trace then drives the LLaMA-2-7B dims: paper-scale layer l
 follows demo layer l mod (demo layers), so the per-row/per-step replay pattern is real but its layer
-structure is borrowed (stated in the table). Prints a markdown table; writes docs/fpga_demo_trace.{md,json}
+structure is borrowed (stated in the table). Prints a markdown table; writes docs/fpga_demo_trace[_tauX].{md,json}
 and a static-vs-DRS timeline PNG of the 7B run on the U280.
 """
 
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     out = Path(a.out_dir)
+    stem = "fpga_demo_trace" + (f"_tau{a.tau:g}" if a.tau is not None else "")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             dn1 = _merge([one_dense.run(np.zeros_like(big[sel, :, :1]), big_ctx[sel], policy="static")] * solo)
             rows.append(_row("LLaMA-2-7B dims, each clip alone (batch 1)", board, st1, dr1, 1, dn1))
             if board == "u280":
-                plot_timeline([st, dr], out / "fpga_demo_trace_timeline.png",
+                plot_timeline([st, dr], out / f"{stem}_timeline.png",
                               title=f"U280, LLaMA-2-7B dims, demo replay trace ({batch} rows), first sampled step")
     lines = [f"Demo model traces: {a.clips} clips as batch rows, {a.frames} frames, tau {info['tau']:g}, "
              f"{info['steps']} decode steps, replay {info['replay_ratio']:.1%} over {info['layers']} layers.", "",
@@ -120,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['util_static']:.1%} | {r['util_drs']:.1%} | {r['bound']} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    write_atomic(out / "fpga_demo_trace.md", text.encode())
-    write_atomic(out / "fpga_demo_trace.json", json.dumps({"trace": info, "rows": rows}, indent=1).encode())
-    print(f"wrote {out}/fpga_demo_trace.{{md,json}} and _timeline.png in {time.perf_counter() - t0:.0f} s",
+    write_atomic(out / f"{stem}.md", text.encode())
+    write_atomic(out / f"{stem}.json", json.dumps({"trace": info, "rows": rows}, indent=1).encode())
+    print(f"wrote {out}/{stem}.{{md,json}} and _timeline.png in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
     return 0
 
