@@ -28,7 +28,7 @@ def _growth(path, frames: int, L: int) -> tuple[float, float, FastCarSession]:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.log_severity_level = 3
-    s = FastCarSession(path, session_options=so, frame_tokens=None if "fast" in str(path) else L)
+    s = FastCarSession(path, session_options=so, frame_tokens=L)
     rec: list[int] = []
     res = s.generate([[1, 2, 3]], frames, callback=lambda f, t: rec.append(_rss()), progress=False)
     assert res.stats.frames_done == frames
