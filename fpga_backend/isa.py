@@ -7,7 +7,7 @@ disassembler and simulator all read it from here).
 offset  type     field
 ======  =======  ==========================================================================================
 0       u8       opcode (``Op``)
-1       u8       flags (``Flag``; bits 3-7 reserved, must be 0)
+1       u8       flags (``Flag``; bits 4-7 reserved, must be 0)
 2       u8       sub: memory space (``Space``) for LOAD/STORE/GEMM/XCHG, function (``Vec``) for VEC
 3       u8       dst: activation buffer written
 4       u8       src: activation buffer read
@@ -107,9 +107,10 @@ class Flag(enum.IntFlag):
     SKIP_ON_REPLAY = 1  # part of the replayable MLP: dropped for replayed rows
     CTX = 2  # m is the run-time context length (attention); the encoded m is the compile-time one
     FROM_TAS = 4  # DRS_SET: Index Register comes from the TAS unit at run time
+    SPILL = 8  # GEMM tile whose rows' activations overflow the act buffer: input/output slices via DRAM
 
 
-FLAG_MASK = int(Flag.SKIP_ON_REPLAY | Flag.CTX | Flag.FROM_TAS)
+FLAG_MASK = int(Flag.SKIP_ON_REPLAY | Flag.CTX | Flag.FROM_TAS | Flag.SPILL)
 
 # Which `sub` values are legal per opcode (others must have sub == 0).
 SUB_ENUM: dict[Op, type[enum.IntEnum]] = {

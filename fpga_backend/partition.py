@@ -5,9 +5,9 @@ residual adds, RoPE, TAS), ``sfu`` (softmax, SiLU), ``dma`` (KV append, replay c
 Weight GEMMs are tiled so one tile fills half of a core's weight buffer (the other half is the double
 buffer), rounded to whole array passes; attention is one macro-task per row whose extent is the run-time
 context (K/V streamed through the KV buffer with an online softmax, so scores never fill the act buffer).
-A row's activations (residual, normed input, gate and up: 2 x hidden + 2 x intermediate values) stay in the
-act buffer; when a core's rows do not fit, ``act_footprint`` says so and the scheduler marks the program as
-spilling (every weight tile then re-reads its input slice and writes its output slice through DRAM).
+A row's live activations (residual stream, a GEMM's input and output, the gate while up runs:
+``live_activations``) stay in the act buffer; when a core's rows do not fit, the scheduler flags that GEMM's
+tiles SPILL (each tile then re-reads its input slice and writes its output slice through DRAM).
 
 Input: a :class:`ModelSpec`, or an ONNX decoder (compiled fast.onnx or plain export) read without its weights.
 ONNX ops the accelerator cannot run are reported by name in ``Partition.unsupported``, never dropped.
@@ -339,9 +339,10 @@ def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfi
     return part
 
 
-def act_footprint(spec: ModelSpec, rows_per_core: int) -> int:
-    """Bytes of activations a core keeps on chip for its rows (MLP phase is the largest)."""
-    return rows_per_core * (2 * spec.hidden + 2 * spec.intermediate) * spec.dtype_bytes
+def live_activations(spec: ModelSpec, task: Task) -> int:
+    """Values per row a weight GEMM keeps on chip: residual stream, its input, its output (+ gate for up)."""
+    extra = spec.intermediate if task.name == "up_proj" else 0
+    return spec.hidden + task.k + task.m + extra
 
 
 def total_tiles(part: Partition) -> int:

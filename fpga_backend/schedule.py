@@ -24,7 +24,7 @@ from fastcar_compile.errors import FastCarError
 
 from . import isa
 from .encode import Program
-from .partition import Partition, Task, act_footprint, ceil_div
+from .partition import Partition, Task, ceil_div, live_activations
 
 
 def block_binding(batch: int, cores: int) -> np.ndarray:
@@ -62,7 +62,7 @@ def static_masks(index_register: int, binding: np.ndarray) -> np.ndarray:
     return binding & np.uint32(index_register & isa.ALL_ROWS)
 
 
-def _task_bundles(task: Task, layer: int, binding: np.ndarray, context: int, slots: int) -> np.ndarray:
+def _task_bundles(task: Task, layer: int, binding: np.ndarray, context: int, slots: int, flags: int) -> np.ndarray:
     tiles = task.tiles or [(task.off_m, task.m, task.off_k, task.k)]
     out = np.zeros((len(tiles), slots), isa.INSTR_DTYPE)
     tiles_arr = np.asarray(tiles, dtype=np.int64)
@@ -74,7 +74,7 @@ def _task_bundles(task: Task, layer: int, binding: np.ndarray, context: int, slo
             continue
         rec = out[:, c]
         rec["opcode"] = int(task.op)
-        rec["flags"] = int(task.flags)
+        rec["flags"] = flags
         rec["sub"] = int(task.sub)
         rec["dst"] = task.dst
         rec["src"] = task.src
@@ -98,6 +98,8 @@ def emit_program(part: Partition, batch: int, context: int) -> Program:
         raise FastCarError(f"context {context} must be >= 1 (KV length including the new token)")
     slots = board.cores + 1
     binding = block_binding(batch, board.cores)
+    rows_per_core = ceil_div(batch, board.cores)
+    spilled: set[str] = set()
     ctl = slots - 1
     chunks: list[np.ndarray] = []
     first = np.zeros((1, slots), isa.INSTR_DTYPE)
@@ -117,7 +119,12 @@ def emit_program(part: Partition, batch: int, context: int) -> Program:
         dispatched = False
         set_next = False
         for t in tasks:
-            b = _task_bundles(t, layer, binding, context, slots)
+            flags = int(t.flags)
+            if t.op == isa.Op.GEMM and t.sub == isa.Space.WEIGHT and \
+                    rows_per_core * live_activations(spec, t) * spec.dtype_bytes > board.act_buffer_kib * 1024:
+                flags |= int(isa.Flag.SPILL)
+                spilled.add(t.name)
+            b = _task_bundles(t, layer, binding, context, slots, flags)
             if set_next:
                 b[0, ctl]["opcode"] = int(isa.Op.DRS_SET)
                 b[0, ctl]["flags"] = int(isa.Flag.FROM_TAS)
@@ -135,16 +142,13 @@ def emit_program(part: Partition, batch: int, context: int) -> Program:
         end["layer"] = layer
         chunks.extend(layer_chunks)
     bundles = np.concatenate(chunks)
-    footprint = act_footprint(spec, ceil_div(batch, board.cores))
-    spill = footprint > board.act_buffer_kib * 1024
     notes = list(part.notes)
-    if spill:
-        notes.append(f"activations of {ceil_div(batch, board.cores)} row(s) per core need {footprint // 1024} KiB > "
-                     f"act buffer {board.act_buffer_kib} KiB: weight tiles re-read inputs / write outputs via DRAM")
+    if spilled:
+        notes.append(f"{rows_per_core} row(s) per core overflow the {board.act_buffer_kib} KiB act buffer in "
+                     f"{sorted(spilled)}: those tiles move their input/output slices through DRAM (flag SPILL)")
     meta = {
         "model": spec.to_dict(),
-        "act_footprint_bytes": footprint,
-        "act_spill": spill,
+        "spilled_tasks": sorted(spilled),
         "batch": batch,
         "context": context,
         "binding": "block",

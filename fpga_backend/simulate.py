@@ -155,8 +155,7 @@ class Simulator:
         ).astype(np.float64)
         self.macs_row = np.where(is_gemm, self.m * self.k * self.n, 0).astype(np.float64)
         dma = (op == isa.Op.LOAD) | (op == isa.Op.STORE) | (op == isa.Op.XCHG)
-        self.spill = bool(program.meta.get("act_spill", False))
-        spill_row = (self.k + self.m) * dt if self.spill else 0  # input slice in, output slice out
+        spill_row = np.where(flags & isa.Flag.SPILL, (self.k + self.m) * dt, 0)  # input slice in, output out
         self.dram_row = np.select([dma, self.kv_gemm, self.weight_gemm], [self.m * dt, self.m * self.k * dt, spill_row],
                                   0).astype(np.float64)
         self.weight_bytes = np.where(self.weight_gemm, self.m * self.k * dt, 0).astype(np.float64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fastcar_compile.fpga_backend import ModelSpec, build_program, load_board
+from fastcar_compile.fpga_backend import LLAMA2_7B, ModelSpec, build_program, load_board
 from fastcar_compile.fpga_backend import masks as M
 from fastcar_compile.fpga_backend.simulate import Simulator
 
@@ -169,12 +169,12 @@ def test_activation_spill_traffic_matches_the_instruction_stream():
     batch = 8
     fits = _sim("kv260", batch)
     spills = Simulator(build_program(SPEC, fits.board.replace(act_buffer_kib=1), batch=batch, context=CTX))
-    assert not fits.program.meta["act_spill"] and spills.program.meta["act_spill"]
+    assert not fits.program.meta["spilled_tasks"] and spills.program.meta["spilled_tasks"]
     replay = M.synthetic(0.5, batch, SPEC.layers, 2, kind="random", seed=2, replayable=frozenset(SPEC.replay_layers))
     a = fits.run(replay, CTX, policy="static")
     b = spills.run(replay, CTX, policy="static")
     core = spills.program.bundles[:, :-1]
-    w = (core["opcode"] == isa.Op.GEMM) & (core["sub"] == isa.Space.WEIGHT)
+    w = (core["opcode"] == isa.Op.GEMM) & ((core["flags"] & isa.Flag.SPILL) != 0)
     want = 0
     for s in range(replay.shape[0]):
         for ins in core[w]:
@@ -184,6 +184,9 @@ def test_activation_spill_traffic_matches_the_instruction_stream():
             want += len(rows) * (int(ins["k"]) + int(ins["m"])) * SPEC.dtype_bytes
     assert b.dram_bytes["activations"] - a.dram_bytes["activations"] == want
     assert b.dram_bytes["weights"] == a.dram_bytes["weights"] and b.cycles > a.cycles
+    # the rule: 2 rows per KV260 core of LLaMA-2-7B keep q/k/v/o on chip, the MLP and LM head spill
+    big = build_program(LLAMA2_7B, load_board("kv260"), batch=8, context=64)
+    assert big.meta["spilled_tasks"] == ["down_proj", "gate_proj", "lm_head", "up_proj"]
 
 
 def test_double_buffering_overlaps_weight_loads_with_compute():
