@@ -158,6 +158,56 @@ def prefill(sess, ids: np.ndarray, frame_tokens: int, extra: dict[str, np.ndarra
     return {past_name_for(k): v for k, v in zip(out_names, outs, strict=True) if past_name_for(k)}
 
 
+def _kernel_times(profile_json: Path) -> tuple[dict[str, float], dict[str, str]]:
+    """Total kernel microseconds per node name, and each node's op type, from an ORT profile."""
+    times: dict[str, float] = {}
+    ops: dict[str, str] = {}
+    events = json.loads(profile_json.read_text())
+    runs = sorted((ev["ts"], ev["ts"] + ev["dur"]) for ev in events if ev.get("name") == "model_run")
+    after_warmup = runs[0][1] if runs else 0  # the first run of a session pays one-off allocations
+    for ev in events:
+        if ev.get("cat") == "Node" and ev["name"].endswith("_kernel_time") and ev["ts"] >= after_warmup:
+            name = ev["name"][: -len("_kernel_time")]
+            times[name] = times.get(name, 0.0) + ev["dur"]
+            ops[name] = ev["args"]["op_name"]
+    return times, ops
+
+
+def profile_ops(fast_path: Path, nomlp_path: Path, threads: int, spin: bool, st_fast: dict, st_nomlp: dict,
+                context: int, L: int, layers: list[int], vocab: int, out_dir: Path, steps: int = 10) -> dict:
+    """ORT-profile `steps` decode steps of fast.onnx at 100% replay and of the no-MLP model; the kernel time
+    of the nodes only fast.onnx has is what replay costs beyond skipping the MLP (by op type, per step)."""
+    import onnxruntime as ort
+
+    files = {}
+    for name, path, state, ratio in (("fast100", fast_path, st_fast, Fraction(1)),
+                                     ("noMLP", nomlp_path, st_nomlp, None)):
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+        if not spin:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.enable_profiling = True
+        so.profile_file_prefix = str(out_dir / f"ortprofile_{name}")
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        r = Runner(name, sess, state, context, np.random.default_rng(2), vocab, ratio=ratio,
+                   fast_layers=layers if ratio is not None else None, frame_tokens=L)
+        for _ in range(steps + 1):  # + the warm-up run, left out of the sums
+            r.run_step(record=False)
+        files[name] = Path(sess.end_profiling())
+    fast_t, fast_op = _kernel_times(files["fast100"])
+    base_t, _ = _kernel_times(files["noMLP"])
+    added = {n: t for n, t in fast_t.items() if n not in base_t}
+    by_op: dict[str, float] = {}
+    for n, t in added.items():
+        by_op[fast_op[n]] = by_op.get(fast_op[n], 0.0) + t / steps / 1e3
+    for f in files.values():
+        f.unlink(missing_ok=True)
+    return {"added_nodes": len(added), "added_ms_per_step": sum(added.values()) / steps / 1e3,
+            "fast100_kernel_ms_per_step": sum(fast_t.values()) / steps / 1e3,
+            "nomlp_kernel_ms_per_step": sum(base_t.values()) / steps / 1e3,
+            "added_ms_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -202,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, help="timed blocks per configuration (windows of 5 steps; default 20, --quick 4)")
     ap.add_argument("--ratios", default="0,0.5,0.8,1", help="forced replay ratios (fractions of layer-steps)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-ops", action="store_true",
+                    help="also ORT-profile 10 steps at 100%% replay vs the no-MLP model: cost of the added nodes")
     ap.add_argument("--spin", action="store_true",
                     help="let ORT worker threads spin between ops (ORT's default; off here so that CPU time "
                          "measures work and a shared machine is not burnt by idle spinning)")
@@ -320,6 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = sum(row["decision_mismatches"] for row in rows)
     if bad:
         lines.append(f"WARNING: {bad} layer-steps replayed differently from the forced pattern")
+    if a.profile_ops:
+        prof = profile_ops(fast_path, nomlp_path, a.threads, a.spin, st_fast, st_nomlp, context, L, layers,
+                           shape.vocab, a.out)
+        results["profile_ops"] = prof
+        top = ", ".join(f"{k} {v:.2f}" for k, v in list(prof["added_ms_by_op"].items())[:8])
+        lines += ["", f"ORT profile, 10 steps at 100% replay: the {prof['added_nodes']} nodes fast.onnx adds cost "
+                      f"{prof['added_ms_per_step']:.2f} ms/step of {prof['fast100_kernel_ms_per_step']:.1f} ms kernel "
+                      f"time (no-MLP model: {prof['nomlp_kernel_ms_per_step']:.1f}); by op (ms/step): {top}"]
     print("\n".join(lines))
     results["table"] = lines
     atomic_write_text(a.out / "bench_pass.json", json.dumps(results, indent=1))
