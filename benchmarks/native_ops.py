@@ -58,6 +58,75 @@ def _export(hidden: int, work: Path, layers: int) -> Path:
 MODES = ("functions", "native", "in-place")
 
 
+def _ops_model(L: int, opset: int = 20):
+    """One layer's FastCar ops alone, wired as the compiler wires them (gate, read, select, update)."""
+    from fastcar_compile.passes.fastcar_ops import DOMAIN, function_proto
+    from onnx import TensorProto, helper
+
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    nodes = [
+        helper.make_node("TemporalGate", ["q", "key", "age", "threshold", "video_start"],
+                         ["replay", "tas", "slot", "write"], domain=DOMAIN, frame_tokens=L, max_replay=0),
+        helper.make_node("MLPCacheRead", ["cache", "slot"], ["cached"], domain=DOMAIN),
+        helper.make_node("Unsqueeze", ["replay", "axis2"], ["replay3"]),
+        helper.make_node("Where", ["replay3", "cached", "fresh"], ["branch"]),
+        helper.make_node("MLPCacheUpdate", ["cache", "age", "branch", "replay", "slot", "write"],
+                         ["new_cache", "new_age"], domain=DOMAIN),
+    ]
+    ins = [helper.make_tensor_value_info(n, t, None) for n, t in
+           (("q", f), ("key", f), ("age", i64), ("threshold", f), ("video_start", i64), ("cache", f), ("fresh", f))]
+    outs = [helper.make_tensor_value_info("branch", f, None), helper.make_tensor_value_info("new_cache", f, None),
+            helper.make_tensor_value_info("new_age", i64, None)]
+    g = helper.make_graph(nodes, "ops", ins, outs, [helper.make_tensor("axis2", i64, [1], [2])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)],
+                          functions=[function_proto(op, opset) for op in ("TemporalGate", "MLPCacheRead",
+                                                                           "MLPCacheUpdate")])
+    m.ir_version = 10
+    return m.SerializeToString()
+
+
+def _time_ops(hidden: int, L: int, steps: int, threads: int, lib: Path, past: int = 1024) -> dict[str, float]:
+    """us per call of one layer's FastCar ops (batch 2, one new token, every row replaying)."""
+    import onnxruntime as ort
+
+    B, D = 2, 128
+    H = hidden // D
+    Hkv = max(1, H // 4)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, H, 1, D)).astype(np.float32)
+    key = rng.standard_normal((B, Hkv, past + 1, D)).astype(np.float32)
+    feeds = {"q": q, "key": key, "age": np.zeros((B, L), np.int64), "threshold": np.array(-np.inf, np.float32),
+             "video_start": np.array(0, np.int64), "cache": rng.standard_normal((B, L, hidden)).astype(np.float32),
+             "fresh": rng.standard_normal((B, 1, hidden)).astype(np.float32)}
+    model = _ops_model(L)
+    sess = {}
+    for mode in MODES:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.log_severity_level = 3
+        if mode != "functions":
+            so.register_custom_ops_library(str(lib))
+        sess[mode] = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    cache, age = feeds["cache"].copy(), feeds["age"].copy()
+    io = sess["in-place"].io_binding()
+    for k, v in feeds.items():
+        io.bind_cpu_input(k, {"cache": cache, "age": age}.get(k, v))
+    io.bind_output("branch", "cpu")
+    io.bind_output("new_cache", "cpu", 0, np.float32, list(cache.shape), cache.ctypes.data)
+    io.bind_output("new_age", "cpu", 0, np.int64, list(age.shape), age.ctypes.data)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for k in range(steps * 5 + 5):
+        for mode in rng.permutation(MODES):
+            t0 = time.perf_counter()
+            if mode == "in-place":
+                sess[mode].run_with_iobinding(io)
+            else:
+                sess[mode].run(None, feeds)
+            if k >= 5:
+                times[mode].append(time.perf_counter() - t0)
+    return {m: 1e6 * float(np.percentile(times[m], 25)) for m in MODES}
+
+
 def _time_modes(path: Path, L: int, steps: int, threads: int, prompt: int = 8) -> dict[str, dict[str, float]]:
     """Lower-quartile ms per decode step of each mode; modes take turns step by step so machine load hits all alike."""
     from fastcar_compile.runtime import FastCarSession
@@ -77,7 +146,7 @@ def _time_modes(path: Path, L: int, steps: int, threads: int, prompt: int = 8) -
         times: dict[str, list[float]] = {m: [] for m in MODES}
         for k in range(steps + 2):
             tok = rng.integers(0, 256, (B, 1))
-            for mode in MODES:
+            for mode in rng.permutation(MODES):  # no mode always runs first (cache warmth, load)
                 t0 = time.perf_counter()
                 o = sess[mode].step(states[mode], tok, threshold=tau, check=False)
                 dt = time.perf_counter() - t0
@@ -101,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default=None, help="folder for exported models (default: a temp dir)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--ops-only", action="store_true", help="time the FastCar ops alone (no model export)")
     a = ap.parse_args(argv)
     import torch
 
@@ -115,9 +185,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="fastcar-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
-    print(f"{'hidden':>6} {'mode':>10} {'compute ms':>11} {'replay ms':>10} {'vs functions (compute/replay)':>30}")
+    rows, op_rows = [], []
+    print(f"one layer's FastCar ops alone (batch 2, L={a.frame_tokens}, 1024 past tokens, all replaying):")
+    print(f"{'hidden':>6} " + " ".join(f"{m + ' us':>13}" for m in MODES) + "   speedup native / in-place")
     for h in [int(x) for x in a.hidden.split(",")]:
+        r = _time_ops(h, a.frame_tokens, a.steps, a.threads, lib)
+        op_rows.append({"hidden": h, **{f"{m}_us": r[m] for m in MODES}})
+        print(f"{h:>6} " + " ".join(f"{r[m]:>13.1f}" for m in MODES) +
+              f"   {r['functions'] / r['native']:.2f}x / {r['functions'] / r['in-place']:.2f}x", flush=True)
+    if a.ops_only:
+        rows = []
+    print(f"whole decode step, 1-layer model (batch 2, L={a.frame_tokens}):")
+    print(f"{'hidden':>6} {'mode':>10} {'compute ms':>11} {'replay ms':>10} {'vs functions (compute/replay)':>30}")
+    for h in [] if a.ops_only else [int(x) for x in a.hidden.split(",")]:
         src = _export(h, work, a.layers)
         fast = work / f"fast-h{h}-L{a.frame_tokens}.onnx"
         if not fast.exists():
@@ -133,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         tmp = f"{a.out}.tmp"
         Path(tmp).write_text(json.dumps({"frame_tokens": a.frame_tokens, "batch": 2, "layers": a.layers,
-                                         "threads": a.threads, "rows": rows}, indent=1))
+                                         "threads": a.threads, "ops": op_rows, "rows": rows}, indent=1))
         os.replace(tmp, a.out)
     return 0
 
