@@ -210,3 +210,16 @@ def test_given_frame_and_logits_processor(fast):
     assert plain.stats.replay_per_frame[0] == 0.0
     with pytest.raises(FastCarError, match="given_video_tokens"):
         fast.generate([[1, 2]], 1, given_video_tokens=3)
+
+
+def test_per_layer_threshold(dense_path, tmp_path):
+    path = _compile(dense_path, tmp_path / "pl.onnx", frame_tokens=L, per_layer_threshold=True)
+    s = FastCarSession(path, threads=1)
+    assert s.per_layer_threshold and len(s.layers) == 2
+    res = s.generate([[1, 2, 3]], 3, threshold=[math.inf, -math.inf])
+    assert res.stats.replay_per_layer[0] == 0.0
+    assert res.stats.replay_per_layer[1] == pytest.approx(res.stats.eligible_ratio_ceiling)
+    with pytest.raises(FastCarError, match="one per rewritten layer"):
+        s.generate([[1]], 2, threshold=[0.0, 0.0, 0.0])
+    baked = bake_threshold(path, tmp_path / "pl_baked.onnx", 0.5)  # a scalar fills every layer
+    assert FastCarSession(baked, threads=1).default_threshold == [0.5, 0.5]
