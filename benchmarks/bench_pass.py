@@ -38,7 +38,7 @@ from _common import (  # noqa: E402
     past_name_for,
 )
 
-FULL = dict(shape=LlamaShape(), context=2048, frame_tokens=256, rounds=20)
+FULL = dict(shape=LlamaShape(), context=2048, frame_tokens=256, rounds=40)
 QUICK = dict(shape=LlamaShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=512, max_pos=1024),
              context=512, frame_tokens=64, rounds=4)
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads (default 2)")
     ap.add_argument("--context", type=int, help="prefill tokens (default 2048; --quick 512)")
     ap.add_argument("--frame-tokens", type=int, help="L (default 256; --quick 64)")
-    ap.add_argument("--rounds", type=int, help="timed blocks per configuration (windows of 5 steps; default 20, --quick 4)")
+    ap.add_argument("--rounds", type=int, help="timed blocks per configuration (windows of 5 steps; default 40, --quick 4)")
     ap.add_argument("--ratios", default="0,0.5,0.8,1", help="forced replay ratios (fractions of layer-steps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile-ops", action="store_true",
