@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             dense = Simulator(build_program(dataclasses.replace(LLAMA2_7B, replay_layers=()), load_board(board),
                                             batch=batch, context=int(big_ctx[0])))
             sel = slice(None, None, stride)
-            st = sim.run(big[sel], big_ctx[sel], policy="static", timeline=board == "u280")
-            dr = sim.run(big[sel], big_ctx[sel], policy="drs", timeline=board == "u280")
+            st = sim.run(big[sel], big_ctx[sel], policy="static")
+            dr = sim.run(big[sel], big_ctx[sel], policy="drs")
             dn = dense.run(np.zeros_like(big[sel]), big_ctx[sel], policy="static")
             rows.append(_row("LLaMA-2-7B dims", board, st, dr, batch, dn))
             if board != "u280":
@@ -108,9 +108,15 @@ def main(argv: list[str] | None = None) -> int:
             st1, dr1 = _merge(runs[:solo]), _merge(runs[solo:])
             dn1 = _merge([one_dense.run(np.zeros_like(big[sel, :, :1]), big_ctx[sel], policy="static")] * solo)
             rows.append(_row("LLaMA-2-7B dims, each clip alone (batch 1)", board, st1, dr1, 1, dn1))
-            if board == "u280":
-                plot_timeline([st, dr], out / f"{stem}_timeline.png",
-                              title=f"U280, LLaMA-2-7B dims, demo replay trace ({batch} rows), first sampled step")
+            if board == "u280":  # picture of the sampled step where DRS gains most
+                steps = big[sel]
+                gain = [sim.run(steps[i : i + 1], big_ctx[sel][i], policy="static").cycles
+                        - sim.run(steps[i : i + 1], big_ctx[sel][i], policy="drs").cycles for i in range(len(steps))]
+                k = int(np.argmax(gain))
+                pics = [sim.run(steps[k : k + 1], big_ctx[sel][k], policy=pol, timeline=True) for pol in ("static", "drs")]
+                plot_timeline(pics, out / f"{stem}_timeline.png",
+                              title=f"U280, LLaMA-2-7B dims, demo replay trace ({batch} rows), step {k * stride} "
+                                    f"(largest DRS gain), replay {pics[1].replay_ratio:.0%}")
     lines = [f"Demo model traces: {a.clips} clips as batch rows, {a.frames} frames, tau {info['tau']:g}, "
              f"{info['steps']} decode steps, replay {info['replay_ratio']:.1%} over {info['layers']} layers.", "",
              "| model | board | replay | dense ms/step | static ms/step | DRS ms/step | DRS/static | static x dense "

@@ -268,8 +268,11 @@ class Simulator:
         return ev
 
     def run(self, replay: np.ndarray, context: np.ndarray | int, *, policy: str = "drs", stream: str = "broadcast",
-            batch: int | None = None, timeline: bool = False, progress: bool = False) -> SimResult:
-        """Simulate every step of a mask set: replay (steps, layers, batch) bool, context per step or one int."""
+            batch: int | None = None, timeline: bool = False, progress: bool = False,
+            timeline_step: int = 0) -> SimResult:
+        """Simulate every step of a mask set: replay (steps, layers, batch) bool, context per step or one int.
+
+        With ``timeline`` the per-bundle figures of step ``timeline_step`` are kept for ``plot_timeline``."""
         if policy not in POLICIES:
             raise FastCarError(f"policy {policy!r} unknown; choose one of {POLICIES}")
         if stream not in STREAMS:
@@ -308,7 +311,7 @@ class Simulator:
             stall += (own - np.minimum(ev["compute"], own)).sum(axis=0)
             idle += (t[:, None] - own).sum(axis=0)
             remaps += ev["remaps"]
-            if timeline and tl is None:
+            if timeline and s == min(timeline_step, steps - 1):
                 tl = {"t": t, "busy": np.minimum(ev["compute"], own), "own": own, "part": self.part,
                       "layer": np.where(self.bundle_layer <= self.num_layers, self.bundle_layer,
                                         self.layer_idx.min(axis=1))}
@@ -337,7 +340,7 @@ def _ceil(a: np.ndarray | int, b: int) -> np.ndarray:
 
 
 def plot_timeline(results: SimResult | list[SimResult], path: str | Path, title: str = "", layers: int = 3) -> None:
-    """Per-core timeline of the first simulated step (one panel per result, e.g. static and DRS).
+    """Per-core timeline of the recorded step (one panel per result, e.g. static and DRS).
 
     Each (layer, part) segment shows, per core, the share busy (colour), stalled on memory/latency (grey) and
     idle (blank). Only the first ``layers`` decoder layers are drawn (0: the whole step), so segments stay
@@ -389,7 +392,7 @@ def plot_timeline(results: SimResult | list[SimResult], path: str | Path, title:
         plt.Rectangle((0, 0), 1, 1, color="#bbbbbb")]
     axes[0, 0].legend(handles, [*names.values(), "stall (DRAM/latency)"], loc="upper center", fontsize=7, ncol=4,
                       bbox_to_anchor=(0.5, 1.35 if len(results) > 1 else 1.25))
-    what = f"first {layers} layers of the first step" if layers else "first step"
+    what = f"first {layers} layers of the step" if layers else "whole step"
     axes[-1, 0].set_xlabel(f"time (us), {what}; per segment and core: colour busy, grey stalled, blank idle")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
