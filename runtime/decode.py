@@ -150,6 +150,8 @@ def generate(session: FastCarSession, prompt_ids: Any, num_frames: int, *, frame
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, unit="tok", desc=session.path.name, disable=not show, leave=False)
+    if show:  # long run: say up front what it will hold in memory
+        bar.write(session.describe_memory(batch, video_start + total))
     n = 0
     try:
         state = session.new_state(batch, video_start=video_start)
