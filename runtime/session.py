@@ -66,6 +66,11 @@ class DecodeState:
     owner: str
     attention_mask: np.ndarray  # [batch, past_len] int64: 0 for left padding
     consumed: bool = False  # set when a step updated these arrays in place (native kernels)
+    real_len: np.ndarray | None = None  # [batch] real (unpadded) tokens so far: the next position id
+
+    def __post_init__(self) -> None:
+        if self.real_len is None:
+            self.real_len = self.attention_mask.sum(axis=1).astype(np.int64)
 
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.arrays.values()))
@@ -319,8 +324,8 @@ class FastCarSession:
         if new_mask.shape != (b, seq):
             raise FastCarError(f"attention_mask for the new tokens must be [{b}, {seq}], got {list(new_mask.shape)}")
         mask = np.concatenate([state.attention_mask, new_mask], axis=1)
-        if position_ids is None:
-            position_ids = np.maximum(np.cumsum(mask, axis=1)[:, -seq:] - 1, 0)
+        if position_ids is None:  # HF convention: count of real tokens before this one (padding: 0)
+            position_ids = np.maximum(state.real_len[:, None] + np.cumsum(new_mask, axis=1) - 1, 0)
         feeds: dict[str, np.ndarray] = {"input_ids": ids}
         if "attention_mask" in self._inputs:
             feeds["attention_mask"] = mask
@@ -339,7 +344,8 @@ class FastCarSession:
         except Exception as exc:
             raise FastCarError(f"ONNX Runtime failed on {self.path.name}: {exc}") from exc
         arrays = {s.input: res[s.output] for s in self.specs}
-        new_state = DecodeState(arrays, b, state.past_len + seq, state.video_start, state.owner, mask)
+        new_state = DecodeState(arrays, b, state.past_len + seq, state.video_start, state.owner, mask,
+                                real_len=state.real_len + new_mask.sum(axis=1))
         out = StepOutput(res["logits"], new_state)
         if self.layers:
             out.replay = self._replay_of(res, state, seq)
