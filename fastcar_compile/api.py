@@ -225,14 +225,14 @@ def compile(  # noqa: A001 - the natural name of the entry point
     loaded.metadata_props.update(meta)
     report.metadata = meta
     if out_path is not None:
-        save(loaded, out_path, validate=validate, external=in_path is not None and _has_external(in_path),
+        save(loaded, out_path, validate=validate, external=_has_external(loaded),
              source=in_path)
     return loaded, report
 
 
-def _has_external(path: Path) -> bool:
-    proto = onnx.load(str(path), load_external_data=False)
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+def _has_external(model: ir.Model) -> bool:
+    """Were the input's weights in an external-data file? (Read off the loaded model: no second parse.)"""
+    return any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
 
 
 def _unknown_contrib_op(exc: Exception, model: ir.Model) -> bool:
