@@ -39,6 +39,7 @@ class ModelSpec:
     video_start: int = 0
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
+    tas_query: str = "rope"  # "rope": TAS uses q after RoPE (DESIGN default); "raw": before (released code)
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes",
@@ -48,6 +49,8 @@ class ModelSpec:
                 raise FastCarError(f"model spec: {f}={v!r} must be a positive integer")
         if self.heads % self.kv_heads:
             raise FastCarError(f"model spec: heads {self.heads} not a multiple of kv_heads {self.kv_heads}")
+        if self.tas_query not in ("rope", "raw"):
+            raise FastCarError(f"model spec: tas_query {self.tas_query!r} must be 'rope' or 'raw'")
         if self.head_dim % 2:
             raise FastCarError(f"model spec: head_dim {self.head_dim} must be even (RoPE pairs)")
         if self.replay_layers is not None:
@@ -262,7 +265,11 @@ def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num
         threshold = float(val[0] if isinstance(val, list) else val)
         if isinstance(val, list):
             notes.append("per-layer thresholds: the TAS unit uses the first one (one tau register)")
+    if int(meta.get("fastcar.max_replay", "0") or 0):
+        notes.append(f"max_replay {meta['fastcar.max_replay']} (drift guard) is not modelled: the TAS unit only "
+                     "checks that the cache slot was written")
     spec = ModelSpec(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
                      head_dim=head_dim, vocab=vocab, dtype_bytes=dtype_bytes, frame_tokens=ft,
-                     replay_layers=replay_layers, threshold=threshold)
+                     replay_layers=replay_layers, threshold=threshold,
+                     tas_query=meta.get("fastcar.tas_query", "rope"))
     return spec, notes

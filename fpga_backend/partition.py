@@ -121,20 +121,22 @@ def _layer_tasks(spec: ModelSpec, layer: int, wid: dict[str, int], board: BoardC
         return Task(name, "matrix", isa.Op.GEMM, W, dst, src, weight=wid[name], m=m, k=k, flags=flags,
                     tiles=tile_gemm(m, k, board))
 
+    tas = Task("tas", "vector", isa.Op.TAS, 0, 0, B["q"], m=spec.head_dim, k=spec.frame_tokens, n=spec.heads,
+               off_m=_tas_bits(spec.threshold), off_k=spec.video_start)
     tasks = [
         Task("attn_norm", "vector", isa.Op.VEC, isa.Vec.RMSNORM, B["xn"], B["x"], weight=wid["attn_norm"], m=h),
         gemm("q_proj", B["q"], B["xn"], qd, h),
         gemm("k_proj", B["k"], B["xn"], kvd, h),
         gemm("v_proj", B["v"], B["xn"], kvd, h),
+        # tas_query "raw": TAS reads q before RoPE (K[p - L] is already in the cache from an earlier step)
+        *([tas] if replay and spec.tas_query == "raw" else []),
         Task("rope_q", "vector", isa.Op.VEC, isa.Vec.ROPE, B["q"], B["q"], m=qd, n=spec.heads),
         Task("rope_k", "vector", isa.Op.VEC, isa.Vec.ROPE, B["k"], B["k"], m=kvd, n=spec.kv_heads),
         Task("kv_store_k", "dma", isa.Op.STORE, KVK, 0, B["k"], m=kvd),
         Task("kv_store_v", "dma", isa.Op.STORE, KVV, 0, B["v"], m=kvd),
         Task("attn_qk", "matrix", isa.Op.GEMM, KVK, B["scores"], B["q"], m=0, k=kvd, n=group, flags=ctx),
+        *([tas] if replay and spec.tas_query == "rope" else []),
     ]
-    if replay:
-        tasks.append(Task("tas", "vector", isa.Op.TAS, 0, 0, B["q"], m=spec.head_dim, k=spec.frame_tokens,
-                          n=spec.heads, off_m=_tas_bits(spec.threshold), off_k=spec.video_start))
     tasks += [
         Task("softmax", "sfu", isa.Op.VEC, isa.Vec.SOFTMAX, B["scores"], B["scores"], m=0, n=spec.heads, flags=ctx),
         Task("attn_pv", "matrix", isa.Op.GEMM, KVV, B["attn"], B["scores"], m=0, k=kvd, n=group, flags=ctx),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from fastcar_compile.fpga_backend import ModelSpec, build_program, load_board
@@ -44,7 +46,8 @@ class NumpyDecoder:
             for r in range(self.b):
                 h = x[r]
                 xn = self._norm(h, w[p + "attn_norm"])
-                q = self._rope((xn @ w[p + "q_proj"]).reshape(s.heads, s.head_dim), pos)
+                q_raw = (xn @ w[p + "q_proj"]).reshape(s.heads, s.head_dim)
+                q = self._rope(q_raw, pos)
                 k = self._rope((xn @ w[p + "k_proj"]).reshape(s.kv_heads, s.head_dim), pos)
                 v = (xn @ w[p + "v_proj"]).reshape(s.kv_heads, s.head_dim)
                 self.K[layer][r].append(k)
@@ -60,7 +63,8 @@ class NumpyDecoder:
                 slot = pos % L
                 do_replay = False
                 if pos - L >= 0 and self.written[layer, r, slot]:
-                    tas = np.mean([q[hh] @ Ks[pos - L, hh // rep] for hh in range(s.heads)]) / np.sqrt(s.head_dim)
+                    qt = q_raw if s.tas_query == "raw" else q
+                    tas = np.mean([qt[hh] @ Ks[pos - L, hh // rep] for hh in range(s.heads)]) / np.sqrt(s.head_dim)
                     do_replay = tas > s.threshold
                 if force is not None and layer in s.replayable:
                     do_replay = bool(force[layer, r])
@@ -78,15 +82,16 @@ class NumpyDecoder:
         return logits, replay
 
 
-@pytest.mark.parametrize("board,kib", [("kv260", 1), ("u280", 4)])
-def test_functional_matches_numpy_and_policies_agree(board, kib):
+@pytest.mark.parametrize("board,kib,tas_query", [("kv260", 1, "rope"), ("u280", 4, "rope"), ("zcu102", 1, "raw")])
+def test_functional_matches_numpy_and_policies_agree(board, kib, tas_query):
     batch, steps = 5, 10
     cfg = load_board(board).replace(weight_buffer_kib=kib)  # tiny buffers: many tiles, k-split accumulation
-    prog = build_program(SPEC, cfg, batch=batch, context=steps)
+    spec = dataclasses.replace(SPEC, tas_query=tas_query)
+    prog = build_program(spec, cfg, batch=batch, context=steps)
     assert any(int(t) > 0 for t in prog.bundles["off_k"][:, 0]), "expected reduction-split tiles"
     w = random_weights(prog, seed=3, scale=2.0)
     named = {name: w[i] for name, i in _tensors(prog).items()}
-    ref = NumpyDecoder(SPEC, named, batch)
+    ref = NumpyDecoder(spec, named, batch)
     sims = {p: FunctionalSim(prog, w, max_context=steps, policy=p) for p in ("static", "drs")}
     rng = np.random.default_rng(0)
     replays = []
