@@ -60,7 +60,20 @@ def main() -> None:
         frames = tok.decode(out)
         gen_p.append(psnr(c.frames[1:], frames[1:]))
         copy_p.append(psnr(c.frames[1:], np.repeat(tok.decode(toks[:1]), s.frames - 1, axis=0)))
-    summary = {"tokenizer_psnr_eval": float(np.mean(rec)), "dense_greedy_psnr_vs_gt": float(np.mean(gen_p)),
+    # teacher-forced next-token accuracy on frames 1.. vs the "same token as one frame back" baseline
+    import torch
+
+    from fastcar_compile.demo.model import VIDEO_START
+    from fastcar_compile.demo.train import tokenize_clips
+
+    seqs = torch.from_numpy(tokenize_clips(tok, clips))
+    L = tok.tokens_per_frame
+    with torch.no_grad():
+        pred = model(input_ids=seqs[:, :-1]).logits[:, VIDEO_START + L - 1:, :512].argmax(-1)
+    tf_acc = float((pred == seqs[:, VIDEO_START + L:]).float().mean())
+    copy_acc = float((seqs[:, VIDEO_START:-L] == seqs[:, VIDEO_START + L:]).float().mean())
+    summary = {"tokenizer_psnr_eval": float(np.mean(rec)), "teacher_forced_acc": tf_acc,
+               "copy_aligned_acc": copy_acc, "dense_greedy_psnr_vs_gt": float(np.mean(gen_p)),
                "copy_frame0_psnr_vs_gt": float(np.mean(copy_p)), "eval_clips": a.eval_clips,
                "train_seconds": log["train_seconds"]}
     log["summary"] = summary

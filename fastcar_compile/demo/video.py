@@ -72,7 +72,7 @@ def generate_video(session, motion: str, frame0: np.ndarray, new_frames: int,
             tas[k] = out.tas[:, 0, 0]
         toks[k + 1] = int(out.logits[0, -1, :CODES].argmax())
     frames = np.concatenate([np.asarray(frame0, np.int64), toks]).reshape(1 + new_frames, L)
-    return VideoRun(frames, replay, times, tas)
+    return VideoRun(frames, replay, times, tas=tas)
 
 
 def generate_pair(dense, fast, motion: str, frame0: np.ndarray, new_frames: int,
