@@ -36,7 +36,7 @@ def sweep(model: str, boards: list[str], batches: list[int], ratios: list[float]
     jobs = [(b, n) for b in boards for n in batches]
     for board, batch in tqdm(jobs, desc="board x batch", unit="program"):
         cfg = load_board(board)
-        sim = Simulator(build_program(spec, cfg, batch=batch, context=context))
+        sim = Simulator(build_program(spec, cfg, batch=batch, context=context, weights=stream))
         # dense baseline: the same model compiled without FastCar (no TAS, no replay-cache traffic)
         plain = Simulator(build_program(dataclasses.replace(spec, replay_layers=()), cfg, batch=batch, context=context))
         dense = plain.run(np.zeros((steps, spec.layers, batch), bool), context, policy="static", stream=stream)

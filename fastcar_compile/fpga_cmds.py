@@ -24,8 +24,9 @@ def _sim_parser() -> argparse.ArgumentParser:
     p.add_argument("--board", help="board preset to simulate on (must have the program's cores and buffers)")
     p.add_argument("--board-file", help="JSON file overriding board figures (clock, bandwidth, efficiency, ...)")
     p.add_argument("--policy", choices=["static", "drs", "both"], default="both", help="dispatch policy")
-    p.add_argument("--weights", choices=["broadcast", "per_core"], default="broadcast",
-                   help="weight streams: one broadcast to all cores, or one per core")
+    p.add_argument("--weights", choices=["broadcast", "per_core"],
+                   help="weight streams: one broadcast to all cores, or one per core (default: the mode the "
+                        "program's DRS thresholds were compiled for)")
     p.add_argument("--timeline", help="write a per-core timeline PNG of the first step, one panel per policy")
     p.add_argument("--timeline-layers", type=int, default=3, help="decoder layers drawn in the timeline (0: all)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -46,6 +47,11 @@ def sim_main(argv: list[str]) -> int:
         board = load_board(args.board or program.board, args.board_file)
     sim = Simulator(program, board)
     layers = sim.num_layers
+    compiled_for = program.meta.get("drs_weights", "broadcast")
+    args.weights = args.weights or compiled_for
+    if args.weights != compiled_for:
+        print(f"note: DRS remap thresholds were compiled for {compiled_for} weight streams; DRS decisions may be "
+              f"suboptimal with {args.weights}", file=sys.stderr)
     if args.replay_trace:
         replay, ctx, batch = masks.load_trace(args.replay_trace, layers)
         if args.batch is not None and args.batch != batch:

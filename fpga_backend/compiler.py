@@ -9,7 +9,10 @@ from typing import Any
 
 import onnx
 
+from fastcar_compile.errors import FastCarError
+
 from . import isa
+from .drs import fill_thresholds
 from .encode import Program, save
 from .hwspec import BoardConfig, load_board
 from .modelspec import ModelSpec
@@ -57,10 +60,14 @@ class FpgaCompileReport:
 
 
 def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfig, batch: int = 1,
-                  context: int | None = None, *, num_heads: int | None = None, strict: bool = True) -> Program:
+                  context: int | None = None, *, num_heads: int | None = None, strict: bool = True,
+                  weights: str = "broadcast") -> Program:
+    """partition -> schedule -> DRS thresholds (for the ``weights`` stream mode)."""
+    if weights not in ("broadcast", "per_core"):
+        raise FastCarError(f"weights {weights!r} must be 'broadcast' or 'per_core'")
     part = partition(model, board, num_heads=num_heads, strict=strict)
     ctx = context if context is not None else 2 * part.spec.frame_tokens
-    return emit_program(part, batch, ctx)
+    return fill_thresholds(emit_program(part, batch, ctx), weights)
 
 
 def report_for(program: Program, output: str | Path | None, file_bytes: int) -> FpgaCompileReport:
@@ -82,13 +89,15 @@ def _bundles_per_layer(program: Program) -> int:
 
 def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Path | None, board: str = "kv260",
                        board_file: str | Path | None = None, batch: int = 1, context: int | None = None, *,
-                       num_heads: int | None = None, strict: bool = True) -> FpgaCompileReport:
+                       num_heads: int | None = None, strict: bool = True,
+                       weights: str = "broadcast") -> FpgaCompileReport:
     """Compile a fast.onnx (or plain decoder, or ModelSpec) to a `.fcb` bundle file for ``board``.
 
     ``context`` is the KV length the attention instructions are encoded with (the simulator substitutes the
-    run-time length per step); default 2 x frame_tokens. Raises FastCarError on bad input.
+    run-time length per step); default 2 x frame_tokens. ``weights`` is the weight-stream mode the DRS remap
+    thresholds are computed for. Raises FastCarError on bad input.
     """
     cfg = load_board(board, board_file)
-    program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict)
+    program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict, weights=weights)
     size = save(program, output_path) if output_path is not None else 0
     return report_for(program, output_path, size)

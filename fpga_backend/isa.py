@@ -22,6 +22,9 @@ offset  type     field
 28      u32      arg: row mask (bit r = batch row r) for core slots; Index Register value for DRS_SET
 ======  =======  ==========================================================================================
 
+DRS_SET and DRS_DISPATCH carry the layer's remap thresholds (``drs.py``): one byte per compute-row count
+n = 1..32, four per field in m, k, off_m, off_k.
+
 A bundle is ``cores`` core slots followed by one control slot. Core slots hold LOAD/STORE/GEMM/VEC/TAS/XCHG;
 the control slot holds DRS_SET/DRS_DISPATCH/BARRIER/FINISH. NOP fills empty slots.
 
@@ -77,8 +80,8 @@ class Op(enum.IntEnum):
     VEC = 4  # vector / special-function op (function in sub)
     TAS = 5  # temporal attention score + threshold compare -> Index Register bit per row
     XCHG = 6  # replay cache exchange (see module doc)
-    DRS_SET = 7  # control: latch the Index Register (arg; FROM_TAS = take it from the TAS unit)
-    DRS_DISPATCH = 8  # control: remap compute rows to cores via Mapping Registers for the replayable region
+    DRS_SET = 7  # control: latch the Index Register (arg; FROM_TAS = take it from the TAS unit); thr[1..16]
+    DRS_DISPATCH = 8  # control: remap compute rows to cores via Mapping Registers when it pays; thr[17..32]
     BARRIER = 9  # control: all cores finish before the next bundle issues
     FINISH = 10  # control: end of program
 

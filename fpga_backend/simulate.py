@@ -27,6 +27,7 @@ from tqdm import tqdm
 from fastcar_compile.errors import FastCarError
 
 from . import isa
+from .drs import table as drs_table
 from .encode import Program
 from .hwspec import ASSUMPTIONS, BoardConfig
 from .isa import popcount32
@@ -178,6 +179,7 @@ class Simulator:
         blay = np.where(self.replayable_bundle, self.layer_idx.max(axis=1, where=self.skip, initial=0), -1)
         self.bundle_layer = np.where(self.replayable_bundle, blay, self.num_layers + 1)
         self.replayable_layers = sorted({int(x) for x in self.layer_idx[self.skip]})
+        self.thr = drs_table(program)
         # segment labels for the timeline: (layer, part)
         self.part = np.where(self.layer_idx.min(axis=1) == self.num_layers, 2, np.where(self.replayable_bundle, 1, 0))
 
@@ -248,11 +250,16 @@ class Simulator:
             drs = np.stack([drs_masks(int(compute_rows[i]), batch, self.C) for i in range(L + 1)])
             ev_d = self._eval(ctx, drs, active, stream)
             rb = self.replayable_bundle
-            s_sum = np.bincount(self.bundle_layer[rb], weights=ev["t"][rb], minlength=L + 2)
-            d_sum = np.bincount(self.bundle_layer[rb], weights=ev_d["t"][rb], minlength=L + 2)
-            differs = np.zeros(L + 2, bool)
-            differs[: L + 1] = (stat != drs).any(axis=1)
-            remapped = differs & (d_sum + self.board.drs_overhead < s_sum)
+            # the dispatcher's rule (drs.py): thresholds from DRS_SET / DRS_DISPATCH, per compute-row count
+            n = popcount32(compute_rows & active).astype(np.int64)
+            s_max = popcount32(stat).max(axis=1).astype(np.int64)
+            a_s, a_d = (stat != 0).sum(axis=1), (drs != 0).sum(axis=1)
+            rule = (n > 0) & (s_max >= self.thr[np.arange(L + 1), n])
+            if stream == "per_core":
+                rule &= a_d <= a_s
+            remapped = np.zeros(L + 2, bool)
+            remapped[: L + 1] = rule & (stat != drs).any(axis=1)
+            remapped[L] = False
             sel = rb & remapped[self.bundle_layer]
             for key, val in ev.items():
                 if val.ndim == 1:

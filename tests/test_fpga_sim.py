@@ -13,9 +13,9 @@ SPEC = ModelSpec(layers=3, hidden=128, intermediate=352, heads=4, kv_heads=2, he
 CTX = 37
 
 
-def _sim(board: str, batch: int, **over) -> Simulator:
+def _sim(board: str, batch: int, weights: str = "broadcast", **over) -> Simulator:
     cfg = load_board(board).replace(weight_buffer_kib=16, **over)
-    return Simulator(build_program(SPEC, cfg, batch=batch, context=CTX))
+    return Simulator(build_program(SPEC, cfg, batch=batch, context=CTX, weights=weights))
 
 
 def _analytic(spec: ModelSpec, replay: np.ndarray, ctx: int, stream: str, cores: int) -> dict[str, float]:
@@ -102,7 +102,7 @@ def test_more_replay_never_costs_more_when_compute_bound(board, batch, policy):
     ("zcu102", 32, "broadcast", COMPUTE_BOUND), ("kv260", 7, "per_core", COMPUTE_BOUND), ("u280", 3, "broadcast", {}),
 ])
 def test_drs_never_slower_than_static_and_equal_without_replay(board, batch, stream, over):
-    sim = _sim(board, batch, **over)
+    sim = _sim(board, batch, weights=stream, **over)
     for kind in M.MASK_KINDS:
         for ratio in (0.1, 0.5, 0.87):
             replay = M.synthetic(ratio, batch, SPEC.layers, 4, kind=kind, seed=3, replayable=frozenset(SPEC.replay_layers))
@@ -130,9 +130,42 @@ def test_drs_rebalances_a_clustered_mask_when_compute_bound():
     assert d.drs_cycles == len(SPEC.replay_layers) * sim.board.drs_overhead
     # the busiest core carries half the MLP rows under DRS: idle spread is smaller
     assert np.ptp(d.core_busy) < np.ptp(s.core_busy)
-    # a remap that costs more than it saves is not taken
-    costly = Simulator(sim.program, sim.board.replace(drs_overhead=10**6))
+    # a remap that costs more than it saves is not taken (the thresholds are compiled for the overhead)
+    costly = _sim("u280", batch, drs_overhead=10**6, **COMPUTE_BOUND)
     assert costly.run(replay, CTX, policy="drs").cycles == costly.run(replay, CTX, policy="static").cycles
+
+
+@pytest.mark.parametrize("board,batch,stream", [("u280", 16, "broadcast"), ("kv260", 12, "per_core"),
+                                                ("kv260", 32, "broadcast"), ("zcu102", 24, "per_core")])
+def test_compiled_remap_thresholds_take_exactly_the_remaps_that_pay(board, batch, stream):
+    """Oracle: per layer, evaluate the MLP phase under both mappings and remap iff the gain beats the overhead
+    (per-core streams: among round-robin remaps that do not add streams). The dispatcher's table must agree."""
+    from fastcar_compile.fpga_backend.schedule import drs_masks
+
+    cfg = load_board(board).replace(weight_buffer_kib=16, drs_overhead=40, **COMPUTE_BOUND)
+    sim = Simulator(build_program(SPEC, cfg, batch=batch, context=CTX, weights=stream))
+    rng = np.random.default_rng(batch)
+    active = np.uint32((1 << batch) - 1)
+    taken = 0
+    for _ in range(12):
+        replay = rng.random((SPEC.layers, batch)) < rng.random()
+        rows = [sum(1 << r for r in range(batch) if not replay[layer, r]) for layer in range(SPEC.layers)] + [
+            int(active)]
+        stat = np.stack([sim.binding & np.uint32(x) for x in rows])
+        rr = np.stack([drs_masks(x, batch, sim.C) for x in rows])
+        t_s, t_d = (sim._eval(CTX, m, active, stream)["t"] for m in (stat, rr))
+        want = 0.0
+        for layer in range(SPEC.layers):
+            ph = sim.replayable_bundle & (sim.bundle_layer == layer)
+            gain = t_s[ph].sum() - t_d[ph].sum()
+            fewer_streams = (rr[layer] != 0).sum() <= (stat[layer] != 0).sum() or stream == "broadcast"
+            if ph.any() and gain > cfg.drs_overhead and fewer_streams:
+                want += gain - cfg.drs_overhead
+                taken += 1
+        got = sim.run(replay[None], CTX, policy="static", stream=stream).cycles - \
+            sim.run(replay[None], CTX, policy="drs", stream=stream).cycles
+        assert got == pytest.approx(want, abs=1e-6)
+    assert taken > 0, "test setup: no remap paid off"
 
 
 def test_broadcast_saves_weight_traffic_only_when_every_row_skips():
