@@ -28,7 +28,7 @@ class TrainSettings:
     frames: int = 8
     steps: int = 240
     batch: int = 16
-    lr: float = 2e-3
+    lr: float = 3e-3
     warmup: int = 30
     weight_decay: float = 0.01
     seed: int = 0
