@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     fpga.add_argument("--board", default="kv260", help="board preset (kv260, zcu102, u280)")
     fpga.add_argument("--board-file", help="JSON file overriding board parameters")
     fpga.add_argument("--batch", type=int, default=1, help="batch rows the bundles are scheduled for (<= 32)")
+    fpga.add_argument("--context", type=int, help="KV context the attention tiles are sized for (default 2 x L)")
+    fpga.add_argument("--weights", choices=["broadcast", "per_core"], default="broadcast",
+                      help="weight streaming the DRS decision table is built for: one stream shared by all rows "
+                           "(a skipped MLP saves traffic only if every row skips) or one per core")
     return p
 
 
@@ -114,8 +118,8 @@ def _fpga(args) -> int:
     except ImportError as exc:
         raise FastCarError(f"the FPGA backend is not available: {exc}") from None
     report = compile_to_bundles(args.model, args.output, board=args.board, board_file=args.board_file,
-                                batch=args.batch)
-    print(report if isinstance(report, str) else getattr(report, "summary", lambda: report)())
+                                batch=args.batch, context=args.context, weights=args.weights)
+    print(report.summary())
     return 0
 
 
