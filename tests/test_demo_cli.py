@@ -18,16 +18,16 @@ from fastcar_compile.cli import main  # noqa: E402
 
 def test_demo_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo"
-    rc = main(["demo", "--clips", "1", "--frames", "3", "--out", str(out), "--tau", "-1e9"])
+    rc = main(["demo", "--clips", "1", "--frames", "3", "--out", str(out), "--tau=-inf"])
     assert rc == 0
     text = capsys.readouterr().out
     for name in ("demo.gif", "strip.png", "replay_heatmap.png", "results.json", "fast.onnx"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
         assert str(out / name) in text
-    for key in ("replay ratio", "ms per token", "speedup", "FastCar vs dense", "FastCar vs truth"):
+    for key in ("replay ratio", "ms/token, ORT run", "speedup", "FastCar vs dense", "FastCar vs truth"):
         assert key in text
     s = json.loads((out / "results.json").read_text())["summary"]
-    # tau = -1e9: every eligible decode-step MLP replays (frame 0 is context, so all decode steps are eligible)
+    # tau = -inf: every eligible decode-step MLP replays (frame 0 is context, so all decode steps are eligible)
     assert s["replay_ratio"] == pytest.approx(1.0)
     gif = Image.open(out / "demo.gif")
     assert gif.n_frames == 3
@@ -48,3 +48,21 @@ def test_demo_never_replay_equals_dense(tmp_path: Path, capsys: pytest.CaptureFi
 def test_demo_bad_args(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--clips", "0"]) == 2
     assert "--clips" in capsys.readouterr().err
+
+
+def test_eval_tiny_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "eval"
+    rc = main(["eval", "--clips", "1", "--frames", "2", "--variants", "rope", "--guard", "0", "--targets", "0.5",
+               "--out", str(out)])
+    assert rc == 0
+    for name in ("eval.json", "eval.md", "eval.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0
+    rows = json.loads((out / "eval.json").read_text())["rows"]
+    by_tau = {r["tau"]: r for r in rows}
+    never, always = by_tau[float("inf")], by_tau[float("-inf")]
+    assert never["replay_ratio"] == 0.0 and never["token_agreement"] == 1.0
+    assert always["replay_ratio"] == pytest.approx(1.0)
+    # the quantile threshold sits between: replay strictly between never and always is not guaranteed on
+    # one short clip, but it can never leave [0, 1]
+    assert all(0.0 <= r["replay_ratio"] <= 1.0 for r in rows)
+    assert (out / "eval.md").read_text().count("\n") == len(rows) + 2
