@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fastcar_compile.errors import FastCarError
 
-DEFAULT_TAU = 34.0  # post-RoPE TAS giving ~80% replay on the bundled model (docs/demo.md, eval sweep)
+DEFAULT_TAU = 33.0  # post-RoPE TAS giving ~80% replay on the bundled model (docs/demo.md, eval sweep)
 
 
 def build_parser() -> argparse.ArgumentParser:
