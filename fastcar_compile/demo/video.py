@@ -141,3 +141,33 @@ def ort_lockstep_ms(dense, fast, seq_dense: np.ndarray, seq_fast: np.ndarray, pr
             res = dict(zip(names[j], outs, strict=True))
             arrays[j] = {i: res[o] for i, o in pairs[j]}
     return times
+
+
+def ort_alone_ms(session, seq: np.ndarray, prefill: int, threshold: float | None) -> list[float]:
+    """Per-token time of the bare ORT `run` for one model on its own (teacher-forcing its own sequence).
+
+    Why not lockstep with the other model: two models' weights (~2 x 12 MB fp32) then fight over the CPU
+    cache, which slowed dense steps 1.6x and FastCar's computed steps 2.2x in a measurement (docs/demo.md).
+    A deployed decoder runs one model; callers alternate whole sequences of the two models instead.
+    """
+    seq = np.asarray(seq, np.int64)
+    names = list(session.output_names)
+    pairs = [(sp.input, sp.output) for sp in session.specs]
+    arrays = dict(session.new_state(1, video_start=VIDEO_START).arrays)
+    extra: dict[str, np.ndarray] = {}
+    if "video_start" in session._inputs:
+        extra["video_start"] = np.array(VIDEO_START, np.int64)
+    if threshold is not None and session.is_fastcar:
+        extra["fastcar_threshold"] = session.threshold_array(threshold)
+    times: list[float] = []
+    for a, b in [(0, prefill)] + [(t, t + 1) for t in range(prefill, len(seq) - 1)]:
+        feeds = {"input_ids": seq[None, a:b], "attention_mask": np.ones((1, b), np.int64),
+                 "position_ids": np.arange(a, b, dtype=np.int64)[None], **extra, **arrays}
+        t0 = time.perf_counter()
+        outs = session.session.run(names, feeds)
+        dt = 1e3 * (time.perf_counter() - t0)
+        if b - a == 1:
+            times.append(dt)
+        res = dict(zip(names, outs, strict=True))
+        arrays = {i: res[o] for i, o in pairs}
+    return times
