@@ -1,6 +1,6 @@
 """Train the bundled demo video model (CPU, seeded) and write it into fastcar_compile/demo/assets/.
 
-    python scripts/train_demo.py                 # the shipped run (~20-25 min on 2 cores)
+    python scripts/train_demo.py                 # the shipped run (8-18 min on 2 shared cores, 1 thread)
     python scripts/train_demo.py --steps 20 --clips 100 --out /tmp/demo-smoke   # a smoke run
 
 Writes model.safetensors (fp16), config.json, tokenizer.npz and train_log.json into --out, the loss
