@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fastcar_compile.atomic import write_text
+
 DEFAULT_CACHE = Path(os.environ.get("FASTCAR_BENCH_CACHE", Path.home() / ".cache" / "fastcar-bench"))
 
 
@@ -200,6 +202,4 @@ def empty_state(sess, batch: int, frame_tokens: int) -> dict[str, np.ndarray]:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text(path, text)

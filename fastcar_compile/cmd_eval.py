@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastcar_compile.atomic import save_figure
 from fastcar_compile.errors import FastCarError
 
 TARGETS = (0.2, 0.5, 0.8, 0.9)
@@ -49,8 +50,6 @@ def _fmt_table(rows: list[dict]) -> str:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import os
-    import tempfile
 
     import matplotlib
 
@@ -78,12 +77,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str]) -> int:

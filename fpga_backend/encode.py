@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import struct
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fastcar_compile.atomic import write_bytes
 from fastcar_compile.errors import FastCarError
 
 from . import isa
@@ -150,20 +149,8 @@ def validate_bundles(bundles: np.ndarray) -> None:
 
 
 def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write bytes to ``path`` via a temp file in the same folder and os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; outputs get the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write bytes to ``path`` atomically (fastcar_compile.atomic)."""
+    write_bytes(path, data)
 
 
 def save(program: Program, path: str | Path) -> int:

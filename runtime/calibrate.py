@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import numpy as np
 from fastcar_compile.runtime.decode import generate, left_pad
 from fastcar_compile.runtime.session import FastCarSession
 
+from fastcar_compile.atomic import atomic_path
 from fastcar_compile.errors import FastCarError
 
 THRESHOLD_NAME = "fastcar_threshold"
@@ -297,14 +297,7 @@ def bake_threshold(in_path: str | os.PathLike, out_path: str | os.PathLike,
         meta["fastcar.threshold"].value = text
     else:
         model.metadata_props.add(key="fastcar.threshold", value=text)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".onnx", dir=dst.parent)
-    os.close(fd)
-    try:
+    with atomic_path(dst, ".onnx") as tmp:
         big = model.ByteSize() > 1_800_000_000
-        onnx.save(model, tmp, save_as_external_data=big, location=dst.name + ".data" if big else None)
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        onnx.save(model, str(tmp), save_as_external_data=big, location=dst.name + ".data" if big else None)
     return dst

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from fastcar_compile.runtime.stats import RunStats
 
+from fastcar_compile.atomic import save_figure
+
 
 def _save(fig, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    save_figure(fig, path, dpi=120, bbox_inches="tight")
 
 
 def write_report(stats: RunStats, out_dir: str | os.PathLike, stem: str = "run") -> list[Path]:

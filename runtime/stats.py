@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fastcar_compile.atomic import write_text
 from fastcar_compile.errors import FastCarError
 
 
@@ -112,13 +112,7 @@ class RunStats:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write run.json atomically (temp file in the same folder, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.to_json())
-        os.replace(tmp, path)
-        return path
+        return write_text(path, self.to_json())
 
     @classmethod
     def from_json(cls, text: str) -> RunStats:

@@ -10,13 +10,13 @@ generated frames 1.. (frame 0 is given), against the dense model's frames and ag
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from fastcar_compile.atomic import write_bytes
 from fastcar_compile.demo import data
 from fastcar_compile.demo.export import ONNX, TOKENIZER
 from fastcar_compile.demo.metrics import psnr, ssim
@@ -174,10 +174,4 @@ def load_tokenizer(path: Path = TOKENIZER) -> PatchTokenizer:
 
 
 def atomic_bytes(path: Path, data_bytes: bytes) -> None:
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data_bytes)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_bytes(path, data_bytes)

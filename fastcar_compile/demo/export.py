@@ -14,6 +14,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from fastcar_compile.atomic import atomic_path, write_text
 from fastcar_compile.demo.model import DemoConfig, build_model
 from fastcar_compile.errors import FastCarError
 
@@ -116,16 +117,9 @@ def save_weights(model, cfg: DemoConfig, weights: str | os.PathLike = WEIGHTS,
     weights, config = Path(weights), Path(config)
     weights.parent.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to("cpu").half().contiguous() for k, v in model.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=weights.parent, suffix=".safetensors")
-    os.close(fd)
-    save_file(sd, tmp)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, weights)
-    fd, tmp = tempfile.mkstemp(dir=config.parent, suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, config)
+    with atomic_path(weights) as tmp:
+        save_file(sd, str(tmp))
+    write_text(config, json.dumps(cfg.to_dict(), indent=1))
 
 
 def load_model(weights: str | os.PathLike = WEIGHTS, config: str | os.PathLike = CONFIG):

@@ -7,11 +7,11 @@ sit on a fixed raster grid, which is what FastCar's slot = position-in-frame ass
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from fastcar_compile.atomic import atomic_path
 from fastcar_compile.errors import FastCarError
 
 PATCH = 4
@@ -73,12 +73,8 @@ class PatchTokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Atomic save as .npz."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
-        os.close(fd)
-        np.savez(tmp, codebook=self.codebook.astype(np.float16), frame=np.int64(self.frame))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        with atomic_path(path, ".npz") as tmp:
+            np.savez(tmp, codebook=self.codebook.astype(np.float16), frame=np.int64(self.frame))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PatchTokenizer:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from fastcar_compile.atomic import save_figure, write_text
 from fastcar_compile.demo import data
 from fastcar_compile.demo.model import VIDEO_START, DemoConfig, build_model, sequence
 from fastcar_compile.demo.tokenizer import PatchTokenizer, train_tokenizer
@@ -46,11 +45,7 @@ def tokenize_clips(tok: PatchTokenizer, clips: list[data.Clip]) -> np.ndarray:
 
 
 def _atomic_json(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=1))
 
 
 def plot_loss(log: dict, png: Path) -> None:
@@ -69,12 +64,7 @@ def plot_loss(log: dict, png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=png.parent, suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, png)
+    save_figure(fig, png, dpi=120)
 
 
 def train(s: TrainSettings, log_json: Path | None = None, log_png: Path | None = None,

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from fastcar_compile.atomic import save_figure
 from fastcar_compile.demo.evaluate import ClipResult, atomic_bytes
 from fastcar_compile.demo.tokenizer import PATCH, PatchTokenizer
 
@@ -100,10 +99,4 @@ def write_heatmap(results: list[ClipResult], tok: PatchTokenizer, path: Path, ti
     fig.colorbar(im, cax=axes[-1], label="replayed")
     fig.suptitle(title or "MLP replay per token position (share of clips and layers)", fontsize=9)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return path
+    return save_figure(fig, path, dpi=110)
