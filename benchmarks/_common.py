@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fastcar_compile.atomic import write_text
+from fastcar_compile.contract import io_names
 
 DEFAULT_CACHE = Path(os.environ.get("FASTCAR_BENCH_CACHE", Path.home() / ".cache" / "fastcar-bench"))
 
@@ -57,15 +58,6 @@ def llama_config(shape: LlamaShape):
     )
     cfg._attn_implementation = "sdpa"
     return cfg
-
-
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    ins = ["input_ids", "attention_mask", "position_ids"]
-    outs = ["logits"]
-    for i in range(num_layers):
-        ins += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-        outs += [f"present.{i}.key", f"present.{i}.value"]
-    return ins, outs
 
 
 def flat_kv_wrapper(model, num_layers: int):

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 from fastcar_compile.atomic import atomic_path, write_text
+from fastcar_compile.contract import io_names
 from fastcar_compile.demo.model import DemoConfig, build_model
 from fastcar_compile.errors import FastCarError
 
@@ -23,15 +24,6 @@ WEIGHTS = ASSETS / "model.safetensors"
 CONFIG = ASSETS / "config.json"
 ONNX = ASSETS / "decoder.onnx"
 TOKENIZER = ASSETS / "tokenizer.npz"
-
-
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    ins = ["input_ids", "attention_mask", "position_ids"]
-    outs = ["logits"]
-    for i in range(num_layers):
-        ins += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-        outs += [f"present.{i}.key", f"present.{i}.value"]
-    return ins, outs
 
 
 def _wrapper(model):
