@@ -315,9 +315,13 @@ def save(model: ir.Model, output: Path, *, validate: bool = True, external: bool
             ir.save(model, tmp_model, external_data=data_name)
         if validate:
             try:
-                # Structure only: the weights are the input's, unchanged (and possibly hard-linked, which
-                # the checker's external-data check refuses).
-                onnx.checker.check_model(_without_external_weights(onnx.load(str(tmp_model), load_external_data=False)))
+                if external or big:
+                    # Structure only: the weights are the input's, unchanged (and possibly hard-linked, which
+                    # the checker's external-data check refuses); the proto without them is small.
+                    onnx.checker.check_model(
+                        _without_external_weights(onnx.load(str(tmp_model), load_external_data=False)))
+                else:  # inline weights: let the checker read the file itself (no Python copy of the proto)
+                    onnx.checker.check_model(str(tmp_model))
             except Exception as exc:  # noqa: BLE001
                 if not _unknown_contrib_op(exc, model):
                     raise FastCarError(f"internal error: the compiled model fails onnx.checker: {exc}") from None
