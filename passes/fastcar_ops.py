@@ -21,7 +21,6 @@ _TEMPORAL_GATE = """
 TemporalGate <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start)
     => (replay, tas, slot, write) {{
   zero = Constant <value = int64[1] {{0}}> ()
-  one = Constant <value = int64[1] {{1}}> ()
   two = Constant <value = int64[1] {{2}}> ()
   minus1 = Constant <value = int64[1] {{-1}}> ()
   last = Constant <value = int64[1] {{-1}}> ()
@@ -29,8 +28,6 @@ TemporalGate <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold,
   one_s = Constant <value = int64 {{1}}> ()
   L = Constant <value_int: int = @frame_tokens> ()
   K = Constant <value_int: int = @max_replay> ()
-  q_shape = Shape (q)
-  k_shape = Shape (present_key)
   S = Shape <start = 2, end = 3> (q)
   T = Shape <start = 2, end = 3> (present_key)
   S_s = Squeeze (S, zero)
