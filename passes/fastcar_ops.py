@@ -22,6 +22,7 @@ TemporalGate <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold,
     => (replay, tas, slot, write) {{
   zero = Constant <value = int64[1] {{0}}> ()
   two = Constant <value = int64[1] {{2}}> ()
+  one = Constant <value = int64[1] {{1}}> ()
   minus1 = Constant <value = int64[1] {{-1}}> ()
   last = Constant <value = int64[1] {{-1}}> ()
   zero_s = Constant <value = int64 {{0}}> ()
