@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.errors import FastCarError, read_json_file
 
 KIB = 1024
 
@@ -179,12 +179,7 @@ def load_board(board: str | BoardConfig = "kv260", board_file: str | Path | None
     if board_file is None:
         return _validated(cfg)
     path = Path(board_file)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FastCarError(f"board file {path} not found") from None
-    except json.JSONDecodeError as exc:
-        raise FastCarError(f"board file {path} is not valid JSON: {exc}") from None
+    data = read_json_file(path, "board file")
     if not isinstance(data, dict):
         raise FastCarError(f"board file {path} must hold a JSON object of board fields")
     data = {k: v for k, v in data.items() if not k.startswith("_")}

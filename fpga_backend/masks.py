@@ -6,12 +6,11 @@ MLP, ``context[step]`` the KV length the step attends over (trace: pos + 1).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.errors import FastCarError, read_json_file
 
 MASK_KINDS = ("random", "clustered")
 
@@ -57,12 +56,7 @@ def nested(ratios: list[float], batch: int, layers: int, steps: int, seed: int =
 def load_trace(path: str | Path, num_layers: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Read run.json (docs/DESIGN.md): returns (replay[step, layer, row], context[step], batch)."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FastCarError(f"replay trace {path} not found") from None
-    except json.JSONDecodeError as exc:
-        raise FastCarError(f"replay trace {path} is not valid JSON: {exc}") from None
+    data = read_json_file(path, "replay trace")
     try:
         layers = [int(x) for x in data["layers"]]
         batch = int(data["batch"])
