@@ -1,0 +1,122 @@
+"""FastCar inside PyTorch: `model = fastcar_compile.torch.apply(model, frame_tokens=256, threshold=-4)`.
+
+The decoder is captured with torch.export (non-strict, ATen level); the attention -> MLP blocks are found
+from the graph's dataflow (fastcar_compile.torch.discover, the anchors of the ONNX pass), FastCar is
+inserted into that graph (fastcar_compile.torch.rewrite) and the rewritten program runs in place of the
+model's forward. A transformers causal LM comes back as a model of the same class whose `generate()` just
+works; `to_onnx` lowers the same program to a fast.onnx with the ONNX path's contract.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from fastcar_compile.api import CompileReport, LayerReport, parse_layers
+from fastcar_compile.errors import FastCarError
+from fastcar_compile.torch import capture, discover
+from fastcar_compile.torch.module import FastCarCausalLMMixin, FastCarDecoder, FastCarStats, wrap_causal_lm
+from fastcar_compile.torch.rewrite import rewrite
+
+TAS_QUERIES = ("rope", "raw")
+
+
+def _check_options(frame_tokens, threshold, tas_query, max_replay) -> list[float]:
+    if not isinstance(frame_tokens, int) or isinstance(frame_tokens, bool) or frame_tokens <= 0:
+        raise FastCarError(f"frame_tokens must be a positive integer (tokens per video frame), got {frame_tokens!r}")
+    taus = [float(t) for t in (threshold if isinstance(threshold, list | tuple) else [threshold])]
+    if any(math.isnan(t) for t in taus):
+        raise FastCarError("threshold is NaN; give a number (TAS > threshold replays; +inf never replays)")
+    if tas_query not in TAS_QUERIES:
+        raise FastCarError(f"tas_query must be one of {TAS_QUERIES}, got {tas_query!r}")
+    if not isinstance(max_replay, int) or max_replay < 0:
+        raise FastCarError(f"max_replay must be an integer >= 0 (0 = unlimited), got {max_replay!r}")
+    return taus
+
+
+def build(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[float] = -4.0, tas_query: str = "rope",
+          max_replay: int = 0, layers: str | Sequence[int] | None = None, per_layer_threshold: bool = False,
+          example_inputs: tuple[torch.Tensor, ...] | None = None) -> FastCarDecoder:
+    """Capture, discover and rewrite: the flat-contract FastCar program (what `apply` runs and `to_onnx` lowers)."""
+    taus = _check_options(frame_tokens, threshold, tas_query, max_replay)
+    front, _ = capture.flat_front(model)
+    if example_inputs is None:
+        if not capture.is_transformers_lm(model):
+            raise FastCarError(f"{type(model).__name__} is not a transformers causal LM; pass example_inputs="
+                               "(input_ids, attention_mask, position_ids, *past_kv)")
+        example_inputs = capture.example_inputs(model)
+    ep = capture.capture(front, tuple(example_inputs))
+    program = ep.module(check_guards=False)
+    program._forward_pre_hooks.clear()  # input-constraint checks: past length 0 (a new video) is valid here
+    program.graph.set_codegen(torch.fx.CodeGen())  # plain positional inputs/outputs (we add some)
+    program.recompile()
+    # The captured graph is the inference graph (dropout folded); model.eval()/train() must not fail on it.
+    program.train = types.MethodType(lambda self, mode=True: self, program)
+    matches = discover.discover(program.graph)
+    report = CompileReport([LayerReport(m.layer, m.ok, False, discover.summary(m), m.trace) for m in matches])
+    if not matches:
+        raise FastCarError("the captured program has no KV-cache outputs (present.N.key/value after the logits); "
+                           "the forward must return (logits, *present_kv)")
+    if not any(m.ok for m in matches):
+        first = matches[0].failure
+        raise FastCarError(f"no decoder layer matched: missing anchor '{first.anchor}' in layer {matches[0].layer} "
+                           f"({first.reason}); fastcar_compile.torch.inspect(model) explains every layer")
+    chosen = parse_layers(list(layers) if layers is not None and not isinstance(layers, str) else layers,
+                          [m.layer for m in matches])
+    selected = [m for m in matches if m.ok and (chosen is None or m.layer in chosen)]
+    unmatched = [m.layer for m in matches if not m.ok and (chosen is None or m.layer in chosen)]
+    if chosen is not None and unmatched:
+        raise FastCarError(f"layers {unmatched} were asked for but did not match:\n" + report.format())
+    if unmatched:
+        report.notes.append(f"layers {unmatched} left dense (not matched)")
+    if per_layer_threshold and len(taus) not in (1, len(selected)):
+        raise FastCarError(f"threshold gives {len(taus)} values for {len(selected)} rewritten layers")
+    if not per_layer_threshold and len(taus) != 1:
+        raise FastCarError("several thresholds need per_layer_threshold=True")
+    done = rewrite(program, selected, frame_tokens=frame_tokens, tas_query=tas_query, max_replay=max_replay,
+                   per_layer_threshold=per_layer_threshold)
+    for r in report.layers:
+        r.rewritten = r.layer in done
+    first = selected[0]
+    kshape = first.present_key.meta["val"].shape
+    dtype = first.entry.meta["val"].dtype
+    decoder = FastCarDecoder(program, layers=done, num_kv=2 * len(matches), frame_tokens=frame_tokens,
+                             hidden=first.hidden, threshold=taus if per_layer_threshold else taus[0],
+                             per_layer_threshold=per_layer_threshold, kv_shape=(int(kshape[1]), int(kshape[3])),
+                             dtype=dtype, report=report)
+    decoder.options = {"frame_tokens": frame_tokens, "tas_query": tas_query, "max_replay": max_replay,
+                       "num_layers": len(matches), "num_heads": first.num_heads, "num_kv_heads": first.num_kv_heads,
+                       "head_dim": first.head_dim}
+    return decoder
+
+
+def apply(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[float] = -4.0, tas_query: str = "rope",
+          max_replay: int = 0, layers: str | Sequence[int] | None = None, per_layer_threshold: bool = False,
+          video_start: int = 0, example_inputs: tuple[torch.Tensor, ...] | None = None) -> nn.Module:
+    """FastCar inserted into `model` (never modified). A transformers causal LM comes back as the same class
+    (`generate()` works; `video_start=`/`fastcar_threshold=` may be passed per call); any other module with
+    the flat forward `(input_ids, attention_mask, position_ids, *past_kv)` comes back as a FastCarDecoder."""
+    decoder = build(model, frame_tokens=frame_tokens, threshold=threshold, tas_query=tas_query,
+                    max_replay=max_replay, layers=layers, per_layer_threshold=per_layer_threshold,
+                    example_inputs=example_inputs)
+    decoder.video_start = int(video_start)
+    if capture.is_transformers_lm(model):
+        return wrap_causal_lm(model, decoder)
+    return decoder
+
+
+def inspect(model: nn.Module, example_inputs: tuple[torch.Tensor, ...] | None = None) -> CompileReport:
+    """Discovery only: what was found in each layer of the captured graph, and why a layer did not match."""
+    front, _ = capture.flat_front(model)
+    if example_inputs is None:
+        example_inputs = capture.example_inputs(model)
+    ep = capture.capture(front, tuple(example_inputs))
+    matches = discover.discover(ep.module(check_guards=False).graph)
+    return CompileReport([LayerReport(m.layer, m.ok, False, discover.summary(m), m.trace) for m in matches])
+
+
+__all__ = ["FastCarCausalLMMixin", "FastCarDecoder", "FastCarStats", "apply", "build", "inspect"]

@@ -1,0 +1,102 @@
+"""Capture a decoder as one ATen graph with torch.export (strict=False).
+
+The captured program has the exported-decoder I/O contract (SPEC.md section 4, fastcar_compile.contract):
+`(input_ids, attention_mask, position_ids, *past_kv) -> (logits, *present_kv)`, KV tensors flat and
+[batch, kv_heads, past, head_dim]. A transformers causal LM is put behind `FlatCausalLM` to get it; any other
+module with that forward is captured as it is (pass `example_inputs`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+from torch import nn
+
+from fastcar_compile.errors import FastCarError
+
+
+class FlatCausalLM(nn.Module):
+    """Flat-tensor front of a transformers causal LM: builds a DynamicCache, returns flat presents."""
+
+    def __init__(self, model: nn.Module, num_layers: int):
+        super().__init__()
+        self.model = model
+        self.num_layers = num_layers
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        from transformers import DynamicCache
+
+        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)]
+        cache = DynamicCache(pairs, config=self.model.config)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True, return_dict=True)
+        flat = []
+        for layer in out.past_key_values.layers[: self.num_layers]:
+            flat += [layer.keys, layer.values]
+        return (out.logits, *flat)
+
+
+def is_transformers_lm(model: nn.Module) -> bool:
+    """A transformers PreTrainedModel with a decoder config (what `generate()` drives)."""
+    cfg = getattr(model, "config", None)
+    return cfg is not None and hasattr(model, "generate") and hasattr(cfg, "get_text_config")
+
+
+def _kv_geometry(model: nn.Module) -> tuple[int, int, int, int]:
+    """(layers, kv heads, head dim, vocab) from the config: only to build example inputs of the right shape."""
+    cfg = model.config.get_text_config()
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    vocab = getattr(cfg, "vocab_size", None)
+    if None in (layers, heads, head_dim, vocab):
+        raise FastCarError(f"cannot read layers/heads/head_dim/vocab from the config of {type(model).__name__}; "
+                           "pass example_inputs=(input_ids, attention_mask, position_ids, *past_kv)")
+    return int(layers), int(kv), int(head_dim), int(vocab)
+
+
+def flat_front(model: nn.Module) -> tuple[nn.Module, int]:
+    """(module with the flat contract, number of KV layers)."""
+    if is_transformers_lm(model):
+        layers = _kv_geometry(model)[0]
+        return FlatCausalLM(model, layers).eval(), layers
+    return model, -1
+
+
+def example_inputs(model: nn.Module, batch: int = 2, seq: int = 3, past: int = 5) -> tuple[torch.Tensor, ...]:
+    """Distinct batch/seq/past sizes (> 1) so the exporter keeps them symbolic."""
+    layers, kv, head_dim, vocab = _kv_geometry(model)
+    dtype = next(model.parameters()).dtype
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    pos = torch.arange(past, past + seq).unsqueeze(0).expand(batch, seq).contiguous()
+    kvs = [torch.randn(batch, kv, past, head_dim, generator=g).to(dtype) for _ in range(2 * layers)]
+    return (ids, mask, pos, *kvs)
+
+
+def capture(front: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.export.ExportedProgram:
+    """torch.export (non-strict) with dynamic batch, sequence and past length."""
+    from torch.export import Dim
+
+    if len(inputs) < 3 or (len(inputs) - 3) % 2:
+        raise FastCarError("example_inputs must be (input_ids, attention_mask, position_ids, *past_kv) with a "
+                           f"key and a value per layer; got {len(inputs)} tensors")
+    n_kv = len(inputs) - 3
+    ids_shape = {0: Dim.DYNAMIC, 1: Dim.DYNAMIC}
+    kv = tuple({0: Dim.DYNAMIC, 2: Dim.DYNAMIC} for _ in range(n_kv))
+    params = list(inspect.signature(front.forward).parameters.values())
+    varargs = len(params) > 3 and params[3].kind is inspect.Parameter.VAR_POSITIONAL
+    shapes = (ids_shape, {0: Dim.DYNAMIC, 1: Dim.DYNAMIC}, ids_shape, *((kv,) if varargs else kv))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.export.export(front, inputs, dynamic_shapes=shapes, strict=False)
+    except Exception as exc:  # noqa: BLE001 - torch.export raises many kinds; the user needs the first line
+        first = " ".join(str(exc).split())[:300]
+        raise FastCarError(f"torch.export could not capture {type(front).__name__} ({type(exc).__name__}: {first}); "
+                           "the forward must take (input_ids, attention_mask, position_ids, *past_kv)") from None

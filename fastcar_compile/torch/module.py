@@ -1,0 +1,157 @@
+"""Runtime modules around the rewritten program: the replay cache as explicit state, reset by a new video.
+
+`FastCarDecoder` keeps the flat contract `(input_ids, attention_mask, position_ids, *past_kv) -> (logits,
+*present_kv)`; `FastCarCausalLM` is a transformers model whose forward runs the program, so `generate()`
+works unchanged. A call with an empty KV cache (past length 0) starts a new video: caches 0, ages -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+
+@dataclass
+class FastCarStats:
+    """Replay counts since the last reset (decode steps x rows x rewritten layers)."""
+
+    replayed: int = 0
+    decisions: int = 0
+    per_layer: dict[int, list[int]] = field(default_factory=dict)  # layer -> [replayed, decisions]
+
+    @property
+    def ratio(self) -> float:
+        return self.replayed / self.decisions if self.decisions else 0.0
+
+
+class FastCarDecoder(nn.Module):
+    """The rewritten program with its FastCar state. `last_replay` / `last_tas`: {layer: [B, S]} of the last call."""
+
+    def __init__(self, program: fx.GraphModule, *, layers: list[int], num_kv: int, frame_tokens: int,
+                 hidden: int, threshold, per_layer_threshold: bool, kv_shape: tuple[int, int], dtype: torch.dtype,
+                 report=None):
+        super().__init__()
+        self.program = program
+        self.layers = list(layers)
+        self.num_kv = num_kv
+        self.frame_tokens = frame_tokens
+        self.hidden = hidden
+        self.per_layer_threshold = per_layer_threshold
+        self.kv_shape = kv_shape  # (kv heads, head dim): an empty cache for a new video
+        self.dtype = dtype
+        self.report = report
+        self.video_start = 0
+        self.threshold = threshold
+        self.state: list[torch.Tensor] = []
+        self.stats = FastCarStats()
+        self.last_replay: dict[int, torch.Tensor] = {}
+        self.last_tas: dict[int, torch.Tensor] = {}
+
+    def reset(self, batch: int, device=None) -> None:
+        """Start a new video for `batch` rows: MLP caches zero, ages -1 (never written)."""
+        self.state = []
+        for _ in self.layers:
+            self.state.append(torch.zeros(batch, self.frame_tokens, self.hidden, dtype=self.dtype, device=device))
+            self.state.append(torch.full((batch, self.frame_tokens), -1, dtype=torch.int64, device=device))
+        self.stats = FastCarStats()
+
+    def threshold_tensor(self, threshold=None) -> torch.Tensor:
+        tau = self.threshold if threshold is None else threshold
+        t = torch.as_tensor(tau, dtype=torch.float32)
+        if self.per_layer_threshold:
+            t = t.reshape(-1)
+            if t.numel() == 1:
+                t = t.expand(len(self.layers)).contiguous()
+            if t.numel() != len(self.layers):
+                from fastcar_compile.errors import FastCarError
+
+                raise FastCarError(f"threshold gives {t.numel()} values for {len(self.layers)} rewritten layers")
+        elif t.numel() != 1:
+            from fastcar_compile.errors import FastCarError
+
+            raise FastCarError("several thresholds need per_layer_threshold=True")
+        return t.reshape(-1) if self.per_layer_threshold else t.reshape(())
+
+    def forward(self, input_ids, attention_mask, position_ids, *past, video_start=None, threshold=None):
+        if past[0].shape[2] == 0 or not self.state or self.state[0].shape[0] != input_ids.shape[0]:
+            self.reset(input_ids.shape[0], input_ids.device)
+        vs = torch.tensor(self.video_start if video_start is None else int(video_start), dtype=torch.int64)
+        outs = self.program(input_ids, attention_mask, position_ids, *past, vs, self.threshold_tensor(threshold),
+                            *self.state)
+        n = 1 + self.num_kv
+        k = 2 * len(self.layers)
+        self.state = list(outs[n:n + k])
+        diag = outs[n + k:]
+        self.last_replay = {layer: diag[2 * i] for i, layer in enumerate(self.layers)}
+        self.last_tas = {layer: diag[2 * i + 1] for i, layer in enumerate(self.layers)}
+        if input_ids.shape[1] == 1:
+            for layer, rep in self.last_replay.items():
+                r, d = int(rep.sum()), rep.numel()
+                self.stats.replayed += r
+                self.stats.decisions += d
+                acc = self.stats.per_layer.setdefault(layer, [0, 0])
+                acc[0] += r
+                acc[1] += d
+        return tuple(outs[:n])
+
+    def empty_past(self, batch: int, device=None) -> list[torch.Tensor]:
+        hkv, d = self.kv_shape
+        return [torch.zeros(batch, hkv, 0, d, dtype=self.dtype, device=device) for _ in range(self.num_kv)]
+
+
+def position_ids_from_mask(mask: torch.Tensor, seq: int) -> torch.Tensor:
+    """transformers' convention: cumsum - 1 over the mask, pads at 1; the last `seq` positions."""
+    pos = mask.long().cumsum(-1) - 1
+    return pos.masked_fill(mask == 0, 1)[:, -seq:]
+
+
+class FastCarCausalLMMixin:
+    """Put in front of a transformers causal LM class: forward runs the FastCar program, generate() unchanged."""
+
+    fastcar: FastCarDecoder
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=True, video_start=None, fastcar_threshold=None, return_dict=True, **kwargs):
+        from transformers import DynamicCache
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        fc = self.fastcar
+        if input_ids is None:
+            from fastcar_compile.errors import FastCarError
+
+            raise FastCarError("the FastCar model takes input_ids (inputs_embeds is not supported)")
+        batch, seq = input_ids.shape
+        cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
+        past_len = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, past_len + seq, dtype=torch.int64, device=input_ids.device)
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask, seq)
+        if past_len == 0:
+            past = fc.empty_past(batch, input_ids.device)
+        else:
+            past = []
+            for layer in cache.layers[: fc.num_kv // 2]:
+                past += [layer.keys, layer.values]
+        outs = fc(input_ids, attention_mask.to(torch.int64), position_ids, *past, video_start=video_start,
+                  threshold=fastcar_threshold)
+        logits, present = outs[0], outs[1:]
+        for i in range(fc.num_kv // 2):
+            cache.update(present[2 * i][:, :, past_len:], present[2 * i + 1][:, :, past_len:], i)
+        out = CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return out if return_dict else out.to_tuple()
+
+
+def wrap_causal_lm(model: nn.Module, decoder: FastCarDecoder) -> nn.Module:
+    """A new object of a subclass of type(model) sharing its submodules and weights, with FastCar's forward.
+    The input model is left as it was."""
+    cls = type(f"FastCar{type(model).__name__}", (FastCarCausalLMMixin, type(model)), {})
+    new = cls.__new__(cls)
+    new.__dict__.update(model.__dict__)
+    for key in ("_modules", "_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks"):
+        if key in model.__dict__:
+            new.__dict__[key] = type(model.__dict__[key])(model.__dict__[key])
+    new._modules["fastcar"] = decoder
+    return new

@@ -1,0 +1,84 @@
+"""The FastCar ops as torch custom ops (`fastcar::*`): opaque to torch.export / torch.compile, lowered to the
+`ai.fastcar` ONNX functions of passes/fastcar_ops.py by `fastcar_compile.torch.onnx_export`.
+
+Semantics are docs/DESIGN.md's (`TemporalGate`, `MLPCacheRead`, `MLPCacheUpdate`); this file is their eager
+PyTorch implementation, vectorised over rows and tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NAMESPACE = "fastcar"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::temporal_gate", mutates_args=())
+def temporal_gate(
+    q: torch.Tensor,
+    present_key: torch.Tensor,
+    past_mlp_age: torch.Tensor,
+    threshold: torch.Tensor,
+    video_start: torch.Tensor,
+    frame_tokens: int,
+    max_replay: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(replay [B,S] bool, tas [B,S] float32, slot [S] int64, write [S] bool) for q [B,H,S,D], K [B,Hkv,T,D]."""
+    B, H, S, D = q.shape
+    Hkv, T = present_key.shape[1], present_key.shape[2]
+    L = frame_tokens
+    p = torch.arange(T - S, T, device=q.device)
+    aligned = p - L
+    k = present_key.index_select(2, aligned.clamp(min=0)).float()  # [B, Hkv, S, D]
+    q_grp = q.float().reshape(B, Hkv, H // Hkv, S, D).sum(2)  # head h reads kv head h // g
+    tas = (q_grp * k).sum(-1).sum(1) / (H * math.sqrt(D))
+    vs = video_start.to(torch.int64)
+    slot = torch.remainder(p - vs, L)
+    write = (p >= vs) & (p >= T - L)
+    age = past_mlp_age.index_select(1, slot)
+    eligible = (age >= 0) & ((age < max_replay) if max_replay > 0 else torch.ones_like(age, dtype=torch.bool))
+    eligible = eligible & (aligned >= vs) & (S == 1)
+    replay = eligible & (tas > threshold.float())
+    return replay, tas, slot, write
+
+
+@temporal_gate.register_fake
+def _(q, present_key, past_mlp_age, threshold, video_start, frame_tokens, max_replay):
+    B, S = q.shape[0], q.shape[2]
+    return (q.new_empty((B, S), dtype=torch.bool), q.new_empty((B, S), dtype=torch.float32),
+            q.new_empty((S,), dtype=torch.int64), q.new_empty((S,), dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mlp_cache_read", mutates_args=())
+def mlp_cache_read(past_mlp_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """cached [B,S,H]: the stored MLP branch output of each token's slot."""
+    return past_mlp_cache.index_select(1, slot)
+
+
+@mlp_cache_read.register_fake
+def _(past_mlp_cache, slot):
+    return past_mlp_cache.new_empty((past_mlp_cache.shape[0], slot.shape[0], past_mlp_cache.shape[2]))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mlp_cache_update", mutates_args=())
+def mlp_cache_update(
+    past_mlp_cache: torch.Tensor,
+    past_mlp_age: torch.Tensor,
+    branch: torch.Tensor,
+    replay: torch.Tensor,
+    slot: torch.Tensor,
+    write: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store the value used this step in each written token's slot; age+1 if replayed, else 0."""
+    widx = write.nonzero().squeeze(1)
+    slots = slot.index_select(0, widx)
+    cache = past_mlp_cache.index_copy(1, slots, branch.index_select(1, widx).to(past_mlp_cache.dtype))
+    old = past_mlp_age.index_select(1, slots)
+    new = torch.where(replay.index_select(1, widx), old + 1, torch.zeros_like(old))
+    return cache, past_mlp_age.index_copy(1, slots, new)
+
+
+@mlp_cache_update.register_fake
+def _(past_mlp_cache, past_mlp_age, branch, replay, slot, write):
+    return torch.empty_like(past_mlp_cache), torch.empty_like(past_mlp_age)

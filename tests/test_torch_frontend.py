@@ -1,0 +1,147 @@
+"""fastcar_compile.torch (issue 13): FastCar found in the torch.export graph and run in PyTorch, checked
+against the eager hook reference (tests/reference.py) with the protocol of test_pass_reference: greedy
+decode by the reference at a tau in a TAS gap, the same tokens fed here; logits, replay decisions, TAS and
+the final replay state within 1e-4."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import test_pass_reference as tpr
+import torch
+import zoo
+from ort_driver import left_pad_masks
+from reference import FastCarReference
+from test_pass_reference import TOL, Case
+
+fct = pytest.importorskip("fastcar_compile.torch")
+from fastcar_compile.errors import FastCarError  # noqa: E402
+
+L = tpr.L
+CASES = [
+    Case("llama", "torch", "rope", max_replay=2, pad=(0, 2), video_start=3, chunk=L + 2),
+    Case("qwen2", "torch", "raw", max_replay=1, pad=(1, 0), video_start=2, per_layer=True),
+    Case("phi3", "torch", "rope", max_replay=2, pad=(0, 1), video_start=3, layers=(0,)),
+    Case("gpt2", "torch", "raw", max_replay=3, pad=(0, 2), video_start=2, per_layer=True, runtime_tau=True),
+]
+
+
+def feed(model, steps, pad, **kw):
+    """Run the FastCar transformers model over `steps` with a DynamicCache; per step logits/replay/tas."""
+    from transformers import DynamicCache
+
+    B = steps[0].shape[0]
+    mask, pos = left_pad_masks(list(pad), steps[0].shape[1])
+    cache = DynamicCache(config=model.config)
+    logits, replay, tas = [], [], []
+    with torch.no_grad():
+        for k, ids in enumerate(steps):
+            if k > 0:
+                s = ids.shape[1]
+                pos = pos[:, -1:] + 1 + np.arange(s)[None, :]
+                mask = np.concatenate([mask, np.ones((B, s), np.int64)], axis=1)
+            out = model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
+                        position_ids=torch.as_tensor(pos), past_key_values=cache, **kw)
+            logits.append(out.logits.numpy())
+            replay.append({i: r.numpy().copy() for i, r in model.fastcar.last_replay.items()})
+            tas.append({i: t.numpy().copy() for i, t in model.fastcar.last_tas.items()})
+    return logits, replay, tas
+
+
+def check(case: Case):
+    run, taus, layers = tpr.reference_run(case, n_decode=5 * L - 1)
+    model = zoo.build_model(case.family)
+    tau = taus if case.per_layer else taus[0]
+    fm = fct.apply(model, frame_tokens=L, threshold=([100.0] * len(taus) if case.per_layer else 100.0)
+                   if case.runtime_tau else tau, tas_query=case.tas_query, max_replay=case.max_replay,
+                   layers=list(case.layers) if case.layers else None, per_layer_threshold=case.per_layer,
+                   video_start=0 if case.runtime_tau else case.video_start)
+    assert fm.fastcar.layers == layers
+    kw = {"fastcar_threshold": tau, "video_start": case.video_start} if case.runtime_tau else {}
+    logits, replay, tas = feed(fm, run.steps, case.pad, **kw)
+    for k in range(len(run.steps)):
+        real = tpr._real(run, case.pad, k, aligned=False)
+        diff = np.abs(logits[k] - run.logits[k])[real].max()
+        assert diff <= TOL, f"step {k}: logits differ from the reference by {diff:.3g}"
+        for i in layers:
+            assert np.array_equal(replay[k][i], run.replay[i][k]), f"step {k} layer {i}: replay differs"
+            m = tpr._real(run, case.pad, k, aligned=True)
+            if m.any():
+                tdiff = np.abs(tas[k][i].astype(np.float64) - run.tas[i][k])[m].max()
+                assert tdiff <= TOL, f"step {k} layer {i}: TAS differs by {tdiff:.3g}"
+    state = fm.fastcar.state
+    for j, i in enumerate(layers):
+        np.testing.assert_array_equal(state[2 * j + 1].numpy(), run.final_age[i])
+        np.testing.assert_allclose(state[2 * j].numpy(), run.final_cache[i], atol=TOL, rtol=0)
+    dec = tpr._decisions(run, layers, case.video_start)
+    assert dec.any() and not dec.all() and (dec[0] != dec[1]).any()
+    return fm, run
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_matches_eager_reference(case):
+    check(case)
+
+
+def test_model_untouched_and_dense_at_inf():
+    """tau=+inf: the FastCar model's logits are the original model's; the input model keeps its forward."""
+    model = zoo.build_model("llama")
+    fm = fct.apply(model, frame_tokens=L, threshold=math.inf)
+    assert type(model).forward is not type(fm).forward and "fastcar" not in dict(model.named_children())
+    ids = torch.randint(0, zoo.VOCAB, (1, 3 * L))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=2 * L, do_sample=False)
+        got = fm.generate(ids, max_new_tokens=2 * L, do_sample=False)
+    assert torch.equal(want, got)
+
+
+def test_generate_replays_like_reference():
+    """transformers' own generate() on the applied model: greedy tokens equal the reference's at finite tau;
+    a second generate() (a new video) starts from a reset replay cache."""
+    model = zoo.build_model("qwen2")
+    prompt = np.random.default_rng(3).integers(0, zoo.VOCAB, (1, 6))
+    probe_tau = None
+    for tau in (0.5, 0.0, 1.0, -0.5):
+        with FastCarReference(model, frame_tokens=L, threshold=tau, video_start=2) as ref:
+            run = ref.run([prompt], greedy=4 * L)
+        dec = np.concatenate([np.concatenate(run.replay[i][1:], 1) for i in (0, 1)])
+        if dec.any() and not dec.all():
+            probe_tau = tau
+            break
+    assert probe_tau is not None
+    fm = fct.apply(model, frame_tokens=L, threshold=probe_tau, video_start=2)
+    want = np.concatenate([s for s in run.steps], axis=1)
+    for _ in range(2):  # the second call must not replay the first video's cache
+        with torch.no_grad():
+            got = fm.generate(torch.as_tensor(prompt), max_new_tokens=4 * L, do_sample=False)
+        np.testing.assert_array_equal(got.numpy(), want)
+        assert fm.fastcar.stats.replayed == int(dec.sum())
+
+
+class _NoAttention(torch.nn.Module):
+    """Flat KV contract, but the cache is never read by an attention op."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.k = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids, attention_mask, position_ids, past_k, past_v):
+        h = self.emb(input_ids)
+        k = torch.cat([past_k, self.k(h).unsqueeze(1)], dim=2)
+        v = torch.cat([past_v, h.unsqueeze(1)], dim=2)
+        return self.head(h + k.mean(2).sum(1, keepdim=True)), k, v
+
+
+def test_no_block_is_one_clear_error():
+    ex = (torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 8, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long),
+          torch.zeros(2, 1, 5, 8), torch.zeros(2, 1, 5, 8))
+    with pytest.raises(FastCarError) as err:
+        fct.apply(_NoAttention(), frame_tokens=L, threshold=0.0, example_inputs=ex)
+    msg = str(err.value)
+    assert "\n" not in msg and "missing anchor 'attention'" in msg and "layer 0" in msg
+    with pytest.raises(FastCarError, match="tas_query"):
+        fct.apply(_NoAttention(), frame_tokens=L, threshold=0.0, tas_query="post", example_inputs=ex)
