@@ -32,7 +32,15 @@ class FastCarBranch(nn.Module):
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor, cached: torch.Tensor, *ext: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            return torch.cond(replay.all(), _all_replay, _select, (x, replay, cached, self.branch, *ext))
+            branch = self.branch
+
+            def all_replay(x, replay, cached, *ext):
+                return cached.to(x.dtype).clone()
+
+            def select(x, replay, cached, *ext):
+                return torch.where(replay.unsqueeze(-1), cached.to(x.dtype), branch(x, *ext))
+
+            return torch.cond(replay.all(), all_replay, select, (x, replay, cached, *ext))
         keep = ~replay
         n_keep = int(keep.sum())
         if n_keep == keep.numel():
@@ -44,14 +52,6 @@ class FastCarBranch(nn.Module):
         rows = x.reshape(-1, hidden).index_select(0, idx).unsqueeze(0)  # [1, kept, hidden]
         fresh = self.branch(rows, *ext).reshape(-1, hidden)
         return cached.to(x.dtype).reshape(-1, hidden).index_copy(0, idx, fresh).reshape(x.shape)
-
-
-def _all_replay(x, replay, cached, branch, *ext):
-    return cached.to(x.dtype).clone()
-
-
-def _select(x, replay, cached, branch, *ext):
-    return torch.where(replay.unsqueeze(-1), cached.to(x.dtype), branch(x, *ext))
 
 
 def extract_branch(m: TorchLayerMatch) -> tuple[fx.GraphModule, list[fx.Node]]:
