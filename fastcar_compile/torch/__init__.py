@@ -9,30 +9,26 @@ works; `to_onnx` lowers the same program to a fast.onnx with the ONNX path's con
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from fastcar_compile.api import CompileReport, LayerReport, parse_layers
+from fastcar_compile import contract
+from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.passes.analysis import parse_layers
 from fastcar_compile.torch import capture, discover
 from fastcar_compile.torch.module import FastCarCausalLMMixin, FastCarDecoder, FastCarStats, wrap_causal_lm
 from fastcar_compile.torch.rewrite import rewrite
-
-TAS_QUERIES = ("rope", "raw")
 
 
 def _check_options(frame_tokens, threshold, tas_query, max_replay) -> list[float]:
     if not isinstance(frame_tokens, int) or isinstance(frame_tokens, bool) or frame_tokens <= 0:
         raise FastCarError(f"frame_tokens must be a positive integer (tokens per video frame), got {frame_tokens!r}")
-    taus = [float(t) for t in (threshold if isinstance(threshold, list | tuple) else [threshold])]
-    if any(math.isnan(t) for t in taus):
-        raise FastCarError("threshold is NaN; give a number (TAS > threshold replays; +inf never replays)")
-    if tas_query not in TAS_QUERIES:
-        raise FastCarError(f"tas_query must be one of {TAS_QUERIES}, got {tas_query!r}")
+    taus = [float(t) for t in contract.check_thresholds(threshold, "threshold").reshape(-1)]
+    contract.check_tas_query(tas_query)
     if not isinstance(max_replay, int) or max_replay < 0:
         raise FastCarError(f"max_replay must be an integer >= 0 (0 = unlimited), got {max_replay!r}")
     return taus
@@ -119,4 +115,11 @@ def inspect(model: nn.Module, example_inputs: tuple[torch.Tensor, ...] | None = 
     return CompileReport([LayerReport(m.layer, m.ok, False, discover.summary(m), m.trace) for m in matches])
 
 
-__all__ = ["FastCarCausalLMMixin", "FastCarDecoder", "FastCarStats", "apply", "build", "inspect"]
+def to_onnx(model, path, *, opset: int = 20, emit_diagnostics: bool = False):
+    """Lower a model from `apply` to a fast.onnx with the ONNX path's contract (see onnx_export)."""
+    from fastcar_compile.torch.onnx_export import to_onnx as lower
+
+    return lower(model, path, opset=opset, emit_diagnostics=emit_diagnostics)
+
+
+__all__ = ["to_onnx", "FastCarCausalLMMixin", "FastCarDecoder", "FastCarStats", "apply", "build", "inspect"]

@@ -8,7 +8,6 @@ contract, so `FastCarSession`, ort_driver and the FPGA flow read it like a `fast
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastcar_compile import contract
 from fastcar_compile._version import __version__
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.torch.module import FastCarDecoder
@@ -61,37 +61,34 @@ def _opset():
 
 
 def _temporal_gate(q, present_key, past_mlp_age, threshold, video_start, frame_tokens: int, max_replay: int):
-    return _opset().TemporalGate(q, present_key, past_mlp_age, threshold, video_start, frame_tokens=frame_tokens,
+    return getattr(_opset(), contract.TEMPORAL_GATE)(q, present_key, past_mlp_age, threshold, video_start, frame_tokens=frame_tokens,
                                  max_replay=max_replay)
 
 
 def _mlp_cache_read(past_mlp_cache, slot):
-    return _opset().MLPCacheRead(past_mlp_cache, slot)
+    return getattr(_opset(), contract.MLP_CACHE_READ)(past_mlp_cache, slot)
 
 
 def _mlp_cache_update(past_mlp_cache, past_mlp_age, branch, replay, slot, write):
-    return _opset().MLPCacheUpdate(past_mlp_cache, past_mlp_age, branch, replay, slot, write)
+    return getattr(_opset(), contract.MLP_CACHE_UPDATE)(past_mlp_cache, past_mlp_age, branch, replay, slot, write)
 
 
 def translation_table() -> dict:
     """fastcar::* custom op -> onnxscript function emitting the ai.fastcar op."""
-    return {torch.ops.fastcar.temporal_gate.default: _temporal_gate,
+    return {torch.ops.fastcar.temporal_gate.default: _temporal_gate,  # names: contract.OP_NAMES
             torch.ops.fastcar.mlp_cache_read.default: _mlp_cache_read,
             torch.ops.fastcar.mlp_cache_update.default: _mlp_cache_update}
 
 
-def io_names(dec: FastCarDecoder, emit_diagnostics: bool) -> tuple[list[str], list[str]]:
-    """The contract's names, in the program's input/output order."""
-    from fastcar_compile.contract import io_names as kv_io
-
-    n = dec.num_kv // 2
-    ins, outs = kv_io(n)
-    ins += ["video_start", "fastcar_threshold"]
+def io_names(dec: FastCarDecoder) -> tuple[list[str], list[str]]:
+    """The contract's names, in the program's input/output order (diagnostics last)."""
+    ins, outs = contract.io_names(dec.num_kv // 2)
+    ins += [contract.VIDEO_START, contract.THRESHOLD]
     for i in dec.layers:
-        ins += [f"past_mlp_cache.{i}", f"past_mlp_age.{i}"]
-        outs += [f"present_mlp_cache.{i}", f"present_mlp_age.{i}"]
+        ins += [contract.mlp_cache_input(i), contract.mlp_age_input(i)]
+        outs += [contract.mlp_cache_output(i), contract.mlp_age_output(i)]
     for i in dec.layers:
-        outs += [f"replay_mask.{i}", f"tas.{i}"]
+        outs += [contract.replay_mask_output(i), contract.tas_output(i)]
     return ins, outs
 
 
@@ -121,7 +118,7 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
     dec = getattr(decoder, "fastcar", decoder)
     if not isinstance(dec, FastCarDecoder):
         raise FastCarError(f"to_onnx takes a model returned by fastcar_compile.torch.apply, got {type(decoder).__name__}")
-    ins, outs = io_names(dec, emit_diagnostics)
+    ins, outs = io_names(dec)
     B, S, T, P = Dim.AUTO, Dim.AUTO, Dim.AUTO, Dim.AUTO
     shapes = [{0: B, 1: S}, {0: B, 1: T}, {0: B, 1: S}] + [{0: B, 2: P}] * dec.num_kv + [None, None]
     shapes += [{0: B}] * (2 * len(dec.layers))
@@ -134,54 +131,47 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
     fastcar_ops.add_functions(model, model.opset_imports.get("", opset))
     graph = model.graph
     for value in graph.inputs:  # defaults, as the ONNX path writes them
-        if value.name == "video_start":
+        if value.name == contract.VIDEO_START:
             value.const_value = ir.tensor(np.array(dec.video_start, np.int64), name=value.name)
             graph.register_initializer(value)
-        elif value.name == "fastcar_threshold":
+        elif value.name == contract.THRESHOLD:
             value.const_value = ir.tensor(dec.threshold_tensor().numpy(), name=value.name)
             graph.register_initializer(value)
     if not emit_diagnostics:
-        keep = [o for o in graph.outputs if not o.name.startswith(("replay_mask.", "tas."))]
+        diag = {n for i in dec.layers for n in (contract.replay_mask_output(i), contract.tas_output(i))}
+        keep = [o for o in graph.outputs if o.name not in diag]
         graph.outputs.clear()
         graph.outputs.extend(keep)
         from onnx_ir.passes.common import RemoveUnusedNodesPass
 
         RemoveUnusedNodesPass()(model)
-    model.metadata_props.update(metadata(dec, emit_diagnostics))
+    model.metadata_props.update(metadata(dec, emit_diagnostics).to_props())
     path = Path(path)
     with atomic_path(path) as tmp:
         ir.save(model, str(tmp))
     return model
 
 
-def metadata(dec: FastCarDecoder, emit_diagnostics: bool) -> dict[str, str]:
-    """The `fastcar.*` metadata_props of docs/DESIGN.md."""
+# Element type names as the ONNX path writes them (onnx_ir DataType names, lower case).
+_IR_DTYPE = {torch.float32: "float", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "double"}
+
+
+def metadata(dec: FastCarDecoder, emit_diagnostics: bool) -> contract.FastCarMetadata:
+    """The `fastcar.*` metadata of docs/DESIGN.md (schema: contract.FastCarMetadata)."""
     o = dec.options
+    dtype = _IR_DTYPE[dec.dtype]
     state = []
     for i in dec.layers:
-        state.append({"input": f"past_mlp_cache.{i}", "output": f"present_mlp_cache.{i}",
-                      "shape": ["batch", dec.frame_tokens, dec.hidden], "dtype": str(dec.dtype).split(".")[-1],
-                      "fill": 0})
-        state.append({"input": f"past_mlp_age.{i}", "output": f"present_mlp_age.{i}",
-                      "shape": ["batch", dec.frame_tokens], "dtype": "int64", "fill": -1})
+        state.append(contract.StateEntry(contract.mlp_cache_input(i), contract.mlp_cache_output(i),
+                                         ("batch", dec.frame_tokens, dec.hidden), dtype, contract.CACHE_FILL))
+        state.append(contract.StateEntry(contract.mlp_age_input(i), contract.mlp_age_output(i),
+                                         ("batch", dec.frame_tokens), "int64", contract.AGE_FILL))
     n = dec.num_kv // 2
-    tau = dec.threshold_tensor().tolist()
-    return {
-        "fastcar.version": __version__,
-        "fastcar.frame_tokens": str(dec.frame_tokens),
-        "fastcar.threshold": json.dumps(tau),
-        "fastcar.per_layer_threshold": json.dumps(dec.per_layer_threshold),
-        "fastcar.layers": json.dumps(dec.layers),
-        "fastcar.num_layers": str(n),
-        "fastcar.tas_query": o["tas_query"],
-        "fastcar.max_replay": str(o["max_replay"]),
-        "fastcar.hidden_size": str(dec.hidden),
-        "fastcar.num_heads": str(o["num_heads"]),
-        "fastcar.num_kv_heads": str(o["num_kv_heads"]),
-        "fastcar.head_dim": str(o["head_dim"]),
-        "fastcar.state": json.dumps(state),
-        "fastcar.kv": json.dumps([{"input": f"past_key_values.{i}.{k}", "output": f"present.{i}.{k}"}
-                                  for i in range(n) for k in ("key", "value")]),
-        "fastcar.diagnostics": json.dumps(emit_diagnostics),
-        "fastcar.frontend": "torch",
-    }
+    return contract.FastCarMetadata(
+        version=__version__, frame_tokens=dec.frame_tokens, threshold=dec.threshold,
+        per_layer_threshold=dec.per_layer_threshold, layers=list(dec.layers), num_layers=n,
+        tas_query=o["tas_query"], max_replay=o["max_replay"], hidden_size=dec.hidden, num_heads=o["num_heads"],
+        num_kv_heads=o["num_kv_heads"], head_dim=o["head_dim"], state=state,
+        kv=[contract.KVEntry(contract.kv_input(i, k), contract.kv_output(i, k)) for i in range(n)
+            for k in contract.KV_KINDS],
+        diagnostics=emit_diagnostics)
