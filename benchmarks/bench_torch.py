@@ -1,0 +1,234 @@
+"""Per-token decode time of FastCar in PyTorch (eager and torch.compile) next to the ONNX path, at forced replay.
+
+One seeded random LLaMA-style decoder (benchmarks/_common.py) is run three ways, batch 1, on CPU:
+- PyTorch eager: the model's captured program without FastCar ("dense") and with it
+  (`fastcar_compile.torch.build`), plus the transformers model itself;
+- torch.compile (inductor, dynamic shapes) of the same two programs;
+- ONNX Runtime: the dense export and its `fastcar-compile` output (what bench_pass.py measures).
+Replay is forced per layer through a per-layer threshold (tau = -inf replays, +inf computes; the same
+Bresenham pattern as bench_pass.py), so every window of `period` steps holds exactly the ratio; the realised
+ratio is read back from the replay decisions. All configurations run interleaved step by step after a
+prefill of `--context` tokens; a ratio compares each configuration with its own runtime's dense step in the
+same window (medians over windows). Prints a table, writes bench_torch.json and bench_torch.png.
+
+    python benchmarks/bench_torch.py            # hidden 1024, 8 layers, context 1024 (several minutes: compiles)
+    python benchmarks/bench_torch.py --quick    # small model, smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_CACHE, LlamaShape, build_random_llama, cached_export, make_session  # noqa: E402
+from bench_pass import Runner, period_of, prefill, replay_pattern  # noqa: E402
+
+FULL = dict(shape=LlamaShape(max_pos=2048), context=1024, frame_tokens=256, rounds=20)
+QUICK = dict(shape=LlamaShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=512, max_pos=1024),
+             context=256, frame_tokens=64, rounds=4)
+
+
+class TorchRunner:
+    """One PyTorch configuration: a callable with the flat contract, its carried KV (and FastCar) state."""
+
+    def __init__(self, name: str, fn, kv: list, past: int, vocab: int, *, state: list | None = None,
+                 ratio: Fraction | None = None, layers: int = 0):
+        self.name, self.fn, self.kv, self.past, self.vocab = name, fn, list(kv), past, vocab
+        self.state, self.ratio, self.layers = list(state or []), ratio, layers
+        self.rng = np.random.default_rng(1)
+        self.step = 0
+        self.wall_ms: list[float] = []
+        self.cpu_ms: list[float] = []
+        self.replayed = self.layer_steps = self.mismatch = 0
+
+    def run_step(self, record: bool = True) -> None:
+        import torch
+
+        ids = torch.as_tensor(self.rng.integers(0, self.vocab, (1, 1)))
+        args = [ids, torch.ones(1, self.past + 1, dtype=torch.int64), torch.full((1, 1), self.past), *self.kv]
+        expect: set[int] = set()
+        if self.ratio is not None:
+            expect = set(replay_pattern(self.ratio, self.layers, self.step))
+            tau = torch.full((self.layers,), math.inf)
+            tau[list(expect)] = -math.inf
+            args += [torch.tensor(0), tau, *self.state]
+        c0, t0 = time.process_time(), time.perf_counter()
+        with torch.no_grad():
+            outs = self.fn(*args)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if record:
+            self.wall_ms.append(1e3 * dt)
+            self.cpu_ms.append(1e3 * dc)
+        n_kv = len(self.kv)
+        self.kv = list(outs[1:1 + n_kv])
+        if self.ratio is not None:
+            k = 2 * self.layers
+            self.state = list(outs[1 + n_kv:1 + n_kv + k])
+            replay = outs[1 + n_kv + k::2]
+            for pos, rep in enumerate(replay):
+                r = bool(rep.item())
+                self.replayed += r
+                self.mismatch += r != (pos in expect)
+            self.layer_steps += self.layers
+        self.past += 1
+        self.step += 1
+
+    @property
+    def realised(self) -> float:
+        return self.replayed / self.layer_steps if self.layer_steps else float("nan")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fastcar_compile.atomic import save_figure
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    for runtime, color in zip(results["runtimes"], ("C0", "C1", "C2"), strict=False):
+        rows = [r for r in results["rows"] if r["runtime"] == runtime and r["ratio"] is not None]
+        x = [100 * r["ratio"] for r in rows]
+        ax.plot(x, [r["ms"] for r in rows], "o-", color=color, label=f"{runtime} FastCar")
+        ax.axhline(results["dense_ms"][runtime], color=color, ls=":", lw=1, label=f"{runtime} dense")
+        bx.plot(x, [r["speedup"] for r in rows], "o-", color=color, label=runtime)
+    ax.set_xlabel("forced replay (% of layer-steps)")
+    ax.set_ylabel("ms per decode step")
+    ax.legend(fontsize=7)
+    bx.axhline(1.0, color="black", lw=0.5)
+    bx.set_xlabel("forced replay (% of layer-steps)")
+    bx.set_ylabel("speedup vs the same runtime's dense step")
+    bx.legend(fontsize=7)
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+    fig.suptitle(results["title"], fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small model (hidden 256, 4 layers), context 256")
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/bench"), help="folder for bench_torch.json/.png")
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="folder for the cached ONNX export")
+    ap.add_argument("--threads", type=int, default=2, help="torch and ORT intra-op threads (default 2)")
+    ap.add_argument("--context", type=int)
+    ap.add_argument("--rounds", type=int, help="timed windows per configuration")
+    ap.add_argument("--ratios", default="0,0.5,0.8,1")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it takes minutes on 2 cores)")
+    a = ap.parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+
+    import fastcar_compile
+    import fastcar_compile.torch as fct
+    from fastcar_compile.atomic import write_text
+    from fastcar_compile.torch import capture
+
+    torch.set_num_threads(a.threads)
+    preset = QUICK if a.quick else FULL
+    shape: LlamaShape = preset["shape"]
+    context, L = a.context or preset["context"], preset["frame_tokens"]
+    rounds = a.rounds or preset["rounds"]
+    ratios = [Fraction(x).limit_denominator(1000) for x in a.ratios.split(",")]
+    a.out.mkdir(parents=True, exist_ok=True)
+    n = shape.layers
+
+    model = build_random_llama(shape)
+    front, _ = capture.flat_front(model)
+    dense_prog = fct.build(model, frame_tokens=L, threshold=math.inf, per_layer_threshold=True)
+    plain = capture.capture(front, capture.example_inputs(model)).module(check_guards=False)
+    plain._forward_pre_hooks.clear()
+    rng = np.random.default_rng(0)
+    ids = torch.as_tensor(rng.integers(0, shape.vocab, (1, context)))
+    print(f"prefill {context} tokens in PyTorch ...", file=sys.stderr)
+    with torch.no_grad():
+        empty = dense_prog.empty_past(1)
+        dense_out = front(ids, torch.ones(1, context, dtype=torch.int64), torch.arange(context)[None], *empty)
+        dense_prog.reset(1)
+        fast_out = dense_prog.program(ids, torch.ones(1, context, dtype=torch.int64), torch.arange(context)[None],
+                                      *empty, torch.tensor(0), torch.full((n,), math.inf), *dense_prog.state)
+    kv0 = list(dense_out[1:])
+    fkv0, fstate0 = list(fast_out[1:1 + 2 * n]), list(fast_out[1 + 2 * n:1 + 4 * n])
+    runtimes = {"torch eager": (front, plain, dense_prog.program)}
+    if not a.no_compile:
+        runtimes["torch.compile"] = (None, torch.compile(plain, dynamic=True),
+                                     torch.compile(dense_prog.program, dynamic=True))
+    runners: list = []
+    for rt, (hf, dense_fn, fast_fn) in runtimes.items():
+        if hf is not None:
+            runners.append(TorchRunner(f"{rt}|transformers", hf, kv0, context, shape.vocab))
+        runners.append(TorchRunner(f"{rt}|dense", dense_fn, kv0, context, shape.vocab))
+        runners += [TorchRunner(f"{rt}|{float(r):.0%}", fast_fn, fkv0, context, shape.vocab, state=fstate0, ratio=r,
+                                layers=n) for r in ratios]
+    dense_path = cached_export(shape, a.cache)
+    fast_path = dense_path.parent / f"fast-L{L}.onnx"
+    fastcar_compile.compile(dense_path, fast_path, frame_tokens=L, threshold=math.inf, per_layer_threshold=True)
+    sess_d, sess_f = make_session(dense_path, a.threads, spin=False), make_session(fast_path, a.threads, spin=False)
+    ids_np = ids.numpy()
+    st_d = prefill(sess_d, ids_np, L, {})
+    st_f = prefill(sess_f, ids_np, L, {"video_start": np.asarray(0, np.int64),
+                                       "fastcar_threshold": np.full(n, np.inf, np.float32)})
+    runners.append(Runner("ORT|dense", sess_d, st_d, context, np.random.default_rng(1), shape.vocab))
+    runners += [Runner(f"ORT|{float(r):.0%}", sess_f, st_f, context, np.random.default_rng(1), shape.vocab,
+                       ratio=r, fast_layers=list(range(n)), frame_tokens=L) for r in ratios]
+    period = period_of(ratios, n)
+    for _ in tqdm(range(period), desc="warm-up (torch.compile compiles here)", unit="step"):
+        for r in runners:
+            r.run_step(record=False)
+    order = list(range(len(runners)))
+    for _ in tqdm(range(rounds * period), desc=f"timing {len(runners)} configs", unit="step"):
+        order = order[1:] + order[:1]
+        for i in order:
+            runners[i].run_step()
+
+    def windows(r) -> np.ndarray:
+        return np.asarray(r.wall_ms).reshape(rounds, period).mean(axis=1)
+
+    by_name = {r.name: r for r in runners}
+    names = list(runtimes) + ["ORT"]
+    rows, dense_ms = [], {}
+    for rt in names:
+        dw = windows(by_name[f"{rt}|dense"])
+        dense_ms[rt] = float(np.median(dw))
+        for r in runners:
+            if not r.name.startswith(rt + "|"):
+                continue
+            w = windows(r)
+            ratio = getattr(r, "ratio", None)
+            rows.append({"runtime": rt, "config": r.name.split("|", 1)[1], "ratio": None if ratio is None else float(ratio),
+                         "realised": None if ratio is None else r.realised, "mismatch": getattr(r, "mismatch", 0),
+                         "ms": float(np.median(w)), "speedup": float(np.median(dw / w))})
+    ort_ms = {row["config"]: row["ms"] for row in rows if row["runtime"] == "ORT"}
+    print(f"\nLLaMA-style hidden {shape.hidden}, {n} layers, context {context}, L {L}, batch 1, CPU {a.threads} threads"
+          f" ({rounds} windows of {period} steps, interleaved)")
+    print(f"{'runtime':<14} {'config':<13} {'ms/step':>8} {'x own dense':>11} {'x ORT same':>10} {'realised':>8}")
+    for row in rows:
+        vs_ort = ort_ms.get(row["config"])
+        print(f"{row['runtime']:<14} {row['config']:<13} {row['ms']:8.2f} {row['speedup']:11.3f} "
+              f"{(vs_ort / row['ms'] if vs_ort else float('nan')):10.3f} "
+              f"{'' if row['realised'] is None else format(row['realised'], '.0%'):>8}")
+        if row["mismatch"]:
+            print(f"  warning: {row['mismatch']} layer-steps replayed differently from the forced pattern")
+    results = {"title": f"LLaMA-style h{shape.hidden} x{n}, ctx {context}, L {L}, CPU {a.threads} threads, batch 1",
+               "shape": vars(shape) if hasattr(shape, "__dict__") else str(shape), "context": context,
+               "frame_tokens": L, "threads": a.threads, "rounds": rounds, "period": period,
+               "runtimes": names, "dense_ms": dense_ms, "rows": rows}
+    write_text(a.out / "bench_torch.json", json.dumps(results, indent=1, default=str))
+    plot(results, a.out / "bench_torch.png")
+    print(f"wrote {a.out / 'bench_torch.json'} and {a.out / 'bench_torch.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
