@@ -117,13 +117,17 @@ def test_generate_replays_like_reference():
             probe_tau = tau
             break
     assert probe_tau is not None
-    fm = fct.apply(model, frame_tokens=L, threshold=probe_tau, video_start=2)
+    fm = fct.apply(model, frame_tokens=L, threshold=probe_tau)  # video_start given per call below
     want = np.concatenate([s for s in run.steps], axis=1)
     for _ in range(2):  # the second call must not replay the first video's cache
         with torch.no_grad():
-            got = fm.generate(torch.as_tensor(prompt), max_new_tokens=4 * L, do_sample=False)
+            got = fm.generate(torch.as_tensor(prompt), max_new_tokens=4 * L, do_sample=False, video_start=2)
         np.testing.assert_array_equal(got.numpy(), want)
         assert fm.fastcar.stats.replayed == int(dec.sum())
+    with torch.no_grad():  # tau per call: +inf never replays, so generate() is the plain model's
+        got = fm.generate(torch.as_tensor(prompt), max_new_tokens=4 * L, do_sample=False, fastcar_threshold=math.inf)
+        plain = model.generate(torch.as_tensor(prompt), max_new_tokens=4 * L, do_sample=False)
+    assert torch.equal(got, plain) and fm.fastcar.stats.replayed == 0
 
 
 class _NoAttention(torch.nn.Module):
