@@ -8,6 +8,7 @@ atomically: the result is serialised into a temporary folder next to the output,
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -90,7 +91,15 @@ def _discover(model: ir.Model) -> list[disc.LayerMatch]:
     matches = disc.discover(model)
     if not all(m.ok for m in matches) and _weight_bytes(model) <= ORT_VALIDATE_LIMIT:
         # Some exporters (TorchScript) leave intermediate shapes unknown: infer them and look again.
-        model_inferred = ShapeInferencePass()(model).model
+        # onnx's inference rejects some exporters' graphs (genai's builder: rank-1 constants declared as
+        # scalars); onnx-ir then logs a traceback and leaves the model unchanged, which is all we need.
+        shape_log = logging.getLogger("onnx_ir.passes.common.shape_inference")
+        level = shape_log.level
+        shape_log.setLevel(logging.ERROR)
+        try:
+            model_inferred = ShapeInferencePass()(model).model
+        finally:
+            shape_log.setLevel(level)
         if model_inferred is not model:
             model.graph = model_inferred.graph  # pragma: no cover - the pass works in place
         matches = disc.discover(model)

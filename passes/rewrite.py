@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
-from fastcar_compile.passes import fastcar_ops
+from fastcar_compile.passes import fastcar_ops, genai_gqa
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.discover import LayerMatch
 
@@ -155,6 +155,10 @@ def _rewrite_layer(graph: ir.Graph, match: LayerMatch, k: int, opts: RewriteOpti
 
     # Query in [B, H, S, D].
     q, layout = (att.q, att.q_layout) if opts.tas_query == "rope" else (att.q_raw, att.q_raw_layout)
+    if att.packed_query is not None:
+        q = genai_gqa.query(b, lambda name, v: _const(graph, name, np.asarray(v, np.int64)), att.packed_query,
+                            att.num_heads, att.head_dim, opts.tas_query == "rope")
+        layout = "BSE"
     if layout == "BSE":
         q = b("Reshape", [q, _const(graph, f"fastcar.shape.0_0_{att.num_heads}_{att.head_dim}",
                                     np.array([0, 0, att.num_heads, att.head_dim], np.int64))])
@@ -166,8 +170,10 @@ def _rewrite_layer(graph: ir.Graph, match: LayerMatch, k: int, opts: RewriteOpti
     if opts.per_layer_threshold:
         tau = b("Gather", [threshold, _const(graph, f"fastcar.index.{k}", np.array(k, np.int64))], {"axis": 0})
     diag = [f"replay_mask.{n}", f"tas.{n}", f"fastcar.{n}.slot", f"fastcar.{n}.write"]
-    replay, tas, slot, write = b("TemporalGate", [q, att.present_key, past_age, tau, video_start],
-                                 {"frame_tokens": L, "max_replay": opts.max_replay},
+    gate, gate_in = "TemporalGate", [q, att.present_key, past_age, tau, video_start]
+    if att.packed_query is not None:  # the key buffer may be preallocated: positions from the total length
+        gate, gate_in = "TemporalGateAt", [*gate_in, att.packed_query.total_len]
+    replay, tas, slot, write = b(gate, gate_in, {"frame_tokens": L, "max_replay": opts.max_replay},
                                  domain=fastcar_ops.DOMAIN, outputs=4, names=diag)
     cached = b("MLPCacheRead", [past_cache, slot], domain=fastcar_ops.DOMAIN, part="cache")
 
