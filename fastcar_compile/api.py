@@ -23,6 +23,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 from fastcar_compile._version import __version__
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.passes import discover as disc
+from fastcar_compile.passes import genai_state
 from fastcar_compile.passes.rewrite import TAS_QUERIES, RewriteOptions, rewrite
 
 # Above this many bytes of weights the ORT check is skipped (opening the session would load them all).
@@ -170,8 +171,13 @@ def compile(  # noqa: A001 - the natural name of the entry point
     per_layer_threshold: bool = False,
     emit_diagnostics: bool = False,
     validate: bool = True,
+    genai: bool | None = None,
 ) -> tuple[ir.Model, CompileReport]:
-    """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given."""
+    """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
+
+    genai: name the state for onnxruntime-genai's generator and write genai_config.json beside the output
+    (None: when the input sits beside one and the output goes to another folder).
+    """
     if not isinstance(frame_tokens, int) or isinstance(frame_tokens, bool) or frame_tokens <= 0:
         raise FastCarError(f"--frame-tokens must be a positive integer (tokens per video frame), got {frame_tokens!r}")
     taus = [float(t) for t in (threshold if isinstance(threshold, list | tuple) else [threshold])]
@@ -206,6 +212,17 @@ def compile(  # noqa: A001 - the natural name of the entry point
     opts = RewriteOptions(frame_tokens, tuple(taus) if per_layer_threshold else taus[0], tas_query, max_replay,
                           per_layer_threshold, emit_diagnostics)
     records = rewrite(loaded, selected, opts)
+    genai_cfg = genai_state.beside(in_path) if genai is not False and out_path is not None else None
+    if genai_cfg is not None and out_path.resolve().parent == genai_cfg.resolve().parent:
+        if genai:
+            raise FastCarError(f"--genai: write the output into another folder than {genai_cfg.parent} "
+                               "(genai reads one genai_config.json per folder; the input's is never modified)")
+        report.notes.append("genai_config.json not written: the output is in the input's folder")
+        genai_cfg = None
+    if genai and genai_cfg is None:
+        raise FastCarError("--genai needs an input model beside its genai_config.json and an output path")
+    if genai_cfg is not None:
+        records = genai_state.rename_state(loaded, records)
     if loaded.ir_version < 8:
         report.notes.append(f"IR version raised from {loaded.ir_version} to 8 (model-local functions)")
         loaded.ir_version = 8
@@ -236,6 +253,8 @@ def compile(  # noqa: A001 - the natural name of the entry point
     if out_path is not None:
         save(loaded, out_path, validate=validate, external=_has_external(loaded),
              source=in_path)
+        if genai_cfg is not None:
+            report.notes.append(f"onnxruntime-genai: {genai_state.write_config(genai_cfg, out_path)}")
     return loaded, report
 
 

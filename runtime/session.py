@@ -171,6 +171,12 @@ class FastCarSession:
         self.default_threshold = _meta_json(self.meta, "fastcar.threshold", None)
         self.max_replay = int(self.meta.get("fastcar.max_replay", 0))
         self.specs: list[StateSpec] = self._pair_state()
+        # layer -> (age output, value of a freshly computed slot): 0, or 1 in the genai encoding (age + 1)
+        self._age_outputs: dict[int, tuple[str, int]] = {}
+        for d in _meta_json(self.meta, "fastcar.state", []):
+            m = re.search(r"\.(\d+)(\.recurrent_state)?$", d["input"])
+            if d.get("dtype") == "int64" and m:
+                self._age_outputs[int(m.group(1))] = (d["output"], 1 if "encoding" in d else 0)
         self.has_diagnostics = all(f"tas.{n}" in self._outputs for n in self.layers) and bool(self.layers)
         self.signature = self._signature()
         if inplace and self.native_library is None:
@@ -211,7 +217,7 @@ class FastCarSession:
             if dtype is None:
                 raise FastCarError(f"{self.path.name}: state {name} has unsupported type {arg.type}")
             if m:  # KV cache: [batch, heads, past, head_dim]; the past axis grows
-                shape = tuple("batch" if i == 0 else "past" if i == 2 else self._fixed(name, d)
+                shape = tuple("batch" if i == 0 else "past" if i == 2 else self._fixed(name, d, i == 3)
                               for i, d in enumerate(arg.shape))
                 specs.append(StateSpec(name, out, dtype, shape, 0.0, "kv"))
             else:
@@ -225,11 +231,25 @@ class FastCarSession:
                 specs.append(StateSpec(name, out, dtype, shape, fill, "fastcar"))
         return specs
 
-    def _fixed(self, name: str, d: Any) -> int:
+    def _fixed(self, name: str, d: Any, head_dim: bool = False) -> int:
         if isinstance(d, int):
             return d
+        if head_dim:  # symbolic KV head size (onnxruntime-genai's builder): the compiler recorded it
+            known = self.meta.get("fastcar.head_dim") or self._genai_head_size()
+            if known:
+                return int(known)
         raise FastCarError(f"{self.path.name}: state input {name} has a symbolic dimension {d!r} besides "
                            "batch/past; re-export with fixed head counts")
+
+    def _genai_head_size(self) -> int | None:
+        """head_size from a genai_config.json beside the model (a dense genai graph has no metadata)."""
+        cfg = self.path.parent / "genai_config.json"
+        if not cfg.is_file():
+            return None
+        try:
+            return int(json.loads(cfg.read_text())["model"]["decoder"]["head_size"])
+        except (KeyError, ValueError, TypeError):
+            return None
 
     def _signature(self) -> str:
         h = hashlib.sha1()
@@ -415,7 +435,7 @@ class FastCarSession:
         if all(f"replay_mask.{n}" in res for n in self.layers):
             return np.stack([res[f"replay_mask.{n}"][:, 0] for n in self.layers]).astype(bool)
         slot = (p - state.video_start) % int(self.frame_tokens or 1)
-        return np.stack([res[f"present_mlp_age.{n}"][:, slot] > 0 for n in self.layers])
+        return np.stack([res[self._age_outputs[n][0]][:, slot] > self._age_outputs[n][1] for n in self.layers])
 
     def __repr__(self) -> str:
         kind = f"FastCar layers={self.layers} L={self.frame_tokens}" if self.is_fastcar else "dense"
