@@ -78,7 +78,7 @@ def test_compiled_genai_graph_matches_reference(genai_model, fc_compile, tmp_pat
     run = _reference(family, tau, tas_query, prompt, 4 * L)
     out = tmp_path / "fast.onnx"
     _, report = fc_compile(str(src), output=str(out), frame_tokens=L, threshold=tau, tas_query=tas_query,
-                           max_replay=2, emit_diagnostics=True)
+                           max_replay=2, emit_diagnostics=True, genai=False)  # DESIGN.md's state names
     assert report.rewritten == [0, 1]
     got = ort_driver.decode(out, run.steps, video_start=VIDEO_START, head_dim=HEAD_DIM)
     for k, (g, w) in enumerate(zip(got.logits, run.logits, strict=True)):
@@ -111,7 +111,7 @@ def test_compiled_genai_quantized_never_replaying_equals_original(genai_model, f
     rewritten, and at tau=+inf the compiled graph's logits equal the uncompiled graph's."""
     src = genai_model(family, precision) / "model.onnx"
     out = tmp_path / "fast.onnx"
-    _, report = fc_compile(str(src), output=str(out), frame_tokens=L, threshold=float("inf"))
+    _, report = fc_compile(str(src), output=str(out), frame_tokens=L, threshold=float("inf"), genai=False)
     assert report.rewritten == [0, 1]
     steps = _steps(decode=2 * L + 2)
     try:
