@@ -64,8 +64,9 @@ def build_genai(shape: LlamaShape, cache: Path) -> Path:
 def strip_mlp(src: Path, out: Path) -> None:
     """The dense genai graph with each MLP branch output replaced by zeros (entry * 0): the step without MLPs."""
     import onnx_ir as ir
-    from fastcar_compile.passes.discover import discover
     from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    from fastcar_compile.passes.discover import discover
 
     model = ir.load(src / "model.onnx")
     zero = ir.Value(name="bench.zero", const_value=ir.tensor(np.array(0.0, np.float32), name="bench.zero"))

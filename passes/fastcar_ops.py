@@ -13,8 +13,10 @@ import onnx
 import onnx.parser
 import onnx_ir as ir
 
-DOMAIN = "ai.fastcar"
-VERSION = 1
+from fastcar_compile import contract
+
+DOMAIN = contract.DOMAIN
+VERSION = contract.OPSET_VERSION
 
 _TEMPORAL_GATE = """
 <domain: "ai.fastcar", opset_import: ["" : {opset}]>
@@ -128,10 +130,10 @@ _TEMPORAL_GATE_AT = _TEMPORAL_GATE.replace(
 )
 
 OP_TEXTS = {
-    "TemporalGate": _TEMPORAL_GATE,
-    "TemporalGateAt": _TEMPORAL_GATE_AT,
-    "MLPCacheRead": _MLP_CACHE_READ,
-    "MLPCacheUpdate": _MLP_CACHE_UPDATE,
+    contract.TEMPORAL_GATE: _TEMPORAL_GATE,
+    contract.TEMPORAL_GATE_AT: _TEMPORAL_GATE_AT,
+    contract.MLP_CACHE_READ: _MLP_CACHE_READ,
+    contract.MLP_CACHE_UPDATE: _MLP_CACHE_UPDATE,
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import onnx_ir as ir
+
 from fastcar_compile.passes import graph_utils as gu
 
 MS_DOMAIN = "com.microsoft"
