@@ -30,7 +30,7 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         GatePass(ctx),
         BranchPass(ctx),
         CacheStatePass(ctx),
-        GenaiStatePass(ctx),
+        *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
         IrVersionPass(ctx),
         MetadataPass(ctx),
     ]
@@ -38,7 +38,8 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         if validate:
             passes.append(ValidatePass(staging))
         passes.append(SavePass(staging))
-        passes.append(GenaiConfigPass(ctx, staging.output))
+        if ctx.genai_config is not None:
+            passes.append(GenaiConfigPass(ctx, staging.output))
     return ir.passes.PassManager(passes)
 
 
