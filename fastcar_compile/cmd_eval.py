@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastcar_compile import contract
 from fastcar_compile.atomic import save_figure
 from fastcar_compile.errors import FastCarError
 
@@ -91,11 +92,11 @@ def main(argv: list[str]) -> int:
     if not targets or any(not 0 < t < 1 for t in targets):
         raise FastCarError(f"--targets must be comma-separated numbers in (0, 1), got {a.targets!r}")
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    if not variants or any(v not in ("rope", "raw") for v in variants):
+    if not variants or any(v not in contract.TAS_QUERIES for v in variants):
         raise FastCarError(f"--variants takes rope and/or raw, got {a.variants!r}")
     if a.clips < 1 or a.frames < 2 or a.guard < 0:
         raise FastCarError("--clips >= 1, --frames >= 2 and --guard >= 0 are required")
-    from fastcar_compile.demo.evaluate import atomic_bytes
+    from fastcar_compile.atomic import write_bytes
 
     t0 = time.time()
     out: Path = a.out
@@ -105,10 +106,10 @@ def main(argv: list[str]) -> int:
         rows = _sweep(a, targets, variants, models)
     finally:
         shutil.rmtree(models, ignore_errors=True)
-    atomic_bytes(out / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
+    write_bytes(out / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
                                                 "threads": a.threads}, indent=1).encode())
     table = _fmt_table(rows)
-    atomic_bytes(out / "eval.md", (table + "\n").encode())
+    write_bytes(out / "eval.md", (table + "\n").encode())
     _plot(rows, out / "eval.png")
     print("\n" + table)
     print(f"\nwrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'} ({time.time() - t0:.0f} s; the "

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import zoo
+
 from fastcar_compile.runtime import FastCarSession, calibrate_threshold
 from fastcar_compile.runtime.calib_stats import ci95, tau_for_share
 from fastcar_compile.runtime.decode import ThresholdWarning
