@@ -23,6 +23,7 @@ from fastcar_compile.passes.layer_match import AttentionBlock, LayerMatch, MLPBl
 from fastcar_compile.passes.match_base import MatchContext, MatchFailure
 from fastcar_compile.passes.match_residual import find_mlp
 from fastcar_compile.passes.match_rotary import find_rotary
+from fastcar_compile.passes.window import mask_input
 
 __all__ = ["AttentionBlock", "LayerMatch", "MLPBlock", "MatchFailure", "discover", "kv_outputs"]
 
@@ -81,5 +82,13 @@ def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> Atten
     ctx.trace.append(f"heads {heads}, kv heads {num_kv}, head dim {head_dim}")
     if heads % num_kv:
         raise MatchFailure("query", f"{heads} query heads do not group over {num_kv} kv heads", q.name)
+    window = None
+    if core.keys is not pkey:
+        if mask_input(ctx.graph) is None:
+            raise MatchFailure("kv", f"{pkey.name} is a sliding window of the keys attention reads; FastCar needs "
+                               "the attention_mask input (its length is the absolute position) to index them",
+                               "graph inputs")
+        window = ma.window_length(pkey)
+        ctx.trace.append(f"sliding-window cache: keeps {window if window is not None else '?'} positions")
     return AttentionBlock(pkey, pvalue, core.core, core.core_output, q, layout, q_raw, raw_layout, rope, heads,
-                          num_kv, head_dim, form=form, keys=core.keys)
+                          num_kv, head_dim, form=form, keys=core.keys, window=window)

@@ -28,6 +28,7 @@ class AttentionBlock:
     # The keys attention reads: the present key, or for a sliding-window cache the unsliced keys it was cut from.
     keys: ir.Value | None = None
     stream_in: ir.Value | None = None  # the residual stream value the block starts from (set by the residual form)
+    window: int | None = None  # positions a sliding-window cache keeps (None: the whole context, or unknown)
 
     @property
     def sliding_window(self) -> bool:

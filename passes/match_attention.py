@@ -61,6 +61,13 @@ def window_source(pkey: ir.Value) -> ir.Value | None:
     return node.inputs[0]
 
 
+def window_length(pkey: ir.Value) -> int | None:
+    """How many positions a sliding-window present key keeps (the Slice's constant negative start), if known."""
+    node = pkey.producer()
+    start = gu.scalar_const(node.inputs[1]) if node is not None and len(node.inputs) > 1 else None
+    return int(-start) if start is not None and start < 0 else None
+
+
 def walk_back_scale(value: ir.Value) -> ir.Value:
     """Skip the scaling (Mul/Div by a constant) and casts applied to q right before the score MatMul."""
     while True:

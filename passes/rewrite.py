@@ -23,6 +23,7 @@ import onnx_ir as ir
 from fastcar_compile.passes import fastcar_ops
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.discover import LayerMatch
+from fastcar_compile.passes.window import gate_keys
 
 TAS_QUERIES = ("rope", "raw")
 
@@ -166,7 +167,7 @@ def _rewrite_layer(graph: ir.Graph, match: LayerMatch, k: int, opts: RewriteOpti
     if opts.per_layer_threshold:
         tau = b("Gather", [threshold, _const(graph, f"fastcar.index.{k}", np.array(k, np.int64))], {"axis": 0})
     diag = [f"replay_mask.{n}", f"tas.{n}", f"fastcar.{n}.slot", f"fastcar.{n}.write"]
-    replay, tas, slot, write = b("TemporalGate", [q, att.present_key, past_age, tau, video_start],
+    replay, tas, slot, write = b("TemporalGate", [q, gate_keys(graph, b, att, L), past_age, tau, video_start],
                                  {"frame_tokens": L, "max_replay": opts.max_replay},
                                  domain=fastcar_ops.DOMAIN, outputs=4, names=diag)
     cached = b("MLPCacheRead", [past_cache, slot], domain=fastcar_ops.DOMAIN, part="cache")

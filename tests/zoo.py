@@ -35,6 +35,8 @@ NEW_EXPORTERS = ("dynamo20", "torchscript17")
 # so the KV cache really is truncated.
 SLIDING_WINDOW = 8
 EAGER_ONLY = frozenset({"gemma2"})
+MOE_FAMILIES = frozenset({"mixtral", "qwen2moe"})
+SLIDING_FAMILIES = frozenset({"mistral", "gemma2"})
 EXPORTERS = (
     "dynamo18",
     "dynamo20",
@@ -146,6 +148,11 @@ def make_config(family: str, attn_implementation: str = "sdpa"):
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + NEW_FAMILIES}")
     # Gemma2 has no SDPA path in transformers (soft-capping): it is exported with eager attention.
     cfg._attn_implementation = "eager" if family in EAGER_ONLY else attn_implementation
+    if family in MOE_FAMILIES:
+        # transformers' default experts kernel (grouped_mm) is a custom op neither exporter converts, and the
+        # eager loop over the experts hit is data-dependent (TorchScript would bake one routing in): use the
+        # batched one (every token gathers its top-k experts' weights), the same function of the inputs.
+        cfg._experts_implementation = "batched_mm"
     return cfg
 
 

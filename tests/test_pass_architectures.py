@@ -1,0 +1,77 @@
+"""The architectures issue 8 added (parallel residual, post-norms, sliding windows, MoE), end to end.
+
+For every new family x exporter (tests/zoo.py NEW_FAMILIES x NEW_EXPORTERS), judged as the existing families
+are (test_pass_equivalence.py, test_pass_reference.py): the export is the transformers model; tau = +inf
+is the original export (logits <= 1e-5) with the eager reference's TAS; a finite tau equals the eager FastCar
+reference (logits, replay decisions, TAS and final state within 1e-4). The full matrix is slow; the default
+run keeps one exporter per family, finite tau only.
+
+Reproduce the table in docs/patterns.md: FASTCAR_ZOO_DIR=/tmp/zoo pytest -m slow tests/test_pass_architectures.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import zoo
+from reference import FastCarReference, plain_logits
+from test_pass_equivalence import check_inf_equivalence
+from test_pass_reference import Case, check_against_reference
+from test_zoo import _check_export_matches_torch, _steps
+
+# Sliding-window families (mistral, gemma2): see test_sliding_window_* below and docs/patterns.md.
+FAMILIES = [f for f in zoo.NEW_FAMILIES if f not in zoo.SLIDING_FAMILIES]
+ALL_COMBOS = [(f, e) for f in FAMILIES for e in zoo.NEW_EXPORTERS]
+DEFAULT_COMBOS = [
+    ("neox", "torchscript17"),
+    ("phi2", "dynamo20"),
+    ("olmo2", "torchscript17"),
+    ("mixtral", "dynamo20"),
+    ("qwen2moe", "torchscript17"),
+]
+_ids = [f"{f}-{e}" for f, e in ALL_COMBOS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", zoo.NEW_FAMILIES)
+def test_reference_at_inf_is_plain_model(family):
+    """The hooks find each family's blocks, and tau = +inf leaves the model as it is (sliding windows too)."""
+    model = zoo.build_model(family)
+    with FastCarReference(model, frame_tokens=4, threshold=math.inf, tas_query="raw") as ref:
+        run = ref.run(_steps(2, 5, 0), pad=[0, 2], greedy=12)  # 17 tokens: past the sliding window of 8
+    want = plain_logits(model, run.steps, pad=[0, 2])
+    for g, w in zip(run.logits[1:], want[1:], strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert np.isfinite(run.tas[0][-1]).all()
+
+
+@pytest.mark.parametrize("family,exporter", DEFAULT_COMBOS, ids=[f"{f}-{e}" for f, e in DEFAULT_COMBOS])
+def test_new_family_matches_eager_reference(zoo_model, fc_compile, tmp_path, family, exporter):
+    check_against_reference(zoo_model, fc_compile, tmp_path, Case(family, exporter, "rope"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter", ALL_COMBOS, ids=_ids)
+def test_new_family_export_matches_torch(zoo_model, family, exporter):
+    _check_export_matches_torch(zoo_model, family, exporter)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter", ALL_COMBOS, ids=_ids)
+def test_new_family_inf_threshold_is_the_original_model(zoo_model, fc_compile, tmp_path, family, exporter):
+    check_inf_equivalence(zoo_model, fc_compile, tmp_path, family, exporter)
+
+
+SLOW_CASES = [
+    Case(f, e, q, max_replay=2, pad=(0, 2), video_start=3, per_layer=(q == "raw"), chunk=6 * (q == "rope"))
+    for f, e in ALL_COMBOS
+    for q in ("rope", "raw")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=[c.id for c in SLOW_CASES])
+def test_new_family_matches_eager_reference_all(zoo_model, fc_compile, tmp_path, case):
+    check_against_reference(zoo_model, fc_compile, tmp_path, case)
