@@ -291,10 +291,16 @@ def example_inputs(
     return (ids, mask, pos, *kv)
 
 
+def _kv_axis(info: ModelInfo, name: str, layer: int) -> str:
+    """The KV length axis name: shared by every layer, except in sliding-window families where a window layer's
+    cache is shorter than a full layer's (Gemma2 alternates them), so each layer gets its own."""
+    return f"{name}_{layer}" if info.family in SLIDING_FAMILIES else name
+
+
 def _export_dynamo(wrapper: nn.Module, info: ModelInfo, path: Path, opset: int) -> None:
     ins, outs = io_names(info.num_layers)
     # String axis names: torch.onnx turns them into Dim.DYNAMIC and names the ONNX axes after them.
-    kv_shapes = tuple({0: "batch", 2: "past"} for _ in range(2 * info.num_layers))
+    kv_shapes = tuple({0: "batch", 2: _kv_axis(info, "past", i // 2)} for i in range(2 * info.num_layers))
     # forward(input_ids, attention_mask, position_ids, *past): the varargs form one tuple in dynamic_shapes.
     shapes = ({0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, {0: "batch", 1: "seq"}, kv_shapes)
     prog = torch.onnx.export(
@@ -319,10 +325,10 @@ def _export_torchscript(wrapper: nn.Module, info: ModelInfo, path: Path, opset: 
         "position_ids": {0: "batch", 1: "seq"},
         "logits": {0: "batch", 1: "seq"},
     }
-    for n in ins[3:]:
-        axes[n] = {0: "batch", 2: "past"}
-    for n in outs[1:]:
-        axes[n] = {0: "batch", 2: "total"}
+    for i, n in enumerate(ins[3:]):
+        axes[n] = {0: "batch", 2: _kv_axis(info, "past", i // 2)}
+    for i, n in enumerate(outs[1:]):
+        axes[n] = {0: "batch", 2: _kv_axis(info, "total", i // 2)}
     torch.onnx.export(
         wrapper,
         example_inputs(info, dtype=next(wrapper.parameters()).dtype),
