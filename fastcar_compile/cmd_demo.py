@@ -12,6 +12,7 @@ import json
 import time
 from pathlib import Path
 
+from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
 
 DEFAULT_TAU = 33.0  # post-RoPE TAS giving ~80% replay on the bundled model (docs/demo.md, eval sweep)
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clips", type=int, default=16, help="held-out clips to generate (default 16)")
     ap.add_argument("--frames", type=int, default=8, help="frames per clip incl. the given frame 0 (default 8)")
     ap.add_argument("--tau", type=float, default=DEFAULT_TAU, help=f"TAS threshold (default {DEFAULT_TAU})")
-    ap.add_argument("--tas-query", choices=("rope", "raw"), default="rope")
+    ap.add_argument("--tas-query", choices=contract.TAS_QUERIES, default=contract.TAS_ROPE)
     ap.add_argument("--max-replay", type=int, default=0, help="drift guard: max consecutive replays (0 = off)")
     ap.add_argument("--threads", type=int, default=1, help="ORT intra-op threads for both models (default 1)")
     ap.add_argument("--seed", type=int, default=0, help="clip selection seed (default 0)")
@@ -62,9 +63,9 @@ def main(argv: list[str]) -> int:
              write_heatmap(results, tok, out / "replay_heatmap.png",
                            f"replay per token, tau={a.tau:g} ({100 * s.replay_ratio:.0f}% overall)")]
     res = out / "results.json"
-    from fastcar_compile.demo.evaluate import atomic_bytes
+    from fastcar_compile.atomic import write_bytes
 
-    atomic_bytes(res, json.dumps({"summary": s.to_dict(), "clips": [
+    write_bytes(res, json.dumps({"summary": s.to_dict(), "clips": [
         {"motion": r.motion, "source": r.source, "replay_ratio": r.fast.replay_ratio} for r in results]},
         indent=1).encode())
     files.append(res)

@@ -1,4 +1,4 @@
-"""CLI subcommands of the FPGA backend: `sim`, `disasm`, `asm` (registered in cli.SUBCOMMANDS)."""
+"""CLI subcommands of the FPGA backend: `sim`, `disasm`, `asm` (registered in commands.SUBCOMMANDS)."""
 
 from __future__ import annotations
 
@@ -112,11 +112,12 @@ def disasm_main(argv: list[str]) -> int:
     p.add_argument("fcb")
     p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
     args = p.parse_args(argv)
+    from fastcar_compile.atomic import write_text
     from fastcar_compile.fpga_backend import asm, encode
 
     program = encode.load(args.fcb)
     if args.output:
-        encode.write_atomic(args.output, asm.disassemble(program).encode())
+        write_text(args.output, asm.disassemble(program))
         return 0
     try:
         for line in asm.disassemble_lines(program):

@@ -3,8 +3,9 @@
 Anchors, in the order they are searched (each failure names the anchor, the forms tried and where the
 search stopped; `--inspect` prints them per layer):
 1. `kv`: the graph outputs `present.N.key` / `present.N.value` (the exporter I/O convention).
-2. `attention` (passes/match_attention.py): the op that reads the key cache, as a fused attention op or a
-   MatMul/Softmax pair, through layout ops and a sliding-window Slice.
+2. `attention` (passes/match_attention.py): the op that reads the key cache, as onnxruntime-genai's
+   GroupQueryAttention on packed QKV (passes/genai_gqa.py), a fused attention op or a MatMul/Softmax pair,
+   through layout ops and a sliding-window Slice.
 3. `query`: the query that op reads, its heads and layout; `rotary` (passes/match_rotary.py): the raw query
    behind a RotaryEmbedding op, a partial or a rotate-half rotary, or none.
 4. `residual` / `mlp` (passes/match_residual.py, match_mlp.py): where the attention output joins the stream,
@@ -17,6 +18,8 @@ from __future__ import annotations
 import re
 
 import onnx_ir as ir
+
+from fastcar_compile.passes import genai_gqa
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes import match_attention as ma
 from fastcar_compile.passes.layer_match import AttentionBlock, LayerMatch, MLPBlock
@@ -63,7 +66,19 @@ def discover(model: ir.Model) -> list[LayerMatch]:
 def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> AttentionBlock:
     """The attention block of one layer: its op, query (and raw query), heads and layout."""
     kdims = gu.static_dims(pkey)
-    form, core = ma.find_core(ctx, pkey, pvalue)
+    core_node, kidx, keys = ma.cache_consumer(ctx, pkey)
+    packed = genai_gqa.match(core_node)
+    if packed is not None:  # onnxruntime-genai: packed QKV, fused rotary, symbolic head size
+        src, heads, num_kv, head_dim = packed
+        ctx.trace.append(f"{gu.describe(core_node)} on packed QKV {src.qkv.name}: heads {heads}, kv heads {num_kv}, "
+                         f"head dim {head_dim} (output projection), rotary dim {src.rotary_dim}")
+        return AttentionBlock(pkey, pvalue, core_node, core_node.outputs[0], src.qkv, "QKV", src.qkv, "QKV",
+                              "GroupQueryAttention do_rotary" if src.cos_cache is not None else "none",
+                              heads, num_kv, head_dim, form="packed-QKV GroupQueryAttention", keys=pkey,
+                              packed_query=src)
+    form, core = ma.find_core(ctx, core_node, kidx, keys, pvalue)
+    if kdims is not None and len(kdims) == 4 and kdims[3] is None:  # symbolic head size (genai's builder)
+        kdims[3] = ma.head_dim_from_core(core.core)
     if kdims is None or len(kdims) != 4 or kdims[1] is None or kdims[3] is None:
         raise MatchFailure("kv", f"{pkey.name} must be [batch, kv_heads, seq, head_dim] with static heads/dims",
                            f"shape {pkey.shape}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
+
+from fastcar_compile.passes import genai_gqa
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.match_base import MatchFailure
 
@@ -29,6 +31,7 @@ class AttentionBlock:
     keys: ir.Value | None = None
     stream_in: ir.Value | None = None  # the residual stream value the block starts from (set by the residual form)
     window: int | None = None  # positions a sliding-window cache keeps (None: the whole context, or unknown)
+    packed_query: genai_gqa.PackedQuery | None = None  # GroupQueryAttention on packed QKV: q built by the rewrite
 
     @property
     def sliding_window(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import onnx_ir as ir
+
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.match_base import MatchContext, MatchFailure, first_match
 
@@ -139,18 +140,23 @@ def matmul_softmax(core: ir.Node, kidx: int | None, keys: ir.Value, pvalue: ir.V
     return AttentionCore(core, vcore.outputs[0], q, keys)
 
 
-def find_core(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> tuple[str, AttentionCore]:
-    """Try the attention forms in order on the op that reads (or writes) the key cache."""
+def cache_consumer(ctx: MatchContext, pkey: ir.Value) -> tuple[ir.Node, int | None, ir.Value]:
+    """(op computing with the key cache, the cache's input index or None when the op writes it, keys it reads)."""
     producer = pkey.producer()
     if producer is not None and producer.op_type in gu.ATTENTION_OPS:  # the fused op writes the cache itself
-        core, kidx, keys = producer, None, pkey
-    else:
-        keys = pkey
-        window = window_source(pkey)
-        if window is not None:
-            ctx.trace.append(f"{pkey.name} is a window sliced off {window.name} (sliding-window cache)")
-            keys = window
-        core, kidx = walk_forward_to_consumer(keys, ctx.trace)
+        return producer, None, pkey
+    keys = pkey
+    window = window_source(pkey)
+    if window is not None:
+        ctx.trace.append(f"{pkey.name} is a window sliced off {window.name} (sliding-window cache)")
+        keys = window
+    core, kidx = walk_forward_to_consumer(keys, ctx.trace)
+    return core, kidx, keys
+
+
+def find_core(ctx: MatchContext, core: ir.Node, kidx: int | None, keys: ir.Value,
+              pvalue: ir.Value) -> tuple[str, AttentionCore]:
+    """Try the attention forms in order on the op that reads (or writes) the key cache."""
     forms = (
         ("fused op", lambda: fused_op(core, keys)),
         ("MatMul/Softmax", lambda: matmul_softmax(core, kidx, keys, pvalue, ctx.trace)),
@@ -208,6 +214,16 @@ def query_heads(found: AttentionCore, head_dim: int) -> int:
     return heads
 
 
+def head_dim_from_core(core: ir.Node) -> int | None:
+    """Head size of an attention op with a `num_heads` attribute, from its output projection's fan-in
+    (onnxruntime-genai's builder leaves the cache's head size symbolic)."""
+    if "num_heads" not in core.attributes:
+        return None
+    heads = int(core.attributes["num_heads"].value)
+    fan_in = _heads_from_output_projection(core.outputs[0], 1)
+    return fan_in // heads if fan_in and fan_in % heads == 0 else None
+
+
 def _heads_from_output_projection(core_out: ir.Value, head_dim: int) -> int | None:
     """Query heads from the output projection's weight ([heads * head_dim, hidden]) after the attention."""
     v = core_out
@@ -216,6 +232,9 @@ def _heads_from_output_projection(core_out: ir.Value, head_dim: int) -> int | No
         if len(cons) != 1:
             return None
         node = cons[0]
+        if node.op_type == "MatMulNBits" and "K" in node.attributes:
+            fan_in = int(node.attributes["K"].value)
+            return fan_in // head_dim if fan_in % head_dim == 0 else None
         if node.op_type in ("MatMul", "Gemm"):
             shape = gu.weight_shape(node.inputs[1])
             if shape is None or len(shape) != 2:

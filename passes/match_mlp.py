@@ -8,6 +8,7 @@ for the compacted row count) and may expose nothing but its output.
 from __future__ import annotations
 
 import onnx_ir as ir
+
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.layer_match import MLPBlock
 from fastcar_compile.passes.match_base import MatchContext, MatchFailure
@@ -41,7 +42,9 @@ def isolate(ctx: MatchContext, entry: ir.Value, branch_out: ir.Value, residual: 
                                    ", ".join(gu.describe(c) for c in outside) or "graph output")
     weights = []
     for node in nodes:
-        if node.op_type in gu.MATMUL_OPS:
+        if node.op_type == "MatMulNBits":  # packed 4-bit blocks: the logical shape is in the attributes
+            weights.append((int(node.attributes["K"].value), int(node.attributes["N"].value)))
+        elif node.op_type in gu.MATMUL_OPS:
             shape = gu.weight_shape(node.inputs[1])
             if shape is not None:
                 weights.append(shape)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import onnx_ir as ir
+
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.layer_match import MLPBlock
 from fastcar_compile.passes.match_base import MatchContext, MatchFailure, first_match
@@ -87,7 +88,8 @@ def _closing_branch(residual: ir.Value, entry: ir.Value | None) -> tuple[ir.Node
     for alias in _aliases(residual):
         start = entry if entry is not None else alias
         for node in alias.consumers():
-            if node.op_type == "Add" or (node.op_type in gu.SKIP_NORM_OPS and node.inputs[1] is alias):
+            # Skip*Norm sums input and skip: the stream may be either (genai's builder puts it first).
+            if node.op_type == "Add" or (node.op_type in gu.SKIP_NORM_OPS and alias in node.inputs[:2]):
                 others = [i for i in node.inputs[:2] if i is not None and i is not alias]
                 if len(others) == 1 and gu.depends_on(others[0], start):
                     return node, others[0], alias

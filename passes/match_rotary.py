@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import onnx_ir as ir
+
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.match_base import MatchFailure
 

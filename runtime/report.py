@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 import numpy as np
-from fastcar_compile.runtime.stats import RunStats
 
 from fastcar_compile.atomic import save_figure
+from fastcar_compile.runtime.stats import RunStats
 
 
 def _save(fig, path: Path) -> None:

@@ -11,10 +11,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from onnx import TensorProto, helper, numpy_helper
+
 from fastcar_compile.passes import match_rotary
 from fastcar_compile.passes.discover import discover
 from fastcar_compile.passes.match_base import MatchFailure, first_match
-from onnx import TensorProto, helper, numpy_helper
 
 E, H, D = 8, 2, 4
 
