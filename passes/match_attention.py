@@ -116,7 +116,7 @@ def fused_op(core: ir.Node, keys: ir.Value) -> AttentionCore:
     """An ONNX/contrib attention op: the query is its first input."""
     if core.op_type not in gu.ATTENTION_OPS:
         raise MatchFailure("attention", f"{gu.describe(core)} is not an {'/'.join(sorted(gu.ATTENTION_OPS))} op",
-                           gu.describe(core))
+                           gu.describe(core), applies=False)
     q = core.inputs[0]
     if q is None:
         raise MatchFailure("query", f"{gu.describe(core)} has no query input", gu.describe(core))
@@ -128,7 +128,7 @@ def matmul_softmax(core: ir.Node, kidx: int | None, keys: ir.Value, pvalue: ir.V
     """Decomposed attention: scores = MatMul(q, K^T) -> Softmax -> MatMul(., V)."""
     if core.op_type != "MatMul" or kidx is None:
         raise MatchFailure("attention", f"the key cache feeds {gu.describe(core)}, not a score MatMul",
-                           gu.describe(core))
+                           gu.describe(core), applies=False)
     q = walk_back_scale(_walk_back_transpose(core.inputs[1 - kidx]))
     vsource = window_source(pvalue) or pvalue
     vcore, vidx = walk_forward_to_consumer(vsource, trace)

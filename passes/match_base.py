@@ -19,11 +19,14 @@ T = TypeVar("T")
 class MatchFailure(Exception):
     """A layer did not match; `anchor` is what was missing, `where` where the search stopped."""
 
-    def __init__(self, anchor: str, reason: str, where: str = ""):
+    def __init__(self, anchor: str, reason: str, where: str = "", applies: bool = True):
         super().__init__(reason)
         self.anchor = anchor
         self.reason = reason
         self.where = where
+        # False when the form does not apply at all (wrong op kind): its reason is kept out of the summary
+        # when another form got further.
+        self.applies = applies
 
 
 @dataclass
@@ -58,6 +61,7 @@ def first_match(anchor: str, forms: Sequence[tuple[str, Callable[[], T]]], trace
     for name, exc in failures:
         where = f" (search stopped at {exc.where})" if exc.where else ""
         trace.append(f"{anchor} as {name}: {exc.reason}{where}")
-    first = failures[0][1]
-    reason = "; ".join(f"{name}: {exc.reason}" for name, exc in failures)
+    relevant = [(name, exc) for name, exc in failures if exc.applies] or failures
+    first = relevant[0][1]
+    reason = "; ".join(f"{name}: {exc.reason}" for name, exc in relevant)
     raise MatchFailure(anchor, reason, first.where)

@@ -70,9 +70,10 @@ def _check_closed(core_out: ir.Value, cone: list[ir.Node], join: ir.Node) -> Non
     for value in [core_out, *(o for n in cone for o in n.outputs if o is not None)]:
         outside = [c for c in gu.real_consumers(value) if c not in inside]
         if outside or value.is_graph_output():
-            raise MatchFailure("residual", f"attention output path forks at {value.name} "
-                               f"({len(gu.real_consumers(value))} consumers)",
-                               ", ".join(gu.describe(n) for n in outside) or "graph output")
+            users = [gu.describe(n) for n in outside] + (["a graph output"] if value.is_graph_output() else [])
+            raise MatchFailure("residual", f"attention output path forks at {value.name}: also used by "
+                               f"{', '.join(users)} before it joins the stream at {gu.describe(join)}",
+                               users[0])
 
 
 def _aliases(value: ir.Value) -> list[ir.Value]:
@@ -103,7 +104,7 @@ def _closing_branch(residual: ir.Value, entry: ir.Value | None) -> tuple[ir.Node
 def fused_skip_norm(ctx: MatchContext, join: Join) -> MLPBlock:
     if not _is_skip_norm(join.node):
         raise MatchFailure("mlp", f"{gu.describe(join.node)} is not a Skip*Norm with a residual output",
-                           gu.describe(join.node))
+                           gu.describe(join.node), applies=False)
     residual, entry = join.node.outputs[3], join.node.outputs[0]
     closing, branch_out, residual = _closing_branch(residual, entry)
     return isolate(ctx, entry, branch_out, residual, closing, fused=True)
@@ -111,7 +112,7 @@ def fused_skip_norm(ctx: MatchContext, join: Join) -> MLPBlock:
 
 def sequential_add(ctx: MatchContext, join: Join) -> MLPBlock:
     if join.node.op_type != "Add":
-        raise MatchFailure("mlp", f"{gu.describe(join.node)} is not an Add", gu.describe(join.node))
+        raise MatchFailure("mlp", f"{gu.describe(join.node)} is not an Add", gu.describe(join.node), applies=False)
     closing, branch_out, residual = _closing_branch(join.node.outputs[0], None)
     return isolate(ctx, residual, branch_out, residual, closing, fused=False)
 
@@ -119,7 +120,7 @@ def sequential_add(ctx: MatchContext, join: Join) -> MLPBlock:
 def parallel_residual(ctx: MatchContext, join: Join, core_out: ir.Value) -> MLPBlock:
     """x + attn(ln1(x)) + mlp(ln2(x)), summed in any order: the MLP branch starts at x (or the shared ln(x))."""
     if join.node.op_type != "Add":
-        raise MatchFailure("mlp", f"{gu.describe(join.node)} is not an Add", gu.describe(join.node))
+        raise MatchFailure("mlp", f"{gu.describe(join.node)} is not an Add", gu.describe(join.node), applies=False)
     leaves, top = [(join.other, join.node)], join.node
     while len(leaves) < 2:
         total = top.outputs[0]
