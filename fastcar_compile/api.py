@@ -19,6 +19,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
+from fastcar_compile import fileio, limits
 from fastcar_compile._version import __version__
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.passes import discover as disc
@@ -70,8 +71,14 @@ def _load(model) -> tuple[ir.Model, Path | None]:
     if isinstance(model, onnx.ModelProto):
         return ir.from_proto(model), None
     path = Path(model)
+    if path.is_dir():
+        raise FastCarError(f"{path} is a directory; pass the path of an exported .onnx decoder file in it")
     if not path.is_file():
         raise FastCarError(f"{path}: no such file; pass the path of an exported .onnx decoder")
+    missing = fileio.missing_external_data(path)
+    if missing:
+        raise FastCarError(f"{path}: its external-data file {missing[0]} is missing; keep the .onnx and its "
+                           "data file(s) together in one folder")
     try:
         loaded = ir.load(path)
     except Exception as exc:  # noqa: BLE001 - protobuf raises many types for a non-ONNX/truncated file
@@ -83,6 +90,10 @@ def _load(model) -> tuple[ir.Model, Path | None]:
 
 
 def _discover(model: ir.Model) -> list[disc.LayerMatch]:
+    if "fastcar.version" in model.metadata_props or any(n.domain == "ai.fastcar" for n in model.graph):
+        raise FastCarError("the model is already compiled by fastcar-compile (fastcar.version "
+                           f"{model.metadata_props.get('fastcar.version', '?')}); compile the original export, "
+                           "or change the threshold with fastcar_compile.runtime.calibrate.bake_threshold")
     if not disc.kv_outputs(model.graph):
         outs = ", ".join(o.name for o in model.graph.outputs[:6])
         raise FastCarError("the model has no KV-cache outputs (present.N.key / present.N.value; found: "
@@ -119,6 +130,10 @@ def parse_layers(spec: str | list[int] | None, available: list[int]) -> list[int
                     lo, hi = (int(x) for x in part.split("-", 1))
                     if hi < lo:
                         raise ValueError
+                    top = max(available, default=-1)
+                    if lo < 0 or hi > top:  # checked before expanding: 0-1000000000 must not allocate
+                        raise FastCarError(f"--layers: range {part} goes beyond the model's layers "
+                                           f"(0-{top}); use indices and ranges within them")
                     out.extend(range(lo, hi + 1))
                 else:
                     out.append(int(part))
@@ -163,19 +178,20 @@ def compile(  # noqa: A001 - the natural name of the entry point
     validate: bool = True,
 ) -> tuple[ir.Model, CompileReport]:
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given."""
-    if not isinstance(frame_tokens, int) or isinstance(frame_tokens, bool) or frame_tokens <= 0:
-        raise FastCarError(f"--frame-tokens must be a positive integer (tokens per video frame), got {frame_tokens!r}")
-    taus = [float(t) for t in (threshold if isinstance(threshold, list | tuple) else [threshold])]
-    if any(math.isnan(t) for t in taus):
-        raise FastCarError("--threshold is NaN; give a number (TAS > threshold replays; +inf never replays)")
+    limits.check_int("--frame-tokens", frame_tokens, 1, limits.MAX_FRAME_TOKENS, "tokens per video frame")
+    taus = limits.thresholds(threshold)
     if tas_query not in TAS_QUERIES:
         raise FastCarError(f"--tas-query must be one of {TAS_QUERIES}, got {tas_query!r}")
-    if max_replay < 0:
-        raise FastCarError(f"--max-replay must be >= 0 (0 = unlimited), got {max_replay}")
+    limits.check_int("--max-replay", max_replay, 0, limits.MAX_REPLAY, "0 = unlimited")
     out_path = Path(output) if output is not None else None
+    if out_path is not None:
+        fileio.check_output_path(out_path)
     loaded, in_path = _load(model)
-    if out_path is not None and in_path is not None and out_path.resolve() == in_path.resolve():
-        raise FastCarError(f"output {out_path} is the input model; choose another -o path (the input is never overwritten)")
+    if out_path is not None and in_path is not None:
+        if fileio.same_file(in_path, out_path):
+            raise FastCarError(f"output {out_path} is the input model; choose another -o path (the input is "
+                               "never overwritten)")
+        fileio.refuse_collisions(fileio.model_files(in_path), output_files(out_path))
 
     matches = _discover(loaded)
     report = CompileReport([LayerReport(m.layer, m.ok, False, _summary(m), m.trace) for m in matches])
@@ -194,6 +210,7 @@ def compile(  # noqa: A001 - the natural name of the entry point
     if not per_layer_threshold and len(taus) != 1:
         raise FastCarError("several thresholds need --per-layer-threshold")
 
+    limits.check_state_size(frame_tokens, selected[0].mlp.hidden, len(selected))
     opts = RewriteOptions(frame_tokens, tuple(taus) if per_layer_threshold else taus[0], tas_query, max_replay,
                           per_layer_threshold, emit_diagnostics)
     records = rewrite(loaded, selected, opts)
@@ -230,6 +247,12 @@ def compile(  # noqa: A001 - the natural name of the entry point
     return loaded, report
 
 
+def output_files(output: str | os.PathLike) -> list[Path]:
+    """Every file `save` may write for `output`: the model and its external-data file."""
+    output = Path(output)
+    return [output, output.parent / (output.name + ".data")]
+
+
 def _has_external(model: ir.Model) -> bool:
     """Were the input's weights in an external-data file? (Read off the loaded model: no second parse.)"""
     return any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
@@ -246,9 +269,10 @@ def _unknown_contrib_op(exc: Exception, model: ir.Model) -> bool:
 
 
 def _save_linked(model: ir.Model, tmp_model: Path, data_name: str, source: Path | None) -> bool:
-    """Save without reading the weights: the input's external-data file is hard-linked (or copied, across
-    file systems) next to the output under the output's name, at unchanged offsets; the few new tensors
-    are stored inline. Returns False when the weights live in several files (then ir.save copies them)."""
+    """Save without parsing the weights: the input's external-data file is copied (a reflink or a sparse
+    copy where possible, fileio.copy_file; never a hard link, which onnx refuses to load and which would tie
+    both models' weights) next to the output under the output's name, at unchanged offsets; the few new
+    tensors are stored inline. Returns False when the weights live in several files (ir.save copies them)."""
     if source is None:
         return False
     locations = {v.const_value.location for v in model.graph.initializers.values()
@@ -265,10 +289,7 @@ def _save_linked(model: ir.Model, tmp_model: Path, data_name: str, source: Path 
             for entry in tensor.external_data:
                 if entry.key == "location":
                     entry.value = data_name
-    try:
-        os.link(src, tmp_model.parent / data_name)
-    except OSError:
-        shutil.copyfile(src, tmp_model.parent / data_name)
+    fileio.copy_file(src, tmp_model.parent / data_name)
     with open(tmp_model, "wb") as f:
         f.write(proto.SerializeToString())
     return True
@@ -302,12 +323,20 @@ def _ort_loads(path: Path) -> bool:
 def save(model: ir.Model, output: Path, *, validate: bool = True, external: bool = False,
          source: Path | None = None) -> None:
     """Validate and write atomically: temp folder beside `output`, checker + ORT, then rename into place."""
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    output = fileio.check_output_path(output)
+    with fileio.os_errors(str(output)):
+        _save(model, output, validate=validate, external=external, source=source)
+
+
+def _save(model: ir.Model, output: Path, *, validate: bool, external: bool, source: Path | None) -> None:
     big = _weight_bytes(model) > ORT_VALIDATE_LIMIT
     data_name = output.name + ".data"
-    tmp = Path(tempfile.mkdtemp(prefix=".fastcar-", dir=output.parent))
+    created = fileio._first_missing(output.parent)
+    ok = False
+    tmp = None
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".fastcar-", dir=output.parent))
         tmp_model = tmp / output.name
         if not (external or big):
             ir.save(model, tmp_model)
@@ -339,7 +368,14 @@ def save(model: ir.Model, output: Path, *, validate: bool = True, external: bool
                                            f"({str(exc)[:300]}); fix or re-export it first") from None
                     raise FastCarError(f"internal error: ONNX Runtime rejects the compiled model: {exc}") from None
         if (tmp / data_name).exists():
+            if (output.parent / data_name).is_dir():
+                raise FastCarError(f"{output.parent / data_name} is a directory; the output's data file "
+                                   "goes there: remove it or choose another -o")
             os.replace(tmp / data_name, output.parent / data_name)
         os.replace(tmp_model, output)
+        ok = True
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not ok and created is not None:
+            shutil.rmtree(created, ignore_errors=True)

@@ -93,6 +93,19 @@ def main(argv: list[str]) -> int:
         raise FastCarError(f"--variants takes rope and/or raw, got {a.variants!r}")
     if a.clips < 1 or a.frames < 2 or a.guard < 0:
         raise FastCarError("--clips >= 1, --frames >= 2 and --guard >= 0 are required")
+    from fastcar_compile import fileio
+
+    fileio.check_output_dir(a.out, "--out")
+    t0 = time.time()
+    with fileio.staged_dir(a.out) as out:  # all results at the end, or none (no empty folder)
+        table = _sweep(a, out, targets, variants)
+    out = a.out
+    print("\n" + table)
+    print(f"\nwrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+def _sweep(a: argparse.Namespace, out: Path, targets: list[float], variants: list[str]) -> str:
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import (
         atomic_bytes,
@@ -104,9 +117,6 @@ def main(argv: list[str]) -> int:
     from fastcar_compile.demo.export import ONNX
     from fastcar_compile.demo.video import generate_video, open_session
 
-    t0 = time.time()
-    out: Path = a.out
-    out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer()
     clips = data.make_clips("eval", a.clips, a.frames)
     rows: list[dict] = []
@@ -135,6 +145,6 @@ def main(argv: list[str]) -> int:
     table = _fmt_table(rows)
     atomic_bytes(out / "eval.md", (table + "\n").encode())
     _plot(rows, out / "eval.png")
-    print("\n" + table)
-    print(f"\nwrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'} ({time.time() - t0:.0f} s)")
-    return 0
+    for diag in out.glob("diag-*.onnx"):  # scratch models of the TAS pass, not results
+        diag.unlink()
+    return table

@@ -99,7 +99,7 @@ def fill_thresholds(program: Program, weights: str = "broadcast") -> Program:
         phase = Program(board, program.bundles[rows], program.meta)
         key = phase.bundles[:, :-1][["opcode", "flags", "sub", "n", "m", "k", "arg"]].tobytes()
         if key not in cache:
-            cache[key] = _thresholds(Simulator(phase), layer, batch, per, cores, weights, board.drs_overhead)
+            cache[key] = _thresholds(Simulator(phase, check=False), layer, batch, per, cores, weights, board.drs_overhead)
         thr = cache[key]
         pack(thr[1 : 1 + PER_INSTR], program.bundles[sets[layer], -1])
         pack(thr[1 + PER_INSTR :], program.bundles[disp[layer], -1])

@@ -108,7 +108,11 @@ class SimResult:
 class Simulator:
     """Precomputes per-instruction costs of a program once; ``run`` then evaluates mask sets quickly."""
 
-    def __init__(self, program: Program, board: BoardConfig | None = None) -> None:
+    def __init__(self, program: Program, board: BoardConfig | None = None, *, check: bool = True) -> None:
+        if check:  # a decoded file may hold values that index past arrays (verify.py); fragments skip it
+            from .verify import check_program
+
+            check_program(program)
         self.program = program
         self.board = board or program.board
         if self.board.structural_hash() != program.board.structural_hash():

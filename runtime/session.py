@@ -102,6 +102,38 @@ def _meta_json(meta: dict[str, str], key: str, default: Any) -> Any:
         raise FastCarError(f"metadata {key}={meta[key]!r} is not valid JSON; recompile the model") from exc
 
 
+def check_token_ids(ids: Any, vocab: int | None, what: str) -> np.ndarray:
+    """Integer token ids in [0, vocab): negative ids would silently wrap, floats would be truncated."""
+    try:
+        a = np.asarray(ids)
+    except (TypeError, ValueError, OverflowError):
+        raise FastCarError(f"{what} must be integer token ids, got {type(ids).__name__}") from None
+    if a.dtype == object:  # Python ints beyond int64 (2**70), or floats/bools mixed in
+        odd = next((x for x in a.ravel() if isinstance(x, float | bool) or not isinstance(x, int | np.integer)), None)
+        if odd is not None:
+            raise FastCarError(f"{what} must hold integer token ids, got {odd!r} (floats are not truncated)")
+        raise FastCarError(f"{what} holds a token id beyond int64 ({max(a.ravel(), key=abs)}); ids are 0..vocab-1")
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
+        raise FastCarError(f"{what} must hold integer token ids, got dtype {a.dtype}")
+    if a.size and a.min() < 0:
+        raise FastCarError(f"{what} holds negative token id {int(a.min())}; ids are 0..vocab-1")
+    if vocab is not None and a.size and a.max() >= vocab:
+        raise FastCarError(f"{what} holds token id {int(a.max())}, beyond this model's vocabulary (0..{vocab - 1})")
+    return a
+
+
+def _load_error(path: Path, exc: Exception, native: bool) -> str:
+    """ORT's load failure as one line: a non-ONNX file is named as such; native=False only when it helps."""
+    text = str(exc)
+    if "protobuf parsing failed" in text.lower() or "INVALID_PROTOBUF" in text:
+        return f"{path} is not an ONNX model (ONNX Runtime cannot parse it); give the path of an .onnx file"
+    first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    hint = ""
+    if native and any(k in text for k in ("ai.fastcar", "TemporalGate", "MLPCacheUpdate")):
+        hint = " (the native kernels are float32 only; pass native=False)"
+    return f"ONNX Runtime cannot load {path}: {first}{hint}"
+
+
 class FastCarSession:
     """Run a FastCar-compiled (or the original dense) decoder step by step in ONNX Runtime.
 
@@ -115,6 +147,8 @@ class FastCarSession:
                  native: bool | None = None, threads: int = DEFAULT_THREADS, inplace: bool | None = None):
         ort = _ort()
         self.path = Path(path)
+        if self.path.is_dir():
+            raise FastCarError(f"model file {self.path} is a directory; pass the path of an .onnx file")
         if not self.path.is_file():
             raise FastCarError(f"model file {self.path} does not exist; pass the path of an .onnx file")
         so = session_options if session_options is not None else self._options(threads)
@@ -146,8 +180,7 @@ class FastCarSession:
                 except Exception as exc2:
                     raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc2}") from exc2
             else:
-                hint = " (the native kernels are float32 only; pass native=False)" if lib is not None else ""
-                raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc}{hint}") from exc
+                raise FastCarError(_load_error(self.path, exc, lib is not None)) from None
         self.meta: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self.is_fastcar = "fastcar.version" in self.meta
         # inputs with a default initializer (video_start, fastcar_threshold) are "overridable initializers"
@@ -173,6 +206,8 @@ class FastCarSession:
         self.specs: list[StateSpec] = self._pair_state()
         self.has_diagnostics = all(f"tas.{n}" in self._outputs for n in self.layers) and bool(self.layers)
         self.signature = self._signature()
+        logits_shape = self._outputs["logits"].shape
+        self.vocab: int | None = logits_shape[-1] if logits_shape and isinstance(logits_shape[-1], int) else None
         if inplace and self.native_library is None:
             raise FastCarError("inplace=True needs the native kernels (the function bodies would read the "
                                "cache while overwriting it); build them or drop inplace")
@@ -237,6 +272,9 @@ class FastCarSession:
             h.update(f"{s.input}:{s.dtype}:{s.shape};".encode())
         h.update(self.meta.get("fastcar.frame_tokens", "").encode())
         h.update(",".join(map(str, self.layers)).encode())
+        from fastcar_compile.fileio import fingerprint
+
+        h.update(fingerprint(self.path))  # the model's identity: same shapes from another model are refused
         return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ state
@@ -293,7 +331,13 @@ class FastCarSession:
         arg = self._inputs.get("fastcar_threshold")
         if arg is None:
             raise FastCarError(f"{self.path.name} has no fastcar_threshold input (a dense model has no tau)")
-        t = np.asarray(threshold, dtype=np.float32)
+        try:
+            t = np.asarray(threshold, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise FastCarError(f"threshold must be a number (or one per rewritten layer), got {threshold!r}") from None
+        if np.isnan(t).any():
+            raise FastCarError("threshold is NaN; give a number (TAS > threshold replays; inf never replays)")
+        t = t.astype(np.float32)
         if self.per_layer_threshold:
             n = len(self.layers)
             if t.ndim == 0:
@@ -315,6 +359,7 @@ class FastCarSession:
         """
         if check:
             self.check_state(state)
+            input_ids = check_token_ids(input_ids, self.vocab, "input_ids")
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[0] != state.batch:
             raise FastCarError(f"input_ids must be [batch={state.batch}, seq], got {list(ids.shape)}")
