@@ -47,8 +47,9 @@ def strip_mlp(model_path: Path, out_path: Path) -> int:
     """Write a copy of the dense model without MLP branches: each closing Add gets a zero for the branch
     (then unused nodes and weights are dropped). Returns the number of branches removed."""
     import onnx_ir as ir
-    from fastcar_compile.passes.discover import discover
     from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    from fastcar_compile.passes.discover import discover
 
     model = ir.load(model_path)
     matches = [m for m in discover(model) if m.ok]

@@ -22,11 +22,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
+
+from fastcar_compile.atomic import write_bytes
 from fastcar_compile.fpga_backend import LLAMA2_7B, build_program, compile_to_bundles, load_board
 from fastcar_compile.fpga_backend import masks as M
-from fastcar_compile.fpga_backend.encode import load, write_atomic
+from fastcar_compile.fpga_backend.encode import load
 from fastcar_compile.fpga_backend.simulate import Simulator, plot_timeline
-from tqdm import tqdm
 
 BOARDS = ("kv260", "zcu102", "u280")
 
@@ -127,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['util_static']:.1%} | {r['util_drs']:.1%} | {r['bound']} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    write_atomic(out / f"{stem}.md", text.encode())
-    write_atomic(out / f"{stem}.json", json.dumps({"trace": info, "rows": rows}, indent=1).encode())
+    write_bytes(out / f"{stem}.md", text.encode())
+    write_bytes(out / f"{stem}.json", json.dumps({"trace": info, "rows": rows}, indent=1).encode())
     print(f"wrote {out}/{stem}.{{md,json}} and _timeline.png in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
     return 0

@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
+
+from fastcar_compile.atomic import write_bytes
 from fastcar_compile.fpga_backend import LLAMA2_7B, TINY, build_program, load_board
 from fastcar_compile.fpga_backend import masks as M
-from fastcar_compile.fpga_backend.encode import write_atomic
 from fastcar_compile.fpga_backend.simulate import Simulator
-from tqdm import tqdm
 
 PAPER = {0.2: 1.24, 0.5: 1.45, 0.8: 1.76}
 
@@ -106,7 +107,7 @@ def plot(rows: list[dict], path: Path, boards: list[str], kinds: list[str]) -> N
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    write_bytes(path, buf.getvalue())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         md += ["", f"### {kind} masks", "", table(rows, kind)]
     text = "\n".join(md) + "\n"
     print(text)
-    write_atomic(out / f"{stem}.md", text.encode())
-    write_atomic(out / f"{stem}.json", json.dumps(rows, indent=1).encode())
+    write_bytes(out / f"{stem}.md", text.encode())
+    write_bytes(out / f"{stem}.json", json.dumps(rows, indent=1).encode())
     plot(rows, out / f"{stem}.png", boards, kinds)
     print(f"wrote {out / stem}.{{md,json,png}} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return 0

@@ -60,8 +60,9 @@ MODES = ("functions", "native", "in-place")
 
 def _ops_model(L: int, opset: int = 20):
     """One layer's FastCar ops alone, wired as the compiler wires them (gate, read, select, update)."""
-    from fastcar_compile.passes.fastcar_ops import DOMAIN, function_proto
     from onnx import TensorProto, helper
+
+    from fastcar_compile.passes.fastcar_ops import DOMAIN, function_proto
 
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     nodes = [
@@ -175,9 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
-    from fastcar_compile.runtime.native import build
-
     from fastcar_compile import compile as fc_compile
+    from fastcar_compile.runtime.native import build
 
     lib = build.build(log=lambda m: print(f"native: {m}", file=sys.stderr))
     if lib is None:

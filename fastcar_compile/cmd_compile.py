@@ -3,28 +3,52 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
+from fastcar_compile import commands, contract
 from fastcar_compile.errors import FastCarError
 
 
-def _threshold(text: str) -> list[float]:
+def _floats(text: str) -> list[float] | None:
     try:
-        values = [float(t) for t in text.split(",")]
+        return [float(t) for t in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number or comma-separated list of numbers: {text!r}") from None
-    if any(math.isnan(v) for v in values):
-        raise argparse.ArgumentTypeError("NaN is not a threshold; give a number (inf disables replay)")
-    return values
+        return None
+
+
+def _threshold(text: str) -> list[float]:
+    values = _floats(text)
+    if values is None:
+        raise argparse.ArgumentTypeError(f"not a number or comma-separated list of numbers: {text!r}")
+    try:
+        return [float(t) for t in contract.check_thresholds(values)]
+    except FastCarError as exc:  # NaN, or beyond float32 (where the model stores tau)
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--threshold ")) from None
+
+
+# Options whose value may start with '-' (argparse takes `--threshold -1e30` / `-inf` for an option).
+_NEGATIVE_OK = ("--threshold",)
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--threshold -1e30` -> `--threshold=-1e30` when the value reads as numbers."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in _NEGATIVE_OK and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and _floats(argv[i + 1]) is not None:
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fastcar_compile.cli import SUBCOMMANDS
-
-    sub = "\n".join(f"  fastcar-compile {name:<7} {text}" for name, (_, _, text) in SUBCOMMANDS.items())
+    sub = commands.help_lines()
     p = argparse.ArgumentParser(
         prog="fastcar-compile",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -40,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tau: replay when TAS > tau (default -4; inf never replays). With --per-layer-threshold "
                         "a comma-separated list, one per rewritten layer. Stored as the default of the "
                         "overridable input 'fastcar_threshold'")
-    p.add_argument("--tas-query", choices=["rope", "raw"], default="rope",
+    p.add_argument("--tas-query", choices=list(contract.TAS_QUERIES), default=contract.TAS_ROPE,
                    help="query for TAS: 'rope' = as attention uses it (default); 'raw' = before RoPE, as the "
                         "published FastCar code does, so its thresholds (-1/-4/-8) carry over")
     p.add_argument("--max-replay", type=int, default=0, metavar="K",
@@ -52,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add outputs replay_mask.N and tas.N per rewritten layer")
     p.add_argument("--inspect", action="store_true",
                    help="only report what discovery finds per layer (and why a layer does not match)")
-    p.add_argument("--verbose", "-v", action="store_true", help="with --inspect: print every anchor found")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="print every anchor found per layer and the compiler's passes, in order")
     p.add_argument("--no-validate", action="store_true",
                    help="skip the onnx.checker + ONNX Runtime check of the result before it is written")
     cal = p.add_argument_group("threshold calibration (needs the runtime)")
@@ -76,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_negative_values(argv))
     import fastcar_compile as fc
 
     if args.inspect:
@@ -99,7 +124,7 @@ def main(argv: list[str]) -> int:
                            tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers,
                            per_layer_threshold=args.per_layer_threshold, emit_diagnostics=args.emit_diagnostics,
                            validate=not args.no_validate)
-    print(report.format())
+    print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
     return 0
 
@@ -139,7 +164,8 @@ def _calibrate(args) -> int:
     if prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
         raise FastCarError(f"--calib-data must hold an integer array [prompts, prompt_len], got {prompts.dtype} "
                            f"{prompts.shape}")
-    from fastcar_compile.runtime.calibrate import bake_threshold, calibrate_threshold
+    from fastcar_compile.api import bake_threshold
+    from fastcar_compile.runtime.calibrate import calibrate_threshold
 
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.onnx"

@@ -13,7 +13,7 @@ import math
 import time
 from pathlib import Path
 
-from fastcar_compile import fileio, limits
+from fastcar_compile import contract, fileio, limits
 from fastcar_compile.errors import FastCarError
 
 DEFAULT_TAU = 33.0  # post-RoPE TAS giving ~80% replay on the bundled model (docs/demo.md, eval sweep)
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clips", type=int, default=16, help="held-out clips to generate (default 16)")
     ap.add_argument("--frames", type=int, default=8, help="frames per clip incl. the given frame 0 (default 8)")
     ap.add_argument("--tau", type=float, default=DEFAULT_TAU, help=f"TAS threshold (default {DEFAULT_TAU})")
-    ap.add_argument("--tas-query", choices=("rope", "raw"), default="rope")
+    ap.add_argument("--tas-query", choices=contract.TAS_QUERIES, default=contract.TAS_ROPE)
     ap.add_argument("--max-replay", type=int, default=0, help="drift guard: max consecutive replays (0 = off)")
     ap.add_argument("--threads", type=int, default=1, help="ORT intra-op threads for both models (default 1)")
     ap.add_argument("--seed", type=int, default=0, help="clip selection seed (default 0)")
@@ -79,9 +79,9 @@ def _run(a: argparse.Namespace, out: Path, t0: float):
              write_heatmap(results, tok, out / "replay_heatmap.png",
                            f"replay per token, tau={a.tau:g} ({100 * s.replay_ratio:.0f}% overall)")]
     res = out / "results.json"
-    from fastcar_compile.demo.evaluate import atomic_bytes
+    from fastcar_compile.atomic import write_bytes
 
-    atomic_bytes(res, json.dumps({"summary": s.to_dict(), "clips": [
+    write_bytes(res, json.dumps({"summary": s.to_dict(), "clips": [
         {"motion": r.motion, "source": r.source, "replay_ratio": r.fast.replay_ratio} for r in results]},
         indent=1).encode())
     files.append(res)

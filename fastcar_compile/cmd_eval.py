@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastcar_compile import contract
 from fastcar_compile.atomic import save_figure
 from fastcar_compile.errors import FastCarError
 
@@ -89,7 +90,7 @@ def main(argv: list[str]) -> int:
     if not targets or any(not 0 < t < 1 for t in targets):
         raise FastCarError(f"--targets must be comma-separated numbers in (0, 1), got {a.targets!r}")
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    if not variants or any(v not in ("rope", "raw") for v in variants):
+    if not variants or any(v not in contract.TAS_QUERIES for v in variants):
         raise FastCarError(f"--variants takes rope and/or raw, got {a.variants!r}")
     if a.clips < 1 or a.frames < 2 or a.guard < 0:
         raise FastCarError("--clips >= 1, --frames >= 2 and --guard >= 0 are required")
@@ -106,9 +107,9 @@ def main(argv: list[str]) -> int:
 
 
 def _sweep(a: argparse.Namespace, out: Path, targets: list[float], variants: list[str]) -> str:
+    from fastcar_compile.atomic import write_bytes
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import (
-        atomic_bytes,
         compile_bundled,
         load_tokenizer,
         run_clips,
@@ -140,10 +141,10 @@ def _sweep(a: argparse.Namespace, out: Path, targets: list[float], variants: lis
                 print(f"{q:4s} K={k} tau={tau:9.3g}: replay {100 * s['replay_ratio']:5.1f}%  "
                       f"speedup ORT {s['speedup_ort']:.2f}x runtime {s['speedup']:.2f}x  PSNR vs GT {s['psnr_fast_vs_gt']:.2f} "
                       f"(dense {s['psnr_dense_vs_gt']:.2f})  vs dense {s['psnr_fast_vs_dense']:.2f}", flush=True)
-    atomic_bytes(out / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
+    write_bytes(out / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
                                                 "threads": a.threads}, indent=1).encode())
     table = _fmt_table(rows)
-    atomic_bytes(out / "eval.md", (table + "\n").encode())
+    write_bytes(out / "eval.md", (table + "\n").encode())
     _plot(rows, out / "eval.png")
     for diag in out.glob("diag-*.onnx"):  # scratch models of the TAS pass, not results
         diag.unlink()

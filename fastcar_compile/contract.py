@@ -1,13 +1,254 @@
-"""The exported-decoder I/O contract that the compiler reads (SPEC.md section 4, docs/DESIGN.md)."""
+"""The contract between the compiler, the runtime and the backends, in code (docs/DESIGN.md describes it).
+
+Every name the compiler writes into fast.onnx and every reader needs is defined here once: the exporter's
+KV-cache naming, the FastCar state inputs/outputs, the `ai.fastcar` op names and version, the TAS query
+variants, the node tags, and the `fastcar.*` metadata schema (`FastCarMetadata`, with symmetric
+`to_props`/`from_props`). The compiler writes through it; `runtime/`, `fpga_backend/` and calibration read
+through it, so a renamed key cannot leave a reader behind. tests/test_contract.py checks DESIGN.md's tables
+against this module.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fastcar_compile.errors import FastCarError
+
+# --- exporter I/O (SPEC.md section 4) ------------------------------------------------------------------------
+INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
+KV_KINDS = ("key", "value")
+KV_INPUT_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+# Exporters write present.N.key; some write present_N_key: discovery accepts both separators.
+KV_OUTPUT_RE = re.compile(r"^present[._](\d+)[._](key|value)$")
+
+
+def kv_input(layer: int, kind: str) -> str:
+    return f"past_key_values.{layer}.{kind}"
+
+
+def kv_output(layer: int, kind: str) -> str:
+    return f"present.{layer}.{kind}"
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     """Graph input and output names of a decoder with KV cache, as exporters are asked to write them."""
-    ins = ["input_ids", "attention_mask", "position_ids"]
-    outs = ["logits"]
+    ins = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS]
+    outs = [LOGITS]
     for i in range(num_layers):
-        ins += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-        outs += [f"present.{i}.key", f"present.{i}.value"]
+        ins += [kv_input(i, k) for k in KV_KINDS]
+        outs += [kv_output(i, k) for k in KV_KINDS]
     return ins, outs
+
+
+# --- what the compiler adds ------------------------------------------------------------------------------------
+VIDEO_START = "video_start"
+THRESHOLD = "fastcar_threshold"
+STATE_INPUT_PREFIX, STATE_OUTPUT_PREFIX = "past_", "present_"
+# State names carry no .key/.value suffix on purpose (optimum and onnxruntime-genai treat those as KV cache).
+
+
+def mlp_cache_input(layer: int) -> str:
+    return f"past_mlp_cache.{layer}"
+
+
+def mlp_cache_output(layer: int) -> str:
+    return f"present_mlp_cache.{layer}"
+
+
+def mlp_age_input(layer: int) -> str:
+    return f"past_mlp_age.{layer}"
+
+
+def mlp_age_output(layer: int) -> str:
+    return f"present_mlp_age.{layer}"
+
+
+def replay_mask_output(layer: int) -> str:
+    return f"replay_mask.{layer}"
+
+
+def tas_output(layer: int) -> str:
+    return f"tas.{layer}"
+
+
+def state_output_for(input_name: str) -> str:
+    """The output that carries a `past_*` input to the next step: KV pairs by the exporter's rule, FastCar
+    state by swapping the prefix (the metadata's `fastcar.state` says the same for compiled models)."""
+    m = KV_INPUT_RE.match(input_name)
+    if m:
+        return kv_output(int(m.group(1)), m.group(2))
+    if not input_name.startswith(STATE_INPUT_PREFIX):
+        raise ValueError(f"{input_name} is not a state input (no {STATE_INPUT_PREFIX!r} prefix)")
+    return STATE_OUTPUT_PREFIX + input_name[len(STATE_INPUT_PREFIX):]
+
+
+# New-video fill values of the FastCar state (DESIGN.md: caches start at 0, ages at -1 = never written).
+CACHE_FILL, AGE_FILL = 0, -1
+
+# --- the ai.fastcar ops ---------------------------------------------------------------------------------------
+DOMAIN = "ai.fastcar"
+OPSET_VERSION = 1
+TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE = "TemporalGate", "MLPCacheRead", "MLPCacheUpdate"
+OP_NAMES = (TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE)
+# Attributes per op (tests/test_contract.py checks these against DESIGN.md and the function bodies).
+OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    TEMPORAL_GATE: ("frame_tokens", "max_replay"),
+    MLP_CACHE_READ: (),
+    MLP_CACHE_UPDATE: (),
+}
+
+# --- TAS variants and node tags -------------------------------------------------------------------------------
+TAS_ROPE, TAS_RAW = "rope", "raw"
+TAS_QUERIES = (TAS_ROPE, TAS_RAW)  # rope: q as attention uses it (default); raw: before RoPE (released code)
+TAG_LAYER, TAG_PART = "fastcar.layer", "fastcar.part"
+PARTS = ("attention", "mlp", "norm", "gate", "cache")
+
+META_PREFIX = "fastcar."
+
+
+def check_tas_query(value: str) -> str:
+    if value not in TAS_QUERIES:
+        raise FastCarError(f"--tas-query must be one of {TAS_QUERIES}, got {value!r}")
+    return value
+
+
+def check_thresholds(values: Any, what: str = "--threshold") -> np.ndarray:
+    """tau as a float64 array (scalar or one per layer): any number or +-inf (TAS > +inf never replays,
+    TAS > -inf always replays an eligible token); NaN is refused. The one place tau is validated."""
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise FastCarError(f"{what} must be a number or a list of numbers, got {values!r}") from None
+    if np.isnan(arr).any():
+        raise FastCarError(f"{what} is NaN; give a number (TAS > threshold replays; +inf never replays)")
+    big = arr[np.isfinite(arr) & (np.abs(arr) > np.finfo(np.float32).max)]
+    if big.size:  # the model stores tau as float32: 1e39 would silently become inf while metadata says 1e39
+        raise FastCarError(f"{what} {float(big[0]):g} is beyond float32 (|tau| <= 3.4e38), where the model stores "
+                           "it; give a smaller number, or inf/-inf")
+    return arr
+
+
+# --- metadata_props schema --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StateEntry:
+    """One FastCar state pair; `shape` is symbolic ("batch") or ints, `fill` its new-video value."""
+
+    input: str
+    output: str
+    shape: tuple[int | str, ...]
+    dtype: str
+    fill: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"input": self.input, "output": self.output, "shape": list(self.shape), "dtype": self.dtype,
+                "fill": self.fill}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> StateEntry:
+        return cls(d["input"], d["output"], tuple(d["shape"]), d["dtype"], d.get("fill", 0))
+
+
+@dataclass(frozen=True)
+class KVEntry:
+    input: str
+    output: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"input": self.input, "output": self.output}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> KVEntry:
+        return cls(d["input"], d["output"])
+
+
+def _doc(text: str, encoding: str = "json") -> dict[str, str]:
+    return {"doc": text, "encoding": encoding}
+
+
+@dataclass
+class FastCarMetadata:
+    """The `fastcar.<field>` metadata_props of a compiled model (all values strings in the file)."""
+
+    version: str = field(metadata=_doc("compiler version", "str"))
+    frame_tokens: int = field(metadata=_doc("L, tokens per video frame"))
+    threshold: float | list[float] = field(metadata=_doc("default tau (JSON number, or list with per_layer_threshold)"))
+    per_layer_threshold: bool = field(metadata=_doc("`true`/`false`: fastcar_threshold is [num_rewritten_layers]"))
+    layers: list[int] = field(metadata=_doc("JSON list of rewritten layer indices"))
+    num_layers: int = field(metadata=_doc("decoder layers in the model"))
+    tas_query: str = field(metadata=_doc("`rope` or `raw` (query after or before RoPE)", "str"))
+    max_replay: int = field(metadata=_doc("K, drift guard (0 = unlimited)"))
+    hidden_size: int = field(metadata=_doc("hidden size of the first rewritten layer"))
+    num_heads: int = field(metadata=_doc("query heads"))
+    num_kv_heads: int = field(metadata=_doc("KV heads"))
+    head_dim: int = field(metadata=_doc("head dimension"))
+    state: list[StateEntry] = field(metadata=_doc(
+        'JSON list of `{"input", "output", "shape" (symbolic: "batch", ints), "dtype", "fill"}` for every '
+        "FastCar state pair; fill is the new-video value (0 for caches, -1 for ages)"))
+    kv: list[KVEntry] = field(metadata=_doc('JSON list of `{"input", "output"}` KV pairs'))
+    diagnostics: bool = field(metadata=_doc("`true`/`false`: replay_mask.N / tas.N outputs present"))
+
+    @staticmethod
+    def key(name: str) -> str:
+        return META_PREFIX + name
+
+    def to_props(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("state", "kv"):
+                value = [v.to_json() for v in value]
+            elif f.name == "threshold" and isinstance(value, tuple | list):
+                value = [float(v) for v in value]
+            out[self.key(f.name)] = value if f.metadata["encoding"] == "str" else json.dumps(value)
+        return out
+
+    @classmethod
+    def from_props(cls, props: Mapping[str, str]) -> FastCarMetadata | None:
+        """Parse a model's metadata; None for a model without FastCar metadata (a dense decoder)."""
+        if cls.key("version") not in props:
+            return None
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = cls.key(f.name)
+            if key not in props:
+                raise FastCarError(f"metadata lacks {key}; the model was compiled by another version, recompile it")
+            text = props[key]
+            if f.metadata["encoding"] == "str":
+                values[f.name] = text
+                continue
+            try:
+                values[f.name] = json.loads(text)
+            except json.JSONDecodeError:
+                raise FastCarError(f"metadata {key}={text!r} is not valid JSON; recompile the model") from None
+        try:
+            values["state"] = [StateEntry.from_json(d) for d in values["state"]]
+            values["kv"] = [KVEntry.from_json(d) for d in values["kv"]]
+            values["layers"] = [int(x) for x in values["layers"]]
+            for name in ("frame_tokens", "num_layers", "max_replay", "hidden_size", "num_heads", "num_kv_heads",
+                         "head_dim"):
+                values[name] = int(values[name])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FastCarError(f"malformed fastcar.* metadata ({exc!r}); recompile the model") from None
+        return cls(**values)
+
+    @property
+    def first_threshold(self) -> float:
+        t = self.threshold
+        return float(t[0] if isinstance(t, list) else t)
+
+
+META_KEYS = tuple(FastCarMetadata.key(f.name) for f in dataclasses.fields(FastCarMetadata))
+
+
+def metadata_table() -> str:
+    """The metadata_props table of docs/DESIGN.md, generated from FastCarMetadata (a test compares them)."""
+    rows = ["| key | value |", "|---|---|"]
+    rows += [f"| `{FastCarMetadata.key(f.name)}` | {f.metadata['doc']} |" for f in dataclasses.fields(FastCarMetadata)]
+    return "\n".join(rows)

@@ -79,18 +79,32 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     return Path(os.path.realpath(a)) == Path(os.path.realpath(b))
 
 
-def fingerprint(path: str | os.PathLike, window: int = 1 << 20) -> bytes:
-    """Cheap content identity of a file: size plus hashes of its first and last `window` bytes."""
+def fingerprint(path: str | os.PathLike, full_limit: int = 64 << 20, window: int = 1 << 20) -> bytes:
+    """Content identity of a file: its hash up to `full_limit` bytes, else its size and 16 windows spread
+    over it (a 27 GB weight file costs 16 MiB of reading)."""
     import hashlib
 
     h = hashlib.sha1()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         h.update(str(size).encode())
-        h.update(f.read(window))
-        if size > window:
-            f.seek(max(window, size - window))
-            h.update(f.read(window))
+        if size <= full_limit:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        else:
+            for i in range(16):
+                f.seek((size - window) * i // 15)
+                h.update(f.read(window))
+    return h.digest()
+
+
+def model_fingerprint(path: str | os.PathLike) -> bytes:
+    """Identity of a model: the .onnx file and every external-data file it reads."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for f in model_files(path):
+        h.update(fingerprint(f) if f.is_file() else b"missing")
     return h.digest()
 
 
@@ -271,7 +285,7 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike, *, progress: bool 
 
 
 # ---------------------------------------------------------------------------------------------- staging
-def _first_missing(path: Path) -> Path | None:
+def first_missing(path: Path) -> Path | None:
     """The top-most folder of `path` that does not exist yet (what a mkdir -p would create)."""
     top = None
     p = path
@@ -290,7 +304,7 @@ def staged_dir(target: str | os.PathLike) -> Iterator[Path]:
     """
     target = Path(target)
     check_output_dir(target)
-    created = _first_missing(target)
+    created = first_missing(target)
     with os_errors(str(target)):
         target.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name or 'out'}.", dir=target))

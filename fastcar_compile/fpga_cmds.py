@@ -1,4 +1,4 @@
-"""CLI subcommands of the FPGA backend: `sim`, `disasm`, `asm` (registered in cli.SUBCOMMANDS)."""
+"""CLI subcommands of the FPGA backend: `sim`, `disasm`, `asm` (registered in commands.SUBCOMMANDS)."""
 
 from __future__ import annotations
 
@@ -120,6 +120,7 @@ def disasm_main(argv: list[str]) -> int:
     p.add_argument("fcb")
     p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
     args = p.parse_args(argv)
+    from fastcar_compile.atomic import write_text
     from fastcar_compile.fpga_backend import asm, encode
 
     program = encode.load(args.fcb)
@@ -129,7 +130,7 @@ def disasm_main(argv: list[str]) -> int:
         check_output_path(args.output, "-o")
         if same_file(args.fcb, args.output):
             raise FastCarError(f"-o {args.output} is the bundle file being read; choose another output path")
-        encode.write_atomic(args.output, asm.disassemble(program).encode())
+        write_text(args.output, asm.disassemble(program))
         return 0
     try:
         for line in asm.disassemble_lines(program):

@@ -5,7 +5,6 @@ Defined once here so the compiler, the FPGA backend and the CLI say the same lim
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 
@@ -29,25 +28,6 @@ def check_int(flag: str, value, lo: int, hi: int, meaning: str = "") -> int:
     if not lo <= value <= hi:
         raise FastCarError(f"{flag} must be in {lo}..{hi}{f' ({meaning})' if meaning else ''}, got {value}")
     return value
-
-
-def thresholds(threshold) -> list[float]:
-    """tau values as floats: NaN and finite values beyond float32 (which would silently become inf) refused."""
-    raw = threshold if isinstance(threshold, list | tuple | np.ndarray) else [threshold]
-    out = []
-    for t in raw:
-        if isinstance(t, bool) or not isinstance(t, numbers.Real):
-            raise FastCarError(f"--threshold must be a number, got {t!r}")
-        t = float(t)
-        if math.isnan(t):
-            raise FastCarError("--threshold is NaN; give a number (TAS > threshold replays; +inf never replays)")
-        if math.isfinite(t) and abs(t) > FLOAT32_MAX:
-            raise FastCarError(f"--threshold {t:g} is beyond float32 (|tau| <= {FLOAT32_MAX:.3g}), where the model "
-                               "stores it; give a smaller number, or inf to never replay")
-        out.append(t)
-    if not out:
-        raise FastCarError("--threshold is empty; give a number")
-    return out
 
 
 def memory_bytes() -> int:

@@ -49,8 +49,7 @@ def _instr_text(rec: np.void) -> str:
         else:
             parts.append(f"{f}={v}")
     if op == isa.Op.TAS:
-        tau = np.array([int(rec["off_m"])], np.uint32).view(np.float32)[0]
-        parts.append(f"; tau={float(tau):g}")
+        parts.append(f"; tau={isa.tau_from_bits(int(rec['off_m'])):g}")
     return " ".join(parts)
 
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import isa
+from .costmodel import CostModel
 from .encode import Program
-from .partition import ceil_div
+from .isa import ceil_div
 
 NEVER = 0xFF
 FIELDS = ("m", "k", "off_m", "off_k")
@@ -81,13 +82,11 @@ def _masks(j: int, n: int, a: int, cores: int) -> np.ndarray | None:
 
 
 def fill_thresholds(program: Program, weights: str = "broadcast") -> Program:
-    """Compute every replayable layer's thresholds with the simulator's cost model and write them in place."""
-    from .simulate import Simulator
-
+    """Compute every replayable layer's thresholds with the FPGA cost model and write them in place."""
     board, cores = program.board, program.cores
     batch = int(program.meta["batch"])
     per = ceil_div(batch, cores)
-    sim = Simulator(program)
+    sim = CostModel(program)
     ctl = program.bundles[:, -1]
     sets = {int(r["layer"]): i for i, r in zip(np.flatnonzero(ctl["opcode"] == isa.Op.DRS_SET),
                                                   ctl[ctl["opcode"] == isa.Op.DRS_SET], strict=True)}
@@ -99,7 +98,7 @@ def fill_thresholds(program: Program, weights: str = "broadcast") -> Program:
         phase = Program(board, program.bundles[rows], program.meta)
         key = phase.bundles[:, :-1][["opcode", "flags", "sub", "n", "m", "k", "arg"]].tobytes()
         if key not in cache:
-            cache[key] = _thresholds(Simulator(phase, check=False), layer, batch, per, cores, weights, board.drs_overhead)
+            cache[key] = _thresholds(CostModel(phase), layer, batch, per, cores, weights, board.drs_overhead)
         thr = cache[key]
         pack(thr[1 : 1 + PER_INSTR], program.bundles[sets[layer], -1])
         pack(thr[1 + PER_INSTR :], program.bundles[disp[layer], -1])
@@ -107,7 +106,7 @@ def fill_thresholds(program: Program, weights: str = "broadcast") -> Program:
     return program
 
 
-def _thresholds(sim, layer: int, batch: int, per: int, cores: int, weights: str, overhead: int) -> list[int]:
+def _thresholds(sim: CostModel, layer: int, batch: int, per: int, cores: int, weights: str, overhead: int) -> list[int]:
     active = np.uint32((1 << batch) - 1 if batch < 32 else isa.ALL_ROWS)
     L = sim.num_layers
     thr = [NEVER] * (isa.MAX_ROWS + 1)
@@ -118,7 +117,7 @@ def _thresholds(sim, layer: int, batch: int, per: int, cores: int, weights: str,
             return None
         tab = np.zeros((L + 1, cores), np.uint32)
         tab[layer] = masks
-        return float(sim._eval(1, tab, active, weights)["t"].sum())
+        return float(sim.evaluate(1, tab, active, weights)["t"].sum())
 
     for n in range(1, batch + 1):
         d = ceil_div(n, cores)

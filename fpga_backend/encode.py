@@ -148,14 +148,9 @@ def validate_bundles(bundles: np.ndarray) -> None:
         raise FastCarError(f"unknown sub-function for its opcode in {_where(bundles, ~sub_ok)}")
 
 
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write bytes to ``path`` atomically (fastcar_compile.atomic)."""
-    write_bytes(path, data)
-
-
 def save(program: Program, path: str | Path) -> int:
     data = encode(program)
-    write_atomic(path, data)
+    write_bytes(path, data)
     return len(data)
 
 

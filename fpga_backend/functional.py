@@ -186,7 +186,7 @@ class FunctionalSim:
                         buf[dst][r, : s.q_dim] = np.einsum("ht,thd->hd", pr, vv[:, np.arange(s.heads) // g, :]).reshape(-1)
                     elif op == isa.Op.TAS:
                         frame, vstart = k, int(ins["off_k"])
-                        tau = float(np.array([int(ins["off_m"])], np.uint32).view(np.float32)[0])
+                        tau = isa.tau_from_bits(int(ins["off_m"]))
                         aligned = pos - frame
                         slot = (pos - vstart) % frame
                         if aligned >= vstart:

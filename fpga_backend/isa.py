@@ -176,3 +176,22 @@ def popcount32(a: np.ndarray) -> np.ndarray:
     a = (a & 0x33333333) + ((a >> 2) & 0x33333333)
     a = (a + (a >> 4)) & 0x0F0F0F0F
     return ((a * 0x01010101) & 0xFFFFFFFF) >> 24
+
+
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for the tiling and row-binding arithmetic (0 when b is 0)."""
+    return -(-a // b) if b else 0
+
+
+def ceil_div_array(a: np.ndarray | int, b: int) -> np.ndarray:
+    """Element-wise ceil(a / b) in int64 (array passes per row in the cost model)."""
+    return -(-np.asarray(a, dtype=np.int64) // b)
+
+
+def tau_bits(tau: float) -> int:
+    """The TAS instruction's off_m: tau as float32 bits."""
+    return int(np.array([tau], np.float32).view(np.uint32)[0])
+
+
+def tau_from_bits(bits: int) -> float:
+    return float(np.array([int(bits)], np.uint32).view(np.float32)[0])

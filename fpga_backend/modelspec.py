@@ -9,7 +9,6 @@ come from the metadata, from 4-D Reshape targets ``[.., .., heads, head_dim]``, 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
 
 
@@ -39,7 +39,7 @@ class ModelSpec:
     video_start: int = 0
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
-    tas_query: str = "rope"  # "rope": TAS uses q after RoPE (DESIGN default); "raw": before (released code)
+    tas_query: str = contract.TAS_ROPE  # rope: TAS uses q after RoPE (DESIGN default); raw: before (released code)
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes",
@@ -49,8 +49,8 @@ class ModelSpec:
                 raise FastCarError(f"model spec: {f}={v!r} must be a positive integer")
         if self.heads % self.kv_heads:
             raise FastCarError(f"model spec: heads {self.heads} not a multiple of kv_heads {self.kv_heads}")
-        if self.tas_query not in ("rope", "raw"):
-            raise FastCarError(f"model spec: tas_query {self.tas_query!r} must be 'rope' or 'raw'")
+        if self.tas_query not in contract.TAS_QUERIES:
+            raise FastCarError(f"model spec: tas_query {self.tas_query!r} must be one of {contract.TAS_QUERIES}")
         if self.head_dim % 2:
             raise FastCarError(f"model spec: head_dim {self.head_dim} must be even (RoPE pairs)")
         if self.replay_layers is not None:
@@ -154,8 +154,8 @@ def matmul_weights(model: onnx.ModelProto) -> list[dict[str, Any]]:
                 shape = shape[::-1]
         tags = _node_tags(node)
         out.append({"name": t.name, "node": node.name, "output": node.output[0], "shape": shape,
-                    "layer": int(tags["fastcar.layer"]) if "fastcar.layer" in tags else None,
-                    "part": tags.get("fastcar.part")})
+                    "layer": int(tags[contract.TAG_LAYER]) if contract.TAG_LAYER in tags else None,
+                    "part": tags.get(contract.TAG_PART)})
     return out
 
 
@@ -206,7 +206,7 @@ def spec_from_onnx(path: str | Path, *, num_heads: int | None = None, num_kv_hea
 def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num_kv_heads: int | None = None,
                     dtype_bytes: int = 2, frame_tokens: int | None = None) -> tuple[ModelSpec, list[str]]:
     notes: list[str] = []
-    meta = _meta(model)
+    meta = contract.FastCarMetadata.from_props(_meta(model))
     weights = matmul_weights(model)
     if not weights:
         raise FastCarError("no MatMul weights found: is this an exported decoder (MatMul with initializer weights)?")
@@ -214,12 +214,12 @@ def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num
     in_dims = Counter()
     for (i, _), c in shapes.items():
         in_dims[i] += c
-    hidden = int(meta["fastcar.hidden_size"]) if "fastcar.hidden_size" in meta else in_dims.most_common(1)[0][0]
+    hidden = meta.hidden_size if meta is not None else in_dims.most_common(1)[0][0]
     downs = [(i, c) for (i, o), c in shapes.items() if o == hidden and i != hidden]
     if not downs:
         raise FastCarError(f"cannot find the MLP down projection ([intermediate, {hidden}]) among MatMul weights")
     intermediate, layers_found = max(downs, key=lambda ic: (ic[1], ic[0]))
-    layers = int(meta.get("fastcar.num_layers", layers_found))
+    layers = meta.num_layers if meta is not None else layers_found
     # o_proj is [q_dim, hidden] once per layer; k/v are [hidden, kv_dim] twice per layer.
     o_cands = [i for (i, o), c in shapes.items() if o == hidden and i != intermediate and c == layers]
     q_dim = o_cands[0] if o_cands else hidden
@@ -231,10 +231,8 @@ def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num
     if kv_dim == q_dim:
         per_layer_h[q_dim] = 3 * layers
     vocab_cands = [o for (i, o), c in shapes.items() if i == hidden and c > per_layer_h.get(o, 0)]
-    if "fastcar.num_heads" in meta:
-        heads = int(meta["fastcar.num_heads"])
-        kv_heads = int(meta.get("fastcar.num_kv_heads", heads))
-        head_dim = int(meta.get("fastcar.head_dim", hidden // heads))
+    if meta is not None:
+        heads, kv_heads, head_dim = meta.num_heads, meta.num_kv_heads, meta.head_dim
     elif num_heads:
         heads = num_heads
         head_dim = q_dim // heads
@@ -252,24 +250,20 @@ def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num
     vocab = max(vocab_cands) if vocab_cands else max(emb, default=0)
     if not vocab:
         raise FastCarError("cannot find the vocabulary size (no LM head [hidden, vocab] or embedding weight)")
-    ft = frame_tokens or int(meta.get("fastcar.frame_tokens", 0)) or 256
-    if "fastcar.layers" in meta:
-        replay_layers: tuple[int, ...] | None = tuple(int(x) for x in json.loads(meta["fastcar.layers"]))
-    else:
-        replay_layers = None
+    ft = frame_tokens or (meta.frame_tokens if meta is not None else 0) or 256
+    replay_layers: tuple[int, ...] | None = None
+    threshold, tas_query = -4.0, contract.TAS_ROPE
+    if meta is None:
         notes.append("plain decoder (no fastcar.* metadata): every layer's MLP treated as replayable")
-    thr = meta.get("fastcar.threshold")
-    threshold = -4.0
-    if thr is not None:
-        val = json.loads(thr)
-        threshold = float(val[0] if isinstance(val, list) else val)
-        if isinstance(val, list):
+    else:
+        replay_layers, threshold, tas_query = tuple(meta.layers), meta.first_threshold, meta.tas_query
+        if isinstance(meta.threshold, list):
             notes.append("per-layer thresholds: the TAS unit uses the first one (one tau register)")
-    if int(meta.get("fastcar.max_replay", "0") or 0):
-        notes.append(f"max_replay {meta['fastcar.max_replay']} (drift guard) is not modelled: the TAS unit only "
-                     "checks that the cache slot was written")
+        if meta.max_replay:
+            notes.append(f"max_replay {meta.max_replay} (drift guard) is not modelled: the TAS unit only "
+                         "checks that the cache slot was written")
     spec = ModelSpec(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
                      head_dim=head_dim, vocab=vocab, dtype_bytes=dtype_bytes, frame_tokens=ft,
                      replay_layers=replay_layers, threshold=threshold,
-                     tas_query=meta.get("fastcar.tas_query", "rope"))
+                     tas_query=tas_query)
     return spec, notes

@@ -24,7 +24,9 @@ import networkx as nx
 import numpy as np
 import onnx
 
+from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.passes.graph_utils import LAYOUT_OPS
 
 from . import isa
 from .hwspec import BoardConfig
@@ -41,12 +43,13 @@ COMPUTE_OPS = frozenset({
     # ai.fastcar ops (docs/DESIGN.md): TAS + gate on the vector unit, cache ops on the DMA engine.
     "TemporalGate", "MLPCacheRead", "MLPCacheUpdate",
 })
-LAYOUT_OPS = frozenset({
-    "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Concat", "Slice", "Expand", "Shape", "Cast", "CastLike",
-    "Constant", "ConstantOfShape", "Range", "Identity", "Split", "Where", "Equal", "Less", "LessOrEqual",
-    "Greater", "GreaterOrEqual", "And", "Or", "Not", "If", "ScatterND", "ScatterElements", "NonZero",
-    "Compress", "GatherND", "GatherElements", "Trilu", "Size", "Mod", "Floor", "Tile", "ReduceMax", "ReduceMin",
-    "ArgMax", "IsNaN", "Abs", "Sign",
+# Ops the accelerator runs without compute cost: the layout ops discovery walks through (one definition,
+# passes/graph_utils.py) plus shape, index and control ops.
+NO_COST_OPS = LAYOUT_OPS | frozenset({
+    "Concat", "Slice", "Shape", "CastLike", "Constant", "ConstantOfShape", "Range", "Split", "Where", "Equal",
+    "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Not", "If", "ScatterND", "ScatterElements",
+    "NonZero", "Compress", "GatherND", "GatherElements", "Trilu", "Size", "Mod", "Floor", "ReduceMax",
+    "ReduceMin", "ArgMax", "IsNaN", "Abs", "Sign",
 })
 
 
@@ -105,10 +108,6 @@ def tile_gemm(m_total: int, k_total: int, board: BoardConfig) -> list[tuple[int,
     return tiles
 
 
-def _tas_bits(tau: float) -> int:
-    return int(np.array([tau], np.float32).view(np.uint32)[0])
-
-
 def _layer_tasks(spec: ModelSpec, layer: int, wid: dict[str, int], board: BoardConfig) -> list[Task]:
     h, i, qd, kvd = spec.hidden, spec.intermediate, spec.q_dim, spec.kv_dim
     group = spec.heads // spec.kv_heads
@@ -122,7 +121,7 @@ def _layer_tasks(spec: ModelSpec, layer: int, wid: dict[str, int], board: BoardC
                     tiles=tile_gemm(m, k, board))
 
     tas = Task("tas", "vector", isa.Op.TAS, 0, 0, B["q"], m=spec.head_dim, k=spec.frame_tokens, n=spec.heads,
-               off_m=_tas_bits(spec.threshold), off_k=spec.video_start)
+               off_m=isa.tau_bits(spec.threshold), off_k=spec.video_start)
     tasks = [
         Task("attn_norm", "vector", isa.Op.VEC, isa.Vec.RMSNORM, B["xn"], B["x"], weight=wid["attn_norm"], m=h),
         gemm("q_proj", B["q"], B["xn"], qd, h),
@@ -135,7 +134,7 @@ def _layer_tasks(spec: ModelSpec, layer: int, wid: dict[str, int], board: BoardC
         Task("kv_store_k", "dma", isa.Op.STORE, KVK, 0, B["k"], m=kvd),
         Task("kv_store_v", "dma", isa.Op.STORE, KVV, 0, B["v"], m=kvd),
         Task("attn_qk", "matrix", isa.Op.GEMM, KVK, B["scores"], B["q"], m=0, k=kvd, n=group, flags=ctx),
-        *([tas] if replay and spec.tas_query == "rope" else []),
+        *([tas] if replay and spec.tas_query == contract.TAS_ROPE else []),
     ]
     tasks += [
         Task("softmax", "sfu", isa.Op.VEC, isa.Vec.SOFTMAX, B["scores"], B["scores"], m=0, n=spec.heads, flags=ctx),
@@ -290,7 +289,7 @@ def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
                                 "SkipSimplifiedLayerNormalization"):
             continue
         tags = {p.key: p.value for p in node.metadata_props}
-        layer = int(tags["fastcar.layer"]) if "fastcar.layer" in tags else None
+        layer = int(tags[contract.TAG_LAYER]) if contract.TAG_LAYER in tags else None
         for name in node.input:
             if name in inits and name not in norms.setdefault(layer, []):
                 norms[layer].append(name)
@@ -313,7 +312,7 @@ def scan_onnx_ops(model: onnx.ModelProto) -> tuple[list[str], dict[str, int]]:
     counts: Counter[str] = Counter()
     for node in iter_nodes(model.graph):
         counts[node.op_type] += 1
-        if node.op_type not in COMPUTE_OPS and node.op_type not in LAYOUT_OPS:
+        if node.op_type not in COMPUTE_OPS and node.op_type not in NO_COST_OPS:
             bad.append(f"{node.op_type} ({node.name or 'unnamed'}, domain {node.domain or 'ai.onnx'})")
     return bad, dict(counts)
 
@@ -351,6 +350,4 @@ def total_tiles(part: Partition) -> int:
     return sum(max(1, len(t.tiles)) for g in part.graphs for t in part.tasks(g))
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b) if b else 0
 

@@ -24,7 +24,8 @@ from fastcar_compile.errors import FastCarError
 
 from . import isa
 from .encode import Program
-from .partition import Partition, Task, ceil_div, live_activations
+from .isa import ceil_div
+from .partition import Partition, Task, live_activations
 
 
 def block_binding(batch: int, cores: int) -> np.ndarray:

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
+
 from fastcar_compile.passes import graph_utils as gu
 
 _KV_NAME = re.compile(r"^present[._](\d+)[._](key|value)$")

@@ -13,8 +13,10 @@ import onnx
 import onnx.parser
 import onnx_ir as ir
 
-DOMAIN = "ai.fastcar"
-VERSION = 1
+from fastcar_compile import contract
+
+DOMAIN = contract.DOMAIN
+VERSION = contract.OPSET_VERSION
 
 _TEMPORAL_GATE = """
 <domain: "ai.fastcar", opset_import: ["" : {opset}]>
@@ -117,9 +119,9 @@ MLPCacheUpdate (past_mlp_cache, past_mlp_age, branch, replay, slot, write)
 """
 
 OP_TEXTS = {
-    "TemporalGate": _TEMPORAL_GATE,
-    "MLPCacheRead": _MLP_CACHE_READ,
-    "MLPCacheUpdate": _MLP_CACHE_UPDATE,
+    contract.TEMPORAL_GATE: _TEMPORAL_GATE,
+    contract.MLP_CACHE_READ: _MLP_CACHE_READ,
+    contract.MLP_CACHE_UPDATE: _MLP_CACHE_UPDATE,
 }
 
 

@@ -1,4 +1,6 @@
-"""Pick the FastCar threshold tau for the user (the paper leaves it to hand tuning) and bake it into fast.onnx.
+"""Pick the FastCar threshold tau for the user (the paper leaves it to hand tuning).
+
+Baking the chosen tau into fast.onnx is the compiler's job (`fastcar_compile.api.bake_threshold`).
 
 Two goals: a target replay ratio (`target_replay`), or the largest replay whose logits stay within a
 divergence budget of the dense model (`quality_budget`, mean KL(dense || fast) per video token, teacher
@@ -18,13 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from fastcar_compile.api import bake_threshold  # noqa: F401 - baking is compiler-side; kept importable here
+from fastcar_compile.errors import FastCarError
 from fastcar_compile.runtime.decode import generate, left_pad
 from fastcar_compile.runtime.session import FastCarSession
-
-from fastcar_compile.atomic import atomic_path
-from fastcar_compile.errors import FastCarError
-
-THRESHOLD_NAME = "fastcar_threshold"
 
 
 @dataclass
@@ -263,41 +263,3 @@ class _InfSession:
 
     def step(self, state, ids, attention_mask=None):
         return self.fast.step(state, ids, attention_mask=attention_mask, threshold=math.inf)
-
-
-def bake_threshold(in_path: str | os.PathLike, out_path: str | os.PathLike,
-                   tau: float | list[float] | np.ndarray) -> Path:
-    """Write a copy of fast.onnx whose default `fastcar_threshold` (and metadata `fastcar.threshold`) is tau.
-
-    A scalar tau fills every layer of a per-layer-threshold model. Written atomically: temp file, rename.
-    """
-    import onnx
-    from onnx import numpy_helper
-
-    src, dst = Path(in_path), Path(out_path)
-    if not src.is_file():
-        raise FastCarError(f"{src} does not exist")
-    model = onnx.load(str(src), load_external_data=True)
-    inits = [t for t in model.graph.initializer if t.name == THRESHOLD_NAME]
-    if not inits or THRESHOLD_NAME not in {i.name for i in model.graph.input}:
-        raise FastCarError(f"{src} has no {THRESHOLD_NAME} input with a default; is it a FastCar-compiled model?")
-    old = numpy_helper.to_array(inits[0])
-    new = np.asarray(tau, dtype=np.float32)
-    if new.ndim == 0 and old.ndim == 1:
-        new = np.full(old.shape, new, dtype=np.float32)
-    if new.shape != old.shape:
-        raise FastCarError(f"tau has shape {list(new.shape)} but {THRESHOLD_NAME} has shape {list(old.shape)}")
-    if not np.all(np.isfinite(new) | np.isposinf(new)):
-        raise FastCarError(f"tau must be finite or +inf, got {new.tolist()}")
-    inits[0].CopyFrom(numpy_helper.from_array(new, THRESHOLD_NAME))
-    value = float(new) if new.ndim == 0 else [float(x) for x in new]
-    meta = {p.key: p for p in model.metadata_props}
-    text = json.dumps(value)  # +inf is written as Infinity, which json.loads reads back
-    if "fastcar.threshold" in meta:
-        meta["fastcar.threshold"].value = text
-    else:
-        model.metadata_props.add(key="fastcar.threshold", value=text)
-    with atomic_path(dst, ".onnx") as tmp:
-        big = model.ByteSize() > 1_800_000_000
-        onnx.save(model, str(tmp), save_as_external_data=big, location=dst.name + ".data" if big else None)
-    return dst

@@ -10,14 +10,35 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
-from fastcar_compile.runtime.sampling import Sampler, guide
-from fastcar_compile.runtime.session import FastCarSession, check_token_ids
-from fastcar_compile.runtime.stats import RunStats
 
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.runtime.sampling import Sampler, guide
+from fastcar_compile.runtime.stats import RunStats
+from fastcar_compile.runtime.tokens import check_token_ids
+
+
+class StepModel(Protocol):
+    """What `generate` needs of a model: `FastCarSession` (runtime.session, which imports this module to
+    offer `session.generate`; hence a protocol here, not an import back)."""
+
+    path: Path
+    frame_tokens: int | None
+    is_fastcar: bool
+    has_diagnostics: bool
+    layers: list[int]
+    default_threshold: Any
+    native_library: str | None
+
+    def new_state(self, batch: int, video_start: int = 0) -> Any: ...
+    def step(self, state: Any, input_ids: np.ndarray, **kwargs: Any) -> Any: ...
+    def state_nbytes(self, batch: int = 1) -> dict[str, int]: ...
+    def describe_memory(self, batch: int = 1, tokens: int | None = None) -> str: ...
+    def threshold_array(self, threshold: Any) -> np.ndarray: ...
+
 
 FrameCallback = Callable[[int, np.ndarray], "bool | None"]
 AUTO_PROGRESS_TOKENS = 1024
@@ -85,7 +106,7 @@ def _as_rows(prompt_ids: Any, what: str, vocab: int | None = None) -> list[list[
     return rows
 
 
-def generate(session: FastCarSession, prompt_ids: Any, num_frames: int, *, frame_tokens: int | None = None,
+def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_tokens: int | None = None,
              threshold: float | Sequence[float] | None = None, do_sample: bool = False, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, cfg_scale: float | None = None,
              uncond_prompt_ids: Any = None, pad_token_id: int = 0, callback: FrameCallback | None = None,
@@ -119,13 +140,14 @@ def generate(session: FastCarSession, prompt_ids: Any, num_frames: int, *, frame
     if collect_tas and not session.has_diagnostics:
         raise FastCarError("collect_tas needs a model compiled with --emit-diagnostics (tas.N outputs)")
     sampler = Sampler(do_sample, temperature, top_k, top_p)
-    cond = _as_rows(prompt_ids, "prompt_ids", session.vocab)
+    vocab = getattr(session, "vocab", None)
+    cond = _as_rows(prompt_ids, "prompt_ids", vocab)
     rows = cond
     cfg = cfg_scale is not None
     if cfg:
         if uncond_prompt_ids is None:
             raise FastCarError("cfg_scale needs uncond_prompt_ids (one unconditional prompt per row)")
-        uncond = _as_rows(uncond_prompt_ids, "uncond_prompt_ids", session.vocab)
+        uncond = _as_rows(uncond_prompt_ids, "uncond_prompt_ids", vocab)
         if len(uncond) != len(cond):
             raise FastCarError(f"{len(cond)} conditional prompts but {len(uncond)} unconditional ones")
         rows = cond + uncond

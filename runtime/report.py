@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 
 import numpy as np
-from fastcar_compile.runtime.stats import RunStats
 
 from fastcar_compile.fileio import staged_dir
+from fastcar_compile.runtime.stats import RunStats
 
 
 def _png(fig) -> bytes:

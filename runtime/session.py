@@ -9,9 +9,7 @@ model (the dense baseline): it then simply has no FastCar state.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.fileio import model_fingerprint
+from fastcar_compile.runtime.tokens import check_token_ids
 
 _ORT_DTYPES: dict[str, np.dtype] = {
     "tensor(float)": np.dtype(np.float32),
@@ -31,7 +32,6 @@ _ORT_DTYPES: dict[str, np.dtype] = {
     "tensor(uint8)": np.dtype(np.uint8),
     "tensor(int8)": np.dtype(np.int8),
 }
-_KV_IN = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 DEFAULT_THREADS = 2
 
 
@@ -91,35 +91,6 @@ def _ort():
     import onnxruntime as ort
 
     return ort
-
-
-def _meta_json(meta: dict[str, str], key: str, default: Any) -> Any:
-    if key not in meta:
-        return default
-    try:
-        return json.loads(meta[key])
-    except json.JSONDecodeError as exc:
-        raise FastCarError(f"metadata {key}={meta[key]!r} is not valid JSON; recompile the model") from exc
-
-
-def check_token_ids(ids: Any, vocab: int | None, what: str) -> np.ndarray:
-    """Integer token ids in [0, vocab): negative ids would silently wrap, floats would be truncated."""
-    try:
-        a = np.asarray(ids)
-    except (TypeError, ValueError, OverflowError):
-        raise FastCarError(f"{what} must be integer token ids, got {type(ids).__name__}") from None
-    if a.dtype == object:  # Python ints beyond int64 (2**70), or floats/bools mixed in
-        odd = next((x for x in a.ravel() if isinstance(x, float | bool) or not isinstance(x, int | np.integer)), None)
-        if odd is not None:
-            raise FastCarError(f"{what} must hold integer token ids, got {odd!r} (floats are not truncated)")
-        raise FastCarError(f"{what} holds a token id beyond int64 ({max(a.ravel(), key=abs)}); ids are 0..vocab-1")
-    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
-        raise FastCarError(f"{what} must hold integer token ids, got dtype {a.dtype}")
-    if a.size and a.min() < 0:
-        raise FastCarError(f"{what} holds negative token id {int(a.min())}; ids are 0..vocab-1")
-    if vocab is not None and a.size and a.max() >= vocab:
-        raise FastCarError(f"{what} holds token id {int(a.max())}, beyond this model's vocabulary (0..{vocab - 1})")
-    return a
 
 
 def _load_error(path: Path, exc: Exception, native: bool) -> str:
@@ -182,31 +153,33 @@ class FastCarSession:
             else:
                 raise FastCarError(_load_error(self.path, exc, lib is not None)) from None
         self.meta: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
-        self.is_fastcar = "fastcar.version" in self.meta
+        self.fastcar: contract.FastCarMetadata | None = contract.FastCarMetadata.from_props(self.meta)
+        self.is_fastcar = self.fastcar is not None
         # inputs with a default initializer (video_start, fastcar_threshold) are "overridable initializers"
         self._inputs = {i.name: i for i in [*self.session.get_inputs(),
                                             *self.session.get_overridable_initializers()]}
         self._outputs = {o.name: o for o in self.session.get_outputs()}
         self.output_names = list(self._outputs)
-        for need in ("input_ids",):
+        for need in (contract.INPUT_IDS,):
             if need not in self._inputs:
                 raise FastCarError(f"{self.path} has no `{need}` input; is it a decoder exported with KV cache?")
-        if "logits" not in self._outputs:
+        if contract.LOGITS not in self._outputs:
             raise FastCarError(f"{self.path} has no `logits` output; export the causal LM head too")
-        meta_l = int(self.meta["fastcar.frame_tokens"]) if "fastcar.frame_tokens" in self.meta else None
+        fc = self.fastcar
+        meta_l = fc.frame_tokens if fc is not None else None
         if meta_l is not None and frame_tokens is not None and frame_tokens != meta_l:
             raise FastCarError(f"frame_tokens={frame_tokens} but {self.path.name} was compiled for "
                                f"L={meta_l}; drop the argument or recompile")
         self.frame_tokens: int | None = meta_l if meta_l is not None else frame_tokens
-        self.layers: list[int] = [int(x) for x in _meta_json(self.meta, "fastcar.layers", [])]
-        self.num_layers = int(self.meta.get("fastcar.num_layers", 0)) or self._count_kv_layers()
-        self.per_layer_threshold = self.meta.get("fastcar.per_layer_threshold", "false") == "true"
-        self.default_threshold = _meta_json(self.meta, "fastcar.threshold", None)
-        self.max_replay = int(self.meta.get("fastcar.max_replay", 0))
+        self.layers: list[int] = list(fc.layers) if fc is not None else []
+        self.num_layers = (fc.num_layers if fc is not None else 0) or self._count_kv_layers()
+        self.per_layer_threshold = fc.per_layer_threshold if fc is not None else False
+        self.default_threshold = fc.threshold if fc is not None else None
+        self.max_replay = fc.max_replay if fc is not None else 0
         self.specs: list[StateSpec] = self._pair_state()
-        self.has_diagnostics = all(f"tas.{n}" in self._outputs for n in self.layers) and bool(self.layers)
+        self.has_diagnostics = all(contract.tas_output(n) in self._outputs for n in self.layers) and bool(self.layers)
         self.signature = self._signature()
-        logits_shape = self._outputs["logits"].shape
+        logits_shape = self._outputs[contract.LOGITS].shape if contract.LOGITS in self._outputs else None
         self.vocab: int | None = logits_shape[-1] if logits_shape and isinstance(logits_shape[-1], int) else None
         if inplace and self.native_library is None:
             raise FastCarError("inplace=True needs the native kernels (the function bodies would read the "
@@ -226,19 +199,17 @@ class FastCarSession:
 
     # ------------------------------------------------------------------ I/O pairing
     def _count_kv_layers(self) -> int:
-        return len({m.group(1) for n in self._inputs if (m := _KV_IN.match(n))})
+        return len({m.group(1) for n in self._inputs if (m := contract.KV_INPUT_RE.match(n))})
 
     def _pair_state(self) -> list[StateSpec]:
         """Pair each `past_*` input with its `present_*` output (metadata first, then the naming rule)."""
-        fast_meta = {d["input"]: d for d in _meta_json(self.meta, "fastcar.state", [])}
+        fast_meta = {e.input: e for e in self.fastcar.state} if self.fastcar is not None else {}
         specs: list[StateSpec] = []
         for name, arg in self._inputs.items():
-            if not name.startswith("past_"):
+            if not name.startswith(contract.STATE_INPUT_PREFIX):
                 continue
-            m = _KV_IN.match(name)
-            out = f"present.{m.group(1)}.{m.group(2)}" if m else "present_" + name[len("past_"):]
-            if name in fast_meta:
-                out = fast_meta[name]["output"]
+            m = contract.KV_INPUT_RE.match(name)
+            out = fast_meta[name].output if name in fast_meta else contract.state_output_for(name)
             if out not in self._outputs:
                 raise FastCarError(f"{self.path.name}: state input {name} has no matching output {out}; "
                                    "the model cannot carry its state between steps")
@@ -252,11 +223,11 @@ class FastCarSession:
             else:
                 info = fast_meta.get(name)
                 if info is not None:
-                    shape = tuple("batch" if d == "batch" else int(d) for d in info["shape"])
-                    fill = float(info.get("fill", 0))
+                    shape = tuple("batch" if d == "batch" else int(d) for d in info.shape)
+                    fill = float(info.fill)
                 else:  # state of a model compiled without metadata: batch first, other dims fixed
                     shape = tuple("batch" if i == 0 else self._fixed(name, d) for i, d in enumerate(arg.shape))
-                    fill = -1.0 if "age" in name else 0.0
+                    fill = float(contract.AGE_FILL if "age" in name else contract.CACHE_FILL)
                 specs.append(StateSpec(name, out, dtype, shape, fill, "fastcar"))
         return specs
 
@@ -270,11 +241,9 @@ class FastCarSession:
         h = hashlib.sha1()
         for s in self.specs:
             h.update(f"{s.input}:{s.dtype}:{s.shape};".encode())
-        h.update(self.meta.get("fastcar.frame_tokens", "").encode())
+        h.update((str(self.fastcar.frame_tokens) if self.fastcar is not None else "").encode())
         h.update(",".join(map(str, self.layers)).encode())
-        from fastcar_compile.fileio import fingerprint
-
-        h.update(fingerprint(self.path))  # the model's identity: same shapes from another model are refused
+        h.update(model_fingerprint(self.path))  # the model's identity: same shapes from another model are refused
         return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ state
@@ -328,16 +297,10 @@ class FastCarSession:
     # ------------------------------------------------------------------ one step
     def threshold_array(self, threshold: float | Sequence[float] | np.ndarray) -> np.ndarray:
         """The `fastcar_threshold` input for a user value: scalar, or one value per rewritten layer."""
-        arg = self._inputs.get("fastcar_threshold")
+        arg = self._inputs.get(contract.THRESHOLD)
         if arg is None:
-            raise FastCarError(f"{self.path.name} has no fastcar_threshold input (a dense model has no tau)")
-        try:
-            t = np.asarray(threshold, dtype=np.float64)
-        except (TypeError, ValueError):
-            raise FastCarError(f"threshold must be a number (or one per rewritten layer), got {threshold!r}") from None
-        if np.isnan(t).any():
-            raise FastCarError("threshold is NaN; give a number (TAS > threshold replays; inf never replays)")
-        t = t.astype(np.float32)
+            raise FastCarError(f"{self.path.name} has no {contract.THRESHOLD} input (a dense model has no tau)")
+        t = contract.check_thresholds(threshold, "threshold").astype(np.float32)
         if self.per_layer_threshold:
             n = len(self.layers)
             if t.ndim == 0:
@@ -348,6 +311,20 @@ class FastCarSession:
         elif t.ndim != 0:
             raise FastCarError("this model takes one scalar threshold (compiled without --per-layer-threshold)")
         return t
+
+    def model_feeds(self, video_start: int, threshold: float | Sequence[float] | None = None) -> dict[str, np.ndarray]:
+        """The per-video inputs this model takes besides tokens and state (`video_start`, tau when given)."""
+        feeds: dict[str, np.ndarray] = {}
+        if contract.VIDEO_START in self._inputs:
+            feeds[contract.VIDEO_START] = np.array(video_start, dtype=np.int64)
+        if threshold is not None and self.is_fastcar:
+            feeds[contract.THRESHOLD] = self.threshold_array(threshold)
+        return feeds
+
+    def run_feeds(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """One bare ONNX Runtime run of complete feeds, outputs in `output_names` order: no checks and no
+        state bookkeeping, for measuring what ORT alone costs per token (`step` adds the Python driver)."""
+        return self.session.run(self.output_names, feeds)
 
     def step(self, state: DecodeState, input_ids: np.ndarray, *, attention_mask: np.ndarray | None = None,
              position_ids: np.ndarray | None = None, threshold: float | np.ndarray | None = None,
@@ -371,15 +348,15 @@ class FastCarSession:
         mask = np.concatenate([state.attention_mask, new_mask], axis=1)
         if position_ids is None:  # HF convention: count of real tokens before this one (padding: 0)
             position_ids = np.maximum(state.real_len[:, None] + np.cumsum(new_mask, axis=1) - 1, 0)
-        feeds: dict[str, np.ndarray] = {"input_ids": ids}
-        if "attention_mask" in self._inputs:
-            feeds["attention_mask"] = mask
-        if "position_ids" in self._inputs:
-            feeds["position_ids"] = np.ascontiguousarray(position_ids, dtype=np.int64)
-        if "video_start" in self._inputs:
-            feeds["video_start"] = np.array(state.video_start, dtype=np.int64)
+        feeds: dict[str, np.ndarray] = {contract.INPUT_IDS: ids}
+        if contract.ATTENTION_MASK in self._inputs:
+            feeds[contract.ATTENTION_MASK] = mask
+        if contract.POSITION_IDS in self._inputs:
+            feeds[contract.POSITION_IDS] = np.ascontiguousarray(position_ids, dtype=np.int64)
+        if contract.VIDEO_START in self._inputs:
+            feeds[contract.VIDEO_START] = np.array(state.video_start, dtype=np.int64)
         if threshold is not None:
-            feeds["fastcar_threshold"] = self.threshold_array(threshold)
+            feeds[contract.THRESHOLD] = self.threshold_array(threshold)
         feeds.update(state.arrays)
         try:
             res = self._run_inplace(feeds, state, seq) if self.inplace else None
@@ -395,7 +372,7 @@ class FastCarSession:
         if self.layers:
             out.replay = self._replay_of(res, state, seq)
             if self.has_diagnostics:
-                out.tas = np.stack([res[f"tas.{n}"] for n in self.layers]).astype(np.float32)
+                out.tas = np.stack([res[contract.tas_output(n)] for n in self.layers]).astype(np.float32)
         return out
 
     def _run_inplace(self, feeds: dict[str, np.ndarray], state: DecodeState, seq: int
@@ -415,6 +392,8 @@ class FastCarSession:
         b = state.batch
         fast = {s.output: s.input for s in self.specs if s.kind == "fastcar"}
         kv = {s.output: s for s in self.specs if s.kind == "kv"}
+        diagnostics = {**{contract.tas_output(n): np.float32 for n in self.layers},
+                       **{contract.replay_mask_output(n): np.bool_ for n in self.layers}}
         outs: dict[str, np.ndarray] = {}
         for name in self.output_names:
             if name in fast:
@@ -428,8 +407,8 @@ class FastCarSession:
                 outs[name] = np.empty(dims, dtype=sp.dtype)
             elif name == "logits":
                 outs[name] = np.empty((b, seq, self._vocab), dtype=self._logits_dtype)
-            elif name.startswith(("tas.", "replay_mask.")):
-                outs[name] = np.empty((b, seq), dtype=np.float32 if name.startswith("tas.") else np.bool_)
+            elif name in diagnostics:
+                outs[name] = np.empty((b, seq), dtype=diagnostics[name])
             else:
                 return None
         names = list(feeds)
@@ -457,10 +436,10 @@ class FastCarSession:
         p = state.past_len
         if p < state.video_start:
             return np.zeros((len(self.layers), state.batch), dtype=bool)
-        if all(f"replay_mask.{n}" in res for n in self.layers):
-            return np.stack([res[f"replay_mask.{n}"][:, 0] for n in self.layers]).astype(bool)
+        if all(contract.replay_mask_output(n) in res for n in self.layers):
+            return np.stack([res[contract.replay_mask_output(n)][:, 0] for n in self.layers]).astype(bool)
         slot = (p - state.video_start) % int(self.frame_tokens or 1)
-        return np.stack([res[f"present_mlp_age.{n}"][:, slot] > 0 for n in self.layers])
+        return np.stack([res[contract.mlp_age_output(n)][:, slot] > 0 for n in self.layers])
 
     def __repr__(self) -> str:
         kind = f"FastCar layers={self.layers} L={self.frame_tokens}" if self.is_fastcar else "dense"

@@ -14,12 +14,12 @@ import json
 import zlib
 
 import numpy as np
+
+from fastcar_compile.errors import FastCarError
 from fastcar_compile.fpga_backend import encode, isa, masks
 from fastcar_compile.fpga_backend.compiler import build_program
 from fastcar_compile.fpga_backend.hwspec import load_board
 from fastcar_compile.fpga_backend.modelspec import ModelSpec
-
-from fastcar_compile.errors import FastCarError
 
 SPEC = ModelSpec(layers=2, hidden=64, intermediate=96, heads=2, kv_heads=1, head_dim=32, vocab=50, frame_tokens=4)
 HOSTILE_VALUES = [0, -1, 1, 2, 31, 32, 33, 255, 65535, 65536, 2**31, 2**32 - 1, 2**32, 2**63, -(2**63), 2**70,

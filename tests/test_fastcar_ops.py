@@ -6,8 +6,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from fastcar_compile.passes import fastcar_ops
 from onnx import TensorProto, helper
+
+from fastcar_compile.passes import fastcar_ops
 
 
 def _session(op: str, inputs, outputs, attrs, opset: int = 20) -> ort.InferenceSession:

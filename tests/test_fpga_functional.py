@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from fastcar_compile.fpga_backend import ModelSpec, build_program, load_board
 from fastcar_compile.fpga_backend.functional import FunctionalSim, random_weights
 

@@ -8,14 +8,14 @@ import zlib
 
 import numpy as np
 import pytest
-from fastcar_compile.fpga_backend import TINY, build_program, isa, load_board
-from fastcar_compile.fpga_backend.asm import assemble, disassemble
-from fastcar_compile.fpga_backend.encode import HEADER, Program, decode, encode
-from fastcar_compile.fpga_backend.hwspec import PRESETS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.fpga_backend import TINY, build_program, isa, load_board
+from fastcar_compile.fpga_backend.asm import assemble, disassemble
+from fastcar_compile.fpga_backend.encode import HEADER, Program, decode, encode
+from fastcar_compile.fpga_backend.hwspec import PRESETS
 
 BOARD = load_board("kv260")
 LIMITS = isa.field_limits()

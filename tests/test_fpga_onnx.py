@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
+from fastcar_compile.cli import main as cli
 from fastcar_compile.fpga_backend import build_program, compile_to_bundles, load_board
 from fastcar_compile.fpga_backend.functional import FunctionalSim, weights_from_onnx
 from fastcar_compile.fpga_backend.modelspec import load_onnx_shapes_only, spec_from_onnx
 from fastcar_compile.fpga_backend.partition import partition_spec, weight_sources
 from fastcar_compile.fpga_backend.schedule import emit_program
-
-from fastcar_compile.cli import main as cli
 
 FRAME = 3
 BATCH = 3

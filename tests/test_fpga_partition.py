@@ -9,13 +9,13 @@ import networkx as nx
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fastcar_compile.errors import FastCarError
 from fastcar_compile.fpga_backend import LLAMA2_7B, ModelSpec, load_board
 from fastcar_compile.fpga_backend.hwspec import PRESETS
 from fastcar_compile.fpga_backend.modelspec import spec_from_onnx
 from fastcar_compile.fpga_backend.partition import partition, tile_gemm
-from onnx import TensorProto, helper, numpy_helper
-
-from fastcar_compile.errors import FastCarError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import zoo  # noqa: E402

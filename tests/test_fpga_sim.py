@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from fastcar_compile.fpga_backend import LLAMA2_7B, ModelSpec, build_program, load_board
 from fastcar_compile.fpga_backend import masks as M
 from fastcar_compile.fpga_backend.simulate import Simulator
@@ -153,7 +154,7 @@ def test_compiled_remap_thresholds_take_exactly_the_remaps_that_pay(board, batch
             int(active)]
         stat = np.stack([sim.binding & np.uint32(x) for x in rows])
         rr = np.stack([drs_masks(x, batch, sim.C) for x in rows])
-        t_s, t_d = (sim._eval(CTX, m, active, stream)["t"] for m in (stat, rr))
+        t_s, t_d = (sim.evaluate(CTX, m, active, stream)["t"] for m in (stat, rr))
         want = 0.0
         for layer in range(SPEC.layers):
             ph = sim.replayable_bundle & (sim.bundle_layer == layer)

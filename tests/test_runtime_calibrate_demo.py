@@ -12,11 +12,10 @@ pytestmark = pytest.mark.slow
 
 def test_calibration_on_demo_model_heldout(tmp_path):
     pytest.importorskip("fastcar_compile.demo.evaluate")
-    from fastcar_compile.runtime import calibrate_threshold
-
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import compile_bundled, load_tokenizer
     from fastcar_compile.demo.model import CODES, prompt
+    from fastcar_compile.runtime import calibrate_threshold
 
     fast = compile_bundled(tmp_path / "fast.onnx", tau=0.0)
     tok = load_tokenizer()

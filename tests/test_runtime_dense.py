@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 import zoo
-from fastcar_compile.runtime import FastCarSession, RunStats
-from fastcar_compile.runtime.decode import left_pad
 from reference import plain_logits
 
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.runtime import FastCarSession, RunStats
+from fastcar_compile.runtime.decode import left_pad
 
 L = 8
 

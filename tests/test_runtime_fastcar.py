@@ -10,11 +10,11 @@ import numpy as np
 import onnx
 import pytest
 import zoo
-from fastcar_compile.runtime import FastCarSession, bake_threshold, calibrate_threshold
-from fastcar_compile.runtime.decode import left_pad
 from reference import FastCarReference
 
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.runtime import FastCarSession, bake_threshold, calibrate_threshold
+from fastcar_compile.runtime.decode import left_pad
 
 L = 8
 

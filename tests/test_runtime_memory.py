@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+
 from fastcar_compile.runtime import FastCarSession
 
 KV_FACTOR = 14.0

@@ -6,8 +6,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from fastcar_compile.runtime.native import build
 from onnx import TensorProto, helper
+
+from fastcar_compile.runtime.native import build
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -133,9 +134,8 @@ def test_native_in_place_update(native_lib):
 def test_compiled_model_with_native_kernels(native_lib, zoo_model, tmp_path):
     """A whole compiled model: native (copying and in place) decodes exactly as the function bodies."""
     fc = pytest.importorskip("fastcar_compile")
-    from fastcar_compile.runtime import FastCarSession
-
     from fastcar_compile.errors import FastCarError
+    from fastcar_compile.runtime import FastCarSession
 
     path = tmp_path / "fast.onnx"
     fc.compile(str(zoo_model("llama", "dynamo20")), str(path), frame_tokens=8)
@@ -165,9 +165,8 @@ def test_float16_model_falls_back_to_function_bodies(native_lib, tmp_path):
     import zoo
 
     fc = pytest.importorskip("fastcar_compile")
-    from fastcar_compile.runtime import FastCarSession
-
     from fastcar_compile.errors import FastCarError
+    from fastcar_compile.runtime import FastCarSession
 
     info = zoo.model_info("llama")
     wrapper = zoo.FlatKVWrapper(zoo.build_model("llama").to(torch.float16), info.num_layers).eval()

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from fastcar_compile.atomic import write_bytes
 from fastcar_compile.demo import data
 from fastcar_compile.demo.export import ONNX, TOKENIZER
 from fastcar_compile.demo.metrics import psnr, ssim
@@ -172,6 +171,3 @@ def summarize(results: list[ClipResult], tok: PatchTokenizer, tau: float, tas_qu
 def load_tokenizer(path: Path = TOKENIZER) -> PatchTokenizer:
     return PatchTokenizer.load(path)
 
-
-def atomic_bytes(path: Path, data_bytes: bytes) -> None:
-    write_bytes(path, data_bytes)

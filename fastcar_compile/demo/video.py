@@ -122,11 +122,7 @@ def ort_lockstep_ms(dense, fast, seq_dense: np.ndarray, seq_fast: np.ndarray, pr
     names = [list(s.output_names) for s in sess]
     pairs = [[(sp.input, sp.output) for sp in s.specs] for s in sess]
     arrays = [dict(s.new_state(1, video_start=VIDEO_START).arrays) for s in sess]
-    extra = [{}, {}]
-    if "video_start" in fast._inputs:
-        extra[1]["video_start"] = np.array(VIDEO_START, np.int64)
-    if threshold is not None and fast.is_fastcar:
-        extra[1]["fastcar_threshold"] = fast.threshold_array(threshold)
+    extra = [dense.model_feeds(VIDEO_START), fast.model_feeds(VIDEO_START, threshold)]
     times: tuple[list[float], list[float]] = ([], [])
     n = len(seqs[0])
     for a, b in [(0, prefill)] + [(t, t + 1) for t in range(prefill, n - 1)]:
@@ -134,7 +130,7 @@ def ort_lockstep_ms(dense, fast, seq_dense: np.ndarray, seq_fast: np.ndarray, pr
             feeds = {"input_ids": seqs[j][None, a:b], "attention_mask": np.ones((1, b), np.int64),
                      "position_ids": np.arange(a, b, dtype=np.int64)[None], **extra[j], **arrays[j]}
             t0 = time.perf_counter()
-            outs = sess[j].session.run(names[j], feeds)
+            outs = sess[j].run_feeds(feeds)
             dt = 1e3 * (time.perf_counter() - t0)
             if b - a == 1:
                 times[j].append(dt)
@@ -154,17 +150,13 @@ def ort_alone_ms(session, seq: np.ndarray, prefill: int, threshold: float | None
     names = list(session.output_names)
     pairs = [(sp.input, sp.output) for sp in session.specs]
     arrays = dict(session.new_state(1, video_start=VIDEO_START).arrays)
-    extra: dict[str, np.ndarray] = {}
-    if "video_start" in session._inputs:
-        extra["video_start"] = np.array(VIDEO_START, np.int64)
-    if threshold is not None and session.is_fastcar:
-        extra["fastcar_threshold"] = session.threshold_array(threshold)
+    extra = session.model_feeds(VIDEO_START, threshold)
     times: list[float] = []
     for a, b in [(0, prefill)] + [(t, t + 1) for t in range(prefill, len(seq) - 1)]:
         feeds = {"input_ids": seq[None, a:b], "attention_mask": np.ones((1, b), np.int64),
                  "position_ids": np.arange(a, b, dtype=np.int64)[None], **extra, **arrays}
         t0 = time.perf_counter()
-        outs = session.session.run(names, feeds)
+        outs = session.run_feeds(feeds)
         dt = 1e3 * (time.perf_counter() - t0)
         if b - a == 1:
             times.append(dt)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from fastcar_compile.atomic import save_figure
-from fastcar_compile.demo.evaluate import ClipResult, atomic_bytes
+from fastcar_compile.atomic import save_figure, write_bytes
+from fastcar_compile.demo.evaluate import ClipResult
 from fastcar_compile.demo.tokenizer import PATCH, PatchTokenizer
 
 SCALE = 4
@@ -57,7 +57,7 @@ def write_gif(results: list[ClipResult], tok: PatchTokenizer, path: Path, fps: f
         frames.append(Image.fromarray(np.concatenate([_header(body.shape[1]), body])))
     buf = io.BytesIO()
     frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
-    atomic_bytes(path, buf.getvalue())
+    write_bytes(path, buf.getvalue())
     return path
 
 
@@ -74,7 +74,7 @@ def write_strip(results: list[ClipResult], tok: PatchTokenizer, path: Path) -> P
     img = _upscale(np.concatenate(blocks), 3)
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, format="PNG")
-    atomic_bytes(path, buf.getvalue())
+    write_bytes(path, buf.getvalue())
     return path
 
 

@@ -1,0 +1,32 @@
+"""Where every `fastcar-compile` subcommand is registered (the one place to add one).
+
+name -> (module, function, one-line help). Each function takes argv (list[str]) and returns an exit code.
+Modules are imported only when their command runs, so `--help` stays fast and a missing optional
+dependency of one subcommand never breaks the others. `cli.main` dispatches; `cmd_compile` lists them
+in its help.
+"""
+
+from __future__ import annotations
+
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "demo": ("fastcar_compile.cmd_demo", "main", "compile the bundled video model and compare dense vs FastCar"),
+    "eval": ("fastcar_compile.cmd_eval", "main", "sweep tau on the bundled model: replay, PSNR/SSIM, speedup"),
+    "report": ("fastcar_compile.cmd_report", "main", "turn a run.json from the runtime into PNG pictures"),
+    "sim": ("fastcar_compile.fpga_cmds", "sim_main", "simulate FPGA bundles (.fcb) on a replay trace or mask"),
+    "disasm": ("fastcar_compile.fpga_cmds", "disasm_main", "print a .fcb bundle file as readable assembly"),
+    "asm": ("fastcar_compile.fpga_cmds", "asm_main", "assemble readable assembly back into a .fcb file"),
+}
+# Without a subcommand name the arguments are the compiler's own (`fastcar-compile model.onnx -o fast.onnx`).
+DEFAULT = ("fastcar_compile.cmd_compile", "main")
+
+
+def lookup(argv: list[str]) -> tuple[str, str, list[str]]:
+    """(module, function, remaining argv) for a command line."""
+    if argv and argv[0] in SUBCOMMANDS:
+        module, func, _ = SUBCOMMANDS[argv[0]]
+        return module, func, argv[1:]
+    return (*DEFAULT, argv)
+
+
+def help_lines() -> str:
+    return "\n".join(f"  fastcar-compile {name:<7} {text}" for name, (_, _, text) in SUBCOMMANDS.items())

@@ -1,0 +1,61 @@
+"""The compiler's pipeline: which `onnx_ir.passes` passes run, in order, for a set of options.
+
+    discover -> select layers -> gate -> branch -> cache state -> IR version -> metadata [-> validate] [-> save]
+
+A new transformation is one module under passes/ plus one line in `build`. `describe` is what
+`fastcar-compile --verbose` prints.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fastcar_compile.errors import FastCarError
+from fastcar_compile.passes.analysis import DiscoverPass, SelectLayersPass
+from fastcar_compile.passes.branch import BranchPass
+from fastcar_compile.passes.cache_state import CacheStatePass
+from fastcar_compile.passes.context import CompileContext
+from fastcar_compile.passes.gate import GatePass
+from fastcar_compile.passes.metadata import IrVersionPass, MetadataPass
+from fastcar_compile.passes.validate import ValidatePass
+from fastcar_compile.save import SavePass, Staging
+
+
+def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = True) -> ir.passes.PassManager:
+    """The passes for `ctx.options`; with `staging` the result is validated (unless off) and saved."""
+    passes: list[ir.passes.PassBase] = [
+        DiscoverPass(ctx),
+        SelectLayersPass(ctx),
+        GatePass(ctx),
+        BranchPass(ctx),
+        CacheStatePass(ctx),
+        IrVersionPass(ctx),
+        MetadataPass(ctx),
+    ]
+    if staging is not None:
+        if validate:
+            passes.append(ValidatePass(staging))
+        passes.append(SavePass(staging))
+    return ir.passes.PassManager(passes)
+
+
+def describe(manager: ir.passes.PassManager) -> list[str]:
+    """One line per pass: its name and the first line of its docstring (or module docstring)."""
+    lines = []
+    for p in manager.passes:
+        doc = (type(p).__doc__ or "").strip().splitlines() or [""]
+        lines.append(f"{type(p).__name__:<17} {doc[0]}".rstrip())
+    return lines
+
+
+def run(manager: ir.passes.PassBase, model: ir.Model) -> ir.passes.PassResult:
+    """Run the passes; a user error raised inside one comes out as itself (PassManager wraps exceptions)."""
+    try:
+        return manager(model)
+    except ir.passes.PassError as exc:
+        cause: BaseException | None = exc
+        while isinstance(cause, ir.passes.PassError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, FastCarError | OSError):  # a file-system error is the caller's to explain
+            raise cause from None
+        raise

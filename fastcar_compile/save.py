@@ -1,0 +1,125 @@
+"""Writing a compiled model: staged in a temp folder beside the output, renamed into place when done.
+
+`Staging` writes the model once (weights of an external-data input are copied as files, not parsed); the
+validation pass checks that very file, and `SavePass` renames it into place, so a model that fails
+validation never reaches the output path and nothing is serialised twice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from fastcar_compile.errors import FastCarError
+from fastcar_compile.fileio import copy_file, first_missing
+from fastcar_compile.passes.context import weight_bytes
+
+# Above this many bytes of weights the model is written with external data (protobuf's 2 GiB limit).
+EXTERNAL_DATA_LIMIT = 2 << 30
+
+
+def has_external(model: ir.Model) -> bool:
+    """Were the input's weights in an external-data file? (Read off the loaded model: no second parse.)"""
+    return any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
+
+
+def _save_linked(model: ir.Model, tmp_model: Path, data_name: str, source: Path | None) -> bool:
+    """Save without parsing the weights: the input's external-data file is copied next to the output under
+    the output's name, at unchanged offsets (a reflink or a sparse copy where possible, fileio.copy_file; never
+    a hard link: onnx refuses to load hard-linked data and an in-place write would change both models); the
+    few new tensors are stored inline. Returns False when the weights live in several files (ir.save copies)."""
+    if source is None:
+        return False
+    locations = {v.const_value.location for v in model.graph.initializers.values()
+                 if isinstance(v.const_value, ir.ExternalTensor)}
+    if len(locations) != 1:
+        return False
+    (location,) = locations
+    src = source.parent / location
+    if not src.is_file():
+        return False
+    proto = ir.to_proto(model)
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = data_name
+    copy_file(src, tmp_model.parent / data_name)
+    with open(tmp_model, "wb") as f:
+        f.write(proto.SerializeToString())
+    return True
+
+
+class Staging:
+    """A temp folder beside `output` holding the written model until `commit` renames it into place."""
+
+    def __init__(self, output: str | os.PathLike, *, source: Path | None = None, external: bool | None = None):
+        self.output = Path(output)
+        self.source = source
+        self.external = external
+        self.data_name = self.output.name + ".data"
+        self.tmp: Path | None = None
+        self.path: Path | None = None  # the written model, once written
+        self.created: Path | None = None
+        self.big = False
+
+    @property
+    def external_weights(self) -> bool:
+        return bool(self.external) or self.big
+
+    def write(self, model: ir.Model) -> Path:
+        if self.path is not None:
+            return self.path
+        if self.external is None:
+            self.external = has_external(model)
+        self.created = first_missing(self.output.parent)  # removed again if nothing gets committed
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self.big = weight_bytes(model) > EXTERNAL_DATA_LIMIT
+        self.tmp = Path(tempfile.mkdtemp(prefix=".fastcar-", dir=self.output.parent))
+        tmp_model = self.tmp / self.output.name
+        if not self.external_weights:
+            ir.save(model, tmp_model)
+        elif not _save_linked(model, tmp_model, self.data_name, self.source):
+            ir.save(model, tmp_model, external_data=self.data_name)
+        self.path = tmp_model
+        return tmp_model
+
+    def commit(self) -> Path:
+        assert self.tmp is not None and self.path is not None, "write() first"
+        data = self.output.parent / self.data_name
+        if self.output.is_dir() or data.is_dir():
+            raise FastCarError(f"{data if data.is_dir() else self.output} is a directory; remove it or choose "
+                               "another -o (nothing was written)")
+        if (self.tmp / self.data_name).exists():
+            os.replace(self.tmp / self.data_name, data)
+        os.replace(self.path, self.output)
+        self.created = None
+        return self.output
+
+    def cleanup(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.created is not None:  # a folder made for an output that never came: no empty folders
+            shutil.rmtree(self.created, ignore_errors=True)
+        self.tmp = self.path = self.created = None
+
+
+class SavePass(ir.passes.InPlacePass):
+    """Write the model (unless the validation pass already staged it) and rename it into place."""
+
+    def __init__(self, staging: Staging):
+        super().__init__()
+        self.staging = staging
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.staging.write(model)
+        self.staging.commit()
+        return ir.passes.PassResult(model, modified=False)
+
+    def __str__(self) -> str:
+        return f"SavePass(-> {self.staging.output})"

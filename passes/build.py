@@ -1,0 +1,92 @@
+"""Small graph-building helpers the rewrite passes share (node creation with tags, constants, graph I/O)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx_ir as ir
+
+from fastcar_compile import contract
+
+
+class Builder:
+    """Creates nodes tagged with their layer and role, appending them to a node list.
+
+    Names are `fastcar/<layer>/<op>_<id>` with ids counted per layer (`ids`), so they are unique in the graph
+    and do not depend on the order in which the passes visit layers.
+    """
+
+    def __init__(self, layer: int, sink: list[ir.Node], ids: itertools.count):
+        self.layer = layer
+        self.sink = sink
+        self.ids = ids
+
+    def __call__(self, op: str, inputs, attrs=None, *, domain: str = "", outputs: int = 1, part: str = "gate",
+                 names: list[str] | None = None) -> ir.Value | tuple[ir.Value, ...]:
+        uid = next(self.ids)
+        node = ir.node(op, inputs, attrs or {}, domain=domain, num_outputs=outputs,
+                       name=f"fastcar/{self.layer}/{op}_{uid}",
+                       metadata_props={contract.TAG_LAYER: str(self.layer), contract.TAG_PART: part})
+        for i, out in enumerate(node.outputs):
+            out.name = names[i] if names else f"fastcar.{self.layer}.{op.lower()}_{uid}_{i}"
+        self.sink.append(node)
+        return node.outputs[0] if outputs == 1 else tuple(node.outputs)
+
+
+def const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """A named initializer in the main graph (subgraphs read it from the outer scope); shared by name."""
+    if name in graph.initializers:
+        return graph.initializers[name]
+    value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+    value.type = ir.TensorType(ir.DataType.from_numpy(array.dtype))
+    value.shape = ir.Shape(array.shape)
+    graph.register_initializer(value)
+    return value
+
+
+def graph_input(graph: ir.Graph, name: str, dtype: ir.DataType, shape, default: np.ndarray | None = None) -> ir.Value:
+    """A new graph input; with `default` it is also an initializer (an overridable input)."""
+    value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))
+    graph.inputs.append(value)
+    if default is not None:
+        value.const_value = ir.tensor(default, name=name)
+        graph.register_initializer(value)
+    return value
+
+
+def graph_output(graph: ir.Graph, value: ir.Value, name: str, dtype: ir.DataType, shape) -> None:
+    value.name = name
+    value.type = ir.TensorType(dtype)
+    value.shape = ir.Shape(shape)
+    graph.outputs.append(value)
+
+
+def clone(nodes: list[ir.Node], mapping: dict[ir.Value, ir.Value], suffix: str) -> list[ir.Node]:
+    """Copy nodes (in order) with inputs remapped; shapes are dropped because the row count changes."""
+    clones = []
+    for node in nodes:
+        attrs = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
+        new = ir.Node(node.domain, node.op_type, [mapping.get(v, v) if v is not None else None for v in node.inputs],
+                      attrs, num_outputs=len(node.outputs), version=node.version, name=f"{node.name}{suffix}",
+                      metadata_props=dict(node.metadata_props))
+        for old, out in zip(node.outputs, new.outputs, strict=True):
+            out.name = f"{old.name}{suffix}"
+            out.type = old.type
+            mapping[old] = out
+        clones.append(new)
+    return clones
+
+
+def tag(nodes, layer: int, part: str) -> None:
+    for node in nodes:
+        node.metadata_props[contract.TAG_LAYER] = str(layer)
+        node.metadata_props[contract.TAG_PART] = part
+
+
+def batch_dim(graph: ir.Graph):
+    """The batch dimension of `input_ids` (symbolic or int), for the shapes of new state inputs."""
+    for value in graph.inputs:
+        if value.name == contract.INPUT_IDS and value.shape is not None and len(value.shape) >= 1:
+            return value.shape[0]
+    return "batch"

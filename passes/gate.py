@@ -1,0 +1,77 @@
+"""The FastCar replay rewrite, part 1: the temporal gate of each rewritten layer.
+
+    replay, tas, slot, write = ai.fastcar.TemporalGate(q, present_key, past_mlp_age, tau, video_start)
+
+The pass adds the model-level inputs (`video_start`, `fastcar_threshold`, both with defaults), the
+`ai.fastcar` functions, each layer's state inputs (cache_state.declare_state), brings the query into
+[B, H, S, D] and emits the gate. Attention nodes are tagged for the FPGA partitioner.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fastcar_compile import contract
+from fastcar_compile.passes import build, fastcar_ops
+from fastcar_compile.passes import graph_utils as gu
+from fastcar_compile.passes.cache_state import declare_state
+from fastcar_compile.passes.context import CompileContext, LayerRewrite
+
+
+class GatePass(ir.passes.InPlacePass):
+    """Per layer: state inputs, the query in [B, H, S, D], ai.fastcar.TemporalGate (replay, tas, slot, write)."""
+
+    def __init__(self, ctx: CompileContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        ctx, opts, graph = self.ctx, self.ctx.options, model.graph
+        fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
+        ctx.batch = build.batch_dim(graph)
+        ctx.video_start = build.graph_input(graph, contract.VIDEO_START, ir.DataType.INT64, [], np.array(0, np.int64))
+        if opts.per_layer_threshold:
+            taus = np.asarray(opts.threshold, np.float32).reshape(-1)
+            if taus.size == 1:
+                taus = np.full(len(ctx.selected), taus[0], np.float32)
+            ctx.threshold = build.graph_input(graph, contract.THRESHOLD, ir.DataType.FLOAT, [len(ctx.selected)], taus)
+        else:
+            ctx.threshold = build.graph_input(graph, contract.THRESHOLD, ir.DataType.FLOAT, [],
+                                              np.array(opts.threshold[0], np.float32))
+        for k, match in enumerate(ctx.selected):
+            lr = declare_state(graph, ctx, match, k)
+            ctx.layers.append(lr)
+            self._gate(graph, lr)
+        return ir.passes.PassResult(model, modified=True)
+
+    def _gate(self, graph: ir.Graph, lr: LayerRewrite) -> None:
+        opts, att, n = self.ctx.options, lr.match.attention, lr.layer
+        assert att is not None and lr.match.mlp is not None
+        for node in att.nodes():
+            build.tag([node], n, "norm" if node.op_type in gu.NORM_OPS else "attention")
+        b = build.Builder(n, lr.nodes, lr.ids)
+        q = query_bhsd(graph, b, att, opts.tas_query)
+        tau = self.ctx.threshold
+        if opts.per_layer_threshold:
+            tau = b("Gather", [tau, build.const(graph, f"fastcar.index.{lr.index}", np.array(lr.index, np.int64))],
+                    {"axis": 0})
+        names = [contract.replay_mask_output(n), contract.tas_output(n), f"fastcar.{n}.slot", f"fastcar.{n}.write"]
+        lr.replay, lr.tas, lr.slot, lr.write = b(
+            contract.TEMPORAL_GATE, [q, att.present_key, lr.past_age, tau, self.ctx.video_start],
+            {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay},
+            domain=contract.DOMAIN, outputs=4, names=names)
+        graph.insert_before(lr.match.mlp.closing, lr.nodes)
+        lr.nodes = []
+
+
+def query_bhsd(graph: ir.Graph, b: build.Builder, att, tas_query: str) -> ir.Value:
+    """The query TAS uses (after or before RoPE), brought into [B, H, S, D]."""
+    q, layout = (att.q, att.q_layout) if tas_query == contract.TAS_ROPE else (att.q_raw, att.q_raw_layout)
+    if layout == "BSE":
+        q = b("Reshape", [q, build.const(graph, f"fastcar.shape.0_0_{att.num_heads}_{att.head_dim}",
+                                         np.array([0, 0, att.num_heads, att.head_dim], np.int64))])
+        layout = "BSHD"
+    if layout == "BSHD":
+        q = b("Transpose", [q], {"perm": [0, 2, 1, 3]})
+    return q

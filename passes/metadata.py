@@ -1,0 +1,65 @@
+"""Passes that finish the model: the IR version model-local functions need, and the `fastcar.*` metadata."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fastcar_compile import contract
+from fastcar_compile._version import __version__
+from fastcar_compile.passes.context import CompileContext
+
+# Model-local functions (the ai.fastcar ops ship as functions) need IR version 8.
+FUNCTIONS_IR_VERSION = 8
+
+
+class IrVersionPass(ir.passes.InPlacePass):
+    """Raise the IR version to 8 when below (the ai.fastcar ops ship as model-local functions)."""
+
+    def __init__(self, ctx: CompileContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if model.ir_version >= FUNCTIONS_IR_VERSION:
+            return ir.passes.PassResult(model, modified=False)
+        self.ctx.notes.append(f"IR version raised from {model.ir_version} to {FUNCTIONS_IR_VERSION} "
+                              "(model-local functions)")
+        model.ir_version = FUNCTIONS_IR_VERSION
+        return ir.passes.PassResult(model, modified=True)
+
+
+def metadata_of(ctx: CompileContext) -> contract.FastCarMetadata:
+    """The contract's metadata for what the passes did (first rewritten layer gives the model's sizes)."""
+    opts, first = ctx.options, ctx.layers[0].match
+    assert first.attention is not None and first.mlp is not None
+    return contract.FastCarMetadata(
+        version=__version__,
+        frame_tokens=opts.frame_tokens,
+        threshold=opts.metadata_threshold,
+        per_layer_threshold=opts.per_layer_threshold,
+        layers=sorted(ctx.rewritten),
+        num_layers=len(ctx.matches),
+        tas_query=opts.tas_query,
+        max_replay=opts.max_replay,
+        hidden_size=first.mlp.hidden,
+        num_heads=first.attention.num_heads,
+        num_kv_heads=first.attention.num_kv_heads,
+        head_dim=first.attention.head_dim,
+        state=[s for lr in ctx.layers for s in lr.state],
+        kv=[contract.KVEntry(contract.kv_input(m.layer, k), contract.kv_output(m.layer, k))
+            for m in ctx.matches for k in contract.KV_KINDS],
+        diagnostics=opts.emit_diagnostics,
+    )
+
+
+class MetadataPass(ir.passes.InPlacePass):
+    """Write `fastcar.*` metadata_props (the schema is contract.FastCarMetadata)."""
+
+    def __init__(self, ctx: CompileContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.ctx.metadata = metadata_of(self.ctx).to_props()
+        model.metadata_props.update(self.ctx.metadata)
+        return ir.passes.PassResult(model, modified=True)

@@ -1,0 +1,42 @@
+"""Bake a threshold into a compiled model: the default of `fastcar_threshold` and `fastcar.threshold`.
+
+Compiler-side (it edits the graph); the runtime's calibration picks tau and calls `fastcar_compile.api.
+bake_threshold`, which runs this pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from fastcar_compile import contract
+from fastcar_compile.errors import FastCarError
+
+
+class BakeThresholdPass(ir.passes.InPlacePass):
+    """Set tau; a scalar fills every layer of a per-layer-threshold model."""
+
+    def __init__(self, tau, where: str = "the model"):
+        super().__init__()
+        self.tau = contract.check_thresholds(tau, "tau")
+        self.where = where
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        value = graph.initializers.get(contract.THRESHOLD)
+        meta = contract.FastCarMetadata.from_props(model.metadata_props)
+        if value is None or value not in graph.inputs or value.const_value is None or meta is None:
+            raise FastCarError(f"{self.where} has no {contract.THRESHOLD} input with a default; is it a "
+                               "FastCar-compiled model?")
+        old = value.const_value.numpy()
+        new = self.tau.astype(np.float32)
+        if new.ndim == 0 and old.ndim == 1:
+            new = np.full(old.shape, new, dtype=np.float32)
+        if new.shape != old.shape:
+            raise FastCarError(f"tau has shape {list(new.shape)} but {contract.THRESHOLD} has shape {list(old.shape)}")
+        value.const_value = ir.tensor(new, name=contract.THRESHOLD)
+        baked = float(new) if new.ndim == 0 else [float(x) for x in new]
+        model.metadata_props.update(dataclasses.replace(meta, threshold=baked).to_props())
+        return ir.passes.PassResult(model, modified=True)
