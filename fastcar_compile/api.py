@@ -17,6 +17,7 @@ import onnx_ir as ir
 from fastcar_compile import fileio, pipeline
 from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.passes import genai_state
 from fastcar_compile.passes.analysis import find_layers, parse_layers
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 from fastcar_compile.passes.threshold import BakeThresholdPass
@@ -78,8 +79,13 @@ def compile(  # noqa: A001 - the natural name of the entry point
     per_layer_threshold: bool = False,
     emit_diagnostics: bool = False,
     validate: bool = True,
+    genai: bool | None = None,
 ) -> tuple[ir.Model, CompileReport]:
-    """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given."""
+    """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
+
+    genai: name the state for onnxruntime-genai's generator and write genai_config.json beside the output
+    (None: when the input sits beside one and the output goes to another folder).
+    """
     opts = CompileOptions(frame_tokens, threshold, tas_query, max_replay,
                           layers if layers is None or isinstance(layers, str) else tuple(layers),
                           per_layer_threshold, emit_diagnostics)
@@ -90,7 +96,7 @@ def compile(  # noqa: A001 - the natural name of the entry point
             raise FastCarError(f"output {out_path} is the input model; choose another -o path (the input is "
                                "never overwritten)")
         fileio.refuse_collisions(fileio.model_files(in_path), output_files(out_path))
-    ctx = CompileContext(opts)
+    ctx = CompileContext(opts, genai_config=_genai_config(genai, in_path, out_path))
     staging = Staging(out_path, source=in_path) if out_path is not None else None
     manager = pipeline.build(ctx, staging, validate)
     try:
@@ -113,6 +119,19 @@ def output_files(output: str | os.PathLike) -> list[Path]:
     """Every file saving to `output` may write: the model and its external-data file."""
     output = Path(output)
     return [output, output.parent / (output.name + ".data")]
+
+
+def _genai_config(genai: bool | None, in_path: Path | None, out_path: Path | None) -> Path | None:
+    """The input's genai_config.json when the output should run in onnxruntime-genai's generator."""
+    cfg = genai_state.beside(in_path) if genai is not False and out_path is not None else None
+    if cfg is not None and out_path.resolve().parent == cfg.resolve().parent:
+        if genai:
+            raise FastCarError(f"--genai: write the output into another folder than {cfg.parent} (genai reads "
+                               "one genai_config.json per folder; the input's is never modified)")
+        return None
+    if genai and cfg is None:
+        raise FastCarError("--genai needs an input model beside its genai_config.json and an output path")
+    return cfg
 
 
 def bake_threshold(in_path: str | os.PathLike, out_path: str | os.PathLike, tau) -> Path:

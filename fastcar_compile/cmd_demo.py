@@ -56,8 +56,7 @@ def main(argv: list[str]) -> int:
     out: Path = a.out
     print(f"\nwrote {len(files)} files in {out} ({time.time() - t0:.0f} s):")
     for f in files:
-        print(f"  {out / f.name}")
-    print(f"  {out / fast.name} (compiled model)")
+        print(f"  {out / f.name}" + (" (compiled model)" if f == fast else ""))
     return 0
 
 
@@ -84,7 +83,7 @@ def _run(a: argparse.Namespace, out: Path, t0: float):
     write_bytes(res, json.dumps({"summary": s.to_dict(), "clips": [
         {"motion": r.motion, "source": r.source, "replay_ratio": r.fast.replay_ratio} for r in results]},
         indent=1).encode())
-    files.append(res)
+    files += [res, fast]
     print(f"\n{s.clips} held-out clips x {s.frames} frames ({s.frames - 1} generated, greedy), "
           f"{a.threads} ORT thread(s)")
     print(table([

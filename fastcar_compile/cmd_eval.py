@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile import contract
+from fastcar_compile import contract, fileio
 from fastcar_compile.atomic import save_figure
 from fastcar_compile.errors import FastCarError
 
@@ -94,27 +96,32 @@ def main(argv: list[str]) -> int:
         raise FastCarError(f"--variants takes rope and/or raw, got {a.variants!r}")
     if a.clips < 1 or a.frames < 2 or a.guard < 0:
         raise FastCarError("--clips >= 1, --frames >= 2 and --guard >= 0 are required")
-    from fastcar_compile import fileio
+    from fastcar_compile.atomic import write_bytes
 
     fileio.check_output_dir(a.out, "--out")
     t0 = time.time()
-    with fileio.staged_dir(a.out) as out:  # all results at the end, or none (no empty folder)
-        table = _sweep(a, out, targets, variants)
-    out = a.out
+    with fileio.staged_dir(a.out) as staged:  # the three results appear together at the end, or none
+        models = Path(tempfile.mkdtemp(prefix=".eval-models-", dir=staged))  # compiled per tau, removed below
+        try:
+            rows = _sweep(a, targets, variants, models)
+        finally:
+            shutil.rmtree(models, ignore_errors=True)
+        write_bytes(staged / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
+                                                      "threads": a.threads}, indent=1).encode())
+        table = _fmt_table(rows)
+        write_bytes(staged / "eval.md", (table + "\n").encode())
+        _plot(rows, staged / "eval.png")
+    out: Path = a.out
     print("\n" + table)
-    print(f"\nwrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'} ({time.time() - t0:.0f} s)")
+    print(f"\nwrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'} ({time.time() - t0:.0f} s; the "
+          "models compiled for the sweep were temporary and are deleted)")
     return 0
 
 
-def _sweep(a: argparse.Namespace, out: Path, targets: list[float], variants: list[str]) -> str:
-    from fastcar_compile.atomic import write_bytes
+def _sweep(a, targets: list[float], variants: list[str], out: Path) -> list[dict]:
+    """Every (TAS variant, guard, tau) configuration on the same clips, dense timed alongside each."""
     from fastcar_compile.demo import data
-    from fastcar_compile.demo.evaluate import (
-        compile_bundled,
-        load_tokenizer,
-        run_clips,
-        summarize,
-    )
+    from fastcar_compile.demo.evaluate import compile_bundled, load_tokenizer, run_clips, summarize
     from fastcar_compile.demo.export import ONNX
     from fastcar_compile.demo.video import generate_video, open_session
 
@@ -141,11 +148,4 @@ def _sweep(a: argparse.Namespace, out: Path, targets: list[float], variants: lis
                 print(f"{q:4s} K={k} tau={tau:9.3g}: replay {100 * s['replay_ratio']:5.1f}%  "
                       f"speedup ORT {s['speedup_ort']:.2f}x runtime {s['speedup']:.2f}x  PSNR vs GT {s['psnr_fast_vs_gt']:.2f} "
                       f"(dense {s['psnr_dense_vs_gt']:.2f})  vs dense {s['psnr_fast_vs_dense']:.2f}", flush=True)
-    write_bytes(out / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
-                                                "threads": a.threads}, indent=1).encode())
-    table = _fmt_table(rows)
-    write_bytes(out / "eval.md", (table + "\n").encode())
-    _plot(rows, out / "eval.png")
-    for diag in out.glob("diag-*.onnx"):  # scratch models of the TAS pass, not results
-        diag.unlink()
-    return table
+    return rows

@@ -96,10 +96,12 @@ CACHE_FILL, AGE_FILL = 0, -1
 DOMAIN = "ai.fastcar"
 OPSET_VERSION = 1
 TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE = "TemporalGate", "MLPCacheRead", "MLPCacheUpdate"
-OP_NAMES = (TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE)
+TEMPORAL_GATE_AT = "TemporalGateAt"  # TemporalGate with the token count as an input (shared KV buffers)
+OP_NAMES = (TEMPORAL_GATE, TEMPORAL_GATE_AT, MLP_CACHE_READ, MLP_CACHE_UPDATE)
 # Attributes per op (tests/test_contract.py checks these against DESIGN.md and the function bodies).
 OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     TEMPORAL_GATE: ("frame_tokens", "max_replay"),
+    TEMPORAL_GATE_AT: ("frame_tokens", "max_replay"),
     MLP_CACHE_READ: (),
     MLP_CACHE_UPDATE: (),
 }

@@ -16,6 +16,7 @@ from fastcar_compile.passes.branch import BranchPass
 from fastcar_compile.passes.cache_state import CacheStatePass
 from fastcar_compile.passes.context import CompileContext
 from fastcar_compile.passes.gate import GatePass
+from fastcar_compile.passes.genai_state import GenaiConfigPass, GenaiStatePass
 from fastcar_compile.passes.metadata import IrVersionPass, MetadataPass
 from fastcar_compile.passes.validate import ValidatePass
 from fastcar_compile.save import SavePass, Staging
@@ -29,6 +30,7 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         GatePass(ctx),
         BranchPass(ctx),
         CacheStatePass(ctx),
+        *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
         IrVersionPass(ctx),
         MetadataPass(ctx),
     ]
@@ -36,6 +38,8 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         if validate:
             passes.append(ValidatePass(staging))
         passes.append(SavePass(staging))
+        if ctx.genai_config is not None:
+            passes.append(GenaiConfigPass(ctx, staging.output))
     return ir.passes.PassManager(passes)
 
 

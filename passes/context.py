@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import onnx_ir as ir
 
@@ -84,6 +85,7 @@ class CompileContext:
     threshold: ir.Value | None = None
     batch: ir.SymbolicDim | int | str = "batch"
     metadata: dict[str, str] = field(default_factory=dict)  # the fastcar.* props written
+    genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator
 
     @property
     def rewritten(self) -> list[int]:

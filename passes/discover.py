@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
+from fastcar_compile.passes import genai_gqa
 from fastcar_compile.passes import graph_utils as gu
 
 _KV_NAME = re.compile(r"^present[._](\d+)[._](key|value)$")
@@ -49,6 +50,7 @@ class AttentionBlock:
     num_kv_heads: int
     head_dim: int
     join: ir.Node | None = None  # the Add / Skip*Norm that adds the attention output to the stream
+    packed_query: genai_gqa.PackedQuery | None = None  # GroupQueryAttention on packed QKV: q built by the rewrite
 
     def nodes(self) -> set[ir.Node]:
         """Norm, projections, rotary, KV concat and attention: nodes between the incoming stream and the join."""
@@ -243,6 +245,16 @@ def _find_attention(pkey: ir.Value, pvalue: ir.Value, trace: list[str]) -> Atten
         core, kidx = producer, None
     else:
         core, kidx = _walk_forward_to_consumer(pkey, trace)
+    packed = genai_gqa.match(core)
+    if packed is not None:  # onnxruntime-genai: packed QKV, fused rotary, symbolic head size
+        src, heads, num_kv, head_dim = packed
+        trace.append(f"{gu.describe(core)} on packed QKV {src.qkv.name}: heads {heads}, kv heads {num_kv}, "
+                     f"head dim {head_dim} (output projection), rotary dim {src.rotary_dim}")
+        return AttentionBlock(pkey, pvalue, core, core.outputs[0], src.qkv, "QKV", src.qkv, "QKV",
+                              "GroupQueryAttention do_rotary" if src.cos_cache is not None else "none",
+                              heads, num_kv, head_dim, packed_query=src)
+    if kdims is not None and len(kdims) == 4 and kdims[3] is None:  # symbolic head size (genai's builder)
+        kdims[3] = _head_dim_from_core(core)
     if kdims is None or len(kdims) != 4 or kdims[1] is None or kdims[3] is None:
         raise MatchFailure("kv", f"{pkey.name} must be [batch, kv_heads, seq, head_dim] with static heads/dims",
                            f"shape {pkey.shape}")
@@ -291,6 +303,15 @@ def _find_attention(pkey: ir.Value, pvalue: ir.Value, trace: list[str]) -> Atten
     return AttentionBlock(pkey, pvalue, core, core_out, q, layout, q_raw, raw_layout, rope, heads, num_kv, head_dim)
 
 
+def _head_dim_from_core(core: ir.Node) -> int | None:
+    """Head size of an attention op with a `num_heads` attribute, from its output projection's fan-in."""
+    if "num_heads" not in core.attributes:
+        return None
+    heads = int(core.attributes["num_heads"].value)
+    fan_in = _heads_from_output_projection(core.outputs[0], 1)
+    return fan_in // heads if fan_in and fan_in % heads == 0 else None
+
+
 def _heads_from_output_projection(core_out: ir.Value, head_dim: int) -> int | None:
     """Query heads from the output projection's weight ([heads * head_dim, hidden]) after the attention."""
     v = core_out
@@ -299,6 +320,9 @@ def _heads_from_output_projection(core_out: ir.Value, head_dim: int) -> int | No
         if len(cons) != 1:
             return None
         node = cons[0]
+        if node.op_type == "MatMulNBits" and "K" in node.attributes:
+            fan_in = int(node.attributes["K"].value)
+            return fan_in // head_dim if fan_in % head_dim == 0 else None
         if node.op_type in ("MatMul", "Gemm"):
             shape = gu.weight_shape(node.inputs[1])
             if shape is None or len(shape) != 2:
@@ -348,7 +372,8 @@ def _find_mlp(graph: ir.Graph, attn: AttentionBlock, trace: list[str]) -> MLPBlo
         aliases.extend(n.outputs[0] for n in alias.consumers() if n.op_type in ("Cast", "Identity"))
     for alias in aliases:
         for node in alias.consumers():
-            if node.op_type == "Add" or (node.op_type in gu.SKIP_NORM_OPS and node.inputs[1] is alias):
+            # Skip*Norm sums input and skip: the stream may be either (genai's builder puts it first).
+            if node.op_type == "Add" or (node.op_type in gu.SKIP_NORM_OPS and alias in node.inputs[:2]):
                 others = [i for i in node.inputs[:2] if i is not None and i is not alias]
                 if len(others) == 1 and gu.depends_on(others[0], entry):
                     closing, branch_out = node, others[0]
@@ -385,7 +410,9 @@ def _find_mlp(graph: ir.Graph, attn: AttentionBlock, trace: list[str]) -> MLPBlo
                                    ", ".join(gu.describe(c) for c in outside) or "graph output")
     weights = []
     for node in nodes:
-        if node.op_type in gu.MATMUL_OPS:
+        if node.op_type == "MatMulNBits":  # packed 4-bit blocks: the logical shape is in the attributes
+            weights.append((int(node.attributes["K"].value), int(node.attributes["N"].value)))
+        elif node.op_type in gu.MATMUL_OPS:
             shape = gu.weight_shape(node.inputs[1])
             if shape is not None:
                 weights.append(shape)

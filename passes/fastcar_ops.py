@@ -118,8 +118,20 @@ MLPCacheUpdate (past_mlp_cache, past_mlp_age, branch, replay, slot, write)
 }}
 """
 
+# TemporalGate for a key buffer longer than the sequence (onnxruntime-genai's past_present_share_buffer:
+# present_key is [B, Hkv, max_length, D]): the token positions come from `total_len` (GroupQueryAttention's
+# total_sequence_length, int32 scalar), not from the buffer's length.
+_TEMPORAL_GATE_AT = _TEMPORAL_GATE.replace(
+    "TemporalGate <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start)",
+    "TemporalGateAt <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start, total_len)",
+).replace(
+    "  T = Shape <start = 2, end = 3> (present_key)\n",
+    "  total64 = Cast <to = 7> (total_len)\n  T = Reshape (total64, one)\n",
+)
+
 OP_TEXTS = {
     contract.TEMPORAL_GATE: _TEMPORAL_GATE,
+    contract.TEMPORAL_GATE_AT: _TEMPORAL_GATE_AT,
     contract.MLP_CACHE_READ: _MLP_CACHE_READ,
     contract.MLP_CACHE_UPDATE: _MLP_CACHE_UPDATE,
 }

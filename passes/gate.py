@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fastcar_compile import contract
-from fastcar_compile.passes import build, fastcar_ops
+from fastcar_compile.passes import build, fastcar_ops, genai_gqa
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.cache_state import declare_state
 from fastcar_compile.passes.context import CompileContext, LayerRewrite
@@ -57,8 +57,11 @@ class GatePass(ir.passes.InPlacePass):
             tau = b("Gather", [tau, build.const(graph, f"fastcar.index.{lr.index}", np.array(lr.index, np.int64))],
                     {"axis": 0})
         names = [contract.replay_mask_output(n), contract.tas_output(n), f"fastcar.{n}.slot", f"fastcar.{n}.write"]
+        op, inputs = contract.TEMPORAL_GATE, [q, att.present_key, lr.past_age, tau, self.ctx.video_start]
+        if att.packed_query is not None:  # genai: the key buffer may be preallocated; positions from the length
+            op, inputs = contract.TEMPORAL_GATE_AT, [*inputs, att.packed_query.total_len]
         lr.replay, lr.tas, lr.slot, lr.write = b(
-            contract.TEMPORAL_GATE, [q, att.present_key, lr.past_age, tau, self.ctx.video_start],
+            op, inputs,
             {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay},
             domain=contract.DOMAIN, outputs=4, names=names)
         graph.insert_before(lr.match.mlp.closing, lr.nodes)
@@ -68,6 +71,10 @@ class GatePass(ir.passes.InPlacePass):
 def query_bhsd(graph: ir.Graph, b: build.Builder, att, tas_query: str) -> ir.Value:
     """The query TAS uses (after or before RoPE), brought into [B, H, S, D]."""
     q, layout = (att.q, att.q_layout) if tas_query == contract.TAS_ROPE else (att.q_raw, att.q_raw_layout)
+    if att.packed_query is not None:  # GroupQueryAttention on packed QKV: the query is rebuilt
+        q = genai_gqa.query(b, lambda name, v: build.const(graph, name, np.asarray(v, np.int64)), att.packed_query,
+                            att.num_heads, att.head_dim, tas_query == contract.TAS_ROPE)
+        layout = "BSE"
     if layout == "BSE":
         q = b("Reshape", [q, build.const(graph, f"fastcar.shape.0_0_{att.num_heads}_{att.head_dim}",
                                          np.array([0, 0, att.num_heads, att.head_dim], np.int64))])

@@ -9,7 +9,9 @@ model (the dense baseline): it then simply has no FastCar state.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,15 +125,18 @@ class FastCarSession:
         if not self.path.is_file():
             raise FastCarError(f"model file {self.path} does not exist; pass the path of an .onnx file")
         so = session_options if session_options is not None else self._options(threads)
+        # fast.onnx keeps video_start/fastcar_threshold as inputs with defaults by design; ORT warns about
+        # each at WARNING level on load, so warnings are kept off the session (errors still show)
+        so.log_severity_level = max(so.log_severity_level, 3)
         self.native_library: str | None = None
         lib = None
         if native is not False:
-            from fastcar_compile.runtime.native import library_path
+            from fastcar_compile.runtime.native import announce, library_path, native_status
 
             lib = library_path()
             if lib is None and native:
-                raise FastCarError("native=True but the ai.fastcar kernels are not built; run "
-                                   "`python runtime/native/build.py` (needs g++ and the ORT C headers)")
+                raise FastCarError(f"native=True but {native_status(None).split(': ', 1)[1]}")
+            announce(lib)
         provs = list(providers) if providers else ["CPUExecutionProvider"]
         plain_so = so
         if lib is not None:
@@ -177,6 +182,13 @@ class FastCarSession:
         self.default_threshold = fc.threshold if fc is not None else None
         self.max_replay = fc.max_replay if fc is not None else 0
         self.specs: list[StateSpec] = self._pair_state()
+        # layer -> (age output, value of a slot just written by a computed MLP = the new-video fill + 1):
+        # 0 normally (fill -1), 1 in onnxruntime-genai's zero-filled encoding (age + 1, passes/genai_state.py)
+        self._age_outputs: dict[int, tuple[str, int]] = {}
+        for e in (fc.state if fc is not None else []):
+            m = re.search(r"\.(\d+)(\.recurrent_state)?$", e.input)
+            if e.dtype == "int64" and m:
+                self._age_outputs[int(m.group(1))] = (e.output, int(e.fill) + 1)
         self.has_diagnostics = all(contract.tas_output(n) in self._outputs for n in self.layers) and bool(self.layers)
         self.signature = self._signature()
         logits_shape = self._outputs[contract.LOGITS].shape if contract.LOGITS in self._outputs else None
@@ -217,7 +229,7 @@ class FastCarSession:
             if dtype is None:
                 raise FastCarError(f"{self.path.name}: state {name} has unsupported type {arg.type}")
             if m:  # KV cache: [batch, heads, past, head_dim]; the past axis grows
-                shape = tuple("batch" if i == 0 else "past" if i == 2 else self._fixed(name, d)
+                shape = tuple("batch" if i == 0 else "past" if i == 2 else self._fixed(name, d, i == 3)
                               for i, d in enumerate(arg.shape))
                 specs.append(StateSpec(name, out, dtype, shape, 0.0, "kv"))
             else:
@@ -231,11 +243,25 @@ class FastCarSession:
                 specs.append(StateSpec(name, out, dtype, shape, fill, "fastcar"))
         return specs
 
-    def _fixed(self, name: str, d: Any) -> int:
+    def _fixed(self, name: str, d: Any, head_dim: bool = False) -> int:
         if isinstance(d, int):
             return d
+        if head_dim:  # symbolic KV head size (onnxruntime-genai's builder): the compiler recorded it
+            known = (self.fastcar.head_dim if self.fastcar is not None else None) or self._genai_head_size()
+            if known:
+                return int(known)
         raise FastCarError(f"{self.path.name}: state input {name} has a symbolic dimension {d!r} besides "
                            "batch/past; re-export with fixed head counts")
+
+    def _genai_head_size(self) -> int | None:
+        """head_size from a genai_config.json beside the model (a dense genai graph has no metadata)."""
+        cfg = self.path.parent / "genai_config.json"
+        if not cfg.is_file():
+            return None
+        try:
+            return int(json.loads(cfg.read_text())["model"]["decoder"]["head_size"])
+        except (KeyError, ValueError, TypeError):
+            return None
 
     def _signature(self) -> str:
         h = hashlib.sha1()
@@ -439,7 +465,7 @@ class FastCarSession:
         if all(contract.replay_mask_output(n) in res for n in self.layers):
             return np.stack([res[contract.replay_mask_output(n)][:, 0] for n in self.layers]).astype(bool)
         slot = (p - state.video_start) % int(self.frame_tokens or 1)
-        return np.stack([res[contract.mlp_age_output(n)][:, slot] > 0 for n in self.layers])
+        return np.stack([res[self._age_outputs[n][0]][:, slot] > self._age_outputs[n][1] for n in self.layers])
 
     def __repr__(self) -> str:
         kind = f"FastCar layers={self.layers} L={self.frame_tokens}" if self.is_fastcar else "dense"

@@ -61,6 +61,28 @@ def zoo_model(zoo_dir: Path) -> Callable[[str, str], Path]:
 
 
 @pytest.fixture(scope="session")
+def genai_model(zoo_dir: Path) -> Callable[[str, str], Path]:
+    """genai_model(family, precision) -> folder of an onnxruntime-genai builder graph (built at most once)."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[genai]')")
+    genai_zoo = pytest.importorskip("genai_zoo", reason="the genai graphs need torch and transformers")
+    results: dict[tuple[str, str], Path | BaseException] = {}
+
+    def get(family: str, precision: str = "fp32") -> Path:
+        key = (family, precision)
+        if key not in results:
+            try:
+                results[key] = genai_zoo.build(family, precision, zoo_dir)
+            except Exception as exc:  # remembered: a failed build is not retried by every test
+                results[key] = exc
+        got = results[key]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def fc_compile() -> Callable:
     """The lead's API `fastcar_compile.compile`; the tests skip (only) while it does not exist yet."""
     mod = pytest.importorskip("fastcar_compile")

@@ -60,9 +60,12 @@ def _static_dim(shape: list, axis: int, what: str, name: str) -> int:
 
 
 def initial_state(
-    sess: ort.InferenceSession, batch: int, frame_tokens: int | None = None
+    sess: ort.InferenceSession, batch: int, frame_tokens: int | None = None, head_dim: int | None = None
 ) -> dict[str, np.ndarray]:
-    """Empty KV cache ([B, Hkv, 0, D]) and a new video's FastCar state (caches 0, ages -1)."""
+    """Empty KV cache ([B, Hkv, 0, D]) and a new video's FastCar state (caches 0, ages -1).
+
+    head_dim: for graphs whose KV head size is symbolic (onnxruntime-genai's builder).
+    """
     meta = sess.get_modelmeta().custom_metadata_map
     state: dict[str, np.ndarray] = {}
     for inp in sess.get_inputs():
@@ -70,7 +73,8 @@ def initial_state(
         dtype = _ORT_TO_NP[inp.type]
         if name.startswith("past_key_values."):
             hkv = _static_dim(shape, 1, "kv heads", name)
-            d = _static_dim(shape, 3, "head dim", name)
+            d = head_dim if head_dim is not None and not isinstance(shape[3], int) else _static_dim(
+                shape, 3, "head dim", name)
             state[name] = np.zeros((batch, hkv, 0, d), dtype=dtype)
         elif name.startswith(("past_mlp_cache.", "past_mlp_age.")):
             L = shape[1] if isinstance(shape[1], int) else (frame_tokens or int(meta["fastcar.frame_tokens"]))
@@ -100,6 +104,7 @@ def decode(
     video_start: int | None = None,
     threshold: float | list[float] | np.ndarray | None = None,
     frame_tokens: int | None = None,
+    head_dim: int | None = None,
 ) -> DecodeResult:
     """Run `steps` (token ids [B, S] each; the first is the prompt) carrying all state between steps.
 
@@ -111,7 +116,7 @@ def decode(
     input_names = {i.name for i in sess.get_inputs()}
     overridable = {i.name for i in sess.get_overridable_initializers()}
     out_names = [o.name for o in sess.get_outputs()]
-    state = initial_state(sess, batch, frame_tokens)
+    state = initial_state(sess, batch, frame_tokens, head_dim)
     mask, pos = left_pad_masks(pad if pad is not None else [0] * batch, int(steps[0].shape[1]))
     extra: dict[str, np.ndarray] = {}
     for name, value, dtype in (

@@ -32,6 +32,24 @@ def test_demo_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     gif = Image.open(out / "demo.gif")
     assert gif.n_frames == 3
     assert gif.size[0] > 4 * 32 * 2  # four panels, upscaled
+    # the count it announces is the number of paths it lists, and every file in --out is listed
+    import re
+
+    n = int(re.search(r"wrote (\d+) files", text).group(1))
+    listed = [ln.split()[0] for ln in text.splitlines() if ln.startswith(f"  {out}")]
+    assert n == len(listed) == len(list(out.iterdir()))
+    # strip.png carries labels: a text column left of the frames, text above them (dark pixels on white)
+    strip = np.asarray(Image.open(out / "strip.png").convert("L"))
+    assert strip.shape[1] == 110 + 3 * 32 * 3
+    assert (strip[16:, :100] < 128).sum() > 200 and (strip[:14, 110:] < 128).sum() > 50
+
+
+def test_print_compile_report_is_readable(zoo_model) -> None:
+    import fastcar_compile as fc
+
+    report = fc.inspect(zoo_model("llama", "dynamo20"))
+    text = str(report)
+    assert text.startswith("2/2 decoder layers matched") and "layer   1:" in text and "CompileReport(" not in text
 
 
 def test_demo_never_replay_equals_dense(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -57,6 +75,7 @@ def test_eval_tiny_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureF
     assert rc == 0
     for name in ("eval.json", "eval.md", "eval.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.md", "eval.png"]  # no leftover models
     rows = json.loads((out / "eval.json").read_text())["rows"]
     by_tau = {r["tau"]: r for r in rows}
     never, always = by_tau[float("inf")], by_tau[float("-inf")]

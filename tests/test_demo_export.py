@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 ort = pytest.importorskip("onnxruntime")
 
-from fastcar_compile.demo.export import ASSETS, CONFIG, ONNX, WEIGHTS, io_names, load_model  # noqa: E402
+from fastcar_compile.contract import io_names  # noqa: E402
+from fastcar_compile.demo.export import ASSETS, CONFIG, ONNX, WEIGHTS, load_model  # noqa: E402
 from fastcar_compile.demo.model import VIDEO_START, VOCAB, prompt  # noqa: E402
 
 

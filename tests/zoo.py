@@ -70,7 +70,7 @@ class ModelInfo:
     vocab: int
 
 
-def make_config(family: str, attn_implementation: str = "sdpa"):
+def make_config(family: str, attn_implementation: str = "sdpa", vocab: int = VOCAB):
     """The transformers config of one tiny family model.
 
     Exports use "sdpa" (what users export; it becomes ONNX Attention at opset 23/24); the eager reference
@@ -78,7 +78,7 @@ def make_config(family: str, attn_implementation: str = "sdpa"):
     """
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, tie_word_embeddings=False)
+    common = dict(vocab_size=vocab, tie_word_embeddings=False)
     if family == "llama":
         cfg = tf.LlamaConfig(
             hidden_size=HIDDEN,
@@ -124,7 +124,7 @@ def make_config(family: str, attn_implementation: str = "sdpa"):
             n_head=HEADS,
             n_inner=INTER,
             n_positions=MAX_POS,
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             tie_word_embeddings=False,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
@@ -144,14 +144,14 @@ def model_info(family: str) -> ModelInfo:
     return ModelInfo(family, LAYERS, HEADS, kv, HIDDEN // HEADS, HIDDEN, VOCAB)
 
 
-def build_model(family: str, seed: int = SEED, attn_implementation: str = "sdpa") -> nn.Module:
+def build_model(family: str, seed: int = SEED, attn_implementation: str = "sdpa", vocab: int = VOCAB) -> nn.Module:
     """A seeded random tiny causal LM in float32, eval mode, with weights scaled to spread attention logits.
 
-    The weights depend only on (family, seed), not on the attention implementation.
+    The weights depend only on (family, seed, vocab), not on the attention implementation.
     """
     import transformers as tf
 
-    cfg = make_config(family, attn_implementation)
+    cfg = make_config(family, attn_implementation, vocab)
     torch.manual_seed(seed)
     cls = {
         "llama": tf.LlamaForCausalLM,

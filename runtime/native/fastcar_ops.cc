@@ -40,10 +40,17 @@ struct TemporalGate {
   void Compute(const Tensor<float>& q, const Tensor<float>& key, const Tensor<int64_t>& age,
                const Tensor<float>& threshold, const Tensor<int64_t>& video_start, Tensor<bool>& replay,
                Tensor<float>& tas, Tensor<int64_t>& slot, Tensor<bool>& write) {
+    Run(q, key, age, threshold, video_start, key.Shape()[2], replay, tas, slot, write);
+  }
+
+  // T: tokens in the cache (the key buffer may be longer: a preallocated shared buffer)
+  void Run(const Tensor<float>& q, const Tensor<float>& key, const Tensor<int64_t>& age,
+           const Tensor<float>& threshold, const Tensor<int64_t>& video_start, const int64_t T,
+           Tensor<bool>& replay, Tensor<float>& tas, Tensor<int64_t>& slot, Tensor<bool>& write) {
     const auto qs = q.Shape();
     const auto ks = key.Shape();
     const int64_t B = qs[0], H = qs[1], S = qs[2], D = qs[3];
-    const int64_t Hkv = ks[1], T = ks[2];
+    const int64_t Hkv = ks[1], Tbuf = ks[2];
     const int64_t G = H / Hkv;
     const int64_t P = T - S;
     const int64_t vs = video_start.Data()[0];
@@ -68,7 +75,7 @@ struct TemporalGate {
         const int64_t idx = aligned > 0 ? aligned : 0;
         float acc = 0.0f;
         for (int64_t hk = 0; hk < Hkv; ++hk) {
-          const float* kr = kd + ((b * Hkv + hk) * T + idx) * D;
+          const float* kr = kd + ((b * Hkv + hk) * Tbuf + idx) * D;
           for (int64_t g = 0; g < G; ++g) {
             const float* qr = qd + ((b * H + hk * G + g) * S + i) * D;
             float dot = 0.0f;
@@ -83,6 +90,19 @@ struct TemporalGate {
         rep[b * S + i] = eligible && v > tau;
       }
     }
+  }
+};
+
+// TemporalGate whose token count comes from total_len (int32 scalar, GroupQueryAttention's
+// total_sequence_length) instead of the key buffer's length (onnxruntime-genai's shared KV buffer).
+struct TemporalGateAt : TemporalGate {
+  TemporalGateAt(const OrtApi* api, const OrtKernelInfo* info) : TemporalGate(api, info) {}
+  void Compute(const Tensor<float>& q, const Tensor<float>& key, const Tensor<int64_t>& age,
+               const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
+               const Tensor<int32_t>& total_len, Tensor<bool>& replay, Tensor<float>& tas,
+               Tensor<int64_t>& slot, Tensor<bool>& write) {
+    Run(q, key, age, threshold, video_start, static_cast<int64_t>(total_len.Data()[0]), replay, tas, slot,
+        write);
   }
 };
 
@@ -145,6 +165,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     std::call_once(g_once, [] {
       g_domain = std::make_unique<Ort::CustomOpDomain>("ai.fastcar");
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGate>("TemporalGate", "CPUExecutionProvider"));
+      g_ops.emplace_back(
+          Ort::Custom::CreateLiteCustomOp<TemporalGateAt>("TemporalGateAt", "CPUExecutionProvider"));
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp("MLPCacheRead", "CPUExecutionProvider", MLPCacheRead));
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp("MLPCacheUpdate", "CPUExecutionProvider", MLPCacheUpdate));

@@ -1,0 +1,196 @@
+"""Per-token decode time in onnxruntime-genai's own loop (`og.Generator`): a genai graph compiled by us at
+forced replay ratios vs genai's dense model on the same weights.
+
+A seeded random LLaMA (hidden 1024, 8 layers, 16 heads / 2 KV heads, MLP 3072; `_common.build_random_llama`)
+is saved with save_pretrained plus a WordLevel tokenizer and built by genai's model builder (fp32, cpu;
+cached). Variants, each a folder genai loads (compiled ones get genai_config.json from the compiler):
+- `dense`: the builder's graph;
+- `noMLP`: the same graph with every MLP branch replaced by zeros (for f, the MLP share of a dense step);
+- `rK`: compiled with frame_tokens L and per-layer tau, K of the layers at tau=-inf (always replay: every
+  decode token here is past frame 0) and the rest +inf (never), so the replay ratio is exactly K / layers.
+For each context, one generator per variant is prefilled with `ctx` tokens, then the variants decode one
+token each in turn (interleaved, so machine load hits them alike) for `--tokens` steps; per-token time is
+the lower quartile (robust to steps preempted by other jobs). genai session threads: --threads (intra-op), set in each folder's genai_config.json.
+
+    python benchmarks/bench_genai.py                       # ctx 1024 and 4096 (several minutes on 2 cores)
+    python benchmarks/bench_genai.py --quick               # small model, ctx 256: smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_CACHE, LlamaShape, atomic_write_text, build_random_llama  # noqa: E402
+
+FULL = dict(shape=LlamaShape(hidden=1024, layers=8, heads=16, kv_heads=2, intermediate=3072, vocab=2048,
+                             max_pos=4608), contexts=(1024, 4096), frame_tokens=256, tokens=48)
+QUICK = dict(shape=LlamaShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=512,
+                              max_pos=1024), contexts=(256,), frame_tokens=64, tokens=16)
+
+
+def build_genai(shape: LlamaShape, cache: Path) -> Path:
+    """The builder's fp32 cpu graph of the seeded model (cached)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = cache / f"genai-{shape.tag()}"
+    if (out / "genai_config.json").is_file():
+        return out
+    hf = cache / f"hf-{shape.tag()}"
+    if not (hf / "config.json").is_file():
+        build_random_llama(shape).save_pretrained(hf)
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(shape.vocab)}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
+                                pad_token="t0").save_pretrained(hf)
+    tmp = cache / f".genai-{shape.tag()}.tmp"
+    print(f"building the genai graph of {shape} ...", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
+                    "-p", "fp32", "-e", "cpu", "-c", str(cache / "genai-cache")], check=True,
+                   stdout=subprocess.DEVNULL)
+    tmp.rename(out)
+    return out
+
+
+def strip_mlp(src: Path, out: Path) -> None:
+    """The dense genai graph with each MLP branch output replaced by zeros (entry * 0): the step without MLPs."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    from fastcar_compile.passes.discover import discover
+
+    model = ir.load(src / "model.onnx")
+    zero = ir.Value(name="bench.zero", const_value=ir.tensor(np.array(0.0, np.float32), name="bench.zero"))
+    zero.type, zero.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
+    model.graph.register_initializer(zero)
+    for m in discover(model):
+        if not m.ok:
+            raise RuntimeError(f"layer {m.layer} did not match: {m.failure}")
+        node = ir.node("Mul", [m.mlp.entry, zero], name=f"bench/{m.layer}/nomlp")
+        model.graph.insert_before(m.mlp.closing, node)
+        m.mlp.closing.replace_input_with(list(m.mlp.closing.inputs).index(m.mlp.output), node.outputs[0])
+    RemoveUnusedNodesPass()(model)
+    out.mkdir(parents=True, exist_ok=True)
+    ir.save(model, out / "model.onnx", external_data="model.onnx.data")
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model.onnx"):
+            shutil.copyfile(f, out / f.name)
+
+
+def set_session(folder: Path, threads: int, native: bool) -> None:
+    """Threads, and the native ai.fastcar kernels (genai's `custom_ops_library`) when built and wanted."""
+    from fastcar_compile.runtime.native import library_path
+
+    cfg_path = folder / "genai_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    so = cfg["model"]["decoder"].setdefault("session_options", {})
+    so["intra_op_num_threads"], so["inter_op_num_threads"] = threads, 1
+    lib = library_path()
+    if native and lib is not None and folder.name != "dense" and (folder / "fast.onnx").is_file():
+        so["custom_ops_library"] = str(lib)
+    else:
+        so.pop("custom_ops_library", None)
+    atomic_write_text(cfg_path, json.dumps(cfg, indent=4))
+
+
+def variants(src: Path, work: Path, layers: int, frame_tokens: int) -> dict[str, Path]:
+    import fastcar_compile
+
+    out = {"dense": src}
+    nomlp = work / "noMLP"
+    if not (nomlp / "model.onnx").is_file():
+        strip_mlp(src, nomlp)
+    out["noMLP"] = nomlp
+    for k in range(layers + 1):
+        if k not in (0, layers // 2, (3 * layers) // 4, layers - 1, layers):
+            continue
+        folder = work / f"r{k}"
+        spread = {round(i * layers / k) for i in range(k)} if k else set()  # replaying layers, spread out
+        taus = [-np.inf if i in spread else np.inf for i in range(layers)]
+        if not (folder / "fast.onnx").is_file():
+            fastcar_compile.compile(src / "model.onnx", folder / "fast.onnx", frame_tokens=frame_tokens,
+                                    threshold=taus, per_layer_threshold=True)
+        out[f"r{k}"] = folder
+    return out
+
+
+def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int) -> dict[str, list[float]]:
+    """Prefill every variant's generator with the same ctx tokens, then time one token each, in turn."""
+    import onnxruntime_genai as og
+
+    prompt = np.random.default_rng(0).integers(3, vocab, (1, ctx)).astype(np.int32)
+    gens, keep = {}, []
+    for name, folder in folders.items():
+        model = og.Model(str(folder))
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=ctx + tokens + 1, do_sample=False)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(prompt)
+        print(f"  ctx {ctx}: {name} prefilled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        gens[name] = gen
+        keep.append(model)
+    for gen in gens.values():  # the first call only samples the token the prefill computed
+        gen.generate_next_token()
+    times: dict[str, list[float]] = {n: [] for n in gens}
+    for _ in range(tokens):
+        for name, gen in gens.items():
+            t0 = time.perf_counter()
+            gen.generate_next_token()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--contexts", help="comma-separated contexts (default: 1024,4096; quick: 256)")
+    ap.add_argument("--tokens", type=int, help="decode tokens timed per variant")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-native", action="store_true", help="run the ai.fastcar function bodies, not the kernels")
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--out", type=Path, default=Path("docs/bench_genai.json"))
+    a = ap.parse_args(argv)
+    cfg = dict(QUICK if a.quick else FULL)
+    contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else list(cfg["contexts"])
+    tokens = a.tokens or cfg["tokens"]
+    shape: LlamaShape = cfg["shape"]
+    src = build_genai(shape, a.cache)
+    work = a.cache / f"genai-variants-{shape.tag()}-L{cfg['frame_tokens']}"
+    folders = variants(src, work, shape.layers, cfg["frame_tokens"])
+    for f in folders.values():
+        set_session(f, a.threads, not a.no_native)
+    results = {"shape": shape.tag(), "threads": a.threads, "tokens": tokens, "contexts": {}}
+    for ctx in contexts:
+        times = measure(folders, ctx, tokens, shape.vocab)
+        # Lower quartile, not median: on the shared machine other jobs preempt whole steps (x50 outliers).
+        med = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
+        f = 1 - med["noMLP"] / med["dense"]
+        rows = []
+        print(f"\nctx {ctx}: genai dense {med['dense']:.2f} ms/token, without MLPs {med['noMLP']:.2f} "
+              f"(MLP share f = {f:.3f}); {a.threads} threads, {tokens} tokens, lower quartiles")
+        print("| replay | ms/token | speed-up vs genai dense | bound 1/(1-f r) | speed-up / bound |")
+        print("|---:|---:|---:|---:|---:|")
+        for name in [n for n in med if n.startswith("r")]:
+            r = int(name[1:]) / shape.layers
+            sp, bound = med["dense"] / med[name], 1 / (1 - f * r)
+            rows.append({"variant": name, "replay": r, "ms": med[name], "speedup": sp, "bound": bound})
+            print(f"| {r:.1%} | {med[name]:.2f} | {sp:.3f} | {bound:.3f} | {sp / bound:.1%} |")
+        results["contexts"][str(ctx)] = {"ms": med, "f": f, "rows": rows,
+                                         "raw_ms": {n: [x * 1e3 for x in t] for n, t in times.items()}}
+    atomic_write_text(a.out, json.dumps(results, indent=1))
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

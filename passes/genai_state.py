@@ -1,0 +1,111 @@
+"""Carry FastCar's state through onnxruntime-genai's own decode loop (`og.Generator`), unpatched.
+
+genai recycles exactly these per-layer tensors from step to step (its RecurrentState, src/models/
+recurrent_state.cpp, engaged for any decoder whose inputs match the names derived from the KV template
+`past_key_values.%d.key`): `past_key_values.N.conv_state` -> `present.N.conv_state` and
+`past_key_values.N.recurrent_state` -> `present.N.recurrent_state`. It allocates them from the input's
+static shape (only batch may be symbolic), zero-fills them for a new sequence and binds each present to
+its past buffer (updated in place). Everything else (extra inputs, unmanaged outputs) is set once or
+dropped.
+
+So a compiled model that should run in genai names its MLP cache `conv_state` ([batch, L, hidden]) and its
+age `recurrent_state` ([batch, L]) and stores the age shifted by one: genai's zero fill must mean "slot never
+written" (age -1). The graph converts on the way in (`- 1`) and out (`+ 1`); the state metadata records the
+new names with fill 0, so FastCarSession runs the same file. The output folder gets the input's
+genai_config.json (model file name replaced) and its tokenizer files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from fastcar_compile import contract
+from fastcar_compile.atomic import write_bytes, write_text
+from fastcar_compile.passes import build
+from fastcar_compile.passes.context import CompileContext
+
+CONFIG = "genai_config.json"
+CACHE_IN, CACHE_OUT = "past_key_values.{n}.conv_state", "present.{n}.conv_state"
+AGE_IN, AGE_OUT = "past_key_values.{n}.recurrent_state", "present.{n}.recurrent_state"
+GENAI_AGE_FILL = 0  # genai zero-fills; stored age = age + 1
+
+
+def beside(model_path: Path | None) -> Path | None:
+    """The genai_config.json next to the input model, if there is one."""
+    if model_path is None:
+        return None
+    cfg = Path(model_path).parent / CONFIG
+    return cfg if cfg.is_file() else None
+
+
+class GenaiStatePass(ir.passes.InPlacePass):
+    """onnxruntime-genai: state renamed to the recurrent-state names genai recycles; age stored + 1."""
+
+    def __init__(self, ctx: CompileContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if self.ctx.genai_config is None:
+            return ir.passes.PassResult(model, modified=False)
+        graph = model.graph
+        one = build.const(graph, "fastcar.genai.one", np.array(1, np.int64))
+        inputs = {v.name: v for v in graph.inputs}
+        outputs = {v.name: v for v in graph.outputs}
+        for lr in self.ctx.layers:
+            n = lr.layer
+            cache, age = lr.state
+            inputs[cache.input].name = CACHE_IN.format(n=n)
+            outputs[cache.output].name = CACHE_OUT.format(n=n)
+            tags = {contract.TAG_LAYER: str(n), contract.TAG_PART: "cache"}
+
+            old_in = inputs[age.input]
+            new_in = ir.Value(name=AGE_IN.format(n=n), type=old_in.type, shape=old_in.shape)
+            old_in.name = f"fastcar.{n}.age_in"
+            sub = ir.node("Sub", [new_in, one], name=f"fastcar/{n}/genai_age_in", metadata_props=dict(tags))
+            ir.convenience.replace_all_uses_with(old_in, sub.outputs[0])
+            sub.outputs[0].name, sub.outputs[0].type = f"fastcar.{n}.age", old_in.type
+            graph.inputs[graph.inputs.index(old_in)] = new_in
+            graph.insert_before(graph[0], sub)
+
+            old_out = outputs[age.output]
+            add = ir.node("Add", [old_out, one], name=f"fastcar/{n}/genai_age_out", metadata_props=dict(tags))
+            graph.outputs[graph.outputs.index(old_out)] = add.outputs[0]
+            old_out.name = f"fastcar.{n}.age_out"
+            add.outputs[0].name, add.outputs[0].type = AGE_OUT.format(n=n), old_out.type
+            add.outputs[0].shape = old_out.shape
+            graph.append(add)
+            lr.state = [dataclasses.replace(cache, input=CACHE_IN.format(n=n), output=CACHE_OUT.format(n=n)),
+                        dataclasses.replace(age, input=AGE_IN.format(n=n), output=AGE_OUT.format(n=n),
+                                            fill=GENAI_AGE_FILL)]
+        self.ctx.notes.append("state named for onnxruntime-genai's generator (conv_state = MLP cache, "
+                              "recurrent_state = age + 1)")
+        return ir.passes.PassResult(model, modified=True)
+
+
+class GenaiConfigPass(ir.passes.InPlacePass):
+    """onnxruntime-genai: genai_config.json (model file = the output) and tokenizer files beside the output."""
+
+    def __init__(self, ctx: CompileContext, output: Path):
+        super().__init__()
+        self.ctx, self.output = ctx, Path(output)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        config = self.ctx.genai_config
+        if config is None:
+            return ir.passes.PassResult(model, modified=False)
+        cfg = json.loads(config.read_text())
+        old_name = str(cfg["model"]["decoder"].get("filename", "model.onnx"))
+        cfg["model"]["decoder"]["filename"] = self.output.name
+        out_dir = self.output.parent
+        for f in config.parent.iterdir():  # tokenizer and processing files; not the model or its weights
+            if f.is_file() and f.name != CONFIG and not f.name.startswith(old_name) and f.suffix != ".onnx" \
+                    and not (out_dir / f.name).exists():
+                write_bytes(out_dir / f.name, f.read_bytes())
+        self.ctx.notes.append(f"onnxruntime-genai: {write_text(out_dir / CONFIG, json.dumps(cfg, indent=4))}")
+        return ir.passes.PassResult(model, modified=False)
