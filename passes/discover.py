@@ -51,6 +51,8 @@ class AttentionBlock:
     head_dim: int
     join: ir.Node | None = None  # the Add / Skip*Norm that adds the attention output to the stream
     packed_query: genai_gqa.PackedQuery | None = None  # GroupQueryAttention on packed QKV: q built by the rewrite
+    # GroupQueryAttention's total_sequence_length: its key buffer may be preallocated (longer than the tokens)
+    total_len: ir.Value | None = None
 
     def nodes(self) -> set[ir.Node]:
         """Norm, projections, rotary, KV concat and attention: nodes between the incoming stream and the join."""
@@ -252,7 +254,7 @@ def _find_attention(pkey: ir.Value, pvalue: ir.Value, trace: list[str]) -> Atten
                      f"head dim {head_dim} (output projection), rotary dim {src.rotary_dim}")
         return AttentionBlock(pkey, pvalue, core, core.outputs[0], src.qkv, "QKV", src.qkv, "QKV",
                               "GroupQueryAttention do_rotary" if src.cos_cache is not None else "none",
-                              heads, num_kv, head_dim, packed_query=src)
+                              heads, num_kv, head_dim, packed_query=src, total_len=src.total_len)
     if kdims is not None and len(kdims) == 4 and kdims[3] is None:  # symbolic head size (genai's builder)
         kdims[3] = _head_dim_from_core(core)
     if kdims is None or len(kdims) != 4 or kdims[1] is None or kdims[3] is None:
@@ -300,7 +302,9 @@ def _find_attention(pkey: ir.Value, pvalue: ir.Value, trace: list[str]) -> Atten
     trace.append(f"heads {heads}, kv heads {num_kv}, head dim {head_dim}")
     if heads % num_kv:
         raise MatchFailure("query", f"{heads} query heads do not group over {num_kv} kv heads", q.name)
-    return AttentionBlock(pkey, pvalue, core, core_out, q, layout, q_raw, raw_layout, rope, heads, num_kv, head_dim)
+    total_len = core.inputs[6] if core.op_type == "GroupQueryAttention" and len(core.inputs) > 6 else None
+    return AttentionBlock(pkey, pvalue, core, core_out, q, layout, q_raw, raw_layout, rope, heads, num_kv, head_dim,
+                          total_len=total_len)
 
 
 def _head_dim_from_core(core: ir.Node) -> int | None:
