@@ -179,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     from fastcar_compile import compile as fc_compile
     from fastcar_compile.runtime.native import build
 
-    lib = build.build(log=lambda m: print(f"native: {m}", file=sys.stderr))
-    if lib is None:
-        print("native kernels cannot be built here; nothing to compare")
+    try:
+        lib = build.build(log=lambda m: print(f"native: {m}", file=sys.stderr))
+    except build.Skipped as exc:
+        print(f"native kernels cannot be built here ({exc}); nothing to compare")
         return 0
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="fastcar-bench-"))
     work.mkdir(parents=True, exist_ok=True)

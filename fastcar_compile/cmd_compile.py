@@ -91,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--calibrate-replay", type=float, metavar="RATIO",
                      help="pick tau so that the replay ratio on --calib-data reaches RATIO (0-1)")
     cal.add_argument("--calibrate-quality", type=float, metavar="BUDGET",
-                     help="pick the largest replay whose logits stay within BUDGET (mean abs diff) of dense")
+                     help="pick the largest replay whose mean KL(dense || FastCar) per generated token (nats, "
+                          "teacher-forced on the FastCar tokens) stays within BUDGET, e.g. 0.05")
     cal.add_argument("--calib-data", help=".npy int array [prompts, prompt_len] of calibration prompts")
-    cal.add_argument("--calib-frames", type=int, default=3, help="frames generated per calibration prompt")
+    cal.add_argument("--calib-frames", type=int, default=3,
+                     help="frames generated per calibration prompt (default 3; frame 0 never replays)")
     fpga = p.add_argument_group("FPGA backend")
     fpga.add_argument("--target", choices=["onnx", "fpga"], default="onnx",
                       help="onnx (default): write fast.onnx; fpga: compile a fast.onnx into DRS bundles (.fcb)")
@@ -172,21 +174,26 @@ def _calibrate(args) -> int:
     if prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
         raise FastCarError(f"--calib-data must hold an integer array [prompts, prompt_len], got {prompts.dtype} "
                            f"{prompts.shape}")
-    from fastcar_compile.api import bake_threshold
     from fastcar_compile.runtime.calibrate import calibrate_threshold
 
     with tempfile.TemporaryDirectory() as tmp:
+        # the probe records TAS (tas.N outputs), so one pass gives the quantile (runtime/calibrate.py)
         probe = Path(tmp) / "probe.onnx"
         fc.compile(args.model, probe, frame_tokens=args.frame_tokens, threshold=_single(args.threshold),
-                   tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers)
+                   tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers, emit_diagnostics=True)
         n_held = max(1, len(prompts) // 4) if len(prompts) > 1 else 0
         calib, held = (prompts[:-n_held], prompts[-n_held:]) if n_held else (prompts, None)
+        print(f"calibrating on {len(calib)} prompts x {args.calib_frames} frames, {n_held} held out ...", flush=True)
         result = calibrate_threshold(str(probe), calib, num_frames=args.calib_frames,
                                      target_replay=args.calibrate_replay, quality_budget=args.calibrate_quality,
                                      dense_model_path=args.model, heldout_prompts=held)
-        bake_threshold(str(probe), args.output, result.tau)
     print(result.summary())
-    print(f"wrote {args.output} with tau = {result.tau:.4f}")
+    print(f"calibrated tau = {result.tau:.6g}; compiling {args.output} with it", flush=True)
+    _, report = fc.compile(args.model, args.output, frame_tokens=args.frame_tokens, threshold=result.tau,
+                           tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers,
+                           per_layer_threshold=args.per_layer_threshold, emit_diagnostics=args.emit_diagnostics,
+                           validate=not args.no_validate)
+    print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, tau = {result.tau:.6g})")
     return 0
 
 

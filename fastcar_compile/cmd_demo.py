@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     write_bytes(res, json.dumps({"summary": s.to_dict(), "clips": [
         {"motion": r.motion, "source": r.source, "replay_ratio": r.fast.replay_ratio} for r in results]},
         indent=1).encode())
-    files.append(res)
+    files += [res, fast]
     print(f"\n{s.clips} held-out clips x {s.frames} frames ({s.frames - 1} generated, greedy), "
           f"{a.threads} ORT thread(s)")
     print(table([
@@ -86,6 +86,5 @@ def main(argv: list[str]) -> int:
     ]))
     print(f"\nwrote {len(files)} files in {out} ({time.time() - t0:.0f} s):")
     for f in files:
-        print(f"  {f}")
-    print(f"  {fast} (compiled model)")
+        print(f"  {f}" + (" (compiled model)" if f == fast else ""))
     return 0

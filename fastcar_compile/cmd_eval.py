@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,19 +97,33 @@ def main(argv: list[str]) -> int:
     if a.clips < 1 or a.frames < 2 or a.guard < 0:
         raise FastCarError("--clips >= 1, --frames >= 2 and --guard >= 0 are required")
     from fastcar_compile.atomic import write_bytes
-    from fastcar_compile.demo import data
-    from fastcar_compile.demo.evaluate import (
-        compile_bundled,
-        load_tokenizer,
-        run_clips,
-        summarize,
-    )
-    from fastcar_compile.demo.export import ONNX
-    from fastcar_compile.demo.video import generate_video, open_session
 
     t0 = time.time()
     out: Path = a.out
     out.mkdir(parents=True, exist_ok=True)
+    models = Path(tempfile.mkdtemp(prefix=".eval-models-", dir=out))  # compiled per tau, removed at the end
+    try:
+        rows = _sweep(a, targets, variants, models)
+    finally:
+        shutil.rmtree(models, ignore_errors=True)
+    write_bytes(out / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
+                                                "threads": a.threads}, indent=1).encode())
+    table = _fmt_table(rows)
+    write_bytes(out / "eval.md", (table + "\n").encode())
+    _plot(rows, out / "eval.png")
+    print("\n" + table)
+    print(f"\nwrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'} ({time.time() - t0:.0f} s; the "
+          "models compiled for the sweep were temporary and are deleted)")
+    return 0
+
+
+def _sweep(a, targets: list[float], variants: list[str], out: Path) -> list[dict]:
+    """Every (TAS variant, guard, tau) configuration on the same clips, dense timed alongside each."""
+    from fastcar_compile.demo import data
+    from fastcar_compile.demo.evaluate import compile_bundled, load_tokenizer, run_clips, summarize
+    from fastcar_compile.demo.export import ONNX
+    from fastcar_compile.demo.video import generate_video, open_session
+
     tok = load_tokenizer()
     clips = data.make_clips("eval", a.clips, a.frames)
     rows: list[dict] = []
@@ -131,11 +147,4 @@ def main(argv: list[str]) -> int:
                 print(f"{q:4s} K={k} tau={tau:9.3g}: replay {100 * s['replay_ratio']:5.1f}%  "
                       f"speedup ORT {s['speedup_ort']:.2f}x runtime {s['speedup']:.2f}x  PSNR vs GT {s['psnr_fast_vs_gt']:.2f} "
                       f"(dense {s['psnr_dense_vs_gt']:.2f})  vs dense {s['psnr_fast_vs_dense']:.2f}", flush=True)
-    write_bytes(out / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
-                                                "threads": a.threads}, indent=1).encode())
-    table = _fmt_table(rows)
-    write_bytes(out / "eval.md", (table + "\n").encode())
-    _plot(rows, out / "eval.png")
-    print("\n" + table)
-    print(f"\nwrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'} ({time.time() - t0:.0f} s)")
-    return 0
+    return rows

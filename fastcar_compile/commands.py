@@ -9,6 +9,7 @@ in its help.
 from __future__ import annotations
 
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "export": ("fastcar_compile.cmd_export", "main", "transformers model folder -> ONNX decoder with KV cache"),
     "demo": ("fastcar_compile.cmd_demo", "main", "compile the bundled video model and compare dense vs FastCar"),
     "eval": ("fastcar_compile.cmd_eval", "main", "sweep tau on the bundled model: replay, PSNR/SSIM, speedup"),
     "report": ("fastcar_compile.cmd_report", "main", "turn a run.json from the runtime into PNG pictures"),

@@ -37,6 +37,9 @@ class CompileReport:
     def matched(self) -> list[int]:
         return [r.layer for r in self.layers if r.matched]
 
+    def __str__(self) -> str:  # print(report) reads like --inspect
+        return self.format()
+
     def format(self, verbose: bool = False) -> str:
         lines = [f"{len(self.matched)}/{len(self.layers)} decoder layers matched"]
         for r in self.layers:

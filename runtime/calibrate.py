@@ -2,11 +2,17 @@
 
 Baking the chosen tau into fast.onnx is the compiler's job (`fastcar_compile.api.bake_threshold`).
 
-Two goals: a target replay ratio (`target_replay`), or the largest replay whose logits stay within a
-divergence budget of the dense model (`quality_budget`, mean KL(dense || fast) per video token, teacher
-forced on the tokens the fast model chose). Both search tau directly: each probe decodes the calibration
-prompts greedily with that tau, so chained replays (a replayed value written back and replayed again) are
-measured, not guessed from one TAS histogram. Replay falls as tau rises, so a bracket then bisection finds it.
+Two goals: a target replay ratio (`target_replay`, over all decode steps, frame 0 included), or the largest
+replay whose logits stay within a divergence budget of the dense model (`quality_budget`, mean
+KL(dense || fast) per video token in nats, teacher forced on the tokens the fast model chose).
+
+Replay target, model with TAS outputs (`--emit-diagnostics`; the CLI compiles such a probe): one pass at
+tau=+inf records the TAS of every eligible token, layer and row; tau for the target is the matching quantile.
+Replaying changes later hidden states (a replayed value is written back and may be replayed again), so a few
+refinement passes at the current tau re-read the quantile from the TAS seen with replay on, correcting the
+share by the remaining error, until the ratio is within `tolerance` (`method="quantile"`). Otherwise (no TAS
+outputs, or a quality budget) tau is searched directly: a bracket from 0, then bisection, one greedy pass
+per probe (`method="search"`). Both report the 95% confidence interval of the mean replay over prompts.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +30,8 @@ import numpy as np
 
 from fastcar_compile.api import bake_threshold  # noqa: F401 - baking is compiler-side; kept importable here
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.runtime.decode import generate, left_pad
+from fastcar_compile.runtime.calib_stats import ci95, tau_for_share
+from fastcar_compile.runtime.decode import ThresholdWarning, generate, left_pad
 from fastcar_compile.runtime.session import FastCarSession
 
 
@@ -40,20 +48,29 @@ class CalibrationResult:
     divergence_heldout: float | None = None
     ceiling: float = 0.0
     probes: list[tuple[float, float, float | None]] = field(default_factory=list)
+    method: str = "search"
+    n_calib: int = 0
+    n_heldout: int = 0
+    replay_calib_ci: float = float("nan")  # 95% CI half width of the mean replay over calibration prompts
+    replay_heldout_ci: float | None = None
+    seconds: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     def summary(self) -> str:
-        s = f"tau={self.tau:.6g} ({self.mode} target {self.target:g}): replay {100 * self.replay_calib:.1f}% " \
-            "on calibration prompts"
+        s = f"tau={self.tau:.6g} ({self.mode} target {self.target:g}, {self.method}): replay " \
+            f"{100 * self.replay_calib:.1f}% +- {100 * self.replay_calib_ci:.1f} (95% CI over {self.n_calib} " \
+            "calibration prompts)"
         if self.replay_heldout is not None:
-            s += f", {100 * self.replay_heldout:.1f}% held-out"
+            s += f", held-out {100 * self.replay_heldout:.1f}% +- {100 * (self.replay_heldout_ci or 0):.1f} " \
+                 f"({self.n_heldout} prompts)"
         if self.divergence_calib is not None:
             s += f"; KL {self.divergence_calib:.4g}"
             if self.divergence_heldout is not None:
                 s += f" (held-out {self.divergence_heldout:.4g})"
-        return s + f"; ceiling {100 * self.ceiling:.1f}%, {len(self.probes)} probes"
+        return s + f"; ratios count frame 0 (ceiling {100 * self.ceiling:.1f}%); {len(self.probes)} passes, " \
+            f"{self.seconds:.1f} s"
 
 
 def replay_ceiling(num_frames: int, frame_tokens: int, given_video_tokens: int = 0) -> float:
@@ -93,21 +110,37 @@ class _Prober:
         self.ceiling = 0.0
 
     def __call__(self, tau: float) -> tuple[float, float | None]:
+        r, d = self.run(tau)
+        return r, d
+
+    def run(self, tau: float, collect_tas: bool = False) -> tuple[float, float | None]:
+        """One greedy pass over the prompts at tau; sets per_prompt (replay per prompt) and tas (eligible TAS
+        values, with collect_tas)."""
         replayed = total = 0.0
         kl_sum, kl_n = 0.0, 0
+        per_prompt, tas = [], []
         for i in range(0, len(self.prompts), self.batch_size):
             chunk = self.prompts[i: i + self.batch_size]
-            res = generate(self.fast, chunk, self.num_frames, threshold=tau, seed=self.seed + i,
-                           keep_logits=self.dense is not None, progress=False, **self.gen_kwargs)
+            with warnings.catch_warnings():  # probes replay all or nothing on purpose
+                warnings.simplefilter("ignore", ThresholdWarning)
+                res = generate(self.fast, chunk, self.num_frames, threshold=tau, seed=self.seed + i,
+                               keep_logits=self.dense is not None, progress=False, collect_tas=collect_tas,
+                               **self.gen_kwargs)
             r = res.stats.replay_array()
             replayed += float(r.sum())
             total += r.size
+            per_prompt += list(r.mean(axis=(0, 1))[: len(chunk)])
+            if collect_tas and res.stats.tas:
+                elig = res.stats.eligible_steps()
+                tas.append(np.asarray(res.stats.tas, dtype=np.float64)[elig].ravel())
             self.ceiling = res.stats.eligible_ratio_ceiling
             if self.dense is not None:
                 kl = _teacher_forced_kl(self.dense, chunk, res.tokens, res.logits,
                                         self.gen_kwargs.get("logits_processor"))
                 kl_sum += float(kl.sum())
                 kl_n += kl.size
+        self.per_prompt = np.asarray(per_prompt)
+        self.tas = np.concatenate(tas) if tas else np.zeros(0)
         return replayed / max(total, 1.0), (kl_sum / kl_n if kl_n else None)
 
 
@@ -198,19 +231,55 @@ def _search(evaluate: Callable[[float], tuple[float, float | None]], good: Calla
     return best[0], probes
 
 
+def _quantile(prober: _Prober, target: float, ceiling: float, tolerance: float, refine: int, progress: bool
+              ) -> tuple[float, list[tuple[float, float, float | None]]]:
+    """tau for `target` replay: the TAS quantile of one never-replay pass, then up to `refine` passes at the
+    current tau that re-read the quantile with replay on and correct the share by the remaining error."""
+    from tqdm.auto import tqdm
+
+    probes: list[tuple[float, float, float | None]] = []
+    bar = tqdm(total=1 + refine, desc="calibrating tau", unit="pass", disable=not progress, leave=False)
+    try:
+        probes.append((math.inf, *prober.run(math.inf, collect_tas=True)))
+        bar.update(1)
+        if prober.tas.size == 0:
+            raise FastCarError("no eligible TAS recorded: use more frames (frame 0 never replays)")
+        share = target / ceiling if ceiling else 0.0  # among eligible decisions
+        tau = tau_for_share(prober.tas, share)
+        for _ in range(refine):
+            r, d = prober.run(tau, collect_tas=True)
+            probes.append((tau, r, d))
+            bar.update(1)
+            bar.set_postfix(tau=f"{tau:.4g}", replay=f"{r:.3f}")
+            if abs(r - target) <= tolerance:
+                break
+            share = min(max(share + (target - r) / ceiling, 0.0), 1.0)
+            tau = tau_for_share(prober.tas, share)
+    finally:
+        bar.close()
+    best = min(probes[1:], key=lambda p: abs(p[1] - target))
+    return best[0], probes
+
+
 def calibrate_threshold(fast_model_path: str | os.PathLike, calib_prompts: np.ndarray, *, num_frames: int,
                         target_replay: float | None = None, quality_budget: float | None = None,
                         dense_model_path: str | os.PathLike | None = None,
                         heldout_prompts: np.ndarray | None = None, seed: int = 0, max_probes: int = 24,
                         tolerance: float = 0.005, batch_size: int = 8, progress: bool | None = None,
-                        **generate_kwargs: Any) -> CalibrationResult:
+                        method: str = "auto", refine: int = 3, **generate_kwargs: Any) -> CalibrationResult:
     """Find tau for a replay target (within `tolerance`) or for a quality budget.
 
     target_replay: fraction of MLPs replayed over all decode steps, rows and rewritten layers; at most the
     ceiling (num_frames-1)/num_frames (frame 0 never replays). quality_budget: the largest mean
     KL(dense || fast) per video token allowed; the dense model defaults to the fast one at tau=+inf (the
     same function, so pass dense_model_path only to compare with the original export).
+    method: "quantile" (one TAS pass + `refine` passes; needs a model with tas.N outputs), "search"
+    (bisection, up to `max_probes` passes) or "auto" (quantile for a replay target when the model has TAS
+    outputs).
     """
+    import time
+
+    t_start = time.perf_counter()
     if (target_replay is None) == (quality_budget is None):
         raise FastCarError("give exactly one of target_replay (e.g. 0.8) or quality_budget (e.g. 0.05)")
     if num_frames < 2:
@@ -234,21 +303,36 @@ def calibrate_threshold(fast_model_path: str | os.PathLike, calib_prompts: np.nd
         if not 0 <= target_replay <= ceiling:
             raise FastCarError(f"target_replay {target_replay} is outside [0, {ceiling:.4f}]: with {num_frames} "
                                f"frames frame 0 never replays; ask for less or use more frames")
-        tau, probes = _search(prober, good=lambda r, d: r <= target_replay + tolerance,
-                              score=lambda r, d: abs(r - target_replay) if abs(r - target_replay) > tolerance
-                              else 0.0, max_probes=max_probes, progress=show)
+        if method not in ("auto", "quantile", "search"):
+            raise FastCarError(f"method must be auto, quantile or search, got {method!r}")
+        if method == "quantile" and not fast.has_diagnostics:
+            raise FastCarError(f"{fast_model_path} has no tas.N outputs; compile it with --emit-diagnostics for "
+                               "the quantile method, or use method='search'")
+        method = "quantile" if method == "quantile" or (method == "auto" and fast.has_diagnostics) else "search"
+        if method == "quantile":
+            tau, probes = _quantile(prober, target_replay, ceiling, tolerance, refine, show)
+        else:
+            tau, probes = _search(prober, good=lambda r, d: r <= target_replay + tolerance,
+                                  score=lambda r, d: abs(r - target_replay) if abs(r - target_replay) > tolerance
+                                  else 0.0, max_probes=max_probes, progress=show)
         mode, target = "replay", float(target_replay)
     else:
         tau, probes = _search(prober, good=lambda r, d: d is not None and d <= quality_budget,
                               score=lambda r, d: -r, max_probes=max_probes, progress=show,
                               replay_resolution=0.002)
         mode, target = "quality", float(quality_budget)
+        method = "search"
     chosen = next(p for p in probes if p[0] == tau)
+    if not math.isclose(probes[-1][0], tau):  # per-prompt ratios at the chosen tau
+        prober.run(tau)
     res = CalibrationResult(tau=float(tau), mode=mode, target=target, replay_calib=chosen[1],
-                            divergence_calib=chosen[2], ceiling=ceiling, probes=probes)
+                            divergence_calib=chosen[2], ceiling=ceiling, probes=probes, method=method,
+                            n_calib=len(calib), replay_calib_ci=ci95(prober.per_prompt))
     if held is not None:
         hp = _Prober(fast, dense, held, num_frames, seed + 10_000, batch_size, generate_kwargs)
         res.replay_heldout, res.divergence_heldout = hp(tau)
+        res.n_heldout, res.replay_heldout_ci = len(held), ci95(hp.per_prompt)
+    res.seconds = time.perf_counter() - t_start
     return res
 
 

@@ -8,6 +8,7 @@ unconditional rows; both get the same token and each row decides replay for itse
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,20 @@ def _as_rows(prompt_ids: Any, what: str) -> list[list[int]]:
     if any(len(r) == 0 for r in rows):
         raise FastCarError(f"{what}: every row needs at least one token")
     return rows
+
+
+def _warn_threshold(stats: RunStats) -> bool:
+    """Warn (once per run) when tau replays all or nothing of the first eligible frame; True once judged."""
+    if stats.eligible_steps().sum() < max(1, stats.frame_tokens // 2):
+        return False
+    msg = stats.threshold_warning()
+    if msg:
+        warnings.warn(msg, ThresholdWarning, stacklevel=3)
+    return True
+
+
+class ThresholdWarning(UserWarning):
+    """tau replays every eligible MLP or none: off the model's TAS scale."""
 
 
 def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_tokens: int | None = None,
@@ -183,10 +198,13 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
         bar.update(1)
         state = out.state
         frame_ms = 0.0
+        warned = False
         one = np.ones((batch, 1), np.int64)
         while n <= total:
             if n % L == 0:  # a frame is complete
                 f = n // L - 1
+                if not warned and stats.steps:
+                    warned = _warn_threshold(stats)
                 stats.frame_ms.append(frame_ms)
                 frame_ms = 0.0
                 stats.frames_done = f + 1

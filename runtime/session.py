@@ -109,15 +109,18 @@ class FastCarSession:
         if not self.path.is_file():
             raise FastCarError(f"model file {self.path} does not exist; pass the path of an .onnx file")
         so = session_options if session_options is not None else self._options(threads)
+        # fast.onnx keeps video_start/fastcar_threshold as inputs with defaults by design; ORT warns about
+        # each at WARNING level on load, so warnings are kept off the session (errors still show)
+        so.log_severity_level = max(so.log_severity_level, 3)
         self.native_library: str | None = None
         lib = None
         if native is not False:
-            from fastcar_compile.runtime.native import library_path
+            from fastcar_compile.runtime.native import announce, library_path, native_status
 
             lib = library_path()
             if lib is None and native:
-                raise FastCarError("native=True but the ai.fastcar kernels are not built; run "
-                                   "`python runtime/native/build.py` (needs g++ and the ORT C headers)")
+                raise FastCarError(f"native=True but {native_status(None).split(': ', 1)[1]}")
+            announce(lib)
         provs = list(providers) if providers else ["CPUExecutionProvider"]
         plain_so = so
         if lib is not None:

@@ -1,7 +1,8 @@
 """Run statistics returned with the tokens; their JSON is also the replay trace the FPGA simulator reads.
 
-Replay ratio counts replayed MLPs over decode steps x rows x rewritten layers (SPEC.md section 1), so with
-8 frames of 256 tokens its ceiling is 1791/2047: frame 0 can never replay.
+Replay ratio counts replayed MLPs over decode steps x rows x rewritten layers (SPEC.md section 1), frame 0
+included, so with 8 frames of 256 tokens its ceiling is 1791/2047: frame 0 can never replay.
+`replay_ratio_eligible` is the same count over the steps where replay was possible (frame 0 excluded).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class RunStats:
     replay_per_row: list[float] = field(default_factory=list)
     replay_layer_frame: list[list[float]] = field(default_factory=list)
     eligible_ratio_ceiling: float = 0.0
+    replay_ratio_eligible: float = 0.0  # replayed / decisions where replay was possible (frame 0 excluded)
     tas: list[list[list[float]]] | None = None  # [step][layer][row], only when collected
     state_bytes: int = 0
     kv_bytes_per_token: int = 0
@@ -80,8 +82,37 @@ class RunStats:
         self.replay_per_frame = per_frame
         self.replay_layer_frame = [list(col) for col in zip(*lf, strict=True)] if lf and self.layers else []
         n = len(self.steps)
-        self.eligible_ratio_ceiling = float(((pos - self.frame_tokens) >= self.video_start).sum() / n) if n else 0.0
+        elig = self.eligible_steps()
+        self.eligible_ratio_ceiling = float(elig.sum() / n) if n else 0.0
+        self.replay_ratio_eligible = float(r[elig].mean()) if r.size and elig.any() else 0.0
         return self
+
+    def eligible_steps(self) -> np.ndarray:
+        """[steps] bool: decode steps whose aligned token (p - L) is video, i.e. not frame 0, so replay can
+        happen there (SPEC.md section 1)."""
+        pos = np.array([s["pos"] for s in self.steps], dtype=np.int64)
+        return (pos - self.frame_tokens) >= self.video_start
+
+    def threshold_warning(self) -> str | None:
+        """A warning when tau replays every eligible MLP or none of them so far (after at least one full
+        frame of eligible steps): such a tau says nothing about the model and is almost always a TAS scale
+        mismatch (e.g. the paper's raw-TAS -4 with the default post-RoPE TAS)."""
+        r, elig = self.replay_array(), self.eligible_steps()
+        if not self.fastcar or not self.layers or elig.sum() < max(1, self.frame_tokens // 2):
+            return None
+        share = float(r[elig].mean())
+        if 0.0 < share < 1.0 or not np.all(np.isfinite(np.asarray(self.threshold, dtype=float))):
+            return None  # +-inf: all or nothing on purpose
+        what = "every eligible MLP" if share == 1.0 else "no MLP"
+        tas = ""
+        if self.tas:
+            t = np.asarray(self.tas, dtype=float)[elig[: len(self.tas)]]
+            if t.size:
+                tas = f"; TAS on these steps spans {np.quantile(t, 0.05):.3g} .. {np.quantile(t, 0.95):.3g} (5-95%)"
+        return (f"tau={self.threshold} replays {what} on the first {int(elig.sum())} eligible decode steps{tas}: "
+                "the threshold is off the model's TAS scale. Calibrate it (fastcar-compile ... --calibrate-replay "
+                "0.5 --calib-data prompts.npy) or, for the paper's raw-TAS values (-1/-4/-8), compile with "
+                "--tas-query raw")
 
     @property
     def ms_per_step(self) -> float:
@@ -95,8 +126,9 @@ class RunStats:
                  f"  prefill {self.prefill_ms:.1f} ms, decode {self.ms_per_step:.2f} ms/step, "
                  f"{np.mean(self.frame_ms) if self.frame_ms else 0:.0f} ms/frame"]
         if self.fastcar:
-            lines.append(f"  replay {100 * self.replay_ratio:.1f}% (ceiling {100 * self.eligible_ratio_ceiling:.1f}%)"
-                         f" at tau={self.threshold}")
+            lines.append(f"  replay {100 * self.replay_ratio:.1f}% of all decode steps, frame 0 included (ceiling "
+                         f"{100 * self.eligible_ratio_ceiling:.1f}%); {100 * self.replay_ratio_eligible:.1f}% of "
+                         f"eligible steps (frame 0 excluded), at tau={self.threshold}")
             lines.append("  per layer: " + " ".join(f"L{n}={100 * v:.0f}%" for n, v in
                                                     zip(self.layers, self.replay_per_layer, strict=True)))
             lines.append("  per frame: " + " ".join(f"{100 * v:.0f}%" for v in self.replay_per_frame))

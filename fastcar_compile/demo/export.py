@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-import warnings
 from pathlib import Path
 
 from fastcar_compile.atomic import atomic_path, write_text
-from fastcar_compile.contract import io_names
 from fastcar_compile.demo.model import DemoConfig, build_model
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.export import export_decoder
 
 ASSETS = Path(__file__).with_name("assets")
 WEIGHTS = ASSETS / "model.safetensors"
@@ -26,79 +24,13 @@ ONNX = ASSETS / "decoder.onnx"
 TOKENIZER = ASSETS / "tokenizer.npz"
 
 
-def _wrapper(model):
-    import torch
-
-    class FlatKV(torch.nn.Module):
-        """Flat KV tensors in and out (the exporter cannot take a DynamicCache object as input)."""
-
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-            self.n = m.config.num_hidden_layers
-
-        def forward(self, input_ids, attention_mask, position_ids, *past):
-            from transformers import DynamicCache
-
-            cache = DynamicCache([(past[2 * i], past[2 * i + 1]) for i in range(self.n)], config=self.m.config)
-            # A ready 4D additive mask (causal over KV indices, and the padding mask): a handful of ONNX
-            # nodes instead of transformers' ~30-node mask builder, which costs as much as a layer at batch 1.
-            total, seq = attention_mask.shape[1], input_ids.shape[1]
-            k_idx = torch.arange(total, device=input_ids.device)
-            q_idx = torch.arange(seq, device=input_ids.device) + (total - seq)
-            allowed = (k_idx[None, None, None, :] <= q_idx[None, None, :, None]) & attention_mask[:, None, None,
-                                                                                                   :].bool()
-            mask = torch.where(allowed, torch.zeros((), dtype=torch.float32),
-                               torch.full((), torch.finfo(torch.float32).min))
-            out = self.m(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, return_dict=True)
-            flat = []
-            for layer in out.past_key_values.layers:
-                flat += [layer.keys, layer.values]
-            return (out.logits, *flat)
-
-    return FlatKV(model).eval()
-
-
 def export_onnx(model, path: str | os.PathLike, opset: int = 20) -> Path:
-    """Export `model` (float32 LlamaForCausalLM) to a single-file ONNX at `path`, atomically."""
-    import onnx
-    import torch
+    """Export `model` (float32 LlamaForCausalLM) to a single-file ONNX at `path`, atomically.
 
-    cfg = model.config
-    n = cfg.num_hidden_layers
-    kvh = cfg.num_key_value_heads
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    batch, seq, past = 2, 3, 5
-    g = torch.Generator().manual_seed(0)
-    example = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=g),
-               torch.ones(batch, past + seq, dtype=torch.int64),
-               torch.arange(past, past + seq).unsqueeze(0).expand(batch, seq).contiguous()]
-    example += [torch.randn(batch, kvh, past, hd, generator=g) for _ in range(2 * n)]
-    ins, outs = io_names(n)
-    kv_shapes = tuple({0: "batch", 2: "past"} for _ in range(2 * n))
-    shapes = ({0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, {0: "batch", 1: "seq"}, kv_shapes)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmpdir = tempfile.mkdtemp(dir=path.parent, prefix=".export-")
-    tmp = Path(tmpdir) / "model.onnx"
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        prog = torch.onnx.export(_wrapper(model), tuple(example), input_names=ins, output_names=outs,
-                                 dynamic_shapes=shapes, opset_version=opset, dynamo=True, optimize=True,
-                                 verbose=False)
-        prog.save(str(tmp))
-    proto = onnx.load(str(tmp))
-    got_in, got_out = [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
-    if got_in != ins or got_out != outs:
-        raise FastCarError(f"exporter broke the I/O contract: inputs {got_in}, outputs {got_out}")
-    final = Path(tmpdir) / "final.onnx"
-    onnx.save(proto, str(final))  # single file, no external data
-    os.replace(final, path)
-    for f in Path(tmpdir).iterdir():
-        f.unlink()
-    os.rmdir(tmpdir)
-    return path
+    The generic exporter (`fastcar-compile export`) with a ready 4-D additive mask: a handful of ONNX nodes
+    instead of transformers' ~30-node mask builder, which costs as much as a layer at batch 1 here.
+    """
+    return export_decoder(model, path, opset=opset, dynamo=True, additive_mask=True)
 
 
 def save_weights(model, cfg: DemoConfig, weights: str | os.PathLike = WEIGHTS,

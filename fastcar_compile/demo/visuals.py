@@ -61,19 +61,38 @@ def write_gif(results: list[ClipResult], tok: PatchTokenizer, path: Path, fps: f
     return path
 
 
+STRIP_LABEL_W = 110  # px of the label column left of the strip
+
+
 def write_strip(results: list[ClipResult], tok: PatchTokenizer, path: Path) -> Path:
-    """PNG: for each clip, 4 rows (ground truth, dense, FastCar, replay) x frames."""
-    blocks = []
+    """PNG: for each clip, 4 rows (ground truth, dense, FastCar, replay) x frames, each row labelled on the
+    left (with the clip's motion and source), frame numbers on top (frame 0 is given)."""
+    k, W = 3, tok.frame
+    blocks, labels = [], []
+    y = 0
     for r in results:
         p = _panels(r, tok)  # [T, H, 4W+3, 3]
-        W = tok.frame
         cols = [p[:, :, i * (W + 1): i * (W + 1) + W] for i in range(4)]
         rows = [np.concatenate(list(c), axis=1) for c in cols]
         gap = np.full((2, rows[0].shape[1], 3), 255, np.uint8)
+        for i, name in enumerate(COLUMNS):
+            sub = f"{r.motion}, {r.source}" if i == 0 else ("orange = replayed" if i == 3 else "")
+            labels.append((y + i * (W + 2), name, sub))
         blocks.append(np.concatenate(sum(([row, gap] for row in rows), []) + [gap, gap]))
-    img = _upscale(np.concatenate(blocks), 3)
+        y += 4 * (W + 2) + 4
+    body = _upscale(np.concatenate(blocks), k)
+    head = 16
+    canvas = Image.new("RGB", (STRIP_LABEL_W + body.shape[1], head + body.shape[0]), "white")
+    canvas.paste(Image.fromarray(body), (STRIP_LABEL_W, head))
+    dr = ImageDraw.Draw(canvas)
+    for t in range(body.shape[1] // (k * W)):
+        dr.text((STRIP_LABEL_W + t * k * W + 4, 2), f"frame {t}" + (" (given)" if t == 0 else ""), fill="black")
+    for top, name, sub in labels:
+        dr.text((4, head + k * top + 4), name, fill="black")
+        if sub:
+            dr.text((4, head + k * top + 18), sub[:18], fill="dimgray")
     buf = io.BytesIO()
-    Image.fromarray(img).save(buf, format="PNG")
+    canvas.save(buf, format="PNG")
     write_bytes(path, buf.getvalue())
     return path
 

@@ -1,7 +1,11 @@
-"""Native (C++) kernels of the `ai.fastcar` custom ops, built from source by `build.py`.
+"""Native (C++) kernels of the `ai.fastcar` custom ops, built on first use into a per-user cache.
 
-Without the built library ONNX Runtime runs the model-local function bodies that fast.onnx ships, so the
-library is an optional speed-up, never a requirement.
+Without the library ONNX Runtime runs the model-local function bodies that fast.onnx ships (same results,
+slower), so the library is a speed-up, never a requirement. `library_path()` builds it lazily (once per
+onnxruntime version and kernel source, ~10 s with g++) so that the README's install command is the only
+step; when it cannot be built it says why in one line and the function bodies run.
+
+FASTCAR_NATIVE: unset or 1 = use (build if needed); 0 = never (A/B timing); a path = use that library.
 """
 
 from __future__ import annotations
@@ -11,22 +15,59 @@ import sys
 from pathlib import Path
 
 LIB_NAME = {"darwin": "libfastcar_ops.dylib", "win32": "fastcar_ops.dll"}.get(sys.platform, "libfastcar_ops.so")
-# Set FASTCAR_NATIVE=0 to ignore a built library (A/B timing), or to a path to use another build.
 ENV = "FASTCAR_NATIVE"
 
+# why the last library_path() call found no library (None when it found one); read by native_status()
+_reason: str | None = None
+_said = False
 
-def build_dir() -> Path:
-    """Where build.py writes the library: next to this file (the repo checkout / editable install)."""
-    return Path(__file__).resolve().parent / "build"
 
-
-def library_path() -> Path | None:
-    """The built kernel library, or None when it was not built (or FASTCAR_NATIVE=0)."""
+def library_path(build: bool = True) -> Path | None:
+    """The kernel library to register, or None (FASTCAR_NATIVE=0, or it cannot be built: see _reason)."""
+    global _reason
     env = os.environ.get(ENV)
     if env == "0":
+        _reason = f"{ENV}=0"
         return None
     if env and env != "1":
         p = Path(env)
+        _reason = None if p.is_file() else f"{ENV}={env} is not a file"
         return p if p.is_file() else None
-    p = build_dir() / LIB_NAME
-    return p if p.is_file() else None
+    from fastcar_compile.runtime.native import build as b
+
+    lib = b.lib_path()
+    if lib.is_file():
+        _reason = None
+        return lib
+    if not build:
+        _reason = "not built yet"
+        return None
+    print(f"fastcar-compile: building the native ai.fastcar kernels once into {lib.parent} ...", file=sys.stderr,
+          flush=True)
+    try:
+        lib = b.build(log=lambda *_: None)
+    except b.Skipped as exc:
+        _reason = str(exc)
+        return None
+    except RuntimeError as exc:
+        _reason = str(exc)
+        return None
+    _reason = None
+    return lib
+
+
+def native_status(lib: Path | None) -> str:
+    """One line saying whether the native kernels are in use, and why not."""
+    if lib is not None:
+        return f"fastcar-compile: native ai.fastcar kernels in use ({lib})"
+    why = _reason or "not available"
+    return (f"fastcar-compile: native kernels OFF ({why}); running the ONNX function bodies (slower; "
+            f"docs/runtime.md, {ENV})")
+
+
+def announce(lib: Path | None) -> None:
+    """Print native_status once per process (the runtime calls it when its first session starts)."""
+    global _said
+    if not _said and os.environ.get("FASTCAR_QUIET", "0") != "1":
+        print(native_status(lib), file=sys.stderr, flush=True)
+    _said = True

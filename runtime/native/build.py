@@ -1,5 +1,10 @@
 """Build the native ai.fastcar kernels (libfastcar_ops.so) from fastcar_ops.cc; skip cleanly when impossible.
 
+The runtime calls `build()` lazily on first use (FastCarSession), so the README's install command is all a
+user runs; this script only forces or inspects that build. The library goes into a per-user cache,
+~/.cache/fastcar-compile/native/<ORT version>-<source hash>/ (XDG_CACHE_HOME is honoured), so an installed
+package folder is never written and a new onnxruntime or kernel source gets its own build.
+
 ONNX Runtime's Python wheel ships no C headers. Searched in order:
   1. $ORT_INCLUDE_DIR (a folder holding onnxruntime_c_api.h),
   2. Debian/Ubuntu `libonnxruntime-dev` (/usr/include/onnxruntime; Debian trixie has 1.21),
@@ -10,12 +15,14 @@ The kernels use no symbol from libonnxruntime (the API table arrives at registra
 linked. Exit code 0 both when built and when skipped (the function bodies then run); 1 only when a
 compiler was found and the build failed.
 
-    python runtime/native/build.py [--force] [--quiet]
+    python -m fastcar_compile.runtime.native.build [--force] [--quiet]   (prints the library path)
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import os
 import re
 import shutil
@@ -27,10 +34,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE / "fastcar_ops.cc"
-OUT_DIR = HERE / "build"
-LIB = OUT_DIR / "libfastcar_ops.so"
+LIB_NAME = "libfastcar_ops.so"
 NPM_PACKAGE = "com.github.asus4.onnxruntime@0.4.9"
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastcar-compile" / "ort-include"
+CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastcar-compile"
+CACHE = CACHE_ROOT / "ort-include"
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 NEEDED = ("onnxruntime_c_api.h", "onnxruntime_cxx_api.h", "onnxruntime_cxx_inline.h", "onnxruntime_float16.h",
           "onnxruntime_lite_custom_op.h")
 MIN_API = 21
@@ -96,39 +104,57 @@ def _ort_api_supported() -> int:
     return int(m.group(1)) if m else 0
 
 
-def build(force: bool = False, log=print) -> Path | None:
-    """Compile the library if needed; return its path, or None when skipped."""
-    if LIB.is_file() and not force and LIB.stat().st_mtime >= SRC.stat().st_mtime:
-        log(f"up to date: {LIB}")
-        return LIB
+def lib_path() -> Path:
+    """Where the library for this onnxruntime and this kernel source lives (built or not)."""
+    import onnxruntime
+
+    h = hashlib.sha256(SRC.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    return CACHE_ROOT / "native" / f"ort{onnxruntime.__version__}-{h}" / LIB_NAME
+
+
+class Skipped(Exception):
+    """The kernels cannot be built here; the message says why and what to install (one line)."""
+
+
+def build(force: bool = False, log=print) -> Path:
+    """Compile the library into the cache if it is not there; return its path.
+
+    Raises Skipped (no compiler, no headers: ORT then runs the function bodies) or RuntimeError (a compiler
+    was found and failed). Concurrent callers serialise on a lock file; the library appears atomically.
+    """
+    lib = lib_path()
+    if lib.is_file() and not force:
+        return lib
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
-        log("skipped: no C++ compiler (install g++); ORT will run the function bodies")
-        return None
-    inc = find_headers(log)
-    if inc is None:
-        log("skipped: ONNX Runtime C headers not found (set ORT_INCLUDE_DIR, install libonnxruntime-dev, "
-            "or allow the npm fetch); ORT will run the function bodies")
-        return None
-    api, have = _api_version(inc), _ort_api_supported()
-    if api < MIN_API or api > have:
-        log(f"skipped: headers are C API {api}, installed onnxruntime serves up to {have} (need {MIN_API}..{have})")
-        return None
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    tmp = OUT_DIR / f".{LIB.name}.{os.getpid()}.tmp"
-    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-march=x86-64-v2",
-           f"-I{inc}", str(SRC), "-o", str(tmp)]
-    if os.uname().machine not in ("x86_64", "AMD64"):
-        cmd.remove("-march=x86-64-v2")
-    log(" ".join(cmd))
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        log(r.stderr[-4000:])
-        raise RuntimeError("native build failed (see the compiler output above)")
-    os.replace(tmp, LIB)
-    log(f"built {LIB} (ORT C API {api})")
-    return LIB
+        raise Skipped("no C++ compiler found (install g++ or set CXX)")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with open(lib.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.is_file() and not force:  # another process built it while we waited
+            return lib
+        inc = find_headers(log)
+        if inc is None:
+            raise Skipped("ONNX Runtime C headers not found (set ORT_INCLUDE_DIR, install libonnxruntime-dev, "
+                          "or install npm so they can be fetched once)")
+        api, have = _api_version(inc), _ort_api_supported()
+        if api < MIN_API or api > have:
+            raise Skipped(f"headers in {inc} are C API {api}; the installed onnxruntime serves "
+                          f"{MIN_API}..{have}")
+        tmp = lib.parent / f".{LIB_NAME}.{os.getpid()}.tmp"
+        cmd = [cxx, *FLAGS, f"-I{inc}", str(SRC), "-o", str(tmp)]
+        if os.uname().machine in ("x86_64", "AMD64"):
+            cmd.insert(1, "-march=x86-64-v2")
+        log(" ".join(cmd))
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            log(r.stderr[-4000:])
+            raise RuntimeError(f"native build failed ({cxx} exit {r.returncode}; rerun "
+                               "`python -m fastcar_compile.runtime.native.build --force` to see why)")
+        os.replace(tmp, lib)
+    log(f"built {lib} (ORT C API {api})")
+    return lib
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     log = (lambda *_: None) if a.quiet else (lambda m: print(f"native: {m}", file=sys.stderr))
     try:
-        build(a.force, log)
+        print(build(a.force, log))
+    except Skipped as exc:
+        log(f"skipped: {exc}; ORT will run the function bodies")
     except RuntimeError as exc:
         print(f"native: {exc}", file=sys.stderr)
         return 1

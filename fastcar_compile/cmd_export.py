@@ -1,0 +1,65 @@
+"""`fastcar-compile export MODEL_DIR -o model.onnx`: a transformers causal LM -> the ONNX decoder with KV
+cache that the compiler reads (docs/export.md)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from fastcar_compile.errors import FastCarError
+
+CHECK_TOLERANCE = 1e-3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="fastcar-compile export", description="Export a transformers causal LM (a save_pretrained folder, or a "
+        "config.json for random weights) to ONNX with past_key_values.N.key|value -> present.N.key|value.")
+    ap.add_argument("source", help="transformers model folder (config.json + weights) or a config.json")
+    ap.add_argument("-o", "--output", required=True, help="output .onnx (written atomically)")
+    ap.add_argument("--opset", type=int, help="ONNX opset (default 20 with dynamo, 17 with --torchscript)")
+    ap.add_argument("--torchscript", action="store_true",
+                    help="use the TorchScript exporter (dynamo=False) instead of dynamo (the default)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights when given a config only")
+    ap.add_argument("--no-check", action="store_true",
+                    help="skip the check that ONNX Runtime's logits equal the eager model's (prompt + 2 steps)")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    if a.opset is not None and not 7 <= a.opset <= 24:
+        raise FastCarError(f"--opset {a.opset} is outside 7..24 (20 is the tested default)")
+    out = Path(a.output)
+    if out.suffix != ".onnx":
+        raise FastCarError(f"-o {out}: give a path ending in .onnx")
+    from fastcar_compile.export import check_logits, export_decoder, load_model
+
+    t0 = time.perf_counter()
+    model, weights = load_model(a.source, seed=a.seed)
+    if not weights:
+        print(f"note: {a.source} has no weights; exporting random weights (seed {a.seed}) to try the tool chain")
+    exporter = "TorchScript" if a.torchscript else "dynamo"
+    n = sum(p.numel() for p in model.parameters())
+    print(f"exporting {type(model).__name__} ({n / 1e6:.1f} M parameters) with the {exporter} exporter ...",
+          flush=True)
+    try:
+        export_decoder(model, out, opset=a.opset, dynamo=not a.torchscript)
+    except FastCarError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.onnx raises many types; say which exporter and what to try
+        other = "dynamo (drop --torchscript)" if a.torchscript else "--torchscript"
+        raise FastCarError(f"the {exporter} exporter failed: {type(exc).__name__}: "
+                           f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}; try {other}") \
+            from None
+    msg = f"wrote {out} ({time.perf_counter() - t0:.0f} s)"
+    if not a.no_check:
+        err = check_logits(model, out)
+        if err > CHECK_TOLERANCE:
+            raise FastCarError(f"{out}: ONNX Runtime logits differ from the eager model by {err:.3g} "
+                               f"(> {CHECK_TOLERANCE}); try the other exporter")
+        msg += f"; logits match the eager model (max abs diff {err:.1e} over a prompt + 2 decode steps)"
+    print(msg)
+    print(f"next: fastcar-compile {out} --inspect")
+    return 0
