@@ -75,7 +75,7 @@ def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> Atten
         return AttentionBlock(pkey, pvalue, core_node, core_node.outputs[0], src.qkv, "QKV", src.qkv, "QKV",
                               "GroupQueryAttention do_rotary" if src.cos_cache is not None else "none",
                               heads, num_kv, head_dim, form="packed-QKV GroupQueryAttention", keys=pkey,
-                              packed_query=src)
+                              packed_query=src, total_len=src.total_len)
     form, core = ma.find_core(ctx, core_node, kidx, keys, pvalue)
     if kdims is not None and len(kdims) == 4 and kdims[3] is None:  # symbolic head size (genai's builder)
         kdims[3] = ma.head_dim_from_core(core.core)
@@ -110,5 +110,7 @@ def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> Atten
                                "graph inputs")
         window = ma.window_length(pkey)
         ctx.trace.append(f"sliding-window cache: keeps {window if window is not None else '?'} positions")
+    gqa = core.core.op_type == "GroupQueryAttention" and len(core.core.inputs) > 6
     return AttentionBlock(pkey, pvalue, core.core, core.core_output, q, layout, q_raw, raw_layout, rope, heads,
-                          num_kv, head_dim, form=form, keys=core.keys, window=window)
+                          num_kv, head_dim, form=form, keys=core.keys, window=window,
+                          total_len=core.core.inputs[6] if gqa else None)
