@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     fpga.add_argument("--weights", choices=["broadcast", "per_core"], default="broadcast",
                       help="weight streaming the DRS decision table is built for: one stream shared by all rows "
                            "(a skipped MLP saves traffic only if every row skips) or one per core")
+    fpga.add_argument("--dense", action="store_true",
+                      help="compile without FastCar instructions (no TAS, nothing skipped): the dense baseline "
+                           "for `sim --baseline`")
+    fpga.add_argument("--video-start", type=int,
+                      help="KV index of the first video token your runtime uses (run.json's video_start); "
+                           "recorded in the bundle (default 0)")
     return p
 
 
@@ -145,7 +151,8 @@ def _fpga(args) -> int:
     except ImportError as exc:
         raise FastCarError(f"the FPGA backend is not available: {exc}") from None
     report = compile_to_bundles(args.model, args.output, board=args.board, board_file=args.board_file,
-                                batch=args.batch, context=args.context, weights=args.weights)
+                                batch=args.batch, context=args.context, weights=args.weights,
+                                dense=args.dense, video_start=args.video_start)
     print(report.summary())
     return 0
 

@@ -49,7 +49,10 @@ class FpgaCompileReport:
             f"{m['heads']}/{m['kv_heads']} x {m['head_dim']}, vocab {m['vocab']}",
             f"  {self.bundles} bundles, {sum(self.instructions.values())} instructions "
             + ", ".join(f"{k} {v}" for k, v in sorted(self.instructions.items())),
-            f"  {self.bundles_per_layer} bundles per decoder layer",
+            f"  {self.bundles_per_layer} bundles per decoder layer; "
+            + ("dense baseline (no FastCar instructions)" if m.get("replay_layers") == [] else
+               f"FastCar replay in layers {m['replay_layers'] if m.get('replay_layers') is not None else 'all'}")
+            + f", video_start {m.get('video_start', 0)}",
         ]
         if self.output:
             lines.append(f"  wrote {self.output} ({self.file_bytes} bytes)")
@@ -61,11 +64,25 @@ class FpgaCompileReport:
 
 def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfig, batch: int = 1,
                   context: int | None = None, *, num_heads: int | None = None, strict: bool = True,
-                  weights: str = "broadcast") -> Program:
-    """partition -> schedule -> DRS thresholds (for the ``weights`` stream mode)."""
+                  weights: str = "broadcast", dense: bool = False, video_start: int | None = None) -> Program:
+    """partition -> schedule -> DRS thresholds (for the ``weights`` stream mode).
+
+    dense: no FastCar instructions at all (no TAS, no replay exchange, nothing skippable): the baseline
+    that "x dense" figures divide by. video_start: KV index of the first video token the runtime used
+    (run.json's video_start), encoded in the TAS/exchange instructions and recorded in the metadata."""
     if weights not in ("broadcast", "per_core"):
         raise FastCarError(f"weights {weights!r} must be 'broadcast' or 'per_core'")
-    part = partition(model, board, num_heads=num_heads, strict=strict)
+    overrides: dict[str, Any] = {}
+    if dense:
+        overrides["replay_layers"] = ()
+    if video_start is not None:
+        if video_start < 0:
+            raise FastCarError(f"--video-start must be >= 0, got {video_start}")
+        overrides["video_start"] = int(video_start)
+    part = partition(model, board, num_heads=num_heads, strict=strict, overrides=overrides)
+    if dense:
+        part.notes = [n for n in part.notes if "treated as replayable" not in n]
+        part.notes.append("dense baseline: no TAS, no replay exchange, every MLP computed")
     ctx = context if context is not None else 2 * part.spec.frame_tokens
     return fill_thresholds(emit_program(part, batch, ctx), weights)
 
@@ -90,7 +107,8 @@ def _bundles_per_layer(program: Program) -> int:
 def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Path | None, board: str = "kv260",
                        board_file: str | Path | None = None, batch: int = 1, context: int | None = None, *,
                        num_heads: int | None = None, strict: bool = True,
-                       weights: str = "broadcast") -> FpgaCompileReport:
+                       weights: str = "broadcast", dense: bool = False,
+                       video_start: int | None = None) -> FpgaCompileReport:
     """Compile a fast.onnx (or plain decoder, or ModelSpec) to a `.fcb` bundle file for ``board``.
 
     ``context`` is the KV length the attention instructions are encoded with (the simulator substitutes the
@@ -98,6 +116,7 @@ def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Pat
     thresholds are computed for. Raises FastCarError on bad input.
     """
     cfg = load_board(board, board_file)
-    program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict, weights=weights)
+    program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict, weights=weights,
+                            dense=dense, video_start=video_start)
     size = save(program, output_path) if output_path is not None else 0
     return report_for(program, output_path, size)
