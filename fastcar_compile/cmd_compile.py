@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--calib-data", help=".npy int array [prompts, prompt_len] of calibration prompts")
     cal.add_argument("--calib-frames", type=int, default=3,
                      help="frames generated per calibration prompt (default 3; frame 0 never replays)")
+    cal.add_argument("--given-video-tokens", type=int, default=0, metavar="N",
+                     help="the calibration prompts end with N video tokens (e.g. a given frame 0: N = L), so "
+                          "the first generated frame may already replay (default 0)")
     fpga = p.add_argument_group("FPGA backend")
     fpga.add_argument("--target", choices=["onnx", "fpga"], default="onnx",
                       help="onnx (default): write fast.onnx; fpga: compile a fast.onnx into DRS bundles (.fcb)")
@@ -185,7 +188,8 @@ def _calibrate(args) -> int:
         print(f"calibrating on {len(calib)} prompts x {args.calib_frames} frames, {n_held} held out ...", flush=True)
         result = calibrate_threshold(str(probe), calib, num_frames=args.calib_frames,
                                      target_replay=args.calibrate_replay, quality_budget=args.calibrate_quality,
-                                     dense_model_path=args.model, heldout_prompts=held)
+                                     dense_model_path=args.model, heldout_prompts=held,
+                                     given_video_tokens=args.given_video_tokens)
     print(result.summary())
     print(f"calibrated tau = {result.tau:.6g}; compiling {args.output} with it", flush=True)
     _, report = fc.compile(args.model, args.output, frame_tokens=args.frame_tokens, threshold=result.tau,

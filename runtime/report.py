@@ -90,7 +90,8 @@ def _latency(plt, stats: RunStats, dense: RunStats | None, path: Path) -> Path:
         ax.bar(x, per_tok, color="tab:blue")
         title = f"per-frame latency ({stats.ms_per_token:.2f} ms/token, prefill {stats.prefill_ms:.0f} ms)"
     ax.set_xticks(x)
-    ax.set_xlabel("frame")
+    ax.set_xlabel("generated frame" + (f" (after {stats.given_video_tokens} given video tokens)"
+                                       if stats.given_video_tokens else ""))
     ax.set_ylabel("decode ms per token (group medians)")
     ax.set_title(title, fontsize=10)
     _save(fig, path)
@@ -113,7 +114,8 @@ def _tokens(plt, stats: RunStats, shape: tuple[int, int], path: Path) -> Path:
         ax.set_yticks([])
     fig.colorbar(im, cax=axes[-1], label="replayed share")
     tau = stats.threshold if isinstance(stats.threshold, list) else f"{stats.threshold:.4g}"
-    fig.suptitle(f"MLP replay per token position ({shape[0]}x{shape[1]}), tau={tau}", fontsize=9)
+    given = f"; frames counted after {stats.given_video_tokens} given video tokens" if stats.given_video_tokens else ""
+    fig.suptitle(f"MLP replay per token position ({shape[0]}x{shape[1]}), tau={tau}{given}", fontsize=9)
     _save(fig, path)
     plt.close(fig)
     return path

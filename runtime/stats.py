@@ -159,8 +159,8 @@ class RunStats:
         """A few human-readable lines (what docs/runtime.md shows)."""
         lines = [f"{Path(self.model).name}: {self.frames_done}/{self.num_frames} frames x {self.frame_tokens} "
                  f"tokens, batch {self.batch}{' (interrupted)' if self.interrupted else ''}",
-                 f"  prefill {self.prefill_ms:.1f} ms, decode {self.ms_per_step:.2f} ms/step, "
-                 f"{np.mean(self.frame_ms) if self.frame_ms else 0:.0f} ms/frame"]
+                 f"  prefill {self.prefill_ms:.1f} ms, decode {self.ms_per_token:.3f} ms/token (median per "
+                 f"replay group), {self.videos} video(s)"]
         if self.fastcar:
             lines.append(f"  replay {100 * self.replay_ratio:.1f}% of all decode steps, frame 0 included (ceiling "
                          f"{100 * self.eligible_ratio_ceiling:.1f}%); {100 * self.replay_ratio_eligible:.1f}% of "
