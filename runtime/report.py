@@ -1,20 +1,32 @@
 """Pictures of a run, as PNG next to run.json: replay heatmap (layer x frame), per-frame latency (with the
-dense run's bars beside it when one is given), and a per-token replay heatmap when the frame is a grid."""
+dense run's bars beside it when one is given), and a per-token replay heatmap when the frame is a grid.
+
+All pictures are drawn first and then written together through a staged folder (fileio.staged_dir), so a
+failure leaves none of them (nor a folder made for them) behind.
+"""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.atomic import save_figure
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.fileio import staged_dir
 from fastcar_compile.runtime.stats import RunStats
 
 
-def _save(fig, path: Path) -> None:
-    save_figure(fig, path, dpi=120, bbox_inches="tight")
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return buf.getvalue()
 
 
 def parse_frame_shape(text: str | None, frame_tokens: int) -> tuple[int, int] | None:
@@ -40,19 +52,17 @@ def comparison(fast: RunStats, dense: RunStats) -> str:
             f"{100 * fast.replay_ratio_eligible:.1f}% of eligible steps (frame 0 excluded)")
 
 
-def write_report(stats: RunStats, out_dir: str | os.PathLike, stem: str = "run", dense: RunStats | None = None,
-                 frame_shape: tuple[int, int] | None = None) -> list[Path]:
-    """Write <stem>.replay.png (FastCar runs), <stem>.latency.png (dense bars beside FastCar's when `dense`
-    is given) and, with `frame_shape`, <stem>.tokens.png; return the paths written."""
+def render_report(stats: RunStats, stem: str = "run", dense: RunStats | None = None,
+                  frame_shape: tuple[int, int] | None = None) -> dict[str, bytes]:
+    """{file name: PNG bytes}: <stem>.replay.png (FastCar runs), <stem>.latency.png (dense bars beside
+    FastCar's when `dense` is given) and, with `frame_shape`, <stem>.tokens.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     stats.finalize()
-    written: list[Path] = []
+    pictures: dict[str, bytes] = {}
     if stats.layers and stats.replay_layer_frame:
         m = 100 * np.asarray(stats.replay_layer_frame, dtype=float)
         fig, ax = plt.subplots(figsize=(max(4.5, 1.2 + 0.35 * m.shape[1]), max(2.5, 1.0 + 0.3 * m.shape[0])))
@@ -63,17 +73,25 @@ def write_report(stats: RunStats, out_dir: str | os.PathLike, stem: str = "run",
         ax.set_ylabel("layer")
         ax.set_title(f"MLP replay % (overall {100 * stats.replay_ratio:.1f}%, tau={stats.threshold})")
         fig.colorbar(im, ax=ax, label="replay %")
-        p = out / f"{stem}.replay.png"
-        _save(fig, p)
-        plt.close(fig)
-        written.append(p)
-    written.append(_latency(plt, stats, dense, out / f"{stem}.latency.png"))
+        pictures[f"{stem}.replay.png"] = _png(fig)
+    pictures[f"{stem}.latency.png"] = _latency(plt, stats, dense)
     if frame_shape is not None and stats.layers:
-        written.append(_tokens(plt, stats, frame_shape, out / f"{stem}.tokens.png"))
-    return written
+        pictures[f"{stem}.tokens.png"] = _tokens(plt, stats, frame_shape)
+    return pictures
 
 
-def _latency(plt, stats: RunStats, dense: RunStats | None, path: Path) -> Path:
+def write_report(stats: RunStats, out_dir: str | os.PathLike, stem: str = "run", dense: RunStats | None = None,
+                 frame_shape: tuple[int, int] | None = None) -> list[Path]:
+    """Write the pictures of `render_report`, all or none; return the paths."""
+    pictures = render_report(stats, stem, dense, frame_shape)
+    out = Path(out_dir)
+    with staged_dir(out) as tmp:
+        for name, data in pictures.items():
+            (tmp / name).write_bytes(data)
+    return [out / name for name in pictures]
+
+
+def _latency(plt, stats: RunStats, dense: RunStats | None) -> bytes:
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     per_tok = np.asarray(stats.ms_per_token_by_frame())
     x = np.arange(len(per_tok))
@@ -94,12 +112,10 @@ def _latency(plt, stats: RunStats, dense: RunStats | None, path: Path) -> Path:
                                        if stats.given_video_tokens else ""))
     ax.set_ylabel("decode ms per token (group medians)")
     ax.set_title(title, fontsize=10)
-    _save(fig, path)
-    plt.close(fig)
-    return path
+    return _png(fig)
 
 
-def _tokens(plt, stats: RunStats, shape: tuple[int, int], path: Path) -> Path:
+def _tokens(plt, stats: RunStats, shape: tuple[int, int]) -> bytes:
     """One panel per frame: share of layers x rows that replayed each token position."""
     m = stats.per_token_replay()
     frames = m.shape[0]
@@ -116,6 +132,4 @@ def _tokens(plt, stats: RunStats, shape: tuple[int, int], path: Path) -> Path:
     tau = stats.threshold if isinstance(stats.threshold, list) else f"{stats.threshold:.4g}"
     given = f"; frames counted after {stats.given_video_tokens} given video tokens" if stats.given_video_tokens else ""
     fig.suptitle(f"MLP replay per token position ({shape[0]}x{shape[1]}), tau={tau}{given}", fontsize=9)
-    _save(fig, path)
-    plt.close(fig)
-    return path
+    return _png(fig)

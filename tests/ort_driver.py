@@ -155,3 +155,35 @@ def decode(
                 state[nxt] = val
     res.final_state = state
     return res
+
+
+def greedy(model: str | Path, prompt: list[int], new_tokens: int, video_start: int,
+           threshold: float | None = None, vocab_limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy generation of one row: (the new tokens [new_tokens], replay bits [decode steps, layers] from the
+    replay_mask.N outputs, when the model has them). Argmax over the first `vocab_limit` logits."""
+    sess = make_session(model)
+    input_names = {i.name for i in sess.get_inputs()} | {i.name for i in sess.get_overridable_initializers()}
+    out_names = [o.name for o in sess.get_outputs()]
+    masks = sorted((int(n.split(".")[1]), n) for n in out_names if n.startswith("replay_mask."))
+    state = initial_state(sess, 1)
+    extra = {"video_start": np.array(video_start, np.int64)}
+    if threshold is not None:
+        extra["fastcar_threshold"] = np.array(threshold, np.float32)
+    ids = np.array([prompt], np.int64)
+    past, toks, bits = 0, [], []
+    while len(toks) < new_tokens:
+        s = ids.shape[1]
+        feeds = {"input_ids": ids, "attention_mask": np.ones((1, past + s), np.int64),
+                 "position_ids": np.arange(past, past + s, dtype=np.int64)[None], **state, **extra}
+        outs = dict(zip(out_names, sess.run(out_names, {k: v for k, v in feeds.items() if k in input_names}),
+                        strict=True))
+        if past:  # a decode step
+            bits.append([bool(outs[n][0, 0]) for _, n in masks])
+        for name, val in outs.items():
+            nxt = past_name_for(name)
+            if nxt is not None and nxt in state:
+                state[nxt] = val
+        past += s
+        toks.append(int(outs["logits"][0, -1, :vocab_limit].argmax()))
+        ids = np.array([[toks[-1]]], np.int64)
+    return np.array(toks), np.array(bits, dtype=bool).reshape(len(bits), len(masks))

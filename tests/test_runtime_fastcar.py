@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import onnx
+import ort_driver
 import pytest
 import zoo
 from reference import FastCarReference
@@ -177,16 +178,25 @@ def test_bake_threshold(fast_path, dense_path, tmp_path):
     assert not (tmp_path / "x.onnx").exists()
 
 
-def test_threshold_checks_and_report(fast, tmp_path):
+def test_threshold_checks_and_report(fast, diag_path, tmp_path):
+    """The run's replay ratios against an independent count: the diagnostics model's replay_mask.N outputs,
+    run by the tests' own ORT driver on the same tokens (teacher forced), averaged with NumPy."""
     from fastcar_compile.cli import main
 
     with pytest.raises(FastCarError, match="scalar"):
         fast.generate([[1]], 2, threshold=[0.0, 0.0])
     res = fast.generate([[1, 2]], 3, threshold=0.0, trace=str(tmp_path / "run.json"))
     st = res.stats
-    assert st.replay_per_frame[0] == 0.0 and len(st.replay_layer_frame) == len(fast.layers)
-    assert st.replay_ratio == pytest.approx(float(np.mean(st.replay_layer_frame, axis=0)
-                                                   @ np.array([L, L, L - 1]) / (3 * L - 1)))
+    steps = [np.array([[1, 2]])] + [res.tokens[:, k:k + 1] for k in range(res.tokens.shape[1] - 1)]
+    ref = ort_driver.decode(diag_path, steps, threshold=0.0, video_start=2)
+    bits = np.array([[ref.replay_mask[n][k][0, 0] for n in fast.layers] for k in range(1, len(steps))])  # [step, layer]
+    assert len(bits) == 3 * L - 1 and 0 < bits.mean() < 1
+    assert st.replay_ratio == pytest.approx(bits.mean())
+    frame = np.arange(len(bits)) // L  # decode step k feeds the token at position 2 + k: frame k // L
+    want = [[bits[frame == f, i].mean() for f in range(3)] for i in range(len(fast.layers))]
+    np.testing.assert_allclose(st.replay_layer_frame, want)
+    np.testing.assert_allclose(st.replay_per_frame, [bits[frame == f].mean() for f in range(3)])
+    assert st.replay_per_frame[0] == 0.0  # frame 0's aligned tokens are the prompt: never eligible
     trace = json.loads((tmp_path / "run.json").read_text())
     assert trace["frame_tokens"] == L and trace["layers"] == fast.layers and trace["batch"] == 1
     assert all(len(s["replay"]) == len(fast.layers) and len(s["replay"][0]) == 1 for s in trace["steps"])
