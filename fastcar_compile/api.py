@@ -14,7 +14,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from fastcar_compile import pipeline
+from fastcar_compile import fileio, pipeline
 from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.passes import genai_state
@@ -34,8 +34,14 @@ def load(model) -> tuple[ir.Model, Path | None]:
     if isinstance(model, onnx.ModelProto):
         return ir.from_proto(model), None
     path = Path(model)
+    if path.is_dir():
+        raise FastCarError(f"{path} is a directory; pass the path of an exported .onnx decoder file in it")
     if not path.is_file():
         raise FastCarError(f"{path}: no such file; pass the path of an exported .onnx decoder")
+    missing = fileio.missing_external_data(path)
+    if missing:
+        raise FastCarError(f"{path}: its external-data file {missing[0]} is missing; keep the .onnx and its "
+                           "data file(s) together in one folder")
     try:
         loaded = ir.load(path)
     except Exception as exc:  # noqa: BLE001 - protobuf raises many types for a non-ONNX/truncated file
@@ -83,15 +89,19 @@ def compile(  # noqa: A001 - the natural name of the entry point
     opts = CompileOptions(frame_tokens, threshold, tas_query, max_replay,
                           layers if layers is None or isinstance(layers, str) else tuple(layers),
                           per_layer_threshold, emit_diagnostics)
-    out_path = Path(output) if output is not None else None
+    out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
-    if out_path is not None and in_path is not None and out_path.resolve() == in_path.resolve():
-        raise FastCarError(f"output {out_path} is the input model; choose another -o path (the input is never overwritten)")
+    if out_path is not None and in_path is not None:
+        if fileio.same_file(in_path, out_path):
+            raise FastCarError(f"output {out_path} is the input model; choose another -o path (the input is "
+                               "never overwritten)")
+        fileio.refuse_collisions(fileio.model_files(in_path), output_files(out_path))
     ctx = CompileContext(opts, genai_config=_genai_config(genai, in_path, out_path))
     staging = Staging(out_path, source=in_path) if out_path is not None else None
     manager = pipeline.build(ctx, staging, validate)
     try:
-        pipeline.run(manager, loaded)
+        with fileio.os_errors(str(out_path or "")):
+            pipeline.run(manager, loaded)
     finally:
         if staging is not None:
             staging.cleanup()
@@ -103,6 +113,12 @@ def compile(  # noqa: A001 - the natural name of the entry point
     report.metadata = ctx.metadata
     report.passes = pipeline.describe(manager)
     return loaded, report
+
+
+def output_files(output: str | os.PathLike) -> list[Path]:
+    """Every file saving to `output` may write: the model and its external-data file."""
+    output = Path(output)
+    return [output, output.parent / (output.name + ".data")]
 
 
 def _genai_config(genai: bool | None, in_path: Path | None, out_path: Path | None) -> Path | None:
@@ -124,13 +140,17 @@ def bake_threshold(in_path: str | os.PathLike, out_path: str | os.PathLike, tau)
     A scalar tau fills every layer of a per-layer-threshold model. Written atomically (temp folder, rename);
     the weights of an external-data model are linked, not read.
     """
-    src, dst = Path(in_path), Path(out_path)
+    src, dst = Path(in_path), fileio.check_output_path(out_path)
     if not src.is_file():
         raise FastCarError(f"{src} does not exist")
+    if fileio.same_file(src, dst):
+        raise FastCarError(f"output {dst} is the input model; choose another output path")
+    fileio.refuse_collisions(fileio.model_files(src), output_files(dst))
     model, _ = load(src)
     staging = Staging(dst, source=src)
     try:
-        pipeline.run(ir.passes.PassManager([BakeThresholdPass(tau, str(src)), SavePass(staging)]), model)
+        with fileio.os_errors(str(dst)):
+            pipeline.run(ir.passes.PassManager([BakeThresholdPass(tau, str(src)), SavePass(staging)]), model)
     finally:
         staging.cleanup()
     return dst

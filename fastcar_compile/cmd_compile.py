@@ -24,8 +24,8 @@ def _threshold(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"not a number or comma-separated list of numbers: {text!r}")
     try:
         return [float(t) for t in contract.check_thresholds(values)]
-    except FastCarError:
-        raise argparse.ArgumentTypeError("NaN is not a threshold; give a number (inf disables replay)") from None
+    except FastCarError as exc:  # NaN, or beyond float32 (where the model stores tau)
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--threshold ")) from None
 
 
 # Options whose value may start with '-' (argparse takes `--threshold -1e30` / `-inf` for an option).

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
-from fastcar_compile import contract
+from fastcar_compile import contract, fileio, limits
 from fastcar_compile.errors import FastCarError
 
 DEFAULT_TAU = 33.0  # post-RoPE TAS giving ~80% replay on the bundled model (docs/demo.md, eval sweep)
@@ -44,14 +45,28 @@ def main(argv: list[str]) -> int:
         raise FastCarError(f"--frames must be >= 2 (frame 0 is given, the rest generated), got {a.frames}")
     if a.threads < 1:
         raise FastCarError(f"--threads must be >= 1, got {a.threads}")
+    if math.isnan(a.tau) or (math.isfinite(a.tau) and abs(a.tau) > limits.FLOAT32_MAX):
+        raise FastCarError(f"--tau {a.tau:g}: give a number within float32 (TAS > tau replays; inf never replays)")
+    if a.max_replay < 0 or a.max_replay > limits.MAX_REPLAY:
+        raise FastCarError(f"--max-replay must be in 0..{limits.MAX_REPLAY} (0 = off), got {a.max_replay}")
+    fileio.check_output_dir(a.out, "--out")
+    t0 = time.time()
+    with fileio.staged_dir(a.out) as staged:  # every file appears at the end, or none (no empty folder)
+        files, fast, s = _run(a, staged, t0)
+    out: Path = a.out
+    print(f"\nwrote {len(files)} files in {out} ({time.time() - t0:.0f} s):")
+    for f in files:
+        print(f"  {out / f.name}" + (" (compiled model)" if f == fast else ""))
+    return 0
+
+
+def _run(a: argparse.Namespace, out: Path, t0: float):
+    """Compile, generate, measure and write everything into `out` (a staged folder)."""
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import compile_bundled, load_tokenizer, run_clips, summarize
     from fastcar_compile.demo.export import ONNX
     from fastcar_compile.demo.visuals import write_gif, write_heatmap, write_strip
 
-    t0 = time.time()
-    out: Path = a.out
-    out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer()
     print(f"compiling {ONNX.name} (L={tok.tokens_per_frame}, tau={a.tau:g}, tas_query={a.tas_query}, "
           f"max_replay={a.max_replay}) ...", flush=True)
@@ -84,7 +99,4 @@ def main(argv: list[str]) -> int:
         ("hold frame 0", f"PSNR {s.psnr_hold_vs_gt:.2f} dB (baseline: repeat the given frame)"),
         ("tokenizer ceiling", f"PSNR {s.psnr_tokenizer:.2f} dB (encode/decode of the truth)"),
     ]))
-    print(f"\nwrote {len(files)} files in {out} ({time.time() - t0:.0f} s):")
-    for f in files:
-        print(f"  {f}" + (" (compiled model)" if f == fast else ""))
-    return 0
+    return files, fast, s

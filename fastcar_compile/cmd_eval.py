@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile import contract
+from fastcar_compile import contract, fileio
 from fastcar_compile.atomic import save_figure
 from fastcar_compile.errors import FastCarError
 
@@ -98,19 +98,20 @@ def main(argv: list[str]) -> int:
         raise FastCarError("--clips >= 1, --frames >= 2 and --guard >= 0 are required")
     from fastcar_compile.atomic import write_bytes
 
+    fileio.check_output_dir(a.out, "--out")
     t0 = time.time()
+    with fileio.staged_dir(a.out) as staged:  # the three results appear together at the end, or none
+        models = Path(tempfile.mkdtemp(prefix=".eval-models-", dir=staged))  # compiled per tau, removed below
+        try:
+            rows = _sweep(a, targets, variants, models)
+        finally:
+            shutil.rmtree(models, ignore_errors=True)
+        write_bytes(staged / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
+                                                      "threads": a.threads}, indent=1).encode())
+        table = _fmt_table(rows)
+        write_bytes(staged / "eval.md", (table + "\n").encode())
+        _plot(rows, staged / "eval.png")
     out: Path = a.out
-    out.mkdir(parents=True, exist_ok=True)
-    models = Path(tempfile.mkdtemp(prefix=".eval-models-", dir=out))  # compiled per tau, removed at the end
-    try:
-        rows = _sweep(a, targets, variants, models)
-    finally:
-        shutil.rmtree(models, ignore_errors=True)
-    write_bytes(out / "eval.json", json.dumps({"rows": rows, "clips": a.clips, "frames": a.frames,
-                                                "threads": a.threads}, indent=1).encode())
-    table = _fmt_table(rows)
-    write_bytes(out / "eval.md", (table + "\n").encode())
-    _plot(rows, out / "eval.png")
     print("\n" + table)
     print(f"\nwrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'eval.png'} ({time.time() - t0:.0f} s; the "
           "models compiled for the sweep were temporary and are deleted)")

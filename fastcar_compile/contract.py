@@ -130,6 +130,10 @@ def check_thresholds(values: Any, what: str = "--threshold") -> np.ndarray:
         raise FastCarError(f"{what} must be a number or a list of numbers, got {values!r}") from None
     if np.isnan(arr).any():
         raise FastCarError(f"{what} is NaN; give a number (TAS > threshold replays; +inf never replays)")
+    big = arr[np.isfinite(arr) & (np.abs(arr) > np.finfo(np.float32).max)]
+    if big.size:  # the model stores tau as float32: 1e39 would silently become inf while metadata says 1e39
+        raise FastCarError(f"{what} {float(big[0]):g} is beyond float32 (|tau| <= 3.4e38), where the model stores "
+                           "it; give a smaller number, or inf/-inf")
     return arr
 
 

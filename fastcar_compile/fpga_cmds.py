@@ -41,6 +41,14 @@ def sim_main(argv: list[str]) -> int:
     from fastcar_compile.fpga_backend.hwspec import load_board
     from fastcar_compile.fpga_backend.simulate import Simulator, plot_timeline
 
+    if args.batch is not None and not 1 <= args.batch <= 32:
+        raise FastCarError(f"--batch must be in 1..32 (rows of the Index Register), got {args.batch}")
+    if args.context is not None and not 1 <= args.context <= 2**32 - 1:
+        raise FastCarError(f"--context must be in 1..{2**32 - 1} (KV length of a synthetic step), got {args.context}")
+    if args.timeline:
+        from fastcar_compile.fileio import check_output_path
+
+        check_output_path(args.timeline, "--timeline")
     program = encode.load(args.fcb)
     board = None
     if args.board or args.board_file:
@@ -62,13 +70,13 @@ def sim_main(argv: list[str]) -> int:
             print(f"note: the trace replays layers {ignored}, which this program computes densely; ignored",
                   file=sys.stderr)
     else:
-        batch = args.batch or sim.batch
-        if args.steps < 1:
-            raise FastCarError("--steps must be >= 1")
-        ratio = args.replay_ratio or 0.0
+        batch = sim.batch if args.batch is None else args.batch
+        if not 1 <= args.steps <= 1_000_000:
+            raise FastCarError(f"--steps must be in 1..1000000, got {args.steps}")
+        ratio = 0.0 if args.replay_ratio is None else args.replay_ratio
         replay = masks.synthetic(ratio, batch, layers, args.steps, kind=args.mask, seed=args.seed,
                                  replayable=frozenset(sim.replayable_layers))
-        ctx = args.context or int(program.meta["context"])
+        ctx = int(program.meta["context"]) if args.context is None else args.context
         source = f"synthetic {args.mask} masks, ratio {ratio:g}, {args.steps} steps, context {ctx}"
     policies = ["static", "drs"] if args.policy == "both" else [args.policy]
     results = {}
@@ -117,6 +125,11 @@ def disasm_main(argv: list[str]) -> int:
 
     program = encode.load(args.fcb)
     if args.output:
+        from fastcar_compile.fileio import check_output_path, same_file
+
+        check_output_path(args.output, "-o")
+        if same_file(args.fcb, args.output):
+            raise FastCarError(f"-o {args.output} is the bundle file being read; choose another output path")
         write_text(args.output, asm.disassemble(program))
         return 0
     try:
@@ -132,13 +145,15 @@ def asm_main(argv: list[str]) -> int:
     p.add_argument("source", help="assembly text (as printed by disasm)")
     p.add_argument("-o", "--output", required=True, help="bundle file to write")
     args = p.parse_args(argv)
+    from fastcar_compile.fileio import check_output_path, read_text, same_file
     from fastcar_compile.fpga_backend import asm, encode
+    from fastcar_compile.fpga_backend.verify import check_program
 
-    try:
-        with open(args.source) as fh:
-            program = asm.assemble(fh)
-    except FileNotFoundError:
-        raise FastCarError(f"assembly file {args.source} not found") from None
+    check_output_path(args.output, "-o")
+    if same_file(args.source, args.output):
+        raise FastCarError(f"-o {args.output} is the assembly source; choose another output path")
+    program = asm.assemble(read_text(args.source, "assembly file"))
+    check_program(program)  # what sim would refuse is never written
     size = encode.save(program, args.output)
     print(f"wrote {args.output} ({len(program)} bundles, {size} bytes)")
     return 0

@@ -60,6 +60,6 @@ def run(manager: ir.passes.PassBase, model: ir.Model) -> ir.passes.PassResult:
         cause: BaseException | None = exc
         while isinstance(cause, ir.passes.PassError) and cause.__cause__ is not None:
             cause = cause.__cause__
-        if isinstance(cause, FastCarError):
+        if isinstance(cause, FastCarError | OSError):  # a file-system error is the caller's to explain
             raise cause from None
         raise

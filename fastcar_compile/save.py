@@ -1,6 +1,6 @@
 """Writing a compiled model: staged in a temp folder beside the output, renamed into place when done.
 
-`Staging` writes the model once (weights of an external-data input are hard-linked, not read); the
+`Staging` writes the model once (weights of an external-data input are copied as files, not parsed); the
 validation pass checks that very file, and `SavePass` renames it into place, so a model that fails
 validation never reaches the output path and nothing is serialised twice.
 """
@@ -15,6 +15,8 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from fastcar_compile.errors import FastCarError
+from fastcar_compile.fileio import copy_file, first_missing
 from fastcar_compile.passes.context import weight_bytes
 
 # Above this many bytes of weights the model is written with external data (protobuf's 2 GiB limit).
@@ -27,9 +29,10 @@ def has_external(model: ir.Model) -> bool:
 
 
 def _save_linked(model: ir.Model, tmp_model: Path, data_name: str, source: Path | None) -> bool:
-    """Save without reading the weights: the input's external-data file is hard-linked (or copied, across
-    file systems) next to the output under the output's name, at unchanged offsets; the few new tensors
-    are stored inline. Returns False when the weights live in several files (then ir.save copies them)."""
+    """Save without parsing the weights: the input's external-data file is copied next to the output under
+    the output's name, at unchanged offsets (a reflink or a sparse copy where possible, fileio.copy_file; never
+    a hard link: onnx refuses to load hard-linked data and an in-place write would change both models); the
+    few new tensors are stored inline. Returns False when the weights live in several files (ir.save copies)."""
     if source is None:
         return False
     locations = {v.const_value.location for v in model.graph.initializers.values()
@@ -46,10 +49,7 @@ def _save_linked(model: ir.Model, tmp_model: Path, data_name: str, source: Path 
             for entry in tensor.external_data:
                 if entry.key == "location":
                     entry.value = data_name
-    try:
-        os.link(src, tmp_model.parent / data_name)
-    except OSError:
-        shutil.copyfile(src, tmp_model.parent / data_name)
+    copy_file(src, tmp_model.parent / data_name)
     with open(tmp_model, "wb") as f:
         f.write(proto.SerializeToString())
     return True
@@ -65,6 +65,7 @@ class Staging:
         self.data_name = self.output.name + ".data"
         self.tmp: Path | None = None
         self.path: Path | None = None  # the written model, once written
+        self.created: Path | None = None
         self.big = False
 
     @property
@@ -76,6 +77,7 @@ class Staging:
             return self.path
         if self.external is None:
             self.external = has_external(model)
+        self.created = first_missing(self.output.parent)  # removed again if nothing gets committed
         self.output.parent.mkdir(parents=True, exist_ok=True)
         self.big = weight_bytes(model) > EXTERNAL_DATA_LIMIT
         self.tmp = Path(tempfile.mkdtemp(prefix=".fastcar-", dir=self.output.parent))
@@ -89,15 +91,22 @@ class Staging:
 
     def commit(self) -> Path:
         assert self.tmp is not None and self.path is not None, "write() first"
+        data = self.output.parent / self.data_name
+        if self.output.is_dir() or data.is_dir():
+            raise FastCarError(f"{data if data.is_dir() else self.output} is a directory; remove it or choose "
+                               "another -o (nothing was written)")
         if (self.tmp / self.data_name).exists():
-            os.replace(self.tmp / self.data_name, self.output.parent / self.data_name)
+            os.replace(self.tmp / self.data_name, data)
         os.replace(self.path, self.output)
+        self.created = None
         return self.output
 
     def cleanup(self) -> None:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp = self.path = None
+        if self.created is not None:  # a folder made for an output that never came: no empty folders
+            shutil.rmtree(self.created, ignore_errors=True)
+        self.tmp = self.path = self.created = None
 
 
 class SavePass(ir.passes.InPlacePass):

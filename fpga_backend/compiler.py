@@ -65,8 +65,14 @@ def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardC
     """partition -> schedule -> DRS thresholds (for the ``weights`` stream mode)."""
     if weights not in ("broadcast", "per_core"):
         raise FastCarError(f"weights {weights!r} must be 'broadcast' or 'per_core'")
+    from fastcar_compile.limits import UINT32_MAX, check_int
+
+    check_int("--batch", batch, 1, isa.MAX_ROWS, "rows of the Index Register")
+    if context is not None:
+        check_int("--context", context, 1, UINT32_MAX, "KV length; the ISA's m field is 32-bit")
     part = partition(model, board, num_heads=num_heads, strict=strict)
     ctx = context if context is not None else 2 * part.spec.frame_tokens
+    check_int("--context", ctx, 1, UINT32_MAX, "KV length; the ISA's m field is 32-bit")
     return fill_thresholds(emit_program(part, batch, ctx), weights)
 
 
@@ -98,6 +104,15 @@ def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Pat
     thresholds are computed for. Raises FastCarError on bad input.
     """
     cfg = load_board(board, board_file)
+    if output_path is not None:
+        from fastcar_compile.fileio import check_output_path, same_file
+
+        check_output_path(output_path, "-o")
+        if isinstance(onnx_path, str | Path) and same_file(onnx_path, output_path):
+            raise FastCarError(f"-o {output_path} is the input model; choose another output path")
     program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict, weights=weights)
+    from .verify import check_program
+
+    check_program(program)
     size = save(program, output_path) if output_path is not None else 0
     return report_for(program, output_path, size)

@@ -155,9 +155,9 @@ def save(program: Program, path: str | Path) -> int:
 
 
 def load(path: str | Path) -> Program:
-    path = Path(path)
-    try:
+    from fastcar_compile.fileio import check_input_file, os_errors
+
+    path = check_input_file(path, "bundle file")
+    with os_errors("bundle file"):
         data = path.read_bytes()
-    except FileNotFoundError:
-        raise FastCarError(f"bundle file {path} not found") from None
     return decode(data)

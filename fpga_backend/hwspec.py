@@ -23,6 +23,7 @@ from typing import Any
 from fastcar_compile.errors import FastCarError, read_json_file
 
 KIB = 1024
+MAX_FIGURE = 2**31 - 1  # largest value any board figure may take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +150,10 @@ def _validated(cfg: BoardConfig) -> BoardConfig:
             continue
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
             problems.append(f"{f.name}={v!r} must be a positive number")
+        elif v > MAX_FIGURE:  # beyond this the cycle arithmetic overflows or divides by ~0
+            problems.append(f"{f.name}={v!r} is beyond {MAX_FIGURE}")
+    if not isinstance(cfg.name, str) or not isinstance(cfg.double_buffering, bool):
+        problems.append("name must be a string and double_buffering true/false")
     if not problems:
         if cfg.cores > 32:
             problems.append("cores must be <= 32 (Mapping Registers address at most 32 rows)")
@@ -184,11 +189,18 @@ def load_board(board: str | BoardConfig = "kv260", board_file: str | Path | None
         raise FastCarError(f"board file {path} must hold a JSON object of board fields")
     data = {k: v for k, v in data.items() if not k.startswith("_")}
     base = data.pop("base", None)
+    names = {f.name: f for f in dataclasses.fields(BoardConfig)}
     if base is not None:
         if base not in PRESETS:
             raise FastCarError(f"board file {path}: unknown base {base!r}; choose one of {sorted(PRESETS)}")
         cfg = PRESETS[base]
-    names = {f.name: f for f in dataclasses.fields(BoardConfig)}
+    elif not isinstance(board, BoardConfig) and str(board).lower() not in PRESETS:
+        # a custom board: no preset to fill gaps from, so every figure must be given
+        missing = sorted(set(names) - set(data) - {"double_buffering", "name"})
+        if missing:
+            raise FastCarError(f"board file {path} describes a custom board {board!r} but lacks {missing}; give "
+                               f"every field, or \"base\": one of {sorted(PRESETS)} to start from a preset")
+        data.setdefault("name", str(board))
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise FastCarError(f"board file {path}: unknown fields {unknown}; known: {sorted(names)}")

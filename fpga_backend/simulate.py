@@ -110,6 +110,9 @@ class Simulator(CostModel):
     """Runs mask sets over a program: the cost model per step, plus the dispatcher's DRS decisions."""
 
     def __init__(self, program: Program, board: BoardConfig | None = None) -> None:
+        from .verify import check_program  # a decoded file may hold values that index past arrays
+
+        check_program(program)
         super().__init__(program, board)
         self.thr = drs_table(program)
 

@@ -15,6 +15,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from fastcar_compile.compile_report import CompileReport
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.limits import check_state_size
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes.context import CompileContext, weight_bytes
 
@@ -58,6 +59,10 @@ def infer_shapes(model: ir.Model) -> str | None:
 
 def find_layers(model: ir.Model, notes: list[str] | None = None) -> list[disc.LayerMatch]:
     """Discovery, retried after shape inference when a layer does not match (TorchScript leaves shapes out)."""
+    if "fastcar.version" in model.metadata_props or any(n.domain == "ai.fastcar" for n in model.graph):
+        raise FastCarError("the model is already compiled by fastcar-compile (fastcar.version "
+                           f"{model.metadata_props.get('fastcar.version', '?')}); compile the original export "
+                           "(to change tau, use fastcar_compile.api.bake_threshold)")
     if not disc.kv_outputs(model.graph):
         outs = ", ".join(o.name for o in model.graph.outputs[:6])
         raise FastCarError("the model has no KV-cache outputs (present.N.key / present.N.value; found: "
@@ -100,6 +105,10 @@ def parse_layers(spec: str | list[int] | tuple[int, ...] | None, available: list
                     lo, hi = (int(x) for x in part.split("-", 1))
                     if hi < lo:
                         raise ValueError
+                    top = max(available, default=-1)
+                    if lo < 0 or hi > top:  # checked before expanding: 0-1000000000 must not allocate
+                        raise FastCarError(f"--layers: range {part} goes beyond the model's decoder layers "
+                                           f"(0-{top}); use indices and ranges within them")
                     out.extend(range(lo, hi + 1))
                 else:
                     out.append(int(part))
@@ -134,4 +143,6 @@ class SelectLayersPass(ir.passes.InPlacePass):
             ctx.notes.append(f"layers {unmatched} left dense (not matched)")
         if opts.per_layer_threshold and len(opts.threshold) not in (1, len(ctx.selected)):
             raise FastCarError(f"--threshold gives {len(opts.threshold)} values for {len(ctx.selected)} rewritten layers")
+        if ctx.selected and ctx.selected[0].mlp is not None:
+            check_state_size(opts.frame_tokens, ctx.selected[0].mlp.hidden, len(ctx.selected))
         return ir.passes.PassResult(model, modified=False)

@@ -12,11 +12,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import onnx_ir as ir
 
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.limits import MAX_FRAME_TOKENS, MAX_REPLAY, check_int
 from fastcar_compile.passes.discover import LayerMatch
 
 
@@ -33,14 +33,11 @@ class CompileOptions:
     emit_diagnostics: bool = False
 
     def __post_init__(self) -> None:
-        ft = self.frame_tokens
-        if not isinstance(ft, int | np.integer) or isinstance(ft, bool) or ft <= 0:
-            raise FastCarError(f"--frame-tokens must be a positive integer (tokens per video frame), got {ft!r}")
+        check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")
         taus = contract.check_thresholds(self.threshold).reshape(-1)
         object.__setattr__(self, "threshold", tuple(float(t) for t in taus))
         contract.check_tas_query(self.tas_query)
-        if self.max_replay < 0:
-            raise FastCarError(f"--max-replay must be >= 0 (0 = unlimited), got {self.max_replay}")
+        check_int("--max-replay", self.max_replay, 0, MAX_REPLAY, "0 = unlimited")
         if not self.per_layer_threshold and len(self.threshold) != 1:
             raise FastCarError("several thresholds need --per-layer-threshold")
 

@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fastcar_compile import contract
-from fastcar_compile.passes import build, fastcar_ops, genai_gqa
+from fastcar_compile.passes import build, fastcar_ops, genai_gqa, window
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.cache_state import declare_state
 from fastcar_compile.passes.context import CompileContext, LayerRewrite
@@ -57,7 +57,8 @@ class GatePass(ir.passes.InPlacePass):
             tau = b("Gather", [tau, build.const(graph, f"fastcar.index.{lr.index}", np.array(lr.index, np.int64))],
                     {"axis": 0})
         names = [contract.replay_mask_output(n), contract.tas_output(n), f"fastcar.{n}.slot", f"fastcar.{n}.write"]
-        op, inputs = contract.TEMPORAL_GATE, [q, att.present_key, lr.past_age, tau, self.ctx.video_start]
+        keys = window.gate_keys(graph, b, att, opts.frame_tokens)  # the present key, or a window padded
+        op, inputs = contract.TEMPORAL_GATE, [q, keys, lr.past_age, tau, self.ctx.video_start]
         if att.packed_query is not None:  # genai: the key buffer may be preallocated; positions from the length
             op, inputs = contract.TEMPORAL_GATE_AT, [*inputs, att.packed_query.total_len]
         lr.replay, lr.tas, lr.slot, lr.write = b(

@@ -19,6 +19,7 @@ import numpy as np
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.runtime.sampling import Sampler, guide
 from fastcar_compile.runtime.stats import RunStats
+from fastcar_compile.runtime.tokens import check_token_ids
 
 
 class StepModel(Protocol):
@@ -75,18 +76,29 @@ def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[np.ndarr
     return ids, mask
 
 
-def _as_rows(prompt_ids: Any, what: str) -> list[list[int]]:
+def _as_rows(prompt_ids: Any, what: str, vocab: int | None = None) -> list[list[int]]:
     if isinstance(prompt_ids, np.ndarray):
         if prompt_ids.ndim == 1:
             prompt_ids = prompt_ids[None]
         if prompt_ids.ndim != 2:
             raise FastCarError(f"{what} must be 1-D or 2-D token ids, got shape {list(prompt_ids.shape)}")
-        if not np.issubdtype(prompt_ids.dtype, np.integer):
-            raise FastCarError(f"{what} must hold integer token ids, got dtype {prompt_ids.dtype}")
+        if prompt_ids.size == 0:
+            raise FastCarError(f"{what} is empty (shape {list(prompt_ids.shape)}); give at least one token per row")
+        check_token_ids(prompt_ids, vocab, what)
         return [list(map(int, r)) for r in prompt_ids]
-    rows = list(prompt_ids)
+    try:
+        rows = list(prompt_ids)
+    except TypeError:
+        raise FastCarError(f"{what} must be token ids (a list of rows or an array), got "
+                           f"{type(prompt_ids).__name__}") from None
     if rows and not isinstance(rows[0], (list, tuple, np.ndarray)):
         rows = [rows]
+    for r in rows:
+        if not isinstance(r, (list, tuple, np.ndarray)):
+            raise FastCarError(f"{what}: every row must be a list of token ids, got {type(r).__name__}")
+        if len(r):
+            check_token_ids(np.asarray(r, dtype=object) if any(isinstance(x, float | bool) for x in r) else r,
+                            vocab, what)
     rows = [list(map(int, r)) for r in rows]
     if not rows or all(len(r) == 0 for r in rows):
         raise FastCarError(f"{what} is empty; give at least one token per row")
@@ -131,20 +143,26 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
         raise FastCarError(f"frame_tokens={frame_tokens} but the model was compiled for L={session.frame_tokens}")
     if L <= 0:
         raise FastCarError("frame size unknown: pass frame_tokens=L (a dense model has no fastcar metadata)")
-    if num_frames < 1:
-        raise FastCarError(f"num_frames must be >= 1, got {num_frames}")
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int | np.integer) or not 1 <= num_frames <= 2**31:
+        raise FastCarError(f"num_frames must be a whole number of frames >= 1, got {num_frames!r}")
+    if trace is not None:  # checked before generating: a bad path must not cost the generated tokens
+        from fastcar_compile.fileio import check_output_path
+
+        check_output_path(trace, "trace")
     if threshold is not None and not session.is_fastcar:
         raise FastCarError("threshold given but this is a dense model (no FastCar replay); drop it")
+    thr = None if threshold is None else session.threshold_array(threshold)  # type/NaN checks first
     if collect_tas and not session.has_diagnostics:
         raise FastCarError("collect_tas needs a model compiled with --emit-diagnostics (tas.N outputs)")
     sampler = Sampler(do_sample, temperature, top_k, top_p)
-    cond = _as_rows(prompt_ids, "prompt_ids")
+    vocab = getattr(session, "vocab", None)
+    cond = _as_rows(prompt_ids, "prompt_ids", vocab)
     rows = cond
     cfg = cfg_scale is not None
     if cfg:
         if uncond_prompt_ids is None:
             raise FastCarError("cfg_scale needs uncond_prompt_ids (one unconditional prompt per row)")
-        uncond = _as_rows(uncond_prompt_ids, "uncond_prompt_ids")
+        uncond = _as_rows(uncond_prompt_ids, "uncond_prompt_ids", vocab)
         if len(uncond) != len(cond):
             raise FastCarError(f"{len(cond)} conditional prompts but {len(uncond)} unconditional ones")
         rows = cond + uncond
@@ -168,7 +186,6 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
                      kv_bytes_per_token=mem["kv_per_token"], native_ops=session.native_library is not None)
     if collect_tas:
         stats.tas = []
-    thr = None if threshold is None else session.threshold_array(threshold)
     tokens = np.zeros((n_out, total), dtype=np.int64)
     logit_rows: list[np.ndarray] = []
 

@@ -21,6 +21,8 @@ import numpy as np
 
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.fileio import model_fingerprint
+from fastcar_compile.runtime.tokens import check_token_ids
 
 _ORT_DTYPES: dict[str, np.dtype] = {
     "tensor(float)": np.dtype(np.float32),
@@ -93,6 +95,18 @@ def _ort():
     return ort
 
 
+def _load_error(path: Path, exc: Exception, native: bool) -> str:
+    """ORT's load failure as one line: a non-ONNX file is named as such; native=False only when it helps."""
+    text = str(exc)
+    if "protobuf parsing failed" in text.lower() or "INVALID_PROTOBUF" in text:
+        return f"{path} is not an ONNX model (ONNX Runtime cannot parse it); give the path of an .onnx file"
+    first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    hint = ""
+    if native and any(k in text for k in ("ai.fastcar", "TemporalGate", "MLPCacheUpdate")):
+        hint = " (the native kernels are float32 only; pass native=False)"
+    return f"ONNX Runtime cannot load {path}: {first}{hint}"
+
+
 class FastCarSession:
     """Run a FastCar-compiled (or the original dense) decoder step by step in ONNX Runtime.
 
@@ -106,6 +120,8 @@ class FastCarSession:
                  native: bool | None = None, threads: int = DEFAULT_THREADS, inplace: bool | None = None):
         ort = _ort()
         self.path = Path(path)
+        if self.path.is_dir():
+            raise FastCarError(f"model file {self.path} is a directory; pass the path of an .onnx file")
         if not self.path.is_file():
             raise FastCarError(f"model file {self.path} does not exist; pass the path of an .onnx file")
         so = session_options if session_options is not None else self._options(threads)
@@ -140,8 +156,7 @@ class FastCarSession:
                 except Exception as exc2:
                     raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc2}") from exc2
             else:
-                hint = " (the native kernels are float32 only; pass native=False)" if lib is not None else ""
-                raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc}{hint}") from exc
+                raise FastCarError(_load_error(self.path, exc, lib is not None)) from None
         self.meta: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self.fastcar: contract.FastCarMetadata | None = contract.FastCarMetadata.from_props(self.meta)
         self.is_fastcar = self.fastcar is not None
@@ -176,6 +191,8 @@ class FastCarSession:
                 self._age_outputs[int(m.group(1))] = (e.output, int(e.fill) + 1)
         self.has_diagnostics = all(contract.tas_output(n) in self._outputs for n in self.layers) and bool(self.layers)
         self.signature = self._signature()
+        logits_shape = self._outputs[contract.LOGITS].shape if contract.LOGITS in self._outputs else None
+        self.vocab: int | None = logits_shape[-1] if logits_shape and isinstance(logits_shape[-1], int) else None
         if inplace and self.native_library is None:
             raise FastCarError("inplace=True needs the native kernels (the function bodies would read the "
                                "cache while overwriting it); build them or drop inplace")
@@ -252,6 +269,7 @@ class FastCarSession:
             h.update(f"{s.input}:{s.dtype}:{s.shape};".encode())
         h.update((str(self.fastcar.frame_tokens) if self.fastcar is not None else "").encode())
         h.update(",".join(map(str, self.layers)).encode())
+        h.update(model_fingerprint(self.path))  # the model's identity: same shapes from another model are refused
         return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ state
@@ -344,6 +362,7 @@ class FastCarSession:
         """
         if check:
             self.check_state(state)
+            input_ids = check_token_ids(input_ids, self.vocab, "input_ids")
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[0] != state.batch:
             raise FastCarError(f"input_ids must be [batch={state.batch}, seq], got {list(ids.shape)}")

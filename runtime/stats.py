@@ -157,6 +157,7 @@ class RunStats:
         missing = [k for k in ("frame_tokens", "layers", "batch", "steps") if k not in d]
         if missing:
             raise FastCarError(f"not a run.json from the runtime: missing {missing}")
+        _check_schema(d)
         known = set(cls.__dataclass_fields__)
         d.setdefault("model", "?")
         d.setdefault("fastcar", bool(d["layers"]))
@@ -167,6 +168,54 @@ class RunStats:
     @classmethod
     def load(cls, path: str | os.PathLike) -> RunStats:
         p = Path(path)
+        if p.is_dir():
+            raise FastCarError(f"{p} is a directory; give the run.json file written by generate(..., trace=PATH)")
         if not p.is_file():
             raise FastCarError(f"{p} does not exist; write one with RunStats.save() or generate(..., trace=PATH)")
-        return cls.from_json(p.read_text())
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise FastCarError(f"{p} is not a run.json (binary data); give the file written by generate") from None
+        except OSError as exc:
+            raise FastCarError(f"{p}: cannot read it ({exc.strerror or exc})") from None
+        return cls.from_json(text)
+
+
+def _is_int(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _check_schema(d: dict[str, Any]) -> None:
+    """Types and bounds of a run.json (a hand-edited or foreign file must not crash or hang the report)."""
+    bad = [k for k, lo, hi in (("frame_tokens", 1, 2**31), ("batch", 1, 4096), ("video_start", 0, 2**40),
+                               ("num_frames", 0, 2**31), ("frames_done", 0, 2**31),
+                               ("given_video_tokens", 0, 2**40))
+           if k in d and not _is_int(d[k], lo, hi)]
+    layers, steps = d["layers"], d["steps"]
+    if not isinstance(layers, list) or len(layers) > 4096 or not all(_is_int(x, 0, 2**16) for x in layers):
+        bad.append("layers")
+    if not isinstance(steps, list) or not all(isinstance(st, dict) and _is_int(st.get("pos"), 0, 2**40)
+                                              for st in steps):
+        bad.append("steps")
+    for k in ("step_ms", "frame_ms"):
+        if k in d and (not isinstance(d[k], list) or not all(isinstance(x, int | float) and not isinstance(x, bool)
+                                                             for x in d[k])):
+            bad.append(k)
+    if "prefill_ms" in d and (not isinstance(d["prefill_ms"], int | float) or isinstance(d["prefill_ms"], bool)):
+        bad.append("prefill_ms")
+    if "model" in d and not isinstance(d["model"], str):
+        bad.append("model")
+    if not bad and d.get("frames_done", 0) > len(steps) + 1:
+        bad.append("frames_done")
+    if not bad and layers:
+        want = (len(layers), d["batch"])
+        for st in steps:
+            try:
+                r = np.asarray(st.get("replay"), dtype=float)
+            except (TypeError, ValueError):
+                r = None
+            if r is None or r.shape != want or not np.isin(r, (0, 1)).all():
+                bad.append(f"steps[].replay (each must be [{want[0]} layers][{want[1]} rows] of 0/1)")
+                break
+    if bad:
+        raise FastCarError(f"not a run.json from the runtime: bad or out-of-range {', '.join(bad)}")

@@ -3,8 +3,9 @@
 It wraps a transformers causal LM with hooks (own code, independent of `fastcar_compile.passes`):
 - a forward pre-hook on each layer's attention records the normed hidden states and the RoPE (cos, sin);
   the query is recomputed from the projection weights (pre-RoPE = `raw`, rotated = `rope`);
-- a forward hook on each rewritten layer's MLP replaces the branch output MLP(norm(h)) with the cached one
-  for replayed tokens (the decoder layer then adds it to the current residual) and updates the cache.
+- a forward hook on each rewritten layer's MLP (or on the norm after it, Gemma2/OLMo2) replaces the branch
+  output with the cached one for replayed tokens (the decoder layer then adds it to the current residual) and
+  updates the cache.
 The key is read from the model's own KV cache at KV index p - L (post-RoPE, as attention uses it). The
 recomputed keys are checked against that cache every step, so the reference's RoPE is the model's RoPE.
 """
@@ -69,9 +70,9 @@ class FastCarReference:
         self.model = model.eval()
         cfg = model.config
         self.is_gpt2 = hasattr(model, "transformer")
-        self.blocks = list(model.transformer.h if self.is_gpt2 else model.model.layers)
+        self.blocks = list(_decoder_layers(model))
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = self.num_heads if self.is_gpt2 else cfg.num_key_value_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.hidden = cfg.hidden_size
         self.L = int(frame_tokens)
@@ -90,10 +91,13 @@ class FastCarReference:
         self._seen: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]] = {}
         self._handles = []
         for i, blk in enumerate(self.blocks):
-            attn = blk.attn if self.is_gpt2 else blk.self_attn
+            attn = _attention_module(blk)
             self._handles.append(attn.register_forward_pre_hook(self._attn_hook(i), with_kwargs=True))
             if i in self.tau:
-                self._handles.append(blk.mlp.register_forward_hook(self._mlp_hook(i)))
+                # The replayed value is what is added to the stream: the MLP output, or its post-norm (Gemma2,
+                # OLMo2), a per-token function of it.
+                branch_end = getattr(blk, "post_feedforward_layernorm", None) or blk.mlp
+                self._handles.append(branch_end.register_forward_hook(self._mlp_hook(i)))
         self.kv = None
         self._past = 0
         self._step_out: dict[str, dict[int, np.ndarray]] = {}
@@ -103,6 +107,8 @@ class FastCarReference:
         def hook(module, args, kwargs):
             h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             self._seen[i] = (h.detach(), kwargs.get("position_embeddings"))
+            layer = self.kv.layers[i]  # the keys before this step's update (a sliding window keeps W - 1)
+            self._past_keys[i] = layer.keys.detach().clone() if getattr(layer, "is_initialized", False) else None
 
         return hook
 
@@ -111,18 +117,27 @@ class FastCarReference:
         blk = self.blocks[i]
         B, S, _ = h.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        attn = _attention_module(blk)
         if self.is_gpt2:
             qkv = blk.attn.c_attn(h)
             q, k = qkv[..., : H * D], qkv[..., H * D : 2 * H * D]
-        elif hasattr(blk.self_attn, "qkv_proj"):  # Phi-3: fused [q | k | v]
-            qkv = blk.self_attn.qkv_proj(h)
+        elif hasattr(attn, "query_key_value"):  # GPT-NeoX: fused per head [q | k | v] x heads
+            qkv = attn.query_key_value(h).view(B, S, H, 3 * D).transpose(1, 2)
+            q, k, _ = qkv.chunk(3, dim=-1)
+            return q, k
+        elif hasattr(attn, "qkv_proj"):  # Phi-3: fused [q | k | v]
+            qkv = attn.qkv_proj(h)
             q, k = qkv[..., : H * D], qkv[..., H * D : H * D + Hkv * D]
         else:
-            q, k = blk.self_attn.q_proj(h), blk.self_attn.k_proj(h)
+            q, k = attn.q_proj(h), attn.k_proj(h)
+            if hasattr(attn, "q_norm") and getattr(self.model.config, "model_type", "") == "olmo2":
+                q, k = attn.q_norm(q), attn.k_norm(k)  # OLMo2 normalises the whole projection, before RoPE
         return (q.view(B, S, H, D).transpose(1, 2), k.view(B, S, Hkv, D).transpose(1, 2))
 
     def _mlp_hook(self, i: int):
-        def hook(module, args, fresh: torch.Tensor) -> torch.Tensor:
+        def hook(module, args, fresh):
+            if isinstance(fresh, tuple):  # MoE blocks may also return router logits: replay the hidden states
+                return (self._fastcar(i, fresh[0]), *fresh[1:])
             return self._fastcar(i, fresh)
 
         return hook
@@ -131,24 +146,28 @@ class FastCarReference:
         h, pe = self._seen[i]
         B, S, _ = fresh.shape
         P, L, vs = self._past, self.L, self.video_start
-        keys = self.kv.layers[i].keys  # [B, Hkv, P + S, D], post-RoPE, this step's keys included
+        cached = self.kv.layers[i].keys  # post-RoPE, this step's keys included (a sliding window: the last W - 1)
         q, k_new = self._projections(i, h)
         if pe is not None:
             cos, sin = pe
-            if self.check_rope:
-                mine = apply_rope(k_new, cos, sin)
-                if not torch.allclose(mine, keys[:, :, P:], atol=1e-5, rtol=1e-5):
-                    raise AssertionError(f"layer {i}: reference RoPE disagrees with the model's KV cache")
+            k_new = apply_rope(k_new, cos, sin)
             if self.tas_query == "rope":
                 q = apply_rope(q, cos, sin)
-        elif self.check_rope and not torch.allclose(k_new, keys[:, :, P:], atol=1e-5, rtol=1e-5):
-            raise AssertionError(f"layer {i}: reference keys disagree with the model's KV cache")
+        n = min(S, cached.shape[2])
+        if self.check_rope and not torch.allclose(k_new[:, :, S - n :], cached[:, :, -n:], atol=1e-5, rtol=1e-5):
+            raise AssertionError(f"layer {i}: reference keys (RoPE) disagree with the model's KV cache")
+        # The keys attention saw: the cache before this step (all of it, or a sliding window) + this step's.
+        past = self._past_keys.get(i)
+        keys = k_new if past is None else torch.cat([past, k_new], dim=2)
+        first = P + S - keys.shape[2]  # absolute position of keys[:, :, 0]
         g = self.num_heads // self.num_kv_heads
         tas = torch.full((B, S), float("nan"), dtype=torch.float64)
         for j in range(S):
             a = P + j - L
             if a >= 0:
-                k = keys[:, :, a, :].double().repeat_interleave(g, dim=1)  # [B, H, D]: head h reads h // g
+                if a < first:
+                    raise AssertionError(f"layer {i}: key of position {a} is outside the cache window")
+                k = keys[:, :, a - first, :].double().repeat_interleave(g, dim=1)  # [B, H, D]: head h reads h // g
                 tas[:, j] = (q[:, :, j, :].double() * k).sum(-1).mean(1) / math.sqrt(self.head_dim)
         used = fresh.clone()
         replay = torch.zeros((B, S), dtype=torch.bool)
@@ -175,6 +194,7 @@ class FastCarReference:
 
         self.kv = DynamicCache(config=self.model.config)
         self._past = 0
+        self._past_keys: dict[int, torch.Tensor | None] = {}
         self.mlp_cache = {i: torch.zeros(batch, self.L, self.hidden) for i in self.layers}
         self.mlp_age = {i: torch.full((batch, self.L), -1, dtype=torch.int64) for i in self.layers}
 
@@ -229,6 +249,22 @@ class FastCarReference:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _decoder_layers(model: nn.Module):
+    """The decoder blocks of a transformers causal LM (GPT-2: transformer.h, GPT-NeoX: gpt_neox.layers)."""
+    if hasattr(model, "transformer"):
+        return model.transformer.h
+    if hasattr(model, "gpt_neox"):
+        return model.gpt_neox.layers
+    return model.model.layers
+
+
+def _attention_module(block: nn.Module) -> nn.Module:
+    for name in ("self_attn", "attention", "attn"):
+        if hasattr(block, name):
+            return getattr(block, name)
+    raise AttributeError(f"{type(block).__name__} has no attention module")
 
 
 @torch.no_grad()

@@ -57,7 +57,8 @@ def real_mask(steps: list[np.ndarray], pad: list[int], k: int, aligned: bool) ->
     return ok & (p - L >= pad_) if aligned else ok
 
 
-def check_inf_equivalence(zoo_model, fc_compile, tmp_path: Path, family: str, exporter: str) -> None:
+def check_inf_equivalence(zoo_model, fc_compile, tmp_path: Path, family: str, exporter: str,
+                          pad: list[int] = PAD) -> None:
     src = zoo_model(family, exporter)
     before = sha256(src)
     out = tmp_path / "fast.onnx"
@@ -75,22 +76,22 @@ def check_inf_equivalence(zoo_model, fc_compile, tmp_path: Path, family: str, ex
     )
 
     steps = decode_steps()
-    base = ort_driver.decode(src, steps, pad=PAD)
-    fast = ort_driver.decode(sess, steps, pad=PAD)
+    base = ort_driver.decode(src, steps, pad=pad)
+    fast = ort_driver.decode(sess, steps, pad=pad)
     worst = 0.0
     for k, (b, f) in enumerate(zip(base.logits, fast.logits, strict=True)):
-        m = real_mask(steps, PAD, k, aligned=False)
+        m = real_mask(steps, pad, k, aligned=False)
         worst = max(worst, float(np.abs(b - f)[m].max()))
     assert worst <= 1e-5, f"max |logits fast - original| = {worst:.3g}"
 
     # TAS: the pass computes it at every token even when nothing may replay; it must be the reference's.
     with FastCarReference(zoo.build_model(family), frame_tokens=L, threshold=math.inf) as ref:
-        want = ref.run(steps, pad=PAD)
+        want = ref.run(steps, pad=pad)
     for i in range(info.num_layers):
         assert len(fast.replay_mask[i]) == len(steps) and len(fast.tas[i]) == len(steps)
         for k in range(len(steps)):
             assert not fast.replay_mask[i][k].any(), f"layer {i} step {k}: replay at tau=+inf"
-            m = real_mask(steps, PAD, k, aligned=True)
+            m = real_mask(steps, pad, k, aligned=True)
             if m.any():
                 diff = np.abs(fast.tas[i][k].astype(np.float64) - want.tas[i][k])[m].max()
                 assert diff <= 1e-4, f"layer {i} step {k}: TAS differs from the reference by {diff:.3g}"

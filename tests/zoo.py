@@ -27,6 +27,16 @@ import torch
 from torch import nn
 
 FAMILIES = ("llama", "qwen2", "phi3", "gpt2")
+# Architectures added by issue 8 (parallel residual, norms after attention/MLP, sliding windows, MoE). They are
+# tested with the two exporter paths users take (dynamo opset 20 and TorchScript) by test_pass_architectures.py.
+NEW_FAMILIES = ("neox", "phi2", "olmo2", "gemma2", "mistral", "mixtral", "qwen2moe")
+NEW_EXPORTERS = ("dynamo20", "torchscript17")
+# A sliding window wider than the frame (L = 4 in the tests) but shorter than the test decodes (~30 tokens),
+# so the KV cache really is truncated.
+SLIDING_WINDOW = 8
+EAGER_ONLY = frozenset({"gemma2"})
+MOE_FAMILIES = frozenset({"mixtral", "qwen2moe"})
+SLIDING_FAMILIES = frozenset({"mistral", "gemma2"})
 EXPORTERS = (
     "dynamo18",
     "dynamo20",
@@ -132,15 +142,64 @@ def make_config(family: str, attn_implementation: str = "sdpa", vocab: int = VOC
             bos_token_id=1,
             eos_token_id=2,
         )
+    elif family in NEW_FAMILIES:
+        cfg = _new_family_config(family)
     else:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
-    cfg._attn_implementation = attn_implementation
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + NEW_FAMILIES}")
+    # Gemma2 has no SDPA path in transformers (soft-capping): it is exported with eager attention.
+    cfg._attn_implementation = "eager" if family in EAGER_ONLY else attn_implementation
+    if family in MOE_FAMILIES:
+        # transformers' default experts kernel (grouped_mm) is a custom op neither exporter converts, and the
+        # eager loop over the experts hit is data-dependent (TorchScript would bake one routing in): use the
+        # batched one (every token gathers its top-k experts' weights), the same function of the inputs.
+        cfg._experts_implementation = "batched_mm"
     return cfg
+
+
+def _new_family_config(family: str):
+    """Configs of the issue-8 families (same tiny sizes; head_dim 16)."""
+    import transformers as tf
+
+    common = dict(
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        vocab_size=VOCAB,
+        max_position_embeddings=MAX_POS,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    gqa = dict(num_key_value_heads=KV_HEADS)
+    if family == "neox":  # parallel residual: x + attn(ln1(x)) + mlp(ln2(x)); partial rotary (half the dims)
+        return tf.GPTNeoXConfig(**common, use_parallel_residual=True, rotary_pct=0.5, hidden_dropout=0.0,
+                                attention_dropout=0.0, tie_word_embeddings=False)
+    if family == "phi2":  # shared-norm parallel block: x + attn(ln(x)) + mlp(ln(x)); partial rotary
+        return tf.PhiConfig(**common, **gqa, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attention_dropout=0.0, tie_word_embeddings=False)
+    if family == "olmo2":  # no pre-norm: x + norm(attn(x)), then h + norm(mlp(h)); q/k norms
+        return tf.Olmo2Config(**common, **gqa, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if family == "gemma2":  # pre- and post-norms around attention and MLP, sliding layers, soft-capping
+        return tf.Gemma2Config(**common, **gqa, head_dim=HIDDEN // HEADS, sliding_window=SLIDING_WINDOW,
+                               rms_norm_eps=1e-6)
+    if family == "mistral":
+        return tf.MistralConfig(**common, **gqa, sliding_window=SLIDING_WINDOW, rms_norm_eps=1e-5,
+                                tie_word_embeddings=False)
+    if family == "mixtral":  # MoE: 4 experts, top-2
+        return tf.MixtralConfig(**common, **gqa, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5,
+                                tie_word_embeddings=False)
+    if family == "qwen2moe":  # MoE with a gated shared expert
+        return tf.Qwen2MoeConfig(**common, **gqa, moe_intermediate_size=INTER // 2,
+                                 shared_expert_intermediate_size=INTER, num_experts=4, num_experts_per_tok=2,
+                                 decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-5,
+                                 use_sliding_window=False, tie_word_embeddings=False)
+    raise ValueError(family)
 
 
 def model_info(family: str) -> ModelInfo:
     """Head counts and sizes of a family model (GPT-2 has no GQA: kv heads = heads)."""
-    kv = HEADS if family == "gpt2" else KV_HEADS
+    kv = HEADS if family in ("gpt2", "neox") else KV_HEADS
     return ModelInfo(family, LAYERS, HEADS, kv, HIDDEN // HEADS, HIDDEN, VOCAB)
 
 
@@ -158,8 +217,8 @@ def build_model(family: str, seed: int = SEED, attn_implementation: str = "sdpa"
         "qwen2": tf.Qwen2ForCausalLM,
         "phi3": tf.Phi3ForCausalLM,
         "gpt2": tf.GPT2LMHeadModel,
-    }[family]
-    model = cls(cfg).eval().float()
+    }.get(family, tf.AutoModelForCausalLM)
+    model = (cls.from_config(cfg) if cls is tf.AutoModelForCausalLM else cls(cfg)).eval().float()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -232,10 +291,16 @@ def example_inputs(
     return (ids, mask, pos, *kv)
 
 
+def _kv_axis(info: ModelInfo, name: str, layer: int) -> str:
+    """The KV length axis name: shared by every layer, except in sliding-window families where a window layer's
+    cache is shorter than a full layer's (Gemma2 alternates them), so each layer gets its own."""
+    return f"{name}_{layer}" if info.family in SLIDING_FAMILIES else name
+
+
 def _export_dynamo(wrapper: nn.Module, info: ModelInfo, path: Path, opset: int) -> None:
     ins, outs = io_names(info.num_layers)
     # String axis names: torch.onnx turns them into Dim.DYNAMIC and names the ONNX axes after them.
-    kv_shapes = tuple({0: "batch", 2: "past"} for _ in range(2 * info.num_layers))
+    kv_shapes = tuple({0: "batch", 2: _kv_axis(info, "past", i // 2)} for i in range(2 * info.num_layers))
     # forward(input_ids, attention_mask, position_ids, *past): the varargs form one tuple in dynamic_shapes.
     shapes = ({0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, {0: "batch", 1: "seq"}, kv_shapes)
     prog = torch.onnx.export(
@@ -260,10 +325,10 @@ def _export_torchscript(wrapper: nn.Module, info: ModelInfo, path: Path, opset: 
         "position_ids": {0: "batch", 1: "seq"},
         "logits": {0: "batch", 1: "seq"},
     }
-    for n in ins[3:]:
-        axes[n] = {0: "batch", 2: "past"}
-    for n in outs[1:]:
-        axes[n] = {0: "batch", 2: "total"}
+    for i, n in enumerate(ins[3:]):
+        axes[n] = {0: "batch", 2: _kv_axis(info, "past", i // 2)}
+    for i, n in enumerate(outs[1:]):
+        axes[n] = {0: "batch", 2: _kv_axis(info, "total", i // 2)}
     torch.onnx.export(
         wrapper,
         example_inputs(info, dtype=next(wrapper.parameters()).dtype),

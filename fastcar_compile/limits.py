@@ -1,0 +1,48 @@
+"""Bounds on user-supplied numbers, each checked against what the model, ONNX Runtime and the ISA can hold.
+
+Defined once here so the compiler, the FPGA backend and the CLI say the same limit in the same words.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+
+import numpy as np
+
+from fastcar_compile.errors import FastCarError
+
+INT64_MAX = 2**63 - 1
+UINT32_MAX = 2**32 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# L is a Slice/Gather offset and a slot count: ORT shape arithmetic is int64, the FPGA TAS field (k) is u32.
+MAX_FRAME_TOKENS = UINT32_MAX
+MAX_REPLAY = 2**31 - 1  # the age counters are stored as float32/int32: beyond this K is "unlimited" anyway
+
+
+def check_int(flag: str, value, lo: int, hi: int, meaning: str = "") -> int:
+    """An integer (not bool, not float) in [lo, hi]; otherwise one clear FastCarError naming the flag."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise FastCarError(f"{flag} must be an integer{f' ({meaning})' if meaning else ''}, got {value!r}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise FastCarError(f"{flag} must be in {lo}..{hi}{f' ({meaning})' if meaning else ''}, got {value}")
+    return value
+
+
+def memory_bytes() -> int:
+    """Physical memory of this machine (what ONNX Runtime can allocate at most)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 40
+
+
+def check_state_size(frame_tokens: int, hidden: int, layers: int, itemsize: int = 4) -> None:
+    """The MLP cache of one video ([L, hidden] per rewritten layer) must fit in this machine's memory."""
+    need = frame_tokens * hidden * itemsize * max(1, layers)
+    have = memory_bytes()
+    if need > have:
+        raise FastCarError(f"--frame-tokens {frame_tokens}: the FastCar state of one video would need "
+                           f"{need / 2**30:.1f} GiB ({layers} layers x L x hidden {hidden} x {itemsize} B), more than "
+                           f"this machine's {have / 2**30:.1f} GiB; use the real tokens per frame")

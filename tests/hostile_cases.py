@@ -1,0 +1,457 @@
+"""Hostile-but-fair inputs to the `fastcar-compile` CLI, as data, with one runner (issue 9).
+
+Each case builds its argv inside a sandbox folder holding real inputs (the bundled decoder with inline and
+external weights, a compiled model, a `.fcb` program and its assembly, a run.json, board files, odd files).
+``run_case`` runs `fastcar_compile.cli.main` (the console script's function) in this process, or the real
+console script in a subprocess, and reports what happened: exit code, stderr, whether a traceback appeared,
+which files were added, changed or now share an inode. tests/test_hostile_inputs.py asserts every case is
+rejected (or accepted) cleanly; ``python tests/hostile_cases.py`` prints the totals of the closing note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = ROOT / "fastcar_compile" / "demo" / "assets" / "decoder.onnx"
+L = 64  # tokens per frame of the bundled decoder
+
+
+@dataclass
+class Case:
+    name: str
+    argv: Callable[[Path], list[str]]
+    exit: int = 2
+    message: str = ""  # a word the error line must contain (names the flag or the problem)
+    outputs: tuple[str, ...] = ()  # files an accepted case may create (relative to the sandbox)
+    patch: Callable[[], contextlib.AbstractContextManager] | None = None  # in-process fault injection
+    subprocess: bool = False  # also run through the real console script
+
+
+@dataclass
+class Outcome:
+    rc: int | None  # None: killed or hung
+    stderr: str
+    traceback: bool
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    shared_inodes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------- sandbox
+def build_sandbox(root: Path) -> Path:
+    """Real inputs the cases read (built once; cases must leave every byte of it as it was)."""
+    import onnx
+    from onnx.external_data_helper import set_external_data
+
+    import fastcar_compile as fc
+    from fastcar_compile.fpga_backend import asm as fasm
+    from fastcar_compile.fpga_backend.compiler import build_program
+    from fastcar_compile.fpga_backend.encode import save as save_fcb
+    from fastcar_compile.fpga_backend.hwspec import load_board
+    from fastcar_compile.fpga_backend.modelspec import TINY
+
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(BUNDLED, root / "model.onnx")
+    proto = onnx.load(str(BUNDLED))
+    (root / "ext").mkdir()
+    onnx.save_model(proto, str(root / "ext" / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
+    # weights over two files, one of them named like the data file of another output (x.onnx -> x.onnx.data)
+    multi = onnx.load(str(BUNDLED))
+    big = [t for t in multi.graph.initializer if t.ByteSize() > 1024]
+    for i, t in enumerate(big):
+        set_external_data(t, "x.onnx.data" if i % 2 == 0 else "w2.bin")
+    (root / "multi").mkdir()
+    onnx.save_model(multi, str(root / "multi" / "y.onnx"))
+    (root / "noext").mkdir()
+    shutil.copyfile(root / "ext" / "model.onnx", root / "noext" / "model.onnx")  # its data file is missing
+    fc.compile(root / "model.onnx", root / "fast.onnx", frame_tokens=L, threshold=0.0)
+    program = build_program(TINY, load_board("kv260"), batch=4, context=8)
+    save_fcb(program, root / "prog.fcb")
+    text = fasm.disassemble(program)
+    (root / "prog.s").write_text(text)
+    lines = text.splitlines()
+    first_instr = next(i for i, line in enumerate(lines) if line.strip().startswith("c0 "))
+    (root / "badlayer.s").write_text("\n".join(lines[:first_instr] + [lines[first_instr] + " layer=40000"]
+                                               + lines[first_instr + 1:]) + "\n")
+    meta = json.loads(lines[1][len(".meta "):])
+    (root / "empty.s").write_text(lines[0] + "\n" + lines[1] + "\n")
+    meta0 = dict(meta, batch=0)
+    (root / "batch0.s").write_text("\n".join([lines[0], ".meta " + json.dumps(meta0)] + lines[2:]) + "\n")
+    data = (root / "prog.fcb").read_bytes()
+    (root / "trunc.fcb").write_bytes(data[: len(data) // 2])
+    (root / "random.bin").write_bytes(np.random.default_rng(0).bytes(4096))
+    (root / "empty.txt").write_bytes(b"")
+    (root / "notjson.json").write_text("{not json")
+    (root / "list.json").write_text("[1, 2, 3]")
+    (root / "adir").mkdir()
+    (root / "afile").write_text("a file, not a folder\n")
+    (root / "partial_board.json").write_text(json.dumps({"clock_mhz": 200.0}))
+    run = {"model": "fast.onnx", "fastcar": True, "frame_tokens": 4, "layers": [0, 1], "batch": 1,
+           "video_start": 0, "num_frames": 2, "frames_done": 2, "step_ms": [1.0] * 7, "frame_ms": [4.0, 4.0],
+           "steps": [{"pos": 4 + i, "replay": [[i % 2], [0]]} for i in range(7)], "threshold": 0.0}
+    (root / "run.json").write_text(json.dumps(run))
+    (root / "run_badlayers.json").write_text(json.dumps(dict(run, layers=[0, 7])))
+    (root / "run_badshape.json").write_text(json.dumps(dict(run, steps=[{"pos": 4, "replay": [[1, 1, 1]]}])))
+    (root / "run_hugeframes.json").write_text(json.dumps(dict(run, frames_done=10**12)))
+    (root / "run_types.json").write_text(json.dumps(dict(run, layers="abc", batch="x")))
+    (root / "run_steps_str.json").write_text(json.dumps(dict(run, steps="none")))
+    np.save(root / "floats.npy", np.zeros((2, 3), np.float32))
+    os.symlink("model.onnx", root / "link.onnx")
+    os.link(root / "model.onnx", root / "hard.onnx")
+    return root
+
+
+_HASHES: dict[tuple, str] = {}
+
+
+def snapshot(root: Path) -> dict[str, tuple[str, int]]:
+    """Every file under root: (sha256, inode). A file is re-hashed whenever its size, mtime or ctime moved
+    (any write changes ctime), so unchanged 12 MB inputs are not hashed again for every case."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            key = (str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+            if key not in _HASHES:
+                _HASHES[key] = hashlib.sha256(p.read_bytes()).hexdigest()
+            out[str(p.relative_to(root))] = (_HASHES[key], st.st_ino)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- faults
+@contextlib.contextmanager
+def _fault(target: str, err: int):
+    """Make `target` (module.attr) raise OSError(err), as a full disk or a read-only folder would."""
+    import importlib
+    from unittest import mock
+
+    mod, attr = target.rsplit(".", 1)
+
+    def boom(*a, **k):
+        raise OSError(err, os.strerror(err), str(a[0]) if a else None)
+
+    with mock.patch.object(importlib.import_module(mod), attr, boom):
+        yield
+
+
+def disk_full():
+    return _fault("fastcar_compile.fileio._copy_range", errno.ENOSPC)
+
+
+def disk_full_save():
+    return _fault("onnx_ir.save", errno.ENOSPC)
+
+
+def read_only():
+    return _fault("os.replace", errno.EROFS)
+
+
+def no_permission():
+    return _fault("tempfile.mkdtemp", errno.EACCES)
+
+
+# --------------------------------------------------------------------------------------------- cases
+def _c(name, argv, exit=2, message="", outputs=(), patch=None, subprocess=False) -> Case:  # noqa: A002
+    return Case(name, argv, exit, message, outputs, patch, subprocess)
+
+
+def cases() -> list[Case]:
+    m, ft = "model.onnx", ["--frame-tokens", str(L)]
+
+    def comp(*extra, model=m, out="out/fast.onnx"):
+        return lambda d: [str(d / model), "-o", str(d / out), *ft, *extra]
+
+    fpga = lambda *extra, out="out/p.fcb": lambda d: [str(d / "fast.onnx"), "--target", "fpga", "-o",  # noqa: E731
+                                                      str(d / out), *extra]
+    sim = lambda *extra, fcb="prog.fcb": lambda d: ["sim", str(d / fcb), *extra]  # noqa: E731
+    rep = lambda name, *extra: lambda d: ["report", str(d / name), *extra]  # noqa: E731
+    return [
+        # 1. inputs are sacred
+        _c("compile -o the input model", comp(out=m), message="input"),
+        _c("compile -o a symlink to the input", comp(out="link.onnx"), message="input"),
+        _c("compile -o a hard link of the input", comp(out="hard.onnx"), message="input"),
+        _c("compile -o the input's external-data file", comp(model="ext/model.onnx", out="ext/model.onnx.data"),
+           message="overwrite", subprocess=True),
+        _c("compile -o x.onnx whose data file is one of the input's", comp(model="multi/y.onnx", out="multi/x.onnx"),
+           message="overwrite"),
+        _c("compile -o the input's second data file", comp(model="multi/y.onnx", out="multi/w2.bin"),
+           message="overwrite"),
+        _c("compile -o through .. to the input", comp(out="adir/../model.onnx"), message="input"),
+        _c("compile --target fpga -o the input", fpga(out="fast.onnx"), message="input"),
+        _c("disasm -o the bundle file it reads", lambda d: ["disasm", str(d / "prog.fcb"), "-o", str(d / "prog.fcb")],
+           message="read"),
+        _c("asm -o the source it reads", lambda d: ["asm", str(d / "prog.s"), "-o", str(d / "prog.s")],
+           message="source"),
+        # 2/3. all-or-nothing writes; file-system errors are user errors
+        _c("compile -o an existing directory", comp(out="adir"), message="directory", subprocess=True),
+        _c("compile -o below a file", comp(out="afile/fast.onnx"), message="not a folder"),
+        _c("compile, external data, -o an existing directory", comp(model="ext/model.onnx", out="adir"),
+           message="directory"),
+        _c("compile, disk full while copying external data", comp(model="ext/model.onnx"), patch=disk_full,
+           message="space"),
+        _c("compile, disk full while saving", comp(), patch=disk_full_save, message="space"),
+        _c("compile, read-only file system at rename", comp(model="ext/model.onnx"), patch=read_only,
+           message="read-only"),
+        _c("compile, no permission for the temp folder", comp(), patch=no_permission, message="permission"),
+        _c("compile a directory", comp(model="adir"), message="directory", subprocess=True),
+        _c("compile a missing file", comp(model="nosuch.onnx"), message="no such file"),
+        _c("compile random bytes", comp(model="random.bin"), message="not a readable ONNX"),
+        _c("compile an empty file", comp(model="empty.txt")),
+        _c("compile with its external data missing", comp(model="noext/model.onnx"), message="missing"),
+        _c("compile an already compiled model", comp(model="fast.onnx"), message="already compiled",
+           subprocess=True),
+        _c("inspect a directory", lambda d: [str(d / "adir"), "--inspect"], message="directory"),
+        # 4. bounded, validated numbers
+        _c("--layers 0-1000000000", comp("--layers", "0-1000000000"), message="--layers", subprocess=True),
+        _c("--layers 7", comp("--layers", "7"), message="--layers"),
+        _c("--layers -1", comp("--layers", "-1"), message="--layers"),
+        _c("--layers 3-1", comp("--layers", "3-1"), message="--layers"),
+        _c("--layers a-b", comp("--layers", "a-b"), message="--layers"),
+        _c("--frame-tokens 0", lambda d: [str(d / m), "-o", str(d / "out/f.onnx"), "--frame-tokens", "0"],
+           message="--frame-tokens"),
+        _c("--frame-tokens -5", lambda d: [str(d / m), "-o", str(d / "out/f.onnx"), "--frame-tokens", "-5"],
+           message="--frame-tokens"),
+        _c("--frame-tokens 2**63", lambda d: [str(d / m), "-o", str(d / "out/f.onnx"), "--frame-tokens",
+                                              str(2**63)], message="--frame-tokens"),
+        _c("--frame-tokens 10**12", lambda d: [str(d / m), "-o", str(d / "out/f.onnx"), "--frame-tokens",
+                                               str(10**12)], message="--frame-tokens"),
+        _c("--frame-tokens 10**12 --no-validate", lambda d: [str(d / m), "-o", str(d / "out/f.onnx"),
+                                                             "--frame-tokens", str(10**12), "--no-validate"],
+           message="--frame-tokens"),
+        _c("--frame-tokens 10**9 (state beyond memory)", lambda d: [str(d / m), "-o", str(d / "out/f.onnx"),
+                                                                    "--frame-tokens", str(10**9)],
+           message="GiB"),
+        _c("--frame-tokens 1.5", lambda d: [str(d / m), "-o", str(d / "out/f.onnx"), "--frame-tokens", "1.5"],
+           message="--frame-tokens"),
+        _c("--max-replay -1", comp("--max-replay", "-1"), message="--max-replay"),
+        _c("--max-replay 2**63", comp("--max-replay", str(2**63)), message="--max-replay"),
+        _c("--threshold nan", comp("--threshold", "nan"), message="threshold"),
+        _c("--threshold 1e39", comp("--threshold", "1e39"), message="float32"),
+        _c("--threshold -1e39", comp("--threshold=-1e39"), message="float32"),
+        _c("--threshold abc", comp("--threshold", "abc"), message="threshold"),
+        _c("--threshold 1,2 without --per-layer-threshold", comp("--threshold", "1,2"), message="per-layer"),
+        _c("--per-layer-threshold with 5 values", comp("--per-layer-threshold", "--threshold", "1,2,3,4,5"),
+           message="threshold"),
+        _c("--tas-query nope", comp("--tas-query", "nope"), message="tas-query"),
+        _c("--calibrate-replay without --calib-data", comp("--calibrate-replay", "0.5"), message="calib-data"),
+        _c("--calib-data a directory", comp("--calibrate-replay", "0.5", "--calib-data", "adir"),
+           message="calib-data"),
+        _c("--calib-data random bytes", lambda d: comp("--calibrate-replay", "0.5", "--calib-data",
+                                                       str(d / "random.bin"))(d), message="calib-data"),
+        _c("--calib-data float prompts", lambda d: comp("--calibrate-replay", "0.5", "--calib-data",
+                                                        str(d / "floats.npy"))(d), message="integer"),
+        _c("--target fpga --context 4294967301", fpga("--context", "4294967301"), message="--context",
+           subprocess=True),
+        _c("--target fpga --context 0", fpga("--context", "0"), message="--context"),
+        _c("--target fpga --batch 0", fpga("--batch", "0"), message="--batch"),
+        _c("--target fpga --batch 33", fpga("--batch", "33"), message="--batch"),
+        _c("--target fpga --board nosuch", fpga("--board", "nosuch"), message="board"),
+        _c("--board custom with missing fields", lambda d: fpga("--board", "custom", "--board-file",
+                                                                str(d / "partial_board.json"))(d), message="lacks"),
+        _c("--board-file a directory", lambda d: fpga("--board-file", str(d / "adir"))(d), message="directory"),
+        _c("--board-file binary", lambda d: fpga("--board-file", str(d / "random.bin"))(d), message="board file"),
+        _c("--board-file not JSON", lambda d: fpga("--board-file", str(d / "notjson.json"))(d), message="JSON"),
+        _c("--board-file a JSON list", lambda d: fpga("--board-file", str(d / "list.json"))(d), message="object"),
+        _c("--target fpga -o an existing directory", fpga(out="adir"), message="directory"),
+        # 5. sim / asm / disasm
+        _c("sim a missing file", sim(fcb="nosuch.fcb"), message="does not exist"),
+        _c("sim a directory", sim(fcb="adir"), message="directory"),
+        _c("sim random bytes", sim(fcb="random.bin"), message="bundle"),
+        _c("sim a truncated bundle", sim(fcb="trunc.fcb"), message="bundle"),
+        _c("sim --batch 0", sim("--batch", "0"), message="--batch", subprocess=True),
+        _c("sim --batch 33", sim("--batch", "33"), message="--batch"),
+        _c("sim --batch 5 (compiled for 4)", sim("--batch", "5"), message="batch"),
+        _c("sim --context 0", sim("--context", "0"), message="--context"),
+        _c("sim --context 2**32", sim("--context", str(2**32)), message="--context"),
+        _c("sim --steps 0", sim("--steps", "0"), message="--steps"),
+        _c("sim --steps 10**12", sim("--steps", str(10**12)), message="--steps"),
+        _c("sim --replay-ratio 2", sim("--replay-ratio", "2"), message="ratio"),
+        _c("sim --replay-ratio nan", sim("--replay-ratio", "nan"), message="ratio"),
+        _c("sim --replay-trace a directory", lambda d: sim("--replay-trace", str(d / "adir"))(d),
+           message="directory"),
+        _c("sim --replay-trace binary", lambda d: sim("--replay-trace", str(d / "random.bin"))(d), message="trace"),
+        _c("sim --replay-trace not JSON", lambda d: sim("--replay-trace", str(d / "notjson.json"))(d),
+           message="JSON"),
+        _c("sim --replay-trace a JSON list", lambda d: sim("--replay-trace", str(d / "list.json"))(d),
+           message="trace"),
+        _c("sim --replay-trace with layers beyond the program", lambda d: sim("--replay-trace",
+                                                                              str(d / "run_badlayers.json"))(d),
+           message="layers"),
+        _c("sim --board-file a directory", lambda d: sim("--board-file", str(d / "adir"))(d), message="directory"),
+        _c("sim --board u280 (other structure)", sim("--board", "u280"), message="board"),
+        _c("sim --timeline a directory", lambda d: sim("--timeline", str(d / "adir"))(d), message="directory"),
+        _c("disasm a directory", lambda d: ["disasm", str(d / "adir")], message="directory"),
+        _c("disasm random bytes", lambda d: ["disasm", str(d / "random.bin")], message="bundle"),
+        _c("asm a missing file", lambda d: ["asm", str(d / "nosuch.s"), "-o", str(d / "out/p.fcb")],
+           message="does not exist"),
+        _c("asm a directory", lambda d: ["asm", str(d / "adir"), "-o", str(d / "out/p.fcb")], message="directory"),
+        _c("asm binary", lambda d: ["asm", str(d / "random.bin"), "-o", str(d / "out/p.fcb")], message="text"),
+        _c("asm a layer index beyond the model", lambda d: ["asm", str(d / "badlayer.s"), "-o",
+                                                            str(d / "out/p.fcb")], message="layer",
+           subprocess=True),
+        _c("asm an empty program", lambda d: ["asm", str(d / "empty.s"), "-o", str(d / "out/p.fcb")],
+           message="empty"),
+        _c("asm batch 0", lambda d: ["asm", str(d / "batch0.s"), "-o", str(d / "out/p.fcb")], message="batch"),
+        _c("asm -o a directory", lambda d: ["asm", str(d / "prog.s"), "-o", str(d / "adir")], message="directory"),
+        # report
+        _c("report a missing run.json", rep("nosuch.json"), message="does not exist"),
+        _c("report a directory", rep("adir"), message="directory"),
+        _c("report binary", rep("random.bin"), message="run.json"),
+        _c("report not JSON", rep("notjson.json"), message="run.json"),
+        _c("report a JSON list", rep("list.json"), message="run.json"),
+        _c("report replay of the wrong shape", rep("run_badshape.json"), message="replay"),
+        _c("report frames_done 10**12", rep("run_hugeframes.json"), message="frames_done", subprocess=True),
+        _c("report layers/batch of the wrong type", rep("run_types.json"), message="run.json"),
+        _c("report steps not a list", rep("run_steps_str.json"), message="steps"),
+        _c("report -o a file", lambda d: ["report", str(d / "run.json"), "-o", str(d / "afile")],
+           message="not a folder"),
+        _c("report -o below a file", lambda d: ["report", str(d / "run.json"), "-o", str(d / "afile/pics")],
+           message="not a folder"),
+        _c("report, second picture fails", lambda d: ["report", str(d / "run.json"), "-o", str(d / "out/pics")],
+           patch=lambda: _fault("os.replace", errno.ENOSPC), message="space"),
+        # demo / eval (rejected before any work)
+        _c("demo --tau nan", lambda d: ["demo", "--tau", "nan", "--out", str(d / "out/demo")], message="--tau"),
+        _c("demo --tau 1e39", lambda d: ["demo", "--tau", "1e39", "--out", str(d / "out/demo")], message="--tau"),
+        _c("demo --clips 0", lambda d: ["demo", "--clips", "0", "--out", str(d / "out/demo")], message="--clips"),
+        _c("demo --max-replay -1", lambda d: ["demo", "--max-replay", "-1", "--out", str(d / "out/demo")],
+           message="--max-replay"),
+        _c("demo --out a file", lambda d: ["demo", "--out", str(d / "afile")], message="not a folder"),
+        _c("demo --out below a file", lambda d: ["demo", "--out", str(d / "afile/demo")], message="not a folder"),
+        _c("eval --targets 2", lambda d: ["eval", "--targets", "2", "--out", str(d / "out/eval")],
+           message="--targets"),
+        _c("eval --out a file", lambda d: ["eval", "--out", str(d / "afile")], message="not a folder"),
+        # accepted: what must work, and leaves the inputs as they were
+        _c("compile external data (accepted)", comp(model="ext/model.onnx"), exit=0,
+           outputs=("out/fast.onnx", "out/fast.onnx.data"), subprocess=True),
+        _c("compile weights in two files (accepted)", comp(model="multi/y.onnx", out="out/m.onnx"), exit=0,
+           outputs=("out/m.onnx", "out/m.onnx.data")),
+        _c("report (accepted)", lambda d: ["report", str(d / "run.json"), "-o", str(d / "out/pics")], exit=0,
+           outputs=("out/pics/run.replay.png", "out/pics/run.latency.png")),
+        _c("asm round trip (accepted)", lambda d: ["asm", str(d / "prog.s"), "-o", str(d / "out/p.fcb")], exit=0,
+           outputs=("out/p.fcb",)),
+    ]
+
+
+# --------------------------------------------------------------------------------------------- running
+def _in_process(argv: list[str], patch) -> tuple[int | None, str]:
+    from fastcar_compile.cli import main
+
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), (patch() if patch else
+                                                                            contextlib.nullcontext()):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse
+            rc = exc.code if isinstance(exc.code, int) else 2
+        except BaseException:  # noqa: BLE001 - a traceback the real CLI would print
+            import traceback
+
+            err.write(traceback.format_exc())
+            rc = 1
+    return rc, err.getvalue()
+
+
+def _subprocess(argv: list[str], timeout: float) -> tuple[int | None, str]:
+    exe = Path(sys.executable).with_name("fastcar-compile")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fastcar_compile"]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    try:
+        proc = subprocess.run(cmd + argv, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        return None, (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else ""
+    return (proc.returncode if proc.returncode >= 0 else None), proc.stderr
+
+
+def run_case(case: Case, sandbox: Path, *, in_subprocess: bool = False, timeout: float = 120) -> Outcome:
+    """Run one case against the sandbox; outputs it was allowed to create are removed afterwards."""
+    before = snapshot(sandbox)
+    t0 = time.perf_counter()
+    argv = case.argv(sandbox)
+    rc, stderr = _subprocess(argv, timeout) if in_subprocess else _in_process(argv, case.patch)
+    seconds = time.perf_counter() - t0
+    after = snapshot(sandbox)
+    added = sorted(set(after) - set(before))
+    dirs_added = sorted(str(p.relative_to(sandbox)) for p in sandbox.rglob("*") if p.is_dir() and
+                        not any(p.iterdir()) and p.name != "adir")
+    changed = sorted(k for k in before if after.get(k, (None,))[0] != before[k][0])
+    inodes: dict[int, list[str]] = {}
+    for k, (_, ino) in after.items():
+        inodes.setdefault(ino, []).append(k)
+    shared = sorted(", ".join(v) for v in inodes.values() if len(v) > 1 and v != ["hard.onnx", "model.onnx"])
+    out = Outcome(rc, stderr, "Traceback" in stderr, added + [d + "/" for d in dirs_added], changed, shared, seconds)
+    shutil.rmtree(sandbox / "out", ignore_errors=True)
+    return out
+
+
+def problems(case: Case, o: Outcome) -> list[str]:
+    """What is wrong with an outcome (empty: the case passed)."""
+    bad = []
+    if o.rc is None:
+        bad.append("killed or hung")
+    elif o.rc != case.exit:
+        bad.append(f"exit {o.rc}, expected {case.exit}")
+    if o.traceback:
+        bad.append("traceback")
+    if case.exit != 0 and case.message and case.message.lower() not in o.stderr.lower():
+        bad.append(f"message lacks {case.message!r}")
+    extra = [a for a in o.added if a not in case.outputs]
+    if extra:
+        bad.append(f"left files {extra}")
+    if o.changed:
+        bad.append(f"modified inputs {o.changed}")
+    if o.shared_inodes:
+        bad.append(f"files share an inode: {o.shared_inodes}")
+    return bad
+
+
+def main() -> int:
+    """Totals for the closing note: every case in process, the `subprocess=True` ones also via the script."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sandbox = build_sandbox(Path(tmp) / "sandbox")
+        totals = {"tried": 0, "rejected cleanly": 0, "accepted as expected": 0, "traceback": 0,
+                  "accepted silently": 0, "killed/hung": 0, "inputs modified": 0, "other problems": 0}
+        for case in cases():
+            for sub in ([False, True] if case.subprocess else [False]):
+                o = run_case(case, sandbox, in_subprocess=sub)
+                bad = problems(case, o)
+                totals["tried"] += 1
+                if not bad:
+                    totals["rejected cleanly" if case.exit else "accepted as expected"] += 1
+                elif o.rc is None:
+                    totals["killed/hung"] += 1
+                elif o.traceback:
+                    totals["traceback"] += 1
+                elif o.rc == 0 and case.exit:
+                    totals["accepted silently"] += 1
+                elif o.changed:
+                    totals["inputs modified"] += 1
+                else:
+                    totals["other problems"] += 1
+                tag = "subprocess" if sub else "in-process"
+                print(f"{'ok ' if not bad else 'BAD'} [{tag}] {case.name}: exit {o.rc}"
+                      + (f" -- {'; '.join(bad)}" if bad else "") + f" | {o.stderr.strip().splitlines()[-1:]}")
+        print(json.dumps(totals, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
