@@ -208,3 +208,23 @@ def test_reference_matches_transformers_attention():
     # and a compressed mode moves it away while staying a valid attention (sanity of the comparison)
     comp = run_trace(layer.q, layer.k, layer.v, KVCompressConfig(budget=40, sinks=3, window=16), theta=theta)
     assert np.abs(comp.out - layer.attn_out).max() > 1e-3
+
+
+def test_mass_eviction_drops_least_attended_unprotected_slot():
+    """'mass': the non-sink, non-window slot with the least cumulative attention probability leaves."""
+    d = 4
+    c = HeadCache(KVCompressConfig(budget=4, sinks=1, window=2, eviction="mass"), d, 6, None)
+    rng = np.random.default_rng(8)
+    for _ in range(4):
+        c.append(rng.standard_normal(d), rng.standard_normal(d))
+    # tokens 1, 2 are unprotected; give token 2 more mass than token 1 (attend only to token 2's slot)
+    c.attend(np.zeros(d), np.array([c.token_slot[2]]))
+    c.append(rng.standard_normal(d), rng.standard_normal(d))
+    assert c.token_slot[1] == -1 and (c.token_slot[[0, 2, 3, 4]] >= 0).all()
+    # 'oldest' would have evicted token 1 too; with the mass on token 1 instead, token 2 leaves
+    c = HeadCache(KVCompressConfig(budget=4, sinks=1, window=2, eviction="mass"), d, 6, None)
+    for _ in range(4):
+        c.append(rng.standard_normal(d), rng.standard_normal(d))
+    c.attend(np.zeros(d), np.array([c.token_slot[1]]))
+    c.append(rng.standard_normal(d), rng.standard_normal(d))
+    assert c.token_slot[2] == -1 and (c.token_slot[[0, 1, 3, 4]] >= 0).all()

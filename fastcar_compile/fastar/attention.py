@@ -9,7 +9,8 @@ head h reads KV head h // (Hq / Hkv)). Metrics (SPEC.md section 3) over steps p 
   definition); for identical merged keys it is exactly 1 (the lemma); evicted tokens count 0;
 - kept_mass: dense mass on tokens whose slot was attended (ignores how merging reshapes the distribution);
 - out_err: ||o - o_dense|| / ||o_dense|| per query head and step (mean);
-- KV bytes: resident slots x (key + value) at `bytes_per` bytes, plus counts and LSH codes when used.
+- KV bytes: resident slots x (key + value) at `bytes_per` bytes, plus an int32 count (TempCache) and the
+  bit-packed LSH codes (AnnSA) per slot.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def run_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: KVCompressConfig
     if dense == 0:
         raise FastCarError(f"measure_from={measure_from} leaves no step of a {T}-token trace to measure")
     slots = sum(c.slots_used() for c in caches)
-    extra = (8 if cfg.tempcache_sim is not None else 0) + (lsh.tables * 8 if lsh else 0)
+    # per slot: an int32 count with TempCache; the LSH codes bit-packed (bits x tables bits) with AnnSA
+    extra = (4 if cfg.tempcache_sim is not None else 0) + (-(-lsh.bits * lsh.tables // 8) if lsh else 0)
     metrics = TraceMetrics(
         density=executed / dense, recall=float(np.mean(recall)), kept_mass=float(np.mean(kept)),
         out_err=float(np.mean(errs)), kv_bytes=slots * (2 * d * bytes_per + extra),

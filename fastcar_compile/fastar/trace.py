@@ -57,19 +57,31 @@ def capture(model, ids: np.ndarray) -> list[LayerTrace]:
             for i in range(len(model.model.layers))]
 
 
-def demo_trace(frames: int = 8, clip: int = 0) -> ModelTrace:
-    """The bundled demo model generating `frames - 1` frames after eval clip `clip`'s first frame."""
+TRACE_SOURCES = ("generated", "clip")
+
+
+def demo_trace(frames: int = 8, clip: int = 0, source: str = "generated") -> ModelTrace:
+    """The bundled demo model's attention on `frames` frames of eval clip `clip`.
+
+    source 'generated': the model continues greedily from the clip's first frame (what a user runs; the demo
+    model's greedy videos are nearly static, so keys recur a lot). 'clip': teacher-forced on the clip's own
+    tokens (real camera motion: fewer recurring keys).
+    """
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.export import load_model
     from fastcar_compile.demo.generate import torch_generate
     from fastcar_compile.demo.model import VIDEO_START, sequence
+    from fastcar_compile.errors import FastCarError
 
+    if source not in TRACE_SOURCES:
+        raise FastCarError(f"trace source must be one of {TRACE_SOURCES}, got {source!r}")
     model = load_model()
     tok = load_tokenizer()
-    c = data.make_clip("eval", clip, frames=2)
-    frame0 = tok.encode(c.frames[:1])[0].reshape(-1)
-    gen = torch_generate(model, c.motion, frame0, frames - 1)
+    c = data.make_clip("eval", clip, frames=frames if source == "clip" else 2)
+    toks = tok.encode(c.frames).reshape(len(c.frames), -1)
+    frame_len = toks.shape[1]
+    gen = torch_generate(model, c.motion, toks[0], frames - 1) if source == "generated" else toks
     ids = sequence(c.motion, gen)
     theta = float(model.config.rope_parameters["rope_theta"])
-    return ModelTrace(ids, capture(model, ids), theta, int(frame0.size), VIDEO_START)
+    return ModelTrace(ids, capture(model, ids), theta, frame_len, VIDEO_START)
