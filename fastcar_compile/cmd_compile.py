@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make fastcar_threshold a [layers] input, one tau per rewritten layer")
     p.add_argument("--emit-diagnostics", action="store_true",
                    help="add outputs replay_mask.N and tas.N per rewritten layer")
+    p.add_argument("--fused-attention", action="store_true",
+                   help="replace exported attention cores (cache Concat, K transpose, MatMul/Softmax) by "
+                        "com.microsoft.GroupQueryAttention (in-place KV cache; batch > 1 multi-token steps after "
+                        "the prompt are refused by ORT's kernel)")
+    p.add_argument("--genai", action=argparse.BooleanOptionalAction, default=None,
+                   help="name the state for onnxruntime-genai's generator and write genai_config.json beside "
+                        "the output (default: when the input sits beside one)")
     p.add_argument("--inspect", action="store_true",
                    help="only report what discovery finds per layer (and why a layer does not match)")
     p.add_argument("--verbose", "-v", action="store_true",
@@ -134,7 +141,8 @@ def main(argv: list[str]) -> int:
     _, report = fc.compile(args.model, args.output, frame_tokens=args.frame_tokens, threshold=threshold,
                            tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers,
                            per_layer_threshold=args.per_layer_threshold, emit_diagnostics=args.emit_diagnostics,
-                           validate=not args.no_validate)
+                           validate=not args.no_validate, genai=args.genai,
+                           fused_attention=args.fused_attention)
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
     if args.tas_query == "rope" and all(t <= -1.0 for t in args.threshold):
