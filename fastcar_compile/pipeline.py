@@ -15,6 +15,7 @@ from fastcar_compile.passes.analysis import DiscoverPass, SelectLayersPass
 from fastcar_compile.passes.branch import BranchPass
 from fastcar_compile.passes.cache_state import CacheStatePass
 from fastcar_compile.passes.context import CompileContext
+from fastcar_compile.passes.fused_attention import FusedAttentionPass
 from fastcar_compile.passes.gate import GatePass
 from fastcar_compile.passes.genai_state import GenaiConfigPass, GenaiStatePass
 from fastcar_compile.passes.metadata import IrVersionPass, MetadataPass
@@ -25,6 +26,7 @@ from fastcar_compile.save import SavePass, Staging
 def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = True) -> ir.passes.PassManager:
     """The passes for `ctx.options`; with `staging` the result is validated (unless off) and saved."""
     passes: list[ir.passes.PassBase] = [
+        *([FusedAttentionPass(ctx)] if ctx.options.fused_attention else []),
         DiscoverPass(ctx),
         SelectLayersPass(ctx),
         GatePass(ctx),

@@ -31,6 +31,7 @@ class CompileOptions:
     layers: str | tuple[int, ...] | None = None
     per_layer_threshold: bool = False
     emit_diagnostics: bool = False
+    fused_attention: bool = False  # exported attention cores -> GroupQueryAttention (passes/fused_attention.py)
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")

@@ -59,8 +59,8 @@ class GatePass(ir.passes.InPlacePass):
         names = [contract.replay_mask_output(n), contract.tas_output(n), f"fastcar.{n}.slot", f"fastcar.{n}.write"]
         keys = window.gate_keys(graph, b, att, opts.frame_tokens)  # the present key, or a window padded
         op, inputs = contract.TEMPORAL_GATE, [q, keys, lr.past_age, tau, self.ctx.video_start]
-        if att.packed_query is not None:  # genai: the key buffer may be preallocated; positions from the length
-            op, inputs = contract.TEMPORAL_GATE_AT, [*inputs, att.packed_query.total_len]
+        if att.total_len is not None:  # GroupQueryAttention: the key buffer may be preallocated (shared)
+            op, inputs = contract.TEMPORAL_GATE_AT, [*inputs, att.total_len]
         lr.replay, lr.tas, lr.slot, lr.write = b(
             op, inputs,
             {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay},

@@ -32,6 +32,8 @@ class AttentionBlock:
     stream_in: ir.Value | None = None  # the residual stream value the block starts from (set by the residual form)
     window: int | None = None  # positions a sliding-window cache keeps (None: the whole context, or unknown)
     packed_query: genai_gqa.PackedQuery | None = None  # GroupQueryAttention on packed QKV: q built by the rewrite
+    # GroupQueryAttention's total_sequence_length: its key buffer may be preallocated (longer than the tokens)
+    total_len: ir.Value | None = None
 
     @property
     def sliding_window(self) -> bool:

@@ -1,0 +1,208 @@
+"""Fused attention: an exported attention core becomes `com.microsoft.GroupQueryAttention`.
+
+Exporters write attention as `present.N.key = Concat(past_key, k_new)`, a K transpose, the GQA expand
+(Unsqueeze/Expand/Reshape), MatMul/Softmax/MatMul: two O(context) copies of the cache per step (the
+concat, the transpose) that replay cannot touch (SPEC.md section 5: 37% of a decode step at ctx 1024).
+GroupQueryAttention reads the cache in place and, when its past and present are one buffer
+(`past_present_share_buffer`, what onnxruntime-genai binds), appends the new key/value without copying.
+
+Per layer the pass takes the rotated q [B, H, S, D] and the new k, v [B, Hkv, S, D] the exporter computed
+(RoPE stays the exporter's), feeds them as [B, S, heads * D] with the graph's past key/value, and lets
+GroupQueryAttention's output replace the [B, S, H * D] value the output projection reads; its present
+key/value become the graph's `present.N.*`. Masking: GQA is causal over KV indices; left padding is an
+additive `attention_bias` [B, 1, S, T] (0 for real, dtype-min for pad columns) and every row is treated as
+T long (`seqlens_k` = T - 1). The score scale is the product of the constant factors the exporter applied
+to q and k. Layers that do not have this shape stay as they were.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from fastcar_compile.passes import build
+from fastcar_compile.passes import discover as disc
+from fastcar_compile.passes import graph_utils as gu
+from fastcar_compile.passes.context import CompileContext
+
+MS = "com.microsoft"
+
+
+def _scaled_source(value: ir.Value, stop: ir.Value | None = None) -> tuple[ir.Value, float]:
+    """Walk back through constant Mul/Div (and casts/layout ops when `stop` is given) collecting the factor."""
+    factor = 1.0
+    for _ in range(32):
+        if value is stop:
+            break
+        node = value.producer()
+        if node is None:
+            break
+        if node.op_type in ("Mul", "Div") and gu.scalar_const(node.inputs[1]) is not None:
+            c = gu.scalar_const(node.inputs[1])
+            factor *= c if node.op_type == "Mul" else 1.0 / c
+            value = node.inputs[0]
+        elif node.op_type == "Mul" and gu.scalar_const(node.inputs[0]) is not None:
+            factor *= gu.scalar_const(node.inputs[0])
+            value = node.inputs[1]
+        elif stop is not None and node.op_type in gu.LAYOUT_OPS:
+            value = node.inputs[0]
+        else:
+            break
+    return value, factor
+
+
+def _shape_rank(shape: ir.Value | None) -> int | None:
+    """How many dims a Reshape's shape input has: a constant, a known length, or a Concat of scalars."""
+    if shape is None:
+        return None
+    if shape.const_value is not None:
+        return int(shape.const_value.shape[0])
+    dims = gu.static_dims(shape)
+    if dims is not None and len(dims) == 1 and dims[0] is not None:
+        return dims[0]
+    node = shape.producer()
+    if node is not None and node.op_type == "Concat":
+        one_each = all(i is not None and ((gu.static_dims(i) or [0]) == [1] or (i.producer() is not None and
+                       i.producer().op_type == "Unsqueeze")) for i in node.inputs)
+        return len(node.inputs) if one_each else None
+    return None
+
+
+def _projection_input(core_out: ir.Value) -> ir.Value | None:
+    """P @ V [B, H, S, D] -> (4-D Reshape) -> Transpose(0, 2, 1, 3) -> 3-D Reshape: that [B, S, H * D] value."""
+    cons = gu.real_consumers(core_out)
+    if len(cons) == 1 and cons[0].op_type == "Reshape" and _shape_rank(cons[0].inputs[1]) == 4:
+        cons = gu.real_consumers(cons[0].outputs[0])
+    if len(cons) != 1 or cons[0].op_type != "Transpose" or "perm" not in cons[0].attributes:
+        return None
+    if list(cons[0].attributes["perm"].value) != [0, 2, 1, 3]:
+        return None
+    nxt = gu.real_consumers(cons[0].outputs[0])
+    if len(nxt) != 1 or nxt[0].op_type != "Reshape" or _shape_rank(nxt[0].inputs[1]) != 3:
+        return None  # e.g. straight to [B * S, E] for GPT-2's Gemm
+    return nxt[0].outputs[0]
+
+
+def _plan(m: disc.LayerMatch) -> dict | None:
+    """What one layer's fusion needs, or None when its attention is not the exported MatMul/Softmax core."""
+    att = m.attention
+    if att is None or att.core_node.op_type != "MatMul" or att.packed_query is not None:
+        return None
+    kcat, vcat = att.present_key.producer(), att.present_value.producer()
+    if kcat is None or vcat is None or kcat.op_type != "Concat" or vcat.op_type != "Concat":
+        return None
+    if len(kcat.inputs) != 2 or len(vcat.inputs) != 2:
+        return None
+    past_k, k_new = kcat.inputs
+    past_v, v_new = vcat.inputs
+    if not (past_k.is_graph_input() and past_v.is_graph_input()) or att.q_layout != "BHSD":
+        return None
+    score = att.core_node
+    kidx = next((i for i, x in enumerate(score.inputs) if gu.depends_on(x, att.present_key, limit=64)), None)
+    if kidx is None:
+        return None
+    q_src, q_scale = _scaled_source(score.inputs[1 - kidx])
+    k_src, k_scale = _scaled_source(score.inputs[kidx], stop=att.present_key)
+    if k_src is not att.present_key or q_src is not att.q:
+        return None
+    out_in = _projection_input(att.core_output)
+    if out_in is None:
+        return None
+    return {"q": att.q, "k": k_new, "v": v_new, "past_k": past_k, "past_v": past_v, "out": out_in,
+            "scale": q_scale * k_scale, "present_k": att.present_key, "present_v": att.present_value,
+            "heads": att.num_heads, "kv_heads": att.num_kv_heads, "head_dim": att.head_dim}
+
+
+def _bhsd_to_bse(b, graph, x: ir.Value, heads: int, head_dim: int) -> ir.Value:
+    t = b("Transpose", [x], {"perm": [0, 2, 1, 3]}, part="attention")
+    shape = build.const(graph, f"fastcar.shape.0_0_{heads * head_dim}", np.array([0, 0, heads * head_dim], np.int64))
+    out = b("Reshape", [t, shape], part="attention")
+    out.shape, out.type = ir.Shape([None, None, heads * head_dim]), x.type  # discovery reads the layout: BSE
+    return out
+
+
+def _own_names(nodes: list[ir.Node], key: str, tag: bool) -> None:
+    """Names of their own (the rewrite passes number `fastcar/<layer>/...` from 0 too); shared nodes untagged."""
+    for node in nodes:
+        node.name = f"fastcar/gqa{key}/{node.name.rsplit('/', 1)[-1]}"
+        for out in node.outputs:
+            if out.name.startswith("fastcar.") and not out.name.startswith("fastcar.gqa."):
+                out.name = f"fastcar.gqa{key}.{out.name.split('.', 2)[-1]}"
+        if not tag:
+            node.metadata_props.clear()
+
+
+class FusedAttentionPass(ir.passes.InPlacePass):
+    """Exported attention cores (cache Concat, K transpose, GQA expand, MatMul/Softmax) -> GroupQueryAttention."""
+
+    def __init__(self, ctx: CompileContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
+        if mask is None:
+            self.ctx.notes.append("fused attention: no attention_mask input; attention left as exported")
+            return ir.passes.PassResult(model, modified=False)
+        plans = {m.layer: p for m in disc.discover(model) if (p := _plan(m)) is not None}
+        if not plans:
+            return ir.passes.PassResult(model, modified=False)
+        dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT
+        shared: list[ir.Node] = []
+        b = build.Builder(0, shared, itertools.count())
+        # Shared inputs of every layer's GQA: lengths and the left-padding bias.
+        total64 = b("Squeeze", [b("Shape", [mask], {"start": 1, "end": 2}),
+                                build.const(graph, "fastcar.axes0", np.array([0], np.int64))])
+        total = b("Cast", [total64], {"to": ir.DataType.INT32}, names=["fastcar.gqa.total_len"])
+        batch = b("Shape", [mask], {"start": 0, "end": 1})
+        seqlens = b("Expand", [b("Sub", [total, build.const(graph, "fastcar.gqa.one_i32", np.array(1, np.int32))]),
+                               batch], names=["fastcar.gqa.seqlens_k"])
+        lowest = np.array(np.finfo(dtype.numpy()).min, dtype.numpy())
+        pad = b("Equal", [mask, build.const(graph, "fastcar.gqa.zero_i64", np.array(0, np.int64))])
+        bias2 = b("Where", [pad, build.const(graph, f"fastcar.gqa.lowest_{dtype.name.lower()}", lowest),
+                            build.const(graph, f"fastcar.gqa.zero_{dtype.name.lower()}", np.array(0, dtype.numpy()))])
+        bias4 = b("Unsqueeze", [bias2, build.const(graph, "fastcar.gqa.axes12", np.array([1, 2], np.int64))])
+        _own_names(shared, "shared", tag=False)
+        graph.insert_before(graph[0], shared)
+        for n, p in sorted(plans.items()):
+            self._fuse(graph, n, p, seqlens, total, bias4)
+        model.opset_imports.setdefault(MS, 1)
+        RemoveUnusedNodesPass()(model)
+        self.ctx.notes.append(f"fused attention (GroupQueryAttention) in layers {sorted(plans)}")
+        return ir.passes.PassResult(model, modified=True)
+
+    def _fuse(self, graph: ir.Graph, n: int, p: dict, seqlens: ir.Value, total: ir.Value, bias4: ir.Value) -> None:
+        nodes: list[ir.Node] = []
+        b = build.Builder(n, nodes, itertools.count())
+        heads, kv_heads, head_dim = p["heads"], p["kv_heads"], p["head_dim"]
+        # The score's S axis must match the bias: [B, 1, 1, T] -> [B, 1, S, T].
+        s_len = b("Shape", [p["q"]], {"start": 2, "end": 3}, part="attention")
+        t_len = b("Shape", [bias4], {"start": 3, "end": 4}, part="attention")
+        b_len = b("Shape", [bias4], {"start": 0, "end": 1}, part="attention")
+        one = build.const(graph, "fastcar.gqa.one_i64", np.array([1], np.int64))
+        bias = b("Expand", [bias4, b("Concat", [b_len, one, s_len, t_len], {"axis": 0}, part="attention")],
+                 part="attention")
+        q = _bhsd_to_bse(b, graph, p["q"], heads, head_dim)
+        k = _bhsd_to_bse(b, graph, p["k"], kv_heads, head_dim)
+        v = _bhsd_to_bse(b, graph, p["v"], kv_heads, head_dim)
+        out, present_k, present_v = b(
+            "GroupQueryAttention", [q, k, v, p["past_k"], p["past_v"], seqlens, total, None, None, None, bias],
+            {"num_heads": heads, "kv_num_heads": kv_heads, "scale": float(p["scale"]), "do_rotary": 0},
+            domain=MS, outputs=3, part="attention")
+        out.shape, out.type = ir.Shape([None, None, heads * head_dim]), p["out"].type
+        _own_names(nodes, str(n), tag=True)
+        graph.insert_before(p["out"].consumers()[0], nodes)
+        ir.convenience.replace_all_uses_with(p["out"], out)
+        for old, new in ((p["present_k"], present_k), (p["present_v"], present_v)):
+            name, typ, shape = old.name, old.type, old.shape
+            graph.outputs[graph.outputs.index(old)] = new
+            ir.convenience.replace_all_uses_with(old, new)
+            old.name = f"{name}.unfused"
+            new.name, new.type, new.shape = name, typ, shape
+        if not math.isfinite(p["scale"]) or p["scale"] <= 0:
+            raise AssertionError(f"layer {n}: attention scale {p['scale']}")

@@ -1,0 +1,63 @@
+"""Fused attention (passes/fused_attention.py): exported attention cores -> com.microsoft.GroupQueryAttention.
+
+References: the uncompiled export (tau = +inf: logits at every real position within 1e-4 over a long decode,
+batch 2 with left padding) and the eager FastCar reference at finite tau (tests/test_pass_reference.py's
+check, the compiler called with fused attention on).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+import ort_driver
+import pytest
+import test_pass_reference as tpr
+import zoo
+
+L = 4
+FUSED = [("llama", "dynamo20"), pytest.param("qwen2", "dynamo20", marks=pytest.mark.slow),
+         pytest.param("phi3", "dynamo18", marks=pytest.mark.slow),
+         pytest.param("llama", "ortfusions20sdpa", marks=pytest.mark.slow),
+         pytest.param("phi3", "ortfusions20sdpa", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("family,exporter", FUSED)
+def test_fused_attention_equals_the_export(zoo_model, fc_compile, tmp_path, family, exporter):
+    src = zoo_model(family, exporter)
+    out = tmp_path / "fast.onnx"
+    _, report = fc_compile(str(src), output=str(out), frame_tokens=L, threshold=float("inf"), fused_attention=True)
+    assert any("fused attention (GroupQueryAttention) in layers [0, 1]" in n for n in report.notes)
+    graph = onnx.load(str(out)).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("GroupQueryAttention") == 2 and "Softmax" not in ops
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    assert all(producers[f"present.{i}.{k}"] == "GroupQueryAttention" for i in (0, 1) for k in ("key", "value"))
+    rng = np.random.default_rng(1)
+    pad = [0, 3]
+    steps = [rng.integers(0, zoo.VOCAB, (2, 6))] + [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(12 * L)]
+    want = ort_driver.decode(src, steps, pad=pad)
+    got = ort_driver.decode(out, steps, pad=pad)
+    real = np.arange(6)[None, :] >= np.array(pad)[:, None]
+    assert np.abs(got.logits[0] - want.logits[0])[real].max() <= 1e-4
+    for k in range(1, len(steps)):
+        assert np.abs(got.logits[k] - want.logits[k]).max() <= 1e-4, f"step {k}"
+
+
+def test_fused_attention_matches_eager_reference(zoo_model, fc_compile, tmp_path):
+    """Finite tau: TAS from the query GroupQueryAttention reads, replay decisions, logits and the final state
+    equal the eager reference (left padding, video_start > 0). No multi-token step after the prompt: ORT's
+    GroupQueryAttention refuses one at batch > 1 ("batch_size must be 1 when sequence_length > 1 and past
+    context is given")."""
+    case = tpr.Case("llama", "dynamo20", "rope", max_replay=2, pad=(0, 2), video_start=3)
+    tpr.check_against_reference(zoo_model, functools.partial(fc_compile, fused_attention=True), tmp_path, case)
+
+
+def test_unfused_shapes_are_left_alone(zoo_model, fc_compile, tmp_path):
+    """GPT-2 projects through a 2-D Gemm (no [B, S, H * D] value to replace): the layer stays as exported."""
+    out = tmp_path / "fast.onnx"
+    _, report = fc_compile(str(zoo_model("gpt2", "dynamo20")), output=str(out), frame_tokens=L,
+                           threshold=float("inf"), fused_attention=True)
+    assert not any("fused attention" in n for n in report.notes)
+    assert "GroupQueryAttention" not in [n.op_type for n in onnx.load(str(out)).graph.node]
