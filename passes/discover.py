@@ -25,7 +25,7 @@ from fastcar_compile.passes import match_attention as ma
 from fastcar_compile.passes.layer_match import AttentionBlock, LayerMatch, MLPBlock
 from fastcar_compile.passes.match_base import MatchContext, MatchFailure
 from fastcar_compile.passes.match_residual import find_mlp
-from fastcar_compile.passes.match_rotary import find_rotary
+from fastcar_compile.passes.match_rotary import find_rotary_path
 from fastcar_compile.passes.window import mask_input
 
 __all__ = ["AttentionBlock", "LayerMatch", "MLPBlock", "MatchFailure", "discover", "kv_outputs"]
@@ -85,11 +85,16 @@ def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> Atten
     num_kv, head_dim = int(kdims[1]), int(kdims[3])
     heads = ma.query_heads(core, head_dim)
     q = core.q
-    q_raw, rope = find_rotary(q)
+    q_raw, rope, swapped = find_rotary_path(q)
     raw_layout = ma.layout_of(q_raw, heads, head_dim) or ma.layout_from_structure(q_raw)
-    # A rotary is elementwise over the head layout, so q keeps the layout of the raw query.
-    layout = ma.layout_of(q, heads, head_dim) or ma.layout_from_structure(q) or raw_layout
-    raw_layout = raw_layout or layout
+    # A rotary is elementwise over the head layout, so q keeps the layout of the raw query, unless a head
+    # transpose sits between them (GPT-J rotates [B, S, H, D], then permutes).
+    flip = {"BHSD": "BSHD", "BSHD": "BHSD"}
+    layout = ma.layout_of(q, heads, head_dim) or ma.layout_from_structure(q)
+    if layout is None and raw_layout is not None:
+        layout = flip.get(raw_layout) if swapped else raw_layout
+    if raw_layout is None and layout is not None:
+        raw_layout = flip.get(layout) if swapped else layout
     if layout is None:
         raise MatchFailure("query", f"unknown layout of query {q.name} (shape {q.shape})", gu.describe(q.producer()))
     ctx.trace.append(f"attention op: {gu.describe(core.core)}")

@@ -75,18 +75,29 @@ ROTARY_FORMS: tuple[tuple[str, Callable[[ir.Value], tuple[ir.Value, str]]], ...]
 )
 
 
-def find_rotary(q: ir.Value, depth: int = 0) -> tuple[ir.Value, str]:
+def find_rotary(q: ir.Value) -> tuple[ir.Value, str]:
     """(query before rotation, rotary kind); ("none") when no form matches."""
+    raw, kind, _ = find_rotary_path(q)
+    return raw, kind
+
+
+def find_rotary_path(q: ir.Value, depth: int = 0) -> tuple[ir.Value, str, bool]:
+    """As find_rotary, plus whether a [0, 2, 1, 3] Transpose lies between the rotary and q (GPT-J rotates
+    in [B, S, H, D] and then permutes: the raw query's layout is then the transpose of q's)."""
     node = q.producer()
     if node is None:
-        return q, "none"
+        return q, "none", False
     if node.op_type in _LOOK_THROUGH and depth < _MAX_DEPTH:
-        inner, kind = find_rotary(node.inputs[0], depth + 1)
+        inner, kind, swapped = find_rotary_path(node.inputs[0], depth + 1)
         if kind != "none":
-            return inner, kind
+            heads_swap = node.op_type == "Transpose" and "perm" in node.attributes and \
+                list(node.attributes["perm"].value) == [0, 2, 1, 3]
+            return inner, kind, swapped != heads_swap
     for _, form in ROTARY_FORMS:
         try:
-            return form(q)
+            raw, kind = form(q)
         except MatchFailure:
             continue
-    return no_rotary(q)
+        return raw, kind, False
+    raw, kind = no_rotary(q)
+    return raw, kind, False

@@ -47,6 +47,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J's rotary: pairs (x0, x1), (x2, x3), ... of the first 2 * cos.shape[-1] dims of x [B, H, S, D]."""
+    rd = 2 * cos.shape[-1]
+    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(1)
+    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(1)
+    rot, rest = x[..., :rd], x[..., rd:]
+    pairs = torch.stack((-rot[..., 1::2], rot[..., ::2]), dim=-1).flatten(-2)
+    return torch.cat((rot * cos + pairs * sin, rest), dim=-1)
+
+
+def _gptj_sincos(attn: nn.Module, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(cos, sin, "interleaved") [B, S, rotary_dim / 2] from GPT-J's table (rows: sin | cos)."""
+    table = attn.embed_positions[position_ids]
+    sin, cos = table.split(table.shape[-1] // 2, dim=-1)
+    return cos, sin, "interleaved"
+
+
 class FastCarReference:
     """FastCar on an eager transformers model. Use `generate` (greedy) or `step` after `reset`.
 
@@ -69,7 +86,7 @@ class FastCarReference:
             raise ValueError(f"tas_query must be 'rope' or 'raw', got {tas_query!r}")
         self.model = model.eval()
         cfg = model.config
-        self.is_gpt2 = hasattr(model, "transformer")
+        self.is_gpt2 = getattr(cfg, "model_type", "") == "gpt2"
         self.blocks = list(_decoder_layers(model))
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -106,7 +123,10 @@ class FastCarReference:
     def _attn_hook(self, i: int):
         def hook(module, args, kwargs):
             h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            self._seen[i] = (h.detach(), kwargs.get("position_embeddings"))
+            pe = kwargs.get("position_embeddings")
+            if pe is None and hasattr(module, "embed_positions"):  # GPT-J: sin/cos table indexed in attention
+                pe = _gptj_sincos(module, kwargs["position_ids"])
+            self._seen[i] = (h.detach(), pe)
             layer = self.kv.layers[i]  # the keys before this step's update (a sliding window keeps W - 1)
             self._past_keys[i] = layer.keys.detach().clone() if getattr(layer, "is_initialized", False) else None
 
@@ -149,10 +169,11 @@ class FastCarReference:
         cached = self.kv.layers[i].keys  # post-RoPE, this step's keys included (a sliding window: the last W - 1)
         q, k_new = self._projections(i, h)
         if pe is not None:
-            cos, sin = pe
-            k_new = apply_rope(k_new, cos, sin)
+            cos, sin = pe[:2]
+            rope = apply_rope_interleaved if len(pe) == 3 else apply_rope
+            k_new = rope(k_new, cos, sin)
             if self.tas_query == "rope":
-                q = apply_rope(q, cos, sin)
+                q = rope(q, cos, sin)
         n = min(S, cached.shape[2])
         if self.check_rope and not torch.allclose(k_new[:, :, S - n :], cached[:, :, -n:], atol=1e-5, rtol=1e-5):
             raise AssertionError(f"layer {i}: reference keys (RoPE) disagree with the model's KV cache")

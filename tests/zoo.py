@@ -29,12 +29,12 @@ from torch import nn
 FAMILIES = ("llama", "qwen2", "phi3", "gpt2")
 # Architectures added by issue 8 (parallel residual, norms after attention/MLP, sliding windows, MoE). They are
 # tested with the two exporter paths users take (dynamo opset 20 and TorchScript) by test_pass_architectures.py.
-NEW_FAMILIES = ("neox", "phi2", "olmo2", "gemma2", "mistral", "mixtral", "qwen2moe")
+NEW_FAMILIES = ("neox", "phi2", "gptj", "olmo2", "gemma2", "mistral", "mixtral", "qwen2moe")
 NEW_EXPORTERS = ("dynamo20", "torchscript17")
 # A sliding window wider than the frame (L = 4 in the tests) but shorter than the test decodes (~30 tokens),
 # so the KV cache really is truncated.
 SLIDING_WINDOW = 8
-EAGER_ONLY = frozenset({"gemma2"})
+EAGER_ONLY = frozenset({"gemma2", "gptj"})
 MOE_FAMILIES = frozenset({"mixtral", "qwen2moe"})
 SLIDING_FAMILIES = frozenset({"mistral", "gemma2"})
 EXPORTERS = (
@@ -146,7 +146,7 @@ def make_config(family: str, attn_implementation: str = "sdpa", vocab: int = VOC
         cfg = _new_family_config(family)
     else:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + NEW_FAMILIES}")
-    # Gemma2 has no SDPA path in transformers (soft-capping): it is exported with eager attention.
+    # Gemma2 (soft-capping) and GPT-J have no SDPA path in transformers: they are exported with eager attention.
     cfg._attn_implementation = "eager" if family in EAGER_ONLY else attn_implementation
     if family in MOE_FAMILIES:
         # transformers' default experts kernel (grouped_mm) is a custom op neither exporter converts, and the
@@ -178,6 +178,11 @@ def _new_family_config(family: str):
     if family == "phi2":  # shared-norm parallel block: x + attn(ln(x)) + mlp(ln(x)); partial rotary
         return tf.PhiConfig(**common, **gqa, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0,
                             attention_dropout=0.0, tie_word_embeddings=False)
+    if family == "gptj":  # shared-norm parallel block, interleaved (rotate-every-two) partial rotary
+        return tf.GPTJConfig(n_embd=HIDDEN, n_inner=INTER, n_layer=LAYERS, n_head=HEADS, vocab_size=VOCAB,
+                             n_positions=MAX_POS, rotary_dim=HIDDEN // HEADS // 2, resid_pdrop=0.0, embd_pdrop=0.0,
+                             attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                             tie_word_embeddings=False)
     if family == "olmo2":  # no pre-norm: x + norm(attn(x)), then h + norm(mlp(h)); q/k norms
         return tf.Olmo2Config(**common, **gqa, rms_norm_eps=1e-5, tie_word_embeddings=False)
     if family == "gemma2":  # pre- and post-norms around attention and MLP, sliding layers, soft-capping
@@ -199,7 +204,7 @@ def _new_family_config(family: str):
 
 def model_info(family: str) -> ModelInfo:
     """Head counts and sizes of a family model (GPT-2 has no GQA: kv heads = heads)."""
-    kv = HEADS if family in ("gpt2", "neox") else KV_HEADS
+    kv = HEADS if family in ("gpt2", "neox", "gptj") else KV_HEADS
     return ModelInfo(family, LAYERS, HEADS, kv, HIDDEN // HEADS, HIDDEN, VOCAB)
 
 
