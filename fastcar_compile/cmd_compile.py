@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--calib-data", help=".npy int array [prompts, prompt_len] of calibration prompts")
     cal.add_argument("--calib-frames", type=int, default=3,
                      help="frames generated per calibration prompt (default 3; frame 0 never replays)")
+    cal.add_argument("--given-video-tokens", type=int, default=0, metavar="N",
+                     help="the calibration prompts end with N video tokens (e.g. a given frame 0: N = L), so "
+                          "the first generated frame may already replay (default 0)")
     fpga = p.add_argument_group("FPGA backend")
     fpga.add_argument("--target", choices=["onnx", "fpga"], default="onnx",
                       help="onnx (default): write fast.onnx; fpga: compile a fast.onnx into DRS bundles (.fcb)")
@@ -106,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     fpga.add_argument("--weights", choices=["broadcast", "per_core"], default="broadcast",
                       help="weight streaming the DRS decision table is built for: one stream shared by all rows "
                            "(a skipped MLP saves traffic only if every row skips) or one per core")
+    fpga.add_argument("--dense", action="store_true",
+                      help="compile without FastCar instructions (no TAS, nothing skipped): the dense baseline "
+                           "for `sim --baseline`")
+    fpga.add_argument("--video-start", type=int,
+                      help="KV index of the first video token your runtime uses (run.json's video_start); "
+                           "recorded in the bundle (default 0)")
     return p
 
 
@@ -136,6 +145,10 @@ def main(argv: list[str]) -> int:
                            fused_attention=args.fused_attention)
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
+    if args.tas_query == "rope" and all(t <= -1.0 for t in args.threshold):
+        print(f"note: tau {args.threshold[0]:g} is on the paper's raw-TAS scale; post-RoPE TAS (--tas-query rope) "
+              "often replays every eligible MLP there. Calibrate (--calibrate-replay 0.5 --calib-data p.npy) or "
+              "use --tas-query raw", file=sys.stderr)
     return 0
 
 
@@ -153,7 +166,8 @@ def _fpga(args) -> int:
     except ImportError as exc:
         raise FastCarError(f"the FPGA backend is not available: {exc}") from None
     report = compile_to_bundles(args.model, args.output, board=args.board, board_file=args.board_file,
-                                batch=args.batch, context=args.context, weights=args.weights)
+                                batch=args.batch, context=args.context, weights=args.weights,
+                                dense=args.dense, video_start=args.video_start)
     print(report.summary())
     return 0
 
@@ -186,7 +200,8 @@ def _calibrate(args) -> int:
         print(f"calibrating on {len(calib)} prompts x {args.calib_frames} frames, {n_held} held out ...", flush=True)
         result = calibrate_threshold(str(probe), calib, num_frames=args.calib_frames,
                                      target_replay=args.calibrate_replay, quality_budget=args.calibrate_quality,
-                                     dense_model_path=args.model, heldout_prompts=held)
+                                     dense_model_path=args.model, heldout_prompts=held,
+                                     given_video_tokens=args.given_video_tokens)
     print(result.summary())
     print(f"calibrated tau = {result.tau:.6g}; compiling {args.output} with it", flush=True)
     _, report = fc.compile(args.model, args.output, frame_tokens=args.frame_tokens, threshold=result.tau,

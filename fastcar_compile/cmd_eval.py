@@ -1,9 +1,12 @@
-"""`fastcar-compile eval`: sweep tau on the bundled video model, dense vs FastCar, in ORT.
+"""`fastcar-compile eval`: dense vs FastCar, on your own model (`--model fast.onnx --prompts p.npy`) or as a
+tau sweep on the bundled video model.
 
-For each TAS variant (post-RoPE `rope`, pre-RoPE `raw`) and drift guard (max_replay 0 = off, K), the
-thresholds are the quantiles of the TAS values seen along dense generations (so the sweep lands near the
-target replay ratios 20/50/80/90% whatever the TAS scale), plus never/always replay. Writes eval.json,
-eval.md (table) and eval.png into --out.
+Your model: fastcar_compile/eval_model.py (replay, speed vs the dense model in the same run, logit
+divergence, runtime traces for `report`). Bundled model: for each TAS variant (post-RoPE `rope`, pre-RoPE
+`raw`) and drift guard (max_replay 0 = off, K), the thresholds are the quantiles of the TAS values seen along
+dense generations (so the sweep lands near the target replay ratios 20/50/80/90% whatever the TAS scale),
+plus never/always replay; each configuration is timed against dense on the same clips (~8 min for the
+default 8 clips x 8 frames on 2 cores). Writes eval.json, eval.md (table) and eval.png into --out.
 """
 
 from __future__ import annotations
@@ -25,15 +28,26 @@ TARGETS = (0.2, 0.5, 0.8, 0.9)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fastcar-compile eval", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("fastcar-out/eval"))
-    ap.add_argument("--clips", type=int, default=8, help="held-out clips (default 8)")
-    ap.add_argument("--frames", type=int, default=8)
-    ap.add_argument("--targets", type=str, default=",".join(map(str, TARGETS)),
+    ap = argparse.ArgumentParser(prog="fastcar-compile eval", description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/eval"), help="output folder")
+    ap.add_argument("--frames", type=int, default=None, help="frames per video (default 4 for --model, 8 bundled)")
+    ap.add_argument("--threads", type=int, default=None, help="ORT threads (default 2 for --model, 1 bundled)")
+    own = ap.add_argument_group("your own model")
+    own.add_argument("--model", type=Path, help="compiled fast.onnx to measure")
+    own.add_argument("--prompts", type=Path, help=".npy int array [prompts, prompt_len] of token ids")
+    own.add_argument("--dense", type=Path, help="the original export (dense baseline); default: --model at "
+                                                "tau=+inf (same tokens, but carries the gate's overhead)")
+    own.add_argument("--batch", type=int, default=1, help="prompts per generate call (default 1)")
+    own.add_argument("--given-video-tokens", type=int, default=0,
+                     help="the prompts end with this many video tokens (e.g. a given frame 0)")
+    own.add_argument("--frame-shape", metavar="HxW", help="frame as a token grid (16x16 for L=256): per-token "
+                                                          "replay heatmap fast.tokens.png")
+    bundled = ap.add_argument_group("bundled video model (no --model)")
+    bundled.add_argument("--clips", type=int, default=8, help="held-out clips (default 8)")
+    bundled.add_argument("--targets", type=str, default=",".join(map(str, TARGETS)),
                     help="replay ratios whose TAS quantiles become the swept thresholds")
-    ap.add_argument("--variants", type=str, default="rope,raw", help="TAS variants (rope, raw)")
-    ap.add_argument("--guard", type=int, default=2, help="drift guard K swept next to 0 = off (default 2)")
-    ap.add_argument("--threads", type=int, default=1)
+    bundled.add_argument("--variants", type=str, default="rope,raw", help="TAS variants (rope, raw)")
+    bundled.add_argument("--guard", type=int, default=2, help="drift guard K swept next to 0 = off (default 2)")
     return ap
 
 
@@ -85,6 +99,10 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
+    if a.model is not None or a.prompts is not None:
+        return _own(a)
+    a.frames = 8 if a.frames is None else a.frames
+    a.threads = 1 if a.threads is None else a.threads
     try:
         targets = [float(x) for x in a.targets.split(",") if x.strip()]
     except ValueError:
@@ -149,3 +167,24 @@ def _sweep(a, targets: list[float], variants: list[str], out: Path) -> list[dict
                       f"speedup ORT {s['speedup_ort']:.2f}x runtime {s['speedup']:.2f}x  PSNR vs GT {s['psnr_fast_vs_gt']:.2f} "
                       f"(dense {s['psnr_dense_vs_gt']:.2f})  vs dense {s['psnr_fast_vs_dense']:.2f}", flush=True)
     return rows
+
+
+def _own(a) -> int:
+    if a.model is None or a.prompts is None:
+        raise FastCarError("eval on your model needs both --model fast.onnx and --prompts p.npy")
+    from fastcar_compile.eval_model import evaluate, load_prompts
+    from fastcar_compile.runtime.report import parse_frame_shape
+
+    prompts = load_prompts(a.prompts)
+    frames = 4 if a.frames is None else a.frames
+    threads = 2 if a.threads is None else a.threads
+    if threads < 1:
+        raise FastCarError(f"--threads must be >= 1, got {threads}")
+    import onnx
+
+    meta = {p.key: p.value for p in onnx.load(str(a.model), load_external_data=False).metadata_props} \
+        if a.model.is_file() else {}
+    shape = parse_frame_shape(a.frame_shape, int(meta.get("fastcar.frame_tokens", 0))) if a.frame_shape else None
+    evaluate(a.model, prompts, a.out, dense_path=a.dense, frames=frames, batch=a.batch, threads=threads,
+             given_video_tokens=a.given_video_tokens, frame_shape=shape)
+    return 0

@@ -27,8 +27,15 @@ def _sim_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["broadcast", "per_core"],
                    help="weight streams: one broadcast to all cores, or one per core (default: the mode the "
                         "program's DRS thresholds were compiled for)")
-    p.add_argument("--timeline", help="write a per-core timeline PNG of the first step, one panel per policy")
-    p.add_argument("--timeline-layers", type=int, default=3, help="decoder layers drawn in the timeline (0: all)")
+    p.add_argument("--timeline", help="write a per-core timeline PNG of one decode step, one panel per policy")
+    p.add_argument("--timeline-step", type=int,
+                   help="step drawn in the timeline (default: a representative one, whose replay is closest to "
+                        "the run's mean; frame 0, where nothing replays, only when nothing replays at all)")
+    p.add_argument("--timeline-layers", type=int, default=0,
+                   help="draw only the first N decoder layers (default 0: all, each labelled)")
+    p.add_argument("--baseline", metavar="DENSE.fcb",
+                   help="the same model compiled with --dense: simulated on the same steps and contexts, "
+                        "to print 'x dense' speed-ups")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
 
@@ -60,8 +67,16 @@ def sim_main(argv: list[str]) -> int:
     if args.weights != compiled_for:
         print(f"note: DRS remap thresholds were compiled for {compiled_for} weight streams; DRS decisions may be "
               f"suboptimal with {args.weights}", file=sys.stderr)
+    video_start = int(program.meta["model"].get("video_start", 0))
     if args.replay_trace:
         replay, ctx, batch = masks.load_trace(args.replay_trace, layers)
+        from fastcar_compile.errors import read_json_file
+
+        used = read_json_file(args.replay_trace, "replay trace").get("video_start")
+        if used is not None and int(used) != video_start:
+            print(f"note: the trace's run used video_start {used} but the program was compiled for {video_start}; "
+                  f"recompile with --video-start {used} so the bundle records it", file=sys.stderr)
+            video_start = int(used)
         if args.batch is not None and args.batch != batch:
             raise FastCarError(f"--batch {args.batch} disagrees with the trace's batch {batch}")
         source = f"trace {args.replay_trace} ({replay.shape[0]} steps)"
@@ -79,21 +94,40 @@ def sim_main(argv: list[str]) -> int:
         ctx = int(program.meta["context"]) if args.context is None else args.context
         source = f"synthetic {args.mask} masks, ratio {ratio:g}, {args.steps} steps, context {ctx}"
     policies = ["static", "drs"] if args.policy == "both" else [args.policy]
+    step = representative_step(replay[:, sorted(sim.replayable_layers), :batch]) if args.timeline_step is None \
+        else args.timeline_step
+    if not 0 <= step < replay.shape[0]:
+        raise FastCarError(f"--timeline-step {step} is outside the {replay.shape[0]} steps")
     results = {}
     for pol in policies:
         results[pol] = sim.run(replay, ctx, policy=pol, stream=args.weights, batch=batch,
-                               timeline=bool(args.timeline), progress=replay.shape[0] > 64)
+                               timeline=bool(args.timeline), progress=replay.shape[0] > 64, timeline_step=step)
     if args.timeline:
-        plot_timeline(list(results.values()), args.timeline, title=f"{sim.board.name} batch {batch}, {source}",
+        share = replay[step][sorted(sim.replayable_layers), :batch].mean() if sim.replayable_layers else 0.0
+        plot_timeline(list(results.values()), args.timeline,
+                      title=f"{sim.board.name} batch {batch}, {source}; step {step} ({100 * share:.0f}% replayed)",
                       layers=args.timeline_layers)
     out = {pol: r.to_dict() for pol, r in results.items()}
+    out["video_start"] = video_start
     if len(results) == 2:
         out["drs_speedup_over_static"] = results["static"].cycles / results["drs"].cycles
+    if args.baseline:
+        base = Simulator(encode.load(args.baseline), board)
+        if base.replayable_layers:
+            raise FastCarError(f"--baseline {args.baseline} has FastCar instructions; compile it with --dense")
+        if base.num_layers != layers:
+            raise FastCarError(f"--baseline has {base.num_layers} layers, the program {layers}")
+        b = base.run(np.zeros_like(replay), ctx, policy="static", stream=args.weights, batch=batch)
+        out["dense_cycles"] = b.cycles
+        for pol, r in results.items():
+            out[f"{pol}_x_dense"] = b.cycles / r.cycles
     if args.json:
         json.dump({"source": source, **out}, sys.stdout, indent=2)
         print()
         return 0
-    print(f"board {sim.board.name}, batch {batch}, {source}, weights {args.weights}")
+    kind = "dense baseline (no FastCar instructions)" if not sim.replayable_layers else "FastCar"
+    print(f"board {sim.board.name}, batch {batch}, {source}, weights {args.weights}; {kind} program, "
+          f"video_start {video_start}")
     for pol, r in results.items():
         d = r.to_dict()
         dram = sum(d["dram_bytes_per_step"].values())
@@ -110,9 +144,26 @@ def sim_main(argv: list[str]) -> int:
           f"{sim.board.static_watts} W static), --json for the list")
     if "drs_speedup_over_static" in out:
         print(f"  DRS speedup over static: {out['drs_speedup_over_static']:.3f}x")
+    if args.baseline:
+        print("  x dense (" + args.baseline + "): " + ", ".join(f"{pol} {out[f'{pol}_x_dense']:.3f}x"
+                                                             for pol in results))
     if args.timeline:
-        print(f"  wrote {args.timeline}")
+        print(f"  wrote {args.timeline} (step {step})")
     return 0
+
+
+def representative_step(replay) -> int:
+    """The decode step whose replay share is closest to the run's mean (ties: the middle one); steps where
+    nothing replays (frame 0) only when nothing replays anywhere."""
+    import numpy as np
+
+    if replay.size == 0 or replay.shape[1] == 0:
+        return 0
+    share = replay.reshape(replay.shape[0], -1).mean(axis=1)
+    cand = np.flatnonzero(share > 0) if share.max() > 0 else np.arange(len(share))
+    gap = np.abs(share[cand] - share[cand].mean())
+    best = cand[gap == gap.min()]
+    return int(best[len(best) // 2])
 
 
 def disasm_main(argv: list[str]) -> int:

@@ -95,9 +95,21 @@ class Staging:
         if self.output.is_dir() or data.is_dir():
             raise FastCarError(f"{data if data.is_dir() else self.output} is a directory; remove it or choose "
                                "another -o (nothing was written)")
-        if (self.tmp / self.data_name).exists():
-            os.replace(self.tmp / self.data_name, data)
-        os.replace(self.path, self.output)
+        moved, backup = False, None
+        try:
+            if (self.tmp / self.data_name).exists():
+                if data.exists():  # an earlier output's data: kept aside until the model is in place
+                    backup = self.tmp / ".previous.data"
+                    os.replace(data, backup)
+                os.replace(self.tmp / self.data_name, data)
+                moved = True
+            os.replace(self.path, self.output)
+        except BaseException:  # all or nothing: a data file without its model is taken back
+            if moved:
+                data.unlink(missing_ok=True)
+            if backup is not None:
+                os.replace(backup, data)
+            raise
         self.created = None
         return self.output
 

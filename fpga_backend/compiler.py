@@ -49,7 +49,10 @@ class FpgaCompileReport:
             f"{m['heads']}/{m['kv_heads']} x {m['head_dim']}, vocab {m['vocab']}",
             f"  {self.bundles} bundles, {sum(self.instructions.values())} instructions "
             + ", ".join(f"{k} {v}" for k, v in sorted(self.instructions.items())),
-            f"  {self.bundles_per_layer} bundles per decoder layer",
+            f"  {self.bundles_per_layer} bundles per decoder layer; "
+            + ("dense baseline (no FastCar instructions)" if m.get("replay_layers") == [] else
+               f"FastCar replay in layers {m['replay_layers'] if m.get('replay_layers') is not None else 'all'}")
+            + f", video_start {m.get('video_start', 0)}",
         ]
         if self.output:
             lines.append(f"  wrote {self.output} ({self.file_bytes} bytes)")
@@ -61,8 +64,12 @@ class FpgaCompileReport:
 
 def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfig, batch: int = 1,
                   context: int | None = None, *, num_heads: int | None = None, strict: bool = True,
-                  weights: str = "broadcast") -> Program:
-    """partition -> schedule -> DRS thresholds (for the ``weights`` stream mode)."""
+                  weights: str = "broadcast", dense: bool = False, video_start: int | None = None) -> Program:
+    """partition -> schedule -> DRS thresholds (for the ``weights`` stream mode).
+
+    dense: no FastCar instructions at all (no TAS, no replay exchange, nothing skippable): the baseline
+    that "x dense" figures divide by. video_start: KV index of the first video token the runtime used
+    (run.json's video_start), encoded in the TAS/exchange instructions and recorded in the metadata."""
     if weights not in ("broadcast", "per_core"):
         raise FastCarError(f"weights {weights!r} must be 'broadcast' or 'per_core'")
     from fastcar_compile.limits import UINT32_MAX, check_int
@@ -70,7 +77,16 @@ def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardC
     check_int("--batch", batch, 1, isa.MAX_ROWS, "rows of the Index Register")
     if context is not None:
         check_int("--context", context, 1, UINT32_MAX, "KV length; the ISA's m field is 32-bit")
-    part = partition(model, board, num_heads=num_heads, strict=strict)
+    overrides: dict[str, Any] = {}
+    if dense:
+        overrides["replay_layers"] = ()
+    if video_start is not None:
+        check_int("--video-start", video_start, 0, UINT32_MAX, "KV index; the TAS instruction's off_k is 32-bit")
+        overrides["video_start"] = int(video_start)
+    part = partition(model, board, num_heads=num_heads, strict=strict, overrides=overrides)
+    if dense:
+        part.notes = [n for n in part.notes if "treated as replayable" not in n]
+        part.notes.append("dense baseline: no TAS, no replay exchange, every MLP computed")
     ctx = context if context is not None else 2 * part.spec.frame_tokens
     check_int("--context", ctx, 1, UINT32_MAX, "KV length; the ISA's m field is 32-bit")
     return fill_thresholds(emit_program(part, batch, ctx), weights)
@@ -96,7 +112,8 @@ def _bundles_per_layer(program: Program) -> int:
 def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Path | None, board: str = "kv260",
                        board_file: str | Path | None = None, batch: int = 1, context: int | None = None, *,
                        num_heads: int | None = None, strict: bool = True,
-                       weights: str = "broadcast") -> FpgaCompileReport:
+                       weights: str = "broadcast", dense: bool = False,
+                       video_start: int | None = None) -> FpgaCompileReport:
     """Compile a fast.onnx (or plain decoder, or ModelSpec) to a `.fcb` bundle file for ``board``.
 
     ``context`` is the KV length the attention instructions are encoded with (the simulator substitutes the
@@ -110,7 +127,8 @@ def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Pat
         check_output_path(output_path, "-o")
         if isinstance(onnx_path, str | Path) and same_file(onnx_path, output_path):
             raise FastCarError(f"-o {output_path} is the input model; choose another output path")
-    program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict, weights=weights)
+    program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict, weights=weights,
+                            dense=dense, video_start=video_start)
     from .verify import check_program
 
     check_program(program)

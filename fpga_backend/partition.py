@@ -318,14 +318,16 @@ def scan_onnx_ops(model: onnx.ModelProto) -> tuple[list[str], dict[str, int]]:
 
 
 def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfig, *,
-              num_heads: int | None = None, frame_tokens: int | None = None, strict: bool = True) -> Partition:
+              num_heads: int | None = None, frame_tokens: int | None = None, strict: bool = True,
+              overrides: dict | None = None) -> Partition:
     """Build the task graphs from a ModelSpec or an ONNX decoder.
 
     With ``strict`` (default) an ONNX model holding ops the accelerator cannot run raises FastCarError listing
-    them; otherwise they are kept in ``Partition.unsupported`` for the report.
+    them; otherwise they are kept in ``Partition.unsupported`` for the report. ``overrides`` replaces
+    ModelSpec fields (e.g. ``replay_layers=()`` for the dense baseline, ``video_start``).
     """
     if isinstance(model, ModelSpec):
-        return partition_spec(model, board)
+        return partition_spec(dataclasses.replace(model, **(overrides or {})), board)
     proto = model if isinstance(model, onnx.ModelProto) else load_onnx_shapes_only(model)
     bad, counts = scan_onnx_ops(proto)
     if bad and strict:
@@ -334,6 +336,7 @@ def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfi
                            "Remove them before export, or pass strict=False to list them in the report")
     spec, notes = spec_from_model(proto, num_heads=num_heads, dtype_bytes=board.dtype_bytes,
                                   frame_tokens=frame_tokens)
+    spec = dataclasses.replace(spec, **(overrides or {}))
     sources = weight_sources(proto, spec)
     part = partition_spec(spec, board, sources=sources, unsupported=bad, notes=notes)
     part.op_counts = counts

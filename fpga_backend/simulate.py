@@ -206,9 +206,11 @@ class Simulator(CostModel):
             idle += (t[:, None] - own).sum(axis=0)
             remaps += ev["remaps"]
             if timeline and s == min(timeline_step, steps - 1):
-                tl = {"t": t, "busy": np.minimum(ev["compute"], own), "own": own, "part": self.part,
-                      "layer": np.where(self.bundle_layer <= self.num_layers, self.bundle_layer,
-                                        self.layer_idx.min(axis=1))}
+                # a bundle's layer is its busy slots' (idle NOP slots carry layer 0)
+                lay = np.where(self.op != isa.Op.NOP, self.layer_idx, -1).max(axis=1)
+                tl = {"t": t, "busy": np.minimum(ev["compute"], own), "own": own,
+                      "part": np.where(lay >= self.num_layers, 2, np.where(self.replayable_bundle, 1, 0)),
+                      "layer": np.where(lay < 0, self.num_layers, lay)}
         dram_total = float(dram.sum())
         secs = tot["cycles"] / (bd.clock_mhz * 1e6)
         energy = {
@@ -273,6 +275,12 @@ def plot_timeline(results: SimResult | list[SimResult], path: str | Path, title:
                 ax.broken_barh([(x0 + b, st)], (c - 0.4, 0.8), color="#bbbbbb")
             ax.axvline(x0, color="black", lw=0.3, alpha=0.3)
         xmax = max(xmax, float(t.sum() * us))
+        starts = [(start[lo] * us, int(layer[lo])) for lo in np.concatenate([[0], cut])
+                  if part[lo] == 0 and (lo == 0 or layer[lo - 1] != layer[lo])]
+        every = max(1, len(starts) // 24)  # at most ~24 labels
+        for i, (x0, ly) in enumerate(starts):
+            if i % every == 0:
+                ax.text(x0, cores - 0.35, f"L{ly}", fontsize=6, va="bottom")
         ax.set_yticks(range(cores), [f"core {c}" for c in range(cores)])
         ax.set_ylim(-0.6, cores + 0.4)
         ax.set_title(f"{result.policy}: {result.board}, batch {result.batch}", fontsize=9, loc="left")

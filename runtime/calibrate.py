@@ -135,7 +135,7 @@ class _Prober:
                 tas.append(np.asarray(res.stats.tas, dtype=np.float64)[elig].ravel())
             self.ceiling = res.stats.eligible_ratio_ceiling
             if self.dense is not None:
-                kl = _teacher_forced_kl(self.dense, chunk, res.tokens, res.logits,
+                kl = teacher_forced_kl(self.dense, chunk, res.tokens, res.logits,
                                         self.gen_kwargs.get("logits_processor"))
                 kl_sum += float(kl.sum())
                 kl_n += kl.size
@@ -150,7 +150,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def _teacher_forced_kl(dense: FastCarSession, prompts: list[list[int]], tokens: np.ndarray,
+def teacher_forced_kl(dense: FastCarSession, prompts: list[list[int]], tokens: np.ndarray,
                        fast_logits: np.ndarray, processor: Callable[[np.ndarray], np.ndarray] | None = None
                        ) -> np.ndarray:
     """KL(dense || fast) for each chosen video token [rows, n]: one dense prefill over prompt + video."""
@@ -297,7 +297,7 @@ def calibrate_threshold(fast_model_path: str | os.PathLike, calib_prompts: np.nd
             raise FastCarError(f"quality_budget must be >= 0, got {quality_budget}")
         dense = FastCarSession(dense_model_path, frame_tokens=fast.frame_tokens) if dense_model_path else None
         if dense is None:
-            dense = _InfSession(fast)
+            dense = NeverReplay(fast)
     prober = _Prober(fast, dense, calib, num_frames, seed, batch_size, generate_kwargs)
     if target_replay is not None:
         if not 0 <= target_replay <= ceiling:
@@ -336,7 +336,7 @@ def calibrate_threshold(fast_model_path: str | os.PathLike, calib_prompts: np.nd
     return res
 
 
-class _InfSession:
+class NeverReplay:
     """The fast model at tau=+inf, used as the dense reference when no original model is given."""
 
     def __init__(self, fast: FastCarSession):

@@ -113,8 +113,18 @@ def _warn_threshold(stats: RunStats) -> bool:
         return False
     msg = stats.threshold_warning()
     if msg:
-        warnings.warn(msg, ThresholdWarning, stacklevel=3)
+        warnings.warn(msg, ThresholdWarning, stacklevel=_caller_level())
     return True
+
+
+def _caller_level() -> int:
+    """stacklevel of the first frame outside this package, so the warning names the user's line."""
+    import sys
+
+    level, f = 1, sys._getframe(1)
+    while f is not None and str(f.f_globals.get("__name__", "")).startswith("fastcar_compile"):
+        level, f = level + 1, f.f_back
+    return level
 
 
 class ThresholdWarning(UserWarning):

@@ -137,14 +137,20 @@ def snapshot(root: Path) -> dict[str, tuple[str, int]]:
 
 # --------------------------------------------------------------------------------------------- faults
 @contextlib.contextmanager
-def _fault(target: str, err: int):
-    """Make `target` (module.attr) raise OSError(err), as a full disk or a read-only folder would."""
+def _fault(target: str, err: int, nth: int = 1):
+    """Make the `nth` and later calls of `target` (module.attr) raise OSError(err), as a disk that fills up
+    or a read-only folder would; earlier calls go through."""
     import importlib
     from unittest import mock
 
     mod, attr = target.rsplit(".", 1)
+    real = getattr(importlib.import_module(mod), attr)
+    calls = [0]
 
     def boom(*a, **k):
+        calls[0] += 1
+        if calls[0] < nth:
+            return real(*a, **k)
         raise OSError(err, os.strerror(err), str(a[0]) if a else None)
 
     with mock.patch.object(importlib.import_module(mod), attr, boom):
@@ -209,6 +215,9 @@ def cases() -> list[Case]:
         _c("compile, disk full while saving", comp(), patch=disk_full_save, message="space"),
         _c("compile, read-only file system at rename", comp(model="ext/model.onnx"), patch=read_only,
            message="read-only"),
+        _c("compile, external data into an existing folder, the model's rename fails after the data's",
+           comp(model="ext/model.onnx", out="adir/fast.onnx"), patch=lambda: _fault("os.replace", errno.ENOSPC, nth=2),
+           message="space"),
         _c("compile, no permission for the temp folder", comp(), patch=no_permission, message="permission"),
         _c("compile a directory", comp(model="adir"), message="directory", subprocess=True),
         _c("compile a missing file", comp(model="nosuch.onnx"), message="no such file"),
@@ -325,7 +334,7 @@ def cases() -> list[Case]:
         _c("report -o below a file", lambda d: ["report", str(d / "run.json"), "-o", str(d / "afile/pics")],
            message="not a folder"),
         _c("report, second picture fails", lambda d: ["report", str(d / "run.json"), "-o", str(d / "out/pics")],
-           patch=lambda: _fault("os.replace", errno.ENOSPC), message="space"),
+           patch=lambda: _fault("os.replace", errno.ENOSPC, nth=2), message="space"),
         # demo / eval (rejected before any work)
         _c("demo --tau nan", lambda d: ["demo", "--tau", "nan", "--out", str(d / "out/demo")], message="--tau"),
         _c("demo --tau 1e39", lambda d: ["demo", "--tau", "1e39", "--out", str(d / "out/demo")], message="--tau"),
@@ -350,21 +359,38 @@ def cases() -> list[Case]:
 
 
 # --------------------------------------------------------------------------------------------- running
-def _in_process(argv: list[str], patch) -> tuple[int | None, str]:
+class _Hung(BaseException):
+    """Raised by the in-process watchdog: the case ran past its time limit."""
+
+
+def _in_process(argv: list[str], patch, timeout: float = 120) -> tuple[int | None, str]:
+    import signal
+
     from fastcar_compile.cli import main
 
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), (patch() if patch else
-                                                                            contextlib.nullcontext()):
-        try:
-            rc = main(argv)
-        except SystemExit as exc:  # argparse
-            rc = exc.code if isinstance(exc.code, int) else 2
-        except BaseException:  # noqa: BLE001 - a traceback the real CLI would print
-            import traceback
+    def hung(signum, frame):
+        raise _Hung
 
-            err.write(traceback.format_exc())
-            rc = 1
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    err, out = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), (patch() if patch else
+                                                                                contextlib.nullcontext()):
+            try:
+                rc = main(argv)
+            except SystemExit as exc:  # argparse
+                rc = exc.code if isinstance(exc.code, int) else 2
+            except _Hung:
+                rc = None
+            except BaseException:  # noqa: BLE001 - a traceback the real CLI would print
+                import traceback
+
+                err.write(traceback.format_exc())
+                rc = 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
     return rc, err.getvalue()
 
 
@@ -384,7 +410,7 @@ def run_case(case: Case, sandbox: Path, *, in_subprocess: bool = False, timeout:
     before = snapshot(sandbox)
     t0 = time.perf_counter()
     argv = case.argv(sandbox)
-    rc, stderr = _subprocess(argv, timeout) if in_subprocess else _in_process(argv, case.patch)
+    rc, stderr = _subprocess(argv, timeout) if in_subprocess else _in_process(argv, case.patch, timeout)
     seconds = time.perf_counter() - t0
     after = snapshot(sandbox)
     added = sorted(set(after) - set(before))
@@ -422,33 +448,51 @@ def problems(case: Case, o: Outcome) -> list[str]:
 
 
 def main() -> int:
-    """Totals for the closing note: every case in process, the `subprocess=True` ones also via the script."""
+    """Totals for the closing note: every case in process, the `subprocess=True` ones also via the script.
+
+    A case that modified the sandbox gets a fresh sandbox afterwards, so every case meets intact inputs.
+    Problem counts overlap (one run can leave files and print a traceback); "clean" runs have none.
+    """
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         sandbox = build_sandbox(Path(tmp) / "sandbox")
-        totals = {"tried": 0, "rejected cleanly": 0, "accepted as expected": 0, "traceback": 0,
-                  "accepted silently": 0, "killed/hung": 0, "inputs modified": 0, "other problems": 0}
+        keys = ("tried", "clean: rejected as expected", "clean: accepted as expected", "with a traceback",
+                "accepted silently (exit 0 on bad input)", "killed or hung", "modified an input",
+                "left files behind", "refused but the message does not name the problem",
+                "wrong exit code otherwise")
+        totals = dict.fromkeys(keys, 0)
         for case in cases():
             for sub in ([False, True] if case.subprocess else [False]):
-                o = run_case(case, sandbox, in_subprocess=sub)
+                try:
+                    o = run_case(case, sandbox, in_subprocess=sub, timeout=float(os.environ.get("CASE_TIMEOUT", 120)))
+                except (ImportError, AttributeError) as exc:  # a fault-injection target this code lacks
+                    o = Outcome(1, f"Traceback (harness): {exc}", True)
                 bad = problems(case, o)
                 totals["tried"] += 1
                 if not bad:
-                    totals["rejected cleanly" if case.exit else "accepted as expected"] += 1
-                elif o.rc is None:
-                    totals["killed/hung"] += 1
-                elif o.traceback:
-                    totals["traceback"] += 1
+                    totals["clean: rejected as expected" if case.exit else "clean: accepted as expected"] += 1
+                if o.rc is None:
+                    totals["killed or hung"] += 1
                 elif o.rc == 0 and case.exit:
-                    totals["accepted silently"] += 1
-                elif o.changed:
-                    totals["inputs modified"] += 1
-                else:
-                    totals["other problems"] += 1
+                    totals["accepted silently (exit 0 on bad input)"] += 1
+                elif o.rc != case.exit and not o.traceback:
+                    totals["wrong exit code otherwise"] += 1
+                if o.traceback:
+                    totals["with a traceback"] += 1
+                if o.changed or o.shared_inodes:
+                    totals["modified an input"] += 1
+                if [a for a in o.added if a not in case.outputs]:
+                    totals["left files behind"] += 1
+                if any(b.startswith("message lacks") for b in bad) and o.rc == case.exit and not o.traceback:
+                    totals["refused but the message does not name the problem"] += 1
                 tag = "subprocess" if sub else "in-process"
                 print(f"{'ok ' if not bad else 'BAD'} [{tag}] {case.name}: exit {o.rc}"
-                      + (f" -- {'; '.join(bad)}" if bad else "") + f" | {o.stderr.strip().splitlines()[-1:]}")
+                      + (f" -- {'; '.join(bad)}" if bad else "") + f" | {o.stderr.strip().splitlines()[-1:]}",
+                      flush=True)
+                if o.changed or o.shared_inodes:
+                    shutil.rmtree(sandbox)
+                    build_sandbox(sandbox)
         print(json.dumps(totals, indent=1))
     return 0
 

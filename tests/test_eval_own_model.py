@@ -1,0 +1,92 @@
+"""`fastcar-compile eval --model fast.onnx --prompts p.npy` and `report fast.json dense.json`: the numbers
+match direct runs of the dense and compiled models (NumPy KL, tokens, replay from the trace)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import zoo
+
+from fastcar_compile.cli import main
+from fastcar_compile.runtime import FastCarSession
+from fastcar_compile.runtime.decode import left_pad
+
+L = 8
+
+
+@pytest.fixture(scope="module")
+def setup(zoo_model, tmp_path_factory):
+    import fastcar_compile as fc
+
+    d = tmp_path_factory.mktemp("ev")
+    dense = zoo_model("llama", "dynamo20")
+    fc.compile(str(dense), str(d / "fast.onnx"), frame_tokens=L, threshold=0.0)
+    np.save(d / "p.npy", np.random.default_rng(5).integers(0, zoo.VOCAB, (4, 3)))
+    return dense, d
+
+
+def _log_softmax(x):
+    x = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_eval_own_model_matches_direct_runs(setup, capsys):
+    dense_path, d = setup
+    out = d / "out"
+    assert main(["eval", "--model", str(d / "fast.onnx"), "--dense", str(dense_path), "--prompts",
+                 str(d / "p.npy"), "--frames", "3", "--batch", "2", "--threads", "1", "--out", str(out),
+                 "--frame-shape", "2x4"]) == 0
+    text = capsys.readouterr().out
+    assert "speed-up" in text and "KL(dense || FastCar)" in text
+    res = json.loads((out / "eval.json").read_text())
+    for f in res["files"]:
+        assert (out / f.split("/")[-1]).is_file()
+    prompts = np.load(d / "p.npy")
+    fast, dense = FastCarSession(d / "fast.onnx", threads=1), FastCarSession(dense_path, frame_tokens=L, threads=1)
+    f = fast.generate(prompts, 3, keep_logits=True)
+    g = dense.generate(prompts, 3)
+    assert res["replay_ratio"] == pytest.approx(f.stats.replay_array().mean())
+    assert res["token_agreement"] == pytest.approx((f.tokens == g.tokens).mean())
+    ids, mask = left_pad([list(r) for r in prompts], 0)
+    seq = np.concatenate([ids, f.tokens[:, :-1]], 1)
+    full = np.concatenate([mask, np.ones_like(f.tokens[:, :-1])], 1)
+    p = dense.step(dense.new_state(len(prompts)), seq, attention_mask=full).logits[:, ids.shape[1] - 1:]
+    lp, lq = _log_softmax(p), _log_softmax(f.logits)
+    assert res["kl_mean"] == pytest.approx(float((np.exp(lp) * (lp - lq)).sum(-1).mean()), rel=1e-4)
+    assert res["speedup"] == pytest.approx(res["dense_ms_per_token"] / res["fast_ms_per_token"])
+    assert 0 < res["replay_ratio"] < res["replay_ratio_eligible"] < 1
+
+
+def test_report_compares_runs_and_draws_tokens(setup, tmp_path, capsys):
+    _, d = setup
+    fast = FastCarSession(d / "fast.onnx", threads=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = fast.generate([[1, 2, 3]], 3, threshold=-1e9, trace=str(tmp_path / "all.json"))
+    m = r.stats.per_token_replay()  # tau=-1e9: every eligible token replays, frame 0 never
+    assert m.shape == (3, L) and (m[0] == 0).all() and (m[1] == 1).all() and (m[2, :-1] == 1).all()
+    fast.generate([[1, 2, 3]], 3, threshold=float("inf"), trace=str(tmp_path / "inf.json"))
+    FastCarSession(setup[0], frame_tokens=L, threads=1).generate([[1, 2, 3]], 3, trace=str(tmp_path / "d.json"))
+    assert main(["report", str(tmp_path / "d.json"), str(tmp_path / "all.json"), "--frame-shape", "2x4"]) == 0
+    text = capsys.readouterr().out
+    assert "speed-up" in text
+    for name in ("all.latency.png", "all.replay.png", "all.tokens.png"):
+        assert (tmp_path / name).is_file()
+    assert main(["report", str(tmp_path / "all.json"), str(tmp_path / "inf.json")]) == 2
+    assert "one FastCar run and one dense run" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "all.json"), "--frame-shape", "3x3"]) == 2
+    assert "8 tokens per frame" in capsys.readouterr().err
+
+
+def test_eval_bad_input(setup, tmp_path, capsys):
+    dense_path, d = setup
+    assert main(["eval", "--model", str(d / "fast.onnx")]) == 2
+    assert "--prompts" in capsys.readouterr().err
+    assert main(["eval", "--model", str(dense_path), "--prompts", str(d / "p.npy"), "--out", str(tmp_path)]) == 2
+    assert "not FastCar-compiled" in capsys.readouterr().err
+    np.save(tmp_path / "f.npy", np.zeros((2, 3), np.float32))
+    assert main(["eval", "--model", str(d / "fast.onnx"), "--prompts", str(tmp_path / "f.npy")]) == 2
+    assert "integer token ids" in capsys.readouterr().err
