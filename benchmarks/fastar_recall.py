@@ -69,6 +69,10 @@ def modes(frame_len: int, video_start: int, quick: bool, kv_heads: int) -> dict[
     for sim in (0.999, 0.9, 0.5):
         m[f"per-head: window (h0-{kv_heads - 2}) + tempcache {sim} (h{kv_heads - 1})"] = (
             [window] * (kv_heads - 1) + [KVCompressConfig(tempcache_sim=sim, **lay)])
+    # the same with head 5's cache bounded too (every head flat): C = 2 frames, sinks 3, window 16
+    m[f"per-head: window (h0-{kv_heads - 2}) + tempcache 0.9 C{2 * frame_len} (h{kv_heads - 1})"] = (
+        [window] * (kv_heads - 1) + [KVCompressConfig(tempcache_sim=0.9, budget=2 * frame_len, sinks=3, window=16,
+                                                      eviction="mass", **lay)])
     return m
 
 
