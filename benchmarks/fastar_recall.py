@@ -20,17 +20,18 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from fastcar_compile.atomic import atomic_path, write_text
-from fastcar_compile.fastar.attention import run_trace
+from fastcar_compile.fastar.attention import run_trace, slot_bytes
 from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.fastar.trace import TRACE_SOURCES, demo_trace
 
 PAPER = {"TempCache (paper)": (0.16, 0.90), "AnnSA (paper)": (0.28, 0.92)}
 
 
-def modes(frame_len: int, video_start: int, quick: bool) -> dict[str, KVCompressConfig]:
+def modes(frame_len: int, video_start: int, quick: bool, kv_heads: int) -> dict[str, KVCompressConfig | list]:
     lay = {"frame_len": frame_len, "video_start": video_start}
     win = frame_len + 16  # covers the demo's copy heads (offsets 55..71): the local window StreamingLLM keeps
     m = {
@@ -62,6 +63,16 @@ def modes(frame_len: int, video_start: int, quick: bool) -> dict[str, KVCompress
             "tempcache 0.999 + annsa 8x4": KVCompressConfig(tempcache_sim=0.999, lsh_bits=8, lsh_tables=4, sinks=3,
                                                             window=16, **lay),
         })
+    # Per-head modes: the demo's first five heads read fixed offsets (copy heads, DemoConfig.copy_offsets) and
+    # lose nothing to a window; the last reads by content and keeps its recall under TempCache (see docs).
+    window = KVCompressConfig(budget=win + 3 + 32, sinks=3, window=win, eviction="mass", **lay)
+    for sim in (0.999, 0.9, 0.5):
+        m[f"per-head: window (h0-{kv_heads - 2}) + tempcache {sim} (h{kv_heads - 1})"] = (
+            [window] * (kv_heads - 1) + [KVCompressConfig(tempcache_sim=sim, **lay)])
+    # the same with head 5's cache bounded too (every head flat): C = 2 frames, sinks 3, window 16
+    m[f"per-head: window (h0-{kv_heads - 2}) + tempcache 0.9 C{2 * frame_len} (h{kv_heads - 1})"] = (
+        [window] * (kv_heads - 1) + [KVCompressConfig(tempcache_sim=0.9, budget=2 * frame_len, sinks=3, window=16,
+                                                      eviction="mass", **lay)])
     return m
 
 
@@ -71,10 +82,11 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
     for r in rows:
         kind = r["mode"].split()[0]
-        color = {"dense": "k", "window": "tab:gray", "tempcache": "tab:blue", "annsa": "tab:orange"}.get(kind, "tab:green")
+        color = {"dense": "k", "window": "tab:gray", "tempcache": "tab:blue", "annsa": "tab:orange",
+                 "per-head:": "tab:purple"}.get(kind, "tab:green")
         ax.scatter(r["density"], r["recall"], color=color, s=30, marker="o" if r["source"] == "generated" else "^")
         ax.annotate(r["mode"], (r["density"], r["recall"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
     for name, (d, rc) in PAPER.items():
@@ -85,6 +97,17 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xlim(0, 1.05)
     ax.set_title("FAST-AR modes on the demo model's attention (o: generated, ^: clip)", fontsize=10)
     ax.grid(alpha=0.3)
+    shown = ("dense", "window", "tempcache 0.999", "annsa lsh 8x4 W", "per-head: window (h0-4) + tempcache 0.9 ")
+    for r in rows:
+        if r["layer"] == 0 and any(r["mode"].startswith(s) for s in shown):
+            frames = np.arange(1, len(r["kv_bytes_per_frame"]) + 1)
+            ax2.plot(frames, np.asarray(r["kv_bytes_per_frame"]) / 1024, "-" if r["source"] == "clip" else "--",
+                     marker=".", label=f"{r['source']}: {r['mode']}")
+    ax2.set_xlabel("frame")
+    ax2.set_ylabel("resident KV (KiB, fp16, layer 0)")
+    ax2.set_title("KV memory per frame (-: clip, --: generated)", fontsize=10)
+    ax2.legend(fontsize=6)
+    ax2.grid(alpha=0.3)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=130)
@@ -108,16 +131,23 @@ def main(argv: list[str] | None = None) -> int:
     for source in a.source:
         tr = demo_trace(a.frames, a.clip, source)
         start = tr.video_start + 2 * tr.frame_len
-        for name, cfg in tqdm(modes(tr.frame_len, tr.video_start, a.quick).items(), desc=f"modes ({source})",
+        hkv = tr.layers[0].k.shape[1]
+        for name, cfg in tqdm(modes(tr.frame_len, tr.video_start, a.quick, hkv).items(), desc=f"modes ({source})",
                               unit="mode"):
             for li, layer in enumerate(tr.layers):
-                m = run_trace(layer.q, layer.k, layer.v, cfg, theta=tr.rope_theta, measure_from=start).metrics
+                res = run_trace(layer.q, layer.k, layer.v, cfg, theta=tr.rope_theta, measure_from=start)
+                m = res.metrics
+                per_slot = np.array([slot_bytes(c.cfg, layer.k.shape[-1], 2) for c in res.caches])
+                ends = [tr.video_start + (f + 1) * tr.frame_len - 1 for f in range(a.frames)]
                 rows.append({"source": source, "mode": name, "layer": li, **m.to_dict(),
-                             "kv_ratio": m.kv_bytes / m.dense_kv_bytes, "config": cfg.to_dict()})
+                             "kv_ratio": m.kv_bytes / m.dense_kv_bytes,
+                             "kv_bytes_per_frame": [float(res.slots[e] @ per_slot) for e in ends],
+                             "config": [c.cfg.to_dict() for c in res.caches] if isinstance(cfg, list) else cfg.to_dict()})
         notes.append(f"{source}: {len(tr.tokens)} tokens ({tr.frame_len} per frame), metrics over positions >= {start}")
-    head = ("| trace | mode | layer | density | recall | kept mass | out rel. err | KV bytes (fp16) | KV vs dense | merges | evicted |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
-    body = "".join(f"| {r['source']} | {r['mode']} | {r['layer']} | {r['density']:.1%} | {r['recall']:.1%} | {r['kept_mass']:.1%} | "
+    head = ("| trace | mode | layer | density | recall | recall per head | kept mass | out rel. err | KV bytes (fp16) "
+            "| KV vs dense | merges | evicted |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    body = "".join(f"| {r['source']} | {r['mode']} | {r['layer']} | {r['density']:.1%} | {r['recall']:.1%} | "
+                   f"{' '.join(f'{x:.0%}' for x in r['recall_per_head'])} | {r['kept_mass']:.1%} | "
                    f"{r['out_err']:.3f} | {r['kv_bytes']} | {r['kv_ratio']:.1%} | {r['merges']} | {r['evicted']} |\n"
                    for r in rows)
     note = (f"\nDemo model, eval clip {a.clip}, {a.frames} frames; " + "; ".join(notes) + ". FAST-AR (paper, AR video diffusion): TempCache ~16% density at "

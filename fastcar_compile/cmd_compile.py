@@ -145,7 +145,7 @@ def main(argv: list[str]) -> int:
                            fused_attention=args.fused_attention)
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
-    if args.tas_query == "rope" and all(t <= -1.0 for t in args.threshold):
+    if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):
         print(f"note: tau {args.threshold[0]:g} is on the paper's raw-TAS scale; post-RoPE TAS (--tas-query rope) "
               "often replays every eligible MLP there. Calibrate (--calibrate-replay 0.5 --calib-data p.npy) or "
               "use --tas-query raw", file=sys.stderr)

@@ -173,18 +173,12 @@ def _own(a) -> int:
     if a.model is None or a.prompts is None:
         raise FastCarError("eval on your model needs both --model fast.onnx and --prompts p.npy")
     from fastcar_compile.eval_model import evaluate, load_prompts
-    from fastcar_compile.runtime.report import parse_frame_shape
 
     prompts = load_prompts(a.prompts)
     frames = 4 if a.frames is None else a.frames
     threads = 2 if a.threads is None else a.threads
     if threads < 1:
         raise FastCarError(f"--threads must be >= 1, got {threads}")
-    import onnx
-
-    meta = {p.key: p.value for p in onnx.load(str(a.model), load_external_data=False).metadata_props} \
-        if a.model.is_file() else {}
-    shape = parse_frame_shape(a.frame_shape, int(meta.get("fastcar.frame_tokens", 0))) if a.frame_shape else None
     evaluate(a.model, prompts, a.out, dense_path=a.dense, frames=frames, batch=a.batch, threads=threads,
-             given_video_tokens=a.given_video_tokens, frame_shape=shape)
+             given_video_tokens=a.given_video_tokens, frame_shape=a.frame_shape)
     return 0

@@ -11,8 +11,9 @@ from __future__ import annotations
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("fastcar_compile.cmd_export", "main", "transformers model folder -> ONNX decoder with KV cache"),
     "demo": ("fastcar_compile.cmd_demo", "main", "compile the bundled video model and compare dense vs FastCar"),
-    "eval": ("fastcar_compile.cmd_eval", "main", "sweep tau on the bundled model: replay, PSNR/SSIM, speedup"),
-    "report": ("fastcar_compile.cmd_report", "main", "turn a run.json from the runtime into PNG pictures"),
+    "eval": ("fastcar_compile.cmd_eval", "main", "dense vs FastCar on your model (--model fast.onnx --prompts p.npy), or a tau sweep "
+             "on the bundled one"),
+    "report": ("fastcar_compile.cmd_report", "main", "PNG pictures of run.json (replay, latency beside a dense run, per-token replay)"),
     "sim": ("fastcar_compile.fpga_cmds", "sim_main", "simulate FPGA bundles (.fcb) on a replay trace or mask"),
     "disasm": ("fastcar_compile.fpga_cmds", "disasm_main", "print a .fcb bundle file as readable assembly"),
     "asm": ("fastcar_compile.fpga_cmds", "asm_main", "assemble readable assembly back into a .fcb file"),

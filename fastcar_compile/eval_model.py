@@ -44,14 +44,15 @@ def load_prompts(path: str | os.PathLike) -> np.ndarray:
 
 def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | os.PathLike, *,
              dense_path: str | os.PathLike | None = None, frames: int = 4, batch: int = 1, threads: int = 2,
-             given_video_tokens: int = 0, frame_shape: tuple[int, int] | None = None,
+             given_video_tokens: int = 0, frame_shape: str | None = None,
              progress: bool = True) -> dict[str, Any]:
-    """Dense vs FastCar on `prompts`; returns the eval.json dict and writes the files into out_dir."""
+    """Dense vs FastCar on `prompts`; returns the eval.json dict and writes the files into out_dir.
+    frame_shape: "HxW" (H x W = L) for the per-token replay picture."""
     from tqdm.auto import tqdm
 
     from fastcar_compile.runtime.calibrate import NeverReplay, teacher_forced_kl
     from fastcar_compile.runtime.decode import ThresholdWarning
-    from fastcar_compile.runtime.report import comparison, write_report
+    from fastcar_compile.runtime.report import comparison, parse_frame_shape, write_report
     from fastcar_compile.runtime.session import FastCarSession
     from fastcar_compile.runtime.stats import RunStats
 
@@ -59,6 +60,7 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
     if not fast.is_fastcar:
         raise FastCarError(f"--model {fast_path} is not FastCar-compiled (no fastcar.* metadata); pass the "
                            "compiled fast.onnx to --model and the original export to --dense")
+    shape = parse_frame_shape(frame_shape, fast.frame_tokens)
     if frames < 2:
         raise FastCarError("--frames must be >= 2 (frame 0 never replays)")
     if batch < 1 or len(prompts) % batch:
@@ -90,7 +92,7 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
         print(f"warning: {msg}", file=sys.stderr)
     ds.save(out / "dense.json")
     fs.save(out / "fast.json")
-    pictures = write_report(fs, out, stem="fast", dense=ds, frame_shape=frame_shape)
+    pictures = write_report(fs, out, stem="fast", dense=ds, frame_shape=shape)
     k = np.concatenate([x.ravel() for x in kl])
     result = {
         "model": str(fast_path), "dense": str(dense_path) if dense_path else f"{fast_path} at tau=+inf",

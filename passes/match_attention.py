@@ -31,6 +31,29 @@ class AttentionCore:
     keys: ir.Value  # present key, or the unsliced keys when the present key is a sliding window of them
 
 
+# Ops a softmax scale may be computed with from a tensor's shape (TorchScript: sqrt(1 / sqrt(head_dim))).
+_SCALE_OPS = frozenset({"Sqrt", "Cast", "Div", "Mul", "Reciprocal", "Pow", "Gather", "Slice", "Squeeze",
+                        "Unsqueeze", "Identity", "Sub", "Add", "Reshape", "Constant"})
+
+
+def is_scale(value: ir.Value | None, depth: int = 0) -> bool:
+    """A constant scalar, or a value computed only from constants and tensor shapes (TorchScript's SDPA
+    scales q and K^T by sqrt(1 / sqrt(D)) computed from Shape(q)): never the data of another tensor."""
+    if value is None or gu.scalar_const(value) is not None:
+        return True
+    dims = gu.static_dims(value)
+    if depth == 0 and dims is not None and len(dims) > 1:
+        return False
+    if gu.is_static(value):
+        return depth > 0
+    node = value.producer()
+    if node is None or depth > 12:
+        return False
+    if node.op_type == "Shape":
+        return True
+    return node.op_type in _SCALE_OPS and all(is_scale(i, depth + 1) for i in node.inputs if i is not None)
+
+
 def walk_forward_to_consumer(value: ir.Value, trace: list[str]) -> tuple[ir.Node, int]:
     """From a cache tensor, through layout/scale ops, to the node that computes with it (and the input index)."""
     frontier = [value]
@@ -49,7 +72,7 @@ def walk_forward_to_consumer(value: ir.Value, trace: list[str]) -> tuple[ir.Node
                 return node, idx
             if node.op_type in gu.LAYOUT_OPS and idx == 0:
                 frontier.append(node.outputs[0])
-            elif node.op_type in ("Mul", "Div") and gu.scalar_const(node.inputs[1 - idx]) is not None:
+            elif node.op_type in ("Mul", "Div") and is_scale(node.inputs[1 - idx]):
                 frontier.append(node.outputs[0])
     raise MatchFailure("attention", f"no MatMul/Attention op consumes {value.name}", f"stopped after {last}")
 
@@ -75,9 +98,9 @@ def walk_back_scale(value: ir.Value) -> ir.Value:
         node = value.producer()
         if node is None:
             return value
-        if node.op_type in ("Mul", "Div") and gu.scalar_const(node.inputs[1]) is not None:
+        if node.op_type in ("Mul", "Div") and is_scale(node.inputs[1]):
             value = node.inputs[0]
-        elif node.op_type == "Mul" and gu.scalar_const(node.inputs[0]) is not None:
+        elif node.op_type == "Mul" and is_scale(node.inputs[0]):
             value = node.inputs[1]
         elif node.op_type in ("Cast", "Identity"):
             value = node.inputs[0]

@@ -90,6 +90,8 @@ class FastCarReference:
         self.blocks = list(_decoder_layers(model))
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", True):
+            self.num_kv_heads = 1  # Falcon multi-query
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.hidden = cfg.hidden_size
         self.L = int(frame_tokens)
@@ -141,6 +143,9 @@ class FastCarReference:
         if self.is_gpt2:
             qkv = blk.attn.c_attn(h)
             q, k = qkv[..., : H * D], qkv[..., H * D : 2 * H * D]
+        elif hasattr(attn, "query_key_value") and getattr(attn, "multi_query", False):  # Falcon: [H q | k | v]
+            qkv = attn.query_key_value(h).view(B, S, H + 2, D)
+            q, k = qkv[:, :, :H].reshape(B, S, H * D), qkv[:, :, H : H + 1].reshape(B, S, D)
         elif hasattr(attn, "query_key_value"):  # GPT-NeoX: fused per head [q | k | v] x heads
             qkv = attn.query_key_value(h).view(B, S, H, 3 * D).transpose(1, 2)
             q, k, _ = qkv.chunk(3, dim=-1)
@@ -282,7 +287,7 @@ def _decoder_layers(model: nn.Module):
 
 
 def _attention_module(block: nn.Module) -> nn.Module:
-    for name in ("self_attn", "attention", "attn"):
+    for name in ("self_attn", "self_attention", "attention", "attn"):
         if hasattr(block, name):
             return getattr(block, name)
     raise AttributeError(f"{type(block).__name__} has no attention module")

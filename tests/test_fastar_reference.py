@@ -72,6 +72,8 @@ def test_tempcache_lemma_exact_for_identical_keys():
     cfg = KVCompressConfig(tempcache_sim=0.999, frame_len=L, video_start=3)
     res = run_trace(q, k, v, cfg, theta=None)
     assert res.metrics.merges == 2 * L * (frames - 1)
+    np.testing.assert_array_equal(res.slots[-1], [3 + L, 3 + L])
+    assert res.metrics.recall_per_head == pytest.approx([1.0] * 4)
     assert all(c.slots_used() == 3 + L for c in res.caches)
     np.testing.assert_allclose(res.out, dense_reference(q, k, v, None), atol=1e-10)
     assert abs(res.metrics.recall - 1.0) < 1e-9
@@ -103,6 +105,8 @@ def test_density_hand_counted_budget():
     res = run_trace(q, k, v, KVCompressConfig(budget=6, sinks=2, window=3, eviction="oldest"))
     assert res.metrics.density == pytest.approx(45 / 55)
     assert res.metrics.slots_per_head == 6 and res.metrics.evicted == 4
+    np.testing.assert_array_equal(res.slots[:, 0], [1, 2, 3, 4, 5, 6, 6, 6, 6, 6])  # flat once full
+    assert res.metrics.kv_bytes == 6 * 2 * 8 * 2 and res.metrics.dense_kv_bytes == 10 * 2 * 8 * 2  # fp16 K+V
     # 'oldest' keeps the sinks and the newest C - S tokens.
     c = res.caches[0]
     assert sorted(c.pos[c.live]) == [0, 1, 6, 7, 8, 9]
@@ -228,3 +232,25 @@ def test_mass_eviction_drops_least_attended_unprotected_slot():
     c.attend(np.zeros(d), np.array([c.token_slot[1]]))
     c.append(rng.standard_normal(d), rng.standard_normal(d))
     assert c.token_slot[2] == -1 and (c.token_slot[[0, 1, 3, 4]] >= 0).all()
+
+
+def test_per_head_configs_apply_per_kv_head():
+    """A list of configs: KV head 0 uncompressed (== dense for its query heads), head 1 windowed."""
+    q, k, v = _trace(T=30)
+    small = KVCompressConfig(budget=8, sinks=1, window=4)
+    res = run_trace(q, k, v, [KVCompressConfig(), small])
+    dense = dense_reference(q, k, v, 10000.0)
+    np.testing.assert_allclose(res.out[:, :2], dense[:, :2], atol=1e-6)
+    assert np.abs(res.out[:, 2:] - dense[:, 2:]).max() > 1e-3
+    np.testing.assert_allclose(res.out[:, 2:], run_trace(q, k, v, small).out[:, 2:], atol=1e-12)
+    np.testing.assert_array_equal(res.slots[-1], [30, 8])
+    with pytest.raises(FastCarError, match="one per KV head"):
+        run_trace(q, k, v, [small] * 3)
+
+
+def test_kv_bytes_hand_counted_with_counts_and_codes():
+    """Per slot: K+V fp16 (2 x 8 x 2 B) + int32 count (TempCache) + 4 bits x 3 tables packed = 2 B (AnnSA)."""
+    q, k, v = _trace(T=10, hq=2, hkv=2)
+    m = run_trace(q, k, v, KVCompressConfig(budget=6, sinks=1, window=2, tempcache_sim=1.0, lsh_bits=4,
+                                            lsh_tables=3, frame_len=3, video_start=1)).metrics
+    assert m.merges == 0 and m.kv_bytes == 2 * 6 * (32 + 4 + 2)

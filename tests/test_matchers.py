@@ -363,3 +363,31 @@ def test_first_match_reports_the_form_that_matched():
     with pytest.raises(MatchFailure) as exc:
         first_match("x", [("a", fails), ("b", fails)], [])
     assert exc.value.reason == "a: no; b: no"
+
+
+def test_scale_computed_from_shapes():
+    """TorchScript's SDPA scales q and K^T by sqrt(1 / sqrt(D)) computed from Shape(q): still attention, and the
+    query is the unscaled one; a scale read from another tensor's data is not."""
+    def shape_scale(g: G, q: str) -> str:
+        d = g.op("Cast", [g.op("Gather", [g.op("Shape", [q]), g.const(np.array(-1))], axis=0)], to=1)
+        return g.op("Sqrt", [g.op("Div", [g.const(np.array(1.0, np.float32)), g.op("Sqrt", [d])])])
+
+    for data_scale in (False, True):
+        g = G(2)
+        h = g.rms("x")
+        q = g.heads(g.linear(h, H * D), H)
+        pk = g.output("present.0.key", g.op("Concat", ["past_key_values.0.key", g.heads(g.linear(h, 2 * D), 2)],
+                                            axis=2), ["b", 2, "t", D])
+        pv = g.output("present.0.value", g.op("Concat", ["past_key_values.0.value", g.heads(g.linear(h, 2 * D), 2)],
+                                              axis=2), ["b", 2, "t", D])
+        scale = g.op("ReduceMean", ["x"], keepdims=0) if data_scale else shape_scale(g, q)
+        kt = g.op("Mul", [g.op("Transpose", [pk], perm=[0, 1, 3, 2]), scale])
+        scores = g.op("MatMul", [g.op("Mul", [q, scale]), kt])
+        att = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), pv])
+        r = g.op("Add", ["x", g.linear(g.merge(att), E)])
+        m = only(finish(g, g.op("Add", [r, g.mlp(g.rms(r))])))
+        if data_scale:
+            assert not m.ok and m.failure.anchor == "attention"
+        else:
+            assert m.ok, m.failure and m.failure.reason
+            assert m.attention.q.name == q

@@ -58,6 +58,7 @@ def test_no_compiler_says_why_in_one_line(fast_model, tmp_path):
     assert r.returncode == 0, r.stderr
     off = [ln for ln in r.stderr.splitlines() if "native kernels OFF" in ln]
     assert len(off) == 1 and "no C++ compiler" in off[0]
+    assert "building" not in r.stderr  # nothing was built, so it does not say it is building
     assert "Traceback" not in r.stderr
     assert "LIB None STEPS 7" in r.stdout
 

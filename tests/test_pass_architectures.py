@@ -87,3 +87,13 @@ def test_window_shorter_than_a_frame_is_refused(zoo_model, fc_compile, tmp_path)
     with pytest.raises(FastCarError, match="sliding-window cache keeps 7 positions"):
         fc_compile(str(src), output=str(tmp_path / "fast.onnx"), frame_tokens=zoo.SLIDING_WINDOW)
     assert not (tmp_path / "fast.onnx").exists()
+
+
+@pytest.mark.parametrize("family,words", [("neox", "(parallel residual)"), ("mistral", "(sliding window 7)")])
+def test_inspect_names_the_pattern(zoo_model, family, words):
+    """--inspect says which non-default form a layer matched (the parallel residual, the window it keeps)."""
+    from fastcar_compile import inspect
+
+    report = inspect(zoo_model(family, "torchscript17"))
+    assert report.matched == [0, 1]
+    assert all(words in line for line in report.format().splitlines()[1:3]), report.format()

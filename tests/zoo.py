@@ -29,7 +29,7 @@ from torch import nn
 FAMILIES = ("llama", "qwen2", "phi3", "gpt2")
 # Architectures added by issue 8 (parallel residual, norms after attention/MLP, sliding windows, MoE). They are
 # tested with the two exporter paths users take (dynamo opset 20 and TorchScript) by test_pass_architectures.py.
-NEW_FAMILIES = ("neox", "phi2", "gptj", "olmo2", "gemma2", "mistral", "mixtral", "qwen2moe")
+NEW_FAMILIES = ("neox", "phi2", "gptj", "falcon", "olmo2", "gemma2", "mistral", "mixtral", "qwen2moe")
 NEW_EXPORTERS = ("dynamo20", "torchscript17")
 # A sliding window wider than the frame (L = 4 in the tests) but shorter than the test decodes (~30 tokens),
 # so the KV cache really is truncated.
@@ -183,6 +183,12 @@ def _new_family_config(family: str):
                              n_positions=MAX_POS, rotary_dim=HIDDEN // HEADS // 2, resid_pdrop=0.0, embd_pdrop=0.0,
                              attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                              tie_word_embeddings=False)
+    if family == "falcon":  # parallel attention + MLP on one shared norm, multi-query (1 kv head) fused QKV
+        return tf.FalconConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                               vocab_size=VOCAB, max_position_embeddings=MAX_POS, parallel_attn=True,
+                               multi_query=True, new_decoder_architecture=False, alibi=False, bias=False,
+                               hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
+                               pad_token_id=0, tie_word_embeddings=False)
     if family == "olmo2":  # no pre-norm: x + norm(attn(x)), then h + norm(mlp(h)); q/k norms
         return tf.Olmo2Config(**common, **gqa, rms_norm_eps=1e-5, tie_word_embeddings=False)
     if family == "gemma2":  # pre- and post-norms around attention and MLP, sliding layers, soft-capping
@@ -204,7 +210,7 @@ def _new_family_config(family: str):
 
 def model_info(family: str) -> ModelInfo:
     """Head counts and sizes of a family model (GPT-2 has no GQA: kv heads = heads)."""
-    kv = HEADS if family in ("gpt2", "neox", "gptj") else KV_HEADS
+    kv = {"gpt2": HEADS, "neox": HEADS, "gptj": HEADS, "falcon": 1}.get(family, KV_HEADS)
     return ModelInfo(family, LAYERS, HEADS, kv, HIDDEN // HEADS, HIDDEN, VOCAB)
 
 

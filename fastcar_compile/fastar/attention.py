@@ -37,6 +37,7 @@ class TraceMetrics:
     slots_per_head: float
     merges: int
     evicted: int
+    recall_per_head: list[float]  # per query head: shows which heads a mode hurts
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,6 +49,7 @@ class TraceResult:
     dense_out: np.ndarray  # [T, Hq, d]
     metrics: TraceMetrics
     caches: list[HeadCache]
+    slots: np.ndarray  # [T, Hkv] resident slots after each step (flat once a budget fills)
 
 
 def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int]:
@@ -69,13 +71,28 @@ def dense_step(q_post: np.ndarray, k_post: np.ndarray, v: np.ndarray) -> tuple[n
     return w @ v, w
 
 
-def run_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: KVCompressConfig, theta: float | None = 10000.0,
-              measure_from: int = 0, bytes_per: int = 2) -> TraceResult:
-    """Replay one layer's trace through per-KV-head compressed caches; see the module docstring."""
+def slot_bytes(cfg: KVCompressConfig, d: int, bytes_per: int) -> int:
+    """Key + value, an int32 count with TempCache, the bit-packed LSH codes with AnnSA."""
+    extra = (4 if cfg.tempcache_sim is not None else 0)
+    if cfg.lsh_bits is not None:
+        extra += -(-cfg.lsh_bits * cfg.lsh_tables // 8)
+    return 2 * d * bytes_per + extra
+
+
+def run_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: KVCompressConfig | list[KVCompressConfig],
+              theta: float | None = 10000.0, measure_from: int = 0, bytes_per: int = 2) -> TraceResult:
+    """Replay one layer's trace through per-KV-head compressed caches; see the module docstring.
+
+    cfg may be one config for every KV head or a list with one per KV head (heads differ: a head that reads a
+    fixed relative offset wants a window, a content-addressed head tolerates merging).
+    """
     T, hq, hkv, d = _check(q, k, v)
     group = hq // hkv
-    lsh = SignLSH(d, cfg.lsh_bits, cfg.lsh_tables, cfg.seed) if cfg.lsh_bits is not None else None
-    caches = [HeadCache(cfg, d, T, theta, lsh) for _ in range(hkv)]
+    cfgs = list(cfg) if isinstance(cfg, list | tuple) else [cfg] * hkv
+    if len(cfgs) != hkv:
+        raise FastCarError(f"got {len(cfgs)} per-head configs for {hkv} KV heads; give one per KV head or one")
+    caches = [HeadCache(c, d, T, theta, SignLSH(d, c.lsh_bits, c.lsh_tables, c.seed) if c.lsh_bits else None)
+              for c in cfgs]
     pos = np.arange(T)
     q_post = apply_rope(np.swapaxes(q, 0, 1), pos, theta)  # [Hq, T, d]
     k_post = apply_rope(np.swapaxes(k, 0, 1), pos, theta)  # [Hkv, T, d]
@@ -84,9 +101,12 @@ def run_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: KVCompressConfig
     dense_out = np.zeros((T, hq, d))
     executed = dense = 0
     recall, kept, errs = [], [], []
+    head_recall = [[] for _ in range(hq)]
+    slot_trace = np.zeros((T, hkv), np.int64)
     for p in range(T):
         for j, c in enumerate(caches):
             c.append(k[p, j], v[p, j])
+            slot_trace[p, j] = c.slots_used()
         for h in range(hq):
             c = caches[h // group]
             qp = q_post[h, p]
@@ -103,6 +123,7 @@ def run_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: KVCompressConfig
             resident = ts >= 0
             comp = np.where(resident, per_slot[np.where(resident, ts, 0)], 0.0)
             recall.append(np.minimum(w_dense, comp).sum())
+            head_recall[h].append(recall[-1])
             attended = np.zeros(c.capacity, bool)
             attended[slots] = True
             kept.append(w_dense[resident & attended[np.where(resident, ts, 0)]].sum())
@@ -110,11 +131,11 @@ def run_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: KVCompressConfig
     if dense == 0:
         raise FastCarError(f"measure_from={measure_from} leaves no step of a {T}-token trace to measure")
     slots = sum(c.slots_used() for c in caches)
-    # per slot: an int32 count with TempCache; the LSH codes bit-packed (bits x tables bits) with AnnSA
-    extra = (4 if cfg.tempcache_sim is not None else 0) + (-(-lsh.bits * lsh.tables // 8) if lsh else 0)
     metrics = TraceMetrics(
         density=executed / dense, recall=float(np.mean(recall)), kept_mass=float(np.mean(kept)),
-        out_err=float(np.mean(errs)), kv_bytes=slots * (2 * d * bytes_per + extra),
+        out_err=float(np.mean(errs)),
+        kv_bytes=sum(c.slots_used() * slot_bytes(c.cfg, d, bytes_per) for c in caches),
         dense_kv_bytes=T * hkv * 2 * d * bytes_per, slots_per_head=slots / hkv,
-        merges=sum(c.merges for c in caches), evicted=sum(c.evicted for c in caches))
-    return TraceResult(out, dense_out, metrics, caches)
+        merges=sum(c.merges for c in caches), evicted=sum(c.evicted for c in caches),
+        recall_per_head=[float(np.mean(r)) for r in head_recall])
+    return TraceResult(out, dense_out, metrics, caches, slot_trace)

@@ -42,10 +42,16 @@ def library_path(build: bool = True) -> Path | None:
     if not build:
         _reason = "not built yet"
         return None
-    print(f"fastcar-compile: building the native ai.fastcar kernels once into {lib.parent} ...", file=sys.stderr,
-          flush=True)
+    started: list[str] = []
+
+    def log(msg: str) -> None:  # say so once, when a fetch or compile really starts (not when it skips)
+        if not started and (msg.startswith("fetching") or "-shared" in msg):
+            started.append(msg)
+            print(f"fastcar-compile: building the native ai.fastcar kernels once into {lib.parent} ...",
+                  file=sys.stderr, flush=True)
+
     try:
-        lib = b.build(log=lambda *_: None)
+        lib = b.build(log=log)
     except b.Skipped as exc:
         _reason = str(exc)
         return None
