@@ -8,8 +8,12 @@ cached). Variants, each a folder genai loads (compiled ones get genai_config.jso
 - `noMLP`: the same graph with every MLP branch replaced by zeros (for f, the MLP share of a dense step);
 - `rK`: compiled with frame_tokens L and per-layer tau, K of the layers at tau=-inf (always replay: every
   decode token here is past frame 0) and the rest +inf (never), so the replay ratio is exactly K / layers.
-For each context, one generator per variant is prefilled with `ctx` tokens, then the variants decode one
-token each in turn (interleaved, so machine load hits them alike) for `--tokens` steps; per-token time is
+(b) the same weights exported by torch.onnx (dynamo, opset 20; `_common.cached_export`), compiled with
+--fused-attention and a per-layer tau input, run by FastCarSession with a shared KV buffer (max_length) and
+tau fed per step: `fusedK` = K layers at -inf; its Python cost per step (step time - time inside ORT) is
+reported too.
+For each context, one generator (or session) per variant is prefilled with `ctx` tokens, then the variants
+decode one token each in turn (interleaved, so machine load hits them alike) for `--tokens` steps; per-token time is
 the lower quartile (robust to steps preempted by other jobs). genai session threads: --threads (intra-op), set in each folder's genai_config.json.
 
     python benchmarks/bench_genai.py                       # ctx 1024 and 4096 (several minutes on 2 cores)
@@ -29,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_CACHE, LlamaShape, atomic_write_text, build_random_llama  # noqa: E402
+from _common import DEFAULT_CACHE, LlamaShape, atomic_write_text, build_random_llama, cached_export  # noqa: E402
 
 FULL = dict(shape=LlamaShape(hidden=1024, layers=8, heads=16, kv_heads=2, intermediate=3072, vocab=2048,
                              max_pos=4608), contexts=(1024, 4096), frame_tokens=256, tokens=48)
@@ -96,7 +100,9 @@ def set_session(folder: Path, threads: int, native: bool) -> None:
     so["intra_op_num_threads"], so["inter_op_num_threads"] = threads, 1
     lib = library_path()
     if native and lib is not None and folder.name != "dense" and (folder / "fast.onnx").is_file():
-        so["custom_ops_library"] = str(lib)
+        local = folder / lib.name  # genai loads custom-op libraries only from the model folder (or the cwd)
+        shutil.copyfile(lib, local)
+        so["custom_ops_library"] = str(local.resolve())
     else:
         so.pop("custom_ops_library", None)
     atomic_write_text(cfg_path, json.dumps(cfg, indent=4))
@@ -123,12 +129,49 @@ def variants(src: Path, work: Path, layers: int, frame_tokens: int) -> dict[str,
     return out
 
 
-def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int) -> dict[str, list[float]]:
-    """Prefill every variant's generator with the same ctx tokens, then time one token each, in turn."""
+class _FusedStepper:
+    """FastCarSession on the fused dynamo export with the per-layer tau of one forced replay ratio."""
+
+    def __init__(self, sess, taus: np.ndarray, prompt: np.ndarray):
+        self.sess, self.taus = sess, taus
+        out = sess.step(sess.new_state(1), prompt.astype(np.int64), threshold=taus)
+        self.state, self.ids, self.python_s = out.state, out.logits[:, -1].argmax(-1)[:, None], []
+
+    def generate_next_token(self) -> None:
+        t0 = time.perf_counter()
+        out = self.sess.step(self.state, self.ids, threshold=self.taus, check=False)
+        self.python_s.append(time.perf_counter() - t0 - self.sess.last_ort_s)
+        self.state, self.ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
+
+
+def fused_export(shape: LlamaShape, cache: Path, frame_tokens: int) -> Path:
+    """(b): the dynamo export of the same seeded weights, compiled with fused attention and per-layer tau."""
+    import fastcar_compile
+
+    out = cache / f"fused-{shape.tag()}-L{frame_tokens}" / "fast.onnx"
+    if not out.is_file():
+        fastcar_compile.compile(cached_export(shape, cache), out, frame_tokens=frame_tokens,
+                                threshold=[np.inf] * shape.layers, per_layer_threshold=True, fused_attention=True)
+    return out
+
+
+def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: Path | None = None,
+            layers: int = 0, threads: int = 2) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Prefill every variant with the same ctx tokens, then time one token each, in turn."""
     import onnxruntime_genai as og
 
     prompt = np.random.default_rng(0).integers(3, vocab, (1, ctx)).astype(np.int32)
     gens, keep = {}, []
+    if fused is not None:
+        from fastcar_compile.runtime import FastCarSession
+
+        sess = FastCarSession(fused, threads=threads, max_length=ctx + tokens + 2)
+        for k in (0, layers // 2, (3 * layers) // 4, layers - 1, layers):
+            spread = {round(i * layers / k) for i in range(k)} if k else set()
+            taus = np.array([-np.inf if i in spread else np.inf for i in range(layers)], np.float32)
+            t0 = time.perf_counter()
+            gens[f"fused{k}"] = _FusedStepper(sess, taus, prompt)
+            print(f"  ctx {ctx}: fused{k} prefilled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     for name, folder in folders.items():
         model = og.Model(str(folder))
         params = og.GeneratorParams(model)
@@ -147,7 +190,8 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int) -> dict
             t0 = time.perf_counter()
             gen.generate_next_token()
             times[name].append(time.perf_counter() - t0)
-    return times
+    python = {n: float(np.median(g.python_s)) * 1e3 for n, g in gens.items() if isinstance(g, _FusedStepper)}
+    return times, python
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, help="decode tokens timed per variant")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-native", action="store_true", help="run the ai.fastcar function bodies, not the kernels")
+    ap.add_argument("--no-fused", action="store_true", help="skip (b), the fused dynamo export")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=Path("docs/bench_genai.json"))
     a = ap.parse_args(argv)
@@ -169,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     folders = variants(src, work, shape.layers, cfg["frame_tokens"])
     for f in folders.values():
         set_session(f, a.threads, not a.no_native)
+    fused = None if a.no_fused else fused_export(shape, a.cache, cfg["frame_tokens"])
     results = {"shape": shape.tag(), "threads": a.threads, "tokens": tokens, "contexts": {}}
     for ctx in contexts:
-        times = measure(folders, ctx, tokens, shape.vocab)
+        times, python = measure(folders, ctx, tokens, shape.vocab, fused, shape.layers, a.threads)
         # Lower quartile, not median: on the shared machine other jobs preempt whole steps (x50 outliers).
         med = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
         f = 1 - med["noMLP"] / med["dense"]
@@ -180,11 +226,18 @@ def main(argv: list[str] | None = None) -> int:
               f"(MLP share f = {f:.3f}); {a.threads} threads, {tokens} tokens, lower quartiles")
         print("| replay | ms/token | speed-up vs genai dense | bound 1/(1-f r) | speed-up / bound |")
         print("|---:|---:|---:|---:|---:|")
-        for name in [n for n in med if n.startswith("r")]:
-            r = int(name[1:]) / shape.layers
-            sp, bound = med["dense"] / med[name], 1 / (1 - f * r)
-            rows.append({"variant": name, "replay": r, "ms": med[name], "speedup": sp, "bound": bound})
-            print(f"| {r:.1%} | {med[name]:.2f} | {sp:.3f} | {bound:.3f} | {sp / bound:.1%} |")
+        for prefix, what in (("r", "(a) genai graph compiled by us, in og.Generator"),
+                             ("fused", "(b) dynamo export, fused attention, FastCarSession shared KV")):
+            names = [n for n in med if n.startswith(prefix) and n[len(prefix):].isdigit()]
+            if names:
+                print(f"| {what} | | | | |")
+            for name in names:
+                r = int(name[len(prefix):]) / shape.layers
+                sp, bound = med["dense"] / med[name], 1 / (1 - f * r)
+                rows.append({"variant": name, "replay": r, "ms": med[name], "speedup": sp, "bound": bound,
+                             "python_ms": python.get(name)})
+                extra = f" (Python {python[name]:.2f} ms)" if name in python else ""
+                print(f"| {r:.1%} | {med[name]:.2f}{extra} | {sp:.3f} | {bound:.3f} | {sp / bound:.1%} |")
         results["contexts"][str(ctx)] = {"ms": med, "f": f, "rows": rows,
                                          "raw_ms": {n: [x * 1e3 for x in t] for n, t in times.items()}}
     atomic_write_text(a.out, json.dumps(results, indent=1))

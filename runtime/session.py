@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,7 +118,8 @@ class FastCarSession:
 
     def __init__(self, path: str | os.PathLike, providers: Sequence[str] | None = None,
                  session_options: Any = None, *, frame_tokens: int | None = None,
-                 native: bool | None = None, threads: int = DEFAULT_THREADS, inplace: bool | None = None):
+                 native: bool | None = None, threads: int = DEFAULT_THREADS, inplace: bool | None = None,
+                 max_length: int | None = None):
         ort = _ort()
         self.path = Path(path)
         if self.path.is_dir():
@@ -200,6 +202,31 @@ class FastCarSession:
         self._vocab: int | None = None
         self._logits_dtype = np.dtype(np.float32)
         self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
+        # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
+        # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
+        self.max_length = self._check_shared_kv(max_length)
+        self.last_ort_s = 0.0  # seconds inside ONNX Runtime of the last step (the rest is Python)
+
+    def _check_shared_kv(self, max_length: int | None) -> int | None:
+        if max_length is None:
+            return None
+        if not isinstance(max_length, int) or max_length < 1:
+            raise FastCarError(f"max_length must be a positive number of tokens, got {max_length!r}")
+        import onnx
+
+        graph = onnx.load(str(self.path), load_external_data=False).graph
+        producer = {o: n.op_type for n in graph.node for o in n.output}
+        kv = [s.output for s in self.specs if s.kind == "kv"]
+        bad = [o for o in kv if producer.get(o) != "GroupQueryAttention"]
+        if bad or not kv:
+            raise FastCarError(f"max_length (a shared, preallocated KV buffer) needs every present key/value "
+                               f"written by GroupQueryAttention; {bad[:2] or 'no KV'} is not. Compile with "
+                               "--fused-attention, or use an onnxruntime-genai graph")
+        if self.vocab is None:
+            raise FastCarError(f"max_length needs a static vocabulary axis on {contract.LOGITS}")
+        self._vocab = self.vocab
+        self._logits_dtype = _ORT_DTYPES.get(self._outputs[contract.LOGITS].type, np.dtype(np.float32))
+        return max_length
 
     @staticmethod
     def _options(threads: int):
@@ -278,6 +305,11 @@ class FastCarSession:
         if batch < 1:
             raise FastCarError(f"batch must be >= 1, got {batch}")
         arrays = {s.input: s.empty(batch) for s in self.specs}
+        if self.max_length is not None:  # allocated once per video, written in place by GroupQueryAttention
+            for s in self.specs:
+                if s.kind == "kv":
+                    arrays[s.input] = np.zeros([self.max_length if d == "past" else batch if d == "batch" else d
+                                                for d in s.shape], dtype=s.dtype)
         return DecodeState(arrays, batch, 0, int(video_start), self.signature,
                            np.zeros((batch, 0), dtype=np.int64))
 
@@ -315,7 +347,8 @@ class FastCarSession:
             a = state.arrays[s.input]
             if a.dtype != s.dtype:
                 raise FastCarError(f"state {s.input} has dtype {a.dtype}, model expects {s.dtype}")
-            want = [state.batch if d == "batch" else state.past_len if d == "past" else d for d in s.shape]
+            past = state.past_len if self.max_length is None else self.max_length
+            want = [state.batch if d == "batch" else past if d == "past" else d for d in s.shape]
             if list(a.shape) != want:
                 raise FastCarError(f"state {s.input} has shape {list(a.shape)}, model expects {want} "
                                    f"(batch {state.batch}, past {state.past_len})")
@@ -384,8 +417,11 @@ class FastCarSession:
         if threshold is not None:
             feeds[contract.THRESHOLD] = self.threshold_array(threshold)
         feeds.update(state.arrays)
+        if self.max_length is not None and state.past_len + seq > self.max_length:
+            raise FastCarError(f"the video needs {state.past_len + seq} tokens of KV cache but the session was "
+                               f"created with max_length={self.max_length}; create it with a larger max_length")
         try:
-            res = self._run_inplace(feeds, state, seq) if self.inplace else None
+            res = self._run_inplace(feeds, state, seq) if self.inplace or self.max_length is not None else None
             if res is None:
                 res = dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=True))
                 self._vocab, self._logits_dtype = res["logits"].shape[-1], res["logits"].dtype
@@ -427,6 +463,8 @@ class FastCarSession:
                 if not (a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"] and a.flags["OWNDATA"]):
                     a = feeds[fast[name]] = state.arrays[fast[name]] = np.array(a)
                 outs[name] = a
+            elif name in kv and self.max_length is not None:  # the shared buffer: GQA appends in place
+                outs[name] = feeds[kv[name].input]
             elif name in kv:
                 sp = kv[name]
                 dims = [b if d == "batch" else state.past_len + seq if d == "past" else d for d in sp.shape]
@@ -446,8 +484,10 @@ class FastCarSession:
         for v in okeep:
             ov.push_back(v._ortvalue)
         dev = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+        t0 = time.perf_counter()
         self.session._sess.run_with_ortvaluevector(C.RunOptions(), names, fv, self.output_names, ov,
                                                    [dev] * len(self.output_names))
+        self.last_ort_s = time.perf_counter() - t0
         state.consumed = True
         return outs
 

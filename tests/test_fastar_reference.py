@@ -106,6 +106,7 @@ def test_density_hand_counted_budget():
     assert res.metrics.density == pytest.approx(45 / 55)
     assert res.metrics.slots_per_head == 6 and res.metrics.evicted == 4
     np.testing.assert_array_equal(res.slots[:, 0], [1, 2, 3, 4, 5, 6, 6, 6, 6, 6])  # flat once full
+    assert res.metrics.kv_bytes == 6 * 2 * 8 * 2 and res.metrics.dense_kv_bytes == 10 * 2 * 8 * 2  # fp16 K+V
     # 'oldest' keeps the sinks and the newest C - S tokens.
     c = res.caches[0]
     assert sorted(c.pos[c.live]) == [0, 1, 6, 7, 8, 9]
@@ -245,3 +246,11 @@ def test_per_head_configs_apply_per_kv_head():
     np.testing.assert_array_equal(res.slots[-1], [30, 8])
     with pytest.raises(FastCarError, match="one per KV head"):
         run_trace(q, k, v, [small] * 3)
+
+
+def test_kv_bytes_hand_counted_with_counts_and_codes():
+    """Per slot: K+V fp16 (2 x 8 x 2 B) + int32 count (TempCache) + 4 bits x 3 tables packed = 2 B (AnnSA)."""
+    q, k, v = _trace(T=10, hq=2, hkv=2)
+    m = run_trace(q, k, v, KVCompressConfig(budget=6, sinks=1, window=2, tempcache_sim=1.0, lsh_bits=4,
+                                            lsh_tables=3, frame_len=3, video_start=1)).metrics
+    assert m.merges == 0 and m.kv_bytes == 2 * 6 * (32 + 4 + 2)

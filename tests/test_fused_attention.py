@@ -61,3 +61,38 @@ def test_unfused_shapes_are_left_alone(zoo_model, fc_compile, tmp_path):
                            threshold=float("inf"), fused_attention=True)
     assert not any("fused attention" in n for n in report.notes)
     assert "GroupQueryAttention" not in [n.op_type for n in onnx.load(str(out)).graph.node]
+
+
+def _greedy(sess, prompt: np.ndarray, pad: list[int], n: int) -> tuple[np.ndarray, int]:
+    state = sess.new_state(prompt.shape[0])
+    mask = (np.arange(prompt.shape[1])[None, :] >= np.array(pad)[:, None]).astype(np.int64)
+    out = sess.step(state, prompt, attention_mask=mask)
+    logits, replayed = [out.logits[:, -1]], 0
+    for _ in range(n):
+        ids = out.logits[:, -1].argmax(-1)[:, None]
+        out = sess.step(out.state, ids)
+        logits.append(out.logits[:, -1])
+        replayed += int(out.replay.sum()) if out.replay is not None else 0
+    return np.stack(logits, 1), replayed
+
+
+def test_shared_kv_buffer_session(zoo_model, fc_compile, tmp_path):
+    """FastCarSession(max_length=...) on a fused model: one KV buffer per video bound as GQA's past and
+    present (appended in place); greedy logits equal the unfused compiled model run with a growing cache
+    (batch 2, left padding, finite tau with replay), and a model without GQA is refused clearly."""
+    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.runtime import FastCarSession
+
+    src = zoo_model("llama", "dynamo20")
+    fused, plain = tmp_path / "fused.onnx", tmp_path / "plain.onnx"
+    fc_compile(str(src), output=str(fused), frame_tokens=L, threshold=0.0, fused_attention=True)
+    fc_compile(str(src), output=str(plain), frame_tokens=L, threshold=0.0)
+    prompt = np.random.default_rng(4).integers(0, zoo.VOCAB, (2, 6))
+    want, replayed = _greedy(FastCarSession(plain), prompt, [0, 2], 8 * L)
+    got, _ = _greedy(FastCarSession(fused, max_length=6 + 8 * L + 1), prompt, [0, 2], 8 * L)
+    assert replayed > 0
+    assert np.abs(got - want).max() <= 1e-4
+    with pytest.raises(FastCarError, match="GroupQueryAttention"):
+        FastCarSession(plain, max_length=64)
+    with pytest.raises(FastCarError, match="max_length"):
+        _greedy(FastCarSession(fused, max_length=8), prompt, [0, 0], 4)
