@@ -74,7 +74,8 @@ def walk_forward_to_consumer(value: ir.Value, trace: list[str]) -> tuple[ir.Node
                 frontier.append(node.outputs[0])
             elif node.op_type in ("Mul", "Div") and is_scale(node.inputs[1 - idx]):
                 frontier.append(node.outputs[0])
-    raise MatchFailure("attention", f"no MatMul/Attention op consumes {value.name}", f"stopped after {last}")
+    # `where` is printed as "(search stopped at <where>)": the last op the walk went through.
+    raise MatchFailure("attention", f"no MatMul/Attention op consumes {value.name}", last)
 
 
 def window_source(pkey: ir.Value) -> ir.Value | None:
