@@ -36,11 +36,18 @@ class KVShape:
 
 
 def kv_shape(config: Any) -> KVShape:
-    """Layer count, KV heads and head size from a transformers config (GPT-2 style configs included)."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return KVShape(config.num_hidden_layers, kv, hd, config.vocab_size)
+    """Layer count, KV heads and head size from a transformers config (GPT-2 style and multimodal configs too)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    vocab = getattr(cfg, "vocab_size", None)
+    if None in (layers, heads, head_dim, vocab):
+        raise FastCarError(f"cannot read layers/heads/head_dim/vocab from the config ({type(config).__name__}); "
+                           "pass example_inputs=(input_ids, attention_mask, position_ids, *past_kv)")
+    return KVShape(int(layers), int(kv), int(head_dim), int(vocab))
 
 
 def flat_kv_wrapper(model, additive_mask: bool = False):

@@ -2,7 +2,7 @@
 
 The captured program has the exported-decoder I/O contract (SPEC.md section 4, fastcar_compile.contract):
 `(input_ids, attention_mask, position_ids, *past_kv) -> (logits, *present_kv)`, KV tensors flat and
-[batch, kv_heads, past, head_dim]. A transformers causal LM is put behind `FlatCausalLM` to get it; any other
+[batch, kv_heads, past, head_dim]. A transformers causal LM is put behind `fastcar_compile.export.flat_kv_wrapper` to get it; any other
 module with that forward is captured as it is (pass `example_inputs`).
 """
 
@@ -15,27 +15,7 @@ import torch
 from torch import nn
 
 from fastcar_compile.errors import FastCarError
-
-
-class FlatCausalLM(nn.Module):
-    """Flat-tensor front of a transformers causal LM: builds a DynamicCache, returns flat presents."""
-
-    def __init__(self, model: nn.Module, num_layers: int):
-        super().__init__()
-        self.model = model
-        self.num_layers = num_layers
-
-    def forward(self, input_ids, attention_mask, position_ids, *past):
-        from transformers import DynamicCache
-
-        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)]
-        cache = DynamicCache(pairs, config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, return_dict=True)
-        flat = []
-        for layer in out.past_key_values.layers[: self.num_layers]:
-            flat += [layer.keys, layer.values]
-        return (out.logits, *flat)
+from fastcar_compile.export import flat_kv_wrapper, kv_shape
 
 
 def is_transformers_lm(model: nn.Module) -> bool:
@@ -46,24 +26,15 @@ def is_transformers_lm(model: nn.Module) -> bool:
 
 def _kv_geometry(model: nn.Module) -> tuple[int, int, int, int]:
     """(layers, kv heads, head dim, vocab) from the config: only to build example inputs of the right shape."""
-    cfg = model.config.get_text_config()
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
-    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
-    vocab = getattr(cfg, "vocab_size", None)
-    if None in (layers, heads, head_dim, vocab):
-        raise FastCarError(f"cannot read layers/heads/head_dim/vocab from the config of {type(model).__name__}; "
-                           "pass example_inputs=(input_ids, attention_mask, position_ids, *past_kv)")
-    return int(layers), int(kv), int(head_dim), int(vocab)
+    s = kv_shape(model.config)
+    return s.num_layers, s.num_kv_heads, s.head_dim, s.vocab
 
 
 def flat_front(model: nn.Module) -> tuple[nn.Module, int]:
     """(module with the flat contract, number of KV layers)."""
     if is_transformers_lm(model):
         layers = _kv_geometry(model)[0]
-        return FlatCausalLM(model, layers).eval(), layers
+        return flat_kv_wrapper(model), layers
     return model, -1
 
 
