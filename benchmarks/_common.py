@@ -60,28 +60,11 @@ def llama_config(shape: LlamaShape):
     return cfg
 
 
-def flat_kv_wrapper(model, num_layers: int):
-    """A module taking flat KV tensors and returning flat presents (the exported I/O contract)."""
-    import torch
+def flat_kv_wrapper(model, num_layers: int | None = None):
+    """The package's flat-KV front (the exported I/O contract); num_layers is read from the config."""
+    from fastcar_compile.export import flat_kv_wrapper as wrapper
 
-    class FlatKVWrapper(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask, position_ids, *past):
-            from transformers import DynamicCache
-
-            pairs = [(past[2 * i], past[2 * i + 1]) for i in range(num_layers)]
-            cache = DynamicCache(pairs, config=self.model.config)
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=cache, use_cache=True, return_dict=True)
-            flat = []
-            for layer in out.past_key_values.layers[:num_layers]:
-                flat += [layer.keys, layer.values]
-            return (out.logits, *flat)
-
-    return FlatKVWrapper().eval()
+    return wrapper(model)
 
 
 def example_inputs(shape: LlamaShape, device: str = "cpu", batch: int = 2, seq: int = 3, past: int = 5):

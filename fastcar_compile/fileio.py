@@ -154,7 +154,13 @@ def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
         raise FastCarError(f"{what} {path} is a directory; give a file path, not a folder")
     if str(path).endswith(os.sep):
         raise FastCarError(f"{what} {path} names a folder; give a file path")
-    parent = path.parent
+    _check_writable_ancestor(path, path.parent, what)
+    return path
+
+
+def _check_writable_ancestor(path: Path, start: Path, what: str) -> None:
+    """The nearest existing ancestor of `start` must be a writable folder (no file or dangling link in the way)."""
+    parent = start
     while not parent.exists():
         if parent.is_symlink():
             raise FastCarError(f"{what} {path}: {parent} is a dangling symlink; fix the path")
@@ -163,7 +169,6 @@ def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
         raise FastCarError(f"{what} {path}: {parent} is a file, not a folder; fix the path")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise FastCarError(f"{what} {path}: cannot write in {parent} (permission denied); choose another folder")
-    return path
 
 
 def check_output_dir(path: str | os.PathLike, what: str = "output folder") -> Path:
@@ -171,13 +176,7 @@ def check_output_dir(path: str | os.PathLike, what: str = "output folder") -> Pa
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FastCarError(f"{what} {path} is a file, not a folder; give a folder path")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise FastCarError(f"{what} {path}: {parent} is a file, not a folder; fix the path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise FastCarError(f"{what} {path}: cannot write in {parent} (permission denied); choose another folder")
+    _check_writable_ancestor(path, path, what)
     return path
 
 
