@@ -182,6 +182,8 @@ class FastCarSession:
         self.num_layers = (fc.num_layers if fc is not None else 0) or self._count_kv_layers()
         self.per_layer_threshold = fc.per_layer_threshold if fc is not None else False
         self.default_threshold = fc.threshold if fc is not None else None
+        # compiled with required_video_inputs: tau has no default in the graph, so every run feeds one
+        self._feed_tau = contract.THRESHOLD in {i.name for i in self.session.get_inputs()}
         self.max_replay = fc.max_replay if fc is not None else 0
         self.specs: list[StateSpec] = self._pair_state()
         # layer -> (age output, value of a slot just written by a computed MLP = the new-video fill + 1):
@@ -376,6 +378,8 @@ class FastCarSession:
         feeds: dict[str, np.ndarray] = {}
         if contract.VIDEO_START in self._inputs:
             feeds[contract.VIDEO_START] = np.array(video_start, dtype=np.int64)
+        if threshold is None and self._feed_tau:
+            threshold = self.default_threshold
         if threshold is not None and self.is_fastcar:
             feeds[contract.THRESHOLD] = self.threshold_array(threshold)
         return feeds
@@ -414,6 +418,8 @@ class FastCarSession:
             feeds[contract.POSITION_IDS] = np.ascontiguousarray(position_ids, dtype=np.int64)
         if contract.VIDEO_START in self._inputs:
             feeds[contract.VIDEO_START] = np.array(state.video_start, dtype=np.int64)
+        if threshold is None and self._feed_tau:
+            threshold = self.default_threshold
         if threshold is not None:
             feeds[contract.THRESHOLD] = self.threshold_array(threshold)
         feeds.update(state.arrays)
