@@ -30,7 +30,7 @@ from fastcar_compile.demo.train import TrainSettings, train  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # The long model's recipe: 16-frame clips (1027 tokens), gaps up to 64 frames' worth of positions.
-LONG_SETTINGS = dict(frames=16, clips=5000, steps=500, batch=16, lr=3e-3, warmup=40, position_gap=3072,
+LONG_SETTINGS = dict(frames=16, clips=4000, steps=500, batch=8, lr=3e-3, warmup=40, position_gap=3072,
                      sdpa=True)
 
 
