@@ -80,13 +80,14 @@ def compile(  # noqa: A001 - the natural name of the entry point
     emit_diagnostics: bool = False,
     validate: bool = True,
     genai: bool | None = None,
-    fused_attention: bool = False,
+    fused_attention: str | bool | None = None,
 ) -> tuple[ir.Model, CompileReport]:
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 
     genai: name the state for onnxruntime-genai's generator and write genai_config.json beside the output
     (None: when the input sits beside one and the output goes to another folder). fused_attention: replace
-    exported attention cores by GroupQueryAttention (in-place KV cache; passes/fused_attention.py).
+    exported attention cores by an in-place fused attention: "gqa" (com.microsoft.GroupQueryAttention; True means
+    this) or "fastcar" (ai.fastcar CompressedAttention); passes/fused_attention.py.
     """
     opts = CompileOptions(frame_tokens, threshold, tas_query, max_replay,
                           layers if layers is None or isinstance(layers, str) else tuple(layers),

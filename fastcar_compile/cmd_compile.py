@@ -74,10 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make fastcar_threshold a [layers] input, one tau per rewritten layer")
     p.add_argument("--emit-diagnostics", action="store_true",
                    help="add outputs replay_mask.N and tas.N per rewritten layer")
-    p.add_argument("--fused-attention", action="store_true",
-                   help="replace exported attention cores (cache Concat, K transpose, MatMul/Softmax) by "
-                        "com.microsoft.GroupQueryAttention (in-place KV cache; batch > 1 multi-token steps after "
-                        "the prompt are refused by ORT's kernel)")
+    p.add_argument("--fused-attention", nargs="?", const="gqa", default=None, metavar="gqa|fastcar|off",
+                   help="replace exported attention cores (cache Concat, K transpose, MatMul/Softmax) by an attention "
+                        "that writes the KV cache in place: 'gqa' (the bare flag) = com.microsoft.GroupQueryAttention "
+                        "(batch > 1 multi-token steps after the prompt are refused by ORT's kernel); 'fastcar' = the "
+                        "ai.fastcar CompressedAttention op (native kernel; exact in every case)")
     p.add_argument("--genai", action=argparse.BooleanOptionalAction, default=None,
                    help="name the state for onnxruntime-genai's generator and write genai_config.json beside "
                         "the output (default: when the input sits beside one)")

@@ -97,13 +97,16 @@ DOMAIN = "ai.fastcar"
 OPSET_VERSION = 1
 TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE = "TemporalGate", "MLPCacheRead", "MLPCacheUpdate"
 TEMPORAL_GATE_AT = "TemporalGateAt"  # TemporalGate with the token count as an input (shared KV buffers)
-OP_NAMES = (TEMPORAL_GATE, TEMPORAL_GATE_AT, MLP_CACHE_READ, MLP_CACHE_UPDATE)
+COMPRESSED_ATTENTION = "CompressedAttention"  # fused in-place attention (+ FAST-AR compressed KV modes)
+OP_NAMES = (TEMPORAL_GATE, TEMPORAL_GATE_AT, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION)
 # Attributes per op (tests/test_contract.py checks these against DESIGN.md and the function bodies).
 OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     TEMPORAL_GATE: ("frame_tokens", "max_replay"),
     TEMPORAL_GATE_AT: ("frame_tokens", "max_replay"),
     MLP_CACHE_READ: (),
     MLP_CACHE_UPDATE: (),
+    COMPRESSED_ATTENTION: ("num_heads", "kv_num_heads", "scale", "budget", "sinks", "window", "frame_tokens",
+                           "tempcache_sim", "eviction", "lsh_bits", "lsh_tables", "lsh_planes"),
 }
 
 # --- TAS variants and node tags -------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ class CompileOptions:
     layers: str | tuple[int, ...] | None = None
     per_layer_threshold: bool = False
     emit_diagnostics: bool = False
-    fused_attention: bool = False  # exported attention cores -> GroupQueryAttention (passes/fused_attention.py)
+    # exported attention cores -> com.microsoft.GroupQueryAttention ("gqa") or ai.fastcar CompressedAttention
+    # ("fastcar"); None/False = left as exported, True = "gqa" (passes/fused_attention.py)
+    fused_attention: str | bool | None = None
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")
@@ -39,12 +41,27 @@ class CompileOptions:
         object.__setattr__(self, "threshold", tuple(float(t) for t in taus))
         contract.check_tas_query(self.tas_query)
         check_int("--max-replay", self.max_replay, 0, MAX_REPLAY, "0 = unlimited")
+        object.__setattr__(self, "fused_attention", check_fused_attention(self.fused_attention))
         if not self.per_layer_threshold and len(self.threshold) != 1:
             raise FastCarError("several thresholds need --per-layer-threshold")
 
     @property
     def metadata_threshold(self) -> float | list[float]:
         return list(self.threshold) if self.per_layer_threshold else self.threshold[0]
+
+
+FUSED_ATTENTION = ("gqa", "fastcar")
+
+
+def check_fused_attention(value: str | bool | None) -> str | None:
+    """--fused-attention's value: 'gqa' | 'fastcar' | None ('off'/False); True means 'gqa' (the first one built)."""
+    if value is None or value is False or value == "off":
+        return None
+    if value is True:
+        return "gqa"
+    if value not in FUSED_ATTENTION:
+        raise FastCarError(f"--fused-attention must be one of {', '.join(FUSED_ATTENTION)} or off, got {value!r}")
+    return value
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Fused attention: an exported attention core becomes `com.microsoft.GroupQueryAttention`.
+"""Fused attention: an exported attention core becomes `com.microsoft.GroupQueryAttention` or `ai.fastcar`
+CompressedAttention (`--fused-attention gqa|fastcar`).
 
 Exporters write attention as `present.N.key = Concat(past_key, k_new)`, a K transpose, the GQA expand
 (Unsqueeze/Expand/Reshape), MatMul/Softmax/MatMul: two O(context) copies of the cache per step (the
@@ -13,6 +14,11 @@ key/value become the graph's `present.N.*`. Masking: GQA is causal over KV indic
 additive `attention_bias` [B, 1, S, T] (0 for real, dtype-min for pad columns) and every row is treated as
 T long (`seqlens_k` = T - 1). The score scale is the product of the constant factors the exporter applied
 to q and k. Layers that do not have this shape stay as they were.
+
+`fastcar`: the same replacement by the ai.fastcar CompressedAttention op (passes/fastcar_ops.py, native kernel in
+runtime/native/compressed_attention.h): q, k, v stay [B, heads, S, D], the attention_mask goes in as it is (left
+padding and causality over KV indices inside the op), so multi-token steps after the prompt work at any batch
+(ORT's GQA refuses them at batch > 1); a preallocated KV buffer bound as past and present is written in place.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from fastcar_compile.passes import build
+from fastcar_compile import contract
+from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
@@ -155,6 +162,8 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT
         shared: list[ir.Node] = []
         b = build.Builder(0, shared, itertools.count())
+        if self.ctx.options.fused_attention == "fastcar":
+            return self._fastcar(model, plans, mask, shared, b)
         # Shared inputs of every layer's GQA: lengths and the left-padding bias.
         total64 = b("Squeeze", [b("Shape", [mask], {"start": 1, "end": 2}),
                                 build.const(graph, "fastcar.axes0", np.array([0], np.int64))])
@@ -175,6 +184,43 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         RemoveUnusedNodesPass()(model)
         self.ctx.notes.append(f"fused attention (GroupQueryAttention) in layers {sorted(plans)}")
         return ir.passes.PassResult(model, modified=True)
+
+    def _fastcar(self, model: ir.Model, plans: dict[int, dict], mask: ir.Value, shared: list[ir.Node],
+                 b: build.Builder) -> ir.passes.PassResult:
+        graph = model.graph
+        total64 = b("Shape", [mask], {"start": 1, "end": 2})
+        total = b("Cast", [b("Squeeze", [total64, build.const(graph, "fastcar.axes0", np.array([0], np.int64))])],
+                  {"to": ir.DataType.INT32}, names=["fastcar.ca.total_len"])
+        _own_names(shared, "shared", tag=False)
+        graph.insert_before(graph[0], shared)
+        for n, p in sorted(plans.items()):
+            nodes: list[ir.Node] = []
+            bl = build.Builder(n, nodes, itertools.count())
+            attrs = {"num_heads": p["heads"], "kv_num_heads": p["kv_heads"], "scale": float(p["scale"])}
+            out, present_k, present_v = bl(
+                contract.COMPRESSED_ATTENTION, [p["q"], p["k"], p["v"], p["past_k"], p["past_v"], mask, total],
+                attrs, domain=contract.DOMAIN, outputs=3, part="attention")
+            out.shape, out.type = ir.Shape([None, None, p["heads"] * p["head_dim"]]), p["out"].type
+            _own_names(nodes, str(n), tag=True)
+            graph.insert_before(p["out"].consumers()[0], nodes)
+            self._rewire(graph, p, out, present_k, present_v)
+        fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
+        RemoveUnusedNodesPass()(model)
+        self.ctx.notes.append(f"fused attention (ai.fastcar CompressedAttention) in layers {sorted(plans)}")
+        return ir.passes.PassResult(model, modified=True)
+
+    @staticmethod
+    def _rewire(graph: ir.Graph, p: dict, out: ir.Value, present_k: ir.Value, present_v: ir.Value) -> None:
+        """The fused op's output replaces the projection input; its present key/value become the graph's."""
+        ir.convenience.replace_all_uses_with(p["out"], out)
+        for old, new in ((p["present_k"], present_k), (p["present_v"], present_v)):
+            name, typ, shape = old.name, old.type, old.shape
+            graph.outputs[graph.outputs.index(old)] = new
+            ir.convenience.replace_all_uses_with(old, new)
+            old.name = f"{name}.unfused"
+            new.name, new.type, new.shape = name, typ, shape
+        if not math.isfinite(p["scale"]) or p["scale"] <= 0:
+            raise AssertionError(f"attention scale {p['scale']}")
 
     def _fuse(self, graph: ir.Graph, n: int, p: dict, seqlens: ir.Value, total: ir.Value, bias4: ir.Value) -> None:
         nodes: list[ir.Node] = []
@@ -197,12 +243,4 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         out.shape, out.type = ir.Shape([None, None, heads * head_dim]), p["out"].type
         _own_names(nodes, str(n), tag=True)
         graph.insert_before(p["out"].consumers()[0], nodes)
-        ir.convenience.replace_all_uses_with(p["out"], out)
-        for old, new in ((p["present_k"], present_k), (p["present_v"], present_v)):
-            name, typ, shape = old.name, old.type, old.shape
-            graph.outputs[graph.outputs.index(old)] = new
-            ir.convenience.replace_all_uses_with(old, new)
-            old.name = f"{name}.unfused"
-            new.name, new.type, new.shape = name, typ, shape
-        if not math.isfinite(p["scale"]) or p["scale"] <= 0:
-            raise AssertionError(f"layer {n}: attention scale {p['scale']}")
+        self._rewire(graph, p, out, present_k, present_v)

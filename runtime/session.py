@@ -217,11 +217,11 @@ class FastCarSession:
         graph = onnx.load(str(self.path), load_external_data=False).graph
         producer = {o: n.op_type for n in graph.node for o in n.output}
         kv = [s.output for s in self.specs if s.kind == "kv"]
-        bad = [o for o in kv if producer.get(o) != "GroupQueryAttention"]
+        bad = [o for o in kv if producer.get(o) not in ("GroupQueryAttention", contract.COMPRESSED_ATTENTION)]
         if bad or not kv:
             raise FastCarError(f"max_length (a shared, preallocated KV buffer) needs every present key/value "
-                               f"written by GroupQueryAttention; {bad[:2] or 'no KV'} is not. Compile with "
-                               "--fused-attention, or use an onnxruntime-genai graph")
+                               f"written by GroupQueryAttention or CompressedAttention; {bad[:2] or 'no KV'} is not. "
+                               "Compile with --fused-attention, or use an onnxruntime-genai graph")
         if self.vocab is None:
             raise FastCarError(f"max_length needs a static vocabulary axis on {contract.LOGITS}")
         self._vocab = self.vocab
