@@ -200,12 +200,20 @@ CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, fram
 }}
 """
 
+# TemporalGate on keys gathered per new token (aligned_key [B,Hkv,S,D]: row i = the post-RoPE key of token
+# p_i - L, CompressedAttention's output with a compressed cache); positions from total_len as TemporalGateAt.
+_TEMPORAL_GATE_ALIGNED = _TEMPORAL_GATE_AT.replace(
+    "TemporalGateAt <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start, total_len)",
+    "TemporalGateAligned <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start, total_len)",
+).replace("  idx = Max (aligned, zero_s)\n", "  idx = Range (zero_s, S_s, one_s)\n")
+
 OP_TEXTS = {
     contract.TEMPORAL_GATE: _TEMPORAL_GATE,
     contract.TEMPORAL_GATE_AT: _TEMPORAL_GATE_AT,
     contract.MLP_CACHE_READ: _MLP_CACHE_READ,
     contract.MLP_CACHE_UPDATE: _MLP_CACHE_UPDATE,
     contract.COMPRESSED_ATTENTION: _COMPRESSED_ATTENTION,
+    contract.TEMPORAL_GATE_ALIGNED: _TEMPORAL_GATE_ALIGNED,
 }
 
 

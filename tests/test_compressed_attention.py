@@ -23,7 +23,7 @@ def _model(n_in: int = 7, n_out: int = 3, opset: int = 20, **attrs) -> bytes:
     rank = {"attention_mask": 2, "total_len": 0}
     ins = [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT),
                                          [f"{n}_{i}" for i in range(rank.get(n, 4))]) for n in names]
-    onames = ["out", "present_key", "present_value", "present_slots", "present_key_raw"][:n_out]
+    onames = ["out", "present_key", "present_value", "present_slots", "aligned_key", "present_key_raw"][:n_out]
     outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [f"{n}_{i}" for i in range(3 if n == "out" else 4)])
             for n in onames]
     attrs = {"num_heads": HQ, "kv_num_heads": HKV, "scale": 1 / np.sqrt(D), **attrs}

@@ -197,6 +197,7 @@ struct CompressedTask {
   const float *q = nullptr, *k = nullptr, *v = nullptr, *k_raw = nullptr;
   const int64_t* mask = nullptr;
   float *out = nullptr, *key = nullptr, *val = nullptr, *slots = nullptr, *key_raw = nullptr;
+  float* aligned = nullptr;  // [B,Hkv,S,D]: key of token p - L per new token (zeros when not resident)
 };
 
 inline void LshCodes(const Settings& c, const float* x, int64_t D, float* codes) {
@@ -239,20 +240,27 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
   auto pos = [&](int64_t s) { return static_cast<int64_t>(slots[s * F + kPos]) - 1; };
   for (int64_t i = 0; i < sh.S; ++i) {
     const int64_t p = sh.P + i;
-    if (m[p] == 0) {  // left padding: never stored, its own query sees nothing (output 0)
-      for (int64_t g = 0; g < G; ++g)
-        std::fill_n(t.out + ((b * sh.S + i) * c.heads + hk * G + g) * D, D, 0.0f);
-      continue;
+    if (t.aligned != nullptr) {  // the gate's aligned key, read before token p is written (it may merge there)
+      float* dst = t.aligned + (bh * sh.S + i) * D;
+      std::fill_n(dst, D, 0.0f);
+      for (int64_t s = 0; s < C && p >= c.frame_tokens; ++s)
+        if (pos(s) == p - c.frame_tokens) {
+          std::memcpy(dst, key + s * D, sizeof(float) * D);
+          break;
+        }
     }
+    // a left-pad token is stored (the gate may read it as an aligned key, as in the dense cache) but never
+    // merged into, never attended (mask), and its own query sees nothing (output 0)
+    const bool real = m[p] != 0;
     const float* kn = t.k + (bh * sh.S + i) * D;
     const float* vn = t.v + (bh * sh.S + i) * D;
     const float* kr = key_raw != nullptr ? t.k_raw + (bh * sh.S + i) * D : nullptr;
     // 1. TempCache: merge into the slot of token p - L (aligned correspondent) when the raw keys agree
     int64_t slot = -1;
-    if (tempcache && p >= c.sinks && p >= c.frame_tokens && p - c.frame_tokens >= c.sinks) {
+    if (real && tempcache && p >= c.sinks && p >= c.frame_tokens && p - c.frame_tokens >= c.sinks) {
       for (int64_t s = 0; s < C; ++s)
         if (pos(s) == p - c.frame_tokens) {
-          if (Cosine(kr, key_raw + s * D, D) > c.tempcache_sim) slot = s;
+          if (m[p - c.frame_tokens] != 0 && Cosine(kr, key_raw + s * D, D) > c.tempcache_sim) slot = s;
           break;
         }
     }
@@ -285,6 +293,11 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
     if (key_raw != nullptr) std::memcpy(key_raw + slot * D, kr, sizeof(float) * D);
     slots[slot * F + kPos] = static_cast<float>(p + 1);
     if (c.lsh_bits > 0) LshCodes(c, kn, D, slots + slot * F + kCodes);
+    if (!real) {
+      for (int64_t g = 0; g < G; ++g)
+        std::fill_n(t.out + ((b * sh.S + i) * c.heads + hk * G + g) * D, D, 0.0f);
+      continue;
+    }
     // 3. attend: every query head of the group, over all live slots or (AnnSA) bucket hits + sinks + window
     for (int64_t g = 0; g < G; ++g) {
       const float* qv = t.q + ((b * c.heads + hk * G + g) * sh.S + i) * D;
@@ -292,7 +305,7 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
       int64_t n = 0;
       for (int64_t s = 0; s < C; ++s) {
         const float* rec = slots + s * F;
-        if (rec[kPos] == 0.0f) continue;
+        if (rec[kPos] == 0.0f || m[pos(s)] == 0) continue;
         bool keep = true;
         if (c.lsh_bits > 0) {
           const int64_t ps = pos(s);

@@ -29,6 +29,7 @@ int64_t PyMod(int64_t a, int64_t m) { return ((a % m) + m) % m; }
 struct TemporalGate {
   int64_t L = 1;
   int64_t K = 0;
+  bool aligned_rows = false;  // TemporalGateAligned: key row i already is token i's aligned key
 
   TemporalGate(const OrtApi* api, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -74,7 +75,7 @@ struct TemporalGate {
       for (int64_t i = 0; i < S; ++i) {
         const int64_t p = P + i;
         const int64_t aligned = p - L;
-        const int64_t idx = aligned > 0 ? aligned : 0;
+        const int64_t idx = aligned_rows ? i : (aligned > 0 ? aligned : 0);
         float acc = 0.0f;
         for (int64_t hk = 0; hk < Hkv; ++hk) {
           const float* kr = kd + ((b * Hkv + hk) * Tbuf + idx) * D;
@@ -105,6 +106,19 @@ struct TemporalGateAt : TemporalGate {
                Tensor<int64_t>& slot, Tensor<bool>& write) {
     Run(q, key, age, threshold, video_start, static_cast<int64_t>(total_len.Data()[0]), replay, tas, slot,
         write);
+  }
+};
+
+// TemporalGateAt on aligned_key [B,Hkv,S,D] (row i = key of token p_i - L; CompressedAttention's output).
+struct TemporalGateAligned : TemporalGateAt {
+  TemporalGateAligned(const OrtApi* api, const OrtKernelInfo* info) : TemporalGateAt(api, info) {
+    aligned_rows = true;
+  }
+  void Compute(const Tensor<float>& q, const Tensor<float>& key, const Tensor<int64_t>& age,
+               const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
+               const Tensor<int32_t>& total_len, Tensor<bool>& replay, Tensor<float>& tas,
+               Tensor<int64_t>& slot, Tensor<bool>& write) {
+    TemporalGateAt::Compute(q, key, age, threshold, video_start, total_len, replay, tas, slot, write);
   }
 };
 
@@ -164,7 +178,7 @@ T AttrOr(const Ort::ConstKernelInfo& ki, const char* name, T fallback) {
 
 // CompressedAttention(q [B,Hq,S,D], k [B,Hkv,S,D], v, past_key [B,Hkv,N,D], past_value, attention_mask [B,T],
 //   total_len [] int32, [past_slots [B,Hkv,C,F], k_raw [B,Hkv,S,D], past_key_raw [B,Hkv,C,D]])
-//   -> (out [B,S,Hq*D], present_key, present_value, [present_slots, present_key_raw])
+//   -> (out [B,S,Hq*D], present_key, present_value, [present_slots, aligned_key [B,Hkv,S,D], present_key_raw])
 struct CompressedAttention {
   fastcar_attn::Settings cfg;
 
@@ -190,7 +204,8 @@ struct CompressedAttention {
                const Tensor<int32_t>& total_len, std::optional<const Tensor<float>*> past_slots,
                std::optional<const Tensor<float>*> k_raw, std::optional<const Tensor<float>*> past_key_raw,
                Tensor<float>& out, Tensor<float>& present_key, Tensor<float>& present_value,
-               std::optional<Tensor<float>*> present_slots, std::optional<Tensor<float>*> present_key_raw) {
+               std::optional<Tensor<float>*> present_slots, std::optional<Tensor<float>*> aligned_key,
+               std::optional<Tensor<float>*> present_key_raw) {
     const auto qs = q.Shape(), ks = past_key.Shape(), ms = mask.Shape();
     fastcar_attn::Shapes sh;
     sh.B = qs[0];
@@ -245,6 +260,7 @@ struct CompressedAttention {
       t.key_raw = (*present_key_raw)->Allocate({sh.B, cfg.kv_heads, sh.N, sh.D});
       CopyIfDistinct((*past_key_raw)->Data(), t.key_raw, sh.B * cfg.kv_heads * sh.N * sh.D);
     }
+    if (aligned_key.has_value()) t.aligned = (*aligned_key)->Allocate({sh.B, cfg.kv_heads, sh.S, sh.D});
     kctx.ParallelFor(fastcar_attn::CompressedItemThunk, static_cast<size_t>(sh.B * cfg.kv_heads), 0, &t);
   }
 
@@ -273,6 +289,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp("MLPCacheRead", "CPUExecutionProvider", MLPCacheRead));
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp("MLPCacheUpdate", "CPUExecutionProvider", MLPCacheUpdate));
+      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGateAligned>("TemporalGateAligned",
+                                                                               "CPUExecutionProvider"));
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<CompressedAttention>("CompressedAttention", "CPUExecutionProvider"));
       for (auto& op : g_ops) g_domain->Add(op.get());
