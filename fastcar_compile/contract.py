@@ -233,6 +233,8 @@ class FastCarMetadata:
         out: dict[str, str] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None and f.default is None:  # optional field not in use: absent, as in older models
+                continue
             if f.name in ("state", "kv"):
                 value = [v.to_json() for v in value]
             elif f.name == "threshold" and isinstance(value, tuple | list):

@@ -55,7 +55,7 @@ def _run_kernel(cfg: KVCompressConfig, q, k, v, chunks: list[int]) -> tuple[np.n
     for n in chunks:
         sl = slice(p, p + n)
 
-        def bhsd(x):
+        def bhsd(x, sl=sl):
             return np.ascontiguousarray(np.swapaxes(x[sl], 0, 1)[None], dtype=np.float32)
 
         feeds = {"q": bhsd(q_post), "k": bhsd(k_post), "v": bhsd(v), "attention_mask": np.ones((1, p + n), np.int64),
@@ -216,3 +216,35 @@ def test_bad_kv_options_are_one_line(kw, msg):
     with pytest.raises(FastCarError, match=msg):
         opts = CompileOptions(frame_tokens=4, **kw)
         assert opts.kv_compress is not None
+
+
+def test_tempcache_lemma_in_the_kernel():
+    """TempCache's lemma, kernel side: m identical keys (post-RoPE identical: fed directly) with different values
+    merge into one slot (mean value, count m, logit + log m), and attention over that slot equals dense attention
+    over the m copies, written independently, at every step."""
+    rng = np.random.default_rng(5)
+    T, m = 12, 10
+    key = rng.standard_normal((HKV, D))
+    k = np.concatenate([rng.standard_normal((T - m, HKV, D)), np.repeat(key[None], m, 0)])
+    v = rng.standard_normal((T, HKV, D))
+    q = rng.standard_normal((T, HQ, D))
+    cfg = KVCompressConfig(budget=T, tempcache_sim=0.999, frame_len=1, video_start=0)
+    attrs = compressed_attributes(cfg, D)
+    sess = session(True, n_in=10, n_out=6, **attrs)
+    f32 = np.float32
+    st = [np.zeros((1, HKV, T, D), f32), np.zeros((1, HKV, T, D), f32), np.zeros((1, HKV, T, SLOT_FIELDS), f32),
+          np.zeros((1, HKV, T, D), f32)]
+    for t in range(T):
+        one = {n: x[t][:, None][None].astype(f32) for n, x in (("q", q), ("k", k), ("v", v), ("k_raw", k))}
+        res = sess.run(None, {**one, "past_key": st[0], "past_value": st[1], "past_slots": st[2],
+                              "past_key_raw": st[3], "attention_mask": np.ones((1, t + 1), np.int64),
+                              "total_len": np.array(t + 1, np.int32)})
+        st = [res[1], res[2], res[3], res[5]]
+        for h in range(HQ):
+            s = k[: t + 1, h // 2] @ q[t, h] / np.sqrt(D)
+            w = np.exp(s - s.max())
+            want = (w / w.sum()) @ v[: t + 1, h // 2]
+            assert np.abs(res[0][0, 0, h * D:(h + 1) * D] - want).max() <= 1e-5, (t, h)
+    live = st[2][0, :, :, 0] > 0
+    assert live.sum(axis=1).tolist() == [T - m + 1] * HKV  # the m copies share one slot per KV head
+    assert sorted(st[2][0, 0, live[0], 1].tolist()) == [1.0] * (T - m) + [float(m)]
