@@ -48,8 +48,7 @@ class GatePass(ir.passes.InPlacePass):
     def _gate(self, graph: ir.Graph, lr: LayerRewrite) -> None:
         opts, att, n = self.ctx.options, lr.match.attention, lr.layer
         assert att is not None and lr.match.mlp is not None
-        for node in att.nodes():
-            build.tag([node], n, "norm" if node.op_type in gu.NORM_OPS else "attention")
+        tag_attention(att, n)
         b = build.Builder(n, lr.nodes, lr.ids)
         q = query_bhsd(graph, b, att, opts.tas_query)
         tau = self.ctx.threshold
@@ -70,6 +69,12 @@ class GatePass(ir.passes.InPlacePass):
             domain=contract.DOMAIN, outputs=4, names=names)
         graph.insert_before(lr.match.mlp.closing, lr.nodes)
         lr.nodes = []
+
+
+def tag_attention(att, layer: int) -> None:
+    """Tag the layer's norm and attention nodes (the FPGA partitioner assigns weights by these tags)."""
+    for node in att.nodes():
+        build.tag([node], layer, "norm" if node.op_type in gu.NORM_OPS else "attention")
 
 
 def query_bhsd(graph: ir.Graph, b: build.Builder, att, tas_query: str) -> ir.Value:

@@ -1,9 +1,10 @@
 """Lower the rewritten program to a fast.onnx with the ONNX path's contract (docs/DESIGN.md).
 
 `torch.onnx.export` re-captures the program; the `fastcar::*` custom ops are translated to the `ai.fastcar`
-ops (custom_translation_table) whose ONNX function bodies passes/fastcar_ops.py ships with the model, the
-MLP skip (`torch.cond`) becomes an `If`. Inputs, outputs, defaults and metadata follow the compiler's
-contract, so `FastCarSession`, ort_driver and the FPGA flow read it like a `fastcar-compile` output.
+ops (custom_translation_table) whose ONNX function bodies passes/fastcar_ops.py ships with the model. The
+MLP branch is traced dense and rebuilt by the ONNX path's BranchPass (all / compacted rows / none), and the
+nodes get the ONNX path's `fastcar.layer`/`fastcar.part` tags (onnx_branch). Inputs, outputs, defaults and
+metadata follow the compiler's contract, so `FastCarSession`, ort_driver and the FPGA flow read it like a `fastcar-compile` output.
 """
 
 from __future__ import annotations
@@ -110,10 +111,13 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
     """Write the FastCar program of `decoder` (a FastCarDecoder or a model from `apply`) to `path` atomically;
     returns the onnx_ir model."""
     import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
     from torch.export import Dim
 
     from fastcar_compile.atomic import atomic_path
     from fastcar_compile.passes import fastcar_ops
+    from fastcar_compile.torch.onnx_branch import options_of, rebuild_branches
+    from fastcar_compile.torch.rewrite import dense_branches
 
     dec = getattr(decoder, "fastcar", decoder)
     if not isinstance(dec, FastCarDecoder):
@@ -122,13 +126,14 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
     B, S, T, P = Dim.AUTO, Dim.AUTO, Dim.AUTO, Dim.AUTO
     shapes = [{0: B, 1: S}, {0: B, 1: T}, {0: B, 1: S}] + [{0: B, 2: P}] * dec.num_kv + [None, None]
     shapes += [{0: B}] * (2 * len(dec.layers))
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), dense_branches():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(dec.program, _example(dec), input_names=ins, output_names=outs,
                                  dynamic_shapes=tuple(shapes), opset_version=opset, dynamo=True, optimize=True,
                                  custom_translation_table=translation_table(), verbose=False)
     model: ir.Model = prog.model
     fastcar_ops.add_functions(model, model.opset_imports.get("", opset))
+    rebuild_branches(model, layers=list(dec.layers), options=options_of(dec))
     graph = model.graph
     for value in graph.inputs:  # defaults, as the ONNX path writes them
         if value.name == contract.VIDEO_START:
@@ -142,9 +147,7 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
         keep = [o for o in graph.outputs if o.name not in diag]
         graph.outputs.clear()
         graph.outputs.extend(keep)
-        from onnx_ir.passes.common import RemoveUnusedNodesPass
-
-        RemoveUnusedNodesPass()(model)
+    RemoveUnusedNodesPass()(model)  # also the program's own MLPCacheRead, replaced by BranchPass's
     model.metadata_props.update(metadata(dec, emit_diagnostics).to_props())
     path = Path(path)
     with atomic_path(path) as tmp:

@@ -8,11 +8,15 @@
 The branch runs on the computed rows only (index_select / index_copy over the flattened (row, token) axis)
 and not at all when every row replays. Under torch.compile and torch.export the same decision is a
 `torch.cond` (skip when all replay, else compute and select), which traces without a graph break.
+Lowering to ONNX (`dense_branches`) traces the branch as the plain MLP; onnx_export then replaces it with
+the ONNX path's own all/compacted/none `If` (passes/branch.py), so one builder makes that branch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
 
 import torch
 from torch import fx, nn
@@ -21,6 +25,19 @@ from fastcar_compile.torch import ops  # noqa: F401 - registers torch.ops.fastca
 from fastcar_compile.torch.discover import TorchLayerMatch
 
 aten = torch.ops.aten
+_DENSE = False
+
+
+@contextlib.contextmanager
+def dense_branches() -> Iterator[None]:
+    """Trace every FastCarBranch as its bare MLP (the output feeds the residual Add and the cache update as
+    is). Only for onnx_export, which rebuilds each branch with passes/branch.py right after tracing."""
+    global _DENSE
+    old, _DENSE = _DENSE, True
+    try:
+        yield
+    finally:
+        _DENSE = old
 
 
 class FastCarBranch(nn.Module):
@@ -31,6 +48,8 @@ class FastCarBranch(nn.Module):
         self.branch = branch
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor, cached: torch.Tensor, *ext: torch.Tensor) -> torch.Tensor:
+        if _DENSE:
+            return self.branch(x, *ext)
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():
             branch = self.branch
 
