@@ -34,6 +34,9 @@ class CompileOptions:
     # exported attention cores -> com.microsoft.GroupQueryAttention ("gqa") or ai.fastcar CompressedAttention
     # ("fastcar"); None/False = left as exported, True = "gqa" (passes/fused_attention.py)
     fused_attention: str | bool | None = None
+    # video_start / fastcar_threshold as plain inputs without defaults: onnxruntime-genai feeds only those from
+    # generator.set_model_input (it drops names ORT lists as overridable initializers), docs/genai.md
+    required_video_inputs: bool = False
     # FAST-AR compressed KV cache in the fastcar attention op (fastcar_compile/fastar/config.py): slots per KV
     # head, attention sinks, local window, eviction, TempCache similarity, AnnSA "lsh:BITSxTABLES"
     kv_budget: int | None = None
