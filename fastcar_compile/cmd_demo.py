@@ -21,10 +21,14 @@ DEFAULT_TAU = 33.0  # post-RoPE TAS giving ~80% replay on the bundled model (doc
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fastcar-compile demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("fastcar-out/demo"), help="output folder")
-    ap.add_argument("--clips", type=int, default=16, help="held-out clips to generate (default 16)")
-    ap.add_argument("--frames", type=int, default=8, help="frames per clip incl. the given frame 0 (default 8)")
-    ap.add_argument("--tau", type=float, default=DEFAULT_TAU, help=f"TAS threshold (default {DEFAULT_TAU})")
+    ap.add_argument("--long", action="store_true",
+                    help="the 4-layer long-video model: 64-frame videos, per-layer replay and per-frame quality plots "
+                         "(defaults: 4 clips, 64 frames, its own tau; out fastcar-out/demo-long)")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default fastcar-out/demo)")
+    ap.add_argument("--clips", type=int, default=None, help="held-out clips to generate (default 16; --long 4)")
+    ap.add_argument("--frames", type=int, default=None,
+                    help="frames per clip incl. the given frame 0 (default 8; --long 64)")
+    ap.add_argument("--tau", type=float, default=None, help=f"TAS threshold (default {DEFAULT_TAU}; --long its own)")
     ap.add_argument("--tas-query", choices=contract.TAS_QUERIES, default=contract.TAS_ROPE)
     ap.add_argument("--max-replay", type=int, default=0, help="drift guard: max consecutive replays (0 = off)")
     ap.add_argument("--threads", type=int, default=1, help="ORT intra-op threads for both models (default 1)")
@@ -37,8 +41,20 @@ def table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
+def _defaults(a: argparse.Namespace) -> None:
+    """Fill the options left unset with the short or the --long demo's defaults."""
+    from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU, LONG_CLIPS, LONG_FRAMES
+
+    long_ = bool(a.long)
+    a.out = a.out or Path("fastcar-out/demo-long" if long_ else "fastcar-out/demo")
+    a.clips = a.clips if a.clips is not None else (LONG_CLIPS if long_ else 16)
+    a.frames = a.frames if a.frames is not None else (LONG_FRAMES if long_ else 8)
+    a.tau = a.tau if a.tau is not None else (DEFAULT_LONG_TAU if long_ else DEFAULT_TAU)
+
+
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
+    _defaults(a)
     if a.clips < 1:
         raise FastCarError(f"--clips must be >= 1, got {a.clips}")
     if a.frames < 2:
@@ -68,19 +84,37 @@ def _run(a: argparse.Namespace, out: Path, t0: float):
     from fastcar_compile.demo.visuals import write_gif, write_heatmap, write_strip
 
     tok = load_tokenizer()
-    print(f"compiling {ONNX.name} (L={tok.tokens_per_frame}, tau={a.tau:g}, tas_query={a.tas_query}, "
-          f"max_replay={a.max_replay}) ...", flush=True)
-    fast = compile_bundled(out / "fast.onnx", a.tau, a.tas_query, a.max_replay, frame_tokens=tok.tokens_per_frame)
+    model = ONNX
+    if a.long:
+        from fastcar_compile.demo.longvideo import long_onnx
+
+        model = long_onnx()
+    print(f"compiling {'the long-video model' if a.long else ONNX.name} (L={tok.tokens_per_frame}, tau={a.tau:g}, "
+          f"tas_query={a.tas_query}, max_replay={a.max_replay}) ...", flush=True)
+    fast = compile_bundled(out / "fast.onnx", a.tau, a.tas_query, a.max_replay, model=model,
+                           frame_tokens=tok.tokens_per_frame)
     clips = data.make_clips("eval", a.clips, a.frames, seed=a.seed)
-    results = run_clips(ONNX, fast, clips, tok, a.tau, threads=a.threads)
+    results = run_clips(model, fast, clips, tok, a.tau, threads=a.threads, rounds=1 if a.long else 2)
     s = summarize(results, tok, a.tau, a.tas_query, a.max_replay)
-    files = [write_gif(results, tok, out / "demo.gif"), write_strip(results, tok, out / "strip.png"),
+    every = max(1, a.frames // 16)  # at most ~16 frames per strip row
+    files = [write_gif(results, tok, out / "demo.gif", fps=8.0 if a.long else 4.0),
+             write_strip(results, tok, out / "strip.png", every=every),
              write_heatmap(results, tok, out / "replay_heatmap.png",
-                           f"replay per token, tau={a.tau:g} ({100 * s.replay_ratio:.0f}% overall)")]
+                           f"replay per token, tau={a.tau:g} ({100 * s.replay_ratio:.0f}% overall)", every=every)]
+    extra: dict = {}
+    if a.long:
+        from fastcar_compile.demo import longvideo as lv
+
+        curves = lv.psnr_per_frame(results, tok)
+        per_layer = lv.layer_replay(results, tok.tokens_per_frame)[:, 1:].mean(axis=(1, 2))
+        files += [lv.write_layer_plots(results, tok, out / "replay_layers.png",
+                                       f"FastCar replay per layer, tau={a.tau:g}, {s.clips} clips x {s.frames} frames"),
+                  lv.write_psnr_plot(curves, out / "psnr_frames.png", f"PSNR vs truth per frame, {s.clips} held-out clips")]
+        extra = {"replay_per_layer": per_layer.tolist(), "psnr_per_frame": {k: v.tolist() for k, v in curves.items()}}
     res = out / "results.json"
     from fastcar_compile.atomic import write_bytes
 
-    write_bytes(res, json.dumps({"summary": s.to_dict(), "clips": [
+    write_bytes(res, json.dumps({"summary": s.to_dict(), **extra, "clips": [
         {"motion": r.motion, "source": r.source, "replay_ratio": r.fast.replay_ratio} for r in results]},
         indent=1).encode())
     files += [res, fast]
@@ -98,5 +132,6 @@ def _run(a: argparse.Namespace, out: Path, t0: float):
         ("dense vs truth", f"PSNR {s.psnr_dense_vs_gt:.2f} dB  SSIM {s.ssim_dense_vs_gt:.3f}"),
         ("hold frame 0", f"PSNR {s.psnr_hold_vs_gt:.2f} dB (baseline: repeat the given frame)"),
         ("tokenizer ceiling", f"PSNR {s.psnr_tokenizer:.2f} dB (encode/decode of the truth)"),
-    ]))
+    ] + ([("replay per layer", "  ".join(f"L{i} {100 * r:.0f}%" for i, r in enumerate(extra["replay_per_layer"])))]
+         if extra else [])))
     return files, fast, s

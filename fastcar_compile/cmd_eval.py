@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replay ratios whose TAS quantiles become the swept thresholds")
     bundled.add_argument("--variants", type=str, default="rope,raw", help="TAS variants (rope, raw)")
     bundled.add_argument("--guard", type=int, default=2, help="drift guard K swept next to 0 = off (default 2)")
+    kv = ap.add_argument_group("FAST-AR KV modes on the long-video model (reference path)")
+    kv.add_argument("--kv-sweep", action="store_true",
+                    help="sweep KV modes (--kv-modes) on the long-video model: density, recall, KV bytes, PSNR/SSIM "
+                         "vs dense and truth (NumPy reference attention inside generation; writes kv_sweep.*)")
+    kv.add_argument("--kv-modes", default=None, help="';'-separated modes: dense, window:S+W, budget:S+W+C, "
+                                                     "tempcache:SIM[@S+W+C], lsh:BITSxTABLES (default: a sweep of all)")
     return ap
 
 
@@ -101,6 +107,8 @@ def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     if a.model is not None or a.prompts is not None:
         return _own(a)
+    if a.kv_sweep or a.kv_modes:
+        return _kv_sweep(a)
     a.frames = 8 if a.frames is None else a.frames
     a.threads = 1 if a.threads is None else a.threads
     try:
@@ -181,4 +189,39 @@ def _own(a) -> int:
         raise FastCarError(f"--threads must be >= 1, got {threads}")
     evaluate(a.model, prompts, a.out, dense_path=a.dense, frames=frames, batch=a.batch, threads=threads,
              given_video_tokens=a.given_video_tokens, frame_shape=a.frame_shape)
+    return 0
+
+
+def _kv_sweep(a) -> int:
+    """FAST-AR modes on the long-video model (reference path): kv_sweep.{json,md,png} in --out."""
+    from fastcar_compile.atomic import write_bytes
+    from fastcar_compile.demo import data, kvsweep
+    from fastcar_compile.demo.evaluate import load_tokenizer
+    from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS, load_model
+    from fastcar_compile.demo.model import VIDEO_START
+
+    frames = 16 if a.frames is None else a.frames
+    clips_n = 2 if a.clips == 8 else a.clips  # --clips keeps its bundled default of 8 for the tau sweep
+    if clips_n < 1 or frames < 2:
+        raise FastCarError("--clips >= 1 and --frames >= 2 are required")
+    tok = load_tokenizer()
+    modes = kvsweep.parse_modes(a.kv_modes or kvsweep.DEFAULT_MODES, tok.tokens_per_frame, VIDEO_START)
+    fileio.check_output_dir(a.out, "--out")
+    import torch
+
+    torch.set_num_threads(1 if a.threads is None else a.threads)
+    model = load_model(LONG_WEIGHTS, LONG_CONFIG)
+    clips = data.make_clips("eval", clips_n, frames)
+    t0 = time.time()
+    rows = kvsweep.sweep(model, tok, clips, modes)
+    text = (f"Long-video model, {clips_n} held-out clips x {frames} frames (frame 0 given, greedy), reference path "
+            f"(NumPy attention inside generation); metrics over frames 1..\n\n" + kvsweep.table(rows) + "\n")
+    with fileio.staged_dir(a.out) as staged:
+        write_bytes(staged / "kv_sweep.json", json.dumps({"rows": rows, "clips": clips_n, "frames": frames},
+                                                         indent=1).encode())
+        write_bytes(staged / "kv_sweep.md", text.encode())
+        kvsweep.plot(rows, staged / "kv_sweep.png", f"FAST-AR modes, long-video model, {clips_n} clips x {frames} "
+                                                     "frames (reference path)")
+    print("\n" + text)
+    print(f"wrote {a.out / 'kv_sweep.json'}, .md, .png ({time.time() - t0:.0f} s)")
     return 0

@@ -36,6 +36,11 @@ def _sim_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", metavar="DENSE.fcb",
                    help="the same model compiled with --dense: simulated on the same steps and contexts, "
                         "to print 'x dense' speed-ups")
+    p.add_argument("--kv-window", type=int, default=0,
+                   help="bounded KV cache: attention reads the last W tokens plus --kv-sinks (local attention, "
+                        "StreamingLLM); the --baseline keeps full attention")
+    p.add_argument("--kv-sinks", type=int, default=0, help="first tokens always read with --kv-window/--kv-budget")
+    p.add_argument("--kv-budget", type=int, help="bounded KV cache of C slots per KV head (reads min(context, C))")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
 
@@ -93,6 +98,13 @@ def sim_main(argv: list[str]) -> int:
                                  replayable=frozenset(sim.replayable_layers))
         ctx = int(program.meta["context"]) if args.context is None else args.context
         source = f"synthetic {args.mask} masks, ratio {ratio:g}, {args.steps} steps, context {ctx}"
+    kv_len = None
+    if args.kv_window or args.kv_budget is not None or args.kv_sinks:
+        from fastcar_compile.fpga_backend.kvbound import KVBound, kv_lengths
+
+        bound = KVBound(budget=args.kv_budget, sinks=args.kv_sinks, window=args.kv_window)
+        kv_len = kv_lengths(np.broadcast_to(np.asarray(ctx, np.int64), (replay.shape[0],)), layers, bound)
+        source += f", KV bounded to {bound.capacity} slots (sinks {bound.sinks}, window {bound.window})"
     policies = ["static", "drs"] if args.policy == "both" else [args.policy]
     step = representative_step(replay[:, sorted(sim.replayable_layers), :batch]) if args.timeline_step is None \
         else args.timeline_step
@@ -101,7 +113,8 @@ def sim_main(argv: list[str]) -> int:
     results = {}
     for pol in policies:
         results[pol] = sim.run(replay, ctx, policy=pol, stream=args.weights, batch=batch,
-                               timeline=bool(args.timeline), progress=replay.shape[0] > 64, timeline_step=step)
+                               timeline=bool(args.timeline), progress=replay.shape[0] > 64, timeline_step=step,
+                               kv_len=kv_len)
     if args.timeline:
         share = replay[step][sorted(sim.replayable_layers), :batch].mean() if sim.replayable_layers else 0.0
         plot_timeline(list(results.values()), args.timeline,

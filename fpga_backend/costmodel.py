@@ -94,13 +94,18 @@ class CostModel:
         self.part = np.where(self.layer_idx.min(axis=1) == self.num_layers, 2, np.where(self.replayable_bundle, 1, 0))
 
     # -------------------------------------------------------------------------------------------------
-    def evaluate(self, ctx: int, skip_masks: np.ndarray, active: np.uint32, stream: str) -> dict[str, np.ndarray]:
-        """Per-bundle time and per-slot figures for one step. skip_masks: (layers + 1, cores) row masks."""
+    def evaluate(self, ctx: int | np.ndarray, skip_masks: np.ndarray, active: np.uint32,
+                 stream: str) -> dict[str, np.ndarray]:
+        """Per-bundle time and per-slot figures for one step. skip_masks: (layers + 1, cores) row masks.
+
+        ctx: the KV length attention reads, one int or one per layer (a bounded cache, fpga_backend/kvbound.py).
+        """
         bd = self.board
         base = popcount32(self.arg & active).astype(np.float64)
         tab = popcount32(skip_masks).astype(np.float64)
         n_eff = np.where(self.skip, tab[np.minimum(self.layer_idx, self.num_layers), np.arange(self.C)[None, :]], base)
-        m_ctx = np.where(self.ctx, ctx, self.m)
+        ctx_l = np.broadcast_to(np.asarray(ctx, np.int64), (self.num_layers,))
+        m_ctx = np.where(self.ctx, ctx_l[np.minimum(self.layer_idx, self.num_layers - 1)], self.m)
         cyc_row = np.where(
             self.ctx,
             np.where(

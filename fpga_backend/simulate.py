@@ -11,7 +11,8 @@ stream). For one bundle, with n_c the rows core c runs after dispatch:
 
 A bundle whose slots were all dropped costs nothing. Weight streams: ``broadcast`` fetches a tile once
 for every core (saved only when every row of the batch skips), ``per_core`` fetches one copy per core with
-rows (saved when that core's rows all skip). KV reads grow with the context and are never skipped.
+rows (saved when that core's rows all skip). KV reads grow with the context (or with the slots of a bounded
+cache: `kvbound.py`) and are never skipped by replay.
 Utilisation = array MACs / (cycles * board MACs per cycle).
 """
 
@@ -116,9 +117,10 @@ class Simulator(CostModel):
         super().__init__(program, board)
         self.thr = drs_table(program)
 
-    def step(self, replay: np.ndarray, ctx: int, *, policy: str = "drs", stream: str = "broadcast",
+    def step(self, replay: np.ndarray, ctx: int | np.ndarray, *, policy: str = "drs", stream: str = "broadcast",
              batch: int | None = None) -> dict[str, Any]:
-        """One decode step. replay: (layers, batch) bool. Returns per-bundle/per-slot figures and remaps."""
+        """One decode step. replay: (layers, batch) bool; ctx: KV length read, one or per layer.
+        Returns per-bundle/per-slot figures and remaps."""
         batch = self.batch if batch is None else batch
         active = np.uint32((1 << batch) - 1 if batch < 32 else isa.ALL_ROWS)
         L = self.num_layers
@@ -163,10 +165,12 @@ class Simulator(CostModel):
 
     def run(self, replay: np.ndarray, context: np.ndarray | int, *, policy: str = "drs", stream: str = "broadcast",
             batch: int | None = None, timeline: bool = False, progress: bool = False,
-            timeline_step: int = 0) -> SimResult:
+            timeline_step: int = 0, kv_len: np.ndarray | None = None) -> SimResult:
         """Simulate every step of a mask set: replay (steps, layers, batch) bool, context per step or one int.
 
-        With ``timeline`` the per-bundle figures of step ``timeline_step`` are kept for ``plot_timeline``."""
+        kv_len: (steps, layers) KV slots attention reads (a bounded cache: `kvbound.kv_lengths`); default the
+        context. With ``timeline`` the per-bundle figures of step ``timeline_step`` are kept for
+        ``plot_timeline``."""
         if policy not in POLICIES:
             raise FastCarError(f"policy {policy!r} unknown; choose one of {POLICIES}")
         if stream not in STREAMS:
@@ -183,6 +187,14 @@ class Simulator(CostModel):
         ctxs = np.broadcast_to(np.asarray(context, np.int64), (steps,))
         if (ctxs < 1).any():
             raise FastCarError("context lengths must be >= 1")
+        if kv_len is None:
+            kv = np.repeat(ctxs[:, None], self.num_layers, axis=1)
+        else:
+            kv = np.asarray(kv_len, np.int64)
+            if kv.shape != (steps, self.num_layers):
+                raise FastCarError(f"kv_len must have shape ({steps}, {self.num_layers}), got {kv.shape}")
+            if (kv < 1).any() or (kv > ctxs[:, None]).any():
+                raise FastCarError("kv_len must lie in 1..context of its step")
         bd = self.board
         tot = {"cycles": 0.0, "macs": 0.0, "sram": 0.0, "bw": 0.0, "drs": 0.0}
         dram = np.zeros(len(DRAM_CLASSES))
@@ -191,7 +203,7 @@ class Simulator(CostModel):
         tl = None
         it = tqdm(range(steps), desc="simulate", unit="step", disable=not progress)
         for s in it:
-            ev = self.step(replay[s, :, :batch], int(ctxs[s]), policy=policy, stream=stream, batch=batch)
+            ev = self.step(replay[s, :, :batch], kv[s], policy=policy, stream=stream, batch=batch)
             t = ev["t"]
             tot["cycles"] += t.sum()
             tot["macs"] += ev["macs"].sum()

@@ -54,3 +54,13 @@ def test_pan_moves_content() -> None:
 def test_bad_split() -> None:
     with pytest.raises(FastCarError, match="split"):
         data.make_clip("test", 0)
+
+
+@pytest.mark.parametrize("motion", ["fast_right", "fast_down", "pan_up", "pan_left"])
+def test_long_pans_stay_inside_the_image(motion) -> None:
+    """A 64-frame pan over a too-small source must not leave it: on a white source every view stays white
+    (a view outside the image would show the transform's black fill)."""
+    white = np.ones((96, 128, 3), np.float32)
+    frames = data._camera_clip(white, motion, 64, np.random.default_rng(0))
+    assert frames.shape == (64, data.FRAME, data.FRAME, 3)
+    assert frames.min() >= 250

@@ -90,6 +90,17 @@ def _view(img: np.ndarray, cx: float, cy: float, scale: float) -> np.ndarray:
     return np.asarray(out, dtype=np.uint8)
 
 
+def _fit(img: np.ndarray, need_w: float, need_h: float) -> np.ndarray:
+    """`img` upscaled just enough that a pan spanning need_w x need_h pixels stays inside it.
+
+    Why: long clips (16-64 frames) pan further than the 96-160 px sources are wide; a view leaving the image
+    would show black borders. Short clips (8 frames) always fit, so their pixels are unchanged.
+    """
+    h, w = img.shape[:2]
+    s = max(need_w / w, need_h / h)
+    return img if s <= 1.0 else _resize(img, int(np.ceil(min(h, w) * s)) + 1)
+
+
 def _camera_clip(img: np.ndarray, motion: str, frames: int, rng: np.random.Generator) -> np.ndarray:
     h, w = img.shape[:2]
     scale = 1.0
@@ -100,6 +111,8 @@ def _camera_clip(img: np.ndarray, motion: str, frames: int, rng: np.random.Gener
         vx, vy = vx * speed, vy * speed
         span_x, span_y = abs(vx) * (frames - 1), abs(vy) * (frames - 1)
         margin = FRAME / 2 + 1
+        img = _fit(img, span_x + 2 * margin + 1, span_y + 2 * margin + 1)
+        h, w = img.shape[:2]
         x0 = rng.uniform(margin + (span_x if vx < 0 else 0), w - margin - (span_x if vx > 0 else 0))
         y0 = rng.uniform(margin + (span_y if vy < 0 else 0), h - margin - (span_y if vy > 0 else 0))
         return np.stack([_view(img, x0 + vx * t, y0 + vy * t, scale) for t in range(frames)])

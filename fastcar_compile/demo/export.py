@@ -22,6 +22,10 @@ WEIGHTS = ASSETS / "model.safetensors"
 CONFIG = ASSETS / "config.json"
 ONNX = ASSETS / "decoder.onnx"
 TOKENIZER = ASSETS / "tokenizer.npz"
+# The long-video model (demo --long): fp16 weights + config only; its ONNX is exported on first use.
+LONG_WEIGHTS = ASSETS / "long.safetensors"
+LONG_CONFIG = ASSETS / "long.json"
+LONG_LOG = ASSETS / "long_train_log.json"
 
 
 def export_onnx(model, path: str | os.PathLike, opset: int = 20) -> Path:

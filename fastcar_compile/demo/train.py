@@ -35,6 +35,12 @@ class TrainSettings:
     tokenizer_clips: int = 600
     codes: int = 512
     bf16: bool = True
+    # Video positions start at VIDEO_START + g, g uniform in [0, position_gap] per sequence (0 = no gap).
+    # Why: RoPE scores depend only on distances, and the one distance a 16-frame clip cannot show is the
+    # prompt's (BOS/motion) from frames 16..63; the gap shows the model those distances during training.
+    position_gap: int = 0
+    tokenizer: str | None = None  # reuse this tokenizer (.npz) instead of training one
+    sdpa: bool = False  # train with PyTorch's fused attention (same maths as eager; faster on long clips)
     config: DemoConfig = field(default_factory=DemoConfig)
 
 
@@ -75,14 +81,20 @@ def train(s: TrainSettings, log_json: Path | None = None, log_png: Path | None =
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     t0 = time.time()
-    tok_frames = np.concatenate([c.frames for c in data.make_clips("train", s.tokenizer_clips, s.frames, s.seed)])
-    tok = train_tokenizer(tok_frames, codes=s.codes, seed=s.seed)
+    if s.tokenizer:
+        tok = PatchTokenizer.load(s.tokenizer)
+    else:
+        tok_frames = np.concatenate([c.frames for c in data.make_clips("train", s.tokenizer_clips, s.frames,
+                                                                       s.seed)])
+        tok = train_tokenizer(tok_frames, codes=s.codes, seed=s.seed)
     clips = [data.make_clip("train", i, s.frames, s.seed) for i in tqdm(range(s.clips), desc="train clips")]
     seqs = torch.from_numpy(tokenize_clips(tok, clips))
     ev = torch.from_numpy(tokenize_clips(tok, data.make_clips("eval", eval_clips, s.frames, s.seed)))
     L = tok.tokens_per_frame
     first_loss_pos = VIDEO_START + L  # labels from frame 1 on
     model = build_model(s.config, seed=s.seed)
+    if s.sdpa:
+        model.set_attn_implementation("sdpa")
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -92,9 +104,13 @@ def train(s: TrainSettings, log_json: Path | None = None, log_png: Path | None =
     log: dict = {"step": [], "loss": [], "lr": [], "eval_step": [], "eval_loss": [],
                  "settings": {k: v for k, v in s.__dict__.items() if k != "config"}, "config": s.config.to_dict()}
 
-    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+    def loss_of(batch: torch.Tensor, gap: torch.Tensor | None = None) -> torch.Tensor:
+        pos = None
+        if gap is not None:
+            pos = torch.arange(batch.shape[1] - 1).expand(len(batch), -1).clone()
+            pos[:, VIDEO_START:] += gap[:, None]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.bf16):
-            logits = model(input_ids=batch[:, :-1]).logits
+            logits = model(input_ids=batch[:, :-1], position_ids=pos).logits
         logits = logits[:, first_loss_pos - 1:].float()
         target = batch[:, first_loss_pos:]
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
@@ -117,7 +133,8 @@ def train(s: TrainSettings, log_json: Path | None = None, log_png: Path | None =
         lr = s.lr * min(1.0, (step + 1) / s.warmup) * 0.5 * (1 + math.cos(math.pi * step / s.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss = loss_of(batch)
+        gap = torch.randint(0, s.position_gap + 1, (len(batch),), generator=gen) if s.position_gap else None
+        loss = loss_of(batch, gap)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -64,14 +64,14 @@ def write_gif(results: list[ClipResult], tok: PatchTokenizer, path: Path, fps: f
 STRIP_LABEL_W = 110  # px of the label column left of the strip
 
 
-def write_strip(results: list[ClipResult], tok: PatchTokenizer, path: Path) -> Path:
-    """PNG: for each clip, 4 rows (ground truth, dense, FastCar, replay) x frames, each row labelled on the
-    left (with the clip's motion and source), frame numbers on top (frame 0 is given)."""
+def write_strip(results: list[ClipResult], tok: PatchTokenizer, path: Path, every: int = 1) -> Path:
+    """PNG: for each clip, 4 rows (ground truth, dense, FastCar, replay) x frames (every `every`-th), each row
+    labelled on the left (with the clip's motion and source), frame numbers on top (frame 0 is given)."""
     k, W = 3, tok.frame
     blocks, labels = [], []
     y = 0
     for r in results:
-        p = _panels(r, tok)  # [T, H, 4W+3, 3]
+        p = _panels(r, tok)[::every]  # [T, H, 4W+3, 3]
         cols = [p[:, :, i * (W + 1): i * (W + 1) + W] for i in range(4)]
         rows = [np.concatenate(list(c), axis=1) for c in cols]
         gap = np.full((2, rows[0].shape[1], 3), 255, np.uint8)
@@ -86,7 +86,8 @@ def write_strip(results: list[ClipResult], tok: PatchTokenizer, path: Path) -> P
     canvas.paste(Image.fromarray(body), (STRIP_LABEL_W, head))
     dr = ImageDraw.Draw(canvas)
     for t in range(body.shape[1] // (k * W)):
-        dr.text((STRIP_LABEL_W + t * k * W + 4, 2), f"frame {t}" + (" (given)" if t == 0 else ""), fill="black")
+        dr.text((STRIP_LABEL_W + t * k * W + 4, 2), f"frame {t * every}" + (" (given)" if t == 0 else ""),
+                fill="black")
     for top, name, sub in labels:
         dr.text((4, head + k * top + 4), name, fill="black")
         if sub:
@@ -97,22 +98,24 @@ def write_strip(results: list[ClipResult], tok: PatchTokenizer, path: Path) -> P
     return path
 
 
-def write_heatmap(results: list[ClipResult], tok: PatchTokenizer, path: Path, title: str = "") -> Path:
-    """PNG: replay share per spatial token and frame, averaged over clips (frame 0 is given context)."""
+def write_heatmap(results: list[ClipResult], tok: PatchTokenizer, path: Path, title: str = "",
+                  every: int = 1) -> Path:
+    """PNG: replay share per spatial token and frame (every `every`-th), averaged over clips (frame 0 is
+    given context)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     L, g = tok.tokens_per_frame, tok.frame // PATCH
-    maps = np.mean([r.fast.replay_map(L) for r in results], axis=0)  # [T, L]
+    maps = np.mean([r.fast.replay_map(L) for r in results], axis=0)[::every]  # [T, L]
     T = maps.shape[0]
     fig, axes = plt.subplots(1, T + 1, figsize=(1.6 * (T + 1) + 1, 2.4),
                              gridspec_kw={"width_ratios": [1] * T + [0.08]})
     for t in range(T):
         ax = axes[t]
         im = ax.imshow(maps[t].reshape(g, g), vmin=0, vmax=1, cmap="magma")
-        ax.set_title(f"frame {t}" + (" (given)" if t == 0 else f"\n{100 * maps[t].mean():.0f}%"), fontsize=8)
+        ax.set_title(f"frame {t * every}" + (" (given)" if t == 0 else f"\n{100 * maps[t].mean():.0f}%"), fontsize=8)
         ax.set_xticks([])
         ax.set_yticks([])
     fig.colorbar(im, cax=axes[-1], label="replayed")

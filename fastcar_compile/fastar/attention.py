@@ -71,6 +71,22 @@ def dense_step(q_post: np.ndarray, k_post: np.ndarray, v: np.ndarray) -> tuple[n
     return w @ v, w
 
 
+def recall_and_kept(c: HeadCache, slots: np.ndarray, w_slot: np.ndarray, w_dense: np.ndarray) -> tuple[float, float]:
+    """(recall, kept mass) of one query: `w_slot` the compressed softmax over `slots`, `w_dense` the dense one
+    over the p + 1 tokens seen (module docstring: a merged slot's probability is shared equally by its
+    members; evicted tokens count 0)."""
+    p1 = len(w_dense)
+    per_slot = np.zeros(c.capacity)
+    per_slot[slots] = w_slot / c.count[slots]
+    ts = c.token_slot[:p1]
+    resident = ts >= 0
+    idx = np.where(resident, ts, 0)
+    comp = np.where(resident, per_slot[idx], 0.0)
+    attended = np.zeros(c.capacity, bool)
+    attended[slots] = True
+    return float(np.minimum(w_dense, comp).sum()), float(w_dense[resident & attended[idx]].sum())
+
+
 def slot_bytes(cfg: KVCompressConfig, d: int, bytes_per: int) -> int:
     """Key + value, an int32 count with TempCache, the bit-packed LSH codes with AnnSA."""
     extra = (4 if cfg.tempcache_sim is not None else 0)
@@ -117,16 +133,10 @@ def run_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: KVCompressConfig
                 continue
             executed += slots.size
             dense += p + 1
-            per_slot = np.zeros(c.capacity)
-            per_slot[slots] = w_slot / c.count[slots]
-            ts = c.token_slot[: p + 1]
-            resident = ts >= 0
-            comp = np.where(resident, per_slot[np.where(resident, ts, 0)], 0.0)
-            recall.append(np.minimum(w_dense, comp).sum())
-            head_recall[h].append(recall[-1])
-            attended = np.zeros(c.capacity, bool)
-            attended[slots] = True
-            kept.append(w_dense[resident & attended[np.where(resident, ts, 0)]].sum())
+            r, m = recall_and_kept(c, slots, w_slot, w_dense)
+            recall.append(r)
+            head_recall[h].append(r)
+            kept.append(m)
             errs.append(np.linalg.norm(out[p, h] - dense_out[p, h]) / max(np.linalg.norm(dense_out[p, h]), 1e-30))
     if dense == 0:
         raise FastCarError(f"measure_from={measure_from} leaves no step of a {T}-token trace to measure")

@@ -1,0 +1,42 @@
+"""The long-video demo's pieces: per-layer replay maps, KV mode parsing, the long model's export (slow)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastcar_compile.demo.evaluate import ClipResult
+from fastcar_compile.demo.kvsweep import parse_mode, parse_modes
+from fastcar_compile.demo.longvideo import layer_replay
+from fastcar_compile.demo.video import VideoRun
+from fastcar_compile.errors import FastCarError
+
+
+def test_layer_replay_places_each_step_on_its_frame_and_position():
+    """Step k feeds generated token k, i.e. frame 1 + k // L, position k % L (hand-placed marks)."""
+    L, T, layers = 4, 3, 2
+    steps = (T - 1) * L - 1  # the last token is never fed
+    rep = np.zeros((steps, layers), bool)
+    rep[0, 0] = True  # frame 1, position 0, layer 0
+    rep[5, 1] = True  # frame 2, position 1, layer 1
+    run = VideoRun(np.zeros((T, L), np.int64), rep)
+    r = ClipResult("pan_left", "x", np.zeros((T, 32, 32, 3), np.uint8), run, run)
+    m = layer_replay([r, r], L)
+    want = np.zeros((layers, T, L))
+    want[0, 1, 0] = 1
+    want[1, 2, 1] = 1
+    np.testing.assert_array_equal(m, want)
+
+
+def test_mode_grammar():
+    w = parse_mode("window:4+60", 64, 3)
+    assert (w.budget, w.sinks, w.window, w.eviction) == (65, 4, 60, "oldest")
+    t = parse_mode("tempcache:0.95@4+60+192", 64, 3)
+    assert (t.tempcache_sim, t.budget, t.sinks, t.window, t.frame_len, t.video_start) == (0.95, 192, 4, 60, 64, 3)
+    assert parse_mode("lsh:8x4", 64, 3).lsh_bits == 8 and parse_mode("dense", 64, 3) is None
+    assert [m for m, _ in parse_modes("tempcache:0.9", 64, 3)] == ["dense", "tempcache:0.9"]
+    for bad in ("window:4", "tempcache:high", "lsh:8", "cache:1", "budget:1+2+x"):
+        with pytest.raises(FastCarError):
+            parse_mode(bad, 64, 3)
+    with pytest.raises(FastCarError, match="budget"):
+        parse_mode("budget:4+60+10", 64, 3)
