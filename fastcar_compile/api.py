@@ -81,16 +81,19 @@ def compile(  # noqa: A001 - the natural name of the entry point
     validate: bool = True,
     genai: bool | None = None,
     fused_attention: bool = False,
+    required_video_inputs: bool = False,
 ) -> tuple[ir.Model, CompileReport]:
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 
     genai: name the state for onnxruntime-genai's generator and write genai_config.json beside the output
     (None: when the input sits beside one and the output goes to another folder). fused_attention: replace
     exported attention cores by GroupQueryAttention (in-place KV cache; passes/fused_attention.py).
+    required_video_inputs: `video_start` / `fastcar_threshold` without defaults (every run feeds them; what
+    onnxruntime-genai's `generator.set_model_input` needs to set them per video).
     """
     opts = CompileOptions(frame_tokens, threshold, tas_query, max_replay,
                           layers if layers is None or isinstance(layers, str) else tuple(layers),
-                          per_layer_threshold, emit_diagnostics, fused_attention)
+                          per_layer_threshold, emit_diagnostics, fused_attention, required_video_inputs)
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
     if out_path is not None and in_path is not None:

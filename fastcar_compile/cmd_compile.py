@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--genai", action=argparse.BooleanOptionalAction, default=None,
                    help="name the state for onnxruntime-genai's generator and write genai_config.json beside "
                         "the output (default: when the input sits beside one)")
+    p.add_argument("--required-video-inputs", action="store_true",
+                   help="make video_start and fastcar_threshold plain inputs without defaults, fed every run "
+                        "(onnxruntime-genai's generator.set_model_input then sets them per video)")
     p.add_argument("--inspect", action="store_true",
                    help="only report what discovery finds per layer (and why a layer does not match)")
     p.add_argument("--verbose", "-v", action="store_true",
@@ -142,7 +145,8 @@ def main(argv: list[str]) -> int:
                            tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers,
                            per_layer_threshold=args.per_layer_threshold, emit_diagnostics=args.emit_diagnostics,
                            validate=not args.no_validate, genai=args.genai,
-                           fused_attention=args.fused_attention)
+                           fused_attention=args.fused_attention,
+                           required_video_inputs=args.required_video_inputs)
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
     if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):

@@ -32,6 +32,9 @@ class CompileOptions:
     per_layer_threshold: bool = False
     emit_diagnostics: bool = False
     fused_attention: bool = False  # exported attention cores -> GroupQueryAttention (passes/fused_attention.py)
+    # video_start / fastcar_threshold as plain inputs without defaults: onnxruntime-genai feeds only those from
+    # generator.set_model_input (it drops names ORT lists as overridable initializers), docs/genai.md
+    required_video_inputs: bool = False
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")

@@ -30,15 +30,18 @@ class GatePass(ir.passes.InPlacePass):
         ctx, opts, graph = self.ctx, self.ctx.options, model.graph
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         ctx.batch = build.batch_dim(graph)
-        ctx.video_start = build.graph_input(graph, contract.VIDEO_START, ir.DataType.INT64, [], np.array(0, np.int64))
+        plain = opts.required_video_inputs  # no defaults: the caller feeds both every run
+        ctx.video_start = build.graph_input(graph, contract.VIDEO_START, ir.DataType.INT64, [],
+                                            None if plain else np.array(0, np.int64))
         if opts.per_layer_threshold:
             taus = np.asarray(opts.threshold, np.float32).reshape(-1)
             if taus.size == 1:
                 taus = np.full(len(ctx.selected), taus[0], np.float32)
-            ctx.threshold = build.graph_input(graph, contract.THRESHOLD, ir.DataType.FLOAT, [len(ctx.selected)], taus)
+            ctx.threshold = build.graph_input(graph, contract.THRESHOLD, ir.DataType.FLOAT, [len(ctx.selected)],
+                                              None if plain else taus)
         else:
             ctx.threshold = build.graph_input(graph, contract.THRESHOLD, ir.DataType.FLOAT, [],
-                                              np.array(opts.threshold[0], np.float32))
+                                              None if plain else np.array(opts.threshold[0], np.float32))
         for k, match in enumerate(ctx.selected):
             lr = declare_state(graph, ctx, match, k)
             ctx.layers.append(lr)
