@@ -172,24 +172,49 @@ def _decode_inputs(dec, batch: int, past: int, ages: list[int], seed: int = 0) -
     return args
 
 
-def test_torch_compile_decode_step_one_graph():
-    """The decode step traces into one graph (no graph break: the skip is a torch.cond), and the compiled
-    step gives the eager step's outputs when all rows, some rows or no row replays."""
+def _down_proj_rows(fn, args) -> tuple[tuple, int]:
+    """Rows the MLP down projections ([rows, INTER] @ [INTER, HIDDEN]) ran on in one call of `fn` (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = fn(*args)
+    rows = sum(e.input_shapes[0][0] for e in prof.events()
+               if e.name == "aten::mm" and list(e.input_shapes[1]) == [zoo.INTER, zoo.HIDDEN])
+    return out, rows
+
+
+def _compile_check(backend: str, count_rows: bool):
+    """The decode step traces into one graph (no graph break: the three cases are nested torch.conds, the
+    compacted rows go through an opaque custom op), the compiled step gives the eager step's outputs when all
+    rows, some rows or no row replays, and its MLP runs on the computed rows only (profiled matmul shapes)."""
     fm = fct.apply(zoo.build_model("llama"), frame_tokens=L, threshold=-1e9)
     prog = fm.fastcar.program
     explain = torch._dynamo.explain(prog)(*_decode_inputs(fm.fastcar, 2, 2 * L + 1, [0, 0]))
     assert explain.graph_count == 1 and explain.graph_break_count == 0, explain.break_reasons
     torch._dynamo.reset()
-    compiled = torch.compile(prog, backend="aot_eager", dynamic=True)
+    compiled = torch.compile(prog, backend=backend, dynamic=True)
     n_out = 1 + fm.fastcar.num_kv + 2 * len(fm.fastcar.layers)
-    for ages in ([0, 0], [0, -1], [-1, -1]):  # all replay / row 1 never written / nothing replays
+    for ages in ([0, 0], [0, -1], [-1, -1], [-1, 0]):  # all replay / row 1 never written / nothing replays
         args = _decode_inputs(fm.fastcar, 2, 2 * L + 1, ages)
         with torch.no_grad():
-            want, got = prog(*args), compiled(*args)
+            want = prog(*args)
+            compiled(*args)  # compiles on first use; profile the second call
+        got, rows = _down_proj_rows(compiled, args)
         replay = want[n_out]
         assert replay.tolist() == [[a >= 0] for a in ages]
+        if count_rows:
+            assert rows == sum(a < 0 for a in ages) * len(fm.fastcar.layers), (ages, rows)
         for a, b in zip(want, got, strict=True):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_compile_decode_step_one_graph():
+    _compile_check("aot_eager", count_rows=True)
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor():
+    _compile_check("inductor", count_rows=False)
 
 
 def _mlp_rows_run(path, profile: str) -> dict[int, int]:
