@@ -63,6 +63,9 @@ class GatePass(ir.passes.InPlacePass):
         op, inputs = contract.TEMPORAL_GATE, [q, keys, lr.past_age, tau, self.ctx.video_start]
         if att.total_len is not None:  # GroupQueryAttention: the key buffer may be preallocated (shared)
             op, inputs = contract.TEMPORAL_GATE_AT, [*inputs, att.total_len]
+        if att.core_node.op_type == contract.COMPRESSED_ATTENTION and len(att.core_node.outputs) > 4:
+            # a compressed KV cache holds slots, not positions: the op gathered each token's aligned key
+            op, inputs[1] = contract.TEMPORAL_GATE_ALIGNED, att.core_node.outputs[4]
         lr.replay, lr.tas, lr.slot, lr.write = b(
             op, inputs,
             {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay},
