@@ -50,8 +50,10 @@ def kv_shape(config: Any) -> KVShape:
     return KVShape(int(layers), int(kv), int(head_dim), int(vocab))
 
 
-def flat_kv_wrapper(model, additive_mask: bool = False):
+def flat_kv_wrapper(model, additive_mask: bool = False, embeds: bool = False):
     """A module with flat KV tensors in and out around a transformers causal LM (eval mode).
+
+    embeds: the first input is `inputs_embeds` [B, S, hidden] instead of token ids (a multimodal prefix).
 
     additive_mask: pass a ready 4-D additive mask (causal over KV indices and padding) instead of the 2-D
     mask; a handful of ONNX nodes instead of transformers' mask builder, which costs as much as a layer at
@@ -79,7 +81,8 @@ def flat_kv_wrapper(model, additive_mask: bool = False):
                     attention_mask[:, None, None, :].bool()
                 mask = torch.where(allowed, torch.zeros((), dtype=torch.float32),
                                    torch.full((), torch.finfo(torch.float32).min))
-            out = self.m(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+            first = {"inputs_embeds" if embeds else "input_ids": input_ids}
+            out = self.m(**first, attention_mask=mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True, return_dict=True)
             flat = []
             for layer in out.past_key_values.layers[:n]:

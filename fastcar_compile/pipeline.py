@@ -1,6 +1,6 @@
 """The compiler's pipeline: which `onnx_ir.passes` passes run, in order, for a set of options.
 
-    discover -> select layers -> gate -> branch -> cache state -> IR version -> metadata [-> validate] [-> save]
+    discover -> select layers -> gate -> branch -> cache state -> KV dim names -> IR version -> metadata [-> validate] [-> save]
 
 A new transformation is one module under passes/ plus one line in `build`. `describe` is what
 `fastcar-compile --verbose` prints.
@@ -18,6 +18,7 @@ from fastcar_compile.passes.context import CompileContext
 from fastcar_compile.passes.fused_attention import FusedAttentionPass
 from fastcar_compile.passes.gate import GatePass
 from fastcar_compile.passes.genai_state import GenaiConfigPass, GenaiStatePass
+from fastcar_compile.passes.kv_dims import KvDimNamesPass
 from fastcar_compile.passes.metadata import IrVersionPass, MetadataPass
 from fastcar_compile.passes.validate import ValidatePass
 from fastcar_compile.save import SavePass, Staging
@@ -33,6 +34,7 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         BranchPass(ctx),
         CacheStatePass(ctx),
         *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
+        KvDimNamesPass(ctx),
         IrVersionPass(ctx),
         MetadataPass(ctx),
     ]

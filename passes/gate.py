@@ -30,15 +30,18 @@ class GatePass(ir.passes.InPlacePass):
         ctx, opts, graph = self.ctx, self.ctx.options, model.graph
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         ctx.batch = build.batch_dim(graph)
-        ctx.video_start = build.graph_input(graph, contract.VIDEO_START, ir.DataType.INT64, [], np.array(0, np.int64))
+        plain = opts.required_video_inputs  # no defaults: the caller feeds both every run
+        ctx.video_start = build.graph_input(graph, contract.VIDEO_START, ir.DataType.INT64, [],
+                                            None if plain else np.array(0, np.int64))
         if opts.per_layer_threshold:
             taus = np.asarray(opts.threshold, np.float32).reshape(-1)
             if taus.size == 1:
                 taus = np.full(len(ctx.selected), taus[0], np.float32)
-            ctx.threshold = build.graph_input(graph, contract.THRESHOLD, ir.DataType.FLOAT, [len(ctx.selected)], taus)
+            ctx.threshold = build.graph_input(graph, contract.THRESHOLD, ir.DataType.FLOAT, [len(ctx.selected)],
+                                              None if plain else taus)
         else:
             ctx.threshold = build.graph_input(graph, contract.THRESHOLD, ir.DataType.FLOAT, [],
-                                              np.array(opts.threshold[0], np.float32))
+                                              None if plain else np.array(opts.threshold[0], np.float32))
         for k, match in enumerate(ctx.selected):
             lr = declare_state(graph, ctx, match, k)
             ctx.layers.append(lr)
@@ -60,6 +63,9 @@ class GatePass(ir.passes.InPlacePass):
         op, inputs = contract.TEMPORAL_GATE, [q, keys, lr.past_age, tau, self.ctx.video_start]
         if att.total_len is not None:  # GroupQueryAttention: the key buffer may be preallocated (shared)
             op, inputs = contract.TEMPORAL_GATE_AT, [*inputs, att.total_len]
+        if att.core_node.op_type == contract.COMPRESSED_ATTENTION and len(att.core_node.outputs) > 4:
+            # a compressed KV cache holds slots, not positions: the op gathered each token's aligned key
+            op, inputs[1] = contract.TEMPORAL_GATE_ALIGNED, att.core_node.outputs[4]
         lr.replay, lr.tas, lr.slot, lr.write = b(
             op, inputs,
             {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay},
@@ -79,7 +85,8 @@ def query_bhsd(graph: ir.Graph, b: build.Builder, att, tas_query: str) -> ir.Val
     q, layout = (att.q, att.q_layout) if tas_query == contract.TAS_ROPE else (att.q_raw, att.q_raw_layout)
     if att.packed_query is not None:  # GroupQueryAttention on packed QKV: the query is rebuilt
         q = genai_gqa.query(b, lambda name, v: build.const(graph, name, np.asarray(v, np.int64)), att.packed_query,
-                            att.num_heads, att.head_dim, tas_query == contract.TAS_ROPE)
+                            att.num_heads, att.head_dim, tas_query == contract.TAS_ROPE,
+                            tokens=next((v for v in graph.inputs if v.name == contract.INPUT_IDS), None))
         layout = "BSE"
     if layout == "BSE":
         q = b("Reshape", [q, build.const(graph, f"fastcar.shape.0_0_{att.num_heads}_{att.head_dim}",

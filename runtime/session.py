@@ -70,6 +70,7 @@ class DecodeState:
     attention_mask: np.ndarray  # [batch, past_len] int64: 0 for left padding
     consumed: bool = False  # set when a step updated these arrays in place (native kernels)
     real_len: np.ndarray | None = None  # [batch] real (unpadded) tokens so far: the next position id
+    mask_buffer: np.ndarray | None = None  # [batch, max_length] (shared KV): attention_mask is a view of it
 
     def __post_init__(self) -> None:
         if self.real_len is None:
@@ -182,6 +183,8 @@ class FastCarSession:
         self.num_layers = (fc.num_layers if fc is not None else 0) or self._count_kv_layers()
         self.per_layer_threshold = fc.per_layer_threshold if fc is not None else False
         self.default_threshold = fc.threshold if fc is not None else None
+        # compiled with required_video_inputs: tau has no default in the graph, so every run feeds one
+        self._feed_tau = contract.THRESHOLD in {i.name for i in self.session.get_inputs()}
         self.max_replay = fc.max_replay if fc is not None else 0
         self.specs: list[StateSpec] = self._pair_state()
         # layer -> (age output, value of a slot just written by a computed MLP = the new-video fill + 1):
@@ -200,11 +203,23 @@ class FastCarSession:
                                "cache while overwriting it); build them or drop inplace")
         # in place: present_mlp_* are bound to the buffers of past_mlp_*, so the cache is never copied
         self._vocab: int | None = None
+        # OrtValues of the buffers the last step used (id -> (array, OrtValue)): the state and shared KV buffers
+        # are the same arrays step after step, so their OrtValues are made once per video, not per step
+        self._ortvalues: dict[int, tuple[np.ndarray, Any]] = {}
+        self._tau_last: tuple[Any, np.ndarray] | None = None  # (the caller's threshold object, its array)
+        self._run_args: tuple[Any, list[Any]] | None = None  # RunOptions and output devices, made once
         self._logits_dtype = np.dtype(np.float32)
         self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
         # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
         self.max_length = self._check_shared_kv(max_length)
+        # compressed KV cache (kv_compress metadata): KV inputs hold `budget` slots per KV head, fixed size
+        kvc = fc.kv_compress if fc is not None else None
+        self.kv_slots: int | None = int(kvc["budget"]) if kvc and kvc.get("budget") else None
+        if self.kv_slots is not None and self.native_library is None:
+            raise FastCarError(f"{self.path.name} has a compressed KV cache ({contract.COMPRESSED_ATTENTION} with a "
+                               "budget), which only the native kernels run; build them (runtime/native) or "
+                               "recompile without --kv-budget")
         self.last_ort_s = 0.0  # seconds inside ONNX Runtime of the last step (the rest is Python)
 
     def _check_shared_kv(self, max_length: int | None) -> int | None:
@@ -217,11 +232,11 @@ class FastCarSession:
         graph = onnx.load(str(self.path), load_external_data=False).graph
         producer = {o: n.op_type for n in graph.node for o in n.output}
         kv = [s.output for s in self.specs if s.kind == "kv"]
-        bad = [o for o in kv if producer.get(o) != "GroupQueryAttention"]
+        bad = [o for o in kv if producer.get(o) not in ("GroupQueryAttention", contract.COMPRESSED_ATTENTION)]
         if bad or not kv:
             raise FastCarError(f"max_length (a shared, preallocated KV buffer) needs every present key/value "
-                               f"written by GroupQueryAttention; {bad[:2] or 'no KV'} is not. Compile with "
-                               "--fused-attention, or use an onnxruntime-genai graph")
+                               f"written by GroupQueryAttention or CompressedAttention; {bad[:2] or 'no KV'} is not. "
+                               "Compile with --fused-attention, or use an onnxruntime-genai graph")
         if self.vocab is None:
             raise FastCarError(f"max_length needs a static vocabulary axis on {contract.LOGITS}")
         self._vocab = self.vocab
@@ -305,13 +320,15 @@ class FastCarSession:
         if batch < 1:
             raise FastCarError(f"batch must be >= 1, got {batch}")
         arrays = {s.input: s.empty(batch) for s in self.specs}
-        if self.max_length is not None:  # allocated once per video, written in place by GroupQueryAttention
+        cap = self.kv_slots or self.max_length
+        if cap is not None:  # allocated once per video, written in place by the fused attention
             for s in self.specs:
                 if s.kind == "kv":
-                    arrays[s.input] = np.zeros([self.max_length if d == "past" else batch if d == "batch" else d
+                    arrays[s.input] = np.zeros([cap if d == "past" else batch if d == "batch" else d
                                                 for d in s.shape], dtype=s.dtype)
+        buffer = np.ones((batch, self.max_length), np.int64) if self.max_length is not None else None
         return DecodeState(arrays, batch, 0, int(video_start), self.signature,
-                           np.zeros((batch, 0), dtype=np.int64))
+                           np.zeros((batch, 0), dtype=np.int64), mask_buffer=buffer)
 
     def state_nbytes(self, batch: int = 1) -> dict[str, int]:
         """Size of the fixed FastCar state and of the KV cache per token, in bytes, for `batch` rows."""
@@ -347,7 +364,7 @@ class FastCarSession:
             a = state.arrays[s.input]
             if a.dtype != s.dtype:
                 raise FastCarError(f"state {s.input} has dtype {a.dtype}, model expects {s.dtype}")
-            past = state.past_len if self.max_length is None else self.max_length
+            past = self.kv_slots or (state.past_len if self.max_length is None else self.max_length)
             want = [state.batch if d == "batch" else past if d == "past" else d for d in s.shape]
             if list(a.shape) != want:
                 raise FastCarError(f"state {s.input} has shape {list(a.shape)}, model expects {want} "
@@ -371,11 +388,20 @@ class FastCarSession:
             raise FastCarError("this model takes one scalar threshold (compiled without --per-layer-threshold)")
         return t
 
+    def _tau_feed(self, threshold: float | Sequence[float] | np.ndarray) -> np.ndarray:
+        """threshold_array, reused while the caller passes the same values (a decode loop passes one tau)."""
+        key = (float(threshold),) if np.isscalar(threshold) else tuple(np.asarray(threshold, np.float64).ravel())
+        if self._tau_last is None or self._tau_last[0] != key:
+            self._tau_last = (key, self.threshold_array(threshold))
+        return self._tau_last[1]
+
     def model_feeds(self, video_start: int, threshold: float | Sequence[float] | None = None) -> dict[str, np.ndarray]:
         """The per-video inputs this model takes besides tokens and state (`video_start`, tau when given)."""
         feeds: dict[str, np.ndarray] = {}
         if contract.VIDEO_START in self._inputs:
             feeds[contract.VIDEO_START] = np.array(video_start, dtype=np.int64)
+        if threshold is None and self._feed_tau:
+            threshold = self.default_threshold
         if threshold is not None and self.is_fastcar:
             feeds[contract.THRESHOLD] = self.threshold_array(threshold)
         return feeds
@@ -404,8 +430,16 @@ class FastCarSession:
             np.asarray(attention_mask, dtype=np.int64)
         if new_mask.shape != (b, seq):
             raise FastCarError(f"attention_mask for the new tokens must be [{b}, {seq}], got {list(new_mask.shape)}")
-        mask = np.concatenate([state.attention_mask, new_mask], axis=1)
-        if position_ids is None:  # HF convention: count of real tokens before this one (padding: 0)
+        past = state.past_len
+        if state.mask_buffer is not None and past + seq <= state.mask_buffer.shape[1]:  # no per-step concat
+            if attention_mask is not None:
+                state.mask_buffer[:, past:past + seq] = new_mask
+            mask = state.mask_buffer[:, :past + seq]
+        else:
+            mask = np.concatenate([state.attention_mask, new_mask], axis=1)
+        if position_ids is None and attention_mask is None:  # no padding: the next positions
+            position_ids = state.real_len[:, None] + np.arange(seq, dtype=np.int64)
+        elif position_ids is None:  # HF convention: count of real tokens before this one (padding: 0)
             position_ids = np.maximum(state.real_len[:, None] + np.cumsum(new_mask, axis=1) - 1, 0)
         feeds: dict[str, np.ndarray] = {contract.INPUT_IDS: ids}
         if contract.ATTENTION_MASK in self._inputs:
@@ -414,14 +448,17 @@ class FastCarSession:
             feeds[contract.POSITION_IDS] = np.ascontiguousarray(position_ids, dtype=np.int64)
         if contract.VIDEO_START in self._inputs:
             feeds[contract.VIDEO_START] = np.array(state.video_start, dtype=np.int64)
+        if threshold is None and self._feed_tau:
+            threshold = self.default_threshold
         if threshold is not None:
-            feeds[contract.THRESHOLD] = self.threshold_array(threshold)
+            feeds[contract.THRESHOLD] = self._tau_feed(threshold)
         feeds.update(state.arrays)
-        if self.max_length is not None and state.past_len + seq > self.max_length:
+        if self.max_length is not None and self.kv_slots is None and state.past_len + seq > self.max_length:
             raise FastCarError(f"the video needs {state.past_len + seq} tokens of KV cache but the session was "
                                f"created with max_length={self.max_length}; create it with a larger max_length")
         try:
-            res = self._run_inplace(feeds, state, seq) if self.inplace or self.max_length is not None else None
+            shared = self.max_length is not None or self.kv_slots is not None
+            res = self._run_inplace(feeds, state, seq) if self.inplace or shared else None
             if res is None:
                 res = dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=True))
                 self._vocab, self._logits_dtype = res["logits"].shape[-1], res["logits"].dtype
@@ -429,7 +466,8 @@ class FastCarSession:
             raise FastCarError(f"ONNX Runtime failed on {self.path.name}: {exc}") from exc
         arrays = {s.input: res[s.output] for s in self.specs}
         new_state = DecodeState(arrays, b, state.past_len + seq, state.video_start, state.owner, mask,
-                                real_len=state.real_len + new_mask.sum(axis=1))
+                                real_len=state.real_len + (seq if attention_mask is None else new_mask.sum(axis=1)),
+                                mask_buffer=state.mask_buffer)
         out = StepOutput(res["logits"], new_state)
         if self.layers:
             out.replay = self._replay_of(res, state, seq)
@@ -463,7 +501,7 @@ class FastCarSession:
                 if not (a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"] and a.flags["OWNDATA"]):
                     a = feeds[fast[name]] = state.arrays[fast[name]] = np.array(a)
                 outs[name] = a
-            elif name in kv and self.max_length is not None:  # the shared buffer: GQA appends in place
+            elif name in kv and (self.max_length is not None or self.kv_slots):  # shared buffer, written in place
                 outs[name] = feeds[kv[name].input]
             elif name in kv:
                 sp = kv[name]
@@ -477,16 +515,22 @@ class FastCarSession:
                 return None
         names = list(feeds)
         fv, ov = C.OrtValueVector(), C.OrtValueVector()
-        keep = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feeds[n])) for n in names]
-        for v in keep:
-            fv.push_back(v._ortvalue)
-        okeep = [ort.OrtValue.ortvalue_from_numpy(outs[n]) for n in self.output_names]
-        for v in okeep:
-            ov.push_back(v._ortvalue)
-        dev = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+        cache, used = self._ortvalues, {}
+        for arrays, vec in (([np.ascontiguousarray(feeds[n]) for n in names], fv),
+                            ([outs[n] for n in self.output_names], ov)):
+            for a in arrays:
+                hit = cache.get(id(a))
+                if hit is None or hit[0] is not a:
+                    hit = (a, ort.OrtValue.ortvalue_from_numpy(a))
+                used[id(a)] = hit
+                vec.push_back(hit[1]._ortvalue)
+        self._ortvalues = used  # keeps only this step's buffers alive (and their ids unique)
+        if self._run_args is None:
+            dev = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+            self._run_args = (C.RunOptions(), [dev] * len(self.output_names))
         t0 = time.perf_counter()
-        self.session._sess.run_with_ortvaluevector(C.RunOptions(), names, fv, self.output_names, ov,
-                                                   [dev] * len(self.output_names))
+        self.session._sess.run_with_ortvaluevector(self._run_args[0], names, fv, self.output_names, ov,
+                                                   self._run_args[1])
         self.last_ort_s = time.perf_counter() - t0
         state.consumed = True
         return outs

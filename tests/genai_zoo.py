@@ -17,11 +17,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import zoo
 
 FAMILIES = ("llama", "qwen2", "phi3")
 PRECISIONS = ("fp32", "fp16", "int4")
 GENAI_VOCAB = 160
+# Builder precision and extra options per build name. The zoo's widths are 64/128: block 32 fits. "int4" is the
+# CPU default (MatMulNBits accuracy_level 4: activations quantized to int8 inside the kernel); "int4-fp32a"
+# keeps the same int4 weights with fp32 activations (accuracy_level 1), which a dequantized-weight fp32
+# reference reproduces exactly.
+BUILDS = {"fp32": ("fp32", []), "fp16": ("fp16", []), "int4": ("int4", ["int4_block_size=32"]),
+          "int4-fp32a": ("int4", ["int4_block_size=32", "accuracy_level=1"])}
 
 
 def build_model(family: str):
@@ -42,7 +49,9 @@ def _save_hf(family: str, out: Path) -> None:
 
 
 def build(family: str, precision: str, out_dir: str | os.PathLike) -> Path:
-    """Folder out_dir/genai-<family>-<precision> with model.onnx + genai_config.json (reused if present)."""
+    """Folder out_dir/genai-<family>-<precision> with model.onnx + genai_config.json (reused if present).
+
+    precision: a key of BUILDS."""
     out = Path(out_dir) / f"genai-{family}-{precision}"
     if (out / "genai_config.json").exists() and (out / "model.onnx").exists():
         return out
@@ -50,13 +59,98 @@ def build(family: str, precision: str, out_dir: str | os.PathLike) -> Path:
     if not (hf / "config.json").exists():
         _save_hf(family, hf)
     tmp = Path(out_dir) / f".genai-{family}-{precision}.tmp"
+    builder_precision, extra = BUILDS[precision]
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
-           "-p", precision, "-e", "cpu", "-c", str(Path(out_dir) / "genai-cache")]
-    if precision == "int4":  # the zoo's widths are 64/128: the default block 32 fits, accuracy 4 = int8 A
-        cmd += ["--extra_options", "int4_block_size=32"]
+           "-p", builder_precision, "-e", "cpu", "-c", str(Path(out_dir) / "genai-cache")]
+    if extra:
+        cmd += ["--extra_options", *extra]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not (tmp / "model.onnx").exists():
         raise RuntimeError(f"genai builder failed for {family}/{precision}:\n{proc.stderr[-3000:]}")
     os.replace(tmp, out)
     return out
+
+
+# --- the graph's own weights in the transformers model (independent reference for int4 / fp16 builds) -----
+
+def dequantize_matmulnbits(packed: np.ndarray, scales: np.ndarray, k: int, n: int, bits: int = 4,
+                           zero_points: np.ndarray | None = None) -> np.ndarray:
+    """W [N, K] float32 of a com.microsoft.MatMulNBits weight, from the op's spec (NumPy, not ORT).
+
+    packed: uint8 [N, blocks, block_size * bits / 8], low nibble first; scales: [N * blocks]; zero point 2^(bits-1)
+    when absent (4-bit zero points are packed two per byte, low nibble first).
+    """
+    if bits != 4:
+        raise ValueError(f"only 4-bit MatMulNBits weights are dequantized here, got bits={bits}")
+    blocks = packed.shape[1]
+    q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks, -1).astype(np.float32)
+    if zero_points is None:
+        zp = np.full((n, blocks, 1), 8.0, np.float32)
+    else:
+        z = np.stack([zero_points & 0x0F, zero_points >> 4], -1).reshape(n, -1)[:, :blocks]
+        zp = z.astype(np.float32)[..., None]
+    w = (q - zp) * scales.reshape(n, blocks, 1).astype(np.float32)
+    return w.reshape(n, -1)[:, :k]
+
+
+def graph_weights(model_path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The builder graph's linear weights as [out, in] float32 (int4 dequantized, fp16 widened), norms and
+    embeddings as float32, keyed by the builder's names without the `.MatMul.weight*` / `.Add.bias` suffix."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(model_path))
+    init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    out: dict[str, np.ndarray] = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        zp = init.get(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+        name = node.input[1].rsplit(".MatMul.", 1)[0]
+        out[name + ".weight"] = dequantize_matmulnbits(init[node.input[1]], init[node.input[2]], attrs["K"],
+                                                       attrs["N"], attrs.get("bits", 4), zp)
+    for key, arr in init.items():
+        if key.endswith(".MatMul.weight"):  # MatMul B: [in, out]
+            out[key.rsplit(".MatMul.", 1)[0] + ".weight"] = arr.astype(np.float32).T
+        elif key.endswith(".Add.bias"):
+            out[key.rsplit(".Add.", 1)[0] + ".bias"] = arr.astype(np.float32)
+        elif key.endswith("layernorm.weight") or key.endswith("embed_tokens.weight"):
+            out[key] = arr.astype(np.float32)
+    return out
+
+
+def reference_model(family: str, model_path: str | os.PathLike):
+    """The transformers model of `family` carrying the genai graph's weights (what an int4 / fp16 graph
+    computes, in fp32): the eager FastCar reference then runs the same weights as the graph."""
+    import torch
+
+    model = build_model(family)
+    state = model.state_dict()
+    weights = graph_weights(model_path)
+    new: dict[str, np.ndarray] = {}
+    n_layers = model.config.num_hidden_layers
+    for key, arr in weights.items():
+        if f"layers.{n_layers}.final_norm" in key:
+            new["model.norm.weight"] = arr
+            continue
+        key = key.replace(".attn.", ".self_attn.")
+        if ".qkv_proj." in key and key not in state:  # packed q|k|v -> q_proj, k_proj, v_proj
+            parts = [key.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+            sizes = np.cumsum([state[p].shape[0] for p in parts])[:-1]
+            new.update(zip(parts, np.split(arr, sizes), strict=True))
+        else:
+            new[key] = arr
+    for packed, parts in ((".self_attn.qkv_proj.", ("q_proj", "k_proj", "v_proj")),
+                          (".mlp.gate_up_proj.", ("gate_proj", "up_proj"))):  # Phi-3: separate -> packed
+        for key in [k for k in state if packed in k]:
+            pieces = [key.replace(packed.split(".")[-2], p) for p in parts]
+            if all(p in new for p in pieces):
+                new[key] = np.concatenate([new.pop(p) for p in pieces])
+    missing = set(state) - set(new)
+    extra = set(new) - set(state)
+    if missing or extra:
+        raise ValueError(f"graph weights do not map onto {family}: missing {sorted(missing)}, extra {sorted(extra)}")
+    model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in new.items()})
+    return model

@@ -225,17 +225,20 @@ class FastCarReference:
         self.mlp_age = {i: torch.full((batch, self.L), -1, dtype=torch.int64) for i in self.layers}
 
     @torch.no_grad()
-    def step(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, dict, dict]:
-        """One forward step; returns logits [B,S,V], replay {layer: [B,S]}, tas {layer: [B,S]}."""
+    def step(self, ids: np.ndarray | None, mask: np.ndarray, pos: np.ndarray,
+             embeds: np.ndarray | None = None) -> tuple[np.ndarray, dict, dict]:
+        """One forward step on token ids or (`embeds`, [B,S,hidden]) input embeddings; returns logits [B,S,V],
+        replay {layer: [B,S]}, tas {layer: [B,S]}."""
         self._step_out = {}
+        first = {"input_ids": torch.as_tensor(ids)} if embeds is None else {"inputs_embeds": torch.as_tensor(embeds)}
         out = self.model(
-            input_ids=torch.as_tensor(ids),
+            **first,
             attention_mask=torch.as_tensor(mask),
             position_ids=torch.as_tensor(pos),
             past_key_values=self.kv,
             use_cache=True,
         )
-        self._past += ids.shape[1]
+        self._past += (ids if embeds is None else embeds).shape[1]
         return out.logits.float().numpy(), self._step_out.get("replay", {}), self._step_out.get("tas", {})
 
     def run(self, steps: list[np.ndarray], pad: Sequence[int] | None = None, greedy: int = 0) -> RefRun:

@@ -18,22 +18,26 @@ from fastcar_compile.runtime import FastCarSession  # noqa: E402
 L, N = 4, 24
 
 
-def _genai_tokens(folder, prompt: np.ndarray, n: int) -> np.ndarray:
+def _genai_tokens(folder, prompt: np.ndarray, n: int, inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
     model = og.Model(str(folder))
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=prompt.shape[1] + n, do_sample=False)
     gen = og.Generator(model, params)
+    for name, value in (inputs or {}).items():  # fed with every step of this generator (one video); genai
+        gen.set_model_input(name, value)       # does not copy: `inputs` keeps the arrays alive meanwhile
     gen.append_tokens(prompt.astype(np.int32))
     while not gen.is_done():
         gen.generate_next_token()
     return np.array([gen.get_sequence(b) for b in range(prompt.shape[0])])[:, prompt.shape[1]:]
 
 
-def _session_tokens(path, prompt: np.ndarray, n: int) -> tuple[np.ndarray, float]:
+def _session_tokens(path, prompt: np.ndarray, n: int, tau: float | np.ndarray | None = None,
+                    video_start: int = 0) -> tuple[np.ndarray, float]:
     sess = FastCarSession(path)
-    state, ids, toks, replayed, decided = sess.new_state(prompt.shape[0]), prompt.astype(np.int64), [], 0, 0
+    state, ids, toks, replayed, decided = (sess.new_state(prompt.shape[0], video_start), prompt.astype(np.int64),
+                                           [], 0, 0)
     for _ in range(n):
-        out = sess.step(state, ids)
+        out = sess.step(state, ids, threshold=tau)
         state, ids = out.state, out.logits[:, -1].argmax(-1)[:, None].astype(np.int64)
         toks.append(ids[:, 0])
         if out.replay is not None:
@@ -56,3 +60,33 @@ def test_genai_generator_runs_fastcar(genai_model, fc_compile, tmp_path, family)
     got = _genai_tokens(finite, prompt, N)
     np.testing.assert_array_equal(got, want)
     assert (got != dense).any(), "replay changed nothing: genai did not carry the FastCar state"
+
+
+def test_genai_generator_takes_tau_and_video_start_per_video(genai_model, fc_compile, tmp_path):
+    """Compiled with required_video_inputs, `fastcar_threshold` and `video_start` are plain graph inputs, which
+    genai feeds from `generator.set_model_input` (once per generator = per video, then every step): each
+    generator's tokens equal FastCarSession's with the same values, and the values change the tokens."""
+    src = genai_model("llama", "fp32")
+    prompt = np.random.default_rng(7).integers(3, genai_zoo.GENAI_VOCAB, (1, 5))
+    dense = _genai_tokens(src, prompt, N)
+    out = tmp_path / "perVideo" / "fast.onnx"
+    fc_compile(str(src / "model.onnx"), output=str(out), frame_tokens=L, threshold=float("inf"),
+               required_video_inputs=True)
+    got = {}
+    for tau, video_start in ((float("inf"), 0), (0.0, 0), (0.0, 3)):
+        feeds = {"fastcar_threshold": np.array(tau, np.float32), "video_start": np.array(video_start, np.int64)}
+        got[tau, video_start] = _genai_tokens(out.parent, prompt, N, feeds)
+        want, ratio = _session_tokens(out, prompt, N, tau=tau, video_start=video_start)
+        np.testing.assert_array_equal(got[tau, video_start], want)
+        assert (ratio == 0) == (tau == float("inf"))
+    np.testing.assert_array_equal(got[float("inf"), 0], dense)
+    np.testing.assert_array_equal(_session_tokens(out, prompt, N)[0], dense)  # no tau given: the compiled one
+    assert (got[0.0, 0] != dense).any() and (got[0.0, 3] != got[0.0, 0]).any()
+    per_layer = tmp_path / "perLayer" / "fast.onnx"  # tau [layers]: only layer 0 may replay
+    fc_compile(str(src / "model.onnx"), output=str(per_layer), frame_tokens=L, threshold=[float("inf")] * 2,
+               per_layer_threshold=True, required_video_inputs=True)
+    taus = np.array([0.0, np.inf], np.float32)
+    one = _genai_tokens(per_layer.parent, prompt, N, {"fastcar_threshold": taus,
+                                                      "video_start": np.array(0, np.int64)})
+    np.testing.assert_array_equal(one, _session_tokens(per_layer, prompt, N, tau=taus)[0])
+    assert (one != dense).any() and (one != got[0.0, 0]).any()

@@ -14,8 +14,8 @@ from fastcar_compile.cli import main
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 L = 4
-PASSES = ["DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass", "IrVersionPass",
-          "MetadataPass", "ValidatePass", "SavePass"]
+PASSES = ["DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass", "KvDimNamesPass",
+          "IrVersionPass", "MetadataPass", "ValidatePass", "SavePass"]
 
 
 def test_pass_list_follows_the_options():

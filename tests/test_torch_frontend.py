@@ -172,28 +172,53 @@ def _decode_inputs(dec, batch: int, past: int, ages: list[int], seed: int = 0) -
     return args
 
 
-def test_torch_compile_decode_step_one_graph():
-    """The decode step traces into one graph (no graph break: the skip is a torch.cond), and the compiled
-    step gives the eager step's outputs when all rows, some rows or no row replays."""
+def _down_proj_rows(fn, args) -> tuple[tuple, int]:
+    """Rows the MLP down projections ([rows, INTER] @ [INTER, HIDDEN]) ran on in one call of `fn` (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = fn(*args)
+    rows = sum(e.input_shapes[0][0] for e in prof.events()
+               if e.name == "aten::mm" and list(e.input_shapes[1]) == [zoo.INTER, zoo.HIDDEN])
+    return out, rows
+
+
+def _compile_check(backend: str, count_rows: bool):
+    """The decode step traces into one graph (no graph break: the three cases are nested torch.conds, the
+    compacted rows go through an opaque custom op), the compiled step gives the eager step's outputs when all
+    rows, some rows or no row replays, and its MLP runs on the computed rows only (profiled matmul shapes)."""
     fm = fct.apply(zoo.build_model("llama"), frame_tokens=L, threshold=-1e9)
     prog = fm.fastcar.program
     explain = torch._dynamo.explain(prog)(*_decode_inputs(fm.fastcar, 2, 2 * L + 1, [0, 0]))
     assert explain.graph_count == 1 and explain.graph_break_count == 0, explain.break_reasons
     torch._dynamo.reset()
-    compiled = torch.compile(prog, backend="aot_eager", dynamic=True)
+    compiled = torch.compile(prog, backend=backend, dynamic=True)
     n_out = 1 + fm.fastcar.num_kv + 2 * len(fm.fastcar.layers)
-    for ages in ([0, 0], [0, -1], [-1, -1]):  # all replay / row 1 never written / nothing replays
+    for ages in ([0, 0], [0, -1], [-1, -1], [-1, 0]):  # all replay / row 1 never written / nothing replays
         args = _decode_inputs(fm.fastcar, 2, 2 * L + 1, ages)
         with torch.no_grad():
-            want, got = prog(*args), compiled(*args)
+            want = prog(*args)
+            compiled(*args)  # compiles on first use; profile the second call
+        got, rows = _down_proj_rows(compiled, args)
         replay = want[n_out]
         assert replay.tolist() == [[a >= 0] for a in ages]
+        if count_rows:
+            assert rows == sum(a < 0 for a in ages) * len(fm.fastcar.layers), (ages, rows)
         for a, b in zip(want, got, strict=True):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
+def test_torch_compile_decode_step_one_graph():
+    _compile_check("aot_eager", count_rows=True)
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor():
+    _compile_check("inductor", count_rows=False)
+
+
 def _mlp_rows_run(path, profile: str) -> dict[int, int]:
-    """Rows each layer's MLP ran on in an ORT profile: every MLP MatMul event's input rows (all but the last
+    """Rows each layer's MLP ran on in an ORT profile: every MLP MatMul/Gemm event's input rows (all but the last
     dim of its first input), summed and divided by the MatMuls per branch."""
     import json
 
@@ -206,7 +231,7 @@ def _mlp_rows_run(path, profile: str) -> dict[int, int]:
     mlp = {}
     for node in iter_nodes(model.graph):
         tags = {p.key: p.value for p in node.metadata_props}
-        if node.op_type == "MatMul" and tags.get(contract.TAG_PART) == "mlp":
+        if node.op_type in ("MatMul", "Gemm") and tags.get(contract.TAG_PART) == "mlp":
             mlp[node.name] = int(tags[contract.TAG_LAYER])
     per_branch = {i: n // 2 for i, n in Counter(mlp.values()).items()}  # the full branch and its compacted copy
     rows: Counter = Counter()
@@ -300,3 +325,75 @@ def test_onnx_lowering_matches_onnx_path(zoo_model, fc_compile, tmp_path):
 @pytest.mark.parametrize("family", ["gpt2", "qwen2", "phi3"])
 def test_onnx_lowering_matches_onnx_path_all(family, zoo_model, fc_compile, tmp_path):
     _lowering_vs_onnx_path(family, zoo_model, fc_compile, tmp_path, fpga=family == "qwen2")
+
+
+def _embeds_run(step, prefix: np.ndarray, tokens: list[np.ndarray] | None, n_decode: int):
+    """A video after a multimodal prefix: `prefix` [B, P, hidden] as inputs_embeds, then one token per step
+    (`tokens`, or greedy when None). step(ids | None, embeds | None, mask, pos) -> (logits, replay, tas)."""
+    from reference import RefRun
+
+    B, P = prefix.shape[:2]
+    mask, pos = np.ones((B, P), np.int64), np.tile(np.arange(P), (B, 1))
+    run = RefRun()
+    run.steps.append(np.zeros((B, P), np.int64))  # stands for the prefix (its shape is what _decisions reads)
+    ids, embeds = None, prefix
+    for k in range(n_decode + 1):
+        if k > 0:
+            ids = tokens[k] if tokens is not None else run.logits[-1][:, -1].argmax(-1)[:, None].astype(np.int64)
+            embeds, pos = None, pos[:, -1:] + 1
+            mask = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)
+            run.steps.append(ids)
+        logits, replay, tas = step(ids, embeds, mask, pos)
+        run.logits.append(logits)
+        for i, r in replay.items():
+            run.replay.setdefault(i, []).append(np.asarray(r))
+            run.tas.setdefault(i, []).append(np.asarray(tas[i]))
+    return run
+
+
+def test_inputs_embeds_prefix_matches_reference():
+    """inputs_embeds (a prefix that is no token's embedding) then tokens: logits, decisions and TAS equal the
+    eager reference driven the same way; generate(inputs_embeds=...) gives the reference's greedy tokens."""
+    from transformers import DynamicCache
+
+    model, vs, n = zoo.build_model("llama"), 2, 4 * L
+    prefix = np.random.default_rng(11).normal(0, 1.0, (2, 6, zoo.HIDDEN)).astype(np.float32)
+
+    def reference(tau):
+        with FastCarReference(model, frame_tokens=L, threshold=tau, video_start=vs) as ref:
+            ref.reset(2)
+            return _embeds_run(lambda i, e, m, p: ref.step(i, m, p, embeds=e), prefix, None, n)
+
+    probe = reference(math.inf)
+    for tau in tpr._gap_candidates(tpr._eligible_tas(probe, 0, vs), 0.45)[:12]:
+        run = reference(tau)
+        if tpr._decisions_ok(run, [0, 1], [tau, tau], vs):
+            break
+    else:
+        pytest.fail("no tau with mixed decisions and a margin (reference)")
+    fm = fct.apply(model, frame_tokens=L, threshold=tau, video_start=vs)
+    cache = DynamicCache(config=model.config)
+
+    def step(ids, embeds, mask, pos):
+        with torch.no_grad():
+            out = fm(input_ids=None if ids is None else torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
+                     inputs_embeds=None if embeds is None else torch.as_tensor(embeds),
+                     position_ids=torch.as_tensor(pos), past_key_values=cache)
+        return out.logits.numpy(), fm.fastcar.last_replay, fm.fastcar.last_tas
+
+    got = _embeds_run(step, prefix, run.steps, n)
+    el = tpr._eligible(run, vs)
+    for k in range(n + 1):
+        assert np.abs(got.logits[k] - run.logits[k]).max() <= TOL, f"step {k}: logits differ"
+        for i in (0, 1):
+            assert np.array_equal(got.replay[i][k], run.replay[i][k]), f"step {k} layer {i}: replay differs"
+            if k > 0 and el[k - 1]:
+                assert np.abs(got.tas[i][k] - run.tas[i][k]).max() <= TOL
+    with torch.no_grad():
+        gen = fm.generate(inputs_embeds=torch.as_tensor(prefix), attention_mask=torch.ones(prefix.shape[:2]),
+                          max_new_tokens=n, do_sample=False, video_start=vs)
+    np.testing.assert_array_equal(gen.numpy(), np.concatenate(run.steps[1:], axis=1))
+    # generate() feeds n - 1 tokens (the last one is only sampled): their replays are the reference's
+    assert fm.fastcar.stats.replayed == sum(int(run.replay[i][k].sum()) for i in (0, 1) for k in range(1, n)) > 0
+    with pytest.raises(FastCarError, match="not both"):
+        fm(input_ids=torch.zeros(2, 1, dtype=torch.long), inputs_embeds=torch.as_tensor(prefix))

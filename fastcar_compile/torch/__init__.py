@@ -9,6 +9,7 @@ works; `to_onnx` lowers the same program to a fast.onnx with the ONNX path's con
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Sequence
 
@@ -36,15 +37,16 @@ def _check_options(frame_tokens, threshold, tas_query, max_replay) -> list[float
 
 def build(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[float] = -4.0, tas_query: str = "rope",
           max_replay: int = 0, layers: str | Sequence[int] | None = None, per_layer_threshold: bool = False,
-          example_inputs: tuple[torch.Tensor, ...] | None = None) -> FastCarDecoder:
-    """Capture, discover and rewrite: the flat-contract FastCar program (what `apply` runs and `to_onnx` lowers)."""
+          example_inputs: tuple[torch.Tensor, ...] | None = None, embeds: bool = False) -> FastCarDecoder:
+    """Capture, discover and rewrite: the flat-contract FastCar program (what `apply` runs and `to_onnx` lowers).
+    With `embeds` the program's first input is inputs_embeds [B, S, hidden] instead of input_ids."""
     taus = _check_options(frame_tokens, threshold, tas_query, max_replay)
-    front, _ = capture.flat_front(model)
+    front, _ = capture.flat_front(model, embeds)
     if example_inputs is None:
         if not capture.is_transformers_lm(model):
             raise FastCarError(f"{type(model).__name__} is not a transformers causal LM; pass example_inputs="
                                "(input_ids, attention_mask, position_ids, *past_kv)")
-        example_inputs = capture.example_inputs(model)
+        example_inputs = capture.example_inputs(model, embeds=embeds)
     ep = capture.capture(front, tuple(example_inputs))
     program = ep.module(check_guards=False)
     program._forward_pre_hooks.clear()  # input-constraint checks: past length 0 (a new video) is valid here
@@ -94,13 +96,17 @@ def apply(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[fl
           max_replay: int = 0, layers: str | Sequence[int] | None = None, per_layer_threshold: bool = False,
           video_start: int = 0, example_inputs: tuple[torch.Tensor, ...] | None = None) -> nn.Module:
     """FastCar inserted into `model` (never modified). A transformers causal LM comes back as the same class
-    (`generate()` works; `video_start=`/`fastcar_threshold=` may be passed per call); any other module with
-    the flat forward `(input_ids, attention_mask, position_ids, *past_kv)` comes back as a FastCarDecoder."""
-    decoder = build(model, frame_tokens=frame_tokens, threshold=threshold, tas_query=tas_query,
-                    max_replay=max_replay, layers=layers, per_layer_threshold=per_layer_threshold,
-                    example_inputs=example_inputs)
+    (`generate()` works, also from `inputs_embeds`; `video_start=`/`fastcar_threshold=` may be passed per
+    call); any other module with the flat forward `(input_ids, attention_mask, position_ids, *past_kv)` comes
+    back as a FastCarDecoder."""
+    opts = dict(frame_tokens=frame_tokens, threshold=threshold, tas_query=tas_query, max_replay=max_replay,
+                layers=layers, per_layer_threshold=per_layer_threshold)
+    decoder = build(model, **opts, example_inputs=example_inputs)
     decoder.video_start = int(video_start)
     if capture.is_transformers_lm(model):
+        # A call with inputs_embeds (a multimodal prefix) runs a second program captured from the embeddings
+        # on first use; it shares the FastCar state, so the prefix and the tokens after it form one video.
+        decoder.capture_embeds = functools.partial(build, model, **opts, embeds=True)
         return wrap_causal_lm(model, decoder)
     return decoder
 

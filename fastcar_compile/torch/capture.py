@@ -30,20 +30,28 @@ def _kv_geometry(model: nn.Module) -> tuple[int, int, int, int]:
     return s.num_layers, s.num_kv_heads, s.head_dim, s.vocab
 
 
-def flat_front(model: nn.Module) -> tuple[nn.Module, int]:
-    """(module with the flat contract, number of KV layers)."""
+def flat_front(model: nn.Module, embeds: bool = False) -> tuple[nn.Module, int]:
+    """(module with the flat contract, number of KV layers); with `embeds` its first input is inputs_embeds."""
     if is_transformers_lm(model):
         layers = _kv_geometry(model)[0]
-        return flat_kv_wrapper(model), layers
+        return flat_kv_wrapper(model, embeds=embeds), layers
+    if embeds:
+        raise FastCarError(f"inputs_embeds needs a transformers causal LM; {type(model).__name__} is captured with "
+                           "its own example_inputs (pass token ids)")
     return model, -1
 
 
-def example_inputs(model: nn.Module, batch: int = 2, seq: int = 3, past: int = 5) -> tuple[torch.Tensor, ...]:
-    """Distinct batch/seq/past sizes (> 1) so the exporter keeps them symbolic."""
+def example_inputs(model: nn.Module, batch: int = 2, seq: int = 3, past: int = 5,
+                   embeds: bool = False) -> tuple[torch.Tensor, ...]:
+    """Distinct batch/seq/past sizes (> 1) so the exporter keeps them symbolic; with `embeds` the first
+    input is the model's own embedding of the ids (its hidden size and dtype)."""
     layers, kv, head_dim, vocab = _kv_geometry(model)
     dtype = next(model.parameters()).dtype
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    if embeds:
+        with torch.no_grad():
+            ids = model.get_input_embeddings()(ids)
     mask = torch.ones(batch, past + seq, dtype=torch.int64)
     pos = torch.arange(past, past + seq).unsqueeze(0).expand(batch, seq).contiguous()
     kvs = [torch.randn(batch, kv, past, head_dim, generator=g).to(dtype) for _ in range(2 * layers)]

@@ -7,10 +7,13 @@ works unchanged. A call with an empty KV cache (past length 0) starts a new vide
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
+
+from fastcar_compile.errors import FastCarError
 
 
 @dataclass
@@ -48,6 +51,23 @@ class FastCarDecoder(nn.Module):
         self.stats = FastCarStats()
         self.last_replay: dict[int, torch.Tensor] = {}
         self.last_tas: dict[int, torch.Tensor] = {}
+        self.capture_embeds: Callable[[], FastCarDecoder] | None = None  # set by apply for transformers LMs
+        self.embeds_program: fx.GraphModule | None = None
+
+    def program_for(self, first: torch.Tensor) -> fx.GraphModule:
+        """The program for token ids, or (floating first input) the inputs_embeds one, captured on first use."""
+        if not first.is_floating_point():
+            return self.program
+        if self.embeds_program is None:
+            if self.capture_embeds is None:
+                raise FastCarError("this FastCar model takes input_ids only (inputs_embeds needs a transformers "
+                                   "causal LM passed to fastcar_compile.torch.apply)")
+            other = self.capture_embeds()
+            if other.layers != self.layers:
+                raise FastCarError(f"the inputs_embeds program rewrites layers {other.layers}, the input_ids one "
+                                   f"{self.layers}; pass layers= to apply")
+            self.embeds_program = other.program
+        return self.embeds_program
 
     def reset(self, batch: int, device=None) -> None:
         """Start a new video for `batch` rows: MLP caches zero, ages -1 (never written)."""
@@ -65,21 +85,19 @@ class FastCarDecoder(nn.Module):
             if t.numel() == 1:
                 t = t.expand(len(self.layers)).contiguous()
             if t.numel() != len(self.layers):
-                from fastcar_compile.errors import FastCarError
-
                 raise FastCarError(f"threshold gives {t.numel()} values for {len(self.layers)} rewritten layers")
         elif t.numel() != 1:
-            from fastcar_compile.errors import FastCarError
-
             raise FastCarError("several thresholds need per_layer_threshold=True")
         return t.reshape(-1) if self.per_layer_threshold else t.reshape(())
 
     def forward(self, input_ids, attention_mask, position_ids, *past, video_start=None, threshold=None):
+        """One step; `input_ids` may be inputs_embeds [B, S, hidden] (floating point) instead of ids."""
         if past[0].shape[2] == 0 or not self.state or self.state[0].shape[0] != input_ids.shape[0]:
             self.reset(input_ids.shape[0], input_ids.device)
         vs = torch.tensor(self.video_start if video_start is None else int(video_start), dtype=torch.int64)
-        outs = self.program(input_ids, attention_mask, position_ids, *past, vs, self.threshold_tensor(threshold),
-                            *self.state)
+        program = self.program_for(input_ids)
+        outs = program(input_ids, attention_mask, position_ids, *past, vs, self.threshold_tensor(threshold),
+                       *self.state)
         n = 1 + self.num_kv
         k = 2 * len(self.layers)
         self.state = list(outs[n:n + k])
@@ -113,16 +131,19 @@ class FastCarCausalLMMixin:
     fastcar: FastCarDecoder
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=True, video_start=None, fastcar_threshold=None, return_dict=True, **kwargs):
+                use_cache=True, video_start=None, fastcar_threshold=None, return_dict=True, inputs_embeds=None,
+                **kwargs):
         from transformers import DynamicCache
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         fc = self.fastcar
+        if inputs_embeds is not None and input_ids is not None and input_ids.shape[-1] > 0:
+            raise FastCarError("pass input_ids or inputs_embeds, not both")
+        if inputs_embeds is not None:
+            input_ids = inputs_embeds  # the program for embeddings is chosen by the dtype (FastCarDecoder)
         if input_ids is None:
-            from fastcar_compile.errors import FastCarError
-
-            raise FastCarError("the FastCar model takes input_ids (inputs_embeds is not supported)")
-        batch, seq = input_ids.shape
+            raise FastCarError("the FastCar model needs input_ids or inputs_embeds")
+        batch, seq = input_ids.shape[:2]
         cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
         past_len = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
         if attention_mask is None:

@@ -8,6 +8,7 @@ PyTorch implementation, vectorised over rows and tokens.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -82,3 +83,20 @@ def mlp_cache_update(
 @mlp_cache_update.register_fake
 def _(past_mlp_cache, past_mlp_age, branch, replay, slot, write):
     return torch.empty_like(past_mlp_cache), torch.empty_like(past_mlp_age)
+
+
+# Branch modules by handle, for compact_branch (a custom op takes tensors and ints, not modules).
+BRANCHES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op(f"{NAMESPACE}::compact_branch", mutates_args=())
+def compact_branch(handle: int, x: torch.Tensor, replay: torch.Tensor, cached: torch.Tensor,
+                   ext: list[torch.Tensor]) -> torch.Tensor:
+    """The MLP branch `handle` on the rows that do not replay, the cached rows elsewhere. Opaque to
+    torch.compile, so the data-dependent row count (nonzero) causes no graph break; runs eagerly."""
+    return BRANCHES[handle].compacted(x, replay, cached, *ext)
+
+
+@compact_branch.register_fake
+def _compact_branch_fake(handle, x, replay, cached, ext):
+    return x.new_empty(x.shape)  # contiguous, as compacted() returns

@@ -6,8 +6,10 @@
     present_mlp_cache, present_mlp_age = fastcar::mlp_cache_update(..., used, replay, slot, write)
 
 The branch runs on the computed rows only (index_select / index_copy over the flattened (row, token) axis)
-and not at all when every row replays. Under torch.compile and torch.export the same decision is a
-`torch.cond` (skip when all replay, else compute and select), which traces without a graph break.
+and not at all when every row replays. Under torch.compile the same three cases are nested `torch.cond`s:
+no row replays -> the compiled MLP; some -> `fastcar::compact_branch` (an opaque custom op running the
+compacted branch eagerly, so the data-dependent row count breaks no graph); all -> the cache. Under
+torch.export (whose graph cannot call back into these modules): skip when all replay, else compute and select.
 Lowering to ONNX (`dense_branches`) traces the branch as the plain MLP; onnx_export then replaces it with
 the ONNX path's own all/compacted/none `If` (passes/branch.py), so one builder makes that branch.
 """
@@ -15,17 +17,19 @@ the ONNX path's own all/compacted/none `If` (passes/branch.py), so one builder m
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from collections.abc import Iterator
 
 import torch
 from torch import fx, nn
 
-from fastcar_compile.torch import ops  # noqa: F401 - registers torch.ops.fastcar
+from fastcar_compile.torch import ops  # registers torch.ops.fastcar
 from fastcar_compile.torch.discover import TorchLayerMatch
 
 aten = torch.ops.aten
 _DENSE = False
+_HANDLES = itertools.count()
 
 
 @contextlib.contextmanager
@@ -46,11 +50,13 @@ class FastCarBranch(nn.Module):
     def __init__(self, branch: fx.GraphModule):
         super().__init__()
         self.branch = branch
+        self.handle = next(_HANDLES)
+        ops.BRANCHES[self.handle] = self
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor, cached: torch.Tensor, *ext: torch.Tensor) -> torch.Tensor:
         if _DENSE:
             return self.branch(x, *ext)
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        if torch.compiler.is_exporting():  # an export's graph cannot call back into this process's modules
             branch = self.branch
 
             def all_replay(x, replay, cached, *ext):
@@ -60,14 +66,39 @@ class FastCarBranch(nn.Module):
                 return torch.where(replay.unsqueeze(-1), cached.to(x.dtype), branch(x, *ext))
 
             return torch.cond(replay.all(), all_replay, select, (x, replay, cached, *ext))
+        if torch.compiler.is_compiling():
+            return torch.cond(replay.any(), self._some_replay, self._no_replay, (x, replay, cached, *ext))
         keep = ~replay
         n_keep = int(keep.sum())
         if n_keep == keep.numel():
             return self.branch(x, *ext)
         if n_keep == 0:
             return cached.to(x.dtype)
+        return self.compacted(x, replay, cached, *ext)
+
+    # torch.cond merges its branches' strides; different expressions (x's static hidden size vs the cache
+    # input's symbolic one) become unbacked symbols inductor cannot allocate: every branch returns a
+    # contiguous tensor of x's shape.
+    def _no_replay(self, x, replay, cached, *ext):
+        return self.branch(x, *ext).contiguous()
+
+    def _some_replay(self, x, replay, cached, *ext):
+        """torch.compile: the compacted rows through the opaque fastcar::compact_branch, nothing when all replay."""
+        handle = self.handle
+
+        def some(x, replay, cached, *ext):
+            return torch.ops.fastcar.compact_branch(handle, x, replay, cached, list(ext))
+
+        def none(x, replay, cached, *ext):
+            return cached.to(x.dtype).reshape(x.shape).clone(memory_format=torch.contiguous_format)
+
+        return torch.cond(replay.all(), none, some, (x, replay, cached, *ext))
+
+    def compacted(self, x: torch.Tensor, replay: torch.Tensor, cached: torch.Tensor, *ext: torch.Tensor) -> torch.Tensor:
+        """The branch on the rows that compute (index_select over the flattened (row, token) axis), scattered
+        into the cached rows (index_copy)."""
         hidden = x.shape[-1]
-        idx = keep.reshape(-1).nonzero().squeeze(1)
+        idx = (~replay).reshape(-1).nonzero().squeeze(1)
         rows = x.reshape(-1, hidden).index_select(0, idx).unsqueeze(0)  # [1, kept, hidden]
         fresh = self.branch(rows, *ext).reshape(-1, hidden)
         return cached.to(x.dtype).reshape(-1, hidden).index_copy(0, idx, fresh).reshape(x.shape)

@@ -1,0 +1,212 @@
+"""Where a compiled genai decode step spends its time beyond the Amdahl bound: ORT's per-op profile.
+
+The step genai's generator runs, reproduced in plain ONNX Runtime with IO binding the way genai binds it:
+one KV buffer per layer [1, Hkv, max_length, D] bound as past and present (GroupQueryAttention appends in
+place), the FastCar state (`conv_state` / `recurrent_state`) bound as past and present, the context `--ctx`
+tokens long. The KV content does not change the cost (attention reads all `ctx` positions either way), so
+the buffers are zeros and no prefill is run. The replay state is filled (age 0 in every slot: every
+decode token is eligible), so a variant compiled with tau = -inf replays every MLP and +inf none.
+
+Variants (folders of benchmarks/bench_genai.py's variants, or any folder with model.onnx / fast.onnx):
+`dense` and `noMLP` (every MLP branch zeroed: the bound's denominator), and compiled `rK` folders. Per
+variant: ms per step (median of --steps after --warmup) and the summed kernel time per op type, so
+(rK - noMLP) names what FastCar adds that the bound does not allow for.
+
+    python benchmarks/profile_genai.py --quick                # small model, ctx 256
+    python benchmarks/profile_genai.py --ctx 4096 --steps 40  # the bench_genai.py model
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_genai  # noqa: E402
+from _common import DEFAULT_CACHE  # noqa: E402
+
+CPU_TIME = False  # --cpu-time: process CPU seconds per step (1 thread, no spinning): robust to a loaded machine
+
+
+def _session(path: Path, threads: int, profile: bool, native: bool):
+    import onnxruntime as ort
+
+    from fastcar_compile.runtime.native import library_path
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+    so.enable_profiling = profile
+    if CPU_TIME:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.profile_file_prefix = str(Path(tempfile.gettempdir()) / "fastcar_profile_genai")
+    lib = library_path() if native else None
+    if lib is not None and path.name != "model.onnx":
+        so.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _binding(sess, ctx: int, max_length: int, head_dim: int, vocab: int):
+    """IO binding of one decode step at position ctx, state buffers bound as their own outputs."""
+    import onnxruntime as ort
+
+    io = sess.io_binding()
+    keep = []
+
+    def value(arr):
+        v = ort.OrtValue.ortvalue_from_numpy(arr)
+        keep.append((arr, v))
+        return v
+
+    io.bind_ortvalue_input("input_ids", value(np.array([[5]], np.int64 if _int64_ids(sess) else np.int32)))
+    io.bind_ortvalue_input("attention_mask", value(np.ones((1, ctx + 1), np.int64)))
+    outputs = {o.name for o in sess.get_outputs()}
+    for inp in sess.get_inputs():
+        name = inp.name
+        if not name.startswith("past_key_values."):
+            continue
+        out = "present." + name[len("past_key_values."):]
+        if name.endswith((".key", ".value")):
+            arr = np.zeros((1, inp.shape[1], max_length, head_dim), np.float32)
+        elif name.endswith(".recurrent_state"):  # age + 1 = 1: every slot written by a computed MLP
+            arr = np.ones([1, *inp.shape[1:]], np.int64)
+        else:
+            arr = np.random.default_rng(0).standard_normal([1, *inp.shape[1:]]).astype(np.float32)
+        v = value(arr)
+        io.bind_ortvalue_input(name, v)
+        if out in outputs:
+            io.bind_ortvalue_output(out, v)
+    io.bind_ortvalue_output("logits", value(np.empty((1, 1, vocab), np.float32)))
+    for o in outputs - {"logits"} - {"present." + i.name[len("past_key_values."):] for i in sess.get_inputs()
+                                     if i.name.startswith("past_key_values.")}:
+        io.bind_output(o)
+    return io, keep
+
+
+def _int64_ids(sess) -> bool:
+    return next(i for i in sess.get_inputs() if i.name == "input_ids").type == "tensor(int64)"
+
+
+def _branch_nodes(path: Path) -> set[str]:
+    """Names of the nodes inside If branches (their kernel times are also inside the If's own time)."""
+    import onnx
+
+    names: set[str] = set()
+
+    def walk(graph, inside: bool) -> None:
+        for node in graph.node:
+            if inside:
+                names.add(node.name)
+            for attr in node.attribute:
+                for g in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                    walk(g, True)
+
+    walk(onnx.load(str(path), load_external_data=False).graph, False)
+    return names
+
+
+def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native: bool, head_dim: int,
+            vocab: int) -> tuple[float, dict[str, float]]:
+    """(median ms per step, kernel ms per step by op type) over `steps` timed runs. Ops inside If branches
+    are listed as `If/<op>`, and `If` itself as the If's time less its branch's kernels (its own overhead)."""
+    branch = _branch_nodes(path)
+    sess = _session(path, threads, True, native)
+    io, _keep = _binding(sess, ctx, ctx + 8, head_dim, vocab)
+    for _ in range(warmup):
+        sess.run_with_iobinding(io)
+    times = []
+    clock = time.process_time if CPU_TIME else time.perf_counter
+    for _ in range(steps):
+        t0 = clock()
+        sess.run_with_iobinding(io)
+        times.append(clock() - t0)
+    trace_file = Path(sess.end_profiling())
+    trace = json.loads(trace_file.read_text())
+    trace_file.unlink()
+    runs = [e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    timed = runs[-steps:]
+    start = timed[0]["ts"] if timed else 0
+    by_op: dict[str, float] = collections.defaultdict(float)
+    for e in trace:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= start:
+            op, node = e["args"].get("op_name", "?"), e["name"][:-len("_kernel_time")]
+            ms = e["dur"] / 1e3 / steps
+            if node in branch:
+                by_op[f"If/{op}"] += ms
+                by_op["If"] -= ms
+            else:
+                by_op[op] += ms
+    return float(np.median(times)) * 1e3, dict(by_op)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ctx", type=int)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", default="dense,noMLP,r0,rall",
+                    help="comma-separated variant names (rK: K layers replay; rall: every layer) or NAME=FOLDER")
+    ap.add_argument("--no-native", action="store_true")
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--rounds", type=int, default=2, help="variants are profiled in turn this many times")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time steps by process CPU time (use with --threads 1): preemption by other jobs on a "
+                         "shared machine does not count; kernel times in the table stay wall-clock")
+    a = ap.parse_args(argv)
+    global CPU_TIME
+    CPU_TIME = a.cpu_time
+    cfg = dict(bench_genai.QUICK if a.quick else bench_genai.FULL)
+    shape = cfg["shape"]
+    ctx = a.ctx or cfg["contexts"][-1]
+    src = bench_genai.build_genai(shape, a.cache)
+    work = a.cache / f"genai-variants-{shape.tag()}-L{cfg['frame_tokens']}"
+    folders = bench_genai.variants(src, work, shape.layers, cfg["frame_tokens"])
+    names = [n.strip() for n in a.variants.split(",")]
+    names = [f"r{shape.layers}" if n == "rall" else n for n in names]
+    for spec in [n for n in names if "=" in n]:  # NAME=FOLDER: another build of a variant, e.g. for an A/B
+        name, folder = spec.split("=", 1)
+        folders[name] = Path(folder)
+        names[names.index(spec)] = name
+    results: dict[str, list[tuple[float, dict[str, float]]]] = collections.defaultdict(list)
+    for _ in range(a.rounds):
+        for name in names:
+            folder = folders[name]
+            path = folder / "fast.onnx" if (folder / "fast.onnx").is_file() else folder / "model.onnx"
+            results[name].append(profile(path, ctx, a.steps, a.warmup, a.threads, not a.no_native,
+                                         shape.head_dim, shape.vocab))
+    ms = {n: min(r[0] for r in rs) for n, rs in results.items()}
+    ops = {n: min(rs, key=lambda r: r[0])[1] for n, rs in results.items()}
+    clock = "CPU" if a.cpu_time else "wall"
+    print(f"ctx {ctx}, {a.threads} threads, {shape.tag()}: {clock} ms/step (best of {a.rounds} medians)")
+    print("  " + ", ".join(f"{n} {v:.2f}" for n, v in ms.items()))
+    if "dense" in ms and "noMLP" in ms:
+        f = 1 - ms["noMLP"] / ms["dense"]
+        print(f"  MLP share f = {f:.3f}")
+        for n in names:
+            k = n.split("-")[0]  # rK or rK-suffix
+            if k.startswith("r") and k[1:].isdigit():
+                r = int(k[1:]) / shape.layers
+                bound_ms = ms["dense"] * (1 - f * r)
+                print(f"  {n}: replay {r:.0%}: {ms[n]:.2f} ms vs bound {bound_ms:.2f} ms -> overhead "
+                      f"{ms[n] / bound_ms:.3f}x (speed-up {ms['dense'] / ms[n]:.2f}x, bound {1 / (1 - f * r):.2f}x)")
+    all_ops = sorted({o for d in ops.values() for o in d}, key=lambda o: -max(d.get(o, 0) for d in ops.values()))
+    print("kernel ms/step by op type:")
+    print("| op | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for o in all_ops:
+        print(f"| {o} | " + " | ".join(f"{ops[n].get(o, 0):.3f}" for n in names) + " |")
+    print("| sum of kernels | " + " | ".join(f"{sum(ops[n].values()):.3f}" for n in names) + " |")
+    print("(If = the If's own time less its branch's kernels; If/<op> = kernels inside the branches)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
