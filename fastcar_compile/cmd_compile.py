@@ -74,10 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make fastcar_threshold a [layers] input, one tau per rewritten layer")
     p.add_argument("--emit-diagnostics", action="store_true",
                    help="add outputs replay_mask.N and tas.N per rewritten layer")
-    p.add_argument("--fused-attention", action="store_true",
-                   help="replace exported attention cores (cache Concat, K transpose, MatMul/Softmax) by "
-                        "com.microsoft.GroupQueryAttention (in-place KV cache; batch > 1 multi-token steps after "
-                        "the prompt are refused by ORT's kernel)")
+    p.add_argument("--fused-attention", nargs="?", const="gqa", default=None, metavar="gqa|fastcar|off",
+                   help="replace exported attention cores (cache Concat, K transpose, MatMul/Softmax) by an attention "
+                        "that writes the KV cache in place: 'gqa' (the bare flag) = com.microsoft.GroupQueryAttention "
+                        "(batch > 1 multi-token steps after the prompt are refused by ORT's kernel); 'fastcar' = the "
+                        "ai.fastcar CompressedAttention op (native kernel; exact in every case)")
+    kv = p.add_argument_group("compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)")
+    kv.add_argument("--kv-budget", type=int, metavar="C", help="fixed KV slots per layer and KV head (memory stays flat)")
+    kv.add_argument("--kv-sinks", type=int, default=0, metavar="S", help="first S tokens always kept (attention sinks)")
+    kv.add_argument("--kv-window", type=int, default=0, metavar="W", help="last W tokens always kept (local window)")
+    kv.add_argument("--kv-eviction", choices=["mass", "oldest"], default="mass",
+                    help="which slot leaves a full cache: least attention mass received (default) or oldest")
+    kv.add_argument("--tempcache", type=float, metavar="SIM",
+                    help="TempCache: merge a key into the slot of its aligned token (p - L) when their pre-RoPE "
+                         "cosine exceeds SIM (mean value, count, +log(count) bias)")
+    kv.add_argument("--sparse-attention", metavar="lsh:BITSxTABLES",
+                    help="AnnSA: a decode query attends only to slots sharing an LSH bucket (plus sinks, window)")
     p.add_argument("--genai", action=argparse.BooleanOptionalAction, default=None,
                    help="name the state for onnxruntime-genai's generator and write genai_config.json beside "
                         "the output (default: when the input sits beside one)")
@@ -145,7 +157,9 @@ def main(argv: list[str]) -> int:
                            tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers,
                            per_layer_threshold=args.per_layer_threshold, emit_diagnostics=args.emit_diagnostics,
                            validate=not args.no_validate, genai=args.genai,
-                           fused_attention=args.fused_attention,
+                           fused_attention=args.fused_attention, kv_budget=args.kv_budget, kv_sinks=args.kv_sinks,
+                           kv_window=args.kv_window, kv_eviction=args.kv_eviction, tempcache=args.tempcache,
+                           sparse_attention=args.sparse_attention,
                            required_video_inputs=args.required_video_inputs)
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")

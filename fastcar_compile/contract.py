@@ -70,6 +70,24 @@ def mlp_age_output(layer: int) -> str:
     return f"present_mlp_age.{layer}"
 
 
+def kv_slots_input(layer: int) -> str:
+    """Slot records of a compressed KV cache (CompressedAttention with a budget): [batch, kv_heads, C, F]."""
+    return f"past_kv_slots.{layer}"
+
+
+def kv_slots_output(layer: int) -> str:
+    return f"present_kv_slots.{layer}"
+
+
+def kv_rawkey_input(layer: int) -> str:
+    """Pre-RoPE keys of a compressed KV cache's slots (TempCache compares them): [batch, kv_heads, C, D]."""
+    return f"past_kv_rawkey.{layer}"
+
+
+def kv_rawkey_output(layer: int) -> str:
+    return f"present_kv_rawkey.{layer}"
+
+
 def replay_mask_output(layer: int) -> str:
     return f"replay_mask.{layer}"
 
@@ -97,13 +115,20 @@ DOMAIN = "ai.fastcar"
 OPSET_VERSION = 1
 TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE = "TemporalGate", "MLPCacheRead", "MLPCacheUpdate"
 TEMPORAL_GATE_AT = "TemporalGateAt"  # TemporalGate with the token count as an input (shared KV buffers)
-OP_NAMES = (TEMPORAL_GATE, TEMPORAL_GATE_AT, MLP_CACHE_READ, MLP_CACHE_UPDATE)
+COMPRESSED_ATTENTION = "CompressedAttention"  # fused in-place attention (+ FAST-AR compressed KV modes)
+# TemporalGate on keys already gathered per new token (a compressed KV cache has no K[p - L] row to index)
+TEMPORAL_GATE_ALIGNED = "TemporalGateAligned"
+OP_NAMES = (TEMPORAL_GATE, TEMPORAL_GATE_AT, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION,
+            TEMPORAL_GATE_ALIGNED)
 # Attributes per op (tests/test_contract.py checks these against DESIGN.md and the function bodies).
 OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     TEMPORAL_GATE: ("frame_tokens", "max_replay"),
     TEMPORAL_GATE_AT: ("frame_tokens", "max_replay"),
+    TEMPORAL_GATE_ALIGNED: ("frame_tokens", "max_replay"),
     MLP_CACHE_READ: (),
     MLP_CACHE_UPDATE: (),
+    COMPRESSED_ATTENTION: ("num_heads", "kv_num_heads", "scale", "budget", "sinks", "window", "frame_tokens",
+                           "tempcache_sim", "eviction", "lsh_bits", "lsh_tables", "lsh_planes"),
 }
 
 # --- TAS variants and node tags -------------------------------------------------------------------------------
@@ -195,6 +220,10 @@ class FastCarMetadata:
         "FastCar state pair; fill is the new-video value (0 for caches, -1 for ages)"))
     kv: list[KVEntry] = field(metadata=_doc('JSON list of `{"input", "output"}` KV pairs'))
     diagnostics: bool = field(metadata=_doc("`true`/`false`: replay_mask.N / tas.N outputs present"))
+    kv_compress: dict[str, Any] | None = field(default=None, metadata=_doc(
+        "compressed KV cache settings (`fastar.KVCompressConfig` as JSON: budget, sinks, window, tempcache_sim, "
+        "eviction, lsh_bits, lsh_tables, seed) plus `layers`; `null` = dense KV. With a budget every KV "
+        "input/output of those layers is [batch, kv_heads, budget, head_dim] (slots, not positions)"))
 
     @staticmethod
     def key(name: str) -> str:
@@ -204,6 +233,8 @@ class FastCarMetadata:
         out: dict[str, str] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None and f.default is None:  # optional field not in use: absent, as in older models
+                continue
             if f.name in ("state", "kv"):
                 value = [v.to_json() for v in value]
             elif f.name == "threshold" and isinstance(value, tuple | list):
@@ -219,6 +250,8 @@ class FastCarMetadata:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             key = cls.key(f.name)
+            if key not in props and f.default is not dataclasses.MISSING:
+                continue  # a field added later: older models simply lack it
             if key not in props:
                 raise FastCarError(f"metadata lacks {key}; the model was compiled by another version, recompile it")
             text = props[key]

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
+from fastcar_compile import contract
 from fastcar_compile.compile_report import CompileReport
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.limits import check_state_size
@@ -59,7 +60,9 @@ def infer_shapes(model: ir.Model) -> str | None:
 
 def find_layers(model: ir.Model, notes: list[str] | None = None) -> list[disc.LayerMatch]:
     """Discovery, retried after shape inference when a layer does not match (TorchScript leaves shapes out)."""
-    if "fastcar.version" in model.metadata_props or any(n.domain == "ai.fastcar" for n in model.graph):
+    # (the fused-attention pass runs first and may already have put CompressedAttention nodes in)
+    if "fastcar.version" in model.metadata_props or any(
+            n.domain == "ai.fastcar" and n.op_type != contract.COMPRESSED_ATTENTION for n in model.graph):
         raise FastCarError("the model is already compiled by fastcar-compile (fastcar.version "
                            f"{model.metadata_props.get('fastcar.version', '?')}); compile the original export "
                            "(to change tau, use fastcar_compile.api.bake_threshold)")

@@ -31,10 +31,20 @@ class CompileOptions:
     layers: str | tuple[int, ...] | None = None
     per_layer_threshold: bool = False
     emit_diagnostics: bool = False
-    fused_attention: bool = False  # exported attention cores -> GroupQueryAttention (passes/fused_attention.py)
+    # exported attention cores -> com.microsoft.GroupQueryAttention ("gqa") or ai.fastcar CompressedAttention
+    # ("fastcar"); None/False = left as exported, True = "gqa" (passes/fused_attention.py)
+    fused_attention: str | bool | None = None
     # video_start / fastcar_threshold as plain inputs without defaults: onnxruntime-genai feeds only those from
     # generator.set_model_input (it drops names ORT lists as overridable initializers), docs/genai.md
     required_video_inputs: bool = False
+    # FAST-AR compressed KV cache in the fastcar attention op (fastcar_compile/fastar/config.py): slots per KV
+    # head, attention sinks, local window, eviction, TempCache similarity, AnnSA "lsh:BITSxTABLES"
+    kv_budget: int | None = None
+    kv_sinks: int = 0
+    kv_window: int = 0
+    kv_eviction: str = "mass"
+    tempcache: float | None = None
+    sparse_attention: str | None = None
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")
@@ -42,12 +52,62 @@ class CompileOptions:
         object.__setattr__(self, "threshold", tuple(float(t) for t in taus))
         contract.check_tas_query(self.tas_query)
         check_int("--max-replay", self.max_replay, 0, MAX_REPLAY, "0 = unlimited")
+        object.__setattr__(self, "fused_attention", check_fused_attention(self.fused_attention))
+        if self.kv_compress is not None:
+            if self.fused_attention == "gqa":
+                raise FastCarError("--kv-budget/--tempcache/--sparse-attention live in the fastcar attention op; "
+                                   "use --fused-attention fastcar (or leave --fused-attention out)")
+            object.__setattr__(self, "fused_attention", "fastcar")
         if not self.per_layer_threshold and len(self.threshold) != 1:
             raise FastCarError("several thresholds need --per-layer-threshold")
 
     @property
+    def kv_compress(self):
+        """The compressed-KV settings (fastar.KVCompressConfig, validated there), or None for a dense cache."""
+        if self.kv_budget is None and self.tempcache is None and self.sparse_attention is None and \
+                not self.kv_sinks and not self.kv_window:
+            return None
+        from fastcar_compile.fastar.config import KVCompressConfig
+
+        if self.kv_budget is None:
+            raise FastCarError("--kv-sinks/--kv-window/--tempcache/--sparse-attention need --kv-budget C (the "
+                               "fixed number of KV slots per layer and KV head)")
+        check_int("--kv-budget", self.kv_budget, 1, 1 << 24, "KV slots per layer and KV head")
+        bits, tables = parse_sparse_attention(self.sparse_attention)
+        return KVCompressConfig(budget=self.kv_budget, sinks=self.kv_sinks, window=self.kv_window,
+                                tempcache_sim=self.tempcache, eviction=self.kv_eviction, lsh_bits=bits,
+                                lsh_tables=tables, frame_len=self.frame_tokens, video_start=0)
+
+    @property
     def metadata_threshold(self) -> float | list[float]:
         return list(self.threshold) if self.per_layer_threshold else self.threshold[0]
+
+
+FUSED_ATTENTION = ("gqa", "fastcar")
+
+
+def parse_sparse_attention(value: str | None) -> tuple[int | None, int]:
+    """--sparse-attention 'lsh:BITSxTABLES' -> (bits, tables); None -> (None, 1)."""
+    if value is None:
+        return None, 1
+    head, _, spec = str(value).partition(":")
+    bits, _, tables = spec.partition("x")
+    if head != "lsh" or not bits.isdigit() or not tables.isdigit():
+        raise FastCarError(f"--sparse-attention must look like lsh:BITSxTABLES (e.g. lsh:8x4), got {value!r}")
+    if not (1 <= int(bits) <= 24 and 1 <= int(tables) <= 64):
+        raise FastCarError(f"--sparse-attention {value}: bits must be 1..24 and tables 1..64")
+    return int(bits), int(tables)
+
+
+def check_fused_attention(value: str | bool | None) -> str | None:
+    """--fused-attention's value: 'gqa' | 'fastcar' | None ('off'/False); True means 'gqa' (the first one built)."""
+    if value is None or value is False or value == "off":
+        return None
+    if value is True:
+        return "gqa"
+    if value not in FUSED_ATTENTION:
+        raise FastCarError(f"--fused-attention must be one of {', '.join(FUSED_ATTENTION)} or off, got {value!r}")
+    return value
 
 
 @dataclass
@@ -89,6 +149,8 @@ class CompileContext:
     threshold: ir.Value | None = None
     batch: ir.SymbolicDim | int | str = "batch"
     metadata: dict[str, str] = field(default_factory=dict)  # the fastcar.* props written
+    kv_state: list[contract.StateEntry] = field(default_factory=list)  # compressed-KV slot state (fused pass)
+    kv_compressed: list[int] = field(default_factory=list)  # layers whose KV cache is compressed
     genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator
 
     @property

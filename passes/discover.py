@@ -110,7 +110,8 @@ def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> Atten
                                "graph inputs")
         window = ma.window_length(pkey)
         ctx.trace.append(f"sliding-window cache: keeps {window if window is not None else '?'} positions")
-    gqa = core.core.op_type == "GroupQueryAttention" and len(core.core.inputs) > 6
+    # GroupQueryAttention's total_sequence_length / CompressedAttention's total_len (both input 6)
+    gqa = core.core.op_type in ("GroupQueryAttention", "CompressedAttention") and len(core.core.inputs) > 6
     return AttentionBlock(pkey, pvalue, core.core, core.core_output, q, layout, q_raw, raw_layout, rope, heads,
                           num_kv, head_dim, form=form, keys=core.keys, window=window,
                           total_len=core.core.inputs[6] if gqa else None)

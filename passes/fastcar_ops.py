@@ -129,11 +129,91 @@ _TEMPORAL_GATE_AT = _TEMPORAL_GATE.replace(
     "  total64 = Cast <to = 7> (total_len)\n  T = Reshape (total64, one)\n",
 )
 
+
+# CompressedAttention's body: dense causal GQA attention (all compression modes off), what the native kernel
+# computes in plain mode. The KV buffer is either the growing cache (past has P = total_len - S rows: present =
+# Concat(past, new)) or a preallocated one (N >= total_len rows: rows P..total_len-1 replaced); the one Concat of
+# past[:P], new, past[total_len:] covers both. A query at KV index P + i sees key j iff j <= P + i and
+# attention_mask[b, j] != 0; one that sees none outputs 0. The compressed modes (budget > 0) need the kernel.
+_COMPRESSED_ATTENTION = """
+<domain: "ai.fastcar", opset_import: ["" : {opset}]>
+CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, frame_tokens, tempcache_sim, eviction,
+                     lsh_bits, lsh_tables, lsh_planes>
+    (q, k, v, past_key, past_value, attention_mask, total_len, past_slots, k_raw, past_key_raw)
+    => (out, present_key, present_value) {{
+  zero = Constant <value = int64[1] {{0}}> ()
+  one = Constant <value = int64[1] {{1}}> ()
+  two = Constant <value = int64[1] {{2}}> ()
+  minus1 = Constant <value = int64[1] {{-1}}> ()
+  axes_last = Constant <value = int64[1] {{-1}}> ()
+  big = Constant <value = int64[1] {{9223372036854775807}}> ()
+  zero_s = Constant <value = int64 {{0}}> ()
+  one_s = Constant <value = int64 {{1}}> ()
+  shape_00m1 = Constant <value = int64[3] {{0, 0, -1}}> ()
+  lowest = Constant <value = float {{-3.4e38}}> ()
+  sc = Constant <value_float: float = @scale> ()
+  S = Shape <start = 2, end = 3> (q)
+  T = Cast <to = 7> (total_len)
+  T1 = Reshape (T, one)
+  P = Sub (T1, S)
+  k_head = Slice (past_key, zero, P, two)
+  k_tail = Slice (past_key, T1, big, two)
+  present_key = Concat <axis = 2> (k_head, k, k_tail)
+  v_head = Slice (past_value, zero, P, two)
+  v_tail = Slice (past_value, T1, big, two)
+  present_value = Concat <axis = 2> (v_head, v, v_tail)
+  keys = Slice (present_key, zero, T1, two)
+  vals = Slice (present_value, zero, T1, two)
+  B = Shape <start = 0, end = 1> (q)
+  Hq = Shape <start = 1, end = 2> (q)
+  Hkv = Shape <start = 1, end = 2> (past_key)
+  D = Shape <start = 3, end = 4> (q)
+  q5_shape = Concat <axis = 0> (B, Hkv, minus1, S, D)
+  q5 = Reshape (q, q5_shape)
+  k5 = Unsqueeze (keys, two)
+  kt = Transpose <perm = [0, 1, 2, 4, 3]> (k5)
+  raw = MatMul (q5, kt)
+  scores = Mul (raw, sc)
+  S_s = Squeeze (S, zero)
+  T_s = Squeeze (T1, zero)
+  P_s = Squeeze (P, zero)
+  i = Range (zero_s, S_s, one_s)
+  pi = Add (i, P_s)
+  j = Range (zero_s, T_s, one_s)
+  j_row = Unsqueeze (j, zero)
+  pi_col = Unsqueeze (pi, one)
+  causal = LessOrEqual (j_row, pi_col)
+  real = Cast <to = 9> (attention_mask)
+  m_shape = Concat <axis = 0> (B, one, one, one, T1)
+  real5 = Reshape (real, m_shape)
+  vis = And (causal, real5)
+  masked = Where (vis, scores, lowest)
+  soft = Softmax <axis = -1> (masked)
+  visf = Cast <to = 1> (vis)
+  probs = Mul (soft, visf)
+  v5 = Unsqueeze (vals, two)
+  ctx5 = MatMul (probs, v5)
+  ctx_shape = Concat <axis = 0> (B, Hq, S, D)
+  ctx4 = Reshape (ctx5, ctx_shape)
+  ctx_bshd = Transpose <perm = [0, 2, 1, 3]> (ctx4)
+  out = Reshape (ctx_bshd, shape_00m1)
+}}
+"""
+
+# TemporalGate on keys gathered per new token (aligned_key [B,Hkv,S,D]: row i = the post-RoPE key of token
+# p_i - L, CompressedAttention's output with a compressed cache); positions from total_len as TemporalGateAt.
+_TEMPORAL_GATE_ALIGNED = _TEMPORAL_GATE_AT.replace(
+    "TemporalGateAt <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start, total_len)",
+    "TemporalGateAligned <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start, total_len)",
+).replace("  idx = Max (aligned, zero_s)\n", "  idx = Range (zero_s, S_s, one_s)\n")
+
 OP_TEXTS = {
     contract.TEMPORAL_GATE: _TEMPORAL_GATE,
     contract.TEMPORAL_GATE_AT: _TEMPORAL_GATE_AT,
     contract.MLP_CACHE_READ: _MLP_CACHE_READ,
     contract.MLP_CACHE_UPDATE: _MLP_CACHE_UPDATE,
+    contract.COMPRESSED_ATTENTION: _COMPRESSED_ATTENTION,
+    contract.TEMPORAL_GATE_ALIGNED: _TEMPORAL_GATE_ALIGNED,
 }
 
 

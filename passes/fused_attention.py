@@ -1,4 +1,5 @@
-"""Fused attention: an exported attention core becomes `com.microsoft.GroupQueryAttention`.
+"""Fused attention: an exported attention core becomes `com.microsoft.GroupQueryAttention` or `ai.fastcar`
+CompressedAttention (`--fused-attention gqa|fastcar`).
 
 Exporters write attention as `present.N.key = Concat(past_key, k_new)`, a K transpose, the GQA expand
 (Unsqueeze/Expand/Reshape), MatMul/Softmax/MatMul: two O(context) copies of the cache per step (the
@@ -13,6 +14,11 @@ key/value become the graph's `present.N.*`. Masking: GQA is causal over KV indic
 additive `attention_bias` [B, 1, S, T] (0 for real, dtype-min for pad columns) and every row is treated as
 T long (`seqlens_k` = T - 1). The score scale is the product of the constant factors the exporter applied
 to q and k. Layers that do not have this shape stay as they were.
+
+`fastcar`: the same replacement by the ai.fastcar CompressedAttention op (passes/fastcar_ops.py, native kernel in
+runtime/native/compressed_attention.h): q, k, v stay [B, heads, S, D], the attention_mask goes in as it is (left
+padding and causality over KV indices inside the op), so multi-token steps after the prompt work at any batch
+(ORT's GQA refuses them at batch > 1); a preallocated KV buffer bound as past and present is written in place.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from fastcar_compile.passes import build
+from fastcar_compile import contract
+from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
+from fastcar_compile.passes.match_rotary import find_rotary_path
 
 MS = "com.microsoft"
 
@@ -125,6 +133,33 @@ def _bhsd_to_bse(b, graph, x: ir.Value, heads: int, head_dim: int) -> ir.Value:
     return out
 
 
+SLOT_FIELDS = 3  # slot record: KV index + 1, count, mass (then one LSH bucket per table); DESIGN.md
+
+
+def compressed_attributes(cfg, head_dim: int) -> dict:
+    """CompressedAttention's attributes for a fastar.KVCompressConfig (the LSH planes drawn as the reference)."""
+    from fastcar_compile.fastar.lsh import SignLSH
+
+    attrs = {"budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "frame_tokens": cfg.frame_len,
+             "eviction": cfg.eviction}
+    if cfg.tempcache_sim is not None:
+        attrs["tempcache_sim"] = float(cfg.tempcache_sim)
+    if cfg.lsh_bits:
+        planes = SignLSH(head_dim, cfg.lsh_bits, cfg.lsh_tables, cfg.seed).planes
+        attrs.update(lsh_bits=cfg.lsh_bits, lsh_tables=cfg.lsh_tables,
+                     lsh_planes=[float(x) for x in planes.astype(np.float32).reshape(-1)])
+    return attrs
+
+
+def describe(cfg) -> str:
+    parts = [f"budget {cfg.budget}, sinks {cfg.sinks}, window {cfg.window}, eviction {cfg.eviction}"]
+    if cfg.tempcache_sim is not None:
+        parts.append(f"TempCache {cfg.tempcache_sim:g}")
+    if cfg.lsh_bits:
+        parts.append(f"AnnSA lsh {cfg.lsh_bits}x{cfg.lsh_tables}")
+    return ", ".join(parts)
+
+
 def _own_names(nodes: list[ir.Node], key: str, tag: bool) -> None:
     """Names of their own (the rewrite passes number `fastcar/<layer>/...` from 0 too); shared nodes untagged."""
     for node in nodes:
@@ -155,6 +190,8 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT
         shared: list[ir.Node] = []
         b = build.Builder(0, shared, itertools.count())
+        if self.ctx.options.fused_attention == "fastcar":
+            return self._fastcar(model, plans, mask, shared, b)
         # Shared inputs of every layer's GQA: lengths and the left-padding bias.
         total64 = b("Squeeze", [b("Shape", [mask], {"start": 1, "end": 2}),
                                 build.const(graph, "fastcar.axes0", np.array([0], np.int64))])
@@ -175,6 +212,82 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         RemoveUnusedNodesPass()(model)
         self.ctx.notes.append(f"fused attention (GroupQueryAttention) in layers {sorted(plans)}")
         return ir.passes.PassResult(model, modified=True)
+
+    def _fastcar(self, model: ir.Model, plans: dict[int, dict], mask: ir.Value, shared: list[ir.Node],
+                 b: build.Builder) -> ir.passes.PassResult:
+        graph = model.graph
+        total64 = b("Shape", [mask], {"start": 1, "end": 2})
+        total = b("Cast", [b("Squeeze", [total64, build.const(graph, "fastcar.axes0", np.array([0], np.int64))])],
+                  {"to": ir.DataType.INT32}, names=["fastcar.ca.total_len"])
+        _own_names(shared, "shared", tag=False)
+        graph.insert_before(graph[0], shared)
+        cfg = self.ctx.options.kv_compress
+        for n, p in sorted(plans.items()):
+            nodes: list[ir.Node] = []
+            bl = build.Builder(n, nodes, itertools.count())
+            attrs = {"num_heads": p["heads"], "kv_num_heads": p["kv_heads"], "scale": float(p["scale"])}
+            inputs = [p["q"], p["k"], p["v"], p["past_k"], p["past_v"], mask, total]
+            if cfg is not None:
+                attrs.update(compressed_attributes(cfg, p["head_dim"]))
+                inputs += self._slot_state(graph, n, p, cfg)
+            outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN,
+                      outputs=3 if cfg is None else 5 + (cfg.tempcache_sim is not None), part="attention")
+            out, present_k, present_v = outs[:3]
+            if cfg is not None:
+                self._slot_outputs(graph, n, outs, inputs[7:])
+            out.shape, out.type = ir.Shape([None, None, p["heads"] * p["head_dim"]]), p["out"].type
+            _own_names(nodes, str(n), tag=True)
+            graph.insert_before(p["out"].consumers()[0], nodes)
+            self._rewire(graph, p, out, present_k, present_v)
+        fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
+        RemoveUnusedNodesPass()(model)
+        self.ctx.notes.append(f"fused attention (ai.fastcar CompressedAttention) in layers {sorted(plans)}")
+        if cfg is not None:
+            self.ctx.kv_compressed = sorted(plans)
+            self.ctx.notes.append(f"compressed KV cache in layers {sorted(plans)}: {describe(cfg)}")
+        return ir.passes.PassResult(model, modified=True)
+
+    def _slot_state(self, graph: ir.Graph, n: int, p: dict, cfg) -> list[ir.Value]:
+        """The layer's slot records (and raw keys for TempCache) as state inputs, recorded for the metadata."""
+        batch = p["past_k"].shape[0] if p["past_k"].shape is not None else "batch"
+        width = SLOT_FIELDS + (cfg.lsh_tables if cfg.lsh_bits else 0)
+        pairs = [(contract.kv_slots_input(n), contract.kv_slots_output(n), width)]
+        if cfg.tempcache_sim is not None:
+            pairs.append((contract.kv_rawkey_input(n), contract.kv_rawkey_output(n), p["head_dim"]))
+        values = []
+        for name, out_name, last in pairs:
+            shape = [batch, p["kv_heads"], cfg.budget, last]
+            values.append(build.graph_input(graph, name, ir.DataType.FLOAT, shape))
+            self.ctx.kv_state.append(contract.StateEntry(name, out_name, ("batch", p["kv_heads"], cfg.budget, last),
+                                                         "float", 0))
+        if cfg.tempcache_sim is not None:
+            k_raw, _, _ = find_rotary_path(p["k"])
+            values.insert(1, k_raw)
+        return values
+
+    @staticmethod
+    def _slot_outputs(graph: ir.Graph, n: int, outs: tuple[ir.Value, ...], state_in: list[ir.Value]) -> None:
+        """present_kv_slots.N (and present_kv_rawkey.N) become graph outputs typed like their inputs."""
+        outs[4].name = f"fastcar.{n}.aligned_key"
+        pairs = [(outs[3], state_in[0], contract.kv_slots_output(n))]
+        if len(outs) > 5:
+            pairs.append((outs[5], state_in[2], contract.kv_rawkey_output(n)))
+        for value, like, name in pairs:
+            value.name, value.type, value.shape = name, like.type, like.shape
+            graph.outputs.append(value)
+
+    @staticmethod
+    def _rewire(graph: ir.Graph, p: dict, out: ir.Value, present_k: ir.Value, present_v: ir.Value) -> None:
+        """The fused op's output replaces the projection input; its present key/value become the graph's."""
+        ir.convenience.replace_all_uses_with(p["out"], out)
+        for old, new in ((p["present_k"], present_k), (p["present_v"], present_v)):
+            name, typ, shape = old.name, old.type, old.shape
+            graph.outputs[graph.outputs.index(old)] = new
+            ir.convenience.replace_all_uses_with(old, new)
+            old.name = f"{name}.unfused"
+            new.name, new.type, new.shape = name, typ, shape
+        if not math.isfinite(p["scale"]) or p["scale"] <= 0:
+            raise AssertionError(f"attention scale {p['scale']}")
 
     def _fuse(self, graph: ir.Graph, n: int, p: dict, seqlens: ir.Value, total: ir.Value, bias4: ir.Value) -> None:
         nodes: list[ir.Node] = []
@@ -197,12 +310,4 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         out.shape, out.type = ir.Shape([None, None, heads * head_dim]), p["out"].type
         _own_names(nodes, str(n), tag=True)
         graph.insert_before(p["out"].consumers()[0], nodes)
-        ir.convenience.replace_all_uses_with(p["out"], out)
-        for old, new in ((p["present_k"], present_k), (p["present_v"], present_v)):
-            name, typ, shape = old.name, old.type, old.shape
-            graph.outputs[graph.outputs.index(old)] = new
-            ir.convenience.replace_all_uses_with(old, new)
-            old.name = f"{name}.unfused"
-            new.name, new.type, new.shape = name, typ, shape
-        if not math.isfinite(p["scale"]) or p["scale"] <= 0:
-            raise AssertionError(f"layer {n}: attention scale {p['scale']}")
+        self._rewire(graph, p, out, present_k, present_v)

@@ -63,6 +63,9 @@ class GatePass(ir.passes.InPlacePass):
         op, inputs = contract.TEMPORAL_GATE, [q, keys, lr.past_age, tau, self.ctx.video_start]
         if att.total_len is not None:  # GroupQueryAttention: the key buffer may be preallocated (shared)
             op, inputs = contract.TEMPORAL_GATE_AT, [*inputs, att.total_len]
+        if att.core_node.op_type == contract.COMPRESSED_ATTENTION and len(att.core_node.outputs) > 4:
+            # a compressed KV cache holds slots, not positions: the op gathered each token's aligned key
+            op, inputs[1] = contract.TEMPORAL_GATE_ALIGNED, att.core_node.outputs[4]
         lr.replay, lr.tas, lr.slot, lr.write = b(
             op, inputs,
             {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay},
@@ -82,7 +85,8 @@ def query_bhsd(graph: ir.Graph, b: build.Builder, att, tas_query: str) -> ir.Val
     q, layout = (att.q, att.q_layout) if tas_query == contract.TAS_ROPE else (att.q_raw, att.q_raw_layout)
     if att.packed_query is not None:  # GroupQueryAttention on packed QKV: the query is rebuilt
         q = genai_gqa.query(b, lambda name, v: build.const(graph, name, np.asarray(v, np.int64)), att.packed_query,
-                            att.num_heads, att.head_dim, tas_query == contract.TAS_ROPE)
+                            att.num_heads, att.head_dim, tas_query == contract.TAS_ROPE,
+                            tokens=next((v for v in graph.inputs if v.name == contract.INPUT_IDS), None))
         layout = "BSE"
     if layout == "BSE":
         q = b("Reshape", [q, build.const(graph, f"fastcar.shape.0_0_{att.num_heads}_{att.head_dim}",

@@ -45,10 +45,11 @@ def metadata_of(ctx: CompileContext) -> contract.FastCarMetadata:
         num_heads=first.attention.num_heads,
         num_kv_heads=first.attention.num_kv_heads,
         head_dim=first.attention.head_dim,
-        state=[s for lr in ctx.layers for s in lr.state],
+        state=[s for lr in ctx.layers for s in lr.state] + ctx.kv_state,
         kv=[contract.KVEntry(contract.kv_input(m.layer, k), contract.kv_output(m.layer, k))
             for m in ctx.matches for k in contract.KV_KINDS],
         diagnostics=opts.emit_diagnostics,
+        kv_compress=None if opts.kv_compress is None else {**opts.kv_compress.to_dict(), "layers": ctx.kv_compressed},
     )
 
 

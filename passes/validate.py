@@ -11,6 +11,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.save import Staging
 
@@ -69,6 +70,13 @@ def check_file(path: Path, model: ir.Model, *, external: bool, big: bool, source
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.log_severity_level = 3  # the overridable-initializer warning is by design
+    if _compressed(model):  # a compressed KV cache runs only in the native kernel (its body is the dense mode)
+        from fastcar_compile.runtime.native import library_path
+
+        lib = library_path()
+        if lib is None:
+            return
+        so.register_custom_ops_library(str(lib))
     try:
         ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001
@@ -76,6 +84,10 @@ def check_file(path: Path, model: ir.Model, *, external: bool, big: bool, source
             raise FastCarError(f"the input model {source} does not load in ONNX Runtime either "
                                f"({str(exc)[:300]}); fix or re-export it first") from None
         raise FastCarError(f"internal error: ONNX Runtime rejects the compiled model: {exc}") from None
+
+
+def _compressed(model: ir.Model) -> bool:
+    return any(n.op_type == contract.COMPRESSED_ATTENTION and "budget" in n.attributes for n in model.graph)
 
 
 class ValidatePass(ir.passes.InPlacePass):

@@ -213,6 +213,13 @@ class FastCarSession:
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
         # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
         self.max_length = self._check_shared_kv(max_length)
+        # compressed KV cache (kv_compress metadata): KV inputs hold `budget` slots per KV head, fixed size
+        kvc = fc.kv_compress if fc is not None else None
+        self.kv_slots: int | None = int(kvc["budget"]) if kvc and kvc.get("budget") else None
+        if self.kv_slots is not None and self.native_library is None:
+            raise FastCarError(f"{self.path.name} has a compressed KV cache ({contract.COMPRESSED_ATTENTION} with a "
+                               "budget), which only the native kernels run; build them (runtime/native) or "
+                               "recompile without --kv-budget")
         self.last_ort_s = 0.0  # seconds inside ONNX Runtime of the last step (the rest is Python)
 
     def _check_shared_kv(self, max_length: int | None) -> int | None:
@@ -225,11 +232,11 @@ class FastCarSession:
         graph = onnx.load(str(self.path), load_external_data=False).graph
         producer = {o: n.op_type for n in graph.node for o in n.output}
         kv = [s.output for s in self.specs if s.kind == "kv"]
-        bad = [o for o in kv if producer.get(o) != "GroupQueryAttention"]
+        bad = [o for o in kv if producer.get(o) not in ("GroupQueryAttention", contract.COMPRESSED_ATTENTION)]
         if bad or not kv:
             raise FastCarError(f"max_length (a shared, preallocated KV buffer) needs every present key/value "
-                               f"written by GroupQueryAttention; {bad[:2] or 'no KV'} is not. Compile with "
-                               "--fused-attention, or use an onnxruntime-genai graph")
+                               f"written by GroupQueryAttention or CompressedAttention; {bad[:2] or 'no KV'} is not. "
+                               "Compile with --fused-attention, or use an onnxruntime-genai graph")
         if self.vocab is None:
             raise FastCarError(f"max_length needs a static vocabulary axis on {contract.LOGITS}")
         self._vocab = self.vocab
@@ -313,10 +320,11 @@ class FastCarSession:
         if batch < 1:
             raise FastCarError(f"batch must be >= 1, got {batch}")
         arrays = {s.input: s.empty(batch) for s in self.specs}
-        if self.max_length is not None:  # allocated once per video, written in place by GroupQueryAttention
+        cap = self.kv_slots or self.max_length
+        if cap is not None:  # allocated once per video, written in place by the fused attention
             for s in self.specs:
                 if s.kind == "kv":
-                    arrays[s.input] = np.zeros([self.max_length if d == "past" else batch if d == "batch" else d
+                    arrays[s.input] = np.zeros([cap if d == "past" else batch if d == "batch" else d
                                                 for d in s.shape], dtype=s.dtype)
         buffer = np.ones((batch, self.max_length), np.int64) if self.max_length is not None else None
         return DecodeState(arrays, batch, 0, int(video_start), self.signature,
@@ -356,7 +364,7 @@ class FastCarSession:
             a = state.arrays[s.input]
             if a.dtype != s.dtype:
                 raise FastCarError(f"state {s.input} has dtype {a.dtype}, model expects {s.dtype}")
-            past = state.past_len if self.max_length is None else self.max_length
+            past = self.kv_slots or (state.past_len if self.max_length is None else self.max_length)
             want = [state.batch if d == "batch" else past if d == "past" else d for d in s.shape]
             if list(a.shape) != want:
                 raise FastCarError(f"state {s.input} has shape {list(a.shape)}, model expects {want} "
@@ -445,11 +453,12 @@ class FastCarSession:
         if threshold is not None:
             feeds[contract.THRESHOLD] = self._tau_feed(threshold)
         feeds.update(state.arrays)
-        if self.max_length is not None and state.past_len + seq > self.max_length:
+        if self.max_length is not None and self.kv_slots is None and state.past_len + seq > self.max_length:
             raise FastCarError(f"the video needs {state.past_len + seq} tokens of KV cache but the session was "
                                f"created with max_length={self.max_length}; create it with a larger max_length")
         try:
-            res = self._run_inplace(feeds, state, seq) if self.inplace or self.max_length is not None else None
+            shared = self.max_length is not None or self.kv_slots is not None
+            res = self._run_inplace(feeds, state, seq) if self.inplace or shared else None
             if res is None:
                 res = dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=True))
                 self._vocab, self._logits_dtype = res["logits"].shape[-1], res["logits"].dtype
@@ -492,7 +501,7 @@ class FastCarSession:
                 if not (a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"] and a.flags["OWNDATA"]):
                     a = feeds[fast[name]] = state.arrays[fast[name]] = np.array(a)
                 outs[name] = a
-            elif name in kv and self.max_length is not None:  # the shared buffer: GQA appends in place
+            elif name in kv and (self.max_length is not None or self.kv_slots):  # shared buffer, written in place
                 outs[name] = feeds[kv[name].input]
             elif name in kv:
                 sp = kv[name]

@@ -96,3 +96,90 @@ def test_shared_kv_buffer_session(zoo_model, fc_compile, tmp_path):
         FastCarSession(plain, max_length=64)
     with pytest.raises(FastCarError, match="max_length"):
         _greedy(FastCarSession(fused, max_length=8), prompt, [0, 0], 4)
+
+
+# --- the ai.fastcar CompressedAttention variant (--fused-attention fastcar) ----------------------------------------
+
+def _native_session(path):
+    """An ORT session with the native ai.fastcar kernels (skips where they cannot be built)."""
+    import onnxruntime as ort
+
+    from fastcar_compile.runtime.native import library_path
+
+    lib = library_path()
+    if lib is None:
+        pytest.skip("native kernels not built here")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = 2, 3
+    so.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("runner", ["body", "native"])
+def test_fastcar_attention_equals_the_export(zoo_model, fc_compile, tmp_path, runner):
+    """tau=+inf: logits equal the export within 1e-4 over a long decode at batch 2 with left padding, including
+    multi-token steps after the prompt (which ORT's GroupQueryAttention refuses at batch > 1); both the function
+    body (stock ORT) and the native kernel."""
+    src = zoo_model("llama", "dynamo20")
+    out = tmp_path / "fast.onnx"
+    _, report = fc_compile(str(src), output=str(out), frame_tokens=L, threshold=float("inf"),
+                           fused_attention="fastcar")
+    assert any("fused attention (ai.fastcar CompressedAttention) in layers [0, 1]" in n for n in report.notes)
+    graph = onnx.load(str(out)).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("CompressedAttention") == 2 and "Softmax" not in ops and "GroupQueryAttention" not in ops
+    rng = np.random.default_rng(2)
+    pad = [0, 3]
+    steps = [rng.integers(0, zoo.VOCAB, (2, 6))]
+    for k in range(10 * L):
+        steps.append(rng.integers(0, zoo.VOCAB, (2, 3 if k in (5, 17) else 1)))
+    want = ort_driver.decode(src, steps, pad=pad)
+    got = ort_driver.decode(out if runner == "body" else _native_session(out), steps, pad=pad)
+    real = np.arange(6)[None, :] >= np.array(pad)[:, None]
+    assert np.abs(got.logits[0] - want.logits[0])[real].max() <= 1e-4
+    for k in range(1, len(steps)):
+        assert np.abs(got.logits[k] - want.logits[k]).max() <= 1e-4, f"step {k}"
+
+
+def test_fastcar_attention_matches_eager_reference(zoo_model, fc_compile, tmp_path):
+    """Finite tau with the fastcar op: TAS, replay decisions, logits and final state equal the eager reference."""
+    case = tpr.Case("llama", "dynamo20", "rope", max_replay=2, pad=(0, 2), video_start=3)
+    tpr.check_against_reference(zoo_model, functools.partial(fc_compile, fused_attention="fastcar"), tmp_path, case)
+
+
+def test_fastcar_shared_buffer_session_multi_token(zoo_model, fc_compile, tmp_path):
+    """FastCarSession(max_length) on the fastcar-fused model (KV buffer written in place by the native kernel):
+    greedy logits equal the unfused compiled model with a growing cache, batch 2, left padding, replay, and a
+    3-token step after the prompt."""
+    from fastcar_compile.runtime import FastCarSession
+
+    src = zoo_model("llama", "dynamo20")
+    fused, plain = tmp_path / "fused.onnx", tmp_path / "plain.onnx"
+    fc_compile(str(src), output=str(fused), frame_tokens=L, threshold=0.0, fused_attention="fastcar")
+    fc_compile(str(src), output=str(plain), frame_tokens=L, threshold=0.0)
+    prompt = np.random.default_rng(5).integers(0, zoo.VOCAB, (2, 6))
+    mask = (np.arange(6)[None, :] >= np.array([0, 2])[:, None]).astype(np.int64)
+
+    def run(sess) -> tuple[np.ndarray, int]:
+        out = sess.step(sess.new_state(2), prompt, attention_mask=mask)
+        out = sess.step(out.state, prompt[:, :3] % 7)  # a multi-token step after the prompt, batch 2
+        logits, replayed = [out.logits[:, -1]], 0
+        for _ in range(6 * L):
+            out = sess.step(out.state, out.logits[:, -1].argmax(-1)[:, None])
+            logits.append(out.logits[:, -1])
+            replayed += int(out.replay.sum())
+        return np.stack(logits, 1), replayed
+
+    want, replayed = run(FastCarSession(plain))
+    fs = FastCarSession(fused, max_length=6 + 3 + 6 * L + 1)
+    got, _ = run(fs)
+    assert replayed > 0 and fs.native_library is not None
+    assert np.abs(got - want).max() <= 1e-4
+
+
+def test_bad_fused_attention_value_is_one_line(zoo_model, tmp_path):
+    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.passes.context import CompileOptions
+
+    with pytest.raises(FastCarError, match="--fused-attention must be one of gqa, fastcar or off, got 'flash'"):
+        CompileOptions(frame_tokens=4, fused_attention="flash")

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE / "fastcar_ops.cc"
+SRC = HERE / "fastcar_ops.cc"  # includes the headers beside it (compressed_attention.h)
 LIB_NAME = "libfastcar_ops.so"
 NPM_PACKAGE = "com.github.asus4.onnxruntime@0.4.9"
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastcar-compile"
@@ -108,7 +108,8 @@ def lib_path() -> Path:
     """Where the library for this onnxruntime and this kernel source lives (built or not)."""
     import onnxruntime
 
-    h = hashlib.sha256(SRC.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    sources = b"".join(f.read_bytes() for f in sorted(HERE.glob("*.cc")) + sorted(HERE.glob("*.h")))
+    h = hashlib.sha256(sources + " ".join(FLAGS).encode()).hexdigest()[:12]
     return CACHE_ROOT / "native" / f"ort{onnxruntime.__version__}-{h}" / LIB_NAME
 
 

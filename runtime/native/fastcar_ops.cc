@@ -11,6 +11,8 @@
 #undef ORT_API_MANUAL_INIT
 #include "onnxruntime_lite_custom_op.h"
 
+#include "compressed_attention.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +29,7 @@ int64_t PyMod(int64_t a, int64_t m) { return ((a % m) + m) % m; }
 struct TemporalGate {
   int64_t L = 1;
   int64_t K = 0;
+  bool aligned_rows = false;  // TemporalGateAligned: key row i already is token i's aligned key
 
   TemporalGate(const OrtApi* api, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -72,7 +75,7 @@ struct TemporalGate {
       for (int64_t i = 0; i < S; ++i) {
         const int64_t p = P + i;
         const int64_t aligned = p - L;
-        const int64_t idx = aligned > 0 ? aligned : 0;
+        const int64_t idx = aligned_rows ? i : (aligned > 0 ? aligned : 0);
         float acc = 0.0f;
         for (int64_t hk = 0; hk < Hkv; ++hk) {
           const float* kr = kd + ((b * Hkv + hk) * Tbuf + idx) * D;
@@ -103,6 +106,19 @@ struct TemporalGateAt : TemporalGate {
                Tensor<int64_t>& slot, Tensor<bool>& write) {
     Run(q, key, age, threshold, video_start, static_cast<int64_t>(total_len.Data()[0]), replay, tas, slot,
         write);
+  }
+};
+
+// TemporalGateAt on aligned_key [B,Hkv,S,D] (row i = key of token p_i - L; CompressedAttention's output).
+struct TemporalGateAligned : TemporalGateAt {
+  TemporalGateAligned(const OrtApi* api, const OrtKernelInfo* info) : TemporalGateAt(api, info) {
+    aligned_rows = true;
+  }
+  void Compute(const Tensor<float>& q, const Tensor<float>& key, const Tensor<int64_t>& age,
+               const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
+               const Tensor<int32_t>& total_len, Tensor<bool>& replay, Tensor<float>& tas,
+               Tensor<int64_t>& slot, Tensor<bool>& write) {
+    TemporalGateAt::Compute(q, key, age, threshold, video_start, total_len, replay, tas, slot, write);
   }
 };
 
@@ -150,6 +166,109 @@ void MLPCacheUpdate(const Tensor<float>& cache, const Tensor<int64_t>& age, cons
   }
 }
 
+
+template <typename T>
+T AttrOr(const Ort::ConstKernelInfo& ki, const char* name, T fallback) {
+  try {
+    return ki.GetAttribute<T>(name);
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+}
+
+// CompressedAttention(q [B,Hq,S,D], k [B,Hkv,S,D], v, past_key [B,Hkv,N,D], past_value, attention_mask [B,T],
+//   total_len [] int32, [past_slots [B,Hkv,C,F], k_raw [B,Hkv,S,D], past_key_raw [B,Hkv,C,D]])
+//   -> (out [B,S,Hq*D], present_key, present_value, [present_slots, aligned_key [B,Hkv,S,D], present_key_raw])
+struct CompressedAttention {
+  fastcar_attn::Settings cfg;
+
+  CompressedAttention(const OrtApi* api, const OrtKernelInfo* info) {
+    (void)api;
+    Ort::ConstKernelInfo ki(info);
+    cfg.heads = ki.GetAttribute<int64_t>("num_heads");
+    cfg.kv_heads = ki.GetAttribute<int64_t>("kv_num_heads");
+    cfg.scale = ki.GetAttribute<float>("scale");
+    cfg.budget = AttrOr<int64_t>(ki, "budget", 0);
+    cfg.sinks = AttrOr<int64_t>(ki, "sinks", 0);
+    cfg.window = AttrOr<int64_t>(ki, "window", 0);
+    cfg.frame_tokens = AttrOr<int64_t>(ki, "frame_tokens", 1);
+    cfg.tempcache_sim = AttrOr<float>(ki, "tempcache_sim", 2.0f);
+    cfg.evict_oldest = AttrOr<std::string>(ki, "eviction", "mass") == "oldest";
+    cfg.lsh_bits = AttrOr<int64_t>(ki, "lsh_bits", 0);
+    cfg.lsh_tables = AttrOr<int64_t>(ki, "lsh_tables", 0);
+    if (cfg.lsh_bits > 0) cfg.lsh_planes = ki.GetAttributes<float>("lsh_planes");
+  }
+
+  void Compute(OrtKernelContext* context, const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v,
+               const Tensor<float>& past_key, const Tensor<float>& past_value, const Tensor<int64_t>& mask,
+               const Tensor<int32_t>& total_len, std::optional<const Tensor<float>*> past_slots,
+               std::optional<const Tensor<float>*> k_raw, std::optional<const Tensor<float>*> past_key_raw,
+               Tensor<float>& out, Tensor<float>& present_key, Tensor<float>& present_value,
+               std::optional<Tensor<float>*> present_slots, std::optional<Tensor<float>*> aligned_key,
+               std::optional<Tensor<float>*> present_key_raw) {
+    const auto qs = q.Shape(), ks = past_key.Shape(), ms = mask.Shape();
+    fastcar_attn::Shapes sh;
+    sh.B = qs[0];
+    sh.S = qs[2];
+    sh.D = qs[3];
+    sh.N = ks[2];
+    sh.T = static_cast<int64_t>(total_len.Data()[0]);
+    sh.P = sh.T - sh.S;
+    if (qs[1] != cfg.heads || ks[1] != cfg.kv_heads || ks[3] != sh.D || ms.size() != 2 || ms[0] != sh.B ||
+        ms[1] != sh.T || sh.P < 0)
+      throw std::runtime_error("CompressedAttention: inconsistent shapes (q, past_key, attention_mask, total_len)");
+    Ort::KernelContext kctx(context);
+    float* o = out.Allocate({sh.B, sh.S, cfg.heads * sh.D});
+    if (cfg.budget == 0) {
+      const int64_t n_out = sh.N >= sh.T ? sh.N : sh.T;  // preallocated buffer, or the growing cache
+      if (sh.N < sh.T && sh.N != sh.P)
+        throw std::runtime_error("CompressedAttention: past_key holds neither the past tokens nor a buffer >= total_len");
+      float* pk = present_key.Allocate({sh.B, cfg.kv_heads, n_out, sh.D});
+      float* pv = present_value.Allocate({sh.B, cfg.kv_heads, n_out, sh.D});
+      fastcar_attn::WriteNew(sh, cfg.kv_heads, past_key.Data(), k.Data(), pk, n_out);
+      fastcar_attn::WriteNew(sh, cfg.kv_heads, past_value.Data(), v.Data(), pv, n_out);
+      fastcar_attn::DenseTask t{q.Data(), pk, pv, mask.Data(), o, sh.B, cfg.heads, cfg.kv_heads, sh.S, sh.D,
+                                n_out, sh.T, sh.P, 1, sh.S, cfg.scale};
+      t.tile = sh.S <= 4 ? sh.S : 32;
+      t.tiles = (sh.S + t.tile - 1) / t.tile;
+      const size_t items = static_cast<size_t>(sh.B * cfg.kv_heads * t.tiles);
+      kctx.ParallelFor(fastcar_attn::DenseItemThunk, items, 0, &t);
+      return;
+    }
+    if (!past_slots.has_value() || !present_slots.has_value())
+      throw std::runtime_error("CompressedAttention: a budget needs past_slots / present_slots");
+    const bool tempcache = cfg.tempcache_sim <= 1.0f;
+    if (tempcache && !(k_raw.has_value() && past_key_raw.has_value() && present_key_raw.has_value()))
+      throw std::runtime_error("CompressedAttention: tempcache_sim needs k_raw, past_key_raw and present_key_raw");
+    fastcar_attn::CompressedTask t;
+    t.cfg = &cfg;
+    t.sh = sh;
+    t.F = (*past_slots)->Shape()[3];
+    t.q = q.Data();
+    t.k = k.Data();
+    t.v = v.Data();
+    t.mask = mask.Data();
+    t.out = o;
+    t.key = present_key.Allocate({sh.B, cfg.kv_heads, sh.N, sh.D});
+    t.val = present_value.Allocate({sh.B, cfg.kv_heads, sh.N, sh.D});
+    t.slots = (*present_slots)->Allocate({sh.B, cfg.kv_heads, sh.N, t.F});
+    CopyIfDistinct(past_key.Data(), t.key, sh.B * cfg.kv_heads * sh.N * sh.D);
+    CopyIfDistinct(past_value.Data(), t.val, sh.B * cfg.kv_heads * sh.N * sh.D);
+    CopyIfDistinct((*past_slots)->Data(), t.slots, sh.B * cfg.kv_heads * sh.N * t.F);
+    if (tempcache) {
+      t.k_raw = (*k_raw)->Data();
+      t.key_raw = (*present_key_raw)->Allocate({sh.B, cfg.kv_heads, sh.N, sh.D});
+      CopyIfDistinct((*past_key_raw)->Data(), t.key_raw, sh.B * cfg.kv_heads * sh.N * sh.D);
+    }
+    if (aligned_key.has_value()) t.aligned = (*aligned_key)->Allocate({sh.B, cfg.kv_heads, sh.S, sh.D});
+    kctx.ParallelFor(fastcar_attn::CompressedItemThunk, static_cast<size_t>(sh.B * cfg.kv_heads), 0, &t);
+  }
+
+  static void CopyIfDistinct(const float* src, float* dst, int64_t n) {
+    if (src != dst) std::memcpy(dst, src, sizeof(float) * n);
+  }
+};
+
 std::once_flag g_once;
 std::unique_ptr<Ort::CustomOpDomain> g_domain;
 std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>> g_ops;
@@ -170,6 +289,10 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp("MLPCacheRead", "CPUExecutionProvider", MLPCacheRead));
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp("MLPCacheUpdate", "CPUExecutionProvider", MLPCacheUpdate));
+      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGateAligned>("TemporalGateAligned",
+                                                                               "CPUExecutionProvider"));
+      g_ops.emplace_back(
+          Ort::Custom::CreateLiteCustomOp<CompressedAttention>("CompressedAttention", "CPUExecutionProvider"));
       for (auto& op : g_ops) g_domain->Add(op.get());
     });
     Ort::UnownedSessionOptions so(options);

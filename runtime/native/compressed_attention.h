@@ -1,0 +1,346 @@
+// ai.fastcar CompressedAttention: native CPU kernel (semantics: docs/DESIGN.md, body: passes/fastcar_ops.py).
+//
+// Plain mode (no budget): dense causal GQA attention over a KV buffer that is either the exporter's growing
+// cache (past [B,Hkv,P,D] -> present [B,Hkv,P+S,D], a copy) or a preallocated buffer [B,Hkv,N,D], N >= T,
+// bound as both past and present (then only the S new rows are written: no per-step copy, as ORT's
+// GroupQueryAttention with past_present_share_buffer). Left padding (attention_mask), batch > 1 and
+// multi-token steps after the prompt are all exact: a query at KV index P+i sees key j iff j <= P+i and
+// mask[b, j] == 1; a query that sees no key outputs 0.
+// Compressed mode (budget > 0): the buffers hold C slots per KV head; see CompressedPath below.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fastcar_attn {
+
+constexpr int64_t kRows = 16;    // query rows (heads x tokens) computed together against one key
+constexpr int64_t kKeyBlock = 64;  // keys per block (their K and V rows stay in L1 while every row uses them)
+
+// exp for x <= 0 (softmax after max subtraction): 2^(x log2 e) by range reduction and a degree-6
+// polynomial; relative error ~2e-7, and a plain loop of it vectorises (libm's expf does not).
+inline float FastExp(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t);
+  const float f = t - n;  // [0, 1)
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
+
+struct DenseTask {
+  const float* q;     // [B,Hq,S,D]
+  const float* key;   // present key [B,Hkv,N,D]
+  const float* val;   // present value [B,Hkv,N,D]
+  const int64_t* mask;  // [B,T]
+  float* out;         // [B,S,Hq*D]
+  int64_t B, Hq, Hkv, S, D, N, T, P, tiles, tile;
+  float scale;
+};
+
+// One work item: batch row b, KV head hk, a tile of query tokens; all G query heads of the group.
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+inline void DenseItem(const DenseTask& t, int64_t item) {
+  const int64_t G = t.Hq / t.Hkv;
+  const int64_t tile_id = item % t.tiles;
+  const int64_t bh = item / t.tiles;
+  const int64_t b = bh / t.Hkv, hk = bh % t.Hkv;
+  const int64_t i0 = tile_id * t.tile, i1 = std::min(t.S, i0 + t.tile);
+  const int64_t D = t.D;
+  const int64_t rows = G * (i1 - i0);
+  const int64_t jmax = t.P + i1;  // keys [0, jmax) can be visible to some row of this tile
+  const int64_t* m = t.mask + b * t.T;
+  const float* kb = t.key + (b * t.Hkv + hk) * t.N * D;
+  const float* vb = t.val + (b * t.Hkv + hk) * t.N * D;
+  // rows are processed in chunks of kRows: qT [D][kRows] (scaled), logits [kRows][jmax]
+  std::vector<float> qT(D * kRows), logits(kRows * jmax), acc(kRows * D);
+  std::vector<int64_t> last(kRows);  // last visible key index per row
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t nr = std::min(kRows, rows - r0);
+    std::fill(qT.begin(), qT.end(), 0.0f);
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t g = (r0 + r) % G, i = i0 + (r0 + r) / G;
+      const float* qr = t.q + ((b * t.Hq + hk * G + g) * t.S + i) * D;
+      for (int64_t d = 0; d < D; ++d) qT[d * kRows + r] = qr[d] * t.scale;
+      last[r] = t.P + i;
+    }
+    const int64_t jend = t.P + i0 + (r0 + nr - 1) / G + 1;  // keys any row of this chunk may see
+    // scores: each key row is read once for all rows of the chunk
+    int64_t j = 0;
+    for (; j + 4 <= jend; j += 4) {
+      float a0[kRows] = {}, a1[kRows] = {}, a2[kRows] = {}, a3[kRows] = {};
+      const float* k0 = kb + j * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float* qd = qT.data() + d * kRows;
+        const float x0 = k0[d], x1 = k0[D + d], x2 = k0[2 * D + d], x3 = k0[3 * D + d];
+        for (int64_t r = 0; r < kRows; ++r) {
+          a0[r] += qd[r] * x0;
+          a1[r] += qd[r] * x1;
+          a2[r] += qd[r] * x2;
+          a3[r] += qd[r] * x3;
+        }
+      }
+      for (int64_t r = 0; r < kRows; ++r) {
+        logits[r * jmax + j] = a0[r];
+        logits[r * jmax + j + 1] = a1[r];
+        logits[r * jmax + j + 2] = a2[r];
+        logits[r * jmax + j + 3] = a3[r];
+      }
+    }
+    for (; j < jend; ++j) {
+      float a0[kRows] = {};
+      const float* k0 = kb + j * D;
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t r = 0; r < kRows; ++r) a0[r] += qT[d * kRows + r] * k0[d];
+      for (int64_t r = 0; r < kRows; ++r) logits[r * jmax + j] = a0[r];
+    }
+    // masked softmax per row (probabilities overwrite the logits; invisible keys get 0)
+    for (int64_t r = 0; r < nr; ++r) {
+      float* lr = logits.data() + r * jmax;
+      const int64_t jl = last[r] + 1;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t jj = 0; jj < jl; ++jj)
+        if (m[jj] != 0) mx = std::max(mx, lr[jj]);
+      if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible (a left-pad query): output 0
+        std::fill(lr, lr + jend, 0.0f);
+        continue;
+      }
+      float sum = 0.0f;
+      for (int64_t jj = 0; jj < jl; ++jj) {
+        const float e = m[jj] != 0 ? FastExp(lr[jj] - mx) : 0.0f;
+        lr[jj] = e;
+        sum += e;
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t jj = 0; jj < jl; ++jj) lr[jj] *= inv;
+      for (int64_t jj = jl; jj < jend; ++jj) lr[jj] = 0.0f;
+    }
+    // P @ V, key blocks so each V block stays in cache while every row reads it
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j0 = 0; j0 < jend; j0 += kKeyBlock) {
+      const int64_t j1 = std::min(jend, j0 + kKeyBlock);
+      for (int64_t r = 0; r < nr; ++r) {
+        float* ar = acc.data() + r * D;
+        const float* pr = logits.data() + r * jmax;
+        for (int64_t jj = j0; jj < j1; ++jj) {
+          const float p = pr[jj];
+          if (p == 0.0f) continue;
+          const float* vr = vb + jj * D;
+          for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+        }
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t g = (r0 + r) % G, i = i0 + (r0 + r) / G;
+      float* o = t.out + ((b * t.S + i) * t.Hq + hk * G + g) * D;
+      std::memcpy(o, acc.data() + r * D, sizeof(float) * D);
+    }
+  }
+}
+
+inline void DenseItemThunk(void* data, size_t item) { DenseItem(*static_cast<DenseTask*>(data), item); }
+
+
+struct Settings {
+  int64_t heads = 1, kv_heads = 1;
+  float scale = 1.0f;
+  int64_t budget = 0, sinks = 0, window = 0, frame_tokens = 1;
+  float tempcache_sim = 2.0f;  // > 1: no merging
+  bool evict_oldest = false;
+  int64_t lsh_bits = 0, lsh_tables = 0;
+  std::vector<float> lsh_planes;  // [tables, bits, D]
+};
+
+struct Shapes {
+  int64_t B = 0, S = 0, D = 0, N = 0, T = 0, P = 0;
+};
+
+// present[b,h] = past[b,h] (unless it is the same buffer) with rows P..P+S-1 = new[b,h]; present has n_out rows.
+inline void WriteNew(const Shapes& sh, int64_t Hkv, const float* past, const float* fresh, float* present,
+                     int64_t n_out) {
+  const int64_t D = sh.D;
+  for (int64_t bh = 0; bh < sh.B * Hkv; ++bh) {
+    float* dst = present + bh * n_out * D;
+    if (present != past) std::memcpy(dst, past + bh * sh.N * D, sizeof(float) * std::min(sh.N, n_out) * D);
+    std::memcpy(dst + sh.P * D, fresh + bh * sh.S * D, sizeof(float) * sh.S * D);
+  }
+}
+
+// --- compressed mode: C slots per (row, KV head); semantics of fastcar_compile/fastar/cache.py (HeadCache) ----
+// slot record (past_slots/present_slots [B,Hkv,C,F], float32, all zeros = free):
+//   [0] KV index + 1 of the slot's latest member (0 = free), [1] members (count), [2] attention mass received,
+//   [3 .. 3 + lsh_tables) the key's LSH bucket per table.
+constexpr int64_t kPos = 0, kCount = 1, kMass = 2, kCodes = 3;
+
+struct CompressedTask {
+  const Settings* cfg = nullptr;
+  Shapes sh;
+  int64_t F = 3;
+  const float *q = nullptr, *k = nullptr, *v = nullptr, *k_raw = nullptr;
+  const int64_t* mask = nullptr;
+  float *out = nullptr, *key = nullptr, *val = nullptr, *slots = nullptr, *key_raw = nullptr;
+  float* aligned = nullptr;  // [B,Hkv,S,D]: key of token p - L per new token (zeros when not resident)
+};
+
+inline void LshCodes(const Settings& c, const float* x, int64_t D, float* codes) {
+  for (int64_t t = 0; t < c.lsh_tables; ++t) {
+    int64_t code = 0;
+    for (int64_t bit = 0; bit < c.lsh_bits; ++bit) {
+      const float* pl = c.lsh_planes.data() + (t * c.lsh_bits + bit) * D;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < D; ++d) dot += pl[d] * x[d];
+      if (dot > 0.0f) code |= int64_t{1} << bit;
+    }
+    codes[t] = static_cast<float>(code);
+  }
+}
+
+inline float Cosine(const float* a, const float* b, int64_t D) {
+  double ab = 0, aa = 0, bb = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    ab += double(a[d]) * b[d];
+    aa += double(a[d]) * a[d];
+    bb += double(b[d]) * b[d];
+  }
+  const double den = std::sqrt(aa) * std::sqrt(bb);
+  return den > 0 ? static_cast<float>(ab / den) : 0.0f;
+}
+
+inline void CompressedItem(const CompressedTask& t, int64_t bh) {
+  const Settings& c = *t.cfg;
+  const Shapes& sh = t.sh;
+  const int64_t D = sh.D, C = sh.N, F = t.F, G = c.heads / c.kv_heads;
+  const int64_t b = bh / c.kv_heads, hk = bh % c.kv_heads;
+  float* key = t.key + bh * C * D;
+  float* val = t.val + bh * C * D;
+  float* slots = t.slots + bh * C * F;
+  float* key_raw = t.key_raw != nullptr ? t.key_raw + bh * C * D : nullptr;
+  const int64_t* m = t.mask + b * sh.T;
+  const bool tempcache = c.tempcache_sim <= 1.0f;
+  std::vector<float> w(C), qcode(std::max<int64_t>(c.lsh_tables, 1));
+  std::vector<int64_t> sel(C);
+  auto pos = [&](int64_t s) { return static_cast<int64_t>(slots[s * F + kPos]) - 1; };
+  for (int64_t i = 0; i < sh.S; ++i) {
+    const int64_t p = sh.P + i;
+    if (t.aligned != nullptr) {  // the gate's aligned key, read before token p is written (it may merge there)
+      float* dst = t.aligned + (bh * sh.S + i) * D;
+      std::fill_n(dst, D, 0.0f);
+      for (int64_t s = 0; s < C && p >= c.frame_tokens; ++s)
+        if (pos(s) == p - c.frame_tokens) {
+          std::memcpy(dst, key + s * D, sizeof(float) * D);
+          break;
+        }
+    }
+    // a left-pad token is stored (the gate may read it as an aligned key, as in the dense cache) but never
+    // merged into, never attended (mask), and its own query sees nothing (output 0)
+    const bool real = m[p] != 0;
+    const float* kn = t.k + (bh * sh.S + i) * D;
+    const float* vn = t.v + (bh * sh.S + i) * D;
+    const float* kr = key_raw != nullptr ? t.k_raw + (bh * sh.S + i) * D : nullptr;
+    // 1. TempCache: merge into the slot of token p - L (aligned correspondent) when the raw keys agree
+    int64_t slot = -1;
+    if (real && tempcache && p >= c.sinks && p >= c.frame_tokens && p - c.frame_tokens >= c.sinks) {
+      for (int64_t s = 0; s < C; ++s)
+        if (pos(s) == p - c.frame_tokens) {
+          if (m[p - c.frame_tokens] != 0 && Cosine(kr, key_raw + s * D, D) > c.tempcache_sim) slot = s;
+          break;
+        }
+    }
+    if (slot >= 0) {
+      float* sv = val + slot * D;
+      const float cnt = slots[slot * F + kCount];
+      for (int64_t d = 0; d < D; ++d) sv[d] = (sv[d] * cnt + vn[d]) / (cnt + 1.0f);
+      slots[slot * F + kCount] = cnt + 1.0f;
+    } else {
+      for (int64_t s = 0; s < C && slot < 0; ++s)
+        if (slots[s * F + kPos] == 0.0f) slot = s;
+      if (slot < 0) {  // 2. full: evict a slot that is neither a sink nor in the window
+        float best = std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < C; ++s) {
+          const int64_t ps = pos(s);
+          if (ps < c.sinks || ps > p - c.window) continue;
+          const float score = c.evict_oldest ? static_cast<float>(ps) : slots[s * F + kMass];
+          if (score < best) {
+            best = score;
+            slot = s;
+          }
+        }
+        if (slot < 0) throw std::runtime_error("CompressedAttention: no evictable slot (budget <= sinks + window)");
+      }
+      std::memcpy(val + slot * D, vn, sizeof(float) * D);
+      slots[slot * F + kCount] = 1.0f;
+      slots[slot * F + kMass] = 0.0f;
+    }
+    std::memcpy(key + slot * D, kn, sizeof(float) * D);
+    if (key_raw != nullptr) std::memcpy(key_raw + slot * D, kr, sizeof(float) * D);
+    slots[slot * F + kPos] = static_cast<float>(p + 1);
+    if (c.lsh_bits > 0) LshCodes(c, kn, D, slots + slot * F + kCodes);
+    if (!real) {
+      for (int64_t g = 0; g < G; ++g)
+        std::fill_n(t.out + ((b * sh.S + i) * c.heads + hk * G + g) * D, D, 0.0f);
+      continue;
+    }
+    // 3. attend: every query head of the group, over all live slots or (AnnSA) bucket hits + sinks + window
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qv = t.q + ((b * c.heads + hk * G + g) * sh.S + i) * D;
+      if (c.lsh_bits > 0) LshCodes(c, qv, D, qcode.data());
+      int64_t n = 0;
+      for (int64_t s = 0; s < C; ++s) {
+        const float* rec = slots + s * F;
+        if (rec[kPos] == 0.0f || m[pos(s)] == 0) continue;
+        bool keep = true;
+        if (c.lsh_bits > 0) {
+          const int64_t ps = pos(s);
+          keep = s == slot || ps < c.sinks || ps > p - c.window;
+          for (int64_t tb = 0; tb < c.lsh_tables && !keep; ++tb) keep = rec[kCodes + tb] == qcode[tb];
+        }
+        if (keep) sel[n++] = s;
+      }
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t a = 0; a < n; ++a) {
+        const float* kk = key + sel[a] * D;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dot += qv[d] * kk[d];
+        w[a] = dot * c.scale + std::log(slots[sel[a] * F + kCount]);
+        mx = std::max(mx, w[a]);
+      }
+      float sum = 0.0f;
+      for (int64_t a = 0; a < n; ++a) {
+        w[a] = std::exp(w[a] - mx);
+        sum += w[a];
+      }
+      float* o = t.out + ((b * sh.S + i) * c.heads + hk * G + g) * D;
+      std::fill_n(o, D, 0.0f);
+      for (int64_t a = 0; a < n; ++a) {
+        const float pa = w[a] / sum;
+        slots[sel[a] * F + kMass] += pa;
+        const float* vv = val + sel[a] * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += pa * vv[d];
+      }
+    }
+  }
+}
+
+inline void CompressedItemThunk(void* data, size_t item) {
+  CompressedItem(*static_cast<CompressedTask*>(data), static_cast<int64_t>(item));
+}
+
+}  // namespace fastcar_attn

@@ -1,0 +1,250 @@
+"""Compressed KV cache in CompressedAttention's native kernel (--kv-budget/--kv-sinks/--kv-window, --tempcache,
+--sparse-attention): the kernel against the NumPy reference fastcar_compile/fastar (HeadCache via run_trace) on
+the same q/k/v, slot bookkeeping against the reference's, and end to end: budget >= context equals the original
+export (logits 1e-4) and the uncompressed fused model at a finite tau (replay decisions included)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import ort_driver
+import pytest
+import zoo
+from test_compressed_attention import session
+
+from fastcar_compile.errors import FastCarError
+from fastcar_compile.fastar.attention import run_trace
+from fastcar_compile.fastar.config import KVCompressConfig
+from fastcar_compile.fastar.lsh import SignLSH
+from fastcar_compile.fastar.rope import apply_rope
+from fastcar_compile.passes.fused_attention import SLOT_FIELDS, compressed_attributes
+
+HQ, HKV, D, L = 4, 2, 8, 6
+
+
+def _trace(seed: int, T: int, repeat: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pre-RoPE q [T, Hq, D], k and v [T, Hkv, D]; with `repeat`, frames of L tokens whose keys mostly recur
+    (TempCache merges them) but whose values differ."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((T, HQ, D))
+    k = rng.standard_normal((T, HKV, D))
+    if repeat:
+        for t in range(L, T):
+            if rng.random() < 0.7:
+                k[t] = k[t - L] + 0.01 * rng.standard_normal((HKV, D))
+    v = rng.standard_normal((T, HKV, D))
+    return q, k, v
+
+
+def _run_kernel(cfg: KVCompressConfig, q, k, v, chunks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Feed the trace through the native op in steps of `chunks` tokens (batch 1, no padding); returns the
+    outputs [T, Hq, D] and the final slot records [Hkv, C, F]."""
+    T = q.shape[0]
+    pos = np.arange(T)
+    q_post = np.swapaxes(apply_rope(np.swapaxes(q, 0, 1), pos), 0, 1)  # [T, Hq, D]
+    k_post = np.swapaxes(apply_rope(np.swapaxes(k, 0, 1), pos), 0, 1)
+    tempcache = cfg.tempcache_sim is not None
+    attrs = compressed_attributes(cfg, D)
+    sess = session(True, n_in=10 if tempcache else 8, n_out=6 if tempcache else 5, **attrs)
+    C, F = cfg.budget, SLOT_FIELDS + (cfg.lsh_tables if cfg.lsh_bits else 0)
+    state = {"past_key": np.zeros((1, HKV, C, D), np.float32), "past_value": np.zeros((1, HKV, C, D), np.float32),
+             "past_slots": np.zeros((1, HKV, C, F), np.float32)}
+    if tempcache:
+        state["past_key_raw"] = np.zeros((1, HKV, C, D), np.float32)
+    outs, p = [], 0
+    for n in chunks:
+        sl = slice(p, p + n)
+
+        def bhsd(x, sl=sl):
+            return np.ascontiguousarray(np.swapaxes(x[sl], 0, 1)[None], dtype=np.float32)
+
+        feeds = {"q": bhsd(q_post), "k": bhsd(k_post), "v": bhsd(v), "attention_mask": np.ones((1, p + n), np.int64),
+                 "total_len": np.array(p + n, np.int32), **state}
+        if tempcache:
+            feeds["k_raw"] = bhsd(k)
+        res = sess.run(None, feeds)
+        outs.append(res[0].reshape(n, HQ, D))
+        state["past_key"], state["past_value"], state["past_slots"] = res[1], res[2], res[3]
+        if tempcache:
+            state["past_key_raw"] = res[5]
+        p += n
+    return np.concatenate(outs), state["past_slots"][0]
+
+
+CONFIGS = {
+    "window": dict(budget=12, sinks=2, window=5),
+    "window-oldest": dict(budget=12, sinks=2, window=5, eviction="oldest"),
+    "tempcache": dict(budget=40, sinks=1, window=2, tempcache_sim=0.9),
+    "tempcache-bounded": dict(budget=14, sinks=2, window=3, tempcache_sim=0.9),
+    "lsh": dict(budget=64, sinks=2, window=4, lsh_bits=3, lsh_tables=2),
+    "all": dict(budget=16, sinks=2, window=4, tempcache_sim=0.95, lsh_bits=2, lsh_tables=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_kernel_equals_fastar_reference(name):
+    """Outputs over a 60-token trace (single-token steps and multi-token chunks) and the final slots (KV index,
+    member count per slot) equal the reference HeadCache's."""
+    cfg = KVCompressConfig(**CONFIGS[name], frame_len=L, video_start=0)
+    q, k, v = _trace(7, 60, repeat=cfg.tempcache_sim is not None)
+    ref = run_trace(q, k, v, cfg)
+    got, slots = _run_kernel(cfg, q, k, v, [5, 1, 1, 3] + [1] * 50)
+    assert np.abs(got - ref.out).max() <= 1e-4, np.abs(got - ref.out).max()
+    for h, cache in enumerate(ref.caches):
+        live = slots[h, :, 0] > 0
+        got_slots = sorted(zip(slots[h, live, 0].astype(int) - 1, slots[h, live, 1].astype(int), strict=True))
+        want = sorted(zip(cache.pos[cache.live].tolist(), cache.count[cache.live].tolist(), strict=True))
+        assert got_slots == want
+    if cfg.tempcache_sim is not None:
+        assert ref.metrics.merges > 0  # the case exercises merging
+    if cfg.budget < 60 - ref.metrics.merges / HKV:  # more tokens than slots: eviction is exercised
+        assert ref.metrics.evicted > 0
+
+
+def test_budget_above_context_is_dense():
+    """No compression in effect (budget >= tokens, no merging, no sparsity): the kernel equals dense attention
+    written independently (softmax over every earlier token, keys at their true positions)."""
+    cfg = KVCompressConfig(budget=64, frame_len=L, video_start=0)
+    q, k, v = _trace(3, 30, repeat=False)
+    got, _ = _run_kernel(cfg, q, k, v, [4] + [1] * 26)
+    pos = np.arange(30)
+    qp, kp = apply_rope(np.swapaxes(q, 0, 1), pos), apply_rope(np.swapaxes(k, 0, 1), pos)
+    for t in range(30):
+        for h in range(HQ):
+            s = kp[h // 2, : t + 1] @ qp[h, t] / np.sqrt(D)
+            w = np.exp(s - s.max())
+            assert np.abs(got[t, h] - (w / w.sum()) @ v[: t + 1, h // 2]).max() <= 1e-5
+
+
+def test_slot_bookkeeping_properties():
+    """Over a long trace with merging and eviction: at most C live slots, KV indices distinct, counts >= 1, the
+    sinks and the last W tokens resident, and every member count adds up with the reference's evictions."""
+    cfg = KVCompressConfig(budget=10, sinks=2, window=3, tempcache_sim=0.9, frame_len=L, video_start=0)
+    q, k, v = _trace(11, 80, repeat=True)
+    _, slots = _run_kernel(cfg, q, k, v, [1] * 80)
+    ref = run_trace(q, k, v, cfg)
+    for h in range(HKV):
+        live = slots[h, :, 0] > 0
+        pos, count = slots[h, live, 0].astype(int) - 1, slots[h, live, 1].astype(int)
+        assert live.sum() <= cfg.budget and len(set(pos)) == len(pos) and (count >= 1).all()
+        assert {0, 1} <= set(pos) and {77, 78, 79} <= set(pos)
+        assert count.sum() + ref.caches[h].evicted == 80
+
+
+def test_lsh_planes_are_the_reference_hasher():
+    cfg = KVCompressConfig(budget=8, lsh_bits=5, lsh_tables=3, seed=4, frame_len=L, video_start=0)
+    planes = np.array(compressed_attributes(cfg, D)["lsh_planes"]).reshape(3, 5, D)
+    assert np.array_equal(planes, SignLSH(D, 5, 3, seed=4).planes.astype(np.float32))
+
+
+# --- end to end ----------------------------------------------------------------------------------------------
+
+def _decode(sess, prompt, mask, steps):
+    out = sess.step(sess.new_state(prompt.shape[0]), prompt, attention_mask=mask)
+    logits, replay = [out.logits], []
+    for ids in steps:
+        out = sess.step(out.state, ids)
+        logits.append(out.logits)
+        if out.replay is not None:
+            replay.append(out.replay)
+    return logits, replay
+
+
+def test_budget_above_context_equals_the_export(zoo_model, fc_compile, tmp_path):
+    """--kv-budget >= every token of the decode (sinks, window, eviction policy set but never used): logits equal
+    the original export within 1e-4, batch 2 with left padding and a multi-token step after the prompt; and at a
+    finite tau the compiled model equals the uncompressed fastcar-fused one (replay decisions included)."""
+    from fastcar_compile.runtime import FastCarSession
+
+    src = zoo_model("llama", "dynamo20")
+    comp, plain = tmp_path / "comp.onnx", tmp_path / "plain.onnx"
+    fc_compile(str(src), output=str(comp), frame_tokens=4, threshold=float("inf"), kv_budget=64, kv_sinks=2,
+               kv_window=8)
+    rng = np.random.default_rng(8)
+    pad = [0, 3]
+    prompt = rng.integers(0, zoo.VOCAB, (2, 6))
+    mask = (np.arange(6)[None, :] >= np.array(pad)[:, None]).astype(np.int64)
+    steps = [rng.integers(0, zoo.VOCAB, (2, 3 if k == 4 else 1)) for k in range(30)]
+    got, _ = _decode(FastCarSession(comp), prompt, mask, steps)
+    want = ort_driver.decode(src, [prompt, *steps], pad=pad).logits
+    real = mask.astype(bool)
+    assert np.abs(got[0] - want[0])[real].max() <= 1e-4
+    for k in range(1, len(want)):
+        assert np.abs(got[k] - want[k]).max() <= 1e-4, f"step {k}"
+    meta = onnx.load(str(comp), load_external_data=False).metadata_props
+    kvc = {p.key: p.value for p in meta}["fastcar.kv_compress"]
+    assert '"budget": 64' in kvc and '"layers": [0, 1]' in kvc
+    # finite tau: the gate reads the aligned key the op gathered from its slots
+    fc_compile(str(src), output=str(comp), frame_tokens=4, threshold=0.0, kv_budget=64, kv_sinks=2, kv_window=8)
+    fc_compile(str(src), output=str(plain), frame_tokens=4, threshold=0.0, fused_attention="fastcar")
+    steps = [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(24)]
+    got, rg = _decode(FastCarSession(comp), prompt, mask, steps)
+    want, rw = _decode(FastCarSession(plain), prompt, mask, steps)
+    assert np.array_equal(np.stack(rg), np.stack(rw)) and np.stack(rw).any()
+    assert max(np.abs(a - b).max() for a, b in zip(got, want, strict=True)) <= 1e-4
+
+
+def test_small_budget_runs_flat(zoo_model, fc_compile, tmp_path):
+    """A budget below the context: the state stays [batch, kv_heads, C, D] per layer while the video grows, and
+    logits stay finite (eviction and the sinks/window at work; quality is benchmarks' business)."""
+    from fastcar_compile.runtime import FastCarSession
+
+    src = zoo_model("llama", "dynamo20")
+    comp = tmp_path / "comp.onnx"
+    fc_compile(str(src), output=str(comp), frame_tokens=4, threshold=0.0, kv_budget=10, kv_sinks=2, kv_window=5,
+               tempcache=0.9, sparse_attention="lsh:4x2")
+    sess = FastCarSession(comp)
+    rng = np.random.default_rng(9)
+    logits, _ = _decode(sess, rng.integers(0, zoo.VOCAB, (1, 6)), np.ones((1, 6), np.int64),
+                        [rng.integers(0, zoo.VOCAB, (1, 1)) for _ in range(40)])
+    assert all(np.isfinite(x).all() for x in logits)
+    state = sess.new_state(1)
+    assert state.arrays["past_key_values.0.key"].shape == (1, 2, 10, 16)
+    assert state.arrays["past_kv_slots.0"].shape == (1, 2, 10, SLOT_FIELDS + 2)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(kv_sinks=2), "need --kv-budget"),
+    (dict(kv_budget=4, kv_sinks=2, kv_window=2), "must exceed sinks \\+ window"),
+    (dict(kv_budget=8, sparse_attention="lsh8x4"), "lsh:BITSxTABLES"),
+    (dict(kv_budget=8, tempcache=1.5), "cosine in \\[-1, 1\\]"),
+    (dict(kv_budget=8, fused_attention="gqa"), "--fused-attention fastcar"),
+])
+def test_bad_kv_options_are_one_line(kw, msg):
+    from fastcar_compile.passes.context import CompileOptions
+
+    with pytest.raises(FastCarError, match=msg):
+        opts = CompileOptions(frame_tokens=4, **kw)
+        assert opts.kv_compress is not None
+
+
+def test_tempcache_lemma_in_the_kernel():
+    """TempCache's lemma, kernel side: m identical keys (post-RoPE identical: fed directly) with different values
+    merge into one slot (mean value, count m, logit + log m), and attention over that slot equals dense attention
+    over the m copies, written independently, at every step."""
+    rng = np.random.default_rng(5)
+    T, m = 12, 10
+    key = rng.standard_normal((HKV, D))
+    k = np.concatenate([rng.standard_normal((T - m, HKV, D)), np.repeat(key[None], m, 0)])
+    v = rng.standard_normal((T, HKV, D))
+    q = rng.standard_normal((T, HQ, D))
+    cfg = KVCompressConfig(budget=T, tempcache_sim=0.999, frame_len=1, video_start=0)
+    attrs = compressed_attributes(cfg, D)
+    sess = session(True, n_in=10, n_out=6, **attrs)
+    f32 = np.float32
+    st = [np.zeros((1, HKV, T, D), f32), np.zeros((1, HKV, T, D), f32), np.zeros((1, HKV, T, SLOT_FIELDS), f32),
+          np.zeros((1, HKV, T, D), f32)]
+    for t in range(T):
+        one = {n: x[t][:, None][None].astype(f32) for n, x in (("q", q), ("k", k), ("v", v), ("k_raw", k))}
+        res = sess.run(None, {**one, "past_key": st[0], "past_value": st[1], "past_slots": st[2],
+                              "past_key_raw": st[3], "attention_mask": np.ones((1, t + 1), np.int64),
+                              "total_len": np.array(t + 1, np.int32)})
+        st = [res[1], res[2], res[3], res[5]]
+        for h in range(HQ):
+            s = k[: t + 1, h // 2] @ q[t, h] / np.sqrt(D)
+            w = np.exp(s - s.max())
+            want = (w / w.sum()) @ v[: t + 1, h // 2]
+            assert np.abs(res[0][0, 0, h * D:(h + 1) * D] - want).max() <= 1e-5, (t, h)
+    live = st[2][0, :, :, 0] > 0
+    assert live.sum(axis=1).tolist() == [T - m + 1] * HKV  # the m copies share one slot per KV head
+    assert sorted(st[2][0, 0, live[0], 1].tolist()) == [1.0] * (T - m) + [float(m)]
