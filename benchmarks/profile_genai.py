@@ -113,19 +113,23 @@ def _branch_nodes(path: Path) -> set[str]:
 
 def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native: bool, head_dim: int,
             vocab: int) -> tuple[float, dict[str, float]]:
-    """(median ms per step, kernel ms per step by op type) over `steps` timed runs. Ops inside If branches
-    are listed as `If/<op>`, and `If` itself as the If's time less its branch's kernels (its own overhead)."""
+    """(median ms per step, kernel ms per step by op type) over `steps` runs each. The step time comes from a
+    session without profiling (ORT's profiler costs time per kernel, which would favour graphs with fewer
+    nodes); the kernel table from a second, profiled session. Ops inside If branches are listed as
+    `If/<op>`, and `If` itself as the If's time less its branch's kernels (its own overhead)."""
     branch = _branch_nodes(path)
-    sess = _session(path, threads, True, native)
-    io, _keep = _binding(sess, ctx, ctx + 8, head_dim, vocab)
-    for _ in range(warmup):
-        sess.run_with_iobinding(io)
-    times = []
     clock = time.process_time if CPU_TIME else time.perf_counter
-    for _ in range(steps):
-        t0 = clock()
-        sess.run_with_iobinding(io)
-        times.append(clock() - t0)
+    times = []
+    for profiled in (False, True):
+        sess = _session(path, threads, profiled, native)
+        io, _keep = _binding(sess, ctx, ctx + 8, head_dim, vocab)
+        for _ in range(warmup):
+            sess.run_with_iobinding(io)
+        for _ in range(steps):
+            t0 = clock()
+            sess.run_with_iobinding(io)
+            if not profiled:
+                times.append(clock() - t0)
     trace_file = Path(sess.end_profiling())
     trace = json.loads(trace_file.read_text())
     trace_file.unlink()
