@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "cosine exceeds SIM (mean value, count, +log(count) bias)")
     kv.add_argument("--sparse-attention", metavar="lsh:BITSxTABLES",
                     help="AnnSA: a decode query attends only to slots sharing an LSH bucket (plus sinks, window)")
+    kv.add_argument("--kv-diagnostics", type=int, metavar="M",
+                    help="also run dense attention on the side (up to M tokens) and output kv_stats.N per layer: "
+                         "density, recall (in the run stats of fastcar-compile run/demo)")
+    kv.add_argument("--kv-diagnostics", type=int, metavar="M",
+                    help="also run dense attention on the side (up to M tokens) and output kv_stats.N per layer: "
+                         "density and recall against dense, in the run stats (RunStats.kv_diagnostics)")
     p.add_argument("--genai", action=argparse.BooleanOptionalAction, default=None,
                    help="name the state for onnxruntime-genai's generator and write genai_config.json beside "
                         "the output (default: when the input sits beside one)")
@@ -159,7 +165,7 @@ def main(argv: list[str]) -> int:
                            validate=not args.no_validate, genai=args.genai,
                            fused_attention=args.fused_attention, kv_budget=args.kv_budget, kv_sinks=args.kv_sinks,
                            kv_window=args.kv_window, kv_eviction=args.kv_eviction, tempcache=args.tempcache,
-                           sparse_attention=args.sparse_attention,
+                           sparse_attention=args.sparse_attention, kv_diagnostics=args.kv_diagnostics,
                            required_video_inputs=args.required_video_inputs)
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")

@@ -230,8 +230,10 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             if cfg is not None:
                 attrs.update(compressed_attributes(cfg, p["head_dim"]))
                 inputs += self._slot_state(graph, n, p, cfg)
-            outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN,
-                      outputs=3 if cfg is None else 5 + (cfg.tempcache_sim is not None), part="attention")
+            diag = self.ctx.options.kv_diagnostics is not None
+            n_out = 3 if cfg is None else 8 if diag else 5 + (cfg.tempcache_sim is not None)
+            outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, outputs=n_out,
+                      part="attention")
             out, present_k, present_v = outs[:3]
             if cfg is not None:
                 self._slot_outputs(graph, n, outs, inputs[7:])
@@ -251,16 +253,19 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         """The layer's slot records (and raw keys for TempCache) as state inputs, recorded for the metadata."""
         batch = p["past_k"].shape[0] if p["past_k"].shape is not None else "batch"
         width = SLOT_FIELDS + (cfg.lsh_tables if cfg.lsh_bits else 0)
-        pairs = [(contract.kv_slots_input(n), contract.kv_slots_output(n), width)]
-        if cfg.tempcache_sim is not None:
-            pairs.append((contract.kv_rawkey_input(n), contract.kv_rawkey_output(n), p["head_dim"]))
+        diag = self.ctx.options.kv_diagnostics
+        pairs = [(contract.kv_slots_input(n), contract.kv_slots_output(n), cfg.budget, width)]
+        if cfg.tempcache_sim is not None or diag is not None:  # (diagnostics: inputs after them must not gap)
+            pairs.append((contract.kv_rawkey_input(n), contract.kv_rawkey_output(n), cfg.budget, p["head_dim"]))
+        if diag is not None:
+            pairs.append((contract.kv_dense_input(n), contract.kv_dense_output(n), diag, 2 * p["head_dim"]))
         values = []
-        for name, out_name, last in pairs:
-            shape = [batch, p["kv_heads"], cfg.budget, last]
+        for name, out_name, rows, last in pairs:
+            shape = [batch, p["kv_heads"], rows, last]
             values.append(build.graph_input(graph, name, ir.DataType.FLOAT, shape))
-            self.ctx.kv_state.append(contract.StateEntry(name, out_name, ("batch", p["kv_heads"], cfg.budget, last),
+            self.ctx.kv_state.append(contract.StateEntry(name, out_name, ("batch", p["kv_heads"], rows, last),
                                                          "float", 0))
-        if cfg.tempcache_sim is not None:
+        if len(pairs) > 1:
             k_raw, _, _ = find_rotary_path(p["k"])
             values.insert(1, k_raw)
         return values
@@ -272,9 +277,16 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         pairs = [(outs[3], state_in[0], contract.kv_slots_output(n))]
         if len(outs) > 5:
             pairs.append((outs[5], state_in[2], contract.kv_rawkey_output(n)))
+        if len(outs) > 6:
+            pairs.append((outs[6], state_in[3], contract.kv_dense_output(n)))
         for value, like, name in pairs:
             value.name, value.type, value.shape = name, like.type, like.shape
             graph.outputs.append(value)
+        if len(outs) > 7:
+            stats = outs[7]
+            stats.name, stats.type = contract.kv_stats_output(n), ir.TensorType(ir.DataType.FLOAT)
+            stats.shape = ir.Shape([state_in[0].shape[0], state_in[0].shape[1], 4])
+            graph.outputs.append(stats)
 
     @staticmethod
     def _rewire(graph: ir.Graph, p: dict, out: ir.Value, present_k: ir.Value, present_v: ir.Value) -> None:

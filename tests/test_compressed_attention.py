@@ -18,14 +18,15 @@ HQ, HKV, D = 4, 2, 8
 
 def _model(n_in: int = 7, n_out: int = 3, opset: int = 20, **attrs) -> bytes:
     names = ["q", "k", "v", "past_key", "past_value", "attention_mask", "total_len", "past_slots", "k_raw",
-             "past_key_raw"][:n_in]
+             "past_key_raw", "past_dense"][:n_in]
     types = {"attention_mask": TensorProto.INT64, "total_len": TensorProto.INT32}
     rank = {"attention_mask": 2, "total_len": 0}
     ins = [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT),
                                          [f"{n}_{i}" for i in range(rank.get(n, 4))]) for n in names]
-    onames = ["out", "present_key", "present_value", "present_slots", "aligned_key", "present_key_raw"][:n_out]
-    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [f"{n}_{i}" for i in range(3 if n == "out" else 4)])
-            for n in onames]
+    onames = ["out", "present_key", "present_value", "present_slots", "aligned_key", "present_key_raw",
+              "present_dense", "kv_stats"][:n_out]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [f"{n}_{i}" for i in range(
+        3 if n in ("out", "kv_stats") else 4)]) for n in onames]
     attrs = {"num_heads": HQ, "kv_num_heads": HKV, "scale": 1 / np.sqrt(D), **attrs}
     node = helper.make_node("CompressedAttention", names, onames, domain="ai.fastcar", **attrs)
     model = helper.make_model(helper.make_graph([node], "g", ins, outs),
