@@ -80,7 +80,7 @@ def compile(  # noqa: A001 - the natural name of the entry point
     emit_diagnostics: bool = False,
     validate: bool = True,
     genai: bool | None = None,
-    fused_attention: str | bool | None = None,
+    fused_attention: str | bool | None = "fastcar",
     required_video_inputs: bool = False,
     kv_budget: int | None = None,
     kv_sinks: int = 0,
@@ -94,8 +94,8 @@ def compile(  # noqa: A001 - the natural name of the entry point
 
     genai: name the state for onnxruntime-genai's generator and write genai_config.json beside the output
     (None: when the input sits beside one and the output goes to another folder). fused_attention: replace
-    exported attention cores by an in-place fused attention: "gqa" (com.microsoft.GroupQueryAttention; True means
-    this) or "fastcar" (ai.fastcar CompressedAttention); passes/fused_attention.py. kv_budget/kv_sinks/kv_window/
+    exported attention cores by an in-place fused attention: "fastcar" (ai.fastcar CompressedAttention, the default)
+    or "gqa" (com.microsoft.GroupQueryAttention; True means this); None/"off" keeps the exported attention. kv_budget/kv_sinks/kv_window/
     kv_eviction/tempcache/sparse_attention: a FAST-AR compressed KV cache in that op (docs/fastar.md);
     kv_diagnostics=M: dense attention on the side over up to M tokens, kv_stats.N outputs (density, recall).
     required_video_inputs: `video_start` / `fastcar_threshold` without defaults (every run feeds them; what

@@ -31,9 +31,10 @@ class CompileOptions:
     layers: str | tuple[int, ...] | None = None
     per_layer_threshold: bool = False
     emit_diagnostics: bool = False
-    # exported attention cores -> com.microsoft.GroupQueryAttention ("gqa") or ai.fastcar CompressedAttention
-    # ("fastcar"); None/False = left as exported, True = "gqa" (passes/fused_attention.py)
-    fused_attention: str | bool | None = None
+    # exported attention cores -> ai.fastcar CompressedAttention ("fastcar", the default: exact in every case,
+    # in-place KV buffers) or com.microsoft.GroupQueryAttention ("gqa"); None/False/"off" = left as exported,
+    # True = "gqa" (passes/fused_attention.py)
+    fused_attention: str | bool | None = "fastcar"
     # video_start / fastcar_threshold as plain inputs without defaults: onnxruntime-genai feeds only those from
     # generator.set_model_input (it drops names ORT lists as overridable initializers), docs/genai.md
     required_video_inputs: bool = False

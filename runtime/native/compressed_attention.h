@@ -5,7 +5,8 @@
 // bound as both past and present (then only the S new rows are written: no per-step copy, as ORT's
 // GroupQueryAttention with past_present_share_buffer). Left padding (attention_mask), batch > 1 and
 // multi-token steps after the prompt are all exact: a query at KV index P+i sees key j iff j <= P+i and
-// mask[b, j] == 1; a query that sees no key outputs 0.
+// mask[b, j] == 1; a query that sees no key (a left pad) averages all T values, as the exporters' masks with
+// a finite minimum make softmax do (so even pad positions equal the export).
 // Compressed mode (budget > 0): the buffers hold C slots per KV head; see CompressedPath below.
 #pragma once
 
@@ -73,6 +74,7 @@ inline void DenseItem(const DenseTask& t, int64_t item) {
   // rows are processed in chunks of kRows: qT [D][kRows] (scaled), logits [kRows][jmax]
   std::vector<float> qT(D * kRows), logits(kRows * jmax), acc(kRows * D);
   std::vector<int64_t> last(kRows);  // last visible key index per row
+  std::vector<char> none_visible(kRows);
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const int64_t nr = std::min(kRows, rows - r0);
     std::fill(qT.begin(), qT.end(), 0.0f);
@@ -119,7 +121,8 @@ inline void DenseItem(const DenseTask& t, int64_t item) {
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t jj = 0; jj < jl; ++jj)
         if (m[jj] != 0) mx = std::max(mx, lr[jj]);
-      if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible (a left-pad query): output 0
+      none_visible[r] = mx == -std::numeric_limits<float>::infinity();
+      if (none_visible[r]) {  // a left-pad query: uniform over all T keys, below
         std::fill(lr, lr + jend, 0.0f);
         continue;
       }
@@ -147,6 +150,13 @@ inline void DenseItem(const DenseTask& t, int64_t item) {
           for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
         }
       }
+    }
+    for (int64_t r = 0; r < nr; ++r) {  // what exporters' finite-min masks give a row that sees nothing
+      if (!none_visible[r]) continue;
+      float* ar = acc.data() + r * D;
+      for (int64_t jj = 0; jj < t.T; ++jj)
+        for (int64_t d = 0; d < D; ++d) ar[d] += vb[jj * D + d];
+      for (int64_t d = 0; d < D; ++d) ar[d] /= static_cast<float>(t.T);
     }
     for (int64_t r = 0; r < nr; ++r) {
       const int64_t g = (r0 + r) % G, i = i0 + (r0 + r) / G;
@@ -279,7 +289,7 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
   float* stats = t.stats != nullptr ? t.stats + bh * 4 : nullptr;
   std::vector<float> pd(dense != nullptr ? t.dense_cap : 0);
   if (stats != nullptr) std::fill_n(stats, 4, 0.0f);
-  std::vector<int64_t> sel(C);
+  std::vector<int64_t> sel(C), pad_queries;
   auto pos = [&](int64_t s) { return static_cast<int64_t>(slots[s * F + kPos]) - 1; };
   for (int64_t i = 0; i < sh.S; ++i) {
     const int64_t p = sh.P + i;
@@ -341,9 +351,8 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
       std::memcpy(dense + p * 2 * D, kn, sizeof(float) * D);
       std::memcpy(dense + p * 2 * D + D, vn, sizeof(float) * D);
     }
-    if (!real) {
-      for (int64_t g = 0; g < G; ++g)
-        std::fill_n(t.out + ((b * sh.S + i) * c.heads + hk * G + g) * D, D, 0.0f);
+    if (!real) {  // a left-pad query: after the step, the mean of every live slot's value (below)
+      pad_queries.push_back(i);
       continue;
     }
     // 3. attend: every query head of the group, over all live slots or (AnnSA) bucket hits + sinks + window
@@ -391,6 +400,21 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
         const float* vv = val + sel[a] * D;
         for (int64_t d = 0; d < D; ++d) o[d] += pa * vv[d];
       }
+    }
+  }
+  // left-pad queries see no key: like the exporters' finite-minimum masks (and the plain mode), they average
+  // every value the cache holds after the step (with a budget >= context: all T tokens)
+  for (const int64_t i : pad_queries) {
+    std::vector<float> mean(D, 0.0f);
+    int64_t live = 0;
+    for (int64_t s = 0; s < C; ++s) {
+      if (slots[s * F + kPos] == 0.0f) continue;
+      ++live;
+      for (int64_t d = 0; d < D; ++d) mean[d] += val[s * D + d];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = t.out + ((b * sh.S + i) * c.heads + hk * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = live > 0 ? mean[d] / static_cast<float>(live) : 0.0f;
     }
   }
 }
