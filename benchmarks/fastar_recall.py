@@ -2,6 +2,7 @@
 
     python benchmarks/fastar_recall.py                  # 12 frames (771 tokens), all modes, ~1-2 min
     python benchmarks/fastar_recall.py --frames 6 --quick
+    python benchmarks/fastar_recall.py --long --frames 16 --quick   # the 4-layer long-video model, per layer
 
 The demo model (1-layer LLaMA, 6 heads, 64 tokens per frame) generates `--frames` frames greedily from an
 eval clip's first frame; its per-layer q/k/v are captured (fastcar_compile.fastar.trace) and replayed through
@@ -31,7 +32,8 @@ from fastcar_compile.fastar.trace import TRACE_SOURCES, demo_trace
 PAPER = {"TempCache (paper)": (0.16, 0.90), "AnnSA (paper)": (0.28, 0.92)}
 
 
-def modes(frame_len: int, video_start: int, quick: bool, kv_heads: int) -> dict[str, KVCompressConfig | list]:
+def modes(frame_len: int, video_start: int, quick: bool, kv_heads: int,
+          per_head: bool = True) -> dict[str, KVCompressConfig | list]:
     lay = {"frame_len": frame_len, "video_start": video_start}
     win = frame_len + 16  # covers the demo's copy heads (offsets 55..71): the local window StreamingLLM keeps
     m = {
@@ -63,6 +65,8 @@ def modes(frame_len: int, video_start: int, quick: bool, kv_heads: int) -> dict[
             "tempcache 0.999 + annsa 8x4": KVCompressConfig(tempcache_sim=0.999, lsh_bits=8, lsh_tables=4, sinks=3,
                                                             window=16, **lay),
         })
+    if not per_head:
+        return m
     # Per-head modes: the demo's first five heads read fixed offsets (copy heads, DemoConfig.copy_offsets) and
     # lose nothing to a window; the last reads by content and keeps its recall under TempCache (see docs).
     window = KVCompressConfig(budget=win + 3 + 32, sinks=3, window=win, eviction="mass", **lay)
@@ -121,19 +125,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", choices=TRACE_SOURCES, nargs="+", default=list(TRACE_SOURCES),
                     help="generated: greedy continuation (nearly static videos); clip: teacher-forced real clip")
     ap.add_argument("--quick", action="store_true", help="fewer modes")
+    ap.add_argument("--long", action="store_true",
+                    help="the 4-layer long-video model (frames up to 64; no per-head modes: those are the 1-layer "
+                         "model's head layout); writes fastar_recall_long.*")
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     a = ap.parse_args(argv)
-    if not 3 <= a.frames <= 15:
-        print(f"error: --frames must be in 3..15 (the demo model has 1024 positions), got {a.frames}", file=sys.stderr)
+    top = 64 if a.long else 15
+    if not 3 <= a.frames <= top:
+        print(f"error: --frames must be in 3..{top} ({'4099' if a.long else '1024'} positions), got {a.frames}",
+              file=sys.stderr)
         return 2
+    stem = "fastar_recall_long" if a.long else "fastar_recall"
     rows = []
     notes = []
     for source in a.source:
-        tr = demo_trace(a.frames, a.clip, source)
+        tr = demo_trace(a.frames, a.clip, source, long=a.long)
         start = tr.video_start + 2 * tr.frame_len
         hkv = tr.layers[0].k.shape[1]
-        for name, cfg in tqdm(modes(tr.frame_len, tr.video_start, a.quick, hkv).items(), desc=f"modes ({source})",
-                              unit="mode"):
+        for name, cfg in tqdm(modes(tr.frame_len, tr.video_start, a.quick, hkv, per_head=not a.long).items(),
+                              desc=f"modes ({source})", unit="mode"):
             for li, layer in enumerate(tr.layers):
                 res = run_trace(layer.q, layer.k, layer.v, cfg, theta=tr.rope_theta, measure_from=start)
                 m = res.metrics
@@ -150,15 +160,24 @@ def main(argv: list[str] | None = None) -> int:
                    f"{' '.join(f'{x:.0%}' for x in r['recall_per_head'])} | {r['kept_mass']:.1%} | "
                    f"{r['out_err']:.3f} | {r['kv_bytes']} | {r['kv_ratio']:.1%} | {r['merges']} | {r['evicted']} |\n"
                    for r in rows)
-    note = (f"\nDemo model, eval clip {a.clip}, {a.frames} frames; " + "; ".join(notes) + ". FAST-AR (paper, AR video diffusion): TempCache ~16% density at "
+    if a.long:  # one line per mode: the mean over layers and each layer's recall
+        body += "\n| trace | mode | density (mean) | recall (mean) | recall per layer | KV vs dense |\n|---|---|---|---|---|---|\n"
+        for key in dict.fromkeys((r["source"], r["mode"]) for r in rows):
+            sel = [r for r in rows if (r["source"], r["mode"]) == key]
+            per_layer = " / ".join(f"{r['recall']:.0%}" for r in sel)
+            body += (f"| {key[0]} | {key[1]} | {np.mean([r['density'] for r in sel]):.1%} | "
+                     f"{np.mean([r['recall'] for r in sel]):.1%} | {per_layer} | "
+                     f"{np.mean([r['kv_ratio'] for r in sel]):.1%} |\n")
+    note = (f"\n{'Long-video' if a.long else 'Demo'} model, eval clip {a.clip}, {a.frames} frames; " + "; ".join(notes) + ". FAST-AR (paper, AR video diffusion): TempCache ~16% density at "
             "~90% recall; AnnSA ~28% at ~92%.\n")
     table = head + body + note
     print(table)
-    write_text(a.out_dir / "fastar_recall.md", f"# FAST-AR modes: density vs recall\n\n`python benchmarks/fastar_recall.py "
-               f"--frames {a.frames} --clip {a.clip} --source {' '.join(a.source)}{' --quick' if a.quick else ''}`\n\n" + table)
-    write_text(a.out_dir / "fastar_recall.json", json.dumps(rows, indent=1))
-    plot(rows, a.out_dir / "fastar_recall.png")
-    print(f"wrote {a.out_dir}/fastar_recall.md, .json, .png")
+    write_text(a.out_dir / f"{stem}.md", f"# FAST-AR modes: density vs recall\n\n`python benchmarks/fastar_recall.py "
+               f"{'--long ' if a.long else ''}--frames {a.frames} --clip {a.clip} --source {' '.join(a.source)}"
+               f"{' --quick' if a.quick else ''}`\n\n" + table)
+    write_text(a.out_dir / f"{stem}.json", json.dumps(rows, indent=1))
+    plot(rows, a.out_dir / f"{stem}.png")
+    print(f"wrote {a.out_dir}/{stem}.md, .json, .png")
     return 0
 
 

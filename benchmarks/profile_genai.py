@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_genai  # noqa: E402
 from _common import DEFAULT_CACHE  # noqa: E402
 
+CPU_TIME = False  # --cpu-time: process CPU seconds per step (1 thread, no spinning): robust to a loaded machine
+
 
 def _session(path: Path, threads: int, profile: bool, native: bool):
     import onnxruntime as ort
@@ -41,6 +43,8 @@ def _session(path: Path, threads: int, profile: bool, native: bool):
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
     so.enable_profiling = profile
+    if CPU_TIME:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.profile_file_prefix = str(Path(tempfile.gettempdir()) / "fastcar_profile_genai")
     lib = library_path() if native else None
     if lib is not None and path.name != "model.onnx":
@@ -109,18 +113,23 @@ def _branch_nodes(path: Path) -> set[str]:
 
 def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native: bool, head_dim: int,
             vocab: int) -> tuple[float, dict[str, float]]:
-    """(median ms per step, kernel ms per step by op type) over `steps` timed runs. Ops inside If branches
-    are listed as `If/<op>`, and `If` itself as the If's time less its branch's kernels (its own overhead)."""
+    """(median ms per step, kernel ms per step by op type) over `steps` runs each. The step time comes from a
+    session without profiling (ORT's profiler costs time per kernel, which would favour graphs with fewer
+    nodes); the kernel table from a second, profiled session. Ops inside If branches are listed as
+    `If/<op>`, and `If` itself as the If's time less its branch's kernels (its own overhead)."""
     branch = _branch_nodes(path)
-    sess = _session(path, threads, True, native)
-    io, _keep = _binding(sess, ctx, ctx + 8, head_dim, vocab)
-    for _ in range(warmup):
-        sess.run_with_iobinding(io)
+    clock = time.process_time if CPU_TIME else time.perf_counter
     times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        sess.run_with_iobinding(io)
-        times.append(time.perf_counter() - t0)
+    for profiled in (False, True):
+        sess = _session(path, threads, profiled, native)
+        io, _keep = _binding(sess, ctx, ctx + 8, head_dim, vocab)
+        for _ in range(warmup):
+            sess.run_with_iobinding(io)
+        for _ in range(steps):
+            t0 = clock()
+            sess.run_with_iobinding(io)
+            if not profiled:
+                times.append(clock() - t0)
     trace_file = Path(sess.end_profiling())
     trace = json.loads(trace_file.read_text())
     trace_file.unlink()
@@ -148,11 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default="dense,noMLP,r0,rall",
-                    help="comma-separated variant names (rK: K layers replay; rall: every layer)")
+                    help="comma-separated variant names (rK: K layers replay; rall: every layer) or NAME=FOLDER")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--rounds", type=int, default=2, help="variants are profiled in turn this many times")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time steps by process CPU time (use with --threads 1): preemption by other jobs on a "
+                         "shared machine does not count; kernel times in the table stay wall-clock")
     a = ap.parse_args(argv)
+    global CPU_TIME
+    CPU_TIME = a.cpu_time
     cfg = dict(bench_genai.QUICK if a.quick else bench_genai.FULL)
     shape = cfg["shape"]
     ctx = a.ctx or cfg["contexts"][-1]
@@ -161,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     folders = bench_genai.variants(src, work, shape.layers, cfg["frame_tokens"])
     names = [n.strip() for n in a.variants.split(",")]
     names = [f"r{shape.layers}" if n == "rall" else n for n in names]
+    for spec in [n for n in names if "=" in n]:  # NAME=FOLDER: another build of a variant, e.g. for an A/B
+        name, folder = spec.split("=", 1)
+        folders[name] = Path(folder)
+        names[names.index(spec)] = name
     results: dict[str, list[tuple[float, dict[str, float]]]] = collections.defaultdict(list)
     for _ in range(a.rounds):
         for name in names:
@@ -170,14 +188,16 @@ def main(argv: list[str] | None = None) -> int:
                                          shape.head_dim, shape.vocab))
     ms = {n: min(r[0] for r in rs) for n, rs in results.items()}
     ops = {n: min(rs, key=lambda r: r[0])[1] for n, rs in results.items()}
-    print(f"ctx {ctx}, {a.threads} threads, {shape.tag()}: ms/step (best of {a.rounds} medians)")
+    clock = "CPU" if a.cpu_time else "wall"
+    print(f"ctx {ctx}, {a.threads} threads, {shape.tag()}: {clock} ms/step (best of {a.rounds} medians)")
     print("  " + ", ".join(f"{n} {v:.2f}" for n, v in ms.items()))
     if "dense" in ms and "noMLP" in ms:
         f = 1 - ms["noMLP"] / ms["dense"]
         print(f"  MLP share f = {f:.3f}")
         for n in names:
-            if n.startswith("r") and n[1:].isdigit():
-                r = int(n[1:]) / shape.layers
+            k = n.split("-")[0]  # rK or rK-suffix
+            if k.startswith("r") and k[1:].isdigit():
+                r = int(k[1:]) / shape.layers
                 bound_ms = ms["dense"] * (1 - f * r)
                 print(f"  {n}: replay {r:.0%}: {ms[n]:.2f} ms vs bound {bound_ms:.2f} ms -> overhead "
                       f"{ms[n] / bound_ms:.3f}x (speed-up {ms['dense'] / ms[n]:.2f}x, bound {1 / (1 - f * r):.2f}x)")

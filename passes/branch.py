@@ -36,17 +36,20 @@ class BranchPass(ir.passes.InPlacePass):
         assert mlp is not None and lr.replay is not None
         b = build.Builder(n, lr.nodes, lr.ids)
         cached = b(contract.MLP_CACHE_READ, [lr.past_cache, lr.slot], domain=contract.DOMAIN, part="cache")
-        keep = b("Not", [lr.replay])
-        n_keep = b("ReduceSum", [b("Cast", [keep], {"to": ir.DataType.INT64})], {"keepdims": 0})
-        all_keep = b("Equal", [n_keep, b("Size", [lr.replay])])
-        any_keep = b("Greater", [n_keep, build.const(graph, "fastcar.zero", np.array(0, np.int64))])
+        # Few nodes per layer on the main graph (each costs a kernel launch every step, replayed or not); the
+        # token count comes from the graph's token input when there is one, the same node in every layer
+        # (ORT's common-subexpression elimination then runs it once per step).
+        tokens = next((v for v in graph.inputs if v.name == contract.INPUT_IDS), lr.replay)
+        n_replay = b("ReduceSum", [b("Cast", [lr.replay], {"to": ir.DataType.INT64})], {"keepdims": 0})
+        all_keep = b("Equal", [n_replay, build.const(graph, "fastcar.zero", np.array(0, np.int64))])
+        any_keep = b("Less", [n_replay, b("Size", [tokens])])
 
         # Branch 1: every token computes: the original nodes, moved.
         full_nodes = list(mlp.nodes)
         graph.remove(full_nodes)
         build.tag(full_nodes, n, "mlp")
         full = ir.Graph([], [mlp.output], nodes=full_nodes, name=f"fastcar_{n}_mlp_all")
-        mixed, comp_nodes = self._compacted(graph, lr, keep, cached, full_nodes)
+        mixed, comp_nodes = self._compacted(graph, lr, cached, full_nodes)
         compact = ir.Graph([], [mixed], nodes=comp_nodes, name=f"fastcar_{n}_mlp_some")
 
         # Branch 3: every token replays: the MLP is skipped.
@@ -68,13 +71,14 @@ class BranchPass(ir.passes.InPlacePass):
         lr.nodes = []
 
     @staticmethod
-    def _compacted(graph: ir.Graph, lr: LayerRewrite, keep: ir.Value, cached: ir.Value,
+    def _compacted(graph: ir.Graph, lr: LayerRewrite, cached: ir.Value,
                    full_nodes: list[ir.Node]) -> tuple[ir.Value, list[ir.Node]]:
         """Branch 2: the MLP on the rows that compute, over the flattened (row, token) axis."""
         mlp, n, hd = lr.match.mlp, lr.layer, lr.hidden
         assert mlp is not None
         comp_nodes: list[ir.Node] = []
         c = build.Builder(n, comp_nodes, lr.ids)
+        keep = c("Not", [lr.replay])
         x = mlp.entry
         flat = build.const(graph, f"fastcar.shape.flat_{hd}", np.array([-1, hd], np.int64))
         axis0 = build.const(graph, "fastcar.axes0", np.array([0], np.int64))

@@ -85,7 +85,8 @@ def query_bhsd(graph: ir.Graph, b: build.Builder, att, tas_query: str) -> ir.Val
     q, layout = (att.q, att.q_layout) if tas_query == contract.TAS_ROPE else (att.q_raw, att.q_raw_layout)
     if att.packed_query is not None:  # GroupQueryAttention on packed QKV: the query is rebuilt
         q = genai_gqa.query(b, lambda name, v: build.const(graph, name, np.asarray(v, np.int64)), att.packed_query,
-                            att.num_heads, att.head_dim, tas_query == contract.TAS_ROPE)
+                            att.num_heads, att.head_dim, tas_query == contract.TAS_ROPE,
+                            tokens=next((v for v in graph.inputs if v.name == contract.INPUT_IDS), None))
         layout = "BSE"
     if layout == "BSE":
         q = b("Reshape", [q, build.const(graph, f"fastcar.shape.0_0_{att.num_heads}_{att.head_dim}",

@@ -85,11 +85,14 @@ def match(core: ir.Node) -> tuple[PackedQuery, int, int, int] | None:
     return src, heads, kv_heads, head_dim
 
 
-def query(build, const, src: PackedQuery, heads: int, head_dim: int, rope: bool) -> ir.Value:
+def query(build, const, src: PackedQuery, heads: int, head_dim: int, rope: bool,
+          tokens: ir.Value | None = None) -> ir.Value:
     """The query [B, S, H * D] TAS reads: the packed input's q slice, rotated when `rope` and GQA rotates.
 
     `build(op, inputs, attrs=None, domain="")` creates a node (the rewrite's tagged builder) and
-    `const(name, int64 values)` an initializer.
+    `const(name, int64 values)` an initializer. `tokens`: the graph's [B, S] token input; the rotary start
+    position is then computed from it and total_sequence_length only, the same nodes in every layer, which
+    ORT's common-subexpression elimination runs once per step instead of once per layer.
     """
     q = build("Slice", [src.qkv, const("fastcar.gqa.zero", [0]), const(f"fastcar.gqa.qwidth{heads * head_dim}",
                                                                          [heads * head_dim]),
@@ -97,7 +100,8 @@ def query(build, const, src: PackedQuery, heads: int, head_dim: int, rope: bool)
     if not rope or src.cos_cache is None:
         return q
     total = build("Cast", [src.total_len], {"to": ir.DataType.INT64})
-    seq = build("Squeeze", [build("Shape", [src.qkv], {"start": 1, "end": 2}), const("fastcar.gqa.zero", [0])])
+    seq = build("Squeeze", [build("Shape", [tokens if tokens is not None else src.qkv], {"start": 1, "end": 2}),
+                            const("fastcar.gqa.zero", [0])])
     start = build("Reshape", [build("Sub", [total, seq]), const("fastcar.gqa.one_shape", [1])])
     return build("RotaryEmbedding", [q, start, src.cos_cache, src.sin_cache],
                  {"interleaved": int(src.interleaved), "num_heads": heads, "rotary_embedding_dim": src.rotary_dim},

@@ -1,6 +1,7 @@
 """Export the shipped demo weights (fastcar_compile/demo/assets/model.safetensors) to decoder.onnx.
 
     python scripts/export_demo.py [--check]
+    python scripts/export_demo.py --long --check   # the long-video model: export into the user cache, compare
 
 The ONNX holds the fp16-rounded weights in float32 (ORT CPU runs fp32), dynamo exporter, opset 20, KV cache
 I/O per docs/DESIGN.md. --check compares ORT logits with eager PyTorch on a prefill and a decode step.
@@ -45,10 +46,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ONNX)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--long", action="store_true", help="the long-video model (its ONNX lives in the user cache)")
     a = ap.parse_args()
     import torch
 
     torch.set_num_threads(1)
+    if a.long:
+        from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS
+        from fastcar_compile.demo.longvideo import long_onnx
+
+        path = long_onnx()
+        print(f"long-video decoder: {path} ({path.stat().st_size / 1e6:.2f} MB)")
+        if a.check:
+            print(f"max |ORT - PyTorch| logits: {check(path, load_model(LONG_WEIGHTS, LONG_CONFIG)):.3g}")
+        return
     model = load_model(WEIGHTS, CONFIG)
     export_onnx(model, a.out)
     sizes = {p.name: p.stat().st_size for p in sorted(ASSETS.iterdir()) if p.is_file()}

@@ -78,9 +78,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--eval-clips", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--init", type=Path, default=None, help="continue from these weights (same config)")
+    ap.add_argument("--data-seed", type=int, default=None, help="use clip block N (fresh clips when continuing)")
     a = ap.parse_args()
     kw = dict(LONG_SETTINGS) if a.long else {}
-    for k in ("steps", "clips", "batch"):
+    if a.init:
+        kw.update(init=str(a.init), warmup=10)
+    for k in ("steps", "clips", "batch", "lr", "data_seed"):
         if getattr(a, k) is not None:
             kw[k] = getattr(a, k)
     if a.long:

@@ -40,3 +40,40 @@ def test_mode_grammar():
             parse_mode(bad, 64, 3)
     with pytest.raises(FastCarError, match="budget"):
         parse_mode("budget:4+60+10", 64, 3)
+
+
+@pytest.mark.slow
+def test_long_model_onnx_matches_pytorch():
+    """The cached export of the shipped long-video weights equals eager transformers (prefill + decode)."""
+    pytest.importorskip("onnxruntime")
+    import importlib.util
+    from pathlib import Path
+
+    from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS, load_model
+    from fastcar_compile.demo.longvideo import long_onnx
+
+    spec = importlib.util.spec_from_file_location("export_demo", Path(__file__).parents[1] / "scripts" / "export_demo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.check(long_onnx(progress=False), load_model(LONG_WEIGHTS, LONG_CONFIG)) < 1e-4
+
+
+@pytest.mark.slow
+def test_demo_long_tiny_end_to_end(tmp_path, capsys):
+    """`demo --long` on 1 clip x 4 frames at tau = -inf: every layer replays every eligible step, so each
+    layer's share over the generated tokens is (tokens fed) / (tokens generated); all files written."""
+    import json
+
+    from fastcar_compile.cli import main
+
+    out = tmp_path / "long"
+    assert main(["demo", "--long", "--clips", "1", "--frames", "4", "--out", str(out), "--tau=-inf"]) == 0
+    for name in ("demo.gif", "strip.png", "replay_heatmap.png", "replay_layers.png", "psnr_frames.png",
+                 "results.json", "fast.onnx"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    res = json.loads((out / "results.json").read_text())
+    L, gen = 64, 3 * 64
+    assert len(res["replay_per_layer"]) == 4
+    np.testing.assert_allclose(res["replay_per_layer"], (gen - 1) / gen)  # the last token is never fed
+    assert len(res["psnr_per_frame"]["dense"]) == 3 and L == 64
+    assert "replay per layer" in capsys.readouterr().out

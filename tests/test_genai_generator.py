@@ -23,15 +23,15 @@ def _genai_tokens(folder, prompt: np.ndarray, n: int, inputs: dict[str, np.ndarr
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=prompt.shape[1] + n, do_sample=False)
     gen = og.Generator(model, params)
-    for name, value in (inputs or {}).items():  # fed with every step of this generator (one video)
-        gen.set_model_input(name, value)
+    for name, value in (inputs or {}).items():  # fed with every step of this generator (one video); genai
+        gen.set_model_input(name, value)       # does not copy: `inputs` keeps the arrays alive meanwhile
     gen.append_tokens(prompt.astype(np.int32))
     while not gen.is_done():
         gen.generate_next_token()
     return np.array([gen.get_sequence(b) for b in range(prompt.shape[0])])[:, prompt.shape[1]:]
 
 
-def _session_tokens(path, prompt: np.ndarray, n: int, tau: float | None = None,
+def _session_tokens(path, prompt: np.ndarray, n: int, tau: float | np.ndarray | None = None,
                     video_start: int = 0) -> tuple[np.ndarray, float]:
     sess = FastCarSession(path)
     state, ids, toks, replayed, decided = (sess.new_state(prompt.shape[0], video_start), prompt.astype(np.int64),
@@ -82,3 +82,11 @@ def test_genai_generator_takes_tau_and_video_start_per_video(genai_model, fc_com
     np.testing.assert_array_equal(got[float("inf"), 0], dense)
     np.testing.assert_array_equal(_session_tokens(out, prompt, N)[0], dense)  # no tau given: the compiled one
     assert (got[0.0, 0] != dense).any() and (got[0.0, 3] != got[0.0, 0]).any()
+    per_layer = tmp_path / "perLayer" / "fast.onnx"  # tau [layers]: only layer 0 may replay
+    fc_compile(str(src / "model.onnx"), output=str(per_layer), frame_tokens=L, threshold=[float("inf")] * 2,
+               per_layer_threshold=True, required_video_inputs=True)
+    taus = np.array([0.0, np.inf], np.float32)
+    one = _genai_tokens(per_layer.parent, prompt, N, {"fastcar_threshold": taus,
+                                                      "video_start": np.array(0, np.int64)})
+    np.testing.assert_array_equal(one, _session_tokens(per_layer, prompt, N, tau=taus)[0])
+    assert (one != dense).any() and (one != got[0.0, 0]).any()

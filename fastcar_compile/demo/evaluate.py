@@ -85,7 +85,8 @@ def _mean_finite(xs: list[float], cap: float = 100.0) -> float:
 def run_clips(dense_path: Path, fast_path: Path, clips: list[data.Clip], tok: PatchTokenizer, tau: float,
               threads: int = 1, progress: bool = True, rounds: int = 2) -> list[ClipResult]:
     """Generate every clip with both models, then time each model on its own (see `ort_alone_ms`):
-    `rounds` alternations of dense and FastCar per clip, the order flipped from clip to clip."""
+    `rounds` alternations of dense and FastCar per clip, the order flipped from clip to clip (0: no bare-ORT
+    timing; only the runtime step times of the generation itself)."""
     dense = open_session(dense_path, threads)
     fast = open_session(fast_path, threads)
     out = []
@@ -104,9 +105,9 @@ def run_clips(dense_path: Path, fast_path: Path, clips: list[data.Clip], tok: Pa
             for j in order:
                 t = ort_alone_ms((dense, fast)[j], seqs[j], len(pre) + tok.tokens_per_frame, tau if j else None)
                 ort[j].append(t)
-        # per step: the fastest of the rounds (noise only ever adds time)
-        d.ort_ms = list(np.min(np.array(ort[0]), axis=0))
-        f.ort_ms = list(np.min(np.array(ort[1]), axis=0))
+        if rounds:  # per step: the fastest of the rounds (noise only ever adds time)
+            d.ort_ms = list(np.min(np.array(ort[0]), axis=0))
+            f.ort_ms = list(np.min(np.array(ort[1]), axis=0))
         out.append(ClipResult(c.motion, c.source, c.frames, d, f))
     return out
 

@@ -41,6 +41,8 @@ class TrainSettings:
     position_gap: int = 0
     tokenizer: str | None = None  # reuse this tokenizer (.npz) instead of training one
     sdpa: bool = False  # train with PyTorch's fused attention (same maths as eager; faster on long clips)
+    init: str | None = None  # continue from these fp16 safetensors (same config) instead of a fresh init
+    data_seed: int | None = None  # clip indices start at data_seed * clips (fresh clips when continuing)
     config: DemoConfig = field(default_factory=DemoConfig)
 
 
@@ -87,12 +89,17 @@ def train(s: TrainSettings, log_json: Path | None = None, log_png: Path | None =
         tok_frames = np.concatenate([c.frames for c in data.make_clips("train", s.tokenizer_clips, s.frames,
                                                                        s.seed)])
         tok = train_tokenizer(tok_frames, codes=s.codes, seed=s.seed)
-    clips = [data.make_clip("train", i, s.frames, s.seed) for i in tqdm(range(s.clips), desc="train clips")]
+    first = (s.data_seed or 0) * s.clips
+    clips = [data.make_clip("train", first + i, s.frames, s.seed) for i in tqdm(range(s.clips), desc="train clips")]
     seqs = torch.from_numpy(tokenize_clips(tok, clips))
     ev = torch.from_numpy(tokenize_clips(tok, data.make_clips("eval", eval_clips, s.frames, s.seed)))
     L = tok.tokens_per_frame
     first_loss_pos = VIDEO_START + L  # labels from frame 1 on
     model = build_model(s.config, seed=s.seed)
+    if s.init:
+        from safetensors.torch import load_file
+
+        model.load_state_dict({k: v.float() for k, v in load_file(s.init).items()})
     if s.sdpa:
         model.set_attn_implementation("sdpa")
     model.train()

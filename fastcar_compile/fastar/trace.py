@@ -60,8 +60,9 @@ def capture(model, ids: np.ndarray) -> list[LayerTrace]:
 TRACE_SOURCES = ("generated", "clip")
 
 
-def demo_trace(frames: int = 8, clip: int = 0, source: str = "generated") -> ModelTrace:
-    """The bundled demo model's attention on `frames` frames of eval clip `clip`.
+def demo_trace(frames: int = 8, clip: int = 0, source: str = "generated", long: bool = False) -> ModelTrace:
+    """The bundled demo model's attention (`long`: the 4-layer long-video model's) on `frames` frames of eval
+    clip `clip`.
 
     source 'generated': the model continues greedily from the clip's first frame (what a user runs; the demo
     model's greedy videos are nearly static, so keys recur a lot). 'clip': teacher-forced on the clip's own
@@ -76,7 +77,12 @@ def demo_trace(frames: int = 8, clip: int = 0, source: str = "generated") -> Mod
 
     if source not in TRACE_SOURCES:
         raise FastCarError(f"trace source must be one of {TRACE_SOURCES}, got {source!r}")
-    model = load_model()
+    if long:
+        from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS
+
+        model = load_model(LONG_WEIGHTS, LONG_CONFIG)
+    else:
+        model = load_model()
     tok = load_tokenizer()
     c = data.make_clip("eval", clip, frames=frames if source == "clip" else 2)
     toks = tok.encode(c.frames).reshape(len(c.frames), -1)

@@ -73,8 +73,9 @@ def rebuild_branches(model: ir.Model, *, layers: list[int], options: CompileOpti
     outputs = {v.name: v for v in graph.outputs if v.name}
     ctx = CompileContext(options)
     ctx.layers = [_layer(found, outputs, layer, k) for k, layer in enumerate(layers)]
-    updates = [lr.match.mlp.output for lr in ctx.layers]  # type: ignore[union-attr]
-    consumers = [[(c, i) for c, i in v.uses() if c.op_type == contract.MLP_CACHE_UPDATE] for v in updates]
+    mlp_outputs = [lr.match.mlp.output for lr in ctx.layers]  # type: ignore[union-attr]
+    # BranchPass rewires the residual Add to its If; the program's cache update must read the If too.
+    consumers = [[(c, i) for c, i in v.uses() if c.op_type == contract.MLP_CACHE_UPDATE] for v in mlp_outputs]
     BranchPass(ctx)(model)
     for lr, uses in zip(ctx.layers, consumers, strict=True):
         for node, i in uses:
