@@ -2,6 +2,7 @@
 
     python benchmarks/long_video.py --hold            # teacher-forced loss/accuracy per frame, 64-frame clips
     python benchmarks/long_video.py --calibrate       # tau for ~80% replay along dense generations
+    python benchmarks/long_video.py --op-modes --clips 2   # FastCar x TempCache/window through the op (native)
 
 --hold: the model was trained on 16-frame clips (1027 positions) with random position gaps; here it reads
 64-frame held-out clips (4099 positions) teacher-forced, and the next-token loss and accuracy per frame index
@@ -101,17 +102,107 @@ def calibrate(clips: int, frames: int, target: float) -> dict:
             "clips": clips, "frames": frames}
 
 
+# (name, fastcar tau or None = never replay, compiler KV options or None = plain dense export)
+OP_MODES = [
+    ("dense", None, None),
+    ("FastCar", "tau", None),
+    ("dense, fused op (in-place KV)", None, ["--fused-attention", "fastcar"]),
+    ("FastCar, fused op (in-place KV)", "tau", ["--fused-attention", "fastcar"]),
+    ("TempCache 0.95", None, ["--kv-budget", "4100", "--tempcache", "0.95"]),
+    ("FastCar + TempCache 0.95", "tau", ["--kv-budget", "4100", "--tempcache", "0.95"]),
+    ("window S4+W124", None, ["--kv-budget", "129", "--kv-sinks", "4", "--kv-window", "124", "--kv-eviction",
+                              "oldest"]),
+    ("FastCar + window S4+W124", "tau", ["--kv-budget", "129", "--kv-sinks", "4", "--kv-window", "124",
+                                         "--kv-eviction", "oldest"]),
+    ("FastCar + TempCache 0.95 C256 (S4+W60)", "tau", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60",
+                                                      "--tempcache", "0.95"]),
+]
+
+
+def op_modes(clips: int, frames: int, tau: float, out: Path, only: list[int] | None = None) -> list[dict]:
+    """Every OP_MODES row through the compiler and FastCarSession (ai.fastcar CompressedAttention's native
+    kernel): PSNR/SSIM vs truth and vs dense, replay, runtime step time on frame 8 and on the last frame."""
+    from fastcar_compile.atomic import write_text
+    from fastcar_compile.cli import main as cli
+    from fastcar_compile.demo import data
+    from fastcar_compile.demo.evaluate import load_tokenizer
+    from fastcar_compile.demo.longvideo import long_onnx
+    from fastcar_compile.demo.metrics import psnr, ssim
+    from fastcar_compile.demo.video import generate_video, open_session
+
+    tok = load_tokenizer()
+    L = tok.tokens_per_frame
+    src = long_onnx()
+    cl = data.make_clips("eval", clips, frames, seed=0)
+    rows, dense_vids = [], []
+    with tempfile.TemporaryDirectory() as d:
+        for i, (name, fc, kv) in enumerate(OP_MODES):
+            if only and i and i not in only:
+                continue  # row 0 (dense) always runs: the reference of "PSNR vs dense"
+            path = src
+            if fc or kv:
+                path = Path(d) / "m.onnx"
+                args = [str(src), "-o", str(path), "--frame-tokens", str(L), "--video-start", "3",
+                        f"--threshold={tau if fc else float('inf')}", *(kv or [])]
+                if cli(args) != 0:
+                    raise SystemExit(f"compile failed for {name}")
+            sess = open_session(path, 1)
+            vids, reps, f8, flast = [], [], [], []
+            for c in cl:
+                run = generate_video(sess, c.motion, tok.encode(c.frames)[0], frames - 1,
+                                     threshold=tau if fc else None)
+                vids.append(tok.decode(run.tokens)[1:])
+                reps.append(run.replay_ratio)
+                ms = np.asarray(run.step_ms)  # step k feeds token k: frame 1 + k // L
+                f8.append(np.median(ms[7 * L - L:7 * L]))
+                flast.append(np.median(ms[-L + 1:]))
+            if not dense_vids:
+                dense_vids = vids
+            gt = [c.frames[1:] for c in cl]
+            rows.append({"mode": name, "replay": float(np.mean(reps)),
+                         "psnr_vs_gt": float(np.mean([psnr(g, v) for g, v in zip(gt, vids, strict=True)])),
+                         "ssim_vs_gt": float(np.mean([ssim(g, v) for g, v in zip(gt, vids, strict=True)])),
+                         "psnr_vs_dense": psnr(np.concatenate(dense_vids), np.concatenate(vids))
+                         if name != "dense" else float("inf"),
+                         "ms_frame8": float(np.mean(f8)), "ms_last": float(np.mean(flast))})
+            print(rows[-1], flush=True)
+    hold = float(np.mean([psnr(c.frames[1:], np.repeat(tok.decode(tok.encode(c.frames[:1])), frames - 1, axis=0))
+                          for c in cl]))
+    head = (f"Long-video model through the compiler and FastCarSession (ai.fastcar CompressedAttention native "
+            f"kernel), {clips} held-out clips x {frames} frames, greedy, tau {tau}, 1 ORT thread; hold frame 0: "
+            f"{hold:.2f} dB. ms = median runtime step (FastCarSession.step incl. Python) over frame 8 / the last "
+            "frame (loaded machine: compare within a row and across rows only roughly).\n\n"
+            "| mode | replay | PSNR vs GT | SSIM vs GT | PSNR vs dense | ms/token frame 8 | ms/token last frame | "
+            "last / frame 8 |\n|---|---|---|---|---|---|---|---|\n")
+    body = "".join(f"| {r['mode']} | {100 * r['replay']:.1f}% | {r['psnr_vs_gt']:.2f} | {r['ssim_vs_gt']:.3f} | "
+                   f"{r['psnr_vs_dense']:.2f} | {r['ms_frame8']:.3f} | {r['ms_last']:.3f} | "
+                   f"{r['ms_last'] / r['ms_frame8']:.2f} |\n" for r in rows)
+    stem = "long_video_op_modes" + ("_" + "_".join(map(str, only)) if only else "")
+    write_text(out / f"{stem}.md", head + body)
+    write_text(out / f"{stem}.json", json.dumps({"rows": rows, "hold_psnr": hold}, indent=1))
+    print(head + body)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--calibrate", action="store_true")
+    ap.add_argument("--op-modes", action="store_true", help="FastCar x KV modes through the compiler's op (native)")
+    ap.add_argument("--tau", type=float, default=None, help="--op-modes: tau (default DEFAULT_LONG_TAU)")
+    ap.add_argument("--only", default="", help="--op-modes: comma-separated OP_MODES indices (dense always runs)")
     ap.add_argument("--clips", type=int, default=8)
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     a = ap.parse_args(argv)
-    if not (a.hold or a.calibrate):
-        ap.error("give --hold and/or --calibrate")
+    if not (a.hold or a.calibrate or a.op_modes):
+        ap.error("give --hold, --calibrate and/or --op-modes")
+    if a.op_modes:
+        from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
+
+        op_modes(a.clips, a.frames, DEFAULT_LONG_TAU if a.tau is None else a.tau, a.out_dir,
+                 [int(x) for x in a.only.split(",") if x.strip()] or None)
     if a.hold:
         print(json.dumps({k: v for k, v in hold(a.clips, a.frames, a.out_dir).items() if "per_frame" not in k},
                          indent=1))
