@@ -475,6 +475,7 @@ class FastCarSession:
                                 real_len=state.real_len + (seq if attention_mask is None else new_mask.sum(axis=1)),
                                 mask_buffer=state.mask_buffer)
         out = StepOutput(res["logits"], new_state)
+        out.extra.update({k: v for k, v in res.items() if k.startswith("kv_stats.")})  # --kv-diagnostics
         if self.layers:
             out.replay = self._replay_of(res, state, seq)
             if self.has_diagnostics:
