@@ -3,6 +3,7 @@
     python benchmarks/long_video.py --hold            # teacher-forced loss/accuracy per frame, 64-frame clips
     python benchmarks/long_video.py --calibrate       # tau for ~80% replay along dense generations
     python benchmarks/long_video.py --op-modes --clips 2   # FastCar x TempCache/window through the op (native)
+    python benchmarks/long_video.py --curve           # per-token time + decode-state bytes per frame, one clip
 
 --hold: the model was trained on 16-frame clips (1027 positions) with random position gaps; here it reads
 64-frame held-out clips (4099 positions) teacher-forced, and the next-token loss and accuracy per frame index
@@ -184,20 +185,107 @@ def op_modes(clips: int, frames: int, tau: float, out: Path, only: list[int] | N
     return rows
 
 
+CURVE_MODES = (0, 1, 2, 4, 5, 6, 7, 8)  # OP_MODES rows drawn by --curve
+
+
+def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
+    """Per-token time and resident decode state (KV buffers + slot state, from the session's state arrays)
+    per frame, for CURVE_MODES on one held-out clip: the long-video latency/memory picture (issue 12 item 7,
+    without onnxruntime-genai). One model at a time, modes in order; times on a shared machine are noisy."""
+    import time
+
+    from fastcar_compile.atomic import write_text
+    from fastcar_compile.cli import main as cli
+    from fastcar_compile.demo import data
+    from fastcar_compile.demo.evaluate import load_tokenizer
+    from fastcar_compile.demo.longvideo import long_onnx
+    from fastcar_compile.demo.model import CODES, VIDEO_START, prompt
+    from fastcar_compile.demo.video import open_session
+
+    tok = load_tokenizer()
+    L = tok.tokens_per_frame
+    src = long_onnx()
+    c = data.make_clip("eval", clip, frames, seed=0)
+    f0 = [int(t) for t in tok.encode(c.frames)[0]]
+    res: dict = {"frames": frames, "clip": clip, "tau": tau, "modes": {}}
+    with tempfile.TemporaryDirectory() as d:
+        for i in CURVE_MODES:
+            name, fc, kv = OP_MODES[i]
+            path = src
+            if fc or kv:
+                path = Path(d) / "m.onnx"
+                cli([str(src), "-o", str(path), "--frame-tokens", str(L), "--video-start", "3",
+                     f"--threshold={tau if fc else float('inf')}", *(kv or [])])
+            sess = open_session(path, 1)
+            thr = sess.threshold_array(tau) if fc and sess.is_fastcar else None
+            st = sess.new_state(1, video_start=VIDEO_START)
+            o = sess.step(st, np.asarray([prompt(c.motion) + f0], np.int64), threshold=thr)
+            st = o.state
+            nxt = int(o.logits[0, -1, :CODES].argmax())
+            ms, mem = [], [st.nbytes()]
+            for k in range((frames - 1) * L - 1):
+                t0 = time.perf_counter()
+                o = sess.step(st, np.asarray([[nxt]], np.int64), threshold=thr, check=False)
+                ms.append(1e3 * (time.perf_counter() - t0))
+                st = o.state
+                nxt = int(o.logits[0, -1, :CODES].argmax())
+                if (k + 1) % L == 0:
+                    mem.append(st.nbytes())
+            per_frame = [float(np.median(ms[f * L:(f + 1) * L])) for f in range(len(ms) // L)]
+            res["modes"][name] = {"ms_per_frame": per_frame, "state_bytes_per_frame": [int(x) for x in mem]}
+            print(f"{name}: frame 8 {per_frame[7]:.3f} ms, last {per_frame[-1]:.3f} ms; state "
+                  f"{mem[1] / 1e6:.2f} -> {mem[-1] / 1e6:.2f} MB", flush=True)
+    plot_curve(res, out / "long_video_curve.png")
+    write_text(out / "long_video_curve.json", json.dumps(res, indent=1))
+    return res
+
+
+def plot_curve(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fastcar_compile.atomic import save_figure
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, r in res["modes"].items():
+        ax[0].plot(np.arange(1, len(r["ms_per_frame"]) + 1), r["ms_per_frame"], label=name)
+        ax[1].plot(np.arange(len(r["state_bytes_per_frame"])), np.asarray(r["state_bytes_per_frame"]) / 1e6,
+                   label=name)
+    ax[0].set_ylabel("ms/token (median per frame)")
+    ax[1].set_ylabel("decode state held by the session (MB)")
+    for a in ax:
+        a.set_xlabel("frame")
+        a.grid(alpha=0.3)
+    ax[0].set_yscale("log")
+    ax[1].set_yscale("log")
+    ax[1].legend(fontsize=7)
+    fig.suptitle(f"long-video model, eval clip {res['clip']}, {res['frames']} frames, FastCarSession.step, 1 ORT "
+                 "thread (shared, loaded machine)", fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--calibrate", action="store_true")
     ap.add_argument("--op-modes", action="store_true", help="FastCar x KV modes through the compiler's op (native)")
     ap.add_argument("--tau", type=float, default=None, help="--op-modes: tau (default DEFAULT_LONG_TAU)")
+    ap.add_argument("--curve", action="store_true", help="per-token time and decode-state bytes per frame")
     ap.add_argument("--only", default="", help="--op-modes: comma-separated OP_MODES indices (dense always runs)")
     ap.add_argument("--clips", type=int, default=8)
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     a = ap.parse_args(argv)
-    if not (a.hold or a.calibrate or a.op_modes):
-        ap.error("give --hold, --calibrate and/or --op-modes")
+    if not (a.hold or a.calibrate or a.op_modes or a.curve):
+        ap.error("give --hold, --calibrate, --op-modes and/or --curve")
+    if a.curve:
+        from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
+
+        curve(a.frames, DEFAULT_LONG_TAU if a.tau is None else a.tau, a.out_dir)
     if a.op_modes:
         from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
 
