@@ -103,6 +103,10 @@ def _load_error(path: Path, exc: Exception, native: bool) -> str:
     if "protobuf parsing failed" in text.lower() or "INVALID_PROTOBUF" in text:
         return f"{path} is not an ONNX model (ONNX Runtime cannot parse it); give the path of an .onnx file"
     first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    if not native and "CompressedAttention" in text:  # the function body is the dense mode only
+        return (f"{path} has a compressed KV cache (CompressedAttention with a budget), which only the native "
+                "kernels run; build them (python -m fastcar_compile.runtime.native.build) or recompile without "
+                "--kv-budget")
     hint = ""
     if native and any(k in text for k in ("ai.fastcar", "TemporalGate", "MLPCacheUpdate")):
         hint = " (the native kernels are float32 only; pass native=False)"

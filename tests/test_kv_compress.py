@@ -292,3 +292,16 @@ def test_tempcache_lemma_in_the_kernel():
     live = st[2][0, :, :, 0] > 0
     assert live.sum(axis=1).tolist() == [T - m + 1] * HKV  # the m copies share one slot per KV head
     assert sorted(st[2][0, 0, live[0], 1].tolist()) == [1.0] * (T - m) + [float(m)]
+
+
+def test_compressed_model_refusals_are_one_line(zoo_model, fc_compile, tmp_path):
+    """A compressed model without the native kernels, and compression asked of a model whose attention cannot
+    take the op (GPT-2's 2-D Gemm projection), fail with one clear FastCarError each."""
+    from fastcar_compile.runtime import FastCarSession
+
+    comp = tmp_path / "comp.onnx"
+    fc_compile(str(zoo_model("llama", "dynamo20")), output=str(comp), frame_tokens=4, kv_budget=16)
+    with pytest.raises(FastCarError, match="only the native kernels run"):
+        FastCarSession(comp, native=False)
+    with pytest.raises(FastCarError, match="cannot take .*no exported MatMul/Softmax attention core"):
+        fc_compile(str(zoo_model("gpt2", "dynamo20")), output=str(tmp_path / "g.onnx"), frame_tokens=4, kv_budget=16)
