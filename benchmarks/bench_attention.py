@@ -1,9 +1,10 @@
 """Fused attention variants side by side: ORT's GroupQueryAttention (`--fused-attention gqa`) vs the ai.fastcar
-CompressedAttention native kernel (`--fused-attention fastcar`), per decode token, in one run.
+CompressedAttention native kernel (`--fused-attention fastcar`) vs the exported attention kept (`none`, today's
+default: growing cache, Concat + transpose per step), per decode token, in one run.
 
 Same seeded LLaMA as benchmarks/bench_genai.py (hidden 1024, 8 layers, 16 heads / 2 KV heads, MLP 3072; dynamo
-export, cached), compiled twice with per-layer tau; each runs in FastCarSession with a shared KV buffer
-(max_length: the buffer is bound as past and present and written in place), batch 1, `--threads` intra-op
+export, cached), compiled three times with per-layer tau; the fused ones run in FastCarSession with a shared KV buffer
+(max_length: the buffer is bound as past and present and written in place), `none` with the growing cache; batch 1, `--threads` intra-op
 threads, at forced replay 0% (every MLP computed) and 100% (every MLP replayed: the step is mostly attention).
 For each context all four sessions are prefilled with the same tokens, then decode in turn, `--block` tokens at
 a time after one untimed step (interleaved, so load hits them alike); per-token time = lower quartile.
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_CACHE, atomic_write_text  # noqa: E402
 from bench_genai import FULL, QUICK, _FusedStepper, fused_export  # noqa: E402
 
-KINDS = ("gqa", "fastcar")
+KINDS = ("gqa", "fastcar", "none")
 
 
 def multi_token_ok(sess, vocab: int) -> str:
@@ -50,8 +51,10 @@ def measure(paths: dict[str, Path], ctx: int, tokens: int, vocab: int, layers: i
     prompt = np.random.default_rng(0).integers(3, vocab, (1, ctx))
     gens, checks = {}, {}
     for kind, path in paths.items():
-        sess = FastCarSession(path, threads=threads, max_length=ctx + steps + 4)
-        checks[kind] = multi_token_ok(FastCarSession(path, threads=threads, max_length=64), vocab)
+        shared = {} if kind == "none" else {"max_length": ctx + steps + 4}
+        sess = FastCarSession(path, threads=threads, **shared)
+        checks[kind] = multi_token_ok(FastCarSession(path, threads=threads, **({} if kind == "none" else
+                                                                                {"max_length": 64})), vocab)
         for replay in (0, layers):
             taus = np.full(layers, -np.inf if replay else np.inf, np.float32)
             t0 = time.perf_counter()
@@ -83,18 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(QUICK if a.quick else FULL)
     contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else list(cfg["contexts"])
     shape = cfg["shape"]
-    paths = {k: fused_export(shape, a.cache, cfg["frame_tokens"], k) for k in KINDS}
+    paths = {k: fused_export(shape, a.cache, cfg["frame_tokens"], None if k == "none" else k) for k in KINDS}
     results = {"shape": shape.tag(), "threads": a.threads, "tokens": a.tokens, "contexts": {}}
     for ctx in contexts:
         times, python, checks = measure(paths, ctx, a.tokens, shape.vocab, shape.layers, a.threads, a.block)
         q25 = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
         print(f"\nctx {ctx}, {a.threads} threads, {a.tokens} tokens (lower quartile ms/token, Python per step)")
-        print("| replay | gqa | fastcar | fastcar / gqa |")
-        print("|---:|---:|---:|---:|")
+        print("| replay | none (exported attention) | gqa | fastcar | fastcar / gqa | fastcar / none |")
+        print("|---:|---:|---:|---:|---:|---:|")
         for r in (0, shape.layers):
-            g, f = q25[f"gqa-r{r}"], q25[f"fastcar-r{r}"]
-            print(f"| {r / shape.layers:.0%} | {g:.2f} ({python[f'gqa-r{r}']:.2f}) | {f:.2f} "
-                  f"({python[f'fastcar-r{r}']:.2f}) | {f / g:.3f} |")
+            g, f, u = q25[f"gqa-r{r}"], q25[f"fastcar-r{r}"], q25[f"none-r{r}"]
+            print(f"| {r / shape.layers:.0%} | {u:.2f} ({python[f'none-r{r}']:.2f}) | {g:.2f} "
+                  f"({python[f'gqa-r{r}']:.2f}) | {f:.2f} ({python[f'fastcar-r{r}']:.2f}) | {f / g:.3f} | "
+                  f"{f / u:.3f} |")
         for kind, verdict in checks.items():
             print(f"2-token step after the prompt at batch 2, {kind}: {verdict}")
         results["contexts"][str(ctx)] = {"ms": q25, "python_ms": python, "multi_token_batch2": checks,

@@ -145,12 +145,13 @@ class _FusedStepper:
         self.state, self.ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
 
 
-def fused_export(shape: LlamaShape, cache: Path, frame_tokens: int, kind: str = "gqa") -> Path:
+def fused_export(shape: LlamaShape, cache: Path, frame_tokens: int, kind: str | None = "gqa") -> Path:
     """(b): the dynamo export of the same seeded weights, compiled with fused attention (`kind`: gqa or
-    fastcar, --fused-attention) and per-layer tau."""
+    fastcar, --fused-attention; None: the exported attention kept) and per-layer tau."""
     import fastcar_compile
 
-    out = cache / f"fused{'' if kind == 'gqa' else '-' + kind}-{shape.tag()}-L{frame_tokens}" / "fast.onnx"
+    name = {"gqa": "fused", None: "unfused"}.get(kind, f"fused-{kind}")
+    out = cache / f"{name}-{shape.tag()}-L{frame_tokens}" / "fast.onnx"
     if not out.is_file():
         fastcar_compile.compile(cached_export(shape, cache), out, frame_tokens=frame_tokens,
                                 threshold=[np.inf] * shape.layers, per_layer_threshold=True, fused_attention=kind)

@@ -2,6 +2,9 @@
 
     python benchmarks/long_video.py --hold            # teacher-forced loss/accuracy per frame, 64-frame clips
     python benchmarks/long_video.py --calibrate       # tau for ~80% replay along dense generations
+    python benchmarks/long_video.py --op-modes --clips 2   # FastCar x TempCache/window through the op (native)
+    python benchmarks/long_video.py --curve           # per-token time + decode-state bytes per frame, one clip
+    python benchmarks/long_video.py --genai           # frame 64 per-token time vs onnxruntime-genai's dense loop
 
 --hold: the model was trained on 16-frame clips (1027 positions) with random position gaps; here it reads
 64-frame held-out clips (4099 positions) teacher-forced, and the next-token loss and accuracy per frame index
@@ -101,17 +104,303 @@ def calibrate(clips: int, frames: int, target: float) -> dict:
             "clips": clips, "frames": frames}
 
 
+# (name, fastcar tau or None = never replay, compiler KV options or None = plain dense export)
+OP_MODES = [
+    ("dense", None, None),
+    ("FastCar", "tau", ["--fused-attention", "off"]),  # the exported attention (fused is the default now)
+    ("dense, fused op (in-place KV)", None, ["--fused-attention", "fastcar"]),
+    ("FastCar, fused op (in-place KV)", "tau", ["--fused-attention", "fastcar"]),
+    ("TempCache 0.95", None, ["--kv-budget", "4100", "--tempcache", "0.95"]),
+    ("FastCar + TempCache 0.95", "tau", ["--kv-budget", "4100", "--tempcache", "0.95"]),
+    ("window S4+W124", None, ["--kv-budget", "129", "--kv-sinks", "4", "--kv-window", "124", "--kv-eviction",
+                              "oldest"]),
+    ("FastCar + window S4+W124", "tau", ["--kv-budget", "129", "--kv-sinks", "4", "--kv-window", "124",
+                                         "--kv-eviction", "oldest"]),
+    ("FastCar + TempCache 0.95 C256 (S4+W60)", "tau", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60",
+                                                      "--tempcache", "0.95"]),
+]
+
+
+def op_modes(clips: int, frames: int, tau: float, out: Path, only: list[int] | None = None) -> list[dict]:
+    """Every OP_MODES row through the compiler and FastCarSession (ai.fastcar CompressedAttention's native
+    kernel): PSNR/SSIM vs truth and vs dense, replay, runtime step time on frame 8 and on the last frame."""
+    from fastcar_compile.atomic import write_text
+    from fastcar_compile.cli import main as cli
+    from fastcar_compile.demo import data
+    from fastcar_compile.demo.evaluate import load_tokenizer
+    from fastcar_compile.demo.longvideo import long_onnx
+    from fastcar_compile.demo.metrics import psnr, ssim
+    from fastcar_compile.demo.video import generate_video, open_session
+
+    tok = load_tokenizer()
+    L = tok.tokens_per_frame
+    src = long_onnx()
+    cl = data.make_clips("eval", clips, frames, seed=0)
+    rows, dense_vids = [], []
+    with tempfile.TemporaryDirectory() as d:
+        for i, (name, fc, kv) in enumerate(OP_MODES):
+            if only and i and i not in only:
+                continue  # row 0 (dense) always runs: the reference of "PSNR vs dense"
+            path = src
+            if fc or kv:
+                path = Path(d) / "m.onnx"
+                args = [str(src), "-o", str(path), "--frame-tokens", str(L), "--video-start", "3",
+                        f"--threshold={tau if fc else float('inf')}", *(kv or [])]
+                if cli(args) != 0:
+                    raise SystemExit(f"compile failed for {name}")
+            sess = open_session(path, 1)
+            vids, reps, f8, flast = [], [], [], []
+            for c in cl:
+                run = generate_video(sess, c.motion, tok.encode(c.frames)[0], frames - 1,
+                                     threshold=tau if fc else None)
+                vids.append(tok.decode(run.tokens)[1:])
+                reps.append(run.replay_ratio)
+                ms = np.asarray(run.step_ms)  # step k feeds token k: frame 1 + k // L
+                f8.append(np.median(ms[7 * L - L:7 * L]))
+                flast.append(np.median(ms[-L + 1:]))
+            if not dense_vids:
+                dense_vids = vids
+            gt = [c.frames[1:] for c in cl]
+            rows.append({"mode": name, "replay": float(np.mean(reps)),
+                         "psnr_vs_gt": float(np.mean([psnr(g, v) for g, v in zip(gt, vids, strict=True)])),
+                         "ssim_vs_gt": float(np.mean([ssim(g, v) for g, v in zip(gt, vids, strict=True)])),
+                         "psnr_vs_dense": psnr(np.concatenate(dense_vids), np.concatenate(vids))
+                         if name != "dense" else float("inf"),
+                         "ms_frame8": float(np.mean(f8)), "ms_last": float(np.mean(flast))})
+            print(rows[-1], flush=True)
+    hold = float(np.mean([psnr(c.frames[1:], np.repeat(tok.decode(tok.encode(c.frames[:1])), frames - 1, axis=0))
+                          for c in cl]))
+    head = (f"Long-video model through the compiler and FastCarSession (ai.fastcar CompressedAttention native "
+            f"kernel), {clips} held-out clips x {frames} frames, greedy, tau {tau}, 1 ORT thread; hold frame 0: "
+            f"{hold:.2f} dB. ms = median runtime step (FastCarSession.step incl. Python) over frame 8 / the last "
+            "frame (loaded machine: compare within a row and across rows only roughly).\n\n"
+            "| mode | replay | PSNR vs GT | SSIM vs GT | PSNR vs dense | ms/token frame 8 | ms/token last frame | "
+            "last / frame 8 |\n|---|---|---|---|---|---|---|---|\n")
+    body = "".join(f"| {r['mode']} | {100 * r['replay']:.1f}% | {r['psnr_vs_gt']:.2f} | {r['ssim_vs_gt']:.3f} | "
+                   f"{r['psnr_vs_dense']:.2f} | {r['ms_frame8']:.3f} | {r['ms_last']:.3f} | "
+                   f"{r['ms_last'] / r['ms_frame8']:.2f} |\n" for r in rows)
+    stem = "long_video_op_modes" + ("_" + "_".join(map(str, only)) if only else "")
+    write_text(out / f"{stem}.md", head + body)
+    write_text(out / f"{stem}.json", json.dumps({"rows": rows, "hold_psnr": hold}, indent=1))
+    print(head + body)
+    return rows
+
+
+CURVE_MODES = (0, 1, 2, 4, 5, 6, 7, 8)  # OP_MODES rows drawn by --curve
+
+
+def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
+    """Per-token time and resident decode state (KV buffers + slot state, from the session's state arrays)
+    per frame, for CURVE_MODES on one held-out clip: the long-video latency/memory picture (issue 12 item 7,
+    without onnxruntime-genai). One model at a time, modes in order; times on a shared machine are noisy."""
+    import time
+
+    from fastcar_compile.atomic import write_text
+    from fastcar_compile.cli import main as cli
+    from fastcar_compile.demo import data
+    from fastcar_compile.demo.evaluate import load_tokenizer
+    from fastcar_compile.demo.longvideo import long_onnx
+    from fastcar_compile.demo.model import CODES, VIDEO_START, prompt
+    from fastcar_compile.demo.video import open_session
+
+    tok = load_tokenizer()
+    L = tok.tokens_per_frame
+    src = long_onnx()
+    c = data.make_clip("eval", clip, frames, seed=0)
+    f0 = [int(t) for t in tok.encode(c.frames)[0]]
+    res: dict = {"frames": frames, "clip": clip, "tau": tau, "modes": {}}
+    with tempfile.TemporaryDirectory() as d:
+        for i in CURVE_MODES:
+            name, fc, kv = OP_MODES[i]
+            path = src
+            if fc or kv:
+                path = Path(d) / "m.onnx"
+                cli([str(src), "-o", str(path), "--frame-tokens", str(L), "--video-start", "3",
+                     f"--threshold={tau if fc else float('inf')}", *(kv or [])])
+            sess = open_session(path, 1)
+            thr = sess.threshold_array(tau) if fc and sess.is_fastcar else None
+            st = sess.new_state(1, video_start=VIDEO_START)
+            o = sess.step(st, np.asarray([prompt(c.motion) + f0], np.int64), threshold=thr)
+            st = o.state
+            nxt = int(o.logits[0, -1, :CODES].argmax())
+            ms, mem = [], [st.nbytes()]
+            for k in range((frames - 1) * L - 1):
+                t0 = time.perf_counter()
+                o = sess.step(st, np.asarray([[nxt]], np.int64), threshold=thr, check=False)
+                ms.append(1e3 * (time.perf_counter() - t0))
+                st = o.state
+                nxt = int(o.logits[0, -1, :CODES].argmax())
+                if (k + 1) % L == 0:
+                    mem.append(st.nbytes())
+            per_frame = [float(np.median(ms[f * L:(f + 1) * L])) for f in range(len(ms) // L)]
+            res["modes"][name] = {"ms_per_frame": per_frame, "state_bytes_per_frame": [int(x) for x in mem]}
+            print(f"{name}: frame 8 {per_frame[7]:.3f} ms, last {per_frame[-1]:.3f} ms; state "
+                  f"{mem[1] / 1e6:.2f} -> {mem[-1] / 1e6:.2f} MB", flush=True)
+    plot_curve(res, out / "long_video_curve.png")
+    write_text(out / "long_video_curve.json", json.dumps(res, indent=1))
+    return res
+
+
+def plot_curve(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fastcar_compile.atomic import save_figure
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, r in res["modes"].items():
+        ax[0].plot(np.arange(1, len(r["ms_per_frame"]) + 1), r["ms_per_frame"], label=name)
+        ax[1].plot(np.arange(len(r["state_bytes_per_frame"])), np.asarray(r["state_bytes_per_frame"]) / 1e6,
+                   label=name)
+    ax[0].set_ylabel("ms/token (median per frame)")
+    ax[1].set_ylabel("decode state held by the session (MB)")
+    for a in ax:
+        a.set_xlabel("frame")
+        a.grid(alpha=0.3)
+    ax[0].set_yscale("log")
+    ax[1].set_yscale("log")
+    ax[1].legend(fontsize=7)
+    fig.suptitle(f"long-video model, eval clip {res['clip']}, {res['frames']} frames, FastCarSession.step, 1 ORT "
+                 "thread (shared, loaded machine)", fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
+GENAI_MODES = {  # ours at frame 64, next to onnxruntime-genai's dense loop (issue 12 item 7)
+    "dense (plain export, FastCarSession)": (None, None),
+    "FastCar + window S4+W124": ("tau", OP_MODES[7][2]),
+    "FastCar + TempCache 0.95 C256 (S4+W60)": ("tau", OP_MODES[8][2]),
+    "FastCar + TempCache 0.95 + AnnSA lsh 8x4, C256 (S4+W60)": (
+        "tau", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60", "--tempcache", "0.95",
+                "--sparse-attention", "lsh:8x4"]),
+}
+
+
+def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0) -> dict:
+    """Per-token time while generating frame `frames` (after a prefill of the prompt and frames 0..frames-2 of
+    a real held-out clip): onnxruntime-genai's own loop (og.Generator, the model builder's fp32 cpu graph of the
+    same weights) vs ours through FastCarSession. 1 intra-op thread each; median of `tokens` steps after one
+    untimed step; models run one after the other (shared machine: ratios within this run)."""
+    import subprocess
+    import time
+
+    import onnxruntime_genai as og
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from fastcar_compile.atomic import write_text
+    from fastcar_compile.cli import main as cli
+    from fastcar_compile.demo import data
+    from fastcar_compile.demo.evaluate import load_tokenizer
+    from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS, load_model
+    from fastcar_compile.demo.longvideo import cache_dir, long_onnx
+    from fastcar_compile.demo.model import CODES, VIDEO_START, prompt
+    from fastcar_compile.demo.video import open_session
+
+    tok = load_tokenizer()
+    L = tok.tokens_per_frame
+    c = data.make_clip("eval", clip, frames, seed=0)
+    ids = prompt(c.motion) + [int(t) for t in tok.encode(c.frames[:-1]).reshape(-1)]
+    res: dict = {"frames": frames, "prefill": len(ids), "tokens": tokens, "tau": tau, "ms": {}}
+    genai_dir = cache_dir() / f"genai-{long_onnx(progress=False).stem}"
+    if not (genai_dir / "genai_config.json").is_file():
+        hf = genai_dir.with_name(genai_dir.name + "-hf")
+        m = load_model(LONG_WEIGHTS, LONG_CONFIG)
+        m.save_pretrained(hf)
+        tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(m.config.vocab_size)}, unk_token="t0"))
+        tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", bos_token="t1", eos_token="t2",
+                                pad_token="t0").save_pretrained(hf)
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
+                        str(genai_dir), "-p", "fp32", "-e", "cpu", "-c", str(hf) + "-cache"], check=True,
+                       stdout=subprocess.DEVNULL)
+    cfg_path = genai_dir / "genai_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    so = cfg["model"]["decoder"].setdefault("session_options", {})
+    so["intra_op_num_threads"], so["inter_op_num_threads"] = 1, 1
+    write_text(cfg_path, json.dumps(cfg, indent=4))
+    model = og.Model(str(genai_dir))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + tokens + 4, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray([ids], np.int32))
+    gen.generate_next_token()
+    ts = []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        gen.generate_next_token()
+        ts.append(1e3 * (time.perf_counter() - t0))
+    res["ms"]["onnxruntime-genai dense (og.Generator)"] = float(np.median(ts))
+    del gen, model
+    src = long_onnx(progress=False)
+    with tempfile.TemporaryDirectory() as d:
+        for name, (fc, kv) in GENAI_MODES.items():
+            path = src
+            if fc or kv:
+                path = Path(d) / "m.onnx"
+                cli([str(src), "-o", str(path), "--frame-tokens", str(L), "--video-start", "3",
+                     f"--threshold={tau if fc else float('inf')}", *(kv or [])])
+            sess = open_session(path, 1)
+            thr = sess.threshold_array(tau) if fc and sess.is_fastcar else None
+            o = sess.step(sess.new_state(1, video_start=VIDEO_START), np.asarray([ids], np.int64), threshold=thr)
+            st, nxt, ts, rep = o.state, int(o.logits[0, -1, :CODES].argmax()), [], []
+            for k in range(tokens + 1):
+                t0 = time.perf_counter()
+                o = sess.step(st, np.asarray([[nxt]], np.int64), threshold=thr, check=False)
+                if k:
+                    ts.append(1e3 * (time.perf_counter() - t0))
+                st, nxt = o.state, int(o.logits[0, -1, :CODES].argmax())
+                if o.replay is not None:
+                    rep.append(float(o.replay.mean()))
+            res["ms"][name] = float(np.median(ts))
+            res.setdefault("replay", {})[name] = float(np.mean(rep)) if rep else 0.0
+            print(f"{name}: {res['ms'][name]:.3f} ms/token", flush=True)
+    g = res["ms"]["onnxruntime-genai dense (og.Generator)"]
+    lines = [f"Per-token time generating frame {frames} of eval clip {clip} (prefill {len(ids)} tokens: prompt + "
+             f"frames 0..{frames - 2}), median of {tokens} steps, 1 intra-op thread, tau {tau}, one model at a "
+             "time on the shared machine.\n", "| model | replay | ms/token | x genai dense |", "|---|---|---|---|"]
+    for name, ms in res["ms"].items():
+        lines.append(f"| {name} | {100 * res.get('replay', {}).get(name, 0.0):.0f}% | {ms:.3f} | {g / ms:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    write_text(out / "long_video_genai.md", text)
+    write_text(out / "long_video_genai.json", json.dumps(res, indent=1))
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--calibrate", action="store_true")
+    ap.add_argument("--op-modes", action="store_true", help="FastCar x KV modes through the compiler's op (native)")
+    ap.add_argument("--tau", type=float, default=None, help="--op-modes: tau (default DEFAULT_LONG_TAU)")
+    ap.add_argument("--curve", action="store_true", help="per-token time and decode-state bytes per frame")
+    ap.add_argument("--genai", action="store_true",
+                    help="per-token time at the last frame vs onnxruntime-genai's dense loop (--tokens steps)")
+    ap.add_argument("--tokens", type=int, default=64, help="--genai: timed steps (default 64)")
+    ap.add_argument("--only", default="", help="--op-modes: comma-separated OP_MODES indices (dense always runs)")
     ap.add_argument("--clips", type=int, default=8)
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     a = ap.parse_args(argv)
-    if not (a.hold or a.calibrate):
-        ap.error("give --hold and/or --calibrate")
+    if not (a.hold or a.calibrate or a.op_modes or a.curve or a.genai):
+        ap.error("give --hold, --calibrate, --op-modes, --curve and/or --genai")
+    if a.genai:
+        from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
+
+        genai_vs_ours(a.frames, DEFAULT_LONG_TAU if a.tau is None else a.tau, a.tokens, a.out_dir)
+    if a.curve:
+        from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
+
+        curve(a.frames, DEFAULT_LONG_TAU if a.tau is None else a.tau, a.out_dir)
+    if a.op_modes:
+        from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
+
+        op_modes(a.clips, a.frames, DEFAULT_LONG_TAU if a.tau is None else a.tau, a.out_dir,
+                 [int(x) for x in a.only.split(",") if x.strip()] or None)
     if a.hold:
         print(json.dumps({k: v for k, v in hold(a.clips, a.frames, a.out_dir).items() if "per_frame" not in k},
                          indent=1))

@@ -80,7 +80,7 @@ def compile(  # noqa: A001 - the natural name of the entry point
     emit_diagnostics: bool = False,
     validate: bool = True,
     genai: bool | None = None,
-    fused_attention: str | bool | None = None,
+    fused_attention: str | bool | None = "fastcar",
     required_video_inputs: bool = False,
     kv_budget: int | None = None,
     kv_sinks: int = 0,
@@ -88,21 +88,23 @@ def compile(  # noqa: A001 - the natural name of the entry point
     kv_eviction: str = "mass",
     tempcache: float | None = None,
     sparse_attention: str | None = None,
+    kv_diagnostics: int | None = None,
 ) -> tuple[ir.Model, CompileReport]:
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 
     genai: name the state for onnxruntime-genai's generator and write genai_config.json beside the output
     (None: when the input sits beside one and the output goes to another folder). fused_attention: replace
-    exported attention cores by an in-place fused attention: "gqa" (com.microsoft.GroupQueryAttention; True means
-    this) or "fastcar" (ai.fastcar CompressedAttention); passes/fused_attention.py. kv_budget/kv_sinks/kv_window/
-    kv_eviction/tempcache/sparse_attention: a FAST-AR compressed KV cache in that op (docs/fastar.md).
+    exported attention cores by an in-place fused attention: "fastcar" (ai.fastcar CompressedAttention, the default)
+    or "gqa" (com.microsoft.GroupQueryAttention; True means this); None/"off" keeps the exported attention. kv_budget/kv_sinks/kv_window/
+    kv_eviction/tempcache/sparse_attention: a FAST-AR compressed KV cache in that op (docs/fastar.md);
+    kv_diagnostics=M: dense attention on the side over up to M tokens, kv_stats.N outputs (density, recall).
     required_video_inputs: `video_start` / `fastcar_threshold` without defaults (every run feeds them; what
     onnxruntime-genai's `generator.set_model_input` needs to set them per video).
     """
     opts = CompileOptions(frame_tokens, threshold, tas_query, max_replay,
                           layers if layers is None or isinstance(layers, str) else tuple(layers),
                           per_layer_threshold, emit_diagnostics, fused_attention, required_video_inputs,
-                          kv_budget, kv_sinks, kv_window, kv_eviction, tempcache, sparse_attention)
+                          kv_budget, kv_sinks, kv_window, kv_eviction, tempcache, sparse_attention, kv_diagnostics)
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
     if out_path is not None and in_path is not None:

@@ -74,11 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make fastcar_threshold a [layers] input, one tau per rewritten layer")
     p.add_argument("--emit-diagnostics", action="store_true",
                    help="add outputs replay_mask.N and tas.N per rewritten layer")
-    p.add_argument("--fused-attention", nargs="?", const="gqa", default=None, metavar="gqa|fastcar|off",
+    p.add_argument("--fused-attention", nargs="?", const="gqa", default="fastcar", metavar="fastcar|gqa|off",
                    help="replace exported attention cores (cache Concat, K transpose, MatMul/Softmax) by an attention "
-                        "that writes the KV cache in place: 'gqa' (the bare flag) = com.microsoft.GroupQueryAttention "
-                        "(batch > 1 multi-token steps after the prompt are refused by ORT's kernel); 'fastcar' = the "
-                        "ai.fastcar CompressedAttention op (native kernel; exact in every case)")
+                        "that writes the KV cache in place: 'fastcar' (default) = the ai.fastcar CompressedAttention "
+                        "op (native kernel; exact with left padding, batch > 1, multi-token steps); 'gqa' (the bare "
+                        "flag) = com.microsoft.GroupQueryAttention (batch > 1 multi-token steps after the prompt are "
+                        "refused by ORT's kernel); 'off' = keep the exported attention")
     kv = p.add_argument_group("compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)")
     kv.add_argument("--kv-budget", type=int, metavar="C", help="fixed KV slots per layer and KV head (memory stays flat)")
     kv.add_argument("--kv-sinks", type=int, default=0, metavar="S", help="first S tokens always kept (attention sinks)")
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "cosine exceeds SIM (mean value, count, +log(count) bias)")
     kv.add_argument("--sparse-attention", metavar="lsh:BITSxTABLES",
                     help="AnnSA: a decode query attends only to slots sharing an LSH bucket (plus sinks, window)")
+    kv.add_argument("--kv-diagnostics", type=int, metavar="M",
+                    help="also run dense attention on the side (up to M tokens) and output kv_stats.N per layer: "
+                         "density and recall against dense, in the run stats (RunStats.kv_diagnostics)")
     p.add_argument("--genai", action=argparse.BooleanOptionalAction, default=None,
                    help="name the state for onnxruntime-genai's generator and write genai_config.json beside "
                         "the output (default: when the input sits beside one)")
@@ -159,7 +163,7 @@ def main(argv: list[str]) -> int:
                            validate=not args.no_validate, genai=args.genai,
                            fused_attention=args.fused_attention, kv_budget=args.kv_budget, kv_sinks=args.kv_sinks,
                            kv_window=args.kv_window, kv_eviction=args.kv_eviction, tempcache=args.tempcache,
-                           sparse_attention=args.sparse_attention,
+                           sparse_attention=args.sparse_attention, kv_diagnostics=args.kv_diagnostics,
                            required_video_inputs=args.required_video_inputs)
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")

@@ -7,6 +7,7 @@ divergence, runtime traces for `report`). Bundled model: for each TAS variant (p
 dense generations (so the sweep lands near the target replay ratios 20/50/80/90% whatever the TAS scale),
 plus never/always replay; each configuration is timed against dense on the same clips (~8 min for the
 default 8 clips x 8 frames on 2 cores). Writes eval.json, eval.md (table) and eval.png into --out.
+`--kv-sweep`: FAST-AR KV modes on the long-video model (fastcar_compile/demo/kvsweep.py; reference path).
 """
 
 from __future__ import annotations

@@ -88,6 +88,20 @@ def kv_rawkey_output(layer: int) -> str:
     return f"present_kv_rawkey.{layer}"
 
 
+def kv_dense_input(layer: int) -> str:
+    """--kv-diagnostics: every token's key and value, dense attention on the side: [batch, kv_heads, M, 2 D]."""
+    return f"past_kv_dense.{layer}"
+
+
+def kv_dense_output(layer: int) -> str:
+    return f"present_kv_dense.{layer}"
+
+
+def kv_stats_output(layer: int) -> str:
+    """--kv-diagnostics: this step's [executed q.k pairs, dense pairs, recall sum, queries] per row and KV head."""
+    return f"kv_stats.{layer}"
+
+
 def replay_mask_output(layer: int) -> str:
     return f"replay_mask.{layer}"
 
@@ -222,7 +236,7 @@ class FastCarMetadata:
     diagnostics: bool = field(metadata=_doc("`true`/`false`: replay_mask.N / tas.N outputs present"))
     kv_compress: dict[str, Any] | None = field(default=None, metadata=_doc(
         "compressed KV cache settings (`fastar.KVCompressConfig` as JSON: budget, sinks, window, tempcache_sim, "
-        "eviction, lsh_bits, lsh_tables, seed) plus `layers`; `null` = dense KV. With a budget every KV "
+        "eviction, lsh_bits, lsh_tables, seed) plus `layers` and `diagnostics_tokens`; absent = dense KV. With a budget every KV "
         "input/output of those layers is [batch, kv_heads, budget, head_dim] (slots, not positions)"))
 
     @staticmethod

@@ -31,9 +31,10 @@ class CompileOptions:
     layers: str | tuple[int, ...] | None = None
     per_layer_threshold: bool = False
     emit_diagnostics: bool = False
-    # exported attention cores -> com.microsoft.GroupQueryAttention ("gqa") or ai.fastcar CompressedAttention
-    # ("fastcar"); None/False = left as exported, True = "gqa" (passes/fused_attention.py)
-    fused_attention: str | bool | None = None
+    # exported attention cores -> ai.fastcar CompressedAttention ("fastcar", the default: exact in every case,
+    # in-place KV buffers) or com.microsoft.GroupQueryAttention ("gqa"); None/False/"off" = left as exported,
+    # True = "gqa" (passes/fused_attention.py)
+    fused_attention: str | bool | None = "fastcar"
     # video_start / fastcar_threshold as plain inputs without defaults: onnxruntime-genai feeds only those from
     # generator.set_model_input (it drops names ORT lists as overridable initializers), docs/genai.md
     required_video_inputs: bool = False
@@ -45,6 +46,7 @@ class CompileOptions:
     kv_eviction: str = "mass"
     tempcache: float | None = None
     sparse_attention: str | None = None
+    kv_diagnostics: int | None = None  # dense attention on the side over at most this many tokens (stats outputs)
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")
@@ -65,14 +67,17 @@ class CompileOptions:
     def kv_compress(self):
         """The compressed-KV settings (fastar.KVCompressConfig, validated there), or None for a dense cache."""
         if self.kv_budget is None and self.tempcache is None and self.sparse_attention is None and \
-                not self.kv_sinks and not self.kv_window:
+                not self.kv_sinks and not self.kv_window and self.kv_diagnostics is None:
             return None
         from fastcar_compile.fastar.config import KVCompressConfig
 
         if self.kv_budget is None:
-            raise FastCarError("--kv-sinks/--kv-window/--tempcache/--sparse-attention need --kv-budget C (the "
+            raise FastCarError("--kv-sinks/--kv-window/--tempcache/--sparse-attention/--kv-diagnostics need "
+                               "--kv-budget C (the "
                                "fixed number of KV slots per layer and KV head)")
         check_int("--kv-budget", self.kv_budget, 1, 1 << 24, "KV slots per layer and KV head")
+        if self.kv_diagnostics is not None:
+            check_int("--kv-diagnostics", self.kv_diagnostics, 1, 1 << 20, "tokens the dense side buffer holds")
         bits, tables = parse_sparse_attention(self.sparse_attention)
         return KVCompressConfig(budget=self.kv_budget, sinks=self.kv_sinks, window=self.kv_window,
                                 tempcache_sim=self.tempcache, eviction=self.kv_eviction, lsh_bits=bits,

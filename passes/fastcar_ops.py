@@ -134,7 +134,8 @@ _TEMPORAL_GATE_AT = _TEMPORAL_GATE.replace(
 # computes in plain mode. The KV buffer is either the growing cache (past has P = total_len - S rows: present =
 # Concat(past, new)) or a preallocated one (N >= total_len rows: rows P..total_len-1 replaced); the one Concat of
 # past[:P], new, past[total_len:] covers both. A query at KV index P + i sees key j iff j <= P + i and
-# attention_mask[b, j] != 0; one that sees none outputs 0. The compressed modes (budget > 0) need the kernel.
+# attention_mask[b, j] != 0; one that sees none (a left pad) averages every value of its row, which is what the
+# exporters' finite-minimum masks make softmax do. The compressed modes (budget > 0) need the kernel.
 _COMPRESSED_ATTENTION = """
 <domain: "ai.fastcar", opset_import: ["" : {opset}]>
 CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, frame_tokens, tempcache_sim, eviction,
@@ -188,9 +189,7 @@ CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, fram
   real5 = Reshape (real, m_shape)
   vis = And (causal, real5)
   masked = Where (vis, scores, lowest)
-  soft = Softmax <axis = -1> (masked)
-  visf = Cast <to = 1> (vis)
-  probs = Mul (soft, visf)
+  probs = Softmax <axis = -1> (masked)
   v5 = Unsqueeze (vals, two)
   ctx5 = MatMul (probs, v5)
   ctx_shape = Concat <axis = 0> (B, Hq, S, D)

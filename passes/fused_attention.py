@@ -31,6 +31,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fastcar_compile import contract
+from fastcar_compile.errors import FastCarError
 from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes import graph_utils as gu
@@ -95,6 +96,30 @@ def _projection_input(core_out: ir.Value) -> ir.Value | None:
     return nxt[0].outputs[0]
 
 
+def _score_scale(score: ir.Node) -> float | None:
+    """The constant factor applied to the scores between the score MatMul and Softmax (the demo's export scales
+    q.K^T after the MatMul), or None when anything but constant scaling, mask Adds/Where and casts lies there
+    (soft-capping, ...): such a core is not fused."""
+    factor, value = 1.0, score.outputs[0]
+    for _ in range(16):
+        cons = gu.real_consumers(value)
+        if len(cons) != 1:
+            return None
+        node = cons[0]
+        other = [i for i in node.inputs if i is not None and i is not value]
+        if node.op_type == "Softmax":
+            return factor
+        const = gu.scalar_const(other[0]) if len(other) == 1 else None
+        if node.op_type == "Mul" and const is not None:
+            factor *= const
+        elif node.op_type == "Div" and node.inputs[0] is value and const is not None:
+            factor /= const
+        elif node.op_type not in ("Add", "Where", "Cast"):
+            return None
+        value = node.outputs[0]
+    return None
+
+
 def _plan(m: disc.LayerMatch) -> dict | None:
     """What one layer's fusion needs, or None when its attention is not the exported MatMul/Softmax core."""
     att = m.attention
@@ -117,11 +142,12 @@ def _plan(m: disc.LayerMatch) -> dict | None:
     k_src, k_scale = _scaled_source(score.inputs[kidx], stop=att.present_key)
     if k_src is not att.present_key or q_src is not att.q:
         return None
+    s_scale = _score_scale(score)
     out_in = _projection_input(att.core_output)
-    if out_in is None:
+    if out_in is None or s_scale is None:
         return None
     return {"q": att.q, "k": k_new, "v": v_new, "past_k": past_k, "past_v": past_v, "out": out_in,
-            "scale": q_scale * k_scale, "present_k": att.present_key, "present_v": att.present_value,
+            "scale": q_scale * k_scale * s_scale, "present_k": att.present_key, "present_v": att.present_value,
             "heads": att.num_heads, "kv_heads": att.num_kv_heads, "head_dim": att.head_dim}
 
 
@@ -181,16 +207,26 @@ class FusedAttentionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
+        plans = {m.layer: p for m in disc.discover(model) if (p := _plan(m)) is not None} if mask is not None else {}
+        dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT if plans else None
+        compress = self.ctx.options.kv_compress is not None
+        if compress and (not plans or dtype != ir.DataType.FLOAT):
+            why = "no attention_mask input" if mask is None else "no exported MatMul/Softmax attention core " \
+                "(dynamo / ort_fusions exports of LLaMA-style models)" if not plans else f"a {dtype.name.lower()} model"
+            raise FastCarError(f"--kv-budget/--tempcache/--sparse-attention need the fastcar attention op, which "
+                               f"this model cannot take ({why}; the op is float32); drop those options")
         if mask is None:
             self.ctx.notes.append("fused attention: no attention_mask input; attention left as exported")
             return ir.passes.PassResult(model, modified=False)
-        plans = {m.layer: p for m in disc.discover(model) if (p := _plan(m)) is not None}
         if not plans:
             return ir.passes.PassResult(model, modified=False)
-        dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT
         shared: list[ir.Node] = []
         b = build.Builder(0, shared, itertools.count())
         if self.ctx.options.fused_attention == "fastcar":
+            if dtype != ir.DataType.FLOAT:  # the op is float32 (kernel and body): other dtypes stay as exported
+                self.ctx.notes.append(f"fused attention: {dtype.name.lower()} model; attention left as exported "
+                                      "(the fastcar op is float32)")
+                return ir.passes.PassResult(model, modified=False)
             return self._fastcar(model, plans, mask, shared, b)
         # Shared inputs of every layer's GQA: lengths and the left-padding bias.
         total64 = b("Squeeze", [b("Shape", [mask], {"start": 1, "end": 2}),
@@ -230,8 +266,10 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             if cfg is not None:
                 attrs.update(compressed_attributes(cfg, p["head_dim"]))
                 inputs += self._slot_state(graph, n, p, cfg)
-            outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN,
-                      outputs=3 if cfg is None else 5 + (cfg.tempcache_sim is not None), part="attention")
+            diag = self.ctx.options.kv_diagnostics is not None
+            n_out = 3 if cfg is None else 8 if diag else 5 + (cfg.tempcache_sim is not None)
+            outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, outputs=n_out,
+                      part="attention")
             out, present_k, present_v = outs[:3]
             if cfg is not None:
                 self._slot_outputs(graph, n, outs, inputs[7:])
@@ -251,16 +289,19 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         """The layer's slot records (and raw keys for TempCache) as state inputs, recorded for the metadata."""
         batch = p["past_k"].shape[0] if p["past_k"].shape is not None else "batch"
         width = SLOT_FIELDS + (cfg.lsh_tables if cfg.lsh_bits else 0)
-        pairs = [(contract.kv_slots_input(n), contract.kv_slots_output(n), width)]
-        if cfg.tempcache_sim is not None:
-            pairs.append((contract.kv_rawkey_input(n), contract.kv_rawkey_output(n), p["head_dim"]))
+        diag = self.ctx.options.kv_diagnostics
+        pairs = [(contract.kv_slots_input(n), contract.kv_slots_output(n), cfg.budget, width)]
+        if cfg.tempcache_sim is not None or diag is not None:  # (diagnostics: inputs after them must not gap)
+            pairs.append((contract.kv_rawkey_input(n), contract.kv_rawkey_output(n), cfg.budget, p["head_dim"]))
+        if diag is not None:
+            pairs.append((contract.kv_dense_input(n), contract.kv_dense_output(n), diag, 2 * p["head_dim"]))
         values = []
-        for name, out_name, last in pairs:
-            shape = [batch, p["kv_heads"], cfg.budget, last]
+        for name, out_name, rows, last in pairs:
+            shape = [batch, p["kv_heads"], rows, last]
             values.append(build.graph_input(graph, name, ir.DataType.FLOAT, shape))
-            self.ctx.kv_state.append(contract.StateEntry(name, out_name, ("batch", p["kv_heads"], cfg.budget, last),
+            self.ctx.kv_state.append(contract.StateEntry(name, out_name, ("batch", p["kv_heads"], rows, last),
                                                          "float", 0))
-        if cfg.tempcache_sim is not None:
+        if len(pairs) > 1:
             k_raw, _, _ = find_rotary_path(p["k"])
             values.insert(1, k_raw)
         return values
@@ -272,9 +313,16 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         pairs = [(outs[3], state_in[0], contract.kv_slots_output(n))]
         if len(outs) > 5:
             pairs.append((outs[5], state_in[2], contract.kv_rawkey_output(n)))
+        if len(outs) > 6:
+            pairs.append((outs[6], state_in[3], contract.kv_dense_output(n)))
         for value, like, name in pairs:
             value.name, value.type, value.shape = name, like.type, like.shape
             graph.outputs.append(value)
+        if len(outs) > 7:
+            stats = outs[7]
+            stats.name, stats.type = contract.kv_stats_output(n), ir.TensorType(ir.DataType.FLOAT)
+            stats.shape = ir.Shape([state_in[0].shape[0], state_in[0].shape[1], 4])
+            graph.outputs.append(stats)
 
     @staticmethod
     def _rewire(graph: ir.Graph, p: dict, out: ir.Value, present_k: ir.Value, present_v: ir.Value) -> None:

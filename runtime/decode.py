@@ -220,6 +220,7 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
         t0 = time.perf_counter()
         out = session.step(state, ids, attention_mask=mask, threshold=thr)
         stats.prefill_ms = 1e3 * (time.perf_counter() - t0)
+        stats.add_kv_stats(out.extra)
         tokens[:, 0] = choose(out.logits)
         n = 1
         bar.update(1)
@@ -251,6 +252,7 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
             frame_ms += dt
             rep = out.replay.astype(int).tolist() if out.replay is not None else []
             stats.steps.append({"pos": int(pos), "replay": rep})
+            stats.add_kv_stats(out.extra)
             if collect_tas and out.tas is not None:
                 stats.tas.append(out.tas[:, :, 0].tolist())
             n += 1
@@ -260,6 +262,8 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     finally:
         bar.close()
     stats.finalize()
+    if stats.kv_diagnostics:
+        stats.add_kv_bytes(state.arrays, state.past_len)
     kept = np.stack(logit_rows, axis=1) if keep_logits and logit_rows else None
     result = GenerationResult(tokens[:, :n], stats, kept)
     if trace:

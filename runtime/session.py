@@ -103,6 +103,10 @@ def _load_error(path: Path, exc: Exception, native: bool) -> str:
     if "protobuf parsing failed" in text.lower() or "INVALID_PROTOBUF" in text:
         return f"{path} is not an ONNX model (ONNX Runtime cannot parse it); give the path of an .onnx file"
     first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    if not native and "CompressedAttention" in text:  # the function body is the dense mode only
+        return (f"{path} has a compressed KV cache (CompressedAttention with a budget), which only the native "
+                "kernels run; build them (python -m fastcar_compile.runtime.native.build) or recompile without "
+                "--kv-budget")
     hint = ""
     if native and any(k in text for k in ("ai.fastcar", "TemporalGate", "MLPCacheUpdate")):
         hint = " (the native kernels are float32 only; pass native=False)"
@@ -475,6 +479,7 @@ class FastCarSession:
                                 real_len=state.real_len + (seq if attention_mask is None else new_mask.sum(axis=1)),
                                 mask_buffer=state.mask_buffer)
         out = StepOutput(res["logits"], new_state)
+        out.extra.update({k: v for k, v in res.items() if k.startswith("kv_stats.")})  # --kv-diagnostics
         if self.layers:
             out.replay = self._replay_of(res, state, seq)
             if self.has_diagnostics:

@@ -52,6 +52,34 @@ class RunStats:
     kv_bytes_per_token: int = 0
     native_ops: bool = False
     videos: int = 1  # generate calls merged into this trace (merge_runs)
+    # --kv-diagnostics models: per compressed layer {density, recall, kv_bytes, dense_kv_bytes} against dense
+    # attention run on the side (sums of the kv_stats.N outputs: executed pairs, dense pairs, recall, queries)
+    kv_diagnostics: dict[str, dict[str, float]] | None = None
+
+    def add_kv_stats(self, extra: dict[str, np.ndarray]) -> None:
+        """Accumulate one step's kv_stats.N outputs ([batch, kv_heads, 4]) per layer."""
+        for name, arr in extra.items():
+            if not name.startswith("kv_stats."):
+                continue
+            if self.kv_diagnostics is None:
+                self.kv_diagnostics = {}
+            acc = self.kv_diagnostics.setdefault(name.split(".", 1)[1], {})
+            for key, v in zip(("executed", "dense", "recall_sum", "queries"), arr.sum(axis=(0, 1)), strict=True):
+                acc[key] = acc.get(key, 0.0) + float(v)
+            acc["density"] = acc["executed"] / max(acc["dense"], 1.0)
+            acc["recall"] = acc["recall_sum"] / max(acc["queries"], 1.0)
+
+    def add_kv_bytes(self, arrays: dict[str, np.ndarray], tokens: int) -> None:
+        """Resident KV bytes per compressed layer (live slots x slot state) next to a dense cache of `tokens`."""
+        for layer, acc in (self.kv_diagnostics or {}).items():
+            slots = arrays.get(f"past_kv_slots.{layer}")
+            key = arrays.get(f"past_key_values.{layer}.key")
+            if slots is None or key is None:
+                continue
+            live = int((slots[..., 0] > 0).sum())
+            per_slot = 2 * key.shape[-1] * key.itemsize + slots.shape[-1] * slots.itemsize
+            acc["kv_bytes"] = float(live * per_slot)
+            acc["dense_kv_bytes"] = float(tokens * key.shape[0] * key.shape[1] * 2 * key.shape[-1] * key.itemsize)
 
     # ------------------------------------------------------------------ derived numbers
     def replay_array(self) -> np.ndarray:

@@ -53,7 +53,9 @@ def test_design_io_table_names_are_the_contract_names():
     names = set(re.findall(r"^\| `([a-z_.N]+)` \|", table, re.M))
     expected = {contract.VIDEO_START, contract.THRESHOLD, contract.mlp_cache_input("N"), contract.mlp_cache_output("N"),
                 contract.mlp_age_input("N"), contract.mlp_age_output("N"), contract.replay_mask_output("N"),
-                contract.tas_output("N")}
+                contract.tas_output("N"), contract.kv_slots_input("N"), contract.kv_slots_output("N"),
+                contract.kv_rawkey_input("N"), contract.kv_rawkey_output("N"), contract.kv_dense_input("N"),
+                contract.kv_dense_output("N"), contract.kv_stats_output("N")}
     assert names == expected
 
 

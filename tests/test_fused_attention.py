@@ -86,7 +86,7 @@ def test_shared_kv_buffer_session(zoo_model, fc_compile, tmp_path):
     src = zoo_model("llama", "dynamo20")
     fused, plain = tmp_path / "fused.onnx", tmp_path / "plain.onnx"
     fc_compile(str(src), output=str(fused), frame_tokens=L, threshold=0.0, fused_attention=True)
-    fc_compile(str(src), output=str(plain), frame_tokens=L, threshold=0.0)
+    fc_compile(str(src), output=str(plain), frame_tokens=L, threshold=0.0, fused_attention=None)
     prompt = np.random.default_rng(4).integers(0, zoo.VOCAB, (2, 6))
     want, replayed = _greedy(FastCarSession(plain), prompt, [0, 2], 8 * L)
     got, _ = _greedy(FastCarSession(fused, max_length=6 + 8 * L + 1), prompt, [0, 2], 8 * L)
@@ -156,7 +156,7 @@ def test_fastcar_shared_buffer_session_multi_token(zoo_model, fc_compile, tmp_pa
     src = zoo_model("llama", "dynamo20")
     fused, plain = tmp_path / "fused.onnx", tmp_path / "plain.onnx"
     fc_compile(str(src), output=str(fused), frame_tokens=L, threshold=0.0, fused_attention="fastcar")
-    fc_compile(str(src), output=str(plain), frame_tokens=L, threshold=0.0)
+    fc_compile(str(src), output=str(plain), frame_tokens=L, threshold=0.0, fused_attention=None)
     prompt = np.random.default_rng(5).integers(0, zoo.VOCAB, (2, 6))
     mask = (np.arange(6)[None, :] >= np.array([0, 2])[:, None]).astype(np.int64)
 

@@ -36,21 +36,26 @@ def _trace(seed: int, T: int, repeat: bool) -> tuple[np.ndarray, np.ndarray, np.
     return q, k, v
 
 
-def _run_kernel(cfg: KVCompressConfig, q, k, v, chunks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _run_kernel(cfg: KVCompressConfig, q, k, v, chunks: list[int], stats: list | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
     """Feed the trace through the native op in steps of `chunks` tokens (batch 1, no padding); returns the
-    outputs [T, Hq, D] and the final slot records [Hkv, C, F]."""
+    outputs [T, Hq, D] and the final slot records [Hkv, C, F]. With `stats` (a list), the op also runs dense
+    attention on the side (diagnostics) and each step's kv_stats [Hkv, 4] are appended to it."""
     T = q.shape[0]
     pos = np.arange(T)
     q_post = np.swapaxes(apply_rope(np.swapaxes(q, 0, 1), pos), 0, 1)  # [T, Hq, D]
     k_post = np.swapaxes(apply_rope(np.swapaxes(k, 0, 1), pos), 0, 1)
-    tempcache = cfg.tempcache_sim is not None
+    tempcache = cfg.tempcache_sim is not None or stats is not None  # (diagnostics wire the raw keys too)
     attrs = compressed_attributes(cfg, D)
-    sess = session(True, n_in=10 if tempcache else 8, n_out=6 if tempcache else 5, **attrs)
+    sess = session(True, n_in=11 if stats is not None else 10 if tempcache else 8,
+                   n_out=8 if stats is not None else 6 if tempcache else 5, **attrs)
     C, F = cfg.budget, SLOT_FIELDS + (cfg.lsh_tables if cfg.lsh_bits else 0)
     state = {"past_key": np.zeros((1, HKV, C, D), np.float32), "past_value": np.zeros((1, HKV, C, D), np.float32),
              "past_slots": np.zeros((1, HKV, C, F), np.float32)}
     if tempcache:
         state["past_key_raw"] = np.zeros((1, HKV, C, D), np.float32)
+    if stats is not None:
+        state["past_dense"] = np.zeros((1, HKV, T, 2 * D), np.float32)
     outs, p = [], 0
     for n in chunks:
         sl = slice(p, p + n)
@@ -67,6 +72,9 @@ def _run_kernel(cfg: KVCompressConfig, q, k, v, chunks: list[int]) -> tuple[np.n
         state["past_key"], state["past_value"], state["past_slots"] = res[1], res[2], res[3]
         if tempcache:
             state["past_key_raw"] = res[5]
+        if stats is not None:
+            state["past_dense"] = res[6]
+            stats.append(res[7][0])
         p += n
     return np.concatenate(outs), state["past_slots"][0]
 
@@ -99,6 +107,22 @@ def test_kernel_equals_fastar_reference(name):
         assert ref.metrics.merges > 0  # the case exercises merging
     if cfg.budget < 60 - ref.metrics.merges / HKV:  # more tokens than slots: eviction is exercised
         assert ref.metrics.evicted > 0
+
+
+@pytest.mark.parametrize("name", ["window", "tempcache-bounded", "lsh"])
+def test_diagnostics_equal_the_reference_metrics(name):
+    """Dense attention on the side (--kv-diagnostics): the kernel's density (executed / dense q.k pairs) and
+    recall (dense softmax mass kept, merged slots shared by their members) equal run_trace's metrics."""
+    cfg = KVCompressConfig(**CONFIGS[name], frame_len=L, video_start=0)
+    q, k, v = _trace(7, 60, repeat=cfg.tempcache_sim is not None)
+    ref = run_trace(q, k, v, cfg).metrics
+    stats: list[np.ndarray] = []
+    got, _ = _run_kernel(cfg, q, k, v, [5, 1, 1, 3] + [1] * 50, stats=stats)
+    executed, dense, recall, queries = np.sum(stats, axis=(0, 1))
+    assert queries == 60 * HQ
+    assert executed / dense == pytest.approx(ref.density, abs=1e-6)
+    assert recall / queries == pytest.approx(ref.recall, abs=1e-4)
+    assert ref.density < 1 and ref.recall < 1
 
 
 def test_budget_above_context_is_dense():
@@ -203,6 +227,26 @@ def test_small_budget_runs_flat(zoo_model, fc_compile, tmp_path):
     assert state.arrays["past_kv_slots.0"].shape == (1, 2, 10, SLOT_FIELDS + 2)
 
 
+def test_kv_diagnostics_in_run_stats(zoo_model, fc_compile, tmp_path):
+    """--kv-diagnostics: generate's run stats carry per-layer density, recall and resident KV bytes; a budget
+    above the video is dense (density 1, recall 1), a small one is not, with fewer resident bytes."""
+    from fastcar_compile.runtime import FastCarSession
+
+    src = zoo_model("llama", "dynamo20")
+    prompt = np.random.default_rng(2).integers(0, zoo.VOCAB, (1, 3))
+    result = {}
+    for budget in (64, 8):
+        out = tmp_path / f"b{budget}.onnx"
+        fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=budget,
+                   kv_sinks=1, kv_window=3, kv_diagnostics=64)
+        result[budget] = FastCarSession(out).generate(prompt, 8).stats.kv_diagnostics
+    for layer in ("0", "1"):
+        big, small = result[64][layer], result[8][layer]
+        assert big["density"] == 1.0 and big["recall"] == pytest.approx(1.0, abs=1e-5)
+        assert small["density"] < 1.0 and small["recall"] < 1.0
+        assert small["kv_bytes"] < big["kv_bytes"] <= big["dense_kv_bytes"] * 2
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(kv_sinks=2), "need --kv-budget"),
     (dict(kv_budget=4, kv_sinks=2, kv_window=2), "must exceed sinks \\+ window"),
@@ -248,3 +292,16 @@ def test_tempcache_lemma_in_the_kernel():
     live = st[2][0, :, :, 0] > 0
     assert live.sum(axis=1).tolist() == [T - m + 1] * HKV  # the m copies share one slot per KV head
     assert sorted(st[2][0, 0, live[0], 1].tolist()) == [1.0] * (T - m) + [float(m)]
+
+
+def test_compressed_model_refusals_are_one_line(zoo_model, fc_compile, tmp_path):
+    """A compressed model without the native kernels, and compression asked of a model whose attention cannot
+    take the op (GPT-2's 2-D Gemm projection), fail with one clear FastCarError each."""
+    from fastcar_compile.runtime import FastCarSession
+
+    comp = tmp_path / "comp.onnx"
+    fc_compile(str(zoo_model("llama", "dynamo20")), output=str(comp), frame_tokens=4, kv_budget=16)
+    with pytest.raises(FastCarError, match="only the native kernels run"):
+        FastCarSession(comp, native=False)
+    with pytest.raises(FastCarError, match="cannot take .*no exported MatMul/Softmax attention core"):
+        fc_compile(str(zoo_model("gpt2", "dynamo20")), output=str(tmp_path / "g.onnx"), frame_tokens=4, kv_budget=16)

@@ -14,7 +14,7 @@ from fastcar_compile.cli import main
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 L = 4
-PASSES = ["DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass", "KvDimNamesPass",
+PASSES = ["FusedAttentionPass", "DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass", "KvDimNamesPass",
           "IrVersionPass", "MetadataPass", "ValidatePass", "SavePass"]
 
 

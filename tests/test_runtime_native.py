@@ -147,7 +147,8 @@ def test_compiled_model_with_native_kernels(native_lib, zoo_model, tmp_path):
         got = s.generate([[1, 2, 3], [4, 5]], 4, **kw)
         np.testing.assert_array_equal(got.tokens, ref.tokens)
         assert got.stats.steps == ref.stats.steps
-        np.testing.assert_allclose(got.logits, ref.logits, atol=1e-5, rtol=0)
+        # (the native attention kernel sums in another order than ORT's MatMul; cfg_scale 2 amplifies by 5)
+        np.testing.assert_allclose(got.logits, ref.logits, atol=5e-5, rtol=0)
     # in place consumes the state it was given: reusing it is refused, not silently wrong
     s = FastCarSession(path, native=True, inplace=True, threads=1)
     st = s.step(s.new_state(1, video_start=2), np.array([[1, 2]])).state

@@ -278,7 +278,8 @@ def _lowering_vs_onnx_path(family, zoo_model, fc_compile, tmp_path, fpga=False):
     opts = dict(frame_tokens=L, threshold=taus[0], tas_query="rope", max_replay=2)
     fm = fct.apply(zoo.build_model(family), video_start=case.video_start, **opts)
     fct.to_onnx(fm, tmp_path / "torch.onnx", emit_diagnostics=True)
-    fc_compile(str(zoo_model(family, "dynamo20")), output=str(tmp_path / "onnx.onnx"), emit_diagnostics=True, **opts)
+    fc_compile(str(zoo_model(family, "dynamo20")), output=str(tmp_path / "onnx.onnx"), emit_diagnostics=True,
+               fused_attention=None, **opts)  # the exported attention, as the torch path keeps it
     import onnx
 
     protos = [onnx.load(str(tmp_path / f"{n}.onnx"), load_external_data=False) for n in ("torch", "onnx")]

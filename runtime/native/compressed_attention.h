@@ -5,7 +5,8 @@
 // bound as both past and present (then only the S new rows are written: no per-step copy, as ORT's
 // GroupQueryAttention with past_present_share_buffer). Left padding (attention_mask), batch > 1 and
 // multi-token steps after the prompt are all exact: a query at KV index P+i sees key j iff j <= P+i and
-// mask[b, j] == 1; a query that sees no key outputs 0.
+// mask[b, j] == 1; a query that sees no key (a left pad) averages all T values, as the exporters' masks with
+// a finite minimum make softmax do (so even pad positions equal the export).
 // Compressed mode (budget > 0): the buffers hold C slots per KV head; see CompressedPath below.
 #pragma once
 
@@ -73,6 +74,7 @@ inline void DenseItem(const DenseTask& t, int64_t item) {
   // rows are processed in chunks of kRows: qT [D][kRows] (scaled), logits [kRows][jmax]
   std::vector<float> qT(D * kRows), logits(kRows * jmax), acc(kRows * D);
   std::vector<int64_t> last(kRows);  // last visible key index per row
+  std::vector<char> none_visible(kRows);
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const int64_t nr = std::min(kRows, rows - r0);
     std::fill(qT.begin(), qT.end(), 0.0f);
@@ -119,7 +121,8 @@ inline void DenseItem(const DenseTask& t, int64_t item) {
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t jj = 0; jj < jl; ++jj)
         if (m[jj] != 0) mx = std::max(mx, lr[jj]);
-      if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible (a left-pad query): output 0
+      none_visible[r] = mx == -std::numeric_limits<float>::infinity();
+      if (none_visible[r]) {  // a left-pad query: uniform over all T keys, below
         std::fill(lr, lr + jend, 0.0f);
         continue;
       }
@@ -147,6 +150,13 @@ inline void DenseItem(const DenseTask& t, int64_t item) {
           for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
         }
       }
+    }
+    for (int64_t r = 0; r < nr; ++r) {  // what exporters' finite-min masks give a row that sees nothing
+      if (!none_visible[r]) continue;
+      float* ar = acc.data() + r * D;
+      for (int64_t jj = 0; jj < t.T; ++jj)
+        for (int64_t d = 0; d < D; ++d) ar[d] += vb[jj * D + d];
+      for (int64_t d = 0; d < D; ++d) ar[d] /= static_cast<float>(t.T);
     }
     for (int64_t r = 0; r < nr; ++r) {
       const int64_t g = (r0 + r) % G, i = i0 + (r0 + r) / G;
@@ -198,7 +208,46 @@ struct CompressedTask {
   const int64_t* mask = nullptr;
   float *out = nullptr, *key = nullptr, *val = nullptr, *slots = nullptr, *key_raw = nullptr;
   float* aligned = nullptr;  // [B,Hkv,S,D]: key of token p - L per new token (zeros when not resident)
+  // diagnostics (dense attention on the side): every token's key and value [B,Hkv,dense_cap,2D], and per
+  // (row, KV head) this step's executed q.k pairs, dense pairs, recall sum, queries [B,Hkv,4]
+  float* dense = nullptr;
+  int64_t dense_cap = 0;
+  float* stats = nullptr;
 };
+
+// Recall of one query (fastcar_compile/fastar/attention.py): sum over tokens of min(p_dense(t), p_slot/count)
+// with the slot's members the chain pos, pos - L, ... (TempCache merges only into the slot of token p - L).
+inline float DenseSideRecall(const CompressedTask& t, const float* dense, const int64_t* m, const float* qv,
+                             int64_t p, const std::vector<int64_t>& sel, const std::vector<float>& w, int64_t n,
+                             float wsum, const float* slots, std::vector<float>& pd) {
+  const Settings& c = *t.cfg;
+  const int64_t D = t.sh.D, F = t.F;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t tk = 0; tk <= p; ++tk) {
+    if (m[tk] == 0) continue;
+    const float* kk = dense + tk * 2 * D;
+    float dot = 0.0f;
+    for (int64_t d = 0; d < D; ++d) dot += qv[d] * kk[d];
+    pd[tk] = dot * c.scale;
+    mx = std::max(mx, pd[tk]);
+  }
+  float sum = 0.0f;
+  for (int64_t tk = 0; tk <= p; ++tk) {
+    pd[tk] = m[tk] != 0 ? std::exp(pd[tk] - mx) : 0.0f;
+    sum += pd[tk];
+  }
+  float recall = 0.0f;
+  for (int64_t a = 0; a < n; ++a) {
+    const float* rec = slots + sel[a] * F;
+    const int64_t cnt = static_cast<int64_t>(rec[kCount]);
+    const float share = w[a] / wsum / static_cast<float>(cnt);
+    for (int64_t j = 0; j < cnt; ++j) {
+      const int64_t tk = static_cast<int64_t>(rec[kPos]) - 1 - j * c.frame_tokens;
+      if (tk >= 0) recall += std::min(pd[tk] / sum, share);
+    }
+  }
+  return recall;
+}
 
 inline void LshCodes(const Settings& c, const float* x, int64_t D, float* codes) {
   for (int64_t t = 0; t < c.lsh_tables; ++t) {
@@ -236,7 +285,11 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
   const int64_t* m = t.mask + b * sh.T;
   const bool tempcache = c.tempcache_sim <= 1.0f;
   std::vector<float> w(C), qcode(std::max<int64_t>(c.lsh_tables, 1));
-  std::vector<int64_t> sel(C);
+  float* dense = t.dense != nullptr ? t.dense + bh * t.dense_cap * 2 * D : nullptr;
+  float* stats = t.stats != nullptr ? t.stats + bh * 4 : nullptr;
+  std::vector<float> pd(dense != nullptr ? t.dense_cap : 0);
+  if (stats != nullptr) std::fill_n(stats, 4, 0.0f);
+  std::vector<int64_t> sel(C), pad_queries;
   auto pos = [&](int64_t s) { return static_cast<int64_t>(slots[s * F + kPos]) - 1; };
   for (int64_t i = 0; i < sh.S; ++i) {
     const int64_t p = sh.P + i;
@@ -293,9 +346,13 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
     if (key_raw != nullptr) std::memcpy(key_raw + slot * D, kr, sizeof(float) * D);
     slots[slot * F + kPos] = static_cast<float>(p + 1);
     if (c.lsh_bits > 0) LshCodes(c, kn, D, slots + slot * F + kCodes);
-    if (!real) {
-      for (int64_t g = 0; g < G; ++g)
-        std::fill_n(t.out + ((b * sh.S + i) * c.heads + hk * G + g) * D, D, 0.0f);
+    if (dense != nullptr) {
+      if (p >= t.dense_cap) throw std::runtime_error("CompressedAttention: the video is longer than the diagnostics' dense buffer (--kv-diagnostics)");
+      std::memcpy(dense + p * 2 * D, kn, sizeof(float) * D);
+      std::memcpy(dense + p * 2 * D + D, vn, sizeof(float) * D);
+    }
+    if (!real) {  // a left-pad query: after the step, the mean of every live slot's value (below)
+      pad_queries.push_back(i);
       continue;
     }
     // 3. attend: every query head of the group, over all live slots or (AnnSA) bucket hits + sinks + window
@@ -327,6 +384,14 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
         w[a] = std::exp(w[a] - mx);
         sum += w[a];
       }
+      if (stats != nullptr) {
+        int64_t visible = 0;
+        for (int64_t tk = 0; tk <= p; ++tk) visible += m[tk] != 0;
+        stats[0] += static_cast<float>(n);
+        stats[1] += static_cast<float>(visible);
+        stats[2] += DenseSideRecall(t, dense, m, qv, p, sel, w, n, sum, slots, pd);
+        stats[3] += 1.0f;
+      }
       float* o = t.out + ((b * sh.S + i) * c.heads + hk * G + g) * D;
       std::fill_n(o, D, 0.0f);
       for (int64_t a = 0; a < n; ++a) {
@@ -335,6 +400,21 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
         const float* vv = val + sel[a] * D;
         for (int64_t d = 0; d < D; ++d) o[d] += pa * vv[d];
       }
+    }
+  }
+  // left-pad queries see no key: like the exporters' finite-minimum masks (and the plain mode), they average
+  // every value the cache holds after the step (with a budget >= context: all T tokens)
+  for (const int64_t i : pad_queries) {
+    std::vector<float> mean(D, 0.0f);
+    int64_t live = 0;
+    for (int64_t s = 0; s < C; ++s) {
+      if (slots[s * F + kPos] == 0.0f) continue;
+      ++live;
+      for (int64_t d = 0; d < D; ++d) mean[d] += val[s * D + d];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = t.out + ((b * sh.S + i) * c.heads + hk * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = live > 0 ? mean[d] / static_cast<float>(live) : 0.0f;
     }
   }
 }

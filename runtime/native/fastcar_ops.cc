@@ -177,8 +177,10 @@ T AttrOr(const Ort::ConstKernelInfo& ki, const char* name, T fallback) {
 }
 
 // CompressedAttention(q [B,Hq,S,D], k [B,Hkv,S,D], v, past_key [B,Hkv,N,D], past_value, attention_mask [B,T],
-//   total_len [] int32, [past_slots [B,Hkv,C,F], k_raw [B,Hkv,S,D], past_key_raw [B,Hkv,C,D]])
-//   -> (out [B,S,Hq*D], present_key, present_value, [present_slots, aligned_key [B,Hkv,S,D], present_key_raw])
+//   total_len [] int32, [past_slots [B,Hkv,C,F], k_raw [B,Hkv,S,D], past_key_raw [B,Hkv,C,D],
+//   past_dense [B,Hkv,M,2D]])
+//   -> (out [B,S,Hq*D], present_key, present_value, [present_slots, aligned_key [B,Hkv,S,D], present_key_raw,
+//       present_dense, kv_stats [B,Hkv,4]])
 struct CompressedAttention {
   fastcar_attn::Settings cfg;
 
@@ -203,9 +205,10 @@ struct CompressedAttention {
                const Tensor<float>& past_key, const Tensor<float>& past_value, const Tensor<int64_t>& mask,
                const Tensor<int32_t>& total_len, std::optional<const Tensor<float>*> past_slots,
                std::optional<const Tensor<float>*> k_raw, std::optional<const Tensor<float>*> past_key_raw,
-               Tensor<float>& out, Tensor<float>& present_key, Tensor<float>& present_value,
+               std::optional<const Tensor<float>*> past_dense, Tensor<float>& out, Tensor<float>& present_key, Tensor<float>& present_value,
                std::optional<Tensor<float>*> present_slots, std::optional<Tensor<float>*> aligned_key,
-               std::optional<Tensor<float>*> present_key_raw) {
+               std::optional<Tensor<float>*> present_key_raw, std::optional<Tensor<float>*> present_dense,
+               std::optional<Tensor<float>*> kv_stats) {
     const auto qs = q.Shape(), ks = past_key.Shape(), ms = mask.Shape();
     fastcar_attn::Shapes sh;
     sh.B = qs[0];
@@ -255,10 +258,18 @@ struct CompressedAttention {
     CopyIfDistinct(past_key.Data(), t.key, sh.B * cfg.kv_heads * sh.N * sh.D);
     CopyIfDistinct(past_value.Data(), t.val, sh.B * cfg.kv_heads * sh.N * sh.D);
     CopyIfDistinct((*past_slots)->Data(), t.slots, sh.B * cfg.kv_heads * sh.N * t.F);
-    if (tempcache) {
+    if (k_raw.has_value() && past_key_raw.has_value() && present_key_raw.has_value()) {  // diagnostics wire them
       t.k_raw = (*k_raw)->Data();
       t.key_raw = (*present_key_raw)->Allocate({sh.B, cfg.kv_heads, sh.N, sh.D});
       CopyIfDistinct((*past_key_raw)->Data(), t.key_raw, sh.B * cfg.kv_heads * sh.N * sh.D);
+    }
+    if (past_dense.has_value() && present_dense.has_value() && kv_stats.has_value()) {
+      const auto ds = (*past_dense)->Shape();
+      t.dense_cap = ds[2];
+      const int64_t n = sh.B * cfg.kv_heads * t.dense_cap * 2 * sh.D;
+      t.dense = (*present_dense)->Allocate({sh.B, cfg.kv_heads, t.dense_cap, 2 * sh.D});
+      CopyIfDistinct((*past_dense)->Data(), t.dense, n);
+      t.stats = (*kv_stats)->Allocate({sh.B, cfg.kv_heads, 4});
     }
     if (aligned_key.has_value()) t.aligned = (*aligned_key)->Allocate({sh.B, cfg.kv_heads, sh.S, sh.D});
     kctx.ParallelFor(fastcar_attn::CompressedItemThunk, static_cast<size_t>(sh.B * cfg.kv_heads), 0, &t);
