@@ -4,6 +4,7 @@
     python benchmarks/long_video.py --calibrate       # tau for ~80% replay along dense generations
     python benchmarks/long_video.py --op-modes --clips 2   # FastCar x TempCache/window through the op (native)
     python benchmarks/long_video.py --curve           # per-token time + decode-state bytes per frame, one clip
+    python benchmarks/long_video.py --genai           # frame 64 per-token time vs onnxruntime-genai's dense loop
 
 --hold: the model was trained on 16-frame clips (1027 positions) with random position gaps; here it reads
 64-frame held-out clips (4099 positions) teacher-forced, and the next-token loss and accuracy per frame index
@@ -267,6 +268,108 @@ def plot_curve(res: dict, path: Path) -> None:
     save_figure(fig, path, dpi=110)
 
 
+GENAI_MODES = {  # ours at frame 64, next to onnxruntime-genai's dense loop (issue 12 item 7)
+    "dense (plain export, FastCarSession)": (None, None),
+    "FastCar + window S4+W124": ("tau", OP_MODES[7][2]),
+    "FastCar + TempCache 0.95 C256 (S4+W60)": ("tau", OP_MODES[8][2]),
+    "FastCar + TempCache 0.95 + AnnSA lsh 8x4, C256 (S4+W60)": (
+        "tau", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60", "--tempcache", "0.95",
+                "--sparse-attention", "lsh:8x4"]),
+}
+
+
+def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0) -> dict:
+    """Per-token time while generating frame `frames` (after a prefill of the prompt and frames 0..frames-2 of
+    a real held-out clip): onnxruntime-genai's own loop (og.Generator, the model builder's fp32 cpu graph of the
+    same weights) vs ours through FastCarSession. 1 intra-op thread each; median of `tokens` steps after one
+    untimed step; models run one after the other (shared machine: ratios within this run)."""
+    import subprocess
+    import time
+
+    import onnxruntime_genai as og
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from fastcar_compile.atomic import write_text
+    from fastcar_compile.cli import main as cli
+    from fastcar_compile.demo import data
+    from fastcar_compile.demo.evaluate import load_tokenizer
+    from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS, load_model
+    from fastcar_compile.demo.longvideo import cache_dir, long_onnx
+    from fastcar_compile.demo.model import CODES, VIDEO_START, prompt
+    from fastcar_compile.demo.video import open_session
+
+    tok = load_tokenizer()
+    L = tok.tokens_per_frame
+    c = data.make_clip("eval", clip, frames, seed=0)
+    ids = prompt(c.motion) + [int(t) for t in tok.encode(c.frames[:-1]).reshape(-1)]
+    res: dict = {"frames": frames, "prefill": len(ids), "tokens": tokens, "tau": tau, "ms": {}}
+    genai_dir = cache_dir() / f"genai-{long_onnx(progress=False).stem}"
+    if not (genai_dir / "genai_config.json").is_file():
+        hf = genai_dir.with_name(genai_dir.name + "-hf")
+        m = load_model(LONG_WEIGHTS, LONG_CONFIG)
+        m.save_pretrained(hf)
+        tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(m.config.vocab_size)}, unk_token="t0"))
+        tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", bos_token="t1", eos_token="t2",
+                                pad_token="t0").save_pretrained(hf)
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
+                        str(genai_dir), "-p", "fp32", "-e", "cpu", "-c", str(hf) + "-cache"], check=True,
+                       stdout=subprocess.DEVNULL)
+    cfg_path = genai_dir / "genai_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    so = cfg["model"]["decoder"].setdefault("session_options", {})
+    so["intra_op_num_threads"], so["inter_op_num_threads"] = 1, 1
+    write_text(cfg_path, json.dumps(cfg, indent=4))
+    model = og.Model(str(genai_dir))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + tokens + 4, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray([ids], np.int32))
+    gen.generate_next_token()
+    ts = []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        gen.generate_next_token()
+        ts.append(1e3 * (time.perf_counter() - t0))
+    res["ms"]["onnxruntime-genai dense (og.Generator)"] = float(np.median(ts))
+    del gen, model
+    src = long_onnx(progress=False)
+    with tempfile.TemporaryDirectory() as d:
+        for name, (fc, kv) in GENAI_MODES.items():
+            path = src
+            if fc or kv:
+                path = Path(d) / "m.onnx"
+                cli([str(src), "-o", str(path), "--frame-tokens", str(L), "--video-start", "3",
+                     f"--threshold={tau if fc else float('inf')}", *(kv or [])])
+            sess = open_session(path, 1)
+            thr = sess.threshold_array(tau) if fc and sess.is_fastcar else None
+            o = sess.step(sess.new_state(1, video_start=VIDEO_START), np.asarray([ids], np.int64), threshold=thr)
+            st, nxt, ts, rep = o.state, int(o.logits[0, -1, :CODES].argmax()), [], []
+            for k in range(tokens + 1):
+                t0 = time.perf_counter()
+                o = sess.step(st, np.asarray([[nxt]], np.int64), threshold=thr, check=False)
+                if k:
+                    ts.append(1e3 * (time.perf_counter() - t0))
+                st, nxt = o.state, int(o.logits[0, -1, :CODES].argmax())
+                if o.replay is not None:
+                    rep.append(float(o.replay.mean()))
+            res["ms"][name] = float(np.median(ts))
+            res.setdefault("replay", {})[name] = float(np.mean(rep)) if rep else 0.0
+            print(f"{name}: {res['ms'][name]:.3f} ms/token", flush=True)
+    g = res["ms"]["onnxruntime-genai dense (og.Generator)"]
+    lines = [f"Per-token time generating frame {frames} of eval clip {clip} (prefill {len(ids)} tokens: prompt + "
+             f"frames 0..{frames - 2}), median of {tokens} steps, 1 intra-op thread, tau {tau}, one model at a "
+             "time on the shared machine.\n", "| model | replay | ms/token | x genai dense |", "|---|---|---|---|"]
+    for name, ms in res["ms"].items():
+        lines.append(f"| {name} | {100 * res.get('replay', {}).get(name, 0.0):.0f}% | {ms:.3f} | {g / ms:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    write_text(out / "long_video_genai.md", text)
+    write_text(out / "long_video_genai.json", json.dumps(res, indent=1))
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hold", action="store_true")
@@ -274,14 +377,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--op-modes", action="store_true", help="FastCar x KV modes through the compiler's op (native)")
     ap.add_argument("--tau", type=float, default=None, help="--op-modes: tau (default DEFAULT_LONG_TAU)")
     ap.add_argument("--curve", action="store_true", help="per-token time and decode-state bytes per frame")
+    ap.add_argument("--genai", action="store_true",
+                    help="per-token time at the last frame vs onnxruntime-genai's dense loop (--tokens steps)")
+    ap.add_argument("--tokens", type=int, default=64, help="--genai: timed steps (default 64)")
     ap.add_argument("--only", default="", help="--op-modes: comma-separated OP_MODES indices (dense always runs)")
     ap.add_argument("--clips", type=int, default=8)
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     a = ap.parse_args(argv)
-    if not (a.hold or a.calibrate or a.op_modes or a.curve):
-        ap.error("give --hold, --calibrate, --op-modes and/or --curve")
+    if not (a.hold or a.calibrate or a.op_modes or a.curve or a.genai):
+        ap.error("give --hold, --calibrate, --op-modes, --curve and/or --genai")
+    if a.genai:
+        from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
+
+        genai_vs_ours(a.frames, DEFAULT_LONG_TAU if a.tau is None else a.tau, a.tokens, a.out_dir)
     if a.curve:
         from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
 
