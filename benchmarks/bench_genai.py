@@ -9,9 +9,10 @@ cached). Variants, each a folder genai loads (compiled ones get genai_config.jso
 - `rK`: compiled with frame_tokens L and per-layer tau, K of the layers at tau=-inf (always replay: every
   decode token here is past frame 0) and the rest +inf (never), so the replay ratio is exactly K / layers.
 (b) the same weights exported by torch.onnx (dynamo, opset 20; `_common.cached_export`), compiled with
---fused-attention and a per-layer tau input, run by FastCarSession with a shared KV buffer (max_length) and
-tau fed per step: `fusedK` = K layers at -inf; its Python cost per step (step time - time inside ORT) is
-reported too.
+fused attention (`--fused-kinds`: the compiler's default `fastcar` = ai.fastcar.CompressedAttention's native
+kernel -> variants `fcK`; `gqa` = com.microsoft.GroupQueryAttention -> `fusedK`) and a per-layer tau input,
+run by FastCarSession with a shared KV buffer (max_length) and tau fed per step, K layers at -inf; its
+Python cost per step (step time - time inside ORT) is reported too.
 For each context, one generator (or session) per variant is prefilled with `ctx` tokens, then the variants
 decode in turn, `--block` tokens at a time after one untimed step (interleaved, so machine load hits them alike;
 blocks, so no model runs with a working set the others evicted), `--tokens` timed steps each; per-token time is
@@ -158,7 +159,10 @@ def fused_export(shape: LlamaShape, cache: Path, frame_tokens: int, kind: str | 
     return out
 
 
-def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: Path | None = None,
+FUSED_PREFIX = {"fastcar": "fc", "gqa": "fused"}  # fused-attention kind -> variant name prefix in (b)
+
+
+def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: dict[str, Path] | None = None,
             layers: int = 0, threads: int = 2, block: int = 8) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Prefill every variant with the same ctx tokens, then time them in turn, `block` tokens at a time.
 
@@ -175,16 +179,17 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
 
     prompt = np.random.default_rng(0).integers(3, vocab, (1, ctx)).astype(np.int32)
     gens, keep = {}, []
-    if fused is not None:
+    for kind, path in (fused or {}).items():
         from fastcar_compile.runtime import FastCarSession
 
-        sess = FastCarSession(fused, threads=threads, max_length=ctx + steps + 2)
+        sess = FastCarSession(path, threads=threads, max_length=ctx + steps + 2)
         for k in (0, layers // 2, (3 * layers) // 4, layers - 1, layers):
             spread = {round(i * layers / k) for i in range(k)} if k else set()
             taus = np.array([-np.inf if i in spread else np.inf for i in range(layers)], np.float32)
             t0 = time.perf_counter()
-            gens[f"fused{k}"] = _FusedStepper(sess, taus, prompt)
-            print(f"  ctx {ctx}: fused{k} prefilled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            name = f"{FUSED_PREFIX[kind]}{k}"
+            gens[name] = _FusedStepper(sess, taus, prompt)
+            print(f"  ctx {ctx}: {name} prefilled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     for name, folder in folders.items():
         model = og.Model(str(folder))
         params = og.GeneratorParams(model)
@@ -218,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=8, help="tokens timed per variant before moving to the next")
     ap.add_argument("--no-native", action="store_true", help="run the ai.fastcar function bodies, not the kernels")
     ap.add_argument("--no-fused", action="store_true", help="skip (b), the fused dynamo export")
+    ap.add_argument("--fused-kinds", default="fastcar,gqa",
+                    help="fused-attention kinds measured in (b), comma-separated (fastcar, gqa)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=Path("docs/bench_genai.json"))
     a = ap.parse_args(argv)
@@ -230,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     folders = variants(src, work, shape.layers, cfg["frame_tokens"])
     for f in folders.values():
         set_session(f, a.threads, not a.no_native)
-    fused = None if a.no_fused else fused_export(shape, a.cache, cfg["frame_tokens"])
+    kinds = [k.strip() for k in a.fused_kinds.split(",") if k.strip()]
+    if bad := [k for k in kinds if k not in FUSED_PREFIX]:
+        ap.error(f"--fused-kinds: unknown kind(s) {', '.join(bad)}; use {' or '.join(FUSED_PREFIX)}")
+    fused = {} if a.no_fused else {k: fused_export(shape, a.cache, cfg["frame_tokens"], k) for k in kinds}
     results = {"shape": shape.tag(), "threads": a.threads, "tokens": tokens, "contexts": {}}
     for ctx in contexts:
         times, python = measure(folders, ctx, tokens, shape.vocab, fused, shape.layers, a.threads, a.block)
@@ -243,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         print("| replay | ms/token | speed-up vs genai dense | bound 1/(1-f r) | speed-up / bound |")
         print("|---:|---:|---:|---:|---:|")
         for prefix, what in (("r", "(a) genai graph compiled by us, in og.Generator"),
-                             ("fused", "(b) dynamo export, fused attention, FastCarSession shared KV")):
+                             ("fc", "(b) dynamo export, fused attention (ai.fastcar op), FastCarSession shared KV"),
+                             ("fused", "(b') dynamo export, fused attention (ORT GQA), FastCarSession shared KV")):
             names = [n for n in med if n.startswith(prefix) and n[len(prefix):].isdigit()]
             if names:
                 print(f"| {what} | | | | |")

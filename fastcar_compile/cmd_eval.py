@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--frame-shape", metavar="HxW", help="frame as a token grid (16x16 for L=256): per-token "
                                                           "replay heatmap fast.tokens.png")
     bundled = ap.add_argument_group("bundled video model (no --model)")
-    bundled.add_argument("--clips", type=int, default=8, help="held-out clips (default 8)")
+    bundled.add_argument("--clips", type=int, default=None, help="held-out clips (default 8; --kv-sweep 2)")
     bundled.add_argument("--targets", type=str, default=",".join(map(str, TARGETS)),
                     help="replay ratios whose TAS quantiles become the swept thresholds")
     bundled.add_argument("--variants", type=str, default="rope,raw", help="TAS variants (rope, raw)")
@@ -112,6 +112,7 @@ def main(argv: list[str]) -> int:
         return _kv_sweep(a)
     a.frames = 8 if a.frames is None else a.frames
     a.threads = 1 if a.threads is None else a.threads
+    a.clips = 8 if a.clips is None else a.clips
     try:
         targets = [float(x) for x in a.targets.split(",") if x.strip()]
     except ValueError:
@@ -202,7 +203,7 @@ def _kv_sweep(a) -> int:
     from fastcar_compile.demo.model import VIDEO_START
 
     frames = 16 if a.frames is None else a.frames
-    clips_n = 2 if a.clips == 8 else a.clips  # --clips keeps its bundled default of 8 for the tau sweep
+    clips_n = 2 if a.clips is None else a.clips
     if clips_n < 1 or frames < 2:
         raise FastCarError("--clips >= 1 and --frames >= 2 are required")
     tok = load_tokenizer()

@@ -77,3 +77,12 @@ def test_demo_long_tiny_end_to_end(tmp_path, capsys):
     np.testing.assert_allclose(res["replay_per_layer"], (gen - 1) / gen)  # the last token is never fed
     assert len(res["psnr_per_frame"]["dense"]) == 3 and L == 64
     assert "replay per layer" in capsys.readouterr().out
+
+
+def test_eval_kv_sweep_bad_mode_exits_2(tmp_path, capsys):
+    from fastcar_compile.cli import main
+
+    assert main(["eval", "--kv-modes", "cache:1", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown KV mode" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()

@@ -183,3 +183,20 @@ def test_bad_fused_attention_value_is_one_line(zoo_model, tmp_path):
 
     with pytest.raises(FastCarError, match="--fused-attention must be one of gqa, fastcar or off, got 'flash'"):
         CompileOptions(frame_tokens=4, fused_attention="flash")
+
+
+@pytest.mark.parametrize("kind", ["gqa", "fastcar"])
+def test_scale_after_the_score_matmul(fc_compile, tmp_path, kind):
+    """The bundled demo decoder scales q.K^T after the score MatMul (not q and k before it): both fusions must
+    count that factor (they used scale 1 there before) and equal the uncompiled model at tau=+inf."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent.parent / "fastcar_compile" / "demo" / "assets" / "decoder.onnx"
+    out = tmp_path / "fast.onnx"
+    _, report = fc_compile(str(src), output=str(out), frame_tokens=64, threshold=float("inf"), fused_attention=kind)
+    assert any(n.startswith("fused attention (") for n in report.notes)
+    rng = np.random.default_rng(3)
+    steps = [rng.integers(0, 500, (1, 5))] + [rng.integers(0, 500, (1, 1)) for _ in range(20)]
+    want = ort_driver.decode(src, steps)
+    got = ort_driver.decode(out, steps, frame_tokens=64)
+    assert max(np.abs(a - b).max() for a, b in zip(got.logits, want.logits, strict=True)) <= 1e-4
