@@ -189,6 +189,21 @@ def op_modes(clips: int, frames: int, tau: float, out: Path, only: list[int] | N
 CURVE_MODES = (0, 1, 2, 4, 5, 6, 7, 8)  # OP_MODES rows drawn by --curve
 
 
+
+def _mode_session(src: Path, work: Path, L: int, tau: float, fastcar: bool, kv: list[str] | None):
+    """Compile `src` for one mode (FastCar at tau and/or KV options; neither: the export itself) into `work`
+    and open it with one thread; returns the session and the threshold array to feed (None: none)."""
+    from fastcar_compile.cli import main as cli
+    from fastcar_compile.demo.video import open_session
+
+    path = src
+    if fastcar or kv:
+        path = work / "m.onnx"
+        cli([str(src), "-o", str(path), "--frame-tokens", str(L), "--video-start", "3",
+             f"--threshold={tau if fastcar else float('inf')}", *(kv or [])])
+    sess = open_session(path, 1)
+    return sess, (sess.threshold_array(tau) if fastcar and sess.is_fastcar else None)
+
 def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
     """Per-token time and resident decode state (KV buffers + slot state, from the session's state arrays)
     per frame, for CURVE_MODES on one held-out clip: the long-video latency/memory picture (issue 12 item 7,
@@ -196,12 +211,10 @@ def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
     import time
 
     from fastcar_compile.atomic import write_text
-    from fastcar_compile.cli import main as cli
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.longvideo import long_onnx
     from fastcar_compile.demo.model import CODES, VIDEO_START, prompt
-    from fastcar_compile.demo.video import open_session
 
     tok = load_tokenizer()
     L = tok.tokens_per_frame
@@ -212,13 +225,7 @@ def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as d:
         for i in CURVE_MODES:
             name, fc, kv = OP_MODES[i]
-            path = src
-            if fc or kv:
-                path = Path(d) / "m.onnx"
-                cli([str(src), "-o", str(path), "--frame-tokens", str(L), "--video-start", "3",
-                     f"--threshold={tau if fc else float('inf')}", *(kv or [])])
-            sess = open_session(path, 1)
-            thr = sess.threshold_array(tau) if fc and sess.is_fastcar else None
+            sess, thr = _mode_session(src, Path(d), L, tau, fc, kv)
             st = sess.new_state(1, video_start=VIDEO_START)
             o = sess.step(st, np.asarray([prompt(c.motion) + f0], np.int64), threshold=thr)
             st = o.state
@@ -291,13 +298,11 @@ def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0
     from transformers import PreTrainedTokenizerFast
 
     from fastcar_compile.atomic import write_text
-    from fastcar_compile.cli import main as cli
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS, load_model
     from fastcar_compile.demo.longvideo import cache_dir, long_onnx
     from fastcar_compile.demo.model import CODES, VIDEO_START, prompt
-    from fastcar_compile.demo.video import open_session
 
     tok = load_tokenizer()
     L = tok.tokens_per_frame
@@ -337,13 +342,7 @@ def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0
     src = long_onnx(progress=False)
     with tempfile.TemporaryDirectory() as d:
         for name, (fc, kv) in GENAI_MODES.items():
-            path = src
-            if fc or kv:
-                path = Path(d) / "m.onnx"
-                cli([str(src), "-o", str(path), "--frame-tokens", str(L), "--video-start", "3",
-                     f"--threshold={tau if fc else float('inf')}", *(kv or [])])
-            sess = open_session(path, 1)
-            thr = sess.threshold_array(tau) if fc and sess.is_fastcar else None
+            sess, thr = _mode_session(src, Path(d), L, tau, fc, kv)
             o = sess.step(sess.new_state(1, video_start=VIDEO_START), np.asarray([ids], np.int64), threshold=thr)
             st, nxt, ts, rep = o.state, int(o.logits[0, -1, :CODES].argmax()), [], []
             for k in range(tokens + 1):
