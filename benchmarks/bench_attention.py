@@ -17,7 +17,6 @@ Also recorded: whether each variant runs a 2-token step after the prompt at batc
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_CACHE, atomic_write_text  # noqa: E402
+from _common import DEFAULT_CACHE, ms_lists, save_results  # noqa: E402
 from bench_genai import FULL, QUICK, _FusedStepper, fused_export  # noqa: E402
 
 KINDS = ("gqa", "fastcar", "none")
@@ -102,10 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         for kind, verdict in checks.items():
             print(f"2-token step after the prompt at batch 2, {kind}: {verdict}")
         results["contexts"][str(ctx)] = {"ms": q25, "python_ms": python, "multi_token_batch2": checks,
-                                         "raw_ms": {n: [x * 1e3 for x in t] for n, t in times.items()}}
-    atomic_write_text(a.out, json.dumps(results, indent=1))
-    print(f"\nwrote {a.out}")
-    return 0
+                                         "raw_ms": ms_lists(times)}
+    return save_results(a.out, results)
 
 
 if __name__ == "__main__":

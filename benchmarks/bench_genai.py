@@ -35,7 +35,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_CACHE, LlamaShape, atomic_write_text, build_random_llama, cached_export  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_CACHE,
+    LlamaShape,
+    atomic_write_text,
+    build_random_llama,
+    cached_export,
+    ms_lists,
+    save_results,
+)
 
 FULL = dict(shape=LlamaShape(hidden=1024, layers=8, heads=16, kv_heads=2, intermediate=3072, vocab=2048,
                              max_pos=4608), contexts=(1024, 4096), frame_tokens=256, tokens=48)
@@ -266,10 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                 extra = f" (Python {python[name]:.2f} ms)" if name in python else ""
                 print(f"| {r:.1%} | {med[name]:.2f}{extra} | {sp:.3f} | {bound:.3f} | {sp / bound:.1%} |")
         results["contexts"][str(ctx)] = {"ms": med, "f": f, "rows": rows,
-                                         "raw_ms": {n: [x * 1e3 for x in t] for n, t in times.items()}}
-    atomic_write_text(a.out, json.dumps(results, indent=1))
-    print(f"\nwrote {a.out}")
-    return 0
+                                         "raw_ms": ms_lists(times)}
+    return save_results(a.out, results)
 
 
 if __name__ == "__main__":
