@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-diagnostics", type=int, metavar="M",
                     help="also run dense attention on the side (up to M tokens) and output kv_stats.N per layer: "
                          "density and recall against dense, in the run stats (RunStats.kv_diagnostics)")
+    kv.add_argument("--kv-layer", action="append", default=[], metavar="LAYERS:SETTINGS", dest="kv_layers",
+                    help="per-layer settings instead of the ones above, repeatable: e.g. "
+                         "0:budget=129,sinks=4,window=124,eviction=oldest (a window where a layer reads by position) "
+                         "1-3:budget=4100,tempcache=0.95 (TempCache where it reads by content), 2:off (uncompressed); "
+                         "settings: budget, sinks, window, eviction, tempcache, sparse (lsh:BITSxTABLES)")
     p.add_argument("--genai", action=argparse.BooleanOptionalAction, default=None,
                    help="name the state for onnxruntime-genai's generator and write genai_config.json beside "
                         "the output (default: when the input sits beside one)")
@@ -164,7 +169,7 @@ def main(argv: list[str]) -> int:
                            fused_attention=args.fused_attention, kv_budget=args.kv_budget, kv_sinks=args.kv_sinks,
                            kv_window=args.kv_window, kv_eviction=args.kv_eviction, tempcache=args.tempcache,
                            sparse_attention=args.sparse_attention, kv_diagnostics=args.kv_diagnostics,
-                           required_video_inputs=args.required_video_inputs)
+                           kv_layers=args.kv_layers, required_video_inputs=args.required_video_inputs)
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
     if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):

@@ -25,8 +25,15 @@ from fastcar_compile.errors import FastCarError
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
 KV_KINDS = ("key", "value")
 KV_INPUT_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+
 # Exporters write present.N.key; some write present_N_key: discovery accepts both separators.
 KV_OUTPUT_RE = re.compile(r"^present[._](\d+)[._](key|value)$")
+
+
+def kv_layer_of(input_name: str) -> int | None:
+    """past_key_values.N.key|value -> N (None for other inputs)."""
+    m = KV_INPUT_RE.match(input_name)
+    return int(m.group(1)) if m else None
 
 
 def kv_input(layer: int, kind: str) -> str:
@@ -237,7 +244,9 @@ class FastCarMetadata:
     kv_compress: dict[str, Any] | None = field(default=None, metadata=_doc(
         "compressed KV cache settings (`fastar.KVCompressConfig` as JSON: budget, sinks, window, tempcache_sim, "
         "eviction, lsh_bits, lsh_tables, seed) plus `layers` and `diagnostics_tokens`; absent = dense KV. With a budget every KV "
-        "input/output of those layers is [batch, kv_heads, budget, head_dim] (slots, not positions)"))
+        "input/output of those layers is [batch, kv_heads, budget, head_dim] (slots, not positions). Layers with "
+        "different settings (--kv-layer): no top-level settings but `per_layer` {layer: settings}; "
+        "read through kv_layer_settings()"))
 
     @staticmethod
     def key(name: str) -> str:
@@ -287,10 +296,38 @@ class FastCarMetadata:
             raise FastCarError(f"malformed fastcar.* metadata ({exc!r}); recompile the model") from None
         return cls(**values)
 
+    def kv_layer_settings(self) -> dict[int, dict[str, Any]]:
+        """Compressed layer -> its KVCompressConfig fields, from either form of `kv_compress` (one setting for
+        every layer, as older compilers wrote, or `per_layer`); {} for a dense KV cache."""
+        kvc = self.kv_compress
+        if not kvc:
+            return {}
+        try:
+            if "per_layer" in kvc:
+                return {int(n): dict(c) for n, c in kvc["per_layer"].items()}
+            shared = {k: v for k, v in kvc.items() if k not in ("layers", "diagnostics_tokens")}
+            return {int(n): dict(shared) for n in kvc.get("layers", [])}
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise FastCarError(f"malformed fastcar.kv_compress metadata ({exc!r}); recompile the model") from None
+
     @property
     def first_threshold(self) -> float:
         t = self.threshold
         return float(t[0] if isinstance(t, list) else t)
+
+
+def kv_compress_record(per_layer: Mapping[int, Mapping[str, Any]], diagnostics_tokens: int | None
+                       ) -> dict[str, Any] | None:
+    """The `kv_compress` metadata value: one shared setting written flat (the form older runtimes read), or
+    `per_layer` when the layers differ; None when no layer is compressed."""
+    if not per_layer:
+        return None
+    layers = sorted(per_layer)
+    record: dict[str, Any] = {"layers": layers, "diagnostics_tokens": diagnostics_tokens}
+    first = dict(per_layer[layers[0]])
+    if all(dict(per_layer[n]) == first for n in layers):
+        return {**first, **record}
+    return {**record, "per_layer": {str(n): dict(per_layer[n]) for n in layers}}
 
 
 META_KEYS = tuple(FastCarMetadata.key(f.name) for f in dataclasses.fields(FastCarMetadata))

@@ -47,6 +47,9 @@ class CompileOptions:
     tempcache: float | None = None
     sparse_attention: str | None = None
     kv_diagnostics: int | None = None  # dense attention on the side over at most this many tokens (stats outputs)
+    # per-layer settings "LAYERS:SETTINGS" (parse_kv_layer): those layers get them instead of the global ones
+    # (layer 0 of the long demo reads by position, layers 1-3 by content: docs/kv_diagnostics.md)
+    kv_layers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")
@@ -55,7 +58,8 @@ class CompileOptions:
         contract.check_tas_query(self.tas_query)
         check_int("--max-replay", self.max_replay, 0, MAX_REPLAY, "0 = unlimited")
         object.__setattr__(self, "fused_attention", check_fused_attention(self.fused_attention))
-        if self.kv_compress is not None:
+        object.__setattr__(self, "kv_layers", tuple(self.kv_layers or ()))
+        if self.kv_compress is not None or any(c is not None for c in self.kv_layer_configs.values()):
             if self.fused_attention == "gqa":
                 raise FastCarError("--kv-budget/--tempcache/--sparse-attention live in the fastcar attention op; "
                                    "use --fused-attention fastcar (or leave --fused-attention out)")
@@ -67,7 +71,7 @@ class CompileOptions:
     def kv_compress(self):
         """The compressed-KV settings (fastar.KVCompressConfig, validated there), or None for a dense cache."""
         if self.kv_budget is None and self.tempcache is None and self.sparse_attention is None and \
-                not self.kv_sinks and not self.kv_window and self.kv_diagnostics is None:
+                not self.kv_sinks and not self.kv_window and (self.kv_diagnostics is None or self.kv_layers):
             return None
         from fastcar_compile.fastar.config import KVCompressConfig
 
@@ -82,6 +86,26 @@ class CompileOptions:
         return KVCompressConfig(budget=self.kv_budget, sinks=self.kv_sinks, window=self.kv_window,
                                 tempcache_sim=self.tempcache, eviction=self.kv_eviction, lsh_bits=bits,
                                 lsh_tables=tables, frame_len=self.frame_tokens, video_start=0)
+
+    @property
+    def kv_layer_configs(self) -> dict[int, object]:
+        """Layer -> its --kv-layer settings (None = 'off', an uncompressed cache); layers absent use kv_compress."""
+        out: dict[int, object] = {}
+        for spec in self.kv_layers:
+            layers, cfg = parse_kv_layer(spec, self.frame_tokens)
+            twice = sorted(set(layers) & set(out))
+            if twice:
+                raise FastCarError(f"--kv-layer {spec}: layer {twice[0]} already has settings from an earlier "
+                                   "--kv-layer; give each layer once")
+            out.update(dict.fromkeys(layers, cfg))
+        if self.kv_diagnostics is not None:
+            check_int("--kv-diagnostics", self.kv_diagnostics, 1, 1 << 20, "tokens the dense side buffer holds")
+        return out
+
+    def kv_config(self, layer: int):
+        """One layer's compressed-KV settings (fastar.KVCompressConfig) or None for a dense cache."""
+        explicit = self.kv_layer_configs
+        return explicit[layer] if layer in explicit else self.kv_compress
 
     @property
     def metadata_threshold(self) -> float | list[float]:
@@ -102,6 +126,58 @@ def parse_sparse_attention(value: str | None) -> tuple[int | None, int]:
     if not (1 <= int(bits) <= 24 and 1 <= int(tables) <= 64):
         raise FastCarError(f"--sparse-attention {value}: bits must be 1..24 and tables 1..64")
     return int(bits), int(tables)
+
+
+KV_LAYER_KEYS = ("budget", "sinks", "window", "eviction", "tempcache", "sparse")
+KV_LAYER_FORM = ("--kv-layer takes LAYERS:SETTINGS, e.g. 0:budget=129,sinks=4,window=124,eviction=oldest or "
+                 "1-3:budget=4100,tempcache=0.95 or 2:off (settings: " + ", ".join(KV_LAYER_KEYS) + ")")
+
+
+def _layer_indices(text: str, spec: str) -> list[int]:
+    """'0,2-5' -> [0, 2, 3, 4, 5] (checked against the model's layers by the fused-attention pass)."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)) or \
+                int(hi or lo) > 1 << 16:
+            raise FastCarError(f"--kv-layer {spec!r}: cannot read layers {text!r}; {KV_LAYER_FORM}")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def parse_kv_layer(spec: str, frame_tokens: int):
+    """'LAYERS:SETTINGS' -> (layer indices, fastar.KVCompressConfig or None for 'off'), validated there."""
+    from fastcar_compile.fastar.config import KVCompressConfig
+
+    layers_text, colon, settings = str(spec).partition(":")
+    if not colon or not settings.strip():
+        raise FastCarError(f"--kv-layer {spec!r}: no settings; {KV_LAYER_FORM}")
+    layers = _layer_indices(layers_text, spec)
+    if settings.strip() == "off":
+        return layers, None
+    values: dict[str, str] = {}
+    for item in settings.split(","):
+        key, eq, value = item.strip().partition("=")
+        if not eq or key not in KV_LAYER_KEYS or key in values:
+            raise FastCarError(f"--kv-layer {spec!r}: cannot read {item.strip()!r}; {KV_LAYER_FORM}")
+        values[key] = value.strip()
+    if "budget" not in values:
+        raise FastCarError(f"--kv-layer {spec!r}: needs budget=C (KV slots per KV head) or 'off'")
+    try:
+        ints = {k: int(values[k]) for k in ("budget", "sinks", "window") if k in values}
+        sim = float(values["tempcache"]) if "tempcache" in values else None
+    except ValueError:
+        raise FastCarError(f"--kv-layer {spec!r}: budget/sinks/window must be integers and tempcache a number; "
+                           f"{KV_LAYER_FORM}") from None
+    check_int("--kv-layer budget", ints["budget"], 1, 1 << 24, "KV slots per KV head")
+    bits, tables = parse_sparse_attention(values.get("sparse"))
+    try:
+        cfg = KVCompressConfig(budget=ints["budget"], sinks=ints.get("sinks", 0), window=ints.get("window", 0),
+                               tempcache_sim=sim, eviction=values.get("eviction", "mass"), lsh_bits=bits,
+                               lsh_tables=tables, frame_len=frame_tokens, video_start=0)
+    except FastCarError as exc:
+        raise FastCarError(f"--kv-layer {spec!r}: {exc}") from None
+    return layers, cfg
 
 
 def check_fused_attention(value: str | bool | None) -> str | None:
@@ -156,6 +232,7 @@ class CompileContext:
     metadata: dict[str, str] = field(default_factory=dict)  # the fastcar.* props written
     kv_state: list[contract.StateEntry] = field(default_factory=list)  # compressed-KV slot state (fused pass)
     kv_compressed: list[int] = field(default_factory=list)  # layers whose KV cache is compressed
+    kv_configs: dict[int, object] = field(default_factory=dict)  # those layers' fastar.KVCompressConfig
     genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator
 
     @property

@@ -209,7 +209,8 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
         plans = {m.layer: p for m in disc.discover(model) if (p := _plan(m)) is not None} if mask is not None else {}
         dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT if plans else None
-        compress = self.ctx.options.kv_compress is not None
+        opts = self.ctx.options
+        compress = opts.kv_compress is not None or any(c is not None for c in opts.kv_layer_configs.values())
         if compress and (not plans or dtype != ir.DataType.FLOAT):
             why = "no attention_mask input" if mask is None else "no exported MatMul/Softmax attention core " \
                 "(dynamo / ort_fusions exports of LLaMA-style models)" if not plans else f"a {dtype.name.lower()} model"
@@ -257,8 +258,14 @@ class FusedAttentionPass(ir.passes.InPlacePass):
                   {"to": ir.DataType.INT32}, names=["fastcar.ca.total_len"])
         _own_names(shared, "shared", tag=False)
         graph.insert_before(graph[0], shared)
-        cfg = self.ctx.options.kv_compress
+        opts = self.ctx.options
+        unknown = sorted(set(opts.kv_layer_configs) - set(plans))
+        if unknown:
+            raise FastCarError(f"--kv-layer names layer {unknown[0]}, but the fastcar attention op replaced only "
+                               f"layers {sorted(plans)}; name those")
+        configs = {n: opts.kv_config(n) for n in plans}
         for n, p in sorted(plans.items()):
+            cfg = configs[n]
             nodes: list[ir.Node] = []
             bl = build.Builder(n, nodes, itertools.count())
             attrs = {"num_heads": p["heads"], "kv_num_heads": p["kv_heads"], "scale": float(p["scale"])}
@@ -266,7 +273,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             if cfg is not None:
                 attrs.update(compressed_attributes(cfg, p["head_dim"]))
                 inputs += self._slot_state(graph, n, p, cfg)
-            diag = self.ctx.options.kv_diagnostics is not None
+            diag = opts.kv_diagnostics is not None
             n_out = 3 if cfg is None else 8 if diag else 5 + (cfg.tempcache_sim is not None)
             outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, outputs=n_out,
                       part="attention")
@@ -280,9 +287,11 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         RemoveUnusedNodesPass()(model)
         self.ctx.notes.append(f"fused attention (ai.fastcar CompressedAttention) in layers {sorted(plans)}")
-        if cfg is not None:
-            self.ctx.kv_compressed = sorted(plans)
-            self.ctx.notes.append(f"compressed KV cache in layers {sorted(plans)}: {describe(cfg)}")
+        self.ctx.kv_configs = {n: c for n, c in sorted(configs.items()) if c is not None}
+        self.ctx.kv_compressed = sorted(self.ctx.kv_configs)
+        for text in dict.fromkeys(describe(c) for c in self.ctx.kv_configs.values()):
+            same = [n for n, c in self.ctx.kv_configs.items() if describe(c) == text]
+            self.ctx.notes.append(f"compressed KV cache in layers {same}: {text}")
         return ir.passes.PassResult(model, modified=True)
 
     def _slot_state(self, graph: ir.Graph, n: int, p: dict, cfg) -> list[ir.Value]:

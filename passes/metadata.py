@@ -49,8 +49,8 @@ def metadata_of(ctx: CompileContext) -> contract.FastCarMetadata:
         kv=[contract.KVEntry(contract.kv_input(m.layer, k), contract.kv_output(m.layer, k))
             for m in ctx.matches for k in contract.KV_KINDS],
         diagnostics=opts.emit_diagnostics,
-        kv_compress=None if opts.kv_compress is None else {**opts.kv_compress.to_dict(), "layers": ctx.kv_compressed,
-                                                           "diagnostics_tokens": opts.kv_diagnostics},
+        kv_compress=contract.kv_compress_record({n: c.to_dict() for n, c in ctx.kv_configs.items()},
+                                                opts.kv_diagnostics),
     )
 
 

@@ -219,8 +219,13 @@ class FastCarSession:
         # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
         self.max_length = self._check_shared_kv(max_length)
         # compressed KV cache (kv_compress metadata): KV inputs hold `budget` slots per KV head, fixed size
-        kvc = fc.kv_compress if fc is not None else None
-        self.kv_slots: int | None = int(kvc["budget"]) if kvc and kvc.get("budget") else None
+        # (per layer: --kv-layer gives layers different budgets, or none; those layers grow as usual)
+        budgets = {n: int(c["budget"]) for n, c in (fc.kv_layer_settings() if fc is not None else {}).items()
+                   if c.get("budget")}
+        self._kv_caps: dict[str, int] = {s.input: budgets[n] for s in self.specs if s.kind == "kv"
+                                         and (n := contract.kv_layer_of(s.input)) is not None and n in budgets}
+        self._kv_growing = any(s.kind == "kv" and s.input not in self._kv_caps for s in self.specs)
+        self.kv_slots: int | None = max(self._kv_caps.values()) if self._kv_caps else None  # the largest budget
         if self.kv_slots is not None and self.native_library is None:
             raise FastCarError(f"{self.path.name} has a compressed KV cache ({contract.COMPRESSED_ATTENTION} with a "
                                "budget), which only the native kernels run; build them (runtime/native) or "
@@ -325,15 +330,18 @@ class FastCarSession:
         if batch < 1:
             raise FastCarError(f"batch must be >= 1, got {batch}")
         arrays = {s.input: s.empty(batch) for s in self.specs}
-        cap = self.kv_slots or self.max_length
-        if cap is not None:  # allocated once per video, written in place by the fused attention
-            for s in self.specs:
-                if s.kind == "kv":
-                    arrays[s.input] = np.zeros([cap if d == "past" else batch if d == "batch" else d
-                                                for d in s.shape], dtype=s.dtype)
+        for s in self.specs:  # allocated once per video, written in place by the fused attention
+            cap = self._kv_capacity(s)
+            if s.kind == "kv" and cap is not None:
+                arrays[s.input] = np.zeros([cap if d == "past" else batch if d == "batch" else d
+                                            for d in s.shape], dtype=s.dtype)
         buffer = np.ones((batch, self.max_length), np.int64) if self.max_length is not None else None
         return DecodeState(arrays, batch, 0, int(video_start), self.signature,
                            np.zeros((batch, 0), dtype=np.int64), mask_buffer=buffer)
+
+    def _kv_capacity(self, spec: StateSpec) -> int | None:
+        """A KV input's fixed past length: its layer's budget, else max_length; None = grows with the video."""
+        return self._kv_caps.get(spec.input, self.max_length)
 
     def state_nbytes(self, batch: int = 1) -> dict[str, int]:
         """Size of the fixed FastCar state and of the KV cache per token, in bytes, for `batch` rows."""
@@ -369,7 +377,7 @@ class FastCarSession:
             a = state.arrays[s.input]
             if a.dtype != s.dtype:
                 raise FastCarError(f"state {s.input} has dtype {a.dtype}, model expects {s.dtype}")
-            past = self.kv_slots or (state.past_len if self.max_length is None else self.max_length)
+            past = self._kv_capacity(s) or state.past_len
             want = [state.batch if d == "batch" else past if d == "past" else d for d in s.shape]
             if list(a.shape) != want:
                 raise FastCarError(f"state {s.input} has shape {list(a.shape)}, model expects {want} "
@@ -463,7 +471,7 @@ class FastCarSession:
         if threshold is not None:
             feeds[contract.THRESHOLD] = self._tau_feed(threshold)
         feeds.update(state.arrays)
-        if self.max_length is not None and self.kv_slots is None and state.past_len + seq > self.max_length:
+        if self.max_length is not None and self._kv_growing and state.past_len + seq > self.max_length:
             raise FastCarError(f"the video needs {state.past_len + seq} tokens of KV cache but the session was "
                                f"created with max_length={self.max_length}; create it with a larger max_length")
         try:
@@ -516,7 +524,7 @@ class FastCarSession:
                         a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"] and a.flags["OWNDATA"]):
                     a = feeds[fast[name]] = state.arrays[fast[name]] = np.array(a)
                 outs[name] = a
-            elif name in kv and (self.max_length is not None or self.kv_slots):  # shared buffer, written in place
+            elif name in kv and self._kv_capacity(kv[name]) is not None:  # shared buffer, written in place
                 outs[name] = feeds[kv[name].input]
             elif name in kv:
                 sp = kv[name]
