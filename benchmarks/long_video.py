@@ -241,7 +241,8 @@ def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
                     mem.append(st.nbytes())
             per_frame = [float(np.median(ms[f * L:(f + 1) * L])) for f in range(len(ms) // L)]
             res["modes"][name] = {"ms_per_frame": per_frame, "state_bytes_per_frame": [int(x) for x in mem]}
-            print(f"{name}: frame 8 {per_frame[7]:.3f} ms, last {per_frame[-1]:.3f} ms; state "
+            ref = min(7, len(per_frame) - 1)  # frame 8, or the last whole frame of a shorter run
+            print(f"{name}: frame {ref + 1} {per_frame[ref]:.3f} ms, last {per_frame[-1]:.3f} ms; state "
                   f"{mem[1] / 1e6:.2f} -> {mem[-1] / 1e6:.2f} MB", flush=True)
     plot_curve(res, out / "long_video_curve.png")
     write_text(out / "long_video_curve.json", json.dumps(res, indent=1))
@@ -387,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not (a.hold or a.calibrate or a.op_modes or a.curve or a.genai):
         ap.error("give --hold, --calibrate, --op-modes, --curve and/or --genai")
+    if a.frames < 3:
+        ap.error(f"--frames {a.frames}: give at least 3 (frame 0 is the prompt; a curve needs whole frames)")
     if a.genai:
         from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
 
