@@ -9,6 +9,7 @@ q.k pairs / dense pairs; recall = dense softmax mass kept (merged slots shared b
 `fastcar_compile/fastar/attention.py` defines both and tests/test_kv_compress.py checks the kernel against it.
 
     python benchmarks/kv_diagnostics.py                 # 2 clips x 16 frames -> docs/kv_diagnostics.{md,json,png}
+    python benchmarks/kv_diagnostics.py --only "per layer" --out /tmp/kvd   # the --kv-layer modes alone
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ MODES = [
                               "--sparse-attention", "lsh:8x4"]),
     ("all: C256 S4+W60 TempCache 0.95 lsh 8x4", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60",
                                                 "--tempcache", "0.95", "--sparse-attention", "lsh:8x4"]),
+    # per layer (--kv-layer): layer 0 reads by position (a window keeps its mass), layers 1-3 by content
+    ("per layer: L0 window S4+W124 C129, L1-3 TempCache 0.95",
+     ["--kv-layer", "0:budget=129,sinks=4,window=124,eviction=oldest", "--kv-layer", "1-3:budget=4100,tempcache=0.95"]),
+    ("per layer: L0 window S4+W124 C129, L1-3 TempCache 0.95 C256 S4+W60",
+     ["--kv-layer", "0:budget=129,sinks=4,window=124,eviction=oldest",
+      "--kv-layer", "1-3:budget=256,sinks=4,window=60,tempcache=0.95"]),
 ]
 
 
@@ -105,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clips", type=int, default=2)
     ap.add_argument("--frames", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--only", help="run only the modes whose name contains this text (e.g. 'per layer')")
     a = ap.parse_args(argv)
     tok = load_tokenizer()
     L = tok.tokens_per_frame
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     src = long_onnx()
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        for name, opts in MODES:
+        for name, opts in [m for m in MODES if a.only is None or a.only in m[0]]:
             path = Path(d) / "m.onnx"
             args = [str(src), "-o", str(path), "--frame-tokens", str(L), "--threshold=inf",
                     "--kv-diagnostics", str(8 + (a.frames + 1) * L), *opts]

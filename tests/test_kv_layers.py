@@ -128,3 +128,13 @@ def test_bad_kv_layer_cli_exit_2(zoo_model, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and msg in err and "Traceback" not in err, err
         assert not (tmp_path / "o.onnx").exists()
+
+
+def test_layers_without_an_entry_take_the_global_settings():
+    """--kv-layer overrides only the layers it names; the rest keep --kv-budget's setting ('off' = uncompressed)."""
+    opts = CompileOptions(frame_tokens=4, kv_budget=20, kv_window=3, kv_layers=("0:off", "2-3:budget=9,tempcache=0.9"))
+    assert opts.kv_config(0) is None
+    assert (opts.kv_config(1).budget, opts.kv_config(1).window, opts.kv_config(1).tempcache_sim) == (20, 3, None)
+    assert (opts.kv_config(3).budget, opts.kv_config(3).window, opts.kv_config(3).tempcache_sim) == (9, 0, 0.9)
+    with pytest.raises(FastCarError, match="--fused-attention fastcar"):
+        CompileOptions(frame_tokens=4, fused_attention="gqa", kv_layers=("0:budget=8",))
