@@ -118,6 +118,12 @@ OP_MODES = [
                                          "--kv-eviction", "oldest"]),
     ("FastCar + TempCache 0.95 C256 (S4+W60)", "tau", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60",
                                                       "--tempcache", "0.95"]),
+    # per layer (--kv-layer): window on layer 0 (reads by position), TempCache on layers 1-3 (read by content)
+    ("window L0 + TempCache 0.95 L1-3", None, ["--kv-layer", "0:budget=129,sinks=4,window=124,eviction=oldest",
+                                                "--kv-layer", "1-3:budget=4100,tempcache=0.95"]),
+    ("FastCar + window L0 + TempCache 0.95 C256 (S4+W60) L1-3", "tau",
+     ["--kv-layer", "0:budget=129,sinks=4,window=124,eviction=oldest",
+      "--kv-layer", "1-3:budget=256,sinks=4,window=60,tempcache=0.95"]),
 ]
 
 
