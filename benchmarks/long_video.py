@@ -108,8 +108,8 @@ def calibrate(clips: int, frames: int, target: float) -> dict:
 OP_MODES = [
     ("dense", None, None),
     ("FastCar", "tau", ["--fused-attention", "off"]),  # the exported attention (fused is the default now)
-    ("dense, fused op (in-place KV)", None, ["--fused-attention", "fastcar"]),
-    ("FastCar, fused op (in-place KV)", "tau", ["--fused-attention", "fastcar"]),
+    ("dense, fused op (growing KV)", None, ["--fused-attention", "fastcar"]),
+    ("FastCar, fused op (growing KV)", "tau", ["--fused-attention", "fastcar"]),
     ("TempCache 0.95", None, ["--kv-budget", "4100", "--tempcache", "0.95"]),
     ("FastCar + TempCache 0.95", "tau", ["--kv-budget", "4100", "--tempcache", "0.95"]),
     ("window S4+W124", None, ["--kv-budget", "129", "--kv-sinks", "4", "--kv-window", "124", "--kv-eviction",
