@@ -38,6 +38,8 @@ from _common import (  # noqa: E402
     past_name_for,
 )
 
+from fastcar_compile.atomic import save_figure  # noqa: E402
+
 FULL = dict(shape=LlamaShape(), context=2048, frame_tokens=256, rounds=40)
 QUICK = dict(shape=LlamaShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=512, max_pos=1024),
              context=512, frame_tokens=64, rounds=4)
@@ -236,10 +238,7 @@ def plot(results: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

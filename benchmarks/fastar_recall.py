@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from fastcar_compile.atomic import atomic_path, write_text
+from fastcar_compile.atomic import save_figure, write_text
 from fastcar_compile.fastar.attention import run_trace, slot_bytes
 from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.fastar.trace import TRACE_SOURCES, demo_trace
@@ -113,9 +113,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax2.legend(fontsize=6)
     ax2.grid(alpha=0.3)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,9 +104,12 @@ def kv_dense_output(layer: int) -> str:
     return f"present_kv_dense.{layer}"
 
 
+KV_STATS_PREFIX = "kv_stats."
+
+
 def kv_stats_output(layer: int) -> str:
     """--kv-diagnostics: this step's [executed q.k pairs, dense pairs, recall sum, queries] per row and KV head."""
-    return f"kv_stats.{layer}"
+    return f"{KV_STATS_PREFIX}{layer}"
 
 
 def replay_mask_output(layer: int) -> str:

@@ -231,7 +231,6 @@ class CompileContext:
     batch: ir.SymbolicDim | int | str = "batch"
     metadata: dict[str, str] = field(default_factory=dict)  # the fastcar.* props written
     kv_state: list[contract.StateEntry] = field(default_factory=list)  # compressed-KV slot state (fused pass)
-    kv_compressed: list[int] = field(default_factory=list)  # layers whose KV cache is compressed
     kv_configs: dict[int, object] = field(default_factory=dict)  # those layers' fastar.KVCompressConfig
     genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator
 

@@ -19,6 +19,7 @@ import re
 
 import onnx_ir as ir
 
+from fastcar_compile import contract
 from fastcar_compile.passes import genai_gqa
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes import match_attention as ma
@@ -111,7 +112,7 @@ def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> Atten
         window = ma.window_length(pkey)
         ctx.trace.append(f"sliding-window cache: keeps {window if window is not None else '?'} positions")
     # GroupQueryAttention's total_sequence_length / CompressedAttention's total_len (both input 6)
-    gqa = core.core.op_type in ("GroupQueryAttention", "CompressedAttention") and len(core.core.inputs) > 6
+    gqa = core.core.op_type in ("GroupQueryAttention", contract.COMPRESSED_ATTENTION) and len(core.core.inputs) > 6
     return AttentionBlock(pkey, pvalue, core.core, core.core_output, q, layout, q_raw, raw_layout, rope, heads,
                           num_kv, head_dim, form=form, keys=core.keys, window=window,
                           total_len=core.core.inputs[6] if gqa else None)

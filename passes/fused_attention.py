@@ -288,7 +288,6 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         RemoveUnusedNodesPass()(model)
         self.ctx.notes.append(f"fused attention (ai.fastcar CompressedAttention) in layers {sorted(plans)}")
         self.ctx.kv_configs = {n: c for n, c in sorted(configs.items()) if c is not None}
-        self.ctx.kv_compressed = sorted(self.ctx.kv_configs)
         for text in dict.fromkeys(describe(c) for c in self.ctx.kv_configs.values()):
             same = [n for n, c in self.ctx.kv_configs.items() if describe(c) == text]
             self.ctx.notes.append(f"compressed KV cache in layers {same}: {text}")

@@ -172,6 +172,7 @@ class FastCarSession:
                                             *self.session.get_overridable_initializers()]}
         self._outputs = {o.name: o for o in self.session.get_outputs()}
         self.output_names = list(self._outputs)
+        self._kv_stats_names = [n for n in self.output_names if n.startswith(contract.KV_STATS_PREFIX)]
         for need in (contract.INPUT_IDS,):
             if need not in self._inputs:
                 raise FastCarError(f"{self.path} has no `{need}` input; is it a decoder exported with KV cache?")
@@ -487,7 +488,7 @@ class FastCarSession:
                                 real_len=state.real_len + (seq if attention_mask is None else new_mask.sum(axis=1)),
                                 mask_buffer=state.mask_buffer)
         out = StepOutput(res["logits"], new_state)
-        out.extra.update({k: v for k, v in res.items() if k.startswith("kv_stats.")})  # --kv-diagnostics
+        out.extra.update({k: res[k] for k in self._kv_stats_names})  # --kv-diagnostics
         if self.layers:
             out.replay = self._replay_of(res, state, seq)
             if self.has_diagnostics:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from fastcar_compile import contract
 from fastcar_compile.atomic import write_text
 from fastcar_compile.errors import FastCarError
 
@@ -59,7 +60,7 @@ class RunStats:
     def add_kv_stats(self, extra: dict[str, np.ndarray]) -> None:
         """Accumulate one step's kv_stats.N outputs ([batch, kv_heads, 4]) per layer."""
         for name, arr in extra.items():
-            if not name.startswith("kv_stats."):
+            if not name.startswith(contract.KV_STATS_PREFIX):
                 continue
             if self.kv_diagnostics is None:
                 self.kv_diagnostics = {}
@@ -72,8 +73,8 @@ class RunStats:
     def add_kv_bytes(self, arrays: dict[str, np.ndarray], tokens: int) -> None:
         """Resident KV bytes per compressed layer (live slots x slot state) next to a dense cache of `tokens`."""
         for layer, acc in (self.kv_diagnostics or {}).items():
-            slots = arrays.get(f"past_kv_slots.{layer}")
-            key = arrays.get(f"past_key_values.{layer}.key")
+            slots = arrays.get(contract.kv_slots_input(int(layer)))
+            key = arrays.get(contract.kv_input(int(layer), "key"))
             if slots is None or key is None:
                 continue
             live = int((slots[..., 0] > 0).sum())

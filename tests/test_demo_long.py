@@ -72,10 +72,11 @@ def test_demo_long_tiny_end_to_end(tmp_path, capsys):
                  "results.json", "fast.onnx"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     res = json.loads((out / "results.json").read_text())
-    L, gen = 64, 3 * 64
+    gen = 3 * 64  # 3 generated frames of L = 64 tokens
     assert len(res["replay_per_layer"]) == 4
     np.testing.assert_allclose(res["replay_per_layer"], (gen - 1) / gen)  # the last token is never fed
-    assert len(res["psnr_per_frame"]["dense"]) == 3 and L == 64
+    for mode, psnr in res["psnr_per_frame"].items():
+        assert len(psnr) == 3 and all(np.isfinite(p) and p > 0 for p in psnr), mode
     assert "replay per layer" in capsys.readouterr().out
 
 
