@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_CACHE, LlamaShape, cached_export  # noqa: E402
-from bench_genai import build_genai, set_session  # noqa: E402
+from bench_genai import build_genai, ort_options, parse_entries, set_session  # noqa: E402
 
 FULL = dict(shape=LlamaShape(hidden=1024, layers=8, heads=16, kv_heads=2, intermediate=3072, vocab=2048,
                              max_pos=33280), frame_tokens=256, frames=(8, 16, 32, 64), block=32, chunk=512)
@@ -108,7 +108,7 @@ def taus(layers: int, replay: float) -> np.ndarray:
     return np.array([-np.inf if i in spread else np.inf for i in range(layers)], np.float32)
 
 
-def prepare(cfg: dict, modes: list[Mode], cache: Path, threads: int) -> dict[str, str]:
+def prepare(cfg: dict, modes: list[Mode], cache: Path, threads: int, entries: dict[str, str]) -> dict[str, str]:
     """Build (once, cached) the genai folder and our compiled models; returns mode name -> model path."""
     import fastcar_compile
 
@@ -118,7 +118,7 @@ def prepare(cfg: dict, modes: list[Mode], cache: Path, threads: int) -> dict[str
     for m in modes:
         if m.engine == "genai":
             folder = build_genai(shape, cache)
-            set_session(folder, threads, native=False)
+            set_session(folder, threads, native=False, entries=entries)
             paths[m.name] = str(folder)
             continue
         out = cache / f"longvideo-{shape.tag()}-L{L}" / m.tag() / "fast.onnx"
@@ -157,7 +157,8 @@ def worker(job: dict) -> dict:
     else:
         from fastcar_compile.runtime import FastCarSession
 
-        sess = FastCarSession(job["path"], threads=job["threads"], max_length=n_ctx + WARM + block + 2)
+        sess = FastCarSession(job["path"], session_options=ort_options(job["threads"], job["entries"]),
+                              max_length=n_ctx + WARM + block + 2)
         thr = taus(job["layers"], mode.replay)
         res["rss_loaded"] = _proc_status()["VmRSS"]
         st = sess.new_state(1)
@@ -185,19 +186,20 @@ def worker(job: dict) -> dict:
     return res
 
 
-def run_all(cfg: dict, modes: list[Mode], frames: list[int], threads: int, cache: Path) -> list[dict]:
+def run_all(cfg: dict, modes: list[Mode], frames: list[int], threads: int, cache: Path,
+            entries: dict[str, str]) -> list[dict]:
     from tqdm import tqdm
 
     shape: LlamaShape = cfg["shape"]
     L = cfg["frame_tokens"]
-    paths = prepare(cfg, modes, cache, threads)
+    paths = prepare(cfg, modes, cache, threads, entries)
     rows = []
     jobs = [(f, m) for f in frames for m in modes]
     bar = tqdm(jobs, desc="long-video configurations", unit="config")
     for f, m in bar:
         bar.set_postfix_str(f"frame {f}: {m.name[:40]}")
         job = {"mode": asdict(m), "frame": f, "ctx": f * L, "block": cfg["block"], "chunk": cfg["chunk"],
-               "path": paths[m.name], "threads": threads, "vocab": shape.vocab, "layers": shape.layers,
+               "path": paths[m.name], "threads": threads, "entries": entries, "vocab": shape.vocab, "layers": shape.layers,
                "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
         t0 = time.perf_counter()
         r = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
@@ -210,25 +212,25 @@ def run_all(cfg: dict, modes: list[Mode], frames: list[int], threads: int, cache
         row = json.loads(r.stdout.strip().splitlines()[-1])
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
-        bar.write(f"frame {f:4d} {m.name}: {row['ms_median']:.2f} ms/token, RSS {row['rss_decoded'] / 2**20:.0f} MiB "
+        bar.write(f"frame {f:4d} {m.name}: {row['ms_q25']:.2f} ms/token (q25), RSS {row['rss_decoded'] / 2**20:.0f} MiB "
                   f"(peak {row['rss_peak'] / 2**20:.0f}), prefill {row['prefill_s']:.1f} s")
     return rows
 
 
 def table(rows: list[dict], frames: list[int], modes: list[Mode]) -> str:
     ok = {(r["mode"], r["frame"]): r for r in rows if "error" not in r}
-    g = {f: ok[(GENAI, f)]["ms_median"] for f in frames if (GENAI, f) in ok}
+    g = {f: ok[(GENAI, f)]["ms_q25"] for f in frames if (GENAI, f) in ok}
     head = ("| mode | " + " | ".join(f"frame {f}" for f in frames) + " | last / first frame |\n|---|"
             + "---|" * (len(frames) + 1) + "\n")
-    out = ["**ms per decode token (median); x = genai dense at the same frame / this**\n\n" + head]
+    out = ["**ms per decode token (lower quartile of the timed steps); x = genai dense at the same frame / this**\n\n" + head]
     for m in modes:
         cells = []
         for f in frames:
             r = ok.get((m.name, f))
-            cells.append("failed" if r is None else f"{r['ms_median']:.2f}" +
-                         (f" ({g[f] / r['ms_median']:.2f}x)" if f in g and m.name != GENAI else ""))
+            cells.append("failed" if r is None else f"{r['ms_q25']:.2f}" +
+                         (f" ({g[f] / r['ms_q25']:.2f}x)" if f in g and m.name != GENAI else ""))
         a, b = ok.get((m.name, frames[0])), ok.get((m.name, frames[-1]))
-        ratio = f"{b['ms_median'] / a['ms_median']:.2f}" if a and b else "-"
+        ratio = f"{b['ms_q25'] / a['ms_q25']:.2f}" if a and b else "-"
         out.append(f"| {m.name} | " + " | ".join(cells) + f" | {ratio} |\n")
     out.append("\n**process memory after decode: VmRSS MiB (peak VmHWM incl. prefill) / decode state MiB**\n\n"
                + head)
@@ -259,9 +261,9 @@ def plot(rows: list[dict], modes: list[Mode], path: Path, title: str) -> None:
             continue
         x = [r["frame"] for r in rs]
         style = "--" if m.engine == "genai" else "-"
-        ax[0].plot(x, [r["ms_median"] for r in rs], style, marker="o", label=m.name)
+        ax[0].plot(x, [r["ms_q25"] for r in rs], style, marker="o", label=m.name)
         ax[1].plot(x, [r["rss_decoded"] / 2**20 for r in rs], style, marker="o", label=m.name)
-    ax[0].set_ylabel("ms per decode token (median)")
+    ax[0].set_ylabel("ms per decode token (lower quartile)")
     ax[1].set_ylabel("process RSS after decode (MiB)")
     for a in ax:
         a.set_xscale("log", base=2)
@@ -281,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="", help="comma-separated indices into MODES (default: all)")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every model")
     ap.add_argument("--block", type=int, help="timed decode tokens per configuration")
+    ap.add_argument("--session-config", action="append", metavar="session.KEY=VALUE",
+                    help="ORT config entries of every model, genai's included (default: "
+                         "session.intra_op.allow_spinning=0: on a shared machine a spinning pool thread that loses "
+                         "its core stalls every step; give session.intra_op.allow_spinning=1 for ORT's default)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=Path("docs/long_video_llama"),
                     help="output stem: writes STEM.json, STEM.md, STEM.png")
@@ -311,14 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     modes = [MODES[i] for i in picked] if picked else MODES
     if GENAI not in {m.name for m in modes}:
         modes = [MODES[0], *modes]  # the reference of every ratio
-    rows = run_all(cfg, modes, frames, a.threads, a.cache)
+    entries = parse_entries(a.session_config) if a.session_config else {"session.intra_op.allow_spinning": "0"}
+    rows = run_all(cfg, modes, frames, a.threads, a.cache, entries)
     load = os.getloadavg()
     title = (f"random LLaMA {shape.hidden}x{shape.layers} ({shape.heads}/{shape.kv_heads} heads), {L}-token frames, "
-             f"{a.threads} threads, median of {cfg['block']} decode tokens; load avg at end {load[0]:.1f}")
+             f"{a.threads} threads, {' '.join(f'{k}={v}' for k, v in entries.items()) or 'ORT defaults'}, median of "
+             f"{cfg['block']} decode tokens; load avg at end {load[0]:.1f}")
     text = (f"# Long videos on a LLaMA-style decoder\n\n{title}.\n\n`python benchmarks/long_video_llama.py"
             f"{' --quick' if a.quick else ''} --frames {','.join(map(str, frames))}`\n\n" + table(rows, frames, modes))
     print("\n" + text)
-    res = {"shape": shape.tag(), "frame_tokens": L, "threads": a.threads, "block": cfg["block"],
+    res = {"shape": shape.tag(), "frame_tokens": L, "threads": a.threads, "block": cfg["block"], "session_config": entries,
            "frames": frames, "modes": [asdict(m) for m in modes], "loadavg_end": load, "rows": rows}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     write_text(a.out.with_suffix(".json"), json.dumps(res, indent=1))
