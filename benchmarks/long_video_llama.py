@@ -157,8 +157,9 @@ def worker(job: dict) -> None:
     else:
         from fastcar_compile.runtime import FastCarSession
 
-        sess = FastCarSession(job["path"], session_options=ort_options(job["threads"], job["entries"]),
-                              max_length=max_length)
+        so = ort_options(job["threads"], job["entries"])
+        so.enable_mem_pattern = False  # as FastCarSession's own options (runtime/session.py)
+        sess = FastCarSession(job["path"], session_options=so, max_length=max_length)
         thr = taus(job["layers"], mode.replay)
         res["rss_loaded"] = _proc_status()["VmRSS"]
         st = sess.new_state(1)
