@@ -121,11 +121,11 @@ def _branch_nodes(path: Path) -> set[str]:
 
 
 def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native: bool, head_dim: int,
-            vocab: int) -> tuple[float, dict[str, float]]:
-    """(median ms per step, kernel ms per step by op type) over `steps` runs each. The step time comes from a
-    session without profiling (ORT's profiler costs time per kernel, which would favour graphs with fewer
-    nodes); the kernel table from a second, profiled session. Ops inside If branches are listed as
-    `If/<op>`, and `If` itself as the If's time less its branch's kernels (its own overhead)."""
+            vocab: int) -> tuple[float, dict[str, float], float]:
+    """(median ms per step, kernel ms per step by op type, kernel launches per step) over `steps` runs each.
+    The step time comes from a session without profiling (ORT's profiler costs time per kernel, which would
+    favour graphs with fewer nodes); the kernel table from a second, profiled session. Ops inside If branches
+    are listed as `If/<op>`, and `If` itself as the If's time less its branch's kernels (its own overhead)."""
     branch = _branch_nodes(path)
     clock = time.process_time if CPU_TIME else time.perf_counter
     times = []
@@ -159,7 +159,7 @@ def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native:
                 by_op[op] += ms
                 launches[op] += 1 / steps
     KERNELS.setdefault(str(path), {}).update({k: round(v) for k, v in launches.items()})
-    return float(np.median(times)) * 1e3, dict(by_op)
+    return float(np.median(times)) * 1e3, dict(by_op), sum(launches.values())
 
 
 def _model_path(folder: Path) -> Path:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         name, folder = spec.split("=", 1)
         folders[name] = Path(folder)
         names[names.index(spec)] = name
-    results: dict[str, list[tuple[float, dict[str, float]]]] = collections.defaultdict(list)
+    results: dict[str, list[tuple[float, dict[str, float], float]]] = collections.defaultdict(list)
     for _ in range(a.rounds):
         for name in names:
             path = _model_path(folders[name])
@@ -224,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---:|" * len(names))
     for o in all_ops:
         print(f"| {o} | " + " | ".join(f"{ops[n].get(o, 0):.3f} ({counts[n].get(o, 0)})" for n in names) + " |")
-    print("| sum of kernels | " + " | ".join(f"{sum(ops[n].values()):.3f} ({sum(counts[n].values())})"
-                                              for n in names) + " |")
+    print("| sum of kernels | " + " | ".join(f"{sum(ops[n].values()):.3f}" for n in names) + " |")
+    launches = {n: min(rs, key=lambda r: r[0])[2] for n, rs in results.items()}
+    print("| kernel launches per step (If branches included) | "
+          + " | ".join(f"{launches[n]:.0f}" for n in names) + " |")
     print("(If = the If's own time less its branch's kernels; If/<op> = kernels inside the branches)")
     return 0
 
