@@ -199,7 +199,8 @@ def fused_export(shape: LlamaShape, cache: Path, frame_tokens: int, kind: str | 
 
     base, fusions = (kind[:-len(NO_FUSIONS)], False) if kind and kind.endswith(NO_FUSIONS) else (kind, kind is not None)
     name = {"gqa": "fused", None: "unfused"}.get(base, f"fused-{base}")
-    tag = "-fz" if fusions else ""  # compiles cached before the fusions existed must not stand in for fused ones
+    # compiles cached before the fusions existed must not stand in for either setting
+    tag = "-fz" if fusions else "-nofz" if base is not None else ""
     out = cache / f"{name}-{shape.tag()}-L{frame_tokens}{tag}" / "fast.onnx"
     if not out.is_file():
         fastcar_compile.compile(cached_export(shape, cache), out, frame_tokens=frame_tokens,

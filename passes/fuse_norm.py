@@ -120,6 +120,8 @@ def fuse_rms_norms(graph: ir.Graph) -> int:
             continue
         x, weight, eps, chain = found
         final = chain[-1]
+        if final.outputs[0].is_graph_output():  # (a graph output keeps its producer: nothing to gain there)
+            continue
         fused = ir.node("SimplifiedLayerNormalization", [x, weight],
                         {"axis": -1, "epsilon": float(eps), "stash_type": 1},
                         name=f"{final.name or 'rmsnorm'}/fused_rms_norm")

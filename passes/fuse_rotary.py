@@ -121,7 +121,8 @@ class RotaryFusionPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        matches = [(node, found) for node in graph if (found := match_rotate_half(node)) is not None]
+        matches = [(node, found) for node in graph if not node.outputs[0].is_graph_output()
+                   and (found := match_rotate_half(node)) is not None]
         if not matches:
             return ir.passes.PassResult(model, modified=False)
         caches: dict[tuple[ir.Value, ir.Value], tuple[ir.Value, ir.Value, ir.Value]] = {}

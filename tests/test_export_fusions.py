@@ -1,6 +1,5 @@
-"""Export fusions after the FastCar rewrite (passes/fuse_norm.py, fuse_rotary.py, fuse_matmul.py): RMSNorm
-chains -> SimplifiedLayerNormalization (main graph and If branches), rotate-half RoPE ->
-com.microsoft.RotaryEmbedding, q/k/v and gate/up MatMuls -> one MatMul on packed weights + Split.
+"""Export fusions after the FastCar rewrite (passes/fuse_norm.py, fuse_rotary.py): RMSNorm chains ->
+SimplifiedLayerNormalization (main graph and If branches), rotate-half RoPE -> com.microsoft.RotaryEmbedding.
 
 References: the uncompiled export (tau = +inf: logits within 1e-4 over a long decode at batch 2 with left
 padding) and the eager FastCar reference in PyTorch at finite tau (tests/test_pass_reference.py's check:
@@ -35,10 +34,8 @@ def _ops(graph: onnx.GraphProto) -> list[str]:
 
 
 def _assert_fused(path, layers: int) -> None:
-    graph = onnx.load(str(path)).graph
-    ops = _ops(graph)
+    ops = _ops(onnx.load(str(path)).graph)
     assert ops.count("RotaryEmbedding") == 2 * layers  # q and k of every layer
-    assert [n.op_type for n in graph.node].count("MatMul") == 2 * layers + 1  # packed q|k|v, o, the LM head
     assert ops.count("SimplifiedLayerNormalization") + ops.count("SkipSimplifiedLayerNormalization") >= 2 * layers + 1
     assert "Pow" not in ops and "Neg" not in ops and "Reciprocal" not in ops
 
