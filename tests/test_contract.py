@@ -42,7 +42,7 @@ def test_design_ops_match_the_function_bodies():
         body = entry.group(0).replace("\n", " ")
         declared = set(function_proto(op, 17).attribute)
         every = set().union(*contract.OP_ATTRIBUTES.values())
-        named = set(re.findall(r"`([a-z_]+)`", body.split("->", 1)[1].split(". ", 1)[0])) & every
+        named = set(re.findall(r"`([a-z][a-z0-9_]*)`", body.split("->", 1)[1].split(". ", 1)[0])) & every
         if "no attributes" in body:
             named = set()
         assert named == declared == set(contract.OP_ATTRIBUTES[op]), op
