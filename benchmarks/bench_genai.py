@@ -100,13 +100,45 @@ def strip_mlp(src: Path, out: Path) -> None:
             shutil.copyfile(f, out / f.name)
 
 
-def set_session(folder: Path, threads: int, native: bool) -> None:
-    """Threads, and the native ai.fastcar kernels (genai's `custom_ops_library`) when built and wanted."""
+# ORT session config entries every variant runs with (dense included: the baseline is the fastest dense decode).
+# genai 0.18 hands any unknown string key of `session_options` to AddConfigEntry (checked: a bad
+# "session.load_model_format" makes og.Model fail). Which entries are faster: benchmarks/ab_genai_session_config.py.
+SESSION_CONFIG: dict[str, str] = {}
+
+
+def parse_entries(items: list[str] | None) -> dict[str, str]:
+    """KEY=VALUE strings -> {KEY: VALUE}."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("session."):
+            raise SystemExit(f"--session-config: expected session.KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def ort_options(threads: int, entries: dict[str, str]):
+    """SessionOptions for FastCarSession with the same threads and config entries genai's variants get."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+    for key, value in entries.items():
+        so.add_session_config_entry(key, value)
+    return so
+
+
+def set_session(folder: Path, threads: int, native: bool, entries: dict[str, str] | None = None) -> None:
+    """Threads, ORT config entries (replacing earlier ones), and the native ai.fastcar kernels (genai's
+    `custom_ops_library`) when built and wanted."""
     from fastcar_compile.runtime.native import library_path
 
     cfg_path = folder / "genai_config.json"
     cfg = json.loads(cfg_path.read_text())
     so = cfg["model"]["decoder"].setdefault("session_options", {})
+    for key in [k for k in so if k.startswith("session.")]:
+        del so[key]
+    so.update(SESSION_CONFIG if entries is None else entries)
     so["intra_op_num_threads"], so["inter_op_num_threads"] = threads, 1
     lib = library_path()
     if native and lib is not None and folder.name != "dense" and (folder / "fast.onnx").is_file():
@@ -171,7 +203,8 @@ FUSED_PREFIX = {"fastcar": "fc", "gqa": "fused"}  # fused-attention kind -> vari
 
 
 def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: dict[str, Path] | None = None,
-            layers: int = 0, threads: int = 2, block: int = 8) -> tuple[dict[str, list[float]], dict[str, float]]:
+            layers: int = 0, threads: int = 2, block: int = 8,
+            entries: dict[str, str] | None = None) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Prefill every variant with the same ctx tokens, then time them in turn, `block` tokens at a time.
 
     Blocks, not single steps: stepping a dozen ~0.4 GB models in lockstep evicts each one's working set
@@ -190,7 +223,8 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
     for kind, path in (fused or {}).items():
         from fastcar_compile.runtime import FastCarSession
 
-        sess = FastCarSession(path, threads=threads, max_length=ctx + steps + 2)
+        sess = FastCarSession(path, ort_options(threads, SESSION_CONFIG if entries is None else entries),
+                              threads=threads, max_length=ctx + steps + 2)
         for k in (0, layers // 2, (3 * layers) // 4, layers - 1, layers):
             spread = {round(i * layers / k) for i in range(k)} if k else set()
             taus = np.array([-np.inf if i in spread else np.inf for i in range(layers)], np.float32)
@@ -235,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="fused-attention kinds measured in (b), comma-separated (fastcar, gqa)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=Path("docs/bench_genai.json"))
+    ap.add_argument("--session-config", action="append", metavar="session.KEY=VALUE",
+                    help="ORT config entry for every variant, dense included (repeatable; replaces the default "
+                         f"{SESSION_CONFIG or 'none'})")
     a = ap.parse_args(argv)
+    entries = SESSION_CONFIG if a.session_config is None else parse_entries(a.session_config)
     cfg = dict(QUICK if a.quick else FULL)
     contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else list(cfg["contexts"])
     tokens = a.tokens or cfg["tokens"]
@@ -244,35 +282,38 @@ def main(argv: list[str] | None = None) -> int:
     work = a.cache / f"genai-variants-{shape.tag()}-L{cfg['frame_tokens']}"
     folders = variants(src, work, shape.layers, cfg["frame_tokens"])
     for f in folders.values():
-        set_session(f, a.threads, not a.no_native)
+        set_session(f, a.threads, not a.no_native, entries)
     kinds = [k.strip() for k in a.fused_kinds.split(",") if k.strip()]
     if bad := [k for k in kinds if k not in FUSED_PREFIX]:
         ap.error(f"--fused-kinds: unknown kind(s) {', '.join(bad)}; use {' or '.join(FUSED_PREFIX)}")
     fused = {} if a.no_fused else {k: fused_export(shape, a.cache, cfg["frame_tokens"], k) for k in kinds}
-    results = {"shape": shape.tag(), "threads": a.threads, "tokens": tokens, "contexts": {}}
+    results = {"shape": shape.tag(), "threads": a.threads, "tokens": tokens, "session_config": entries,
+               "contexts": {}}
     for ctx in contexts:
-        times, python = measure(folders, ctx, tokens, shape.vocab, fused, shape.layers, a.threads, a.block)
+        times, python = measure(folders, ctx, tokens, shape.vocab, fused, shape.layers, a.threads, a.block, entries)
         # Lower quartile, not median: on the shared machine other jobs preempt whole steps (x50 outliers).
         med = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
         f = 1 - med["noMLP"] / med["dense"]
         rows = []
         print(f"\nctx {ctx}: genai dense {med['dense']:.2f} ms/token, without MLPs {med['noMLP']:.2f} "
-              f"(MLP share f = {f:.3f}); {a.threads} threads, {tokens} tokens, lower quartiles")
-        print("| replay | ms/token | speed-up vs genai dense | bound 1/(1-f r) | speed-up / bound |")
-        print("|---:|---:|---:|---:|---:|")
+              f"(MLP share f = {f:.3f}); {a.threads} threads, {tokens} tokens, lower quartiles; "
+              f"ORT config entries {entries or 'none'}")
+        print("| replay | ms/token | speed-up vs genai dense | bound 1/(1-f r) | speed-up / bound | o = bound / speed-up |")
+        print("|---:|---:|---:|---:|---:|---:|")
         for prefix, what in (("r", "(a) genai graph compiled by us, in og.Generator"),
                              ("fc", "(b) dynamo export, fused attention (ai.fastcar op), FastCarSession shared KV"),
                              ("fused", "(b') dynamo export, fused attention (ORT GQA), FastCarSession shared KV")):
             names = [n for n in med if n.startswith(prefix) and n[len(prefix):].isdigit()]
             if names:
-                print(f"| {what} | | | | |")
+                print(f"| {what} | | | | | |")
             for name in names:
                 r = int(name[len(prefix):]) / shape.layers
                 sp, bound = med["dense"] / med[name], 1 / (1 - f * r)
                 rows.append({"variant": name, "replay": r, "ms": med[name], "speedup": sp, "bound": bound,
                              "python_ms": python.get(name)})
                 extra = f" (Python {python[name]:.2f} ms)" if name in python else ""
-                print(f"| {r:.1%} | {med[name]:.2f}{extra} | {sp:.3f} | {bound:.3f} | {sp / bound:.1%} |")
+                print(f"| {r:.1%} | {med[name]:.2f}{extra} | {sp:.3f} | {bound:.3f} | {sp / bound:.1%} | "
+                      f"{bound / sp:.3f} |")
         results["contexts"][str(ctx)] = {"ms": med, "f": f, "rows": rows,
                                          "raw_ms": ms_lists(times)}
     return save_results(a.out, results)

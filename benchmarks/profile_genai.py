@@ -112,11 +112,11 @@ def _branch_nodes(path: Path) -> set[str]:
 
 
 def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native: bool, head_dim: int,
-            vocab: int) -> tuple[float, dict[str, float]]:
-    """(median ms per step, kernel ms per step by op type) over `steps` runs each. The step time comes from a
-    session without profiling (ORT's profiler costs time per kernel, which would favour graphs with fewer
-    nodes); the kernel table from a second, profiled session. Ops inside If branches are listed as
-    `If/<op>`, and `If` itself as the If's time less its branch's kernels (its own overhead)."""
+            vocab: int) -> tuple[float, dict[str, float], float]:
+    """(median ms per step, kernel ms per step by op type, kernel launches per step) over `steps` runs each.
+    The step time comes from a session without profiling (ORT's profiler costs time per kernel, which would
+    favour graphs with fewer nodes); the kernel table from a second, profiled session. Ops inside If branches
+    are listed as `If/<op>`, and `If` itself as the If's time less its branch's kernels (its own overhead)."""
     branch = _branch_nodes(path)
     clock = time.process_time if CPU_TIME else time.perf_counter
     times = []
@@ -137,8 +137,10 @@ def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native:
     timed = runs[-steps:]
     start = timed[0]["ts"] if timed else 0
     by_op: dict[str, float] = collections.defaultdict(float)
+    launches = 0
     for e in trace:
         if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= start:
+            launches += 1
             op, node = e["args"].get("op_name", "?"), e["name"][:-len("_kernel_time")]
             ms = e["dur"] / 1e3 / steps
             if node in branch:
@@ -146,7 +148,7 @@ def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native:
                 by_op["If"] -= ms
             else:
                 by_op[op] += ms
-    return float(np.median(times)) * 1e3, dict(by_op)
+    return float(np.median(times)) * 1e3, dict(by_op), launches / steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         name, folder = spec.split("=", 1)
         folders[name] = Path(folder)
         names[names.index(spec)] = name
-    results: dict[str, list[tuple[float, dict[str, float]]]] = collections.defaultdict(list)
+    results: dict[str, list[tuple[float, dict[str, float], float]]] = collections.defaultdict(list)
     for _ in range(a.rounds):
         for name in names:
             folder = folders[name]
@@ -208,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     for o in all_ops:
         print(f"| {o} | " + " | ".join(f"{ops[n].get(o, 0):.3f}" for n in names) + " |")
     print("| sum of kernels | " + " | ".join(f"{sum(ops[n].values()):.3f}" for n in names) + " |")
+    launches = {n: min(rs, key=lambda r: r[0])[2] for n, rs in results.items()}
+    print("| kernel launches per step (If branches included) | "
+          + " | ".join(f"{launches[n]:.0f}" for n in names) + " |")
     print("(If = the If's own time less its branch's kernels; If/<op> = kernels inside the branches)")
     return 0
 

@@ -142,15 +142,24 @@ TEMPORAL_GATE_AT = "TemporalGateAt"  # TemporalGate with the token count as an i
 COMPRESSED_ATTENTION = "CompressedAttention"  # fused in-place attention (+ FAST-AR compressed KV modes)
 # TemporalGate on keys already gathered per new token (a compressed KV cache has no K[p - L] row to index)
 TEMPORAL_GATE_ALIGNED = "TemporalGateAligned"
+# The whole main-graph gate of a GroupQueryAttention layer on packed QKV (onnxruntime-genai graphs) in one launch:
+# query slice (+ RoPE at the tokens' positions from the graph's cos/sin caches), TemporalGateAt, MLPCacheRead and
+# the branch conditions.
+TEMPORAL_GATE_PACKED, TEMPORAL_GATE_PACKED_ROPE = "TemporalGatePacked", "TemporalGatePackedRope"
 OP_NAMES = (TEMPORAL_GATE, TEMPORAL_GATE_AT, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION,
-            TEMPORAL_GATE_ALIGNED)
+            TEMPORAL_GATE_ALIGNED, TEMPORAL_GATE_PACKED, TEMPORAL_GATE_PACKED_ROPE)
 # Attributes per op (tests/test_contract.py checks these against DESIGN.md and the function bodies).
+# `age_offset` (default 0): the stored age is age + age_offset (onnxruntime-genai zero-fills its recurrent state,
+# so genai graphs store age + 1 and 0 means "never written").
 OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    TEMPORAL_GATE: ("frame_tokens", "max_replay"),
-    TEMPORAL_GATE_AT: ("frame_tokens", "max_replay"),
-    TEMPORAL_GATE_ALIGNED: ("frame_tokens", "max_replay"),
+    TEMPORAL_GATE: ("frame_tokens", "max_replay", "age_offset"),
+    TEMPORAL_GATE_AT: ("frame_tokens", "max_replay", "age_offset"),
+    TEMPORAL_GATE_ALIGNED: ("frame_tokens", "max_replay", "age_offset"),
+    TEMPORAL_GATE_PACKED: ("frame_tokens", "max_replay", "age_offset", "num_heads", "threshold_index"),
+    TEMPORAL_GATE_PACKED_ROPE: ("frame_tokens", "max_replay", "age_offset", "num_heads", "threshold_index",
+                                "rotary_embedding_dim", "interleaved"),
     MLP_CACHE_READ: (),
-    MLP_CACHE_UPDATE: (),
+    MLP_CACHE_UPDATE: ("age_offset",),
     COMPRESSED_ATTENTION: ("num_heads", "kv_num_heads", "scale", "budget", "sinks", "window", "frame_tokens",
                            "tempcache_sim", "eviction", "lsh_bits", "lsh_tables", "lsh_planes", "int8_dirs",
                            "int8_tables", "int8_planes", "prune_prompt"),

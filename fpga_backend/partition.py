@@ -41,7 +41,8 @@ COMPUTE_OPS = frozenset({
     "SkipSimplifiedLayerNormalization", "Attention", "MultiHeadAttention", "GroupQueryAttention",
     "RotaryEmbedding", "ReduceSum", "Erf", "Tanh",
     # ai.fastcar ops (docs/DESIGN.md): TAS + gate on the vector unit, cache ops on the DMA engine.
-    "TemporalGate", "TemporalGateAt", "TemporalGateAligned", "MLPCacheRead", "MLPCacheUpdate",
+    "TemporalGate", "TemporalGateAt", "TemporalGateAligned", "TemporalGatePacked", "TemporalGatePackedRope",
+    "MLPCacheRead", "MLPCacheUpdate",
     "CompressedAttention",  # the fused attention core (--fused-attention fastcar, the default)
 })
 # Ops the accelerator runs without compute cost: the layout ops discovery walks through (one definition,

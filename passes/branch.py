@@ -35,14 +35,17 @@ class BranchPass(ir.passes.InPlacePass):
         mlp, n, dtype = lr.match.mlp, lr.layer, lr.dtype
         assert mlp is not None and lr.replay is not None
         b = build.Builder(n, lr.nodes, lr.ids)
-        cached = b(contract.MLP_CACHE_READ, [lr.past_cache, lr.slot], domain=contract.DOMAIN, part="cache")
-        # Few nodes per layer on the main graph (each costs a kernel launch every step, replayed or not); the
-        # token count comes from the graph's token input when there is one, the same node in every layer
-        # (ORT's common-subexpression elimination then runs it once per step).
-        tokens = next((v for v in graph.inputs if v.name == contract.INPUT_IDS), lr.replay)
-        n_replay = b("ReduceSum", [b("Cast", [lr.replay], {"to": ir.DataType.INT64})], {"keepdims": 0})
-        all_keep = b("Equal", [n_replay, build.const(graph, "fastcar.zero", np.array(0, np.int64))])
-        any_keep = b("Less", [n_replay, b("Size", [tokens])])
+        if lr.cached is not None and lr.conditions is not None:  # the packed gate read them already
+            cached, (all_keep, any_keep) = lr.cached, lr.conditions
+        else:
+            cached = b(contract.MLP_CACHE_READ, [lr.past_cache, lr.slot], domain=contract.DOMAIN, part="cache")
+            # Few nodes per layer on the main graph (each costs a kernel launch every step, replayed or not);
+            # the token count comes from the graph's token input when there is one, the same node in every
+            # layer (ORT's common-subexpression elimination then runs it once per step).
+            tokens = next((v for v in graph.inputs if v.name == contract.INPUT_IDS), lr.replay)
+            n_replay = b("ReduceSum", [b("Cast", [lr.replay], {"to": ir.DataType.INT64})], {"keepdims": 0})
+            all_keep = b("Equal", [n_replay, build.const(graph, "fastcar.zero", np.array(0, np.int64))])
+            any_keep = b("Less", [n_replay, b("Size", [tokens])])
 
         # Branch 1: every token computes: the original nodes, moved.
         full_nodes = list(mlp.nodes)

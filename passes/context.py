@@ -222,6 +222,8 @@ class LayerRewrite:
     tas: ir.Value | None = None
     slot: ir.Value | None = None
     write: ir.Value | None = None
+    cached: ir.Value | None = None  # the slots' cached MLP rows, when the gate node reads them (packed gate)
+    conditions: tuple[ir.Value, ir.Value] | None = None  # (no token replays, some token computes), likewise
     used: ir.Value | None = None  # the MLP branch output actually used (computed or replayed)
     state: list[contract.StateEntry] = field(default_factory=list)
 

@@ -20,7 +20,7 @@ VERSION = contract.OPSET_VERSION
 
 _TEMPORAL_GATE = """
 <domain: "ai.fastcar", opset_import: ["" : {opset}]>
-TemporalGate <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start)
+TemporalGate <frame_tokens, max_replay, age_offset: int = 0>(q, present_key, past_mlp_age, threshold, video_start)
     => (replay, tas, slot, write) {{
   zero = Constant <value = int64[1] {{0}}> ()
   two = Constant <value = int64[1] {{2}}> ()
@@ -69,7 +69,9 @@ TemporalGate <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold,
   single = Equal (S_s, one_s)
   after_frame0 = GreaterOrEqual (aligned, video_start)
   pos_ok = And (single, after_frame0)
-  age_slot = Gather <axis = 1> (past_mlp_age, slot)
+  age_stored = Gather <axis = 1> (past_mlp_age, slot)
+  age_offset = Constant <value_int: int = @age_offset> ()
+  age_slot = Sub (age_stored, age_offset)
   written = GreaterOrEqual (age_slot, zero_s)
   unlimited = Equal (K, zero_s)
   young = Less (age_slot, K)
@@ -91,7 +93,7 @@ MLPCacheRead (past_mlp_cache, slot) => (cached) {{
 
 _MLP_CACHE_UPDATE = """
 <domain: "ai.fastcar", opset_import: ["" : {opset}]>
-MLPCacheUpdate (past_mlp_cache, past_mlp_age, branch, replay, slot, write)
+MLPCacheUpdate <age_offset: int = 0> (past_mlp_cache, past_mlp_age, branch, replay, slot, write)
     => (present_mlp_cache, present_mlp_age) {{
   zero = Constant <value = int64[1] {{0}}> ()
   one_s = Constant <value = int64 {{1}}> ()
@@ -110,7 +112,9 @@ MLPCacheUpdate (past_mlp_cache, past_mlp_age, branch, replay, slot, write)
   rep_w = Gather <axis = 1> (replay, widx)
   aged = Add (age_w, one_s)
   zeros_w = Mul (age_w, zero_s)
-  new_age = Where (rep_w, aged, zeros_w)
+  age_offset = Constant <value_int: int = @age_offset> ()
+  reset_w = Add (zeros_w, age_offset)
+  new_age = Where (rep_w, aged, reset_w)
   ashape = Shape (new_age)
   slots_1w = Reshape (slots_w, shape_1w)
   age_idx = Expand (slots_1w, ashape)
@@ -122,8 +126,9 @@ MLPCacheUpdate (past_mlp_cache, past_mlp_age, branch, replay, slot, write)
 # present_key is [B, Hkv, max_length, D]): the token positions come from `total_len` (GroupQueryAttention's
 # total_sequence_length, int32 scalar), not from the buffer's length.
 _TEMPORAL_GATE_AT = _TEMPORAL_GATE.replace(
-    "TemporalGate <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start)",
-    "TemporalGateAt <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start, total_len)",
+    "TemporalGate <frame_tokens, max_replay, age_offset: int = 0>(q, present_key, past_mlp_age, threshold, video_start)",
+    "TemporalGateAt <frame_tokens, max_replay, age_offset: int = 0>(q, present_key, past_mlp_age, threshold, video_start, "
+    "total_len)",
 ).replace(
     "  T = Shape <start = 2, end = 3> (present_key)\n",
     "  total64 = Cast <to = 7> (total_len)\n  T = Reshape (total64, one)\n",
@@ -202,9 +207,64 @@ CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, fram
 # TemporalGate on keys gathered per new token (aligned_key [B,Hkv,S,D]: row i = the post-RoPE key of token
 # p_i - L, CompressedAttention's output with a compressed cache); positions from total_len as TemporalGateAt.
 _TEMPORAL_GATE_ALIGNED = _TEMPORAL_GATE_AT.replace(
-    "TemporalGateAt <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start, total_len)",
-    "TemporalGateAligned <frame_tokens, max_replay>(q, present_key, past_mlp_age, threshold, video_start, total_len)",
+    "TemporalGateAt <frame_tokens, max_replay, age_offset: int = 0>",
+    "TemporalGateAligned <frame_tokens, max_replay, age_offset: int = 0>",
 ).replace("  idx = Max (aligned, zero_s)\n", "  idx = Range (zero_s, S_s, one_s)\n")
+
+# The main-graph gate of a GroupQueryAttention layer on packed QKV [B, S, (H + 2 Hkv) D] (onnxruntime-genai's
+# builder graphs), one node instead of ~14 small ones: the query is the first H*D channels (TAS `raw`), rotated
+# at positions total_len - S + i by the graph's own cos/sin caches for `rope` (what GroupQueryAttention's
+# do_rotary computes inside); then TemporalGateAt, MLPCacheRead of the slots, and the two If conditions of the
+# branch (compute_all: no token replays; compute_some: some token computes). `threshold_index` picks the
+# layer's tau from a per-layer threshold (0 for a scalar one).
+_TEMPORAL_GATE_PACKED = """
+<domain: "ai.fastcar", opset_import: ["" : {opset}, "ai.fastcar" : 1]>
+TemporalGatePacked <frame_tokens, max_replay, age_offset: int = 0, num_heads, threshold_index: int = 0>
+    (qkv, present_key, past_mlp_age, past_mlp_cache, threshold, video_start, total_len)
+    => (replay, tas, slot, write, cached, compute_all, compute_some) {{
+  zero = Constant <value = int64[1] {{0}}> ()
+  last = Constant <value = int64[1] {{-1}}> ()
+  zero_s = Constant <value = int64 {{0}}> ()
+  H_s = Constant <value_int: int = @num_heads> ()
+  H = Unsqueeze (H_s, zero)
+  D = Shape <start = 3, end = 4> (present_key)
+  HD = Mul (H, D)
+  q = Slice (qkv, zero, HD, last)
+  q4_shape = Concat <axis = 0> (zero, zero, H, D)
+  q4 = Reshape (q, q4_shape)
+  q_bhsd = Transpose <perm = [0, 2, 1, 3]> (q4)
+  taus = Reshape (threshold, last)
+  t_index = Constant <value_int: int = @threshold_index> ()
+  tau = Gather (taus, t_index)
+  replay, tas, slot, write = ai.fastcar.TemporalGateAt <frame_tokens: int = @frame_tokens, max_replay: int = @max_replay,
+      age_offset: int = @age_offset> (q_bhsd, present_key, past_mlp_age, tau, video_start, total_len)
+  cached = ai.fastcar.MLPCacheRead (past_mlp_cache, slot)
+  replay64 = Cast <to = 7> (replay)
+  n_replay = ReduceSum <keepdims = 0> (replay64)
+  n_tokens = Size (replay)
+  compute_all = Equal (n_replay, zero_s)
+  compute_some = Less (n_replay, n_tokens)
+}}
+"""
+
+_TEMPORAL_GATE_PACKED_ROPE = _TEMPORAL_GATE_PACKED.replace(
+    '"ai.fastcar" : 1]>', '"ai.fastcar" : 1, "com.microsoft" : 1]>'
+).replace(
+    "TemporalGatePacked <frame_tokens, max_replay, age_offset: int = 0, num_heads, threshold_index: int = 0>\n"
+    "    (qkv, present_key, past_mlp_age, past_mlp_cache, threshold, video_start, total_len)",
+    "TemporalGatePackedRope <frame_tokens, max_replay, age_offset: int = 0, num_heads, threshold_index: int = 0,\n"
+    "                        rotary_embedding_dim, interleaved>\n"
+    "    (qkv, present_key, past_mlp_age, past_mlp_cache, threshold, video_start, total_len, cos_cache, sin_cache)",
+).replace(
+    "  q = Slice (qkv, zero, HD, last)\n",
+    "  q_raw = Slice (qkv, zero, HD, last)\n"
+    "  total64 = Cast <to = 7> (total_len)\n"
+    "  total1 = Reshape (total64, last)\n"
+    "  S = Shape <start = 1, end = 2> (qkv)\n"
+    "  start = Sub (total1, S)\n"
+    "  q = com.microsoft.RotaryEmbedding <interleaved: int = @interleaved, num_heads: int = @num_heads,\n"
+    "      rotary_embedding_dim: int = @rotary_embedding_dim> (q_raw, start, cos_cache, sin_cache)\n",
+)
 
 OP_TEXTS = {
     contract.TEMPORAL_GATE: _TEMPORAL_GATE,
@@ -213,6 +273,8 @@ OP_TEXTS = {
     contract.MLP_CACHE_UPDATE: _MLP_CACHE_UPDATE,
     contract.COMPRESSED_ATTENTION: _COMPRESSED_ATTENTION,
     contract.TEMPORAL_GATE_ALIGNED: _TEMPORAL_GATE_ALIGNED,
+    contract.TEMPORAL_GATE_PACKED: _TEMPORAL_GATE_PACKED,
+    contract.TEMPORAL_GATE_PACKED_ROPE: _TEMPORAL_GATE_PACKED_ROPE,
 }
 
 

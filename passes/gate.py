@@ -2,7 +2,8 @@
 
     replay, tas, slot, write = ai.fastcar.TemporalGate(q, present_key, past_mlp_age, tau, video_start)
 
-The pass adds the model-level inputs (`video_start`, `fastcar_threshold`, both with defaults), the
+(onnxruntime-genai's packed-QKV GroupQueryAttention layers get ai.fastcar.TemporalGatePacked[Rope], which also
+rebuilds the query from the packed input and reads the cached rows and the branch conditions.) The pass adds the model-level inputs (`video_start`, `fastcar_threshold`, both with defaults), the
 `ai.fastcar` functions, each layer's state inputs (cache_state.declare_state), brings the query into
 [B, H, S, D] and emits the gate. Attention nodes are tagged for the FPGA partitioner.
 """
@@ -13,7 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fastcar_compile import contract
-from fastcar_compile.passes import build, fastcar_ops, genai_gqa, window
+from fastcar_compile.passes import build, fastcar_ops, window
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.cache_state import declare_state
 from fastcar_compile.passes.context import CompileContext, LayerRewrite
@@ -52,25 +53,44 @@ class GatePass(ir.passes.InPlacePass):
         assert att is not None and lr.match.mlp is not None
         tag_attention(att, n)
         b = build.Builder(n, lr.nodes, lr.ids)
-        q = query_bhsd(graph, b, att, opts.tas_query)
-        tau = self.ctx.threshold
-        if opts.per_layer_threshold:
-            tau = b("Gather", [tau, build.const(graph, f"fastcar.index.{lr.index}", np.array(lr.index, np.int64))],
-                    {"axis": 0})
         names = [contract.replay_mask_output(n), contract.tas_output(n), f"fastcar.{n}.slot", f"fastcar.{n}.write"]
         keys = window.gate_keys(graph, b, att, opts.frame_tokens)  # the present key, or a window padded
-        op, inputs = contract.TEMPORAL_GATE, [q, keys, lr.past_age, tau, self.ctx.video_start]
-        if att.total_len is not None:  # GroupQueryAttention: the key buffer may be preallocated (shared)
-            op, inputs = contract.TEMPORAL_GATE_AT, [*inputs, att.total_len]
-        if att.core_node.op_type == contract.COMPRESSED_ATTENTION and len(att.core_node.outputs) > 4:
-            # a compressed KV cache holds slots, not positions: the op gathered each token's aligned key
-            op, inputs[1] = contract.TEMPORAL_GATE_ALIGNED, att.core_node.outputs[4]
-        lr.replay, lr.tas, lr.slot, lr.write = b(
-            op, inputs,
-            {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay},
-            domain=contract.DOMAIN, outputs=4, names=names)
+        attrs = {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay}
+        if att.packed_query is not None:  # GroupQueryAttention on packed QKV: one fused node
+            self._packed_gate(b, lr, keys, attrs, names)
+        else:
+            q = query_bhsd(graph, b, att, opts.tas_query)
+            tau = self.ctx.threshold
+            if opts.per_layer_threshold:
+                tau = b("Gather", [tau, build.const(graph, f"fastcar.index.{lr.index}",
+                                                    np.array(lr.index, np.int64))], {"axis": 0})
+            op, inputs = contract.TEMPORAL_GATE, [q, keys, lr.past_age, tau, self.ctx.video_start]
+            if att.total_len is not None:  # GroupQueryAttention: the key buffer may be preallocated (shared)
+                op, inputs = contract.TEMPORAL_GATE_AT, [*inputs, att.total_len]
+            if att.core_node.op_type == contract.COMPRESSED_ATTENTION and len(att.core_node.outputs) > 4:
+                # a compressed KV cache holds slots, not positions: the op gathered each token's aligned key
+                op, inputs[1] = contract.TEMPORAL_GATE_ALIGNED, att.core_node.outputs[4]
+            lr.replay, lr.tas, lr.slot, lr.write = b(op, inputs, attrs, domain=contract.DOMAIN, outputs=4,
+                                                     names=names)
         graph.insert_before(lr.match.mlp.closing, lr.nodes)
         lr.nodes = []
+
+    def _packed_gate(self, b: build.Builder, lr: LayerRewrite, keys: ir.Value, attrs: dict, names: list[str]) -> None:
+        """TemporalGatePacked[Rope]: query rebuild, gate, cached rows and the branch conditions in one node (each
+        node on the main graph costs a kernel launch every step, replayed or not)."""
+        opts, att, n = self.ctx.options, lr.match.attention, lr.layer
+        src = att.packed_query
+        rope = opts.tas_query == contract.TAS_ROPE and src.cos_cache is not None  # no rotary: rope = raw
+        op = contract.TEMPORAL_GATE_PACKED_ROPE if rope else contract.TEMPORAL_GATE_PACKED
+        inputs = [src.qkv, keys, lr.past_age, lr.past_cache, self.ctx.threshold, self.ctx.video_start, src.total_len]
+        attrs = {**attrs, "num_heads": att.num_heads, "threshold_index": lr.index if opts.per_layer_threshold else 0}
+        if rope:
+            inputs += [src.cos_cache, src.sin_cache]
+            attrs |= {"rotary_embedding_dim": src.rotary_dim, "interleaved": int(src.interleaved)}
+        outs = b(op, inputs, attrs, domain=contract.DOMAIN, outputs=7,
+                 names=[*names, f"fastcar.{n}.cached", f"fastcar.{n}.compute_all", f"fastcar.{n}.compute_some"])
+        lr.replay, lr.tas, lr.slot, lr.write, lr.cached, compute_all, compute_some = outs
+        lr.conditions = (compute_all, compute_some)
 
 
 def tag_attention(att, layer: int) -> None:
@@ -82,11 +102,6 @@ def tag_attention(att, layer: int) -> None:
 def query_bhsd(graph: ir.Graph, b: build.Builder, att, tas_query: str) -> ir.Value:
     """The query TAS uses (after or before RoPE), brought into [B, H, S, D]."""
     q, layout = (att.q, att.q_layout) if tas_query == contract.TAS_ROPE else (att.q_raw, att.q_raw_layout)
-    if att.packed_query is not None:  # GroupQueryAttention on packed QKV: the query is rebuilt
-        q = genai_gqa.query(b, lambda name, v: build.const(graph, name, np.asarray(v, np.int64)), att.packed_query,
-                            att.num_heads, att.head_dim, tas_query == contract.TAS_ROPE,
-                            tokens=next((v for v in graph.inputs if v.name == contract.INPUT_IDS), None))
-        layout = "BSE"
     if layout == "BSE":
         q = b("Reshape", [q, build.const(graph, f"fastcar.shape.0_0_{att.num_heads}_{att.head_dim}",
                                          np.array([0, 0, att.num_heads, att.head_dim], np.int64))])

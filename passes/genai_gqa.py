@@ -3,13 +3,13 @@
 The model builder's graphs (SPEC.md section 5) feed one packed projection [B, S, (H + 2 Hkv) D] as the
 query and leave key/value empty; the op rotates q and k itself from the graph's `cos_cache`/`sin_cache`,
 so the post-RoPE query never exists as a tensor, and the head size is symbolic in the KV I/O. Here:
-- `match` reads heads, KV heads and head size off the op and the output projection's weight;
-- `query` builds the query TAS reads: `raw` = the q slice of the packed input, `rope` = that slice rotated by
-  `com.microsoft.RotaryEmbedding` (the kernel GroupQueryAttention itself calls) with the same caches at the
-  tokens' positions `total_sequence_length - S + i` (KV index = position when rows are unpadded; GQA keeps
-  each row's cache packed from index 0).
-The token count for the gate is `total_sequence_length` too: with genai's shared buffer the present key is
-[B, Hkv, max_length, D], so its length says nothing about the position.
+`match` reads heads, KV heads, head size (off the op and the output projection's weight) and where the query
+comes from: the gate (ai.fastcar.TemporalGatePacked[Rope], passes/gate.py) takes the packed input itself and
+rebuilds the query TAS reads: `raw` = the q slice, `rope` = that slice rotated as GroupQueryAttention rotates it,
+with the same caches at the tokens' positions `total_sequence_length - S + i` (KV index = position when rows
+are unpadded; GQA keeps each row's cache packed from index 0). The token count for the gate is
+`total_sequence_length` too: with genai's shared buffer the present key is [B, Hkv, max_length, D], so its
+length says nothing about the position.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from fastcar_compile.passes import graph_utils as gu
-
-MS_DOMAIN = "com.microsoft"
 
 
 @dataclass(frozen=True)
@@ -84,25 +82,3 @@ def match(core: ir.Node) -> tuple[PackedQuery, int, int, int] | None:
                       rotary_dim)
     return src, heads, kv_heads, head_dim
 
-
-def query(build, const, src: PackedQuery, heads: int, head_dim: int, rope: bool,
-          tokens: ir.Value | None = None) -> ir.Value:
-    """The query [B, S, H * D] TAS reads: the packed input's q slice, rotated when `rope` and GQA rotates.
-
-    `build(op, inputs, attrs=None, domain="")` creates a node (the rewrite's tagged builder) and
-    `const(name, int64 values)` an initializer. `tokens`: the graph's [B, S] token input; the rotary start
-    position is then computed from it and total_sequence_length only, the same nodes in every layer, which
-    ORT's common-subexpression elimination runs once per step instead of once per layer.
-    """
-    q = build("Slice", [src.qkv, const("fastcar.gqa.zero", [0]), const(f"fastcar.gqa.qwidth{heads * head_dim}",
-                                                                         [heads * head_dim]),
-                        const("fastcar.gqa.last_axis", [-1])])
-    if not rope or src.cos_cache is None:
-        return q
-    total = build("Cast", [src.total_len], {"to": ir.DataType.INT64})
-    seq = build("Squeeze", [build("Shape", [tokens if tokens is not None else src.qkv], {"start": 1, "end": 2}),
-                            const("fastcar.gqa.zero", [0])])
-    start = build("Reshape", [build("Sub", [total, seq]), const("fastcar.gqa.one_shape", [1])])
-    return build("RotaryEmbedding", [q, start, src.cos_cache, src.sin_cache],
-                 {"interleaved": int(src.interleaved), "num_heads": heads, "rotary_embedding_dim": src.rotary_dim},
-                 domain=MS_DOMAIN)

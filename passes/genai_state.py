@@ -10,8 +10,9 @@ dropped.
 
 So a compiled model that should run in genai names its MLP cache `conv_state` ([batch, L, hidden]) and its
 age `recurrent_state` ([batch, L]) and stores the age shifted by one: genai's zero fill must mean "slot never
-written" (age -1). The graph converts on the way in (`- 1`) and out (`+ 1`); the state metadata records the
-new names with fill 0, so FastCarSession runs the same file. The output folder gets the input's
+written" (age -1). The ops that read and write the age (the gate, MLPCacheUpdate) take that encoding as their
+`age_offset` attribute; the state metadata records the new names with fill 0, so FastCarSession runs the same
+file. The output folder gets the input's
 genai_config.json (model file name replaced) and its tokenizer files.
 """
 
@@ -21,12 +22,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import onnx_ir as ir
 
 from fastcar_compile import contract
 from fastcar_compile.atomic import write_bytes, write_text
-from fastcar_compile.passes import build
 from fastcar_compile.passes.context import CompileContext
 
 CONFIG = "genai_config.json"
@@ -54,7 +53,6 @@ class GenaiStatePass(ir.passes.InPlacePass):
         if self.ctx.genai_config is None:
             return ir.passes.PassResult(model, modified=False)
         graph = model.graph
-        one = build.const(graph, "fastcar.genai.one", np.array(1, np.int64))
         inputs = {v.name: v for v in graph.inputs}
         outputs = {v.name: v for v in graph.outputs}
         for lr in self.ctx.layers:
@@ -62,24 +60,14 @@ class GenaiStatePass(ir.passes.InPlacePass):
             cache, age = lr.state
             inputs[cache.input].name = CACHE_IN.format(n=n)
             outputs[cache.output].name = CACHE_OUT.format(n=n)
-            tags = {contract.TAG_LAYER: str(n), contract.TAG_PART: "cache"}
-
-            old_in = inputs[age.input]
-            new_in = ir.Value(name=AGE_IN.format(n=n), type=old_in.type, shape=old_in.shape)
-            old_in.name = f"fastcar.{n}.age_in"
-            sub = ir.node("Sub", [new_in, one], name=f"fastcar/{n}/genai_age_in", metadata_props=dict(tags))
-            ir.convenience.replace_all_uses_with(old_in, sub.outputs[0])
-            sub.outputs[0].name, sub.outputs[0].type = f"fastcar.{n}.age", old_in.type
-            graph.inputs[graph.inputs.index(old_in)] = new_in
-            graph.insert_before(graph[0], sub)
-
-            old_out = outputs[age.output]
-            add = ir.node("Add", [old_out, one], name=f"fastcar/{n}/genai_age_out", metadata_props=dict(tags))
-            graph.outputs[graph.outputs.index(old_out)] = add.outputs[0]
-            old_out.name = f"fastcar.{n}.age_out"
-            add.outputs[0].name, add.outputs[0].type = AGE_OUT.format(n=n), old_out.type
-            add.outputs[0].shape = old_out.shape
-            graph.append(add)
+            age_in, age_out = inputs[age.input], outputs[age.output]
+            # every reader and the writer of the age are ai.fastcar ops: they take the encoding as an attribute
+            # (no Sub/Add launches per layer and step)
+            for node in {node for node, _ in age_in.uses()} | {age_out.producer()}:
+                assert node is not None and node.domain == contract.DOMAIN \
+                    and "age_offset" in contract.OP_ATTRIBUTES[node.op_type], f"age of layer {n} read by {node}"
+                node.attributes["age_offset"] = ir.AttrInt64("age_offset", GENAI_AGE_FILL - contract.AGE_FILL)
+            age_in.name, age_out.name = AGE_IN.format(n=n), AGE_OUT.format(n=n)
             lr.state = [dataclasses.replace(cache, input=CACHE_IN.format(n=n), output=CACHE_OUT.format(n=n)),
                         dataclasses.replace(age, input=AGE_IN.format(n=n), output=AGE_OUT.format(n=n),
                                             fill=GENAI_AGE_FILL)]

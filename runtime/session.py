@@ -97,16 +97,21 @@ def _ort():
     return ort
 
 
+def _needs_native(name: str) -> str:
+    """Why a compressed-KV model cannot run on the function bodies, and what to do (one line)."""
+    return (f"{name} has a compressed KV cache ({contract.COMPRESSED_ATTENTION} with a budget), which only the "
+            "native kernels run; build them (python -m fastcar_compile.runtime.native.build) or recompile "
+            "without --kv-budget")
+
+
 def _load_error(path: Path, exc: Exception, native: bool) -> str:
     """ORT's load failure as one line: a non-ONNX file is named as such; native=False only when it helps."""
     text = str(exc)
     if "protobuf parsing failed" in text.lower() or "INVALID_PROTOBUF" in text:
         return f"{path} is not an ONNX model (ONNX Runtime cannot parse it); give the path of an .onnx file"
     first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
-    if not native and "CompressedAttention" in text:  # the function body is the dense mode only
-        return (f"{path} has a compressed KV cache (CompressedAttention with a budget), which only the native "
-                "kernels run; build them (python -m fastcar_compile.runtime.native.build) or recompile without "
-                "--kv-budget")
+    if not native and contract.COMPRESSED_ATTENTION in text:  # the function body is the dense mode only
+        return _needs_native(path.name)
     hint = ""
     if native and any(k in text for k in ("ai.fastcar", "TemporalGate", "MLPCacheUpdate")):
         hint = " (the native kernels are float32 only; pass native=False)"
@@ -228,9 +233,7 @@ class FastCarSession:
         self._kv_growing = any(s.kind == "kv" and s.input not in self._kv_caps for s in self.specs)
         self.kv_slots: int | None = max(self._kv_caps.values()) if self._kv_caps else None  # the largest budget
         if self.kv_slots is not None and self.native_library is None:
-            raise FastCarError(f"{self.path.name} has a compressed KV cache ({contract.COMPRESSED_ATTENTION} with a "
-                               "budget), which only the native kernels run; build them (runtime/native) or "
-                               "recompile without --kv-budget")
+            raise FastCarError(_needs_native(self.path.name))
         self.last_ort_s = 0.0  # seconds inside ONNX Runtime of the last step (the rest is Python)
 
     def _check_shared_kv(self, max_length: int | None) -> int | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+import ort_driver
 import pytest
 from onnx import TensorProto, helper
 
@@ -72,7 +73,7 @@ def _case(rng, B, P, S, N, pad):
     q = rng.standard_normal((B, HQ, S, D)).astype(np.float32)
     k, v = (rng.standard_normal((B, HKV, S, D)).astype(np.float32) for _ in range(2))
     pk, pv = (rng.standard_normal((B, HKV, N, D)).astype(np.float32) for _ in range(2))
-    mask = (np.arange(T)[None, :] >= np.array(pad)[:, None]).astype(np.int64)
+    mask, _ = ort_driver.left_pad_masks(pad, T)
     return q, k, v, pk, pv, mask, np.array(T, np.int32)
 
 

@@ -40,7 +40,8 @@ def test_design_ops_match_the_function_bodies():
         entry = re.search(rf"- `{op}\(.*?(?=\n- `|\Z)", text, re.S)
         assert entry is not None, f"DESIGN.md does not describe {op}"
         body = entry.group(0).replace("\n", " ")
-        declared = set(function_proto(op, 17).attribute)
+        fn = function_proto(op, 17)
+        declared = set(fn.attribute) | {a.name for a in fn.attribute_proto}  # attribute_proto: those with defaults
         every = set().union(*contract.OP_ATTRIBUTES.values())
         named = set(re.findall(r"`([a-z][a-z0-9_]*)`", body.split("->", 1)[1].split(". ", 1)[0])) & every
         if "no attributes" in body:

@@ -72,18 +72,30 @@ TOLERANCES = {"fp32": (TOL, TOL, MARGIN, 1e-5), "int4-fp32a": (TOL, TOL, MARGIN,
               "fp16": (3e-2, 1.5e-2, 2e-2, 2e-2)}
 
 
-def _session(path, precision: str, compiled: bool):
-    """ORT session for a genai graph; the builder's fp16 CPU graph runs only without memory reuse (its
-    repeat_kv tensors declare dim names ORT's buffer reuse trusts, passes/kv_dims.py; compiled graphs are
-    repaired and run with the defaults)."""
+def _session(path, precision: str, compiled: bool, native=None):
+    """ORT session for a genai graph (`native`: the ai.fastcar kernels' library, else the function bodies);
+    the builder's fp16 CPU graph runs only without memory reuse (its repeat_kv tensors declare dim names ORT's
+    buffer reuse trusts, passes/kv_dims.py; compiled graphs are repaired and run with the defaults)."""
     import onnxruntime as ort
 
-    sess = ort_driver.make_session(path)
-    if precision != "fp16" or compiled:
-        return sess
+    if (precision != "fp16" or compiled) and native is None:
+        return ort_driver.make_session(path)
     so = ort.SessionOptions()
-    so.intra_op_num_threads, so.log_severity_level, so.enable_mem_reuse = 1, 3, False
+    so.intra_op_num_threads, so.log_severity_level = 1, 3
+    so.enable_mem_reuse = precision != "fp16" or compiled
+    if native is not None:
+        so.register_custom_ops_library(str(native))
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _native():
+    """The native kernels' library, or None where it cannot be built (the body run still checks the graph)."""
+    from fastcar_compile.runtime.native import build
+
+    try:
+        return build.build(log=lambda *_: None)
+    except build.Skipped:
+        return None
 
 
 @pytest.mark.parametrize("family,precision,tas_query", [
@@ -114,18 +126,21 @@ def test_compiled_genai_graph_matches_reference(genai_model, fc_compile, tmp_pat
     _, report = fc_compile(str(src), output=str(out), frame_tokens=L, threshold=tau, tas_query=tas_query,
                            max_replay=2, emit_diagnostics=True, genai=False)  # DESIGN.md's state names
     assert report.rewritten == [0, 1]
-    got = ort_driver.decode(_session(out, precision, compiled=True), run.steps, video_start=VIDEO_START, head_dim=HEAD_DIM)
-    for k, (g, w) in enumerate(zip(got.logits, run.logits, strict=True)):
-        err = np.abs(g.astype(np.float32) - w).max()
-        assert err <= logit_tol, f"step {k}: logits differ by {err:.3g}"
-    decided = []
-    for i in (0, 1):
-        for k in range(1, len(run.steps)):
-            np.testing.assert_array_equal(got.replay_mask[i][k].astype(bool), run.replay[i][k])
-            if not np.isnan(run.tas[i][k]).any():
-                assert np.abs(got.tas[i][k] - run.tas[i][k]).max() <= tas_tol
-        decided.append(np.concatenate(run.replay[i][1:], axis=1))
-        np.testing.assert_array_equal(got.final_state[f"past_mlp_age.{i}"], run.final_age[i])
+    # function bodies, then the native kernels (fp32 activations: packed-QKV layers run TemporalGatePacked[Rope])
+    for native in (None, _native() if precision != "fp16" else None):
+        got = ort_driver.decode(_session(out, precision, compiled=True, native=native), run.steps,
+                                video_start=VIDEO_START, head_dim=HEAD_DIM)
+        for k, (g, w) in enumerate(zip(got.logits, run.logits, strict=True)):
+            err = np.abs(g.astype(np.float32) - w).max()
+            assert err <= logit_tol, f"step {k}: logits differ by {err:.3g} (native {native})"
+        decided = []
+        for i in (0, 1):
+            for k in range(1, len(run.steps)):
+                np.testing.assert_array_equal(got.replay_mask[i][k].astype(bool), run.replay[i][k])
+                if not np.isnan(run.tas[i][k]).any():
+                    assert np.abs(got.tas[i][k] - run.tas[i][k]).max() <= tas_tol
+            decided.append(np.concatenate(run.replay[i][1:], axis=1))
+            np.testing.assert_array_equal(got.final_state[f"past_mlp_age.{i}"], run.final_age[i])
     dec = np.concatenate(decided, axis=1)
     assert dec.any() and not dec.all() and (dec[0] != dec[1]).any(), "the case must mix replay and compute"
     dense = ort_driver.decode(_session(src, precision, compiled=False), run.steps, head_dim=HEAD_DIM)

@@ -10,6 +10,7 @@ import onnx
 import ort_driver
 import pytest
 import zoo
+from session_driver import run_session
 from test_compressed_attention import session
 
 from fastcar_compile.errors import FastCarError
@@ -183,20 +184,6 @@ def test_slot_bookkeeping_properties():
 
 # --- end to end ----------------------------------------------------------------------------------------------
 
-def _decode(sess, prompt, mask, steps, final_state: list | None = None, video_start: int = 0):
-    """Logits and replay decisions of every step; the last DecodeState is appended to `final_state` if given."""
-    out = sess.step(sess.new_state(prompt.shape[0], video_start=video_start), prompt, attention_mask=mask)
-    logits, replay = [out.logits], []
-    for ids in steps:
-        out = sess.step(out.state, ids)
-        logits.append(out.logits)
-        if out.replay is not None:
-            replay.append(out.replay)
-    if final_state is not None:
-        final_state.append(out.state)
-    return logits, replay
-
-
 def test_budget_above_context_equals_the_export(zoo_model, fc_compile, tmp_path):
     """--kv-budget >= every token of the decode (sinks, window, eviction policy set but never used): logits equal
     the original export within 1e-4, batch 2 with left padding and a multi-token step after the prompt; and at a
@@ -210,9 +197,9 @@ def test_budget_above_context_equals_the_export(zoo_model, fc_compile, tmp_path)
     rng = np.random.default_rng(8)
     pad = [0, 3]
     prompt = rng.integers(0, zoo.VOCAB, (2, 6))
-    mask = (np.arange(6)[None, :] >= np.array(pad)[:, None]).astype(np.int64)
+    mask, _ = ort_driver.left_pad_masks(pad, 6)
     steps = [rng.integers(0, zoo.VOCAB, (2, 3 if k == 4 else 1)) for k in range(30)]
-    got, _ = _decode(FastCarSession(comp), prompt, mask, steps)
+    got = run_session(FastCarSession(comp), prompt, mask, steps).logits
     want = ort_driver.decode(src, [prompt, *steps], pad=pad).logits
     real = mask.astype(bool)
     assert np.abs(got[0] - want[0])[real].max() <= 1e-4
@@ -225,10 +212,10 @@ def test_budget_above_context_equals_the_export(zoo_model, fc_compile, tmp_path)
     fc_compile(str(src), output=str(comp), frame_tokens=4, threshold=0.0, kv_budget=64, kv_sinks=2, kv_window=8)
     fc_compile(str(src), output=str(plain), frame_tokens=4, threshold=0.0, fused_attention="fastcar")
     steps = [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(24)]
-    got, rg = _decode(FastCarSession(comp), prompt, mask, steps)
-    want, rw = _decode(FastCarSession(plain), prompt, mask, steps)
-    assert np.array_equal(np.stack(rg), np.stack(rw)) and np.stack(rw).any()
-    assert max(np.abs(a - b).max() for a, b in zip(got, want, strict=True)) <= 1e-4
+    got = run_session(FastCarSession(comp), prompt, mask, steps)
+    want = run_session(FastCarSession(plain), prompt, mask, steps)
+    assert np.array_equal(np.stack(got.replay), np.stack(want.replay)) and np.stack(want.replay).any()
+    assert max(np.abs(a - b).max() for a, b in zip(got.logits, want.logits, strict=True)) <= 1e-4
 
 
 def test_small_budget_runs_flat(zoo_model, fc_compile, tmp_path):
@@ -242,11 +229,10 @@ def test_small_budget_runs_flat(zoo_model, fc_compile, tmp_path):
                tempcache=0.9, sparse_attention="lsh:4x2")
     sess = FastCarSession(comp)
     rng = np.random.default_rng(9)
-    last: list = []
-    logits, _ = _decode(sess, rng.integers(0, zoo.VOCAB, (1, 6)), np.ones((1, 6), np.int64),
-                        [rng.integers(0, zoo.VOCAB, (1, 1)) for _ in range(40)], final_state=last)
-    assert all(np.isfinite(x).all() for x in logits)
-    state = last[0]  # after 46 tokens, far past the budget of 10
+    run = run_session(sess, rng.integers(0, zoo.VOCAB, (1, 6)), np.ones((1, 6), np.int64),
+                      [rng.integers(0, zoo.VOCAB, (1, 1)) for _ in range(40)])
+    assert all(np.isfinite(x).all() for x in run.logits)
+    state = run.state  # after 46 tokens, far past the budget of 10
     assert state.past_len == 46
     assert state.arrays["past_key_values.0.key"].shape == (1, 2, 10, 16)
     slots = state.arrays["past_kv_slots.0"]
@@ -268,11 +254,18 @@ def test_kv_diagnostics_in_run_stats(zoo_model, fc_compile, tmp_path):
         fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=budget,
                    kv_sinks=1, kv_window=3, kv_diagnostics=64)
         result[budget] = FastCarSession(out).generate(prompt, 8).stats.kv_diagnostics
+    # hand count: 3 prompt + 8 frames x 4 generated, the last one never fed; per KV head one slot per token
+    # (budget 64) or 8 (budget 8);
+    # a slot holds key + value (head_dim float32 each) and its SLOT_FIELDS float32 bookkeeping fields (no LSH)
+    tokens, head_dim = 3 + 8 * 4 - 1, zoo.HIDDEN // zoo.HEADS
+    slot_bytes = 2 * head_dim * 4 + SLOT_FIELDS * 4
     for layer in ("0", "1"):
         big, small = result[64][layer], result[8][layer]
         assert big["density"] == 1.0 and big["recall"] == pytest.approx(1.0, abs=1e-5)
         assert small["density"] < 1.0 and small["recall"] < 1.0
-        assert small["kv_bytes"] < big["kv_bytes"] <= big["dense_kv_bytes"] * 2
+        assert big["dense_kv_bytes"] == small["dense_kv_bytes"] == tokens * zoo.KV_HEADS * 2 * head_dim * 4
+        assert big["kv_bytes"] == zoo.KV_HEADS * tokens * slot_bytes
+        assert small["kv_bytes"] == zoo.KV_HEADS * 8 * slot_bytes
 
 
 def test_prompt_pruning_and_int8_end_to_end(zoo_model, fc_compile, tmp_path):
@@ -294,16 +287,15 @@ def test_prompt_pruning_and_int8_end_to_end(zoo_model, fc_compile, tmp_path):
         out = tmp_path / f"p{prune}.onnx"
         fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=64,
                    prune_prompt=prune)
-        got, _ = _decode(FastCarSession(out), prompt, mask, steps, video_start=6)
+        got = run_session(FastCarSession(out), prompt, mask, steps, video_start=6).logits
         diff[prune] = max(np.abs(got[k] - want[k]).max() for k in range(1, len(want)))
     assert diff[0.0] <= 1e-4 < diff[0.5], diff
     small = tmp_path / "small.onnx"
     fc_compile(str(src), output=str(small), frame_tokens=4, threshold=0.0, kv_budget=12, kv_sinks=1, kv_window=4,
                sparse_attention="int8:4x3", prune_prompt=0.05)
-    last: list = []
-    logits, _ = _decode(FastCarSession(small), prompt, mask, steps, final_state=last, video_start=6)
-    assert all(np.isfinite(x).all() for x in logits)
-    assert last[0].arrays["past_kv_slots.0"].shape == (2, 2, 12, SLOT_FIELDS + 3 + 1)
+    run = run_session(FastCarSession(small), prompt, mask, steps, video_start=6)
+    assert all(np.isfinite(x).all() for x in run.logits)
+    assert run.arrays["past_kv_slots.0"].shape == (2, 2, 12, SLOT_FIELDS + 3 + 1)
     kvc = {p.key: p.value for p in onnx.load(str(small), load_external_data=False).metadata_props}
     assert '"int8_dirs": 4' in kvc["fastcar.kv_compress"] and '"prune_prompt": 0.05' in kvc["fastcar.kv_compress"]
 

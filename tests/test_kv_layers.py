@@ -11,6 +11,7 @@ import onnx
 import ort_driver
 import pytest
 import zoo
+from session_driver import run_session
 
 from fastcar_compile.cli import main
 from fastcar_compile.errors import FastCarError
@@ -23,7 +24,7 @@ WINDOW_SPEC = "budget=10,sinks=2,window=5,eviction=oldest"
 def _inputs(seed: int, steps: int):
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, zoo.VOCAB, (2, 6))
-    mask = (np.arange(6)[None, :] >= np.array([0, 3])[:, None]).astype(np.int64)
+    mask, _ = ort_driver.left_pad_masks([0, 3], 6)
     return prompt, mask, [rng.integers(0, zoo.VOCAB, (2, 3 if k == 4 else 1)) for k in range(steps)]
 
 
@@ -31,13 +32,8 @@ def _run(path, prompt, mask, steps):
     """Logits per step and the final state arrays."""
     from fastcar_compile.runtime import FastCarSession
 
-    sess = FastCarSession(path)
-    out = sess.step(sess.new_state(2), prompt, attention_mask=mask)
-    logits = [out.logits]
-    for ids in steps:
-        out = sess.step(out.state, ids)
-        logits.append(out.logits)
-    return logits, {k: np.array(v) for k, v in out.state.arrays.items()}
+    run = run_session(FastCarSession(path), prompt, mask, steps)
+    return run.logits, run.arrays
 
 
 def test_each_layer_is_its_single_setting_model(zoo_model, fc_compile, tmp_path):

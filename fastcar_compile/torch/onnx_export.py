@@ -47,7 +47,9 @@ def _register_schemas() -> None:
             inputs=[onnx.defs.OpSchema.FormalParameter(n, t) for t, n in params[: len(fn.input)]],
             outputs=[onnx.defs.OpSchema.FormalParameter(n, t) for t, n in params[len(fn.input):]],
             type_constraints=[(t, _TYPES, "") for t, _ in params],
-            attributes=[onnx.defs.OpSchema.Attribute(a, onnx.defs.OpSchema.AttrType.INT, "") for a in fn.attribute])
+            attributes=[onnx.defs.OpSchema.Attribute(a, onnx.defs.OpSchema.AttrType.INT, "") for a in fn.attribute]
+            + [onnx.defs.OpSchema.Attribute(a.name, onnx.defs.OpSchema.AttrType.INT, "", required=False)
+               for a in fn.attribute_proto])  # attributes with a default (age_offset)
         onnx.defs.register_schema(schema)
 
 

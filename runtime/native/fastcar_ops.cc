@@ -15,7 +15,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <stdexcept>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -26,15 +28,40 @@ using Ort::Custom::Tensor;
 
 int64_t PyMod(int64_t a, int64_t m) { return ((a % m) + m) % m; }
 
+// slot and write flag of the S new tokens at KV positions P..P+S-1 of T (docs/DESIGN.md semantics)
+void SlotsAndWrites(int64_t P, int64_t S, int64_t T, int64_t L, int64_t vs, int64_t* sl, bool* wr) {
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t p = P + i;
+    sl[i] = PyMod(p - vs, L);
+    wr[i] = (p >= vs) && (p >= T - L);
+  }
+}
+
+// a token may replay: single-token step, its aligned position inside the video, its slot written, not too old
+bool Eligible(int64_t S, int64_t aligned, int64_t vs, int64_t age, int64_t K) {
+  return S == 1 && aligned >= vs && age >= 0 && (K == 0 || age < K);
+}
+
+template <typename T>
+T AttrOr(const Ort::ConstKernelInfo& ki, const char* name, T fallback) {
+  try {
+    return ki.GetAttribute<T>(name);
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+}
+
 struct TemporalGate {
   int64_t L = 1;
   int64_t K = 0;
+  int64_t age_offset = 0;  // stored age = age + age_offset (onnxruntime-genai graphs: 1)
   bool aligned_rows = false;  // TemporalGateAligned: key row i already is token i's aligned key
 
   TemporalGate(const OrtApi* api, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     L = ki.GetAttribute<int64_t>("frame_tokens");
     K = ki.GetAttribute<int64_t>("max_replay");
+    age_offset = AttrOr<int64_t>(ki, "age_offset", 0);
     (void)api;
   }
 
@@ -66,11 +93,7 @@ struct TemporalGate {
     const float* qd = q.Data();
     const float* kd = key.Data();
     const int64_t* ad = age.Data();
-    for (int64_t i = 0; i < S; ++i) {
-      const int64_t p = P + i;
-      sl[i] = PyMod(p - vs, L);
-      wr[i] = (p >= vs) && (p >= T - L);
-    }
+    SlotsAndWrites(P, S, T, L, vs, sl, wr);
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t i = 0; i < S; ++i) {
         const int64_t p = P + i;
@@ -88,9 +111,7 @@ struct TemporalGate {
         }
         const float v = acc * scale;
         t[b * S + i] = v;
-        const int64_t a = ad[b * L + sl[i]];
-        const bool eligible = S == 1 && aligned >= vs && a >= 0 && (K == 0 || a < K);
-        rep[b * S + i] = eligible && v > tau;
+        rep[b * S + i] = Eligible(S, aligned, vs, ad[b * L + sl[i]] - age_offset, K) && v > tau;
       }
     }
   }
@@ -122,6 +143,120 @@ struct TemporalGateAligned : TemporalGateAt {
   }
 };
 
+// TemporalGatePacked(qkv [B,S,(H+2Hkv)D], present_key [B,Hkv,N,D], past_mlp_age [B,L], past_mlp_cache [B,L,Hd],
+//   threshold [] or [layers], video_start [], total_len [] int32[, cos_cache [P,R/2], sin_cache [P,R/2]])
+//   -> replay [B,S], tas [B,S], slot [S], write [S], cached [B,S,Hd], compute_all [], compute_some []
+// The whole main-graph gate of a packed-QKV GroupQueryAttention layer in one launch (onnxruntime-genai graphs):
+// q = the first H*D channels, rotated at position total_len - S + i for TemporalGatePackedRope (rotation is
+// linear, so the G query heads of a KV head are summed first and rotated once), TAS against K[p - L], the
+// decision, the slots' cached MLP rows and the branch's If conditions.
+struct TemporalGatePacked {
+  int64_t L = 1, K = 0, age_offset = 0, H = 1, t_index = 0;
+  int64_t rot_dim = 0;  // 0: no rotation (TAS `raw`)
+  bool interleaved = false;
+
+  TemporalGatePacked(const OrtApi* api, const OrtKernelInfo* info) {
+    (void)api;
+    Ort::ConstKernelInfo ki(info);
+    L = ki.GetAttribute<int64_t>("frame_tokens");
+    K = ki.GetAttribute<int64_t>("max_replay");
+    H = ki.GetAttribute<int64_t>("num_heads");
+    age_offset = AttrOr<int64_t>(ki, "age_offset", 0);
+    t_index = AttrOr<int64_t>(ki, "threshold_index", 0);
+  }
+
+  void Compute(const Tensor<float>& qkv, const Tensor<float>& key, const Tensor<int64_t>& age,
+               const Tensor<float>& cache, const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
+               const Tensor<int32_t>& total_len, Tensor<bool>& replay, Tensor<float>& tas, Tensor<int64_t>& slot,
+               Tensor<bool>& write, Tensor<float>& cached, Tensor<bool>& compute_all, Tensor<bool>& compute_some) {
+    Run(qkv, key, age, cache, threshold, video_start, total_len, nullptr, nullptr, replay, tas, slot, write, cached,
+        compute_all, compute_some);
+  }
+
+  void Run(const Tensor<float>& qkv, const Tensor<float>& key, const Tensor<int64_t>& age, const Tensor<float>& cache,
+           const Tensor<float>& threshold, const Tensor<int64_t>& video_start, const Tensor<int32_t>& total_len,
+           const Tensor<float>* cos, const Tensor<float>* sin, Tensor<bool>& replay, Tensor<float>& tas,
+           Tensor<int64_t>& slot, Tensor<bool>& write, Tensor<float>& cached, Tensor<bool>& compute_all,
+           Tensor<bool>& compute_some) {
+    const auto xs = qkv.Shape(), ks = key.Shape(), cs = cache.Shape();
+    const int64_t B = xs[0], S = xs[1], W = xs[2];
+    const int64_t Hkv = ks[1], Tbuf = ks[2], D = ks[3];
+    const int64_t G = H / Hkv, Hd = cs[2];
+    const int64_t T = static_cast<int64_t>(total_len.Data()[0]), P = T - S;
+    if (H % Hkv != 0 || W < H * D || P < 0 || T > Tbuf || cs[1] != L || threshold.NumberOfElement() <= t_index)
+      throw std::runtime_error("TemporalGatePacked: inconsistent shapes (qkv, present_key, past_mlp_cache, "
+                               "threshold, total_len)");
+    const int64_t R = cos == nullptr ? 0 : (rot_dim > 0 ? rot_dim : D), half = R / 2;
+    const int64_t cstride = cos == nullptr ? 0 : cos->Shape()[1];
+    if (cos != nullptr && (R > D || cstride < half || T > cos->Shape()[0]))
+      throw std::runtime_error("TemporalGatePackedRope: cos/sin caches shorter than the positions or rotary dim");
+    const int64_t vs = video_start.Data()[0];
+    const float tau = threshold.Data()[t_index];
+    const float scale = 1.0f / (static_cast<float>(H) * std::sqrt(static_cast<float>(D)));
+    bool* rep = replay.Allocate({B, S});
+    float* t = tas.Allocate({B, S});
+    int64_t* sl = slot.Allocate({S});
+    bool* wr = write.Allocate({S});
+    float* out = cached.Allocate({B, S, Hd});
+    const float* x = qkv.Data();
+    const float* kd = key.Data();
+    const int64_t* ad = age.Data();
+    const float* cd = cache.Data();
+    SlotsAndWrites(P, S, T, L, vs, sl, wr);
+    std::vector<float> qsum(static_cast<size_t>(D));
+    int64_t n_replay = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < S; ++i) {
+        const int64_t p = P + i, aligned = p - L;
+        const int64_t idx = aligned > 0 ? aligned : 0;
+        const float* row = x + (b * S + i) * W;
+        const float* c = cos == nullptr ? nullptr : cos->Data() + p * cstride;
+        const float* sn = sin == nullptr ? nullptr : sin->Data() + p * cstride;
+        float acc = 0.0f;
+        for (int64_t hk = 0; hk < Hkv; ++hk) {
+          std::fill(qsum.begin(), qsum.end(), 0.0f);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qh = row + (hk * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) qsum[d] += qh[d];
+          }
+          const float* kr = kd + ((b * Hkv + hk) * Tbuf + idx) * D;
+          for (int64_t j = 0; j < half; ++j) {  // rotated part
+            const int64_t a1 = interleaved ? 2 * j : j, a2 = interleaved ? 2 * j + 1 : j + half;
+            const float x1 = qsum[a1], x2 = qsum[a2];
+            acc += (x1 * c[j] - x2 * sn[j]) * kr[a1] + (x2 * c[j] + x1 * sn[j]) * kr[a2];
+          }
+          for (int64_t d = R; d < D; ++d) acc += qsum[d] * kr[d];
+        }
+        const float v = acc * scale;
+        t[b * S + i] = v;
+        const bool r = Eligible(S, aligned, vs, ad[b * L + sl[i]] - age_offset, K) && v > tau;
+        rep[b * S + i] = r;
+        n_replay += r ? 1 : 0;
+        std::memcpy(out + (b * S + i) * Hd, cd + (b * L + sl[i]) * Hd, sizeof(float) * Hd);
+      }
+    }
+    *compute_all.Allocate({}) = n_replay == 0;
+    *compute_some.Allocate({}) = n_replay < B * S;
+  }
+};
+
+// TemporalGatePacked with the query rotated (TAS `rope`) by the graph's cos/sin caches.
+struct TemporalGatePackedRope : TemporalGatePacked {
+  TemporalGatePackedRope(const OrtApi* api, const OrtKernelInfo* info) : TemporalGatePacked(api, info) {
+    Ort::ConstKernelInfo ki(info);
+    rot_dim = ki.GetAttribute<int64_t>("rotary_embedding_dim");
+    interleaved = ki.GetAttribute<int64_t>("interleaved") != 0;
+  }
+  void Compute(const Tensor<float>& qkv, const Tensor<float>& key, const Tensor<int64_t>& age,
+               const Tensor<float>& cache, const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
+               const Tensor<int32_t>& total_len, const Tensor<float>& cos, const Tensor<float>& sin,
+               Tensor<bool>& replay, Tensor<float>& tas, Tensor<int64_t>& slot, Tensor<bool>& write,
+               Tensor<float>& cached, Tensor<bool>& compute_all, Tensor<bool>& compute_some) {
+    Run(qkv, key, age, cache, threshold, video_start, total_len, &cos, &sin, replay, tas, slot, write, cached,
+        compute_all, compute_some);
+  }
+};
+
 // past_mlp_cache [B,L,H], slot [S] -> cached [B,S,H]
 void MLPCacheRead(const Tensor<float>& cache, const Tensor<int64_t>& slot, Tensor<float>& out) {
   const auto cs = cache.Shape();
@@ -137,44 +272,43 @@ void MLPCacheRead(const Tensor<float>& cache, const Tensor<int64_t>& slot, Tenso
 
 // (past_mlp_cache [B,L,H], past_mlp_age [B,L], branch [B,S,H], replay [B,S], slot [S], write [S])
 //   -> (present_mlp_cache, present_mlp_age). In place when the outputs share the inputs' buffers.
-void MLPCacheUpdate(const Tensor<float>& cache, const Tensor<int64_t>& age, const Tensor<float>& branch,
-                    const Tensor<bool>& replay, const Tensor<int64_t>& slot, const Tensor<bool>& write,
-                    Tensor<float>& out_cache, Tensor<int64_t>& out_age) {
-  const auto cs = cache.Shape();
-  const int64_t B = cs[0], L = cs[1], Hd = cs[2];
-  const int64_t S = slot.Shape()[0];
-  float* oc = out_cache.Allocate({B, L, Hd});
-  int64_t* oa = out_age.Allocate({B, L});
-  const float* c = cache.Data();
-  const int64_t* a = age.Data();
-  if (oc != c) std::memcpy(oc, c, sizeof(float) * B * L * Hd);
-  if (oa != a) std::memcpy(oa, a, sizeof(int64_t) * B * L);
-  const float* br = branch.Data();
-  const bool* rp = replay.Data();
-  const int64_t* sl = slot.Data();
-  const bool* wr = write.Data();
-  for (int64_t i = 0; i < S; ++i) {
-    if (!wr[i]) continue;
-    const int64_t s = sl[i];
-    for (int64_t b = 0; b < B; ++b) {
-      const float* src = br + (b * S + i) * Hd;
-      float* dst = oc + (b * L + s) * Hd;
-      if (dst != src) std::memcpy(dst, src, sizeof(float) * Hd);
-      int64_t& ag = oa[b * L + s];
-      ag = rp[b * S + i] ? ag + 1 : 0;
+struct MLPCacheUpdate {
+  int64_t age_offset = 0;  // stored age = age + age_offset
+
+  MLPCacheUpdate(const OrtApi* api, const OrtKernelInfo* info) {
+    (void)api;
+    age_offset = AttrOr<int64_t>(Ort::ConstKernelInfo(info), "age_offset", 0);
+  }
+
+  void Compute(const Tensor<float>& cache, const Tensor<int64_t>& age, const Tensor<float>& branch,
+               const Tensor<bool>& replay, const Tensor<int64_t>& slot, const Tensor<bool>& write,
+               Tensor<float>& out_cache, Tensor<int64_t>& out_age) {
+    const auto cs = cache.Shape();
+    const int64_t B = cs[0], L = cs[1], Hd = cs[2];
+    const int64_t S = slot.Shape()[0];
+    float* oc = out_cache.Allocate({B, L, Hd});
+    int64_t* oa = out_age.Allocate({B, L});
+    const float* c = cache.Data();
+    const int64_t* a = age.Data();
+    if (oc != c) std::memcpy(oc, c, sizeof(float) * B * L * Hd);
+    if (oa != a) std::memcpy(oa, a, sizeof(int64_t) * B * L);
+    const float* br = branch.Data();
+    const bool* rp = replay.Data();
+    const int64_t* sl = slot.Data();
+    const bool* wr = write.Data();
+    for (int64_t i = 0; i < S; ++i) {
+      if (!wr[i]) continue;
+      const int64_t s = sl[i];
+      for (int64_t b = 0; b < B; ++b) {
+        const float* src = br + (b * S + i) * Hd;
+        float* dst = oc + (b * L + s) * Hd;
+        if (dst != src) std::memcpy(dst, src, sizeof(float) * Hd);
+        int64_t& ag = oa[b * L + s];
+        ag = rp[b * S + i] ? ag + 1 : age_offset;
+      }
     }
   }
-}
-
-
-template <typename T>
-T AttrOr(const Ort::ConstKernelInfo& ki, const char* name, T fallback) {
-  try {
-    return ki.GetAttribute<T>(name);
-  } catch (const Ort::Exception&) {
-    return fallback;
-  }
-}
+};
 
 // CompressedAttention(q [B,Hq,S,D], k [B,Hkv,S,D], v, past_key [B,Hkv,N,D], past_value, attention_mask [B,T],
 //   total_len [] int32, [past_slots [B,Hkv,C,F], k_raw [B,Hkv,S,D], past_key_raw [B,Hkv,C,D],
@@ -309,9 +443,13 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
           Ort::Custom::CreateLiteCustomOp<TemporalGateAt>("TemporalGateAt", "CPUExecutionProvider"));
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp("MLPCacheRead", "CPUExecutionProvider", MLPCacheRead));
       g_ops.emplace_back(
-          Ort::Custom::CreateLiteCustomOp("MLPCacheUpdate", "CPUExecutionProvider", MLPCacheUpdate));
+          Ort::Custom::CreateLiteCustomOp<MLPCacheUpdate>("MLPCacheUpdate", "CPUExecutionProvider"));
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGateAligned>("TemporalGateAligned",
                                                                                "CPUExecutionProvider"));
+      g_ops.emplace_back(
+          Ort::Custom::CreateLiteCustomOp<TemporalGatePacked>("TemporalGatePacked", "CPUExecutionProvider"));
+      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGatePackedRope>("TemporalGatePackedRope",
+                                                                                  "CPUExecutionProvider"));
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<CompressedAttention>("CompressedAttention", "CPUExecutionProvider"));
       for (auto& op : g_ops) g_domain->Add(op.get());

@@ -1,0 +1,178 @@
+"""ai.fastcar.TemporalGatePacked[Rope] (the one-node gate of onnxruntime-genai's packed-QKV layers) and the
+`age_offset` encoding: function body (stock ORT) and native kernel against a NumPy reading of docs/DESIGN.md.
+
+The reference rotates the query itself (GroupQueryAttention's do_rotary semantics: cos/sin rows at position
+total_len - S + i, half-split or interleaved pairs, the first `rotary_embedding_dim` channels), so neither ORT's
+RotaryEmbedding (the body) nor the kernel's own rotation is its source.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from fastcar_compile import contract
+from fastcar_compile.passes.fastcar_ops import DOMAIN, function_proto
+from fastcar_compile.runtime.native import build
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+OUTS = ("replay", "tas", "slot", "write", "cached", "compute_all", "compute_some")
+OUT_TYPES = (TensorProto.BOOL, TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL, TensorProto.FLOAT,
+             TensorProto.BOOL, TensorProto.BOOL)
+
+
+@pytest.fixture(scope="module")
+def native_lib():
+    try:
+        return build.build(log=lambda *_: None)
+    except build.Skipped as exc:
+        pytest.skip(f"native kernels cannot be built here: {exc}")
+
+
+def _rotate(q, cos, sin, pos, rot, interleaved):
+    """q [B, S, H, D] rotated at positions pos [S] in its first `rot` channels."""
+    c, s = cos[pos][None, :, None, :], sin[pos][None, :, None, :]
+    out = q.copy()
+    if interleaved:
+        x1, x2 = q[..., 0:rot:2], q[..., 1:rot:2]
+        out[..., 0:rot:2], out[..., 1:rot:2] = x1 * c - x2 * s, x2 * c + x1 * s
+    else:
+        half = rot // 2
+        x1, x2 = q[..., :half], q[..., half:rot]
+        out[..., :half], out[..., half:rot] = x1 * c - x2 * s, x2 * c + x1 * s
+    return out
+
+
+def _reference(f, *, H, L, K, age_offset, t_index, rope, rot, interleaved):
+    qkv, key, age, cache, total = f["qkv"], f["key"], f["age"], f["cache"], int(f["total_len"])
+    B, S, _ = qkv.shape
+    Hkv, D = key.shape[1], key.shape[3]
+    vs, tau = int(f["video_start"]), f["threshold"].reshape(-1)[t_index]
+    p = np.arange(total - S, total)
+    q = qkv[..., :H * D].reshape(B, S, H, D)
+    if rope:
+        q = _rotate(q, f["cos"], f["sin"], p, rot, interleaved)
+    tas = np.zeros((B, S), np.float32)
+    for b in range(B):
+        for i in range(S):
+            k = key[b, :, max(p[i] - L, 0)]  # [Hkv, D]
+            tas[b, i] = np.mean([q[b, i, h] @ k[h // (H // Hkv)] for h in range(H)]) / np.sqrt(D)
+    slot = (p - vs) % L
+    write = (p >= vs) & (p >= total - L)
+    a = age[:, slot] - age_offset
+    elig = (S == 1) & (p - L >= vs)[None, :] & (a >= 0) & ((K == 0) | (a < K))
+    replay = elig & (tas > tau)
+    return {"replay": replay, "tas": tas, "slot": slot, "write": write, "cached": cache[:, slot],
+            "compute_all": np.array(not replay.any()), "compute_some": np.array(not replay.all())}
+
+
+def _model(op: str, attrs: dict, rope: bool) -> onnx.ModelProto:
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    names = ["qkv", "key", "age", "cache", "threshold", "video_start", "total_len"] + (["cos", "sin"] if rope else [])
+    types = [f, f, i64, f, f, i64, TensorProto.INT32, f, f]
+    ins = [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, types, strict=False)]
+    outs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(OUTS, OUT_TYPES, strict=True)]
+    node = helper.make_node(op, names, list(OUTS), domain=DOMAIN, **attrs)
+    used = (op, contract.TEMPORAL_GATE_AT, contract.MLP_CACHE_READ)
+    return helper.make_model(helper.make_graph([node], "g", ins, outs), ir_version=10,
+                             opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(DOMAIN, 1),
+                                            helper.make_opsetid("com.microsoft", 1)],
+                             functions=[function_proto(o, 20) for o in used])
+
+
+def _run(model: onnx.ModelProto, feeds: dict, lib) -> dict:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = 1, 3
+    if lib is not None:
+        so.register_custom_ops_library(str(lib))
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return dict(zip(OUTS, sess.run(None, feeds), strict=True))
+
+
+CASES = {  # B, H, Hkv, D, S, past, buffer rows (0: exactly T), L, video_start, K, rope, rot, interleaved, offset,
+    #          per-layer taus, tau
+    "decode rope, shared buffer, genai ages, per-layer tau": (6, 4, 2, 16, 1, 20, 40, 8, 3, 0, True, 16, 0, 1, 3, 0.0),
+    "decode rope interleaved, partial rotary, drift guard": (5, 6, 3, 8, 1, 13, 0, 4, 2, 2, True, 4, 1, 0, 0, 0.0),
+    "decode raw": (6, 4, 1, 16, 1, 9, 16, 4, 0, 0, False, 0, 0, 0, 0, 0.0),
+    "prefill past a frame: writes, never replays": (2, 4, 2, 16, 6, 0, 12, 4, 1, 0, True, 16, 0, 1, 0, -np.inf),
+    "multi-token step after a past": (2, 4, 2, 8, 3, 11, 0, 8, 4, 0, True, 8, 0, 0, 0, -np.inf),
+    "every row replays": (3, 4, 2, 8, 1, 30, 0, 8, 0, 0, True, 8, 0, 1, 0, -np.inf),
+    "aligned position before the video": (3, 4, 2, 8, 1, 5, 0, 8, 0, 0, False, 0, 0, 0, 0, -np.inf),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_packed_gate_body_and_kernel_match_numpy(native_lib, name):
+    B, H, Hkv, D, S, past, rows, L, vs, K, rope, rot, inter, offset, n_tau, tau = CASES[name]
+    rng = np.random.default_rng(len(name))
+    T = past + S
+    feeds = {
+        "qkv": rng.standard_normal((B, S, (H + 2 * Hkv) * D)).astype(np.float32),
+        "key": rng.standard_normal((B, Hkv, max(rows, T), D)).astype(np.float32),
+        "age": (rng.integers(-1, 4, (B, L)) + offset).astype(np.int64),
+        "cache": rng.standard_normal((B, L, 24)).astype(np.float32),
+        "threshold": (rng.standard_normal(n_tau).astype(np.float32) * 0.1 if n_tau
+                      else np.array(tau, np.float32)),
+        "video_start": np.array(vs, np.int64),
+        "total_len": np.array(T, np.int32),
+    }
+    if name == "every row replays":
+        feeds["age"][:] = offset
+    attrs = {"frame_tokens": L, "max_replay": K, "num_heads": H, "age_offset": offset,
+             "threshold_index": n_tau - 1 if n_tau else 0}
+    op = contract.TEMPORAL_GATE_PACKED
+    if rope:
+        op = contract.TEMPORAL_GATE_PACKED_ROPE
+        attrs |= {"rotary_embedding_dim": rot, "interleaved": inter}
+        angles = rng.uniform(0, 6.3, (T + 5, rot // 2))
+        feeds["cos"], feeds["sin"] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    want = _reference(feeds, H=H, L=L, K=K, age_offset=offset, t_index=attrs["threshold_index"], rope=rope,
+                      rot=rot, interleaved=inter)
+    model = _model(op, attrs, rope)
+    for lib in (None, native_lib):  # function body, then the kernel
+        got = _run(model, feeds, lib)
+        for k in OUTS:
+            assert got[k].shape == want[k].shape, (k, lib)
+            if k == "tas":
+                np.testing.assert_allclose(got[k], want[k], atol=1e-5, rtol=0, err_msg=f"{k} {lib}")
+            else:
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"{k} {lib}")
+    if name.startswith("decode rope, shared"):
+        assert want["replay"].any() and not want["replay"].all(), "the case must mix replay and compute"
+    if name == "every row replays":
+        assert want["replay"].all()
+
+
+def test_cache_update_age_offset(native_lib):
+    """MLPCacheUpdate with age_offset 1 (genai's zero-filled state): a computed token's age resets to the
+    offset, a replayed one counts on; body and kernel vs NumPy."""
+    rng = np.random.default_rng(1)
+    B, L, Hd, S = 3, 4, 6, 6
+    f, i64, bl = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+    names, types = ["c", "a", "v", "r", "s", "w"], [f, i64, f, bl, i64, bl]
+    node = helper.make_node(contract.MLP_CACHE_UPDATE, names, ["c2", "a2"], domain=DOMAIN, age_offset=1)
+    model = helper.make_model(
+        helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, types, strict=True)],
+                          [helper.make_tensor_value_info("c2", f, None), helper.make_tensor_value_info("a2", i64, None)]),
+        ir_version=10, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(DOMAIN, 1)],
+        functions=[function_proto(contract.MLP_CACHE_UPDATE, 20)])
+    p = np.arange(7, 7 + S)
+    feeds = {"c": rng.standard_normal((B, L, Hd)).astype(np.float32),
+             "a": rng.integers(0, 4, (B, L)).astype(np.int64), "v": rng.standard_normal((B, S, Hd)).astype(np.float32),
+             "r": rng.random((B, S)) > 0.5, "s": (p - 5) % L, "w": (p >= 5) & (p >= p[-1] + 1 - L)}
+    ref_c, ref_a = feeds["c"].copy(), feeds["a"].copy()
+    for i in np.flatnonzero(feeds["w"]):
+        s = feeds["s"][i]
+        ref_c[:, s] = feeds["v"][:, i]
+        ref_a[:, s] = np.where(feeds["r"][:, i], feeds["a"][:, s] + 1, 1)
+    for lib in (None, native_lib):
+        so = ort.SessionOptions()
+        if lib is not None:
+            so.register_custom_ops_library(str(lib))
+        c2, a2 = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+            None, feeds)
+        np.testing.assert_array_equal(c2, ref_c)
+        np.testing.assert_array_equal(a2, ref_a)
