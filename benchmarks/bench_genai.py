@@ -250,7 +250,7 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
     for kind, path in (fused or {}).items():
         from fastcar_compile.runtime import FastCarSession
 
-        sess = FastCarSession(path, ort_options(threads, SESSION_CONFIG if entries is None else entries),
+        sess = FastCarSession(path, session_options=ort_options(threads, SESSION_CONFIG if entries is None else entries),
                               threads=threads, max_length=ctx + steps + 2)
         for k in (0, layers // 2, (3 * layers) // 4, layers - 1, layers):
             spread = {round(i * layers / k) for i in range(k)} if k else set()
