@@ -3,7 +3,8 @@
     python benchmarks/long_video.py --hold            # teacher-forced loss/accuracy per frame, 64-frame clips
     python benchmarks/long_video.py --calibrate       # tau for ~80% replay along dense generations
     python benchmarks/long_video.py --op-modes --clips 2   # FastCar x TempCache/window through the op (native)
-    python benchmarks/long_video.py --curve           # per-token time + decode-state bytes per frame, one clip
+    python benchmarks/long_video.py --curve           # per-token time, decode-state bytes, RSS per frame, one clip
+    python benchmarks/long_video.py --curve --frames 128   # the same over 128 frames (8195 positions; ~10 min)
     python benchmarks/long_video.py --genai           # frame 64 per-token time vs onnxruntime-genai's dense loop
 
 --hold: the model was trained on 16-frame clips (1027 positions) with random position gaps; here it reads
@@ -210,13 +211,19 @@ def _mode_session(src: Path, work: Path, L: int, tau: float, fastcar: bool, kv: 
     sess = open_session(path, 1)
     return sess, (sess.threshold_array(tau) if fastcar and sess.is_fastcar else None)
 
-def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
-    """Per-token time and resident decode state (KV buffers + slot state, from the session's state arrays)
-    per frame, for CURVE_MODES on one held-out clip: the long-video latency/memory picture (issue 12 item 7,
-    without onnxruntime-genai). One model at a time, modes in order; times on a shared machine are noisy."""
+def _vm_rss() -> int:
+    """This process's resident memory in bytes (/proc/self/status VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def curve_mode(i: int, frames: int, tau: float, clip: int = 0) -> dict:
+    """One CURVE_MODES row of `curve`, run in a fresh process (so its RSS is its own): per-frame median step
+    time, decode state bytes (the session's state arrays: KV buffers + slot state) and process VmRSS."""
     import time
 
-    from fastcar_compile.atomic import write_text
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.longvideo import long_onnx
@@ -224,34 +231,59 @@ def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
 
     tok = load_tokenizer()
     L = tok.tokens_per_frame
-    src = long_onnx()
+    src = long_onnx(progress=False)
     c = data.make_clip("eval", clip, frames, seed=0)
     f0 = [int(t) for t in tok.encode(c.frames)[0]]
-    res: dict = {"frames": frames, "clip": clip, "tau": tau, "modes": {}}
+    name, fc, kv = OP_MODES[i]
     with tempfile.TemporaryDirectory() as d:
-        for i in CURVE_MODES:
-            name, fc, kv = OP_MODES[i]
-            sess, thr = _mode_session(src, Path(d), L, tau, fc, kv)
-            st = sess.new_state(1, video_start=VIDEO_START)
-            o = sess.step(st, np.asarray([prompt(c.motion) + f0], np.int64), threshold=thr)
+        sess, thr = _mode_session(src, Path(d), L, tau, fc, kv)
+        st = sess.new_state(1, video_start=VIDEO_START)
+        o = sess.step(st, np.asarray([prompt(c.motion) + f0], np.int64), threshold=thr)
+        st = o.state
+        nxt = int(o.logits[0, -1, :CODES].argmax())
+        ms, mem, rss = [], [st.nbytes()], [_vm_rss()]
+        for k in range((frames - 1) * L - 1):
+            t0 = time.perf_counter()
+            o = sess.step(st, np.asarray([[nxt]], np.int64), threshold=thr, check=False)
+            ms.append(1e3 * (time.perf_counter() - t0))
             st = o.state
             nxt = int(o.logits[0, -1, :CODES].argmax())
-            ms, mem = [], [st.nbytes()]
-            for k in range((frames - 1) * L - 1):
-                t0 = time.perf_counter()
-                o = sess.step(st, np.asarray([[nxt]], np.int64), threshold=thr, check=False)
-                ms.append(1e3 * (time.perf_counter() - t0))
-                st = o.state
-                nxt = int(o.logits[0, -1, :CODES].argmax())
-                if (k + 1) % L == 0:
-                    mem.append(st.nbytes())
-            per_frame = [float(np.median(ms[f * L:(f + 1) * L])) for f in range(len(ms) // L)]
-            res["modes"][name] = {"ms_per_frame": per_frame, "state_bytes_per_frame": [int(x) for x in mem]}
-            ref = min(7, len(per_frame) - 1)  # frame 8, or the last whole frame of a shorter run
-            print(f"{name}: frame {ref + 1} {per_frame[ref]:.3f} ms, last {per_frame[-1]:.3f} ms; state "
-                  f"{mem[1] / 1e6:.2f} -> {mem[-1] / 1e6:.2f} MB", flush=True)
-    plot_curve(res, out / "long_video_curve.png")
-    write_text(out / "long_video_curve.json", json.dumps(res, indent=1))
+            if (k + 1) % L == 0:
+                mem.append(st.nbytes())
+                rss.append(_vm_rss())
+    per_frame = [float(np.median(ms[f * L:(f + 1) * L])) for f in range(len(ms) // L)]
+    return {"name": name, "ms_per_frame": per_frame, "state_bytes_per_frame": [int(x) for x in mem],
+            "rss_per_frame": rss}
+
+
+def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
+    """Per-token time, resident decode state and process RSS per frame, for CURVE_MODES on one held-out clip:
+    the long-video latency/memory picture (issue 12 item 7, without onnxruntime-genai). One model at a time,
+    each in a fresh child process (`curve_mode`); times on a shared machine are noisy. 64 frames write
+    long_video_curve.*, other lengths long_video_curve_<frames>f.*."""
+    import subprocess
+
+    from tqdm import tqdm
+
+    from fastcar_compile.atomic import write_text
+
+    res: dict = {"frames": frames, "clip": clip, "tau": tau, "modes": {}}
+    bar = tqdm(CURVE_MODES, desc=f"curve, {frames} frames", unit="mode")
+    for i in bar:
+        bar.set_postfix_str(OP_MODES[i][0][:40])
+        r = subprocess.run([sys.executable, __file__, "--curve-worker", json.dumps([i, frames, tau, clip])],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"curve mode {OP_MODES[i][0]} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        res["modes"][m.pop("name")] = m
+        per_frame, mem, rss = m["ms_per_frame"], m["state_bytes_per_frame"], m["rss_per_frame"]
+        ref = min(7, len(per_frame) - 1)  # frame 8, or the last whole frame of a shorter run
+        bar.write(f"{OP_MODES[i][0]}: frame {ref + 1} {per_frame[ref]:.3f} ms, last {per_frame[-1]:.3f} ms; state "
+                  f"{mem[1] / 1e6:.2f} -> {mem[-1] / 1e6:.2f} MB; RSS {rss[1] / 2**20:.0f} -> {rss[-1] / 2**20:.0f} MiB")
+    stem = "long_video_curve" + ("" if frames == 64 else f"_{frames}f")
+    plot_curve(res, out / f"{stem}.png")
+    write_text(out / f"{stem}.json", json.dumps(res, indent=1))
     return res
 
 
@@ -263,11 +295,16 @@ def plot_curve(res: dict, path: Path) -> None:
 
     from fastcar_compile.atomic import save_figure
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    rss = any("rss_per_frame" in r for r in res["modes"].values())
+    fig, ax = plt.subplots(1, 3 if rss else 2, figsize=(17 if rss else 12, 4.2))
     for name, r in res["modes"].items():
         ax[0].plot(np.arange(1, len(r["ms_per_frame"]) + 1), r["ms_per_frame"], label=name)
         ax[1].plot(np.arange(len(r["state_bytes_per_frame"])), np.asarray(r["state_bytes_per_frame"]) / 1e6,
                    label=name)
+        if "rss_per_frame" in r:
+            ax[2].plot(np.arange(len(r["rss_per_frame"])), np.asarray(r["rss_per_frame"]) / 2**20, label=name)
+    if rss:
+        ax[2].set_ylabel("process RSS (MiB; each mode in its own process)")
     ax[0].set_ylabel("ms/token (median per frame)")
     ax[1].set_ylabel("decode state held by the session (MB)")
     for a in ax:
@@ -388,10 +425,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="--genai: timed steps (default 64)")
     ap.add_argument("--only", default="", help="--op-modes: comma-separated OP_MODES indices (dense always runs)")
     ap.add_argument("--clips", type=int, default=8)
+    ap.add_argument("--curve-worker", help=argparse.SUPPRESS)  # [mode index, frames, tau, clip]: one curve row
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     a = ap.parse_args(argv)
+    if a.curve_worker:
+        print(json.dumps(curve_mode(*json.loads(a.curve_worker))))
+        return 0
     if not (a.hold or a.calibrate or a.op_modes or a.curve or a.genai):
         ap.error("give --hold, --calibrate, --op-modes, --curve and/or --genai")
     if a.frames < 3:

@@ -89,8 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--tempcache", type=float, metavar="SIM",
                     help="TempCache: merge a key into the slot of its aligned token (p - L) when their pre-RoPE "
                          "cosine exceeds SIM (mean value, count, +log(count) bias)")
-    kv.add_argument("--sparse-attention", metavar="lsh:BITSxTABLES",
-                    help="AnnSA: a decode query attends only to slots sharing an LSH bucket (plus sinks, window)")
+    kv.add_argument("--sparse-attention", metavar="lsh:BITSxTABLES|int8[:DIRSxTABLES]",
+                    help="AnnSA: a decode query attends only to slots sharing a bucket (plus sinks, window): sign "
+                         "random projections (lsh) or 8-bit quantised projections (int8 = int8:2x4)")
+    kv.add_argument("--prune-prompt", type=float, metavar="P",
+                    help="AnnCA for decoder-only models: prompt keys (before video_start) that no query of the "
+                         "previous frame gave softmax weight >= P are skipped for the current frame")
     kv.add_argument("--kv-diagnostics", type=int, metavar="M",
                     help="also run dense attention on the side (up to M tokens) and output kv_stats.N per layer: "
                          "density and recall against dense, in the run stats (RunStats.kv_diagnostics)")
@@ -98,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per-layer settings instead of the ones above, repeatable: e.g. "
                          "0:budget=129,sinks=4,window=124,eviction=oldest (a window where a layer reads by position) "
                          "1-3:budget=4100,tempcache=0.95 (TempCache where it reads by content), 2:off (uncompressed); "
-                         "settings: budget, sinks, window, eviction, tempcache, sparse (lsh:BITSxTABLES)")
+                         "settings: budget, sinks, window, eviction, tempcache, sparse (lsh:BxT, int8:DxT), prune (P)")
     p.add_argument("--genai", action=argparse.BooleanOptionalAction, default=None,
                    help="name the state for onnxruntime-genai's generator and write genai_config.json beside "
                         "the output (default: when the input sits beside one)")
@@ -169,6 +173,7 @@ def main(argv: list[str]) -> int:
                            fused_attention=args.fused_attention, kv_budget=args.kv_budget, kv_sinks=args.kv_sinks,
                            kv_window=args.kv_window, kv_eviction=args.kv_eviction, tempcache=args.tempcache,
                            sparse_attention=args.sparse_attention, kv_diagnostics=args.kv_diagnostics,
+                           prune_prompt=args.prune_prompt,
                            kv_layers=args.kv_layers, required_video_inputs=args.required_video_inputs)
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")

@@ -177,6 +177,10 @@ struct Settings {
   bool evict_oldest = false;
   int64_t lsh_bits = 0, lsh_tables = 0;
   std::vector<float> lsh_planes;  // [tables, bits, D]
+  int64_t int8_dirs = 0, int8_tables = 0;  // AnnSA by 8-bit quantised buckets (fastcar_compile/fastar/int8.py)
+  std::vector<float> int8_planes;  // [tables, dirs, D], unit rows
+  float prune_prompt = -1.0f;  // < 0: off; else the softmax weight a prompt key needs to count as hit
+  int64_t CodeTables() const { return lsh_bits > 0 ? lsh_tables : int8_dirs > 0 ? int8_tables : 0; }
 };
 
 struct Shapes {
@@ -197,7 +201,8 @@ inline void WriteNew(const Shapes& sh, int64_t Hkv, const float* past, const flo
 // --- compressed mode: C slots per (row, KV head); semantics of fastcar_compile/fastar/cache.py (HeadCache) ----
 // slot record (past_slots/present_slots [B,Hkv,C,F], float32, all zeros = free):
 //   [0] KV index + 1 of the slot's latest member (0 = free), [1] members (count), [2] attention mass received,
-//   [3 .. 3 + lsh_tables) the key's LSH bucket per table.
+//   [3 .. 3 + tables) the key's AnnSA bucket per table (LSH or int8), then with prompt pruning
+//   [3 + tables] the latest video frame + 1 in which a query gave the slot weight >= prune_prompt (0 = never).
 constexpr int64_t kPos = 0, kCount = 1, kMass = 2, kCodes = 3;
 
 struct CompressedTask {
@@ -213,12 +218,13 @@ struct CompressedTask {
   float* dense = nullptr;
   int64_t dense_cap = 0;
   float* stats = nullptr;
+  int64_t video_start = 0;  // prompt pruning: KV index of the first video token (the model's video_start)
 };
 
 // Recall of one query (fastcar_compile/fastar/attention.py): sum over tokens of min(p_dense(t), p_slot/count)
 // with the slot's members the chain pos, pos - L, ... (TempCache merges only into the slot of token p - L).
 inline float DenseSideRecall(const CompressedTask& t, const float* dense, const int64_t* m, const float* qv,
-                             int64_t p, const std::vector<int64_t>& sel, const std::vector<float>& w, int64_t n,
+                             int64_t p, const int64_t* sel, const float* w, int64_t n,
                              float wsum, const float* slots, std::vector<float>& pd) {
   const Settings& c = *t.cfg;
   const int64_t D = t.sh.D, F = t.F;
@@ -249,17 +255,53 @@ inline float DenseSideRecall(const CompressedTask& t, const float* dense, const 
   return recall;
 }
 
+// q.k with 8 independent partial sums: the compiler vectorises it without -ffast-math (a plain `dot += a*b`
+// loop is a serial float reduction it must keep in order).
+inline float Dot(const float* a, const float* b, int64_t D) {
+  float lane[8] = {};
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    for (int64_t l = 0; l < 8; ++l) lane[l] += a[d + l] * b[d + l];
+  for (; d < D; ++d) lane[0] += a[d] * b[d];
+  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+}
+
 inline void LshCodes(const Settings& c, const float* x, int64_t D, float* codes) {
   for (int64_t t = 0; t < c.lsh_tables; ++t) {
     int64_t code = 0;
     for (int64_t bit = 0; bit < c.lsh_bits; ++bit) {
-      const float* pl = c.lsh_planes.data() + (t * c.lsh_bits + bit) * D;
-      float dot = 0.0f;
-      for (int64_t d = 0; d < D; ++d) dot += pl[d] * x[d];
+      const float dot = Dot(c.lsh_planes.data() + (t * c.lsh_bits + bit) * D, x, D);
       if (dot > 0.0f) code |= int64_t{1} << bit;
     }
     codes[t] = static_cast<float>(code);
   }
+}
+
+// int8 buckets (fastcar_compile/fastar/int8.py): per table, each direction's projection of the unit vector,
+// scaled by sqrt(D), quantised to int8 as floor(32 y) clamped to [-128, 127]; the bucket packs the top 8 / dirs
+// bits of each code (floor division, offset to be non-negative) into one 8-bit id.
+inline void Int8Codes(const Settings& c, const float* x, int64_t D, float* codes) {
+  double nn = 0.0;
+  for (int64_t d = 0; d < D; ++d) nn += double(x[d]) * x[d];
+  const double inv = nn > 0.0 ? std::sqrt(double(D)) / std::sqrt(nn) : 0.0;
+  const int64_t bits = 8 / c.int8_dirs, step = int64_t{1} << (8 - bits);
+  for (int64_t t = 0; t < c.int8_tables; ++t) {
+    int64_t code = 0;
+    for (int64_t r = 0; r < c.int8_dirs; ++r) {
+      const float* pl = c.int8_planes.data() + (t * c.int8_dirs + r) * D;
+      double dot = 0.0;
+      for (int64_t d = 0; d < D; ++d) dot += double(pl[d]) * x[d];
+      const double q = std::min(127.0, std::max(-128.0, std::floor(32.0 * dot * inv)));
+      const int64_t part = static_cast<int64_t>(std::floor(q / double(step))) + (int64_t{1} << (bits - 1));
+      code |= part << (bits * r);
+    }
+    codes[t] = static_cast<float>(code);
+  }
+}
+
+inline void BucketCodes(const Settings& c, const float* x, int64_t D, float* codes) {
+  if (c.lsh_bits > 0) LshCodes(c, x, D, codes);
+  else if (c.int8_dirs > 0) Int8Codes(c, x, D, codes);
 }
 
 inline float Cosine(const float* a, const float* b, int64_t D) {
@@ -273,6 +315,112 @@ inline float Cosine(const float* a, const float* b, int64_t D) {
   return den > 0 ? static_cast<float>(ab / den) : 0.0f;
 }
 
+struct GroupBuffers {  // GroupAttend's scratch, reused across tokens
+  std::vector<float> qT, probs, acc, inv;
+};
+
+// All G query heads of KV head hk for token p over the same n slots `sel` (no AnnSA: the selection is shared):
+// kRows heads at a time against 4 slots per inner block, so each key row is read once for every head and the
+// inner loops vectorise (the per-head path below does one dot product per head and slot). Same semantics:
+// logits q.k scale + bias (log count), softmax, mass received per slot, probability-weighted values.
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+inline void GroupAttend(const CompressedTask& t, int64_t b, int64_t hk, int64_t i, int64_t p, const int64_t* sel,
+                        const float* bias, int64_t n, const float* key, const float* val, float* slots,
+                        const int64_t* m, const float* dense, float* stats, std::vector<float>& pd,
+                        GroupBuffers& buf) {
+  const Settings& c = *t.cfg;
+  const int64_t D = t.sh.D, F = t.F, G = c.heads / c.kv_heads;
+  buf.qT.resize(D * kRows);
+  buf.probs.resize(kRows * std::max<int64_t>(n, 1));
+  buf.acc.resize(kRows * D);
+  buf.inv.resize(kRows);
+  float* qT = buf.qT.data();
+  float* pr = buf.probs.data();
+  for (int64_t g0 = 0; g0 < G; g0 += kRows) {
+    const int64_t nr = std::min(kRows, G - g0);
+    std::fill(buf.qT.begin(), buf.qT.end(), 0.0f);
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* qv = t.q + ((b * c.heads + hk * G + g0 + r) * t.sh.S + i) * D;
+      for (int64_t d = 0; d < D; ++d) qT[d * kRows + r] = qv[d] * c.scale;
+    }
+    int64_t a = 0;
+    for (; a + 4 <= n; a += 4) {
+      float a0[kRows] = {}, a1[kRows] = {}, a2[kRows] = {}, a3[kRows] = {};
+      const float *k0 = key + sel[a] * D, *k1 = key + sel[a + 1] * D, *k2 = key + sel[a + 2] * D,
+                  *k3 = key + sel[a + 3] * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float* qd = qT + d * kRows;
+        const float x0 = k0[d], x1 = k1[d], x2 = k2[d], x3 = k3[d];
+        for (int64_t r = 0; r < kRows; ++r) {
+          a0[r] += qd[r] * x0;
+          a1[r] += qd[r] * x1;
+          a2[r] += qd[r] * x2;
+          a3[r] += qd[r] * x3;
+        }
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        pr[r * n + a] = a0[r] + bias[a];
+        pr[r * n + a + 1] = a1[r] + bias[a + 1];
+        pr[r * n + a + 2] = a2[r] + bias[a + 2];
+        pr[r * n + a + 3] = a3[r] + bias[a + 3];
+      }
+    }
+    for (; a < n; ++a) {
+      float a0[kRows] = {};
+      const float* k0 = key + sel[a] * D;
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t r = 0; r < kRows; ++r) a0[r] += qT[d * kRows + r] * k0[d];
+      for (int64_t r = 0; r < nr; ++r) pr[r * n + a] = a0[r] + bias[a];
+    }
+    for (int64_t r = 0; r < nr; ++r) {  // softmax per head, mass, diagnostics
+      float* lr = pr + r * n;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, lr[j]);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        lr[j] = FastExp(lr[j] - mx);
+        sum += lr[j];
+      }
+      if (stats != nullptr) {
+        const float* qv = t.q + ((b * c.heads + hk * G + g0 + r) * t.sh.S + i) * D;
+        int64_t visible = 0;
+        for (int64_t tk = 0; tk <= p; ++tk) visible += m[tk] != 0;
+        stats[0] += static_cast<float>(n);
+        stats[1] += static_cast<float>(visible);
+        stats[2] += DenseSideRecall(t, dense, m, qv, p, sel, lr, n, sum, slots, pd);
+        stats[3] += 1.0f;
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j < n; ++j) {
+        lr[j] *= inv;
+        slots[sel[j] * F + kMass] += lr[j];
+      }
+    }
+    std::fill(buf.acc.begin(), buf.acc.end(), 0.0f);  // P @ V: each value row read once for every head
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vv = val + sel[j] * D;
+      for (int64_t r = 0; r < nr; ++r) {
+        const float pj = pr[r * n + j];
+        float* ar = buf.acc.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) ar[d] += pj * vv[d];
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r)
+      std::memcpy(t.out + ((b * t.sh.S + i) * c.heads + hk * G + g0 + r) * D, buf.acc.data() + r * D,
+                  sizeof(float) * D);
+  }
+}
+
+// The slot whose latest member is KV index `kv` (-1: none). Slot records keep KV index + 1 as a float (exact
+// below 2^24 tokens), so the scan compares floats and never converts.
+inline int64_t FindSlot(const float* slots, int64_t C, int64_t F, int64_t kv) {
+  const float want = static_cast<float>(kv + 1);
+  for (int64_t s = 0; s < C; ++s)
+    if (slots[s * F + kPos] == want) return s;
+  return -1;
+}
+
+__attribute__((target_clones("arch=x86-64-v3", "default")))
 inline void CompressedItem(const CompressedTask& t, int64_t bh) {
   const Settings& c = *t.cfg;
   const Shapes& sh = t.sh;
@@ -284,23 +432,25 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
   float* key_raw = t.key_raw != nullptr ? t.key_raw + bh * C * D : nullptr;
   const int64_t* m = t.mask + b * sh.T;
   const bool tempcache = c.tempcache_sim <= 1.0f;
-  std::vector<float> w(C), qcode(std::max<int64_t>(c.lsh_tables, 1));
+  const int64_t tables = c.CodeTables(), kHit = kCodes + tables;
+  const bool prune = c.prune_prompt >= 0.0f;
+  const int64_t vs = t.video_start;
+  std::vector<float> w(C), qcode(std::max<int64_t>(tables, 1)), bias(C);
   float* dense = t.dense != nullptr ? t.dense + bh * t.dense_cap * 2 * D : nullptr;
   float* stats = t.stats != nullptr ? t.stats + bh * 4 : nullptr;
   std::vector<float> pd(dense != nullptr ? t.dense_cap : 0);
   if (stats != nullptr) std::fill_n(stats, 4, 0.0f);
-  std::vector<int64_t> sel(C), pad_queries;
+  std::vector<int64_t> sel(C), live(C), pad_queries;
+  GroupBuffers block;
   auto pos = [&](int64_t s) { return static_cast<int64_t>(slots[s * F + kPos]) - 1; };
   for (int64_t i = 0; i < sh.S; ++i) {
     const int64_t p = sh.P + i;
-    if (t.aligned != nullptr) {  // the gate's aligned key, read before token p is written (it may merge there)
+    // the slot of token p - L, looked up before token p is written (it may merge there)
+    const int64_t prev = p >= c.frame_tokens ? FindSlot(slots, C, F, p - c.frame_tokens) : -1;
+    if (t.aligned != nullptr) {  // the gate's aligned key (zeros when p - L is not resident)
       float* dst = t.aligned + (bh * sh.S + i) * D;
-      std::fill_n(dst, D, 0.0f);
-      for (int64_t s = 0; s < C && p >= c.frame_tokens; ++s)
-        if (pos(s) == p - c.frame_tokens) {
-          std::memcpy(dst, key + s * D, sizeof(float) * D);
-          break;
-        }
+      if (prev >= 0) std::memcpy(dst, key + prev * D, sizeof(float) * D);
+      else std::fill_n(dst, D, 0.0f);
     }
     // a left-pad token is stored (the gate may read it as an aligned key, as in the dense cache) but never
     // merged into, never attended (mask), and its own query sees nothing (output 0)
@@ -310,13 +460,9 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
     const float* kr = key_raw != nullptr ? t.k_raw + (bh * sh.S + i) * D : nullptr;
     // 1. TempCache: merge into the slot of token p - L (aligned correspondent) when the raw keys agree
     int64_t slot = -1;
-    if (real && tempcache && p >= c.sinks && p >= c.frame_tokens && p - c.frame_tokens >= c.sinks) {
-      for (int64_t s = 0; s < C; ++s)
-        if (pos(s) == p - c.frame_tokens) {
-          if (m[p - c.frame_tokens] != 0 && Cosine(kr, key_raw + s * D, D) > c.tempcache_sim) slot = s;
-          break;
-        }
-    }
+    if (real && tempcache && prev >= 0 && p >= c.sinks && p - c.frame_tokens >= c.sinks &&
+        m[p - c.frame_tokens] != 0 && Cosine(kr, key_raw + prev * D, D) > c.tempcache_sim)
+      slot = prev;
     if (slot >= 0) {
       float* sv = val + slot * D;
       const float cnt = slots[slot * F + kCount];
@@ -341,11 +487,12 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
       std::memcpy(val + slot * D, vn, sizeof(float) * D);
       slots[slot * F + kCount] = 1.0f;
       slots[slot * F + kMass] = 0.0f;
+      if (prune) slots[slot * F + kHit] = 0.0f;
     }
     std::memcpy(key + slot * D, kn, sizeof(float) * D);
     if (key_raw != nullptr) std::memcpy(key_raw + slot * D, kr, sizeof(float) * D);
     slots[slot * F + kPos] = static_cast<float>(p + 1);
-    if (c.lsh_bits > 0) LshCodes(c, kn, D, slots + slot * F + kCodes);
+    if (tables > 0) BucketCodes(c, kn, D, slots + slot * F + kCodes);
     if (dense != nullptr) {
       if (p >= t.dense_cap) throw std::runtime_error("CompressedAttention: the video is longer than the diagnostics' dense buffer (--kv-diagnostics)");
       std::memcpy(dense + p * 2 * D, kn, sizeof(float) * D);
@@ -355,33 +502,50 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
       pad_queries.push_back(i);
       continue;
     }
-    // 3. attend: every query head of the group, over all live slots or (AnnSA) bucket hits + sinks + window
+    // 3. attend: every query head of the group, over all live slots or (AnnSA) bucket hits + sinks + window,
+    // minus (prompt pruning, from video frame 1 on) prefix slots no query of the previous frame hit.
+    // The live, visible slots and their log(count) bias are the same for the whole group: gathered once.
+    const int64_t frame = p >= vs ? (p - vs) / c.frame_tokens : -1;
+    int64_t nl = 0;
+    for (int64_t s = 0; s < C; ++s) {
+      const float* rec = slots + s * F;
+      if (rec[kPos] == 0.0f || m[pos(s)] == 0) continue;
+      if (prune && frame >= 1 && pos(s) < vs && s != slot && rec[kHit] < static_cast<float>(frame)) continue;
+      live[nl] = s;
+      bias[nl++] = rec[kCount] > 1.0f ? std::log(rec[kCount]) : 0.0f;  // log(1) = 0 exactly
+    }
+    if (tables == 0 && !prune && G >= 4) {  // every query head attends to the same slots: score them together
+      GroupAttend(t, b, hk, i, p, live.data(), bias.data(), nl, key, val, slots, m, dense, stats, pd, block);
+      continue;
+    }
     for (int64_t g = 0; g < G; ++g) {
       const float* qv = t.q + ((b * c.heads + hk * G + g) * sh.S + i) * D;
-      if (c.lsh_bits > 0) LshCodes(c, qv, D, qcode.data());
       int64_t n = 0;
-      for (int64_t s = 0; s < C; ++s) {
-        const float* rec = slots + s * F;
-        if (rec[kPos] == 0.0f || m[pos(s)] == 0) continue;
-        bool keep = true;
-        if (c.lsh_bits > 0) {
+      if (tables > 0) {
+        BucketCodes(c, qv, D, qcode.data());
+        for (int64_t a = 0; a < nl; ++a) {
+          const int64_t s = live[a];
           const int64_t ps = pos(s);
-          keep = s == slot || ps < c.sinks || ps > p - c.window;
-          for (int64_t tb = 0; tb < c.lsh_tables && !keep; ++tb) keep = rec[kCodes + tb] == qcode[tb];
+          bool keep = s == slot || ps < c.sinks || ps > p - c.window;
+          for (int64_t tb = 0; tb < tables && !keep; ++tb) keep = slots[s * F + kCodes + tb] == qcode[tb];
+          if (keep) {
+            sel[n] = s;
+            w[n++] = bias[a];
+          }
         }
-        if (keep) sel[n++] = s;
+      } else {
+        std::copy_n(live.data(), nl, sel.data());
+        std::copy_n(bias.data(), nl, w.data());
+        n = nl;
       }
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t a = 0; a < n; ++a) {
-        const float* kk = key + sel[a] * D;
-        float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += qv[d] * kk[d];
-        w[a] = dot * c.scale + std::log(slots[sel[a] * F + kCount]);
+        w[a] += Dot(qv, key + sel[a] * D, D) * c.scale;
         mx = std::max(mx, w[a]);
       }
       float sum = 0.0f;
       for (int64_t a = 0; a < n; ++a) {
-        w[a] = std::exp(w[a] - mx);
+        w[a] = FastExp(w[a] - mx);
         sum += w[a];
       }
       if (stats != nullptr) {
@@ -389,14 +553,17 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
         for (int64_t tk = 0; tk <= p; ++tk) visible += m[tk] != 0;
         stats[0] += static_cast<float>(n);
         stats[1] += static_cast<float>(visible);
-        stats[2] += DenseSideRecall(t, dense, m, qv, p, sel, w, n, sum, slots, pd);
+        stats[2] += DenseSideRecall(t, dense, m, qv, p, sel.data(), w.data(), n, sum, slots, pd);
         stats[3] += 1.0f;
       }
       float* o = t.out + ((b * sh.S + i) * c.heads + hk * G + g) * D;
       std::fill_n(o, D, 0.0f);
+      const float inv = 1.0f / sum;
       for (int64_t a = 0; a < n; ++a) {
-        const float pa = w[a] / sum;
+        const float pa = w[a] * inv;
         slots[sel[a] * F + kMass] += pa;
+        if (prune && frame >= 0 && pos(sel[a]) < vs && pa >= c.prune_prompt)
+          slots[sel[a] * F + kHit] = static_cast<float>(frame + 1);
         const float* vv = val + sel[a] * D;
         for (int64_t d = 0; d < D; ++d) o[d] += pa * vv[d];
       }

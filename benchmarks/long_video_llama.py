@@ -1,0 +1,340 @@
+"""Long videos on the issue's LLaMA-style decoder: per-token decode time and process memory at frames 8 .. 128,
+onnxruntime-genai's dense loop vs ours dense vs FastCar + bounded KV caches (issue 12 item 7).
+
+The seeded random LLaMA of benchmarks/bench_genai.py (hidden 1024, 8 layers, 16 heads / 2 KV heads, MLP 3072,
+vocab 2048), here with 33280 positions (genai's builder sizes its rotary cache by max_position_embeddings),
+frames of 256 tokens: frame 64 = 16384 positions, frame 128 = 32768. Modes:
+- `genai dense`: the model builder's fp32 cpu graph in `og.Generator` (GroupQueryAttention, shared KV buffer of
+  max_length), prefilled with repeated `append_tokens` chunks;
+- ours: the dynamo export of the same weights compiled with the fused ai.fastcar attention (the compiler's
+  default) and a per-layer tau input, run by FastCarSession (max_length: one KV buffer per video, in place):
+  `dense` (tau +inf everywhere), and FastCar at a forced replay ratio (K of the 8 layers at tau -inf: they
+  replay every decode token) with a bounded KV cache: sinks + window (StreamingLLM), or TempCache + AnnSA
+  (`--tempcache 0.95 --sparse-attention lsh:8x4`) under the same budget.
+Random weights and random tokens carry no temporal redundancy, so FastCar's replay ratio is forced (75%, the
+nearest whole-layer ratio to 80%, and 50%, about what the trained long demo model replays on frame 64:
+docs/fastar.md), TempCache finds nothing to merge and AnnSA's buckets select ~1/256 of the keys per table: these
+rows measure cost, not quality (quality of the same modes: `benchmarks/long_video.py --op-modes` on the trained
+demo model).
+
+Every (mode, frame) runs in a fresh child process: load, prefill the first `frame x 256` tokens of one random
+token stream in chunks through the same model (the KV state at frame N really holds N frames), then `--block`
+single-token greedy decode steps after 2 untimed ones (per-token time: median), then the process's VmRSS and
+peak VmHWM from /proc/self/status. Configurations run frame by frame, modes in turn, so machine load hits them
+alike; ratios are within one run.
+
+    python benchmarks/long_video_llama.py                    # frames 8,16,32,64 (~10 min on 2 idle cores)
+    python benchmarks/long_video_llama.py --frames 8,16,32,64,128   # + frame 128 (~25 more minutes)
+    python benchmarks/long_video_llama.py --quick            # small model, frames 2,4,8: smoke run (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_CACHE, LlamaShape, cached_export  # noqa: E402
+from bench_genai import build_genai, set_session  # noqa: E402
+
+FULL = dict(shape=LlamaShape(hidden=1024, layers=8, heads=16, kv_heads=2, intermediate=3072, vocab=2048,
+                             max_pos=33280), frame_tokens=256, frames=(8, 16, 32, 64), block=32, chunk=512)
+QUICK = dict(shape=LlamaShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=512,
+                              max_pos=2304), frame_tokens=64, frames=(2, 4, 8), block=8, chunk=128)
+WARM = 2  # untimed decode steps before the timed block
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One benchmarked configuration: genai's loop or ours with `replay` of the layers forced to replay and
+    the compiler's KV options `kv` (budgets in frames of tokens, resolved by `kv_args`)."""
+
+    name: str
+    engine: str  # "genai" or "ours"
+    replay: float = 0.0  # share of layers at tau -inf
+    kv: dict = field(default_factory=dict)
+
+    def tag(self) -> str:
+        return "kv-" + "-".join(f"{k}{v}" for k, v in sorted(self.kv.items())) if self.kv else "dense"
+
+
+def kv_args(kv: dict, frame_tokens: int) -> dict:
+    """Mode.kv (budget/window in frames, sinks in tokens) -> fastcar_compile.compile keyword arguments."""
+    if not kv:
+        return {}
+    out = {"kv_budget": int(kv["budget_frames"] * frame_tokens), "kv_sinks": int(kv.get("sinks", 4)),
+           "kv_window": int(kv["window_frames"] * frame_tokens), "kv_eviction": kv.get("eviction", "mass")}
+    if "tempcache" in kv:
+        out["tempcache"] = float(kv["tempcache"])
+    if "lsh" in kv:
+        out["sparse_attention"] = f"lsh:{kv['lsh']}"
+    return out
+
+
+WINDOW = dict(budget_frames=4, window_frames=2, sinks=4, eviction="oldest")
+TEMPCACHE_ANNSA = dict(budget_frames=4, window_frames=0.5, sinks=4, tempcache=0.95, lsh="8x4")
+MODES = [
+    Mode("genai dense (og.Generator)", "genai"),
+    Mode("dense (fused op)", "ours"),
+    Mode("FastCar 75% + window S4+W2f, C4f", "ours", 0.75, WINDOW),
+    Mode("FastCar 75% + TempCache 0.95 + AnnSA 8x4, C4f (S4+W0.5f)", "ours", 0.75, TEMPCACHE_ANNSA),
+    Mode("FastCar 50% + TempCache 0.95 + AnnSA 8x4, C4f (S4+W0.5f)", "ours", 0.5, TEMPCACHE_ANNSA),
+]
+GENAI = MODES[0].name
+
+
+def _proc_status() -> dict[str, int]:
+    """VmRSS / VmHWM of this process in bytes (Linux /proc)."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def taus(layers: int, replay: float) -> np.ndarray:
+    """Per-layer tau: round(replay x layers) layers, spread out, at -inf (always replay), the rest +inf."""
+    k = round(replay * layers)
+    spread = {round(i * layers / k) for i in range(k)} if k else set()
+    return np.array([-np.inf if i in spread else np.inf for i in range(layers)], np.float32)
+
+
+def prepare(cfg: dict, modes: list[Mode], cache: Path, threads: int) -> dict[str, str]:
+    """Build (once, cached) the genai folder and our compiled models; returns mode name -> model path."""
+    import fastcar_compile
+
+    shape: LlamaShape = cfg["shape"]
+    L = cfg["frame_tokens"]
+    paths: dict[str, str] = {}
+    for m in modes:
+        if m.engine == "genai":
+            folder = build_genai(shape, cache)
+            set_session(folder, threads, native=False)
+            paths[m.name] = str(folder)
+            continue
+        out = cache / f"longvideo-{shape.tag()}-L{L}" / m.tag() / "fast.onnx"
+        if not out.is_file():
+            print(f"compiling {m.tag()} ...", file=sys.stderr)
+            fastcar_compile.compile(cached_export(shape, cache), out, frame_tokens=L,
+                                    threshold=[np.inf] * shape.layers, per_layer_threshold=True,
+                                    **kv_args(m.kv, L))
+        paths[m.name] = str(out)
+    return paths
+
+
+def worker(job: dict) -> dict:
+    """One (mode, frame) in this fresh process: load, prefill frame x L tokens in chunks, time decode steps."""
+    mode = Mode(**job["mode"])
+    n_ctx, block, chunk = job["ctx"], job["block"], job["chunk"]
+    stream = np.random.default_rng(0).integers(3, job["vocab"], n_ctx)
+    res: dict = {"mode": mode.name, "frame": job["frame"], "ctx": n_ctx}
+    mem0 = _proc_status()["VmRSS"]
+    t0 = time.perf_counter()
+    if mode.engine == "genai":
+        import onnxruntime_genai as og
+
+        model = og.Model(job["path"])
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=n_ctx + WARM + block + 2, do_sample=False)
+        gen = og.Generator(model, params)
+        res["rss_loaded"] = _proc_status()["VmRSS"]
+        t0 = time.perf_counter()
+        for a in range(0, n_ctx, chunk):
+            gen.append_tokens(stream[None, a:a + chunk].astype(np.int32))
+        res["prefill_s"] = time.perf_counter() - t0
+        step = gen.generate_next_token
+        res["state_bytes"] = (2 * job["layers"] * job["kv_heads"] * (n_ctx + WARM + block + 2) * job["head_dim"]
+                              * 4)  # genai's shared KV buffer (fp32) of max_length
+    else:
+        from fastcar_compile.runtime import FastCarSession
+
+        sess = FastCarSession(job["path"], threads=job["threads"], max_length=n_ctx + WARM + block + 2)
+        thr = taus(job["layers"], mode.replay)
+        res["rss_loaded"] = _proc_status()["VmRSS"]
+        st = sess.new_state(1)
+        t0 = time.perf_counter()
+        for a in range(0, n_ctx, chunk):
+            out = sess.step(st, stream[None, a:a + chunk], threshold=thr, check=False)
+            st = out.state
+        res["prefill_s"] = time.perf_counter() - t0
+        box = {"st": st, "nxt": out.logits[:, -1:].argmax(-1)}
+
+        def step() -> None:
+            o = sess.step(box["st"], box["nxt"], threshold=thr, check=False)
+            box["st"], box["nxt"] = o.state, o.logits[:, -1:].argmax(-1)
+
+        res["state_bytes"] = st.nbytes()
+    res["rss_prefilled"] = _proc_status()["VmRSS"]
+    ms = []
+    for k in range(WARM + block):
+        t1 = time.perf_counter()
+        step()
+        if k >= WARM:
+            ms.append(1e3 * (time.perf_counter() - t1))
+    res.update(ms=ms, ms_median=float(np.median(ms)), ms_q25=float(np.percentile(ms, 25)), rss_start=mem0,
+               **{"rss_decoded" if k == "VmRSS" else "rss_peak": v for k, v in _proc_status().items()})
+    return res
+
+
+def run_all(cfg: dict, modes: list[Mode], frames: list[int], threads: int, cache: Path) -> list[dict]:
+    from tqdm import tqdm
+
+    shape: LlamaShape = cfg["shape"]
+    L = cfg["frame_tokens"]
+    paths = prepare(cfg, modes, cache, threads)
+    rows = []
+    jobs = [(f, m) for f in frames for m in modes]
+    bar = tqdm(jobs, desc="long-video configurations", unit="config")
+    for f, m in bar:
+        bar.set_postfix_str(f"frame {f}: {m.name[:40]}")
+        job = {"mode": asdict(m), "frame": f, "ctx": f * L, "block": cfg["block"], "chunk": cfg["chunk"],
+               "path": paths[m.name], "threads": threads, "vocab": shape.vocab, "layers": shape.layers,
+               "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        if r.returncode != 0:
+            tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+            bar.write(f"frame {f} {m.name}: failed: {tail}")
+            rows.append({"mode": m.name, "frame": f, "error": tail})
+            continue
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+        bar.write(f"frame {f:4d} {m.name}: {row['ms_median']:.2f} ms/token, RSS {row['rss_decoded'] / 2**20:.0f} MiB "
+                  f"(peak {row['rss_peak'] / 2**20:.0f}), prefill {row['prefill_s']:.1f} s")
+    return rows
+
+
+def table(rows: list[dict], frames: list[int], modes: list[Mode]) -> str:
+    ok = {(r["mode"], r["frame"]): r for r in rows if "error" not in r}
+    g = {f: ok[(GENAI, f)]["ms_median"] for f in frames if (GENAI, f) in ok}
+    head = ("| mode | " + " | ".join(f"frame {f}" for f in frames) + " | last / first frame |\n|---|"
+            + "---|" * (len(frames) + 1) + "\n")
+    out = ["**ms per decode token (median); x = genai dense at the same frame / this**\n\n" + head]
+    for m in modes:
+        cells = []
+        for f in frames:
+            r = ok.get((m.name, f))
+            cells.append("failed" if r is None else f"{r['ms_median']:.2f}" +
+                         (f" ({g[f] / r['ms_median']:.2f}x)" if f in g and m.name != GENAI else ""))
+        a, b = ok.get((m.name, frames[0])), ok.get((m.name, frames[-1]))
+        ratio = f"{b['ms_median'] / a['ms_median']:.2f}" if a and b else "-"
+        out.append(f"| {m.name} | " + " | ".join(cells) + f" | {ratio} |\n")
+    out.append("\n**process memory after decode: VmRSS MiB (peak VmHWM incl. prefill) / decode state MiB**\n\n"
+               + head)
+    for m in modes:
+        cells = []
+        for f in frames:
+            r = ok.get((m.name, f))
+            cells.append("failed" if r is None else f"{r['rss_decoded'] / 2**20:.0f} ({r['rss_peak'] / 2**20:.0f})"
+                         f" / {r['state_bytes'] / 2**20:.1f}")
+        a, b = ok.get((m.name, frames[0])), ok.get((m.name, frames[-1]))
+        ratio = f"{b['rss_decoded'] / a['rss_decoded']:.2f}" if a and b else "-"
+        out.append(f"| {m.name} | " + " | ".join(cells) + f" | {ratio} |\n")
+    return "".join(out)
+
+
+def plot(rows: list[dict], modes: list[Mode], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fastcar_compile.atomic import save_figure
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.4))
+    for m in modes:
+        rs = sorted((r for r in rows if r["mode"] == m.name and "error" not in r), key=lambda r: r["frame"])
+        if not rs:
+            continue
+        x = [r["frame"] for r in rs]
+        style = "--" if m.engine == "genai" else "-"
+        ax[0].plot(x, [r["ms_median"] for r in rs], style, marker="o", label=m.name)
+        ax[1].plot(x, [r["rss_decoded"] / 2**20 for r in rs], style, marker="o", label=m.name)
+    ax[0].set_ylabel("ms per decode token (median)")
+    ax[1].set_ylabel("process RSS after decode (MiB)")
+    for a in ax:
+        a.set_xscale("log", base=2)
+        a.set_xlabel("frame (video length so far)")
+        a.grid(alpha=0.3)
+    ax[0].set_yscale("log")
+    ax[1].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small model, frames 2,4,8 (smoke run)")
+    ap.add_argument("--frames", help="comma-separated frame counts (default 8,16,32,64; quick 2,4,8)")
+    ap.add_argument("--modes", default="", help="comma-separated indices into MODES (default: all)")
+    ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every model")
+    ap.add_argument("--block", type=int, help="timed decode tokens per configuration")
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--out", type=Path, default=Path("docs/long_video_llama"),
+                    help="output stem: writes STEM.json, STEM.md, STEM.png")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(json.loads(a.worker))))
+        return 0
+    from fastcar_compile.atomic import write_text
+    from fastcar_compile.errors import FastCarError
+
+    cfg = dict(QUICK if a.quick else FULL)
+    if a.block:
+        cfg["block"] = a.block
+    try:
+        frames = sorted({int(x) for x in a.frames.split(",")}) if a.frames else list(cfg["frames"])
+        picked = [int(x) for x in a.modes.split(",") if x.strip()]
+    except ValueError:
+        raise FastCarError(f"--frames/--modes take comma-separated integers, got {a.frames!r} / {a.modes!r}") \
+            from None
+    shape: LlamaShape = cfg["shape"]
+    L = cfg["frame_tokens"]
+    if not frames or frames[0] < 1 or frames[-1] * L + WARM + cfg["block"] + 2 > shape.max_pos:
+        raise FastCarError(f"--frames {a.frames}: give frame counts from 1 to {(shape.max_pos - 64) // L} "
+                           f"(the model has {shape.max_pos} positions of {L}-token frames)")
+    if bad := [i for i in picked if not 0 <= i < len(MODES)]:
+        raise FastCarError(f"--modes {bad}: indices are 0..{len(MODES) - 1} ({', '.join(m.name for m in MODES)})")
+    modes = [MODES[i] for i in picked] if picked else MODES
+    if GENAI not in {m.name for m in modes}:
+        modes = [MODES[0], *modes]  # the reference of every ratio
+    rows = run_all(cfg, modes, frames, a.threads, a.cache)
+    load = os.getloadavg()
+    title = (f"random LLaMA {shape.hidden}x{shape.layers} ({shape.heads}/{shape.kv_heads} heads), {L}-token frames, "
+             f"{a.threads} threads, median of {cfg['block']} decode tokens; load avg at end {load[0]:.1f}")
+    text = (f"# Long videos on a LLaMA-style decoder\n\n{title}.\n\n`python benchmarks/long_video_llama.py"
+            f"{' --quick' if a.quick else ''} --frames {','.join(map(str, frames))}`\n\n" + table(rows, frames, modes))
+    print("\n" + text)
+    res = {"shape": shape.tag(), "frame_tokens": L, "threads": a.threads, "block": cfg["block"],
+           "frames": frames, "modes": [asdict(m) for m in modes], "loadavg_end": load, "rows": rows}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    write_text(a.out.with_suffix(".json"), json.dumps(res, indent=1))
+    write_text(a.out.with_suffix(".md"), text)
+    plot(rows, modes, a.out.with_suffix(".png"), title)
+    print(f"wrote {a.out}.json/.md/.png")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception as exc:  # one line for the user's mistakes, a traceback for ours
+        from fastcar_compile.errors import FastCarError
+
+        if isinstance(exc, FastCarError):
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        raise
