@@ -64,8 +64,36 @@ def layer_anchors(tr, theta: float, L: int, vs: int) -> dict:
             "hit_below": below}
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fastcar_compile.atomic import save_figure
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for i, r in enumerate(rows):
+        x = np.arange(r["layers"]) + 0.4 * i
+        ax[0].bar(x, 100 * np.asarray(r["prompt_mass"]), 0.4, label=f"{r['source']}: mean over heads")
+        ax[0].scatter(x, 100 * np.asarray(r["prompt_mass_max_head"]), marker="_", s=200, color="k")
+        ax[1].plot([str(p) for p in THRESHOLDS], [100 * (1 - np.mean(r["prune"][str(p)]["recall"]))
+                                                  for p in THRESHOLDS], marker="o", label=f"{r['source']}")
+    ax[0].set_xticks(np.arange(rows[0]["layers"]) + 0.2 * (len(rows) - 1), range(rows[0]["layers"]))
+    ax[0].set_xlabel("layer")
+    ax[0].set_ylabel("dense attention mass on the 3 prompt tokens (%)")
+    ax[0].set_title("prompt mass per query (bar: mean over heads, tick: max head)", fontsize=9)
+    ax[0].legend(fontsize=7)
+    ax[1].set_xlabel("--prune-prompt P")
+    ax[1].set_ylabel("recall lost (%, mean over layers)")
+    ax[1].set_title("what pruning the prompt costs (NumPy reference)", fontsize=9)
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from fastcar_compile.atomic import save_figure, write_text
+    from fastcar_compile.atomic import write_text
     from fastcar_compile.fastar.attention import run_trace
     from fastcar_compile.fastar.config import KVCompressConfig
     from fastcar_compile.fastar.trace import demo_trace
@@ -75,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=16)
     ap.add_argument("--sources", default="clip,generated")
     ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--replot", action="store_true", help="redraw prompt_anchors.png from --out's JSON, no run")
     a = ap.parse_args(argv)
+    if a.replot:
+        plot(json.loads((a.out / "prompt_anchors.json").read_text()), a.out / "prompt_anchors.png")
+        return 0
     rows = []
     for source in a.sources.split(","):
         per_clip = []
@@ -133,28 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     write_text(a.out / "prompt_anchors.md", text)
     write_text(a.out / "prompt_anchors.json", json.dumps(rows, indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for i, r in enumerate(rows):
-        x = np.arange(r["layers"]) + 0.4 * i
-        ax[0].bar(x, 100 * np.asarray(r["prompt_mass"]), 0.4, label=f"{r['source']}: mean over heads")
-        ax[0].scatter(x, 100 * np.asarray(r["prompt_mass_max_head"]), marker="_", s=200, color="k")
-        ax[1].plot([str(p) for p in THRESHOLDS], [100 * (1 - np.mean(r["prune"][str(p)]["recall"]))
-                                                  for p in THRESHOLDS], marker="o", label=f"{r['source']}")
-    ax[0].set_xlabel("layer")
-    ax[0].set_ylabel("dense attention mass on the 3 prompt tokens (%)")
-    ax[0].set_title("prompt mass per query (bar: mean over heads, tick: max head)", fontsize=9)
-    ax[0].legend(fontsize=7)
-    ax[1].set_xlabel("--prune-prompt P")
-    ax[1].set_ylabel("recall lost (%, mean over layers)")
-    ax[1].set_title("what pruning the prompt costs (NumPy reference)", fontsize=9)
-    ax[1].legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, a.out / "prompt_anchors.png", dpi=110)
+    plot(rows, a.out / "prompt_anchors.png")
     print(text)
     return 0
 

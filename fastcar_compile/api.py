@@ -91,6 +91,7 @@ def compile(  # noqa: A001 - the natural name of the entry point
     kv_diagnostics: int | None = None,
     prune_prompt: float | None = None,
     kv_layers: list[str] | tuple[str, ...] | None = None,
+    fusions: bool = True,
 ) -> tuple[ir.Model, CompileReport]:
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 
@@ -104,12 +105,14 @@ def compile(  # noqa: A001 - the natural name of the entry point
     those layers take them instead of the kv_* ones (passes/context.py parse_kv_layer).
     required_video_inputs: `video_start` / `fastcar_threshold` without defaults (every run feeds them; what
     onnxruntime-genai's `generator.set_model_input` needs to set them per video).
+    fusions: after the rewrite, fuse the export's RMSNorm chains (SimplifiedLayerNormalization, residual Adds
+    into SkipSimplifiedLayerNormalization) and rotate-half RoPE (RotaryEmbedding): same values, fewer kernels.
     """
     opts = CompileOptions(frame_tokens, threshold, tas_query, max_replay,
                           layers if layers is None or isinstance(layers, str) else tuple(layers),
                           per_layer_threshold, emit_diagnostics, fused_attention, required_video_inputs,
                           kv_budget, kv_sinks, kv_window, kv_eviction, tempcache, sparse_attention, prune_prompt,
-                          kv_diagnostics, tuple(kv_layers or ()))
+                          kv_diagnostics, tuple(kv_layers or ()), fusions=bool(fusions))
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
     if out_path is not None and in_path is not None:

@@ -51,6 +51,9 @@ class CompileOptions:
     # per-layer settings "LAYERS:SETTINGS" (parse_kv_layer): those layers get them instead of the global ones
     # (layer 0 of the long demo reads by position, layers 1-3 by content: docs/kv_diagnostics.md)
     kv_layers: tuple[str, ...] = ()
+    # after the rewrite: RMSNorm -> SimplifiedLayerNormalization (+ residual Add -> Skip*), rotate-half RoPE ->
+    # RotaryEmbedding (passes/fuse_norm.py, fuse_rotary.py): fewer kernels per step, same values
+    fusions: bool = True
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")

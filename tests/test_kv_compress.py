@@ -433,3 +433,33 @@ def test_prune_everything_equals_attention_without_the_prompt():
             s = kp[h // 2, first: t + 1] @ qp[h, t] / np.sqrt(D)
             w = np.exp(s - s.max())
             assert np.abs(got[t, h] - (w / w.sum()) @ v[first: t + 1, h // 2]).max() <= 1e-5, (t, h)
+
+
+def test_per_layer_int8_and_prune_slot_widths_equal_the_export(zoo_model, fc_compile, tmp_path):
+    """--kv-layer with the new settings on different layers: layer 0 prunes at 0 (nothing skipped), layer 1
+    buckets by int8 but every token is a sink (all attended): logits equal the original export (1e-4, batch 2,
+    left padding, a 3-token step), each layer's slot state has its own width (3 + 1 hit field; 3 + 3 tables)
+    and the bucket ids were written."""
+    import json
+
+    from fastcar_compile.runtime import FastCarSession
+
+    src = zoo_model("llama", "dynamo20")
+    comp = tmp_path / "comp.onnx"
+    fc_compile(str(src), output=str(comp), frame_tokens=4, threshold=float("inf"),
+               kv_layers=["0:budget=64,prune=0", "1:budget=80,sinks=64,sparse=int8:2x3"])
+    rng = np.random.default_rng(21)
+    prompt = rng.integers(0, zoo.VOCAB, (2, 6))
+    mask, _ = ort_driver.left_pad_masks([0, 3], 6)
+    steps = [rng.integers(0, zoo.VOCAB, (2, 3 if k == 4 else 1)) for k in range(24)]
+    run = run_session(FastCarSession(comp), prompt, mask, steps, video_start=6)
+    want = ort_driver.decode(src, [prompt, *steps], pad=[0, 3]).logits
+    for k in range(1, len(want)):
+        assert np.abs(run.logits[k] - want[k]).max() <= 1e-4, f"step {k}"
+    s0, s1 = run.arrays["past_kv_slots.0"], run.arrays["past_kv_slots.1"]
+    assert s0.shape == (2, 2, 64, SLOT_FIELDS + 1) and s1.shape == (2, 2, 80, SLOT_FIELDS + 3)
+    live = s1[..., 0] > 0
+    assert live.sum() == 2 * 2 * 32 and (s1[..., 3:][live] > 0).any()  # 32 tokens, bucket ids stored
+    meta = json.loads({p.key: p.value for p in onnx.load(str(comp), load_external_data=False)
+                       .metadata_props}["fastcar.kv_compress"])
+    assert meta["per_layer"]["0"]["prune_prompt"] == 0.0 and meta["per_layer"]["1"]["int8_dirs"] == 2
