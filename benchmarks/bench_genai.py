@@ -150,6 +150,31 @@ def set_session(folder: Path, threads: int, native: bool, entries: dict[str, str
     atomic_write_text(cfg_path, json.dumps(cfg, indent=4))
 
 
+def compiler_stamp() -> str:
+    """A hash of the compiler's sources: a cached compiled variant is rebuilt when the compiler changed (an old
+    compile would otherwise be measured silently)."""
+    import hashlib
+
+    import fastcar_compile
+    from fastcar_compile import passes
+
+    h = hashlib.sha1()
+    for root in (Path(fastcar_compile.__file__).parent, Path(passes.__file__).parent):
+        for f in sorted(root.rglob("*.py")):
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def stale(out: Path) -> bool:
+    """`out` (a compiled model) is missing or was compiled by other compiler sources."""
+    stamp = out.parent / (out.name + ".compiler")
+    return not out.is_file() or not stamp.is_file() or stamp.read_text() != compiler_stamp()
+
+
+def mark_fresh(out: Path) -> None:
+    atomic_write_text(out.parent / (out.name + ".compiler"), compiler_stamp())
+
+
 def replay_counts(layers: int, only: list[int] | None = None) -> list[int]:
     """How many layers replay in the measured variants: 0, half, 3/4, all but one, all (or `only` of them)."""
     ks = list(dict.fromkeys(k for k in (0, layers // 2, (3 * layers) // 4, layers - 1, layers)))
@@ -168,9 +193,10 @@ def variants(src: Path, work: Path, layers: int, frame_tokens: int, only: list[i
         folder = work / f"r{k}"
         spread = {round(i * layers / k) for i in range(k)} if k else set()  # replaying layers, spread out
         taus = [-np.inf if i in spread else np.inf for i in range(layers)]
-        if not (folder / "fast.onnx").is_file():
+        if stale(folder / "fast.onnx"):
             fastcar_compile.compile(src / "model.onnx", folder / "fast.onnx", frame_tokens=frame_tokens,
                                     threshold=taus, per_layer_threshold=True)
+            mark_fresh(folder / "fast.onnx")
         out[f"r{k}"] = folder
     return out
 
@@ -202,10 +228,11 @@ def fused_export(shape: LlamaShape, cache: Path, frame_tokens: int, kind: str | 
     # compiles cached before the fusions existed must not stand in for either setting
     tag = "-fz" if fusions else "-nofz" if base is not None else ""
     out = cache / f"{name}-{shape.tag()}-L{frame_tokens}{tag}" / "fast.onnx"
-    if not out.is_file():
+    if stale(out):
         fastcar_compile.compile(cached_export(shape, cache), out, frame_tokens=frame_tokens,
                                 threshold=[np.inf] * shape.layers, per_layer_threshold=True, fused_attention=base,
                                 fusions=fusions)
+        mark_fresh(out)
     return out
 
 
