@@ -150,7 +150,38 @@ def set_session(folder: Path, threads: int, native: bool, entries: dict[str, str
     atomic_write_text(cfg_path, json.dumps(cfg, indent=4))
 
 
-def variants(src: Path, work: Path, layers: int, frame_tokens: int) -> dict[str, Path]:
+def compiler_stamp() -> str:
+    """A hash of the compiler's sources: a cached compiled variant is rebuilt when the compiler changed (an old
+    compile would otherwise be measured silently)."""
+    import hashlib
+
+    import fastcar_compile
+    from fastcar_compile import passes
+
+    h = hashlib.sha1()
+    for root in (Path(fastcar_compile.__file__).parent, Path(passes.__file__).parent):
+        for f in sorted(root.rglob("*.py")):
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def stale(out: Path) -> bool:
+    """`out` (a compiled model) is missing or was compiled by other compiler sources."""
+    stamp = out.parent / (out.name + ".compiler")
+    return not out.is_file() or not stamp.is_file() or stamp.read_text() != compiler_stamp()
+
+
+def mark_fresh(out: Path) -> None:
+    atomic_write_text(out.parent / (out.name + ".compiler"), compiler_stamp())
+
+
+def replay_counts(layers: int, only: list[int] | None = None) -> list[int]:
+    """How many layers replay in the measured variants: 0, half, 3/4, all but one, all (or `only` of them)."""
+    ks = list(dict.fromkeys(k for k in (0, layers // 2, (3 * layers) // 4, layers - 1, layers)))
+    return [k for k in ks if only is None or k in only]
+
+
+def variants(src: Path, work: Path, layers: int, frame_tokens: int, only: list[int] | None = None) -> dict[str, Path]:
     import fastcar_compile
 
     out = {"dense": src}
@@ -158,15 +189,14 @@ def variants(src: Path, work: Path, layers: int, frame_tokens: int) -> dict[str,
     if not (nomlp / "model.onnx").is_file():
         strip_mlp(src, nomlp)
     out["noMLP"] = nomlp
-    for k in range(layers + 1):
-        if k not in (0, layers // 2, (3 * layers) // 4, layers - 1, layers):
-            continue
+    for k in replay_counts(layers, only):
         folder = work / f"r{k}"
         spread = {round(i * layers / k) for i in range(k)} if k else set()  # replaying layers, spread out
         taus = [-np.inf if i in spread else np.inf for i in range(layers)]
-        if not (folder / "fast.onnx").is_file():
+        if stale(folder / "fast.onnx"):
             fastcar_compile.compile(src / "model.onnx", folder / "fast.onnx", frame_tokens=frame_tokens,
                                     threshold=taus, per_layer_threshold=True)
+            mark_fresh(folder / "fast.onnx")
         out[f"r{k}"] = folder
     return out
 
@@ -188,23 +218,33 @@ class _FusedStepper:
 
 def fused_export(shape: LlamaShape, cache: Path, frame_tokens: int, kind: str | None = "gqa") -> Path:
     """(b): the dynamo export of the same seeded weights, compiled with fused attention (`kind`: gqa or
-    fastcar, --fused-attention; None: the exported attention kept) and per-layer tau."""
+    fastcar, --fused-attention; None: the exported attention kept) and per-layer tau. The export fusions
+    (RMSNorm, RoPE; --fusions) are on, as by default, except for `KIND-nofusions` and the unfused export (whose
+    role is the plain export's step)."""
     import fastcar_compile
 
-    name = {"gqa": "fused", None: "unfused"}.get(kind, f"fused-{kind}")
-    out = cache / f"{name}-{shape.tag()}-L{frame_tokens}" / "fast.onnx"
-    if not out.is_file():
+    base, fusions = (kind[:-len(NO_FUSIONS)], False) if kind and kind.endswith(NO_FUSIONS) else (kind, kind is not None)
+    name = {"gqa": "fused", None: "unfused"}.get(base, f"fused-{base}")
+    # compiles cached before the fusions existed must not stand in for either setting
+    tag = "-fz" if fusions else "-nofz" if base is not None else ""
+    out = cache / f"{name}-{shape.tag()}-L{frame_tokens}{tag}" / "fast.onnx"
+    if stale(out):
         fastcar_compile.compile(cached_export(shape, cache), out, frame_tokens=frame_tokens,
-                                threshold=[np.inf] * shape.layers, per_layer_threshold=True, fused_attention=kind)
+                                threshold=[np.inf] * shape.layers, per_layer_threshold=True, fused_attention=base,
+                                fusions=fusions)
+        mark_fresh(out)
     return out
 
 
-FUSED_PREFIX = {"fastcar": "fc", "gqa": "fused"}  # fused-attention kind -> variant name prefix in (b)
+NO_FUSIONS = "-nofusions"
+# fused-attention kind -> variant name prefix in (b); "-nofusions": the same without the export fusions
+FUSED_PREFIX = {"fastcar": "fc", "gqa": "fused", "fastcar" + NO_FUSIONS: "fcn", "gqa" + NO_FUSIONS: "fusedn"}
 
 
 def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: dict[str, Path] | None = None,
             layers: int = 0, threads: int = 2, block: int = 8,
-            entries: dict[str, str] | None = None) -> tuple[dict[str, list[float]], dict[str, float]]:
+            entries: dict[str, str] | None = None,
+            only: list[int] | None = None) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Prefill every variant with the same ctx tokens, then time them in turn, `block` tokens at a time.
 
     Blocks, not single steps: stepping a dozen ~0.4 GB models in lockstep evicts each one's working set
@@ -223,9 +263,9 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
     for kind, path in (fused or {}).items():
         from fastcar_compile.runtime import FastCarSession
 
-        sess = FastCarSession(path, ort_options(threads, SESSION_CONFIG if entries is None else entries),
+        sess = FastCarSession(path, session_options=ort_options(threads, SESSION_CONFIG if entries is None else entries),
                               threads=threads, max_length=ctx + steps + 2)
-        for k in (0, layers // 2, (3 * layers) // 4, layers - 1, layers):
+        for k in replay_counts(layers, only):
             spread = {round(i * layers / k) for i in range(k)} if k else set()
             taus = np.array([-np.inf if i in spread else np.inf for i in range(layers)], np.float32)
             t0 = time.perf_counter()
@@ -266,7 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-native", action="store_true", help="run the ai.fastcar function bodies, not the kernels")
     ap.add_argument("--no-fused", action="store_true", help="skip (b), the fused dynamo export")
     ap.add_argument("--fused-kinds", default="fastcar,gqa",
-                    help="fused-attention kinds measured in (b), comma-separated (fastcar, gqa)")
+                    help="fused-attention kinds measured in (b), comma-separated (fastcar, gqa; KIND-nofusions: "
+                         "compiled with --fusions off)")
+    ap.add_argument("--ratios", help="comma-separated numbers of replaying layers to measure (default: 0, half, "
+                                     "3/4, all but one, all)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=Path("docs/bench_genai.json"))
     ap.add_argument("--session-config", action="append", metavar="session.KEY=VALUE",
@@ -280,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     shape: LlamaShape = cfg["shape"]
     src = build_genai(shape, a.cache)
     work = a.cache / f"genai-variants-{shape.tag()}-L{cfg['frame_tokens']}"
-    folders = variants(src, work, shape.layers, cfg["frame_tokens"])
+    only = [int(k) for k in a.ratios.split(",")] if a.ratios else None
+    folders = variants(src, work, shape.layers, cfg["frame_tokens"], only)
     for f in folders.values():
         set_session(f, a.threads, not a.no_native, entries)
     kinds = [k.strip() for k in a.fused_kinds.split(",") if k.strip()]
@@ -290,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"shape": shape.tag(), "threads": a.threads, "tokens": tokens, "session_config": entries,
                "contexts": {}}
     for ctx in contexts:
-        times, python = measure(folders, ctx, tokens, shape.vocab, fused, shape.layers, a.threads, a.block, entries)
+        times, python = measure(folders, ctx, tokens, shape.vocab, fused, shape.layers, a.threads, a.block, entries,
+                                only)
         # Lower quartile, not median: on the shared machine other jobs preempt whole steps (x50 outliers).
         med = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
         f = 1 - med["noMLP"] / med["dense"]
@@ -302,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         print("|---:|---:|---:|---:|---:|---:|")
         for prefix, what in (("r", "(a) genai graph compiled by us, in og.Generator"),
                              ("fc", "(b) dynamo export, fused attention (ai.fastcar op), FastCarSession shared KV"),
-                             ("fused", "(b') dynamo export, fused attention (ORT GQA), FastCarSession shared KV")):
+                             ("fcn", "(b) without the export fusions (--fusions off)"),
+                             ("fused", "(b') dynamo export, fused attention (ORT GQA), FastCarSession shared KV"),
+                             ("fusedn", "(b') without the export fusions (--fusions off)")):
             names = [n for n in med if n.startswith(prefix) and n[len(prefix):].isdigit()]
             if names:
                 print(f"| {what} | | | | | |")

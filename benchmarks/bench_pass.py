@@ -275,10 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     work = dense_path.parent
     fast_path, nomlp_path = work / f"fast-L{L}.onnx", work / "nomlp.onnx"
     t0 = time.perf_counter()
-    # fused_attention=None: the exported attention kept, as in the dense model it is timed against, so the
-    # ratios are FastCar's alone (the fused op's own gain: benchmarks/bench_attention.py).
+    # fused_attention=None, fusions=False: the exported attention and ops kept, as in the dense model it is timed
+    # against, so the ratios are FastCar's alone (the fused op's own gain: benchmarks/bench_attention.py).
     _, report = fastcar_compile.compile(dense_path, fast_path, frame_tokens=L, threshold=math.inf,
-                                        per_layer_threshold=True, fused_attention=None)
+                                        per_layer_threshold=True, fused_attention=None, fusions=False)
     compile_s = time.perf_counter() - t0
     layers = report.rewritten
     if len(layers) != shape.layers:

@@ -173,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                                 layers=n) for r in ratios]
     dense_path = cached_export(shape, a.cache)
     fast_path = dense_path.parent / f"fast-L{L}.onnx"
-    # Exported attention kept (as in the dense export and the PyTorch programs): FastCar's ratio alone.
+    # Exported attention and ops kept (as in the dense export and the PyTorch programs): FastCar's ratio alone.
     fastcar_compile.compile(dense_path, fast_path, frame_tokens=L, threshold=math.inf, per_layer_threshold=True,
-                            fused_attention=None)
+                            fused_attention=None, fusions=False)
     sess_d, sess_f = make_session(dense_path, a.threads, spin=False), make_session(fast_path, a.threads, spin=False)
     ids_np = ids.numpy()
     st_d = prefill(sess_d, ids_np, L, {})

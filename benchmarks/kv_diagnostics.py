@@ -10,6 +10,7 @@ q.k pairs / dense pairs; recall = dense softmax mass kept (merged slots shared b
 
     python benchmarks/kv_diagnostics.py                 # 2 clips x 16 frames -> docs/kv_diagnostics.{md,json,png}
     python benchmarks/kv_diagnostics.py --only "per layer" --out /tmp/kvd   # the --kv-layer modes alone
+    python benchmarks/kv_diagnostics.py --replot        # redraw the picture from docs/kv_diagnostics.json
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ MODES = [
                               "--sparse-attention", "lsh:8x4"]),
     ("all: C256 S4+W60 TempCache 0.95 lsh 8x4", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60",
                                                 "--tempcache", "0.95", "--sparse-attention", "lsh:8x4"]),
+    # AnnSA by 8-bit quantised buckets (fastar/int8.py): DIRS directions x TABLES tables, same sinks + window as lsh
+    ("AnnSA int8 2x4 S4+W64", ["--kv-budget", "4100", "--kv-sinks", "4", "--kv-window", "64",
+                               "--sparse-attention", "int8:2x4"]),
+    ("AnnSA int8 4x8 S4+W64", ["--kv-budget", "4100", "--kv-sinks", "4", "--kv-window", "64",
+                               "--sparse-attention", "int8:4x8"]),
+    ("AnnSA int8 8x16 S4+W64", ["--kv-budget", "4100", "--kv-sinks", "4", "--kv-window", "64",
+                                "--sparse-attention", "int8:8x16"]),
+    # AnnCA's decoder-only counterpart: prompt keys (BOS, motion, VIDEO_START) no query of the last frame hit
+    ("prune-prompt 0.01", ["--kv-budget", "4100", "--prune-prompt", "0.01"]),
+    ("prune-prompt 0.1", ["--kv-budget", "4100", "--prune-prompt", "0.1"]),
     # per layer (--kv-layer): layer 0 reads by position (a window keeps its mass), layers 1-3 by content
     ("per layer: L0 window S4+W124 C129, L1-3 TempCache 0.95",
      ["--kv-layer", "0:budget=129,sinks=4,window=124,eviction=oldest", "--kv-layer", "1-3:budget=4100,tempcache=0.95"]),
@@ -81,10 +92,11 @@ def plot(rows: list[dict], path: Path, frames: int) -> None:
     width = 0.8 / len(rows)
     for i, r in enumerate(rows):
         x = np.arange(len(r["layers"])) + i * width
-        ax[0].bar(x, r["density"], width, label=r["mode"])
-        ax[1].bar(x, r["recall"], width, label=r["mode"])
+        color = plt.cm.tab20(i % 20)  # more modes than the default 10-colour cycle
+        ax[0].bar(x, r["density"], width, label=r["mode"], color=color)
+        ax[1].bar(x, r["recall"], width, label=r["mode"], color=color)
         slots = np.asarray(r["slots_per_frame"]).mean(1)
-        ax[2].plot(np.arange(frames), slots, marker="o", ms=3, label=r["mode"])
+        ax[2].plot(np.arange(frames), slots, marker="o", ms=3, label=r["mode"], color=color)
     L = rows[0]["tokens_per_frame"]
     ax[2].plot(np.arange(frames), 3 + L * (np.arange(frames) + 1), "k--", label="dense KV (tokens)")
     for a, t in zip(ax, ("density (executed / dense q.k)", "recall (dense softmax mass kept)",
@@ -98,7 +110,9 @@ def plot(rows: list[dict], path: Path, frames: int) -> None:
     ax[2].legend(fontsize=7)
     fig.suptitle("FAST-AR modes through ai.fastcar CompressedAttention (--kv-diagnostics), long demo model")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from fastcar_compile.atomic import save_figure
+
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("docs"))
     ap.add_argument("--only", help="run only the modes whose name contains this text (e.g. 'per layer')")
+    ap.add_argument("--replot", action="store_true", help="redraw kv_diagnostics.png from --out's JSON, no run")
     a = ap.parse_args(argv)
+    if a.replot:
+        rows = json.loads((a.out / "kv_diagnostics.json").read_text())
+        plot(rows, a.out / "kv_diagnostics.png", len(rows[0]["slots_per_frame"]))
+        return 0
     tok = load_tokenizer()
     L = tok.tokens_per_frame
     clips = data.make_clips("eval", a.clips, a.frames, seed=0)

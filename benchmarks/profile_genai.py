@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_genai  # noqa: E402
 from _common import DEFAULT_CACHE  # noqa: E402
 
+KERNELS: dict[str, dict[str, int]] = {}  # model path -> op type -> kernels run per step (from the profile)
 CPU_TIME = False  # --cpu-time: process CPU seconds per step (1 thread, no spinning): robust to a loaded machine
 
 
@@ -66,25 +67,33 @@ def _binding(sess, ctx: int, max_length: int, head_dim: int, vocab: int):
 
     io.bind_ortvalue_input("input_ids", value(np.array([[5]], np.int64 if _int64_ids(sess) else np.int32)))
     io.bind_ortvalue_input("attention_mask", value(np.ones((1, ctx + 1), np.int64)))
+    inputs = {i.name: i for i in sess.get_inputs()}
+    if "position_ids" in inputs:  # torch exports (the fused dynamo export of bench_genai's (b))
+        io.bind_ortvalue_input("position_ids", value(np.array([[ctx]], np.int64)))
     outputs = {o.name for o in sess.get_outputs()}
-    for inp in sess.get_inputs():
-        name = inp.name
-        if not name.startswith("past_key_values."):
+    bound = set()
+    for name, inp in inputs.items():
+        if name.startswith("past_key_values."):
+            out = "present." + name[len("past_key_values."):]
+        elif name.startswith("past_"):  # FastCar state of a non-genai compile: past_mlp_cache.N / past_mlp_age.N
+            out = "present_" + name[len("past_"):]
+        else:
             continue
-        out = "present." + name[len("past_key_values."):]
         if name.endswith((".key", ".value")):
             arr = np.zeros((1, inp.shape[1], max_length, head_dim), np.float32)
         elif name.endswith(".recurrent_state"):  # age + 1 = 1: every slot written by a computed MLP
             arr = np.ones([1, *inp.shape[1:]], np.int64)
+        elif inp.type == "tensor(int64)":  # age 0: every slot written by a computed MLP
+            arr = np.zeros([1, *inp.shape[1:]], np.int64)
         else:
             arr = np.random.default_rng(0).standard_normal([1, *inp.shape[1:]]).astype(np.float32)
         v = value(arr)
         io.bind_ortvalue_input(name, v)
         if out in outputs:
             io.bind_ortvalue_output(out, v)
+            bound.add(out)
     io.bind_ortvalue_output("logits", value(np.empty((1, 1, vocab), np.float32)))
-    for o in outputs - {"logits"} - {"present." + i.name[len("past_key_values."):] for i in sess.get_inputs()
-                                     if i.name.startswith("past_key_values.")}:
+    for o in outputs - {"logits"} - bound:
         io.bind_output(o)
     return io, keep
 
@@ -137,18 +146,24 @@ def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native:
     timed = runs[-steps:]
     start = timed[0]["ts"] if timed else 0
     by_op: dict[str, float] = collections.defaultdict(float)
-    launches = 0
+    launches: dict[str, float] = collections.defaultdict(float)
     for e in trace:
         if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= start:
-            launches += 1
             op, node = e["args"].get("op_name", "?"), e["name"][:-len("_kernel_time")]
             ms = e["dur"] / 1e3 / steps
             if node in branch:
                 by_op[f"If/{op}"] += ms
                 by_op["If"] -= ms
+                launches[f"If/{op}"] += 1 / steps
             else:
                 by_op[op] += ms
-    return float(np.median(times)) * 1e3, dict(by_op), launches / steps
+                launches[op] += 1 / steps
+    KERNELS.setdefault(str(path), {}).update({k: round(v) for k, v in launches.items()})
+    return float(np.median(times)) * 1e3, dict(by_op), sum(launches.values())
+
+
+def _model_path(folder: Path) -> Path:
+    return folder / "fast.onnx" if (folder / "fast.onnx").is_file() else folder / "model.onnx"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[tuple[float, dict[str, float], float]]] = collections.defaultdict(list)
     for _ in range(a.rounds):
         for name in names:
-            folder = folders[name]
-            path = folder / "fast.onnx" if (folder / "fast.onnx").is_file() else folder / "model.onnx"
+            path = _model_path(folders[name])
             results[name].append(profile(path, ctx, a.steps, a.warmup, a.threads, not a.no_native,
                                          shape.head_dim, shape.vocab))
     ms = {n: min(r[0] for r in rs) for n, rs in results.items()}
@@ -204,11 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {n}: replay {r:.0%}: {ms[n]:.2f} ms vs bound {bound_ms:.2f} ms -> overhead "
                       f"{ms[n] / bound_ms:.3f}x (speed-up {ms['dense'] / ms[n]:.2f}x, bound {1 / (1 - f * r):.2f}x)")
     all_ops = sorted({o for d in ops.values() for o in d}, key=lambda o: -max(d.get(o, 0) for d in ops.values()))
-    print("kernel ms/step by op type:")
+    counts = {n: KERNELS.get(str(_model_path(folders[n])), {}) for n in names}
+    print("kernel ms/step by op type (kernels per step):")
     print("| op | " + " | ".join(names) + " |")
     print("|---|" + "---:|" * len(names))
     for o in all_ops:
-        print(f"| {o} | " + " | ".join(f"{ops[n].get(o, 0):.3f}" for n in names) + " |")
+        print(f"| {o} | " + " | ".join(f"{ops[n].get(o, 0):.3f} ({counts[n].get(o, 0)})" for n in names) + " |")
     print("| sum of kernels | " + " | ".join(f"{sum(ops[n].values()):.3f}" for n in names) + " |")
     launches = {n: min(rs, key=lambda r: r[0])[2] for n, rs in results.items()}
     print("| kernel launches per step (If branches included) | "

@@ -89,7 +89,9 @@ def compile(  # noqa: A001 - the natural name of the entry point
     tempcache: float | None = None,
     sparse_attention: str | None = None,
     kv_diagnostics: int | None = None,
+    prune_prompt: float | None = None,
     kv_layers: list[str] | tuple[str, ...] | None = None,
+    fusions: bool = True,
 ) -> tuple[ir.Model, CompileReport]:
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 
@@ -97,18 +99,20 @@ def compile(  # noqa: A001 - the natural name of the entry point
     (None: when the input sits beside one and the output goes to another folder). fused_attention: replace
     exported attention cores by an in-place fused attention: "fastcar" (ai.fastcar CompressedAttention, the default)
     or "gqa" (com.microsoft.GroupQueryAttention; True means this); None/"off" keeps the exported attention. kv_budget/kv_sinks/kv_window/
-    kv_eviction/tempcache/sparse_attention: a FAST-AR compressed KV cache in that op (docs/fastar.md);
+    kv_eviction/tempcache/sparse_attention/prune_prompt: a FAST-AR compressed KV cache in that op (docs/fastar.md);
     kv_diagnostics=M: dense attention on the side over up to M tokens, kv_stats.N outputs (density, recall).
     kv_layers: per-layer settings ["LAYERS:SETTINGS", ...], e.g. "0:budget=129,sinks=4,window=124" or "1:off";
     those layers take them instead of the kv_* ones (passes/context.py parse_kv_layer).
     required_video_inputs: `video_start` / `fastcar_threshold` without defaults (every run feeds them; what
     onnxruntime-genai's `generator.set_model_input` needs to set them per video).
+    fusions: after the rewrite, fuse the export's RMSNorm chains (SimplifiedLayerNormalization, residual Adds
+    into SkipSimplifiedLayerNormalization) and rotate-half RoPE (RotaryEmbedding): same values, fewer kernels.
     """
     opts = CompileOptions(frame_tokens, threshold, tas_query, max_replay,
                           layers if layers is None or isinstance(layers, str) else tuple(layers),
                           per_layer_threshold, emit_diagnostics, fused_attention, required_video_inputs,
-                          kv_budget, kv_sinks, kv_window, kv_eviction, tempcache, sparse_attention, kv_diagnostics,
-                          tuple(kv_layers or ()))
+                          kv_budget, kv_sinks, kv_window, kv_eviction, tempcache, sparse_attention, prune_prompt,
+                          kv_diagnostics, tuple(kv_layers or ()), fusions=bool(fusions))
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
     if out_path is not None and in_path is not None:

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "op (native kernel; exact with left padding, batch > 1, multi-token steps); 'gqa' (the bare "
                         "flag) = com.microsoft.GroupQueryAttention (batch > 1 multi-token steps after the prompt are "
                         "refused by ORT's kernel); 'off' = keep the exported attention")
+    p.add_argument("--fusions", choices=["on", "off"], default="on",
+                   help="after the rewrite, fuse the export's RMSNorm chains into (Skip)SimplifiedLayerNormalization "
+                        "and rotate-half RoPE into RotaryEmbedding (same values, fewer kernels per step; default on)")
     kv = p.add_argument_group("compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)")
     kv.add_argument("--kv-budget", type=int, metavar="C", help="fixed KV slots per layer and KV head (memory stays flat)")
     kv.add_argument("--kv-sinks", type=int, default=0, metavar="S", help="first S tokens always kept (attention sinks)")
@@ -89,8 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--tempcache", type=float, metavar="SIM",
                     help="TempCache: merge a key into the slot of its aligned token (p - L) when their pre-RoPE "
                          "cosine exceeds SIM (mean value, count, +log(count) bias)")
-    kv.add_argument("--sparse-attention", metavar="lsh:BITSxTABLES",
-                    help="AnnSA: a decode query attends only to slots sharing an LSH bucket (plus sinks, window)")
+    kv.add_argument("--sparse-attention", metavar="lsh:BITSxTABLES|int8[:DIRSxTABLES]",
+                    help="AnnSA: a decode query attends only to slots sharing a bucket (plus sinks, window): sign "
+                         "random projections (lsh) or 8-bit quantised projections (int8 = int8:2x4)")
+    kv.add_argument("--prune-prompt", type=float, metavar="P",
+                    help="AnnCA for decoder-only models: prompt keys (before video_start) that no query of the "
+                         "previous frame gave softmax weight >= P are skipped for the current frame")
     kv.add_argument("--kv-diagnostics", type=int, metavar="M",
                     help="also run dense attention on the side (up to M tokens) and output kv_stats.N per layer: "
                          "density and recall against dense, in the run stats (RunStats.kv_diagnostics)")
@@ -98,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per-layer settings instead of the ones above, repeatable: e.g. "
                          "0:budget=129,sinks=4,window=124,eviction=oldest (a window where a layer reads by position) "
                          "1-3:budget=4100,tempcache=0.95 (TempCache where it reads by content), 2:off (uncompressed); "
-                         "settings: budget, sinks, window, eviction, tempcache, sparse (lsh:BITSxTABLES)")
+                         "settings: budget, sinks, window, eviction, tempcache, sparse (lsh:BxT, int8:DxT), prune (P)")
     p.add_argument("--genai", action=argparse.BooleanOptionalAction, default=None,
                    help="name the state for onnxruntime-genai's generator and write genai_config.json beside "
                         "the output (default: when the input sits beside one)")
@@ -169,7 +176,9 @@ def main(argv: list[str]) -> int:
                            fused_attention=args.fused_attention, kv_budget=args.kv_budget, kv_sinks=args.kv_sinks,
                            kv_window=args.kv_window, kv_eviction=args.kv_eviction, tempcache=args.tempcache,
                            sparse_attention=args.sparse_attention, kv_diagnostics=args.kv_diagnostics,
-                           kv_layers=args.kv_layers, required_video_inputs=args.required_video_inputs)
+                           prune_prompt=args.prune_prompt,
+                           kv_layers=args.kv_layers, required_video_inputs=args.required_video_inputs,
+                           fusions=args.fusions == "on")
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
     if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):

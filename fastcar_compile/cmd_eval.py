@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sweep KV modes (--kv-modes) on the long-video model: density, recall, KV bytes, PSNR/SSIM "
                          "vs dense and truth (NumPy reference attention inside generation; writes kv_sweep.*)")
     kv.add_argument("--kv-modes", default=None, help="';'-separated modes: dense, window:S+W, budget:S+W+C, "
-                                                     "tempcache:SIM[@S+W+C], lsh:BITSxTABLES (default: a sweep of all)")
+                                                     "tempcache:SIM[@S+W+C], lsh:BITSxTABLES, int8:DIRSxTABLES, "
+                                                     "prune:P (default: a sweep of all)")
     return ap
 
 

@@ -161,7 +161,8 @@ OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     MLP_CACHE_READ: (),
     MLP_CACHE_UPDATE: ("age_offset",),
     COMPRESSED_ATTENTION: ("num_heads", "kv_num_heads", "scale", "budget", "sinks", "window", "frame_tokens",
-                           "tempcache_sim", "eviction", "lsh_bits", "lsh_tables", "lsh_planes"),
+                           "tempcache_sim", "eviction", "lsh_bits", "lsh_tables", "lsh_planes", "int8_dirs",
+                           "int8_tables", "int8_planes", "prune_prompt"),
 }
 
 # --- TAS variants and node tags -------------------------------------------------------------------------------
@@ -255,7 +256,7 @@ class FastCarMetadata:
     diagnostics: bool = field(metadata=_doc("`true`/`false`: replay_mask.N / tas.N outputs present"))
     kv_compress: dict[str, Any] | None = field(default=None, metadata=_doc(
         "compressed KV cache settings (`fastar.KVCompressConfig` as JSON: budget, sinks, window, tempcache_sim, "
-        "eviction, lsh_bits, lsh_tables, seed) plus `layers` and `diagnostics_tokens`; absent = dense KV. With a budget every KV "
+        "eviction, lsh_bits, lsh_tables, int8_dirs, int8_tables, prune_prompt, seed) plus `layers` and `diagnostics_tokens`; absent = dense KV. With a budget every KV "
         "input/output of those layers is [batch, kv_heads, budget, head_dim] (slots, not positions). Layers with "
         "different settings (--kv-layer): no top-level settings but `per_layer` {layer: settings}; "
         "read through kv_layer_settings()"))

@@ -55,6 +55,15 @@ def graph_input(graph: ir.Graph, name: str, dtype: ir.DataType, shape, default: 
     return value
 
 
+def video_start_input(graph: ir.Graph, plain: bool) -> ir.Value:
+    """The model's `video_start` input (KV index of the first video token), created once: the gate pass and the
+    fused attention's prompt pruning both read it. plain: no default (every run feeds it; onnxruntime-genai)."""
+    for value in graph.inputs:
+        if value.name == contract.VIDEO_START:
+            return value
+    return graph_input(graph, contract.VIDEO_START, ir.DataType.INT64, [], None if plain else np.array(0, np.int64))
+
+
 def graph_output(graph: ir.Graph, value: ir.Value, name: str, dtype: ir.DataType, shape) -> None:
     value.name = name
     value.type = ir.TensorType(dtype)

@@ -46,10 +46,14 @@ class CompileOptions:
     kv_eviction: str = "mass"
     tempcache: float | None = None
     sparse_attention: str | None = None
+    prune_prompt: float | None = None  # AnnCA counterpart: skip prompt keys the previous frame did not hit
     kv_diagnostics: int | None = None  # dense attention on the side over at most this many tokens (stats outputs)
     # per-layer settings "LAYERS:SETTINGS" (parse_kv_layer): those layers get them instead of the global ones
     # (layer 0 of the long demo reads by position, layers 1-3 by content: docs/kv_diagnostics.md)
     kv_layers: tuple[str, ...] = ()
+    # after the rewrite: RMSNorm -> SimplifiedLayerNormalization (+ residual Add -> Skip*), rotate-half RoPE ->
+    # RotaryEmbedding (passes/fuse_norm.py, fuse_rotary.py): fewer kernels per step, same values
+    fusions: bool = True
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")
@@ -61,7 +65,8 @@ class CompileOptions:
         object.__setattr__(self, "kv_layers", tuple(self.kv_layers or ()))
         if self.kv_compress is not None or any(c is not None for c in self.kv_layer_configs.values()):
             if self.fused_attention == "gqa":
-                raise FastCarError("--kv-budget/--tempcache/--sparse-attention live in the fastcar attention op; "
+                raise FastCarError("--kv-budget/--tempcache/--sparse-attention/--prune-prompt live in the fastcar "
+                                   "attention op; "
                                    "use --fused-attention fastcar (or leave --fused-attention out)")
             object.__setattr__(self, "fused_attention", "fastcar")
         if not self.per_layer_threshold and len(self.threshold) != 1:
@@ -71,21 +76,21 @@ class CompileOptions:
     def kv_compress(self):
         """The compressed-KV settings (fastar.KVCompressConfig, validated there), or None for a dense cache."""
         if self.kv_budget is None and self.tempcache is None and self.sparse_attention is None and \
-                not self.kv_sinks and not self.kv_window and (self.kv_diagnostics is None or self.kv_layers):
+                self.prune_prompt is None and not self.kv_sinks and not self.kv_window and (self.kv_diagnostics is None or self.kv_layers):
             return None
         from fastcar_compile.fastar.config import KVCompressConfig
 
         if self.kv_budget is None:
-            raise FastCarError("--kv-sinks/--kv-window/--tempcache/--sparse-attention/--kv-diagnostics need "
-                               "--kv-budget C (the "
+            raise FastCarError("--kv-sinks/--kv-window/--tempcache/--sparse-attention/--prune-prompt/"
+                               "--kv-diagnostics need --kv-budget C (the "
                                "fixed number of KV slots per layer and KV head)")
         check_int("--kv-budget", self.kv_budget, 1, 1 << 24, "KV slots per layer and KV head")
         if self.kv_diagnostics is not None:
             check_int("--kv-diagnostics", self.kv_diagnostics, 1, 1 << 20, "tokens the dense side buffer holds")
-        bits, tables = parse_sparse_attention(self.sparse_attention)
         return KVCompressConfig(budget=self.kv_budget, sinks=self.kv_sinks, window=self.kv_window,
-                                tempcache_sim=self.tempcache, eviction=self.kv_eviction, lsh_bits=bits,
-                                lsh_tables=tables, frame_len=self.frame_tokens, video_start=0)
+                                tempcache_sim=self.tempcache, eviction=self.kv_eviction,
+                                **parse_sparse_attention(self.sparse_attention), prune_prompt=self.prune_prompt,
+                                frame_len=self.frame_tokens, video_start=0)
 
     @property
     def kv_layer_configs(self) -> dict[int, object]:
@@ -115,20 +120,33 @@ class CompileOptions:
 FUSED_ATTENTION = ("gqa", "fastcar")
 
 
-def parse_sparse_attention(value: str | None) -> tuple[int | None, int]:
-    """--sparse-attention 'lsh:BITSxTABLES' -> (bits, tables); None -> (None, 1)."""
+SPARSE_FORM = "lsh:BITSxTABLES (e.g. lsh:8x4), int8 or int8:DIRSxTABLES (e.g. int8:2x4)"
+INT8_DEFAULT = (2, 4)  # `int8` alone: 2 directions x 16 levels per table, 4 tables (fastar/int8.py)
+
+
+def parse_sparse_attention(value: str | None) -> dict:
+    """--sparse-attention 'lsh:BITSxTABLES' | 'int8[:DIRSxTABLES]' -> KVCompressConfig keywords ({} for None)."""
+    from fastcar_compile.fastar.config import INT8_DIRS
+
     if value is None:
-        return None, 1
+        return {}
     head, _, spec = str(value).partition(":")
-    bits, _, tables = spec.partition("x")
-    if head != "lsh" or not bits.isdigit() or not tables.isdigit():
-        raise FastCarError(f"--sparse-attention must look like lsh:BITSxTABLES (e.g. lsh:8x4), got {value!r}")
-    if not (1 <= int(bits) <= 24 and 1 <= int(tables) <= 64):
+    if str(value) == "int8":
+        return {"int8_dirs": INT8_DEFAULT[0], "int8_tables": INT8_DEFAULT[1]}
+    first, _, tables = spec.partition("x")
+    if head not in ("lsh", "int8") or not first.isdigit() or not tables.isdigit():
+        raise FastCarError(f"--sparse-attention must look like {SPARSE_FORM}, got {value!r}")
+    if head == "int8":
+        if int(first) not in INT8_DIRS or not 1 <= int(tables) <= 64:
+            raise FastCarError(f"--sparse-attention {value}: int8 directions must be one of "
+                               f"{', '.join(map(str, INT8_DIRS))} and tables 1..64")
+        return {"int8_dirs": int(first), "int8_tables": int(tables)}
+    if not (1 <= int(first) <= 24 and 1 <= int(tables) <= 64):
         raise FastCarError(f"--sparse-attention {value}: bits must be 1..24 and tables 1..64")
-    return int(bits), int(tables)
+    return {"lsh_bits": int(first), "lsh_tables": int(tables)}
 
 
-KV_LAYER_KEYS = ("budget", "sinks", "window", "eviction", "tempcache", "sparse")
+KV_LAYER_KEYS = ("budget", "sinks", "window", "eviction", "tempcache", "sparse", "prune")
 KV_LAYER_FORM = ("--kv-layer takes LAYERS:SETTINGS, e.g. 0:budget=129,sinks=4,window=124,eviction=oldest or "
                  "1-3:budget=4100,tempcache=0.95 or 2:off (settings: " + ", ".join(KV_LAYER_KEYS) + ")")
 
@@ -166,15 +184,16 @@ def parse_kv_layer(spec: str, frame_tokens: int):
     try:
         ints = {k: int(values[k]) for k in ("budget", "sinks", "window") if k in values}
         sim = float(values["tempcache"]) if "tempcache" in values else None
+        prune = float(values["prune"]) if "prune" in values else None
     except ValueError:
-        raise FastCarError(f"--kv-layer {spec!r}: budget/sinks/window must be integers and tempcache a number; "
+        raise FastCarError(f"--kv-layer {spec!r}: budget/sinks/window must be integers, tempcache/prune numbers; "
                            f"{KV_LAYER_FORM}") from None
     check_int("--kv-layer budget", ints["budget"], 1, 1 << 24, "KV slots per KV head")
-    bits, tables = parse_sparse_attention(values.get("sparse"))
+    sparse = parse_sparse_attention(values.get("sparse"))
     try:
         cfg = KVCompressConfig(budget=ints["budget"], sinks=ints.get("sinks", 0), window=ints.get("window", 0),
-                               tempcache_sim=sim, eviction=values.get("eviction", "mass"), lsh_bits=bits,
-                               lsh_tables=tables, frame_len=frame_tokens, video_start=0)
+                               tempcache_sim=sim, eviction=values.get("eviction", "mass"), **sparse,
+                               prune_prompt=prune, frame_len=frame_tokens, video_start=0)
     except FastCarError as exc:
         raise FastCarError(f"--kv-layer {spec!r}: {exc}") from None
     return layers, cfg

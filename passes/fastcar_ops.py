@@ -144,7 +144,7 @@ _TEMPORAL_GATE_AT = _TEMPORAL_GATE.replace(
 _COMPRESSED_ATTENTION = """
 <domain: "ai.fastcar", opset_import: ["" : {opset}]>
 CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, frame_tokens, tempcache_sim, eviction,
-                     lsh_bits, lsh_tables, lsh_planes>
+                     lsh_bits, lsh_tables, lsh_planes, int8_dirs, int8_tables, int8_planes, prune_prompt>
     (q, k, v, past_key, past_value, attention_mask, total_len, past_slots, k_raw, past_key_raw)
     => (out, present_key, present_value) {{
   zero = Constant <value = int64[1] {{0}}> ()

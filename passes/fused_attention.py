@@ -159,21 +159,32 @@ def _bhsd_to_bse(b, graph, x: ir.Value, heads: int, head_dim: int) -> ir.Value:
     return out
 
 
-SLOT_FIELDS = 3  # slot record: KV index + 1, count, mass (then one LSH bucket per table); DESIGN.md
+SLOT_FIELDS = 3  # slot record: KV index + 1, count, mass (then one bucket per AnnSA table, then the hit frame
+# with prompt pruning); DESIGN.md
+
+
+def slot_width(cfg) -> int:
+    """Fields of one slot record for a fastar.KVCompressConfig (the kernel reads the same layout)."""
+    return SLOT_FIELDS + cfg.sparse_tables + (cfg.prune_prompt is not None)
 
 
 def compressed_attributes(cfg, head_dim: int) -> dict:
-    """CompressedAttention's attributes for a fastar.KVCompressConfig (the LSH planes drawn as the reference)."""
-    from fastcar_compile.fastar.lsh import SignLSH
+    """CompressedAttention's attributes for a fastar.KVCompressConfig (LSH / int8 planes drawn as the reference)."""
+    from fastcar_compile.fastar.int8 import hasher
 
     attrs = {"budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "frame_tokens": cfg.frame_len,
              "eviction": cfg.eviction}
     if cfg.tempcache_sim is not None:
         attrs["tempcache_sim"] = float(cfg.tempcache_sim)
+    planes = hasher(cfg, head_dim)
     if cfg.lsh_bits:
-        planes = SignLSH(head_dim, cfg.lsh_bits, cfg.lsh_tables, cfg.seed).planes
         attrs.update(lsh_bits=cfg.lsh_bits, lsh_tables=cfg.lsh_tables,
-                     lsh_planes=[float(x) for x in planes.astype(np.float32).reshape(-1)])
+                     lsh_planes=[float(x) for x in planes.planes.astype(np.float32).reshape(-1)])
+    if cfg.int8_dirs:
+        attrs.update(int8_dirs=cfg.int8_dirs, int8_tables=cfg.int8_tables,
+                     int8_planes=[float(x) for x in planes.planes.astype(np.float32).reshape(-1)])
+    if cfg.prune_prompt is not None:
+        attrs["prune_prompt"] = float(cfg.prune_prompt)
     return attrs
 
 
@@ -183,6 +194,10 @@ def describe(cfg) -> str:
         parts.append(f"TempCache {cfg.tempcache_sim:g}")
     if cfg.lsh_bits:
         parts.append(f"AnnSA lsh {cfg.lsh_bits}x{cfg.lsh_tables}")
+    if cfg.int8_dirs:
+        parts.append(f"AnnSA int8 {cfg.int8_dirs}x{cfg.int8_tables}")
+    if cfg.prune_prompt is not None:
+        parts.append(f"prompt pruning {cfg.prune_prompt:g}")
     return ", ".join(parts)
 
 
@@ -214,7 +229,8 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         if compress and (not plans or dtype != ir.DataType.FLOAT):
             why = "no attention_mask input" if mask is None else "no exported MatMul/Softmax attention core " \
                 "(dynamo / ort_fusions exports of LLaMA-style models)" if not plans else f"a {dtype.name.lower()} model"
-            raise FastCarError(f"--kv-budget/--tempcache/--sparse-attention need the fastcar attention op, which "
+            raise FastCarError(f"--kv-budget/--tempcache/--sparse-attention/--prune-prompt need the fastcar attention "
+                               f"op, which "
                                f"this model cannot take ({why}; the op is float32); drop those options")
         if mask is None:
             self.ctx.notes.append("fused attention: no attention_mask input; attention left as exported")
@@ -273,6 +289,10 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             if cfg is not None:
                 attrs.update(compressed_attributes(cfg, p["head_dim"]))
                 inputs += self._slot_state(graph, n, p, cfg)
+                if cfg.prune_prompt is not None:  # video_start is input 11: fill the optional ones before it
+                    none = build.const(graph, "fastcar.ca.none", np.zeros(0, np.float32))
+                    inputs += [none] * (11 - len(inputs))
+                    inputs.append(build.video_start_input(graph, opts.required_video_inputs))
             diag = opts.kv_diagnostics is not None
             n_out = 3 if cfg is None else 8 if diag else 5 + (cfg.tempcache_sim is not None)
             outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, outputs=n_out,
@@ -296,7 +316,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
     def _slot_state(self, graph: ir.Graph, n: int, p: dict, cfg) -> list[ir.Value]:
         """The layer's slot records (and raw keys for TempCache) as state inputs, recorded for the metadata."""
         batch = p["past_k"].shape[0] if p["past_k"].shape is not None else "batch"
-        width = SLOT_FIELDS + (cfg.lsh_tables if cfg.lsh_bits else 0)
+        width = slot_width(cfg)
         diag = self.ctx.options.kv_diagnostics
         pairs = [(contract.kv_slots_input(n), contract.kv_slots_output(n), cfg.budget, width)]
         if cfg.tempcache_sim is not None or diag is not None:  # (diagnostics: inputs after them must not gap)

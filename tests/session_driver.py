@@ -16,9 +16,10 @@ class SessionRun:
     arrays: dict[str, np.ndarray]  # copies of its arrays (a later step may update the live ones in place)
 
 
-def run_session(sess, prompt: np.ndarray, mask: np.ndarray | None, steps: list[np.ndarray]) -> SessionRun:
+def run_session(sess, prompt: np.ndarray, mask: np.ndarray | None, steps: list[np.ndarray],
+                video_start: int = 0) -> SessionRun:
     """Prefill `prompt` (with `mask`, e.g. from ort_driver.left_pad_masks), then feed each of `steps`."""
-    out = sess.step(sess.new_state(prompt.shape[0]), prompt, attention_mask=mask)
+    out = sess.step(sess.new_state(prompt.shape[0], video_start=video_start), prompt, attention_mask=mask)
     logits, replay = [out.logits], []
     for ids in steps:
         out = sess.step(out.state, ids)

@@ -19,9 +19,9 @@ HQ, HKV, D = 4, 2, 8
 
 def _model(n_in: int = 7, n_out: int = 3, opset: int = 20, **attrs) -> bytes:
     names = ["q", "k", "v", "past_key", "past_value", "attention_mask", "total_len", "past_slots", "k_raw",
-             "past_key_raw", "past_dense"][:n_in]
-    types = {"attention_mask": TensorProto.INT64, "total_len": TensorProto.INT32}
-    rank = {"attention_mask": 2, "total_len": 0}
+             "past_key_raw", "past_dense", "video_start"][:n_in]
+    types = {"attention_mask": TensorProto.INT64, "total_len": TensorProto.INT32, "video_start": TensorProto.INT64}
+    rank = {"attention_mask": 2, "total_len": 0, "video_start": 0}
     ins = [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT),
                                          [f"{n}_{i}" for i in range(rank.get(n, 4))]) for n in names]
     onames = ["out", "present_key", "present_value", "present_slots", "aligned_key", "present_key_raw",

@@ -43,7 +43,7 @@ def test_design_ops_match_the_function_bodies():
         fn = function_proto(op, 17)
         declared = set(fn.attribute) | {a.name for a in fn.attribute_proto}  # attribute_proto: those with defaults
         every = set().union(*contract.OP_ATTRIBUTES.values())
-        named = set(re.findall(r"`([a-z_]+)`", body.split("->", 1)[1].split(". ", 1)[0])) & every
+        named = set(re.findall(r"`([a-z][a-z0-9_]*)`", body.split("->", 1)[1].split(". ", 1)[0])) & every
         if "no attributes" in body:
             named = set()
         assert named == declared == set(contract.OP_ATTRIBUTES[op]), op

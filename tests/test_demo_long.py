@@ -35,7 +35,12 @@ def test_mode_grammar():
     assert (t.tempcache_sim, t.budget, t.sinks, t.window, t.frame_len, t.video_start) == (0.95, 192, 4, 60, 64, 3)
     assert parse_mode("lsh:8x4", 64, 3).lsh_bits == 8 and parse_mode("dense", 64, 3) is None
     assert [m for m, _ in parse_modes("tempcache:0.9", 64, 3)] == ["dense", "tempcache:0.9"]
-    for bad in ("window:4", "tempcache:high", "lsh:8", "cache:1", "budget:1+2+x"):
+    i8 = parse_mode("int8:4x8", 64, 3)
+    assert (i8.int8_dirs, i8.int8_tables, i8.sinks, i8.window, i8.lsh_bits) == (4, 8, 4, 64, None)
+    pr = parse_mode("prune:0.05", 64, 3)
+    assert (pr.prune_prompt, pr.video_start, pr.budget, pr.sinks) == (0.05, 3, None, 0)
+    for bad in ("window:4", "tempcache:high", "lsh:8", "cache:1", "budget:1+2+x", "int8:3x4", "int8:x", "prune:hi",
+                "prune:2"):
         with pytest.raises(FastCarError):
             parse_mode(bad, 64, 3)
     with pytest.raises(FastCarError, match="budget"):

@@ -17,7 +17,7 @@ from fastcar_compile.errors import FastCarError
 from fastcar_compile.fastar.attention import run_trace
 from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.fastar.rope import apply_rope
-from fastcar_compile.passes.fused_attention import SLOT_FIELDS, compressed_attributes
+from fastcar_compile.passes.fused_attention import SLOT_FIELDS, compressed_attributes, slot_width
 
 HQ, HKV, D, L = 4, 2, 8, 6
 
@@ -46,16 +46,22 @@ def _run_kernel(cfg: KVCompressConfig, q, k, v, chunks: list[int], stats: list |
     q_post = np.swapaxes(apply_rope(np.swapaxes(q, 0, 1), pos), 0, 1)  # [T, Hq, D]
     k_post = np.swapaxes(apply_rope(np.swapaxes(k, 0, 1), pos), 0, 1)
     tempcache = cfg.tempcache_sim is not None or stats is not None  # (diagnostics wire the raw keys too)
+    prune = cfg.prune_prompt is not None
     attrs = compressed_attributes(cfg, D)
-    sess = session(True, n_in=11 if stats is not None else 10 if tempcache else 8,
+    sess = session(True, n_in=12 if prune else 11 if stats is not None else 10 if tempcache else 8,
                    n_out=8 if stats is not None else 6 if tempcache else 5, **attrs)
-    C, F = cfg.budget, SLOT_FIELDS + (cfg.lsh_tables if cfg.lsh_bits else 0)
+    C, F = cfg.budget, slot_width(cfg)
     state = {"past_key": np.zeros((1, HKV, C, D), np.float32), "past_value": np.zeros((1, HKV, C, D), np.float32),
              "past_slots": np.zeros((1, HKV, C, F), np.float32)}
+    empty = np.zeros((0, 0, 0, 0), np.float32)  # an unused optional input before video_start (as the compiler's)
     if tempcache:
         state["past_key_raw"] = np.zeros((1, HKV, C, D), np.float32)
+    elif prune:
+        state["past_key_raw"] = empty
     if stats is not None:
         state["past_dense"] = np.zeros((1, HKV, T, 2 * D), np.float32)
+    elif prune:
+        state["past_dense"] = empty
     outs, p = [], 0
     for n in chunks:
         sl = slice(p, p + n)
@@ -67,6 +73,10 @@ def _run_kernel(cfg: KVCompressConfig, q, k, v, chunks: list[int], stats: list |
                  "total_len": np.array(p + n, np.int32), **state}
         if tempcache:
             feeds["k_raw"] = bhsd(k)
+        elif prune:
+            feeds["k_raw"] = empty
+        if prune:
+            feeds["video_start"] = np.array(cfg.video_start, np.int64)
         res = sess.run(None, feeds)
         outs.append(res[0].reshape(n, HQ, D))
         state["past_key"], state["past_value"], state["past_slots"] = res[1], res[2], res[3]
@@ -86,6 +96,12 @@ CONFIGS = {
     "tempcache-bounded": dict(budget=14, sinks=2, window=3, tempcache_sim=0.9),
     "lsh": dict(budget=64, sinks=2, window=4, lsh_bits=3, lsh_tables=2),
     "all": dict(budget=16, sinks=2, window=4, tempcache_sim=0.95, lsh_bits=2, lsh_tables=2),
+    "int8": dict(budget=64, sinks=2, window=4, int8_dirs=2, int8_tables=2),
+    "int8-4dirs": dict(budget=64, sinks=1, window=3, int8_dirs=4, int8_tables=3),
+    "prune": dict(budget=64, prune_prompt=0.06, video_start=9),
+    # (no TempCache here: the kernel merges from p >= L on, the reference from video_start + L on)
+    "prune-evict-int8": dict(budget=20, sinks=2, window=4, int8_dirs=1, int8_tables=2, prune_prompt=0.06,
+                             video_start=9),
 }
 
 
@@ -93,27 +109,38 @@ CONFIGS = {
 def test_kernel_equals_fastar_reference(name):
     """Outputs over a 60-token trace (single-token steps and multi-token chunks) and the final slots (KV index,
     member count per slot) equal the reference HeadCache's."""
-    cfg = KVCompressConfig(**CONFIGS[name], frame_len=L, video_start=0)
+    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS[name]}, frame_len=L)
     q, k, v = _trace(7, 60, repeat=cfg.tempcache_sim is not None)
     ref = run_trace(q, k, v, cfg)
     got, slots = _run_kernel(cfg, q, k, v, [5, 1, 1, 3] + [1] * 50)
     assert np.abs(got - ref.out).max() <= 1e-4, np.abs(got - ref.out).max()
+    tables = cfg.sparse_tables
     for h, cache in enumerate(ref.caches):
         live = slots[h, :, 0] > 0
-        got_slots = sorted(zip(slots[h, live, 0].astype(int) - 1, slots[h, live, 1].astype(int), strict=True))
-        want = sorted(zip(cache.pos[cache.live].tolist(), cache.count[cache.live].tolist(), strict=True))
+        # (KV index, count, AnnSA bucket per table, hit frame with pruning) of every live slot
+        got_slots = sorted(zip(slots[h, live, 0].astype(int) - 1, slots[h, live, 1].astype(int),
+                               *(slots[h, live, 3 + t].astype(int) for t in range(tables)), strict=True))
+        want = sorted(zip(cache.pos[cache.live].tolist(), cache.count[cache.live].tolist(),
+                          *(cache.codes[cache.live, t].tolist() for t in range(tables)), strict=True))
         assert got_slots == want
+        if cfg.prune_prompt is not None:
+            got_hits = sorted(zip(slots[h, live, 0].astype(int) - 1, slots[h, live, -1].astype(int), strict=True))
+            want_hits = sorted(zip(cache.pos[cache.live].tolist(), cache.hit_frame[cache.live].tolist(), strict=True))
+            assert [x for x in got_hits if x[0] < cfg.video_start] == \
+                [x for x in want_hits if x[0] < cfg.video_start]
+    if tables or cfg.prune_prompt is not None:
+        assert ref.metrics.density < 1  # the case skips keys (buckets or pruned prompt keys)
     if cfg.tempcache_sim is not None:
         assert ref.metrics.merges > 0  # the case exercises merging
     if cfg.budget < 60 - ref.metrics.merges / HKV:  # more tokens than slots: eviction is exercised
         assert ref.metrics.evicted > 0
 
 
-@pytest.mark.parametrize("name", ["window", "tempcache-bounded", "lsh"])
+@pytest.mark.parametrize("name", ["window", "tempcache-bounded", "lsh", "int8", "prune"])
 def test_diagnostics_equal_the_reference_metrics(name):
     """Dense attention on the side (--kv-diagnostics): the kernel's density (executed / dense q.k pairs) and
     recall (dense softmax mass kept, merged slots shared by their members) equal run_trace's metrics."""
-    cfg = KVCompressConfig(**CONFIGS[name], frame_len=L, video_start=0)
+    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS[name]}, frame_len=L)
     q, k, v = _trace(7, 60, repeat=cfg.tempcache_sim is not None)
     ref = run_trace(q, k, v, cfg).metrics
     stats: list[np.ndarray] = []
@@ -241,12 +268,49 @@ def test_kv_diagnostics_in_run_stats(zoo_model, fc_compile, tmp_path):
         assert small["kv_bytes"] == zoo.KV_HEADS * 8 * slot_bytes
 
 
+def test_prompt_pruning_and_int8_end_to_end(zoo_model, fc_compile, tmp_path):
+    """Through the compiler and FastCarSession (video_start = 6, the prompt): --prune-prompt 0 (every prompt key is
+    hit, none skipped) with a budget above the video equals the original export (logits 1e-4, batch 2, left
+    padding); --prune-prompt 0.5 does skip prompt keys (logits move); int8 buckets + pruning on a small budget
+    keep the [batch, kv_heads, C, 3 + tables + 1] slot state and finite logits."""
+    from fastcar_compile.runtime import FastCarSession
+
+    src = zoo_model("llama", "dynamo20")
+    rng = np.random.default_rng(12)
+    pad = [0, 2]
+    prompt = rng.integers(0, zoo.VOCAB, (2, 6))
+    mask = (np.arange(6)[None, :] >= np.array(pad)[:, None]).astype(np.int64)
+    steps = [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(20)]
+    want = ort_driver.decode(src, [prompt, *steps], pad=pad).logits
+    diff = {}
+    for prune in (0.0, 0.5):
+        out = tmp_path / f"p{prune}.onnx"
+        fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=64,
+                   prune_prompt=prune)
+        got = run_session(FastCarSession(out), prompt, mask, steps, video_start=6).logits
+        diff[prune] = max(np.abs(got[k] - want[k]).max() for k in range(1, len(want)))
+    assert diff[0.0] <= 1e-4 < diff[0.5], diff
+    small = tmp_path / "small.onnx"
+    fc_compile(str(src), output=str(small), frame_tokens=4, threshold=0.0, kv_budget=12, kv_sinks=1, kv_window=4,
+               sparse_attention="int8:4x3", prune_prompt=0.05)
+    run = run_session(FastCarSession(small), prompt, mask, steps, video_start=6)
+    assert all(np.isfinite(x).all() for x in run.logits)
+    assert run.arrays["past_kv_slots.0"].shape == (2, 2, 12, SLOT_FIELDS + 3 + 1)
+    kvc = {p.key: p.value for p in onnx.load(str(small), load_external_data=False).metadata_props}
+    assert '"int8_dirs": 4' in kvc["fastcar.kv_compress"] and '"prune_prompt": 0.05' in kvc["fastcar.kv_compress"]
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(kv_sinks=2), "need --kv-budget"),
     (dict(kv_budget=4, kv_sinks=2, kv_window=2), "must exceed sinks \\+ window"),
     (dict(kv_budget=8, sparse_attention="lsh8x4"), "lsh:BITSxTABLES"),
     (dict(kv_budget=8, tempcache=1.5), "cosine in \\[-1, 1\\]"),
     (dict(kv_budget=8, fused_attention="gqa"), "--fused-attention fastcar"),
+    (dict(kv_budget=8, sparse_attention="int8:3x4"), "int8 directions must be one of 1, 2, 4, 8"),
+    (dict(kv_budget=8, sparse_attention="int8:"), "int8:DIRSxTABLES"),
+    (dict(kv_budget=8, prune_prompt=1.5), "softmax weight in \\[0, 1\\]"),
+    (dict(prune_prompt=0.1), "need --kv-budget"),
+    (dict(kv_layers=("0:budget=8,prune=x",)), "tempcache/prune numbers"),
 ])
 def test_bad_kv_options_are_one_line(kw, msg):
     from fastcar_compile.passes.context import CompileOptions
@@ -261,6 +325,37 @@ def test_valid_kv_options_are_kept():
 
     cfg = CompileOptions(frame_tokens=4, kv_budget=8, kv_sinks=2, kv_window=3).kv_compress
     assert (cfg.budget, cfg.sinks, cfg.window) == (8, 2, 3)
+    cfg = CompileOptions(frame_tokens=4, kv_budget=8, sparse_attention="int8", prune_prompt=0.02).kv_compress
+    assert (cfg.int8_dirs, cfg.int8_tables, cfg.lsh_bits, cfg.prune_prompt) == (2, 4, None, 0.02)
+    opts = CompileOptions(frame_tokens=4, kv_layers=("1:budget=8,sparse=int8:8x2,prune=0.1",))
+    assert (opts.kv_config(1).int8_dirs, opts.kv_config(1).int8_tables, opts.kv_config(1).prune_prompt) == (8, 2, 0.1)
+
+
+def test_int8_buckets_against_a_per_element_loop():
+    """fastar.int8's vectorised bucket ids equal a plain loop over the definition (unit vector, projection
+    scaled by sqrt(D), floor(32 y) clamped to int8, top 8/dirs bits offset and packed), for every dirs."""
+    import math
+
+    from fastcar_compile.fastar.int8 import Int8Buckets
+
+    x = np.random.default_rng(4).standard_normal((30, 16)) * np.linspace(0.1, 9, 30)[:, None]
+    x[0] = 0.0
+    for dirs in (1, 2, 4, 8):
+        hb = Int8Buckets(16, dirs, 3, seed=dirs)
+        bits = 8 // dirs
+        for row in x:
+            n = math.sqrt(sum(float(a) ** 2 for a in row))
+            want = []
+            for t in range(3):
+                code = 0
+                for r in range(dirs):
+                    dot = sum(float(u) * float(a) for u, a in zip(hb.planes[t, r], row, strict=True))
+                    y = math.sqrt(16) * dot / n if n > 0 else 0.0
+                    c = min(127, max(-128, math.floor(32 * y)))
+                    code += (c // 2 ** (8 - bits) + 2 ** (bits - 1)) * 2 ** (bits * r)
+                want.append(code)
+            assert hb.codes(row).tolist() == want
+            assert all(0 <= w < 256 for w in want)
 
 
 def test_tempcache_lemma_in_the_kernel():
@@ -306,3 +401,65 @@ def test_compressed_model_refusals_are_one_line(zoo_model, fc_compile, tmp_path)
         FastCarSession(comp, native=False)
     with pytest.raises(FastCarError, match="cannot take .*no exported MatMul/Softmax attention core"):
         fc_compile(str(zoo_model("gpt2", "dynamo20")), output=str(tmp_path / "g.onnx"), frame_tokens=4, kv_budget=16)
+
+
+def test_bad_sparse_and_prune_cli_exit_2(zoo_model, tmp_path, capsys):
+    """On the command line: bad int8 / prune values are one stderr line, exit 2, no output file."""
+    from fastcar_compile.cli import main
+
+    src = str(zoo_model("llama", "dynamo20"))
+    for extra, msg in ((["--kv-budget", "8", "--sparse-attention", "int8:3x4"], "int8 directions must be one of"),
+                       (["--kv-budget", "8", "--sparse-attention", "int9"], "int8:DIRSxTABLES"),
+                       (["--kv-budget", "8", "--prune-prompt", "1.5"], "softmax weight in [0, 1]"),
+                       (["--prune-prompt", "0.1"], "need --kv-budget")):
+        assert main([src, "-o", str(tmp_path / "o.onnx"), "--frame-tokens", "4", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and msg in err and "Traceback" not in err, err
+        assert not (tmp_path / "o.onnx").exists()
+
+
+def test_prune_everything_equals_attention_without_the_prompt():
+    """--prune-prompt 1.0 (no softmax weight over several keys reaches 1: no prompt key is ever hit): the prompt
+    and frame 0 attend to everything, every later query to the video tokens only (written independently)."""
+    vs = 7
+    cfg = KVCompressConfig(budget=64, prune_prompt=1.0, frame_len=L, video_start=vs)
+    q, k, v = _trace(5, 40, repeat=False)
+    got, _ = _run_kernel(cfg, q, k, v, [9] + [1] * 31)
+    pos = np.arange(40)
+    qp, kp = apply_rope(np.swapaxes(q, 0, 1), pos), apply_rope(np.swapaxes(k, 0, 1), pos)
+    for t in range(40):
+        first = vs if t >= vs + L else 0
+        for h in range(HQ):
+            s = kp[h // 2, first: t + 1] @ qp[h, t] / np.sqrt(D)
+            w = np.exp(s - s.max())
+            assert np.abs(got[t, h] - (w / w.sum()) @ v[first: t + 1, h // 2]).max() <= 1e-5, (t, h)
+
+
+def test_per_layer_int8_and_prune_slot_widths_equal_the_export(zoo_model, fc_compile, tmp_path):
+    """--kv-layer with the new settings on different layers: layer 0 prunes at 0 (nothing skipped), layer 1
+    buckets by int8 but every token is a sink (all attended): logits equal the original export (1e-4, batch 2,
+    left padding, a 3-token step), each layer's slot state has its own width (3 + 1 hit field; 3 + 3 tables)
+    and the bucket ids were written."""
+    import json
+
+    from fastcar_compile.runtime import FastCarSession
+
+    src = zoo_model("llama", "dynamo20")
+    comp = tmp_path / "comp.onnx"
+    fc_compile(str(src), output=str(comp), frame_tokens=4, threshold=float("inf"),
+               kv_layers=["0:budget=64,prune=0", "1:budget=80,sinks=64,sparse=int8:2x3"])
+    rng = np.random.default_rng(21)
+    prompt = rng.integers(0, zoo.VOCAB, (2, 6))
+    mask, _ = ort_driver.left_pad_masks([0, 3], 6)
+    steps = [rng.integers(0, zoo.VOCAB, (2, 3 if k == 4 else 1)) for k in range(24)]
+    run = run_session(FastCarSession(comp), prompt, mask, steps, video_start=6)
+    want = ort_driver.decode(src, [prompt, *steps], pad=[0, 3]).logits
+    for k in range(1, len(want)):
+        assert np.abs(run.logits[k] - want[k]).max() <= 1e-4, f"step {k}"
+    s0, s1 = run.arrays["past_kv_slots.0"], run.arrays["past_kv_slots.1"]
+    assert s0.shape == (2, 2, 64, SLOT_FIELDS + 1) and s1.shape == (2, 2, 80, SLOT_FIELDS + 3)
+    live = s1[..., 0] > 0
+    assert live.sum() == 2 * 2 * 32 and (s1[..., 3:][live] > 0).any()  # 32 tokens, bucket ids stored
+    meta = json.loads({p.key: p.value for p in onnx.load(str(comp), load_external_data=False)
+                       .metadata_props}["fastcar.kv_compress"])
+    assert meta["per_layer"]["0"]["prune_prompt"] == 0.0 and meta["per_layer"]["1"]["int8_dirs"] == 2

@@ -14,7 +14,8 @@ from fastcar_compile.cli import main
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 L = 4
-PASSES = ["FusedAttentionPass", "DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass", "KvDimNamesPass",
+PASSES = ["FusedAttentionPass", "DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass",
+          "RotaryFusionPass", "RmsNormFusionPass", "SkipNormFusionPass", "KvDimNamesPass",
           "IrVersionPass", "MetadataPass", "ValidatePass", "SavePass"]
 
 

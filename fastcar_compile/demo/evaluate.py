@@ -73,11 +73,11 @@ def compile_bundled(out: Path, tau: float, tas_query: str = "rope", max_replay: 
 
     if not Path(model).exists():
         raise FastCarError(f"bundled decoder {model} is missing; run scripts/export_demo.py")
-    # The exported attention is kept (fused_attention=None), as in the dense decoder it is compared with, so
-    # the demo's speed and quality figures are FastCar's alone.
+    # The exported attention and ops are kept (fused_attention=None, fusions=False), as in the dense decoder it
+    # is compared with, so the demo's speed and quality figures are FastCar's alone.
     fastcar_compile.compile(str(model), output=str(out), frame_tokens=frame_tokens, threshold=float(tau),
                             tas_query=tas_query, max_replay=max_replay, emit_diagnostics=diagnostics,
-                            fused_attention=None)
+                            fused_attention=None, fusions=False)
     return out
 
 

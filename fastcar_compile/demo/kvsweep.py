@@ -8,7 +8,9 @@ columns a kernel would change are density (q.k pairs) and KV bytes.
 
 Mode grammar (';'-separated): `dense`; `window:S+W` (sinks + the last W tokens, oldest-first eviction);
 `budget:S+W+C` (C slots, 'mass' eviction); `tempcache:SIM` (unbounded) or `tempcache:SIM@S+W+C`;
-`lsh:BITSxTABLES` (AnnSA over sinks 4 + window 64).
+`lsh:BITSxTABLES` (AnnSA over sinks 4 + window 64); `int8:DIRSxTABLES` (AnnSA by 8-bit quantised buckets,
+fastar/int8.py, over the same sinks and window); `prune:P` (prompt keys no query of the previous frame gave
+softmax weight >= P are skipped: AnnCA's decoder-only counterpart).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from fastcar_compile.errors import FastCarError
 from fastcar_compile.fastar.config import KVCompressConfig
 
 DEFAULT_MODES = ("dense;window:4+124;budget:4+60+192;tempcache:0.99;tempcache:0.95;tempcache:0.9;"
-                 "tempcache:0.95@4+60+192;lsh:6x4;lsh:8x4")
+                 "tempcache:0.95@4+60+192;lsh:6x4;lsh:8x4;int8:2x4;int8:4x8;prune:0.01;prune:0.1")
 LSH_SINKS, LSH_WINDOW = 4, 64
 
 
@@ -66,8 +68,19 @@ def parse_mode(spec: str, frame_len: int, video_start: int) -> KVCompressConfig 
         if not (b.isdigit() and t.isdigit()):
             raise FastCarError(f"{spec}: lsh takes BITSxTABLES, e.g. lsh:8x4")
         return KVCompressConfig(lsh_bits=int(b), lsh_tables=int(t), sinks=LSH_SINKS, window=LSH_WINDOW, **base)
-    raise FastCarError(f"unknown KV mode {spec!r}; use dense, window:S+W, budget:S+W+C, tempcache:SIM[@S+W+C] "
-                       "or lsh:BITSxTABLES")
+    if kind == "int8":
+        r, _, t = arg.partition("x")
+        if not (r.isdigit() and t.isdigit()):
+            raise FastCarError(f"{spec}: int8 takes DIRSxTABLES, e.g. int8:2x4")
+        return KVCompressConfig(int8_dirs=int(r), int8_tables=int(t), sinks=LSH_SINKS, window=LSH_WINDOW, **base)
+    if kind == "prune":
+        try:
+            thr = float(arg)
+        except ValueError:
+            raise FastCarError(f"{spec}: prune takes a softmax weight, e.g. prune:0.01") from None
+        return KVCompressConfig(prune_prompt=thr, **base)
+    raise FastCarError(f"unknown KV mode {spec!r}; use dense, window:S+W, budget:S+W+C, tempcache:SIM[@S+W+C], "
+                       "lsh:BITSxTABLES, int8:DIRSxTABLES or prune:P")
 
 
 def parse_modes(specs: str, frame_len: int, video_start: int) -> list[tuple[str, KVCompressConfig | None]]:
@@ -114,7 +127,7 @@ def sweep(model, tok, clips, modes: list[tuple[str, KVCompressConfig | None]], p
             toks = tok.encode(c.frames)
             t0 = time.perf_counter()
             gen, ref = generate(model, prompt(c.motion) + [int(t) for t in toks[0]], (len(c.frames) - 1) * L,
-                                [cfg] * layers, CODES, measure_from=VIDEO_START + L)
+                                [cfg] * layers, CODES, measure_from=VIDEO_START + L, prefix_len=VIDEO_START)
             secs += time.perf_counter() - t0
             video = np.concatenate([toks[0], gen]).reshape(len(c.frames), L)
             frames.append(video)
@@ -150,13 +163,14 @@ def sweep(model, tok, clips, modes: list[tuple[str, KVCompressConfig | None]], p
 
 def table(rows: list[dict]) -> str:
     head = ("| mode | density | recall | KV vs dense | PSNR vs dense | SSIM vs dense | PSNR vs GT | SSIM vs GT | "
-            "token agree | recall per layer |")
+            "token agree | recall per layer | prompt mass per layer |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         pl = " / ".join(f"{100 * p['recall']:.0f}" for p in r["per_layer"])
+        pm = " / ".join(f"{100 * p.get('prefix_mass', float('nan')):.1f}" for p in r["per_layer"])
         out.append(f"| {r['mode']} | {100 * r['density']:.1f}% | {100 * r['recall']:.1f}% | "
                    f"{100 * r['kv_ratio']:.1f}% | {r['psnr_vs_dense']:.2f} | {r['ssim_vs_dense']:.3f} | "
-                   f"{r['psnr_vs_gt']:.2f} | {r['ssim_vs_gt']:.3f} | {100 * r['token_agreement']:.1f}% | {pl} |")
+                   f"{r['psnr_vs_gt']:.2f} | {r['ssim_vs_gt']:.3f} | {100 * r['token_agreement']:.1f}% | {pl} | {pm} |")
     return "\n".join(out)
 
 

@@ -10,7 +10,7 @@ head h reads KV head h // (Hq / Hkv)). Metrics (SPEC.md section 3) over steps p 
 - kept_mass: dense mass on tokens whose slot was attended (ignores how merging reshapes the distribution);
 - out_err: ||o - o_dense|| / ||o_dense|| per query head and step (mean);
 - KV bytes: resident slots x (key + value) at `bytes_per` bytes, plus an int32 count (TempCache) and the
-  bit-packed LSH codes (AnnSA) per slot.
+  bit-packed LSH codes or int8 bucket bytes (AnnSA) per slot.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fastar.cache import HeadCache
 from fastcar_compile.fastar.config import KVCompressConfig
-from fastcar_compile.fastar.lsh import SignLSH
+from fastcar_compile.fastar.int8 import hasher
 from fastcar_compile.fastar.rope import apply_rope
 
 
@@ -88,10 +88,13 @@ def recall_and_kept(c: HeadCache, slots: np.ndarray, w_slot: np.ndarray, w_dense
 
 
 def slot_bytes(cfg: KVCompressConfig, d: int, bytes_per: int) -> int:
-    """Key + value, an int32 count with TempCache, the bit-packed LSH codes with AnnSA."""
-    extra = (4 if cfg.tempcache_sim is not None else 0)
+    """Key + value, an int32 count with TempCache, the bit-packed LSH codes or one byte per int8 table with
+    AnnSA, an int32 hit frame with prompt pruning."""
+    extra = (4 if cfg.tempcache_sim is not None else 0) + (4 if cfg.prune_prompt is not None else 0)
     if cfg.lsh_bits is not None:
         extra += -(-cfg.lsh_bits * cfg.lsh_tables // 8)
+    if cfg.int8_dirs is not None:
+        extra += cfg.int8_tables
     return 2 * d * bytes_per + extra
 
 
@@ -107,8 +110,7 @@ def run_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: KVCompressConfig
     cfgs = list(cfg) if isinstance(cfg, list | tuple) else [cfg] * hkv
     if len(cfgs) != hkv:
         raise FastCarError(f"got {len(cfgs)} per-head configs for {hkv} KV heads; give one per KV head or one")
-    caches = [HeadCache(c, d, T, theta, SignLSH(d, c.lsh_bits, c.lsh_tables, c.seed) if c.lsh_bits else None)
-              for c in cfgs]
+    caches = [HeadCache(c, d, T, theta, hasher(c, d)) for c in cfgs]
     pos = np.arange(T)
     q_post = apply_rope(np.swapaxes(q, 0, 1), pos, theta)  # [Hq, T, d]
     k_post = apply_rope(np.swapaxes(k, 0, 1), pos, theta)  # [Hkv, T, d]

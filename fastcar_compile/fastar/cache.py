@@ -3,7 +3,8 @@
 Slots hold the key post-RoPE at the position of its most recent member (so q.k keeps true relative
 distances), that key pre-RoPE (TempCache compares before rotation), the running mean of the members'
 values, the member count (attention adds log(count): the TempCache lemma) and the cumulative attention
-probability the slot received (for 'mass' eviction). `token_slot[t]` maps every token seen to its slot, or
+probability the slot received (for 'mass' eviction), and for prompt pruning the latest frame in which a query
+hit the slot (`hit_frame`, frame index + 1; 0 = never). `token_slot[t]` maps every token seen to its slot, or
 -1 once evicted: the bookkeeping that the property tests check (counts sum to tokens seen, no slot lost).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastcar_compile.fastar.config import KVCompressConfig
+from fastcar_compile.fastar.int8 import Int8Buckets
 from fastcar_compile.fastar.lsh import SignLSH
 from fastcar_compile.fastar.rope import apply_rope
 
@@ -24,7 +26,7 @@ def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class HeadCache:
     def __init__(self, cfg: KVCompressConfig, head_dim: int, max_tokens: int, theta: float | None = 10000.0,
-                 lsh: SignLSH | None = None) -> None:
+                 lsh: SignLSH | Int8Buckets | None = None) -> None:
         self.cfg, self.theta, self.lsh = cfg, theta, lsh
         cap = max_tokens if cfg.budget is None else min(cfg.budget, max_tokens)
         self.capacity = cap
@@ -35,6 +37,7 @@ class HeadCache:
         self.pos = np.full(cap, -1, np.int64)
         self.mass = np.zeros(cap)
         self.live = np.zeros(cap, bool)
+        self.hit_frame = np.zeros(cap, np.int64)
         self.codes = np.zeros((cap, lsh.tables if lsh else 0), np.int64)
         self.token_slot = np.full(max_tokens, -1, np.int64)
         self.seen = 0
@@ -62,6 +65,7 @@ class HeadCache:
             self.v[slot] = v
             self.count[slot] = 1
             self.mass[slot] = 0.0
+            self.hit_frame[slot] = 0
         self.k_pre[slot], self.k_post[slot], self.pos[slot] = k_pre, k_post, p
         if self.lsh is not None:
             self.codes[slot] = self.lsh.codes(k_post)
@@ -107,16 +111,32 @@ class HeadCache:
         """[cap] bool: live slots holding a sink or a token of the last `window` positions up to p."""
         return self.live & ((self.pos < self.cfg.sinks) | (self.pos > p - self.cfg.window))
 
+    def _frame(self, p: int) -> int:
+        """Video frame index of position p (-1 for the prompt prefix)."""
+        return (p - self.cfg.video_start) // self.cfg.frame_len if p >= self.cfg.video_start else -1
+
+    def pruned(self, p: int) -> np.ndarray:
+        """[cap] bool: prompt-prefix slots skipped at position p (--prune-prompt): from video frame 1 on, a
+        prefix slot (position < video_start) is skipped unless a query of the previous frame (or of this one)
+        hit it. Skipped slots cannot be hit, so a pruned prefix key stays pruned for the rest of the video."""
+        f = self._frame(p)
+        if self.cfg.prune_prompt is None or f < 1:
+            return np.zeros(self.capacity, bool)
+        return self.live & (self.pos < self.cfg.video_start) & (self.hit_frame < f)
+
     def select(self, q_post: np.ndarray) -> np.ndarray:
-        """Slots one decode query attends to: all live ones, or (AnnSA) bucket matches + sinks + window.
+        """Slots one decode query attends to: all live ones, or (AnnSA) bucket matches + sinks + window; minus
+        the pruned prompt slots (pruning overrides sinks).
 
         The current token's own slot is always included, so a selection is never empty (window 0, no hit).
         """
-        if self.lsh is None:
-            return np.flatnonzero(self.live)
         p = self.seen - 1
-        hit = SignLSH.shares_bucket(self.codes, self.lsh.codes(q_post))
-        keep = self.live & (hit | self.protected(p))
+        if self.lsh is None:
+            keep = self.live.copy()
+        else:
+            hit = self.lsh.shares_bucket(self.codes, self.lsh.codes(q_post))
+            keep = self.live & (hit | self.protected(p))
+        keep &= ~self.pruned(p)
         keep[self.token_slot[p]] = True
         return np.flatnonzero(keep)
 
@@ -127,6 +147,10 @@ class HeadCache:
         w = np.exp(logits - logits.max())
         w /= w.sum()
         self.mass[slots] += w
+        p = self.seen - 1
+        if self.cfg.prune_prompt is not None and p >= self.cfg.video_start:  # a hit: weight >= the threshold
+            hits = slots[(w >= self.cfg.prune_prompt) & (self.pos[slots] < self.cfg.video_start)]
+            self.hit_frame[hits] = self._frame(p) + 1
         return w @ self.v[slots], w
 
     def slots_used(self) -> int:

@@ -8,6 +8,7 @@ from fastcar_compile.errors import FastCarError
 
 EVICTION_POLICIES = ("mass", "oldest")
 CORRESPONDENCE = ("aligned", "aligned+top1")
+INT8_DIRS = (1, 2, 4, 8)  # directions per int8 bucket table: 8 / dirs bits of each one's int8 code (fastar/int8.py)
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,11 @@ class KVCompressConfig:
     (frame_len); 'aligned+top1' also with the best pre-RoPE match among the previous frame's slots.
     eviction: which non-sink, non-window slot leaves when the budget is full ('mass' = least cumulative
     attention probability received, H2O-style; 'oldest' = smallest latest position). lsh_bits/lsh_tables:
-    AnnSA (None = dense over resident slots). frame_len/video_start: the token layout (SPEC.md section 6).
+    AnnSA by sign random projections (None = dense over resident slots). int8_dirs/int8_tables: AnnSA by 8-bit
+    quantised buckets instead (fastar/int8.py; exclusive with lsh). prune_prompt: AnnCA's decoder-only
+    counterpart: a prompt-prefix key (position < video_start) that no query of the previous frame gave softmax
+    weight >= this value is skipped for the current frame (None = off; 0 keeps every prefix key).
+    frame_len/video_start: the token layout (SPEC.md section 6).
     """
 
     budget: int | None = None
@@ -31,6 +36,9 @@ class KVCompressConfig:
     eviction: str = "mass"
     lsh_bits: int | None = None
     lsh_tables: int = 1
+    int8_dirs: int | None = None
+    int8_tables: int = 1
+    prune_prompt: float | None = None
     frame_len: int = 64
     video_start: int = 3
     seed: int = 0
@@ -49,13 +57,26 @@ class KVCompressConfig:
             raise FastCarError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         if self.lsh_bits is not None and not (1 <= self.lsh_bits <= 62 and self.lsh_tables >= 1):
             raise FastCarError(f"lsh needs 1..62 bits and >= 1 table, got {self.lsh_bits}x{self.lsh_tables}")
+        if self.int8_dirs is not None and not (self.int8_dirs in INT8_DIRS and self.int8_tables >= 1):
+            raise FastCarError(f"int8 buckets need {'/'.join(map(str, INT8_DIRS))} directions per table and >= 1 "
+                               f"table, got {self.int8_dirs}x{self.int8_tables}")
+        if self.int8_dirs is not None and self.lsh_bits is not None:
+            raise FastCarError("choose one AnnSA bucketing: lsh or int8, not both")
+        if self.prune_prompt is not None and not 0.0 <= self.prune_prompt <= 1.0:
+            raise FastCarError(f"prune-prompt threshold must be a softmax weight in [0, 1], got {self.prune_prompt}")
         if self.frame_len < 1 or self.video_start < 0:
             raise FastCarError(f"frame_len must be >= 1 and video_start >= 0, got {self.frame_len}, {self.video_start}")
 
     @property
     def is_dense(self) -> bool:
         """No budget, no merging, no sparsity: attention must equal plain dense attention."""
-        return self.budget is None and self.tempcache_sim is None and self.lsh_bits is None
+        return self.budget is None and self.tempcache_sim is None and self.sparse_tables == 0 and \
+            self.prune_prompt is None
+
+    @property
+    def sparse_tables(self) -> int:
+        """Bucket tables of the AnnSA mode (lsh or int8); 0 = no AnnSA."""
+        return self.lsh_tables if self.lsh_bits is not None else self.int8_tables if self.int8_dirs is not None else 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -20,7 +20,7 @@ from fastcar_compile.errors import FastCarError
 from fastcar_compile.fastar.attention import dense_step, recall_and_kept, slot_bytes
 from fastcar_compile.fastar.cache import HeadCache
 from fastcar_compile.fastar.config import KVCompressConfig
-from fastcar_compile.fastar.lsh import SignLSH
+from fastcar_compile.fastar.int8 import hasher
 from fastcar_compile.fastar.rope import apply_rope
 
 IMPL = "fastar_reference"
@@ -35,29 +35,31 @@ class LayerStats:
     recall: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # resident slots per KV head after each step (mean)
+    prefix: list[float] = field(default_factory=list)  # dense softmax mass on the prompt prefix (anchors)
 
     def summary(self) -> dict:
         return {"density": self.executed / self.dense if self.dense else float("nan"),
                 "recall": float(np.mean(self.recall)) if self.recall else float("nan"),
                 "kept_mass": float(np.mean(self.kept)) if self.kept else float("nan"),
-                "slots_last": float(self.slots[-1]) if self.slots else 0.0}
+                "slots_last": float(self.slots[-1]) if self.slots else 0.0,
+                "prefix_mass": float(np.mean(self.prefix)) if self.prefix else float("nan")}
 
 
 class ReferenceAttention:
     """Per-layer compressed caches for one sequence (batch 1); `cfgs[layer]` None = dense (exact)."""
 
     def __init__(self, cfgs: list[KVCompressConfig | None], max_tokens: int, theta: float,
-                 measure_from: int = 0) -> None:
+                 measure_from: int = 0, prefix_len: int = 0) -> None:
         self.cfgs, self.max_tokens, self.theta, self.measure_from = cfgs, max_tokens, theta, measure_from
+        self.prefix_len = prefix_len  # prompt tokens before video_start: their dense mass is recorded
         self.caches: dict[int, list[HeadCache]] = {}
         self.stats = [LayerStats() for _ in cfgs]
 
     def _caches(self, layer: int, hkv: int, d: int) -> list[HeadCache]:
         if layer not in self.caches:
             cfg = self.cfgs[layer] or KVCompressConfig()
-            self.caches[layer] = [HeadCache(cfg, d, self.max_tokens, self.theta,
-                                            SignLSH(d, cfg.lsh_bits, cfg.lsh_tables, cfg.seed) if cfg.lsh_bits
-                                            else None) for _ in range(hkv)]
+            self.caches[layer] = [HeadCache(cfg, d, self.max_tokens, self.theta, hasher(cfg, d))
+                                  for _ in range(hkv)]
         return self.caches[layer]
 
     def attend(self, layer: int, query, key, value):
@@ -93,6 +95,7 @@ class ReferenceAttention:
                     st.dense += p + 1
                     st.recall.append(r)
                     st.kept.append(m)
+                    st.prefix.append(float(w_dense[: self.prefix_len].sum()))
             if p >= self.measure_from:
                 st.slots.append(int(np.mean([c.slots_used() for c in caches])))
         return torch.from_numpy(out[None]).to(query.dtype), None
@@ -137,7 +140,8 @@ def reference_attention(model, ref: ReferenceAttention):
 
 
 def generate(model, prompt_ids: list[int], new_tokens: int, cfgs: list[KVCompressConfig | None],
-             vocab_limit: int, measure_from: int = 0, progress: bool = False) -> tuple[np.ndarray, ReferenceAttention]:
+             vocab_limit: int, measure_from: int = 0, progress: bool = False, prefix_len: int = 0
+             ) -> tuple[np.ndarray, ReferenceAttention]:
     """Greedy: the prompt ids, then `new_tokens` tokens (argmax over ids < vocab_limit), attention on the
     reference. Returns (generated ids [new_tokens], the reference state with per-layer stats)."""
     import torch
@@ -146,7 +150,7 @@ def generate(model, prompt_ids: list[int], new_tokens: int, cfgs: list[KVCompres
     if len(cfgs) != model.config.num_hidden_layers:
         raise FastCarError(f"give one KV config (or None) per layer: {model.config.num_hidden_layers}, got {len(cfgs)}")
     theta = float(model.config.rope_parameters["rope_theta"])
-    ref = ReferenceAttention(cfgs, len(prompt_ids) + new_tokens, theta, measure_from)
+    ref = ReferenceAttention(cfgs, len(prompt_ids) + new_tokens, theta, measure_from, prefix_len)
     out = np.empty(new_tokens, np.int64)
     with reference_attention(model, ref), torch.no_grad():
         res = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)

@@ -177,6 +177,10 @@ struct Settings {
   bool evict_oldest = false;
   int64_t lsh_bits = 0, lsh_tables = 0;
   std::vector<float> lsh_planes;  // [tables, bits, D]
+  int64_t int8_dirs = 0, int8_tables = 0;  // AnnSA by 8-bit quantised buckets (fastcar_compile/fastar/int8.py)
+  std::vector<float> int8_planes;  // [tables, dirs, D], unit rows
+  float prune_prompt = -1.0f;  // < 0: off; else the softmax weight a prompt key needs to count as hit
+  int64_t CodeTables() const { return lsh_bits > 0 ? lsh_tables : int8_dirs > 0 ? int8_tables : 0; }
 };
 
 struct Shapes {
@@ -197,7 +201,8 @@ inline void WriteNew(const Shapes& sh, int64_t Hkv, const float* past, const flo
 // --- compressed mode: C slots per (row, KV head); semantics of fastcar_compile/fastar/cache.py (HeadCache) ----
 // slot record (past_slots/present_slots [B,Hkv,C,F], float32, all zeros = free):
 //   [0] KV index + 1 of the slot's latest member (0 = free), [1] members (count), [2] attention mass received,
-//   [3 .. 3 + lsh_tables) the key's LSH bucket per table.
+//   [3 .. 3 + tables) the key's AnnSA bucket per table (LSH or int8), then with prompt pruning
+//   [3 + tables] the latest video frame + 1 in which a query gave the slot weight >= prune_prompt (0 = never).
 constexpr int64_t kPos = 0, kCount = 1, kMass = 2, kCodes = 3;
 
 struct CompressedTask {
@@ -213,6 +218,7 @@ struct CompressedTask {
   float* dense = nullptr;
   int64_t dense_cap = 0;
   float* stats = nullptr;
+  int64_t video_start = 0;  // prompt pruning: KV index of the first video token (the model's video_start)
 };
 
 // Recall of one query (fastcar_compile/fastar/attention.py): sum over tokens of min(p_dense(t), p_slot/count)
@@ -269,6 +275,33 @@ inline void LshCodes(const Settings& c, const float* x, int64_t D, float* codes)
     }
     codes[t] = static_cast<float>(code);
   }
+}
+
+// int8 buckets (fastcar_compile/fastar/int8.py): per table, each direction's projection of the unit vector,
+// scaled by sqrt(D), quantised to int8 as floor(32 y) clamped to [-128, 127]; the bucket packs the top 8 / dirs
+// bits of each code (floor division, offset to be non-negative) into one 8-bit id.
+inline void Int8Codes(const Settings& c, const float* x, int64_t D, float* codes) {
+  double nn = 0.0;
+  for (int64_t d = 0; d < D; ++d) nn += double(x[d]) * x[d];
+  const double inv = nn > 0.0 ? std::sqrt(double(D)) / std::sqrt(nn) : 0.0;
+  const int64_t bits = 8 / c.int8_dirs, step = int64_t{1} << (8 - bits);
+  for (int64_t t = 0; t < c.int8_tables; ++t) {
+    int64_t code = 0;
+    for (int64_t r = 0; r < c.int8_dirs; ++r) {
+      const float* pl = c.int8_planes.data() + (t * c.int8_dirs + r) * D;
+      double dot = 0.0;
+      for (int64_t d = 0; d < D; ++d) dot += double(pl[d]) * x[d];
+      const double q = std::min(127.0, std::max(-128.0, std::floor(32.0 * dot * inv)));
+      const int64_t part = static_cast<int64_t>(std::floor(q / double(step))) + (int64_t{1} << (bits - 1));
+      code |= part << (bits * r);
+    }
+    codes[t] = static_cast<float>(code);
+  }
+}
+
+inline void BucketCodes(const Settings& c, const float* x, int64_t D, float* codes) {
+  if (c.lsh_bits > 0) LshCodes(c, x, D, codes);
+  else if (c.int8_dirs > 0) Int8Codes(c, x, D, codes);
 }
 
 inline float Cosine(const float* a, const float* b, int64_t D) {
@@ -399,7 +432,10 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
   float* key_raw = t.key_raw != nullptr ? t.key_raw + bh * C * D : nullptr;
   const int64_t* m = t.mask + b * sh.T;
   const bool tempcache = c.tempcache_sim <= 1.0f;
-  std::vector<float> w(C), qcode(std::max<int64_t>(c.lsh_tables, 1)), bias(C);
+  const int64_t tables = c.CodeTables(), kHit = kCodes + tables;
+  const bool prune = c.prune_prompt >= 0.0f;
+  const int64_t vs = t.video_start;
+  std::vector<float> w(C), qcode(std::max<int64_t>(tables, 1)), bias(C);
   float* dense = t.dense != nullptr ? t.dense + bh * t.dense_cap * 2 * D : nullptr;
   float* stats = t.stats != nullptr ? t.stats + bh * 4 : nullptr;
   std::vector<float> pd(dense != nullptr ? t.dense_cap : 0);
@@ -451,11 +487,12 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
       std::memcpy(val + slot * D, vn, sizeof(float) * D);
       slots[slot * F + kCount] = 1.0f;
       slots[slot * F + kMass] = 0.0f;
+      if (prune) slots[slot * F + kHit] = 0.0f;
     }
     std::memcpy(key + slot * D, kn, sizeof(float) * D);
     if (key_raw != nullptr) std::memcpy(key_raw + slot * D, kr, sizeof(float) * D);
     slots[slot * F + kPos] = static_cast<float>(p + 1);
-    if (c.lsh_bits > 0) LshCodes(c, kn, D, slots + slot * F + kCodes);
+    if (tables > 0) BucketCodes(c, kn, D, slots + slot * F + kCodes);
     if (dense != nullptr) {
       if (p >= t.dense_cap) throw std::runtime_error("CompressedAttention: the video is longer than the diagnostics' dense buffer (--kv-diagnostics)");
       std::memcpy(dense + p * 2 * D, kn, sizeof(float) * D);
@@ -465,29 +502,32 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
       pad_queries.push_back(i);
       continue;
     }
-    // 3. attend: every query head of the group, over all live slots or (AnnSA) bucket hits + sinks + window.
+    // 3. attend: every query head of the group, over all live slots or (AnnSA) bucket hits + sinks + window,
+    // minus (prompt pruning, from video frame 1 on) prefix slots no query of the previous frame hit.
     // The live, visible slots and their log(count) bias are the same for the whole group: gathered once.
+    const int64_t frame = p >= vs ? (p - vs) / c.frame_tokens : -1;
     int64_t nl = 0;
     for (int64_t s = 0; s < C; ++s) {
       const float* rec = slots + s * F;
       if (rec[kPos] == 0.0f || m[pos(s)] == 0) continue;
+      if (prune && frame >= 1 && pos(s) < vs && s != slot && rec[kHit] < static_cast<float>(frame)) continue;
       live[nl] = s;
       bias[nl++] = rec[kCount] > 1.0f ? std::log(rec[kCount]) : 0.0f;  // log(1) = 0 exactly
     }
-    if (c.lsh_bits == 0 && G >= 4) {  // every query head attends to the same slots: score them together
+    if (tables == 0 && !prune && G >= 4) {  // every query head attends to the same slots: score them together
       GroupAttend(t, b, hk, i, p, live.data(), bias.data(), nl, key, val, slots, m, dense, stats, pd, block);
       continue;
     }
     for (int64_t g = 0; g < G; ++g) {
       const float* qv = t.q + ((b * c.heads + hk * G + g) * sh.S + i) * D;
       int64_t n = 0;
-      if (c.lsh_bits > 0) {
-        LshCodes(c, qv, D, qcode.data());
+      if (tables > 0) {
+        BucketCodes(c, qv, D, qcode.data());
         for (int64_t a = 0; a < nl; ++a) {
           const int64_t s = live[a];
           const int64_t ps = pos(s);
           bool keep = s == slot || ps < c.sinks || ps > p - c.window;
-          for (int64_t tb = 0; tb < c.lsh_tables && !keep; ++tb) keep = slots[s * F + kCodes + tb] == qcode[tb];
+          for (int64_t tb = 0; tb < tables && !keep; ++tb) keep = slots[s * F + kCodes + tb] == qcode[tb];
           if (keep) {
             sel[n] = s;
             w[n++] = bias[a];
@@ -522,6 +562,8 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
       for (int64_t a = 0; a < n; ++a) {
         const float pa = w[a] * inv;
         slots[sel[a] * F + kMass] += pa;
+        if (prune && frame >= 0 && pos(sel[a]) < vs && pa >= c.prune_prompt)
+          slots[sel[a] * F + kHit] = static_cast<float>(frame + 1);
         const float* vv = val + sel[a] * D;
         for (int64_t d = 0; d < D; ++d) o[d] += pa * vv[d];
       }

@@ -312,7 +312,7 @@ struct MLPCacheUpdate {
 
 // CompressedAttention(q [B,Hq,S,D], k [B,Hkv,S,D], v, past_key [B,Hkv,N,D], past_value, attention_mask [B,T],
 //   total_len [] int32, [past_slots [B,Hkv,C,F], k_raw [B,Hkv,S,D], past_key_raw [B,Hkv,C,D],
-//   past_dense [B,Hkv,M,2D]])
+//   past_dense [B,Hkv,M,2D], video_start [] int64 (prune_prompt; unused inputs before it are empty float[0])])
 //   -> (out [B,S,Hq*D], present_key, present_value, [present_slots, aligned_key [B,Hkv,S,D], present_key_raw,
 //       present_dense, kv_stats [B,Hkv,4]])
 struct CompressedAttention {
@@ -333,13 +333,18 @@ struct CompressedAttention {
     cfg.lsh_bits = AttrOr<int64_t>(ki, "lsh_bits", 0);
     cfg.lsh_tables = AttrOr<int64_t>(ki, "lsh_tables", 0);
     if (cfg.lsh_bits > 0) cfg.lsh_planes = ki.GetAttributes<float>("lsh_planes");
+    cfg.int8_dirs = AttrOr<int64_t>(ki, "int8_dirs", 0);
+    cfg.int8_tables = AttrOr<int64_t>(ki, "int8_tables", 0);
+    if (cfg.int8_dirs > 0) cfg.int8_planes = ki.GetAttributes<float>("int8_planes");
+    cfg.prune_prompt = AttrOr<float>(ki, "prune_prompt", -1.0f);
   }
 
   void Compute(OrtKernelContext* context, const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v,
                const Tensor<float>& past_key, const Tensor<float>& past_value, const Tensor<int64_t>& mask,
                const Tensor<int32_t>& total_len, std::optional<const Tensor<float>*> past_slots,
                std::optional<const Tensor<float>*> k_raw, std::optional<const Tensor<float>*> past_key_raw,
-               std::optional<const Tensor<float>*> past_dense, Tensor<float>& out, Tensor<float>& present_key, Tensor<float>& present_value,
+               std::optional<const Tensor<float>*> past_dense,
+               std::optional<const Tensor<int64_t>*> video_start, Tensor<float>& out, Tensor<float>& present_key, Tensor<float>& present_value,
                std::optional<Tensor<float>*> present_slots, std::optional<Tensor<float>*> aligned_key,
                std::optional<Tensor<float>*> present_key_raw, std::optional<Tensor<float>*> present_dense,
                std::optional<Tensor<float>*> kv_stats) {
@@ -404,6 +409,11 @@ struct CompressedAttention {
       t.dense = (*present_dense)->Allocate({sh.B, cfg.kv_heads, t.dense_cap, 2 * sh.D});
       CopyIfDistinct((*past_dense)->Data(), t.dense, n);
       t.stats = (*kv_stats)->Allocate({sh.B, cfg.kv_heads, 4});
+    }
+    if (cfg.prune_prompt >= 0.0f) {
+      if (!video_start.has_value() || (*video_start)->NumberOfElement() != 1)
+        throw std::runtime_error("CompressedAttention: prune_prompt needs the video_start input (input 11)");
+      t.video_start = (*video_start)->Data()[0];
     }
     if (aligned_key.has_value()) t.aligned = (*aligned_key)->Allocate({sh.B, cfg.kv_heads, sh.S, sh.D});
     kctx.ParallelFor(fastcar_attn::CompressedItemThunk, static_cast<size_t>(sh.B * cfg.kv_heads), 0, &t);

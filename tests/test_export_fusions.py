@@ -1,0 +1,93 @@
+"""Export fusions after the FastCar rewrite (passes/fuse_norm.py, fuse_rotary.py): RMSNorm chains ->
+SimplifiedLayerNormalization (main graph and If branches), a residual Add + norm -> SkipSimplifiedLayerNormalization,
+rotate-half RoPE -> com.microsoft.RotaryEmbedding.
+
+References: the uncompiled export (tau = +inf: logits within 1e-4 over a long decode at batch 2 with left
+padding) and the eager FastCar reference in PyTorch at finite tau (tests/test_pass_reference.py's check:
+logits, replay decisions, TAS from the `rope` or `raw` query, final state). Each test also checks that the
+fusions happened, so none passes on an unfused graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+import ort_driver
+import pytest
+import test_pass_reference as tpr
+import zoo
+
+L = 4
+FAMILIES = [("llama", "dynamo20"), ("qwen2", "dynamo20"), ("phi3", "dynamo18")]
+
+
+def _ops(graph: onnx.GraphProto) -> list[str]:
+    """Op types of the graph and of every graph nested in it (If branches)."""
+    out = []
+    for node in graph.node:
+        out.append(node.op_type)
+        for attr in node.attribute:
+            for g in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                out += _ops(g)
+    return out
+
+
+def _assert_fused(path, layers: int) -> None:
+    ops = _ops(onnx.load(str(path)).graph)
+    assert ops.count("RotaryEmbedding") == 2 * layers  # q and k of every layer
+    # the MLP residual Add closes into the next layer's (or the final) norm; the post-attention norm is in the If
+    assert ops.count("SkipSimplifiedLayerNormalization") == layers
+    assert ops.count("SimplifiedLayerNormalization") >= layers + 1
+    assert "Pow" not in ops and "Neg" not in ops and "Reciprocal" not in ops
+
+
+@pytest.mark.parametrize("family,exporter", FAMILIES)
+def test_fusions_equal_the_export(zoo_model, fc_compile, tmp_path, family, exporter):
+    """tau = +inf: the fused compiled graph's logits equal the uncompiled export (batch 2, left padding, a
+    3-token step after the prompt), and equal the same compile without fusions."""
+    src = zoo_model(family, exporter)
+    fused, plain = tmp_path / "fused.onnx", tmp_path / "plain.onnx"
+    fc_compile(str(src), output=str(fused), frame_tokens=L, threshold=float("inf"))
+    fc_compile(str(src), output=str(plain), frame_tokens=L, threshold=float("inf"), fusions=False)
+    _assert_fused(fused, zoo.model_info(family).num_layers)
+    assert "RotaryEmbedding" not in _ops(onnx.load(str(plain)).graph)
+    rng = np.random.default_rng(2)
+    pad = [0, 3]
+    steps = [rng.integers(0, zoo.VOCAB, (2, 6))] + [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(6 * L)]
+    steps += [rng.integers(0, zoo.VOCAB, (2, 3))] + [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(3 * L)]
+    want = ort_driver.decode(src, steps, pad=pad)
+    got = ort_driver.decode(fused, steps, pad=pad)
+    unfused = ort_driver.decode(plain, steps, pad=pad)
+    real = np.arange(6)[None, :] >= np.array(pad)[:, None]
+    assert np.abs(got.logits[0] - want.logits[0])[real].max() <= 1e-4
+    for k in range(1, len(steps)):
+        assert np.abs(got.logits[k] - want.logits[k]).max() <= 1e-4, f"step {k}"
+        assert np.abs(got.logits[k] - unfused.logits[k]).max() <= 1e-4, f"step {k}"
+
+
+@pytest.mark.parametrize("family,exporter,query", [("llama", "dynamo20", "rope"), ("qwen2", "dynamo20", "raw"),
+                                                   ("phi3", "dynamo18", "rope")])
+def test_fusions_match_eager_reference(zoo_model, fc_compile, tmp_path, family, exporter, query):
+    """Finite tau: the fused graph's decisions, TAS, logits and state equal the eager PyTorch reference."""
+    compiled = []
+
+    def compile_and_keep(*args, **kwargs):
+        compiled.append(kwargs["output"])
+        return fc_compile(*args, **kwargs)
+
+    case = tpr.Case(family, exporter, query, max_replay=2, pad=(0, 2), video_start=3)
+    tpr.check_against_reference(zoo_model, functools.partial(compile_and_keep), tmp_path, case)
+    _assert_fused(compiled[0], zoo.model_info(family).num_layers)
+
+
+def test_fusions_off_switch(zoo_model, tmp_path):
+    """--fusions off keeps the export's RMSNorm and RoPE ops (the CLI switch reaches the pipeline)."""
+    from fastcar_compile.cli import main
+
+    out = tmp_path / "fast.onnx"
+    assert main([str(zoo_model("llama", "dynamo20")), "-o", str(out), "--frame-tokens", str(L),
+                 "--fusions", "off"]) == 0
+    ops = _ops(onnx.load(str(out)).graph)
+    assert "Pow" in ops and "Neg" in ops and "RotaryEmbedding" not in ops
