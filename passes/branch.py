@@ -68,7 +68,7 @@ class BranchPass(ir.passes.InPlacePass):
             out.type = ir.TensorType(dtype)
         lr.used = b("If", [all_keep], {"then_branch": full, "else_branch": partial}, part="mlp",
                     names=[f"fastcar.{n}.mlp_used"])
-        lr.used.type = ir.TensorType(dtype)
+        lr.used.type, lr.used.shape = ir.TensorType(dtype), mlp.output.shape  # (the skip-norm fusion checks it)
         mlp.closing.replace_input_with(list(mlp.closing.inputs).index(mlp.output), lr.used)
         graph.insert_before(mlp.closing, lr.nodes)
         lr.nodes = []
