@@ -243,8 +243,8 @@ FUSED_PREFIX = {"fastcar": "fc", "gqa": "fused", "fastcar" + NO_FUSIONS: "fcn", 
 
 def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: dict[str, Path] | None = None,
             layers: int = 0, threads: int = 2, block: int = 8,
-            entries: dict[str, str] | None = None,
-            only: list[int] | None = None) -> tuple[dict[str, list[float]], dict[str, float]]:
+            entries: dict[str, str] | None = None, only: list[int] | None = None,
+            clock=time.perf_counter) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Prefill every variant with the same ctx tokens, then time them in turn, `block` tokens at a time.
 
     Blocks, not single steps: stepping a dozen ~0.4 GB models in lockstep evicts each one's working set
@@ -289,9 +289,9 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
         for name, gen in gens.items():
             gen.generate_next_token()  # untimed: brings this model's working set back
             for _ in range(block):
-                t0 = time.perf_counter()
+                t0 = clock()
                 gen.generate_next_token()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
     python = {n: float(np.median(g.python_s)) * 1e3 for n, g in gens.items() if isinstance(g, _FusedStepper)}
     return times, python
 
@@ -312,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                                      "3/4, all but one, all)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=Path("docs/bench_genai.json"))
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time steps by process CPU time (a loaded machine: use with --threads 1 --no-fused; "
+                         "genai's ORT threads spin, so at 2 threads CPU time is not the step time)")
     ap.add_argument("--session-config", action="append", metavar="session.KEY=VALUE",
                     help="ORT config entry for every variant, dense included (repeatable; replaces the default "
                          f"{SESSION_CONFIG or 'none'})")
@@ -331,17 +334,18 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [k for k in kinds if k not in FUSED_PREFIX]:
         ap.error(f"--fused-kinds: unknown kind(s) {', '.join(bad)}; use {' or '.join(FUSED_PREFIX)}")
     fused = {} if a.no_fused else {k: fused_export(shape, a.cache, cfg["frame_tokens"], k) for k in kinds}
-    results = {"shape": shape.tag(), "threads": a.threads, "tokens": tokens, "session_config": entries,
+    results = {"shape": shape.tag(), "threads": a.threads, "tokens": tokens, "session_config": entries, "clock": "cpu" if a.cpu_time else "wall",
                "contexts": {}}
     for ctx in contexts:
         times, python = measure(folders, ctx, tokens, shape.vocab, fused, shape.layers, a.threads, a.block, entries,
-                                only)
+                                only, time.process_time if a.cpu_time else time.perf_counter)
         # Lower quartile, not median: on the shared machine other jobs preempt whole steps (x50 outliers).
         med = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
         f = 1 - med["noMLP"] / med["dense"]
         rows = []
         print(f"\nctx {ctx}: genai dense {med['dense']:.2f} ms/token, without MLPs {med['noMLP']:.2f} "
-              f"(MLP share f = {f:.3f}); {a.threads} threads, {tokens} tokens, lower quartiles; "
+              f"(MLP share f = {f:.3f}); {a.threads} threads, {tokens} tokens, lower quartiles"
+              f"{' of process CPU time' if a.cpu_time else ''}; "
               f"ORT config entries {entries or 'none'}")
         print("| replay | ms/token | speed-up vs genai dense | bound 1/(1-f r) | speed-up / bound | o = bound / speed-up |")
         print("|---:|---:|---:|---:|---:|---:|")

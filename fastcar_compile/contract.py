@@ -57,6 +57,15 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
 # --- what the compiler adds ------------------------------------------------------------------------------------
 VIDEO_START = "video_start"
 THRESHOLD = "fastcar_threshold"
+
+
+def aligned_is_video(p: Any, frame_tokens: int, video_start: Any) -> Any:
+    """Whether token p's aligned token p - L (the same spatial position one frame back) is a video token, i.e.
+    p - L >= video_start (ints or arrays). The one rule for "one frame back" with a prompt prefix (SPEC.md
+    section 1): the gate replays, TempCache merges and run stats count eligible steps only then (the native
+    kernels and the ONNX function bodies state the same comparison)."""
+    return p - frame_tokens >= video_start
+
 STATE_INPUT_PREFIX, STATE_OUTPUT_PREFIX = "past_", "present_"
 # State names carry no .key/.value suffix on purpose (optimum and onnxruntime-genai treat those as KV cache).
 

@@ -289,7 +289,9 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             if cfg is not None:
                 attrs.update(compressed_attributes(cfg, p["head_dim"]))
                 inputs += self._slot_state(graph, n, p, cfg)
-                if cfg.prune_prompt is not None:  # video_start is input 11: fill the optional ones before it
+                # video_start is input 11 (pruning; TempCache merges only when p - L is video): fill the
+                # optional inputs before it
+                if cfg.prune_prompt is not None or cfg.tempcache_sim is not None:
                     none = build.const(graph, "fastcar.ca.none", np.zeros(0, np.float32))
                     inputs += [none] * (11 - len(inputs))
                     inputs.append(build.video_start_input(graph, opts.required_video_inputs))

@@ -121,7 +121,7 @@ class RunStats:
         """[steps] bool: decode steps whose aligned token (p - L) is video, i.e. not frame 0, so replay can
         happen there (SPEC.md section 1)."""
         pos = np.array([s["pos"] for s in self.steps], dtype=np.int64)
-        return (pos - self.frame_tokens) >= self.video_start
+        return contract.aligned_is_video(pos, self.frame_tokens, self.video_start)
 
     def threshold_warning(self) -> str | None:
         """A warning when tau replays every eligible MLP or none of them so far (after at least one full

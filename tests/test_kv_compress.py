@@ -5,6 +5,8 @@ export (logits 1e-4) and the uncompressed fused model at a finite tau (replay de
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import ort_driver
@@ -46,7 +48,7 @@ def _run_kernel(cfg: KVCompressConfig, q, k, v, chunks: list[int], stats: list |
     q_post = np.swapaxes(apply_rope(np.swapaxes(q, 0, 1), pos), 0, 1)  # [T, Hq, D]
     k_post = np.swapaxes(apply_rope(np.swapaxes(k, 0, 1), pos), 0, 1)
     tempcache = cfg.tempcache_sim is not None or stats is not None  # (diagnostics wire the raw keys too)
-    prune = cfg.prune_prompt is not None
+    prune = cfg.prune_prompt is not None or cfg.tempcache_sim is not None  # video_start (input 11) is fed
     attrs = compressed_attributes(cfg, D)
     sess = session(True, n_in=12 if prune else 11 if stats is not None else 10 if tempcache else 8,
                    n_out=8 if stats is not None else 6 if tempcache else 5, **attrs)
@@ -99,7 +101,11 @@ CONFIGS = {
     "int8": dict(budget=64, sinks=2, window=4, int8_dirs=2, int8_tables=2),
     "int8-4dirs": dict(budget=64, sinks=1, window=3, int8_dirs=4, int8_tables=3),
     "prune": dict(budget=64, prune_prompt=0.06, video_start=9),
-    # (no TempCache here: the kernel merges from p >= L on, the reference from video_start + L on)
+    # a prompt prefix: the first video frame's keys recur the prompt's one frame back (p - L < video_start),
+    # which must not merge (the token one frame back is no video token)
+    "tempcache-prefix": dict(budget=40, sinks=1, window=2, tempcache_sim=0.9, video_start=3),
+    "tempcache-prefix-bounded": dict(budget=14, sinks=0, window=3, tempcache_sim=0.9, video_start=4),
+    "prune-tempcache": dict(budget=20, sinks=2, window=4, tempcache_sim=0.9, prune_prompt=0.06, video_start=5),
     "prune-evict-int8": dict(budget=20, sinks=2, window=4, int8_dirs=1, int8_tables=2, prune_prompt=0.06,
                              video_start=9),
 }
@@ -165,6 +171,58 @@ def test_budget_above_context_is_dense():
             s = kp[h // 2, : t + 1] @ qp[h, t] / np.sqrt(D)
             w = np.exp(s - s.max())
             assert np.abs(got[t, h] - (w / w.sum()) @ v[: t + 1, h // 2]).max() <= 1e-5
+
+
+def test_tempcache_prefix_batch_left_padded():
+    """TempCache with a prompt prefix, batch 2, left padding (prompts of 3 and 5 tokens padded to one KV index
+    for the video): every row equals the reference run on its own unpadded trace with its own video_start. The
+    first video frame copies the keys one frame back (prompt tokens and pads), which must not merge."""
+    pads, vs, frames = [2, 0], 5, 7
+    T = vs + frames * L
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((2, T, HQ, D))
+    k = rng.standard_normal((2, T, HKV, D))
+    v = rng.standard_normal((2, T, HKV, D))
+    for t in range(L, T):  # in KV indices: the first video frame always recurs p - L, later frames mostly
+        if t < vs + L or rng.random() < 0.7:
+            k[:, t] = k[:, t - L] + 0.01 * rng.standard_normal((2, HKV, D))
+    cfg = KVCompressConfig(budget=T, sinks=0, window=2, tempcache_sim=0.9, frame_len=L, video_start=vs)
+    mask = np.ones((2, T), np.int64)
+    q_post, k_post = np.zeros_like(q), np.zeros_like(k)
+    for b, n in enumerate(pads):
+        mask[b, :n] = 0
+        pos = np.maximum(np.arange(T) - n, 0)  # a row's real tokens at positions 0.. (pads: 0, as HF)
+        q_post[b] = np.swapaxes(apply_rope(np.swapaxes(q[b], 0, 1), pos), 0, 1)
+        k_post[b] = np.swapaxes(apply_rope(np.swapaxes(k[b], 0, 1), pos), 0, 1)
+    sess = session(True, n_in=12, n_out=6, **compressed_attributes(cfg, D))
+    C, F = cfg.budget, slot_width(cfg)
+    empty = np.zeros((0, 0, 0, 0), np.float32)
+    state = {"past_key": np.zeros((2, HKV, C, D), np.float32), "past_value": np.zeros((2, HKV, C, D), np.float32),
+             "past_slots": np.zeros((2, HKV, C, F), np.float32), "past_key_raw": np.zeros((2, HKV, C, D), np.float32),
+             "past_dense": empty}
+    outs, p = [], 0
+    for n in [vs, 2, 1, 3] + [1] * (T - vs - 6):
+        def bhsd(x, sl=slice(p, p + n)):
+            return np.ascontiguousarray(np.swapaxes(x[:, sl], 1, 2), dtype=np.float32)
+
+        res = sess.run(None, {"q": bhsd(q_post), "k": bhsd(k_post), "v": bhsd(v), "attention_mask": mask[:, : p + n],
+                              "total_len": np.array(p + n, np.int32), "k_raw": bhsd(k),
+                              "video_start": np.array(vs, np.int64), **state})
+        outs.append(res[0].reshape(2, n, HQ, D))
+        state.update(past_key=res[1], past_value=res[2], past_slots=res[3], past_key_raw=res[5])
+        p += n
+    got = np.concatenate(outs, axis=1)
+    for b, n in enumerate(pads):
+        row = dataclasses.replace(cfg, video_start=vs - n)
+        ref = run_trace(q[b, n:], k[b, n:], v[b, n:], row)
+        assert ref.metrics.merges > 0
+        assert np.abs(got[b, n:] - ref.out).max() <= 1e-4, (b, np.abs(got[b, n:] - ref.out).max())
+        for h, cache in enumerate(ref.caches):
+            sl = state["past_slots"][b, h]
+            live = (sl[:, 0] > 0) & (sl[:, 0] - 1 >= n)  # the row's real tokens (its pads hold slots too)
+            got_slots = sorted(zip(sl[live, 0].astype(int) - 1 - n, sl[live, 1].astype(int), strict=True))
+            assert got_slots == sorted(zip(cache.pos[cache.live].tolist(), cache.count[cache.live].tolist(),
+                                           strict=True))
 
 
 def test_slot_bookkeeping_properties():
@@ -298,6 +356,37 @@ def test_prompt_pruning_and_int8_end_to_end(zoo_model, fc_compile, tmp_path):
     assert run.arrays["past_kv_slots.0"].shape == (2, 2, 12, SLOT_FIELDS + 3 + 1)
     kvc = {p.key: p.value for p in onnx.load(str(small), load_external_data=False).metadata_props}
     assert '"int8_dirs": 4' in kvc["fastcar.kv_compress"] and '"prune_prompt": 0.05' in kvc["fastcar.kv_compress"]
+
+
+def test_tempcache_waits_for_video_end_to_end(zoo_model, fc_compile, tmp_path):
+    """Through the compiler and FastCarSession with a 6-token prompt (video_start = 6, batch 2, left padding) and
+    --tempcache -1 (any two keys merge): by SPEC's "one frame back" no prompt token merges and neither does
+    video frame 0 (its p - L is prompt), every later video token merges into frame 0's slot of its spatial
+    position; so each (row, KV head) ends with one slot per prompt KV index (pads included, count 1) and one per
+    spatial position (latest member: its last video token, count: its video tokens)."""
+    from fastcar_compile.runtime import FastCarSession
+
+    src = zoo_model("llama", "dynamo20")
+    out = tmp_path / "tc.onnx"
+    fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=32, tempcache=-1.0)
+    graph = onnx.load(str(out), load_external_data=False).graph
+    assert all(n.input[11] == "video_start" for n in graph.node if n.op_type == "CompressedAttention")
+    rng = np.random.default_rng(13)
+    pad, T = [0, 2], 6 + 13
+    prompt = rng.integers(0, zoo.VOCAB, (2, 6))
+    mask = (np.arange(6)[None, :] >= np.array(pad)[:, None]).astype(np.int64)
+    steps = [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(T - 6)]
+    run = run_session(FastCarSession(out), prompt, mask, steps, video_start=6)
+    video = np.arange(6, T)
+    want = sorted([(p, 1) for p in range(6)] + [(int(video[(video - 6) % 4 == s].max()), int(((video - 6) % 4 == s)
+                                                                                             .sum())) for s in range(4)])
+    for layer in range(zoo.LAYERS):
+        slots = run.arrays[f"past_kv_slots.{layer}"]
+        for b in range(2):
+            for h in range(slots.shape[1]):
+                live = slots[b, h, :, 0] > 0
+                got = sorted(zip(slots[b, h, live, 0].astype(int) - 1, slots[b, h, live, 1].astype(int), strict=True))
+                assert got == want, (layer, b, h)
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastcar_compile.contract import aligned_is_video
 from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.fastar.int8 import Int8Buckets
 from fastcar_compile.fastar.lsh import SignLSH
@@ -80,7 +81,7 @@ class HeadCache:
     def _merge_target(self, p: int, k_pre: np.ndarray) -> int:
         """The slot the new key merges into (TempCache), or -1."""
         cfg = self.cfg
-        if cfg.tempcache_sim is None or p < cfg.sinks or p < cfg.video_start + cfg.frame_len:
+        if cfg.tempcache_sim is None or p < cfg.sinks or not aligned_is_video(p, cfg.frame_len, cfg.video_start):
             return -1
         cand = [self.token_slot[p - cfg.frame_len : p - cfg.frame_len + 1]]
         if cfg.correspondence == "aligned+top1":

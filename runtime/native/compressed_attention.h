@@ -218,7 +218,7 @@ struct CompressedTask {
   float* dense = nullptr;
   int64_t dense_cap = 0;
   float* stats = nullptr;
-  int64_t video_start = 0;  // prompt pruning: KV index of the first video token (the model's video_start)
+  int64_t video_start = 0;  // KV index of the first video token (the model's video_start): pruning, TempCache
 };
 
 // Recall of one query (fastcar_compile/fastar/attention.py): sum over tokens of min(p_dense(t), p_slot/count)
@@ -458,10 +458,11 @@ inline void CompressedItem(const CompressedTask& t, int64_t bh) {
     const float* kn = t.k + (bh * sh.S + i) * D;
     const float* vn = t.v + (bh * sh.S + i) * D;
     const float* kr = key_raw != nullptr ? t.k_raw + (bh * sh.S + i) * D : nullptr;
-    // 1. TempCache: merge into the slot of token p - L (aligned correspondent) when the raw keys agree
+    // 1. TempCache: merge into the slot of token p - L (aligned correspondent: the same spatial position one
+    // video frame back: p - L >= video_start, contract.aligned_is_video, as for the gate's replay) when the raw keys agree
     int64_t slot = -1;
     if (real && tempcache && prev >= 0 && p >= c.sinks && p - c.frame_tokens >= c.sinks &&
-        m[p - c.frame_tokens] != 0 && Cosine(kr, key_raw + prev * D, D) > c.tempcache_sim)
+        p - c.frame_tokens >= vs && m[p - c.frame_tokens] != 0 && Cosine(kr, key_raw + prev * D, D) > c.tempcache_sim)
       slot = prev;
     if (slot >= 0) {
       float* sv = val + slot * D;

@@ -312,7 +312,7 @@ struct MLPCacheUpdate {
 
 // CompressedAttention(q [B,Hq,S,D], k [B,Hkv,S,D], v, past_key [B,Hkv,N,D], past_value, attention_mask [B,T],
 //   total_len [] int32, [past_slots [B,Hkv,C,F], k_raw [B,Hkv,S,D], past_key_raw [B,Hkv,C,D],
-//   past_dense [B,Hkv,M,2D], video_start [] int64 (prune_prompt; unused inputs before it are empty float[0])])
+//   past_dense [B,Hkv,M,2D], video_start [] int64 (prune_prompt, TempCache; unused inputs before it are empty float[0])])
 //   -> (out [B,S,Hq*D], present_key, present_value, [present_slots, aligned_key [B,Hkv,S,D], present_key_raw,
 //       present_dense, kv_stats [B,Hkv,4]])
 struct CompressedAttention {
@@ -410,11 +410,12 @@ struct CompressedAttention {
       CopyIfDistinct((*past_dense)->Data(), t.dense, n);
       t.stats = (*kv_stats)->Allocate({sh.B, cfg.kv_heads, 4});
     }
-    if (cfg.prune_prompt >= 0.0f) {
-      if (!video_start.has_value() || (*video_start)->NumberOfElement() != 1)
-        throw std::runtime_error("CompressedAttention: prune_prompt needs the video_start input (input 11)");
-      t.video_start = (*video_start)->Data()[0];
-    }
+    // video_start (input 11): prompt pruning needs it; TempCache merges only tokens whose p - L is video
+    // (absent: 0, the graph input's default)
+    const bool has_vs = video_start.has_value() && (*video_start)->NumberOfElement() == 1;
+    if (cfg.prune_prompt >= 0.0f && !has_vs)
+      throw std::runtime_error("CompressedAttention: prune_prompt needs the video_start input (input 11)");
+    if (has_vs) t.video_start = (*video_start)->Data()[0];
     if (aligned_key.has_value()) t.aligned = (*aligned_key)->Allocate({sh.B, cfg.kv_heads, sh.S, sh.D});
     kctx.ParallelFor(fastcar_attn::CompressedItemThunk, static_cast<size_t>(sh.B * cfg.kv_heads), 0, &t);
   }
