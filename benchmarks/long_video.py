@@ -4,7 +4,7 @@
     python benchmarks/long_video.py --calibrate       # tau for ~80% replay along dense generations
     python benchmarks/long_video.py --op-modes --clips 2   # FastCar x TempCache/window through the op (native)
     python benchmarks/long_video.py --curve           # per-token time, decode-state bytes, RSS per frame, one clip
-    python benchmarks/long_video.py --curve --frames 128   # the same over 128 frames (8195 positions; ~10 min)
+    python benchmarks/long_video.py --curve --frames 128 --only 0,1,6,7,8   # 128 frames (8195 positions)
     python benchmarks/long_video.py --genai           # frame 64 per-token time vs onnxruntime-genai's dense loop
 
 --hold: the model was trained on 16-frame clips (1027 positions) with random position gaps; here it reads
@@ -256,7 +256,7 @@ def curve_mode(i: int, frames: int, tau: float, clip: int = 0) -> dict:
             "rss_per_frame": rss}
 
 
-def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
+def curve(frames: int, tau: float, out: Path, clip: int = 0, only: list[int] | None = None) -> dict:
     """Per-token time, resident decode state and process RSS per frame, for CURVE_MODES on one held-out clip:
     the long-video latency/memory picture (issue 12 item 7, without onnxruntime-genai). One model at a time,
     each in a fresh child process (`curve_mode`); times on a shared machine are noisy. 64 frames write
@@ -268,7 +268,7 @@ def curve(frames: int, tau: float, out: Path, clip: int = 0) -> dict:
     from fastcar_compile.atomic import write_text
 
     res: dict = {"frames": frames, "clip": clip, "tau": tau, "modes": {}}
-    bar = tqdm(CURVE_MODES, desc=f"curve, {frames} frames", unit="mode")
+    bar = tqdm([i for i in CURVE_MODES if not only or i in only], desc=f"curve, {frames} frames", unit="mode")
     for i in bar:
         bar.set_postfix_str(OP_MODES[i][0][:40])
         r = subprocess.run([sys.executable, __file__, "--curve-worker", json.dumps([i, frames, tau, clip])],
@@ -423,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--genai", action="store_true",
                     help="per-token time at the last frame vs onnxruntime-genai's dense loop (--tokens steps)")
     ap.add_argument("--tokens", type=int, default=64, help="--genai: timed steps (default 64)")
-    ap.add_argument("--only", default="", help="--op-modes: comma-separated OP_MODES indices (dense always runs)")
+    ap.add_argument("--only", default="", help="--op-modes (dense always runs) / --curve: comma-separated OP_MODES "
+                                           "indices")
     ap.add_argument("--clips", type=int, default=8)
     ap.add_argument("--curve-worker", help=argparse.SUPPRESS)  # [mode index, frames, tau, clip]: one curve row
     ap.add_argument("--frames", type=int, default=64)
@@ -444,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.curve:
         from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
 
-        curve(a.frames, DEFAULT_LONG_TAU if a.tau is None else a.tau, a.out_dir)
+        curve(a.frames, DEFAULT_LONG_TAU if a.tau is None else a.tau, a.out_dir,
+              only=[int(x) for x in a.only.split(",") if x.strip()] or None)
     if a.op_modes:
         from fastcar_compile.demo.longvideo import DEFAULT_LONG_TAU
 

@@ -18,10 +18,10 @@ rows measure cost, not quality (quality of the same modes: `benchmarks/long_vide
 demo model).
 
 Every (mode, frame) runs in a fresh child process: load, prefill the first `frame x 256` tokens of one random
-token stream in chunks through the same model (the KV state at frame N really holds N frames), then `--block`
-single-token greedy decode steps after 2 untimed ones (per-token time: median), then the process's VmRSS and
-peak VmHWM from /proc/self/status. Configurations run frame by frame, modes in turn, so machine load hits them
-alike; ratios are within one run.
+token stream in chunks through the same model (the KV state at frame N really holds N frames), then greedy
+single-token decode steps. The modes of one frame are alive together and decode in turn, `--block` tokens at a
+time after one untimed step, until each has `--tokens` timed steps (machine load hits them alike; per-token time
+= lower quartile); then each child's VmRSS and peak VmHWM from /proc/self/status. Ratios are within one run.
 
     python benchmarks/long_video_llama.py                    # frames 8,16,32,64 (~10 min on 2 idle cores)
     python benchmarks/long_video_llama.py --frames 8,16,32,64,128   # + frame 128 (~25 more minutes)
@@ -43,13 +43,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_CACHE, LlamaShape, cached_export  # noqa: E402
-from bench_genai import build_genai, set_session  # noqa: E402
+from bench_genai import build_genai, ort_options, parse_entries, set_session  # noqa: E402
 
 FULL = dict(shape=LlamaShape(hidden=1024, layers=8, heads=16, kv_heads=2, intermediate=3072, vocab=2048,
-                             max_pos=33280), frame_tokens=256, frames=(8, 16, 32, 64), block=32, chunk=512)
+                             max_pos=33280), frame_tokens=256, frames=(8, 16, 32, 64), block=8, tokens=48, chunk=512)
 QUICK = dict(shape=LlamaShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=512,
-                              max_pos=2304), frame_tokens=64, frames=(2, 4, 8), block=8, chunk=128)
-WARM = 2  # untimed decode steps before the timed block
+                              max_pos=2304), frame_tokens=64, frames=(2, 4, 8), block=4, tokens=16, chunk=128)
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ def taus(layers: int, replay: float) -> np.ndarray:
     return np.array([-np.inf if i in spread else np.inf for i in range(layers)], np.float32)
 
 
-def prepare(cfg: dict, modes: list[Mode], cache: Path, threads: int) -> dict[str, str]:
+def prepare(cfg: dict, modes: list[Mode], cache: Path, threads: int, entries: dict[str, str]) -> dict[str, str]:
     """Build (once, cached) the genai folder and our compiled models; returns mode name -> model path."""
     import fastcar_compile
 
@@ -118,7 +117,7 @@ def prepare(cfg: dict, modes: list[Mode], cache: Path, threads: int) -> dict[str
     for m in modes:
         if m.engine == "genai":
             folder = build_genai(shape, cache)
-            set_session(folder, threads, native=False)
+            set_session(folder, threads, native=False, entries=entries)
             paths[m.name] = str(folder)
             continue
         out = cache / f"longvideo-{shape.tag()}-L{L}" / m.tag() / "fast.onnx"
@@ -131,20 +130,21 @@ def prepare(cfg: dict, modes: list[Mode], cache: Path, threads: int) -> dict[str
     return paths
 
 
-def worker(job: dict) -> dict:
-    """One (mode, frame) in this fresh process: load, prefill frame x L tokens in chunks, time decode steps."""
+def worker(job: dict) -> None:
+    """One (mode, frame) in this fresh process: load, prefill frame x L tokens in chunks, print a JSON line;
+    then per `block` line on stdin one untimed + `block` timed greedy decode steps (a JSON line of ms), and at
+    `end` the process's VmRSS / VmHWM."""
     mode = Mode(**job["mode"])
     n_ctx, block, chunk = job["ctx"], job["block"], job["chunk"]
+    max_length = n_ctx + job["steps"] + 2
     stream = np.random.default_rng(0).integers(3, job["vocab"], n_ctx)
-    res: dict = {"mode": mode.name, "frame": job["frame"], "ctx": n_ctx}
-    mem0 = _proc_status()["VmRSS"]
-    t0 = time.perf_counter()
+    res: dict = {"mode": mode.name, "frame": job["frame"], "ctx": n_ctx, "rss_start": _proc_status()["VmRSS"]}
     if mode.engine == "genai":
         import onnxruntime_genai as og
 
         model = og.Model(job["path"])
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=n_ctx + WARM + block + 2, do_sample=False)
+        params.set_search_options(max_length=max_length, do_sample=False)
         gen = og.Generator(model, params)
         res["rss_loaded"] = _proc_status()["VmRSS"]
         t0 = time.perf_counter()
@@ -152,12 +152,14 @@ def worker(job: dict) -> dict:
             gen.append_tokens(stream[None, a:a + chunk].astype(np.int32))
         res["prefill_s"] = time.perf_counter() - t0
         step = gen.generate_next_token
-        res["state_bytes"] = (2 * job["layers"] * job["kv_heads"] * (n_ctx + WARM + block + 2) * job["head_dim"]
-                              * 4)  # genai's shared KV buffer (fp32) of max_length
+        # genai's shared KV buffer (fp32) of max_length
+        res["state_bytes"] = 2 * job["layers"] * job["kv_heads"] * max_length * job["head_dim"] * 4
     else:
         from fastcar_compile.runtime import FastCarSession
 
-        sess = FastCarSession(job["path"], threads=job["threads"], max_length=n_ctx + WARM + block + 2)
+        so = ort_options(job["threads"], job["entries"])
+        so.enable_mem_pattern = False  # as FastCarSession's own options (runtime/session.py)
+        sess = FastCarSession(job["path"], session_options=so, max_length=max_length)
         thr = taus(job["layers"], mode.replay)
         res["rss_loaded"] = _proc_status()["VmRSS"]
         st = sess.new_state(1)
@@ -173,71 +175,109 @@ def worker(job: dict) -> dict:
             box["st"], box["nxt"] = o.state, o.logits[:, -1:].argmax(-1)
 
         res["state_bytes"] = st.nbytes()
+    step()  # the first call of genai only samples the token its prefill computed
     res["rss_prefilled"] = _proc_status()["VmRSS"]
-    ms = []
-    for k in range(WARM + block):
-        t1 = time.perf_counter()
-        step()
-        if k >= WARM:
+    print(json.dumps(res), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "block":
+            break
+        step()  # untimed: brings this model's working set back after the others ran
+        ms = []
+        for _ in range(block):
+            t1 = time.perf_counter()
+            step()
             ms.append(1e3 * (time.perf_counter() - t1))
-    res.update(ms=ms, ms_median=float(np.median(ms)), ms_q25=float(np.percentile(ms, 25)), rss_start=mem0,
-               **{"rss_decoded" if k == "VmRSS" else "rss_peak": v for k, v in _proc_status().items()})
-    return res
+        print(json.dumps(ms), flush=True)
+    st_ = _proc_status()
+    print(json.dumps({"rss_decoded": st_["VmRSS"], "rss_peak": st_["VmHWM"]}), flush=True)
 
 
-def run_all(cfg: dict, modes: list[Mode], frames: list[int], threads: int, cache: Path) -> list[dict]:
+def _measure_frame(f: int, modes: list[Mode], jobs: dict[str, dict], rounds: int, bar) -> list[dict]:
+    """All modes of one frame alive at once (one process each, prefilled one after the other), then decoded in
+    turn, a block at a time, `rounds` times: machine load hits every mode alike (bench_genai's interleaving)."""
+    import tempfile
+
+    procs, rows = {}, {}
+    with tempfile.TemporaryDirectory() as d:
+        for m in modes:
+            bar.set_postfix_str(f"frame {f}: prefill {m.name[:40]}")
+            err = open(Path(d) / f"{len(procs)}.err", "w+")  # noqa: SIM115 - read back on failure
+            p = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(jobs[m.name])], text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                 env={**os.environ, "OMP_NUM_THREADS": str(jobs[m.name]["threads"])})
+            line = p.stdout.readline()
+            if not line:
+                p.wait()
+                err.seek(0)
+                tail = (err.read().strip().splitlines() or ["(no output)"])[-1]
+                bar.write(f"frame {f} {m.name}: failed: {tail}")
+                rows[m.name] = {"mode": m.name, "frame": f, "error": tail}
+                continue
+            rows[m.name] = {**json.loads(line), "ms": []}
+            procs[m.name] = p
+            bar.update(1)
+        bar.set_postfix_str(f"frame {f}: decoding {len(procs)} modes in turn")
+        for _ in range(rounds):
+            for name, p in procs.items():
+                p.stdin.write("block\n")
+                p.stdin.flush()
+                rows[name]["ms"] += json.loads(p.stdout.readline())
+        for name, p in procs.items():
+            p.stdin.write("end\n")
+            p.stdin.flush()
+            rows[name].update(json.loads(p.stdout.readline()))
+            p.wait()
+    for name in procs:
+        r = rows[name]
+        r.update(ms_median=float(np.median(r["ms"])), ms_q25=float(np.percentile(r["ms"], 25)))
+        bar.write(f"frame {f:4d} {name}: {r['ms_q25']:.2f} ms/token (q25), RSS {r['rss_decoded'] / 2**20:.0f} MiB "
+                  f"(peak {r['rss_peak'] / 2**20:.0f}), prefill {r['prefill_s']:.1f} s")
+    return [rows[m.name] for m in modes]
+
+
+def run_all(cfg: dict, modes: list[Mode], frames: list[int], threads: int, cache: Path,
+            entries: dict[str, str]) -> list[dict]:
     from tqdm import tqdm
 
     shape: LlamaShape = cfg["shape"]
     L = cfg["frame_tokens"]
-    paths = prepare(cfg, modes, cache, threads)
+    paths = prepare(cfg, modes, cache, threads, entries)
+    rounds = max(1, cfg["tokens"] // cfg["block"])
     rows = []
-    jobs = [(f, m) for f in frames for m in modes]
-    bar = tqdm(jobs, desc="long-video configurations", unit="config")
-    for f, m in bar:
-        bar.set_postfix_str(f"frame {f}: {m.name[:40]}")
-        job = {"mode": asdict(m), "frame": f, "ctx": f * L, "block": cfg["block"], "chunk": cfg["chunk"],
-               "path": paths[m.name], "threads": threads, "vocab": shape.vocab, "layers": shape.layers,
-               "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-        if r.returncode != 0:
-            tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-            bar.write(f"frame {f} {m.name}: failed: {tail}")
-            rows.append({"mode": m.name, "frame": f, "error": tail})
-            continue
-        row = json.loads(r.stdout.strip().splitlines()[-1])
-        row["wall_s"] = time.perf_counter() - t0
-        rows.append(row)
-        bar.write(f"frame {f:4d} {m.name}: {row['ms_median']:.2f} ms/token, RSS {row['rss_decoded'] / 2**20:.0f} MiB "
-                  f"(peak {row['rss_peak'] / 2**20:.0f}), prefill {row['prefill_s']:.1f} s")
+    bar = tqdm(total=len(frames) * len(modes), desc="long-video configurations (prefilled)", unit="config")
+    for f in frames:
+        jobs = {m.name: {"mode": asdict(m), "frame": f, "ctx": f * L, "block": cfg["block"], "chunk": cfg["chunk"],
+                         "steps": 1 + rounds * (cfg["block"] + 1), "path": paths[m.name], "threads": threads,
+                         "entries": entries, "vocab": shape.vocab, "layers": shape.layers,
+                         "kv_heads": shape.kv_heads, "head_dim": shape.head_dim} for m in modes}
+        rows += _measure_frame(f, modes, jobs, rounds, bar)
+    bar.close()
     return rows
 
 
 def table(rows: list[dict], frames: list[int], modes: list[Mode]) -> str:
     ok = {(r["mode"], r["frame"]): r for r in rows if "error" not in r}
-    g = {f: ok[(GENAI, f)]["ms_median"] for f in frames if (GENAI, f) in ok}
+    g = {f: ok[(GENAI, f)]["ms_q25"] for f in frames if (GENAI, f) in ok}
     head = ("| mode | " + " | ".join(f"frame {f}" for f in frames) + " | last / first frame |\n|---|"
             + "---|" * (len(frames) + 1) + "\n")
-    out = ["**ms per decode token (median); x = genai dense at the same frame / this**\n\n" + head]
+    out = ["**ms per decode token (lower quartile of the timed steps); x = genai dense at the same frame / this**\n\n" + head]
     for m in modes:
         cells = []
         for f in frames:
             r = ok.get((m.name, f))
-            cells.append("failed" if r is None else f"{r['ms_median']:.2f}" +
-                         (f" ({g[f] / r['ms_median']:.2f}x)" if f in g and m.name != GENAI else ""))
+            cells.append("failed" if r is None else f"{r['ms_q25']:.2f}" +
+                         (f" ({g[f] / r['ms_q25']:.2f}x)" if f in g and m.name != GENAI else ""))
         a, b = ok.get((m.name, frames[0])), ok.get((m.name, frames[-1]))
-        ratio = f"{b['ms_median'] / a['ms_median']:.2f}" if a and b else "-"
+        ratio = f"{b['ms_q25'] / a['ms_q25']:.2f}" if a and b else "-"
         out.append(f"| {m.name} | " + " | ".join(cells) + f" | {ratio} |\n")
-    out.append("\n**process memory after decode: VmRSS MiB (peak VmHWM incl. prefill) / decode state MiB**\n\n"
-               + head)
+    out.append("\n**process memory after decode: VmRSS MiB (+ growth over the loaded model) / decode state MiB** "
+               "(peaks, VmHWM incl. model load and prefill: JSON)\n\n" + head)
     for m in modes:
         cells = []
         for f in frames:
             r = ok.get((m.name, f))
-            cells.append("failed" if r is None else f"{r['rss_decoded'] / 2**20:.0f} ({r['rss_peak'] / 2**20:.0f})"
-                         f" / {r['state_bytes'] / 2**20:.1f}")
+            cells.append("failed" if r is None else f"{r['rss_decoded'] / 2**20:.0f} "
+                         f"(+{(r['rss_decoded'] - r['rss_loaded']) / 2**20:.0f}) / {r['state_bytes'] / 2**20:.1f}")
         a, b = ok.get((m.name, frames[0])), ok.get((m.name, frames[-1]))
         ratio = f"{b['rss_decoded'] / a['rss_decoded']:.2f}" if a and b else "-"
         out.append(f"| {m.name} | " + " | ".join(cells) + f" | {ratio} |\n")
@@ -259,9 +299,9 @@ def plot(rows: list[dict], modes: list[Mode], path: Path, title: str) -> None:
             continue
         x = [r["frame"] for r in rs]
         style = "--" if m.engine == "genai" else "-"
-        ax[0].plot(x, [r["ms_median"] for r in rs], style, marker="o", label=m.name)
+        ax[0].plot(x, [r["ms_q25"] for r in rs], style, marker="o", label=m.name)
         ax[1].plot(x, [r["rss_decoded"] / 2**20 for r in rs], style, marker="o", label=m.name)
-    ax[0].set_ylabel("ms per decode token (median)")
+    ax[0].set_ylabel("ms per decode token (lower quartile)")
     ax[1].set_ylabel("process RSS after decode (MiB)")
     for a in ax:
         a.set_xscale("log", base=2)
@@ -280,21 +320,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", help="comma-separated frame counts (default 8,16,32,64; quick 2,4,8)")
     ap.add_argument("--modes", default="", help="comma-separated indices into MODES (default: all)")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every model")
-    ap.add_argument("--block", type=int, help="timed decode tokens per configuration")
+    ap.add_argument("--tokens", type=int, help="timed decode tokens per configuration (default 48; quick 16)")
+    ap.add_argument("--block", type=int, help="tokens timed per mode before the next mode's turn (default 8)")
+    ap.add_argument("--session-config", action="append", metavar="session.KEY=VALUE",
+                    help="ORT config entries of every model, genai's included (default: "
+                         "session.intra_op.allow_spinning=0: on a shared machine a spinning pool thread that loses "
+                         "its core stalls every step; give session.intra_op.allow_spinning=1 for ORT's default)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=Path("docs/long_video_llama"),
                     help="output stem: writes STEM.json, STEM.md, STEM.png")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        print(json.dumps(worker(json.loads(a.worker))))
+        worker(json.loads(a.worker))
         return 0
     from fastcar_compile.atomic import write_text
     from fastcar_compile.errors import FastCarError
 
     cfg = dict(QUICK if a.quick else FULL)
-    if a.block:
-        cfg["block"] = a.block
+    cfg.update({k: v for k, v in (("block", a.block), ("tokens", a.tokens)) if v})
     try:
         frames = sorted({int(x) for x in a.frames.split(",")}) if a.frames else list(cfg["frames"])
         picked = [int(x) for x in a.modes.split(",") if x.strip()]
@@ -303,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             from None
     shape: LlamaShape = cfg["shape"]
     L = cfg["frame_tokens"]
-    if not frames or frames[0] < 1 or frames[-1] * L + WARM + cfg["block"] + 2 > shape.max_pos:
+    if not frames or frames[0] < 1 or frames[-1] * L + 2 * cfg["tokens"] + 4 > shape.max_pos:
         raise FastCarError(f"--frames {a.frames}: give frame counts from 1 to {(shape.max_pos - 64) // L} "
                            f"(the model has {shape.max_pos} positions of {L}-token frames)")
     if bad := [i for i in picked if not 0 <= i < len(MODES)]:
@@ -311,14 +355,16 @@ def main(argv: list[str] | None = None) -> int:
     modes = [MODES[i] for i in picked] if picked else MODES
     if GENAI not in {m.name for m in modes}:
         modes = [MODES[0], *modes]  # the reference of every ratio
-    rows = run_all(cfg, modes, frames, a.threads, a.cache)
+    entries = parse_entries(a.session_config) if a.session_config else {"session.intra_op.allow_spinning": "0"}
+    rows = run_all(cfg, modes, frames, a.threads, a.cache, entries)
     load = os.getloadavg()
     title = (f"random LLaMA {shape.hidden}x{shape.layers} ({shape.heads}/{shape.kv_heads} heads), {L}-token frames, "
-             f"{a.threads} threads, median of {cfg['block']} decode tokens; load avg at end {load[0]:.1f}")
+             f"{a.threads} threads, {' '.join(f'{k}={v}' for k, v in entries.items()) or 'ORT defaults'}, lower quartile of "
+             f"{cfg['tokens']} decode tokens (modes in turn, {cfg['block']} at a time); load avg at end {load[0]:.1f}")
     text = (f"# Long videos on a LLaMA-style decoder\n\n{title}.\n\n`python benchmarks/long_video_llama.py"
             f"{' --quick' if a.quick else ''} --frames {','.join(map(str, frames))}`\n\n" + table(rows, frames, modes))
     print("\n" + text)
-    res = {"shape": shape.tag(), "frame_tokens": L, "threads": a.threads, "block": cfg["block"],
+    res = {"shape": shape.tag(), "frame_tokens": L, "threads": a.threads, "block": cfg["block"], "tokens": cfg["tokens"], "session_config": entries,
            "frames": frames, "modes": [asdict(m) for m in modes], "loadavg_end": load, "rows": rows}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     write_text(a.out.with_suffix(".json"), json.dumps(res, indent=1))

@@ -263,6 +263,10 @@ class FastCarSession:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
+        # ORT's memory patterns are cached per distinct input shape; a decode loop's attention mask grows by
+        # one token every step, so each step cached a new plan that was never reused: resident memory grew by
+        # a few KB per token even with a bounded KV cache (tests/test_session_memory.py)
+        so.enable_mem_pattern = False
         return so
 
     # ------------------------------------------------------------------ I/O pairing
