@@ -7,10 +7,12 @@ discovery fills `matches`/`selected`, the rewrite passes fill `layers`, metadata
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
@@ -18,6 +20,9 @@ from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.limits import MAX_FRAME_TOKENS, MAX_REPLAY, check_int
 from fastcar_compile.passes.discover import LayerMatch
+
+if TYPE_CHECKING:
+    from fastcar_compile.fastar.config import KVCompressConfig
 
 
 @dataclass(frozen=True)
@@ -72,30 +77,27 @@ class CompileOptions:
         if not self.per_layer_threshold and len(self.threshold) != 1:
             raise FastCarError("several thresholds need --per-layer-threshold")
 
-    @property
-    def kv_compress(self):
-        """The compressed-KV settings (fastar.KVCompressConfig, validated there), or None for a dense cache."""
+    @functools.cached_property
+    def kv_compress(self) -> KVCompressConfig | None:
+        """The compressed-KV settings (fastar.KVCompressConfig, validated there), or None for a dense cache;
+        built once (the options are frozen; __post_init__ reads it first, so bad settings fail at construction)."""
         if self.kv_budget is None and self.tempcache is None and self.sparse_attention is None and \
                 self.prune_prompt is None and not self.kv_sinks and not self.kv_window and (self.kv_diagnostics is None or self.kv_layers):
             return None
-        from fastcar_compile.fastar.config import KVCompressConfig
-
         if self.kv_budget is None:
             raise FastCarError("--kv-sinks/--kv-window/--tempcache/--sparse-attention/--prune-prompt/"
                                "--kv-diagnostics need --kv-budget C (the "
                                "fixed number of KV slots per layer and KV head)")
-        check_int("--kv-budget", self.kv_budget, 1, 1 << 24, "KV slots per layer and KV head")
-        if self.kv_diagnostics is not None:
-            check_int("--kv-diagnostics", self.kv_diagnostics, 1, 1 << 20, "tokens the dense side buffer holds")
-        return KVCompressConfig(budget=self.kv_budget, sinks=self.kv_sinks, window=self.kv_window,
-                                tempcache_sim=self.tempcache, eviction=self.kv_eviction,
-                                **parse_sparse_attention(self.sparse_attention), prune_prompt=self.prune_prompt,
-                                frame_len=self.frame_tokens, video_start=0)
+        return kv_settings(self.frame_tokens, ("--kv-budget", "KV slots per layer and KV head"),
+                           self.sparse_attention, diagnostics=self.kv_diagnostics, budget=self.kv_budget,
+                           sinks=self.kv_sinks, window=self.kv_window, tempcache_sim=self.tempcache,
+                           eviction=self.kv_eviction, prune_prompt=self.prune_prompt)
 
-    @property
-    def kv_layer_configs(self) -> dict[int, object]:
-        """Layer -> its --kv-layer settings (None = 'off', an uncompressed cache); layers absent use kv_compress."""
-        out: dict[int, object] = {}
+    @functools.cached_property
+    def kv_layer_configs(self) -> dict[int, KVCompressConfig | None]:
+        """Layer -> its --kv-layer settings (None = 'off', an uncompressed cache); layers absent use kv_compress.
+        Built once, like kv_compress (read it, do not modify it)."""
+        out: dict[int, KVCompressConfig | None] = {}
         for spec in self.kv_layers:
             layers, cfg = parse_kv_layer(spec, self.frame_tokens)
             twice = sorted(set(layers) & set(out))
@@ -103,11 +105,10 @@ class CompileOptions:
                 raise FastCarError(f"--kv-layer {spec}: layer {twice[0]} already has settings from an earlier "
                                    "--kv-layer; give each layer once")
             out.update(dict.fromkeys(layers, cfg))
-        if self.kv_diagnostics is not None:
-            check_int("--kv-diagnostics", self.kv_diagnostics, 1, 1 << 20, "tokens the dense side buffer holds")
+        check_diagnostics(self.kv_diagnostics)
         return out
 
-    def kv_config(self, layer: int):
+    def kv_config(self, layer: int) -> KVCompressConfig | None:
         """One layer's compressed-KV settings (fastar.KVCompressConfig) or None for a dense cache."""
         explicit = self.kv_layer_configs
         return explicit[layer] if layer in explicit else self.kv_compress
@@ -163,10 +164,33 @@ def _layer_indices(text: str, spec: str) -> list[int]:
     return out
 
 
-def parse_kv_layer(spec: str, frame_tokens: int):
-    """'LAYERS:SETTINGS' -> (layer indices, fastar.KVCompressConfig or None for 'off'), validated there."""
+def check_diagnostics(tokens: int | None) -> None:
+    """--kv-diagnostics' range (the dense side buffer's tokens), when set."""
+    if tokens is not None:
+        check_int("--kv-diagnostics", tokens, 1, 1 << 20, "tokens the dense side buffer holds")
+
+
+def kv_settings(frame_tokens: int, budget_flag: tuple[str, str], sparse: str | None, diagnostics: int | None = None,
+                context: str = "", **settings) -> KVCompressConfig:
+    """The one check-and-build of a compressed-KV setting (the global kv_* options and each --kv-layer), in this
+    order: the budget's range (budget_flag = its name and meaning), --kv-diagnostics, the sparse spec, then
+    fastar.KVCompressConfig's own checks (their messages prefixed with `context` when given). The layout is the
+    compiler's: L = frame_tokens; video_start is not known here (the op reads the model's input)."""
     from fastcar_compile.fastar.config import KVCompressConfig
 
+    check_int(budget_flag[0], settings["budget"], 1, 1 << 24, budget_flag[1])
+    check_diagnostics(diagnostics)
+    settings.update(parse_sparse_attention(sparse))
+    try:
+        return KVCompressConfig(**settings, frame_len=frame_tokens, video_start=0)
+    except FastCarError as exc:
+        if not context:
+            raise
+        raise FastCarError(f"{context}: {exc}") from None
+
+
+def parse_kv_layer(spec: str, frame_tokens: int):
+    """'LAYERS:SETTINGS' -> (layer indices, fastar.KVCompressConfig or None for 'off'), validated there."""
     layers_text, colon, settings = str(spec).partition(":")
     if not colon or not settings.strip():
         raise FastCarError(f"--kv-layer {spec!r}: no settings; {KV_LAYER_FORM}")
@@ -188,14 +212,10 @@ def parse_kv_layer(spec: str, frame_tokens: int):
     except ValueError:
         raise FastCarError(f"--kv-layer {spec!r}: budget/sinks/window must be integers, tempcache/prune numbers; "
                            f"{KV_LAYER_FORM}") from None
-    check_int("--kv-layer budget", ints["budget"], 1, 1 << 24, "KV slots per KV head")
-    sparse = parse_sparse_attention(values.get("sparse"))
-    try:
-        cfg = KVCompressConfig(budget=ints["budget"], sinks=ints.get("sinks", 0), window=ints.get("window", 0),
-                               tempcache_sim=sim, eviction=values.get("eviction", "mass"), **sparse,
-                               prune_prompt=prune, frame_len=frame_tokens, video_start=0)
-    except FastCarError as exc:
-        raise FastCarError(f"--kv-layer {spec!r}: {exc}") from None
+    cfg = kv_settings(frame_tokens, ("--kv-layer budget", "KV slots per KV head"), values.get("sparse"),
+                      context=f"--kv-layer {spec!r}", budget=ints["budget"], sinks=ints.get("sinks", 0),
+                      window=ints.get("window", 0), tempcache_sim=sim, eviction=values.get("eviction", "mass"),
+                      prune_prompt=prune)
     return layers, cfg
 
 

@@ -176,3 +176,22 @@ def test_cache_update_age_offset(native_lib):
             None, feeds)
         np.testing.assert_array_equal(c2, ref_c)
         np.testing.assert_array_equal(a2, ref_a)
+
+
+@pytest.mark.parametrize("tas_query,gate", [("rope", contract.TEMPORAL_GATE_PACKED_ROPE),
+                                            ("raw", contract.TEMPORAL_GATE_PACKED)])
+def test_genai_layer_adds_three_main_graph_nodes(genai_model, fc_compile, tmp_path, tas_query, gate):
+    """Every node on a genai step's main graph is a kernel launch per step, replayed or not: a rewritten layer
+    (genai state names, per-layer tau) adds exactly its gate, the If and MLPCacheUpdate."""
+    src = genai_model("llama", "fp32")
+    out = tmp_path / "fast" / "fast.onnx"
+    fc_compile(str(src / "model.onnx"), output=str(out), frame_tokens=4, threshold=[0.0, 1.0],
+               per_layer_threshold=True, tas_query=tas_query)
+    model = onnx.load(str(out), load_external_data=False)
+    original = {n.name for n in onnx.load(str(src / "model.onnx"), load_external_data=False).graph.node}
+    added: dict[str, list[str]] = {}
+    for node in model.graph.node:
+        if node.name not in original:
+            layer = next(p.value for p in node.metadata_props if p.key == contract.TAG_LAYER)
+            added.setdefault(layer, []).append(node.op_type)
+    assert added == {n: [gate, "If", contract.MLP_CACHE_UPDATE] for n in ("0", "1")}

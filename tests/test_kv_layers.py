@@ -132,5 +132,7 @@ def test_layers_without_an_entry_take_the_global_settings():
     assert opts.kv_config(0) is None
     assert (opts.kv_config(1).budget, opts.kv_config(1).window, opts.kv_config(1).tempcache_sim) == (20, 3, None)
     assert (opts.kv_config(3).budget, opts.kv_config(3).window, opts.kv_config(3).tempcache_sim) == (9, 0, 0.9)
+    # parsed once at construction: every read hands back the same settings objects
+    assert opts.kv_config(1) is opts.kv_compress and opts.kv_config(2) is opts.kv_config(3)
     with pytest.raises(FastCarError, match="--fused-attention fastcar"):
         CompileOptions(frame_tokens=4, fused_attention="gqa", kv_layers=("0:budget=8",))
