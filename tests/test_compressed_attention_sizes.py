@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_compressed_attention import _model
+from kernel_driver import run_kernel
 
 from fastcar_compile.fastar.attention import run_trace
 from fastcar_compile.fastar.config import KVCompressConfig
-from fastcar_compile.fastar.rope import apply_rope
-from fastcar_compile.passes.fused_attention import SLOT_FIELDS, compressed_attributes
-from fastcar_compile.runtime.native import library_path
 
 L = 8
 CASES = {  # (query heads, KV heads, head dim, settings)
@@ -37,48 +34,6 @@ def _trace(rng, T: int, hq: int, hkv: int, d: int):
     return q, k, rng.standard_normal((T, hkv, d))
 
 
-def _run_kernel(cfg: KVCompressConfig, q, k, v, chunks: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    import onnxruntime as ort
-
-    lib = library_path()
-    if lib is None:
-        pytest.skip("native kernels not built here")
-    T, hq, d = q.shape
-    hkv = k.shape[1]
-    pos = np.arange(T)
-    q_post = np.swapaxes(apply_rope(np.swapaxes(q, 0, 1), pos), 0, 1)
-    k_post = np.swapaxes(apply_rope(np.swapaxes(k, 0, 1), pos), 0, 1)
-    tc = cfg.tempcache_sim is not None
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    so.log_severity_level = 3
-    so.register_custom_ops_library(str(lib))
-    attrs = {**compressed_attributes(cfg, d), "num_heads": hq, "kv_num_heads": hkv, "scale": 1 / np.sqrt(d)}
-    sess = ort.InferenceSession(_model(n_in=10 if tc else 8, n_out=6 if tc else 5, **attrs), so,
-                                providers=["CPUExecutionProvider"])
-    C, F = cfg.budget, SLOT_FIELDS + (cfg.lsh_tables if cfg.lsh_bits else 0)
-    state = {n: np.zeros((1, hkv, C, d), np.float32) for n in ("past_key", "past_value")}
-    state["past_slots"] = np.zeros((1, hkv, C, F), np.float32)
-    if tc:
-        state["past_key_raw"] = np.zeros((1, hkv, C, d), np.float32)
-    outs, p = [], 0
-    for n in chunks:
-        def bhsd(x, sl=slice(p, p + n)):
-            return np.ascontiguousarray(np.swapaxes(x[sl], 0, 1)[None], dtype=np.float32)
-
-        feeds = {"q": bhsd(q_post), "k": bhsd(k_post), "v": bhsd(v), "attention_mask": np.ones((1, p + n), np.int64),
-                 "total_len": np.array(p + n, np.int32), **state}
-        if tc:
-            feeds["k_raw"] = bhsd(k)
-        res = sess.run(None, feeds)
-        outs.append(res[0].reshape(n, hq, d))
-        state["past_key"], state["past_value"], state["past_slots"] = res[1], res[2], res[3]
-        if tc:
-            state["past_key_raw"] = res[5]
-        p += n
-    return np.concatenate(outs), state["past_slots"][0]
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_equals_reference_at_benchmark_sizes(name):
     """Outputs over 72 tokens (a 6-token chunk, then single tokens and a 4-token chunk) within 1e-4 of the
@@ -88,7 +43,7 @@ def test_kernel_equals_reference_at_benchmark_sizes(name):
     cfg = KVCompressConfig(**settings, frame_len=L, video_start=0)
     q, k, v = _trace(np.random.default_rng(5), 72, hq, hkv, d)
     ref = run_trace(q, k, v, cfg)
-    got, slots = _run_kernel(cfg, q, k, v, [6] + [1] * 30 + [4] + [1] * 32)
+    got, slots = run_kernel(cfg, q, k, v, [6] + [1] * 30 + [4] + [1] * 32)
     assert np.abs(got - ref.out).max() <= 1e-4, np.abs(got - ref.out).max()
     for h, cache in enumerate(ref.caches):
         live = slots[h, :, 0] > 0

@@ -12,6 +12,7 @@ import onnx
 import ort_driver
 import pytest
 import zoo
+from kernel_driver import run_kernel
 from session_driver import run_session
 from test_compressed_attention import session
 
@@ -36,59 +37,6 @@ def _trace(seed: int, T: int, repeat: bool) -> tuple[np.ndarray, np.ndarray, np.
                 k[t] = k[t - L] + 0.01 * rng.standard_normal((HKV, D))
     v = rng.standard_normal((T, HKV, D))
     return q, k, v
-
-
-def _run_kernel(cfg: KVCompressConfig, q, k, v, chunks: list[int], stats: list | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """Feed the trace through the native op in steps of `chunks` tokens (batch 1, no padding); returns the
-    outputs [T, Hq, D] and the final slot records [Hkv, C, F]. With `stats` (a list), the op also runs dense
-    attention on the side (diagnostics) and each step's kv_stats [Hkv, 4] are appended to it."""
-    T = q.shape[0]
-    pos = np.arange(T)
-    q_post = np.swapaxes(apply_rope(np.swapaxes(q, 0, 1), pos), 0, 1)  # [T, Hq, D]
-    k_post = np.swapaxes(apply_rope(np.swapaxes(k, 0, 1), pos), 0, 1)
-    tempcache = cfg.tempcache_sim is not None or stats is not None  # (diagnostics wire the raw keys too)
-    prune = cfg.prune_prompt is not None or cfg.tempcache_sim is not None  # video_start (input 11) is fed
-    attrs = compressed_attributes(cfg, D)
-    sess = session(True, n_in=12 if prune else 11 if stats is not None else 10 if tempcache else 8,
-                   n_out=8 if stats is not None else 6 if tempcache else 5, **attrs)
-    C, F = cfg.budget, slot_width(cfg)
-    state = {"past_key": np.zeros((1, HKV, C, D), np.float32), "past_value": np.zeros((1, HKV, C, D), np.float32),
-             "past_slots": np.zeros((1, HKV, C, F), np.float32)}
-    empty = np.zeros((0, 0, 0, 0), np.float32)  # an unused optional input before video_start (as the compiler's)
-    if tempcache:
-        state["past_key_raw"] = np.zeros((1, HKV, C, D), np.float32)
-    elif prune:
-        state["past_key_raw"] = empty
-    if stats is not None:
-        state["past_dense"] = np.zeros((1, HKV, T, 2 * D), np.float32)
-    elif prune:
-        state["past_dense"] = empty
-    outs, p = [], 0
-    for n in chunks:
-        sl = slice(p, p + n)
-
-        def bhsd(x, sl=sl):
-            return np.ascontiguousarray(np.swapaxes(x[sl], 0, 1)[None], dtype=np.float32)
-
-        feeds = {"q": bhsd(q_post), "k": bhsd(k_post), "v": bhsd(v), "attention_mask": np.ones((1, p + n), np.int64),
-                 "total_len": np.array(p + n, np.int32), **state}
-        if tempcache:
-            feeds["k_raw"] = bhsd(k)
-        elif prune:
-            feeds["k_raw"] = empty
-        if prune:
-            feeds["video_start"] = np.array(cfg.video_start, np.int64)
-        res = sess.run(None, feeds)
-        outs.append(res[0].reshape(n, HQ, D))
-        state["past_key"], state["past_value"], state["past_slots"] = res[1], res[2], res[3]
-        if tempcache:
-            state["past_key_raw"] = res[5]
-        if stats is not None:
-            state["past_dense"] = res[6]
-            stats.append(res[7][0])
-        p += n
-    return np.concatenate(outs), state["past_slots"][0]
 
 
 CONFIGS = {
@@ -118,7 +66,7 @@ def test_kernel_equals_fastar_reference(name):
     cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS[name]}, frame_len=L)
     q, k, v = _trace(7, 60, repeat=cfg.tempcache_sim is not None)
     ref = run_trace(q, k, v, cfg)
-    got, slots = _run_kernel(cfg, q, k, v, [5, 1, 1, 3] + [1] * 50)
+    got, slots = run_kernel(cfg, q, k, v, [5, 1, 1, 3] + [1] * 50)
     assert np.abs(got - ref.out).max() <= 1e-4, np.abs(got - ref.out).max()
     tables = cfg.sparse_tables
     for h, cache in enumerate(ref.caches):
@@ -150,7 +98,7 @@ def test_diagnostics_equal_the_reference_metrics(name):
     q, k, v = _trace(7, 60, repeat=cfg.tempcache_sim is not None)
     ref = run_trace(q, k, v, cfg).metrics
     stats: list[np.ndarray] = []
-    got, _ = _run_kernel(cfg, q, k, v, [5, 1, 1, 3] + [1] * 50, stats=stats)
+    got, _ = run_kernel(cfg, q, k, v, [5, 1, 1, 3] + [1] * 50, stats=stats)
     executed, dense, recall, queries = np.sum(stats, axis=(0, 1))
     assert queries == 60 * HQ
     assert executed / dense == pytest.approx(ref.density, abs=1e-6)
@@ -163,7 +111,7 @@ def test_budget_above_context_is_dense():
     written independently (softmax over every earlier token, keys at their true positions)."""
     cfg = KVCompressConfig(budget=64, frame_len=L, video_start=0)
     q, k, v = _trace(3, 30, repeat=False)
-    got, _ = _run_kernel(cfg, q, k, v, [4] + [1] * 26)
+    got, _ = run_kernel(cfg, q, k, v, [4] + [1] * 26)
     pos = np.arange(30)
     qp, kp = apply_rope(np.swapaxes(q, 0, 1), pos), apply_rope(np.swapaxes(k, 0, 1), pos)
     for t in range(30):
@@ -230,7 +178,7 @@ def test_slot_bookkeeping_properties():
     sinks and the last W tokens resident, and every member count adds up with the reference's evictions."""
     cfg = KVCompressConfig(budget=10, sinks=2, window=3, tempcache_sim=0.9, frame_len=L, video_start=0)
     q, k, v = _trace(11, 80, repeat=True)
-    _, slots = _run_kernel(cfg, q, k, v, [1] * 80)
+    _, slots = run_kernel(cfg, q, k, v, [1] * 80)
     ref = run_trace(q, k, v, cfg)
     for h in range(HKV):
         live = slots[h, :, 0] > 0
@@ -513,7 +461,7 @@ def test_prune_everything_equals_attention_without_the_prompt():
     vs = 7
     cfg = KVCompressConfig(budget=64, prune_prompt=1.0, frame_len=L, video_start=vs)
     q, k, v = _trace(5, 40, repeat=False)
-    got, _ = _run_kernel(cfg, q, k, v, [9] + [1] * 31)
+    got, _ = run_kernel(cfg, q, k, v, [9] + [1] * 31)
     pos = np.arange(40)
     qp, kp = apply_rope(np.swapaxes(q, 0, 1), pos), apply_rope(np.swapaxes(k, 0, 1), pos)
     for t in range(40):
