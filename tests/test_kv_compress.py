@@ -16,6 +16,7 @@ from kernel_driver import run_kernel
 from session_driver import run_session
 from test_compressed_attention import session
 
+from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fastar.attention import run_trace
 from fastcar_compile.fastar.config import KVCompressConfig
@@ -278,14 +279,14 @@ def test_prompt_pruning_and_int8_end_to_end(zoo_model, fc_compile, tmp_path):
     """Through the compiler and FastCarSession (video_start = 6, the prompt): --prune-prompt 0 (every prompt key is
     hit, none skipped) with a budget above the video equals the original export (logits 1e-4, batch 2, left
     padding); --prune-prompt 0.5 does skip prompt keys (logits move); int8 buckets + pruning on a small budget
-    keep the [batch, kv_heads, C, 3 + tables + 1] slot state and finite logits."""
+    (evicting) equal the NumPy reference path inside the transformers model (logits 1e-4, batch 1)."""
     from fastcar_compile.runtime import FastCarSession
 
     src = zoo_model("llama", "dynamo20")
     rng = np.random.default_rng(12)
     pad = [0, 2]
     prompt = rng.integers(0, zoo.VOCAB, (2, 6))
-    mask = (np.arange(6)[None, :] >= np.array(pad)[:, None]).astype(np.int64)
+    mask, _ = ort_driver.left_pad_masks(pad, 6)
     steps = [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(20)]
     want = ort_driver.decode(src, [prompt, *steps], pad=pad).logits
     diff = {}
@@ -296,14 +297,36 @@ def test_prompt_pruning_and_int8_end_to_end(zoo_model, fc_compile, tmp_path):
         got = run_session(FastCarSession(out), prompt, mask, steps, video_start=6).logits
         diff[prune] = max(np.abs(got[k] - want[k]).max() for k in range(1, len(want)))
     assert diff[0.0] <= 1e-4 < diff[0.5], diff
+    # int8 buckets + pruning on a small budget (evicting), no replay: the NumPy reference path (fastar.generate,
+    # HeadCache per KV head inside the transformers model) on the first row
+    import json
+
+    import torch
+
+    from fastcar_compile.fastar.generate import ReferenceAttention, reference_attention
+
     small = tmp_path / "small.onnx"
-    fc_compile(str(src), output=str(small), frame_tokens=4, threshold=0.0, kv_budget=12, kv_sinks=1, kv_window=4,
-               sparse_attention="int8:4x3", prune_prompt=0.05)
-    run = run_session(FastCarSession(small), prompt, mask, steps, video_start=6)
-    assert all(np.isfinite(x).all() for x in run.logits)
-    assert run.arrays["past_kv_slots.0"].shape == (2, 2, 12, SLOT_FIELDS + 3 + 1)
-    kvc = {p.key: p.value for p in onnx.load(str(small), load_external_data=False).metadata_props}
-    assert '"int8_dirs": 4' in kvc["fastcar.kv_compress"] and '"prune_prompt": 0.05' in kvc["fastcar.kv_compress"]
+    fc_compile(str(src), output=str(small), frame_tokens=4, threshold=float("inf"), kv_budget=12, kv_sinks=1,
+               kv_window=4, sparse_attention="int8:4x3", prune_prompt=0.05)
+    cfg = KVCompressConfig(budget=12, sinks=1, window=4, int8_dirs=4, int8_tables=3, prune_prompt=0.05,
+                           frame_len=4, video_start=6)
+    run = run_session(FastCarSession(small), prompt[:1], mask[:1], [s[:1] for s in steps], video_start=6)
+    assert run.arrays["past_kv_slots.0"].shape == (1, 2, 12, slot_width(cfg))
+    model = zoo.build_model("llama", attn_implementation="eager")
+    ref = ReferenceAttention([cfg] * zoo.LAYERS, 6 + len(steps), model.config.rope_parameters["rope_theta"])
+    with reference_attention(model, ref), torch.no_grad():
+        past, want_small = None, []
+        for ids in [prompt[:1], *(s[:1] for s in steps)]:
+            res = model(input_ids=torch.as_tensor(ids), past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            want_small.append(res.logits.numpy())
+    for k, (g, w) in enumerate(zip(run.logits, want_small, strict=True)):
+        assert np.abs(g - w).max() <= 1e-4, (k, np.abs(g - w).max())
+    assert all(s.summary()["density"] < 1 for s in ref.stats)  # buckets, eviction and pruning skip keys
+    assert max(np.abs(w[0, -1] - d[0, -1]).max() for w, d in zip(want_small[1:], want[1:], strict=True)) > 1e-3
+    props = {p.key: p.value for p in onnx.load(str(small), load_external_data=False).metadata_props}
+    kvc = json.loads(props[contract.FastCarMetadata.key("kv_compress")])
+    assert (kvc["int8_dirs"], kvc["int8_tables"], kvc["prune_prompt"]) == (4, 3, 0.05)
 
 
 def test_tempcache_waits_for_video_end_to_end(zoo_model, fc_compile, tmp_path):
@@ -318,11 +341,11 @@ def test_tempcache_waits_for_video_end_to_end(zoo_model, fc_compile, tmp_path):
     out = tmp_path / "tc.onnx"
     fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=32, tempcache=-1.0)
     graph = onnx.load(str(out), load_external_data=False).graph
-    assert all(n.input[11] == "video_start" for n in graph.node if n.op_type == "CompressedAttention")
+    assert all(n.input[11] == contract.VIDEO_START for n in graph.node if n.op_type == "CompressedAttention")
     rng = np.random.default_rng(13)
     pad, T = [0, 2], 6 + 13
     prompt = rng.integers(0, zoo.VOCAB, (2, 6))
-    mask = (np.arange(6)[None, :] >= np.array(pad)[:, None]).astype(np.int64)
+    mask, _ = ort_driver.left_pad_masks(pad, 6)
     steps = [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(T - 6)]
     run = run_session(FastCarSession(out), prompt, mask, steps, video_start=6)
     video = np.arange(6, T)
