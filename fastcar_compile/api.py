@@ -108,11 +108,13 @@ def compile(  # noqa: A001 - the natural name of the entry point
     fusions: after the rewrite, fuse the export's RMSNorm chains (SimplifiedLayerNormalization, residual Adds
     into SkipSimplifiedLayerNormalization) and rotate-half RoPE (RotaryEmbedding): same values, fewer kernels.
     """
-    opts = CompileOptions(frame_tokens, threshold, tas_query, max_replay,
-                          layers if layers is None or isinstance(layers, str) else tuple(layers),
-                          per_layer_threshold, emit_diagnostics, fused_attention, required_video_inputs,
-                          kv_budget, kv_sinks, kv_window, kv_eviction, tempcache, sparse_attention, prune_prompt,
-                          kv_diagnostics, tuple(kv_layers or ()), fusions=bool(fusions))
+    opts = CompileOptions(
+        frame_tokens=frame_tokens, threshold=threshold, tas_query=tas_query, max_replay=max_replay,
+        layers=layers if layers is None or isinstance(layers, str) else tuple(layers),
+        per_layer_threshold=per_layer_threshold, emit_diagnostics=emit_diagnostics, fused_attention=fused_attention,
+        required_video_inputs=required_video_inputs, kv_budget=kv_budget, kv_sinks=kv_sinks, kv_window=kv_window,
+        kv_eviction=kv_eviction, tempcache=tempcache, sparse_attention=sparse_attention, prune_prompt=prune_prompt,
+        kv_diagnostics=kv_diagnostics, kv_layers=tuple(kv_layers or ()), fusions=bool(fusions))
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
     if out_path is not None and in_path is not None:

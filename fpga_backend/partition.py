@@ -40,10 +40,9 @@ COMPUTE_OPS = frozenset({
     "Sigmoid", "Silu", "Exp", "Max", "Min", "Gather", "Cos", "Sin", "RMSNormalization", "SimplifiedLayerNormalization",
     "SkipSimplifiedLayerNormalization", "Attention", "MultiHeadAttention", "GroupQueryAttention",
     "RotaryEmbedding", "ReduceSum", "Erf", "Tanh",
-    # ai.fastcar ops (docs/DESIGN.md): TAS + gate on the vector unit, cache ops on the DMA engine.
-    "TemporalGate", "TemporalGateAt", "TemporalGateAligned", "TemporalGatePacked", "TemporalGatePackedRope",
-    "MLPCacheRead", "MLPCacheUpdate",
-    "CompressedAttention",  # the fused attention core (--fused-attention fastcar, the default)
+    # ai.fastcar ops (docs/DESIGN.md): TAS + gate on the vector unit, cache ops on the DMA engine, the fused
+    # attention core (CompressedAttention, --fused-attention fastcar, the default)
+    *contract.OP_NAMES,
 })
 # Ops the accelerator runs without compute cost: the layout ops discovery walks through (one definition,
 # passes/graph_utils.py) plus shape, index and control ops.

@@ -64,8 +64,10 @@ class GenaiStatePass(ir.passes.InPlacePass):
             # every reader and the writer of the age are ai.fastcar ops: they take the encoding as an attribute
             # (no Sub/Add launches per layer and step)
             for node in {node for node, _ in age_in.uses()} | {age_out.producer()}:
-                assert node is not None and node.domain == contract.DOMAIN \
-                    and "age_offset" in contract.OP_ATTRIBUTES[node.op_type], f"age of layer {n} read by {node}"
+                if node is None or node.domain != contract.DOMAIN \
+                        or "age_offset" not in contract.OP_ATTRIBUTES.get(node.op_type, ()):
+                    raise RuntimeError(f"internal: the age of layer {n} is read or written by {node}, not an "
+                                       "ai.fastcar op taking age_offset")
                 node.attributes["age_offset"] = ir.AttrInt64("age_offset", GENAI_AGE_FILL - contract.AGE_FILL)
             age_in.name, age_out.name = AGE_IN.format(n=n), AGE_OUT.format(n=n)
             lr.state = [dataclasses.replace(cache, input=CACHE_IN.format(n=n), output=CACHE_OUT.format(n=n)),

@@ -24,6 +24,11 @@ _ORT_TO_NP = {
 }
 
 
+# The per-layer state onnxruntime-genai's generator recycles besides the KV cache (src/models/recurrent_state.cpp,
+# SPEC.md): allocated from the input's static shape, zero-filled for a new sequence, present -> past each step.
+GENAI_RECURRENT = re.compile(r"past_key_values\.\d+\.(conv_state|recurrent_state)")
+
+
 def make_session(path: str | Path, threads: int = 1) -> ort.InferenceSession:
     """A CPU session with one intra-op thread (the test machine is shared)."""
     so = ort.SessionOptions()
@@ -62,7 +67,8 @@ def _static_dim(shape: list, axis: int, what: str, name: str) -> int:
 def initial_state(
     sess: ort.InferenceSession, batch: int, frame_tokens: int | None = None, head_dim: int | None = None
 ) -> dict[str, np.ndarray]:
-    """Empty KV cache ([B, Hkv, 0, D]) and a new video's FastCar state (caches 0, ages -1).
+    """Empty KV cache ([B, Hkv, 0, D]) and a new video's FastCar state (caches 0, ages -1; genai's recurrent
+    state zeros, as its generator starts it).
 
     head_dim: for graphs whose KV head size is symbolic (onnxruntime-genai's builder).
     """
@@ -71,7 +77,10 @@ def initial_state(
     for inp in sess.get_inputs():
         name, shape = inp.name, list(inp.shape)
         dtype = _ORT_TO_NP[inp.type]
-        if name.startswith("past_key_values."):
+        if GENAI_RECURRENT.fullmatch(name):  # genai's RecurrentState: zeros of the static shape, batch free
+            dims = [batch] + [_static_dim(shape, a, "recurrent state", name) for a in range(1, len(shape))]
+            state[name] = np.zeros(dims, dtype=dtype)
+        elif name.startswith("past_key_values."):
             hkv = _static_dim(shape, 1, "kv heads", name)
             d = head_dim if head_dim is not None and not isinstance(shape[3], int) else _static_dim(
                 shape, 3, "head dim", name)

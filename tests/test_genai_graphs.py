@@ -98,6 +98,45 @@ def _native():
         return None
 
 
+def _natives(precision: str) -> list:
+    """Function bodies (None), then the native kernels where they exist (fp32 activations only: packed-QKV
+    layers run TemporalGatePacked[Rope]); a missing library is reported as a skip after the body check."""
+    lib = _native() if precision != "fp16" else None
+    return [None] + ([lib] if lib is not None else [])
+
+
+def _case(genai_model, family: str, precision: str, tas_query: str):
+    """(the builder graph, its reference model, the reference run at a tau in a gap of layer 0's TAS)."""
+    src = genai_model(family, precision) / "model.onnx"
+    model = genai_zoo.reference_model(family, src)
+    prompt = np.random.default_rng(7).integers(3, genai_zoo.GENAI_VOCAB, (2, VIDEO_START + 2))
+    probe = _reference(model, float("inf"), tas_query, prompt, 4 * L)
+    tau = _pick_tau(probe, margin=TOLERANCES[precision][2])
+    return src, tau, _reference(model, tau, tas_query, prompt, 4 * L)
+
+
+def _check_decode(got, run, precision: str, what: str, age_of) -> np.ndarray:
+    """Logits, replay masks, TAS and the final stored age (`age_of(layer)` -> the reference age as stored) of
+    one compiled decode vs the reference; returns the replay decisions [B, decode steps * layers]."""
+    logit_tol, tas_tol = TOLERANCES[precision][:2]
+    for k, (g, w) in enumerate(zip(got.logits, run.logits, strict=True)):
+        err = np.abs(g.astype(np.float32) - w).max()
+        assert err <= logit_tol, f"step {k}: logits differ by {err:.3g} ({what})"
+    decided = []
+    for i in (0, 1):
+        for k in range(1, len(run.steps)):
+            np.testing.assert_array_equal(got.replay_mask[i][k].astype(bool), run.replay[i][k],
+                                          err_msg=f"layer {i} step {k} ({what})")
+            if not np.isnan(run.tas[i][k]).any():
+                assert np.abs(got.tas[i][k] - run.tas[i][k]).max() <= tas_tol
+        decided.append(np.concatenate(run.replay[i][1:], axis=1))
+        name, want = age_of(i)
+        np.testing.assert_array_equal(got.final_state[name], want, err_msg=f"{name} ({what})")
+    dec = np.concatenate(decided, axis=1)
+    assert dec.any() and not dec.all() and (dec[0] != dec[1]).any(), "the case must mix replay and compute"
+    return dec
+
+
 @pytest.mark.parametrize("family,precision,tas_query", [
     ("llama", "fp32", "rope"), ("llama", "fp32", "raw"), ("llama", "int4-fp32a", "rope"),
     pytest.param("llama", "fp16", "rope", marks=pytest.mark.slow),
@@ -114,40 +153,49 @@ def test_compiled_genai_graph_matches_reference(genai_model, fc_compile, tmp_pat
     `rope` from the graph's own cos/sin caches, pre-RoPE `raw`), and so do the replay decisions and logits
     over a greedy decode; tau=+inf equals the uncompiled graph. The reference is the transformers model
     carrying the graph's own weights (int4 dequantized with NumPy from MatMulNBits' spec, fp16 widened)."""
-    folder = genai_model(family, precision)
-    src = folder / "model.onnx"
-    logit_tol, tas_tol, margin, never_tol = TOLERANCES[precision]
-    model = genai_zoo.reference_model(family, src)
-    prompt = np.random.default_rng(7).integers(3, genai_zoo.GENAI_VOCAB, (2, VIDEO_START + 2))
-    probe = _reference(model, float("inf"), tas_query, prompt, 4 * L)
-    tau = _pick_tau(probe, margin=margin)
-    run = _reference(model, tau, tas_query, prompt, 4 * L)
+    src, tau, run = _case(genai_model, family, precision, tas_query)
     out = tmp_path / "fastcar.onnx"
     _, report = fc_compile(str(src), output=str(out), frame_tokens=L, threshold=tau, tas_query=tas_query,
                            max_replay=2, emit_diagnostics=True, genai=False)  # DESIGN.md's state names
     assert report.rewritten == [0, 1]
-    # function bodies, then the native kernels (fp32 activations: packed-QKV layers run TemporalGatePacked[Rope])
-    for native in (None, _native() if precision != "fp16" else None):
+    natives = _natives(precision)
+    for native in natives:
         got = ort_driver.decode(_session(out, precision, compiled=True, native=native), run.steps,
                                 video_start=VIDEO_START, head_dim=HEAD_DIM)
-        for k, (g, w) in enumerate(zip(got.logits, run.logits, strict=True)):
-            err = np.abs(g.astype(np.float32) - w).max()
-            assert err <= logit_tol, f"step {k}: logits differ by {err:.3g} (native {native})"
-        decided = []
-        for i in (0, 1):
-            for k in range(1, len(run.steps)):
-                np.testing.assert_array_equal(got.replay_mask[i][k].astype(bool), run.replay[i][k])
-                if not np.isnan(run.tas[i][k]).any():
-                    assert np.abs(got.tas[i][k] - run.tas[i][k]).max() <= tas_tol
-            decided.append(np.concatenate(run.replay[i][1:], axis=1))
-            np.testing.assert_array_equal(got.final_state[f"past_mlp_age.{i}"], run.final_age[i])
-    dec = np.concatenate(decided, axis=1)
-    assert dec.any() and not dec.all() and (dec[0] != dec[1]).any(), "the case must mix replay and compute"
+        _check_decode(got, run, precision, f"native {native}", lambda i: (f"past_mlp_age.{i}", run.final_age[i]))
+    never_tol = TOLERANCES[precision][3]
     dense = ort_driver.decode(_session(src, precision, compiled=False), run.steps, head_dim=HEAD_DIM)
     never = ort_driver.decode(_session(out, precision, compiled=True), run.steps, video_start=VIDEO_START,
                               threshold=float("inf"), head_dim=HEAD_DIM)
     for a, b in zip(never.logits, dense.logits, strict=True):
         assert np.abs(a.astype(np.float32) - b.astype(np.float32)).max() <= never_tol
+    if precision != "fp16" and len(natives) == 1:
+        pytest.skip("function bodies checked; native kernels not built here (`python -m fastcar_compile.runtime.native.build` says why)")
+
+
+@pytest.mark.parametrize("family,precision,tas_query", [
+    ("llama", "fp32", "rope"), pytest.param("phi3", "int4-fp32a", "raw", marks=pytest.mark.slow)])
+def test_genai_state_names_match_reference(genai_model, fc_compile, tmp_path, family, precision, tas_query):
+    """Compiled for onnxruntime-genai's generator (state `past_key_values.N.conv_state` / `.recurrent_state`,
+    the age stored + 1 through the ops' `age_offset`, passes/genai_state.py) and driven as genai's generator
+    drives it (those inputs zero-filled, present.N.* carried into past_key_values.N.*): replay decisions and
+    logits equal the eager reference's, and the stored age is the reference's age + 1."""
+    src, tau, run = _case(genai_model, family, precision, tas_query)
+    out = tmp_path / "genai" / "fastcar.onnx"
+    _, report = fc_compile(str(src), output=str(out), frame_tokens=L, threshold=tau, tas_query=tas_query,
+                           max_replay=2, emit_diagnostics=True, genai=True)
+    assert report.rewritten == [0, 1]
+    names = {i.name for i in ort_driver.make_session(out).get_inputs()}
+    assert {f"past_key_values.{i}.{s}" for i in (0, 1) for s in ("conv_state", "recurrent_state")} <= names
+    assert not any(n.startswith(("past_mlp_cache.", "past_mlp_age.")) for n in names)
+    natives = _natives(precision)
+    for native in natives:
+        got = ort_driver.decode(_session(out, precision, compiled=True, native=native), run.steps,
+                                video_start=VIDEO_START, head_dim=HEAD_DIM)
+        _check_decode(got, run, precision, f"genai names, native {native}",
+                      lambda i: (f"past_key_values.{i}.recurrent_state", run.final_age[i] + 1))
+    if precision != "fp16" and len(natives) == 1:
+        pytest.skip("function bodies checked; native kernels not built here (`python -m fastcar_compile.runtime.native.build` says why)")
 
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),

@@ -395,7 +395,7 @@ def test_tempcache_waits_for_video_end_to_end(zoo_model, fc_compile, tmp_path):
     (dict(kv_budget=8, sparse_attention="lsh8x4"), "lsh:BITSxTABLES"),
     (dict(kv_budget=8, tempcache=1.5), "cosine in \\[-1, 1\\]"),
     (dict(kv_budget=8, fused_attention="gqa"), "--fused-attention fastcar"),
-    (dict(kv_budget=8, sparse_attention="int8:3x4"), "int8 directions must be one of 1, 2, 4, 8"),
+    (dict(kv_budget=8, sparse_attention="int8:3x4"), "--sparse-attention int8:3x4: int8 buckets need 1/2/4/8 dir"),
     (dict(kv_budget=8, sparse_attention="int8:"), "int8:DIRSxTABLES"),
     (dict(kv_budget=8, prune_prompt=1.5), "softmax weight in \\[0, 1\\]"),
     (dict(prune_prompt=0.1), "need --kv-budget"),
@@ -497,7 +497,7 @@ def test_bad_sparse_and_prune_cli_exit_2(zoo_model, tmp_path, capsys):
     from fastcar_compile.cli import main
 
     src = str(zoo_model("llama", "dynamo20"))
-    for extra, msg in ((["--kv-budget", "8", "--sparse-attention", "int8:3x4"], "int8 directions must be one of"),
+    for extra, msg in ((["--kv-budget", "8", "--sparse-attention", "int8:3x4"], "int8 buckets need 1/2/4/8 directions"),
                        (["--kv-budget", "8", "--sparse-attention", "int9"], "int8:DIRSxTABLES"),
                        (["--kv-budget", "8", "--prune-prompt", "1.5"], "softmax weight in [0, 1]"),
                        (["--prune-prompt", "0.1"], "need --kv-budget")):
@@ -552,3 +552,22 @@ def test_per_layer_int8_and_prune_slot_widths_equal_the_export(zoo_model, fc_com
     meta = json.loads({p.key: p.value for p in onnx.load(str(comp), load_external_data=False)
                        .metadata_props}["fastcar.kv_compress"])
     assert meta["per_layer"]["0"]["prune_prompt"] == 0.0 and meta["per_layer"]["1"]["int8_dirs"] == 2
+
+
+def test_slot_state_of_another_width_is_refused():
+    """A past_slots record one field narrower than the op's settings (LSH tables: a state from another compile)
+    is refused with a message naming the expected layout, instead of the kernel writing past the buffer; the
+    state of the right width runs (control)."""
+    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS["lsh"]}, frame_len=L)
+    C, F = cfg.budget, slot_width(cfg)
+    sess = session(True, n_in=8, n_out=5, **compressed_attributes(cfg, D))
+    rng = np.random.default_rng(0)
+    feeds = {"q": rng.standard_normal((1, HQ, 1, D)).astype(np.float32),
+             "k": rng.standard_normal((1, HKV, 1, D)).astype(np.float32),
+             "v": rng.standard_normal((1, HKV, 1, D)).astype(np.float32),
+             "past_key": np.zeros((1, HKV, C, D), np.float32), "past_value": np.zeros((1, HKV, C, D), np.float32),
+             "attention_mask": np.ones((1, 1), np.int64), "total_len": np.array(1, np.int32)}
+    out = sess.run(None, {**feeds, "past_slots": np.zeros((1, HKV, C, F), np.float32)})
+    assert np.isfinite(out[0]).all() and out[3].shape == (1, HKV, C, F)
+    with pytest.raises(Exception, match=rf"past_slots must be \[batch, kv_heads, budget, {F}\]"):
+        sess.run(None, {**feeds, "past_slots": np.zeros((1, HKV, C, F - 1), np.float32)})

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -183,12 +184,15 @@ struct TemporalGatePacked {
     const int64_t Hkv = ks[1], Tbuf = ks[2], D = ks[3];
     const int64_t G = H / Hkv, Hd = cs[2];
     const int64_t T = static_cast<int64_t>(total_len.Data()[0]), P = T - S;
-    if (H % Hkv != 0 || W < H * D || P < 0 || T > Tbuf || cs[1] != L || threshold.NumberOfElement() <= t_index)
-      throw std::runtime_error("TemporalGatePacked: inconsistent shapes (qkv, present_key, past_mlp_cache, "
+    const auto as = age.Shape();
+    if (H % Hkv != 0 || W < H * D || P < 0 || T > Tbuf || cs[1] != L || threshold.NumberOfElement() <= t_index ||
+        ks[0] != B || cs[0] != B || as.size() != 2 || as[0] != B || as[1] != L)
+      throw std::runtime_error("TemporalGatePacked: inconsistent shapes (qkv, present_key, age, past_mlp_cache, "
                                "threshold, total_len)");
     const int64_t R = cos == nullptr ? 0 : (rot_dim > 0 ? rot_dim : D), half = R / 2;
     const int64_t cstride = cos == nullptr ? 0 : cos->Shape()[1];
-    if (cos != nullptr && (R > D || cstride < half || T > cos->Shape()[0]))
+    if (cos != nullptr && (R > D || cstride < half || T > cos->Shape()[0] || sin == nullptr ||
+                           sin->Shape() != cos->Shape()))
       throw std::runtime_error("TemporalGatePackedRope: cos/sin caches shorter than the positions or rotary dim");
     const int64_t vs = video_start.Data()[0];
     const float tau = threshold.Data()[t_index];
@@ -385,7 +389,11 @@ struct CompressedAttention {
     fastcar_attn::CompressedTask t;
     t.cfg = &cfg;
     t.sh = sh;
-    t.F = (*past_slots)->Shape()[3];
+    const auto ss = (*past_slots)->Shape();
+    t.F = fastcar_attn::kCodes + cfg.CodeTables() + (cfg.prune_prompt >= 0.0f ? 1 : 0);
+    if (ss.size() != 4 || ss[0] != sh.B || ss[1] != cfg.kv_heads || ss[2] != sh.N || ss[3] != t.F)
+      throw std::runtime_error("CompressedAttention: past_slots must be [batch, kv_heads, budget, " +
+                               std::to_string(t.F) + "] for this op's settings (a state from another compile?)");
     t.q = q.Data();
     t.k = k.Data();
     t.v = v.Data();
