@@ -125,26 +125,30 @@ SPARSE_FORM = "lsh:BITSxTABLES (e.g. lsh:8x4), int8 or int8:DIRSxTABLES (e.g. in
 INT8_DEFAULT = (2, 4)  # `int8` alone: 2 directions x 16 levels per table, 4 tables (fastar/int8.py)
 
 
-def parse_sparse_attention(value: str | None) -> dict:
-    """--sparse-attention 'lsh:BITSxTABLES' | 'int8[:DIRSxTABLES]' -> KVCompressConfig keywords ({} for None)."""
-    from fastcar_compile.fastar.config import INT8_DIRS
+def parse_sparse_attention(value: str | None, flag: str = "--sparse-attention") -> dict:
+    """'lsh:BITSxTABLES' | 'int8[:DIRSxTABLES]' -> KVCompressConfig keywords ({} for None). The one reader of
+    this grammar (--sparse-attention, --kv-layer sparse=, eval --kv-modes); the buckets' own limits are
+    KVCompressConfig's, its messages prefixed with `flag` and the value."""
+    from fastcar_compile.fastar.config import KVCompressConfig
 
     if value is None:
         return {}
     head, _, spec = str(value).partition(":")
-    if str(value) == "int8":
-        return {"int8_dirs": INT8_DEFAULT[0], "int8_tables": INT8_DEFAULT[1]}
     first, _, tables = spec.partition("x")
-    if head not in ("lsh", "int8") or not first.isdigit() or not tables.isdigit():
-        raise FastCarError(f"--sparse-attention must look like {SPARSE_FORM}, got {value!r}")
-    if head == "int8":
-        if int(first) not in INT8_DIRS or not 1 <= int(tables) <= 64:
-            raise FastCarError(f"--sparse-attention {value}: int8 directions must be one of "
-                               f"{', '.join(map(str, INT8_DIRS))} and tables 1..64")
-        return {"int8_dirs": int(first), "int8_tables": int(tables)}
-    if not (1 <= int(first) <= 24 and 1 <= int(tables) <= 64):
-        raise FastCarError(f"--sparse-attention {value}: bits must be 1..24 and tables 1..64")
-    return {"lsh_bits": int(first), "lsh_tables": int(tables)}
+    if str(value) == "int8":
+        kw = {"int8_dirs": INT8_DEFAULT[0], "int8_tables": INT8_DEFAULT[1]}
+    elif head not in ("lsh", "int8") or not first.isdigit() or not tables.isdigit():
+        raise FastCarError(f"{flag} must look like {SPARSE_FORM}, got {value!r}")
+    elif (head == "lsh" and not 1 <= int(first) <= 24) or not 1 <= int(tables) <= 64:  # the kernel's limits
+        raise FastCarError(f"{flag} {value}: use 1..24 bits (lsh) and 1..64 tables")
+    else:
+        kw = {"lsh_bits": int(first), "lsh_tables": int(tables)} if head == "lsh" else \
+            {"int8_dirs": int(first), "int8_tables": int(tables)}
+    try:
+        KVCompressConfig(**kw)
+    except FastCarError as exc:
+        raise FastCarError(f"{flag} {value}: {exc}") from None
+    return kw
 
 
 KV_LAYER_KEYS = ("budget", "sinks", "window", "eviction", "tempcache", "sparse", "prune")

@@ -37,6 +37,8 @@ def test_mode_grammar():
     assert [m for m, _ in parse_modes("tempcache:0.9", 64, 3)] == ["dense", "tempcache:0.9"]
     i8 = parse_mode("int8:4x8", 64, 3)
     assert (i8.int8_dirs, i8.int8_tables, i8.sinks, i8.window, i8.lsh_bits) == (4, 8, 4, 64, None)
+    bare = parse_mode("int8", 64, 3)  # the compiler's --sparse-attention grammar: bare int8 = its default
+    assert (bare.int8_dirs, bare.int8_tables) == (2, 4)
     pr = parse_mode("prune:0.05", 64, 3)
     assert (pr.prune_prompt, pr.video_start, pr.budget, pr.sinks) == (0.05, 3, None, 0)
     for bad in ("window:4", "tempcache:high", "lsh:8", "cache:1", "budget:1+2+x", "int8:3x4", "int8:x", "prune:hi",

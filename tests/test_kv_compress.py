@@ -395,7 +395,7 @@ def test_tempcache_waits_for_video_end_to_end(zoo_model, fc_compile, tmp_path):
     (dict(kv_budget=8, sparse_attention="lsh8x4"), "lsh:BITSxTABLES"),
     (dict(kv_budget=8, tempcache=1.5), "cosine in \\[-1, 1\\]"),
     (dict(kv_budget=8, fused_attention="gqa"), "--fused-attention fastcar"),
-    (dict(kv_budget=8, sparse_attention="int8:3x4"), "int8 directions must be one of 1, 2, 4, 8"),
+    (dict(kv_budget=8, sparse_attention="int8:3x4"), "--sparse-attention int8:3x4: int8 buckets need 1/2/4/8 dir"),
     (dict(kv_budget=8, sparse_attention="int8:"), "int8:DIRSxTABLES"),
     (dict(kv_budget=8, prune_prompt=1.5), "softmax weight in \\[0, 1\\]"),
     (dict(prune_prompt=0.1), "need --kv-budget"),
@@ -497,7 +497,7 @@ def test_bad_sparse_and_prune_cli_exit_2(zoo_model, tmp_path, capsys):
     from fastcar_compile.cli import main
 
     src = str(zoo_model("llama", "dynamo20"))
-    for extra, msg in ((["--kv-budget", "8", "--sparse-attention", "int8:3x4"], "int8 directions must be one of"),
+    for extra, msg in ((["--kv-budget", "8", "--sparse-attention", "int8:3x4"], "int8 buckets need 1/2/4/8 directions"),
                        (["--kv-budget", "8", "--sparse-attention", "int9"], "int8:DIRSxTABLES"),
                        (["--kv-budget", "8", "--prune-prompt", "1.5"], "softmax weight in [0, 1]"),
                        (["--prune-prompt", "0.1"], "need --kv-budget")):

@@ -8,7 +8,7 @@ columns a kernel would change are density (q.k pairs) and KV bytes.
 
 Mode grammar (';'-separated): `dense`; `window:S+W` (sinks + the last W tokens, oldest-first eviction);
 `budget:S+W+C` (C slots, 'mass' eviction); `tempcache:SIM` (unbounded) or `tempcache:SIM@S+W+C`;
-`lsh:BITSxTABLES` (AnnSA over sinks 4 + window 64); `int8:DIRSxTABLES` (AnnSA by 8-bit quantised buckets,
+`lsh:BITSxTABLES` (AnnSA over sinks 4 + window 64); `int8[:DIRSxTABLES]` (AnnSA by 8-bit quantised buckets,
 fastar/int8.py, over the same sinks and window); `prune:P` (prompt keys no query of the previous frame gave
 softmax weight >= P are skipped: AnnCA's decoder-only counterpart).
 """
@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fastar.config import KVCompressConfig
+from fastcar_compile.passes.context import parse_sparse_attention
 
 DEFAULT_MODES = ("dense;window:4+124;budget:4+60+192;tempcache:0.99;tempcache:0.95;tempcache:0.9;"
                  "tempcache:0.95@4+60+192;lsh:6x4;lsh:8x4;int8:2x4;int8:4x8;prune:0.01;prune:0.1")
@@ -63,16 +64,9 @@ def parse_mode(spec: str, frame_len: int, video_start: int) -> KVCompressConfig 
             s, w, c = _ints(bound, 3, spec)
             return KVCompressConfig(tempcache_sim=simf, budget=c, sinks=s, window=w, **base)
         return KVCompressConfig(tempcache_sim=simf, **base)
-    if kind == "lsh":
-        b, _, t = arg.partition("x")
-        if not (b.isdigit() and t.isdigit()):
-            raise FastCarError(f"{spec}: lsh takes BITSxTABLES, e.g. lsh:8x4")
-        return KVCompressConfig(lsh_bits=int(b), lsh_tables=int(t), sinks=LSH_SINKS, window=LSH_WINDOW, **base)
-    if kind == "int8":
-        r, _, t = arg.partition("x")
-        if not (r.isdigit() and t.isdigit()):
-            raise FastCarError(f"{spec}: int8 takes DIRSxTABLES, e.g. int8:2x4")
-        return KVCompressConfig(int8_dirs=int(r), int8_tables=int(t), sinks=LSH_SINKS, window=LSH_WINDOW, **base)
+    if kind in ("lsh", "int8"):  # the compiler's --sparse-attention grammar (bare `int8` = its default)
+        kw = parse_sparse_attention(spec, flag="--kv-modes")
+        return KVCompressConfig(**kw, sinks=LSH_SINKS, window=LSH_WINDOW, **base)
     if kind == "prune":
         try:
             thr = float(arg)
@@ -80,7 +74,7 @@ def parse_mode(spec: str, frame_len: int, video_start: int) -> KVCompressConfig 
             raise FastCarError(f"{spec}: prune takes a softmax weight, e.g. prune:0.01") from None
         return KVCompressConfig(prune_prompt=thr, **base)
     raise FastCarError(f"unknown KV mode {spec!r}; use dense, window:S+W, budget:S+W+C, tempcache:SIM[@S+W+C], "
-                       "lsh:BITSxTABLES, int8:DIRSxTABLES or prune:P")
+                       "lsh:BITSxTABLES, int8[:DIRSxTABLES] or prune:P")
 
 
 def parse_modes(specs: str, frame_len: int, video_start: int) -> list[tuple[str, KVCompressConfig | None]]:

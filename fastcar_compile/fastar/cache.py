@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from fastcar_compile.contract import aligned_is_video
+from fastcar_compile.fastar.buckets import Buckets
 from fastcar_compile.fastar.config import KVCompressConfig
-from fastcar_compile.fastar.int8 import Int8Buckets
-from fastcar_compile.fastar.lsh import SignLSH
 from fastcar_compile.fastar.rope import apply_rope
 
 
@@ -27,8 +26,8 @@ def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class HeadCache:
     def __init__(self, cfg: KVCompressConfig, head_dim: int, max_tokens: int, theta: float | None = 10000.0,
-                 lsh: SignLSH | Int8Buckets | None = None) -> None:
-        self.cfg, self.theta, self.lsh = cfg, theta, lsh
+                 hasher: Buckets | None = None) -> None:
+        self.cfg, self.theta, self.hasher = cfg, theta, hasher
         cap = max_tokens if cfg.budget is None else min(cfg.budget, max_tokens)
         self.capacity = cap
         self.k_post = np.zeros((cap, head_dim))
@@ -39,7 +38,7 @@ class HeadCache:
         self.mass = np.zeros(cap)
         self.live = np.zeros(cap, bool)
         self.hit_frame = np.zeros(cap, np.int64)
-        self.codes = np.zeros((cap, lsh.tables if lsh else 0), np.int64)
+        self.codes = np.zeros((cap, hasher.tables if hasher else 0), np.int64)
         self.token_slot = np.full(max_tokens, -1, np.int64)
         self.seen = 0
         self.evicted = 0
@@ -68,8 +67,8 @@ class HeadCache:
             self.mass[slot] = 0.0
             self.hit_frame[slot] = 0
         self.k_pre[slot], self.k_post[slot], self.pos[slot] = k_pre, k_post, p
-        if self.lsh is not None:
-            self.codes[slot] = self.lsh.codes(k_post)
+        if self.hasher is not None:
+            self.codes[slot] = self.hasher.codes(k_post)
         self.token_slot[p] = slot
         self.seen = p + 1
         return slot
@@ -132,10 +131,10 @@ class HeadCache:
         The current token's own slot is always included, so a selection is never empty (window 0, no hit).
         """
         p = self.seen - 1
-        if self.lsh is None:
+        if self.hasher is None:
             keep = self.live.copy()
         else:
-            hit = self.lsh.shares_bucket(self.codes, self.lsh.codes(q_post))
+            hit = self.hasher.shares_bucket(self.codes, self.hasher.codes(q_post))
             keep = self.live & (hit | self.protected(p))
         keep &= ~self.pruned(p)
         keep[self.token_slot[p]] = True

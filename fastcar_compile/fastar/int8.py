@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastcar_compile.fastar.buckets import Buckets
+from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.fastar.lsh import SignLSH
 
 SCALE = 32.0  # int8 steps per sigma of a projection: +-4 sigma fill the int8 range
 
 
-class Int8Buckets:
+class Int8Buckets(Buckets):
+    """`dirs` int8-quantised projections per table, their top 8 / dirs bits packed into one byte (module
+    docstring); keys are quantised once when written, so a slot stores one byte per table."""
+
     def __init__(self, dim: int, dirs: int, tables: int, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
         planes = rng.standard_normal((tables, dirs, dim))
@@ -44,14 +49,12 @@ class Int8Buckets:
         part = np.floor_divide(c, 1 << (8 - self.bits)) + (1 << (self.bits - 1))  # [0, 2^bits)
         return (part << (self.bits * np.arange(self.dirs, dtype=np.int64))).sum(-1)
 
-    @staticmethod
-    def shares_bucket(key_codes: np.ndarray, query_codes: np.ndarray) -> np.ndarray:
-        """[n] bool: key i shares a bucket with the query in at least one table (key_codes [n, tables])."""
-        return (key_codes == query_codes[None, :]).any(-1)
 
-
-def hasher(cfg, dim: int):
-    """The AnnSA bucketing of a fastar.KVCompressConfig (SignLSH, Int8Buckets) or None."""
+def hasher(cfg: KVCompressConfig, dim: int) -> SignLSH | Int8Buckets | None:
+    """The AnnSA bucketing of a fastar.KVCompressConfig, or None when it has none (dense selection): the
+    reference (attention.py, generate.py) and the compiler's attribute writer (passes/fused_attention.py)
+    draw the same planes from it. (It belongs in buckets.py's family; it stays here while fused_attention.py
+    imports it from this module.)"""
     if cfg.lsh_bits:
         return SignLSH(dim, cfg.lsh_bits, cfg.lsh_tables, cfg.seed)
     if cfg.int8_dirs:

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastcar_compile.fastar.buckets import Buckets
 
-class SignLSH:
+
+class SignLSH(Buckets):
+    """`bits` sign bits of seeded Gaussian projections per table (SimHash): bucket id = the bits packed."""
+
     def __init__(self, dim: int, bits: int, tables: int, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
         self.bits, self.tables = bits, tables
@@ -22,8 +26,3 @@ class SignLSH:
         """Bucket ids [..., tables] (int64) of vectors x [..., dim]."""
         signs = np.einsum("tbd,...d->...tb", self.planes, np.asarray(x, np.float64)) > 0
         return (signs.astype(np.int64) * self._weights).sum(-1)
-
-    @staticmethod
-    def shares_bucket(key_codes: np.ndarray, query_codes: np.ndarray) -> np.ndarray:
-        """[n] bool: key i shares a bucket with the query in at least one table (key_codes [n, tables])."""
-        return (key_codes == query_codes[None, :]).any(-1)
