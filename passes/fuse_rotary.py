@@ -35,9 +35,16 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 
 def _const_ints(value: ir.Value | None) -> list[int] | None:
-    if value is None or value.const_value is None:
+    """The integers of an initializer or a Constant node's output (TorchScript exports use the latter)."""
+    if value is None:
         return None
-    return [int(v) for v in np.asarray(value.const_value.numpy()).reshape(-1)]
+    tensor = value.const_value
+    node = value.producer()
+    if tensor is None and node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        tensor = node.attributes["value"].value
+    if tensor is None or tensor.size > 8:
+        return None
+    return [int(v) for v in np.asarray(tensor.numpy()).reshape(-1)]
 
 
 def _half(node: ir.Node | None, x: ir.Value, dim: int) -> str | None:

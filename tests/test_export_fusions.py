@@ -91,3 +91,52 @@ def test_fusions_off_switch(zoo_model, tmp_path):
                  "--fusions", "off"]) == 0
     ops = _ops(onnx.load(str(out)).graph)
     assert "Pow" in ops and "Neg" in ops and "RotaryEmbedding" not in ops
+
+
+def _rope_graph(equal_halves: bool) -> onnx.ModelProto:
+    """x [B, H, S, D] rotated by transformers' rotate-half with cos/sin = trig(Concat(f, g)) [B, S, D]: the
+    halves are equal (g = f) as in every exporter's RoPE, or not (g = 2 f), which no RotaryEmbedding cache can hold."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    def c(name, vals):
+        return h.make_node("Constant", [], [name], value=h.make_tensor(name, T.INT64, [len(vals)], vals))
+
+    nodes = [c("half", [2]), c("end", [9]), c("zero", [0]), c("ax", [3]), c("one", [1]),
+             h.make_node("Constant", [], ["two"], value=h.make_tensor("two", T.FLOAT, [], [2.0])),
+             h.make_node("Mul", ["f", "two"], ["f2"]),
+             h.make_node("Concat", ["f", "f" if equal_halves else "f2"], ["emb"], axis=-1),
+             h.make_node("Cos", ["emb"], ["cos3"]), h.make_node("Sin", ["emb"], ["sin3"]),
+             h.make_node("Unsqueeze", ["cos3", "one"], ["cos"]), h.make_node("Unsqueeze", ["sin3", "one"], ["sin"]),
+             h.make_node("Slice", ["x", "zero", "half", "ax", "one"], ["x1"]),
+             h.make_node("Slice", ["x", "half", "end", "ax", "one"], ["x2"]),
+             h.make_node("Neg", ["x2"], ["nx2"]), h.make_node("Concat", ["nx2", "x1"], ["rot"], axis=-1),
+             h.make_node("Mul", ["x", "cos"], ["a"]), h.make_node("Mul", ["rot", "sin"], ["b"]),
+             h.make_node("Add", ["a", "b"], ["rope"]), h.make_node("Identity", ["rope"], ["y"])]
+    graph = h.make_graph(nodes, "rope", [h.make_tensor_value_info("x", T.FLOAT, [2, 3, 5, 4]),
+                                         h.make_tensor_value_info("f", T.FLOAT, [2, 5, 2])],
+                         [h.make_tensor_value_info("y", T.FLOAT, [2, 3, 5, 4])])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 20)], ir_version=10)
+
+
+@pytest.mark.parametrize("equal_halves", [True, False])
+def test_rotary_fusion_claims_only_equal_halves(equal_halves):
+    """Equal cos/sin halves: fused, and ORT's RotaryEmbedding gives the unfused graph's output (per-row angles,
+    batch 2); unequal halves: left as exported."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from fastcar_compile.passes.context import CompileContext, CompileOptions
+    from fastcar_compile.passes.fuse_rotary import RotaryFusionPass
+
+    proto = _rope_graph(equal_halves)
+    model = ir.from_proto(proto)
+    result = RotaryFusionPass(CompileContext(CompileOptions(frame_tokens=1)))(model)
+    assert result.modified == equal_halves
+    fused = ir.to_proto(result.model)
+    assert ("RotaryEmbedding" in [n.op_type for n in fused.graph.node]) == equal_halves
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 3, 5, 4)).astype(np.float32),
+             "f": rng.uniform(0, 6, (2, 5, 2)).astype(np.float32)}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]  # noqa: E731
+    np.testing.assert_allclose(run(fused), run(proto), atol=1e-5, rtol=0)
