@@ -105,7 +105,8 @@ def calibrate(clips: int, frames: int, target: float) -> dict:
             "clips": clips, "frames": frames}
 
 
-# (name, fastcar tau or None = never replay, compiler KV options or None = plain dense export)
+# (name, fastcar tau or None = never replay, compiler KV options or None = plain dense export); compiled rows
+# keep the export's norms and RoPE (--fusions off) so they differ from the dense row only by their mode
 OP_MODES = [
     ("dense", None, None),
     ("FastCar", "tau", ["--fused-attention", "off"]),  # the exported attention (fused is the default now)
@@ -152,7 +153,7 @@ def op_modes(clips: int, frames: int, tau: float, out: Path, only: list[int] | N
             if fc or kv:
                 path = Path(d) / "m.onnx"
                 args = [str(src), "-o", str(path), "--frame-tokens", str(L), "--video-start", "3",
-                        f"--threshold={tau if fc else float('inf')}", *(kv or [])]
+                        f"--threshold={tau if fc else float('inf')}", "--fusions", "off", *(kv or [])]
                 if cli(args) != 0:
                     raise SystemExit(f"compile failed for {name}")
             sess = open_session(path, 1)

@@ -145,6 +145,7 @@ CACHE_FILL, AGE_FILL = 0, -1
 
 # --- the ai.fastcar ops ---------------------------------------------------------------------------------------
 DOMAIN = "ai.fastcar"
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops the passes emit (GQA, RotaryEmbedding, norms)
 OPSET_VERSION = 1
 TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE = "TemporalGate", "MLPCacheRead", "MLPCacheUpdate"
 TEMPORAL_GATE_AT = "TemporalGateAt"  # TemporalGate with the token count as an input (shared KV buffers)

@@ -122,16 +122,26 @@ MLPCacheUpdate <age_offset: int = 0> (past_mlp_cache, past_mlp_age, branch, repl
 }}
 """
 
+def _derive(text: str, *edits: tuple[str, str]) -> str:
+    """A variant of an op's text: each `old` must occur exactly once (a silent no-op replace would ship the
+    parent op's body under the variant's name)."""
+    for old, new in edits:
+        if text.count(old) != 1:
+            raise RuntimeError(f"internal: op text edit expects exactly one {old[:60]!r}")
+        text = text.replace(old, new)
+    return text
+
+
 # TemporalGate for a key buffer longer than the sequence (onnxruntime-genai's past_present_share_buffer:
 # present_key is [B, Hkv, max_length, D]): the token positions come from `total_len` (GroupQueryAttention's
 # total_sequence_length, int32 scalar), not from the buffer's length.
-_TEMPORAL_GATE_AT = _TEMPORAL_GATE.replace(
-    "TemporalGate <frame_tokens, max_replay, age_offset: int = 0>(q, present_key, past_mlp_age, threshold, video_start)",
-    "TemporalGateAt <frame_tokens, max_replay, age_offset: int = 0>(q, present_key, past_mlp_age, threshold, video_start, "
-    "total_len)",
-).replace(
-    "  T = Shape <start = 2, end = 3> (present_key)\n",
-    "  total64 = Cast <to = 7> (total_len)\n  T = Reshape (total64, one)\n",
+_TEMPORAL_GATE_AT = _derive(
+    _TEMPORAL_GATE,
+    ("TemporalGate <frame_tokens, max_replay, age_offset: int = 0>(q, present_key, past_mlp_age, threshold, video_start)",
+     "TemporalGateAt <frame_tokens, max_replay, age_offset: int = 0>(q, present_key, past_mlp_age, threshold, "
+     "video_start, total_len)"),
+    ("  T = Shape <start = 2, end = 3> (present_key)\n",
+     "  total64 = Cast <to = 7> (total_len)\n  T = Reshape (total64, one)\n"),
 )
 
 
@@ -206,10 +216,12 @@ CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, fram
 
 # TemporalGate on keys gathered per new token (aligned_key [B,Hkv,S,D]: row i = the post-RoPE key of token
 # p_i - L, CompressedAttention's output with a compressed cache); positions from total_len as TemporalGateAt.
-_TEMPORAL_GATE_ALIGNED = _TEMPORAL_GATE_AT.replace(
-    "TemporalGateAt <frame_tokens, max_replay, age_offset: int = 0>",
-    "TemporalGateAligned <frame_tokens, max_replay, age_offset: int = 0>",
-).replace("  idx = Max (aligned, zero_s)\n", "  idx = Range (zero_s, S_s, one_s)\n")
+_TEMPORAL_GATE_ALIGNED = _derive(
+    _TEMPORAL_GATE_AT,
+    ("TemporalGateAt <frame_tokens, max_replay, age_offset: int = 0>",
+     "TemporalGateAligned <frame_tokens, max_replay, age_offset: int = 0>"),
+    ("  idx = Max (aligned, zero_s)\n", "  idx = Range (zero_s, S_s, one_s)\n"),
+)
 
 # The main-graph gate of a GroupQueryAttention layer on packed QKV [B, S, (H + 2 Hkv) D] (onnxruntime-genai's
 # builder graphs), one node instead of ~14 small ones: the query is the first H*D channels (TAS `raw`), rotated
@@ -247,23 +259,22 @@ TemporalGatePacked <frame_tokens, max_replay, age_offset: int = 0, num_heads, th
 }}
 """
 
-_TEMPORAL_GATE_PACKED_ROPE = _TEMPORAL_GATE_PACKED.replace(
-    '"ai.fastcar" : 1]>', '"ai.fastcar" : 1, "com.microsoft" : 1]>'
-).replace(
-    "TemporalGatePacked <frame_tokens, max_replay, age_offset: int = 0, num_heads, threshold_index: int = 0>\n"
-    "    (qkv, present_key, past_mlp_age, past_mlp_cache, threshold, video_start, total_len)",
-    "TemporalGatePackedRope <frame_tokens, max_replay, age_offset: int = 0, num_heads, threshold_index: int = 0,\n"
-    "                        rotary_embedding_dim, interleaved>\n"
-    "    (qkv, present_key, past_mlp_age, past_mlp_cache, threshold, video_start, total_len, cos_cache, sin_cache)",
-).replace(
-    "  q = Slice (qkv, zero, HD, last)\n",
-    "  q_raw = Slice (qkv, zero, HD, last)\n"
-    "  total64 = Cast <to = 7> (total_len)\n"
-    "  total1 = Reshape (total64, last)\n"
-    "  S = Shape <start = 1, end = 2> (qkv)\n"
-    "  start = Sub (total1, S)\n"
-    "  q = com.microsoft.RotaryEmbedding <interleaved: int = @interleaved, num_heads: int = @num_heads,\n"
-    "      rotary_embedding_dim: int = @rotary_embedding_dim> (q_raw, start, cos_cache, sin_cache)\n",
+_TEMPORAL_GATE_PACKED_ROPE = _derive(
+    _TEMPORAL_GATE_PACKED,
+    ('"ai.fastcar" : 1]>', f'"ai.fastcar" : 1, "{contract.MS_DOMAIN}" : 1]>'),
+    ("TemporalGatePacked <frame_tokens, max_replay, age_offset: int = 0, num_heads, threshold_index: int = 0>\n"
+     "    (qkv, present_key, past_mlp_age, past_mlp_cache, threshold, video_start, total_len)",
+     "TemporalGatePackedRope <frame_tokens, max_replay, age_offset: int = 0, num_heads, threshold_index: int = 0,\n"
+     "                        rotary_embedding_dim, interleaved>\n"
+     "    (qkv, present_key, past_mlp_age, past_mlp_cache, threshold, video_start, total_len, cos_cache, sin_cache)"),
+    ("  q = Slice (qkv, zero, HD, last)\n",
+     "  q_raw = Slice (qkv, zero, HD, last)\n"
+     "  total64 = Cast <to = 7> (total_len)\n"
+     "  total1 = Reshape (total64, last)\n"
+     "  S = Shape <start = 1, end = 2> (qkv)\n"
+     "  start = Sub (total1, S)\n"
+     f"  q = {contract.MS_DOMAIN}.RotaryEmbedding <interleaved: int = @interleaved, num_heads: int = @num_heads,\n"
+     "      rotary_embedding_dim: int = @rotary_embedding_dim> (q_raw, start, cos_cache, sin_cache)\n"),
 )
 
 OP_TEXTS = {

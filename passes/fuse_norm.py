@@ -19,6 +19,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from fastcar_compile import contract
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
 
@@ -164,7 +165,7 @@ class SkipNormFusionPass(ir.passes.InPlacePass):
 
         count = fuse_skip_rms_normalization(model)
         if count:
-            model.opset_imports.setdefault("com.microsoft", 1)
+            model.opset_imports.setdefault(contract.MS_DOMAIN, 1)
             RemoveUnusedNodesPass()(model)
             self.ctx.notes.append(f"fused {count} residual Adds into SkipSimplifiedLayerNormalization")
         return ir.passes.PassResult(model, modified=count > 0)

@@ -26,11 +26,12 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from fastcar_compile import contract
 from fastcar_compile.passes import build
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
 
-MS = "com.microsoft"
+MS = contract.MS_DOMAIN
 _INT64_MAX = np.iinfo(np.int64).max
 
 

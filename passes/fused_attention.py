@@ -38,7 +38,7 @@ from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
 from fastcar_compile.passes.match_rotary import find_rotary_path
 
-MS = "com.microsoft"
+MS = contract.MS_DOMAIN
 
 
 def _scaled_source(value: ir.Value, stop: ir.Value | None = None) -> tuple[ir.Value, float]:
