@@ -170,7 +170,7 @@ def slot_width(cfg) -> int:
 
 def compressed_attributes(cfg, head_dim: int) -> dict:
     """CompressedAttention's attributes for a fastar.KVCompressConfig (LSH / int8 planes drawn as the reference)."""
-    from fastcar_compile.fastar.int8 import hasher
+    from fastcar_compile.fastar.cache import hasher
 
     attrs = {"budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "frame_tokens": cfg.frame_len,
              "eviction": cfg.eviction}

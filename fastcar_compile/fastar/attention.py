@@ -20,9 +20,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.fastar.cache import HeadCache
+from fastcar_compile.fastar.cache import HeadCache, hasher
 from fastcar_compile.fastar.config import KVCompressConfig
-from fastcar_compile.fastar.int8 import hasher
 from fastcar_compile.fastar.rope import apply_rope
 
 

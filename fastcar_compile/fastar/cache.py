@@ -15,6 +15,8 @@ import numpy as np
 from fastcar_compile.contract import aligned_is_video
 from fastcar_compile.fastar.buckets import Buckets
 from fastcar_compile.fastar.config import KVCompressConfig
+from fastcar_compile.fastar.int8 import Int8Buckets
+from fastcar_compile.fastar.lsh import SignLSH
 from fastcar_compile.fastar.rope import apply_rope
 
 
@@ -155,3 +157,14 @@ class HeadCache:
 
     def slots_used(self) -> int:
         return int(self.live.sum())
+
+
+def hasher(cfg: KVCompressConfig, dim: int) -> SignLSH | Int8Buckets | None:
+    """The AnnSA bucketing of a fastar.KVCompressConfig, or None when it has none (dense selection): the
+    reference (attention.py, generate.py) and the compiler's attribute writer (passes/fused_attention.py)
+    draw the same planes from it."""
+    if cfg.lsh_bits:
+        return SignLSH(dim, cfg.lsh_bits, cfg.lsh_tables, cfg.seed)
+    if cfg.int8_dirs:
+        return Int8Buckets(dim, cfg.int8_dirs, cfg.int8_tables, cfg.seed)
+    return None

@@ -18,9 +18,8 @@ import numpy as np
 
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fastar.attention import dense_step, recall_and_kept, slot_bytes
-from fastcar_compile.fastar.cache import HeadCache
+from fastcar_compile.fastar.cache import HeadCache, hasher
 from fastcar_compile.fastar.config import KVCompressConfig
-from fastcar_compile.fastar.int8 import hasher
 from fastcar_compile.fastar.rope import apply_rope
 
 IMPL = "fastar_reference"

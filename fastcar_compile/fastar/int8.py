@@ -16,8 +16,6 @@ from __future__ import annotations
 import numpy as np
 
 from fastcar_compile.fastar.buckets import Buckets
-from fastcar_compile.fastar.config import KVCompressConfig
-from fastcar_compile.fastar.lsh import SignLSH
 
 SCALE = 32.0  # int8 steps per sigma of a projection: +-4 sigma fill the int8 range
 
@@ -48,15 +46,3 @@ class Int8Buckets(Buckets):
         c = self.quantise(x)
         part = np.floor_divide(c, 1 << (8 - self.bits)) + (1 << (self.bits - 1))  # [0, 2^bits)
         return (part << (self.bits * np.arange(self.dirs, dtype=np.int64))).sum(-1)
-
-
-def hasher(cfg: KVCompressConfig, dim: int) -> SignLSH | Int8Buckets | None:
-    """The AnnSA bucketing of a fastar.KVCompressConfig, or None when it has none (dense selection): the
-    reference (attention.py, generate.py) and the compiler's attribute writer (passes/fused_attention.py)
-    draw the same planes from it. (It belongs in buckets.py's family; it stays here while fused_attention.py
-    imports it from this module.)"""
-    if cfg.lsh_bits:
-        return SignLSH(dim, cfg.lsh_bits, cfg.lsh_tables, cfg.seed)
-    if cfg.int8_dirs:
-        return Int8Buckets(dim, cfg.int8_dirs, cfg.int8_tables, cfg.seed)
-    return None
