@@ -37,7 +37,7 @@ def run(libs: list[str], C: int) -> None:
     import onnxruntime as ort
     from test_compressed_attention import _model  # the single-op graph the kernel tests use
 
-    from fastcar_compile.passes.fused_attention import SLOT_FIELDS, compressed_attributes
+    from fastcar_compile.passes.fused_attention import compressed_attributes, slot_width
 
     T0 = C + 256
     rng = np.random.default_rng(1)
@@ -45,7 +45,7 @@ def run(libs: list[str], C: int) -> None:
     for name, cfg in configs(C).items():
         tc = cfg.tempcache_sim is not None
         attrs = {**compressed_attributes(cfg, D), "num_heads": HQ, "kv_num_heads": HKV, "scale": 1 / np.sqrt(D)}
-        F = SLOT_FIELDS + (cfg.lsh_tables if cfg.lsh_bits else 0)
+        F = slot_width(cfg)
         runs = []
         for lib in libs:
             so = ort.SessionOptions()

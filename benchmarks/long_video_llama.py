@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_CACHE, LlamaShape, cached_export  # noqa: E402
-from bench_genai import build_genai, ort_options, parse_entries, set_session  # noqa: E402
+from bench_genai import build_genai, mark_fresh, ort_options, parse_entries, set_session, stale  # noqa: E402
 
 FULL = dict(shape=LlamaShape(hidden=1024, layers=8, heads=16, kv_heads=2, intermediate=3072, vocab=2048,
                              max_pos=33280), frame_tokens=256, frames=(8, 16, 32, 64), block=8, tokens=48, chunk=512)
@@ -124,11 +124,12 @@ def prepare(cfg: dict, modes: list[Mode], cache: Path, threads: int, entries: di
             paths[m.name] = str(folder)
             continue
         out = cache / f"longvideo-{shape.tag()}-L{L}" / m.tag() / "fast.onnx"
-        if not out.is_file():
+        if stale(out):  # missing, or compiled by other compiler sources (bench_genai's stamp)
             print(f"compiling {m.tag()} ...", file=sys.stderr)
             fastcar_compile.compile(cached_export(shape, cache), out, frame_tokens=L,
                                     threshold=[np.inf] * shape.layers, per_layer_threshold=True,
                                     **kv_args(m.kv, L))
+            mark_fresh(out)
         paths[m.name] = str(out)
     return paths
 
@@ -161,7 +162,6 @@ def worker(job: dict) -> None:
         from fastcar_compile.runtime import FastCarSession
 
         so = ort_options(job["threads"], job["entries"])
-        so.enable_mem_pattern = False  # as FastCarSession's own options (runtime/session.py)
         sess = FastCarSession(job["path"], session_options=so, max_length=max_length)
         thr = taus(job["layers"], mode.replay)
         res["rss_loaded"] = _proc_status()["VmRSS"]
@@ -350,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             from None
     shape: LlamaShape = cfg["shape"]
     L = cfg["frame_tokens"]
-    if not frames or frames[0] < 1 or frames[-1] * L + 2 * cfg["tokens"] + 4 > shape.max_pos:
-        raise FastCarError(f"--frames {a.frames}: give frame counts from 1 to {(shape.max_pos - 64) // L} "
+    max_frames = (shape.max_pos - 2 * cfg["tokens"] - 4) // L  # prefill + the decoded tokens must fit
+    if not frames or frames[0] < 1 or frames[-1] > max_frames:
+        raise FastCarError(f"--frames {a.frames}: give frame counts from 1 to {max_frames} "
                            f"(the model has {shape.max_pos} positions of {L}-token frames)")
     if bad := [i for i in picked if not 0 <= i < len(MODES)]:
         raise FastCarError(f"--modes {bad}: indices are 0..{len(MODES) - 1} ({', '.join(m.name for m in MODES)})")

@@ -32,7 +32,6 @@ from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
 
 MS = contract.MS_DOMAIN
-_INT64_MAX = np.iinfo(np.int64).max
 
 
 def _const_ints(value: ir.Value | None) -> list[int] | None:
@@ -75,6 +74,21 @@ def _rotated(value: ir.Value, x: ir.Value, dim: int) -> bool:
         _half(lo, x, dim) == "lo"
 
 
+def _same_dim(a, b) -> bool:
+    """Two dims known to be equal: equal ints, or symbolic dims of the same name (unknown never matches)."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a is not None and b is not None and a.value is not None and a.value == b.value
+
+
+def _per_row(table: ir.Value, x_shape) -> bool:
+    """The cos/sin table is [B, S, D] with x's batch and sequence: the caches are built per (row, token), so a
+    table broadcast over the batch ([1, S, D]) would give every row after the first the wrong positions."""
+    shape = table.shape
+    return shape is not None and len(shape) == 3 and _same_dim(shape[0], x_shape[0]) and \
+        _same_dim(shape[1], x_shape[2]) and _same_dim(shape[2], x_shape[3])
+
+
 def _equal_halves_source(value: ir.Value, trig: str) -> ir.Value | None:
     """The [B, S, D] cos (sin) tensor under Unsqueeze(1) when it is trig(Concat(f, f)) (through Cast or a
     constant scale), else None."""
@@ -115,7 +129,7 @@ def match_rotate_half(add: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value] | Non
                 if not _rotated(rot, x, shape[3]):
                     continue
                 cos, sin = _equal_halves_source(cos4, "Cos"), _equal_halves_source(sin4, "Sin")
-                if cos is not None and sin is not None:
+                if cos is not None and sin is not None and all(_per_row(t, shape) for t in (cos, sin)):
                     return x, cos, sin
     return None
 

@@ -140,6 +140,7 @@ class FastCarSession:
         # fast.onnx keeps video_start/fastcar_threshold as inputs with defaults by design; ORT warns about
         # each at WARNING level on load, so warnings are kept off the session (errors still show)
         so.log_severity_level = max(so.log_severity_level, 3)
+        so.enable_mem_pattern = False  # also on a caller's options: see _options (flat memory with a bounded cache)
         self.native_library: str | None = None
         lib = None
         if native is not False:

@@ -93,7 +93,7 @@ def test_fusions_off_switch(zoo_model, tmp_path):
     assert "Pow" in ops and "Neg" in ops and "RotaryEmbedding" not in ops
 
 
-def _rope_graph(equal_halves: bool) -> onnx.ModelProto:
+def _rope_graph(equal_halves: bool, f_batch: int = 2) -> onnx.ModelProto:
     """x [B, H, S, D] rotated by transformers' rotate-half with cos/sin = trig(Concat(f, g)) [B, S, D]: the
     halves are equal (g = f) as in every exporter's RoPE, or not (g = 2 f), which no RotaryEmbedding cache can hold."""
     from onnx import TensorProto as T
@@ -114,29 +114,31 @@ def _rope_graph(equal_halves: bool) -> onnx.ModelProto:
              h.make_node("Mul", ["x", "cos"], ["a"]), h.make_node("Mul", ["rot", "sin"], ["b"]),
              h.make_node("Add", ["a", "b"], ["rope"]), h.make_node("Identity", ["rope"], ["y"])]
     graph = h.make_graph(nodes, "rope", [h.make_tensor_value_info("x", T.FLOAT, [2, 3, 5, 4]),
-                                         h.make_tensor_value_info("f", T.FLOAT, [2, 5, 2])],
+                                         h.make_tensor_value_info("f", T.FLOAT, [f_batch, 5, 2])],
                          [h.make_tensor_value_info("y", T.FLOAT, [2, 3, 5, 4])])
     return h.make_model(graph, opset_imports=[h.make_opsetid("", 20)], ir_version=10)
 
 
-@pytest.mark.parametrize("equal_halves", [True, False])
-def test_rotary_fusion_claims_only_equal_halves(equal_halves):
+@pytest.mark.parametrize("equal_halves,f_batch", [(True, 2), (False, 2), (True, 1)])
+def test_rotary_fusion_claims_only_equal_halves(equal_halves, f_batch):
     """Equal cos/sin halves: fused, and ORT's RotaryEmbedding gives the unfused graph's output (per-row angles,
-    batch 2); unequal halves: left as exported."""
+    batch 2); unequal halves, or one table broadcast over the batch ([1, S, D]: the caches are per row), are
+    left as exported."""
     import onnx_ir as ir
     import onnxruntime as ort
 
     from fastcar_compile.passes.context import CompileContext, CompileOptions
     from fastcar_compile.passes.fuse_rotary import RotaryFusionPass
 
-    proto = _rope_graph(equal_halves)
-    model = ir.from_proto(proto)
+    proto = _rope_graph(equal_halves, f_batch)
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))  # the pipeline's values carry shapes too
     result = RotaryFusionPass(CompileContext(CompileOptions(frame_tokens=1)))(model)
-    assert result.modified == equal_halves
+    claimed = equal_halves and f_batch == 2
+    assert result.modified == claimed
     fused = ir.to_proto(result.model)
-    assert ("RotaryEmbedding" in [n.op_type for n in fused.graph.node]) == equal_halves
+    assert ("RotaryEmbedding" in [n.op_type for n in fused.graph.node]) == claimed
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((2, 3, 5, 4)).astype(np.float32),
-             "f": rng.uniform(0, 6, (2, 5, 2)).astype(np.float32)}
+             "f": rng.uniform(0, 6, (f_batch, 5, 2)).astype(np.float32)}
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]  # noqa: E731
     np.testing.assert_allclose(run(fused), run(proto), atol=1e-5, rtol=0)

@@ -316,7 +316,7 @@ inline float Cosine(const float* a, const float* b, int64_t D) {
 }
 
 struct GroupBuffers {  // GroupAttend's scratch, reused across tokens
-  std::vector<float> qT, probs, acc, inv;
+  std::vector<float> qT, probs, acc;
 };
 
 // All G query heads of KV head hk for token p over the same n slots `sel` (no AnnSA: the selection is shared):
@@ -333,7 +333,6 @@ inline void GroupAttend(const CompressedTask& t, int64_t b, int64_t hk, int64_t 
   buf.qT.resize(D * kRows);
   buf.probs.resize(kRows * std::max<int64_t>(n, 1));
   buf.acc.resize(kRows * D);
-  buf.inv.resize(kRows);
   float* qT = buf.qT.data();
   float* pr = buf.probs.data();
   for (int64_t g0 = 0; g0 < G; g0 += kRows) {
