@@ -542,3 +542,23 @@ def test_slot_state_of_another_width_is_refused():
     assert np.isfinite(out[0]).all() and out[3].shape == (1, HKV, C, F)
     with pytest.raises(Exception, match=rf"past_slots must be \[batch, kv_heads, budget, {F}\]"):
         sess.run(None, {**feeds, "past_slots": np.zeros((1, HKV, C, F - 1), np.float32)})
+
+
+@pytest.mark.parametrize("name,key", [("lsh", "lsh_planes"), ("int8", "int8_planes")])
+def test_bucket_planes_of_another_size_are_refused(name, key):
+    """Bucket planes that do not match tables x bits x head_dim (a model edited by hand, or compiled for another
+    head size) are refused instead of read past their end; the compiler's own planes run (control)."""
+    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS[name]}, frame_len=L)
+    C, F = cfg.budget, slot_width(cfg)
+    attrs = compressed_attributes(cfg, D)
+    rng = np.random.default_rng(0)
+    feeds = {"q": rng.standard_normal((1, HQ, 1, D)).astype(np.float32),
+             "k": rng.standard_normal((1, HKV, 1, D)).astype(np.float32),
+             "v": rng.standard_normal((1, HKV, 1, D)).astype(np.float32),
+             "past_key": np.zeros((1, HKV, C, D), np.float32), "past_value": np.zeros((1, HKV, C, D), np.float32),
+             "attention_mask": np.ones((1, 1), np.int64), "total_len": np.array(1, np.int32),
+             "past_slots": np.zeros((1, HKV, C, F), np.float32)}
+    assert np.isfinite(session(True, n_in=8, n_out=5, **attrs).run(None, feeds)[0]).all()
+    short = session(True, n_in=8, n_out=5, **{**attrs, key: list(attrs[key])[:-D]})
+    with pytest.raises(Exception, match="do not match tables x bits"):
+        short.run(None, feeds)

@@ -383,6 +383,14 @@ struct CompressedAttention {
     }
     if (!past_slots.has_value() || !present_slots.has_value())
       throw std::runtime_error("CompressedAttention: a budget needs past_slots / present_slots");
+    // the bucket planes are attributes the compiler writes for this head size: a hand-edited or mismatched model
+    // would read past them (or shift by a negative count for an int8_dirs outside 1/2/4/8)
+    const auto planes = [&](int64_t tables, int64_t rows) { return static_cast<size_t>(tables * rows * sh.D); };
+    if ((cfg.lsh_bits > 0 && cfg.lsh_planes.size() != planes(cfg.lsh_tables, cfg.lsh_bits)) ||
+        (cfg.int8_dirs > 0 && (8 % cfg.int8_dirs != 0 || cfg.int8_dirs > 8 ||
+                               cfg.int8_planes.size() != planes(cfg.int8_tables, cfg.int8_dirs))))
+      throw std::runtime_error("CompressedAttention: lsh_planes / int8_planes do not match tables x bits (dirs) x "
+                               "head_dim, or int8_dirs is not 1, 2, 4 or 8; recompile the model");
     const bool tempcache = cfg.tempcache_sim <= 1.0f;
     if (tempcache && !(k_raw.has_value() && past_key_raw.has_value() && present_key_raw.has_value()))
       throw std::runtime_error("CompressedAttention: tempcache_sim needs k_raw, past_key_raw and present_key_raw");
