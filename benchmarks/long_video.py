@@ -339,6 +339,7 @@ def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0
     import time
 
     import onnxruntime_genai as og
+    from bench_genai import set_session  # (benchmarks/ is on sys.path when run as a script)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -366,11 +367,7 @@ def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
                         str(genai_dir), "-p", "fp32", "-e", "cpu", "-c", str(hf) + "-cache"], check=True,
                        stdout=subprocess.DEVNULL)
-    cfg_path = genai_dir / "genai_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    so = cfg["model"]["decoder"].setdefault("session_options", {})
-    so["intra_op_num_threads"], so["inter_op_num_threads"] = 1, 1
-    write_text(cfg_path, json.dumps(cfg, indent=4))
+    set_session(genai_dir, 1, native=False, entries={})  # 1 thread, no ORT config entries, no custom ops
     model = og.Model(str(genai_dir))
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + tokens + 4, do_sample=False)

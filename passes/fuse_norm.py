@@ -127,12 +127,7 @@ def fuse_rms_norms(graph: ir.Graph) -> int:
                         {"axis": -1, "epsilon": float(eps), "stash_type": 1},
                         name=f"{final.name or 'rmsnorm'}/fused_rms_norm")
         graph.insert_before(final, fused)
-        out = final.outputs[0]
-        fused.outputs[0].type, fused.outputs[0].shape = out.type, out.shape
-        ir.convenience.replace_all_uses_with(out, fused.outputs[0])
-        name = out.name
-        out.name = f"{name}.unfused"
-        fused.outputs[0].name = name
+        gu.take_over(final.outputs[0], fused.outputs[0])
         for old in reversed(chain):
             graph.remove(old, safe=True)
         count += 1

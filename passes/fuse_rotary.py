@@ -157,12 +157,7 @@ class RotaryFusionPass(ir.passes.InPlacePass):
                            {"interleaved": 0, "num_heads": int(x.shape[1])}, domain=MS,
                            name=f"{add.name or 'rotary'}/fused_rotary")
             graph.insert_before(add, node)
-            out = add.outputs[0]
-            node.outputs[0].type, node.outputs[0].shape = out.type, out.shape
-            ir.convenience.replace_all_uses_with(out, node.outputs[0])
-            name = out.name
-            out.name = f"{name}.unfused"
-            node.outputs[0].name = name
+            gu.take_over(add.outputs[0], node.outputs[0])
         model.opset_imports.setdefault(MS, 1)
         RemoveUnusedNodesPass()(model)
         self.ctx.notes.append(f"fused {len(matches)} rotate-half RoPEs into RotaryEmbedding")

@@ -359,11 +359,8 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         """The fused op's output replaces the projection input; its present key/value become the graph's."""
         ir.convenience.replace_all_uses_with(p["out"], out)
         for old, new in ((p["present_k"], present_k), (p["present_v"], present_v)):
-            name, typ, shape = old.name, old.type, old.shape
             graph.outputs[graph.outputs.index(old)] = new
-            ir.convenience.replace_all_uses_with(old, new)
-            old.name = f"{name}.unfused"
-            new.name, new.type, new.shape = name, typ, shape
+            gu.take_over(old, new)
         if not math.isfinite(p["scale"]) or p["scale"] <= 0:
             raise AssertionError(f"attention scale {p['scale']}")
 

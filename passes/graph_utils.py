@@ -136,3 +136,11 @@ def weight_shape(value: ir.Value | None) -> tuple[int, ...] | None:
     if tensor is None:
         return None
     return tuple(int(d) for d in tensor.shape)
+
+
+def take_over(old: ir.Value, new: ir.Value) -> None:
+    """`new` replaces `old` for every consumer and takes its name, type and shape (the fusions keep the exported
+    value names); `old` is renamed `<name>.unfused` until it is removed."""
+    name, new.type, new.shape = old.name, old.type, old.shape
+    ir.convenience.replace_all_uses_with(old, new)
+    old.name, new.name = f"{name}.unfused", name

@@ -1,5 +1,5 @@
 """Drive a `FastCarSession` (the code under test) through a prompt and decode steps, for tests that compare the
-result with an independent reference (tests/ort_driver.py, tests/reference.py)."""
+result with an independent reference (tests/ort_driver.py, tests/reference.py), and the CLI through its refusals."""
 
 from __future__ import annotations
 
@@ -27,3 +27,11 @@ def run_session(sess, prompt: np.ndarray, mask: np.ndarray | None, steps: list[n
         if out.replay is not None:
             replay.append(out.replay)
     return SessionRun(logits, replay, out.state, {k: np.array(v) for k, v in out.state.arrays.items()})
+
+
+def assert_cli_refuses(main, argv: list[str], message: str, output, capsys) -> None:
+    """`fastcar-compile ARGV` exits 2 with one stderr line containing `message`, no traceback, no `output` file."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err, err
+    assert not output.exists()
