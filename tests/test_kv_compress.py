@@ -250,7 +250,8 @@ def test_small_budget_runs_flat(zoo_model, fc_compile, tmp_path):
 
 def test_kv_diagnostics_in_run_stats(zoo_model, fc_compile, tmp_path):
     """--kv-diagnostics: generate's run stats carry per-layer density, recall and resident KV bytes; a budget
-    above the video is dense (density 1, recall 1), a small one is not, with fewer resident bytes."""
+    above the video is dense (density 1, recall 1), a small one is not, with fewer resident bytes. The stats'
+    running sums over the 32 steps equal NumPy sums of every step's kv_stats.N output taken from scratch."""
     from fastcar_compile.runtime import FastCarSession
 
     src = zoo_model("llama", "dynamo20")
@@ -260,7 +261,22 @@ def test_kv_diagnostics_in_run_stats(zoo_model, fc_compile, tmp_path):
         out = tmp_path / f"b{budget}.onnx"
         fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=budget,
                    kv_sinks=1, kv_window=3, kv_diagnostics=64)
-        result[budget] = FastCarSession(out).generate(prompt, 8).stats.kv_diagnostics
+        sess, seen = FastCarSession(out), []
+        step = sess.step
+
+        def recording(*args, step=step, seen=seen, **kwargs):
+            res = step(*args, **kwargs)
+            seen.append({n: np.array(a, np.float64) for n, a in res.extra.items()})
+            return res
+
+        sess.step = recording
+        result[budget] = sess.generate(prompt, 8).stats.kv_diagnostics
+        assert len(seen) == 8 * 4  # prefill + every fed token
+        for layer, acc in result[budget].items():
+            executed, dense, recall, queries = np.stack([s[contract.kv_stats_output(int(layer))]
+                                                         for s in seen]).sum(axis=(0, 1, 2))
+            assert acc["density"] == pytest.approx(executed / dense, rel=1e-9)
+            assert acc["recall"] == pytest.approx(recall / queries, rel=1e-6)
     # hand count: 3 prompt + 8 frames x 4 generated, the last one never fed; per KV head one slot per token
     # (budget 64) or 8 (budget 8);
     # a slot holds key + value (head_dim float32 each) and its SLOT_FIELDS float32 bookkeeping fields (no LSH)
