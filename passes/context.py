@@ -59,6 +59,10 @@ class CompileOptions:
     # after the rewrite: RMSNorm -> SimplifiedLayerNormalization (+ residual Add -> Skip*), rotate-half RoPE ->
     # RotaryEmbedding (passes/fuse_norm.py, fuse_rotary.py): fewer kernels per step, same values
     fusions: bool = True
+    # each MLP's nodes once, in one If level below the main graph (passes/branch.py): ONNX Runtime then frees the
+    # plain MLP weights after prepacking them (docs/memory.md); False: the older nested layout (a copy of the MLP
+    # two levels down for compacted rows), kept to compare
+    shared_mlp: bool = True
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")
