@@ -28,7 +28,6 @@ from _common import save_results  # noqa: E402
 
 def _model(kind: str, layers: int, hq: int, hkv: int, d: int) -> bytes:
     """`layers` attention nodes on shared q/k/v inputs, each with its own past/present KV buffer."""
-    import onnx
     from onnx import TensorProto, helper
 
     f, i32, i64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
