@@ -134,7 +134,7 @@ def test_native_gqa_equals_ort_over_prompt_and_decode(heads, kv, B, packed, rota
             assert got["ours"][1].shape == got["ort"][1].shape
 
     step(S0, S0, lens - 1)  # prompt
-    for t in range(3):  # decode: each row one more token; total = the longest row
+    for _ in range(3):  # decode: each row one more token; total = the longest row
         lens = lens + 1
         step(1, int(lens.max()), lens - 1)
 
@@ -198,3 +198,78 @@ def test_native_gqa_shared_buffer_written_in_place():
         keep = np.arange(N) != s
         np.testing.assert_array_equal(pk[b][:, keep], before_k[b][:, keep])
         np.testing.assert_array_equal(pv[b][:, keep], before_v[b][:, keep])
+
+
+# --- genai builder graphs with the swap -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+                                    pytest.param("phi3", marks=pytest.mark.slow)])
+def test_swapped_genai_graph_equals_the_original(genai_model, tmp_path, family):
+    """The builder's graph with its GroupQueryAttention nodes swapped (native kernel registered) = the unswapped
+    graph in plain ORT, logits within 1e-4 over a batch-2 prompt and decode steps (growing cache)."""
+    import ort_driver
+
+    import fastcar_compile as fc
+
+    src = genai_model(family, "fp32")
+    out = tmp_path / "swapped" / "model.onnx"
+    notes = fc.native_attention(src / "model.onnx", out)
+    assert any("GroupQueryAttention nodes -> ai.fastcar" in n for n in notes), notes
+    ops = [(n.domain, n.op_type) for n in onnx.load(str(out), load_external_data=False).graph.node]
+    assert (contract.MS_DOMAIN, "GroupQueryAttention") not in ops and (contract.DOMAIN, "GroupQueryAttention") in ops
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = 1, 3
+    so.register_custom_ops_library(_library())
+    ours = ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(4)
+    steps = [rng.integers(3, 160, (2, 6))] + [rng.integers(3, 160, (2, 1)) for _ in range(5)]
+    want = ort_driver.decode(src / "model.onnx", steps, head_dim=16).logits
+    got = ort_driver.decode(ours, steps, head_dim=16).logits
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_generator_tokens_with_native_attention_equal_dense(genai_model, tmp_path):
+    """og.Generator (genai's shared KV buffer, written in place by the kernel) on the swapped folder, which names
+    the native library relatively in genai_config.json: greedy tokens = genai's on the dense model."""
+    og = pytest.importorskip("onnxruntime_genai")
+    import json
+
+    import fastcar_compile as fc
+
+    _library()
+    src = genai_model("llama", "fp32")
+    out = tmp_path / "native"
+    fc.native_attention(src / "model.onnx", out / "model.onnx")
+    so = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    assert so["custom_ops_library"] == "libfastcar_ops.so" and (out / "libfastcar_ops.so").is_file()
+
+    def tokens(folder):
+        model = og.Model(str(folder))
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=5 + 24, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(np.random.default_rng(7).integers(3, 160, (1, 5)).astype(np.int32))
+        while not gen.is_done():
+            gen.generate_next_token()
+        return np.array(gen.get_sequence(0))
+
+    np.testing.assert_array_equal(tokens(out), tokens(src))
+
+
+def test_native_attention_keeps_unsupported_nodes(tmp_path):
+    """A node outside the kernel's subset (softcap) stays ORT's op, with the reason in the notes (--inspect)."""
+    import onnx_ir as ir
+
+    from fastcar_compile.passes.native_gqa import NativeGqaPass, inspect_notes
+
+    model = _model(contract.MS_DOMAIN, 4, 2, True, True, False, False, None)
+    model.graph.node[0].attribute.append(helper.make_attribute("softcap", 30.0))
+    model.graph.node[0].name = "gqa0"
+    ir_model = ir.serde.deserialize_model(model)
+    for v in ir_model.graph.inputs:
+        v.dtype = ir.DataType.FLOAT if v.name not in ("seqlens_k", "total_sequence_length") else ir.DataType.INT32
+    assert inspect_notes(ir_model)[1] == "native attention: gqa0 stays ORT's: softcap=30.0 is not supported (only 0.0)"
+    notes: list[str] = []
+    assert not NativeGqaPass(notes)(ir_model).modified
+    assert ir_model.graph.node(0).domain == contract.MS_DOMAIN and "softcap" in notes[0]
