@@ -273,3 +273,26 @@ def test_native_attention_keeps_unsupported_nodes(tmp_path):
     notes: list[str] = []
     assert not NativeGqaPass(notes)(ir_model).modified
     assert ir_model.graph.node(0).domain == contract.MS_DOMAIN and "softcap" in notes[0]
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_function_body_is_ort_gqa(scale):
+    """Without the library, ORT runs the op's function body: ORT's own GroupQueryAttention, bit for bit (an absent
+    optional attribute such as scale stays absent)."""
+    from fastcar_compile.passes import fastcar_ops
+
+    heads, kv, B = 4, 2, 2
+    ours = _model(contract.DOMAIN, heads, kv, True, True, False, False, scale)
+    ours.functions.append(fastcar_ops.function_proto(contract.GROUP_QUERY_ATTENTION, 17))
+    ours.opset_import.append(helper.make_opsetid(contract.MS_DOMAIN, 1))
+    sessions = [_session(ours, False), _session(_model(contract.MS_DOMAIN, heads, kv, True, True, False, False, scale),
+                                                False)]
+    rng = np.random.default_rng(1)
+    cos, sin = _caches(rng, D // 4)
+    feeds = {"query": rng.standard_normal((B, 5, (heads + 2 * kv) * D)).astype(np.float32),
+             "past_key": np.zeros((B, kv, 8, D), np.float32), "past_value": np.zeros((B, kv, 8, D), np.float32),
+             "seqlens_k": np.array([4, 2], np.int32), "total_sequence_length": np.array(5, np.int32),
+             "cos_cache": cos, "sin_cache": sin}
+    got, want = (s.run(None, feeds) for s in sessions)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
