@@ -59,6 +59,9 @@ class CompileOptions:
     # after the rewrite: RMSNorm -> SimplifiedLayerNormalization (+ residual Add -> Skip*), rotate-half RoPE ->
     # RotaryEmbedding (passes/fuse_norm.py, fuse_rotary.py): fewer kernels per step, same values
     fusions: bool = True
+    # com.microsoft.GroupQueryAttention -> ai.fastcar.GroupQueryAttention (passes/native_gqa.py): the native dense
+    # core where the library is registered, the original op (its function body) where not
+    native_attention: bool = True
     # each MLP's nodes once, in one If level below the main graph (passes/branch.py): ONNX Runtime then frees the
     # plain MLP weights after prepacking them (docs/memory.md); False: the older nested layout (a copy of the MLP
     # two levels down for compacted rows), kept to compare
