@@ -376,10 +376,7 @@ struct CompressedAttention {
       fastcar_attn::WriteNew(sh, cfg.kv_heads, past_value.Data(), v.Data(), pv, n_out);
       fastcar_attn::DenseTask t{q.Data(), pk, pv, mask.Data(), o, sh.B, cfg.heads, cfg.kv_heads, sh.S, sh.D,
                                 n_out, sh.T, sh.P, 1, sh.S, cfg.scale};
-      t.tile = sh.S <= 4 ? sh.S : 32;
-      t.tiles = (sh.S + t.tile - 1) / t.tile;
-      const size_t items = static_cast<size_t>(sh.B * cfg.kv_heads * t.tiles);
-      kctx.ParallelFor(fastcar_attn::DenseItemThunk, items, 0, &t);
+      fastcar_attn::RunDense(kctx, t);
       return;
     }
     if (!past_slots.has_value() || !present_slots.has_value())
