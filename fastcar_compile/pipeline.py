@@ -1,7 +1,7 @@
 """The compiler's pipeline: which `onnx_ir.passes` passes run, in order, for a set of options.
 
     [fused attention ->] discover -> select layers -> gate -> branch -> cache state [-> genai state]
-    [-> rotary, RMSNorm, skip-norm fusions] -> KV dim names -> IR version -> metadata [-> validate] [-> save]
+    [-> rotary, q/k/v layout + packed gate, RMSNorm, skip-norm fusions] -> KV dim names -> IR version -> metadata [-> validate] [-> save]
 
 A new transformation is one module under passes/ plus one line in `build`. `describe` is what
 `fastcar-compile --verbose` prints.
@@ -16,6 +16,7 @@ from fastcar_compile.passes.analysis import DiscoverPass, SelectLayersPass
 from fastcar_compile.passes.branch import BranchPass
 from fastcar_compile.passes.cache_state import CacheStatePass
 from fastcar_compile.passes.context import CompileContext
+from fastcar_compile.passes.fuse_layout import FusedLayoutPass
 from fastcar_compile.passes.fuse_norm import RmsNormFusionPass, SkipNormFusionPass
 from fastcar_compile.passes.fuse_rotary import RotaryFusionPass
 from fastcar_compile.passes.fused_attention import FusedAttentionPass
@@ -37,7 +38,8 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         BranchPass(ctx),
         CacheStatePass(ctx),
         *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
-        *([RotaryFusionPass(ctx), RmsNormFusionPass(ctx), SkipNormFusionPass(ctx)] if ctx.options.fusions else []),
+        *([RotaryFusionPass(ctx), FusedLayoutPass(ctx), RmsNormFusionPass(ctx), SkipNormFusionPass(ctx)]
+          if ctx.options.fusions else []),
         KvDimNamesPass(ctx),
         IrVersionPass(ctx),
         MetadataPass(ctx),
