@@ -114,6 +114,7 @@ def kv_dense_output(layer: int) -> str:
 
 
 KV_STATS_PREFIX = "kv_stats."
+KV_STATS_FIELDS = ("executed", "dense", "recall_sum", "queries")  # kv_stats.N's last axis, in order
 
 
 def kv_stats_output(layer: int) -> str:

@@ -24,18 +24,6 @@ from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
 
 
-def graphs(graph: ir.Graph):
-    """The graph and every graph nested in its nodes' attributes (If branches), depth first."""
-    yield graph
-    for node in graph:
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield from graphs(attr.value)
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for g in attr.value:
-                    yield from graphs(g)
-
-
 def _only_consumer(value: ir.Value, op: str | tuple[str, ...]) -> ir.Node | None:
     """The single node reading `value` when it is `op` and `value` is not a graph output, else None."""
     uses = value.consumers()
@@ -142,7 +130,8 @@ class RmsNormFusionPass(ir.passes.InPlacePass):
         self.ctx = ctx
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        count = sum(fuse_rms_norms(g) for g in list(graphs(model.graph)))
+        # onnx-ir collects every nested graph (If branches) before yielding, so fusing while iterating is safe
+        count = sum(fuse_rms_norms(g) for g in [model.graph, *model.graph.subgraphs()])
         if count:
             self.ctx.notes.append(f"fused {count} RMSNorm chains into SimplifiedLayerNormalization")
         return ir.passes.PassResult(model, modified=count > 0)

@@ -34,25 +34,12 @@ from fastcar_compile.passes.context import CompileContext
 MS = contract.MS_DOMAIN
 
 
-def _const_ints(value: ir.Value | None) -> list[int] | None:
-    """The integers of an initializer or a Constant node's output (TorchScript exports use the latter)."""
-    if value is None:
-        return None
-    tensor = value.const_value
-    node = value.producer()
-    if tensor is None and node is not None and node.op_type == "Constant" and "value" in node.attributes:
-        tensor = node.attributes["value"].value
-    if tensor is None or tensor.size > 8:
-        return None
-    return [int(v) for v in np.asarray(tensor.numpy()).reshape(-1)]
-
-
 def _half(node: ir.Node | None, x: ir.Value, dim: int) -> str | None:
     """'lo' / 'hi' when `node` slices x[..., :dim/2] / x[..., dim/2:] on the last axis (4-D x), else None."""
     if node is None or node.op_type != "Slice" or node.inputs[0] is not x or len(node.inputs) < 4:
         return None
-    starts, ends, axes = (_const_ints(node.inputs[i]) for i in (1, 2, 3))
-    steps = _const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
+    starts, ends, axes = (gu.const_ints(node.inputs[i]) for i in (1, 2, 3))
+    steps = gu.const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
     if starts is None or ends is None or axes not in ([3], [-1]) or steps != [1]:
         return None
     half = dim // 2
@@ -93,7 +80,7 @@ def _equal_halves_source(value: ir.Value, trig: str) -> ir.Value | None:
     """The [B, S, D] cos (sin) tensor under Unsqueeze(1) when it is trig(Concat(f, f)) (through Cast or a
     constant scale), else None."""
     node = value.producer()
-    if node is None or node.op_type != "Unsqueeze" or _const_ints(node.inputs[1]) != [1]:
+    if node is None or node.op_type != "Unsqueeze" or gu.const_ints(node.inputs[1]) != [1]:
         return None
     table, walk = node.inputs[0], node.inputs[0]
     for _ in range(4):

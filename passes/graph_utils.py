@@ -51,8 +51,9 @@ def is_static(value: ir.Value | None, _memo: dict | None = None) -> bool:
     return result
 
 
-def scalar_const(value: ir.Value | None) -> float | None:
-    """The number held by a constant scalar (or 1-element) value, else None."""
+def const_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
+    """The tensor of an initializer or of a Constant node's `value` output (TorchScript exports use the latter),
+    unread; else None."""
     if value is None:
         return None
     tensor = value.const_value
@@ -60,6 +61,20 @@ def scalar_const(value: ir.Value | None) -> float | None:
         producer = value.producer()
         if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
             tensor = producer.attributes["value"].value
+    return tensor
+
+
+def const_ints(value: ir.Value | None, limit: int = 8) -> list[int] | None:
+    """The integers of a small constant (at most `limit` elements: Slice bounds, axes), else None."""
+    tensor = const_tensor(value)
+    if tensor is None or tensor.size > limit:
+        return None
+    return [int(v) for v in np.asarray(tensor.numpy()).reshape(-1)]
+
+
+def scalar_const(value: ir.Value | None) -> float | None:
+    """The number held by a constant scalar (or 1-element) value, else None."""
+    tensor = const_tensor(value)
     if tensor is None or math.prod(tensor.shape) != 1:  # never read a weight just to learn it is no scalar
         return None
     try:
@@ -126,13 +141,10 @@ def weight_shape(value: ir.Value | None) -> tuple[int, ...] | None:
     """Shape of an initializer/constant weight, without reading its data."""
     if value is None:
         return None
-    tensor = value.const_value
-    if tensor is None:
-        producer = value.producer()
-        if producer is not None and producer.op_type in LAYOUT_OPS and producer.inputs:
-            return weight_shape(producer.inputs[0])
-        if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
-            tensor = producer.attributes["value"].value
+    producer = value.producer()
+    if value.const_value is None and producer is not None and producer.op_type in LAYOUT_OPS and producer.inputs:
+        return weight_shape(producer.inputs[0])
+    tensor = const_tensor(value)
     if tensor is None:
         return None
     return tuple(int(d) for d in tensor.shape)

@@ -58,17 +58,25 @@ class RunStats:
     kv_diagnostics: dict[str, dict[str, float]] | None = None
 
     def add_kv_stats(self, extra: dict[str, np.ndarray]) -> None:
-        """Accumulate one step's kv_stats.N outputs ([batch, kv_heads, 4]) per layer."""
+        """Accumulate one step's kv_stats.N outputs ([batch, kv_heads, 4]) per layer: running sums only, per
+        decode step; density and recall are ratios of these sums, taken once in `finalize`."""
         for name, arr in extra.items():
             if not name.startswith(contract.KV_STATS_PREFIX):
                 continue
             if self.kv_diagnostics is None:
                 self.kv_diagnostics = {}
             acc = self.kv_diagnostics.setdefault(name.split(".", 1)[1], {})
-            for key, v in zip(("executed", "dense", "recall_sum", "queries"), arr.sum(axis=(0, 1)), strict=True):
+            for key, v in zip(contract.KV_STATS_FIELDS, arr.sum(axis=(0, 1)), strict=True):
                 acc[key] = acc.get(key, 0.0) + float(v)
-            acc["density"] = acc["executed"] / max(acc["dense"], 1.0)
-            acc["recall"] = acc["recall_sum"] / max(acc["queries"], 1.0)
+
+    def _kv_ratios(self) -> None:
+        """density = executed / dense q.k pairs, recall = kept dense softmax mass / queries, per layer (layers of
+        a loaded run.json without numeric sums keep what they say: finalize runs on foreign files too)."""
+        diag = self.kv_diagnostics if isinstance(self.kv_diagnostics, dict) else {}
+        for acc in diag.values():
+            if isinstance(acc, dict) and all(isinstance(acc.get(k), float | int) for k in contract.KV_STATS_FIELDS):
+                acc["density"] = acc["executed"] / max(acc["dense"], 1.0)
+                acc["recall"] = acc["recall_sum"] / max(acc["queries"], 1.0)
 
     def add_kv_bytes(self, arrays: dict[str, np.ndarray], tokens: int) -> None:
         """Resident KV bytes per compressed layer (live slots x slot state) next to a dense cache of `tokens`."""
@@ -115,6 +123,7 @@ class RunStats:
         elig = self.eligible_steps()
         self.eligible_ratio_ceiling = float(elig.sum() / n) if n else 0.0
         self.replay_ratio_eligible = float(r[elig].mean()) if r.size and elig.any() else 0.0
+        self._kv_ratios()
         return self
 
     def eligible_steps(self) -> np.ndarray:

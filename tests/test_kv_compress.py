@@ -136,38 +136,14 @@ def test_tempcache_prefix_batch_left_padded():
         if t < vs + L or rng.random() < 0.7:
             k[:, t] = k[:, t - L] + 0.01 * rng.standard_normal((2, HKV, D))
     cfg = KVCompressConfig(budget=T, sinks=0, window=2, tempcache_sim=0.9, frame_len=L, video_start=vs)
-    mask = np.ones((2, T), np.int64)
-    q_post, k_post = np.zeros_like(q), np.zeros_like(k)
-    for b, n in enumerate(pads):
-        mask[b, :n] = 0
-        pos = np.maximum(np.arange(T) - n, 0)  # a row's real tokens at positions 0.. (pads: 0, as HF)
-        q_post[b] = np.swapaxes(apply_rope(np.swapaxes(q[b], 0, 1), pos), 0, 1)
-        k_post[b] = np.swapaxes(apply_rope(np.swapaxes(k[b], 0, 1), pos), 0, 1)
-    sess = session(True, n_in=12, n_out=6, **compressed_attributes(cfg, D))
-    C, F = cfg.budget, slot_width(cfg)
-    empty = np.zeros((0, 0, 0, 0), np.float32)
-    state = {"past_key": np.zeros((2, HKV, C, D), np.float32), "past_value": np.zeros((2, HKV, C, D), np.float32),
-             "past_slots": np.zeros((2, HKV, C, F), np.float32), "past_key_raw": np.zeros((2, HKV, C, D), np.float32),
-             "past_dense": empty}
-    outs, p = [], 0
-    for n in [vs, 2, 1, 3] + [1] * (T - vs - 6):
-        def bhsd(x, sl=slice(p, p + n)):
-            return np.ascontiguousarray(np.swapaxes(x[:, sl], 1, 2), dtype=np.float32)
-
-        res = sess.run(None, {"q": bhsd(q_post), "k": bhsd(k_post), "v": bhsd(v), "attention_mask": mask[:, : p + n],
-                              "total_len": np.array(p + n, np.int32), "k_raw": bhsd(k),
-                              "video_start": np.array(vs, np.int64), **state})
-        outs.append(res[0].reshape(2, n, HQ, D))
-        state.update(past_key=res[1], past_value=res[2], past_slots=res[3], past_key_raw=res[5])
-        p += n
-    got = np.concatenate(outs, axis=1)
+    got, slots = run_kernel(cfg, q, k, v, [vs, 2, 1, 3] + [1] * (T - vs - 6), pads=pads)
     for b, n in enumerate(pads):
         row = dataclasses.replace(cfg, video_start=vs - n)
         ref = run_trace(q[b, n:], k[b, n:], v[b, n:], row)
         assert ref.metrics.merges > 0
         assert np.abs(got[b, n:] - ref.out).max() <= 1e-4, (b, np.abs(got[b, n:] - ref.out).max())
         for h, cache in enumerate(ref.caches):
-            sl = state["past_slots"][b, h]
+            sl = slots[b, h]
             live = (sl[:, 0] > 0) & (sl[:, 0] - 1 >= n)  # the row's real tokens (its pads hold slots too)
             got_slots = sorted(zip(sl[live, 0].astype(int) - 1 - n, sl[live, 1].astype(int), strict=True))
             assert got_slots == sorted(zip(cache.pos[cache.live].tolist(), cache.count[cache.live].tolist(),
@@ -250,7 +226,8 @@ def test_small_budget_runs_flat(zoo_model, fc_compile, tmp_path):
 
 def test_kv_diagnostics_in_run_stats(zoo_model, fc_compile, tmp_path):
     """--kv-diagnostics: generate's run stats carry per-layer density, recall and resident KV bytes; a budget
-    above the video is dense (density 1, recall 1), a small one is not, with fewer resident bytes."""
+    above the video is dense (density 1, recall 1), a small one is not, with fewer resident bytes. The stats'
+    running sums over the 32 steps equal NumPy sums of every step's kv_stats.N output taken from scratch."""
     from fastcar_compile.runtime import FastCarSession
 
     src = zoo_model("llama", "dynamo20")
@@ -260,7 +237,22 @@ def test_kv_diagnostics_in_run_stats(zoo_model, fc_compile, tmp_path):
         out = tmp_path / f"b{budget}.onnx"
         fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=budget,
                    kv_sinks=1, kv_window=3, kv_diagnostics=64)
-        result[budget] = FastCarSession(out).generate(prompt, 8).stats.kv_diagnostics
+        sess, seen = FastCarSession(out), []
+        step = sess.step
+
+        def recording(*args, step=step, seen=seen, **kwargs):
+            res = step(*args, **kwargs)
+            seen.append({n: np.array(a, np.float64) for n, a in res.extra.items()})
+            return res
+
+        sess.step = recording
+        result[budget] = sess.generate(prompt, 8).stats.kv_diagnostics
+        assert len(seen) == 8 * 4  # prefill + every fed token
+        for layer, acc in result[budget].items():
+            executed, dense, recall, queries = np.stack([s[contract.kv_stats_output(int(layer))]
+                                                         for s in seen]).sum(axis=(0, 1, 2))
+            assert acc["density"] == pytest.approx(executed / dense, rel=1e-9)
+            assert acc["recall"] == pytest.approx(recall / queries, rel=1e-6)
     # hand count: 3 prompt + 8 frames x 4 generated, the last one never fed; per KV head one slot per token
     # (budget 64) or 8 (budget 8);
     # a slot holds key + value (head_dim float32 each) and its SLOT_FIELDS float32 bookkeeping fields (no LSH)
