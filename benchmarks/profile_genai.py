@@ -8,7 +8,8 @@ the buffers are zeros and no prefill is run. The replay state is filled (age 0 i
 decode token is eligible), so a variant compiled with tau = -inf replays every MLP and +inf none.
 
 Variants (folders of benchmarks/bench_genai.py's variants, or any folder with model.onnx / fast.onnx):
-`dense` and `noMLP` (every MLP branch zeroed: the bound's denominator), and compiled `rK` folders. Per
+`dense` and `noMLP` (every MLP branch zeroed: the bound's denominator), `denseN` / `noMLPN` (the same with
+the native ai.fastcar.GroupQueryAttention), and compiled `rK` folders. Per
 variant: ms per step (median of --steps after --warmup) and the summed kernel time per op type, so
 (rK - noMLP) names what FastCar adds that the bound does not allow for.
 
@@ -48,7 +49,7 @@ def _session(path: Path, threads: int, profile: bool, native: bool):
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.profile_file_prefix = str(Path(tempfile.gettempdir()) / "fastcar_profile_genai")
     lib = library_path() if native else None
-    if lib is not None and path.name != "model.onnx":
+    if lib is not None:  # a model without ai.fastcar ops is not affected
         so.register_custom_ops_library(str(lib))
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
@@ -102,6 +103,16 @@ def _int64_ids(sess) -> bool:
     return next(i for i in sess.get_inputs() if i.name == "input_ids").type == "tensor(int64)"
 
 
+def _fastcar_nodes(path: Path) -> set[str]:
+    """Names of the main graph's ai.fastcar nodes: the table lists them as ai.fastcar.<op> (the profile names the op
+    type only, and ai.fastcar.GroupQueryAttention must not pool with ORT's)."""
+    import onnx
+
+    from fastcar_compile import contract
+
+    return {n.name for n in onnx.load(str(path), load_external_data=False).graph.node if n.domain == contract.DOMAIN}
+
+
 def _branch_nodes(path: Path) -> set[str]:
     """Names of the nodes inside If branches (their kernel times are also inside the If's own time)."""
     import onnx
@@ -126,7 +137,7 @@ def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native:
     The step time comes from a session without profiling (ORT's profiler costs time per kernel, which would
     favour graphs with fewer nodes); the kernel table from a second, profiled session. Ops inside If branches
     are listed as `If/<op>`, and `If` itself as the If's time less its branch's kernels (its own overhead)."""
-    branch = _branch_nodes(path)
+    branch, ours = _branch_nodes(path), _fastcar_nodes(path)
     clock = time.process_time if CPU_TIME else time.perf_counter
     times = []
     for profiled in (False, True):
@@ -150,6 +161,7 @@ def profile(path: Path, ctx: int, steps: int, warmup: int, threads: int, native:
     for e in trace:
         if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= start:
             op, node = e["args"].get("op_name", "?"), e["name"][:-len("_kernel_time")]
+            op = f"ai.fastcar.{op}" if node in ours else op
             ms = e["dur"] / 1e3 / steps
             if node in branch:
                 by_op[f"If/{op}"] += ms

@@ -17,10 +17,11 @@ import onnx_ir as ir
 from fastcar_compile import fileio, pipeline
 from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.passes import genai_state
+from fastcar_compile.passes import genai_state, native_gqa
 from fastcar_compile.passes.analysis import find_layers, parse_layers
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 from fastcar_compile.passes.threshold import BakeThresholdPass
+from fastcar_compile.passes.validate import ValidatePass
 from fastcar_compile.save import SavePass, Staging
 
 __all__ = ["CompileOptions", "CompileReport", "LayerReport", "bake_threshold", "compile", "inspect", "load",
@@ -58,6 +59,7 @@ def inspect(model) -> CompileReport:
     notes: list[str] = []
     report = CompileReport.from_matches(find_layers(loaded, notes))
     report.notes.extend(notes)
+    report.notes.extend(native_gqa.inspect_notes(loaded))
     return report
 
 
@@ -92,6 +94,7 @@ def compile(  # noqa: A001 - the natural name of the entry point
     prune_prompt: float | None = None,
     kv_layers: list[str] | tuple[str, ...] | None = None,
     fusions: bool = True,
+    native_attention: bool = True,
 ) -> tuple[ir.Model, CompileReport]:
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 
@@ -107,6 +110,8 @@ def compile(  # noqa: A001 - the natural name of the entry point
     onnxruntime-genai's `generator.set_model_input` needs to set them per video).
     fusions: after the rewrite, fuse the export's RMSNorm chains (SimplifiedLayerNormalization, residual Adds
     into SkipSimplifiedLayerNormalization) and rotate-half RoPE (RotaryEmbedding): same values, fewer kernels.
+    native_attention: com.microsoft.GroupQueryAttention nodes (genai graphs, fused_attention="gqa") become
+    ai.fastcar.GroupQueryAttention, the native dense core with the same semantics (function body: the original op).
     """
     opts = CompileOptions(
         frame_tokens=frame_tokens, threshold=threshold, tas_query=tas_query, max_replay=max_replay,
@@ -114,7 +119,8 @@ def compile(  # noqa: A001 - the natural name of the entry point
         per_layer_threshold=per_layer_threshold, emit_diagnostics=emit_diagnostics, fused_attention=fused_attention,
         required_video_inputs=required_video_inputs, kv_budget=kv_budget, kv_sinks=kv_sinks, kv_window=kv_window,
         kv_eviction=kv_eviction, tempcache=tempcache, sparse_attention=sparse_attention, prune_prompt=prune_prompt,
-        kv_diagnostics=kv_diagnostics, kv_layers=tuple(kv_layers or ()), fusions=bool(fusions))
+        kv_diagnostics=kv_diagnostics, kv_layers=tuple(kv_layers or ()), fusions=bool(fusions),
+        native_attention=bool(native_attention))
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
     if out_path is not None and in_path is not None:
@@ -180,3 +186,30 @@ def bake_threshold(in_path: str | os.PathLike, out_path: str | os.PathLike, tau)
     finally:
         staging.cleanup()
     return dst
+
+
+def native_attention(model: str | os.PathLike, output: str | os.PathLike, validate: bool = True) -> list[str]:
+    """Write `model` with only its com.microsoft.GroupQueryAttention nodes swapped for the native ai.fastcar op
+    (passes/native_gqa.py): the dense model at its fastest, the baseline FastCar's speed-ups are measured
+    against. Beside a genai_config.json the output folder gets one too (with the native library). Returns notes."""
+    src, dst = Path(model), fileio.check_output_path(output)
+    if not src.is_file():
+        raise FastCarError(f"{src} does not exist")
+    if fileio.same_file(src, dst):
+        raise FastCarError(f"output {dst} is the input model; choose another output path")
+    fileio.refuse_collisions(fileio.model_files(src), output_files(dst))
+    loaded, _ = load(src)
+    ctx = CompileContext(CompileOptions(frame_tokens=1), genai_config=_genai_config(None, src, dst))
+    staging = Staging(dst, source=src)
+    passes: list[ir.passes.PassBase] = [native_gqa.NativeGqaPass(ctx.notes)]
+    if validate:
+        passes.append(ValidatePass(staging))
+    passes.append(SavePass(staging))
+    if ctx.genai_config is not None:
+        passes.append(genai_state.GenaiConfigPass(ctx, staging.output))
+    try:
+        with fileio.os_errors(str(dst)):
+            pipeline.run(ir.passes.PassManager(passes), loaded)
+    finally:
+        staging.cleanup()
+    return ctx.notes

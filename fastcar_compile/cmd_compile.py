@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fusions", choices=["on", "off"], default="on",
                    help="after the rewrite, fuse the export's RMSNorm chains into (Skip)SimplifiedLayerNormalization "
                         "and rotate-half RoPE into RotaryEmbedding (same values, fewer kernels per step; default on)")
+    p.add_argument("--native-attention", choices=["on", "off"], default="on",
+                   help="com.microsoft.GroupQueryAttention (genai graphs, --fused-attention gqa) -> the ai.fastcar "
+                        "op with the native dense attention core: same semantics, faster; its function body is the "
+                        "original op, so without the native library nothing changes (default on)")
     kv = p.add_argument_group("compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)")
     kv.add_argument("--kv-budget", type=int, metavar="C", help="fixed KV slots per layer and KV head (memory stays flat)")
     kv.add_argument("--kv-sinks", type=int, default=0, metavar="S", help="first S tokens always kept (attention sinks)")
@@ -178,7 +182,7 @@ def main(argv: list[str]) -> int:
                            sparse_attention=args.sparse_attention, kv_diagnostics=args.kv_diagnostics,
                            prune_prompt=args.prune_prompt,
                            kv_layers=args.kv_layers, required_video_inputs=args.required_video_inputs,
-                           fusions=args.fusions == "on")
+                           fusions=args.fusions == "on", native_attention=args.native_attention == "on")
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
     if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):

@@ -157,8 +157,10 @@ TEMPORAL_GATE_ALIGNED = "TemporalGateAligned"
 # query slice (+ RoPE at the tokens' positions from the graph's cos/sin caches), TemporalGateAt, MLPCacheRead and
 # the branch conditions.
 TEMPORAL_GATE_PACKED, TEMPORAL_GATE_PACKED_ROPE = "TemporalGatePacked", "TemporalGatePackedRope"
+# com.microsoft.GroupQueryAttention's drop-in with the native dense core (passes/native_gqa.py; body: the original op)
+GROUP_QUERY_ATTENTION = "GroupQueryAttention"
 OP_NAMES = (TEMPORAL_GATE, TEMPORAL_GATE_AT, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION,
-            TEMPORAL_GATE_ALIGNED, TEMPORAL_GATE_PACKED, TEMPORAL_GATE_PACKED_ROPE)
+            TEMPORAL_GATE_ALIGNED, TEMPORAL_GATE_PACKED, TEMPORAL_GATE_PACKED_ROPE, GROUP_QUERY_ATTENTION)
 # Attributes per op (tests/test_contract.py checks these against DESIGN.md and the function bodies).
 # `age_offset` (default 0): the stored age is age + age_offset (onnxruntime-genai zero-fills its recurrent state,
 # so genai graphs store age + 1 and 0 means "never written").
@@ -174,6 +176,7 @@ OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     COMPRESSED_ATTENTION: ("num_heads", "kv_num_heads", "scale", "budget", "sinks", "window", "frame_tokens",
                            "tempcache_sim", "eviction", "lsh_bits", "lsh_tables", "lsh_planes", "int8_dirs",
                            "int8_tables", "int8_planes", "prune_prompt", "qkv_perm"),
+    GROUP_QUERY_ATTENTION: ("num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved"),
 }
 
 # --- TAS variants and node tags -------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The compiler's pipeline: which `onnx_ir.passes` passes run, in order, for a set of options.
 
     [fused attention ->] discover -> select layers -> gate -> branch -> cache state [-> genai state]
-    [-> rotary, q/k/v layout + packed gate, RMSNorm, skip-norm fusions] -> KV dim names -> IR version -> metadata [-> validate] [-> save]
+    [-> native GroupQueryAttention]
+    [-> rotary, q/k/v layout + packed gate, RMSNorm, skip-norm fusions] -> KV dim names -> IR version -> metadata
+    [-> validate] [-> save]
 
 A new transformation is one module under passes/ plus one line in `build`. `describe` is what
 `fastcar-compile --verbose` prints.
@@ -24,6 +26,7 @@ from fastcar_compile.passes.gate import GatePass
 from fastcar_compile.passes.genai_state import GenaiConfigPass, GenaiStatePass
 from fastcar_compile.passes.kv_dims import KvDimNamesPass
 from fastcar_compile.passes.metadata import IrVersionPass, MetadataPass
+from fastcar_compile.passes.native_gqa import NativeGqaPass
 from fastcar_compile.passes.validate import ValidatePass
 from fastcar_compile.save import SavePass, Staging
 
@@ -38,6 +41,7 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         BranchPass(ctx),
         CacheStatePass(ctx),
         *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
+        *([NativeGqaPass(ctx.notes)] if ctx.options.native_attention else []),
         *([RotaryFusionPass(ctx), FusedLayoutPass(ctx), RmsNormFusionPass(ctx), SkipNormFusionPass(ctx)]
           if ctx.options.fusions else []),
         KvDimNamesPass(ctx),

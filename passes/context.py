@@ -59,6 +59,9 @@ class CompileOptions:
     # after the rewrite: RMSNorm -> SimplifiedLayerNormalization (+ residual Add -> Skip*), rotate-half RoPE ->
     # RotaryEmbedding (passes/fuse_norm.py, fuse_rotary.py): fewer kernels per step, same values
     fusions: bool = True
+    # com.microsoft.GroupQueryAttention -> ai.fastcar.GroupQueryAttention (passes/native_gqa.py): the native dense
+    # core where the library is registered, the original op (its function body) where not
+    native_attention: bool = True
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")

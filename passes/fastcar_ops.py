@@ -291,6 +291,21 @@ _TEMPORAL_GATE_PACKED_ROPE = _derive(
      "      rotary_embedding_dim: int = @rotary_embedding_dim> (q_raw, start, cos_cache, sin_cache)\n"),
 )
 
+# ai.fastcar GroupQueryAttention: com.microsoft.GroupQueryAttention's signature (the subset passes/native_gqa.py
+# swaps); its body is that op itself, so a model run without the native library (runtime/native/
+# group_query_attention.h) behaves exactly as before the swap.
+_GROUP_QUERY_ATTENTION = f"""
+<domain: "ai.fastcar", opset_import: ["" : {{opset}}, "{contract.MS_DOMAIN}" : 1]>
+GroupQueryAttention <num_heads, kv_num_heads, scale, do_rotary: int = 0, rotary_interleaved: int = 0>
+    (query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache, position_ids,
+     attention_bias) => (output, present_key, present_value) {{{{
+  output, present_key, present_value = {contract.MS_DOMAIN}.GroupQueryAttention <num_heads: int = @num_heads,
+      kv_num_heads: int = @kv_num_heads, scale: float = @scale, do_rotary: int = @do_rotary,
+      rotary_interleaved: int = @rotary_interleaved> (query, key, value, past_key, past_value, seqlens_k,
+      total_sequence_length, cos_cache, sin_cache, position_ids, attention_bias)
+}}}}
+"""
+
 OP_TEXTS = {
     contract.TEMPORAL_GATE: _TEMPORAL_GATE,
     contract.TEMPORAL_GATE_AT: _TEMPORAL_GATE_AT,
@@ -300,6 +315,7 @@ OP_TEXTS = {
     contract.TEMPORAL_GATE_ALIGNED: _TEMPORAL_GATE_ALIGNED,
     contract.TEMPORAL_GATE_PACKED: _TEMPORAL_GATE_PACKED,
     contract.TEMPORAL_GATE_PACKED_ROPE: _TEMPORAL_GATE_PACKED_ROPE,
+    contract.GROUP_QUERY_ATTENTION: _GROUP_QUERY_ATTENTION,
 }
 
 

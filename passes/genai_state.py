@@ -78,6 +78,22 @@ class GenaiStatePass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
 
+def native_library(cfg: dict, out_dir: Path) -> str | None:
+    """Copy the native ai.fastcar kernels beside the model and name them in `cfg` (genai's session_options
+    `custom_ops_library`); returns the file name, or None (FASTCAR_NATIVE=0 or no compiler: genai then runs the
+    ops' function bodies). genai 0.18 loads a custom-op library only from inside the model folder, the working
+    directory or an EP's folder, and resolves a relative name against the model folder first: a relative name
+    keeps the output folder self-contained and movable (docs/genai.md)."""
+    from fastcar_compile.runtime.native import library_path
+
+    lib = library_path()
+    if lib is None:
+        return None
+    write_bytes(out_dir / lib.name, lib.read_bytes())
+    cfg["model"]["decoder"].setdefault("session_options", {})["custom_ops_library"] = lib.name
+    return lib.name
+
+
 class GenaiConfigPass(ir.passes.InPlacePass):
     """onnxruntime-genai: genai_config.json (model file = the output) and tokenizer files beside the output."""
 
@@ -97,5 +113,11 @@ class GenaiConfigPass(ir.passes.InPlacePass):
             if f.is_file() and f.name != CONFIG and not f.name.startswith(old_name) and f.suffix != ".onnx" \
                     and not (out_dir / f.name).exists():
                 write_bytes(out_dir / f.name, f.read_bytes())
+        self._native_library(cfg, out_dir)
         self.ctx.notes.append(f"onnxruntime-genai: {write_text(out_dir / CONFIG, json.dumps(cfg, indent=4))}")
         return ir.passes.PassResult(model, modified=False)
+
+    def _native_library(self, cfg: dict, out_dir: Path) -> None:
+        if (name := native_library(cfg, out_dir)) is not None:
+            self.ctx.notes.append(f"onnxruntime-genai: native ai.fastcar kernels {out_dir / name} "
+                                  "(genai_config.json custom_ops_library)")

@@ -15,6 +15,7 @@ from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 L = 4
 PASSES = ["FusedAttentionPass", "DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass",
+          "NativeGqaPass",
           "RotaryFusionPass", "FusedLayoutPass", "RmsNormFusionPass", "SkipNormFusionPass", "KvDimNamesPass",
           "IrVersionPass", "MetadataPass", "ValidatePass", "SavePass"]
 

@@ -38,7 +38,7 @@ def _register_schemas() -> None:
     for op in fastcar_ops.OP_TEXTS:
         # CompressedAttention is never emitted here, and its optional inputs / float attributes do not fit
         # this generic schema (registered once per process, it would make onnx.checker refuse the ONNX path's)
-        if op == contract.COMPRESSED_ATTENTION or onnx.defs.has(op, fastcar_ops.DOMAIN):
+        if op in (contract.COMPRESSED_ATTENTION, contract.GROUP_QUERY_ATTENTION) or onnx.defs.has(op, fastcar_ops.DOMAIN):
             continue
         fn = fastcar_ops.function_proto(op, 18)
         params = [(f"T{i}", name) for i, name in enumerate(list(fn.input) + list(fn.output))]

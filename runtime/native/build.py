@@ -15,7 +15,10 @@ The kernels use no symbol from libonnxruntime (the API table arrives at registra
 linked. Exit code 0 both when built and when skipped (the function bodies then run); 1 only when a
 compiler was found and the build failed.
 
-    python -m fastcar_compile.runtime.native.build [--force] [--quiet]   (prints the library path)
+    python -m fastcar_compile.runtime.native.build [--force] [--quiet] [--isa x86-64-v2|v3|v4]   (prints the path)
+
+The hot loops carry GCC target_clones (x86-64-v4 / v3 / baseline, chosen per CPU when the library loads), so a
+cache shared by hosts of different CPUs stays correct; --isa builds a single level (tests of the fallback, A/B).
 """
 
 from __future__ import annotations
@@ -104,26 +107,43 @@ def _ort_api_supported() -> int:
     return int(m.group(1)) if m else 0
 
 
-def lib_path() -> Path:
+BASELINE_ISA = "x86-64-v2"  # what every x86-64 host this cache may serve runs; faster levels are ifunc clones
+ISAS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
+
+
+def _isa_flags(isa: str | None) -> list[str]:
+    """-march for x86-64: the baseline plus runtime-picked clones (default), or exactly one level (`isa`, for
+    tests and A/B: FASTCAR_CLONES empty)."""
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        return []
+    if isa is None:
+        return [f"-march={BASELINE_ISA}"]
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {', '.join(ISAS)}, not {isa!r}")
+    return [f"-march={isa}", "-DFASTCAR_CLONES="]
+
+
+def lib_path(isa: str | None = None) -> Path:
     """Where the library for this onnxruntime and this kernel source lives (built or not)."""
     import onnxruntime
 
     sources = b"".join(f.read_bytes() for f in sorted(HERE.glob("*.cc")) + sorted(HERE.glob("*.h")))
-    h = hashlib.sha256(sources + " ".join(FLAGS).encode()).hexdigest()[:12]
-    return CACHE_ROOT / "native" / f"ort{onnxruntime.__version__}-{h}" / LIB_NAME
+    h = hashlib.sha256(sources + " ".join([*FLAGS, *_isa_flags(isa)]).encode()).hexdigest()[:12]
+    return CACHE_ROOT / "native" / f"ort{onnxruntime.__version__}-{h}{'-' + isa if isa else ''}" / LIB_NAME
 
 
 class Skipped(Exception):
     """The kernels cannot be built here; the message says why and what to install (one line)."""
 
 
-def build(force: bool = False, log=print) -> Path:
-    """Compile the library into the cache if it is not there; return its path.
+def build(force: bool = False, log=print, isa: str | None = None) -> Path:
+    """Compile the library into the cache if it is not there; return its path. `isa`: one x86-64 level only
+    (ISAS) instead of the baseline with per-CPU clones.
 
     Raises Skipped (no compiler, no headers: ORT then runs the function bodies) or RuntimeError (a compiler
     was found and failed). Concurrent callers serialise on a lock file; the library appears atomically.
     """
-    lib = lib_path()
+    lib = lib_path(isa)
     if lib.is_file() and not force:
         return lib
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
@@ -143,9 +163,7 @@ def build(force: bool = False, log=print) -> Path:
             raise Skipped(f"headers in {inc} are C API {api}; the installed onnxruntime serves "
                           f"{MIN_API}..{have}")
         tmp = lib.parent / f".{LIB_NAME}.{os.getpid()}.tmp"
-        cmd = [cxx, *FLAGS, f"-I{inc}", str(SRC), "-o", str(tmp)]
-        if os.uname().machine in ("x86_64", "AMD64"):
-            cmd.insert(1, "-march=x86-64-v2")
+        cmd = [cxx, *_isa_flags(isa), *FLAGS, f"-I{inc}", str(SRC), "-o", str(tmp)]
         log(" ".join(cmd))
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
@@ -162,10 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="rebuild even if up to date")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--isa", choices=ISAS, help="build for this x86-64 level only (default: the baseline with "
+                    "AVX2 and AVX-512 clones picked at load time)")
     a = ap.parse_args(argv)
     log = (lambda *_: None) if a.quiet else (lambda m: print(f"native: {m}", file=sys.stderr))
     try:
-        print(build(a.force, log))
+        print(build(a.force, log, a.isa))
     except Skipped as exc:
         log(f"skipped: {exc}; ORT will run the function bodies")
     except RuntimeError as exc:

@@ -20,10 +20,11 @@
 #include <string>
 #include <vector>
 
+#include "dense_attention.h"
+
 namespace fastcar_attn {
 
-constexpr int64_t kRows = 16;    // query rows (heads x tokens) computed together against one key
-constexpr int64_t kKeyBlock = 64;  // keys per block (their K and V rows stay in L1 while every row uses them)
+constexpr int64_t kRows = 16;    // query heads computed together against one slot (GroupAttend)
 
 // exp for x <= 0 (softmax after max subtraction): 2^(x log2 e) by range reduction and a degree-6
 // polynomial; relative error ~2e-7, and a plain loop of it vectorises (libm's expf does not).
@@ -47,126 +48,6 @@ inline float FastExp(float x) {
   return r;
 }
 
-struct DenseTask {
-  const float* q;     // [B,Hq,S,D]
-  const float* key;   // present key [B,Hkv,N,D]
-  const float* val;   // present value [B,Hkv,N,D]
-  const int64_t* mask;  // [B,T]
-  float* out;         // [B,S,Hq*D]
-  int64_t B, Hq, Hkv, S, D, N, T, P, tiles, tile;
-  float scale;
-};
-
-// One work item: batch row b, KV head hk, a tile of query tokens; all G query heads of the group.
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-inline void DenseItem(const DenseTask& t, int64_t item) {
-  const int64_t G = t.Hq / t.Hkv;
-  const int64_t tile_id = item % t.tiles;
-  const int64_t bh = item / t.tiles;
-  const int64_t b = bh / t.Hkv, hk = bh % t.Hkv;
-  const int64_t i0 = tile_id * t.tile, i1 = std::min(t.S, i0 + t.tile);
-  const int64_t D = t.D;
-  const int64_t rows = G * (i1 - i0);
-  const int64_t jmax = t.P + i1;  // keys [0, jmax) can be visible to some row of this tile
-  const int64_t* m = t.mask + b * t.T;
-  const float* kb = t.key + (b * t.Hkv + hk) * t.N * D;
-  const float* vb = t.val + (b * t.Hkv + hk) * t.N * D;
-  // rows are processed in chunks of kRows: qT [D][kRows] (scaled), logits [kRows][jmax]
-  std::vector<float> qT(D * kRows), logits(kRows * jmax), acc(kRows * D);
-  std::vector<int64_t> last(kRows);  // last visible key index per row
-  std::vector<char> none_visible(kRows);
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    const int64_t nr = std::min(kRows, rows - r0);
-    std::fill(qT.begin(), qT.end(), 0.0f);
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g = (r0 + r) % G, i = i0 + (r0 + r) / G;
-      const float* qr = t.q + ((b * t.Hq + hk * G + g) * t.S + i) * D;
-      for (int64_t d = 0; d < D; ++d) qT[d * kRows + r] = qr[d] * t.scale;
-      last[r] = t.P + i;
-    }
-    const int64_t jend = t.P + i0 + (r0 + nr - 1) / G + 1;  // keys any row of this chunk may see
-    // scores: each key row is read once for all rows of the chunk
-    int64_t j = 0;
-    for (; j + 4 <= jend; j += 4) {
-      float a0[kRows] = {}, a1[kRows] = {}, a2[kRows] = {}, a3[kRows] = {};
-      const float* k0 = kb + j * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float* qd = qT.data() + d * kRows;
-        const float x0 = k0[d], x1 = k0[D + d], x2 = k0[2 * D + d], x3 = k0[3 * D + d];
-        for (int64_t r = 0; r < kRows; ++r) {
-          a0[r] += qd[r] * x0;
-          a1[r] += qd[r] * x1;
-          a2[r] += qd[r] * x2;
-          a3[r] += qd[r] * x3;
-        }
-      }
-      for (int64_t r = 0; r < kRows; ++r) {
-        logits[r * jmax + j] = a0[r];
-        logits[r * jmax + j + 1] = a1[r];
-        logits[r * jmax + j + 2] = a2[r];
-        logits[r * jmax + j + 3] = a3[r];
-      }
-    }
-    for (; j < jend; ++j) {
-      float a0[kRows] = {};
-      const float* k0 = kb + j * D;
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t r = 0; r < kRows; ++r) a0[r] += qT[d * kRows + r] * k0[d];
-      for (int64_t r = 0; r < kRows; ++r) logits[r * jmax + j] = a0[r];
-    }
-    // masked softmax per row (probabilities overwrite the logits; invisible keys get 0)
-    for (int64_t r = 0; r < nr; ++r) {
-      float* lr = logits.data() + r * jmax;
-      const int64_t jl = last[r] + 1;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t jj = 0; jj < jl; ++jj)
-        if (m[jj] != 0) mx = std::max(mx, lr[jj]);
-      none_visible[r] = mx == -std::numeric_limits<float>::infinity();
-      if (none_visible[r]) {  // a left-pad query: uniform over all T keys, below
-        std::fill(lr, lr + jend, 0.0f);
-        continue;
-      }
-      float sum = 0.0f;
-      for (int64_t jj = 0; jj < jl; ++jj) {
-        const float e = m[jj] != 0 ? FastExp(lr[jj] - mx) : 0.0f;
-        lr[jj] = e;
-        sum += e;
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t jj = 0; jj < jl; ++jj) lr[jj] *= inv;
-      for (int64_t jj = jl; jj < jend; ++jj) lr[jj] = 0.0f;
-    }
-    // P @ V, key blocks so each V block stays in cache while every row reads it
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t j0 = 0; j0 < jend; j0 += kKeyBlock) {
-      const int64_t j1 = std::min(jend, j0 + kKeyBlock);
-      for (int64_t r = 0; r < nr; ++r) {
-        float* ar = acc.data() + r * D;
-        const float* pr = logits.data() + r * jmax;
-        for (int64_t jj = j0; jj < j1; ++jj) {
-          const float p = pr[jj];
-          if (p == 0.0f) continue;
-          const float* vr = vb + jj * D;
-          for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
-        }
-      }
-    }
-    for (int64_t r = 0; r < nr; ++r) {  // what exporters' finite-min masks give a row that sees nothing
-      if (!none_visible[r]) continue;
-      float* ar = acc.data() + r * D;
-      for (int64_t jj = 0; jj < t.T; ++jj)
-        for (int64_t d = 0; d < D; ++d) ar[d] += vb[jj * D + d];
-      for (int64_t d = 0; d < D; ++d) ar[d] /= static_cast<float>(t.T);
-    }
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g = (r0 + r) % G, i = i0 + (r0 + r) / G;
-      float* o = t.out + ((b * t.S + i) * t.Hq + hk * G + g) * D;
-      std::memcpy(o, acc.data() + r * D, sizeof(float) * D);
-    }
-  }
-}
-
-inline void DenseItemThunk(void* data, size_t item) { DenseItem(*static_cast<DenseTask*>(data), item); }
 
 
 struct Settings {
@@ -323,7 +204,7 @@ struct GroupBuffers {  // GroupAttend's scratch, reused across tokens
 // kRows heads at a time against 4 slots per inner block, so each key row is read once for every head and the
 // inner loops vectorise (the per-head path below does one dot product per head and slot). Same semantics:
 // logits q.k scale + bias (log count), softmax, mass received per slot, probability-weighted values.
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+FASTCAR_CLONES
 inline void GroupAttend(const CompressedTask& t, int64_t b, int64_t hk, int64_t i, int64_t p, const int64_t* sel,
                         const float* bias, int64_t n, const float* key, const float* val, float* slots,
                         const int64_t* m, const float* dense, float* stats, std::vector<float>& pd,
@@ -419,7 +300,7 @@ inline int64_t FindSlot(const float* slots, int64_t C, int64_t F, int64_t kv) {
   return -1;
 }
 
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+FASTCAR_CLONES
 inline void CompressedItem(const CompressedTask& t, int64_t bh) {
   const Settings& c = *t.cfg;
   const Shapes& sh = t.sh;

@@ -12,6 +12,7 @@
 #include "onnxruntime_lite_custom_op.h"
 
 #include "compressed_attention.h"
+#include "group_query_attention.h"
 
 #include <cmath>
 #include <cstdint>
@@ -412,10 +413,7 @@ struct CompressedAttention {
       fastcar_attn::WriteNew(sh, cfg.kv_heads, past_value.Data(), vd, pv, n_out);
       fastcar_attn::DenseTask t{qd, pk, pv, mask.Data(), o, sh.B, cfg.heads, cfg.kv_heads, sh.S, sh.D,
                                 n_out, sh.T, sh.P, 1, sh.S, cfg.scale};
-      t.tile = sh.S <= 4 ? sh.S : 32;
-      t.tiles = (sh.S + t.tile - 1) / t.tile;
-      const size_t items = static_cast<size_t>(sh.B * cfg.kv_heads * t.tiles);
-      kctx.ParallelFor(fastcar_attn::DenseItemThunk, items, 0, &t);
+      fastcar_attn::RunDense(kctx, t);
       return;
     }
     if (!past_slots.has_value() || !present_slots.has_value())
@@ -478,9 +476,114 @@ struct CompressedAttention {
   }
 };
 
+// ai.fastcar GroupQueryAttention: com.microsoft.GroupQueryAttention's inputs/outputs/attributes, dense core inside
+// (group_query_attention.h). A raw OrtCustomOp, not a lite op: genai's graphs leave key/value empty ("") between
+// present inputs, which the lite API cannot take.
+struct GqaKernel {
+  fastcar_gqa::Settings cfg;
+  std::vector<float> q;
+  std::vector<int64_t> mask;
+
+  explicit GqaKernel(const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    cfg.heads = ki.GetAttribute<int64_t>("num_heads");
+    cfg.kv_heads = ki.GetAttribute<int64_t>("kv_num_heads");
+    cfg.scale = AttrOr<float>(ki, "scale", 0.0f);
+    cfg.do_rotary = AttrOr<int64_t>(ki, "do_rotary", 0) != 0;
+    cfg.interleaved = AttrOr<int64_t>(ki, "rotary_interleaved", 0) != 0;
+    if (cfg.heads <= 0 || cfg.kv_heads <= 0 || cfg.heads % cfg.kv_heads != 0)
+      throw std::runtime_error("GroupQueryAttention: num_heads must be a positive multiple of kv_num_heads");
+    if (AttrOr<float>(ki, "softcap", 0.0f) != 0.0f || AttrOr<int64_t>(ki, "local_window_size", -1) > 0 ||
+        AttrOr<int64_t>(ki, "smooth_softmax", 0) != 0 || AttrOr<int64_t>(ki, "qk_output", 0) != 0 ||
+        AttrOr<int64_t>(ki, "causal", 1) != 1)
+      throw std::runtime_error("ai.fastcar GroupQueryAttention: softcap, local_window_size, smooth_softmax, qk_output "
+                               "and causal=0 are not supported (passes/native_gqa.py does not swap such nodes)");
+  }
+
+  static const float* Floats(const Ort::KernelContext& ctx, size_t i, std::vector<int64_t>* shape) {
+    if (i >= ctx.GetInputCount()) return nullptr;
+    Ort::ConstValue v = ctx.GetInput(i);
+    if (!v) return nullptr;
+    auto info = v.GetTensorTypeAndShapeInfo();
+    if (shape != nullptr) *shape = info.GetShape();
+    return v.GetTensorData<float>();
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    std::vector<int64_t> qs, ks, ps, cs, bs;
+    fastcar_gqa::Inputs in;
+    in.query = Floats(ctx, 0, &qs);
+    in.key = Floats(ctx, 1, &ks);
+    in.value = Floats(ctx, 2, nullptr);
+    in.past_key = Floats(ctx, 3, &ps);
+    in.past_value = Floats(ctx, 4, nullptr);
+    in.seqlens_k = ctx.GetInput(5).GetTensorData<int32_t>();
+    in.total = ctx.GetInput(6).GetTensorData<int32_t>()[0];
+    in.cos = Floats(ctx, 7, &cs);
+    in.sin = Floats(ctx, 8, nullptr);
+    if (ctx.GetInputCount() > 9 && ctx.GetInput(9))
+      throw std::runtime_error("ai.fastcar GroupQueryAttention: position_ids is not supported");
+    in.bias = Floats(ctx, 10, &bs);
+    const int64_t H = cfg.heads, Hkv = cfg.kv_heads;
+    if (qs.size() != 3 || (in.key == nullptr) != (in.value == nullptr))
+      throw std::runtime_error("GroupQueryAttention: query must be [B,S,hidden]; key and value both present or both "
+                               "absent");
+    in.B = qs[0];
+    in.S = qs[1];
+    in.D = in.key == nullptr ? qs[2] / (H + 2 * Hkv) : qs[2] / H;
+    if (in.key != nullptr && (ks.size() != 3 || ks[2] != Hkv * in.D))
+      throw std::runtime_error("GroupQueryAttention: key must be [B,S,kv_num_heads*head_size]");
+    if (in.past_key != nullptr && (ps.size() != 4 || ps[0] != in.B || ps[1] != Hkv || ps[3] != in.D))
+      throw std::runtime_error("GroupQueryAttention: past_key must be [B,kv_num_heads,past,head_size]");
+    in.Np = in.past_key != nullptr ? ps[2] : 0;
+    if (cfg.do_rotary) {
+      if (in.cos == nullptr || in.sin == nullptr || cs.size() != 2 || 2 * cs[1] > in.D)
+        throw std::runtime_error("GroupQueryAttention: do_rotary needs cos_cache/sin_cache [max_pos, <= head_size/2]");
+      in.max_pos = cs[0];
+      in.half = cs[1];
+    }
+    if (in.bias != nullptr) {
+      if (bs.size() != 4 || bs[0] != in.B || bs[1] != 1 || (bs[2] != in.S && bs[2] != 1) || bs[3] != in.total)
+        throw std::runtime_error("ai.fastcar GroupQueryAttention: attention_bias must be [B,1,S or 1,total]");
+      in.bias_rows = bs[2];
+    }
+    const int64_t N = std::max(in.total, in.Np);
+    float* out = ctx.GetOutput(0, {in.B, in.S, H * in.D}).GetTensorMutableData<float>();
+    float* key = ctx.GetOutput(1, {in.B, Hkv, N, in.D}).GetTensorMutableData<float>();
+    float* val = ctx.GetOutput(2, {in.B, Hkv, N, in.D}).GetTensorMutableData<float>();
+    if ((key == in.past_key) != (val == in.past_value))
+      throw std::runtime_error("GroupQueryAttention: bind both or neither of present_key/present_value to the past");
+    q.resize(static_cast<size_t>(in.B * H * in.S * in.D));
+    fastcar_gqa::Run(cfg, in, q.data(), key, val, N, mask, out,
+                     [&](void (*fn)(void*, size_t), size_t items, void* data) { ctx.ParallelFor(fn, items, 0, data); });
+  }
+};
+
+struct GqaOp : Ort::CustomOpBase<GqaOp, GqaKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const {
+    (void)api;
+    return new GqaKernel(info);
+  }
+  const char* GetName() const { return "GroupQueryAttention"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 11; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    if (i == 5 || i == 6) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    if (i == 9) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 0 || i == 5 || i == 6 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
 std::once_flag g_once;
 std::unique_ptr<Ort::CustomOpDomain> g_domain;
 std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>> g_ops;
+GqaOp g_gqa;
 
 }  // namespace
 
@@ -507,6 +610,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<CompressedAttention>("CompressedAttention", "CPUExecutionProvider"));
       for (auto& op : g_ops) g_domain->Add(op.get());
+      g_domain->Add(&g_gqa);
     });
     Ort::UnownedSessionOptions so(options);
     so.Add(*g_domain);

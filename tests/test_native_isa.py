@@ -1,0 +1,60 @@
+"""The native kernels built for one x86-64 level only (build.py --isa; the default build picks AVX-512 / AVX2 clones
+at load time, so on a modern CPU the SSE fallback never runs unless built alone): the dense core's cases and one
+compressed-mode trace against the same NumPy references as the default build's tests."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import test_compressed_attention_sizes as sizes
+import test_dense_kernel as dense
+from kernel_driver import run_kernel
+
+from fastcar_compile.fastar.attention import run_trace
+from fastcar_compile.fastar.config import KVCompressConfig
+from fastcar_compile.runtime.native import build
+
+pytestmark = pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module", params=["x86-64-v2", "x86-64-v3"])
+def isa_lib(request, monkeypatch_module):
+    if request.param == "x86-64-v3" and not (_cpu_has("avx2") and _cpu_has("fma")):
+        pytest.skip("this CPU has no AVX2 + FMA")
+    try:
+        lib = build.build(log=lambda *_: None, isa=request.param)
+    except build.Skipped as exc:
+        pytest.skip(f"native kernels cannot be built here: {exc}")
+    monkeypatch_module.setenv("FASTCAR_NATIVE", str(lib))  # library_path() (the tests' sessions) loads it
+    return lib
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.mark.parametrize("name", list(dense.CASES))
+def test_dense_core_at_one_isa(isa_lib, name):
+    dense.test_dense_core_equals_numpy(name)
+
+
+def test_compressed_trace_at_one_isa(isa_lib):
+    """The grouped (GroupAttend) path with eviction and TempCache merging: outputs within 1e-4 of run_trace."""
+    hq, hkv, d, settings = sizes.CASES["16/2x64 tempcache bounded"]
+    cfg = KVCompressConfig(**settings, frame_len=sizes.L, video_start=0)
+    q, k, v = sizes._trace(np.random.default_rng(5), 72, hq, hkv, d)
+    ref = run_trace(q, k, v, cfg)
+    got, _ = run_kernel(cfg, q, k, v, [6] + [1] * 30 + [4] + [1] * 32)
+    assert np.abs(got - ref.out).max() <= 1e-4
