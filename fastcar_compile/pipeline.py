@@ -2,7 +2,8 @@
 
     [fused attention ->] discover -> select layers -> gate -> branch -> cache state [-> genai state]
     [-> native GroupQueryAttention]
-    [-> rotary, RMSNorm, skip-norm fusions] -> KV dim names -> IR version -> metadata [-> validate] [-> save]
+    [-> rotary, q/k/v layout + packed gate, RMSNorm, skip-norm fusions] -> KV dim names -> IR version -> metadata
+    [-> validate] [-> save]
 
 A new transformation is one module under passes/ plus one line in `build`. `describe` is what
 `fastcar-compile --verbose` prints.
@@ -17,6 +18,7 @@ from fastcar_compile.passes.analysis import DiscoverPass, SelectLayersPass
 from fastcar_compile.passes.branch import BranchPass
 from fastcar_compile.passes.cache_state import CacheStatePass
 from fastcar_compile.passes.context import CompileContext
+from fastcar_compile.passes.fuse_layout import FusedLayoutPass
 from fastcar_compile.passes.fuse_norm import RmsNormFusionPass, SkipNormFusionPass
 from fastcar_compile.passes.fuse_rotary import RotaryFusionPass
 from fastcar_compile.passes.fused_attention import FusedAttentionPass
@@ -40,7 +42,8 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         CacheStatePass(ctx),
         *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
         *([NativeGqaPass(ctx.notes)] if ctx.options.native_attention else []),
-        *([RotaryFusionPass(ctx), RmsNormFusionPass(ctx), SkipNormFusionPass(ctx)] if ctx.options.fusions else []),
+        *([RotaryFusionPass(ctx), FusedLayoutPass(ctx), RmsNormFusionPass(ctx), SkipNormFusionPass(ctx)]
+          if ctx.options.fusions else []),
         KvDimNamesPass(ctx),
         IrVersionPass(ctx),
         MetadataPass(ctx),

@@ -151,12 +151,26 @@ _TEMPORAL_GATE_AT = _derive(
 # past[:P], new, past[total_len:] covers both. A query at KV index P + i sees key j iff j <= P + i and
 # attention_mask[b, j] != 0; one that sees none (a left pad) averages every value of its row, which is what the
 # exporters' finite-minimum masks make softmax do. The compressed modes (budget > 0) need the kernel.
+# q/k/v are [B, heads, S, D] (qkv_perm [0, 1, 2, 3], the default) or, with qkv_perm [0, 2, 1, 3], [B, S, heads * D] /
+# [B, S, heads, D] as the projections produce them (no layout ops between the MatMuls and the op): the body views
+# them as [B, *, *, D] and applies the permutation.
 _COMPRESSED_ATTENTION = """
 <domain: "ai.fastcar", opset_import: ["" : {opset}]>
 CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, frame_tokens, tempcache_sim, eviction,
-                     lsh_bits, lsh_tables, lsh_planes, int8_dirs, int8_tables, int8_planes, prune_prompt>
-    (q, k, v, past_key, past_value, attention_mask, total_len, past_slots, k_raw, past_key_raw)
+                     lsh_bits, lsh_tables, lsh_planes, int8_dirs, int8_tables, int8_planes, prune_prompt,
+                     qkv_perm: ints = [0, 1, 2, 3]>
+    (q_in, k_in, v_in, past_key, past_value, attention_mask, total_len, past_slots, k_raw, past_key_raw)
     => (out, present_key, present_value) {{
+  zero_ = Constant <value = int64[1] {{0}}> ()
+  minus1_ = Constant <value = int64[1] {{-1}}> ()
+  D_ = Shape <start = 3, end = 4> (past_key)
+  heads_shape = Concat <axis = 0> (zero_, zero_, minus1_, D_)
+  q_heads = Reshape (q_in, heads_shape)
+  q = Transpose <perm: ints = @qkv_perm> (q_heads)
+  k_heads = Reshape (k_in, heads_shape)
+  k = Transpose <perm: ints = @qkv_perm> (k_heads)
+  v_heads = Reshape (v_in, heads_shape)
+  v = Transpose <perm: ints = @qkv_perm> (v_heads)
   zero = Constant <value = int64[1] {{0}}> ()
   one = Constant <value = int64[1] {{1}}> ()
   two = Constant <value = int64[1] {{2}}> ()

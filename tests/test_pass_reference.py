@@ -190,7 +190,9 @@ def _real(run: RefRun, pad: tuple[int, int], k: int, aligned: bool) -> np.ndarra
     return (p >= padc) & (p - L >= padc) if aligned else p >= padc
 
 
-def check_against_reference(zoo_model, fc_compile, tmp_path: Path, case: Case) -> None:
+def check_against_reference(zoo_model, fc_compile, tmp_path: Path, case: Case, session=None) -> None:
+    """`session`: path -> ort.InferenceSession to run the compiled model with (default: stock ORT, the
+    function bodies)."""
     run, taus, layers = reference_run(case, n_decode=5 * L - 1)
     src = zoo_model(case.family, case.exporter)
     out = tmp_path / "fast.onnx"
@@ -208,7 +210,7 @@ def check_against_reference(zoo_model, fc_compile, tmp_path: Path, case: Case) -
         emit_diagnostics=True,
     )
     got = ort_driver.decode(
-        out,
+        out if session is None else session(out),
         run.steps,
         pad=list(case.pad),
         video_start=case.video_start,

@@ -16,7 +16,7 @@ from fastcar_compile.passes.context import CompileContext, CompileOptions
 L = 4
 PASSES = ["FusedAttentionPass", "DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass",
           "NativeGqaPass",
-          "RotaryFusionPass", "RmsNormFusionPass", "SkipNormFusionPass", "KvDimNamesPass",
+          "RotaryFusionPass", "FusedLayoutPass", "RmsNormFusionPass", "SkipNormFusionPass", "KvDimNamesPass",
           "IrVersionPass", "MetadataPass", "ValidatePass", "SavePass"]
 
 

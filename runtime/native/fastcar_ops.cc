@@ -320,8 +320,10 @@ struct MLPCacheUpdate {
 //   past_dense [B,Hkv,M,2D], video_start [] int64 (prune_prompt, TempCache; unused inputs before it are empty float[0])])
 //   -> (out [B,S,Hq*D], present_key, present_value, [present_slots, aligned_key [B,Hkv,S,D], present_key_raw,
 //       present_dense, kv_stats [B,Hkv,4]])
+// qkv_perm [0,2,1,3]: q, k, v are [B,S,heads*D] (or [B,S,heads,D]) instead, as the projections produce them.
 struct CompressedAttention {
   fastcar_attn::Settings cfg;
+  bool bshd = false;  // qkv_perm [0,2,1,3]: q/k/v are [B,S,heads*D] or [B,S,heads,D] (the projections' layout)
 
   CompressedAttention(const OrtApi* api, const OrtKernelInfo* info) {
     (void)api;
@@ -342,6 +344,33 @@ struct CompressedAttention {
     cfg.int8_tables = AttrOr<int64_t>(ki, "int8_tables", 0);
     if (cfg.int8_dirs > 0) cfg.int8_planes = ki.GetAttributes<float>("int8_planes");
     cfg.prune_prompt = AttrOr<float>(ki, "prune_prompt", -1.0f);
+    std::vector<int64_t> perm{0, 1, 2, 3};
+    try {
+      perm = ki.GetAttributes<int64_t>("qkv_perm");
+    } catch (const Ort::Exception&) {
+    }
+    bshd = perm == std::vector<int64_t>{0, 2, 1, 3};
+    if (!bshd && perm != std::vector<int64_t>{0, 1, 2, 3})
+      throw std::runtime_error("CompressedAttention: qkv_perm must be [0,1,2,3] or [0,2,1,3]");
+  }
+
+  // [B,S,heads,D] -> [B,heads,S,D] (a prompt step: S > 1; one token needs no copy, the two layouts coincide)
+  static const float* ToHeads(const float* x, int64_t B, int64_t S, int64_t heads, int64_t D, std::vector<float>& buf) {
+    if (S == 1) return x;
+    buf.resize(static_cast<size_t>(B * S * heads * D));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t h = 0; h < heads; ++h)
+          std::memcpy(buf.data() + ((b * heads + h) * S + s) * D, x + ((b * S + s) * heads + h) * D, sizeof(float) * D);
+    return buf.data();
+  }
+
+  // q, k, v have the layout qkv_perm says, with these head counts and head size D
+  bool LayoutOk(const std::vector<int64_t>& qs, const std::vector<int64_t>& xs, int64_t heads, int64_t S, int64_t D) const {
+    if (xs.size() != qs.size() || xs[0] != qs[0]) return false;
+    if (!bshd) return xs.size() == 4 && xs[1] == heads && xs[2] == S && xs[3] == D;
+    if (xs.size() == 3) return xs[1] == S && xs[2] == heads * D;
+    return xs.size() == 4 && xs[1] == S && xs[2] == heads && xs[3] == D;
   }
 
   void Compute(OrtKernelContext* context, const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v,
@@ -355,15 +384,23 @@ struct CompressedAttention {
                std::optional<Tensor<float>*> kv_stats) {
     const auto qs = q.Shape(), ks = past_key.Shape(), ms = mask.Shape();
     fastcar_attn::Shapes sh;
+    if ((qs.size() != 4 && !(bshd && qs.size() == 3)) || ks.size() != 4)
+      throw std::runtime_error("CompressedAttention: q must be [B,heads,S,D] (or [B,S,heads*D] with qkv_perm "
+                               "[0,2,1,3]) and past_key [B,kv_heads,N,D]");
     sh.B = qs[0];
-    sh.S = qs[2];
-    sh.D = qs[3];
+    sh.S = bshd ? qs[1] : qs[2];
+    sh.D = ks[3];
     sh.N = ks[2];
     sh.T = static_cast<int64_t>(total_len.Data()[0]);
     sh.P = sh.T - sh.S;
-    if (qs[1] != cfg.heads || ks[1] != cfg.kv_heads || ks[3] != sh.D || ms.size() != 2 || ms[0] != sh.B ||
-        ms[1] != sh.T || sh.P < 0)
-      throw std::runtime_error("CompressedAttention: inconsistent shapes (q, past_key, attention_mask, total_len)");
+    if (!LayoutOk(qs, qs, cfg.heads, sh.S, sh.D) || !LayoutOk(qs, k.Shape(), cfg.kv_heads, sh.S, sh.D) ||
+        !LayoutOk(qs, v.Shape(), cfg.kv_heads, sh.S, sh.D) || ks[1] != cfg.kv_heads || ms.size() != 2 ||
+        ms[0] != sh.B || ms[1] != sh.T || sh.P < 0)
+      throw std::runtime_error("CompressedAttention: inconsistent shapes (q, k, v, past_key, attention_mask, total_len)");
+    std::vector<float> qbuf, kbuf, vbuf;  // [B,heads,S,D] copies of a multi-token [B,S,heads*D] step
+    const float* qd = bshd ? ToHeads(q.Data(), sh.B, sh.S, cfg.heads, sh.D, qbuf) : q.Data();
+    const float* kd = bshd ? ToHeads(k.Data(), sh.B, sh.S, cfg.kv_heads, sh.D, kbuf) : k.Data();
+    const float* vd = bshd ? ToHeads(v.Data(), sh.B, sh.S, cfg.kv_heads, sh.D, vbuf) : v.Data();
     Ort::KernelContext kctx(context);
     float* o = out.Allocate({sh.B, sh.S, cfg.heads * sh.D});
     if (cfg.budget == 0) {
@@ -372,9 +409,9 @@ struct CompressedAttention {
         throw std::runtime_error("CompressedAttention: past_key holds neither the past tokens nor a buffer >= total_len");
       float* pk = present_key.Allocate({sh.B, cfg.kv_heads, n_out, sh.D});
       float* pv = present_value.Allocate({sh.B, cfg.kv_heads, n_out, sh.D});
-      fastcar_attn::WriteNew(sh, cfg.kv_heads, past_key.Data(), k.Data(), pk, n_out);
-      fastcar_attn::WriteNew(sh, cfg.kv_heads, past_value.Data(), v.Data(), pv, n_out);
-      fastcar_attn::DenseTask t{q.Data(), pk, pv, mask.Data(), o, sh.B, cfg.heads, cfg.kv_heads, sh.S, sh.D,
+      fastcar_attn::WriteNew(sh, cfg.kv_heads, past_key.Data(), kd, pk, n_out);
+      fastcar_attn::WriteNew(sh, cfg.kv_heads, past_value.Data(), vd, pv, n_out);
+      fastcar_attn::DenseTask t{qd, pk, pv, mask.Data(), o, sh.B, cfg.heads, cfg.kv_heads, sh.S, sh.D,
                                 n_out, sh.T, sh.P, 1, sh.S, cfg.scale};
       fastcar_attn::RunDense(kctx, t);
       return;
@@ -400,9 +437,9 @@ struct CompressedAttention {
     if (ss.size() != 4 || ss[0] != sh.B || ss[1] != cfg.kv_heads || ss[2] != sh.N || ss[3] != t.F)
       throw std::runtime_error("CompressedAttention: past_slots must be [batch, kv_heads, budget, " +
                                std::to_string(t.F) + "] for this op's settings (a state from another compile?)");
-    t.q = q.Data();
-    t.k = k.Data();
-    t.v = v.Data();
+    t.q = qd;
+    t.k = kd;
+    t.v = vd;
     t.mask = mask.Data();
     t.out = o;
     t.key = present_key.Allocate({sh.B, cfg.kv_heads, sh.N, sh.D});
