@@ -555,8 +555,7 @@ struct GqaKernel {
     if ((key == in.past_key) != (val == in.past_value))
       throw std::runtime_error("GroupQueryAttention: bind both or neither of present_key/present_value to the past");
     q.resize(static_cast<size_t>(in.B * H * in.S * in.D));
-    fastcar_gqa::Run(cfg, in, q.data(), key, val, N, mask, out,
-                     [&](void (*fn)(void*, size_t), size_t items, void* data) { ctx.ParallelFor(fn, items, 0, data); });
+    fastcar_gqa::Run(cfg, in, q.data(), key, val, N, mask, out, ctx);
   }
 };
 

@@ -1,5 +1,5 @@
 // ai.fastcar GroupQueryAttention: a drop-in for com.microsoft.GroupQueryAttention (same inputs, outputs and
-// attributes; ORT's CPU semantics) whose attention is the shared dense core (compressed_attention.h DenseItem).
+// attributes; ORT's CPU semantics) whose attention is the shared dense core (dense_attention.h RunDense).
 //
 // Why: onnxruntime-genai's builder graphs (and `--fused-attention gqa`) run ORT's GQA, ~1 ms per layer per decode
 // step at ctx 4096 for 4 MB of KV on the benchmark LLaMA; the dense core computes the same attention several
@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "compressed_attention.h"
+#include "dense_attention.h"
 
 namespace fastcar_gqa {
 
@@ -101,23 +101,11 @@ inline void PrepThunk(void* data, size_t item) {
   PrepRow(*static_cast<PrepTask*>(data), static_cast<int64_t>(item));
 }
 
-// One dense-core task per batch row (rows may hold different lengths); items run back to back.
-struct Plan {
-  std::vector<fastcar_attn::DenseTask> tasks;
-  int64_t per_row = 0;  // items of one row's task
-};
-
-inline void DenseThunk(void* data, size_t item) {
-  const Plan& p = *static_cast<Plan*>(data);
-  const int64_t k = static_cast<int64_t>(item);
-  fastcar_attn::DenseItem(p.tasks[k / p.per_row], k % p.per_row);
-}
-
 // The whole op. q: scratch [B,H,S,D]; key/val: the present buffers [B,Hkv,N,D] (may be the past buffers);
-// mask: scratch [B, T] int64; out [B,S,H D]. parallel(fn, items, data) runs fn over items (ORT's pool).
-template <typename ParallelFor>
+// mask: scratch [B, T] int64; out [B,S,H D]. ctx: anything with Ort::KernelContext's ParallelFor (ORT's pool).
+template <class Ctx>
 void Run(const Settings& c, const Inputs& in, float* q, float* key, float* val, int64_t N, std::vector<int64_t>& mask,
-         float* out, ParallelFor&& parallel) {
+         float* out, Ctx& ctx) {
   const int64_t B = in.B, S = in.S, D = in.D, H = c.heads, Hkv = c.kv_heads;
   const bool first_prompt = S == in.total;
   if (S > 1 && !first_prompt && B != 1)
@@ -152,7 +140,7 @@ void Run(const Settings& c, const Inputs& in, float* q, float* key, float* val, 
         }
   }
   PrepTask prep{&c, &in, past.data(), pos.data(), q, key, val, N};
-  parallel(PrepThunk, static_cast<size_t>(B * S), &prep);
+  ctx.ParallelFor(PrepThunk, static_cast<size_t>(B * S), 0, &prep);
   // visibility per row: all ones, or the mask-form bias's last query row (columns 0..T-1)
   int64_t T = 0;
   for (int64_t b = 0; b < B; ++b) T = std::max(T, rows[b]);
@@ -164,30 +152,28 @@ void Run(const Settings& c, const Inputs& in, float* q, float* key, float* val, 
       for (int64_t j = 0; j < T; ++j) mask[b * T + j] = br[j] > -1e30f ? 1 : 0;
     }
   }
-  Plan plan;
+  // the dense core (RunDense: tiles, key splits, ORT's pool): one task for the batch when every row holds the same
+  // length (the prompt, or genai's batch decode of equal rows), else one per row (its own P and T)
   const float scale = c.scale != 0.0f ? c.scale : 1.0f / std::sqrt(static_cast<float>(D));
-  for (int64_t b = 0; b < B; ++b) {
+  const bool same = std::all_of(past.begin(), past.end(), [&](int64_t p) { return p == past[0]; });
+  for (int64_t b0 = 0; b0 < B; b0 += same ? B : 1) {
     fastcar_attn::DenseTask t{};
-    t.q = q + b * H * S * D;
-    t.key = key + b * Hkv * N * D;
-    t.val = val + b * Hkv * N * D;
-    t.mask = mask.data() + b * T;
-    t.out = out + b * S * H * D;
-    t.B = 1;
+    t.q = q + b0 * H * S * D;
+    t.key = key + b0 * Hkv * N * D;
+    t.val = val + b0 * Hkv * N * D;
+    t.mask = mask.data() + b0 * T;
+    t.out = out + b0 * S * H * D;
+    t.B = same ? B : 1;
     t.Hq = H;
     t.Hkv = Hkv;
     t.S = S;
     t.D = D;
     t.N = N;
-    t.T = rows[b];
-    t.P = past[b];
-    t.tile = S <= 4 ? S : 32;
-    t.tiles = (S + t.tile - 1) / t.tile;
+    t.T = same ? T : rows[b0];  // the mask rows are T apart: with one task T is every row's length
+    t.P = past[b0];
     t.scale = scale;
-    plan.tasks.push_back(t);
+    fastcar_attn::RunDense(ctx, t);
   }
-  plan.per_row = Hkv * plan.tasks[0].tiles;
-  parallel(DenseThunk, static_cast<size_t>(B * plan.per_row), &plan);
 }
 
 }  // namespace fastcar_gqa

@@ -1,0 +1,112 @@
+"""One decode step of GroupQueryAttention alone: ORT's com.microsoft op vs ai.fastcar.GroupQueryAttention (the native
+dense core, passes/native_gqa.py), same one-node model, same inputs, genai's binding (packed QKV, do_rotary, one KV
+buffer [1, Hkv, max_length, D] bound as past and present). Interleaved in blocks, lower quartile per variant, so
+machine load hits both alike; the ratio is the result.
+
+    python benchmarks/bench_native_gqa.py                     # the bench_genai LLaMA's layer: 16/2 heads x 64, ctx 1024,4096
+    python benchmarks/bench_native_gqa.py --threads 1 --contexts 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import save_results  # noqa: E402
+
+
+def _model(domain: str, heads: int, kv: int):
+    from onnx import TensorProto, helper
+
+    names = ["query", "", "", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"]
+    node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"], domain=domain,
+                            num_heads=heads, kv_num_heads=kv, do_rotary=1, scale=0.125)
+    f = TensorProto.FLOAT
+    ins = [helper.make_tensor_value_info(n, f, None) for n in ("query", "past_key", "past_value", "cos_cache",
+                                                               "sin_cache")]
+    ins += [helper.make_tensor_value_info(n, TensorProto.INT32, None) for n in ("seqlens_k", "total_sequence_length")]
+    outs = [helper.make_tensor_value_info(n, f, None) for n in ("output", "present_key", "present_value")]
+    return helper.make_model(helper.make_graph([node], "gqa", ins, outs), ir_version=10,
+                             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
+
+
+def _step(kind: str, heads: int, kv: int, d: int, ctx: int, threads: int):
+    """A callable running one decode step at position ctx (IO binding, KV buffer shared)."""
+    import onnxruntime as ort
+
+    from fastcar_compile import contract
+    from fastcar_compile.runtime.native import library_path
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+    if kind == "ours":
+        lib = library_path()
+        if lib is None:
+            raise SystemExit("the native ai.fastcar kernels are not built here")
+        so.register_custom_ops_library(str(lib))
+    domain = contract.DOMAIN if kind == "ours" else contract.MS_DOMAIN
+    sess = ort.InferenceSession(_model(domain, heads, kv).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    n = ctx + 8
+    arrays = {"query": rng.standard_normal((1, 1, (heads + 2 * kv) * d)).astype(np.float32),
+              "seqlens_k": np.array([ctx], np.int32), "total_sequence_length": np.array(ctx + 1, np.int32),
+              "cos_cache": np.cos(rng.uniform(0, 6, (n, d // 2))).astype(np.float32),
+              "sin_cache": np.sin(rng.uniform(0, 6, (n, d // 2))).astype(np.float32)}
+    key = rng.standard_normal((1, kv, n, d)).astype(np.float32)
+    val = rng.standard_normal((1, kv, n, d)).astype(np.float32)
+    io = sess.io_binding()
+    keep = [ort.OrtValue.ortvalue_from_numpy(a) for a in (key, val)]
+    for name, arr in arrays.items():
+        io.bind_cpu_input(name, arr)
+    io.bind_ortvalue_input("past_key", keep[0])
+    io.bind_ortvalue_output("present_key", keep[0])
+    io.bind_ortvalue_input("past_value", keep[1])
+    io.bind_ortvalue_output("present_value", keep[1])
+    io.bind_output("output")
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        sess.run_with_iobinding(io)
+        return time.perf_counter() - t0
+
+    run.keep = (sess, io, keep, arrays)  # type: ignore[attr-defined]
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--block", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=Path("docs/bench_native_gqa.json"))
+    a = ap.parse_args(argv)
+    results = {"threads": a.threads, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
+               "clock": "wall, lower quartile", "contexts": {}}
+    print(f"GroupQueryAttention, one decode step, {a.heads}/{a.kv_heads} heads x {a.head_dim}, {a.threads} threads, "
+          f"{a.rounds} x {a.block} steps per variant, interleaved")
+    print("| ctx | ORT com.microsoft GQA (ms) | ai.fastcar GQA (ms) | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for ctx in [int(c) for c in a.contexts.split(",")]:
+        steps = {k: _step(k, a.heads, a.kv_heads, a.head_dim, ctx, a.threads) for k in ("ort", "ours")}
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(a.rounds):
+            for k, run in steps.items():
+                run()  # untimed: brings this variant's working set back
+                times[k].extend(run() for _ in range(a.block))
+        lq = {k: float(np.percentile(v, 25)) * 1e3 for k, v in times.items()}
+        print(f"| {ctx} | {lq['ort']:.3f} | {lq['ours']:.3f} | {lq['ort'] / lq['ours']:.2f}x |")
+        results["contexts"][str(ctx)] = {"ms": lq, "speedup": lq["ort"] / lq["ours"]}
+    return save_results(a.out, results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
