@@ -1,6 +1,6 @@
 """ai.fastcar GroupQueryAttention's native kernel (runtime/native/group_query_attention.h) against ONNX Runtime's own
 com.microsoft.GroupQueryAttention on the same inputs: one-node models, prompt and decode phases, packed and separate
-QKV, rotary off / half-split / interleaved, batch 2 with different lengths, KV groups of 1, 2 and 8 heads, separate
+QKV, rotary off / half-split / interleaved, batch 2 with different lengths, KV groups of 1, 2 and 8 query heads, separate
 and shared (in-place) KV buffers, and the left-padding attention_bias `--fused-attention gqa` writes."""
 
 from __future__ import annotations
