@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--no-gqa", action="store_true", help="leave ORT's GroupQueryAttention out")
-    ap.add_argument("--out", type=Path, help="folder for bench_dense_kernel.json / .png")
+    ap.add_argument("--out", type=Path, help="folder for bench_dense_kernel[_TAG].json / .png")
+    ap.add_argument("--tag", default="", help="suffix of the output files")
     a = ap.parse_args(argv)
     from fastcar_compile.runtime.native import library_path
 
@@ -198,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "rows": rows}
     if a.out is None:
         return 0
-    plot(results, a.out / "bench_dense_kernel.png")
-    return save_results(a.out / "bench_dense_kernel.json", results)
+    stem = "bench_dense_kernel" + (f"_{a.tag}" if a.tag else "")
+    plot(results, a.out / f"{stem}.png")
+    return save_results(a.out / f"{stem}.json", results)
 
 
 if __name__ == "__main__":
