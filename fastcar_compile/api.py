@@ -95,6 +95,7 @@ def compile(  # noqa: A001 - the natural name of the entry point
     kv_layers: list[str] | tuple[str, ...] | None = None,
     fusions: bool = True,
     native_attention: bool = True,
+    shared_mlp: bool = True,
 ) -> tuple[ir.Model, CompileReport]:
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 
@@ -112,6 +113,8 @@ def compile(  # noqa: A001 - the natural name of the entry point
     into SkipSimplifiedLayerNormalization) and rotate-half RoPE (RotaryEmbedding): same values, fewer kernels.
     native_attention: com.microsoft.GroupQueryAttention nodes (genai graphs, fused_attention="gqa") become
     ai.fastcar.GroupQueryAttention, the native dense core with the same semantics (function body: the original op).
+    shared_mlp: each MLP's nodes once in the compute branch (ONNX Runtime then keeps only the prepacked MLP
+    weights: docs/memory.md); False keeps the older nested layout with a second MLP copy for compacted rows.
     """
     opts = CompileOptions(
         frame_tokens=frame_tokens, threshold=threshold, tas_query=tas_query, max_replay=max_replay,
@@ -120,7 +123,7 @@ def compile(  # noqa: A001 - the natural name of the entry point
         required_video_inputs=required_video_inputs, kv_budget=kv_budget, kv_sinks=kv_sinks, kv_window=kv_window,
         kv_eviction=kv_eviction, tempcache=tempcache, sparse_attention=sparse_attention, prune_prompt=prune_prompt,
         kv_diagnostics=kv_diagnostics, kv_layers=tuple(kv_layers or ()), fusions=bool(fusions),
-        native_attention=bool(native_attention))
+        native_attention=bool(native_attention), shared_mlp=bool(shared_mlp))
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
     if out_path is not None and in_path is not None:

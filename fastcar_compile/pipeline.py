@@ -2,8 +2,8 @@
 
     [fused attention ->] discover -> select layers -> gate -> branch -> cache state [-> genai state]
     [-> native GroupQueryAttention]
-    [-> rotary, q/k/v layout + packed gate, RMSNorm, skip-norm fusions] -> KV dim names -> IR version -> metadata
-    [-> validate] [-> save]
+    [-> rotary, q/k/v layout + packed gate, RMSNorm, MLP norm hoist, skip-norm fusions]
+    -> KV dim names -> IR version -> metadata [-> validate] [-> save]
 
 A new transformation is one module under passes/ plus one line in `build`. `describe` is what
 `fastcar-compile --verbose` prints.
@@ -24,6 +24,7 @@ from fastcar_compile.passes.fuse_rotary import RotaryFusionPass
 from fastcar_compile.passes.fused_attention import FusedAttentionPass
 from fastcar_compile.passes.gate import GatePass
 from fastcar_compile.passes.genai_state import GenaiConfigPass, GenaiStatePass
+from fastcar_compile.passes.hoist_norm import NormHoistPass
 from fastcar_compile.passes.kv_dims import KvDimNamesPass
 from fastcar_compile.passes.metadata import IrVersionPass, MetadataPass
 from fastcar_compile.passes.native_gqa import NativeGqaPass
@@ -42,8 +43,8 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         CacheStatePass(ctx),
         *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
         *([NativeGqaPass(ctx.notes)] if ctx.options.native_attention else []),
-        *([RotaryFusionPass(ctx), FusedLayoutPass(ctx), RmsNormFusionPass(ctx), SkipNormFusionPass(ctx)]
-          if ctx.options.fusions else []),
+        *([RotaryFusionPass(ctx), FusedLayoutPass(ctx), RmsNormFusionPass(ctx), NormHoistPass(ctx),
+           SkipNormFusionPass(ctx)] if ctx.options.fusions else []),
         KvDimNamesPass(ctx),
         IrVersionPass(ctx),
         MetadataPass(ctx),

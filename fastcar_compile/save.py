@@ -21,6 +21,11 @@ from fastcar_compile.passes.context import weight_bytes
 
 # Above this many bytes of weights the model is written with external data (protobuf's 2 GiB limit).
 EXTERNAL_DATA_LIMIT = 2 << 30
+# ...and above this many, too: ONNX Runtime (1.31) keeps the plain copy of an inline initializer that an If
+# branch reads even after prepacking it, so a compiled model saved inline held its MLP weights twice (+288 MiB
+# on the hidden-1024 LLaMA); weights in an external-data file are memory-mapped and unmapped once prepacked
+# (docs/memory.md). Small models (tests, the demo) stay one file.
+INLINE_WEIGHTS_MAX = 16 << 20
 
 
 def has_external(model: ir.Model) -> bool:
@@ -79,7 +84,9 @@ class Staging:
             self.external = has_external(model)
         self.created = first_missing(self.output.parent)  # removed again if nothing gets committed
         self.output.parent.mkdir(parents=True, exist_ok=True)
-        self.big = weight_bytes(model) > EXTERNAL_DATA_LIMIT
+        weights = weight_bytes(model)
+        self.big = weights > EXTERNAL_DATA_LIMIT
+        self.external = self.external or weights > INLINE_WEIGHTS_MAX
         self.tmp = Path(tempfile.mkdtemp(prefix=".fastcar-", dir=self.output.parent))
         tmp_model = self.tmp / self.output.name
         if not self.external_weights:

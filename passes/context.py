@@ -62,6 +62,10 @@ class CompileOptions:
     # com.microsoft.GroupQueryAttention -> ai.fastcar.GroupQueryAttention (passes/native_gqa.py): the native dense
     # core where the library is registered, the original op (its function body) where not
     native_attention: bool = True
+    # each MLP's nodes once, in one If level below the main graph (passes/branch.py): ONNX Runtime then frees the
+    # plain MLP weights after prepacking them (docs/memory.md); False: the older nested layout (a copy of the MLP
+    # two levels down for compacted rows), kept to compare
+    shared_mlp: bool = True
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")

@@ -36,6 +36,8 @@ _ORT_DTYPES: dict[str, np.dtype] = {
     "tensor(int8)": np.dtype(np.int8),
 }
 DEFAULT_THREADS = 2
+# per-step feeds FastCarSession copies into buffers bound once (IO binding) instead of binding each new array
+_COPIED_FEEDS = frozenset({contract.INPUT_IDS, contract.POSITION_IDS, contract.VIDEO_START})
 
 
 @dataclass(frozen=True)
@@ -214,12 +216,20 @@ class FastCarSession:
                                "cache while overwriting it); build them or drop inplace")
         # in place: present_mlp_* are bound to the buffers of past_mlp_*, so the cache is never copied
         self._vocab: int | None = None
-        # OrtValues of the buffers the last step used (id -> (array, OrtValue)): the state and shared KV buffers
-        # are the same arrays step after step, so their OrtValues are made once per video, not per step
-        self._ortvalues: dict[int, tuple[np.ndarray, Any]] = {}
+        # IO binding (_run_inplace): the arrays bound to each input / output name. The state and shared KV buffers
+        # are the same arrays step after step, so they are bound once per video; the token, position and
+        # video_start feeds are copied into buffers bound once; only the attention mask (one column longer each
+        # step) is bound anew every step
+        self._io: Any = None
+        self._bound_in: dict[str, np.ndarray] = {}
+        self._bound_out: dict[str, np.ndarray] = {}
+        self._bound_names: tuple[str, ...] = ()
+        self._run_options: Any = None
+        self._wrap: Any = None  # numpy array -> ORT C OrtValue on the CPU (no copy)
         self._tau_last: tuple[Any, np.ndarray] | None = None  # (the caller's threshold object, its array)
-        self._run_args: tuple[Any, list[Any]] | None = None  # RunOptions and output devices, made once
-        self._io_maps: tuple[dict[str, str], dict[str, StateSpec], dict[str, Any]] | None = None
+        # per output: (name, kind, key): kind "fast" (key = its state input), "kv" (key = StateSpec), "fresh"
+        # (logits / diagnostics: key = dtype; written into a bound buffer, returned as a copy)
+        self._out_plan: list[tuple[str, str, Any]] | None = None
         self._logits_dtype = np.dtype(np.float32)
         self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
@@ -453,19 +463,20 @@ class FastCarSession:
         if ids.ndim != 2 or ids.shape[0] != state.batch:
             raise FastCarError(f"input_ids must be [batch={state.batch}, seq], got {list(ids.shape)}")
         b, seq = ids.shape
-        new_mask = np.ones((b, seq), np.int64) if attention_mask is None else \
-            np.asarray(attention_mask, dtype=np.int64)
-        if new_mask.shape != (b, seq):
+        new_mask = None if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
+        if new_mask is not None and new_mask.shape != (b, seq):
             raise FastCarError(f"attention_mask for the new tokens must be [{b}, {seq}], got {list(new_mask.shape)}")
         past = state.past_len
         if state.mask_buffer is not None and past + seq <= state.mask_buffer.shape[1]:  # no per-step concat
-            if attention_mask is not None:
+            if new_mask is not None:
                 state.mask_buffer[:, past:past + seq] = new_mask
             mask = state.mask_buffer[:, :past + seq]
         else:
-            mask = np.concatenate([state.attention_mask, new_mask], axis=1)
-        if position_ids is None and attention_mask is None:  # no padding: the next positions
-            position_ids = state.real_len[:, None] + np.arange(seq, dtype=np.int64)
+            mask = np.concatenate([state.attention_mask, np.ones((b, seq), np.int64) if new_mask is None
+                                   else new_mask], axis=1)
+        if position_ids is None and new_mask is None:  # no padding: the next positions
+            position_ids = state.real_len[:, None] + np.arange(seq, dtype=np.int64) if seq > 1 else \
+                state.real_len[:, None]
         elif position_ids is None:  # HF convention: count of real tokens before this one (padding: 0)
             position_ids = np.maximum(state.real_len[:, None] + np.cumsum(new_mask, axis=1) - 1, 0)
         feeds: dict[str, np.ndarray] = {contract.INPUT_IDS: ids}
@@ -474,7 +485,7 @@ class FastCarSession:
         if contract.POSITION_IDS in self._inputs:
             feeds[contract.POSITION_IDS] = np.ascontiguousarray(position_ids, dtype=np.int64)
         if contract.VIDEO_START in self._inputs:
-            feeds[contract.VIDEO_START] = np.array(state.video_start, dtype=np.int64)
+            feeds[contract.VIDEO_START] = np.array(state.video_start, dtype=np.int64)  # (copied into a bound buffer)
         if threshold is None and self._feed_tau:
             threshold = self.default_threshold
         if threshold is not None:
@@ -493,7 +504,7 @@ class FastCarSession:
             raise FastCarError(f"ONNX Runtime failed on {self.path.name}: {exc}") from exc
         arrays = {s.input: res[s.output] for s in self.specs}
         new_state = DecodeState(arrays, b, state.past_len + seq, state.video_start, state.owner, mask,
-                                real_len=state.real_len + (seq if attention_mask is None else new_mask.sum(axis=1)),
+                                real_len=state.real_len + (seq if new_mask is None else new_mask.sum(axis=1)),
                                 mask_buffer=state.mask_buffer)
         out = StepOutput(res["logits"], new_state)
         out.extra.update({k: res[k] for k in self._kv_stats_names})  # --kv-diagnostics
@@ -505,65 +516,90 @@ class FastCarSession:
 
     def _run_inplace(self, feeds: dict[str, np.ndarray], state: DecodeState, seq: int
                      ) -> dict[str, np.ndarray] | None:
-        """Run with every output preallocated; present_mlp_* preallocated as the past_mlp_* buffers.
+        """Run through ORT's IO binding, every output preallocated; present_mlp_* / shared KV outputs bound to
+        the buffers of their past inputs, so the native kernels write the state in place (no copy per step).
 
-        ORT then writes the native MLPCacheUpdate result straight into the input buffer: no copy of the
-        cache per step. IO binding cannot do this here (it refuses to bind inputs that have a default
-        initializer, like video_start), so this uses ORT's OrtValue-vector run. Returns None when an
-        output's shape cannot be predicted (the caller then runs normally).
+        Bindings persist between runs: an input or output is bound again only when its array changes (a new
+        video, the attention mask's new length); small per-step feeds are copied into buffers bound once.
+        Returns None when an output's shape cannot be predicted (the caller then runs normally).
         """
         if self._vocab is None:
             return None
-        ort = _ort()
-        from onnxruntime.capi import _pybind_state as C
-
         b = state.batch
-        if self._io_maps is None:  # output name -> its state input / KV spec / diagnostics dtype, made once
-            self._io_maps = ({s.output: s.input for s in self.specs if s.kind == "fastcar"},
-                             {s.output: s for s in self.specs if s.kind == "kv"},
-                             {**{contract.tas_output(n): np.float32 for n in self.layers},
-                              **{contract.replay_mask_output(n): np.bool_ for n in self.layers}})
-        fast, kv, diagnostics = self._io_maps
+        if self._out_plan is None:  # what each output is, made once
+            fast = {s.output: s.input for s in self.specs if s.kind == "fastcar"}
+            kv = {s.output: s for s in self.specs if s.kind == "kv"}
+            diag = {**{contract.tas_output(n): np.dtype(np.float32) for n in self.layers},
+                    **{contract.replay_mask_output(n): np.dtype(np.bool_) for n in self.layers}}
+            plan: list[tuple[str, str, Any]] = []
+            for name in self.output_names:
+                if name in fast:
+                    plan.append((name, "fast", fast[name]))
+                elif name in kv:
+                    plan.append((name, "kv", kv[name]))
+                elif name == contract.LOGITS or name in diag:
+                    plan.append((name, "fresh", self._logits_dtype if name == contract.LOGITS else diag[name]))
+                else:
+                    plan.append((name, "unknown", None))
+            self._out_plan = plan
         outs: dict[str, np.ndarray] = {}
-        for name in self.output_names:
-            if name in fast:
-                a = feeds[fast[name]]
-                known = self._ortvalues.get(id(a))  # bound last step: already checked
-                if (known is None or known[0] is not a) and not (
+        fresh: list[tuple[str, np.ndarray]] = []
+        for name, kind, key in self._out_plan:
+            if kind == "fast":
+                a = feeds[key]
+                if self._bound_in.get(key) is not a and not (
                         a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"] and a.flags["OWNDATA"]):
-                    a = feeds[fast[name]] = state.arrays[fast[name]] = np.array(a)
+                    a = feeds[key] = state.arrays[key] = np.array(a)
                 outs[name] = a
-            elif name in kv and self._kv_capacity(kv[name]) is not None:  # shared buffer, written in place
-                outs[name] = feeds[kv[name].input]
-            elif name in kv:
-                sp = kv[name]
-                dims = [b if d == "batch" else state.past_len + seq if d == "past" else d for d in sp.shape]
-                outs[name] = np.empty(dims, dtype=sp.dtype)
-            elif name == "logits":
-                outs[name] = np.empty((b, seq, self._vocab), dtype=self._logits_dtype)
-            elif name in diagnostics:
-                outs[name] = np.empty((b, seq), dtype=diagnostics[name])
+            elif kind == "kv":
+                if self._kv_capacity(key) is not None:  # shared buffer, written in place
+                    outs[name] = feeds[key.input]
+                else:
+                    outs[name] = np.empty([b if d == "batch" else state.past_len + seq if d == "past" else d
+                                           for d in key.shape], dtype=key.dtype)
+            elif kind == "fresh":
+                shape = (b, seq, self._vocab) if name == contract.LOGITS else (b, seq)
+                buf = self._bound_out.get(name)
+                if buf is None or buf.shape != shape:
+                    buf = np.empty(shape, dtype=key)
+                fresh.append((name, buf))
+                outs[name] = buf
             else:
                 return None
-        names = list(feeds)
-        fv, ov = C.OrtValueVector(), C.OrtValueVector()
-        cache, used = self._ortvalues, {}
-        for arrays, vec in (([np.ascontiguousarray(feeds[n]) for n in names], fv),
-                            ([outs[n] for n in self.output_names], ov)):
-            for a in arrays:
-                hit = cache.get(id(a))
-                if hit is None or hit[0] is not a:
-                    hit = (a, ort.OrtValue.ortvalue_from_numpy(a))
-                used[id(a)] = hit
-                vec.push_back(hit[1]._ortvalue)
-        self._ortvalues = used  # keeps only this step's buffers alive (and their ids unique)
-        if self._run_args is None:
-            dev = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
-            self._run_args = (C.RunOptions(), [dev] * len(self.output_names))
+        ort = _ort()
+        if self._io is None:
+            from onnxruntime.capi import _pybind_state as C
+
+            self._io = ort.IOBinding(self.session)._iobinding
+            self._run_options = ort.RunOptions()
+            cpu = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+            self._wrap = lambda a: C.OrtValue.ortvalue_from_numpy(a, cpu)  # aliases a (kept alive in _bound_*)
+        wrap = self._wrap
+        io, bound = self._io, self._bound_in
+        names = tuple(feeds)
+        if names != self._bound_names:  # another set of inputs (e.g. tau fed, then not): start over
+            io.clear_binding_inputs()
+            bound.clear()
+            self._bound_names = names
+        for name, a in feeds.items():
+            held = bound.get(name)
+            if held is a:
+                continue
+            if held is not None and name in _COPIED_FEEDS and held.shape == a.shape:
+                held[...] = a  # the bound buffer takes the new values
+                continue
+            a = np.array(a) if name in _COPIED_FEEDS else np.ascontiguousarray(a)
+            io.bind_ortvalue_input(name, wrap(a))
+            bound[name] = a
+        for name, a in outs.items():
+            if self._bound_out.get(name) is not a:
+                io.bind_ortvalue_output(name, wrap(a))
+                self._bound_out[name] = a
         t0 = time.perf_counter()
-        self.session._sess.run_with_ortvaluevector(self._run_args[0], names, fv, self.output_names, ov,
-                                                   self._run_args[1])
+        self.session._sess.run_with_iobinding(io, self._run_options)
         self.last_ort_s = time.perf_counter() - t0
+        for name, buf in fresh:  # the caller keeps these: a copy, the bound buffer serves the next step
+            outs[name] = buf.copy()
         state.consumed = True
         return outs
 
@@ -581,7 +617,11 @@ class FastCarSession:
         if all(contract.replay_mask_output(n) in res for n in self.layers):
             return np.stack([res[contract.replay_mask_output(n)][:, 0] for n in self.layers]).astype(bool)
         slot = (p - state.video_start) % int(self.frame_tokens or 1)
-        return np.stack([res[self._age_outputs[n][0]][:, slot] > self._age_outputs[n][1] for n in self.layers])
+        out = np.empty((len(self.layers), state.batch), dtype=bool)
+        for i, n in enumerate(self.layers):
+            name, written = self._age_outputs[n]
+            np.greater(res[name][:, slot], written, out=out[i])
+        return out
 
     def __repr__(self) -> str:
         kind = f"FastCar layers={self.layers} L={self.frame_tokens}" if self.is_fastcar else "dense"

@@ -37,8 +37,9 @@ def _ops(graph: onnx.GraphProto) -> list[str]:
 def _assert_fused(path, layers: int) -> None:
     ops = _ops(onnx.load(str(path)).graph)
     assert ops.count("RotaryEmbedding") == 2 * layers  # q and k of every layer
-    # the MLP residual Add closes into the next layer's (or the final) norm; the post-attention norm is in the If
-    assert ops.count("SkipSimplifiedLayerNormalization") == layers
+    # both residual Adds close into a norm: the attention's into the MLP norm (moved out of the If), the MLP's
+    # into the next layer's (or the final) norm
+    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers
     assert ops.count("SimplifiedLayerNormalization") >= layers + 1
     assert "Pow" not in ops and "Neg" not in ops and "Reciprocal" not in ops
 

@@ -1,5 +1,5 @@
 """passes/fuse_layout.py: q/k/v stay [B, S, H*D] into RotaryEmbedding and CompressedAttention (qkv_perm), and the
-gate of a dynamo export's fused layer is one TemporalGatePacked. References: NumPy attention (the op on its own),
+gate of a dynamo export's fused layer is one TemporalGatePacked; passes/hoist_norm.py: the MLP norm leaves the If. References: NumPy attention (the op on its own),
 the eager PyTorch FastCar reference (finite tau, function bodies and native kernels) and the uncompiled export
 (tau = +inf, tests/test_export_fusions.py and tests/test_fused_attention.py run the same compiles)."""
 
@@ -42,8 +42,12 @@ def test_layer_is_one_gate_and_no_layout_ops(zoo_model, fc_compile, tmp_path):
     graph = onnx.load(str(out)).graph
     ops = [n.op_type for n in graph.node]
     assert ops.count("TemporalGatePacked") == 2 and ops.count("CompressedAttention") == 2
-    for gone in ("TemporalGateAt", "MLPCacheRead", "Transpose", "Equal", "Less", "ReduceSum"):
-        assert gone not in ops, gone
+    for gone in ("TemporalGateAt", "MLPCacheRead", "Transpose", "Equal", "Less", "ReduceSum", "Add"):
+        assert gone not in ops, gone  # (Add: the attention residual joins the MLP norm, hoisted out of the If)
+    for n in graph.node:
+        if n.op_type == "If":  # the all-compute branch starts at the MLP's first MatMul
+            then = next(a.g for a in n.attribute if a.name == "then_branch")
+            assert [m.op_type for m in then.node][:1] == ["MatMul"]
     assert ops.count("Reshape") <= 3  # the rotary caches' two and position rows, once per step
     for n in graph.node:
         if n.op_type == "CompressedAttention":

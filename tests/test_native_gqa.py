@@ -1,6 +1,6 @@
 """ai.fastcar GroupQueryAttention's native kernel (runtime/native/group_query_attention.h) against ONNX Runtime's own
 com.microsoft.GroupQueryAttention on the same inputs: one-node models, prompt and decode phases, packed and separate
-QKV, rotary off / half-split / interleaved, batch 2 with different lengths, KV groups of 1, 2 and 8 heads, separate
+QKV, rotary off / half-split / interleaved, batch 2 with different lengths, KV groups of 1, 2 and 8 query heads, separate
 and shared (in-place) KV buffers, and the left-padding attention_bias `--fused-attention gqa` writes."""
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ CASES = [  # heads, kv heads, batch, packed, rotary, interleaved, share, scale
 
 @pytest.mark.parametrize("heads,kv,B,packed,rotary,interleaved,share,scale", CASES)
 def test_native_gqa_equals_ort_over_prompt_and_decode(heads, kv, B, packed, rotary, interleaved, share, scale):
-    """Prompt (with right padding at batch 2: the shorter row's seqlens_k), then decode steps with per-row lengths;
+    """Prompt (with right padding at batch 2: the shorter row's seqlens_k), then decode steps with per-row lengths
+    (at batch 1 also a later 3-token chunk: past = seqlens_k + 1 - S);
     outputs of real tokens and the written KV rows equal ORT's GroupQueryAttention on the same inputs."""
     rng = np.random.default_rng(heads * 10 + kv + B)
     models = {n: _session(_model(dom, heads, kv, packed, rotary is not None, interleaved, False, scale), n == "ours")
@@ -137,6 +138,11 @@ def test_native_gqa_equals_ort_over_prompt_and_decode(heads, kv, B, packed, rota
     for _ in range(3):  # decode: each row one more token; total = the longest row
         lens = lens + 1
         step(1, int(lens.max()), lens - 1)
+    if B == 1:  # a later multi-token chunk (ORT allows it at batch 1 only), then decode again
+        lens = lens + 3
+        step(3, int(lens[0]), lens - 1)
+        lens = lens + 1
+        step(1, int(lens[0]), lens - 1)
 
 
 def test_native_gqa_left_padding_bias_equals_ort():

@@ -16,7 +16,8 @@ from fastcar_compile.passes.context import CompileContext, CompileOptions
 L = 4
 PASSES = ["FusedAttentionPass", "DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass",
           "NativeGqaPass",
-          "RotaryFusionPass", "FusedLayoutPass", "RmsNormFusionPass", "SkipNormFusionPass", "KvDimNamesPass",
+          "RotaryFusionPass", "FusedLayoutPass", "RmsNormFusionPass", "NormHoistPass", "SkipNormFusionPass",
+          "KvDimNamesPass",
           "IrVersionPass", "MetadataPass", "ValidatePass", "SavePass"]
 
 

@@ -233,7 +233,9 @@ def _mlp_rows_run(path, profile: str) -> dict[int, int]:
         tags = {p.key: p.value for p in node.metadata_props}
         if node.op_type in ("MatMul", "Gemm") and tags.get(contract.TAG_PART) == "mlp":
             mlp[node.name] = int(tags[contract.TAG_LAYER])
-    per_branch = {i: n // 2 for i, n in Counter(mlp.values()).items()}  # the full branch and its compacted copy
+    # MatMuls of one MLP per layer (BranchPass runs its nodes once; the older nested layout's compacted copy
+    # is named "/fastcar_compact_N" and not counted)
+    per_branch = Counter(i for name, i in mlp.items() if "/fastcar_compact_" not in name)
     rows: Counter = Counter()
     for ev in json.load(open(profile)):
         name = ev["name"].removesuffix("_kernel_time")

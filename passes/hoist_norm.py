@@ -1,0 +1,57 @@
+"""The MLP's norm out of the FastCar `If`: one main-graph norm the skip fusion then joins to the residual Add.
+
+BranchPass moves the whole MLP, its RMSNorm included, into the If's all-compute branch, so a decode step at 0%
+replay runs the attention's residual Add on the main graph and the norm inside the branch: two launches where
+onnxruntime-genai's graph runs one SkipSimplifiedLayerNormalization. The norm is row-wise and cheap (one
+[B, S, hidden] pass), so computing it on every step, replayed or not, costs nothing measurable; this pass moves
+the all-compute branch's SimplifiedLayerNormalization of an outer value in front of the If, where
+SkipNormFusionPass (next) fuses it with the residual Add. The compacted branch keeps its own norm of the
+gathered rows (it reads the residual sum, which the fused node still outputs). Same operations on the same
+values: exact.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fastcar_compile import contract
+from fastcar_compile.passes.context import CompileContext
+
+NORM = "SimplifiedLayerNormalization"
+
+
+def _hoistable(branch: ir.Graph) -> ir.Node | None:
+    """The branch's norm of a value from outside it (weight from outside too), else None."""
+    inside = {v for node in branch for v in node.outputs}
+    for node in branch:
+        if node.op_type == NORM and node.domain == "" and all(v is not None and v not in inside
+                                                              for v in node.inputs):
+            return node
+    return None
+
+
+class NormHoistPass(ir.passes.InPlacePass):
+    """The If's all-compute MLP norm -> the main graph (then fused with the residual Add into a skip norm)."""
+
+    def __init__(self, ctx: CompileContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        count = 0
+        for node in list(graph):
+            if node.op_type != "If" or contract.TAG_LAYER not in node.metadata_props:
+                continue
+            then = node.attributes.get("then_branch")
+            if then is None or then.type != ir.AttributeType.GRAPH:
+                continue
+            norm = _hoistable(then.value)
+            if norm is None or norm.outputs[0].is_graph_output():
+                continue
+            then.value.remove(norm)
+            graph.insert_before(node, norm)
+            count += 1
+        if count:
+            self.ctx.notes.append(f"moved {count} MLP norms out of the FastCar If")
+        return ir.passes.PassResult(model, modified=count > 0)

@@ -1,0 +1,57 @@
+"""FastCarSession's IO-bound decode (bindings kept from step to step, runtime/session.py `_run_inplace`) against
+stock ONNX Runtime runs of complete feeds (tests/ort_driver.py: function bodies, a growing cache, no binding)."""
+
+from __future__ import annotations
+
+import numpy as np
+import ort_driver
+import pytest
+import zoo
+
+from fastcar_compile.runtime import FastCarSession
+
+L = 4
+
+
+@pytest.fixture(scope="module")
+def fused(zoo_model, tmp_path_factory):
+    import fastcar_compile
+
+    out = tmp_path_factory.mktemp("binding") / "fast.onnx"
+    fastcar_compile.compile(str(zoo_model("llama", "dynamo20")), output=str(out), frame_tokens=L, threshold=0.0,
+                            fused_attention="fastcar")
+    return out
+
+
+def test_bound_steps_equal_plain_runs(fused):
+    """Two videos stepped in turn on one session (every step rebinds the other video's buffers), tau fed on some
+    steps and left to the graph's default (equal) on others (the bound input set changes), a 3-token step after
+    the prompt (new output shapes), batch 2 with left padding: logits equal the stock runs, replay happens, and
+    logits returned earlier are not overwritten by later steps."""
+    sess = FastCarSession(fused, max_length=64)
+    assert sess.native_library is not None and sess.max_length == 64
+    rng = np.random.default_rng(7)
+    pads = {"a": [0, 2], "b": [3, 0]}
+    steps = {v: [rng.integers(0, zoo.VOCAB, (2, 6))] + [rng.integers(0, zoo.VOCAB, (2, 3))]
+             + [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(5 * L)] for v in pads}
+    want = {v: ort_driver.decode(fused, steps[v], pad=pads[v]).logits for v in pads}
+    got: dict[str, list[np.ndarray]] = {v: [] for v in pads}
+    states, replayed = {}, 0
+    for k in range(len(steps["a"])):
+        for v in pads:
+            tau = 0.0 if k % 3 else None  # None: the compiled default (0.0) from the graph
+            if k == 0:
+                mask, _ = ort_driver.left_pad_masks(pads[v], 6)
+                out = sess.step(sess.new_state(2), steps[v][0], attention_mask=mask, threshold=tau)
+            else:
+                out = sess.step(states[v], steps[v][k], threshold=tau, check=k % 2 == 0)
+                replayed += int(out.replay.sum()) if out.replay is not None else 0
+            states[v] = out.state
+            got[v].append(out.logits)
+    assert replayed > 0
+    for v in pads:
+        real = ort_driver.left_pad_masks(pads[v], 6)[0].astype(bool)
+        assert np.abs(got[v][0] - want[v][0])[real].max() <= 1e-4
+        for k in range(1, len(steps[v])):
+            assert got[v][k].shape == want[v][k].shape
+            assert np.abs(got[v][k] - want[v][k]).max() <= 1e-4, f"video {v} step {k}"
