@@ -35,8 +35,9 @@ def _model(domain: str, heads: int, kv: int):
                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
 
 
-def _step(kind: str, heads: int, kv: int, d: int, ctx: int, threads: int):
-    """A callable running one decode step at position ctx (IO binding, KV buffer shared)."""
+def _step(kind: str, heads: int, kv: int, d: int, ctx: int, threads: int, prompt: bool = False):
+    """A callable running one decode step at position ctx, or (prompt) the first prompt of ctx tokens (IO binding,
+    KV buffer shared)."""
     import onnxruntime as ort
 
     from fastcar_compile import contract
@@ -53,8 +54,9 @@ def _step(kind: str, heads: int, kv: int, d: int, ctx: int, threads: int):
     sess = ort.InferenceSession(_model(domain, heads, kv).SerializeToString(), so, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     n = ctx + 8
-    arrays = {"query": rng.standard_normal((1, 1, (heads + 2 * kv) * d)).astype(np.float32),
-              "seqlens_k": np.array([ctx], np.int32), "total_sequence_length": np.array(ctx + 1, np.int32),
+    s, total = (ctx, ctx) if prompt else (1, ctx + 1)
+    arrays = {"query": rng.standard_normal((1, s, (heads + 2 * kv) * d)).astype(np.float32),
+              "seqlens_k": np.array([total - 1], np.int32), "total_sequence_length": np.array(total, np.int32),
               "cos_cache": np.cos(rng.uniform(0, 6, (n, d // 2))).astype(np.float32),
               "sin_cache": np.sin(rng.uniform(0, 6, (n, d // 2))).astype(np.float32)}
     key = rng.standard_normal((1, kv, n, d)).astype(np.float32)
@@ -87,16 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--block", type=int, default=10)
+    ap.add_argument("--prompt", action="store_true", help="time the first prompt of ctx tokens instead of decode")
     ap.add_argument("--out", type=Path, default=Path("docs/bench_native_gqa.json"))
     a = ap.parse_args(argv)
-    results = {"threads": a.threads, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
+    results = {"phase": "prompt" if a.prompt else "decode", "threads": a.threads, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
                "clock": "wall, lower quartile", "contexts": {}}
-    print(f"GroupQueryAttention, one decode step, {a.heads}/{a.kv_heads} heads x {a.head_dim}, {a.threads} threads, "
+    print(f"GroupQueryAttention, {'the first prompt' if a.prompt else 'one decode step'}, {a.heads}/{a.kv_heads} heads x {a.head_dim}, {a.threads} threads, "
           f"{a.rounds} x {a.block} steps per variant, interleaved")
     print("| ctx | ORT com.microsoft GQA (ms) | ai.fastcar GQA (ms) | speed-up |")
     print("|---:|---:|---:|---:|")
     for ctx in [int(c) for c in a.contexts.split(",")]:
-        steps = {k: _step(k, a.heads, a.kv_heads, a.head_dim, ctx, a.threads) for k in ("ort", "ours")}
+        steps = {k: _step(k, a.heads, a.kv_heads, a.head_dim, ctx, a.threads, a.prompt) for k in ("ort", "ours")}
         times: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(a.rounds):
             for k, run in steps.items():

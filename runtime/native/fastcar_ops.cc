@@ -480,9 +480,7 @@ struct CompressedAttention {
 // (group_query_attention.h). A raw OrtCustomOp, not a lite op: genai's graphs leave key/value empty ("") between
 // present inputs, which the lite API cannot take.
 struct GqaKernel {
-  fastcar_gqa::Settings cfg;
-  std::vector<float> q;
-  std::vector<int64_t> mask;
+  fastcar_gqa::Settings cfg;  // read-only after construction: concurrent Run calls of one session are safe
 
   explicit GqaKernel(const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -554,7 +552,8 @@ struct GqaKernel {
     float* val = ctx.GetOutput(2, {in.B, Hkv, N, in.D}).GetTensorMutableData<float>();
     if ((key == in.past_key) != (val == in.past_value))
       throw std::runtime_error("GroupQueryAttention: bind both or neither of present_key/present_value to the past");
-    q.resize(static_cast<size_t>(in.B * H * in.S * in.D));
+    std::vector<float> q(static_cast<size_t>(in.B * H * in.S * in.D));
+    std::vector<int64_t> mask;
     fastcar_gqa::Run(cfg, in, q.data(), key, val, N, mask, out, ctx);
   }
 };
