@@ -7,7 +7,7 @@ one decode token at context T. Each model holds --layers independent attention n
 (8: the 32 MB of K/V a step of the 8-layer model streams at T = 4096, so the cache state matches the model's, not
 a single layer's 4 MB left warm in L3); one ORT run = one token through every layer; time per layer = run / layers.
 Variants run in turn, --block runs each per round (interleaved, so load hits them alike); per-layer time = lower
-quartile. Outputs of all variants at the same inputs are compared (max abs difference).
+quartile (wall time; --cpu-time: process CPU time, which a loaded machine's time slicing does not inflate). Outputs of all variants at the same inputs are compared (max abs difference).
 
     python benchmarks/bench_dense_kernel.py                                   # the current build vs GQA
     python benchmarks/bench_dense_kernel.py --libs OLD.so,NEW.so --out docs/   # A/B two builds + GQA, JSON + PNG
@@ -71,6 +71,9 @@ class Variant:
 
         so = ort.SessionOptions()
         so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+        self.clock = time.process_time if a.cpu_time else time.perf_counter
+        if a.cpu_time:  # spinning threads would bill their wait as work
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if lib is not None:
             so.register_custom_ops_library(lib)
         self.sess = ort.InferenceSession(_model(kind, a.layers, a.heads, a.kv_heads, a.head_dim), so,
@@ -100,9 +103,9 @@ class Variant:
         self.io = io
 
     def run(self) -> float:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.sess.run_with_iobinding(self.io)
-        return time.perf_counter() - t0
+        return self.clock() - t0
 
 
 def measure(variants: dict[str, Variant], rounds: int, block: int, layers: int) -> dict[str, list[float]]:
@@ -163,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--no-gqa", action="store_true", help="leave ORT's GroupQueryAttention out")
-    ap.add_argument("--out", type=Path, help="folder for bench_dense_kernel.json / .png")
+    ap.add_argument("--cpu-time", action="store_true", help="process CPU time instead of wall time (no spinning): "
+                    "robust on a loaded machine, blind to how well the threads overlap")
+    ap.add_argument("--out", type=Path, help="folder for bench_dense_kernel[_TAG].json / .png")
+    ap.add_argument("--tag", default="", help="suffix of the output files")
     a = ap.parse_args(argv)
     from fastcar_compile.runtime.native import library_path
 
@@ -192,14 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"ctx": ctx, "us": us, "ratios": ratios, "kv_mb_per_layer": mb, "max_abs_diff": diff,
                      "us_all": {n: t for n, t in times.items()}})
         del variants
+    clock = "CPU time" if a.cpu_time else "wall time"
     results = {"title": f"dense decode attention per layer: {a.heads}/{a.kv_heads} heads x {a.head_dim}, "
-                        f"{a.layers} layers' buffers, {a.threads} threads (lower quartile, interleaved)",
+                        f"{a.layers} layers' buffers, {a.threads} threads ({clock}, lower quartile, interleaved)",
                "variants": [*names, *([] if a.no_gqa else ["gqa"])], "libs": dict(zip(names, libs, strict=True)),
                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "rows": rows}
     if a.out is None:
         return 0
-    plot(results, a.out / "bench_dense_kernel.png")
-    return save_results(a.out / "bench_dense_kernel.json", results)
+    stem = "bench_dense_kernel" + (f"_{a.tag}" if a.tag else "")
+    plot(results, a.out / f"{stem}.png")
+    return save_results(a.out / f"{stem}.json", results)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ def _assert_fused(path, layers: int) -> None:
     # both residual Adds close into a norm: the attention's into the MLP norm (moved out of the If), the MLP's
     # into the next layer's (or the final) norm
     assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers
-    assert ops.count("SimplifiedLayerNormalization") >= layers + 1
+    # the final norm (the compacted rows gather the hoisted norm's rows: one MLP per layer, passes/branch.py)
+    assert ops.count("SimplifiedLayerNormalization") >= 1
     assert "Pow" not in ops and "Neg" not in ops and "Reciprocal" not in ops
 
 

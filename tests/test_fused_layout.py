@@ -45,9 +45,9 @@ def test_layer_is_one_gate_and_no_layout_ops(zoo_model, fc_compile, tmp_path):
     for gone in ("TemporalGateAt", "MLPCacheRead", "Transpose", "Equal", "Less", "ReduceSum", "Add"):
         assert gone not in ops, gone  # (Add: the attention residual joins the MLP norm, hoisted out of the If)
     for n in graph.node:
-        if n.op_type == "If":  # the all-compute branch starts at the MLP's first MatMul
+        if n.op_type == "If":  # the compute branch: the rows If (all / compacted), then the MLP's first MatMul
             then = next(a.g for a in n.attribute if a.name == "then_branch")
-            assert [m.op_type for m in then.node][:1] == ["MatMul"]
+            assert [m.op_type for m in then.node][:2] == ["If", "MatMul"]
     assert ops.count("Reshape") <= 3  # the rotary caches' two and position rows, once per step
     for n in graph.node:
         if n.op_type == "CompressedAttention":

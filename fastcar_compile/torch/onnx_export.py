@@ -112,14 +112,14 @@ def _example(dec: FastCarDecoder, batch: int = 2, seq: int = 3, past: int = 5) -
 
 
 def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnostics: bool = False):
-    """Write the FastCar program of `decoder` (a FastCarDecoder or a model from `apply`) to `path` atomically;
-    returns the onnx_ir model."""
+    """Write the FastCar program of `decoder` (a FastCarDecoder or a model from `apply`) to `path` atomically
+    (weights over 16 MiB in `<path>.data`); returns the onnx_ir model."""
     import onnx_ir as ir
     from onnx_ir.passes.common import RemoveUnusedNodesPass
     from torch.export import Dim
 
-    from fastcar_compile.atomic import atomic_path
     from fastcar_compile.passes import fastcar_ops
+    from fastcar_compile.save import Staging
     from fastcar_compile.torch.onnx_branch import options_of, rebuild_branches
     from fastcar_compile.torch.rewrite import dense_branches
 
@@ -153,9 +153,15 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
         graph.outputs.extend(keep)
     RemoveUnusedNodesPass()(model)  # also the program's own MLPCacheRead, replaced by BranchPass's
     model.metadata_props.update(metadata(dec, emit_diagnostics).to_props())
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        ir.save(model, str(tmp))
+    # staged and renamed into place like the ONNX path's output, with the same rule for external data (weights
+    # over save.INLINE_WEIGHTS_MAX go to `<path>.data`: inline weights read by an If branch stay resident twice in
+    # ONNX Runtime, docs/memory.md)
+    staging = Staging(Path(path))
+    try:
+        staging.write(model)
+        staging.commit()
+    finally:
+        staging.cleanup()
     return model
 
 

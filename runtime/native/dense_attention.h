@@ -355,53 +355,19 @@ inline void PlanDense(DenseTask& t, int64_t threads_hint = 0) {
     t.splits = std::max<int64_t>(1, std::min((want + base - 1) / base, t.T / dense::kMinSplitKeys));
 }
 
-// Plan, run every item of every task on ORT's intra-op pool in one ParallelFor (ctx: Ort::KernelContext, or
-// anything with its ParallelFor), and combine split partials: the whole dense attention of one op call. Several
-// tasks (e.g. one per batch row when rows hold different lengths; all with the same B, heads, S and D) share the
-// split count chosen for the longest, so the items of all of them balance across the cores. `partial` is owned here.
-struct DenseBatch {
-  DenseTask* tasks;
-  int64_t n, per_task;
-};
-
-inline void DenseBatchThunk(void* data, size_t item) {
-  const DenseBatch& b = *static_cast<DenseBatch*>(data);
-  const int64_t k = static_cast<int64_t>(item);
-  DenseItem(b.tasks[k / b.per_task], k % b.per_task);
-}
-
-template <class Ctx>
-inline void RunDenseTasks(Ctx& ctx, DenseTask* tasks, int64_t n, int64_t threads_hint = 0) {
-  if (n <= 0) return;
-  int64_t longest = 0, rows = 0;  // (every task has the same B, heads, S and D)
-  for (int64_t k = 0; k < n; ++k) {
-    if (tasks[k].T > tasks[longest].T) longest = k;
-    rows += tasks[k].B;
-  }
-  DenseTask plan = tasks[longest];
-  plan.B = rows;  // the split count is chosen for all tasks' items together
-  PlanDense(plan, threads_hint);
-  std::vector<float> partial;
-  const int64_t per_task = tasks[0].B * tasks[0].Hkv * plan.tiles * plan.splits;
-  const int64_t rec = plan.splits > 1 ? per_task * (plan.Hq / plan.Hkv) * plan.tile * (plan.D + 2) : 0;
-  partial.resize(static_cast<size_t>(rec * n));
-  for (int64_t k = 0; k < n; ++k) {
-    tasks[k].tile = plan.tile;
-    tasks[k].tiles = plan.tiles;
-    tasks[k].splits = plan.splits;
-    tasks[k].partial = plan.splits > 1 ? partial.data() + k * rec : nullptr;
-  }
-  DenseBatch batch{tasks, n, per_task};
-  ctx.ParallelFor(DenseBatchThunk, static_cast<size_t>(n * per_task), 0, &batch);
-  for (int64_t k = 0; k < n; ++k) {
-    if (tasks[k].splits > 1) DenseCombine(tasks[k]);
-    tasks[k].partial = nullptr;
-  }
-}
-
+// Plan, run every item on ORT's intra-op pool (ctx: Ort::KernelContext, or anything with its ParallelFor), and
+// combine split partials: the whole dense attention of one op call. `t.partial` is owned here.
 template <class Ctx>
 inline void RunDense(Ctx& ctx, DenseTask& t, int64_t threads_hint = 0) {
-  RunDenseTasks(ctx, &t, 1, threads_hint);
+  PlanDense(t, threads_hint);
+  std::vector<float> partial;
+  if (t.splits > 1) {
+    partial.resize(static_cast<size_t>(t.B * t.Hkv * t.tiles * t.splits * (t.Hq / t.Hkv) * t.tile * (t.D + 2)));
+    t.partial = partial.data();
+  }
+  ctx.ParallelFor(DenseItemThunk, static_cast<size_t>(t.B * t.Hkv * t.tiles * t.splits), 0, &t);
+  if (t.splits > 1) DenseCombine(t);
+  t.partial = nullptr;
 }
 
 #undef FC_INLINE
