@@ -132,6 +132,17 @@ def ort_options(threads: int, entries: dict[str, str]):
     return so
 
 
+def _uses_fastcar(folder: Path) -> bool:
+    """The folder's model imports the ai.fastcar domain (compiled variants, denseN): it wants the native library."""
+    import onnx
+
+    from fastcar_compile import contract
+
+    cfg = json.loads((folder / "genai_config.json").read_text())
+    model = onnx.load(str(folder / cfg["model"]["decoder"]["filename"]), load_external_data=False)
+    return any(o.domain == contract.DOMAIN for o in model.opset_import)
+
+
 def set_session(folder: Path, threads: int, native: bool, entries: dict[str, str] | None = None) -> None:
     """Threads, ORT config entries (replacing earlier ones), and the native ai.fastcar kernels (genai's
     `custom_ops_library`) when built and wanted."""
@@ -145,7 +156,7 @@ def set_session(folder: Path, threads: int, native: bool, entries: dict[str, str
     so.update(SESSION_CONFIG if entries is None else entries)
     so["intra_op_num_threads"], so["inter_op_num_threads"] = threads, 1
     lib = library_path()
-    if native and lib is not None and folder.name not in ("dense", "noMLP"):  # the others hold ai.fastcar ops
+    if native and lib is not None and _uses_fastcar(folder):
         local = folder / lib.name  # genai loads custom-op libraries only from the model folder (or the cwd)
         shutil.copyfile(lib, local)
         so["custom_ops_library"] = str(local.resolve())
