@@ -102,7 +102,8 @@ CASES = [  # heads, kv heads, batch, packed, rotary, interleaved, share, scale
 def test_native_gqa_equals_ort_over_prompt_and_decode(heads, kv, B, packed, rotary, interleaved, share, scale):
     """Prompt (with right padding at batch 2: the shorter row's seqlens_k), then decode steps with per-row lengths
     (at batch 1 also a later 3-token chunk: past = seqlens_k + 1 - S);
-    outputs of real tokens and the written KV rows equal ORT's GroupQueryAttention on the same inputs."""
+    every output and the written KV rows equal ORT's GroupQueryAttention on the same inputs: the first prompt's
+    right pads too (rotated at their own position i, attending to the row's real tokens only)."""
     rng = np.random.default_rng(heads * 10 + kv + B)
     models = {n: _session(_model(dom, heads, kv, packed, rotary is not None, interleaved, False, scale), n == "ours")
               for n, dom in (("ort", contract.MS_DOMAIN), ("ours", contract.DOMAIN))}
@@ -127,11 +128,13 @@ def test_native_gqa_equals_ort_over_prompt_and_decode(heads, kv, B, packed, rota
             state[n] = (got[n][1], got[n][2])
         for b in range(B):
             tot = int(seqlens[b]) + 1
-            real = min(S, tot) if S == total else S  # first prompt: tokens past the row's length are padding
-            o_ort, o_ours = (got[n][0][b, :real] for n in ("ort", "ours"))
+            # first prompt: every token, right pads included (ORT rotates pad i at position i, attends causally);
+            # later steps: the written rows
+            rows = S if S == total else tot
+            o_ort, o_ours = (got[n][0][b] for n in ("ort", "ours"))
             assert np.abs(o_ort - o_ours).max() <= 2e-5, (S, b)
             for i in (1, 2):
-                np.testing.assert_allclose(got["ours"][i][b, :, :tot], got["ort"][i][b, :, :tot], atol=1e-6)
+                np.testing.assert_allclose(got["ours"][i][b, :, :rows], got["ort"][i][b, :, :rows], atol=1e-6)
             assert got["ours"][1].shape == got["ort"][1].shape
 
     step(S0, S0, lens - 1)  # prompt
