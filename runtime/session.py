@@ -207,6 +207,9 @@ class FastCarSession:
             m = re.search(r"\.(\d+)(\.recurrent_state)?$", e.input)
             if e.dtype == "int64" and m:
                 self._age_outputs[int(m.group(1))] = (e.output, int(e.fill) + 1)
+        self._replay_names = [contract.replay_mask_output(n) for n in self.layers]
+        self._age_list = [self._age_outputs[n] for n in self.layers] \
+            if all(n in self._age_outputs for n in self.layers) else None
         self.has_diagnostics = all(contract.tas_output(n) in self._outputs for n in self.layers) and bool(self.layers)
         self.signature = self._signature()
         logits_shape = self._outputs[contract.LOGITS].shape if contract.LOGITS in self._outputs else None
@@ -227,9 +230,11 @@ class FastCarSession:
         self._run_options: Any = None
         self._wrap: Any = None  # numpy array -> ORT C OrtValue on the CPU (no copy)
         self._tau_last: tuple[Any, np.ndarray] | None = None  # (the caller's threshold object, its array)
-        # per output: (name, kind, key): kind "fast" (key = its state input), "kv" (key = StateSpec), "fresh"
+        # per output: (name, kind, key): kind "fast" (key = its state input), "shared" / "kv" (key = StateSpec), "fresh"
         # (logits / diagnostics: key = dtype; written into a bound buffer, returned as a copy)
         self._out_plan: list[tuple[str, str, Any]] | None = None
+        self._all_inplace = False  # every state output is bound to its input's buffer (the plan has no "kv")
+        self._inplace_res: dict[str, np.ndarray] | None = None  # the last _run_inplace result when _all_inplace
         self._logits_dtype = np.dtype(np.float32)
         self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
@@ -502,7 +507,7 @@ class FastCarSession:
                 self._vocab, self._logits_dtype = res["logits"].shape[-1], res["logits"].dtype
         except Exception as exc:
             raise FastCarError(f"ONNX Runtime failed on {self.path.name}: {exc}") from exc
-        arrays = {s.input: res[s.output] for s in self.specs}
+        arrays = state.arrays if res is self._inplace_res else {s.input: res[s.output] for s in self.specs}
         new_state = DecodeState(arrays, b, state.past_len + seq, state.video_start, state.owner, mask,
                                 real_len=state.real_len + (seq if new_mask is None else new_mask.sum(axis=1)),
                                 mask_buffer=state.mask_buffer)
@@ -535,13 +540,14 @@ class FastCarSession:
             for name in self.output_names:
                 if name in fast:
                     plan.append((name, "fast", fast[name]))
-                elif name in kv:
-                    plan.append((name, "kv", kv[name]))
+                elif name in kv:  # "shared": a fixed buffer bound as past and present, written in place
+                    plan.append((name, "shared" if self._kv_capacity(kv[name]) is not None else "kv", kv[name]))
                 elif name == contract.LOGITS or name in diag:
                     plan.append((name, "fresh", self._logits_dtype if name == contract.LOGITS else diag[name]))
                 else:
                     plan.append((name, "unknown", None))
             self._out_plan = plan
+            self._all_inplace = all(kind != "kv" for _, kind, _ in plan)
         outs: dict[str, np.ndarray] = {}
         fresh: list[tuple[str, np.ndarray]] = []
         for name, kind, key in self._out_plan:
@@ -551,12 +557,11 @@ class FastCarSession:
                         a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"] and a.flags["OWNDATA"]):
                     a = feeds[key] = state.arrays[key] = np.array(a)
                 outs[name] = a
+            elif kind == "shared":
+                outs[name] = feeds[key.input]
             elif kind == "kv":
-                if self._kv_capacity(key) is not None:  # shared buffer, written in place
-                    outs[name] = feeds[key.input]
-                else:
-                    outs[name] = np.empty([b if d == "batch" else state.past_len + seq if d == "past" else d
-                                           for d in key.shape], dtype=key.dtype)
+                outs[name] = np.empty([b if d == "batch" else state.past_len + seq if d == "past" else d
+                                       for d in key.shape], dtype=key.dtype)
             elif kind == "fresh":
                 shape = (b, seq, self._vocab) if name == contract.LOGITS else (b, seq)
                 buf = self._bound_out.get(name)
@@ -601,6 +606,8 @@ class FastCarSession:
         for name, buf in fresh:  # the caller keeps these: a copy, the bound buffer serves the next step
             outs[name] = buf.copy()
         state.consumed = True
+        # the new state's arrays are the old state's (same buffers, written in place): step reuses the dict
+        self._inplace_res = outs if self._all_inplace else None
         return outs
 
     def _replay_of(self, res: dict[str, np.ndarray], state: DecodeState, seq: int) -> np.ndarray | None:
@@ -614,12 +621,15 @@ class FastCarSession:
         p = state.past_len
         if p < state.video_start:
             return np.zeros((len(self.layers), state.batch), dtype=bool)
-        if all(contract.replay_mask_output(n) in res for n in self.layers):
-            return np.stack([res[contract.replay_mask_output(n)][:, 0] for n in self.layers]).astype(bool)
+        masks = self._replay_names
+        if masks[0] in res and all(m in res for m in masks):
+            return np.stack([res[m][:, 0] for m in masks]).astype(bool)
         slot = (p - state.video_start) % int(self.frame_tokens or 1)
+        ages = self._age_list or [self._age_outputs[n] for n in self.layers]  # (KeyError: no age output)
+        if state.batch == 1:  # (one numpy scalar per layer: a decode loop's common case, cheapest)
+            return np.array([[res[name][0, slot] > written] for name, written in ages], dtype=bool)
         out = np.empty((len(self.layers), state.batch), dtype=bool)
-        for i, n in enumerate(self.layers):
-            name, written = self._age_outputs[n]
+        for i, (name, written) in enumerate(ages):
             np.greater(res[name][:, slot], written, out=out[i])
         return out
 
