@@ -132,6 +132,17 @@ def ort_options(threads: int, entries: dict[str, str]):
     return so
 
 
+def _uses_fastcar(folder: Path) -> bool:
+    """The folder's model imports the ai.fastcar domain (compiled variants, denseN): it wants the native library."""
+    import onnx
+
+    from fastcar_compile import contract
+
+    cfg = json.loads((folder / "genai_config.json").read_text())
+    model = onnx.load(str(folder / cfg["model"]["decoder"]["filename"]), load_external_data=False)
+    return any(o.domain == contract.DOMAIN for o in model.opset_import)
+
+
 def set_session(folder: Path, threads: int, native: bool, entries: dict[str, str] | None = None) -> None:
     """Threads, ORT config entries (replacing earlier ones), and the native ai.fastcar kernels (genai's
     `custom_ops_library`) when built and wanted."""
@@ -145,7 +156,7 @@ def set_session(folder: Path, threads: int, native: bool, entries: dict[str, str
     so.update(SESSION_CONFIG if entries is None else entries)
     so["intra_op_num_threads"], so["inter_op_num_threads"] = threads, 1
     lib = library_path()
-    if native and lib is not None and folder.name not in ("dense", "noMLP"):  # the others hold ai.fastcar ops
+    if native and lib is not None and _uses_fastcar(folder):
         local = folder / lib.name  # genai loads custom-op libraries only from the model folder (or the cwd)
         shutil.copyfile(lib, local)
         so["custom_ops_library"] = str(local.resolve())
@@ -186,7 +197,9 @@ def replay_counts(layers: int, only: list[int] | None = None) -> list[int]:
 
 
 def variants(src: Path, work: Path, layers: int, frame_tokens: int, only: list[int] | None = None,
-             native_attention: bool = True) -> dict[str, Path]:
+             native_attention: str = "on") -> dict[str, Path]:
+    """Folders per variant name. native_attention: "on" = rK compiled with the swap, "off" = without, "both" = rK
+    with and oK without (same run, so the swap's effect on (a) is a same-run ratio)."""
     import fastcar_compile
 
     out = {"dense": src}
@@ -200,15 +213,17 @@ def variants(src: Path, work: Path, layers: int, frame_tokens: int, only: list[i
         strip_mlp(dense_n, nomlp_n)
         mark_fresh(dense_n / "model.onnx")
     out["denseN"], out["noMLPN"] = dense_n, nomlp_n
+    kinds = {"on": [("r", True)], "off": [("r", False)], "both": [("r", True), ("o", False)]}[native_attention]
     for k in replay_counts(layers, only):
-        folder = work / (f"r{k}" if native_attention else f"r{k}-ortgqa")
         spread = {round(i * layers / k) for i in range(k)} if k else set()  # replaying layers, spread out
         taus = [-np.inf if i in spread else np.inf for i in range(layers)]
-        if stale(folder / "fast.onnx"):
-            fastcar_compile.compile(src / "model.onnx", folder / "fast.onnx", frame_tokens=frame_tokens,
-                                    threshold=taus, per_layer_threshold=True, native_attention=native_attention)
-            mark_fresh(folder / "fast.onnx")
-        out[f"r{k}"] = folder
+        for prefix, swap in kinds:
+            folder = work / (f"r{k}" if swap else f"r{k}-ortgqa")
+            if stale(folder / "fast.onnx"):
+                fastcar_compile.compile(src / "model.onnx", folder / "fast.onnx", frame_tokens=frame_tokens,
+                                        threshold=taus, per_layer_threshold=True, native_attention=swap)
+                mark_fresh(folder / "fast.onnx")
+            out[f"{prefix}{k}"] = folder
     return out
 
 
@@ -316,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=8, help="tokens timed per variant before moving to the next")
     ap.add_argument("--no-native", action="store_true", help="run the ai.fastcar function bodies, not the kernels")
     ap.add_argument("--no-fused", action="store_true", help="skip (b), the fused dynamo export")
-    ap.add_argument("--native-attention", choices=["on", "off"], default="on",
-                    help="compile (a) with genai's GroupQueryAttention swapped for the native ai.fastcar op (default)")
+    ap.add_argument("--native-attention", choices=["on", "off", "both"], default="on",
+                    help="compile (a) with genai's GroupQueryAttention swapped for the native ai.fastcar op (on, the "
+                         "default), without (off), or both in one run (variants rK and oK)")
     ap.add_argument("--fused-kinds", default="fastcar,gqa",
                     help="fused-attention kinds measured in (b), comma-separated (fastcar, gqa; KIND-nofusions: "
                          "compiled with --fusions off)")
@@ -340,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     src = build_genai(shape, a.cache)
     work = a.cache / f"genai-variants-{shape.tag()}-L{cfg['frame_tokens']}"
     only = [int(k) for k in a.ratios.split(",")] if a.ratios else None
-    folders = variants(src, work, shape.layers, cfg["frame_tokens"], only, a.native_attention == "on")
+    folders = variants(src, work, shape.layers, cfg["frame_tokens"], only, a.native_attention)
     for f in folders.values():
         set_session(f, a.threads, not a.no_native, entries)
     kinds = [k.strip() for k in a.fused_kinds.split(",") if k.strip()]
@@ -373,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
               "speed-up / bound | o = bound / speed-up |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for prefix, what in (("r", "(a) genai graph compiled by us, in og.Generator"),
+                             ("o", "(a) without the native GroupQueryAttention (--native-attention off)"),
                              ("fc", "(b) dynamo export, fused attention (ai.fastcar op), FastCarSession shared KV"),
                              ("fcn", "(b) without the export fusions (--fusions off)"),
                              ("fused", "(b') dynamo export, fused attention (GQA; the native ai.fastcar one unless "

@@ -119,18 +119,20 @@ class BranchPass(ir.passes.InPlacePass):
                                build.const(graph, "fastcar.big", np.array([2**62], np.int64))])
             outs_some.append(c("Concat", [lead, last], {"axis": 0}, names=[f"fastcar.{n}.shape_ext{k_ext}"]))
         build.tag(some, n, "mlp")
-        for va, vs, src in zip(outs_all, outs_some, (x, *(v for v, _ in ext)), strict=True):
-            va.type = vs.type = src.type if src.type is not None else ir.TensorType(dtype)
+        sources = (x, *(v for v, _ in ext))
+        types = [ir.TensorType(dtype), *[ir.TensorType(ir.DataType.INT64)] * len(ext)]  # when a source has none
+        types = [src.type if src.type is not None else t for src, t in zip(sources, types, strict=True)]
+        for va, vs, ty in zip(outs_all, outs_some, types, strict=True):
+            va.type = vs.type = ty
         body: list[ir.Node] = []
         t = build.Builder(n, body, lr.ids)
         rows = t("If", [all_keep], {"then_branch": ir.Graph([], outs_all, nodes=as_is, name=f"fastcar_{n}_rows_all"),
                                     "else_branch": ir.Graph([], outs_some, nodes=some, name=f"fastcar_{n}_rows_some")},
                  outputs=len(outs_all), part="mlp")
         rows = rows if isinstance(rows, tuple) else (rows,)
-        for r, src in zip(rows, (x, *(v for v, _ in ext)), strict=True):
-            r.type = src.type if src.type is not None else ir.TensorType(dtype)
-            r.shape = _any_rows(src.shape)
-        swap = dict(zip((x, *(v for v, _ in ext)), rows, strict=True))
+        for r, src, ty in zip(rows, sources, types, strict=True):
+            r.type, r.shape = ty, _any_rows(src.shape)
+        swap = dict(zip(sources, rows, strict=True))
         for node in full_nodes:
             for i, v in enumerate(node.inputs):
                 if v in swap:
