@@ -76,7 +76,7 @@ def run_mode(path: Path, clips, tok, frames: int) -> dict:
                 f = (k + 1) // L
                 slots[c, f] = [(out.state.arrays[f"past_kv_slots.{n}"][..., 0] > 0).sum(-1).mean() for n in layers]
         slots[c, 0] = slots[c, 1]  # (frame 0 is the prompt step)
-    per_layer = stats.kv_diagnostics or {}
+    per_layer = stats.kv_ratios()  # step-by-step run, no finalize: the ratios come from the running sums
     return {"layers": layers, "density": [per_layer[str(n)]["density"] for n in layers],
             "recall": [per_layer[str(n)]["recall"] for n in layers],
             "slots_per_frame": slots.mean(0).tolist(), "tokens_per_frame": L}

@@ -69,14 +69,28 @@ class RunStats:
             for key, v in zip(contract.KV_STATS_FIELDS, arr.sum(axis=(0, 1)), strict=True):
                 acc[key] = acc.get(key, 0.0) + float(v)
 
-    def _kv_ratios(self) -> None:
-        """density = executed / dense q.k pairs, recall = kept dense softmax mass / queries, per layer (layers of
-        a loaded run.json without numeric sums keep what they say: finalize runs on foreign files too)."""
+    def kv_ratios(self) -> dict[str, dict[str, float]]:
+        """Per compressed layer {density, recall} from the running sums so far: density = executed / dense q.k
+        pairs, recall = kept dense softmax mass / queries. Public so step-by-step callers (which never call
+        `finalize`) read the ratios without relying on finalize having stored them; layers of a loaded
+        run.json without numeric sums keep the ratios they say."""
         diag = self.kv_diagnostics if isinstance(self.kv_diagnostics, dict) else {}
-        for acc in diag.values():
-            if isinstance(acc, dict) and all(isinstance(acc.get(k), float | int) for k in contract.KV_STATS_FIELDS):
-                acc["density"] = acc["executed"] / max(acc["dense"], 1.0)
-                acc["recall"] = acc["recall_sum"] / max(acc["queries"], 1.0)
+        out = {}
+        for layer, acc in diag.items():
+            if not isinstance(acc, dict):
+                continue
+            if all(isinstance(acc.get(k), float | int) for k in contract.KV_STATS_FIELDS):
+                out[layer] = {"density": acc["executed"] / max(acc["dense"], 1.0),
+                              "recall": acc["recall_sum"] / max(acc["queries"], 1.0)}
+            elif "density" in acc and "recall" in acc:
+                out[layer] = {"density": acc["density"], "recall": acc["recall"]}
+        return out
+
+    def _kv_ratios(self) -> None:
+        """Store `kv_ratios` in kv_diagnostics (finalize: the saved run.json carries them)."""
+        diag = self.kv_diagnostics if isinstance(self.kv_diagnostics, dict) else {}
+        for layer, ratios in self.kv_ratios().items():
+            diag[layer].update(ratios)
 
     def add_kv_bytes(self, arrays: dict[str, np.ndarray], tokens: int) -> None:
         """Resident KV bytes per compressed layer (live slots x slot state) next to a dense cache of `tokens`."""

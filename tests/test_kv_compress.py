@@ -552,3 +552,27 @@ def test_bucket_planes_of_another_size_are_refused(name, key):
     short = session(True, n_in=8, n_out=5, **{**attrs, key: list(attrs[key])[:-D]})
     with pytest.raises(Exception, match="do not match tables x bits"):
         short.run(None, feeds)
+
+
+def test_kv_ratios_without_finalize():
+    """benchmarks/kv_diagnostics.py steps the session itself and never calls finalize: `kv_ratios` must give
+    density/recall from the running sums alone, equal to NumPy ratios of the summed kv_stats.N outputs, and
+    finalize must store the same numbers."""
+    from fastcar_compile.runtime.stats import RunStats
+
+    rng = np.random.default_rng(0)
+    stats = RunStats(model="m", fastcar=False, frame_tokens=4, layers=[], batch=2, video_start=0, num_frames=2)
+    steps = [{contract.kv_stats_output(n): rng.uniform(1, 50, (2, 3, 4)).astype(np.float32) for n in (1, 3)}
+             | {"logits": np.zeros(1)} for _ in range(5)]
+    for extra in steps:
+        stats.add_kv_stats(extra)
+    ratios = stats.kv_ratios()
+    assert sorted(ratios) == ["1", "3"]
+    for n in (1, 3):
+        executed, dense, recall, queries = np.stack([s[contract.kv_stats_output(n)] for s in steps],
+                                                    dtype=np.float64).sum(axis=(0, 1, 2))
+        assert ratios[str(n)]["density"] == pytest.approx(executed / dense, rel=1e-6)
+        assert ratios[str(n)]["recall"] == pytest.approx(recall / queries, rel=1e-6)
+    assert "density" not in stats.kv_diagnostics["1"]  # nothing stored before finalize
+    stats.finalize()
+    assert {k: {f: v[f] for f in ("density", "recall")} for k, v in stats.kv_diagnostics.items()} == ratios

@@ -102,7 +102,8 @@ CASES = [  # heads, kv heads, batch, packed, rotary, interleaved, share, scale
 def test_native_gqa_equals_ort_over_prompt_and_decode(heads, kv, B, packed, rotary, interleaved, share, scale):
     """Prompt (with right padding at batch 2: the shorter row's seqlens_k), then decode steps with per-row lengths
     (at batch 1 also a later 3-token chunk: past = seqlens_k + 1 - S);
-    outputs of real tokens and the written KV rows equal ORT's GroupQueryAttention on the same inputs."""
+    every output and the written KV rows equal ORT's GroupQueryAttention on the same inputs: the first prompt's
+    right pads too (rotated at their own position i, attending to the row's real tokens only)."""
     rng = np.random.default_rng(heads * 10 + kv + B)
     models = {n: _session(_model(dom, heads, kv, packed, rotary is not None, interleaved, False, scale), n == "ours")
               for n, dom in (("ort", contract.MS_DOMAIN), ("ours", contract.DOMAIN))}
@@ -127,11 +128,13 @@ def test_native_gqa_equals_ort_over_prompt_and_decode(heads, kv, B, packed, rota
             state[n] = (got[n][1], got[n][2])
         for b in range(B):
             tot = int(seqlens[b]) + 1
-            real = min(S, tot) if S == total else S  # first prompt: tokens past the row's length are padding
-            o_ort, o_ours = (got[n][0][b, :real] for n in ("ort", "ours"))
+            # first prompt: every token, right pads included (ORT rotates pad i at position i, attends causally);
+            # later steps: the written rows
+            rows = S if S == total else tot
+            o_ort, o_ours = (got[n][0][b] for n in ("ort", "ours"))
             assert np.abs(o_ort - o_ours).max() <= 2e-5, (S, b)
             for i in (1, 2):
-                np.testing.assert_allclose(got["ours"][i][b, :, :tot], got["ort"][i][b, :, :tot], atol=1e-6)
+                np.testing.assert_allclose(got["ours"][i][b, :, :rows], got["ort"][i][b, :, :rows], atol=1e-6)
             assert got["ours"][1].shape == got["ort"][1].shape
 
     step(S0, S0, lens - 1)  # prompt
@@ -302,3 +305,62 @@ def test_function_body_is_ort_gqa(scale):
     got, want = (s.run(None, feeds) for s in sessions)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def _bad_feeds(case: str) -> tuple[dict, bool]:
+    """Feeds for the separate-QKV (or, with the flag, packed) rotary model, broken as `case` says."""
+    rng = np.random.default_rng(3)
+    heads, kv, B, S = 4, 2, 2, 3
+    cos, sin = _caches(rng, D // 4)
+    f = {"query": rng.standard_normal((B, S, heads * D)).astype(np.float32),
+         "key": rng.standard_normal((B, S, kv * D)).astype(np.float32),
+         "value": rng.standard_normal((B, S, kv * D)).astype(np.float32),
+         "past_key": np.zeros((B, kv, 8, D), np.float32), "past_value": np.zeros((B, kv, 8, D), np.float32),
+         "seqlens_k": np.array([2, 1], np.int32), "total_sequence_length": np.array(S, np.int32),
+         "cos_cache": cos, "sin_cache": sin}
+    packed = case.startswith("packed")
+    if packed:
+        f["query"] = rng.standard_normal((B, S, (heads + 2 * kv) * D)).astype(np.float32)
+        del f["key"], f["value"]
+    change = {
+        "past_value_shape": {"past_value": np.zeros((B, kv, 4, D), np.float32)},
+        "value_narrower": {"value": f.get("value", f["query"])[..., :D]},
+        "key_other_length": {"key": rng.standard_normal((B, S + 2, kv * D)).astype(np.float32),
+                             "value": rng.standard_normal((B, S + 2, kv * D)).astype(np.float32)},
+        "seqlens_short": {"seqlens_k": np.array([2], np.int32)},
+        "sin_shape": {"sin_cache": sin[:, :2]},
+        "width_not_heads": {"query": f["query"][..., :-3]},
+        "packed_width": {"query": f["query"][..., :-4]},
+        "empty_query": {"query": f["query"][:, :0]},
+        "zero_width": {"query": f["query"][..., :0]},
+    }[case]
+    return {**f, **change}, packed
+
+
+@pytest.mark.parametrize("case", ["past_value_shape", "value_narrower", "key_other_length", "seqlens_short",
+                                  "sin_shape", "width_not_heads", "packed_width", "empty_query",
+                                  "zero_width"])
+def test_native_gqa_rejects_bad_shapes(case):
+    """Inputs whose shapes the kernel would index past their end are a failed Run naming the input, never a crash
+    or a silent read out of bounds (ORT's own op rejects them too)."""
+    feeds, packed = _bad_feeds(case)
+    for domain in (contract.DOMAIN, contract.MS_DOMAIN):
+        sess = _session(_model(domain, 4, 2, packed, True, False, False, None), domain == contract.DOMAIN)
+        with pytest.raises(Exception) as err:  # noqa: PT011 (ORT raises its own Fail / InvalidArgument types)
+            sess.run(None, feeds)
+        if domain == contract.DOMAIN:
+            assert "GroupQueryAttention" in str(err.value)
+
+
+def test_native_gqa_rejects_past_key_without_past_value():
+    """past_key given, past_value left out: a failed Run, not a null dereference."""
+    model = _model(contract.DOMAIN, 4, 2, True, False, False, False, None)
+    model.graph.node[0].input[4] = ""
+    model.graph.input.remove(next(i for i in model.graph.input if i.name == "past_value"))
+    sess = _session(model, True)
+    rng = np.random.default_rng(2)
+    feeds = {"query": rng.standard_normal((1, 2, 8 * D)).astype(np.float32),
+             "past_key": np.zeros((1, 2, 4, D), np.float32), "seqlens_k": np.array([1], np.int32),
+             "total_sequence_length": np.array(2, np.int32)}
+    with pytest.raises(Exception, match="past_key and past_value"):
+        sess.run(None, feeds)

@@ -509,35 +509,54 @@ struct GqaKernel {
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    std::vector<int64_t> qs, ks, ps, cs, bs;
+    std::vector<int64_t> qs, ks, vs, ps, pvs, cs, ss, bs;
     fastcar_gqa::Inputs in;
     in.query = Floats(ctx, 0, &qs);
     in.key = Floats(ctx, 1, &ks);
-    in.value = Floats(ctx, 2, nullptr);
+    in.value = Floats(ctx, 2, &vs);
     in.past_key = Floats(ctx, 3, &ps);
-    in.past_value = Floats(ctx, 4, nullptr);
-    in.seqlens_k = ctx.GetInput(5).GetTensorData<int32_t>();
-    in.total = ctx.GetInput(6).GetTensorData<int32_t>()[0];
+    in.past_value = Floats(ctx, 4, &pvs);
     in.cos = Floats(ctx, 7, &cs);
-    in.sin = Floats(ctx, 8, nullptr);
+    in.sin = Floats(ctx, 8, &ss);
     if (ctx.GetInputCount() > 9 && ctx.GetInput(9))
       throw std::runtime_error("ai.fastcar GroupQueryAttention: position_ids is not supported");
     in.bias = Floats(ctx, 10, &bs);
     const int64_t H = cfg.heads, Hkv = cfg.kv_heads;
+    // every shape the kernel indexes is checked here: a bad feed is a failed Run, never an out-of-bounds read
     if (qs.size() != 3 || (in.key == nullptr) != (in.value == nullptr))
       throw std::runtime_error("GroupQueryAttention: query must be [B,S,hidden]; key and value both present or both "
                                "absent");
     in.B = qs[0];
     in.S = qs[1];
-    in.D = in.key == nullptr ? qs[2] / (H + 2 * Hkv) : qs[2] / H;
-    if (in.key != nullptr && (ks.size() != 3 || ks[2] != Hkv * in.D))
-      throw std::runtime_error("GroupQueryAttention: key must be [B,S,kv_num_heads*head_size]");
-    if (in.past_key != nullptr && (ps.size() != 4 || ps[0] != in.B || ps[1] != Hkv || ps[3] != in.D))
-      throw std::runtime_error("GroupQueryAttention: past_key must be [B,kv_num_heads,past,head_size]");
+    const int64_t per_token = in.key == nullptr ? H + 2 * Hkv : H;  // head_size-wide slices in query's last axis
+    if (in.S <= 0 || qs[2] <= 0 || qs[2] % per_token != 0)
+      throw std::runtime_error("GroupQueryAttention: query [B,S,W] needs S > 0 and W a positive multiple of " +
+                               std::string(in.key == nullptr ? "num_heads + 2*kv_num_heads (packed QKV)"
+                                                             : "num_heads") +
+                               ", got S=" + std::to_string(in.S) + " W=" + std::to_string(qs[2]));
+    in.D = qs[2] / per_token;
+    if (in.key != nullptr && (ks.size() != 3 || ks[0] != in.B || ks[1] != in.S || ks[2] != Hkv * in.D || vs != ks))
+      throw std::runtime_error("GroupQueryAttention: key and value must both be [B,S,kv_num_heads*head_size] with "
+                               "query's B and S");
+    if ((in.past_key == nullptr) != (in.past_value == nullptr))
+      throw std::runtime_error("GroupQueryAttention: past_key and past_value must both be given or both be absent");
+    if (in.past_key != nullptr && (ps.size() != 4 || ps[0] != in.B || ps[1] != Hkv || ps[3] != in.D || pvs != ps))
+      throw std::runtime_error("GroupQueryAttention: past_key and past_value must both be "
+                               "[B,kv_num_heads,past,head_size]");
     in.Np = in.past_key != nullptr ? ps[2] : 0;
+    Ort::ConstValue seqlens = ctx.GetInput(5), total = ctx.GetInput(6);
+    if (seqlens.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(in.B))
+      throw std::runtime_error("GroupQueryAttention: seqlens_k must hold batch_size (" + std::to_string(in.B) +
+                               ") values");
+    if (total.GetTensorTypeAndShapeInfo().GetElementCount() != 1)
+      throw std::runtime_error("GroupQueryAttention: total_sequence_length must be one value");
+    in.seqlens_k = seqlens.GetTensorData<int32_t>();
+    in.total = total.GetTensorData<int32_t>()[0];
+    if (in.total <= 0) throw std::runtime_error("GroupQueryAttention: total_sequence_length must be positive");
     if (cfg.do_rotary) {
-      if (in.cos == nullptr || in.sin == nullptr || cs.size() != 2 || 2 * cs[1] > in.D)
-        throw std::runtime_error("GroupQueryAttention: do_rotary needs cos_cache/sin_cache [max_pos, <= head_size/2]");
+      if (in.cos == nullptr || in.sin == nullptr || cs.size() != 2 || 2 * cs[1] > in.D || ss != cs)
+        throw std::runtime_error("GroupQueryAttention: do_rotary needs cos_cache and sin_cache, both "
+                                 "[max_pos, <= head_size/2]");
       in.max_pos = cs[0];
       in.half = cs[1];
     }

@@ -10,9 +10,11 @@
 //   query [B,S,(H+2Hkv)D] packed, or query [B,S,HD] + key/value [B,S,Hkv D]; past_key/past_value [B,Hkv,Np,D];
 //   seqlens_k [B] int32 (row b holds seqlens_k[b] + 1 tokens after this step); total_sequence_length [] int32.
 //   present [B,Hkv,max(total, Np),D]; the same buffer as past (past_present_share_buffer) is written in place.
-//   First prompt (S == total): row b's tokens are KV 0..S-1 (past 0); otherwise (decode, S == 1, or a later
+//   First prompt (S == total): row b's tokens are KV 0..S-1 (past 0), query i sees keys 0..min(i, seqlens_k[b])
+//   (right pads attend to the real tokens only); otherwise (decode, S == 1, or a later
 //   prompt at batch 1) past_b = seqlens_k[b] + 1 - S. New K/V go to rows past_b.., query i sees keys 0..past_b+i.
-//   do_rotary: q and k rotated at position past_b + i (1 where that is past the row's length, as ORT does),
+//   do_rotary: q and k rotated at position past_b + i (first prompt: i for every token, right pads included; later
+//   steps: 1 where that is past the row's length, as ORT does),
 //   cos/sin [max_pos, R/2], half-split or interleaved pairs.
 //   attention_bias [B,1,S or 1,T] is accepted only in the form `--fused-attention gqa` writes (0 = visible,
 //   <= -1e30 = a left pad, per column): it becomes the dense core's [B,T] mask.
@@ -122,7 +124,8 @@ void Run(const Settings& c, const Inputs& in, float* q, float* key, float* val, 
                                " and the KV buffers");
     for (int64_t i = 0; i < S; ++i) {
       const int64_t p = past[b] + i;
-      pos[b * S + i] = p < tot ? p : 1;
+      // first prompt: every token (right pads too) at position i, as ORT 1.31; later steps: ORT's clamp to 1
+      pos[b * S + i] = first_prompt || p < tot ? p : 1;
       if (c.do_rotary && pos[b * S + i] >= in.max_pos)
         throw std::runtime_error("GroupQueryAttention: position past cos_cache / sin_cache");
     }
@@ -152,6 +155,11 @@ void Run(const Settings& c, const Inputs& in, float* q, float* key, float* val, 
       for (int64_t j = 0; j < T; ++j) mask[b * T + j] = br[j] > -1e30f ? 1 : 0;
     }
   }
+  // first prompt: ORT's query i sees keys 0..min(i, seqlens_k[b]) (a right pad attends to the row's real tokens
+  // only), so the pad keys are masked out for every query
+  if (first_prompt)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = static_cast<int64_t>(in.seqlens_k[b]) + 1; j < T; ++j) mask[b * T + j] = 0;
   // the dense core (RunDense: tiles, key splits, ORT's pool): one task for the batch when every row holds the same
   // length (the prompt, or genai's batch decode of equal rows), else one per row (its own P and T)
   const float scale = c.scale != 0.0f ? c.scale : 1.0f / std::sqrt(static_cast<float>(D));
