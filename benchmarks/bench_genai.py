@@ -16,7 +16,10 @@ cached). Variants, each a folder genai loads (compiled ones get genai_config.jso
 fused attention (`--fused-kinds`: the compiler's default `fastcar` = ai.fastcar.CompressedAttention's native
 kernel -> variants `fcK`; `gqa` = com.microsoft.GroupQueryAttention -> `fusedK`) and a per-layer tau input,
 run by FastCarSession with a shared KV buffer (max_length) and tau fed per step, K layers at -inf; its
-Python cost per step (step time - time inside ORT) is reported too.
+Python cost per step (step time - time inside ORT) is reported too. `fc@80` (`--fractions`): (b) at 80% replay,
+which is no whole number of the 8 layers per step: a 5-step schedule replaying 6, 6, 7, 6, 7 layers (32 of 40),
+timed in whole cycles, the per-cycle mean step time taken (og.Generator variants are compiled per count, so (a)
+has no such row: its 80% lies between r6 and r7).
 For each context, one generator (or session) per variant is prefilled with `ctx` tokens, then the variants
 decode in turn, `--block` tokens at a time after one untimed step (interleaved, so machine load hits them alike;
 blocks, so no model runs with a working set the others evicted), `--tokens` timed steps each; per-token time is
@@ -172,11 +175,15 @@ def compiler_stamp() -> str:
 
     import fastcar_compile
     from fastcar_compile import passes
+    from fastcar_compile.runtime import native
 
     h = hashlib.sha1()
     for root in (Path(fastcar_compile.__file__).parent, Path(passes.__file__).parent):
         for f in sorted(root.rglob("*.py")):
             h.update(f.read_bytes())
+    # compiled genai folders carry a copy of the native library: kernel sources count as the compiler too
+    for f in sorted(Path(native.__file__).parent.glob("*.[ch]*")):
+        h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -228,18 +235,44 @@ def variants(src: Path, work: Path, layers: int, frame_tokens: int, only: list[i
 
 
 class _FusedStepper:
-    """FastCarSession on the fused dynamo export with the per-layer tau of one forced replay ratio."""
+    """FastCarSession on the fused dynamo export with the per-layer tau of one forced replay ratio.
 
-    def __init__(self, sess, taus: np.ndarray, prompt: np.ndarray):
-        self.sess, self.taus = sess, taus
-        out = sess.step(sess.new_state(1), prompt.astype(np.int64), threshold=taus)
+    `taus` is one per-layer tau array, or a list of them used in turn, one per step (a replay ratio that is
+    not a whole number of layers per step, e.g. 80% of 8 layers = 6, 6, 7, 6, 7 replaying layers over 5
+    steps); `restart()` goes back to the first one, so a timed block covers whole cycles."""
+
+    def __init__(self, sess, taus, prompt: np.ndarray):
+        self.sess, self.cycle = sess, taus if isinstance(taus, list) else [taus]
+        self.phase = 0
+        out = sess.step(sess.new_state(1), prompt.astype(np.int64), threshold=self.cycle[0])
         self.state, self.ids, self.python_s = out.state, out.logits[:, -1].argmax(-1)[:, None], []
 
+    def restart(self) -> None:
+        self.phase = 0
+
     def generate_next_token(self) -> None:
+        taus = self.cycle[self.phase % len(self.cycle)]
+        self.phase += 1
         t0 = time.perf_counter()
-        out = self.sess.step(self.state, self.ids, threshold=self.taus, check=False)
+        out = self.sess.step(self.state, self.ids, threshold=taus, check=False)
         self.python_s.append(time.perf_counter() - t0 - self.sess.last_ort_s)
         self.state, self.ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
+
+
+def replay_schedule(layers: int, ratio: float, max_cycle: int = 20) -> list[np.ndarray]:
+    """Per-step tau arrays whose replaying layers average exactly `ratio` over one cycle (the shortest c with
+    ratio x layers x c whole): step t replays floor((t+1) r L) - floor(t r L) layers, spread over the depth and
+    rotated so every layer replays about the same share of steps."""
+    per_step = ratio * layers
+    cycle = next((c for c in range(1, max_cycle + 1) if abs(per_step * c - round(per_step * c)) < 1e-9), None)
+    if cycle is None:
+        raise ValueError(f"replay ratio {ratio} x {layers} layers repeats over more than {max_cycle} steps")
+    out = []
+    for t in range(cycle):
+        k = round((t + 1) * per_step) - round(t * per_step)
+        spread = {(round(i * layers / k) + t) % layers for i in range(k)} if k else set()
+        out.append(np.array([-np.inf if i in spread else np.inf for i in range(layers)], np.float32))
+    return out
 
 
 def fused_export(shape: LlamaShape, cache: Path, frame_tokens: int, kind: str | None = "gqa") -> Path:
@@ -270,19 +303,23 @@ FUSED_PREFIX = {"fastcar": "fc", "gqa": "fused", "fastcar" + NO_FUSIONS: "fcn", 
 def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: dict[str, Path] | None = None,
             layers: int = 0, threads: int = 2, block: int = 8,
             entries: dict[str, str] | None = None, only: list[int] | None = None,
-            clock=time.perf_counter) -> tuple[dict[str, list[float]], dict[str, float]]:
+            clock=time.perf_counter, fractions: tuple[float, ...] = ()) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Prefill every variant with the same ctx tokens, then time them in turn, `block` tokens at a time.
 
     Blocks, not single steps: stepping a dozen ~0.4 GB models in lockstep evicts each one's working set
     (caches, prepacked weights, KV/state buffers) before its next step, which made a FastCar step at 0%
     replay look 3x slower than the same step timed alone (48 vs 17 ms at ctx 1024). Each block starts with
     one untimed step, so every timed step follows a step of the same model, as in a real decode loop.
+    `fractions`: replay ratios of (b) that are no whole number of layers (variant `<prefix>@<percent>`, per-step
+    layer schedules from replay_schedule); their blocks are whole cycles and their times are per-cycle means.
     """
     import onnxruntime_genai as og
 
     block = max(1, min(block, tokens))
     rounds = -(-tokens // block)
-    steps = rounds * (block + 1)  # timed + one warm-up step per block
+    schedules = {r: replay_schedule(layers, r) for r in fractions} if fused else {}
+    cycled = {r: len(c) * -(-block // len(c)) for r, c in schedules.items()}  # whole cycles per block
+    steps = rounds * (max([block, *cycled.values()]) + 1)  # timed + one warm-up step per block
 
     prompt = np.random.default_rng(0).integers(3, vocab, (1, ctx)).astype(np.int32)
     gens, keep = {}, []
@@ -298,6 +335,10 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
             name = f"{FUSED_PREFIX[kind]}{k}"
             gens[name] = _FusedStepper(sess, taus, prompt)
             print(f"  ctx {ctx}: {name} prefilled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        for r, cycle in schedules.items():
+            name = f"{FUSED_PREFIX[kind]}@{round(100 * r)}"
+            gens[name] = _FusedStepper(sess, cycle, prompt)
+            print(f"  ctx {ctx}: {name} ({len(cycle)}-step layer schedule) prefilled", file=sys.stderr)
     for name, folder in folders.items():
         model = og.Model(str(folder))
         params = og.GeneratorParams(model)
@@ -314,10 +355,18 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
     for _ in range(rounds):
         for name, gen in gens.items():
             gen.generate_next_token()  # untimed: brings this model's working set back
-            for _ in range(block):
+            n = block
+            if isinstance(gen, _FusedStepper) and len(gen.cycle) > 1:
+                gen.restart()
+                n = len(gen.cycle) * -(-block // len(gen.cycle))
+            for _ in range(n):
                 t0 = clock()
                 gen.generate_next_token()
                 times[name].append(clock() - t0)
+    for name, gen in gens.items():  # a schedule's statistic is over whole cycles: per-cycle mean step times
+        if isinstance(gen, _FusedStepper) and len(gen.cycle) > 1:
+            c = len(gen.cycle)
+            times[name] = [float(np.mean(times[name][i:i + c])) for i in range(0, len(times[name]), c)]
     python = {n: float(np.median(g.python_s)) * 1e3 for n, g in gens.items() if isinstance(g, _FusedStepper)}
     return times, python
 
@@ -339,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
                          "compiled with --fusions off)")
     ap.add_argument("--ratios", help="comma-separated numbers of replaying layers to measure (default: 0, half, "
                                      "3/4, all but one, all)")
+    ap.add_argument("--fractions", default="0.8",
+                    help="comma-separated replay ratios of (b) that are no whole number of layers, measured with a "
+                         "per-step layer schedule (default 0.8, the issue's 80%%; '' for none). (a)'s og.Generator "
+                         "variants are compiled per replay count, so they have no such row")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=Path("docs/bench_genai.json"))
     ap.add_argument("--cpu-time", action="store_true",
@@ -359,6 +412,14 @@ def main(argv: list[str] | None = None) -> int:
     folders = variants(src, work, shape.layers, cfg["frame_tokens"], only, a.native_attention)
     for f in folders.values():
         set_session(f, a.threads, not a.no_native, entries)
+    try:
+        fractions = tuple(float(x) for x in a.fractions.split(",") if x.strip())
+        for r in fractions:
+            if not 0 < r < 1:
+                raise ValueError(f"{r} is not between 0 and 1")
+            replay_schedule(shape.layers, r)
+    except ValueError as e:
+        ap.error(f"--fractions: {e}; give ratios such as 0.8")
     kinds = [k.strip() for k in a.fused_kinds.split(",") if k.strip()]
     if bad := [k for k in kinds if k not in FUSED_PREFIX]:
         ap.error(f"--fused-kinds: unknown kind(s) {', '.join(bad)}; use {' or '.join(FUSED_PREFIX)}")
@@ -367,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                "contexts": {}}
     for ctx in contexts:
         times, python = measure(folders, ctx, tokens, shape.vocab, fused, shape.layers, a.threads, a.block, entries,
-                                only, time.process_time if a.cpu_time else time.perf_counter)
+                                only, time.process_time if a.cpu_time else time.perf_counter, fractions)
         # Lower quartile, not median: on the shared machine other jobs preempt whole steps (x50 outliers).
         med = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
         f = 1 - med["noMLP"] / med["dense"]
@@ -395,11 +456,13 @@ def main(argv: list[str] | None = None) -> int:
                              ("fused", "(b') dynamo export, fused attention (GQA; the native ai.fastcar one unless "
                                        "--native-attention off), FastCarSession shared KV"),
                              ("fusedn", "(b') without the export fusions (--fusions off)")):
-            names = [n for n in med if n.startswith(prefix) and n[len(prefix):].isdigit()]
-            if names:
+            replay = {n: int(n[len(prefix):]) / shape.layers for n in med
+                      if n.startswith(prefix) and n[len(prefix):].isdigit()}
+            replay |= {n: int(n[len(prefix) + 1:]) / 100 for n in med
+                       if n.startswith(prefix + "@") and n[len(prefix) + 1:].isdigit()}
+            if replay:
                 print(f"| {what} | | | | | | |")
-            for name in names:
-                r = int(name[len(prefix):]) / shape.layers
+            for name, r in sorted(replay.items(), key=lambda nr: nr[1]):
                 sp, sp_fast, bound = med["dense"] / med[name], med[fastest] / med[name], 1 / (1 - f_fast * r)
                 rows.append({"variant": name, "replay": r, "ms": med[name], "speedup": sp,
                              "speedup_vs_fastest_dense": sp_fast, "bound": bound, "python_ms": python.get(name)})

@@ -1,7 +1,7 @@
 """The native dense attention core (CompressedAttention plain mode, runtime/native/dense_attention.h) on the paths
 its layout adds, against the independent NumPy attention of test_compressed_attention: key ranges split across
 work items (contexts >= 512 at batch x KV heads below the core count, lengths not divisible by the split),
-8- and 16-lane row chunks (G = 1, 2, 8, 16; multi-token steps), head sizes 64, 80 and 96, one KV head, batch 2
+8-, 16- and (AVX-512 CPUs) 32-lane row chunks (G = 1, 2, 8, 16, 32; multi-token steps), head sizes 64, 80 and 96, one KV head, batch 2
 with left padding (rows that see no key in one split, or in all of them), in a shared buffer longer than T."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ CASES = {  # name: (heads, kv heads, head dim, batch, past, step tokens, left pa
     "3 tokens 16/2x64 split": (16, 2, 64, 2, 800, 3, [0, 10]),
     "2 tokens 8/2x64 (16 lanes, causal lanes)": (8, 2, 64, 1, 530, 2, [0]),
     "37 tokens 4/2x80 tiles, pads into the step": (4, 2, 80, 2, 50, 37, [0, 60]),
+    "5 tokens 8/1x64 (32 + 8 lanes)": (8, 1, 64, 2, 300, 5, [0, 2]),
+    "decode 32/1x64 (32 lanes, split)": (32, 1, 64, 1, 600, 1, [0]),
 }
 
 

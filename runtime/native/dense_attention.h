@@ -103,9 +103,8 @@ inline Scratch& ThreadScratch() {
 }
 
 // scores sc[j][v] = qT . K[j] for nb keys, KJ keys at a time (each K element broadcast once into every lane)
-template <int V>
+template <int V, int KJ>
 FC_INLINE void Scores(const f8* qT, const float* k, int64_t nb, int64_t D, f8* sc) {
-  constexpr int KJ = 8 / V;
   int64_t j = 0;
   for (; j + KJ <= nb; j += KJ) {
     f8 a[KJ][V] = {};
@@ -131,9 +130,8 @@ FC_INLINE void Scores(const f8* qT, const float* k, int64_t nb, int64_t D, f8* s
 }
 
 // acc[d][v] = acc[d][v] * alpha[v] + sum_j p[j][v] V[j][d], DC dims at a time held in registers over the block
-template <int V>
+template <int V, int DC>
 FC_INLINE void AccumulatePV(const f8* p, const float* val, int64_t nb, int64_t D, const f8* alpha, f8* acc) {
-  constexpr int DC = 8 / V;
   int64_t d0 = 0;
   for (; d0 + DC <= D; d0 += DC) {
     f8 a[DC][V];
@@ -173,7 +171,7 @@ inline void MeanValue(const DenseTask& t, int64_t b, int64_t hk, float* dst) {
 
 // Rows r0 .. r0+nr-1 of tile (b, hk, i0) (row = token * G + head in the group) over keys [jlo, jhi) in 8V lanes:
 // with rec == nullptr the normalised outputs go to t.out, else (max, sum, unnormalised output) per row to rec.
-template <int V>
+template <int V, int KJ = 8 / V, int DC = 8 / V>
 FC_INLINE void Chunk(const DenseTask& t, int64_t b, int64_t hk, int64_t i0, int64_t r0, int64_t nr, int64_t jlo,
                      int64_t jhi, float* rec) {
   constexpr int R = kLanes * V;
@@ -205,7 +203,7 @@ FC_INLINE void Chunk(const DenseTask& t, int64_t b, int64_t hk, int64_t i0, int6
   }
   for (int64_t j0 = jlo; j0 < jhi; j0 += kBlock) {
     const int64_t nb = std::min(kBlock, jhi - j0);
-    Scores<V>(qT, kb + j0 * D, nb, D, sc);
+    Scores<V, KJ>(qT, kb + j0 * D, nb, D, sc);
     bool exact = j0 + nb - 1 <= all_see;  // every key of the block visible to every row
     for (int64_t j = 0; j < nb && exact; ++j) exact = m[j0 + j] != 0;
     if (!exact) {
@@ -236,7 +234,7 @@ FC_INLINE void Chunk(const DenseTask& t, int64_t b, int64_t hk, int64_t i0, int6
       lrun[v] = lrun[v] * alpha[v] + sum[v];
       mrun[v] = mnew[v];
     }
-    AccumulatePV<V>(sc, vb + j0 * D, nb, D, alpha, acc);
+    AccumulatePV<V, DC>(sc, vb + j0 * D, nb, D, alpha, acc);
   }
   alignas(32) float mx[R], l[R];
   for (int v = 0; v < V; ++v) {
@@ -285,14 +283,20 @@ inline void DenseItem(const DenseTask& t, int64_t item) {
     jhi = std::min(jmax, jlo + span);
     rec = t.partial + item * G * t.tile * (t.D + 2);
   }
-  const int64_t R = rows > dense::kLanes ? 2 * dense::kLanes : dense::kLanes;
+  // 8 rows (decode, G <= 8), 16, or with AVX-512's 32 registers 32 rows x 4 keys / 4 dims per register block
+  // (multi-token tiles: half the loads per FMA of 16 x 4)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  const int64_t R = rows <= dense::kLanes ? dense::kLanes : rows <= 2 * dense::kLanes || !wide ? 2 * dense::kLanes
+                                                                                               : 4 * dense::kLanes;
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
     const int64_t nr = std::min(R, rows - r0);
     const int64_t jend = std::min(jhi, t.P + i0 + (r0 + nr - 1) / G + 1);  // keys any row of the chunk may see
     if (R == dense::kLanes)
       dense::Chunk<1>(t, b, hk, i0, r0, nr, jlo, std::max(jlo, jend), rec);
-    else
+    else if (R == 2 * dense::kLanes)
       dense::Chunk<2>(t, b, hk, i0, r0, nr, jlo, std::max(jlo, jend), rec);
+    else
+      dense::Chunk<4, 4, 4>(t, b, hk, i0, r0, nr, jlo, std::max(jlo, jend), rec);
   }
 }
 
