@@ -22,7 +22,7 @@ from fastcar_compile.passes.analysis import find_layers, parse_layers
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 from fastcar_compile.passes.threshold import BakeThresholdPass
 from fastcar_compile.passes.validate import ValidatePass
-from fastcar_compile.save import SavePass, Staging
+from fastcar_compile.save import SavePass, Staging, owned_data
 
 __all__ = ["CompileOptions", "CompileReport", "LayerReport", "bake_threshold", "compile", "inspect", "load",
            "parse_layers", "pass_list"]
@@ -151,9 +151,11 @@ def compile(  # noqa: A001 - the natural name of the entry point
 
 
 def output_files(output: str | os.PathLike) -> list[Path]:
-    """Every file saving to `output` may write: the model and its external-data file."""
+    """Every file saving to `output` may write or delete: the model, `<name>.data` and the data files the
+    current output owns (save.owned_data; a new data file always gets a name no file has)."""
     output = Path(output)
-    return [output, output.parent / (output.name + ".data")]
+    default = output.parent / (output.name + ".data")
+    return [output, default, *(f for f in owned_data(output) if f != default)]
 
 
 def _genai_config(genai: bool | None, in_path: Path | None, out_path: Path | None) -> Path | None:

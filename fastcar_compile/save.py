@@ -3,11 +3,18 @@
 `Staging` writes the model once (weights of an external-data input are copied as files, not parsed); the
 validation pass checks that very file, and `SavePass` renames it into place, so a model that fails
 validation never reaches the output path and nothing is serialised twice.
+
+Replacing an earlier output: renaming the .onnx is the single commit point. New external data goes to a file
+name no current file has (`<name>.data`, or `<name>.<token>.data` while that one is in use), so until the
+.onnx rename the old model still pairs with its own data; afterwards the data files the old output owned
+(`owned_data`) are deleted. A crash between the steps leaves the old pair loadable plus, at worst, one
+unreferenced new data file.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,7 +23,7 @@ import onnx
 import onnx_ir as ir
 
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import copy_file, first_missing
+from fastcar_compile.fileio import copy_file, first_missing, model_files
 from fastcar_compile.passes.context import weight_bytes
 
 # Above this many bytes of weights the model is written with external data (protobuf's 2 GiB limit).
@@ -60,6 +67,30 @@ def _save_linked(model: ir.Model, tmp_model: Path, data_name: str, source: Path 
     return True
 
 
+def owned_data(output: str | os.PathLike) -> list[Path]:
+    """Data files a save to `output` replaces: `<name>.data` (the default name) and the `<name>.*.data` files
+    beside it that the current output names. Data the current output reads under any other name (weights
+    shared with other models) is never deleted."""
+    output = Path(output)
+    default = output.parent / f"{output.name}.data"
+    owned = [default] if default.is_file() else []
+    if output.is_file():
+        for f in model_files(output)[1:]:
+            name = os.path.relpath(f, output.parent)
+            if (os.sep not in name and name.startswith(f"{output.name}.") and name.endswith(".data")
+                    and f.is_file() and f not in owned):
+                owned.append(f)
+    return owned
+
+
+def _free_data_name(output: Path) -> str:
+    """`<name>.data` unless a file has that name (then `<name>.<token>.data`): never the old model's data."""
+    name = f"{output.name}.data"
+    while (output.parent / name).exists():
+        name = f"{output.name}.{secrets.token_hex(4)}.data"
+    return name
+
+
 class Staging:
     """A temp folder beside `output` holding the written model until `commit` renames it into place."""
 
@@ -67,7 +98,7 @@ class Staging:
         self.output = Path(output)
         self.source = source
         self.external = external
-        self.data_name = self.output.name + ".data"
+        self.data_name = self.output.name + ".data"  # chosen in write: a name no current file has
         self.tmp: Path | None = None
         self.path: Path | None = None  # the written model, once written
         self.created: Path | None = None
@@ -88,6 +119,7 @@ class Staging:
         self.big = weights > EXTERNAL_DATA_LIMIT
         self.external = self.external or weights > INLINE_WEIGHTS_MAX
         self.tmp = Path(tempfile.mkdtemp(prefix=".fastcar-", dir=self.output.parent))
+        self.data_name = _free_data_name(self.output)
         tmp_model = self.tmp / self.output.name
         if not self.external_weights:
             ir.save(model, tmp_model)
@@ -97,27 +129,29 @@ class Staging:
         return tmp_model
 
     def commit(self) -> Path:
+        """New data under its fresh name, then the .onnx rename (the commit point), then the old output's data
+        files are deleted (a failure before the rename takes the new data back and leaves the old pair)."""
         assert self.tmp is not None and self.path is not None, "write() first"
         data = self.output.parent / self.data_name
         if self.output.is_dir() or data.is_dir():
             raise FastCarError(f"{data if data.is_dir() else self.output} is a directory; remove it or choose "
                                "another -o (nothing was written)")
-        moved, backup = False, None
+        if data.exists():  # taken since write() (a concurrent save): never overwrite what a model may read
+            raise FastCarError(f"{data} appeared while compiling; run again (nothing was written)")
+        stale = [f for f in owned_data(self.output) if f != data]
+        moved = False
         try:
             if (self.tmp / self.data_name).exists():
-                if data.exists():  # an earlier output's data: kept aside until the model is in place
-                    backup = self.tmp / ".previous.data"
-                    os.replace(data, backup)
                 os.replace(self.tmp / self.data_name, data)
                 moved = True
             os.replace(self.path, self.output)
         except BaseException:  # all or nothing: a data file without its model is taken back
             if moved:
                 data.unlink(missing_ok=True)
-            if backup is not None:
-                os.replace(backup, data)
             raise
         self.created = None
+        for f in stale:  # the old model is gone: its data would be stale (or mis-paired) beside the new one
+            f.unlink(missing_ok=True)
         return self.output
 
     def cleanup(self) -> None:

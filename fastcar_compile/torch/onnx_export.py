@@ -113,7 +113,8 @@ def _example(dec: FastCarDecoder, batch: int = 2, seq: int = 3, past: int = 5) -
 
 def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnostics: bool = False):
     """Write the FastCar program of `decoder` (a FastCarDecoder or a model from `apply`) to `path` atomically
-    (weights over 16 MiB in `<path>.data`); returns the onnx_ir model."""
+    (weights over 16 MiB in an external-data file beside it: `<path>.data`, or `<path>.<token>.data` when an
+    earlier output's data is there; the model names its file, copy both); returns the onnx_ir model."""
     import onnx_ir as ir
     from onnx_ir.passes.common import RemoveUnusedNodesPass
     from torch.export import Dim
