@@ -1,7 +1,8 @@
 // Dense causal GQA attention over a KV buffer: the plain mode of ai.fastcar CompressedAttention, and the core any
 // other ai.fastcar attention op calls (RunDense). Semantics (docs/DESIGN.md, body: passes/fastcar_ops.py): a query
 // at KV index P+i sees key j iff j <= P+i and mask[b, j] == 1; a query that sees no key (a left pad) averages all
-// T values, as the exporters' masks with a finite minimum make softmax do.
+// T values, as the exporters' masks with a finite minimum make softmax do (DenseTask::empty: GroupQueryAttention
+// follows ORT's kernel instead, see EmptyRow).
 //
 // Why this layout (decode is memory-bound: every step reads the whole K and V of each KV head once):
 // - the query rows of one KV head (G heads x the tile's tokens) sit in vector lanes, 8 or 16 at a time, so each
@@ -49,6 +50,10 @@ struct DenseTask {
   // `partial` [B*Hkv*tiles*splits, G*tile, D+2] (max, sum, unnormalised output) and DenseCombine finishes.
   int64_t splits = 1;
   float* partial = nullptr;
+  // the output of a query that sees no key: kMeanAll = the mean of all T values (CompressedAttention, the
+  // exporters' masks); ORT's GroupQueryAttention under an additive bias: kCausalMean = the mean of its causal values
+  // 0..P+i (a finite bias above float-min: softmax of equal scores), kZero = zeros (a float-min or -inf bias)
+  enum EmptyRow { kMeanAll, kCausalMean, kZero } empty = kMeanAll;
 };
 
 namespace dense {
@@ -160,13 +165,15 @@ FC_INLINE void AccumulatePV(const f8* p, const float* val, int64_t nb, int64_t D
   }
 }
 
-// mean of the T value rows of one (b, hk): the output of a query that sees no key
-inline void MeanValue(const DenseTask& t, int64_t b, int64_t hk, float* dst) {
+// the output of query token i of (b, hk) that sees no key (DenseTask::empty)
+inline void MeanValue(const DenseTask& t, int64_t b, int64_t hk, int64_t i, float* dst) {
   const float* vb = t.val + (b * t.Hkv + hk) * t.N * t.D;
+  const int64_t n = t.empty == DenseTask::kCausalMean ? std::min(t.T, t.P + i + 1) : t.T;
   std::fill_n(dst, t.D, 0.0f);
-  for (int64_t j = 0; j < t.T; ++j)
+  if (t.empty == DenseTask::kZero) return;
+  for (int64_t j = 0; j < n; ++j)
     for (int64_t d = 0; d < t.D; ++d) dst[d] += vb[j * t.D + d];
-  for (int64_t d = 0; d < t.D; ++d) dst[d] /= static_cast<float>(t.T);
+  for (int64_t d = 0; d < t.D; ++d) dst[d] /= static_cast<float>(n);
 }
 
 // Rows r0 .. r0+nr-1 of tile (b, hk, i0) (row = token * G + head in the group) over keys [jlo, jhi) in 8V lanes:
@@ -252,8 +259,8 @@ FC_INLINE void Chunk(const DenseTask& t, int64_t b, int64_t hk, int64_t i0, int6
     }
     const int64_t g = (r0 + r) % G, i = i0 + (r0 + r) / G;
     float* o = t.out + ((b * t.S + i) * t.Hq + hk * G + g) * D;
-    if (l[r] == 0.0f) {  // sees no key: the mean of all T values
-      MeanValue(t, b, hk, o);
+    if (l[r] == 0.0f) {  // sees no key: the mean of the values (all T, or its causal ones)
+      MeanValue(t, b, hk, i, o);
       continue;
     }
     const float inv = 1.0f / l[r];
@@ -303,7 +310,7 @@ inline void DenseItem(const DenseTask& t, int64_t item) {
 inline void DenseItemThunk(void* data, size_t item) { DenseItem(*static_cast<DenseTask*>(data), item); }
 
 // Finish split items: per row, out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s (exact
-// rescaling of the partial softmaxes); a row no split gave any weight (sees no key) gets the mean of the values.
+// rescaling of the partial softmaxes); a row no split gave any weight (sees no key) gets MeanValue.
 inline void DenseCombine(const DenseTask& t) {
   const int64_t G = t.Hq / t.Hkv, D = t.D, rt = G * t.tile;
   std::vector<float> o(D);
@@ -328,7 +335,7 @@ inline void DenseCombine(const DenseTask& t) {
       const int64_t g = r % G, i = i0 + r / G;
       float* dst = t.out + ((b * t.S + i) * t.Hq + hk * G + g) * D;
       if (L == 0.0f) {
-        dense::MeanValue(t, b, hk, dst);
+        dense::MeanValue(t, b, hk, i, dst);
         continue;
       }
       for (int64_t d = 0; d < D; ++d) dst[d] = o[d] / L;

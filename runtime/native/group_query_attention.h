@@ -17,7 +17,8 @@
 //   steps: 1 where that is past the row's length, as ORT does),
 //   cos/sin [max_pos, R/2], half-split or interleaved pairs.
 //   attention_bias [B,1,S or 1,T] is accepted only in the form `--fused-attention gqa` writes (0 = visible,
-//   <= -1e30 = a left pad, per column): it becomes the dense core's [B,T] mask.
+//   <= -1e30 = a left pad, per column): it becomes the dense core's [B,T] mask. A query that sees no key gets, as
+//   in ORT, zeros when the hidden columns are float-min / -inf, else the mean of its causal values.
 // Unsupported (the pass never swaps such nodes): softcap, local_window_size, smooth_softmax, qk_output, causal=0,
 // quantised KV, position_ids / head_sink / k_scale / v_scale / q,k norm inputs.
 #pragma once
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -148,11 +150,15 @@ void Run(const Settings& c, const Inputs& in, float* q, float* key, float* val, 
   int64_t T = 0;
   for (int64_t b = 0; b < B; ++b) T = std::max(T, rows[b]);
   mask.assign(static_cast<size_t>(B * T), 1);
+  bool hidden_lowest = true;  // every hidden column's bias is float-min or -inf: ORT gives a query seeing none 0
   if (in.bias != nullptr) {
     if (T > in.total) throw std::runtime_error("GroupQueryAttention: attention_bias narrower than the keys");
     for (int64_t b = 0; b < B; ++b) {
       const float* br = in.bias + (b * in.bias_rows + in.bias_rows - 1) * in.total;
-      for (int64_t j = 0; j < T; ++j) mask[b * T + j] = br[j] > -1e30f ? 1 : 0;
+      for (int64_t j = 0; j < T; ++j) {
+        mask[b * T + j] = br[j] > -1e30f ? 1 : 0;
+        if (br[j] <= -1e30f && br[j] > std::numeric_limits<float>::lowest()) hidden_lowest = false;
+      }
     }
   }
   // first prompt: ORT's query i sees keys 0..min(i, seqlens_k[b]) (a right pad attends to the row's real tokens
@@ -180,6 +186,8 @@ void Run(const Settings& c, const Inputs& in, float* q, float* key, float* val, 
     t.T = same ? T : rows[b0];  // the mask rows are T apart: with one task T is every row's length
     t.P = past[b0];
     t.scale = scale;
+    // a query that sees no key (a left pad under the bias), as ORT: zeros under float-min, else its causal mean
+    t.empty = hidden_lowest ? fastcar_attn::DenseTask::kZero : fastcar_attn::DenseTask::kCausalMean;
     fastcar_attn::RunDense(ctx, t);
   }
 }
