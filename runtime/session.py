@@ -349,10 +349,24 @@ class FastCarSession:
         return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ state
+    def release(self) -> None:
+        """Drop the IO bindings (and so the last video's state, shared KV and output buffers they keep alive);
+        the next step binds its own arrays again. new_state calls it: a dropped video's memory is freed."""
+        if self._io is not None:
+            self._io.clear_binding_inputs()
+            self._io.clear_binding_outputs()
+        self._bound_in.clear()
+        self._bound_out.clear()
+        self._bound_names = ()
+        self._inplace_res = None
+
     def new_state(self, batch: int, video_start: int = 0) -> DecodeState:
-        """Empty state for `batch` new videos: no KV, caches zero, ages -1 (per the model's `fill`)."""
+        """Empty state for `batch` new videos: no KV, caches zero, ages -1 (per the model's `fill`). Releases
+        the bindings of earlier videos (their buffers would otherwise stay alive after the caller drops them;
+        a video still being stepped is bound again on its next step)."""
         if batch < 1:
             raise FastCarError(f"batch must be >= 1, got {batch}")
+        self.release()
         arrays = {s.input: s.empty(batch) for s in self.specs}
         for s in self.specs:  # allocated once per video, written in place by the fused attention
             cap = self._kv_capacity(s)

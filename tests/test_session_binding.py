@@ -3,6 +3,9 @@ stock ONNX Runtime runs of complete feeds (tests/ort_driver.py: function bodies,
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import ort_driver
 import pytest
@@ -14,7 +17,20 @@ L = 4
 
 
 @pytest.fixture(scope="module")
-def fused(zoo_model, tmp_path_factory):
+def native():
+    """The native kernels (the fused attention runs only with them): skip where they cannot be built."""
+    from fastcar_compile.runtime.native import build
+
+    try:
+        return build.build(log=lambda *_: None)
+    except build.Skipped as exc:
+        pytest.skip(f"native kernels cannot be built here: {exc}")
+    except RuntimeError as exc:  # a compiler exists but the build broke: that is a failure, not a skip
+        pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="module")
+def fused(native, zoo_model, tmp_path_factory):
     import fastcar_compile
 
     out = tmp_path_factory.mktemp("binding") / "fast.onnx"
@@ -55,3 +71,40 @@ def test_bound_steps_equal_plain_runs(fused):
         for k in range(1, len(steps[v])):
             assert got[v][k].shape == want[v][k].shape
             assert np.abs(got[v][k] - want[v][k]).max() <= 1e-4, f"video {v} step {k}"
+
+
+def test_batch_changes_between_bound_steps(fused):
+    """Three videos of batch 2, 1 and 3 stepped in turn on one session, so consecutive bound steps change batch
+    (and the bound feeds, state and output buffers their shapes) with no new_state in between, with 2- and
+    1-token steps: every step's logits equal the stock runs."""
+    sess = FastCarSession(fused, max_length=64)
+    rng = np.random.default_rng(11)
+    batches = (2, 1, 3)
+    steps = {b: [rng.integers(0, zoo.VOCAB, (b, 5))] + [rng.integers(0, zoo.VOCAB, (b, 2 if k % 3 == 0 else 1))
+                                                         for k in range(3 * L)] for b in batches}
+    want = {b: ort_driver.decode(fused, steps[b]).logits for b in batches}
+    states = {b: sess.new_state(b) for b in batches}
+    for k in range(len(steps[1])):
+        for b in batches:
+            out = sess.step(states[b], steps[b][k], check=k % 2 == 0)
+            states[b] = out.state
+            assert out.logits.shape == want[b][k].shape
+            assert np.abs(out.logits - want[b][k]).max() <= 1e-4, f"batch {b} step {k}"
+
+
+def test_dropped_video_buffers_are_freed(fused):
+    """After a video's state is dropped, the session's IO bindings no longer keep its arrays (state and shared
+    KV buffers) alive: new_state for the next video, or release(), lets them be freed."""
+    sess = FastCarSession(fused, max_length=64)
+    rng = np.random.default_rng(3)
+    for start_next in (lambda: sess.new_state(1), lambda: sess.release()):
+        out = sess.step(sess.new_state(2), rng.integers(0, zoo.VOCAB, (2, 5)))
+        for _ in range(3):
+            out = sess.step(out.state, rng.integers(0, zoo.VOCAB, (2, 1)))
+        refs = [weakref.ref(a) for a in out.state.arrays.values()]
+        assert refs and all(r() is not None for r in refs)
+        del out
+        start_next()
+        gc.collect()
+        alive = [r for r in refs if r() is not None]
+        assert not alive, f"{len(alive)} of {len(refs)} state arrays still alive after the video was dropped"
