@@ -1,10 +1,14 @@
 """Profile one FastCarSession decode step of a compiled model: ms per step, Python ms per step (outside ORT),
-kernel launches per step and the kernel time per op type (ORT's profiler, the last `--profiled` steps).
+kernel launches per step and the kernel time per op type (ORT's profiler over the timed steps).
 
     python benchmarks/profile_fused.py FAST_ONNX [--ctx 4096] [--replay all|none] [--threads 2]
+    python benchmarks/profile_fused.py FAST_ONNX --libs OLD.so,NEW.so [--names old,new]   # kernel builds A/B
 
 Path (b) of docs/genai.md (a dynamo export compiled with --fused-attention fastcar) against genai's 89 launches
-per step; a loaded machine moves the times but not the launch counts.
+per step; a loaded machine moves the times but not the launch counts. With --libs, every build of the native
+kernels gets its own session (FASTCAR_NATIVE=lib when it is created), the same prompt, then --rounds rounds of
+one untimed and --block timed steps per build in turn (interleaved, so load hits them alike); per-step time =
+lower quartile, ratios against the first build.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,54 +25,92 @@ from pathlib import Path
 import numpy as np
 
 
+class Stepper:
+    """A FastCarSession on one kernel library (None: the default one), prefilled with the prompt, stepping
+    greedily at forced replay (tau -inf for every layer, or +inf), with ORT's profiler on."""
+
+    def __init__(self, model: Path, lib: str | None, ctx: int, threads: int, replay_all: bool, steps: int):
+        import onnxruntime as ort
+
+        from fastcar_compile.runtime import FastCarSession
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+        so.enable_profiling = True
+        so.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="fastcar-prof-")) / "step")
+        if lib is not None:
+            os.environ["FASTCAR_NATIVE"] = lib
+        self.sess = FastCarSession(model, session_options=so, threads=threads, max_length=ctx + steps + 8)
+        self.taus = np.full(len(self.sess.layers), -np.inf if replay_all else np.inf, np.float32)
+        prompt = np.random.default_rng(0).integers(3, self.sess.vocab or 2, (1, ctx)).astype(np.int64)
+        out = self.sess.step(self.sess.new_state(1), prompt, threshold=self.taus)
+        self.state, self.ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
+        self.times: list[float] = []
+        self.python: list[float] = []
+
+    def step(self, timed: bool) -> None:
+        t0 = time.perf_counter()
+        out = self.sess.step(self.state, self.ids, threshold=self.taus, check=False)
+        dt = time.perf_counter() - t0
+        if timed:
+            self.times.append(dt)
+            self.python.append(dt - self.sess.last_ort_s)
+        self.state, self.ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
+
+    def profile(self) -> tuple[float, dict[str, tuple[float, float]]]:
+        """(launches per step, op type -> (ms per step, launches per step)) over the decode steps (the prompt's
+        run excluded; untimed steps count alike, they run the same graph)."""
+        ev = json.loads(Path(self.sess.session.end_profiling()).read_text())
+        runs = [e for e in ev if e.get("name") == "model_run"][1:]
+        time_us: collections.Counter = collections.Counter()
+        count: collections.Counter = collections.Counter()
+        for e in ev:
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= runs[0]["ts"]:
+                op = e["args"].get("op_name")
+                time_us[op] += e["dur"]
+                count[op] += 1
+        n = len(runs)
+        return sum(count.values()) / n, {op: (us / n / 1e3, count[op] / n) for op, us in time_us.most_common()}
+
+
 def main(argv: list[str] | None = None) -> int:
-    import onnxruntime as ort
-
-    from fastcar_compile.runtime import FastCarSession
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", type=Path)
+    ap.add_argument("model", type=Path, help="fast.onnx compiled with --fused-attention fastcar")
     ap.add_argument("--ctx", type=int, default=4096, help="prompt tokens before the timed decode steps")
     ap.add_argument("--replay", choices=["none", "all"], default="none", help="tau +inf (none) or -inf (all)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--profiled", type=int, default=20, help="last steps whose ORT profile events are counted")
-    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--libs", help="comma-separated libfastcar_ops.so builds to compare (default: the current one)")
+    ap.add_argument("--names", help="comma-separated names for --libs")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--block", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25, help="op types listed")
     a = ap.parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="fastcar-prof-")
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads = a.threads, 1
-    so.enable_profiling, so.profile_file_prefix = True, str(Path(tmp) / "step")
-    sess = FastCarSession(a.model, session_options=so, threads=a.threads, max_length=a.ctx + a.steps + 8)
-    taus = np.full(len(sess.layers), -np.inf if a.replay == "all" else np.inf, np.float32)
-    prompt = np.random.default_rng(0).integers(3, sess.vocab or 2, (1, a.ctx)).astype(np.int64)
-    out = sess.step(sess.new_state(1), prompt, threshold=taus)
-    state, ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
-    total, python = [], []
-    for _ in range(a.steps):
+    libs: list[str | None] = a.libs.split(",") if a.libs else [None]
+    names = a.names.split(",") if a.names else [Path(x).stem if x else "current" for x in libs]
+    if len(names) != len(libs):
+        ap.error("--names: give one name per --libs entry")
+    steps = a.rounds * (a.block + 1)
+    runs = {}
+    for n, lib in zip(names, libs, strict=True):
         t0 = time.perf_counter()
-        out = sess.step(state, ids, threshold=taus, check=False)
-        dt = time.perf_counter() - t0
-        total.append(dt)
-        python.append(dt - sess.last_ort_s)
-        state, ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
-    tail = slice(a.steps // 4, None)
-    print(f"{a.model} ctx {a.ctx} replay {a.replay}: {np.median(total[tail]) * 1e3:.2f} ms/step (median), "
-          f"Python {np.median(python[tail]) * 1e3:.3f} ms/step outside ORT")
-    events = json.loads(Path(sess.session.end_profiling()).read_text())
-    runs = [e for e in events if e.get("name") == "model_run"]
-    n = min(a.profiled, len(runs))
-    start = runs[-n]["ts"]
-    time_us, count = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= start:
-            op = e["args"].get("op_name")
-            time_us[op] += e["dur"]
-            count[op] += 1
-    print(f"kernel launches per step {sum(count.values()) / n:.0f}, kernel time {sum(time_us.values()) / n / 1e3:.2f} "
-          f"ms/step (If includes its branch)")
-    for op, us in time_us.most_common(a.top):
-        print(f"  {op:36s} {us / n / 1e3:7.3f} ms  x{count[op] / n:.0f}")
+        runs[n] = Stepper(a.model, lib, a.ctx, a.threads, a.replay == "all", steps)
+        print(f"{n}: prefilled {a.ctx} tokens in {time.perf_counter() - t0:.1f} s ({lib or 'default library'})",
+              file=sys.stderr)
+    for _ in range(a.rounds):
+        for r in runs.values():
+            r.step(False)
+            for _ in range(a.block):
+                r.step(True)
+    ms = {n: float(np.percentile(r.times, 25)) * 1e3 for n, r in runs.items()}
+    base = names[0]
+    for n, r in runs.items():
+        launches, ops = r.profile()
+        vs = f" ({ms[base] / ms[n]:.2f}x vs {base})" if len(runs) > 1 else ""
+        print(f"{n}: {a.model} ctx {a.ctx} replay {a.replay}, {a.threads} threads: {ms[n]:.2f} ms/step (lower "
+              f"quartile){vs}, Python {np.median(r.python) * 1e3:.3f} ms/step outside ORT; kernel launches per step "
+              f"{launches:.0f}, kernel time {sum(t for t, _ in ops.values()):.2f} ms/step (If includes its branch)")
+        for op, (t, c) in list(ops.items())[:a.top]:
+            print(f"  {op:36s} {t:7.3f} ms  x{c:.0f}")
     return 0
 
 
