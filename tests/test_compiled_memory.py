@@ -10,6 +10,7 @@ pytest other tests' allocations move VmRSS by MiBs.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import numpy as np
 import onnx
 import ort_driver
 import pytest
+import test_pass_reference as tpr
 import zoo
 
 # A genai graph big enough for its MLP weights to stand out of VmRSS noise: 2 layers x 3 x 512 x 4096 fp32
@@ -122,8 +124,16 @@ def test_shared_mlp_layout_equals_the_nested_one(zoo_model, fc_compile, tmp_path
     masks = [m for ms in runs[True].replay_mask.values() for m in ms]
     assert any(m.any() and not m.all() for m in masks), "no step mixed computing and replaying rows"
     assert any(not m.any() for m in masks), "no step where every row computed"
+    assert any(m.all() for m in masks), "no step where every row replayed (the branch that skips the MLP)"
     for k, (a, b) in enumerate(zip(runs[True].logits, runs[False].logits, strict=True)):
         assert np.abs(a - b).max() <= 1e-5, f"step {k}: logits differ by {np.abs(a - b).max():.3g}"
     for layer, ms in runs[True].replay_mask.items():
         for a, b in zip(ms, runs[False].replay_mask[layer], strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_nested_layout_matches_eager_reference(zoo_model, fc_compile, tmp_path):
+    """The nested layout (shared_mlp=False), which the test above compares the shared one with, is itself checked
+    against the eager PyTorch reference: logits, TAS, decisions and final state (a multi-token chunk, padding)."""
+    tpr.check_against_reference(zoo_model, functools.partial(fc_compile, shared_mlp=False), tmp_path,
+                                tpr.DEFAULT_CASES[0])
