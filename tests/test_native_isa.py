@@ -58,3 +58,39 @@ def test_compressed_trace_at_one_isa(isa_lib):
     ref = run_trace(q, k, v, cfg)
     got, _ = run_kernel(cfg, q, k, v, [6] + [1] * 30 + [4] + [1] * 32)
     assert np.abs(got - ref.out).max() <= 1e-4
+
+
+def test_default_library_exports_only_the_entry_point():
+    """The default build's ifunc-dispatched kernels (DenseItem, CompressedItem, GroupAttend) have internal linkage:
+    GCC exports a target_clones ifunc despite -fvisibility=hidden, and an older cached library loaded RTLD_GLOBAL
+    would then interpose its own (other struct layouts). nm lists the dynamic symbols independently of the build."""
+    import shutil
+    import subprocess
+
+    from fastcar_compile.runtime.native import library_path
+
+    lib = library_path()
+    if lib is None or shutil.which("nm") is None:
+        pytest.skip("no native library or no nm here")
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+    ours = [line.split()[-1] for line in syms.splitlines() if "fastcar" in line or "RegisterCustomOps" in line]
+    assert ours == ["RegisterCustomOps"], ours
+
+
+@pytest.mark.parametrize("undef,clones", [([], True), (["-U__x86_64__"], False)])
+def test_clones_only_where_the_compiler_knows_the_arches(undef, clones):
+    """FASTCAR_CLONES names x86-64 arch levels only for GCC >= 12 on x86-64 (elsewhere, e.g. aarch64, the header
+    must still compile): the preprocessor's view of dense_attention.h with and without __x86_64__."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++")
+    text = (build.HERE / "dense_attention.h").read_text()  # the guard block alone (system headers need x86)
+    start = text.index("#ifndef FASTCAR_CLONES")
+    block = text[start:text.index("#endif\n#endif", start) + len("#endif\n#endif")] + "\n"
+    out = subprocess.run([cxx, "-std=c++17", "-E", "-dM", *undef, "-x", "c++", "-"], input=block,
+                         capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("#define FASTCAR_CLONES"))
+    assert ("target_clones" in line) == clones, line

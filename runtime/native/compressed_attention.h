@@ -205,7 +205,7 @@ struct GroupBuffers {  // GroupAttend's scratch, reused across tokens
 // inner loops vectorise (the per-head path below does one dot product per head and slot). Same semantics:
 // logits q.k scale + bias (log count), softmax, mass received per slot, probability-weighted values.
 FASTCAR_CLONES
-inline void GroupAttend(const CompressedTask& t, int64_t b, int64_t hk, int64_t i, int64_t p, const int64_t* sel,
+static inline void GroupAttend(const CompressedTask& t, int64_t b, int64_t hk, int64_t i, int64_t p, const int64_t* sel,
                         const float* bias, int64_t n, const float* key, const float* val, float* slots,
                         const int64_t* m, const float* dense, float* stats, std::vector<float>& pd,
                         GroupBuffers& buf) {
@@ -301,7 +301,7 @@ inline int64_t FindSlot(const float* slots, int64_t C, int64_t F, int64_t kv) {
 }
 
 FASTCAR_CLONES
-inline void CompressedItem(const CompressedTask& t, int64_t bh) {
+static inline void CompressedItem(const CompressedTask& t, int64_t bh) {
   const Settings& c = *t.cfg;
   const Shapes& sh = t.sh;
   const int64_t D = sh.D, C = sh.N, F = t.F, G = c.heads / c.kv_heads;

@@ -32,8 +32,15 @@
 // shared home may serve to several hosts, so it is built for the x86-64-v2 baseline (-march in build.py) and
 // never for the build host alone (-march=native would crash elsewhere with SIGILL). `build.py --isa LEVEL`
 // defines FASTCAR_CLONES empty and builds the one level instead (the tests check the SSE fallback that way).
+// Only GCC >= 12 on x86-64 knows these arch names (clang's target_clones does not take arch=); elsewhere (aarch64,
+// clang, older GCC) one plain build. The cloned functions are `static`: GCC exports an ifunc symbol despite
+// -fvisibility=hidden, and an older cached library loaded RTLD_GLOBAL would otherwise interpose its own.
 #ifndef FASTCAR_CLONES
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #define FASTCAR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FASTCAR_CLONES
+#endif
 #endif
 
 namespace fastcar_attn {
@@ -272,7 +279,7 @@ FC_INLINE void Chunk(const DenseTask& t, int64_t b, int64_t hk, int64_t i0, int6
 
 // One work item: batch row b, KV head hk, a tile of query tokens (all G query heads of the group), one key split.
 FASTCAR_CLONES
-inline void DenseItem(const DenseTask& t, int64_t item) {
+static inline void DenseItem(const DenseTask& t, int64_t item) {
   const int64_t G = t.Hq / t.Hkv;
   const int64_t split = item % t.splits;
   const int64_t rest = item / t.splits;
