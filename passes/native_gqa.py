@@ -20,10 +20,11 @@ from fastcar_compile.passes import fastcar_ops
 from fastcar_compile.passes import graph_utils as gu
 
 KEPT = contract.OP_ATTRIBUTES[contract.GROUP_QUERY_ATTENTION]
-# attributes the kernel does not implement, with the value that means "off" (absent = off too)
-DEFAULTS: dict[str, object] = {"local_window_size": -1, "softcap": 0.0, "smooth_softmax": 0, "qk_output": 0,
-                               "causal": 1, "sliding_window_cache": 0, "k_quant_type": "NONE",
-                               "v_quant_type": "NONE"}
+# attributes the kernel does not implement, with the values that mean "off" (absent = off too; ORT reads
+# smooth_softmax as on only when 1, and -1 is its documented "off")
+DEFAULTS: dict[str, tuple] = {"local_window_size": (-1,), "softcap": (0.0,), "smooth_softmax": (0, -1),
+                              "qk_output": (0,), "causal": (1,), "sliding_window_cache": (0,),
+                              "k_quant_type": ("NONE",), "v_quant_type": ("NONE",)}
 IGNORED = frozenset({"qk_norm_epsilon"})  # only read with q/k norm weights, which are refused below
 INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
           "sin_cache", "position_ids", "attention_bias")
@@ -43,16 +44,56 @@ def _const(value: ir.Value | None):
     return None if arr is None else arr.numpy()
 
 
-def _mask_form_bias(bias: ir.Value) -> bool:
-    """`--fused-attention gqa`'s bias: Where(pad, <= -1e30, 0) through Unsqueeze/Expand/Reshape only, so every
-    entry is either 0 (visible) or a masked column."""
-    node = bias.producer()
-    while node is not None and node.op_type in ("Expand", "Unsqueeze", "Reshape"):
+ELEMENTWISE = frozenset({"Equal", "Not", "Cast", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or"})
+
+
+def _dims(value: ir.Value | None) -> list | None:
+    """A value's dims (ints, names or None), from its shape, a constant, or the NumPy broadcast of an elementwise
+    producer's inputs (the pad condition is often untyped before shape inference); None when unknown."""
+    if value is None:
+        return None
+    if value.shape is not None:
+        return [d if isinstance(d, int) else str(d) for d in value.shape]
+    if (arr := _const(value)) is not None:
+        return list(arr.shape)
+    node = value.producer()
+    if node is None or node.op_type not in ELEMENTWISE:
+        return None
+    shapes = [_dims(v) for v in node.inputs]
+    if not shapes or any(d is None for d in shapes):
+        return None
+    rank = max(len(d) for d in shapes)
+    padded = [[1] * (rank - len(d)) + d for d in shapes]
+    return [1 if all(d[i] == 1 for d in padded) else next(d[i] for d in padded if d[i] != 1) for i in range(rank)]
+
+
+def _mask_form_bias(bias: ir.Value) -> str | None:
+    """Why `bias` is not `--fused-attention gqa`'s mask form (None: it is): Where(pad, <= -1e30, 0) whose pad
+    condition is constant across query rows, as [B, T] Unsqueezed at axes 1, 2, or [B, 1, 1, T], then Expands
+    only, so the bias is [B, 1, 1|S, T] and every entry is 0 (visible) or a masked column. The kernel builds its
+    mask from the bias's last query row, so a condition that varies per query row must keep ORT's op."""
+    chain, node = [], bias.producer()
+    while node is not None and node.op_type in ("Expand", "Unsqueeze"):
+        chain.append(node)
         node = node.inputs[0].producer() if node.inputs[0] is not None else None
     if node is None or node.op_type != "Where" or len(node.inputs) != 3:
-        return False
+        return "it is not Where(pad, lowest, 0) through Unsqueeze/Expand"
     low, zero = _const(node.inputs[1]), _const(node.inputs[2])
-    return low is not None and zero is not None and bool((low <= MASK_FLOOR).all()) and bool((zero == 0).all())
+    if low is None or zero is None or not (low <= MASK_FLOOR).all() or not (zero == 0).all():
+        return "its Where does not pick a constant <= -1e30 or 0"
+    if low.size != 1 or zero.size != 1:
+        return "its Where's constants are not scalars"
+    dims, unsq = _dims(node.inputs[0]), [n for n in chain if n.op_type == "Unsqueeze"]
+    if dims is not None and len(dims) == 2 and len(unsq) == 1 and len(unsq[0].inputs) > 1:
+        axes = _const(unsq[0].inputs[1])
+        ok = axes is not None and sorted(int(a) % 4 for a in axes.reshape(-1)) == [1, 2]
+    else:
+        ok = dims is not None and len(dims) == 4 and not unsq and dims[1] == 1 and dims[2] == 1
+    if not ok:
+        return "its pad condition is not [B, T] (Unsqueezed at 1, 2) or [B, 1, 1, T]: it may vary per query row"
+    if bias.shape is not None and (len(bias.shape) != 4 or bias.shape[1] != 1):
+        return f"its shape {bias.shape} is not [B, 1, 1 or S, T]"
+    return None
 
 
 def _dtype(node: ir.Node) -> ir.DataType | None:
@@ -72,20 +113,22 @@ def unsupported(node: ir.Node) -> str | None:
             continue
         if name not in DEFAULTS:
             return f"attribute {name} is not supported"
-        if attr.value != DEFAULTS[name]:
-            return f"{name}={attr.value} is not supported (only {DEFAULTS[name]})"
+        if attr.value not in DEFAULTS[name]:
+            return f"{name}={attr.value} is not supported (only {' or '.join(map(str, DEFAULTS[name]))})"
     extra = [i for i, v in enumerate(node.inputs) if v is not None and (i > BIAS or i == POSITION_IDS)]
     if extra:
         names = ", ".join(f"input {i}" if i >= len(INPUTS) else INPUTS[i] for i in extra)
         return f"{names} not supported (position_ids, head_sink, KV scales, q/k norm)"
-    if len(node.outputs) > 3 and node.outputs[3].uses():
+    if len(node.outputs) < 3:
+        return f"{len(node.outputs)} outputs (the ai.fastcar op has output, present_key, present_value)"
+    if len(node.outputs) > 3 and (node.outputs[3].uses() or node.outputs[3].is_graph_output()):
         return "output_qk is read"
     rotary = node.attributes["do_rotary"].value if "do_rotary" in node.attributes else 0
     if rotary and (len(node.inputs) < 9 or node.inputs[7] is None or node.inputs[8] is None):
         return "do_rotary without cos_cache/sin_cache"
     bias = node.inputs[BIAS] if len(node.inputs) > BIAS else None
-    if bias is not None and not _mask_form_bias(bias):
-        return "attention_bias is not a 0 / -inf left-padding mask (Where(pad, lowest, 0))"
+    if bias is not None and (why := _mask_form_bias(bias)) is not None:
+        return f"attention_bias is not a 0 / -inf left-padding mask (Where(pad, lowest, 0)): {why}"
     return None
 
 

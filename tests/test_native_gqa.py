@@ -394,3 +394,70 @@ def test_native_gqa_rejects_past_key_without_past_value():
              "total_sequence_length": np.array(2, np.int32)}
     with pytest.raises(Exception, match="past_key and past_value"):
         sess.run(None, feeds)
+
+
+def _bias_graph(cond_shape: list, unsqueeze: bool, attrs: dict | None = None, outputs: int = 3,
+                qk_graph_output: bool = False):
+    """ORT's GroupQueryAttention fed a Where(mask == 0, float-min, 0) bias built from a `mask` input of cond_shape
+    (Unsqueezed at axes 1, 2 when asked), as onnx_ir sees it before the swap."""
+    import onnx_ir as ir
+
+    f, lowest = TensorProto.FLOAT, float(np.finfo(np.float32).min)
+    inits = [helper.make_tensor("zero_i", TensorProto.INT64, [], [0]), helper.make_tensor("low", f, [], [lowest]),
+             helper.make_tensor("zero_f", f, [], [0.0]), helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2])]
+    nodes = [helper.make_node("Equal", ["mask", "zero_i"], ["pad"]),
+             helper.make_node("Where", ["pad", "low", "zero_f"], ["bias2"])]
+    if unsqueeze:
+        nodes.append(helper.make_node("Unsqueeze", ["bias2", "axes"], ["bias"]))
+    outs = ["output", "present_key", "present_value", "output_qk"][:outputs]
+    nodes.append(helper.make_node("GroupQueryAttention", ["query", "key", "value", "past_key", "past_value",
+                                                           "seqlens_k", "total_sequence_length", "", "", "",
+                                                           "bias" if unsqueeze else "bias2"], outs,
+                                  domain=contract.MS_DOMAIN, name="gqa0", num_heads=4, kv_num_heads=2,
+                                  **(attrs or {})))
+    ins = [helper.make_tensor_value_info(n, f, None) for n in ("query", "key", "value", "past_key", "past_value")]
+    ins += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, None),
+            helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, None),
+            helper.make_tensor_value_info("mask", TensorProto.INT64, cond_shape)]
+    graph_outs = [helper.make_tensor_value_info(n, f, None) for n in outs[:3] + (["output_qk"] if qk_graph_output
+                                                                                 else [])]
+    model = helper.make_model(helper.make_graph(nodes, "g", ins, graph_outs, inits),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(contract.MS_DOMAIN, 1)])
+    ir_model = ir.serde.deserialize_model(model)
+    ir_model.graph.inputs[0].dtype = ir.DataType.FLOAT
+    return ir_model
+
+
+@pytest.mark.parametrize("cond_shape,unsqueeze,swapped", [
+    (["B", "T"], True, True),  # --fused-attention gqa's form: [B, T] -> [B, 1, 1, T]
+    (["B", 1, 1, "T"], False, True),
+    (["B", 1, "S", "T"], False, False),  # a condition per query row: the kernel reads the last row only
+    (["B", "T"], False, False),  # a [B, T] bias: not [B, 1, 1|S, T]
+])
+def test_native_gqa_swaps_only_row_constant_bias(cond_shape, unsqueeze, swapped):
+    """The swap takes a Where-mask bias only when its condition is constant across query rows; otherwise the node
+    stays ORT's and --inspect says why."""
+    from fastcar_compile.passes.native_gqa import NativeGqaPass, inspect_notes
+
+    model = _bias_graph(cond_shape, unsqueeze)
+    notes = inspect_notes(model)
+    assert (len(notes) == 1) == swapped, notes
+    assert swapped or "attention_bias" in notes[1]
+    assert NativeGqaPass([])(model).modified == swapped
+
+
+@pytest.mark.parametrize("attrs,outputs,qk_out,why", [
+    ({"smooth_softmax": -1}, 3, False, None),  # ORT's explicit "off"
+    ({"smooth_softmax": 1}, 3, False, "smooth_softmax=1"),
+    ({}, 2, False, "2 outputs"),
+    ({}, 4, True, "output_qk"),
+])
+def test_native_gqa_refuses_with_a_reason(attrs, outputs, qk_out, why):
+    """Nodes the swap cannot take are refused with a reason (never an exception from the pass); smooth_softmax=-1
+    is off in ORT and swapped."""
+    from fastcar_compile.passes.native_gqa import NativeGqaPass, unsupported
+
+    model = _bias_graph(["B", "T"], True, attrs, outputs, qk_out)
+    reason = unsupported(model.graph.node(len(model.graph) - 1))
+    assert (reason is None) if why is None else (why in reason), reason
+    assert NativeGqaPass([])(model).modified == (why is None)

@@ -491,8 +491,9 @@ struct GqaKernel {
     cfg.interleaved = AttrOr<int64_t>(ki, "rotary_interleaved", 0) != 0;
     if (cfg.heads <= 0 || cfg.kv_heads <= 0 || cfg.heads % cfg.kv_heads != 0)
       throw std::runtime_error("GroupQueryAttention: num_heads must be a positive multiple of kv_num_heads");
+    const int64_t smooth = AttrOr<int64_t>(ki, "smooth_softmax", 0);  // ORT: -1 and 0 are off
     if (AttrOr<float>(ki, "softcap", 0.0f) != 0.0f || AttrOr<int64_t>(ki, "local_window_size", -1) > 0 ||
-        AttrOr<int64_t>(ki, "smooth_softmax", 0) != 0 || AttrOr<int64_t>(ki, "qk_output", 0) != 0 ||
+        (smooth != 0 && smooth != -1) || AttrOr<int64_t>(ki, "qk_output", 0) != 0 ||
         AttrOr<int64_t>(ki, "causal", 1) != 1)
       throw std::runtime_error("ai.fastcar GroupQueryAttention: softcap, local_window_size, smooth_softmax, qk_output "
                                "and causal=0 are not supported (passes/native_gqa.py does not swap such nodes)");

@@ -19,7 +19,7 @@
 //   attention_bias [B,1,S or 1,T] is accepted only in the form `--fused-attention gqa` writes (0 = visible,
 //   <= -1e30 = a left pad, per column): it becomes the dense core's [B,T] mask. A query that sees no key gets, as
 //   in ORT, zeros when the hidden columns are float-min / -inf, else the mean of its causal values.
-// Unsupported (the pass never swaps such nodes): softcap, local_window_size, smooth_softmax, qk_output, causal=0,
+// Unsupported (the pass never swaps such nodes): softcap, local_window_size, smooth_softmax=1, qk_output, causal=0,
 // quantised KV, position_ids / head_sink / k_scale / v_scale / q,k norm inputs.
 #pragma once
 
