@@ -377,6 +377,7 @@ inline void PlanDense(DenseTask& t, int64_t threads_hint = 0) {
 // combine split partials: the whole dense attention of one op call. `t.partial` is owned here.
 template <class Ctx>
 inline void RunDense(Ctx& ctx, DenseTask& t, int64_t threads_hint = 0) {
+  if (t.S <= 0 || t.D <= 0) return;  // nothing to compute (and tile 0 would divide by zero)
   PlanDense(t, threads_hint);
   std::vector<float> partial;
   if (t.splits > 1) {
