@@ -171,18 +171,24 @@ def _genai_config(genai: bool | None, in_path: Path | None, out_path: Path | Non
     return cfg
 
 
+def _input_output(model: str | os.PathLike, output: str | os.PathLike) -> tuple[Path, Path]:
+    """The input model (must exist) and a writable output path that neither is it nor overwrites its files."""
+    src, dst = Path(model), fileio.check_output_path(output)
+    if not src.is_file():
+        raise FastCarError(f"{src} does not exist")
+    if fileio.same_file(src, dst):
+        raise FastCarError(f"output {dst} is the input model; choose another output path")
+    fileio.refuse_collisions(fileio.model_files(src), output_files(dst))
+    return src, dst
+
+
 def bake_threshold(in_path: str | os.PathLike, out_path: str | os.PathLike, tau) -> Path:
     """Write a copy of fast.onnx whose default `fastcar_threshold` (and metadata `fastcar.threshold`) is tau.
 
     A scalar tau fills every layer of a per-layer-threshold model. Written atomically (temp folder, rename);
     the weights of an external-data model are linked, not read.
     """
-    src, dst = Path(in_path), fileio.check_output_path(out_path)
-    if not src.is_file():
-        raise FastCarError(f"{src} does not exist")
-    if fileio.same_file(src, dst):
-        raise FastCarError(f"output {dst} is the input model; choose another output path")
-    fileio.refuse_collisions(fileio.model_files(src), output_files(dst))
+    src, dst = _input_output(in_path, out_path)
     model, _ = load(src)
     staging = Staging(dst, source=src)
     try:
@@ -197,12 +203,7 @@ def native_attention(model: str | os.PathLike, output: str | os.PathLike, valida
     """Write `model` with only its com.microsoft.GroupQueryAttention nodes swapped for the native ai.fastcar op
     (passes/native_gqa.py): the dense model at its fastest, the baseline FastCar's speed-ups are measured
     against. Beside a genai_config.json the output folder gets one too (with the native library). Returns notes."""
-    src, dst = Path(model), fileio.check_output_path(output)
-    if not src.is_file():
-        raise FastCarError(f"{src} does not exist")
-    if fileio.same_file(src, dst):
-        raise FastCarError(f"output {dst} is the input model; choose another output path")
-    fileio.refuse_collisions(fileio.model_files(src), output_files(dst))
+    src, dst = _input_output(model, output)
     loaded, _ = load(src)
     ctx = CompileContext(CompileOptions(frame_tokens=1), genai_config=_genai_config(None, src, dst))
     staging = Staging(dst, source=src)

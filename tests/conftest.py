@@ -90,3 +90,17 @@ def fc_compile() -> Callable:
     if fn is None:
         pytest.skip("fastcar_compile.compile is not implemented yet")
     return fn
+
+
+@pytest.fixture(scope="session")
+def native_lib() -> Path:
+    """The native kernels' library; the test is skipped where it cannot be built (no compiler or headers) and
+    fails where a compiler exists but the build breaks."""
+    from fastcar_compile.runtime.native import build
+
+    try:
+        return build.build(log=lambda *_: None)
+    except build.Skipped as exc:
+        pytest.skip(f"native kernels cannot be built here: {exc}")
+    except RuntimeError as exc:
+        pytest.fail(str(exc))

@@ -8,19 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from fastcar_compile.runtime.native import build
-
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(scope="module")
-def native_lib():
-    try:
-        return build.build(log=lambda *_: None)
-    except build.Skipped as exc:
-        pytest.skip(f"native kernels cannot be built here: {exc}")
-    except RuntimeError as exc:  # a compiler exists but the build broke: that is a failure, not a skip
-        pytest.fail(str(exc))
 
 
 def _ops_model(L: int, max_replay: int, opset: int = 20) -> onnx.ModelProto:

@@ -17,20 +17,7 @@ L = 4
 
 
 @pytest.fixture(scope="module")
-def native():
-    """The native kernels (the fused attention runs only with them): skip where they cannot be built."""
-    from fastcar_compile.runtime.native import build
-
-    try:
-        return build.build(log=lambda *_: None)
-    except build.Skipped as exc:
-        pytest.skip(f"native kernels cannot be built here: {exc}")
-    except RuntimeError as exc:  # a compiler exists but the build broke: that is a failure, not a skip
-        pytest.fail(str(exc))
-
-
-@pytest.fixture(scope="module")
-def fused(native, zoo_model, tmp_path_factory):
+def fused(native_lib, zoo_model, tmp_path_factory):
     import fastcar_compile
 
     out = tmp_path_factory.mktemp("binding") / "fast.onnx"

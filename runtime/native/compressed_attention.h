@@ -33,13 +33,7 @@ inline float FastExp(float x) {
   const float t = x * 1.44269504088896341f;
   const float n = std::floor(t);
   const float f = t - n;  // [0, 1)
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  const float p = Exp2Poly(kExp2Poly[0], f);
   int32_t bits;
   std::memcpy(&bits, &p, 4);
   bits += static_cast<int32_t>(n) << 23;
