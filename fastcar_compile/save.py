@@ -104,10 +104,6 @@ class Staging:
         self.created: Path | None = None
         self.big = False
 
-    @property
-    def external_weights(self) -> bool:
-        return bool(self.external) or self.big
-
     def write(self, model: ir.Model) -> Path:
         if self.path is not None:
             return self.path
@@ -117,11 +113,11 @@ class Staging:
         self.output.parent.mkdir(parents=True, exist_ok=True)
         weights = weight_bytes(model)
         self.big = weights > EXTERNAL_DATA_LIMIT
-        self.external = self.external or weights > INLINE_WEIGHTS_MAX
+        self.external = bool(self.external) or self.big or weights > INLINE_WEIGHTS_MAX
         self.tmp = Path(tempfile.mkdtemp(prefix=".fastcar-", dir=self.output.parent))
         self.data_name = _free_data_name(self.output)
         tmp_model = self.tmp / self.output.name
-        if not self.external_weights:
+        if not self.external:
             ir.save(model, tmp_model)
         elif not _save_linked(model, tmp_model, self.data_name, self.source):
             ir.save(model, tmp_model, external_data=self.data_name)

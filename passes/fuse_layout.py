@@ -98,13 +98,6 @@ class _Gate:
         return _Gate(node, read, equal, less, tau, index)
 
 
-def _replace(old: ir.Value, new: ir.Value) -> None:
-    """`new` replaces `old` everywhere (If branches and graph outputs too) and takes its name, type and shape."""
-    name, new.type, new.shape = old.name, old.type, old.shape
-    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-    old.name, new.name = f"{name}.unfused", name
-
-
 class FusedLayoutPass(ir.passes.InPlacePass):
     """[B, S, H*D] q/k/v into RotaryEmbedding + CompressedAttention; the gate as one TemporalGatePacked."""
 
@@ -174,4 +167,4 @@ class FusedLayoutPass(ir.passes.InPlacePass):
         graph.insert_before(old, node)
         olds = [*old.outputs, g.read.outputs[0], g.equal.outputs[0], g.less.outputs[0]]
         for before, after in zip(olds, node.outputs, strict=True):
-            _replace(before, after)
+            gu.take_over(before, after, graph_outputs=True)

@@ -150,9 +150,10 @@ def weight_shape(value: ir.Value | None) -> tuple[int, ...] | None:
     return tuple(int(d) for d in tensor.shape)
 
 
-def take_over(old: ir.Value, new: ir.Value) -> None:
-    """`new` replaces `old` for every consumer and takes its name, type and shape (the fusions keep the exported
-    value names); `old` is renamed `<name>.unfused` until it is removed."""
+def take_over(old: ir.Value, new: ir.Value, graph_outputs: bool = False) -> None:
+    """`new` replaces `old` for every consumer (and, with `graph_outputs`, where it is a graph output) and takes its
+    name, type and shape (the fusions keep the exported value names); `old` is renamed `<name>.unfused` until it
+    is removed."""
     name, new.type, new.shape = old.name, old.type, old.shape
-    ir.convenience.replace_all_uses_with(old, new)
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=graph_outputs)
     old.name, new.name = f"{name}.unfused", name

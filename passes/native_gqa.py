@@ -164,9 +164,7 @@ class NativeGqaPass(ir.passes.InPlacePass):
                           name=node.name)
             graph.insert_before(node, new)
             for old, out in zip(node.outputs[:3], new.outputs, strict=True):
-                if old in graph.outputs:
-                    graph.outputs[graph.outputs.index(old)] = out
-                gu.take_over(old, out)
+                gu.take_over(old, out, graph_outputs=True)
             graph.remove(node, safe=True)
             swapped += 1
         if swapped:

@@ -29,13 +29,24 @@ _ORT_TO_NP = {
 GENAI_RECURRENT = re.compile(r"past_key_values\.\d+\.(conv_state|recurrent_state)")
 
 
-def make_session(path: str | Path, threads: int = 1) -> ort.InferenceSession:
-    """A CPU session with one intra-op thread (the test machine is shared)."""
+def make_session(path: str | Path | bytes, threads: int = 1, native: bool = False) -> ort.InferenceSession:
+    """A CPU session with one intra-op thread (the test machine is shared); `native`: with the ai.fastcar kernels
+    registered (the test is skipped where they are not built)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    if native:
+        import pytest
+
+        from fastcar_compile.runtime.native import library_path
+
+        lib = library_path()
+        if lib is None:
+            pytest.skip("native kernels not built here")
+        so.register_custom_ops_library(str(lib))
+    model = path if isinstance(path, bytes) else str(path)
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
 def past_name_for(output_name: str) -> str | None:

@@ -100,21 +100,6 @@ def test_shared_kv_buffer_session(zoo_model, fc_compile, tmp_path):
 
 # --- the ai.fastcar CompressedAttention variant (--fused-attention fastcar) ----------------------------------------
 
-def _native_session(path):
-    """An ORT session with the native ai.fastcar kernels (skips where they cannot be built)."""
-    import onnxruntime as ort
-
-    from fastcar_compile.runtime.native import library_path
-
-    lib = library_path()
-    if lib is None:
-        pytest.skip("native kernels not built here")
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.log_severity_level = 2, 3
-    so.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
 @pytest.mark.parametrize("runner", ["body", "native"])
 def test_fastcar_attention_equals_the_export(zoo_model, fc_compile, tmp_path, runner):
     """tau=+inf: logits equal the export within 1e-4 over a long decode at batch 2 with left padding, including
@@ -134,7 +119,7 @@ def test_fastcar_attention_equals_the_export(zoo_model, fc_compile, tmp_path, ru
     for k in range(10 * L):
         steps.append(rng.integers(0, zoo.VOCAB, (2, 3 if k in (5, 17) else 1)))
     want = ort_driver.decode(src, steps, pad=pad)
-    got = ort_driver.decode(out if runner == "body" else _native_session(out), steps, pad=pad)
+    got = ort_driver.decode(out if runner == "body" else ort_driver.make_session(out, threads=2, native=True), steps, pad=pad)
     real = np.arange(6)[None, :] >= np.array(pad)[:, None]
     assert np.abs(got.logits[0] - want.logits[0])[real].max() <= 1e-4
     for k in range(1, len(steps)):

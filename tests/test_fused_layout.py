@@ -9,7 +9,6 @@ import functools
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import ort_driver
 import pytest
 import test_pass_reference as tpr
@@ -17,19 +16,8 @@ from onnx import TensorProto, helper
 from test_compressed_attention import HKV, HQ, D, reference
 
 from fastcar_compile.passes import fastcar_ops
-from fastcar_compile.runtime.native import library_path
 
 L = tpr.L
-
-
-def _native_session(path) -> ort.InferenceSession:
-    lib = library_path()
-    if lib is None:
-        pytest.skip("native kernels not built here")
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.log_severity_level = 1, 3
-    so.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
 def test_layer_is_one_gate_and_no_layout_ops(zoo_model, fc_compile, tmp_path):
@@ -75,7 +63,7 @@ def test_packed_gate_matches_eager_reference(zoo_model, fc_compile, tmp_path, ca
         seen.append(result[1].notes)
         return result
 
-    session = _native_session if runner == "native" else None
+    session = functools.partial(ort_driver.make_session, native=True) if runner == "native" else None
     tpr.check_against_reference(zoo_model, functools.partial(compile_and_check), tmp_path, case, session=session)
     n = len(case.layers) if case.layers else 2
     assert any(f"one-node gate (TemporalGatePacked) in {n}" in note for note in seen[0])
@@ -104,14 +92,7 @@ def _bshd_model(opset: int = 20) -> bytes:
 def test_bshd_inputs_equal_numpy(native, P, S, extra):
     """qkv_perm [0, 2, 1, 3]: [B, S, heads*D] inputs give NumPy's attention of the same heads (batch 3, left
     padding; a growing cache and a preallocated buffer; a prompt, one token, a multi-token step)."""
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.log_severity_level = 1, 3
-    if native:
-        lib = library_path()
-        if lib is None:
-            pytest.skip("native kernels not built here")
-        so.register_custom_ops_library(str(lib))
-    sess = ort.InferenceSession(_bshd_model(), so, providers=["CPUExecutionProvider"])
+    sess = ort_driver.make_session(_bshd_model(), native=native)
     rng = np.random.default_rng(P + 10 * S)
     B, pad, N = 3, [0, 1, 3], P if extra == 0 else P + S + extra
     q = rng.standard_normal((B, HQ, S, D)).astype(np.float32)

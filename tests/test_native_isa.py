@@ -60,18 +60,18 @@ def test_compressed_trace_at_one_isa(isa_lib):
     assert np.abs(got - ref.out).max() <= 1e-4
 
 
-def test_default_library_exports_only_the_entry_point():
+def test_default_library_exports_only_the_entry_point(native_lib):
     """The default build's ifunc-dispatched kernels (DenseItem, CompressedItem, GroupAttend) have internal linkage:
     GCC exports a target_clones ifunc despite -fvisibility=hidden, and an older cached library loaded RTLD_GLOBAL
     would then interpose its own (other struct layouts). nm lists the dynamic symbols independently of the build."""
     import shutil
     import subprocess
 
-    from fastcar_compile.runtime.native import library_path
-
-    lib = library_path()
-    if lib is None or shutil.which("nm") is None:
-        pytest.skip("no native library or no nm here")
+    # the default build itself (conftest's native_lib: build.build() with no ISA), not library_path(): the isa_lib
+    # fixture above points FASTCAR_NATIVE at a single-ISA build (no clones, nothing to leak) for this whole module
+    lib = native_lib
+    if shutil.which("nm") is None:
+        pytest.skip("no nm here")
     syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
     ours = [line.split()[-1] for line in syms.splitlines() if "fastcar" in line or "RegisterCustomOps" in line]
     assert ours == ["RegisterCustomOps"], ours

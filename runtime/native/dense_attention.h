@@ -366,27 +366,29 @@ inline int64_t CoresHere() {  // the cores this process may run on (a container'
 }  // namespace dense
 
 // Tiles and key splits for a task whose pointers and shapes are set: query tiles of up to 32 tokens; for short
-// steps (decode) the key range is split so that there are about 4 items per core (threads_hint: 0 = the cores
-// this process may use), each split at least kMinSplitKeys long.
-inline void PlanDense(DenseTask& t, int64_t threads_hint = 0) {
+// steps (decode) the key range is split so that there are about 4 items per core this process may use, each
+// split at least kMinSplitKeys long.
+inline void PlanDense(DenseTask& t) {
   t.tile = t.S <= 4 ? t.S : 32;
   t.tiles = (t.S + t.tile - 1) / t.tile;
   t.splits = 1;
-  if (threads_hint <= 0) threads_hint = dense::CoresHere();
-  const int64_t base = t.B * t.Hkv * t.tiles, want = 4 * std::min<int64_t>(threads_hint, 64);
+  const int64_t base = t.B * t.Hkv * t.tiles, want = 4 * std::min<int64_t>(dense::CoresHere(), 64);
   if (t.S <= 4 && base < want)
     t.splits = std::max<int64_t>(1, std::min((want + base - 1) / base, t.T / dense::kMinSplitKeys));
 }
 
 // Plan, run every item on ORT's intra-op pool (ctx: Ort::KernelContext, or anything with its ParallelFor), and
-// combine split partials: the whole dense attention of one op call. `t.partial` is owned here.
+// combine split partials: the whole dense attention of one op call. `t.partial` is owned here: a per-thread
+// buffer kept between calls (every record is written before DenseCombine reads it, so it needs no zeroing; a
+// call finishes before the same thread's next one starts).
 template <class Ctx>
-inline void RunDense(Ctx& ctx, DenseTask& t, int64_t threads_hint = 0) {
+inline void RunDense(Ctx& ctx, DenseTask& t) {
   if (t.S <= 0 || t.D <= 0) return;  // nothing to compute (and tile 0 would divide by zero)
-  PlanDense(t, threads_hint);
-  std::vector<float> partial;
+  PlanDense(t);
+  static thread_local std::vector<float> partial;
   if (t.splits > 1) {
-    partial.resize(static_cast<size_t>(t.B * t.Hkv * t.tiles * t.splits * (t.Hq / t.Hkv) * t.tile * (t.D + 2)));
+    const size_t n = static_cast<size_t>(t.B * t.Hkv * t.tiles * t.splits * (t.Hq / t.Hkv) * t.tile * (t.D + 2));
+    if (partial.size() < n) partial.resize(n);
     t.partial = partial.data();
   }
   ctx.ParallelFor(DenseItemThunk, static_cast<size_t>(t.B * t.Hkv * t.tiles * t.splits), 0, &t);
