@@ -29,6 +29,26 @@ _ORT_TO_NP = {
 GENAI_RECURRENT = re.compile(r"past_key_values\.\d+\.(conv_state|recurrent_state)")
 
 
+def native_or_none() -> Path | None:
+    """The native kernels' library, or None where it cannot be built (tests then check the function bodies only
+    and report the kernel half as a skip: skip_native_half)."""
+    from fastcar_compile.runtime.native import build
+
+    try:
+        return build.build(log=lambda *_: None)
+    except build.Skipped:
+        return None
+
+
+def skip_native_half(lib: Path | None) -> None:
+    """After a body-only check: say so as a skip where the kernels were not built."""
+    if lib is None:
+        import pytest
+
+        pytest.skip("function bodies checked; native kernels not built here "
+                    "(`python -m fastcar_compile.runtime.native.build` says why)")
+
+
 def make_session(path: str | Path | bytes, threads: int = 1, native: bool = False) -> ort.InferenceSession:
     """A CPU session with one intra-op thread (the test machine is shared); `native`: with the ai.fastcar kernels
     registered (the test is skipped where they are not built)."""

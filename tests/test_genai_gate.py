@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+import ort_driver
 import pytest
 from onnx import TensorProto, helper
 
 from fastcar_compile import contract
 from fastcar_compile.passes.fastcar_ops import DOMAIN, function_proto
-from fastcar_compile.runtime.native import build
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 OUTS = ("replay", "tas", "slot", "write", "cached", "compute_all", "compute_some")
@@ -26,21 +26,14 @@ OUT_TYPES = (TensorProto.BOOL, TensorProto.FLOAT, TensorProto.INT64, TensorProto
 
 @pytest.fixture(scope="module")
 def native_lib():
-    """The kernels' library, or None where it cannot be built (the function-body half runs either way)."""
-    try:
-        return build.build(log=lambda *_: None)
-    except build.Skipped:
-        return None
+    """The kernels' library, or None where it cannot be built (the function-body half runs either way); it
+    overrides conftest's skipping native_lib in this module."""
+    return ort_driver.native_or_none()
 
 
 def _libs(native_lib) -> list:
     """Function body (None), then the kernel where its library exists."""
     return [None] + ([native_lib] if native_lib is not None else [])
-
-
-def _skip_native_half(native_lib) -> None:
-    if native_lib is None:
-        pytest.skip("function body checked; native kernels not built here (`python -m fastcar_compile.runtime.native.build` says why)")
 
 
 def _rotate(q, cos, sin, pos, rot, interleaved):
@@ -155,7 +148,7 @@ def test_packed_gate_body_and_kernel_match_numpy(native_lib, name):
         assert want["replay"].any() and not want["replay"].all(), "the case must mix replay and compute"
     if name == "every row replays":
         assert want["replay"].all()
-    _skip_native_half(native_lib)
+    ort_driver.skip_native_half(native_lib)
 
 
 def test_cache_update_age_offset(native_lib):
@@ -188,7 +181,7 @@ def test_cache_update_age_offset(native_lib):
             None, feeds)
         np.testing.assert_array_equal(c2, ref_c)
         np.testing.assert_array_equal(a2, ref_a)
-    _skip_native_half(native_lib)
+    ort_driver.skip_native_half(native_lib)
 
 
 @pytest.mark.parametrize("tas_query,gate", [("rope", contract.TEMPORAL_GATE_PACKED_ROPE),

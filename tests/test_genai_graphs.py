@@ -88,20 +88,10 @@ def _session(path, precision: str, compiled: bool, native=None):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def _native():
-    """The native kernels' library, or None where it cannot be built (the body run still checks the graph)."""
-    from fastcar_compile.runtime.native import build
-
-    try:
-        return build.build(log=lambda *_: None)
-    except build.Skipped:
-        return None
-
-
 def _natives(precision: str) -> list:
     """Function bodies (None), then the native kernels where they exist (fp32 activations only: packed-QKV
     layers run TemporalGatePacked[Rope]); a missing library is reported as a skip after the body check."""
-    lib = _native() if precision != "fp16" else None
+    lib = ort_driver.native_or_none() if precision != "fp16" else None
     return [None] + ([lib] if lib is not None else [])
 
 
@@ -170,7 +160,7 @@ def test_compiled_genai_graph_matches_reference(genai_model, fc_compile, tmp_pat
     for a, b in zip(never.logits, dense.logits, strict=True):
         assert np.abs(a.astype(np.float32) - b.astype(np.float32)).max() <= never_tol
     if precision != "fp16" and len(natives) == 1:
-        pytest.skip("function bodies checked; native kernels not built here (`python -m fastcar_compile.runtime.native.build` says why)")
+        ort_driver.skip_native_half(None)
 
 
 @pytest.mark.parametrize("family,precision,tas_query", [
@@ -195,7 +185,7 @@ def test_genai_state_names_match_reference(genai_model, fc_compile, tmp_path, fa
         _check_decode(got, run, precision, f"genai names, native {native}",
                       lambda i: (f"past_key_values.{i}.recurrent_state", run.final_age[i] + 1))
     if precision != "fp16" and len(natives) == 1:
-        pytest.skip("function bodies checked; native kernels not built here (`python -m fastcar_compile.runtime.native.build` says why)")
+        ort_driver.skip_native_half(None)
 
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
