@@ -39,6 +39,7 @@ from fastcar_compile import contract
 from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
+from fastcar_compile.passes.fuse_layout import FusedLayoutPass, GateChain, head_split_source
 
 MS = contract.MS_DOMAIN
 BSHD_PERM = [0, 2, 1, 3]
@@ -139,7 +140,24 @@ class _Layer:
         if rq.inputs[1:] != rk.inputs[1:]:
             return "q and k are rotated with different caches"
         self.rq, self.rk = rq, rk
-        projs = [_Projection.match(v) for v in (rq.inputs[0], rk.inputs[0], ca.inputs[2])]
+        why = self._projections([rq.inputs[0], rk.inputs[0], ca.inputs[2]])
+        if why is not None:
+            return why
+        # readers: q -> attention + the gate (rope); q's projection -> its rotary + the gate (raw)
+        gates = [n for val in (rq.outputs[0], self.pq.out) for n in val.consumers()
+                 if n.domain == contract.DOMAIN and n.op_type == contract.TEMPORAL_GATE_PACKED and n.inputs[0] is val]
+        if len(gates) > 1 or not _only(rq.outputs[0], {ca, *gates}) or not _only(self.pq.out, {rq, *gates}) or \
+                not _only(rk.outputs[0], {ca}) or not _only(self.pk.out, {rk}) or not _only(self.pv.out, {ca}):
+            return "q, k or v has readers besides the attention, its rotary and the one-node gate"
+        self.gate = gates[0] if gates else None
+        if self.gate is not None and self.gate.inputs[0] is not rq.outputs[0]:
+            return ("TAS `raw` dots the unrotated query with keys rotated at their absolute positions, which moving "
+                    "the rotation to KV indices would shift under left padding")
+        return None
+
+    def _projections(self, values: list[ir.Value]) -> str | None:
+        """q, k, v = x @ W (+ b) of one x, widths heads x D / kv_heads x D (D even): fill pq, pk, pv, head_dim."""
+        projs = [_Projection.match(v) for v in values]
         for p in projs:
             if isinstance(p, str):
                 return p
@@ -153,16 +171,68 @@ class _Layer:
                 self.pv.weight.shape[1] != self.kv_heads * D or D % 2:
             return "the projection widths are not num_heads/kv_num_heads x an even head size"
         self.head_dim = D
-        # readers: q -> attention + the gate (rope); q's projection -> its rotary + the gate (raw)
-        gates = [n for val in (rq.outputs[0], self.pq.out) for n in val.consumers()
-                 if n.domain == contract.DOMAIN and n.op_type == contract.TEMPORAL_GATE_PACKED and n.inputs[0] is val]
-        if len(gates) > 1 or not _only(rq.outputs[0], {ca, *gates}) or not _only(self.pq.out, {rq, *gates}) or \
-                not _only(rk.outputs[0], {ca}) or not _only(self.pk.out, {rk}) or not _only(self.pv.out, {ca}):
-            return "q, k or v has readers besides the attention, its rotary and the one-node gate"
-        self.gate = gates[0] if gates else None
-        if self.gate is not None and self.gate.inputs[0] is not rq.outputs[0]:
-            return ("TAS `raw` dots the unrotated query with keys rotated at their absolute positions, which moving "
-                    "the rotation to KV indices would shift under left padding")
+        return None
+
+
+def _bhsd_source(value: ir.Value) -> ir.Value | None:
+    """y [B, H, S, D] when value = Reshape(Transpose(y, perm [0, 2, 1, 3]), 3-D) (FusedAttentionPass's q/k/v)."""
+    r = value.producer()
+    if r is None or r.op_type != "Reshape" or r.domain != "":
+        return None
+    t = r.inputs[0].producer()
+    if t is None or t.op_type != "Transpose" or list(_attr(t, "perm", [])) != BSHD_PERM:
+        return None
+    return t.inputs[0]
+
+
+def _is_gqa(node: ir.Node) -> bool:
+    return node.op_type == contract.GROUP_QUERY_ATTENTION and node.domain in (contract.DOMAIN, MS)
+
+
+class _GqaLayer(_Layer):
+    """One `--fused-attention gqa` layer (ai.fastcar or com.microsoft GroupQueryAttention on separate [B, S, H*D]
+    q/k/v views of rotated [B, H, S, D] heads): packed QKV with do_rotary, GroupQueryAttention's own form."""
+
+    def match(self) -> str | None:
+        node = self.ca
+        if _attr(node, "do_rotary", 0) or len(node.inputs) < 7 or node.inputs[1] is None or node.inputs[2] is None:
+            return "already packed or rotating"
+        if any(node.inputs[i] is not None for i in (7, 8, 9) if i < len(node.inputs)):
+            return "cos/sin caches or position_ids already given"
+        yq, yk, yv = (_bhsd_source(node.inputs[i]) for i in range(3))
+        if yq is None or yk is None or yv is None:
+            return "q/k/v are not [B, S, H*D] views of [B, H, S, D] heads"
+        rq, rk = _rotary(yq, self.heads), _rotary(yk, self.kv_heads)
+        for r in (rq, rk):
+            if isinstance(r, str):
+                return r
+        if rq.inputs[1:] != rk.inputs[1:]:
+            return "q and k are rotated with different caches"
+        self.rq, self.rk = rq, rk
+        xs = [head_split_source(rq.inputs[0], self.heads), head_split_source(rk.inputs[0], self.kv_heads),
+              head_split_source(yv, self.kv_heads)]
+        if any(x is None for x in xs):
+            return "q/k/v heads are not the exporter's head split of [B, S, H*D] projections"
+        why = self._projections(xs)
+        if why is not None:
+            return why
+        # readers: the query view -> attention + the gate's [B, H, S, D] view of it (TAS `rope`)
+        tga = [t for r in node.inputs[0].consumers() if r.op_type == "Reshape" for t0 in r.outputs[0].consumers()
+               if t0.op_type == "Transpose" for t in t0.outputs[0].consumers()
+               if t.domain == contract.DOMAIN and t.op_type == contract.TEMPORAL_GATE_AT and t.inputs[0] is t0.outputs[0]]
+        gates = [g for t in tga if (g := GateChain.find(t)) is not None]
+        if len(gates) != len(tga) or len(tga) > 1:
+            return "the gate is not TemporalGateAt with its cached-rows and branch-condition nodes"
+        # FusedAttentionPass reads S off the rotated query for the bias's shape: Shape(q, start 2, end 3)
+        self.s_reads = [n for n in rq.outputs[0].consumers() if n.op_type == "Shape" and
+                        (_attr(n, "start", 0), _attr(n, "end", None)) == (2, 3)]
+        if len(rq.outputs[0].consumers()) - len(self.s_reads) != 1 or any(
+                v.is_graph_output() or len(v.consumers()) != 1 for v in (
+                *xs, rq.inputs[0], rk.inputs[0], rk.outputs[0], node.inputs[1], node.inputs[2])):
+            return ("q, k or v has readers besides the attention, its rotary and a TAS `rope` gate (TAS `raw` dots the "
+                    "unrotated query with keys rotated at absolute positions: not shift invariant, left unpacked)")
+        self.gate_chain = gates[0] if gates else None
+        self.gate = None
         return None
 
 
@@ -185,8 +255,9 @@ class PackQkvPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, positions = model.graph, self.ctx.options.rotary_positions
         layers, kept = [], []
-        for ca in [n for n in graph if n.domain == contract.DOMAIN and n.op_type == contract.COMPRESSED_ATTENTION]:
-            layer = _Layer(ca)
+        for ca in [n for n in graph if _is_gqa(n) or (n.domain == contract.DOMAIN and
+                                                      n.op_type == contract.COMPRESSED_ATTENTION)]:
+            layer = _GqaLayer(ca) if _is_gqa(ca) else _Layer(ca)
             why = layer.match()
             if why is None:
                 layers.append(layer)
@@ -202,14 +273,18 @@ class PackQkvPass(ir.passes.InPlacePass):
             if isinstance(table, str):
                 kept.append(f"{layer.ca.name}: {table}")
                 continue
-            self._pack(model, layer, table)
+            if isinstance(layer, _GqaLayer):
+                self._pack_gqa(model, layer, table)
+            else:
+                self._pack(model, layer, table)
             done += 1
         if kept:
             self.ctx.notes.append("packed QKV: left " + "; ".join(kept))
         if not done:
             return ir.passes.PassResult(model, modified=False)
         RemoveUnusedNodesPass()(model)
-        self.ctx.notes.append(f"packed QKV with RoPE inside CompressedAttention in {done} layers (rotary table of "
+        op = "GroupQueryAttention" if isinstance(layers[0], _GqaLayer) else "CompressedAttention"
+        self.ctx.notes.append(f"packed QKV with RoPE inside {op} in {done} layers (rotary table of "
                               f"{positions} positions)")
         return ir.passes.PassResult(model, modified=True)
 
@@ -222,10 +297,32 @@ class PackQkvPass(ir.passes.InPlacePass):
         return (build.const(model.graph, f"fastcar.rotary{k}.cos_table", cos),
                 build.const(model.graph, f"fastcar.rotary{k}.sin_table", sin))
 
-    def _pack(self, model: ir.Model, layer: _Layer, table: tuple[ir.Value, ir.Value]) -> None:
-        graph, ca = model.graph, layer.ca
+    def _pack_gqa(self, model: ir.Model, layer: _GqaLayer, table: tuple[ir.Value, ir.Value]) -> None:
+        """GroupQueryAttention's own packed form: query = the packed projection, key/value absent, do_rotary with
+        the table (ORT's positions: seqlens_k + 1 - S + i = KV index, since seqlens_k = total - 1 here)."""
+        graph, old = model.graph, layer.ca
+        qkv = self._projection(graph, layer)
+        inputs = [qkv, None, None, *old.inputs[3:7], *table, None, *old.inputs[10:11]]
+        while inputs[-1] is None:
+            inputs.pop()
+        attrs = {k: a.value for k, a in old.attributes.items()} | {"do_rotary": 1, "rotary_interleaved": 0}
+        new = ir.node(old.op_type, inputs, attrs, domain=old.domain, num_outputs=len(old.outputs), name=old.name,
+                      metadata_props=dict(old.metadata_props))
+        graph.insert_before(old, new)
+        for before, after in zip(old.outputs, new.outputs, strict=True):
+            gu.take_over(before, after, graph_outputs=True)
+        graph.remove(old, safe=True)
+        for shape in layer.s_reads:  # S of [B, H, S, D] = S of the packed [B, S, W]
+            shape.replace_input_with(0, qkv)
+            shape.attributes["start"], shape.attributes["end"] = ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)
+        if layer.gate_chain is not None:
+            FusedLayoutPass.packed_gate(graph, layer.gate_chain, qkv, layer.heads, rope=(*table, layer.head_dim))
+
+    @staticmethod
+    def _projection(graph: ir.Graph, layer: _Layer) -> ir.Value:
+        """One MatMul (+ bias Add) on the concatenated weights, before the q projection; its [B, S, W] output."""
         projs = (layer.pq, layer.pk, layer.pv)
-        base = ca.name.rsplit("/", 1)[0] if "/" in ca.name else ca.name
+        base = layer.ca.name.rsplit("/", 1)[0] if "/" in layer.ca.name else layer.ca.name
         weight = build.const(graph, f"{layer.pq.matmul.inputs[1].name}.qkv",
                              np.ascontiguousarray(np.concatenate([p.weight for p in projs], axis=1)))
         x = layer.pq.matmul.inputs[0]
@@ -242,6 +339,11 @@ class PackQkvPass(ir.passes.InPlacePass):
         qkv.name, qkv.dtype = f"{base}.qkv", ir.DataType.FLOAT
         qkv.shape = ir.Shape([*(x.shape[:2] if x.shape is not None and len(x.shape) == 3 else [None, None]), width])
         graph.insert_before(layer.pq.matmul, nodes)
+        return qkv
+
+    def _pack(self, model: ir.Model, layer: _Layer, table: tuple[ir.Value, ir.Value]) -> None:
+        graph, ca = model.graph, layer.ca
+        qkv = self._projection(graph, layer)
         none_f = build.const(graph, "fastcar.ca.none", np.zeros(0, np.float32))
         none_i = build.const(graph, "fastcar.ca.none_i64", np.zeros(0, np.int64))
         inputs = [qkv, none_f, none_f, *ca.inputs[3:7], none_f, none_f, none_f, none_f, none_i, *table]

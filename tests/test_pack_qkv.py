@@ -159,37 +159,51 @@ def test_pass_explains_what_it_leaves(zoo_model, fc_compile, tmp_path):
     assert ops["RotaryEmbedding"] == 4 and not any(n.overload for n in nodes)
 
 
-@pytest.mark.parametrize("family,exporter,runner", [("llama", "dynamo20", "native"), ("llama", "dynamo20", "body"),
-                                                    ("qwen2", "dynamo20", "native")])
-def test_packed_matches_eager_reference(zoo_model, fc_compile, tmp_path, family, exporter, runner):
-    """Finite tau, batch 2 with left padding, per-layer taus, a multi-token step after the prompt: logits, replay
-    decisions, TAS and final state equal the eager PyTorch reference (qwen2: q/k/v biases, packed too)."""
+OPS = {"fastcar": "CompressedAttention", "gqa": "GroupQueryAttention"}
+
+
+@pytest.mark.parametrize("kind,family,runner", [("fastcar", "llama", "native"), ("fastcar", "llama", "body"),
+                                                ("fastcar", "qwen2", "native"), ("gqa", "llama", "native"),
+                                                ("gqa", "llama", "body")])
+def test_packed_matches_eager_reference(zoo_model, fc_compile, tmp_path, kind, family, runner):
+    """Finite tau, batch 2 with left padding, per-layer taus (fastcar: and a multi-token step after the prompt,
+    which ORT's GroupQueryAttention refuses at batch 2): logits, replay decisions, TAS and final state equal the
+    eager PyTorch reference, both fused kinds (qwen2: q/k/v biases, packed too)."""
     notes = []
 
     def compile_and_check(*args, **kwargs):
-        result = fc_compile(*args, **kwargs)
+        result = fc_compile(*args, fused_attention=kind, **kwargs)
         notes.extend(result[1].notes)
         return result
 
-    case = tpr.Case(family, exporter, "rope", max_replay=2, pad=(0, 2), video_start=3, per_layer=True, chunk=L + 2)
+    case = tpr.Case(family, "dynamo20", "rope", max_replay=2, pad=(0, 2), video_start=3, per_layer=True,
+                    chunk=L + 2 if kind == "fastcar" else 0)
     session = functools.partial(ort_driver.make_session, native=True) if runner == "native" else None
     tpr.check_against_reference(zoo_model, compile_and_check, tmp_path, case, session=session)
     n = zoo.model_info(family).num_layers
-    assert any(f"packed QKV with RoPE inside CompressedAttention in {n} layers" in x for x in notes), notes
+    assert any(f"packed QKV with RoPE inside {OPS[kind]} in {n} layers" in x for x in notes), notes
 
 
-@pytest.mark.parametrize("runner", ["native", "body"])
-def test_packed_equals_the_export_at_inf(zoo_model, fc_compile, tmp_path, runner):
+@pytest.mark.parametrize("kind,runner", [("fastcar", "native"), ("fastcar", "body"), ("gqa", "native")])
+def test_packed_equals_the_export_at_inf(zoo_model, fc_compile, tmp_path, kind, runner):
     """tau = +inf: the packed graph's logits equal the uncompiled export's over a long decode (batch 2, left
-    padding of 3, a 3-token step after the prompt)."""
+    padding of 3; fastcar: a 3-token step after the prompt)."""
     src = zoo_model("llama", "dynamo20")
     out = tmp_path / "fast.onnx"
-    fc_compile(str(src), output=str(out), frame_tokens=L, threshold=float("inf"))
-    assert sum(n.overload == PACKED for n in onnx.load(str(out)).graph.node) == 2
+    fc_compile(str(src), output=str(out), frame_tokens=L, threshold=float("inf"), fused_attention=kind)
+    nodes = onnx.load(str(out)).graph.node
+    if kind == "fastcar":
+        assert sum(n.overload == PACKED for n in nodes) == 2
+    else:  # GroupQueryAttention's own packed form: key/value empty, do_rotary with the table
+        gqa = [n for n in nodes if n.op_type == "GroupQueryAttention"]
+        assert len(gqa) == 2 and all(n.input[1] == "" and n.input[7] for n in gqa)
+        assert all(a.i == 1 for n in gqa for a in n.attribute if a.name == "do_rotary")
+        assert not any(n.op_type == "RotaryEmbedding" for n in nodes)
     rng = np.random.default_rng(5)
     pad = [0, 3]
     steps = [rng.integers(0, zoo.VOCAB, (2, 6))] + [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(5 * L)]
-    steps += [rng.integers(0, zoo.VOCAB, (2, 3))] + [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(2 * L)]
+    if kind == "fastcar":
+        steps += [rng.integers(0, zoo.VOCAB, (2, 3))] + [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(2 * L)]
     want = ort_driver.decode(src, steps, pad=pad)
     got = ort_driver.decode(ort_driver.make_session(out, native=runner == "native"), steps, pad=pad)
     real = ort_driver.left_pad_masks(pad, 6)[0].astype(bool)
