@@ -633,9 +633,7 @@ struct GqaKernel {
     float* val = ctx.GetOutput(2, {in.B, Hkv, N, in.D}).GetTensorMutableData<float>();
     if ((key == in.past_key) != (val == in.past_value))
       throw std::runtime_error("GroupQueryAttention: bind both or neither of present_key/present_value to the past");
-    std::vector<float> q(static_cast<size_t>(in.B * H * in.S * in.D));
-    std::vector<int64_t> mask;
-    fastcar_gqa::Run(cfg, in, q.data(), key, val, N, mask, out, ctx);
+    fastcar_gqa::Run(cfg, in, key, val, N, out, ctx);  // q scratch and mask: per-thread, reused (no allocation)
   }
 };
 
