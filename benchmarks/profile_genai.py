@@ -35,6 +35,7 @@ from _common import DEFAULT_CACHE  # noqa: E402
 
 KERNELS: dict[str, dict[str, int]] = {}  # model path -> op type -> kernels run per step (from the profile)
 CPU_TIME = False  # --cpu-time: process CPU seconds per step (1 thread, no spinning): robust to a loaded machine
+KV_ZEROS = False  # --kv zeros: the old all-zero KV buffers (reads served by the kernel's shared zero page)
 
 
 def _session(path: Path, threads: int, profile: bool, native: bool):
@@ -80,8 +81,11 @@ def _binding(sess, ctx: int, max_length: int, head_dim: int, vocab: int):
             out = "present_" + name[len("past_"):]
         else:
             continue
-        if name.endswith((".key", ".value")):
-            arr = np.zeros((1, inp.shape[1], max_length, head_dim), np.float32)
+        if name.endswith((".key", ".value")):  # random, written: np.zeros' untouched pages all map the one zero
+            # page, so attention would read them from L1 instead of DRAM (half the real cost at ctx 1024)
+            shape = (1, inp.shape[1], max_length, head_dim)
+            arr = (np.zeros(shape, np.float32) if KV_ZEROS
+                   else np.random.default_rng(len(bound)).standard_normal(shape).astype(np.float32))
         elif name.endswith(".recurrent_state"):  # age + 1 = 1: every slot written by a computed MLP
             arr = np.ones([1, *inp.shape[1:]], np.int64)
         elif inp.type == "tensor(int64)":  # age 0: every slot written by a computed MLP
@@ -193,9 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-time", action="store_true",
                     help="time steps by process CPU time (use with --threads 1): preemption by other jobs on a "
                          "shared machine does not count; kernel times in the table stay wall-clock")
+    ap.add_argument("--kv", choices=["random", "zeros"], default="random",
+                    help="KV buffer contents: random (real memory traffic, as after a prefill) or zeros (untouched "
+                         "zero pages: K/V reads hit one cached page, for comparison with older figures)")
     a = ap.parse_args(argv)
-    global CPU_TIME
+    global CPU_TIME, KV_ZEROS
     CPU_TIME = a.cpu_time
+    KV_ZEROS = a.kv == "zeros"
     cfg = dict(bench_genai.QUICK if a.quick else bench_genai.FULL)
     shape = cfg["shape"]
     ctx = a.ctx or cfg["contexts"][-1]

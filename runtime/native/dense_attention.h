@@ -325,7 +325,8 @@ inline void DenseItemThunk(void* data, size_t item) { DenseItem(*static_cast<Den
 // rescaling of the partial softmaxes); a row no split gave any weight (sees no key) gets MeanValue.
 inline void DenseCombine(const DenseTask& t) {
   const int64_t G = t.Hq / t.Hkv, D = t.D, rt = G * t.tile;
-  std::vector<float> o(D);
+  static thread_local std::vector<float> o;  // one row's output; kept, so a decode step allocates nothing
+  o.resize(static_cast<size_t>(D));
   for (int64_t bt = 0; bt < t.B * t.Hkv * t.tiles; ++bt) {
     const int64_t tile_id = bt % t.tiles, bh = bt / t.tiles, b = bh / t.Hkv, hk = bh % t.Hkv;
     const int64_t i0 = tile_id * t.tile, rows = G * (std::min(t.S, i0 + t.tile) - i0);

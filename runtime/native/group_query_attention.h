@@ -105,17 +105,50 @@ inline void PrepThunk(void* data, size_t item) {
   PrepRow(*static_cast<PrepTask*>(data), static_cast<int64_t>(item));
 }
 
-// The whole op. q: scratch [B,H,S,D]; key/val: the present buffers [B,Hkv,N,D] (may be the past buffers);
-// mask: scratch [B, T] int64; out [B,S,H D]. ctx: anything with Ort::KernelContext's ParallelFor (ORT's pool).
+// Per-thread working memory of one Run call: q [B,H,S,D], the [B,T] mask and the per-row positions. Kept between
+// calls, so a decode step allocates nothing; thread_local, so concurrent Run calls of one session (each computes on
+// its own calling thread; the pool's workers only read or write through the pointers while that thread waits in
+// ParallelFor) never share it. Buffers larger than kKeepBytes (a long prompt's q) are freed after their call
+// (Trim), so one prompt does not pin megabytes for the thread's lifetime.
+struct Scratch {
+  static constexpr size_t kKeepBytes = size_t{1} << 20;
+  std::vector<float> q;
+  std::vector<int64_t> mask, past, pos, rows;
+  void Trim() {
+    if (q.capacity() * sizeof(float) > kKeepBytes) std::vector<float>().swap(q);
+    if (mask.capacity() * sizeof(int64_t) > kKeepBytes) std::vector<int64_t>().swap(mask);
+    if (pos.capacity() * sizeof(int64_t) > kKeepBytes) std::vector<int64_t>().swap(pos);
+  }
+};
+
+inline Scratch& ThreadScratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+// The whole op. key/val: the present buffers [B,Hkv,N,D] (may be the past buffers); out [B,S,H D]. ctx: anything
+// with Ort::KernelContext's ParallelFor (ORT's pool). Working memory: this thread's Scratch.
 template <class Ctx>
-void Run(const Settings& c, const Inputs& in, float* q, float* key, float* val, int64_t N, std::vector<int64_t>& mask,
-         float* out, Ctx& ctx) {
+void Run(const Settings& c, const Inputs& in, float* key, float* val, int64_t N, float* out, Ctx& ctx) {
   const int64_t B = in.B, S = in.S, D = in.D, H = c.heads, Hkv = c.kv_heads;
   const bool first_prompt = S == in.total;
   if (S > 1 && !first_prompt && B != 1)
     throw std::runtime_error("GroupQueryAttention: batch_size must be 1 when sequence_length > 1 and past context "
                              "is given");
-  std::vector<int64_t> past(B), pos(B * S), rows(B);
+  Scratch& sc = ThreadScratch();
+  struct TrimOnExit {  // also when a check below throws
+    Scratch& s;
+    ~TrimOnExit() { s.Trim(); }
+  } trim{sc};
+  std::vector<int64_t>& past = sc.past;
+  std::vector<int64_t>& pos = sc.pos;
+  std::vector<int64_t>& rows = sc.rows;
+  std::vector<int64_t>& mask = sc.mask;
+  past.resize(static_cast<size_t>(B));
+  pos.resize(static_cast<size_t>(B * S));
+  rows.resize(static_cast<size_t>(B));
+  sc.q.resize(static_cast<size_t>(B * H * S * D));
+  float* q = sc.q.data();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tot = static_cast<int64_t>(in.seqlens_k[b]) + 1;
     past[b] = first_prompt ? 0 : tot - S;
