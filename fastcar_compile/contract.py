@@ -159,8 +159,14 @@ TEMPORAL_GATE_ALIGNED = "TemporalGateAligned"
 TEMPORAL_GATE_PACKED, TEMPORAL_GATE_PACKED_ROPE = "TemporalGatePacked", "TemporalGatePackedRope"
 # com.microsoft.GroupQueryAttention's drop-in with the native dense core (passes/native_gqa.py; body: the original op)
 GROUP_QUERY_ATTENTION = "GroupQueryAttention"
+# BranchPass's row ops around the one MLP copy (passes/branch.py): the computing tokens' rows and the If condition,
+# then the write-back that merges the computed rows with the cached ones and updates the cache (MLPCacheUpdate)
+SELECT_ROWS, MLP_CACHE_MERGE = "SelectRows", "MLPCacheMerge"
+# TemporalGatePacked[Rope] that also selects the MLP input's computing rows (one main-graph node: passes/fuse_rows.py)
+TEMPORAL_GATE_PACKED_ROWS, TEMPORAL_GATE_PACKED_ROPE_ROWS = "TemporalGatePackedRows", "TemporalGatePackedRopeRows"
 OP_NAMES = (TEMPORAL_GATE, TEMPORAL_GATE_AT, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION,
-            TEMPORAL_GATE_ALIGNED, TEMPORAL_GATE_PACKED, TEMPORAL_GATE_PACKED_ROPE, GROUP_QUERY_ATTENTION)
+            TEMPORAL_GATE_ALIGNED, TEMPORAL_GATE_PACKED, TEMPORAL_GATE_PACKED_ROPE, GROUP_QUERY_ATTENTION,
+            SELECT_ROWS, MLP_CACHE_MERGE, TEMPORAL_GATE_PACKED_ROWS, TEMPORAL_GATE_PACKED_ROPE_ROWS)
 # Attributes per op (tests/test_contract.py checks these against DESIGN.md and the function bodies).
 # `age_offset` (default 0): the stored age is age + age_offset (onnxruntime-genai zero-fills its recurrent state,
 # so genai graphs store age + 1 and 0 means "never written").
@@ -177,7 +183,11 @@ OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
                            "tempcache_sim", "eviction", "lsh_bits", "lsh_tables", "lsh_planes", "int8_dirs",
                            "int8_tables", "int8_planes", "prune_prompt", "qkv_perm"),
     GROUP_QUERY_ATTENTION: ("num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved"),
+    SELECT_ROWS: (),
+    MLP_CACHE_MERGE: ("age_offset",),
 }
+OP_ATTRIBUTES[TEMPORAL_GATE_PACKED_ROWS] = OP_ATTRIBUTES[TEMPORAL_GATE_PACKED]
+OP_ATTRIBUTES[TEMPORAL_GATE_PACKED_ROPE_ROWS] = OP_ATTRIBUTES[TEMPORAL_GATE_PACKED_ROPE]
 
 # --- TAS variants and node tags -------------------------------------------------------------------------------
 TAS_ROPE, TAS_RAW = "rope", "raw"

@@ -2,7 +2,7 @@
 
     [fused attention ->] discover -> select layers -> gate -> branch -> cache state [-> genai state]
     [-> native GroupQueryAttention]
-    [-> rotary, q/k/v layout + packed gate, RMSNorm, MLP norm hoist, skip-norm fusions]
+    [-> rotary, q/k/v layout + packed gate, RMSNorm, MLP norm hoist, skip-norm fusions] -> row select into the gate
     -> KV dim names -> IR version -> metadata [-> validate] [-> save]
 
 A new transformation is one module under passes/ plus one line in `build`. `describe` is what
@@ -21,6 +21,7 @@ from fastcar_compile.passes.context import CompileContext
 from fastcar_compile.passes.fuse_layout import FusedLayoutPass
 from fastcar_compile.passes.fuse_norm import RmsNormFusionPass, SkipNormFusionPass
 from fastcar_compile.passes.fuse_rotary import RotaryFusionPass
+from fastcar_compile.passes.fuse_rows import RowGatePass
 from fastcar_compile.passes.fused_attention import FusedAttentionPass
 from fastcar_compile.passes.gate import GatePass
 from fastcar_compile.passes.genai_state import GenaiConfigPass, GenaiStatePass
@@ -45,6 +46,7 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         *([NativeGqaPass(ctx.notes)] if ctx.options.native_attention else []),
         *([RotaryFusionPass(ctx), FusedLayoutPass(ctx), RmsNormFusionPass(ctx), NormHoistPass(ctx),
            SkipNormFusionPass(ctx)] if ctx.options.fusions else []),
+        RowGatePass(ctx),
         KvDimNamesPass(ctx),
         IrVersionPass(ctx),
         MetadataPass(ctx),

@@ -3,7 +3,7 @@
 Each rewritten layer carries `past_mlp_cache.N` [batch, L, hidden] (the MLP output per slot) and
 `past_mlp_age.N` [batch, L] (how often each slot was replayed in a row) from step to step. `declare_state`
 adds the two inputs (the gate reads the ages, the branch the cache); `CacheStatePass` writes the value each
-token used back (`MLPCacheUpdate`), adds the `present_*` outputs (and the gate's diagnostics outputs) and
+token used back (`MLPCacheUpdate`; BranchPass's `MLPCacheMerge` did it in the shared layout), adds the `present_*` outputs (and the gate's diagnostics outputs) and
 records the state pairs for the metadata.
 """
 
@@ -44,10 +44,13 @@ class CacheStatePass(ir.passes.InPlacePass):
         assert lr.used is not None and lr.match.mlp is not None
         nodes: list[ir.Node] = []
         b = build.Builder(n, nodes, lr.ids)
-        present_cache, present_age = b(contract.MLP_CACHE_UPDATE,
-                                       [lr.past_cache, lr.past_age, lr.used, lr.replay, lr.slot, lr.write],
-                                       domain=contract.DOMAIN, outputs=2, part="cache",
-                                       names=[contract.mlp_cache_output(n), contract.mlp_age_output(n)])
+        if lr.present is not None:  # BranchPass's MLPCacheMerge wrote the used rows back already
+            present_cache, present_age = lr.present
+        else:
+            present_cache, present_age = b(contract.MLP_CACHE_UPDATE,
+                                           [lr.past_cache, lr.past_age, lr.used, lr.replay, lr.slot, lr.write],
+                                           domain=contract.DOMAIN, outputs=2, part="cache",
+                                           names=[contract.mlp_cache_output(n), contract.mlp_age_output(n)])
         build.graph_output(graph, present_cache, contract.mlp_cache_output(n), lr.dtype, [ctx.batch, L, hd])
         build.graph_output(graph, present_age, contract.mlp_age_output(n), ir.DataType.INT64, [ctx.batch, L])
         if ctx.options.emit_diagnostics:

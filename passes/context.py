@@ -259,6 +259,7 @@ class LayerRewrite:
     cached: ir.Value | None = None  # the slots' cached MLP rows, when the gate node reads them (packed gate)
     conditions: tuple[ir.Value, ir.Value] | None = None  # (no token replays, some token computes), likewise
     used: ir.Value | None = None  # the MLP branch output actually used (computed or replayed)
+    present: tuple[ir.Value, ir.Value] | None = None  # (cache, age) when the branch's merge wrote them back
     state: list[contract.StateEntry] = field(default_factory=list)
 
     @property

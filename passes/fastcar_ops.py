@@ -306,6 +306,71 @@ GroupQueryAttention <num_heads, kv_num_heads, scale, do_rotary: int = 0, rotary_
 }}}}
 """
 
+# The rows of x [..., H] (all axes but the last flattened: B*S tokens) whose token computes (replay false), in
+# token order, as [1, n, H], and whether there is any (the compute branch's If condition). BranchPass runs the
+# one MLP copy on these rows whether every token computes (n = B*S) or some do.
+_SELECT_ROWS = """
+<domain: "ai.fastcar", opset_import: ["" : {opset}]>
+SelectRows (x, replay) => (rows, compute_some) {{
+  zero = Constant <value = int64[1] {{0}}> ()
+  minus1 = Constant <value = int64[1] {{-1}}> ()
+  zero_s = Constant <value = int64 {{0}}> ()
+  keep = Not (replay)
+  keep_flat = Reshape (keep, minus1)
+  nz = NonZero (keep_flat)
+  idx = Squeeze (nz, zero)
+  H = Shape <start = -1> (x)
+  flat_shape = Concat <axis = 0> (minus1, H)
+  x_flat = Reshape (x, flat_shape)
+  picked = Gather <axis = 0> (x_flat, idx)
+  rows = Unsqueeze (picked, zero)
+  n = Size (idx)
+  compute_some = Greater (n, zero_s)
+}}
+"""
+
+# The write-back of SelectRows' rows after the MLP: used [B,S,H] = the computed row for a computing token (rows in
+# token order, any leading shape), the slot's cached row for a replaying one; then MLPCacheUpdate of `used`.
+_MLP_CACHE_MERGE = """
+<domain: "ai.fastcar", opset_import: ["" : {opset}, "ai.fastcar" : 1]>
+MLPCacheMerge <age_offset: int = 0> (past_mlp_cache, past_mlp_age, rows, replay, slot, write)
+    => (present_mlp_cache, present_mlp_age, used) {{
+  minus1 = Constant <value = int64[1] {{-1}}> ()
+  cached = Gather <axis = 1> (past_mlp_cache, slot)
+  H = Shape <start = 2> (past_mlp_cache)
+  flat_shape = Concat <axis = 0> (minus1, H)
+  cached_flat = Reshape (cached, flat_shape)
+  rows_flat = Reshape (rows, flat_shape)
+  keep = Not (replay)
+  keep_flat = Reshape (keep, minus1)
+  nz = NonZero (keep_flat)
+  idx = Transpose (nz)
+  merged = ScatterND (cached_flat, idx, rows_flat)
+  used_shape = Shape (cached)
+  used = Reshape (merged, used_shape)
+  present_mlp_cache, present_mlp_age = ai.fastcar.MLPCacheUpdate <age_offset: int = @age_offset>
+      (past_mlp_cache, past_mlp_age, used, replay, slot, write)
+}}
+"""
+
+
+def _with_rows(text: str, name: str) -> str:
+    """TemporalGatePacked[Rope] `text` as op `name` that also takes the MLP input and outputs its computing rows
+    (SelectRows on the gate's own decision): the selection costs no launch of its own."""
+    head = text[text.index("\n", text.index("<domain")) + 1:].split(" ", 1)[0]
+    return _derive(
+        text,
+        (f"{head} <", f"{name} <"),
+        (")\n    => (replay, tas, slot, write, cached, compute_all, compute_some) {{",
+         ", mlp_input)\n    => (replay, tas, slot, write, cached, compute_all, compute_some, rows) {{"),
+        ("  compute_some = Less (n_replay, n_tokens)\n",
+         "  compute_some = Less (n_replay, n_tokens)\n  rows, rows_some = ai.fastcar.SelectRows (mlp_input, replay)\n"),
+    )
+
+
+_TEMPORAL_GATE_PACKED_ROWS = _with_rows(_TEMPORAL_GATE_PACKED, contract.TEMPORAL_GATE_PACKED_ROWS)
+_TEMPORAL_GATE_PACKED_ROPE_ROWS = _with_rows(_TEMPORAL_GATE_PACKED_ROPE, contract.TEMPORAL_GATE_PACKED_ROPE_ROWS)
+
 OP_TEXTS = {
     contract.TEMPORAL_GATE: _TEMPORAL_GATE,
     contract.TEMPORAL_GATE_AT: _TEMPORAL_GATE_AT,
@@ -316,6 +381,10 @@ OP_TEXTS = {
     contract.TEMPORAL_GATE_PACKED: _TEMPORAL_GATE_PACKED,
     contract.TEMPORAL_GATE_PACKED_ROPE: _TEMPORAL_GATE_PACKED_ROPE,
     contract.GROUP_QUERY_ATTENTION: _GROUP_QUERY_ATTENTION,
+    contract.SELECT_ROWS: _SELECT_ROWS,
+    contract.MLP_CACHE_MERGE: _MLP_CACHE_MERGE,
+    contract.TEMPORAL_GATE_PACKED_ROWS: _TEMPORAL_GATE_PACKED_ROWS,
+    contract.TEMPORAL_GATE_PACKED_ROPE_ROWS: _TEMPORAL_GATE_PACKED_ROPE_ROWS,
 }
 
 

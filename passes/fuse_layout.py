@@ -66,15 +66,17 @@ class _Gate:
     """A TemporalGateAt and the nodes BranchPass built from it (cached rows, the two If conditions)."""
 
     node: ir.Node
-    read: ir.Node  # MLPCacheRead
-    equal: ir.Node  # compute_all = (replay count == 0)
-    less: ir.Node  # compute_some = (replay count < tokens)
+    cache: ir.Value  # past_mlp_cache
+    conditions: list[ir.Value]  # MLPCacheRead's rows, compute_all, compute_some ([] in the shared layout)
     threshold: ir.Value
     index: int
 
     @staticmethod
     def find(node: ir.Node) -> _Gate | None:
         replay, slot = node.outputs[0], node.outputs[2]
+        merge = _single(slot, contract.MLP_CACHE_MERGE)  # BranchPass's shared layout: no cache read, no conditions
+        if merge is not None and merge.inputs[4] is slot and merge.inputs[3] is replay:
+            return _Gate._tau(node, merge.inputs[0], [])
         read = _single(slot, contract.MLP_CACHE_READ)
         cast = _single(replay, "Cast")
         count = _single(cast.outputs[0], "ReduceSum") if cast is not None else None
@@ -88,6 +90,10 @@ class _Gate:
         size = less.inputs[1].producer()  # tokens = Size(input_ids) = B * S, what the packed gate counts
         if gu.scalar_const(equal.inputs[1]) != 0.0 or size is None or size.op_type != "Size":
             return None
+        return _Gate._tau(node, read.inputs[0], [read.outputs[0], equal.outputs[0], less.outputs[0]])
+
+    @staticmethod
+    def _tau(node: ir.Node, cache: ir.Value, conditions: list[ir.Value]) -> _Gate | None:
         tau, index = node.inputs[3], 0
         g = tau.producer()
         if g is not None and g.op_type == "Gather" and g.attributes.get_int("axis", 0) == 0 and \
@@ -95,7 +101,7 @@ class _Gate:
             tau, index = g.inputs[0], int(g.inputs[1].const_value.numpy().reshape(-1)[0])
         elif tau.shape is None or len(tau.shape) != 0:
             return None
-        return _Gate(node, read, equal, less, tau, index)
+        return _Gate(node, cache, conditions, tau, index)
 
 
 class FusedLayoutPass(ir.passes.InPlacePass):
@@ -157,7 +163,7 @@ class FusedLayoutPass(ir.passes.InPlacePass):
     def _packed_gate(graph: ir.Graph, g: _Gate, query: ir.Value, heads: int) -> None:
         old = g.node
         at = old.attributes
-        inputs = [query, old.inputs[1], old.inputs[2], g.read.inputs[0], g.threshold, old.inputs[4], old.inputs[5]]
+        inputs = [query, old.inputs[1], old.inputs[2], g.cache, g.threshold, old.inputs[4], old.inputs[5]]
         attrs = {"frame_tokens": at.get_int("frame_tokens", 1), "max_replay": at.get_int("max_replay", 0),
                  "num_heads": heads, "threshold_index": g.index}
         if at.get_int("age_offset", 0):
@@ -165,6 +171,6 @@ class FusedLayoutPass(ir.passes.InPlacePass):
         node = ir.node(contract.TEMPORAL_GATE_PACKED, inputs, attrs, domain=contract.DOMAIN, num_outputs=7,
                        name=f"{old.name or 'gate'}/packed", metadata_props=dict(old.metadata_props))
         graph.insert_before(old, node)
-        olds = [*old.outputs, g.read.outputs[0], g.equal.outputs[0], g.less.outputs[0]]
-        for before, after in zip(olds, node.outputs, strict=True):
+        olds = [*old.outputs, *g.conditions]
+        for before, after in zip(olds, node.outputs[:len(olds)], strict=True):
             gu.take_over(before, after, graph_outputs=True)

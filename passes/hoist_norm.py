@@ -8,7 +8,7 @@ the all-compute branch's SimplifiedLayerNormalization of an outer value in front
 SkipNormFusionPass (next) fuses it with the residual Add. The compacted branch keeps its own norm of the
 gathered rows (it reads the residual sum, which the fused node still outputs). Same operations on the same
 values: exact. In BranchPass's shared layout (one MLP behind a rows `If`) the norm moves in front of that
-selection instead (`_hoist_from_rows`).
+row selection instead (`_hoist_from_rows`).
 """
 
 from __future__ import annotations
@@ -62,24 +62,17 @@ class NormHoistPass(ir.passes.InPlacePass):
 
 
 def _hoist_from_rows(graph: ir.Graph, layer_if: ir.Node, compute: ir.Graph) -> bool:
-    """BranchPass's shared layout (passes/branch.py): the compute branch starts with the rows `If` (all rows as
-    they are | the compacted ones) and the MLP's norm reads its first output. The norm then runs on the main
-    graph before that selection, and both row choices take the normalised rows: a row-wise norm of the
-    gathered rows is the gathered rows of the norm, so the values are the same."""
-    nodes = list(compute)
-    rows_if = nodes[0] if nodes and nodes[0].op_type == "If" else None
-    if rows_if is None:
+    """BranchPass's shared layout (passes/branch.py): `rows, some = SelectRows(x, replay)` on the main graph,
+    `If(some)` whose compute branch starts with the MLP's norm of `rows`. The norm then runs on the main graph
+    before the selection, which takes the normalised rows: a row-wise norm of the selected rows is the selected
+    rows of the norm, so the values are the same."""
+    select = layer_if.inputs[0].producer() if layer_if.inputs and layer_if.inputs[0] is not None else None
+    if select is None or select.domain != contract.DOMAIN or select.op_type != contract.SELECT_ROWS or \
+            select.outputs[1] is not layer_if.inputs[0]:
         return False
-    as_is, some = rows_if.attributes.get("then_branch"), rows_if.attributes.get("else_branch")
-    if as_is is None or some is None:
-        return False
-    first = as_is.value.outputs[0].producer() if as_is.value.outputs else None
-    if first is None or first.op_type != "Identity":
-        return False
-    x, rows = first.inputs[0], rows_if.outputs[0]
-    readers = rows.consumers()
-    if len(readers) != 1 or readers[0].op_type != NORM or readers[0].domain != "" or \
-            readers[0].inputs[0] is not rows:
+    x, rows = select.inputs[0], select.outputs[0]
+    readers = [n for n in compute if rows in n.inputs]
+    if len(readers) != 1 or readers[0].op_type != NORM or readers[0].domain != "" or readers[0].inputs[0] is not rows:
         return False
     norm = readers[0]
     inside = {v for n in compute for v in n.outputs}
@@ -89,11 +82,7 @@ def _hoist_from_rows(graph: ir.Graph, layer_if: ir.Node, compute: ir.Graph) -> b
     ir.convenience.replace_all_uses_with(normed, rows)
     compute.remove(norm)
     norm.replace_input_with(0, x)
-    graph.insert_before(layer_if, norm)
-    first.replace_input_with(0, normed)
-    for n in some.value:  # the compacted rows are gathered from the normalised ones
-        for i, v in enumerate(n.inputs):
-            if v is x:
-                n.replace_input_with(i, normed)
-    rows.shape = normed.shape
+    graph.insert_before(select, norm)
+    select.replace_input_with(0, normed)
+    normed.shape = x.shape
     return True

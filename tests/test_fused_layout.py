@@ -22,25 +22,30 @@ L = tpr.L
 
 def test_layer_is_one_gate_and_no_layout_ops(zoo_model, fc_compile, tmp_path):
     """Each fused layer's main graph: no Transpose/Reshape between the projections and the attention, and the
-    gate is one TemporalGatePacked (no TemporalGateAt, MLPCacheRead, tau Gather, Cast/ReduceSum/Equal/Less)."""
+    gate is one TemporalGatePackedRows (no TemporalGateAt, MLPCacheRead, tau Gather, Cast/ReduceSum/Equal/Less,
+    SelectRows)."""
     out = tmp_path / "fast.onnx"
     _, report = fc_compile(str(zoo_model("llama", "dynamo20")), output=str(out), frame_tokens=L, threshold=[0.1, 0.2],
                            per_layer_threshold=True)
     assert any("one-node gate (TemporalGatePacked) in 2" in n for n in report.notes)
     graph = onnx.load(str(out)).graph
     ops = [n.op_type for n in graph.node]
-    assert ops.count("TemporalGatePacked") == 2 and ops.count("CompressedAttention") == 2
-    for gone in ("TemporalGateAt", "MLPCacheRead", "Transpose", "Equal", "Less", "ReduceSum", "Add"):
+    # the packed gate also selects the MLP's rows (passes/fuse_rows.py); the merge writes the cache back
+    assert ops.count("TemporalGatePackedRows") == 2 and ops.count("CompressedAttention") == 2
+    assert ops.count("MLPCacheMerge") == 2 and ops.count("If") == 2
+    for gone in ("TemporalGateAt", "TemporalGatePacked", "SelectRows", "MLPCacheRead", "MLPCacheUpdate", "Transpose",
+                 "Equal", "Less", "ReduceSum", "Add"):
         assert gone not in ops, gone  # (Add: the attention residual joins the MLP norm, hoisted out of the If)
     for n in graph.node:
-        if n.op_type == "If":  # the compute branch: the rows If (all / compacted), then the MLP's first MatMul
-            then = next(a.g for a in n.attribute if a.name == "then_branch")
-            assert [m.op_type for m in then.node][:2] == ["If", "MatMul"]
+        if n.op_type == "If":  # compute: the MLP's own nodes from its first MatMul on; skip: one Identity
+            then, other = (next(a.g for a in n.attribute if a.name == k) for k in ("then_branch", "else_branch"))
+            assert then.node[0].op_type == "MatMul" and "If" not in [m.op_type for m in then.node]
+            assert [m.op_type for m in other.node] == ["Identity"]
     assert ops.count("Reshape") <= 3  # the rotary caches' two and position rows, once per step
     for n in graph.node:
         if n.op_type == "CompressedAttention":
             assert [list(a.ints) for a in n.attribute if a.name == "qkv_perm"] == [[0, 2, 1, 3]]
-    gates = [n for n in graph.node if n.op_type == "TemporalGatePacked"]
+    gates = [n for n in graph.node if n.op_type == "TemporalGatePackedRows"]
     assert sorted(a.i for n in gates for a in n.attribute if a.name == "threshold_index") == [0, 1]
 
 

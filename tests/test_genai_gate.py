@@ -184,11 +184,12 @@ def test_cache_update_age_offset(native_lib):
     ort_driver.skip_native_half(native_lib)
 
 
-@pytest.mark.parametrize("tas_query,gate", [("rope", contract.TEMPORAL_GATE_PACKED_ROPE),
-                                            ("raw", contract.TEMPORAL_GATE_PACKED)])
+@pytest.mark.parametrize("tas_query,gate", [("rope", contract.TEMPORAL_GATE_PACKED_ROPE_ROWS),
+                                            ("raw", contract.TEMPORAL_GATE_PACKED_ROWS)])
 def test_genai_layer_adds_three_main_graph_nodes(genai_model, fc_compile, tmp_path, tas_query, gate):
     """Every node on a genai step's main graph is a kernel launch per step, replayed or not: a rewritten layer
-    (genai state names, per-layer tau) adds exactly its gate, the If and MLPCacheUpdate."""
+    (genai state names, per-layer tau) adds exactly its gate (which also selects the MLP's rows), the If and
+    MLPCacheMerge; the If runs the MLP's own nodes or one Identity."""
     src = genai_model("llama", "fp32")
     out = tmp_path / "fast" / "fast.onnx"
     fc_compile(str(src / "model.onnx"), output=str(out), frame_tokens=4, threshold=[0.0, 1.0],
@@ -200,4 +201,9 @@ def test_genai_layer_adds_three_main_graph_nodes(genai_model, fc_compile, tmp_pa
         if node.name not in original:
             layer = next(p.value for p in node.metadata_props if p.key == contract.TAG_LAYER)
             added.setdefault(layer, []).append(node.op_type)
-    assert added == {n: [gate, "If", contract.MLP_CACHE_UPDATE] for n in ("0", "1")}
+    assert added == {n: [gate, "If", contract.MLP_CACHE_MERGE] for n in ("0", "1")}
+    mlp = ["MatMul", "MatMul", "Sigmoid", "Mul", "Mul", "MatMul"]  # the builder's SwiGLU
+    for node in model.graph.node:
+        if node.op_type == "If":
+            branches = {a.name: [n.op_type for n in a.g.node] for a in node.attribute}
+            assert branches == {"then_branch": mlp, "else_branch": ["Identity"]}

@@ -17,7 +17,7 @@ L = 4
 PASSES = ["FusedAttentionPass", "DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass",
           "NativeGqaPass",
           "RotaryFusionPass", "FusedLayoutPass", "RmsNormFusionPass", "NormHoistPass", "SkipNormFusionPass",
-          "KvDimNamesPass",
+          "RowGatePass", "KvDimNamesPass",
           "IrVersionPass", "MetadataPass", "ValidatePass", "SavePass"]
 
 

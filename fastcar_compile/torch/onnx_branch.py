@@ -6,7 +6,8 @@ layers again in the lowered graph (cross-checked with the program: the MLP outpu
 the program writes to the cache), then, as `fastcar-compile` does:
 - norm/attention nodes are tagged by `gate.tag_attention`, the gate's own nodes `gate`, the cache update
   `cache` (`fastcar.layer` / `fastcar.part`, contract.TAG_*), which the FPGA partitioner reads;
-- `BranchPass` replaces the MLP with its all / compacted (NonZero, Gather, ScatterND) / none `If`.
+- `BranchPass` replaces the MLP with its rows `If` (SelectRows, the MLP once, MLPCacheMerge in place of the
+  program's MLPCacheUpdate).
 One branch builder therefore serves both front ends.
 """
 
@@ -18,6 +19,7 @@ import onnx_ir as ir
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.passes import build
+from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.branch import BranchPass
 from fastcar_compile.passes.context import CompileContext, CompileOptions, LayerRewrite
 from fastcar_compile.passes.discover import LayerMatch, discover
@@ -74,12 +76,18 @@ def rebuild_branches(model: ir.Model, *, layers: list[int], options: CompileOpti
     ctx = CompileContext(options)
     ctx.layers = [_layer(found, outputs, layer, k) for k, layer in enumerate(layers)]
     mlp_outputs = [lr.match.mlp.output for lr in ctx.layers]  # type: ignore[union-attr]
-    # BranchPass rewires the residual Add to its If; the program's cache update must read the If too.
+    # BranchPass rewires the residual Add to its If (nested layout): the program's cache update must read the If
+    # too; its MLPCacheMerge (shared layout) writes the cache itself and replaces the program's update.
     consumers = [[(c, i) for c, i in v.uses() if c.op_type == contract.MLP_CACHE_UPDATE] for v in mlp_outputs]
     BranchPass(ctx)(model)
     for lr, uses in zip(ctx.layers, consumers, strict=True):
         for node, i in uses:
-            node.replace_input_with(i, lr.used)
+            if lr.present is None:
+                node.replace_input_with(i, lr.used)
+                continue
+            for old, new in zip(node.outputs, lr.present, strict=True):
+                gu.take_over(old, new, graph_outputs=True)
+            graph.remove(node, safe=True)
     graph.sort()
 
 

@@ -13,6 +13,7 @@
 
 #include "compressed_attention.h"
 #include "group_query_attention.h"
+#include "row_ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -179,7 +180,7 @@ struct TemporalGatePacked {
            const Tensor<float>& threshold, const Tensor<int64_t>& video_start, const Tensor<int32_t>& total_len,
            const Tensor<float>* cos, const Tensor<float>* sin, Tensor<bool>& replay, Tensor<float>& tas,
            Tensor<int64_t>& slot, Tensor<bool>& write, Tensor<float>& cached, Tensor<bool>& compute_all,
-           Tensor<bool>& compute_some) {
+           Tensor<bool>& compute_some, const Tensor<float>* mlp_input = nullptr, Tensor<float>* rows = nullptr) {
     const auto xs = qkv.Shape(), ks = key.Shape(), cs = cache.Shape();
     const int64_t B = xs[0], S = xs[1], W = xs[2];
     const int64_t Hkv = ks[1], Tbuf = ks[2], D = ks[3];
@@ -242,6 +243,7 @@ struct TemporalGatePacked {
     }
     *compute_all.Allocate({}) = n_replay == 0;
     *compute_some.Allocate({}) = n_replay < B * S;
+    if (mlp_input != nullptr) fastcar_rows::Select(*mlp_input, rep, B * S, *rows);  // the ...Rows variants
   }
 };
 
@@ -259,6 +261,32 @@ struct TemporalGatePackedRope : TemporalGatePacked {
                Tensor<float>& cached, Tensor<bool>& compute_all, Tensor<bool>& compute_some) {
     Run(qkv, key, age, cache, threshold, video_start, total_len, &cos, &sin, replay, tas, slot, write, cached,
         compute_all, compute_some);
+  }
+};
+
+// TemporalGatePacked[Rope]Rows: the gate, then SelectRows of mlp_input [B,S,H] on its decision (one launch).
+struct TemporalGatePackedRows : TemporalGatePacked {
+  TemporalGatePackedRows(const OrtApi* api, const OrtKernelInfo* info) : TemporalGatePacked(api, info) {}
+  void Compute(const Tensor<float>& qkv, const Tensor<float>& key, const Tensor<int64_t>& age,
+               const Tensor<float>& cache, const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
+               const Tensor<int32_t>& total_len, const Tensor<float>& mlp_input, Tensor<bool>& replay,
+               Tensor<float>& tas, Tensor<int64_t>& slot, Tensor<bool>& write, Tensor<float>& cached,
+               Tensor<bool>& compute_all, Tensor<bool>& compute_some, Tensor<float>& rows) {
+    Run(qkv, key, age, cache, threshold, video_start, total_len, nullptr, nullptr, replay, tas, slot, write, cached,
+        compute_all, compute_some, &mlp_input, &rows);
+  }
+};
+
+struct TemporalGatePackedRopeRows : TemporalGatePackedRope {
+  TemporalGatePackedRopeRows(const OrtApi* api, const OrtKernelInfo* info) : TemporalGatePackedRope(api, info) {}
+  void Compute(const Tensor<float>& qkv, const Tensor<float>& key, const Tensor<int64_t>& age,
+               const Tensor<float>& cache, const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
+               const Tensor<int32_t>& total_len, const Tensor<float>& cos, const Tensor<float>& sin,
+               const Tensor<float>& mlp_input, Tensor<bool>& replay, Tensor<float>& tas, Tensor<int64_t>& slot,
+               Tensor<bool>& write, Tensor<float>& cached, Tensor<bool>& compute_all, Tensor<bool>& compute_some,
+               Tensor<float>& rows) {
+    Run(qkv, key, age, cache, threshold, video_start, total_len, &cos, &sin, replay, tas, slot, write, cached,
+        compute_all, compute_some, &mlp_input, &rows);
   }
 };
 
@@ -288,6 +316,13 @@ struct MLPCacheUpdate {
   void Compute(const Tensor<float>& cache, const Tensor<int64_t>& age, const Tensor<float>& branch,
                const Tensor<bool>& replay, const Tensor<int64_t>& slot, const Tensor<bool>& write,
                Tensor<float>& out_cache, Tensor<int64_t>& out_age) {
+    Write(cache, age, branch.Data(), replay, slot, write, out_cache, out_age);
+  }
+
+  // the update with the used rows `br` [B,S,H]
+  void Write(const Tensor<float>& cache, const Tensor<int64_t>& age, const float* br, const Tensor<bool>& replay,
+             const Tensor<int64_t>& slot, const Tensor<bool>& write, Tensor<float>& out_cache,
+             Tensor<int64_t>& out_age) const {
     const auto cs = cache.Shape();
     const int64_t B = cs[0], L = cs[1], Hd = cs[2];
     const int64_t S = slot.Shape()[0];
@@ -297,7 +332,6 @@ struct MLPCacheUpdate {
     const int64_t* a = age.Data();
     if (oc != c) std::memcpy(oc, c, sizeof(float) * B * L * Hd);
     if (oa != a) std::memcpy(oa, a, sizeof(int64_t) * B * L);
-    const float* br = branch.Data();
     const bool* rp = replay.Data();
     const int64_t* sl = slot.Data();
     const bool* wr = write.Data();
@@ -312,6 +346,33 @@ struct MLPCacheUpdate {
         ag = rp[b * S + i] ? ag + 1 : age_offset;
       }
     }
+  }
+};
+
+// MLPCacheMerge(past_mlp_cache [B,L,H], past_mlp_age [B,L], rows [.., H] (the computing tokens' MLP rows, in
+//   order), replay [B,S], slot [S], write [S]) -> (present_mlp_cache, present_mlp_age, used [B,S,H]): used = rows
+//   merged with the slots' cached rows (row_ops.h), then MLPCacheUpdate of used. In place like MLPCacheUpdate.
+struct MLPCacheMerge : MLPCacheUpdate {
+  MLPCacheMerge(const OrtApi* api, const OrtKernelInfo* info) : MLPCacheUpdate(api, info) {}
+
+  void Compute(const Tensor<float>& cache, const Tensor<int64_t>& age, const Tensor<float>& rows,
+               const Tensor<bool>& replay, const Tensor<int64_t>& slot, const Tensor<bool>& write,
+               Tensor<float>& out_cache, Tensor<int64_t>& out_age, Tensor<float>& used) {
+    const auto cs = cache.Shape(), as = age.Shape(), rs = replay.Shape();
+    const int64_t S = slot.Shape().empty() ? -1 : slot.Shape()[0];
+    if (cs.size() != 3 || as.size() != 2 || as[0] != cs[0] || as[1] != cs[1] || rs.size() != 2 || rs[0] != cs[0] ||
+        rs[1] != S || static_cast<int64_t>(write.NumberOfElement()) != S || cs[2] <= 0 ||
+        static_cast<int64_t>(rows.NumberOfElement()) % cs[2] != 0)
+      throw std::runtime_error("MLPCacheMerge: inconsistent shapes (past_mlp_cache [B,L,H], past_mlp_age [B,L], "
+                               "rows [.., H], replay [B,S], slot [S], write [S])");
+    const int64_t B = cs[0], L = cs[1], Hd = cs[2];
+    const int64_t* sl = slot.Data();
+    for (int64_t i = 0; i < S; ++i)
+      if (sl[i] < 0 || sl[i] >= L) throw std::runtime_error("MLPCacheMerge: slot out of [0, L)");
+    float* u = used.Allocate({B, S, Hd});
+    fastcar_rows::Merge(cache.Data(), L, Hd, rows.Data(), static_cast<int64_t>(rows.NumberOfElement()) / Hd,
+                        replay.Data(), sl, B, S, u);
+    Write(cache, age, u, replay, slot, write, out_cache, out_age);
   }
 };
 
@@ -625,6 +686,13 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
                                                                                   "CPUExecutionProvider"));
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<CompressedAttention>("CompressedAttention", "CPUExecutionProvider"));
+      g_ops.emplace_back(
+          Ort::Custom::CreateLiteCustomOp("SelectRows", "CPUExecutionProvider", fastcar_rows::SelectRows));
+      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MLPCacheMerge>("MLPCacheMerge", "CPUExecutionProvider"));
+      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGatePackedRows>("TemporalGatePackedRows",
+                                                                                  "CPUExecutionProvider"));
+      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGatePackedRopeRows>("TemporalGatePackedRopeRows",
+                                                                                      "CPUExecutionProvider"));
       for (auto& op : g_ops) g_domain->Add(op.get());
       g_domain->Add(&g_gqa);
     });

@@ -1,0 +1,132 @@
+"""A/B of compiled layouts on issue 11's benchmark LLaMA: ms per decode step and kernel launches per step, at 0%
+and 100% replay, for path (a) (a genai graph compiled by us, in og.Generator) and path (b) (the dynamo export
+compiled with --fused-attention fastcar, in FastCarSession).
+
+    python benchmarks/bench_row_layout.py --compile DIR [--nested]          # build one layout's models in DIR
+    python benchmarks/bench_row_layout.py --models before=DIR1,after=DIR2 [--ctx 4096] [--tokens 48]
+
+--compile uses the fastcar_compile that Python imports (run it from another checkout for a "before" build):
+DIR/a-r0, DIR/a-r8 (onnxruntime-genai folders, tau +inf / -inf in all 8 layers), DIR/b/fast.onnx (per-layer tau
+input). The sources are bench_genai.py's cached builder graph and dynamo export (`--cache`; build them with
+`python benchmarks/bench_genai.py` once). Timing: every model is prefilled with the same `--ctx` tokens, then
+the models decode in turn, `--block` tokens at a time after one untimed step (interleaved: machine load hits
+them alike), lower quartile per model, ratios against the first `--models` entry of the same path and replay.
+Launches: ORT's profiler over FastCarSession steps of the same files (og.Generator has no per-node profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_genai  # noqa: E402
+import profile_fused  # noqa: E402
+from _common import DEFAULT_CACHE, cached_export  # noqa: E402
+
+LAYERS, FRAME_TOKENS = 8, 256
+
+
+def compile_models(out: Path, cache: Path, nested: bool) -> None:
+    """DIR/a-r0, DIR/a-r8, DIR/b with the imported compiler (`nested`: shared_mlp=False, the pre-s4 layout)."""
+    import fastcar_compile
+
+    shape = bench_genai.FULL["shape"]
+    kw = {"shared_mlp": False} if nested else {}
+    src = bench_genai.build_genai(shape, cache) / "model.onnx"
+    for k in (0, LAYERS):
+        t0 = time.perf_counter()
+        fastcar_compile.compile(src, out / f"a-r{k}" / "fast.onnx", frame_tokens=FRAME_TOKENS,
+                                threshold=[np.inf if k == 0 else -np.inf] * LAYERS, per_layer_threshold=True, **kw)
+        print(f"a-r{k}: {time.perf_counter() - t0:.0f} s ({fastcar_compile.__file__})", file=sys.stderr)
+    fastcar_compile.compile(cached_export(shape, cache), out / "b" / "fast.onnx", frame_tokens=FRAME_TOKENS,
+                            threshold=[np.inf] * LAYERS, per_layer_threshold=True, fused_attention="fastcar", **kw)
+
+
+def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: int, vocab: int) -> dict[str, float]:
+    """name -> ms per step (lower quartile) of every (model, path, replay) combination, interleaved in blocks."""
+    import onnxruntime_genai as og
+
+    from fastcar_compile.runtime import FastCarSession
+
+    rounds = -(-tokens // block)
+    steps = rounds * (block + 1) + 2
+    prompt = np.random.default_rng(0).integers(3, vocab, (1, ctx)).astype(np.int32)
+    gens: dict[str, object] = {}
+    keep = []
+    for name, d in models.items():
+        for replay, k in (("0%", 0), ("100%", LAYERS)):
+            model = og.Model(str(d / f"a-r{k}"))
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=ctx + steps, do_sample=False)
+            gen = og.Generator(model, params)
+            gen.append_tokens(prompt)
+            gens[f"(a) {replay} {name}"] = gen
+            keep.append(model)
+        sess = FastCarSession(d / "b" / "fast.onnx", session_options=bench_genai.ort_options(threads, {}),
+                              threads=threads, max_length=ctx + steps)
+        for replay, tau in (("0%", np.inf), ("100%", -np.inf)):
+            gens[f"(b) {replay} {name}"] = bench_genai._FusedStepper(sess, np.full(LAYERS, tau, np.float32), prompt)
+        print(f"  {name}: prefilled {ctx} tokens", file=sys.stderr)
+    for gen in gens.values():
+        gen.generate_next_token()
+    times: dict[str, list[float]] = {n: [] for n in gens}
+    for _ in range(rounds):
+        for name, gen in gens.items():
+            gen.generate_next_token()  # untimed: brings this model's working set back
+            for _ in range(block):
+                t0 = time.perf_counter()
+                gen.generate_next_token()
+                times[name].append(time.perf_counter() - t0)
+    return {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
+
+
+def launches(models: dict[str, Path], threads: int) -> dict[str, float]:
+    """name -> kernel launches per step (ORT's profiler, FastCarSession; ctx past one frame so tokens may replay:
+    the counts do not depend on ctx)."""
+    out = {}
+    for name, d in models.items():
+        for path, files in (("(a)", {"0%": d / "a-r0", "100%": d / f"a-r{LAYERS}"}), ("(b)", {"0%": d / "b", "100%": d / "b"})):
+            for replay, folder in files.items():
+                s = profile_fused.Stepper(folder / "fast.onnx", None, FRAME_TOKENS + 64, threads, replay == "100%", 8)
+                for _ in range(6):
+                    s.step(False)
+                out[f"{path} {replay} {name}"] = s.profile()[0]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compile", type=Path, help="build one layout's models in this folder and stop")
+    ap.add_argument("--nested", action="store_true", help="with --compile: shared_mlp=False")
+    ap.add_argument("--models", help="name=DIR,name=DIR,... (the first is the reference of the ratios)")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--block", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    a = ap.parse_args(argv)
+    if a.compile:
+        compile_models(a.compile, a.cache, a.nested)
+        return 0
+    if not a.models:
+        ap.error("give --compile DIR or --models name=DIR,...")
+    models = {k: Path(v) for k, v in (item.split("=", 1) for item in a.models.split(","))}
+    counts = launches(models, a.threads)
+    ms = timed(models, a.ctx, a.tokens, a.block, a.threads, bench_genai.FULL["shape"].vocab)
+    first = next(iter(models))
+    print(f"ctx {a.ctx}, {a.threads} threads, {a.tokens} tokens per model, blocks of {a.block} (lower quartile)")
+    for key in ms:
+        path, replay, name = key.split(" ")
+        ref = f"{path} {replay} {first}"
+        print(f"{path} {replay:>4} {name:>10}: {ms[key]:7.2f} ms/step ({ms[ref] / ms[key]:.3f}x vs {first}), "
+              f"{counts[key]:.0f} launches/step ({counts[key] - counts[ref]:+.0f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

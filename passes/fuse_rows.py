@@ -1,0 +1,55 @@
+"""BranchPass's row selection folded into a packed gate: one main-graph node where there were two.
+
+In the shared layout (passes/branch.py) each layer runs `rows, some = SelectRows(x, replay)` on the main graph,
+every step. When `replay` comes from a TemporalGatePacked[Rope] (onnxruntime-genai graphs; dynamo exports after
+FusedLayoutPass), the gate becomes TemporalGatePacked[Rope]Rows, which takes x and outputs the rows itself:
+its own compute_some is the If condition. Same values (the op's body is the gate's body plus SelectRows), one
+kernel launch less per layer and step. Runs after the fusions: the MLP norm hoisted out of the If
+(NormHoistPass) and joined to the residual Add is what x is then. The gate moves to just before SelectRows (x
+is computed after the attention the gate reads).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fastcar_compile import contract
+from fastcar_compile.passes import graph_utils as gu
+from fastcar_compile.passes.context import CompileContext
+
+ROWS_VARIANT = {contract.TEMPORAL_GATE_PACKED: contract.TEMPORAL_GATE_PACKED_ROWS,
+                contract.TEMPORAL_GATE_PACKED_ROPE: contract.TEMPORAL_GATE_PACKED_ROPE_ROWS}
+
+
+class RowGatePass(ir.passes.InPlacePass):
+    """SelectRows(x, replay of a packed gate) -> the gate's ...Rows variant."""
+
+    def __init__(self, ctx: CompileContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        fused = 0
+        for select in [n for n in graph if n.domain == contract.DOMAIN and n.op_type == contract.SELECT_ROWS]:
+            gate = select.inputs[1].producer() if select.inputs[1] is not None else None
+            if gate is None or gate.domain != contract.DOMAIN or gate.op_type not in ROWS_VARIANT or \
+                    gate.graph is not graph or select.inputs[1] is not gate.outputs[0]:
+                continue
+            node = ir.node(ROWS_VARIANT[gate.op_type], [*gate.inputs, select.inputs[0]],
+                           {a.name: a for a in gate.attributes.values()}, domain=contract.DOMAIN,
+                           num_outputs=len(gate.outputs) + 1, name=f"{gate.name or 'gate'}/rows",
+                           metadata_props=dict(gate.metadata_props))
+            graph.insert_before(select, node)
+            for k, (before, after) in enumerate(zip([*gate.outputs, select.outputs[0]], node.outputs, strict=True)):
+                if before.name is None:  # an output no pass named (FusedLayoutPass's unused conditions)
+                    before.name = f"{node.name}.out{k}"
+                gu.take_over(before, after, graph_outputs=True)
+            some = node.outputs[len(gate.outputs) - 1]  # the gate's compute_some: the If condition
+            ir.convenience.replace_all_uses_with(select.outputs[1], some)
+            graph.remove([gate, select], safe=True)
+            fused += 1
+        if fused:
+            graph.sort()
+            self.ctx.notes.append(f"row selection folded into the packed gate in {fused} layers")
+        return ir.passes.PassResult(model, modified=fused > 0)
