@@ -23,7 +23,7 @@ keys rotated at their absolute positions, which is not shift invariant: such lay
 
 Only plain CompressedAttention layers (no compressed KV cache) whose RoPE came from RotaryFusionPass (half-split,
 the graph's own cos/sin) and whose projections are float32 MatMuls (+ bias Add) on constant weights are taken;
-`why_not` says in one line why a layer is left (`--inspect` / the compile notes print it). MatMulNBits: not
+the compile report's notes say in one line why a layer is left. MatMulNBits: not
 applicable, the torch dynamo path exports float MatMuls (int4 weights come only from the genai builder, path (a),
 whose QKV is packed already).
 """
@@ -240,13 +240,8 @@ def _only(value: ir.Value, allowed: set[ir.Node]) -> bool:
     return not value.is_graph_output() and all(n in allowed for n in value.consumers())
 
 
-def why_not(ca: ir.Node) -> str | None:
-    """Why this CompressedAttention layer cannot be packed (None: it can); for --inspect and the notes."""
-    return _Layer(ca).match()
-
-
 class PackQkvPass(ir.passes.InPlacePass):
-    """q/k/v MatMuls -> one packed MatMul; RoPE into CompressedAttention (packed_rotary) and the gate."""
+    """q/k/v MatMuls -> one packed MatMul; RoPE into the attention op (CompressedAttention / GQA) and the gate."""
 
     def __init__(self, ctx: CompileContext):
         super().__init__()
