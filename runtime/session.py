@@ -587,11 +587,11 @@ class FastCarSession:
                 and all(map(operator.is_, arrays.values(), bound[1]))):
             self._bind_state(bind, state, seq)
         b = state.batch
-        bind.copy_input(contract.INPUT_IDS, ids)
+        bind.bind_input(contract.INPUT_IDS, ids)
         if self._feeds_mask:  # (a view of one row of the mask buffer is contiguous: no check at batch 1)
             bind.bind_input(contract.ATTENTION_MASK, mask if b == 1 else np.ascontiguousarray(mask))
         if self._feeds_positions:
-            bind.copy_input(contract.POSITION_IDS, position_ids)
+            bind.bind_input(contract.POSITION_IDS, np.ascontiguousarray(position_ids))
         if self._feeds_video_start and (contract.VIDEO_START not in bind.inputs
                                         or self._video_start_bound != state.video_start):
             bind.copy_input(contract.VIDEO_START, np.array(state.video_start, dtype=np.int64))
