@@ -568,8 +568,9 @@ class FastCarSession:
         the buffers of their past inputs, so the native kernels write the state in place (no copy per step).
 
         Bindings persist between steps (runtime/binding.py): the state is bound again only when its arrays are
-        not the ones bound (another video, or an array replaced), small feeds are copied into buffers bound
-        once, and the attention mask (one column longer each step) is the only input bound every step.
+        not the ones bound (another video, or an array replaced); the token ids, position ids and attention
+        mask (a view one column longer each step) are bound as given, video_start is copied into a buffer
+        bound once, tau bound again only when its values change.
         Returns logits (a copy: the bound buffer serves the next step), the diagnostics outputs (the bound
         buffers: `step` stacks them at once) and, unless all were written in place, the state outputs; None
         when an output's shape cannot be predicted (the caller then runs normally).
