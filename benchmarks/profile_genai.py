@@ -209,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     ctx = a.ctx or cfg["contexts"][-1]
     src = bench_genai.build_genai(shape, a.cache)
     work = a.cache / f"genai-variants-{shape.tag()}-L{cfg['frame_tokens']}"
-    folders = bench_genai.variants(src, work, shape.layers, cfg["frame_tokens"])
     names = [n.strip() for n in a.variants.split(",")]
+    # only NAME=FOLDER variants: nothing to build (variants() would recompile every rK when the compiler changed)
+    folders = {} if all("=" in n for n in names) else bench_genai.variants(src, work, shape.layers,
+                                                                           cfg["frame_tokens"])
     names = [f"r{shape.layers}" if n == "rall" else n for n in names]
     for spec in [n for n in names if "=" in n]:  # NAME=FOLDER: another build of a variant, e.g. for an A/B
         name, folder = spec.split("=", 1)

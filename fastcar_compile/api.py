@@ -22,7 +22,7 @@ from fastcar_compile.passes.analysis import find_layers, parse_layers
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 from fastcar_compile.passes.threshold import BakeThresholdPass
 from fastcar_compile.passes.validate import ValidatePass
-from fastcar_compile.save import SavePass, Staging, owned_data
+from fastcar_compile.save import SavePass, Staging
 
 __all__ = ["CompileOptions", "CompileReport", "LayerReport", "bake_threshold", "compile", "inspect", "load",
            "parse_layers", "pass_list"]
@@ -130,9 +130,10 @@ def compile(  # noqa: A001 - the natural name of the entry point
         if fileio.same_file(in_path, out_path):
             raise FastCarError(f"output {out_path} is the input model; choose another -o path (the input is "
                                "never overwritten)")
-        fileio.refuse_collisions(fileio.model_files(in_path), output_files(out_path))
-    ctx = CompileContext(opts, genai_config=_genai_config(genai, in_path, out_path))
     staging = Staging(out_path, source=in_path) if out_path is not None else None
+    if staging is not None and in_path is not None:
+        fileio.refuse_collisions(fileio.model_files(in_path), staging.files())
+    ctx = CompileContext(opts, genai_config=_genai_config(genai, in_path, out_path))
     manager = pipeline.build(ctx, staging, validate)
     try:
         with fileio.os_errors(str(out_path or "")):
@@ -150,14 +151,6 @@ def compile(  # noqa: A001 - the natural name of the entry point
     return loaded, report
 
 
-def output_files(output: str | os.PathLike) -> list[Path]:
-    """Every file saving to `output` may write or delete: the model, `<name>.data` and the data files the
-    current output owns (save.owned_data; a new data file always gets a name no file has)."""
-    output = Path(output)
-    default = output.parent / (output.name + ".data")
-    return [output, default, *(f for f in owned_data(output) if f != default)]
-
-
 def _genai_config(genai: bool | None, in_path: Path | None, out_path: Path | None) -> Path | None:
     """The input's genai_config.json when the output should run in onnxruntime-genai's generator."""
     cfg = genai_state.beside(in_path) if genai is not False and out_path is not None else None
@@ -171,15 +164,17 @@ def _genai_config(genai: bool | None, in_path: Path | None, out_path: Path | Non
     return cfg
 
 
-def _input_output(model: str | os.PathLike, output: str | os.PathLike) -> tuple[Path, Path]:
-    """The input model (must exist) and a writable output path that neither is it nor overwrites its files."""
+def _input_output(model: str | os.PathLike, output: str | os.PathLike) -> tuple[Path, Staging]:
+    """The input model (must exist) and the staging of a writable output path that neither is it nor overwrites
+    its files."""
     src, dst = Path(model), fileio.check_output_path(output)
     if not src.is_file():
         raise FastCarError(f"{src} does not exist")
     if fileio.same_file(src, dst):
         raise FastCarError(f"output {dst} is the input model; choose another output path")
-    fileio.refuse_collisions(fileio.model_files(src), output_files(dst))
-    return src, dst
+    staging = Staging(dst, source=src)
+    fileio.refuse_collisions(fileio.model_files(src), staging.files())
+    return src, staging
 
 
 def bake_threshold(in_path: str | os.PathLike, out_path: str | os.PathLike, tau) -> Path:
@@ -188,9 +183,9 @@ def bake_threshold(in_path: str | os.PathLike, out_path: str | os.PathLike, tau)
     A scalar tau fills every layer of a per-layer-threshold model. Written atomically (temp folder, rename);
     the weights of an external-data model are linked, not read.
     """
-    src, dst = _input_output(in_path, out_path)
+    src, staging = _input_output(in_path, out_path)
+    dst = staging.output
     model, _ = load(src)
-    staging = Staging(dst, source=src)
     try:
         with fileio.os_errors(str(dst)):
             pipeline.run(ir.passes.PassManager([BakeThresholdPass(tau, str(src)), SavePass(staging)]), model)
@@ -203,10 +198,10 @@ def native_attention(model: str | os.PathLike, output: str | os.PathLike, valida
     """Write `model` with only its com.microsoft.GroupQueryAttention nodes swapped for the native ai.fastcar op
     (passes/native_gqa.py): the dense model at its fastest, the baseline FastCar's speed-ups are measured
     against. Beside a genai_config.json the output folder gets one too (with the native library). Returns notes."""
-    src, dst = _input_output(model, output)
+    src, staging = _input_output(model, output)
+    dst = staging.output
     loaded, _ = load(src)
     ctx = CompileContext(CompileOptions(frame_tokens=1), genai_config=_genai_config(None, src, dst))
-    staging = Staging(dst, source=src)
     passes: list[ir.passes.PassBase] = [native_gqa.NativeGqaPass(ctx.notes)]
     if validate:
         passes.append(ValidatePass(staging))

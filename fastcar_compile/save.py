@@ -13,6 +13,7 @@ unreferenced new data file.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -104,6 +105,18 @@ class Staging:
         self.created: Path | None = None
         self.big = False
 
+    @functools.cached_property
+    def owned(self) -> list[Path]:
+        """The current output's data files this save replaces (owned_data): read once, so the collision check
+        before compiling (`files`, api) and `commit` parse the previous output once between them."""
+        return owned_data(self.output)
+
+    def files(self) -> list[Path]:
+        """Every file this save may write or delete: the model, `<name>.data` and the data files the current
+        output owns (a new data file always gets a name no file has)."""
+        default = self.output.parent / (self.output.name + ".data")
+        return [self.output, default, *(f for f in self.owned if f != default)]
+
     def write(self, model: ir.Model) -> Path:
         if self.path is not None:
             return self.path
@@ -134,7 +147,7 @@ class Staging:
                                "another -o (nothing was written)")
         if data.exists():  # taken since write() (a concurrent save): never overwrite what a model may read
             raise FastCarError(f"{data} appeared while compiling; run again (nothing was written)")
-        stale = [f for f in owned_data(self.output) if f != data]
+        stale = [f for f in self.owned if f != data]
         moved = False
         try:
             if (self.tmp / self.data_name).exists():

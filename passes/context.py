@@ -135,8 +135,8 @@ INT8_DEFAULT = (2, 4)  # `int8` alone: 2 directions x 16 levels per table, 4 tab
 def parse_sparse_attention(value: str | None, flag: str = "--sparse-attention") -> dict:
     """'lsh:BITSxTABLES' | 'int8[:DIRSxTABLES]' -> KVCompressConfig keywords ({} for None). The one reader of
     this grammar (--sparse-attention, --kv-layer sparse=, eval --kv-modes); the buckets' own limits are
-    KVCompressConfig's, its messages prefixed with `flag` and the value."""
-    from fastcar_compile.fastar.config import KVCompressConfig
+    KVCompressConfig's (fastar.config.check_buckets), their messages prefixed with `flag` and the value."""
+    from fastcar_compile.fastar.config import check_buckets
 
     if value is None:
         return {}
@@ -152,7 +152,7 @@ def parse_sparse_attention(value: str | None, flag: str = "--sparse-attention") 
         kw = {"lsh_bits": int(first), "lsh_tables": int(tables)} if head == "lsh" else \
             {"int8_dirs": int(first), "int8_tables": int(tables)}
     try:
-        KVCompressConfig(**kw)
+        check_buckets(**kw)
     except FastCarError as exc:
         raise FastCarError(f"{flag} {value}: {exc}") from None
     return kw

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import re
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +23,7 @@ import numpy as np
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import model_fingerprint
+from fastcar_compile.runtime.binding import StepBinding
 from fastcar_compile.runtime.tokens import check_token_ids
 
 _ORT_DTYPES: dict[str, np.dtype] = {
@@ -36,8 +37,6 @@ _ORT_DTYPES: dict[str, np.dtype] = {
     "tensor(int8)": np.dtype(np.int8),
 }
 DEFAULT_THREADS = 2
-# per-step feeds FastCarSession copies into buffers bound once (IO binding) instead of binding each new array
-_COPIED_FEEDS = frozenset({contract.INPUT_IDS, contract.POSITION_IDS, contract.VIDEO_START})
 
 
 @dataclass(frozen=True)
@@ -202,14 +201,14 @@ class FastCarSession:
         self.specs: list[StateSpec] = self._pair_state()
         # layer -> (age output, value of a slot just written by a computed MLP = the new-video fill + 1):
         # 0 normally (fill -1), 1 in onnxruntime-genai's zero-filled encoding (age + 1, passes/genai_state.py)
-        self._age_outputs: dict[int, tuple[str, int]] = {}
+        # (read from the next state's arrays, where the age output lands under its input's name)
+        ages: dict[int, tuple[str, int]] = {}
         for e in (fc.state if fc is not None else []):
             m = re.search(r"\.(\d+)(\.recurrent_state)?$", e.input)
             if e.dtype == "int64" and m:
-                self._age_outputs[int(m.group(1))] = (e.output, int(e.fill) + 1)
+                ages[int(m.group(1))] = (e.input, int(e.fill) + 1)
         self._replay_names = [contract.replay_mask_output(n) for n in self.layers]
-        self._age_list = [self._age_outputs[n] for n in self.layers] \
-            if all(n in self._age_outputs for n in self.layers) else None
+        self._ages = [ages[n] for n in self.layers] if all(n in ages for n in self.layers) else None
         self.has_diagnostics = all(contract.tas_output(n) in self._outputs for n in self.layers) and bool(self.layers)
         self.signature = self._signature()
         logits_shape = self._outputs[contract.LOGITS].shape if contract.LOGITS in self._outputs else None
@@ -219,23 +218,24 @@ class FastCarSession:
                                "cache while overwriting it); build them or drop inplace")
         # in place: present_mlp_* are bound to the buffers of past_mlp_*, so the cache is never copied
         self._vocab: int | None = None
-        # IO binding (_run_inplace): the arrays bound to each input / output name. The state and shared KV buffers
-        # are the same arrays step after step, so they are bound once per video; the token, position and
-        # video_start feeds are copied into buffers bound once; only the attention mask (one column longer each
-        # step) is bound anew every step
-        self._io: Any = None
-        self._bound_in: dict[str, np.ndarray] = {}
-        self._bound_out: dict[str, np.ndarray] = {}
-        self._bound_names: tuple[str, ...] = ()
-        self._run_options: Any = None
-        self._wrap: Any = None  # numpy array -> ORT C OrtValue on the CPU (no copy)
-        self._tau_last: tuple[Any, np.ndarray] | None = None  # (the caller's threshold object, its array)
-        # per output: (name, kind, key): kind "fast" (key = its state input), "shared" / "kv" (key = StateSpec), "fresh"
-        # (logits / diagnostics: key = dtype; written into a bound buffer, returned as a copy)
-        self._out_plan: list[tuple[str, str, Any]] | None = None
-        self._all_inplace = False  # every state output is bound to its input's buffer (the plan has no "kv")
-        self._inplace_res: dict[str, np.ndarray] | None = None  # the last _run_inplace result when _all_inplace
         self._logits_dtype = np.dtype(np.float32)
+        # IO binding (_run_bound), kept between steps: see runtime/binding.py
+        self._binding: StepBinding | None = None
+        self._bound_state: tuple[tuple[str, ...], list[np.ndarray]] | None = None  # (names, arrays) bound
+        self._tau_bound = False  # the bound input set includes the threshold
+        self._tau_last: tuple[Any, np.ndarray] | None = None  # (the caller's threshold as a key, its array)
+        # made once on the first bound step: each state spec with how its output is bound ("fast": to its input's
+        # buffer; "shared": the fixed KV buffer, past and present; "kv": a new growing buffer), and the outputs
+        # written into buffers bound once (logits, diagnostics); None: an output of unknown shape (plain runs)
+        self._state_plan: list[tuple[StateSpec, str]] | None = None
+        self._fresh: list[tuple[str, np.dtype]] = []
+        self._all_inplace = False  # every state output is its input's buffer: the next state reuses the arrays
+        self._planned = False
+        self._feeds_mask = contract.ATTENTION_MASK in self._inputs
+        self._feeds_positions = contract.POSITION_IDS in self._inputs
+        self._feeds_video_start = contract.VIDEO_START in self._inputs
+        self._video_start_bound = 0  # the value in the bound video_start buffer
+        self.last_ort_s = 0.0  # seconds inside ORT in the last bound step (step time minus this = Python)
         self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
         # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
@@ -352,13 +352,9 @@ class FastCarSession:
     def release(self) -> None:
         """Drop the IO bindings (and so the last video's state, shared KV and output buffers they keep alive);
         the next step binds its own arrays again. new_state calls it: a dropped video's memory is freed."""
-        if self._io is not None:
-            self._io.clear_binding_inputs()
-            self._io.clear_binding_outputs()
-        self._bound_in.clear()
-        self._bound_out.clear()
-        self._bound_names = ()
-        self._inplace_res = None
+        if self._binding is not None:
+            self._binding.clear()
+        self._bound_state = None
 
     def new_state(self, batch: int, video_start: int = 0) -> DecodeState:
         """Empty state for `batch` new videos: no KV, caches zero, ages -1 (per the model's `fill`). Releases
@@ -440,13 +436,17 @@ class FastCarSession:
         return t
 
     def _tau_feed(self, threshold: float | Sequence[float] | np.ndarray) -> np.ndarray:
-        """threshold_array, reused while the caller passes the same values (a decode loop passes one tau)."""
-        if np.isscalar(threshold):
-            key: Any = float(threshold)
-        elif isinstance(threshold, np.ndarray):
-            key = (threshold.dtype.str, threshold.shape, threshold.tobytes())
-        else:
-            key = tuple(np.asarray(threshold, np.float64).ravel())
+        """threshold_array, reused (the same array object) while the caller passes the same values: a decode
+        loop passes one tau, and an unchanged array is not bound again."""
+        try:
+            if isinstance(threshold, np.ndarray):
+                key: Any = (threshold.dtype.str, threshold.shape, threshold.tobytes())
+            elif isinstance(threshold, float | int | np.number):
+                key = float(threshold)
+            else:
+                key = tuple(np.asarray(threshold, np.float64).ravel())
+        except (TypeError, ValueError):  # not numbers: threshold_array says what is wrong
+            return self.threshold_array(threshold)
         if self._tau_last is None or self._tau_last[0] != key:
             self._tau_last = (key, self.threshold_array(threshold))
         return self._tau_last[1]
@@ -498,137 +498,142 @@ class FastCarSession:
                 state.real_len[:, None]
         elif position_ids is None:  # HF convention: count of real tokens before this one (padding: 0)
             position_ids = np.maximum(state.real_len[:, None] + np.cumsum(new_mask, axis=1) - 1, 0)
+        else:
+            position_ids = np.asarray(position_ids, dtype=np.int64)
+        if threshold is None and self._feed_tau:
+            threshold = self.default_threshold
+        tau = None if threshold is None else self._tau_feed(threshold)
+        if self.max_length is not None and self._kv_growing and state.past_len + seq > self.max_length:
+            raise FastCarError(f"the video needs {state.past_len + seq} tokens of KV cache but the session was "
+                               f"created with max_length={self.max_length}; create it with a larger max_length")
+        res = None
+        try:
+            if self._vocab is not None and (self.inplace or self.max_length is not None or self.kv_slots is not None):
+                res = self._run_bound(state, ids, mask, position_ids, tau, seq)
+            if res is None:
+                res = self._run_plain(state, ids, mask, position_ids, tau)
+                arrays = {s.input: res[s.output] for s in self.specs}
+            else:  # written in place: the next state holds the same arrays (this one is consumed)
+                arrays = state.arrays if self._all_inplace else {s.input: res[s.output] for s in self.specs}
+        except Exception as exc:
+            raise FastCarError(f"ONNX Runtime failed on {self.path.name}: {exc}") from exc
+        new_state = DecodeState(arrays, b, state.past_len + seq, state.video_start, state.owner, mask,
+                                real_len=state.real_len + (seq if new_mask is None else new_mask.sum(axis=1)),
+                                mask_buffer=state.mask_buffer)
+        out = StepOutput(res[contract.LOGITS], new_state)
+        if self._kv_stats_names:  # --kv-diagnostics
+            out.extra.update({k: res[k] for k in self._kv_stats_names})
+        if self.layers:
+            out.replay = self._replay_of(res, arrays, state, seq)
+            if self.has_diagnostics:
+                out.tas = np.stack([res[contract.tas_output(n)] for n in self.layers]).astype(np.float32)
+        return out
+
+    def _run_plain(self, state: DecodeState, ids: np.ndarray, mask: np.ndarray, position_ids: np.ndarray | None,
+                   tau: np.ndarray | None) -> dict[str, np.ndarray]:
+        """One ordinary session.run of complete feeds: every output by name (the first step of a session, and
+        models whose outputs the bound path cannot preallocate)."""
         feeds: dict[str, np.ndarray] = {contract.INPUT_IDS: ids}
         if contract.ATTENTION_MASK in self._inputs:
             feeds[contract.ATTENTION_MASK] = mask
         if contract.POSITION_IDS in self._inputs:
             feeds[contract.POSITION_IDS] = np.ascontiguousarray(position_ids, dtype=np.int64)
         if contract.VIDEO_START in self._inputs:
-            feeds[contract.VIDEO_START] = np.array(state.video_start, dtype=np.int64)  # (copied into a bound buffer)
-        if threshold is None and self._feed_tau:
-            threshold = self.default_threshold
-        if threshold is not None:
-            feeds[contract.THRESHOLD] = self._tau_feed(threshold)
+            feeds[contract.VIDEO_START] = np.array(state.video_start, dtype=np.int64)
+        if tau is not None:
+            feeds[contract.THRESHOLD] = tau
         feeds.update(state.arrays)
-        if self.max_length is not None and self._kv_growing and state.past_len + seq > self.max_length:
-            raise FastCarError(f"the video needs {state.past_len + seq} tokens of KV cache but the session was "
-                               f"created with max_length={self.max_length}; create it with a larger max_length")
-        try:
-            shared = self.max_length is not None or self.kv_slots is not None
-            res = self._run_inplace(feeds, state, seq) if self.inplace or shared else None
-            if res is None:
-                res = dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=True))
-                self._vocab, self._logits_dtype = res["logits"].shape[-1], res["logits"].dtype
-        except Exception as exc:
-            raise FastCarError(f"ONNX Runtime failed on {self.path.name}: {exc}") from exc
-        arrays = state.arrays if res is self._inplace_res else {s.input: res[s.output] for s in self.specs}
-        new_state = DecodeState(arrays, b, state.past_len + seq, state.video_start, state.owner, mask,
-                                real_len=state.real_len + (seq if new_mask is None else new_mask.sum(axis=1)),
-                                mask_buffer=state.mask_buffer)
-        out = StepOutput(res["logits"], new_state)
-        out.extra.update({k: res[k] for k in self._kv_stats_names})  # --kv-diagnostics
-        if self.layers:
-            out.replay = self._replay_of(res, state, seq)
-            if self.has_diagnostics:
-                out.tas = np.stack([res[contract.tas_output(n)] for n in self.layers]).astype(np.float32)
-        return out
+        res = dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=True))
+        self._vocab, self._logits_dtype = res[contract.LOGITS].shape[-1], res[contract.LOGITS].dtype
+        return res
 
-    def _run_inplace(self, feeds: dict[str, np.ndarray], state: DecodeState, seq: int
-                     ) -> dict[str, np.ndarray] | None:
+    def _plan(self) -> bool:
+        """How each output is bound (made once, on the first bound step); False when one cannot be predicted."""
+        self._planned = True
+        kinds = {s.output: (s, "fast" if s.kind == "fastcar" else "shared" if self._kv_capacity(s) is not None
+                            else "kv") for s in self.specs}
+        diag = {**{contract.tas_output(n): np.dtype(np.float32) for n in self.layers},
+                **{contract.replay_mask_output(n): np.dtype(np.bool_) for n in self.layers}}
+        fresh = [(contract.LOGITS, self._logits_dtype)] + [(n, diag[n]) for n in self.output_names if n in diag]
+        if any(n not in kinds and n not in diag and n != contract.LOGITS for n in self.output_names):
+            return False  # e.g. --kv-diagnostics statistics: shapes unknown before the run
+        self._state_plan = [kinds[s.output] for s in self.specs]
+        self._fresh = fresh
+        self._all_inplace = all(kind != "kv" for _, kind in self._state_plan)
+        return True
+
+    def _run_bound(self, state: DecodeState, ids: np.ndarray, mask: np.ndarray, position_ids: np.ndarray | None,
+                   tau: np.ndarray | None, seq: int) -> dict[str, np.ndarray] | None:
         """Run through ORT's IO binding, every output preallocated; present_mlp_* / shared KV outputs bound to
         the buffers of their past inputs, so the native kernels write the state in place (no copy per step).
 
-        Bindings persist between runs: an input or output is bound again only when its array changes (a new
-        video, the attention mask's new length); small per-step feeds are copied into buffers bound once.
-        Returns None when an output's shape cannot be predicted (the caller then runs normally).
+        Bindings persist between steps (runtime/binding.py): the state is bound again only when its arrays are
+        not the ones bound (another video, or an array replaced), small feeds are copied into buffers bound
+        once, and the attention mask (one column longer each step) is the only input bound every step.
+        Returns logits (a copy: the bound buffer serves the next step), the diagnostics outputs (the bound
+        buffers: `step` stacks them at once) and, unless all were written in place, the state outputs; None
+        when an output's shape cannot be predicted (the caller then runs normally).
         """
-        if self._vocab is None:
+        if not self._planned and not self._plan() or self._state_plan is None:
             return None
+        bind = self._binding
+        if bind is None:
+            bind = self._binding = StepBinding(self.session)
+        if (tau is not None) != self._tau_bound:  # another set of inputs (tau fed, then not): start over
+            bind.clear_inputs()
+            self._tau_bound, self._bound_state = tau is not None, None
+        arrays, bound = state.arrays, self._bound_state
+        if not (self._all_inplace and bound is not None and bound[0] == tuple(arrays)
+                and all(map(operator.is_, arrays.values(), bound[1]))):
+            self._bind_state(bind, state, seq)
         b = state.batch
-        if self._out_plan is None:  # what each output is, made once
-            fast = {s.output: s.input for s in self.specs if s.kind == "fastcar"}
-            kv = {s.output: s for s in self.specs if s.kind == "kv"}
-            diag = {**{contract.tas_output(n): np.dtype(np.float32) for n in self.layers},
-                    **{contract.replay_mask_output(n): np.dtype(np.bool_) for n in self.layers}}
-            plan: list[tuple[str, str, Any]] = []
-            for name in self.output_names:
-                if name in fast:
-                    plan.append((name, "fast", fast[name]))
-                elif name in kv:  # "shared": a fixed buffer bound as past and present, written in place
-                    plan.append((name, "shared" if self._kv_capacity(kv[name]) is not None else "kv", kv[name]))
-                elif name == contract.LOGITS or name in diag:
-                    plan.append((name, "fresh", self._logits_dtype if name == contract.LOGITS else diag[name]))
-                else:
-                    plan.append((name, "unknown", None))
-            self._out_plan = plan
-            self._all_inplace = all(kind != "kv" for _, kind, _ in plan)
-        outs: dict[str, np.ndarray] = {}
-        fresh: list[tuple[str, np.ndarray]] = []
-        for name, kind, key in self._out_plan:
-            if kind == "fast":
-                a = feeds[key]
-                if self._bound_in.get(key) is not a and not (
-                        a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"] and a.flags["OWNDATA"]):
-                    a = feeds[key] = state.arrays[key] = np.array(a)
-                outs[name] = a
-            elif kind == "shared":
-                outs[name] = feeds[key.input]
-            elif kind == "kv":
-                outs[name] = np.empty([b if d == "batch" else state.past_len + seq if d == "past" else d
-                                       for d in key.shape], dtype=key.dtype)
-            elif kind == "fresh":
-                shape = (b, seq, self._vocab) if name == contract.LOGITS else (b, seq)
-                buf = self._bound_out.get(name)
-                if buf is None or buf.shape != shape:
-                    buf = np.empty(shape, dtype=key)
-                fresh.append((name, buf))
-                outs[name] = buf
-            else:
-                return None
-        ort = _ort()
-        if self._io is None:
-            from onnxruntime.capi import _pybind_state as C
-
-            self._io = ort.IOBinding(self.session)._iobinding
-            self._run_options = ort.RunOptions()
-            cpu = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
-            self._wrap = lambda a: C.OrtValue.ortvalue_from_numpy(a, cpu)  # aliases a (kept alive in _bound_*)
-        wrap = self._wrap
-        io, bound = self._io, self._bound_in
-        names = tuple(feeds)
-        if names != self._bound_names:  # another set of inputs (e.g. tau fed, then not): start over
-            io.clear_binding_inputs()
-            bound.clear()
-            self._bound_names = names
-        for name, a in feeds.items():
-            held = bound.get(name)
-            if held is a:
-                continue
-            if held is not None and name in _COPIED_FEEDS and held.shape == a.shape:
-                held[...] = a  # the bound buffer takes the new values
-                continue
-            a = np.array(a) if name in _COPIED_FEEDS else np.ascontiguousarray(a)
-            io.bind_ortvalue_input(name, wrap(a))
-            bound[name] = a
-        for name, a in outs.items():
-            if self._bound_out.get(name) is not a:
-                io.bind_ortvalue_output(name, wrap(a))
-                self._bound_out[name] = a
-        t0 = time.perf_counter()
-        self.session._sess.run_with_iobinding(io, self._run_options)
-        self.last_ort_s = time.perf_counter() - t0
-        for name, buf in fresh:  # the caller keeps these: a copy, the bound buffer serves the next step
-            outs[name] = buf.copy()
+        bind.copy_input(contract.INPUT_IDS, ids)
+        if self._feeds_mask:  # (a view of one row of the mask buffer is contiguous: no check at batch 1)
+            bind.bind_input(contract.ATTENTION_MASK, mask if b == 1 else np.ascontiguousarray(mask))
+        if self._feeds_positions:
+            bind.copy_input(contract.POSITION_IDS, position_ids)
+        if self._feeds_video_start and (contract.VIDEO_START not in bind.inputs
+                                        or self._video_start_bound != state.video_start):
+            bind.copy_input(contract.VIDEO_START, np.array(state.video_start, dtype=np.int64))
+            self._video_start_bound = state.video_start
+        if tau is not None:
+            bind.bind_input(contract.THRESHOLD, tau)
+        vocab = self._vocab
+        res = {name: bind.output_buffer(name, (b, seq, vocab) if name == contract.LOGITS else (b, seq), dtype)
+               for name, dtype in self._fresh}
+        self.last_ort_s = bind.run()
         state.consumed = True
-        # the new state's arrays are the old state's (same buffers, written in place): step reuses the dict
-        self._inplace_res = outs if self._all_inplace else None
-        return outs
+        res[contract.LOGITS] = res[contract.LOGITS].copy()  # the caller keeps it; the buffer serves the next step
+        if not self._all_inplace:
+            res.update({s.output: bind.outputs[s.output] for s in self.specs})
+        return res
 
-    def _replay_of(self, res: dict[str, np.ndarray], state: DecodeState, seq: int) -> np.ndarray | None:
+    def _bind_state(self, bind: StepBinding, state: DecodeState, seq: int) -> None:
+        """Bind a state's arrays as inputs and, written in place, as their outputs (a growing KV cache gets a
+        new output buffer one step longer). An array ORT may not write into (a view, read-only, not
+        C-contiguous) is copied first and the copy put in the state, so the caller's own arrays are never
+        written."""
+        arrays, b = state.arrays, state.batch
+        for s, kind in self._state_plan or []:
+            a = arrays[s.input]
+            if kind == "kv":
+                bind.bind_output(s.output, np.empty([b if d == "batch" else state.past_len + seq if d == "past"
+                                                     else d for d in s.shape], dtype=s.dtype))
+                a = np.ascontiguousarray(a)
+            else:
+                if bind.inputs.get(s.input) is not a and not (a.flags.c_contiguous and a.flags.writeable
+                                                              and (a.flags.owndata or kind == "shared")):
+                    a = arrays[s.input] = np.array(a)
+                bind.bind_output(s.output, a)
+            bind.bind_input(s.input, a)
+        self._bound_state = (tuple(arrays), list(arrays.values())) if self._all_inplace else None
+
+    def _replay_of(self, res: dict[str, np.ndarray], arrays: dict[str, np.ndarray], state: DecodeState, seq: int
+                   ) -> np.ndarray | None:
         """Which rows replayed the MLP of each rewritten layer this step ([layers, batch]); None for prefill.
 
-        Read from the age counters so it works without diagnostics outputs: age > 0 at the written slot
-        means the value there was replayed (DESIGN.md).
+        Read from the age counters (`arrays`: the next state's) so it works without diagnostics outputs: age > 0
+        at the written slot means the value there was replayed (DESIGN.md).
         """
         if seq != 1:
             return None
@@ -638,13 +643,14 @@ class FastCarSession:
         masks = self._replay_names
         if masks[0] in res and all(m in res for m in masks):
             return np.stack([res[m][:, 0] for m in masks]).astype(bool)
+        if self._ages is None:
+            raise FastCarError(f"{self.path.name} has neither replay masks nor age counters for every layer")
         slot = (p - state.video_start) % int(self.frame_tokens or 1)
-        ages = self._age_list or [self._age_outputs[n] for n in self.layers]  # (KeyError: no age output)
-        if state.batch == 1:  # (one numpy scalar per layer: a decode loop's common case, cheapest)
-            return np.array([[res[name][0, slot] > written] for name, written in ages], dtype=bool)
+        if state.batch == 1:  # (one Python int per layer: a decode loop's common case, cheapest)
+            return np.array([[arrays[name].item(0, slot) > written] for name, written in self._ages], dtype=bool)
         out = np.empty((len(self.layers), state.batch), dtype=bool)
-        for i, (name, written) in enumerate(ages):
-            np.greater(res[name][:, slot], written, out=out[i])
+        for i, (name, written) in enumerate(self._ages):
+            np.greater(arrays[name][:, slot], written, out=out[i])
         return out
 
     def __repr__(self) -> str:

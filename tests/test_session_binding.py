@@ -95,3 +95,74 @@ def test_dropped_video_buffers_are_freed(fused):
         gc.collect()
         alive = [r for r in refs if r() is not None]
         assert not alive, f"{len(alive)} of {len(refs)} state arrays still alive after the video was dropped"
+
+
+@pytest.fixture(scope="module")
+def fused_diag(native_lib, zoo_model, tmp_path_factory):
+    import fastcar_compile
+
+    out = tmp_path_factory.mktemp("binding-diag") / "fast.onnx"
+    fastcar_compile.compile(str(zoo_model("llama", "dynamo20")), output=str(out), frame_tokens=L, threshold=0.0,
+                            fused_attention="fastcar", emit_diagnostics=True)
+    return out
+
+
+def test_bound_diagnostics_equal_plain_runs(fused_diag):
+    """With diagnostics outputs (tas.N, replay_mask.N written into buffers bound once and stacked by `step`),
+    every step's TAS and replay bits equal the stock runs', and those of earlier steps are not overwritten by
+    later ones."""
+    sess = FastCarSession(fused_diag, max_length=64)
+    assert sess.has_diagnostics
+    rng = np.random.default_rng(5)
+    steps = [rng.integers(0, zoo.VOCAB, (2, 6))] + [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(4 * L)]
+    want = ort_driver.decode(fused_diag, steps)
+    outs = [sess.step(sess.new_state(2), steps[0])]
+    for ids in steps[1:]:
+        outs.append(sess.step(outs[-1].state, ids, check=False))
+    layers = sess.layers
+    replayed = 0
+    for k, out in enumerate(outs):
+        tas = np.stack([want.tas[n][k] for n in layers])
+        assert np.abs(out.tas - tas).max() <= 1e-4, f"step {k}"
+        if k:
+            ref = np.stack([want.replay_mask[n][k][:, 0] for n in layers])
+            assert np.array_equal(out.replay, ref), f"step {k}"
+            replayed += int(ref.sum())
+    assert replayed > 0
+
+
+def test_replaced_state_arrays_are_bound(fused):
+    """A caller who swaps the arrays of a state for copies between steps gets them used (the session must not
+    keep writing into the buffers it bound before): the logits and the final state equal the stock runs."""
+    sess = FastCarSession(fused, max_length=64)
+    rng = np.random.default_rng(9)
+    steps = [rng.integers(0, zoo.VOCAB, (1, 5))] + [rng.integers(0, zoo.VOCAB, (1, 1)) for _ in range(3 * L)]
+    want = ort_driver.decode(fused, steps)
+    out = sess.step(sess.new_state(1), steps[0])
+    for k, ids in enumerate(steps[1:], start=1):
+        if k % 3 == 0:
+            for name in list(out.state.arrays):
+                out.state.arrays[name] = out.state.arrays[name].copy()
+        out = sess.step(out.state, ids, check=False)
+        assert np.abs(out.logits - want.logits[k]).max() <= 1e-4, f"step {k}"
+    past = out.state.past_len
+    for name, ref in want.final_state.items():
+        got = out.state.arrays[name]
+        got = got[:, :, :past] if name.startswith("past_key_values.") else got
+        assert np.allclose(got, ref, atol=1e-4), name
+
+
+def test_threshold_array_changed_in_place_takes_effect(fused):
+    """The same tau array object, rewritten in place between steps (+inf: never replay, then -inf: replay
+    every eligible layer), is read anew: the session does not keep the values it bound first."""
+    sess = FastCarSession(fused, max_length=64)
+    rng = np.random.default_rng(2)
+    tau = np.array(np.inf, np.float32)
+    out = sess.step(sess.new_state(1), rng.integers(0, zoo.VOCAB, (1, 2 * L)), threshold=tau)
+    seen = []
+    for k in range(2 * L):
+        if k == L:
+            tau[...] = -np.inf
+        out = sess.step(out.state, rng.integers(0, zoo.VOCAB, (1, 1)), threshold=tau, check=False)
+        seen.append(bool(out.replay.all()) if k >= L else bool(out.replay.any()))
+    assert seen == [False] * L + [True] * L

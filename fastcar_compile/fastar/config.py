@@ -11,6 +11,19 @@ CORRESPONDENCE = ("aligned", "aligned+top1")
 INT8_DIRS = (1, 2, 4, 8)  # directions per int8 bucket table: 8 / dirs bits of each one's int8 code (fastar/int8.py)
 
 
+def check_buckets(lsh_bits: int | None = None, lsh_tables: int = 1, int8_dirs: int | None = None,
+                  int8_tables: int = 1) -> None:
+    """The AnnSA bucket settings' limits: KVCompressConfig's own, and the --sparse-attention reader's (which
+    checks its part before a whole config exists, so the config is then built, and checked, once)."""
+    if lsh_bits is not None and not (1 <= lsh_bits <= 62 and lsh_tables >= 1):
+        raise FastCarError(f"lsh needs 1..62 bits and >= 1 table, got {lsh_bits}x{lsh_tables}")
+    if int8_dirs is not None and not (int8_dirs in INT8_DIRS and int8_tables >= 1):
+        raise FastCarError(f"int8 buckets need {'/'.join(map(str, INT8_DIRS))} directions per table and >= 1 "
+                           f"table, got {int8_dirs}x{int8_tables}")
+    if int8_dirs is not None and lsh_bits is not None:
+        raise FastCarError("choose one AnnSA bucketing: lsh or int8, not both")
+
+
 @dataclass(frozen=True)
 class KVCompressConfig:
     """One layer's compressed-cache settings.
@@ -55,13 +68,7 @@ class KVCompressConfig:
             raise FastCarError(f"correspondence must be one of {CORRESPONDENCE}, got {self.correspondence!r}")
         if self.eviction not in EVICTION_POLICIES:
             raise FastCarError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
-        if self.lsh_bits is not None and not (1 <= self.lsh_bits <= 62 and self.lsh_tables >= 1):
-            raise FastCarError(f"lsh needs 1..62 bits and >= 1 table, got {self.lsh_bits}x{self.lsh_tables}")
-        if self.int8_dirs is not None and not (self.int8_dirs in INT8_DIRS and self.int8_tables >= 1):
-            raise FastCarError(f"int8 buckets need {'/'.join(map(str, INT8_DIRS))} directions per table and >= 1 "
-                               f"table, got {self.int8_dirs}x{self.int8_tables}")
-        if self.int8_dirs is not None and self.lsh_bits is not None:
-            raise FastCarError("choose one AnnSA bucketing: lsh or int8, not both")
+        check_buckets(self.lsh_bits, self.lsh_tables, self.int8_dirs, self.int8_tables)
         if self.prune_prompt is not None and not 0.0 <= self.prune_prompt <= 1.0:
             raise FastCarError(f"prune-prompt threshold must be a softmax weight in [0, 1], got {self.prune_prompt}")
         if self.frame_len < 1 or self.video_start < 0:

@@ -177,6 +177,24 @@ FC_INLINE void AccumulatePV(const f8* p, const float* val, int64_t nb, int64_t D
   }
 }
 
+// Load every cache line of n floats of K and of V once, in address order. Why: Scores reads 8 keys column by column
+// (rows 256 B apart) and AccumulatePV walks V rows the same way, an order the hardware prefetchers do not follow, so
+// a cold block came in a few lines per memory latency; in a decode step every block is cold (the layer's K/V was
+// last read a whole step ago and the weights streamed since evicted it). One in-order pass first brings the block
+// at streaming speed (1 thread, 8 layers' buffers evicted between calls, ctx 1024: 190 -> 127 us per layer; a pure
+// read of the same bytes 45 us); it costs nothing measurable when the block is hot. Scalar float sums: not
+// vectorised (no reassociation), one load per line; a volatile store keeps them.
+FC_INLINE void Touch(const float* k, const float* v, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(float);
+  float a = 0.0f, b = 0.0f;
+  for (int64_t x = 0; x < n; x += kLine) {
+    a += k[x];
+    b += v[x];
+  }
+  volatile float keep = a + b;
+  (void)keep;
+}
+
 // the output of query token i of (b, hk) that sees no key (DenseTask::empty)
 inline void MeanValue(const DenseTask& t, int64_t b, int64_t hk, int64_t i, float* dst) {
   const float* vb = t.val + (b * t.Hkv + hk) * t.N * t.D;
@@ -190,9 +208,10 @@ inline void MeanValue(const DenseTask& t, int64_t b, int64_t hk, int64_t i, floa
 
 // Rows r0 .. r0+nr-1 of tile (b, hk, i0) (row = token * G + head in the group) over keys [jlo, jhi) in 8V lanes:
 // with rec == nullptr the normalised outputs go to t.out, else (max, sum, unnormalised output) per row to rec.
+// touch: each block's K/V is loaded in address order first (Touch: the decode layout, whose blocks are cold).
 template <int V, int KJ = 8 / V, int DC = 8 / V>
 FC_INLINE void Chunk(const DenseTask& t, int64_t b, int64_t hk, int64_t i0, int64_t r0, int64_t nr, int64_t jlo,
-                     int64_t jhi, float* rec) {
+                     int64_t jhi, float* rec, bool touch) {
   constexpr int R = kLanes * V;
   const int64_t D = t.D, G = t.Hq / t.Hkv;
   const int64_t* m = t.mask + b * t.T;
@@ -222,6 +241,7 @@ FC_INLINE void Chunk(const DenseTask& t, int64_t b, int64_t hk, int64_t i0, int6
   }
   for (int64_t j0 = jlo; j0 < jhi; j0 += kBlock) {
     const int64_t nb = std::min(kBlock, jhi - j0);
+    if (touch) Touch(kb + j0 * D, vb + j0 * D, nb * D);
     Scores<V, KJ>(qT, kb + j0 * D, nb, D, sc);
     bool exact = j0 + nb - 1 <= all_see;  // every key of the block visible to every row
     for (int64_t j = 0; j < nb && exact; ++j) exact = m[j0 + j] != 0;
@@ -307,15 +327,18 @@ static inline void DenseItem(const DenseTask& t, int64_t item) {
   static const bool wide = __builtin_cpu_supports("avx512f");
   const int64_t R = rows <= dense::kLanes ? dense::kLanes : rows <= 2 * dense::kLanes || !wide ? 2 * dense::kLanes
                                                                                                : 4 * dense::kLanes;
+  // decode-sized tiles read their K/V cold and once per chunk: touch it in order first (dense::Touch); a prompt tile's
+  // chunks reread the same blocks from cache
+  const bool touch = t.tile <= 4;
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
     const int64_t nr = std::min(R, rows - r0);
     const int64_t jend = std::min(jhi, t.P + i0 + (r0 + nr - 1) / G + 1);  // keys any row of the chunk may see
     if (R == dense::kLanes)
-      dense::Chunk<1>(t, b, hk, i0, r0, nr, jlo, std::max(jlo, jend), rec);
+      dense::Chunk<1>(t, b, hk, i0, r0, nr, jlo, std::max(jlo, jend), rec, touch);
     else if (R == 2 * dense::kLanes)
-      dense::Chunk<2>(t, b, hk, i0, r0, nr, jlo, std::max(jlo, jend), rec);
+      dense::Chunk<2>(t, b, hk, i0, r0, nr, jlo, std::max(jlo, jend), rec, touch);
     else
-      dense::Chunk<4, 4, 4>(t, b, hk, i0, r0, nr, jlo, std::max(jlo, jend), rec);
+      dense::Chunk<4, 4, 4>(t, b, hk, i0, r0, nr, jlo, std::max(jlo, jend), rec, touch);
   }
 }
 

@@ -1,0 +1,75 @@
+"""ORT IO binding kept from one decode step to the next (FastCarSession's bound path).
+
+A decode step changes little: the token, its position, the attention mask's length and the logits. The KV
+buffers and the FastCar state are the same arrays for a whole video (the native kernels write them in place).
+`StepBinding` binds each name once and again only when its array changes, so a step's Python work outside ORT
+is a few small copies, not a pass over every state tensor (issue 11: Python per step).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+
+class StepBinding:
+    """One ORT session's IO binding; every bound numpy array is kept alive here (ORT aliases its memory)."""
+
+    def __init__(self, session: Any):
+        import onnxruntime as ort
+        from onnxruntime.capi import _pybind_state as C
+
+        self._io = ort.IOBinding(session)._iobinding
+        self._run = session._sess.run_with_iobinding
+        self._options = ort.RunOptions()
+        self._cpu = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+        self._wrap = C.OrtValue.ortvalue_from_numpy  # aliases the array (no copy)
+        self.inputs: dict[str, np.ndarray] = {}
+        self.outputs: dict[str, np.ndarray] = {}
+
+    def bind_input(self, name: str, a: np.ndarray) -> None:
+        """Bind `a` (C-contiguous) to input `name` unless it already is."""
+        if self.inputs.get(name) is not a:
+            self._io.bind_ortvalue_input(name, self._wrap(a, self._cpu))
+            self.inputs[name] = a
+
+    def bind_output(self, name: str, a: np.ndarray) -> None:
+        """Bind `a` (C-contiguous, writable) to output `name` unless it already is; ORT writes into it."""
+        if self.outputs.get(name) is not a:
+            self._io.bind_ortvalue_output(name, self._wrap(a, self._cpu))
+            self.outputs[name] = a
+
+    def copy_input(self, name: str, a: np.ndarray) -> None:
+        """Give input `name` the values of `a` through a buffer bound once: copied into it when the shape is
+        unchanged (the caller's array is never bound, so it may change afterwards)."""
+        held = self.inputs.get(name)
+        if held is not None and held.shape == a.shape:
+            np.copyto(held, a)
+        else:
+            self.bind_input(name, np.array(a, order="C"))
+
+    def output_buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """The buffer bound to output `name`, reallocated (and bound) only when its shape changes."""
+        buf = self.outputs.get(name)
+        if buf is None or buf.shape != shape:
+            buf = np.empty(shape, dtype=dtype)
+            self.bind_output(name, buf)
+        return buf
+
+    def run(self) -> float:
+        """Run the session on the bound arrays; seconds spent inside ORT."""
+        t0 = time.perf_counter()
+        self._run(self._io, self._options)
+        return time.perf_counter() - t0
+
+    def clear_inputs(self) -> None:
+        self._io.clear_binding_inputs()
+        self.inputs.clear()
+
+    def clear(self) -> None:
+        """Drop every binding, so the arrays they kept alive can be freed."""
+        self.clear_inputs()
+        self._io.clear_binding_outputs()
+        self.outputs.clear()
