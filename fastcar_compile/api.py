@@ -96,6 +96,8 @@ def compile(  # noqa: A001 - the natural name of the entry point
     fusions: bool = True,
     native_attention: bool = True,
     shared_mlp: bool = True,
+    pack_qkv: bool = True,
+    rotary_positions: int = 16384,
 ) -> tuple[ir.Model, CompileReport]:
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 
@@ -115,6 +117,8 @@ def compile(  # noqa: A001 - the natural name of the entry point
     ai.fastcar.GroupQueryAttention, the native dense core with the same semantics (function body: the original op).
     shared_mlp: each MLP's nodes once in the compute branch (ONNX Runtime then keeps only the prepacked MLP
     weights: docs/memory.md); False keeps the older nested layout with a second MLP copy for compacted rows.
+    pack_qkv (with fusions): a fused layer's q/k/v MatMuls become one packed MatMul and its RoPE moves into
+    CompressedAttention and the gate, rotated from a table of `rotary_positions` KV positions (passes/pack_qkv.py).
     """
     opts = CompileOptions(
         frame_tokens=frame_tokens, threshold=threshold, tas_query=tas_query, max_replay=max_replay,
@@ -123,7 +127,8 @@ def compile(  # noqa: A001 - the natural name of the entry point
         required_video_inputs=required_video_inputs, kv_budget=kv_budget, kv_sinks=kv_sinks, kv_window=kv_window,
         kv_eviction=kv_eviction, tempcache=tempcache, sparse_attention=sparse_attention, prune_prompt=prune_prompt,
         kv_diagnostics=kv_diagnostics, kv_layers=tuple(kv_layers or ()), fusions=bool(fusions),
-        native_attention=bool(native_attention), shared_mlp=bool(shared_mlp))
+        native_attention=bool(native_attention), shared_mlp=bool(shared_mlp), pack_qkv=bool(pack_qkv),
+        rotary_positions=rotary_positions)
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
     if out_path is not None and in_path is not None:

@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="com.microsoft.GroupQueryAttention (genai graphs, --fused-attention gqa) -> the ai.fastcar "
                         "op with the native dense attention core: same semantics, faster; its function body is the "
                         "original op, so without the native library nothing changes (default on)")
+    p.add_argument("--pack-qkv", choices=["on", "off"], default="on",
+                   help="with --fusions and the fastcar attention: one packed q/k/v MatMul per layer, RoPE inside the "
+                        "attention op and the gate, at KV-index positions (the export's up to rounding when "
+                        "position_ids count each row's real tokens, as FastCarSession feeds them; default on)")
+    p.add_argument("--rotary-positions", type=int, default=16384, metavar="N",
+                   help="KV positions the packed attention's rotary table covers (default 16384); a longer video "
+                        "fails with a message")
     kv = p.add_argument_group("compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)")
     kv.add_argument("--kv-budget", type=int, metavar="C", help="fixed KV slots per layer and KV head (memory stays flat)")
     kv.add_argument("--kv-sinks", type=int, default=0, metavar="S", help="first S tokens always kept (attention sinks)")
@@ -182,7 +189,8 @@ def main(argv: list[str]) -> int:
                            sparse_attention=args.sparse_attention, kv_diagnostics=args.kv_diagnostics,
                            prune_prompt=args.prune_prompt,
                            kv_layers=args.kv_layers, required_video_inputs=args.required_video_inputs,
-                           fusions=args.fusions == "on", native_attention=args.native_attention == "on")
+                           fusions=args.fusions == "on", native_attention=args.native_attention == "on",
+                           pack_qkv=args.pack_qkv == "on", rotary_positions=args.rotary_positions)
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
     if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):

@@ -181,7 +181,7 @@ OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     MLP_CACHE_UPDATE: ("age_offset",),
     COMPRESSED_ATTENTION: ("num_heads", "kv_num_heads", "scale", "budget", "sinks", "window", "frame_tokens",
                            "tempcache_sim", "eviction", "lsh_bits", "lsh_tables", "lsh_planes", "int8_dirs",
-                           "int8_tables", "int8_planes", "prune_prompt", "qkv_perm"),
+                           "int8_tables", "int8_planes", "prune_prompt", "qkv_perm", "do_rotary", "rotary_interleaved"),
     GROUP_QUERY_ATTENTION: ("num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved"),
     SELECT_ROWS: (),
     MLP_CACHE_MERGE: ("age_offset",),

@@ -18,6 +18,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 # L is a Slice/Gather offset and a slot count: ORT shape arithmetic is int64, the FPGA TAS field (k) is u32.
 MAX_FRAME_TOKENS = UINT32_MAX
 MAX_REPLAY = 2**31 - 1  # the age counters are stored as float32/int32: beyond this K is "unlimited" anyway
+MAX_ROTARY_POSITIONS = 1 << 20  # the packed attention's cos/sin table: 1M x 32 x 2 float32 = 256 MiB at head size 64
 
 
 def check_int(flag: str, value, lo: int, hi: int, meaning: str = "") -> int:

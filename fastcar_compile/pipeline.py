@@ -2,7 +2,8 @@
 
     [fused attention ->] discover -> select layers -> gate -> branch -> cache state [-> genai state]
     [-> native GroupQueryAttention]
-    [-> rotary, q/k/v layout + packed gate, RMSNorm, MLP norm hoist, skip-norm fusions] -> row select into the gate
+    [-> rotary, q/k/v layout + packed gate [-> packed QKV + RoPE in the op], RMSNorm, MLP norm hoist,
+     skip-norm fusions] -> row select into the gate
     -> KV dim names -> IR version -> metadata [-> validate] [-> save]
 
 A new transformation is one module under passes/ plus one line in `build`. `describe` is what
@@ -29,6 +30,7 @@ from fastcar_compile.passes.hoist_norm import NormHoistPass
 from fastcar_compile.passes.kv_dims import KvDimNamesPass
 from fastcar_compile.passes.metadata import IrVersionPass, MetadataPass
 from fastcar_compile.passes.native_gqa import NativeGqaPass
+from fastcar_compile.passes.pack_qkv import PackQkvPass
 from fastcar_compile.passes.validate import ValidatePass
 from fastcar_compile.save import SavePass, Staging
 
@@ -44,8 +46,8 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         CacheStatePass(ctx),
         *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
         *([NativeGqaPass(ctx.notes)] if ctx.options.native_attention else []),
-        *([RotaryFusionPass(ctx), FusedLayoutPass(ctx), RmsNormFusionPass(ctx), NormHoistPass(ctx),
-           SkipNormFusionPass(ctx)] if ctx.options.fusions else []),
+        *([RotaryFusionPass(ctx), FusedLayoutPass(ctx), *([PackQkvPass(ctx)] if ctx.options.pack_qkv else []),
+           RmsNormFusionPass(ctx), NormHoistPass(ctx), SkipNormFusionPass(ctx)] if ctx.options.fusions else []),
         RowGatePass(ctx),
         KvDimNamesPass(ctx),
         IrVersionPass(ctx),

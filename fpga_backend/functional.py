@@ -16,7 +16,7 @@ from fastcar_compile.errors import FastCarError
 
 from . import isa
 from .encode import Program
-from .modelspec import ModelSpec
+from .modelspec import ModelSpec, split_source
 from .schedule import drs_masks, static_masks
 
 B = isa.BUF
@@ -46,10 +46,12 @@ def weights_from_onnx(program: Program, path: str) -> tuple[dict[int, np.ndarray
     out, missing = {}, []
     for t in program.meta["tensors"]:
         src = t.get("source")
-        if not src or src not in inits:
+        name, cols = split_source(src) if src else (None, None)
+        if name not in inits:
             missing.append(t["name"])
             continue
-        arr = numpy_helper.to_array(inits[src]).astype(np.float64)
+        arr = numpy_helper.to_array(inits[name]).astype(np.float64)
+        arr = arr[:, cols] if cols is not None else arr
         if list(arr.shape) != list(t["shape"]):
             raise FastCarError(f"weight {t['name']} ({src}) has shape {list(arr.shape)}, expected {t['shape']}")
         out[t["id"]] = arr

@@ -137,6 +137,21 @@ def load_onnx_shapes_only(path: str | Path) -> onnx.ModelProto:
         raise FastCarError(f"cannot read ONNX model {path}: {exc}") from None
 
 
+def column_source(name: str, start: int, stop: int) -> str:
+    """A weight that is columns [start, stop) of an initializer: a packed q/k/v projection (passes/pack_qkv.py)
+    holds q_proj, k_proj and v_proj side by side."""
+    return f"{name}[:, {start}:{stop}]"
+
+
+def split_source(source: str) -> tuple[str, slice | None]:
+    """(initializer name, column slice or None) of a weight source written by column_source or a plain name."""
+    if source.endswith("]") and "[:, " in source:
+        name, cols = source[:-1].rsplit("[:, ", 1)
+        start, stop = (int(x) for x in cols.split(":"))
+        return name, slice(start, stop)
+    return source, None
+
+
 def matmul_weights(model: onnx.ModelProto) -> list[dict[str, Any]]:
     """MatMul/Gemm nodes whose second input is a 2-D initializer: name, shape [in, out], layer/part tags."""
     inits = _initializers(model.graph, {})

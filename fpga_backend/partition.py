@@ -30,7 +30,14 @@ from fastcar_compile.passes.graph_utils import LAYOUT_OPS
 
 from . import isa
 from .hwspec import BoardConfig
-from .modelspec import ModelSpec, iter_nodes, load_onnx_shapes_only, matmul_weights, spec_from_model
+from .modelspec import (
+    ModelSpec,
+    column_source,
+    iter_nodes,
+    load_onnx_shapes_only,
+    matmul_weights,
+    spec_from_model,
+)
 
 B = isa.BUF
 
@@ -242,7 +249,16 @@ def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
     sources: dict[str, str] = {}
     seen: set[str] = set()
 
+    qkv = ("q_proj", "k_proj", "v_proj")
+    q, kv = spec.q_dim, spec.kv_dim
+
     def take(layer: int, w: dict[str, Any]) -> bool:
+        if w["shape"] == [h, q + 2 * kv] and w.get("part") in (None, "attention") and \
+                all(n in want[layer] for n in qkv):  # one packed q/k/v projection (passes/pack_qkv.py)
+            for n, (a, b) in zip(qkv, ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True):
+                sources[f"L{layer}.{n}"] = column_source(w["name"], a, b)
+                del want[layer][n]
+            return True
         name = next((n for n, s in want[layer].items() if s == w["shape"]), None)
         if name is None:
             return False

@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.limits import MAX_FRAME_TOKENS, MAX_REPLAY, check_int
+from fastcar_compile.limits import MAX_FRAME_TOKENS, MAX_REPLAY, MAX_ROTARY_POSITIONS, check_int
 from fastcar_compile.passes.discover import LayerMatch
 
 if TYPE_CHECKING:
@@ -66,6 +66,10 @@ class CompileOptions:
     # plain MLP weights after prepacking them (docs/memory.md); False: the older nested layout (a copy of the MLP
     # two levels down for compacted rows), kept to compare
     shared_mlp: bool = True
+    # q/k/v MatMuls -> one packed MatMul, RoPE inside CompressedAttention and the gate (passes/pack_qkv.py), with
+    # a rotary table of `rotary_positions` KV positions (a longer video fails with a message naming the option)
+    pack_qkv: bool = True
+    rotary_positions: int = 16384
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")
@@ -75,6 +79,8 @@ class CompileOptions:
         check_int("--max-replay", self.max_replay, 0, MAX_REPLAY, "0 = unlimited")
         object.__setattr__(self, "fused_attention", check_fused_attention(self.fused_attention))
         object.__setattr__(self, "kv_layers", tuple(self.kv_layers or ()))
+        check_int("--rotary-positions", self.rotary_positions, 1, MAX_ROTARY_POSITIONS,
+                  "KV positions the packed attention's rotary table covers")
         if self.kv_compress is not None or any(c is not None for c in self.kv_layer_configs.values()):
             if self.fused_attention == "gqa":
                 raise FastCarError("--kv-budget/--tempcache/--sparse-attention/--prune-prompt live in the fastcar "

@@ -158,7 +158,7 @@ _COMPRESSED_ATTENTION = """
 <domain: "ai.fastcar", opset_import: ["" : {opset}]>
 CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, frame_tokens, tempcache_sim, eviction,
                      lsh_bits, lsh_tables, lsh_planes, int8_dirs, int8_tables, int8_planes, prune_prompt,
-                     qkv_perm: ints = [0, 1, 2, 3]>
+                     qkv_perm: ints = [0, 1, 2, 3], do_rotary: int = 0, rotary_interleaved: int = 0>
     (q_in, k_in, v_in, past_key, past_value, attention_mask, total_len, past_slots, k_raw, past_key_raw)
     => (out, present_key, present_value) {{
   zero_ = Constant <value = int64[1] {{0}}> ()
@@ -226,6 +226,48 @@ CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, fram
   ctx_bshd = Transpose <perm = [0, 2, 1, 3]> (ctx4)
   out = Reshape (ctx_bshd, shape_00m1)
 }}
+"""
+
+# CompressedAttention on a packed QKV [B, S, (H + 2 Hkv) D] (key/value empty) that rotates q and k itself
+# (do_rotary: com.microsoft.RotaryEmbedding arithmetic, half-split or interleaved, with cos_cache/sin_cache
+# [max_pos, rotary_dim / 2] at KV index total_len - S + i, which is where GroupQueryAttention rotates with
+# seqlens_k = total_len - 1). The function overload PACKED_ROTARY of the op, so the node keeps its type (the
+# native kernel, discovery and the FPGA partitioner see one CompressedAttention) while its body, written only for
+# this form, never names an input another form leaves out (ONNX Runtime refuses a body node whose required input
+# is absent even in an If branch not taken). passes/pack_qkv.py emits it.
+PACKED_ROTARY = "packed_rotary"
+_COMPRESSED_ATTENTION_PACKED_ROTARY = f"""
+<domain: "ai.fastcar", opset_import: ["" : {{opset}}, "ai.fastcar" : 1, "{contract.MS_DOMAIN}" : 1]>
+CompressedAttention <num_heads, kv_num_heads, scale, qkv_perm: ints = [0, 2, 1, 3], do_rotary: int = 1,
+                     rotary_interleaved: int = 0>
+    (qkv, k_in, v_in, past_key, past_value, attention_mask, total_len, past_slots, k_raw, past_key_raw, past_dense,
+     video_start, cos_cache, sin_cache) => (out, present_key, present_value) {{{{
+  zero = Constant <value = int64[1] {{{{0}}}}> ()
+  last = Constant <value = int64[1] {{{{-1}}}}> ()
+  H_s = Constant <value_int: int = @num_heads> ()
+  Hkv_s = Constant <value_int: int = @kv_num_heads> ()
+  H = Unsqueeze (H_s, zero)
+  Hkv = Unsqueeze (Hkv_s, zero)
+  D = Shape <start = 3, end = 4> (past_key)
+  HD = Mul (H, D)
+  KD = Mul (Hkv, D)
+  HKD = Add (HD, KD)
+  HKKD = Add (HKD, KD)
+  q_raw = Slice (qkv, zero, HD, last)
+  k_raw_p = Slice (qkv, HD, HKD, last)
+  v = Slice (qkv, HKD, HKKD, last)
+  total64 = Cast <to = 7> (total_len)
+  total1 = Reshape (total64, last)
+  S = Shape <start = 1, end = 2> (qkv)
+  start = Sub (total1, S)
+  q = {contract.MS_DOMAIN}.RotaryEmbedding <interleaved: int = @rotary_interleaved, num_heads: int = @num_heads>
+      (q_raw, start, cos_cache, sin_cache)
+  k = {contract.MS_DOMAIN}.RotaryEmbedding <interleaved: int = @rotary_interleaved, num_heads: int = @kv_num_heads>
+      (k_raw_p, start, cos_cache, sin_cache)
+  out, present_key, present_value = ai.fastcar.CompressedAttention <num_heads: int = @num_heads,
+      kv_num_heads: int = @kv_num_heads, scale: float = @scale, qkv_perm = [0, 2, 1, 3]>
+      (q, k, v, past_key, past_value, attention_mask, total_len)
+}}}}
 """
 
 # TemporalGate on keys gathered per new token (aligned_key [B,Hkv,S,D]: row i = the post-RoPE key of token
@@ -388,9 +430,20 @@ OP_TEXTS = {
 }
 
 
-def function_proto(op: str, opset: int) -> onnx.FunctionProto:
-    """The FunctionProto of one ai.fastcar op, its body written against the model's default opset."""
-    return onnx.parser.parse_function(OP_TEXTS[op].format(opset=opset))
+# (op, overload) -> text of the overloads (IR version >= 10): forms of an op whose body must differ
+OVERLOAD_TEXTS = {
+    (contract.COMPRESSED_ATTENTION, PACKED_ROTARY): _COMPRESSED_ATTENTION_PACKED_ROTARY,
+}
+OVERLOAD_IR_VERSION = 10  # NodeProto.overload / FunctionProto.overload
+
+
+def function_proto(op: str, opset: int, overload: str = "") -> onnx.FunctionProto:
+    """The FunctionProto of one ai.fastcar op (or one of its overloads), its body written against the model's
+    default opset."""
+    text = OVERLOAD_TEXTS[(op, overload)] if overload else OP_TEXTS[op]
+    proto = onnx.parser.parse_function(text.format(opset=opset))
+    proto.overload = overload
+    return proto
 
 
 def add_functions(model: ir.Model, opset: int) -> None:
@@ -400,3 +453,13 @@ def add_functions(model: ir.Model, opset: int) -> None:
         if key not in model.functions:
             model.functions[key] = ir.serde.deserialize_function(function_proto(op, opset))
     model.opset_imports[DOMAIN] = VERSION
+
+
+def add_overload(model: ir.Model, op: str, overload: str, opset: int) -> None:
+    """Register one overload's function (idempotent); the model then needs IR version >= 10."""
+    add_functions(model, opset)
+    key = (DOMAIN, op, overload)
+    if key not in model.functions:
+        model.functions[key] = ir.serde.deserialize_function(function_proto(op, opset, overload))
+    model.opset_imports.setdefault(contract.MS_DOMAIN, 1)
+    model.ir_version = max(model.ir_version, OVERLOAD_IR_VERSION)

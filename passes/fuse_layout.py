@@ -36,7 +36,7 @@ def _ints(node: ir.Node, name: str) -> list[int] | None:
     return None if attr is None else list(attr.as_ints())
 
 
-def _head_split_source(value: ir.Value, heads: int) -> ir.Value | None:
+def head_split_source(value: ir.Value, heads: int) -> ir.Value | None:
     """x [B, S, heads*D] when value = Transpose(Reshape(x, [B, S, heads, D]), perm 0,2,1,3), else None."""
     t = value.producer()
     if t is None or t.op_type != "Transpose" or t.domain != "" or _ints(t, "perm") != BSHD_PERM:
@@ -62,7 +62,7 @@ def _single(value: ir.Value, op: str) -> ir.Node | None:
 
 
 @dataclass
-class _Gate:
+class GateChain:
     """A TemporalGateAt and the nodes BranchPass built from it (cached rows, the two If conditions)."""
 
     node: ir.Node
@@ -72,11 +72,11 @@ class _Gate:
     index: int
 
     @staticmethod
-    def find(node: ir.Node) -> _Gate | None:
+    def find(node: ir.Node) -> GateChain | None:
         replay, slot = node.outputs[0], node.outputs[2]
         merge = _single(slot, contract.MLP_CACHE_MERGE)  # BranchPass's shared layout: no cache read, no conditions
         if merge is not None and merge.inputs[4] is slot and merge.inputs[3] is replay:
-            return _Gate._tau(node, merge.inputs[0], [])
+            return GateChain._tau(node, merge.inputs[0], [])
         read = _single(slot, contract.MLP_CACHE_READ)
         cast = _single(replay, "Cast")
         count = _single(cast.outputs[0], "ReduceSum") if cast is not None else None
@@ -90,10 +90,10 @@ class _Gate:
         size = less.inputs[1].producer()  # tokens = Size(input_ids) = B * S, what the packed gate counts
         if gu.scalar_const(equal.inputs[1]) != 0.0 or size is None or size.op_type != "Size":
             return None
-        return _Gate._tau(node, read.inputs[0], [read.outputs[0], equal.outputs[0], less.outputs[0]])
+        return GateChain._tau(node, read.inputs[0], [read.outputs[0], equal.outputs[0], less.outputs[0]])
 
     @staticmethod
-    def _tau(node: ir.Node, cache: ir.Value, conditions: list[ir.Value]) -> _Gate | None:
+    def _tau(node: ir.Node, cache: ir.Value, conditions: list[ir.Value]) -> GateChain | None:
         tau, index = node.inputs[3], 0
         g = tau.producer()
         if g is not None and g.op_type == "Gather" and g.attributes.get_int("axis", 0) == 0 and \
@@ -101,7 +101,7 @@ class _Gate:
             tau, index = g.inputs[0], int(g.inputs[1].const_value.numpy().reshape(-1)[0])
         elif tau.shape is None or len(tau.shape) != 0:
             return None
-        return _Gate(node, cache, conditions, tau, index)
+        return GateChain(node, cache, conditions, tau, index)
 
 
 class FusedLayoutPass(ir.passes.InPlacePass):
@@ -136,14 +136,14 @@ class FusedLayoutPass(ir.passes.InPlacePass):
         rq, rk = q.producer(), k.producer()
         if any(r is None or r.op_type != "RotaryEmbedding" or r.domain != MS for r in (rq, rk)):
             return None
-        xq, xk = _head_split_source(rq.inputs[0], heads), _head_split_source(rk.inputs[0], kv_heads)
-        xv = _head_split_source(v, kv_heads)
+        xq, xk = head_split_source(rq.inputs[0], heads), head_split_source(rk.inputs[0], kv_heads)
+        xv = head_split_source(v, kv_heads)
         if xq is None or xk is None or xv is None or len({rq.inputs[0], rk.inputs[0], v}) != 3:
             return None
         # the queries' readers: the attention and (rewritten layers) the gate, on q (`rope`) or its input (`raw`)
         tga = [n for val in (q, rq.inputs[0]) for n in val.consumers()
                if n.domain == contract.DOMAIN and n.op_type == contract.TEMPORAL_GATE_AT and n.inputs[0] is val]
-        gates = [g for n in tga if (g := _Gate.find(n)) is not None]
+        gates = [g for n in tga if (g := GateChain.find(n)) is not None]
         allowed = {ca, *tga}
         if len(gates) != len(tga) or len(tga) > 1 or not _only_consumers(q, allowed) or \
                 not _only_consumers(rq.inputs[0], {rq, *tga}) or not _only_consumers(k, {ca}) or \
@@ -156,11 +156,14 @@ class FusedLayoutPass(ir.passes.InPlacePass):
         ca.replace_input_with(2, xv)
         ca.attributes["qkv_perm"] = ir.AttrInt64s("qkv_perm", BSHD_PERM)
         for g in gates:
-            self._packed_gate(graph, g, q if g.node.inputs[0] is q else xq, heads)
+            self.packed_gate(graph, g, q if g.node.inputs[0] is q else xq, heads)
         return len(gates)
 
     @staticmethod
-    def _packed_gate(graph: ir.Graph, g: _Gate, query: ir.Value, heads: int) -> None:
+    def packed_gate(graph: ir.Graph, g: GateChain, query: ir.Value, heads: int,
+                    rope: tuple[ir.Value, ir.Value, int] | None = None) -> None:
+        """g's nodes -> one TemporalGatePacked on `query` ([B, S, >= H*D]); with rope = (cos, sin, rotary dim)
+        TemporalGatePackedRope, which rotates the query slice itself (passes/pack_qkv.py)."""
         old = g.node
         at = old.attributes
         inputs = [query, old.inputs[1], old.inputs[2], g.cache, g.threshold, old.inputs[4], old.inputs[5]]
@@ -168,7 +171,11 @@ class FusedLayoutPass(ir.passes.InPlacePass):
                  "num_heads": heads, "threshold_index": g.index}
         if at.get_int("age_offset", 0):
             attrs["age_offset"] = at.get_int("age_offset", 0)
-        node = ir.node(contract.TEMPORAL_GATE_PACKED, inputs, attrs, domain=contract.DOMAIN, num_outputs=7,
+        op = contract.TEMPORAL_GATE_PACKED
+        if rope is not None:
+            op, inputs = contract.TEMPORAL_GATE_PACKED_ROPE, [*inputs, rope[0], rope[1]]
+            attrs |= {"rotary_embedding_dim": rope[2], "interleaved": 0}
+        node = ir.node(op, inputs, attrs, domain=contract.DOMAIN, num_outputs=7,
                        name=f"{old.name or 'gate'}/packed", metadata_props=dict(old.metadata_props))
         graph.insert_before(old, node)
         olds = [*old.outputs, *g.conditions]

@@ -35,8 +35,11 @@ def _ops(graph: onnx.GraphProto) -> list[str]:
 
 
 def _assert_fused(path, layers: int) -> None:
-    ops = _ops(onnx.load(str(path)).graph)
-    assert ops.count("RotaryEmbedding") == 2 * layers  # q and k of every layer
+    graph = onnx.load(str(path)).graph
+    ops = _ops(graph)
+    # q and k of every layer: RotaryEmbedding nodes, or inside the packed attention op (passes/pack_qkv.py)
+    packed = sum(n.op_type == "CompressedAttention" and n.overload == "packed_rotary" for n in graph.node)
+    assert ops.count("RotaryEmbedding") + 2 * packed == 2 * layers
     # both residual Adds close into a norm: the attention's into the MLP norm (moved out of the If), the MLP's
     # into the next layer's (or the final) norm
     assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers

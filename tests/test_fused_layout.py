@@ -26,7 +26,7 @@ def test_layer_is_one_gate_and_no_layout_ops(zoo_model, fc_compile, tmp_path):
     SelectRows)."""
     out = tmp_path / "fast.onnx"
     _, report = fc_compile(str(zoo_model("llama", "dynamo20")), output=str(out), frame_tokens=L, threshold=[0.1, 0.2],
-                           per_layer_threshold=True)
+                           per_layer_threshold=True, pack_qkv=False)  # FusedLayoutPass's own form
     assert any("one-node gate (TemporalGatePacked) in 2" in n for n in report.notes)
     graph = onnx.load(str(out)).graph
     ops = [n.op_type for n in graph.node]

@@ -16,7 +16,7 @@ from fastcar_compile.passes.context import CompileContext, CompileOptions
 L = 4
 PASSES = ["FusedAttentionPass", "DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass",
           "NativeGqaPass",
-          "RotaryFusionPass", "FusedLayoutPass", "RmsNormFusionPass", "NormHoistPass", "SkipNormFusionPass",
+          "RotaryFusionPass", "FusedLayoutPass", "PackQkvPass", "RmsNormFusionPass", "NormHoistPass", "SkipNormFusionPass",
           "RowGatePass", "KvDimNamesPass",
           "IrVersionPass", "MetadataPass", "ValidatePass", "SavePass"]
 

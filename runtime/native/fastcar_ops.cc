@@ -382,9 +382,13 @@ struct MLPCacheMerge : MLPCacheUpdate {
 //   -> (out [B,S,Hq*D], present_key, present_value, [present_slots, aligned_key [B,Hkv,S,D], present_key_raw,
 //       present_dense, kv_stats [B,Hkv,4]])
 // qkv_perm [0,2,1,3]: q, k, v are [B,S,heads*D] (or [B,S,heads,D]) instead, as the projections produce them.
+// Packed QKV (qkv_perm [0,2,1,3], k and v empty): q is [B,S,(heads + 2 kv_heads)*D], GroupQueryAttention's packed
+// layout. do_rotary: q and k are rotated here (cos_cache/sin_cache [max_pos, <= D/2], inputs 12/13) at KV index
+// total_len - S + i, as GroupQueryAttention rotates with seqlens_k = total_len - 1 (passes/pack_qkv.py).
 struct CompressedAttention {
   fastcar_attn::Settings cfg;
   bool bshd = false;  // qkv_perm [0,2,1,3]: q/k/v are [B,S,heads*D] or [B,S,heads,D] (the projections' layout)
+  bool do_rotary = false, rot_interleaved = false;
 
   CompressedAttention(const OrtApi* api, const OrtKernelInfo* info) {
     (void)api;
@@ -413,6 +417,38 @@ struct CompressedAttention {
     bshd = perm == std::vector<int64_t>{0, 2, 1, 3};
     if (!bshd && perm != std::vector<int64_t>{0, 1, 2, 3})
       throw std::runtime_error("CompressedAttention: qkv_perm must be [0,1,2,3] or [0,2,1,3]");
+    do_rotary = AttrOr<int64_t>(ki, "do_rotary", 0) != 0;
+    rot_interleaved = AttrOr<int64_t>(ki, "rotary_interleaved", 0) != 0;
+    if (do_rotary && !bshd) throw std::runtime_error("CompressedAttention: do_rotary needs qkv_perm [0,2,1,3]");
+  }
+
+  // Heads [offset, offset + heads*D) of rows [B,S,stride] -> [B,heads,S,D]; with cos/sin [*, half] each token's
+  // first 2*half channels of a head are rotated at KV index P + s (half-split pairs (j, j + half), or (2j, 2j + 1)
+  // interleaved: com.microsoft.RotaryEmbedding's arithmetic), the rest copied.
+  static const float* Gather(const float* x, int64_t stride, int64_t offset, int64_t B, int64_t S, int64_t heads,
+                             int64_t D, const float* cos, const float* sin, int64_t half, int64_t P, bool interleaved,
+                             std::vector<float>& buf) {
+    buf.resize(static_cast<size_t>(B * heads * S * D));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < S; ++s) {
+        const float* c = cos == nullptr ? nullptr : cos + (P + s) * half;
+        const float* sn = sin == nullptr ? nullptr : sin + (P + s) * half;
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* src = x + (b * S + s) * stride + offset + h * D;
+          float* dst = buf.data() + ((b * heads + h) * S + s) * D;
+          if (c == nullptr) {
+            std::memcpy(dst, src, sizeof(float) * D);
+            continue;
+          }
+          for (int64_t j = 0; j < half; ++j) {
+            const int64_t a1 = interleaved ? 2 * j : j, a2 = interleaved ? 2 * j + 1 : j + half;
+            dst[a1] = src[a1] * c[j] - src[a2] * sn[j];
+            dst[a2] = src[a2] * c[j] + src[a1] * sn[j];
+          }
+          for (int64_t d = 2 * half; d < D; ++d) dst[d] = src[d];
+        }
+      }
+    return buf.data();
   }
 
   // [B,S,heads,D] -> [B,heads,S,D] (a prompt step: S > 1; one token needs no copy, the two layouts coincide)
@@ -439,7 +475,9 @@ struct CompressedAttention {
                const Tensor<int32_t>& total_len, std::optional<const Tensor<float>*> past_slots,
                std::optional<const Tensor<float>*> k_raw, std::optional<const Tensor<float>*> past_key_raw,
                std::optional<const Tensor<float>*> past_dense,
-               std::optional<const Tensor<int64_t>*> video_start, Tensor<float>& out, Tensor<float>& present_key, Tensor<float>& present_value,
+               std::optional<const Tensor<int64_t>*> video_start, std::optional<const Tensor<float>*> cos_cache,
+               std::optional<const Tensor<float>*> sin_cache, Tensor<float>& out, Tensor<float>& present_key,
+               Tensor<float>& present_value,
                std::optional<Tensor<float>*> present_slots, std::optional<Tensor<float>*> aligned_key,
                std::optional<Tensor<float>*> present_key_raw, std::optional<Tensor<float>*> present_dense,
                std::optional<Tensor<float>*> kv_stats) {
@@ -454,14 +492,44 @@ struct CompressedAttention {
     sh.N = ks[2];
     sh.T = static_cast<int64_t>(total_len.Data()[0]);
     sh.P = sh.T - sh.S;
-    if (!LayoutOk(qs, qs, cfg.heads, sh.S, sh.D) || !LayoutOk(qs, k.Shape(), cfg.kv_heads, sh.S, sh.D) ||
-        !LayoutOk(qs, v.Shape(), cfg.kv_heads, sh.S, sh.D) || ks[1] != cfg.kv_heads || ms.size() != 2 ||
-        ms[0] != sh.B || ms[1] != sh.T || sh.P < 0)
-      throw std::runtime_error("CompressedAttention: inconsistent shapes (q, k, v, past_key, attention_mask, total_len)");
+    const int64_t HD = cfg.heads * sh.D, KD = cfg.kv_heads * sh.D;
+    const bool packed = bshd && k.NumberOfElement() == 0 && v.NumberOfElement() == 0;
+    const bool layout_ok = packed ? qs.size() == 3 && qs[2] == HD + 2 * KD
+                                  : LayoutOk(qs, qs, cfg.heads, sh.S, sh.D) &&
+                                        LayoutOk(qs, k.Shape(), cfg.kv_heads, sh.S, sh.D) &&
+                                        LayoutOk(qs, v.Shape(), cfg.kv_heads, sh.S, sh.D);
+    if (!layout_ok || ks[1] != cfg.kv_heads || ms.size() != 2 || ms[0] != sh.B || ms[1] != sh.T || sh.P < 0)
+      throw std::runtime_error("CompressedAttention: inconsistent shapes (q, k, v, past_key, attention_mask, total_len; "
+                               "packed QKV: q [B,S,(num_heads + 2 kv_num_heads)*D], k and v empty)");
     std::vector<float> qbuf, kbuf, vbuf;  // [B,heads,S,D] copies of a multi-token [B,S,heads*D] step
-    const float* qd = bshd ? ToHeads(q.Data(), sh.B, sh.S, cfg.heads, sh.D, qbuf) : q.Data();
-    const float* kd = bshd ? ToHeads(k.Data(), sh.B, sh.S, cfg.kv_heads, sh.D, kbuf) : k.Data();
-    const float* vd = bshd ? ToHeads(v.Data(), sh.B, sh.S, cfg.kv_heads, sh.D, vbuf) : v.Data();
+    const float *qd, *kd, *vd;
+    if (packed || do_rotary) {
+      const float *cd = nullptr, *sd = nullptr;
+      int64_t half = 0;
+      if (do_rotary) {
+        if (!cos_cache.has_value() || !sin_cache.has_value())
+          throw std::runtime_error("CompressedAttention: do_rotary needs cos_cache and sin_cache (inputs 12, 13)");
+        const auto cs = (*cos_cache)->Shape();
+        if (cs.size() != 2 || (*sin_cache)->Shape() != cs || 2 * cs[1] > sh.D || cs[0] < sh.T)
+          throw std::runtime_error("CompressedAttention: cos_cache/sin_cache must both be [max_pos >= total_len, "
+                                   "<= head_size/2] (total_len " + std::to_string(sh.T) + "; a longer video needs a "
+                                   "compile with a larger --rotary-positions)");
+        cd = (*cos_cache)->Data();
+        sd = (*sin_cache)->Data();
+        half = cs[1];
+      }
+      const float* x = q.Data();
+      const int64_t qstride = packed ? HD + 2 * KD : HD;
+      qd = Gather(x, qstride, 0, sh.B, sh.S, cfg.heads, sh.D, cd, sd, half, sh.P, rot_interleaved, qbuf);
+      kd = Gather(packed ? x : k.Data(), packed ? qstride : KD, packed ? HD : 0, sh.B, sh.S, cfg.kv_heads, sh.D, cd,
+                  sd, half, sh.P, rot_interleaved, kbuf);
+      vd = Gather(packed ? x : v.Data(), packed ? qstride : KD, packed ? HD + KD : 0, sh.B, sh.S, cfg.kv_heads, sh.D,
+                  nullptr, nullptr, 0, 0, false, vbuf);
+    } else {
+      qd = bshd ? ToHeads(q.Data(), sh.B, sh.S, cfg.heads, sh.D, qbuf) : q.Data();
+      kd = bshd ? ToHeads(k.Data(), sh.B, sh.S, cfg.kv_heads, sh.D, kbuf) : k.Data();
+      vd = bshd ? ToHeads(v.Data(), sh.B, sh.S, cfg.kv_heads, sh.D, vbuf) : v.Data();
+    }
     Ort::KernelContext kctx(context);
     float* o = out.Allocate({sh.B, sh.S, cfg.heads * sh.D});
     if (cfg.budget == 0) {

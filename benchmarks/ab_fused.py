@@ -1,0 +1,84 @@
+"""Interleaved A/B of path (b) compiles (dynamo export + fused attention, FastCarSession) against genai dense
+(og.Generator on the builder's graph of the same weights): ms per decode step at 0% and 100% replay.
+
+    python benchmarks/ab_fused.py --models plain=DIR1/fast.onnx,packed=DIR2/fast.onnx [--ctx 4096] [--tokens 32]
+
+Every model is prefilled with the same `--ctx` tokens, then all decode in turn, `--block` tokens at a time after
+one untimed step (machine load hits them alike); lower quartile per model; ratios = genai dense ms / model ms
+(> 1: faster than genai dense) and against the first `--models` entry. The genai folder is bench_genai.py's
+cached build (`--cache`; `python benchmarks/bench_genai.py` builds it once). Compile the models with per-layer
+tau (the replay ratio is forced through the `fastcar_threshold` input), as bench_genai.py's fused_export does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_genai  # noqa: E402
+from _common import DEFAULT_CACHE  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", required=True, help="name=fast.onnx,... (the first is the reference of the A/B)")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--block", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    a = ap.parse_args(argv)
+    import onnxruntime_genai as og
+
+    from fastcar_compile.runtime import FastCarSession
+
+    models = {k: Path(v) for k, v in (item.split("=", 1) for item in a.models.split(","))}
+    shape = bench_genai.FULL["shape"]
+    rounds = -(-a.tokens // a.block)
+    steps = rounds * (a.block + 1) + 2
+    prompt = np.random.default_rng(0).integers(3, shape.vocab, (1, a.ctx)).astype(np.int32)
+    folder = bench_genai.build_genai(shape, a.cache)
+    bench_genai.set_session(folder, a.threads, native=False)
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=a.ctx + steps, do_sample=False)
+    gens: dict[str, object] = {"genai dense": og.Generator(model, params)}
+    gens["genai dense"].append_tokens(prompt)
+    for name, path in models.items():
+        sess = FastCarSession(path, session_options=bench_genai.ort_options(a.threads, {}), threads=a.threads,
+                              max_length=a.ctx + steps)
+        layers = len(sess.layers)
+        for replay, tau in (("0%", np.inf), ("100%", -np.inf)):
+            gens[f"{name} {replay}"] = bench_genai._FusedStepper(sess, np.full(layers, tau, np.float32), prompt)
+        print(f"  {name}: prefilled {a.ctx} tokens", file=sys.stderr)
+    for gen in gens.values():
+        gen.generate_next_token()
+    times: dict[str, list[float]] = {n: [] for n in gens}
+    for _ in range(rounds):
+        for name, gen in gens.items():
+            gen.generate_next_token()  # untimed: brings this model's working set back
+            for _ in range(a.block):
+                t0 = time.perf_counter()
+                gen.generate_next_token()
+                times[name].append(time.perf_counter() - t0)
+    ms = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
+    first = next(iter(models))
+    print(f"ctx {a.ctx}, {a.threads} threads, {a.tokens} tokens per model, blocks of {a.block} (lower quartile); "
+          f"genai dense {ms['genai dense']:.2f} ms/step")
+    for key, value in ms.items():
+        if key == "genai dense":
+            continue
+        name, replay = key.rsplit(" ", 1)
+        ref = ms[f"{first} {replay}"]
+        print(f"{name:>12} {replay:>4}: {value:7.2f} ms/step, {ms['genai dense'] / value:.3f}x genai dense, "
+              f"{ref / value:.3f}x {first}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

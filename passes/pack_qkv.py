@@ -1,0 +1,376 @@
+"""Packed QKV with the rotary inside the attention op: path (b)'s layer as lean as onnxruntime-genai's.
+
+After FusedLayoutPass a dynamo layer still runs three q/k/v MatMuls on the same normed input and a
+RotaryEmbedding on q and one on k before `ai.fastcar.CompressedAttention`: four launches per layer genai's graph
+does not have (one packed MatMul, RoPE inside GroupQueryAttention). This pass makes the layer
+
+    qkv = MatMul(x, concat(Wq, Wk, Wv))  [+ Add(concat(bq, bk, bv))]
+    out, present_key, present_value = CompressedAttention[packed_rotary](qkv, -, -, ..., cos_table, sin_table)
+    gate: TemporalGatePackedRope(qkv, ..., total_len, cos_table, sin_table)
+
+The concatenated weights replace the three originals (which go), so the weights held do not grow. The gate is
+path (a)'s op unchanged: it rebuilds the post-RoPE query from the packed projection.
+
+Rotary positions: the op and the gate rotate at KV index total_len - S + i, as GroupQueryAttention does with
+seqlens_k = total_len - 1, from a cos/sin table [positions, D / 2] that is the export's own rotary subgraph
+evaluated (ONNX Runtime, at compile time) on position_ids = 0..positions-1 (`--rotary-positions`). The export
+rotates at the position_ids fed, which FastCarSession makes the count of real tokens before each one: the KV
+index minus the row's left padding, a per-row constant. RoPE scores and TAS depend on q and k positions only
+through their difference, so the values are the export's up to float rounding of the angles (bit for bit
+without padding: the same table rows, the same kernels). A caller feeding other position_ids (gaps, restarts)
+would see a different model: --pack-qkv off keeps the export's rotation. TAS `raw` dots the unrotated query with
+keys rotated at their absolute positions, which is not shift invariant: such layers stay unpacked.
+
+Only plain CompressedAttention layers (no compressed KV cache) whose RoPE came from RotaryFusionPass (half-split,
+the graph's own cos/sin) and whose projections are float32 MatMuls (+ bias Add) on constant weights are taken;
+`why_not` says in one line why a layer is left (`--inspect` / the compile notes print it). MatMulNBits: not
+applicable, the torch dynamo path exports float MatMuls (int4 weights come only from the genai builder, path (a),
+whose QKV is packed already).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from fastcar_compile import contract
+from fastcar_compile.passes import build, fastcar_ops
+from fastcar_compile.passes import graph_utils as gu
+from fastcar_compile.passes.context import CompileContext
+from fastcar_compile.passes.fuse_layout import FusedLayoutPass, GateChain, head_split_source
+
+MS = contract.MS_DOMAIN
+BSHD_PERM = [0, 2, 1, 3]
+PACKED_ARITY = 14  # q, k, v, past k/v, mask, total_len, slots, k_raw, past_key_raw, past_dense, video_start, cos, sin
+
+
+def _attr(node: ir.Node, name: str, default=None):
+    return node.attributes[name].value if name in node.attributes else default
+
+
+class _Projection:
+    """y = x @ W (+ b): W a constant [E, N] float32, b a constant [N] (or None)."""
+
+    def __init__(self, out: ir.Value, matmul: ir.Node, weight: np.ndarray, bias: np.ndarray | None, add: ir.Node | None):
+        self.out, self.matmul, self.weight, self.bias, self.add = out, matmul, weight, bias, add
+
+    @staticmethod
+    def match(value: ir.Value) -> _Projection | str:
+        node, add, bias = value.producer(), None, None
+        if node is not None and node.op_type == "Add" and node.domain == "":
+            for i in (0, 1):
+                b = gu.const_tensor(node.inputs[1 - i])
+                src = node.inputs[i].producer()
+                if b is not None and src is not None and src.op_type == "MatMul":
+                    add, bias, node = node, b.numpy(), src
+                    break
+        if node is None or node.op_type != "MatMul" or node.domain != "":
+            return f"{value.name} is not a MatMul (+ bias Add) output"
+        w = gu.const_tensor(node.inputs[1])
+        if w is None or w.dtype != ir.DataType.FLOAT or len(w.shape) != 2:
+            return f"{value.name}'s MatMul weight is not a constant float32 matrix"
+        weight = w.numpy()
+        if bias is not None and (bias.dtype != np.float32 or bias.shape != (weight.shape[1],)):
+            return f"{value.name}'s bias is not a float32 vector of the output width"
+        if add is not None and len(node.outputs[0].consumers()) != 1:
+            return f"{value.name}'s MatMul output has readers besides the bias Add"
+        return _Projection(value, node, weight, bias, add)
+
+
+def _rotary(value: ir.Value, heads: int) -> ir.Node | str:
+    node = value.producer()
+    if node is None or node.op_type != "RotaryEmbedding" or node.domain != MS:
+        return f"{value.name} is not a com.microsoft.RotaryEmbedding output"
+    if _attr(node, "interleaved", 0) or _attr(node, "num_heads", 0) != heads or _attr(node, "rotary_embedding_dim", 0):
+        return f"{node.name}: not RotaryFusionPass's form (half-split, num_heads {heads}, full rotary dim)"
+    return node
+
+
+def _table(model: ir.Model, values: tuple[ir.Value, ir.Value], positions: int) -> tuple[np.ndarray, np.ndarray] | str:
+    """The per-token cos/sin caches [B * S, D / 2] as functions of position_ids alone, evaluated on
+    position_ids = [[0, 1, ..., positions - 1]]: the table row p is what the export computes at position p."""
+    nodes = gu.ancestors_until(values, set(), limit=200)
+    inputs = {v for n in nodes for v in n.inputs if v is not None and v.is_graph_input()}
+    if [v.name for v in inputs] != [contract.POSITION_IDS]:
+        return f"the rotary cos/sin depend on {sorted(v.name for v in inputs)}, not on position_ids alone"
+    import onnxruntime as ort  # compile-time evaluation only
+
+    order = gu.in_graph_order(model.graph, nodes)
+    inits = {v.name: v for n in order for v in n.inputs if v is not None and v.const_value is not None
+             and not v.is_graph_input() and v.producer() is None}
+    graph = onnx.helper.make_graph(
+        [ir.serde.serialize_node(n) for n in order], "rotary",
+        [onnx.helper.make_tensor_value_info(contract.POSITION_IDS, onnx.TensorProto.INT64, [1, None])],
+        [onnx.helper.make_tensor_value_info(v.name, onnx.TensorProto.FLOAT, None) for v in values],
+        [ir.serde.serialize_tensor(v.const_value) for v in inits.values()])
+    opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
+    proto = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=min(model.ir_version, 10))
+    try:
+        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        cos, sin = sess.run(None, {contract.POSITION_IDS: np.arange(positions, dtype=np.int64)[None, :]})
+    except Exception as exc:  # noqa: BLE001 - any failure means: leave the rotary as exported
+        return f"evaluating the rotary cos/sin on positions 0..{positions - 1} failed ({str(exc).splitlines()[0][:120]})"
+    if cos.ndim != 2 or cos.shape[0] != positions or sin.shape != cos.shape:
+        return f"the rotary cos/sin evaluate to {cos.shape}, not [positions, D/2]"
+    return np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
+
+
+class _Layer:
+    """One CompressedAttention layer in FusedLayoutPass's form, what packing it needs."""
+
+    def __init__(self, ca: ir.Node):
+        self.ca = ca
+        self.heads, self.kv_heads = _attr(ca, "num_heads", 0), _attr(ca, "kv_num_heads", 0)
+
+    def match(self) -> str | None:
+        """Fill the layer's parts; the reason it cannot be packed, or None."""
+        ca = self.ca
+        if _attr(ca, "budget", 0) or len(ca.inputs) > 7 or len(ca.outputs) > 3:
+            return "a compressed KV cache (budget, TempCache, diagnostics): its kernel reads separate q/k/v"
+        if list(_attr(ca, "qkv_perm", [0, 1, 2, 3])) != BSHD_PERM:
+            return "q/k/v are not [B, S, H*D] (FusedLayoutPass did not take the layer)"
+        if ca.overload:
+            return "already packed"
+        rq, rk = _rotary(ca.inputs[0], self.heads), _rotary(ca.inputs[1], self.kv_heads)
+        for r in (rq, rk):
+            if isinstance(r, str):
+                return r
+        if rq.inputs[1:] != rk.inputs[1:]:
+            return "q and k are rotated with different caches"
+        self.rq, self.rk = rq, rk
+        why = self._projections([rq.inputs[0], rk.inputs[0], ca.inputs[2]])
+        if why is not None:
+            return why
+        # readers: q -> attention + the gate (rope); q's projection -> its rotary + the gate (raw)
+        gates = [n for val in (rq.outputs[0], self.pq.out) for n in val.consumers()
+                 if n.domain == contract.DOMAIN and n.op_type == contract.TEMPORAL_GATE_PACKED and n.inputs[0] is val]
+        if len(gates) > 1 or not _only(rq.outputs[0], {ca, *gates}) or not _only(self.pq.out, {rq, *gates}) or \
+                not _only(rk.outputs[0], {ca}) or not _only(self.pk.out, {rk}) or not _only(self.pv.out, {ca}):
+            return "q, k or v has readers besides the attention, its rotary and the one-node gate"
+        self.gate = gates[0] if gates else None
+        if self.gate is not None and self.gate.inputs[0] is not rq.outputs[0]:
+            return ("TAS `raw` dots the unrotated query with keys rotated at their absolute positions, which moving "
+                    "the rotation to KV indices would shift under left padding")
+        return None
+
+    def _projections(self, values: list[ir.Value]) -> str | None:
+        """q, k, v = x @ W (+ b) of one x, widths heads x D / kv_heads x D (D even): fill pq, pk, pv, head_dim."""
+        projs = [_Projection.match(v) for v in values]
+        for p in projs:
+            if isinstance(p, str):
+                return p
+        self.pq, self.pk, self.pv = projs
+        if len({p.matmul.inputs[0] for p in projs}) != 1 or len({p.matmul for p in projs}) != 3:
+            return "q, k and v are not projections of one input"
+        if len({p.bias is None for p in projs}) != 1 or len({p.weight.shape[0] for p in projs}) != 1:
+            return "q, k and v projections differ in form (bias on some only, or input widths)"
+        D = self.pq.weight.shape[1] // max(self.heads, 1)
+        if self.pq.weight.shape[1] != self.heads * D or self.pk.weight.shape[1] != self.kv_heads * D or \
+                self.pv.weight.shape[1] != self.kv_heads * D or D % 2:
+            return "the projection widths are not num_heads/kv_num_heads x an even head size"
+        self.head_dim = D
+        return None
+
+
+def _bhsd_source(value: ir.Value) -> ir.Value | None:
+    """y [B, H, S, D] when value = Reshape(Transpose(y, perm [0, 2, 1, 3]), 3-D) (FusedAttentionPass's q/k/v)."""
+    r = value.producer()
+    if r is None or r.op_type != "Reshape" or r.domain != "":
+        return None
+    t = r.inputs[0].producer()
+    if t is None or t.op_type != "Transpose" or list(_attr(t, "perm", [])) != BSHD_PERM:
+        return None
+    return t.inputs[0]
+
+
+def _is_gqa(node: ir.Node) -> bool:
+    return node.op_type == contract.GROUP_QUERY_ATTENTION and node.domain in (contract.DOMAIN, MS)
+
+
+class _GqaLayer(_Layer):
+    """One `--fused-attention gqa` layer (ai.fastcar or com.microsoft GroupQueryAttention on separate [B, S, H*D]
+    q/k/v views of rotated [B, H, S, D] heads): packed QKV with do_rotary, GroupQueryAttention's own form."""
+
+    def match(self) -> str | None:
+        node = self.ca
+        if _attr(node, "do_rotary", 0) or len(node.inputs) < 7 or node.inputs[1] is None or node.inputs[2] is None:
+            return "already packed or rotating"
+        if any(node.inputs[i] is not None for i in (7, 8, 9) if i < len(node.inputs)):
+            return "cos/sin caches or position_ids already given"
+        yq, yk, yv = (_bhsd_source(node.inputs[i]) for i in range(3))
+        if yq is None or yk is None or yv is None:
+            return "q/k/v are not [B, S, H*D] views of [B, H, S, D] heads"
+        rq, rk = _rotary(yq, self.heads), _rotary(yk, self.kv_heads)
+        for r in (rq, rk):
+            if isinstance(r, str):
+                return r
+        if rq.inputs[1:] != rk.inputs[1:]:
+            return "q and k are rotated with different caches"
+        self.rq, self.rk = rq, rk
+        xs = [head_split_source(rq.inputs[0], self.heads), head_split_source(rk.inputs[0], self.kv_heads),
+              head_split_source(yv, self.kv_heads)]
+        if any(x is None for x in xs):
+            return "q/k/v heads are not the exporter's head split of [B, S, H*D] projections"
+        why = self._projections(xs)
+        if why is not None:
+            return why
+        # readers: the query view -> attention + the gate's [B, H, S, D] view of it (TAS `rope`)
+        tga = [t for r in node.inputs[0].consumers() if r.op_type == "Reshape" for t0 in r.outputs[0].consumers()
+               if t0.op_type == "Transpose" for t in t0.outputs[0].consumers()
+               if t.domain == contract.DOMAIN and t.op_type == contract.TEMPORAL_GATE_AT and t.inputs[0] is t0.outputs[0]]
+        gates = [g for t in tga if (g := GateChain.find(t)) is not None]
+        if len(gates) != len(tga) or len(tga) > 1:
+            return "the gate is not TemporalGateAt with its cached-rows and branch-condition nodes"
+        # FusedAttentionPass reads S off the rotated query for the bias's shape: Shape(q, start 2, end 3)
+        self.s_reads = [n for n in rq.outputs[0].consumers() if n.op_type == "Shape" and
+                        (_attr(n, "start", 0), _attr(n, "end", None)) == (2, 3)]
+        if len(rq.outputs[0].consumers()) - len(self.s_reads) != 1 or any(
+                v.is_graph_output() or len(v.consumers()) != 1 for v in (
+                *xs, rq.inputs[0], rk.inputs[0], rk.outputs[0], node.inputs[1], node.inputs[2])):
+            return ("q, k or v has readers besides the attention, its rotary and a TAS `rope` gate (TAS `raw` dots the "
+                    "unrotated query with keys rotated at absolute positions: not shift invariant, left unpacked)")
+        self.gate_chain = gates[0] if gates else None
+        self.gate = None
+        return None
+
+
+def _only(value: ir.Value, allowed: set[ir.Node]) -> bool:
+    return not value.is_graph_output() and all(n in allowed for n in value.consumers())
+
+
+def why_not(ca: ir.Node) -> str | None:
+    """Why this CompressedAttention layer cannot be packed (None: it can); for --inspect and the notes."""
+    return _Layer(ca).match()
+
+
+class PackQkvPass(ir.passes.InPlacePass):
+    """q/k/v MatMuls -> one packed MatMul; RoPE into CompressedAttention (packed_rotary) and the gate."""
+
+    def __init__(self, ctx: CompileContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, positions = model.graph, self.ctx.options.rotary_positions
+        layers, kept = [], []
+        for ca in [n for n in graph if _is_gqa(n) or (n.domain == contract.DOMAIN and
+                                                      n.op_type == contract.COMPRESSED_ATTENTION)]:
+            layer = _GqaLayer(ca) if _is_gqa(ca) else _Layer(ca)
+            why = layer.match()
+            if why is None:
+                layers.append(layer)
+            else:
+                kept.append(f"{ca.name}: {why}")
+        tables: dict[tuple[ir.Value, ...], tuple[ir.Value, ir.Value] | str] = {}
+        done = 0
+        for layer in layers:
+            key = tuple(layer.rq.inputs[2:4])
+            if key not in tables:
+                tables[key] = self._table_values(model, key, positions, len(tables))
+            table = tables[key]
+            if isinstance(table, str):
+                kept.append(f"{layer.ca.name}: {table}")
+                continue
+            if isinstance(layer, _GqaLayer):
+                self._pack_gqa(model, layer, table)
+            else:
+                self._pack(model, layer, table)
+            done += 1
+        if kept:
+            self.ctx.notes.append("packed QKV: left " + "; ".join(kept))
+        if not done:
+            return ir.passes.PassResult(model, modified=False)
+        RemoveUnusedNodesPass()(model)
+        op = "GroupQueryAttention" if isinstance(layers[0], _GqaLayer) else "CompressedAttention"
+        self.ctx.notes.append(f"packed QKV with RoPE inside {op} in {done} layers (rotary table of "
+                              f"{positions} positions)")
+        return ir.passes.PassResult(model, modified=True)
+
+    @staticmethod
+    def _table_values(model: ir.Model, caches: tuple[ir.Value, ...], positions: int, k: int):
+        found = _table(model, caches, positions)
+        if isinstance(found, str):
+            return found
+        cos, sin = found
+        return (build.const(model.graph, f"fastcar.rotary{k}.cos_table", cos),
+                build.const(model.graph, f"fastcar.rotary{k}.sin_table", sin))
+
+    def _pack_gqa(self, model: ir.Model, layer: _GqaLayer, table: tuple[ir.Value, ir.Value]) -> None:
+        """GroupQueryAttention's own packed form: query = the packed projection, key/value absent, do_rotary with
+        the table (ORT's positions: seqlens_k + 1 - S + i = KV index, since seqlens_k = total - 1 here)."""
+        graph, old = model.graph, layer.ca
+        qkv = self._projection(graph, layer)
+        inputs = [qkv, None, None, *old.inputs[3:7], *table, None, *old.inputs[10:11]]
+        while inputs[-1] is None:
+            inputs.pop()
+        attrs = {k: a.value for k, a in old.attributes.items()} | {"do_rotary": 1, "rotary_interleaved": 0}
+        new = ir.node(old.op_type, inputs, attrs, domain=old.domain, num_outputs=len(old.outputs), name=old.name,
+                      metadata_props=dict(old.metadata_props))
+        graph.insert_before(old, new)
+        for before, after in zip(old.outputs, new.outputs, strict=True):
+            gu.take_over(before, after, graph_outputs=True)
+        graph.remove(old, safe=True)
+        for shape in layer.s_reads:  # S of [B, H, S, D] = S of the packed [B, S, W]
+            shape.replace_input_with(0, qkv)
+            shape.attributes["start"], shape.attributes["end"] = ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)
+        if layer.gate_chain is not None:
+            FusedLayoutPass.packed_gate(graph, layer.gate_chain, qkv, layer.heads, rope=(*table, layer.head_dim))
+
+    @staticmethod
+    def _projection(graph: ir.Graph, layer: _Layer) -> ir.Value:
+        """One MatMul (+ bias Add) on the concatenated weights, before the q projection; its [B, S, W] output."""
+        projs = (layer.pq, layer.pk, layer.pv)
+        base = layer.ca.name.rsplit("/", 1)[0] if "/" in layer.ca.name else layer.ca.name
+        weight = build.const(graph, f"{layer.pq.matmul.inputs[1].name}.qkv",
+                             np.ascontiguousarray(np.concatenate([p.weight for p in projs], axis=1)))
+        x = layer.pq.matmul.inputs[0]
+        meta = dict(layer.pq.matmul.metadata_props)
+        matmul = ir.node("MatMul", [x, weight], name=f"{base}/qkv_matmul", metadata_props=meta)
+        nodes, qkv = [matmul], matmul.outputs[0]
+        if layer.pq.bias is not None:
+            bias = build.const(graph, f"{layer.pq.matmul.inputs[1].name}.qkv_bias",
+                               np.concatenate([p.bias for p in projs]).astype(np.float32))
+            add = ir.node("Add", [qkv, bias], name=f"{base}/qkv_bias", metadata_props=meta)
+            nodes.append(add)
+            qkv = add.outputs[0]
+        width = (layer.heads + 2 * layer.kv_heads) * layer.head_dim
+        qkv.name, qkv.dtype = f"{base}.qkv", ir.DataType.FLOAT
+        qkv.shape = ir.Shape([*(x.shape[:2] if x.shape is not None and len(x.shape) == 3 else [None, None]), width])
+        graph.insert_before(layer.pq.matmul, nodes)
+        return qkv
+
+    def _pack(self, model: ir.Model, layer: _Layer, table: tuple[ir.Value, ir.Value]) -> None:
+        graph, ca = model.graph, layer.ca
+        qkv = self._projection(graph, layer)
+        none_f = build.const(graph, "fastcar.ca.none", np.zeros(0, np.float32))
+        none_i = build.const(graph, "fastcar.ca.none_i64", np.zeros(0, np.int64))
+        inputs = [qkv, none_f, none_f, *ca.inputs[3:7], none_f, none_f, none_f, none_f, none_i, *table]
+        assert len(inputs) == PACKED_ARITY
+        attrs = {k: a.value for k, a in ca.attributes.items()} | {"do_rotary": 1, "rotary_interleaved": 0}
+        new = ir.node(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, num_outputs=3,
+                      name=ca.name, overload=fastcar_ops.PACKED_ROTARY, metadata_props=dict(ca.metadata_props))
+        graph.insert_before(ca, new)
+        for old, out in zip(ca.outputs, new.outputs, strict=True):
+            gu.take_over(old, out, graph_outputs=True)
+        graph.remove(ca, safe=True)
+        if layer.gate is not None:
+            self._gate(graph, layer, qkv, table)
+        fastcar_ops.add_overload(model, contract.COMPRESSED_ATTENTION, fastcar_ops.PACKED_ROTARY,
+                                 model.opset_imports.get("", 17))
+
+    @staticmethod
+    def _gate(graph: ir.Graph, layer: _Layer, qkv: ir.Value, table: tuple[ir.Value, ir.Value]) -> None:
+        """TemporalGatePacked on the post-RoPE query -> TemporalGatePackedRope on the packed projection: it
+        rotates the query slice with the op's table at the same KV indices."""
+        old = layer.gate
+        attrs = {k: a.value for k, a in old.attributes.items()} | {"rotary_embedding_dim": layer.head_dim,
+                                                                   "interleaved": 0}
+        new = ir.node(contract.TEMPORAL_GATE_PACKED_ROPE, [qkv, *old.inputs[1:7], *table], attrs,
+                      domain=contract.DOMAIN, num_outputs=7, name=old.name, metadata_props=dict(old.metadata_props))
+        graph.insert_before(old, new)
+        for before, after in zip(old.outputs, new.outputs, strict=True):
+            gu.take_over(before, after, graph_outputs=True)
+        graph.remove(old, safe=True)
+
