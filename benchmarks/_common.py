@@ -7,10 +7,14 @@ Kept here (not imported from tests/) so `python benchmarks/<script>.py` runs fro
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import sys
+import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -138,17 +142,86 @@ def cached_export(shape: LlamaShape, cache_dir: Path, seed: int = 0) -> Path:
     return path
 
 
-def make_session(path: str | Path, threads: int, spin: bool = True):
+def ort_options(threads: int, entries: dict[str, str] | None = None, *, spin: bool = True,
+                library: str | Path | None = None, profile: str | Path | None = None):
+    """The SessionOptions every benchmark runs with: `threads` intra-op threads (the calling thread among them),
+    one inter-op thread, sequential execution, warnings off (fast.onnx's overridable-initializer warning is by
+    design). spin=False: pool threads sleep instead of spinning between parallel sections (CPU-time clocks,
+    where a spinning thread bills its wait as work); entries: ORT config entries (session.KEY -> VALUE);
+    library: a custom-op library (the native ai.fastcar kernels); profile: ORT's profiler on, files named
+    with this prefix."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
     if not spin:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.log_severity_level = 3  # the overridable-initializer warning of fast.onnx is by design
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    for key, value in (entries or {}).items():
+        so.add_session_config_entry(key, value)
+    if library is not None:
+        so.register_custom_ops_library(str(library))
+    if profile is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(profile)
+    return so
+
+
+def make_session(path: str | Path | bytes, threads: int, spin: bool = True, **options):
+    """An ORT CPU session of a model file (or serialized bytes) with `ort_options(threads, spin=..., **options)`."""
+    import onnxruntime as ort
+
+    model = path if isinstance(path, bytes) else str(path)
+    return ort.InferenceSession(model, ort_options(threads, spin=spin, **options), providers=["CPUExecutionProvider"])
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's garbage collector off (and the objects alive so far frozen out of its generations) while
+    timing: a collection would land inside whichever step crossed its allocation threshold. The decode
+    drivers measured create no cyclic garbage, so nothing accumulates meanwhile."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was:
+            gc.enable()
+
+
+def interleave(steps: dict[str, Callable[[], object]], rounds: int, block: int | dict[str, int], *,
+               clock: Callable[[], float] = time.perf_counter, warmup: int = 1,
+               warm: dict[str, Callable[[], object]] | None = None) -> dict[str, list[float]]:
+    """Time every step function in turn, `block` (or block[name]) calls at a time, for `rounds` rounds; the
+    seconds of each call by `clock`.
+
+    Interleaved, so load from other jobs hits every variant alike; in blocks, so no variant runs with a working
+    set the others just evicted (caches, prepacked weights, KV buffers); each block starts with `warmup`
+    untimed calls (warm[name] instead of the step itself where given, e.g. to restart a replay schedule after
+    it), so every timed call follows a call of the same model, as in a real decode loop. The garbage
+    collector is paused throughout (gc_paused)."""
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    with gc_paused():
+        for _ in range(rounds):
+            for name, step in steps.items():
+                first = (warm or {}).get(name, step)
+                for _ in range(warmup):
+                    first()
+                for _ in range(block if isinstance(block, int) else block[name]):
+                    t0 = clock()
+                    step()
+                    times[name].append(clock() - t0)
+    return times
+
+
+def lower_quartile_ms(times: dict[str, list[float]]) -> dict[str, float]:
+    """Per-step seconds -> the lower quartile in milliseconds: on a shared machine other jobs preempt whole
+    steps (x50 outliers), which a median still feels in short runs."""
+    return {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
 
 
 def past_name_for(output_name: str) -> str | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_CACHE, ms_lists, save_results  # noqa: E402
+from _common import DEFAULT_CACHE, interleave, lower_quartile_ms, ms_lists, save_results  # noqa: E402
 from bench_genai import FULL, QUICK, _FusedStepper, fused_export  # noqa: E402
 
 KINDS = ("gqa", "fastcar", "none")
@@ -60,14 +60,7 @@ def measure(paths: dict[str, Path], ctx: int, tokens: int, vocab: int, layers: i
             gens[f"{kind}-r{replay}"] = _FusedStepper(sess, taus, prompt)
             print(f"  ctx {ctx}: {kind} replay {replay}/{layers} prefilled in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr)
-    times: dict[str, list[float]] = {n: [] for n in gens}
-    for _ in range(rounds):
-        for name, gen in gens.items():
-            gen.generate_next_token()
-            for _ in range(block):
-                t0 = time.perf_counter()
-                gen.generate_next_token()
-                times[name].append(time.perf_counter() - t0)
+    times = interleave({n: g.generate_next_token for n, g in gens.items()}, rounds, block)
     python = {n: float(np.median(g.python_s)) * 1e3 for n, g in gens.items()}
     return times, python, checks
 
@@ -89,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"shape": shape.tag(), "threads": a.threads, "tokens": a.tokens, "contexts": {}}
     for ctx in contexts:
         times, python, checks = measure(paths, ctx, a.tokens, shape.vocab, shape.layers, a.threads, a.block)
-        q25 = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
+        q25 = lower_quartile_ms(times)
         print(f"\nctx {ctx}, {a.threads} threads, {a.tokens} tokens (lower quartile ms/token, Python per step)")
         print("| replay | none (exported attention) | gqa | fastcar | fastcar / gqa | fastcar / none |")
         print("|---:|---:|---:|---:|---:|---:|")

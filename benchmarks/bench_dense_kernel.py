@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import save_results  # noqa: E402
+from _common import make_session, save_results  # noqa: E402
 
 
 def _model(kind: str, layers: int, hq: int, hkv: int, d: int) -> bytes:
@@ -69,15 +69,10 @@ class Variant:
     def __init__(self, kind: str, lib: str | None, ctx: int, a):
         import onnxruntime as ort
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = a.threads, 1, 3
         self.clock = time.process_time if a.cpu_time else time.perf_counter
-        if a.cpu_time:  # spinning threads would bill their wait as work
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if lib is not None:
-            so.register_custom_ops_library(lib)
-        self.sess = ort.InferenceSession(_model(kind, a.layers, a.heads, a.kv_heads, a.head_dim), so,
-                                         providers=["CPUExecutionProvider"])
+        # (no spinning under a CPU-time clock: spinning threads would bill their wait as work)
+        self.sess = make_session(_model(kind, a.layers, a.heads, a.kv_heads, a.head_dim), a.threads,
+                                 spin=not a.cpu_time, library=lib)
         rng = np.random.default_rng(0)  # every variant gets the same contents
         n_buf = ctx + 8
         q = rng.standard_normal((1, a.heads, 1, a.head_dim)).astype(np.float32)

@@ -48,7 +48,10 @@ from _common import (  # noqa: E402
     atomic_write_text,
     build_random_llama,
     cached_export,
+    interleave,
+    lower_quartile_ms,
     ms_lists,
+    ort_options,
     save_results,
 )
 
@@ -122,17 +125,6 @@ def parse_entries(items: list[str] | None) -> dict[str, str]:
             raise SystemExit(f"--session-config: expected session.KEY=VALUE, got {item!r}")
         out[key] = value
     return out
-
-
-def ort_options(threads: int, entries: dict[str, str]):
-    """SessionOptions for FastCarSession with the same threads and config entries genai's variants get."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    for key, value in entries.items():
-        so.add_session_config_entry(key, value)
-    return so
 
 
 def _uses_fastcar(folder: Path) -> bool:
@@ -326,8 +318,8 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
     for kind, path in (fused or {}).items():
         from fastcar_compile.runtime import FastCarSession
 
-        sess = FastCarSession(path, session_options=ort_options(threads, SESSION_CONFIG if entries is None else entries),
-                              threads=threads, max_length=ctx + steps + 2)
+        so = ort_options(threads, entries=SESSION_CONFIG if entries is None else entries)
+        sess = FastCarSession(path, session_options=so, threads=threads, max_length=ctx + steps + 2)
         for k in replay_counts(layers, only):
             spread = {round(i * layers / k) for i in range(k)} if k else set()
             taus = np.array([-np.inf if i in spread else np.inf for i in range(layers)], np.float32)
@@ -351,18 +343,11 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
         keep.append(model)
     for gen in gens.values():  # the first call only samples the token the prefill computed
         gen.generate_next_token()
-    times: dict[str, list[float]] = {n: [] for n in gens}
-    for _ in range(rounds):
-        for name, gen in gens.items():
-            gen.generate_next_token()  # untimed: brings this model's working set back
-            n = block
-            if isinstance(gen, _FusedStepper) and len(gen.cycle) > 1:
-                gen.restart()
-                n = len(gen.cycle) * -(-block // len(gen.cycle))
-            for _ in range(n):
-                t0 = clock()
-                gen.generate_next_token()
-                times[name].append(clock() - t0)
+    cycled_gens = {n: g for n, g in gens.items() if isinstance(g, _FusedStepper) and len(g.cycle) > 1}
+    # a schedule's block is whole cycles from its first step: restarted after the untimed step
+    warm = {n: (lambda g=g: (g.generate_next_token(), g.restart())) for n, g in cycled_gens.items()}
+    sizes = {n: len(g.cycle) * -(-block // len(g.cycle)) if n in cycled_gens else block for n, g in gens.items()}
+    times = interleave({n: g.generate_next_token for n, g in gens.items()}, rounds, sizes, clock=clock, warm=warm)
     for name, gen in gens.items():  # a schedule's statistic is over whole cycles: per-cycle mean step times
         if isinstance(gen, _FusedStepper) and len(gen.cycle) > 1:
             c = len(gen.cycle)
@@ -429,8 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in contexts:
         times, python = measure(folders, ctx, tokens, shape.vocab, fused, shape.layers, a.threads, a.block, entries,
                                 only, time.process_time if a.cpu_time else time.perf_counter, fractions)
-        # Lower quartile, not median: on the shared machine other jobs preempt whole steps (x50 outliers).
-        med = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
+        med = lower_quartile_ms(times)
         f = 1 - med["noMLP"] / med["dense"]
         # the fastest dense decode measured in this run: the baseline a speed-up counts against (issue 11)
         fastest = min(("dense", "denseN"), key=lambda n: med.get(n, float("inf")))

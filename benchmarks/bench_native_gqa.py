@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import save_results  # noqa: E402
+from _common import interleave, lower_quartile_ms, make_session, save_results  # noqa: E402
 
 
 def _model(domain: str, heads: int, kv: int):
@@ -43,15 +42,11 @@ def _step(kind: str, heads: int, kv: int, d: int, ctx: int, threads: int, prompt
     from fastcar_compile import contract
     from fastcar_compile.runtime.native import library_path
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    if kind == "ours":
-        lib = library_path()
-        if lib is None:
-            raise SystemExit("the native ai.fastcar kernels are not built here")
-        so.register_custom_ops_library(str(lib))
+    lib = library_path() if kind == "ours" else None
+    if kind == "ours" and lib is None:
+        raise SystemExit("the native ai.fastcar kernels are not built here")
     domain = contract.DOMAIN if kind == "ours" else contract.MS_DOMAIN
-    sess = ort.InferenceSession(_model(domain, heads, kv).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = make_session(_model(domain, heads, kv).SerializeToString(), threads, library=lib)
     rng = np.random.default_rng(0)
     n = ctx + 8
     s, total = (ctx, ctx) if prompt else (1, ctx + 1)
@@ -71,10 +66,8 @@ def _step(kind: str, heads: int, kv: int, d: int, ctx: int, threads: int, prompt
     io.bind_ortvalue_output("present_value", keep[1])
     io.bind_output("output")
 
-    def run() -> float:
-        t0 = time.perf_counter()
+    def run() -> None:
         sess.run_with_iobinding(io)
-        return time.perf_counter() - t0
 
     run.keep = (sess, io, keep, arrays)  # type: ignore[attr-defined]
     return run
@@ -100,12 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|---:|")
     for ctx in [int(c) for c in a.contexts.split(",")]:
         steps = {k: _step(k, a.heads, a.kv_heads, a.head_dim, ctx, a.threads, a.prompt) for k in ("ort", "ours")}
-        times: dict[str, list[float]] = {k: [] for k in steps}
-        for _ in range(a.rounds):
-            for k, run in steps.items():
-                run()  # untimed: brings this variant's working set back
-                times[k].extend(run() for _ in range(a.block))
-        lq = {k: float(np.percentile(v, 25)) * 1e3 for k, v in times.items()}
+        lq = lower_quartile_ms(interleave(steps, a.rounds, a.block))
         print(f"| {ctx} | {lq['ort']:.3f} | {lq['ours']:.3f} | {lq['ort'] / lq['ours']:.2f}x |")
         results["contexts"][str(ctx)] = {"ms": lq, "speedup": lq["ort"] / lq["ours"]}
     return save_results(a.out, results)

@@ -45,8 +45,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_CACHE, LlamaShape, cached_export  # noqa: E402
-from bench_genai import build_genai, mark_fresh, ort_options, parse_entries, set_session, stale  # noqa: E402
+from _common import DEFAULT_CACHE, LlamaShape, cached_export, ort_options  # noqa: E402
+from bench_genai import build_genai, mark_fresh, parse_entries, set_session, stale  # noqa: E402
 
 FULL = dict(shape=LlamaShape(hidden=1024, layers=8, heads=16, kv_heads=2, intermediate=3072, vocab=2048,
                              max_pos=33280), frame_tokens=256, frames=(8, 16, 32, 64), block=8, tokens=48, chunk=512)

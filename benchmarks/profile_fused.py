@@ -8,7 +8,7 @@ Path (b) of docs/genai.md (a dynamo export compiled with --fused-attention fastc
 per step; a loaded machine moves the times but not the launch counts. With --libs, every build of the native
 kernels gets its own session (FASTCAR_NATIVE=lib when it is created), the same prompt, then --rounds rounds of
 one untimed and --block timed steps per build in turn (interleaved, so load hits them alike); per-step time =
-lower quartile, ratios against the first build.
+lower quartile, ratios against the first build. Python ms/step: the median over every step, untimed ones too.
 """
 
 from __future__ import annotations
@@ -24,20 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import interleave, lower_quartile_ms, ort_options  # noqa: E402
+
 
 class Stepper:
     """A FastCarSession on one kernel library (None: the default one), prefilled with the prompt, stepping
     greedily at forced replay (tau -inf for every layer, or +inf), with ORT's profiler on."""
 
     def __init__(self, model: Path, lib: str | None, ctx: int, threads: int, replay_all: bool, steps: int):
-        import onnxruntime as ort
-
         from fastcar_compile.runtime import FastCarSession
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
-        so.enable_profiling = True
-        so.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="fastcar-prof-")) / "step")
+        so = ort_options(threads, profile=Path(tempfile.mkdtemp(prefix="fastcar-prof-")) / "step")
         if lib is not None:
             os.environ["FASTCAR_NATIVE"] = lib
         self.sess = FastCarSession(model, session_options=so, threads=threads, max_length=ctx + steps + 8)
@@ -45,16 +43,12 @@ class Stepper:
         prompt = np.random.default_rng(0).integers(3, self.sess.vocab or 2, (1, ctx)).astype(np.int64)
         out = self.sess.step(self.sess.new_state(1), prompt, threshold=self.taus)
         self.state, self.ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
-        self.times: list[float] = []
-        self.python: list[float] = []
+        self.python: list[float] = []  # seconds per step outside ORT
 
-    def step(self, timed: bool) -> None:
+    def step(self) -> None:
         t0 = time.perf_counter()
         out = self.sess.step(self.state, self.ids, threshold=self.taus, check=False)
-        dt = time.perf_counter() - t0
-        if timed:
-            self.times.append(dt)
-            self.python.append(dt - self.sess.last_ort_s)
+        self.python.append(time.perf_counter() - t0 - self.sess.last_ort_s)
         self.state, self.ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
 
     def profile(self) -> tuple[float, dict[str, tuple[float, float]]]:
@@ -96,12 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[n] = Stepper(a.model, lib, a.ctx, a.threads, a.replay == "all", steps)
         print(f"{n}: prefilled {a.ctx} tokens in {time.perf_counter() - t0:.1f} s ({lib or 'default library'})",
               file=sys.stderr)
-    for _ in range(a.rounds):
-        for r in runs.values():
-            r.step(False)
-            for _ in range(a.block):
-                r.step(True)
-    ms = {n: float(np.percentile(r.times, 25)) * 1e3 for n, r in runs.items()}
+    ms = lower_quartile_ms(interleave({n: r.step for n, r in runs.items()}, a.rounds, a.block))
     base = names[0]
     for n, r in runs.items():
         launches, ops = r.profile()

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_genai  # noqa: E402
-from _common import DEFAULT_CACHE  # noqa: E402
+from _common import DEFAULT_CACHE, make_session  # noqa: E402
 
 KERNELS: dict[str, dict[str, int]] = {}  # model path -> op type -> kernels run per step (from the profile)
 CPU_TIME = False  # --cpu-time: process CPU seconds per step (1 thread, no spinning): robust to a loaded machine
@@ -39,20 +39,12 @@ KV_ZEROS = False  # --kv zeros: the old all-zero KV buffers (reads served by the
 
 
 def _session(path: Path, threads: int, profile: bool, native: bool):
-    import onnxruntime as ort
 
     from fastcar_compile.runtime.native import library_path
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    so.enable_profiling = profile
-    if CPU_TIME:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.profile_file_prefix = str(Path(tempfile.gettempdir()) / "fastcar_profile_genai")
-    lib = library_path() if native else None
-    if lib is not None:  # a model without ai.fastcar ops is not affected
-        so.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    lib = library_path() if native else None  # (a model without ai.fastcar ops is not affected)
+    return make_session(path, threads, spin=not CPU_TIME, library=lib,
+                        profile=Path(tempfile.gettempdir()) / "fastcar_profile_genai" if profile else None)
 
 
 def _binding(sess, ctx: int, max_length: int, head_dim: int, vocab: int):

@@ -3,7 +3,7 @@
 A decode step changes little: the token, its position, the attention mask's length and the logits. The KV
 buffers and the FastCar state are the same arrays for a whole video (the native kernels write them in place).
 `StepBinding` binds each name once and again only when its array changes, so a step's Python work outside ORT
-is a few small copies, not a pass over every state tensor (issue 11: Python per step).
+binds a few small arrays, not a pass over every state tensor (issue 11: Python per step).
 """
 
 from __future__ import annotations

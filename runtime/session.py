@@ -568,8 +568,9 @@ class FastCarSession:
         the buffers of their past inputs, so the native kernels write the state in place (no copy per step).
 
         Bindings persist between steps (runtime/binding.py): the state is bound again only when its arrays are
-        not the ones bound (another video, or an array replaced), small feeds are copied into buffers bound
-        once, and the attention mask (one column longer each step) is the only input bound every step.
+        not the ones bound (another video, or an array replaced); the token ids, position ids and attention
+        mask (a view one column longer each step) are bound as given, video_start is copied into a buffer
+        bound once, tau bound again only when its values change.
         Returns logits (a copy: the bound buffer serves the next step), the diagnostics outputs (the bound
         buffers: `step` stacks them at once) and, unless all were written in place, the state outputs; None
         when an output's shape cannot be predicted (the caller then runs normally).
@@ -587,11 +588,11 @@ class FastCarSession:
                 and all(map(operator.is_, arrays.values(), bound[1]))):
             self._bind_state(bind, state, seq)
         b = state.batch
-        bind.copy_input(contract.INPUT_IDS, ids)
+        bind.bind_input(contract.INPUT_IDS, ids)
         if self._feeds_mask:  # (a view of one row of the mask buffer is contiguous: no check at batch 1)
             bind.bind_input(contract.ATTENTION_MASK, mask if b == 1 else np.ascontiguousarray(mask))
         if self._feeds_positions:
-            bind.copy_input(contract.POSITION_IDS, position_ids)
+            bind.bind_input(contract.POSITION_IDS, np.ascontiguousarray(position_ids))
         if self._feeds_video_start and (contract.VIDEO_START not in bind.inputs
                                         or self._video_start_bound != state.video_start):
             bind.copy_input(contract.VIDEO_START, np.array(state.video_start, dtype=np.int64))

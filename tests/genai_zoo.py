@@ -31,16 +31,17 @@ BUILDS = {"fp32": ("fp32", []), "fp16": ("fp16", []), "int4": ("int4", ["int4_bl
           "int4-fp32a": ("int4", ["int4_block_size=32", "accuracy_level=1"])}
 
 
-def build_model(family: str):
-    """The transformers model a genai graph of `family` is built from (fp32, random, seeded)."""
-    return zoo.build_model(family, vocab=GENAI_VOCAB)
+def build_model(family: str, sizes: dict | None = None):
+    """The transformers model a genai graph of `family` is built from (fp32, random, seeded; `sizes`: config
+    fields overridden, zoo.make_config)."""
+    return zoo.build_model(family, vocab=GENAI_VOCAB, sizes=sizes)
 
 
-def _save_hf(family: str, out: Path) -> None:
+def _save_hf(family: str, out: Path, sizes: dict | None = None) -> None:
     import transformers as tf
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    build_model(family).save_pretrained(out)
+    build_model(family, sizes).save_pretrained(out)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(GENAI_VOCAB)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
@@ -48,17 +49,18 @@ def _save_hf(family: str, out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build(family: str, precision: str, out_dir: str | os.PathLike) -> Path:
+def build(family: str, precision: str, out_dir: str | os.PathLike, sizes: dict | None = None) -> Path:
     """Folder out_dir/genai-<family>-<precision> with model.onnx + genai_config.json (reused if present).
 
-    precision: a key of BUILDS."""
-    out = Path(out_dir) / f"genai-{family}-{precision}"
+    precision: a key of BUILDS. sizes: config fields overridden (zoo.make_config), named in the folder."""
+    tag = "".join(f"-{k}{v}" for k, v in sorted((sizes or {}).items()))
+    out = Path(out_dir) / f"genai-{family}{tag}-{precision}"
     if (out / "genai_config.json").exists() and (out / "model.onnx").exists():
         return out
-    hf = Path(out_dir) / f"hf-{family}"
+    hf = Path(out_dir) / f"hf-{family}{tag}"
     if not (hf / "config.json").exists():
-        _save_hf(family, hf)
-    tmp = Path(out_dir) / f".genai-{family}-{precision}.tmp"
+        _save_hf(family, hf, sizes)
+    tmp = Path(out_dir) / f".genai-{family}{tag}-{precision}.tmp"
     builder_precision, extra = BUILDS[precision]
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
            "-p", builder_precision, "-e", "cpu", "-c", str(Path(out_dir) / "genai-cache")]

@@ -13,11 +13,11 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import genai_zoo
 import numpy as np
 import onnx
 import ort_driver
@@ -26,8 +26,8 @@ import test_pass_reference as tpr
 import zoo
 
 # A genai graph big enough for its MLP weights to stand out of VmRSS noise: 2 layers x 3 x 512 x 4096 fp32
-# = 48 MiB of MLP weights, ~57 MiB in all; the builder makes it in seconds.
-HIDDEN, INTER, LAYERS, VOCAB = 512, 4096, 2, 160
+# = 48 MiB of MLP weights, ~55 MiB in all; the builder makes it in seconds.
+HIDDEN, INTER, LAYERS = 512, 4096, 2
 MLP_BYTES = LAYERS * 3 * HIDDEN * INTER * 4
 
 _CHILD = """
@@ -58,31 +58,10 @@ def _rss(path: Path) -> dict[str, int]:
 
 
 def _genai_graph(root: Path) -> Path:
-    """onnxruntime-genai's fp32 cpu graph of a random LLaMA of the sizes above (built once per zoo dir)."""
+    """onnxruntime-genai's fp32 cpu graph of the zoo's LLaMA at the sizes above (built once per zoo dir)."""
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[genai]')")
-    import transformers as tf
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    out = root / f"genai-llama-mem{HIDDEN}x{INTER}"
-    if (out / "model.onnx").is_file():
-        return out / "model.onnx"
-    hf = root / f"hf-llama-mem{HIDDEN}x{INTER}"
-    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    tf.LlamaForCausalLM(cfg).eval().save_pretrained(hf)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
-                               pad_token="t0").save_pretrained(hf)
-    tmp = root / f".genai-llama-mem{HIDDEN}.tmp"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
-                           "-p", "fp32", "-e", "cpu", "-c", str(root / "genai-cache")],
-                          capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    os.replace(tmp, out)
-    return out / "model.onnx"
+    sizes = {"hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS}
+    return genai_zoo.build("llama", "fp32", root, sizes) / "model.onnx"
 
 
 def test_compiled_model_holds_its_weights_once(zoo_dir, fc_compile, tmp_path):

@@ -80,8 +80,9 @@ class ModelInfo:
     vocab: int
 
 
-def make_config(family: str, attn_implementation: str = "sdpa", vocab: int = VOCAB):
-    """The transformers config of one tiny family model.
+def make_config(family: str, attn_implementation: str = "sdpa", vocab: int = VOCAB, sizes: dict | None = None):
+    """The transformers config of one tiny family model (`sizes`: config fields overridden, e.g. a wider
+    hidden_size for a test whose weights must stand out of process-memory noise).
 
     Exports use "sdpa" (what users export; it becomes ONNX Attention at opset 23/24); the eager reference
     swaps in its own attention function.
@@ -146,6 +147,9 @@ def make_config(family: str, attn_implementation: str = "sdpa", vocab: int = VOC
         cfg = _new_family_config(family)
     else:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + NEW_FAMILIES}")
+    if sizes:  # rebuilt, so derived fields (head_dim = hidden / heads) follow the new sizes
+        fields = {k: v for k, v in cfg.to_dict().items() if k != "head_dim" or "head_dim" in sizes}
+        cfg = type(cfg)(**{**fields, **sizes})
     # Gemma2 (soft-capping) and GPT-J have no SDPA path in transformers: they are exported with eager attention.
     cfg._attn_implementation = "eager" if family in EAGER_ONLY else attn_implementation
     if family in MOE_FAMILIES:
@@ -214,14 +218,15 @@ def model_info(family: str) -> ModelInfo:
     return ModelInfo(family, LAYERS, HEADS, kv, HIDDEN // HEADS, HIDDEN, VOCAB)
 
 
-def build_model(family: str, seed: int = SEED, attn_implementation: str = "sdpa", vocab: int = VOCAB) -> nn.Module:
+def build_model(family: str, seed: int = SEED, attn_implementation: str = "sdpa", vocab: int = VOCAB,
+                sizes: dict | None = None) -> nn.Module:
     """A seeded random tiny causal LM in float32, eval mode, with weights scaled to spread attention logits.
 
     The weights depend only on (family, seed, vocab), not on the attention implementation.
     """
     import transformers as tf
 
-    cfg = make_config(family, attn_implementation, vocab)
+    cfg = make_config(family, attn_implementation, vocab, sizes)
     torch.manual_seed(seed)
     cls = {
         "llama": tf.LlamaForCausalLM,
