@@ -43,6 +43,7 @@ from fastcar_compile.passes.fuse_layout import FusedLayoutPass, GateChain, head_
 
 MS = contract.MS_DOMAIN
 BSHD_PERM = [0, 2, 1, 3]
+ALREADY = "already packed or rotating inside the op"
 PACKED_ARITY = 14  # q, k, v, past k/v, mask, total_len, slots, k_raw, past_key_raw, past_dense, video_start, cos, sin
 
 
@@ -132,7 +133,7 @@ class _Layer:
         if list(_attr(ca, "qkv_perm", [0, 1, 2, 3])) != BSHD_PERM:
             return "q/k/v are not [B, S, H*D] (FusedLayoutPass did not take the layer)"
         if ca.overload:
-            return "already packed"
+            return ALREADY
         rq, rk = _rotary(ca.inputs[0], self.heads), _rotary(ca.inputs[1], self.kv_heads)
         for r in (rq, rk):
             if isinstance(r, str):
@@ -196,7 +197,7 @@ class _GqaLayer(_Layer):
     def match(self) -> str | None:
         node = self.ca
         if _attr(node, "do_rotary", 0) or len(node.inputs) < 7 or node.inputs[1] is None or node.inputs[2] is None:
-            return "already packed or rotating"
+            return ALREADY
         if any(node.inputs[i] is not None for i in (7, 8, 9) if i < len(node.inputs)):
             return "cos/sin caches or position_ids already given"
         yq, yk, yv = (_bhsd_source(node.inputs[i]) for i in range(3))
@@ -256,7 +257,7 @@ class PackQkvPass(ir.passes.InPlacePass):
             why = layer.match()
             if why is None:
                 layers.append(layer)
-            else:
+            elif why is not ALREADY:  # (genai graphs: packed and rotating already, nothing to say)
                 kept.append(f"{ca.name}: {why}")
         tables: dict[tuple[ir.Value, ...], tuple[ir.Value, ir.Value] | str] = {}
         done = 0
