@@ -11,6 +11,8 @@ input). The sources are bench_genai.py's cached builder graph and dynamo export 
 `python benchmarks/bench_genai.py` once). Timing: every model is prefilled with the same `--ctx` tokens, then
 the models decode in turn, `--block` tokens at a time after one untimed step (interleaved: machine load hits
 them alike), lower quartile per model, ratios against the first `--models` entry of the same path and replay.
+og.Generator folders get `--threads` and the current native library (bench_genai.set_session), so only the
+graphs differ; `--cpu-time --threads 1` measures process CPU time (what a loaded machine disturbs least).
 Launches: ORT's profiler over FastCarSession steps of the same files (og.Generator has no per-node profile).
 """
 
@@ -47,12 +49,16 @@ def compile_models(out: Path, cache: Path, nested: bool) -> None:
                             threshold=[np.inf] * LAYERS, per_layer_threshold=True, fused_attention="fastcar", **kw)
 
 
-def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: int, vocab: int) -> dict[str, float]:
-    """name -> ms per step (lower quartile) of every (model, path, replay) combination, interleaved in blocks."""
+def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: int, vocab: int,
+          cpu_time: bool = False) -> dict[str, float]:
+    """name -> ms per step (lower quartile) of every (model, path, replay) combination, interleaved in blocks.
+    cpu_time: process CPU time with spinning off (robust to other jobs on the machine; use 1 thread)."""
     import onnxruntime_genai as og
 
     from fastcar_compile.runtime import FastCarSession
 
+    entries = {"session.intra_op.allow_spinning": "0"} if cpu_time else {}
+    clock = time.process_time if cpu_time else time.perf_counter
     rounds = -(-tokens // block)
     steps = rounds * (block + 1) + 2
     prompt = np.random.default_rng(0).integers(3, vocab, (1, ctx)).astype(np.int32)
@@ -60,6 +66,7 @@ def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: i
     keep = []
     for name, d in models.items():
         for replay, k in (("0%", 0), ("100%", LAYERS)):
+            bench_genai.set_session(d / f"a-r{k}", threads, True, entries)  # threads, config, this library
             model = og.Model(str(d / f"a-r{k}"))
             params = og.GeneratorParams(model)
             params.set_search_options(max_length=ctx + steps, do_sample=False)
@@ -67,7 +74,7 @@ def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: i
             gen.append_tokens(prompt)
             gens[f"(a) {replay} {name}"] = gen
             keep.append(model)
-        sess = FastCarSession(d / "b" / "fast.onnx", session_options=bench_genai.ort_options(threads, {}),
+        sess = FastCarSession(d / "b" / "fast.onnx", session_options=bench_genai.ort_options(threads, entries),
                               threads=threads, max_length=ctx + steps)
         for replay, tau in (("0%", np.inf), ("100%", -np.inf)):
             gens[f"(b) {replay} {name}"] = bench_genai._FusedStepper(sess, np.full(LAYERS, tau, np.float32), prompt)
@@ -79,9 +86,9 @@ def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: i
         for name, gen in gens.items():
             gen.generate_next_token()  # untimed: brings this model's working set back
             for _ in range(block):
-                t0 = time.perf_counter()
+                t0 = clock()
                 gen.generate_next_token()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
     return {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
 
 
@@ -109,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--cpu-time", action="store_true", help="process CPU time per step, spinning off (with --threads 1)")
     a = ap.parse_args(argv)
     if a.compile:
         compile_models(a.compile, a.cache, a.nested)
@@ -117,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --compile DIR or --models name=DIR,...")
     models = {k: Path(v) for k, v in (item.split("=", 1) for item in a.models.split(","))}
     counts = launches(models, a.threads)
-    ms = timed(models, a.ctx, a.tokens, a.block, a.threads, bench_genai.FULL["shape"].vocab)
+    ms = timed(models, a.ctx, a.tokens, a.block, a.threads, bench_genai.FULL["shape"].vocab, a.cpu_time)
     first = next(iter(models))
-    print(f"ctx {a.ctx}, {a.threads} threads, {a.tokens} tokens per model, blocks of {a.block} (lower quartile)")
+    clock = "process CPU time" if a.cpu_time else "wall time"
+    print(f"ctx {a.ctx}, {a.threads} threads, {a.tokens} tokens per model, blocks of {a.block}, lower quartile of "
+          f"{clock}")
     for key in ms:
         path, replay, name = key.split(" ")
         ref = f"{path} {replay} {first}"

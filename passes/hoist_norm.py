@@ -7,8 +7,8 @@ onnxruntime-genai's graph runs one SkipSimplifiedLayerNormalization. The norm is
 the all-compute branch's SimplifiedLayerNormalization of an outer value in front of the If, where
 SkipNormFusionPass (next) fuses it with the residual Add. The compacted branch keeps its own norm of the
 gathered rows (it reads the residual sum, which the fused node still outputs). Same operations on the same
-values: exact. In BranchPass's shared layout (one MLP behind a rows `If`) the norm moves in front of that
-row selection instead (`_hoist_from_rows`).
+values: exact. In BranchPass's shared layout (SelectRows, then one MLP behind the `If`) the norm moves in front
+of the row selection instead (`_hoist_from_rows`).
 """
 
 from __future__ import annotations
