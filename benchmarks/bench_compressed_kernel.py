@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import make_session  # noqa: E402
 
 HQ, HKV, D = 16, 2, 64
 EVICT = np.zeros(0, np.float32)  # --evict MB: read before each timed step, so the slots are cold as in a model
@@ -50,11 +52,7 @@ def run(libs: list[str], C: int) -> None:
         F = slot_width(cfg)
         runs = []
         for lib in libs:
-            so = ort.SessionOptions()
-            so.intra_op_num_threads, so.log_severity_level = 1, 3
-            so.register_custom_ops_library(lib)
-            sess = ort.InferenceSession(_model(n_in=10 if tc else 8, n_out=6 if tc else 5, **attrs), so,
-                                        providers=["CPUExecutionProvider"])
+            sess = make_session(_model(n_in=10 if tc else 8, n_out=6 if tc else 5, **attrs), 1, library=lib)
             state = {n: np.zeros((1, HKV, C, F if n == "slots" else D), np.float32)
                      for n in ("key", "value", "slots", "key_raw")}
             runs.append((sess, {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in state.items()}))
