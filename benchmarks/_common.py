@@ -176,6 +176,30 @@ def make_session(path: str | Path | bytes, threads: int, spin: bool = True, **op
     return ort.InferenceSession(model, ort_options(threads, spin=spin, **options), providers=["CPUExecutionProvider"])
 
 
+HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def reexec_with_hugepage_malloc(script: str, argv: list[str]) -> None:
+    """Run this script again (same argv) with glibc's malloc backing its large blocks by transparent huge pages,
+    unless that is already so or this is no glibc Linux process.
+
+    Why: with THP in `madvise` mode and plain malloc, the ~0.4 GB of prepacked weights per ORT session lie in
+    4 KiB pages, and in one process the session created first then ran 6-26% more CPU time per decode step at
+    ctx 1024 than an identical one created after it (gone with prepacking off, or with this tunable: 0.95-1.05),
+    so bench_genai's comparisons followed the variants' creation order. The tunable is read at process start, so
+    it must be in the environment before Python starts: hence the exec."""
+    import platform
+
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if (not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc"
+            or "glibc.malloc.hugetlb" in tunables):
+        return
+    env = dict(os.environ, GLIBC_TUNABLES=":".join(t for t in (tunables, HUGEPAGE_TUNABLE) if t))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, script, *argv], env)
+
+
 @contextlib.contextmanager
 def gc_paused():
     """Python's garbage collector off (and the objects alive so far frozen out of its generations) while

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -52,6 +53,7 @@ from _common import (  # noqa: E402
     lower_quartile_ms,
     ms_lists,
     ort_options,
+    reexec_with_hugepage_malloc,
     save_results,
 )
 
@@ -377,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated replay ratios of (b) that are no whole number of layers, measured with a "
                          "per-step layer schedule (default 0.8, the issue's 80%%; '' for none). (a)'s og.Generator "
                          "variants are compiled per replay count, so they have no such row")
+    ap.add_argument("--no-hugepages", action="store_true",
+                    help="keep glibc malloc's default 4 KiB pages (by default the script runs itself again with "
+                         "GLIBC_TUNABLES=glibc.malloc.hugetlb=1: without it the session created first in the process "
+                         "runs 6-26%% slower, so results follow the variants' creation order)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=Path("docs/bench_genai.json"))
     ap.add_argument("--cpu-time", action="store_true",
@@ -409,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [k for k in kinds if k not in FUSED_PREFIX]:
         ap.error(f"--fused-kinds: unknown kind(s) {', '.join(bad)}; use {' or '.join(FUSED_PREFIX)}")
     fused = {} if a.no_fused else {k: fused_export(shape, a.cache, cfg["frame_tokens"], k) for k in kinds}
-    results = {"shape": shape.tag(), "threads": a.threads, "tokens": tokens, "session_config": entries, "clock": "cpu" if a.cpu_time else "wall",
+    results = {"shape": shape.tag(), "threads": a.threads,
+               "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "tokens": tokens, "session_config": entries,
+               "clock": "cpu" if a.cpu_time else "wall",
                "contexts": {}}
     for ctx in contexts:
         times, python = measure(folders, ctx, tokens, shape.vocab, fused, shape.layers, a.threads, a.block, entries,
@@ -460,4 +468,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--no-hugepages" not in sys.argv[1:]:
+        # every variant's weights in huge pages: otherwise the session created first runs slower (_common)
+        reexec_with_hugepage_malloc(__file__, sys.argv[1:])
     sys.exit(main())
