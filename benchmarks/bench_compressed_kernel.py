@@ -4,6 +4,7 @@ FastCarSession runs it), 1 intra-op thread; optionally two kernel libraries A/B 
 
     python benchmarks/bench_compressed_kernel.py                       # the current build, C 1024 and 2048
     python benchmarks/bench_compressed_kernel.py --libs OLD.so,NEW.so  # A/B two builds of libfastcar_ops.so
+    python benchmarks/bench_compressed_kernel.py --libs OLD.so,NEW.so --evict 64  # cold slots, as in a model
 
 Each config fills C + 256 tokens in 64-token chunks through the kernel (timed: "prefill"), then 10 rounds of 20
 single-token steps per library in turn; per-token time = lower quartile; the outputs of the two libraries are
@@ -20,8 +21,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import make_session  # noqa: E402
 
 HQ, HKV, D = 16, 2, 64
+EVICT = np.zeros(0, np.float32)  # --evict MB: read before each timed step, so the slots are cold as in a model
 
 
 def configs(C: int) -> dict:
@@ -48,11 +52,7 @@ def run(libs: list[str], C: int) -> None:
         F = slot_width(cfg)
         runs = []
         for lib in libs:
-            so = ort.SessionOptions()
-            so.intra_op_num_threads, so.log_severity_level = 1, 3
-            so.register_custom_ops_library(lib)
-            sess = ort.InferenceSession(_model(n_in=10 if tc else 8, n_out=6 if tc else 5, **attrs), so,
-                                        providers=["CPUExecutionProvider"])
+            sess = make_session(_model(n_in=10 if tc else 8, n_out=6 if tc else 5, **attrs), 1, library=lib)
             state = {n: np.zeros((1, HKV, C, F if n == "slots" else D), np.float32)
                      for n in ("key", "value", "slots", "key_raw")}
             runs.append((sess, {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in state.items()}))
@@ -73,6 +73,8 @@ def run(libs: list[str], C: int) -> None:
             for key in ("key", "value", "slots") + (("key_raw",) if tc else ()):
                 io.bind_ortvalue_input("past_" + key, ov[key])
                 io.bind_ortvalue_output("present_" + key, ov[key])
+            if times is not None and EVICT.size:  # the model's weights stream between a layer's steps
+                EVICT.sum()
             t0 = time.perf_counter()
             sess.run_with_iobinding(io)
             if times is not None:
@@ -103,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--libs", help="comma-separated kernel libraries (default: the current build)")
     ap.add_argument("--budgets", default="1024,2048", help="comma-separated C")
+    ap.add_argument("--evict", type=int, default=0, help="MB read before every timed step (0: none), so the slots "
+                    "are as cold as in a model, where the weights stream between one layer's steps")
     a = ap.parse_args(argv)
+    global EVICT
+    EVICT = np.ones(a.evict << 18, np.float32)  # MB -> floats
     from fastcar_compile.runtime.native import library_path
 
     libs = a.libs.split(",") if a.libs else [str(library_path())]

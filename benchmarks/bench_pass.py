@@ -180,18 +180,11 @@ def profile_ops(fast_path: Path, nomlp_path: Path, threads: int, spin: bool, st_
                 context: int, L: int, layers: list[int], vocab: int, out_dir: Path, steps: int = 10) -> dict:
     """ORT-profile `steps` decode steps of fast.onnx at 100% replay and of the no-MLP model; the kernel time
     of the nodes only fast.onnx has is what replay costs beyond skipping the MLP (by op type, per step)."""
-    import onnxruntime as ort
 
     files = {}
     for name, path, state, ratio in (("fast100", fast_path, st_fast, Fraction(1)),
                                      ("noMLP", nomlp_path, st_nomlp, None)):
-        so = ort.SessionOptions()
-        so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-        if not spin:
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.enable_profiling = True
-        so.profile_file_prefix = str(out_dir / f"ortprofile_{name}")
-        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        sess = make_session(path, threads, spin=spin, profile=out_dir / f"ortprofile_{name}")
         r = Runner(name, sess, state, context, np.random.default_rng(2), vocab, ratio=ratio,
                    fast_layers=layers if ratio is not None else None, frame_tokens=L)
         for _ in range(steps + 1):  # + the warm-up run, left out of the sums

@@ -23,7 +23,7 @@ keys rotated at their absolute positions, which is not shift invariant: such lay
 
 Only plain CompressedAttention layers (no compressed KV cache) whose RoPE came from RotaryFusionPass (half-split,
 the graph's own cos/sin) and whose projections are float32 MatMuls (+ bias Add) on constant weights are taken;
-`why_not` says in one line why a layer is left (`--inspect` / the compile notes print it). MatMulNBits: not
+the compile report's notes say in one line why a layer is left. MatMulNBits: not
 applicable, the torch dynamo path exports float MatMuls (int4 weights come only from the genai builder, path (a),
 whose QKV is packed already).
 """
@@ -43,6 +43,7 @@ from fastcar_compile.passes.fuse_layout import FusedLayoutPass, GateChain, head_
 
 MS = contract.MS_DOMAIN
 BSHD_PERM = [0, 2, 1, 3]
+ALREADY = "already packed or rotating inside the op"
 PACKED_ARITY = 14  # q, k, v, past k/v, mask, total_len, slots, k_raw, past_key_raw, past_dense, video_start, cos, sin
 
 
@@ -132,7 +133,7 @@ class _Layer:
         if list(_attr(ca, "qkv_perm", [0, 1, 2, 3])) != BSHD_PERM:
             return "q/k/v are not [B, S, H*D] (FusedLayoutPass did not take the layer)"
         if ca.overload:
-            return "already packed"
+            return ALREADY
         rq, rk = _rotary(ca.inputs[0], self.heads), _rotary(ca.inputs[1], self.kv_heads)
         for r in (rq, rk):
             if isinstance(r, str):
@@ -196,7 +197,7 @@ class _GqaLayer(_Layer):
     def match(self) -> str | None:
         node = self.ca
         if _attr(node, "do_rotary", 0) or len(node.inputs) < 7 or node.inputs[1] is None or node.inputs[2] is None:
-            return "already packed or rotating"
+            return ALREADY
         if any(node.inputs[i] is not None for i in (7, 8, 9) if i < len(node.inputs)):
             return "cos/sin caches or position_ids already given"
         yq, yk, yv = (_bhsd_source(node.inputs[i]) for i in range(3))
@@ -240,13 +241,8 @@ def _only(value: ir.Value, allowed: set[ir.Node]) -> bool:
     return not value.is_graph_output() and all(n in allowed for n in value.consumers())
 
 
-def why_not(ca: ir.Node) -> str | None:
-    """Why this CompressedAttention layer cannot be packed (None: it can); for --inspect and the notes."""
-    return _Layer(ca).match()
-
-
 class PackQkvPass(ir.passes.InPlacePass):
-    """q/k/v MatMuls -> one packed MatMul; RoPE into CompressedAttention (packed_rotary) and the gate."""
+    """q/k/v MatMuls -> one packed MatMul; RoPE into the attention op (CompressedAttention / GQA) and the gate."""
 
     def __init__(self, ctx: CompileContext):
         super().__init__()
@@ -261,7 +257,7 @@ class PackQkvPass(ir.passes.InPlacePass):
             why = layer.match()
             if why is None:
                 layers.append(layer)
-            else:
+            elif why is not ALREADY:  # (genai graphs: packed and rotating already, nothing to say)
                 kept.append(f"{ca.name}: {why}")
         tables: dict[tuple[ir.Value, ...], tuple[ir.Value, ir.Value] | str] = {}
         done = 0

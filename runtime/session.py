@@ -440,7 +440,7 @@ class FastCarSession:
         loop passes one tau, and an unchanged array is not bound again."""
         try:
             if isinstance(threshold, np.ndarray):
-                key: Any = (threshold.dtype.str, threshold.shape, threshold.tobytes())
+                key: Any = (threshold.dtype, threshold.shape, threshold.tobytes())
             elif isinstance(threshold, float | int | np.number):
                 key = float(threshold)
             else:
@@ -648,7 +648,8 @@ class FastCarSession:
             raise FastCarError(f"{self.path.name} has neither replay masks nor age counters for every layer")
         slot = (p - state.video_start) % int(self.frame_tokens or 1)
         if state.batch == 1:  # (one Python int per layer: a decode loop's common case, cheapest)
-            return np.array([[arrays[name].item(0, slot) > written] for name, written in self._ages], dtype=bool)
+            flat = [arrays[name].item(0, slot) > written for name, written in self._ages]
+            return np.array(flat, dtype=bool).reshape(len(flat), 1)
         out = np.empty((len(self.layers), state.batch), dtype=bool)
         for i, (name, written) in enumerate(self._ages):
             np.greater(arrays[name][:, slot], written, out=out[i])
