@@ -17,6 +17,7 @@ import onnx_ir as ir
 from fastcar_compile import fileio, pipeline
 from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.limits import DEFAULT_ROTARY_POSITIONS
 from fastcar_compile.passes import genai_state, native_gqa
 from fastcar_compile.passes.analysis import find_layers, parse_layers
 from fastcar_compile.passes.context import CompileContext, CompileOptions
@@ -97,7 +98,7 @@ def compile(  # noqa: A001 - the natural name of the entry point
     native_attention: bool = True,
     shared_mlp: bool = True,
     pack_qkv: bool = True,
-    rotary_positions: int = 16384,
+    rotary_positions: int = DEFAULT_ROTARY_POSITIONS,
 ) -> tuple[ir.Model, CompileReport]:
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 

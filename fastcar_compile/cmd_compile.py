@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fastcar_compile import commands, contract
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.limits import DEFAULT_ROTARY_POSITIONS
 
 
 def _floats(text: str) -> list[float] | None:
@@ -88,12 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "op with the native dense attention core: same semantics, faster; its function body is the "
                         "original op, so without the native library nothing changes (default on)")
     p.add_argument("--pack-qkv", choices=["on", "off"], default="on",
-                   help="with --fusions and the fastcar attention: one packed q/k/v MatMul per layer, RoPE inside the "
+                   help="with --fusions and fused attention: one packed q/k/v MatMul per layer, RoPE inside the "
                         "attention op and the gate, at KV-index positions (the export's up to rounding when "
-                        "position_ids count each row's real tokens, as FastCarSession feeds them; default on)")
-    p.add_argument("--rotary-positions", type=int, default=16384, metavar="N",
-                   help="KV positions the packed attention's rotary table covers (default 16384); a longer video "
-                        "fails with a message")
+                        "position_ids count each row's real tokens, as FastCarSession feeds them; padding only "
+                        "before a row's first real token; default on)")
+    p.add_argument("--rotary-positions", type=int, default=DEFAULT_ROTARY_POSITIONS, metavar="N",
+                   help=f"KV positions the packed attention's rotary table covers (default {DEFAULT_ROTARY_POSITIONS}); "
+                        "FastCarSession refuses a longer video")
     kv = p.add_argument_group("compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)")
     kv.add_argument("--kv-budget", type=int, metavar="C", help="fixed KV slots per layer and KV head (memory stays flat)")
     kv.add_argument("--kv-sinks", type=int, default=0, metavar="S", help="first S tokens always kept (attention sinks)")

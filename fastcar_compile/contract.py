@@ -284,6 +284,11 @@ class FastCarMetadata:
         "input/output of those layers is [batch, kv_heads, budget, head_dim] (slots, not positions). Layers with "
         "different settings (--kv-layer): no top-level settings but `per_layer` {layer: settings}; "
         "read through kv_layer_settings()"))
+    rotary_positions: int | None = field(default=None, metadata=_doc(
+        "packed q/k/v with the rotary inside the attention op (PackQkvPass): those layers rotate at KV index minus "
+        "the row's left padding, from a cos/sin table of this many positions; FastCarSession refuses attention_mask "
+        "zeros after a row's first real token, explicit position_ids other than those, and videos longer than the "
+        "table (--rotary-positions, --pack-qkv off); absent = the export's rotation at the position_ids fed"))
 
     @staticmethod
     def key(name: str) -> str:
@@ -329,6 +334,8 @@ class FastCarMetadata:
             for name in ("frame_tokens", "num_layers", "max_replay", "hidden_size", "num_heads", "num_kv_heads",
                          "head_dim"):
                 values[name] = int(values[name])
+            if values.get("rotary_positions") is not None:
+                values["rotary_positions"] = int(values["rotary_positions"])
         except (KeyError, TypeError, ValueError) as exc:
             raise FastCarError(f"malformed fastcar.* metadata ({exc!r}); recompile the model") from None
         return cls(**values)

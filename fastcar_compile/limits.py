@@ -18,6 +18,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 # L is a Slice/Gather offset and a slot count: ORT shape arithmetic is int64, the FPGA TAS field (k) is u32.
 MAX_FRAME_TOKENS = UINT32_MAX
 MAX_REPLAY = 2**31 - 1  # the age counters are stored as float32/int32: beyond this K is "unlimited" anyway
+DEFAULT_ROTARY_POSITIONS = 16384  # --rotary-positions default: 64 frames of 256 tokens
 MAX_ROTARY_POSITIONS = 1 << 20  # the packed attention's cos/sin table: 1M x 32 x 2 float32 = 256 MiB at head size 64
 
 

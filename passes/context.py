@@ -18,7 +18,13 @@ import onnx_ir as ir
 
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.limits import MAX_FRAME_TOKENS, MAX_REPLAY, MAX_ROTARY_POSITIONS, check_int
+from fastcar_compile.limits import (
+    DEFAULT_ROTARY_POSITIONS,
+    MAX_FRAME_TOKENS,
+    MAX_REPLAY,
+    MAX_ROTARY_POSITIONS,
+    check_int,
+)
 from fastcar_compile.passes.discover import LayerMatch
 
 if TYPE_CHECKING:
@@ -69,7 +75,7 @@ class CompileOptions:
     # q/k/v MatMuls -> one packed MatMul, RoPE inside CompressedAttention and the gate (passes/pack_qkv.py), with
     # a rotary table of `rotary_positions` KV positions (a longer video fails with a message naming the option)
     pack_qkv: bool = True
-    rotary_positions: int = 16384
+    rotary_positions: int = DEFAULT_ROTARY_POSITIONS
 
     def __post_init__(self) -> None:
         check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")
@@ -291,6 +297,7 @@ class CompileContext:
     metadata: dict[str, str] = field(default_factory=dict)  # the fastcar.* props written
     kv_state: list[contract.StateEntry] = field(default_factory=list)  # compressed-KV slot state (fused pass)
     kv_configs: dict[int, object] = field(default_factory=dict)  # those layers' fastar.KVCompressConfig
+    rotary_table: int | None = None  # positions of PackQkvPass's cos/sin table when it packed a layer
     genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator
 
     @property

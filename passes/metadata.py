@@ -51,6 +51,7 @@ def metadata_of(ctx: CompileContext) -> contract.FastCarMetadata:
         diagnostics=opts.emit_diagnostics,
         kv_compress=contract.kv_compress_record({n: c.to_dict() for n, c in ctx.kv_configs.items()},
                                                 opts.kv_diagnostics),
+        rotary_positions=ctx.rotary_table,
     )
 
 

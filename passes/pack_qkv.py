@@ -279,6 +279,7 @@ class PackQkvPass(ir.passes.InPlacePass):
         if not done:
             return ir.passes.PassResult(model, modified=False)
         RemoveUnusedNodesPass()(model)
+        self.ctx.rotary_table = positions  # the metadata says so: FastCarSession checks positions against it
         op = "GroupQueryAttention" if isinstance(layers[0], _GqaLayer) else "CompressedAttention"
         self.ctx.notes.append(f"packed QKV with RoPE inside {op} in {done} layers (rotary table of "
                               f"{positions} positions)")

@@ -185,6 +185,9 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     video_start = padded - given_video_tokens
     n_out = len(cond)
     total = num_frames * L
+    check_length = getattr(session, "check_video_length", None)
+    if check_length is not None:  # (the last token is sampled, never fed)
+        check_length(padded + total - 1)
     rng = np.random.default_rng(seed)
     mem = session.state_nbytes(batch)
     stats = RunStats(model=str(session.path), fastcar=session.is_fastcar, frame_tokens=L,

@@ -240,6 +240,11 @@ class FastCarSession:
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
         # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
         self.max_length = self._check_shared_kv(max_length)
+        # packed q/k/v (PackQkvPass): the rotary is at KV index minus the row's left padding, from a table of this
+        # many positions; None: the graph rotates at the position_ids fed
+        self.rotary_positions: int | None = fc.rotary_positions if fc is not None else None
+        if self.max_length is not None:
+            self.check_video_length(self.max_length, "positions of max_length")
         # compressed KV cache (kv_compress metadata): KV inputs hold `budget` slots per KV head, fixed size
         # (per layer: --kv-layer gives layers different budgets, or none; those layers grow as usual)
         budgets = {n: int(c["budget"]) for n, c in (fc.kv_layer_settings() if fc is not None else {}).items()
@@ -272,6 +277,41 @@ class FastCarSession:
         self._vocab = self.vocab
         self._logits_dtype = _ORT_DTYPES.get(self._outputs[contract.LOGITS].type, np.dtype(np.float32))
         return max_length
+
+    def check_video_length(self, tokens: int, what: str = "tokens of KV cache (prompt included)") -> None:
+        """Refuse, before ORT runs, a video of `tokens` KV positions longer than the packed rotary table."""
+        table = self.rotary_positions
+        if table is not None and tokens > table:
+            raise FastCarError(f"{tokens} {what} but {self.path.name}'s rotary table covers {table} positions; "
+                               f"recompile with --rotary-positions {tokens} or more (or --pack-qkv off)")
+
+    def _check_kv_index_positions(self, state: DecodeState, new_mask: np.ndarray | None,
+                                  position_ids: np.ndarray | None, seq: int) -> None:
+        """A packed-rotary model rotates token i of a row at KV index minus the row's left padding: the export's
+        positions (the count of real tokens before each) only while padding comes before a row's first real
+        token. Refuse feeds for which the two differ (the graph has no position_ids input to honour them)."""
+        self.check_video_length(state.past_len + seq)
+        fix = f"; recompile with --pack-qkv off to run such feeds ({self.path.name} rotates at KV indices)"
+        real = None if new_mask is None else new_mask != 0
+        if real is not None and not real.all():
+            after = np.any(real[:, :-1] & ~real[:, 1:], axis=1) | ((state.real_len > 0) & ~real.all(axis=1))
+            if after.any():
+                raise FastCarError(f"attention_mask row {int(np.argmax(after))} has a 0 after a real token "
+                                   f"(only left padding before a row's first token is supported){fix}")
+        if position_ids is None:
+            return
+        start = state.real_len[:, None]
+        implied = start + np.arange(seq) if real is None else start + np.cumsum(real, axis=1) - 1
+        try:
+            given = np.broadcast_to(np.asarray(position_ids, np.int64), implied.shape)
+        except ValueError:
+            raise FastCarError(f"position_ids must be [{state.batch}, {seq}], got "
+                               f"{list(np.shape(position_ids))}") from None
+        differ = given != implied if real is None else (given != implied) & real
+        if differ.any():
+            b, i = map(int, np.argwhere(differ)[0])
+            raise FastCarError(f"position_ids[{b}, {i}] = {int(given[b, i])} but the packed rotary rotates at "
+                               f"{int(implied[b, i])} (the real tokens before it){fix}")
 
     @staticmethod
     def _options(threads: int):
@@ -493,6 +533,8 @@ class FastCarSession:
         else:
             mask = np.concatenate([state.attention_mask, np.ones((b, seq), np.int64) if new_mask is None
                                    else new_mask], axis=1)
+        if self.rotary_positions is not None:
+            self._check_kv_index_positions(state, new_mask, position_ids, seq)
         if position_ids is None and new_mask is None:  # no padding: the next positions
             position_ids = state.real_len[:, None] + np.arange(seq, dtype=np.int64) if seq > 1 else \
                 state.real_len[:, None]

@@ -212,3 +212,69 @@ def test_packed_equals_the_export_at_inf(zoo_model, fc_compile, tmp_path, kind, 
     assert np.abs(got.logits[0] - want.logits[0])[real].max() <= 1e-4
     for k in range(1, len(steps)):
         assert np.abs(got.logits[k] - want.logits[k]).max() <= 1e-4, f"step {k}"
+
+
+def _export_with_hf_positions(src, steps: list[np.ndarray], masks: list[np.ndarray]) -> list[np.ndarray]:
+    """The uncompiled export in plain ONNX Runtime, fed as transformers does: the whole attention mask so far and
+    position_ids = the count of real tokens before each token (0 for a row's leading padding)."""
+    sess = ort_driver.make_session(src)
+    names = [o.name for o in sess.get_outputs()]
+    state = ort_driver.initial_state(sess, int(steps[0].shape[0]))
+    full, seen, logits = np.zeros((steps[0].shape[0], 0), np.int64), np.zeros(steps[0].shape[0], np.int64), []
+    for ids, m in zip(steps, masks, strict=True):
+        full = np.concatenate([full, m], axis=1)
+        pos = np.maximum(seen[:, None] + np.cumsum(m, axis=1) - 1, 0)
+        seen = seen + m.sum(axis=1)
+        outs = dict(zip(names, sess.run(names, {"input_ids": ids, "attention_mask": full, "position_ids": pos,
+                                                 **state}), strict=True))
+        state.update({ort_driver.past_name_for(n): v for n, v in outs.items() if ort_driver.past_name_for(n)})
+        logits.append(outs["logits"])
+    return logits
+
+
+def test_session_refuses_feeds_the_packed_rotary_cannot_honour(zoo_model, fc_compile, tmp_path):
+    """Packed rotary turns at KV index minus the row's left padding: FastCarSession refuses (one line naming
+    --pack-qkv off / --rotary-positions) a mask 0 after a row's first real token, explicit position_ids other
+    than the real-token counts, and a video past the table; the same mid-stream padding on a --pack-qkv off
+    compile equals the export fed transformers' positions."""
+    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.runtime import FastCarSession
+
+    src = zoo_model("llama", "dynamo20")
+    packed, plain = tmp_path / "packed.onnx", tmp_path / "plain.onnx"
+    fc_compile(str(src), output=str(packed), frame_tokens=L, threshold=float("inf"), rotary_positions=24)
+    fc_compile(str(src), output=str(plain), frame_tokens=L, threshold=float("inf"), pack_qkv=False)
+    meta = {m.key: m.value for m in onnx.load(str(packed), load_external_data=False).metadata_props}
+    assert meta["fastcar.rotary_positions"] == "24"
+    assert "fastcar.rotary_positions" not in {m.key for m in onnx.load(str(plain), load_external_data=False)
+                                              .metadata_props}
+    rng = np.random.default_rng(11)
+    prompt_mask = ort_driver.left_pad_masks([0, 2], 6)[0]
+    steps = [rng.integers(0, zoo.VOCAB, (2, 6))] + [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(6)]
+    masks = [prompt_mask] + [np.array([[1], [0]]) if k == 1 else np.ones((2, 1), np.int64) for k in range(6)]
+
+    with pytest.raises(FastCarError, match="rotary-positions 25"):
+        FastCarSession(packed, max_length=25, native=False)
+    s = FastCarSession(packed)
+    out = s.step(s.new_state(2), steps[0], attention_mask=prompt_mask)  # left padding: exact, accepted
+    out = s.step(out.state, steps[1], position_ids=np.array([[6], [4]]))  # the implied positions: accepted
+    with pytest.raises(FastCarError, match=r"row 1 has a 0 after a real token.*--pack-qkv off"):
+        s.step(out.state, steps[2], attention_mask=masks[2])
+    with pytest.raises(FastCarError, match=r"position_ids\[1, 0\] = 3 but .* at 5 .*--pack-qkv off"):
+        s.step(out.state, steps[2], position_ids=np.array([[7], [3]]))
+    with pytest.raises(FastCarError, match="0 after a real token"):  # padding inside the prompt, not before it
+        s.step(s.new_state(1), steps[0][:1], attention_mask=np.array([[1, 1, 0, 1, 1, 1]]))
+    with pytest.raises(FastCarError, match=r"rotary table covers 24 positions.*--rotary-positions 25"):
+        s.step(out.state, rng.integers(0, zoo.VOCAB, (2, 18)))
+    with pytest.raises(FastCarError, match="rotary-positions"):  # refused before the prompt runs
+        s.generate([[1, 2, 3]], num_frames=24 // L + 1)
+
+    want = _export_with_hf_positions(src, steps, masks)
+    s = FastCarSession(plain)
+    state = s.new_state(2)
+    for k, (ids, m) in enumerate(zip(steps, masks, strict=True)):
+        out = s.step(state, ids, attention_mask=m)
+        state = out.state
+        rows = [0] if k == 2 else [0, 1]  # (row 1's padded token itself: logits of no real token)
+        real = m[rows].astype(bool)
+        assert np.abs(out.logits[rows] - want[k][rows])[real].max() <= 1e-4, f"step {k}"
