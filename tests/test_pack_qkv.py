@@ -34,7 +34,7 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) 
     return out
 
 
-def _packed_model(interleaved: int, positions: int) -> bytes:
+def _packed_model(interleaved: int, positions: int, do_rotary: int = 1) -> bytes:
     """One CompressedAttention[packed_rotary]: qkv [B, S, (HQ + 2 HKV) D], empty k/v/optional inputs, cos/sin."""
     W = (HQ + 2 * HKV) * D
     ins = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, ["B", "S", W])]
@@ -51,7 +51,7 @@ def _packed_model(interleaved: int, positions: int) -> bytes:
                                                     "total_len", "none", "none", "none", "none", "none_i64", "cos",
                                                     "sin"], ["out", "pk", "pv"], domain="ai.fastcar",
                             num_heads=HQ, kv_num_heads=HKV, scale=1 / np.sqrt(D), qkv_perm=[0, 2, 1, 3],
-                            do_rotary=1, rotary_interleaved=interleaved)
+                            do_rotary=do_rotary, rotary_interleaved=interleaved)
     node.overload = PACKED
     fns = [fastcar_ops.function_proto("CompressedAttention", 20),
            fastcar_ops.function_proto("CompressedAttention", 20, PACKED)]
@@ -102,6 +102,19 @@ def test_packed_rotary_op_refuses_a_short_table():
              "attention_mask": np.ones((B, S), np.int64), "total_len": np.array(S, np.int32),
              "cos": np.ones((4, D // 2), np.float32), "sin": np.zeros((4, D // 2), np.float32)}
     with pytest.raises(Exception, match="rotary-positions"):
+        sess.run(None, feeds)
+
+
+def test_kernel_refuses_packed_qkv_without_rotary():
+    """The packed_rotary body always rotates: the kernel computes no packed form without do_rotary (it refuses it)
+    rather than a different model than the body."""
+    sess = ort_driver.make_session(_packed_model(0, 8, do_rotary=0), native=True)
+    B, S = 1, 2
+    feeds = {"qkv": np.zeros((B, S, (HQ + 2 * HKV) * D), np.float32),
+             "past_key": np.zeros((B, HKV, 0, D), np.float32), "past_value": np.zeros((B, HKV, 0, D), np.float32),
+             "attention_mask": np.ones((B, S), np.int64), "total_len": np.array(S, np.int32),
+             "cos": np.ones((8, D // 2), np.float32), "sin": np.zeros((8, D // 2), np.float32)}
+    with pytest.raises(Exception, match="packed q/k/v .* needs do_rotary = 1"):
         sess.run(None, feeds)
 
 
