@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_genai  # noqa: E402
 import profile_fused  # noqa: E402
-from _common import DEFAULT_CACHE, cached_export  # noqa: E402
+from _common import DEFAULT_CACHE, cached_export, interleave, lower_quartile_ms, ort_options  # noqa: E402
 
 LAYERS, FRAME_TOKENS = 8, 256
 
@@ -58,9 +58,8 @@ def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: i
     from fastcar_compile.runtime import FastCarSession
 
     entries = {"session.intra_op.allow_spinning": "0"} if cpu_time else {}
-    clock = time.process_time if cpu_time else time.perf_counter
     rounds = -(-tokens // block)
-    steps = rounds * (block + 1) + 2
+    max_length = ctx + rounds * (block + 1) + 2
     prompt = np.random.default_rng(0).integers(3, vocab, (1, ctx)).astype(np.int32)
     gens: dict[str, object] = {}
     keep = []
@@ -69,27 +68,20 @@ def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: i
             bench_genai.set_session(d / f"a-r{k}", threads, True, entries)  # threads, config, this library
             model = og.Model(str(d / f"a-r{k}"))
             params = og.GeneratorParams(model)
-            params.set_search_options(max_length=ctx + steps, do_sample=False)
+            params.set_search_options(max_length=max_length, do_sample=False)
             gen = og.Generator(model, params)
             gen.append_tokens(prompt)
+            gen.generate_next_token()  # the first call only samples the token the prefill computed
             gens[f"(a) {replay} {name}"] = gen
             keep.append(model)
-        sess = FastCarSession(d / "b" / "fast.onnx", session_options=bench_genai.ort_options(threads, entries),
-                              threads=threads, max_length=ctx + steps)
+        sess = FastCarSession(d / "b" / "fast.onnx", session_options=ort_options(threads, entries, spin=not cpu_time),
+                              threads=threads, max_length=max_length)
         for replay, tau in (("0%", np.inf), ("100%", -np.inf)):
             gens[f"(b) {replay} {name}"] = bench_genai._FusedStepper(sess, np.full(LAYERS, tau, np.float32), prompt)
         print(f"  {name}: prefilled {ctx} tokens", file=sys.stderr)
-    for gen in gens.values():
-        gen.generate_next_token()
-    times: dict[str, list[float]] = {n: [] for n in gens}
-    for _ in range(rounds):
-        for name, gen in gens.items():
-            gen.generate_next_token()  # untimed: brings this model's working set back
-            for _ in range(block):
-                t0 = clock()
-                gen.generate_next_token()
-                times[name].append(clock() - t0)
-    return {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
+    times = interleave({n: g.generate_next_token for n, g in gens.items()}, rounds, block,
+                       clock=time.process_time if cpu_time else time.perf_counter)
+    return lower_quartile_ms(times)
 
 
 def launches(models: dict[str, Path], threads: int) -> dict[str, float]:
@@ -101,7 +93,7 @@ def launches(models: dict[str, Path], threads: int) -> dict[str, float]:
             for replay, folder in files.items():
                 s = profile_fused.Stepper(folder / "fast.onnx", None, FRAME_TOKENS + 64, threads, replay == "100%", 8)
                 for _ in range(6):
-                    s.step(False)
+                    s.step()
                 out[f"{path} {replay} {name}"] = s.profile()[0]
     return out
 
