@@ -291,3 +291,40 @@ def test_session_refuses_feeds_the_packed_rotary_cannot_honour(zoo_model, fc_com
         rows = [0] if k == 2 else [0, 1]  # (row 1's padded token itself: logits of no real token)
         real = m[rows].astype(bool)
         assert np.abs(out.logits[rows] - want[k][rows])[real].max() <= 1e-4, f"step {k}"
+
+
+@pytest.mark.parametrize("switch", [False, True], ids=["plain", "length_dependent"])
+def test_table_refuses_a_rotary_that_depends_on_the_length(switch):
+    """_table: cos/sin of position_ids alone give the table NumPy computes; a rotary whose frequencies switch with
+    max(position_ids) (dynamic / longrope scaling) is refused with a reason instead of tabulated."""
+    import onnx_ir as ir
+
+    from fastcar_compile.passes import pack_qkv
+
+    half, inv = 4, (1.0 / 10000 ** (np.arange(4) / 4)).astype(np.float32)
+    t = helper.make_tensor
+    nodes = [helper.make_node("Cast", ["position_ids"], ["pf"], to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["pf", "ax"], ["pu"]),
+             helper.make_node("Mul", ["pu", "inv"], ["ang0"]),
+             helper.make_node("ReduceMax", ["pf"], ["mx"], keepdims=0),
+             helper.make_node("Greater", ["mx", "limit"], ["long"]),
+             helper.make_node("Where", ["long", "half_f", "one_f"], ["scale"]),
+             helper.make_node("Mul", ["ang0", "scale"], ["ang"]),
+             helper.make_node("Reshape", ["ang", "shape"], ["ang2"]),
+             helper.make_node("Cos", ["ang2"], ["cos"]), helper.make_node("Sin", ["ang2"], ["sin"])]
+    inits = [t("ax", TensorProto.INT64, [1], [-1]), t("inv", TensorProto.FLOAT, [half], inv),
+             t("limit", TensorProto.FLOAT, [], [80.0 if switch else 1e9]), t("half_f", TensorProto.FLOAT, [], [0.5]),
+             t("one_f", TensorProto.FLOAT, [], [1.0]), t("shape", TensorProto.INT64, [2], [-1, half])]
+    graph = helper.make_graph(nodes, "rope", [helper.make_tensor_value_info("position_ids", TensorProto.INT64,
+                                                                            [1, "S"])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("cos", "sin")],
+                              inits)
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    outs = tuple(model.graph.outputs)
+    found = pack_qkv._table(model, outs, 100)
+    if switch:
+        assert isinstance(found, str) and "depend on the sequence length" in found
+    else:
+        want = np.arange(100, dtype=np.float32)[:, None] * inv[None, :]
+        np.testing.assert_allclose(found[0], np.cos(want), atol=1e-6)
+        np.testing.assert_allclose(found[1], np.sin(want), atol=1e-6)
