@@ -80,7 +80,7 @@ def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: i
             keep.append(model)
         if "b" not in paths:
             continue
-        sess = FastCarSession(d / "b" / "fast.onnx", session_options=ort_options(threads, entries, spin=not cpu_time),
+        sess = FastCarSession(d / "b" / "fast.onnx", session_options=ort_options(threads, spin=not cpu_time),
                               threads=threads, max_length=max_length)
         for replay, tau in (("0%", np.inf), ("100%", -np.inf)):
             gens[f"(b) {replay} {name}"] = bench_genai._FusedStepper(sess, np.full(LAYERS, tau, np.float32), prompt)
