@@ -17,8 +17,10 @@ evaluated (ONNX Runtime, at compile time) on position_ids = 0..positions-1 (`--r
 rotates at the position_ids fed, which FastCarSession makes the count of real tokens before each one: the KV
 index minus the row's left padding, a per-row constant. RoPE scores and TAS depend on q and k positions only
 through their difference, so the values are the export's up to float rounding of the angles (bit for bit
-without padding: the same table rows, the same kernels). A caller feeding other position_ids (gaps, restarts)
-would see a different model: --pack-qkv off keeps the export's rotation. TAS `raw` dots the unrotated query with
+without padding: the same table rows, the same kernels). That needs padding only before a row's first real token:
+the metadata's `rotary_positions` (the table length, written when a layer is packed) makes FastCarSession refuse
+mask zeros after it, other position_ids (gaps, restarts) and videos past the table; --pack-qkv off runs those.
+A rotary whose row p depends on more than p (frequencies switched by the sequence length) is left unpacked. TAS `raw` dots the unrotated query with
 keys rotated at their absolute positions, which is not shift invariant: such layers stay unpacked.
 
 Only plain CompressedAttention layers (no compressed KV cache) whose RoPE came from RotaryFusionPass (half-split,
@@ -44,6 +46,7 @@ from fastcar_compile.passes.fuse_layout import FusedLayoutPass, GateChain, head_
 MS = contract.MS_DOMAIN
 BSHD_PERM = [0, 2, 1, 3]
 ALREADY = "already packed or rotating inside the op"
+PREFIX_CHECK = 64  # positions evaluated alone: their rows must equal the long table's bit for bit
 PACKED_ARITY = 14  # q, k, v, past k/v, mask, total_len, slots, k_raw, past_key_raw, past_dense, video_start, cos, sin
 
 
@@ -108,13 +111,20 @@ def _table(model: ir.Model, values: tuple[ir.Value, ir.Value], positions: int) -
         [ir.serde.serialize_tensor(v.const_value) for v in inits.values()])
     opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
     proto = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=min(model.ir_version, 10))
+    prefix = min(positions, PREFIX_CHECK)
     try:
         sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
         cos, sin = sess.run(None, {contract.POSITION_IDS: np.arange(positions, dtype=np.int64)[None, :]})
+        short = sess.run(None, {contract.POSITION_IDS: np.arange(prefix, dtype=np.int64)[None, :]})
     except Exception as exc:  # noqa: BLE001 - any failure means: leave the rotary as exported
         return f"evaluating the rotary cos/sin on positions 0..{positions - 1} failed ({str(exc).splitlines()[0][:120]})"
     if cos.ndim != 2 or cos.shape[0] != positions or sin.shape != cos.shape:
         return f"the rotary cos/sin evaluate to {cos.shape}, not [positions, D/2]"
+    # the table assumes row p depends on p alone; RoPE variants that switch frequencies with the sequence length
+    # (transformers' dynamic / longrope scaling) give other rows on a short video than in the long batch
+    if not all(np.array_equal(a, b[:prefix]) for a, b in zip(short, (cos, sin), strict=True)):
+        return (f"the rotary cos/sin depend on the sequence length (positions 0..{prefix - 1} evaluated alone differ "
+                "from the same rows of the long table)")
     return np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
 
 

@@ -34,7 +34,7 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) 
     return out
 
 
-def _packed_model(interleaved: int, positions: int) -> bytes:
+def _packed_model(interleaved: int, positions: int, do_rotary: int = 1) -> bytes:
     """One CompressedAttention[packed_rotary]: qkv [B, S, (HQ + 2 HKV) D], empty k/v/optional inputs, cos/sin."""
     W = (HQ + 2 * HKV) * D
     ins = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, ["B", "S", W])]
@@ -51,7 +51,7 @@ def _packed_model(interleaved: int, positions: int) -> bytes:
                                                     "total_len", "none", "none", "none", "none", "none_i64", "cos",
                                                     "sin"], ["out", "pk", "pv"], domain="ai.fastcar",
                             num_heads=HQ, kv_num_heads=HKV, scale=1 / np.sqrt(D), qkv_perm=[0, 2, 1, 3],
-                            do_rotary=1, rotary_interleaved=interleaved)
+                            do_rotary=do_rotary, rotary_interleaved=interleaved)
     node.overload = PACKED
     fns = [fastcar_ops.function_proto("CompressedAttention", 20),
            fastcar_ops.function_proto("CompressedAttention", 20, PACKED)]
@@ -102,6 +102,19 @@ def test_packed_rotary_op_refuses_a_short_table():
              "attention_mask": np.ones((B, S), np.int64), "total_len": np.array(S, np.int32),
              "cos": np.ones((4, D // 2), np.float32), "sin": np.zeros((4, D // 2), np.float32)}
     with pytest.raises(Exception, match="rotary-positions"):
+        sess.run(None, feeds)
+
+
+def test_kernel_refuses_packed_qkv_without_rotary():
+    """The packed_rotary body always rotates: the kernel computes no packed form without do_rotary (it refuses it)
+    rather than a different model than the body."""
+    sess = ort_driver.make_session(_packed_model(0, 8, do_rotary=0), native=True)
+    B, S = 1, 2
+    feeds = {"qkv": np.zeros((B, S, (HQ + 2 * HKV) * D), np.float32),
+             "past_key": np.zeros((B, HKV, 0, D), np.float32), "past_value": np.zeros((B, HKV, 0, D), np.float32),
+             "attention_mask": np.ones((B, S), np.int64), "total_len": np.array(S, np.int32),
+             "cos": np.ones((8, D // 2), np.float32), "sin": np.zeros((8, D // 2), np.float32)}
+    with pytest.raises(Exception, match="packed q/k/v .* needs do_rotary = 1"):
         sess.run(None, feeds)
 
 
@@ -278,3 +291,40 @@ def test_session_refuses_feeds_the_packed_rotary_cannot_honour(zoo_model, fc_com
         rows = [0] if k == 2 else [0, 1]  # (row 1's padded token itself: logits of no real token)
         real = m[rows].astype(bool)
         assert np.abs(out.logits[rows] - want[k][rows])[real].max() <= 1e-4, f"step {k}"
+
+
+@pytest.mark.parametrize("switch", [False, True], ids=["plain", "length_dependent"])
+def test_table_refuses_a_rotary_that_depends_on_the_length(switch):
+    """_table: cos/sin of position_ids alone give the table NumPy computes; a rotary whose frequencies switch with
+    max(position_ids) (dynamic / longrope scaling) is refused with a reason instead of tabulated."""
+    import onnx_ir as ir
+
+    from fastcar_compile.passes import pack_qkv
+
+    half, inv = 4, (1.0 / 10000 ** (np.arange(4) / 4)).astype(np.float32)
+    t = helper.make_tensor
+    nodes = [helper.make_node("Cast", ["position_ids"], ["pf"], to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["pf", "ax"], ["pu"]),
+             helper.make_node("Mul", ["pu", "inv"], ["ang0"]),
+             helper.make_node("ReduceMax", ["pf"], ["mx"], keepdims=0),
+             helper.make_node("Greater", ["mx", "limit"], ["long"]),
+             helper.make_node("Where", ["long", "half_f", "one_f"], ["scale"]),
+             helper.make_node("Mul", ["ang0", "scale"], ["ang"]),
+             helper.make_node("Reshape", ["ang", "shape"], ["ang2"]),
+             helper.make_node("Cos", ["ang2"], ["cos"]), helper.make_node("Sin", ["ang2"], ["sin"])]
+    inits = [t("ax", TensorProto.INT64, [1], [-1]), t("inv", TensorProto.FLOAT, [half], inv),
+             t("limit", TensorProto.FLOAT, [], [80.0 if switch else 1e9]), t("half_f", TensorProto.FLOAT, [], [0.5]),
+             t("one_f", TensorProto.FLOAT, [], [1.0]), t("shape", TensorProto.INT64, [2], [-1, half])]
+    graph = helper.make_graph(nodes, "rope", [helper.make_tensor_value_info("position_ids", TensorProto.INT64,
+                                                                            [1, "S"])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("cos", "sin")],
+                              inits)
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    outs = tuple(model.graph.outputs)
+    found = pack_qkv._table(model, outs, 100)
+    if switch:
+        assert isinstance(found, str) and "depend on the sequence length" in found
+    else:
+        want = np.arange(100, dtype=np.float32)[:, None] * inv[None, :]
+        np.testing.assert_allclose(found[0], np.cos(want), atol=1e-6)
+        np.testing.assert_allclose(found[1], np.sin(want), atol=1e-6)

@@ -386,6 +386,24 @@ struct MLPCacheMerge : MLPCacheUpdate {
 // layout. do_rotary: q and k are rotated here (cos_cache/sin_cache [max_pos, <= D/2], inputs 12/13) at KV index
 // total_len - S + i, as GroupQueryAttention rotates with seqlens_k = total_len - 1 (passes/pack_qkv.py).
 struct CompressedAttention {
+  // Per-thread q/k/v copies, as group_query_attention.h's Scratch: kept between Compute calls of this thread (no
+  // allocation per decode step), freed after a call when larger than kKeepBytes (a long prompt's copies).
+  struct Scratch {
+    static constexpr size_t kKeepBytes = size_t{1} << 20;
+    std::vector<float> q, k, v;
+    void Trim() {
+      for (auto* b : {&q, &k, &v})
+        if (b->capacity() * sizeof(float) > kKeepBytes) std::vector<float>().swap(*b);
+    }
+  };
+  struct ScratchLease {  // this thread's Scratch for one call; Trim on the way out, exceptions included
+    Scratch& s = Mine();
+    ~ScratchLease() { s.Trim(); }
+    static Scratch& Mine() {
+      static thread_local Scratch scratch;
+      return scratch;
+    }
+  };
   fastcar_attn::Settings cfg;
   bool bshd = false;  // qkv_perm [0,2,1,3]: q/k/v are [B,S,heads*D] or [B,S,heads,D] (the projections' layout)
   bool do_rotary = false, rot_interleaved = false;
@@ -501,34 +519,35 @@ struct CompressedAttention {
     if (!layout_ok || ks[1] != cfg.kv_heads || ms.size() != 2 || ms[0] != sh.B || ms[1] != sh.T || sh.P < 0)
       throw std::runtime_error("CompressedAttention: inconsistent shapes (q, k, v, past_key, attention_mask, total_len; "
                                "packed QKV: q [B,S,(num_heads + 2 kv_num_heads)*D], k and v empty)");
-    std::vector<float> qbuf, kbuf, vbuf;  // [B,heads,S,D] copies of a multi-token [B,S,heads*D] step
+    // the function bodies compute exactly two forms: packed q/k/v rotated here (overload packed_rotary), or
+    // separate q/k/v already rotated (the base function); any other combination would differ from its body
+    if (packed != do_rotary)
+      throw std::runtime_error(std::string("CompressedAttention: ") + (packed ? "a packed q/k/v (k and v empty) "
+                               "needs do_rotary = 1" : "do_rotary needs a packed q/k/v (k and v empty)") +
+                               ", the only forms its function bodies compute; recompile the model");
+    // [B,heads,S,D] copies (rotated, or of a multi-token [B,S,heads*D] step): this thread's buffers, kept between
+    // calls (a decode step allocates nothing), trimmed when large, also when the call throws
+    ScratchLease lease;
+    Scratch& scratch = lease.s;
     const float *qd, *kd, *vd;
-    if (packed || do_rotary) {
-      const float *cd = nullptr, *sd = nullptr;
-      int64_t half = 0;
-      if (do_rotary) {
-        if (!cos_cache.has_value() || !sin_cache.has_value())
-          throw std::runtime_error("CompressedAttention: do_rotary needs cos_cache and sin_cache (inputs 12, 13)");
-        const auto cs = (*cos_cache)->Shape();
-        if (cs.size() != 2 || (*sin_cache)->Shape() != cs || 2 * cs[1] > sh.D || cs[0] < sh.T)
-          throw std::runtime_error("CompressedAttention: cos_cache/sin_cache must both be [max_pos >= total_len, "
-                                   "<= head_size/2] (total_len " + std::to_string(sh.T) + "; a longer video needs a "
-                                   "compile with a larger --rotary-positions)");
-        cd = (*cos_cache)->Data();
-        sd = (*sin_cache)->Data();
-        half = cs[1];
-      }
+    if (packed) {
+      if (!cos_cache.has_value() || !sin_cache.has_value())
+        throw std::runtime_error("CompressedAttention: do_rotary needs cos_cache and sin_cache (inputs 12, 13)");
+      const auto cs = (*cos_cache)->Shape();
+      if (cs.size() != 2 || (*sin_cache)->Shape() != cs || 2 * cs[1] > sh.D || cs[0] < sh.T)
+        throw std::runtime_error("CompressedAttention: cos_cache/sin_cache must both be [max_pos >= total_len, "
+                                 "<= head_size/2] (total_len " + std::to_string(sh.T) + "; a longer video needs a "
+                                 "compile with a larger --rotary-positions)");
+      const float *cd = (*cos_cache)->Data(), *sd = (*sin_cache)->Data();
+      const int64_t half = cs[1], stride = HD + 2 * KD;
       const float* x = q.Data();
-      const int64_t qstride = packed ? HD + 2 * KD : HD;
-      qd = Gather(x, qstride, 0, sh.B, sh.S, cfg.heads, sh.D, cd, sd, half, sh.P, rot_interleaved, qbuf);
-      kd = Gather(packed ? x : k.Data(), packed ? qstride : KD, packed ? HD : 0, sh.B, sh.S, cfg.kv_heads, sh.D, cd,
-                  sd, half, sh.P, rot_interleaved, kbuf);
-      vd = Gather(packed ? x : v.Data(), packed ? qstride : KD, packed ? HD + KD : 0, sh.B, sh.S, cfg.kv_heads, sh.D,
-                  nullptr, nullptr, 0, 0, false, vbuf);
+      qd = Gather(x, stride, 0, sh.B, sh.S, cfg.heads, sh.D, cd, sd, half, sh.P, rot_interleaved, scratch.q);
+      kd = Gather(x, stride, HD, sh.B, sh.S, cfg.kv_heads, sh.D, cd, sd, half, sh.P, rot_interleaved, scratch.k);
+      vd = Gather(x, stride, HD + KD, sh.B, sh.S, cfg.kv_heads, sh.D, nullptr, nullptr, 0, 0, false, scratch.v);
     } else {
-      qd = bshd ? ToHeads(q.Data(), sh.B, sh.S, cfg.heads, sh.D, qbuf) : q.Data();
-      kd = bshd ? ToHeads(k.Data(), sh.B, sh.S, cfg.kv_heads, sh.D, kbuf) : k.Data();
-      vd = bshd ? ToHeads(v.Data(), sh.B, sh.S, cfg.kv_heads, sh.D, vbuf) : v.Data();
+      qd = bshd ? ToHeads(q.Data(), sh.B, sh.S, cfg.heads, sh.D, scratch.q) : q.Data();
+      kd = bshd ? ToHeads(k.Data(), sh.B, sh.S, cfg.kv_heads, sh.D, scratch.k) : k.Data();
+      vd = bshd ? ToHeads(v.Data(), sh.B, sh.S, cfg.kv_heads, sh.D, scratch.v) : v.Data();
     }
     Ort::KernelContext kctx(context);
     float* o = out.Allocate({sh.B, sh.S, cfg.heads * sh.D});
