@@ -12,7 +12,10 @@ input). The sources are bench_genai.py's cached builder graph and dynamo export 
 the models decode in turn, `--block` tokens at a time after one untimed step (interleaved: machine load hits
 them alike), lower quartile per model, ratios against the first `--models` entry of the same path and replay.
 og.Generator folders get `--threads` and the current native library (bench_genai.set_session), so only the
-graphs differ; `--cpu-time --threads 1` measures process CPU time (what a loaded machine disturbs least).
+graphs differ; `--cpu-time --threads 1` measures process CPU time (what a loaded machine disturbs least);
+`--paths b` times (b) only. Besides the ratio of lower quartiles, the median (and IQR) of per-round ratios: each
+round's block of a model against the same round's block of the first model, so slow drifts of the load cancel.
+The first model created may pay for placement (seen: up to 1.3x between orders): run both orders.
 Launches: ORT's profiler over FastCarSession steps of the same files (og.Generator has no per-node profile).
 """
 
@@ -50,9 +53,10 @@ def compile_models(out: Path, cache: Path, nested: bool) -> None:
 
 
 def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: int, vocab: int,
-          cpu_time: bool = False) -> dict[str, float]:
-    """name -> ms per step (lower quartile) of every (model, path, replay) combination, interleaved in blocks.
-    cpu_time: process CPU time with spinning off (robust to other jobs on the machine; use 1 thread)."""
+          cpu_time: bool = False, paths: str = "ab") -> dict[str, list[float]]:
+    """name -> seconds per step of every (model, path, replay) combination, interleaved in blocks (rounds x block
+    values, in order). cpu_time: process CPU time with spinning off (robust to other jobs on the machine; use 1
+    thread). paths: which of (a) and (b) to run."""
     import onnxruntime_genai as og
 
     from fastcar_compile.runtime import FastCarSession
@@ -64,7 +68,7 @@ def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: i
     gens: dict[str, object] = {}
     keep = []
     for name, d in models.items():
-        for replay, k in (("0%", 0), ("100%", LAYERS)):
+        for replay, k in (("0%", 0), ("100%", LAYERS)) if "a" in paths else ():
             bench_genai.set_session(d / f"a-r{k}", threads, True, entries)  # threads, config, this library
             model = og.Model(str(d / f"a-r{k}"))
             params = og.GeneratorParams(model)
@@ -74,14 +78,15 @@ def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: i
             gen.generate_next_token()  # the first call only samples the token the prefill computed
             gens[f"(a) {replay} {name}"] = gen
             keep.append(model)
-        sess = FastCarSession(d / "b" / "fast.onnx", session_options=ort_options(threads, entries, spin=not cpu_time),
+        if "b" not in paths:
+            continue
+        sess = FastCarSession(d / "b" / "fast.onnx", session_options=ort_options(threads, spin=not cpu_time),
                               threads=threads, max_length=max_length)
         for replay, tau in (("0%", np.inf), ("100%", -np.inf)):
             gens[f"(b) {replay} {name}"] = bench_genai._FusedStepper(sess, np.full(LAYERS, tau, np.float32), prompt)
         print(f"  {name}: prefilled {ctx} tokens", file=sys.stderr)
-    times = interleave({n: g.generate_next_token for n, g in gens.items()}, rounds, block,
-                       clock=time.process_time if cpu_time else time.perf_counter)
-    return lower_quartile_ms(times)
+    return interleave({n: g.generate_next_token for n, g in gens.items()}, rounds, block,
+                      clock=time.process_time if cpu_time else time.perf_counter)
 
 
 def launches(models: dict[str, Path], threads: int) -> dict[str, float]:
@@ -108,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--paths", default="ab", help="time path (a), (b) or both (ab)")
     ap.add_argument("--cpu-time", action="store_true", help="process CPU time per step, spinning off (with --threads 1)")
     a = ap.parse_args(argv)
     if a.compile:
@@ -116,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.models:
         ap.error("give --compile DIR or --models name=DIR,...")
     models = {k: Path(v) for k, v in (item.split("=", 1) for item in a.models.split(","))}
-    counts = launches(models, a.threads)
-    ms = timed(models, a.ctx, a.tokens, a.block, a.threads, bench_genai.FULL["shape"].vocab, a.cpu_time)
+    counts = launches(models, a.threads)  # (both paths: cheap at ctx 320)
+    times = timed(models, a.ctx, a.tokens, a.block, a.threads, bench_genai.FULL["shape"].vocab, a.cpu_time, a.paths)
+    ms = lower_quartile_ms(times)
     first = next(iter(models))
     clock = "process CPU time" if a.cpu_time else "wall time"
     print(f"ctx {a.ctx}, {a.threads} threads, {a.tokens} tokens per model, blocks of {a.block}, lower quartile of "
@@ -125,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     for key in ms:
         path, replay, name = key.split(" ")
         ref = f"{path} {replay} {first}"
-        print(f"{path} {replay:>4} {name:>10}: {ms[key]:7.2f} ms/step ({ms[ref] / ms[key]:.3f}x vs {first}), "
+        # per round: the reference's lower quartile over this model's (paired blocks: slow drifts cancel)
+        rounds = len(times[key]) // a.block
+        pair = [np.percentile(r, 25) / np.percentile(m, 25) for r, m in
+                zip(np.array_split(times[ref], rounds), np.array_split(times[key], rounds), strict=True)]
+        print(f"{path} {replay:>4} {name:>10}: {ms[key]:7.2f} ms/step ({ms[ref] / ms[key]:.3f}x vs {first}; per-round "
+              f"median {np.median(pair):.3f}, IQR {np.percentile(pair, 25):.3f}-{np.percentile(pair, 75):.3f}), "
               f"{counts[key]:.0f} launches/step ({counts[key] - counts[ref]:+.0f})")
     return 0
 
