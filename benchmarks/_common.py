@@ -248,6 +248,27 @@ def lower_quartile_ms(times: dict[str, list[float]]) -> dict[str, float]:
     return {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
 
 
+class BadArgument(ValueError):
+    """A malformed command-line value: main() prints its one line and exits 2 (no traceback)."""
+
+
+def parse_models(text: str, option: str = "--models", *, files: bool = True) -> dict[str, Path]:
+    """`name=path,name=path,...` -> {name: Path}, in order; BadArgument naming the option when an item has no
+    `=`, a name is empty or repeated, or (files=True) a path is not an existing file."""
+    models: dict[str, Path] = {}
+    for item in text.split(","):
+        name, sep, path = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not path:
+            raise BadArgument(f"{option}: {item!r} is not NAME=PATH; give e.g. {option} plain=A/fast.onnx,packed=B/fast.onnx")
+        if name in models:
+            raise BadArgument(f"{option}: the name {name!r} is given twice; give each model its own name")
+        if files and not Path(path).is_file():
+            raise BadArgument(f"{option}: {path} (for {name!r}) is not a file; give an existing model file")
+        models[name] = Path(path)
+    return models
+
+
 def past_name_for(output_name: str) -> str | None:
     """present.N.key -> past_key_values.N.key; present_X -> past_X (the FastCar state pairs of DESIGN.md)."""
     if output_name.startswith("present."):

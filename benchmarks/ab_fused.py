@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_genai  # noqa: E402
-from _common import DEFAULT_CACHE  # noqa: E402
+from _common import DEFAULT_CACHE, BadArgument, interleave, lower_quartile_ms, ort_options, parse_models  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,11 +36,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="time steps in process CPU time (use with --threads 1: no pool spinning), which other "
                          "processes' load moves less than wall time")
     a = ap.parse_args(argv)
+    try:
+        models = parse_models(a.models)
+    except BadArgument as exc:
+        print(f"ab_fused: {exc}", file=sys.stderr)
+        return 2
     import onnxruntime_genai as og
 
     from fastcar_compile.runtime import FastCarSession
 
-    models = {k: Path(v) for k, v in (item.split("=", 1) for item in a.models.split(","))}
     shape = bench_genai.FULL["shape"]
     rounds = -(-a.tokens // a.block)
     steps = rounds * (a.block + 1) + 2
@@ -53,24 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     gens: dict[str, object] = {"genai dense": og.Generator(model, params)}
     gens["genai dense"].append_tokens(prompt)
     for name, path in models.items():
-        sess = FastCarSession(path, session_options=bench_genai.ort_options(a.threads, {}), threads=a.threads,
+        sess = FastCarSession(path, session_options=ort_options(a.threads, {}), threads=a.threads,
                               max_length=a.ctx + steps)
         layers = len(sess.layers)
         for replay, tau in (("0%", np.inf), ("100%", -np.inf)):
-            gens[f"{name} {replay}"] = bench_genai._FusedStepper(sess, np.full(layers, tau, np.float32), prompt)
+            gens[f"{name} {replay}"] = bench_genai.FusedStepper(sess, np.full(layers, tau, np.float32), prompt)
         print(f"  {name}: prefilled {a.ctx} tokens", file=sys.stderr)
     for gen in gens.values():
         gen.generate_next_token()
-    times: dict[str, list[float]] = {n: [] for n in gens}
     clock = time.process_time if a.cpu_time else time.perf_counter
-    for _ in range(rounds):
-        for name, gen in gens.items():
-            gen.generate_next_token()  # untimed: brings this model's working set back
-            for _ in range(a.block):
-                t0 = clock()
-                gen.generate_next_token()
-                times[name].append(clock() - t0)
-    ms = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
+    # one untimed step per block brings the model's working set back
+    ms = lower_quartile_ms(interleave({n: g.generate_next_token for n, g in gens.items()}, rounds, a.block,
+                                      clock=clock))
     first = next(iter(models))
     print(f"ctx {a.ctx}, {a.threads} threads, {a.tokens} tokens per model, blocks of {a.block} (lower quartile"
           f"{', CPU time' if a.cpu_time else ''}); "

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_CACHE, interleave, lower_quartile_ms, ms_lists, save_results  # noqa: E402
-from bench_genai import FULL, QUICK, _FusedStepper, fused_export  # noqa: E402
+from bench_genai import FULL, QUICK, FusedStepper, fused_export  # noqa: E402
 
 KINDS = ("gqa", "fastcar", "none")
 
@@ -57,7 +57,7 @@ def measure(paths: dict[str, Path], ctx: int, tokens: int, vocab: int, layers: i
         for replay in (0, layers):
             taus = np.full(layers, -np.inf if replay else np.inf, np.float32)
             t0 = time.perf_counter()
-            gens[f"{kind}-r{replay}"] = _FusedStepper(sess, taus, prompt)
+            gens[f"{kind}-r{replay}"] = FusedStepper(sess, taus, prompt)
             print(f"  ctx {ctx}: {kind} replay {replay}/{layers} prefilled in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr)
     times = interleave({n: g.generate_next_token for n, g in gens.items()}, rounds, block)

@@ -228,7 +228,7 @@ def variants(src: Path, work: Path, layers: int, frame_tokens: int, only: list[i
     return out
 
 
-class _FusedStepper:
+class FusedStepper:
     """FastCarSession on the fused dynamo export with the per-layer tau of one forced replay ratio.
 
     `taus` is one per-layer tau array, or a list of them used in turn, one per step (a replay ratio that is
@@ -251,6 +251,9 @@ class _FusedStepper:
         out = self.sess.step(self.state, self.ids, threshold=taus, check=False)
         self.python_s.append(time.perf_counter() - t0 - self.sess.last_ort_s)
         self.state, self.ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
+
+
+_FusedStepper = FusedStepper  # the old name, for a script still being landed (bench_row_layout.py)
 
 
 def replay_schedule(layers: int, ratio: float, max_cycle: int = 20) -> list[np.ndarray]:
@@ -327,11 +330,11 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
             taus = np.array([-np.inf if i in spread else np.inf for i in range(layers)], np.float32)
             t0 = time.perf_counter()
             name = f"{FUSED_PREFIX[kind]}{k}"
-            gens[name] = _FusedStepper(sess, taus, prompt)
+            gens[name] = FusedStepper(sess, taus, prompt)
             print(f"  ctx {ctx}: {name} prefilled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         for r, cycle in schedules.items():
             name = f"{FUSED_PREFIX[kind]}@{round(100 * r)}"
-            gens[name] = _FusedStepper(sess, cycle, prompt)
+            gens[name] = FusedStepper(sess, cycle, prompt)
             print(f"  ctx {ctx}: {name} ({len(cycle)}-step layer schedule) prefilled", file=sys.stderr)
     for name, folder in folders.items():
         model = og.Model(str(folder))
@@ -345,16 +348,16 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
         keep.append(model)
     for gen in gens.values():  # the first call only samples the token the prefill computed
         gen.generate_next_token()
-    cycled_gens = {n: g for n, g in gens.items() if isinstance(g, _FusedStepper) and len(g.cycle) > 1}
+    cycled_gens = {n: g for n, g in gens.items() if isinstance(g, FusedStepper) and len(g.cycle) > 1}
     # a schedule's block is whole cycles from its first step: restarted after the untimed step
     warm = {n: (lambda g=g: (g.generate_next_token(), g.restart())) for n, g in cycled_gens.items()}
     sizes = {n: len(g.cycle) * -(-block // len(g.cycle)) if n in cycled_gens else block for n, g in gens.items()}
     times = interleave({n: g.generate_next_token for n, g in gens.items()}, rounds, sizes, clock=clock, warm=warm)
     for name, gen in gens.items():  # a schedule's statistic is over whole cycles: per-cycle mean step times
-        if isinstance(gen, _FusedStepper) and len(gen.cycle) > 1:
+        if isinstance(gen, FusedStepper) and len(gen.cycle) > 1:
             c = len(gen.cycle)
             times[name] = [float(np.mean(times[name][i:i + c])) for i in range(0, len(times[name]), c)]
-    python = {n: float(np.median(g.python_s)) * 1e3 for n, g in gens.items() if isinstance(g, _FusedStepper)}
+    python = {n: float(np.median(g.python_s)) * 1e3 for n, g in gens.items() if isinstance(g, FusedStepper)}
     return times, python
 
 

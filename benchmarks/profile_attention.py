@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_genai  # noqa: E402
 import profile_fused  # noqa: E402
 import profile_genai  # noqa: E402
-from _common import DEFAULT_CACHE  # noqa: E402
+from _common import DEFAULT_CACHE, interleave, lower_quartile_ms  # noqa: E402
 
 ATTENTION = ("GroupQueryAttention", "CompressedAttention")
 
@@ -41,9 +40,8 @@ class IoStep:
     """One profiled ORT session stepping one decode token with profile_genai's IO binding."""
 
     def __init__(self, path: Path, ctx: int, threads: int, zeros: bool, head_dim: int, vocab: int):
-        profile_genai.KV_ZEROS = zeros
         self.session = profile_genai._session(path, threads, True, True)
-        self.io, self._keep = profile_genai._binding(self.session, ctx, ctx + 8, head_dim, vocab)
+        self.io, self._keep = profile_genai._binding(self.session, ctx, ctx + 8, head_dim, vocab, zeros=zeros)
 
     def step(self) -> None:
         self.session.run_with_iobinding(self.io)
@@ -53,11 +51,11 @@ class SessionStep:
     """FastCarSession on (b) after a real prefill (profile_fused's Stepper, tau +inf: no replay)."""
 
     def __init__(self, path: Path, ctx: int, threads: int, steps: int):
-        self.stepper = profile_fused.Stepper(path, None, ctx, threads, False, steps)
+        self.stepper = profile_fused.Stepper(path, None, ctx, threads, False, steps)  # replay_all False
         self.session = self.stepper.sess.session
 
     def step(self) -> None:
-        self.stepper.step(False)
+        self.stepper.step()
 
 
 def attention_us(session, runs: int) -> np.ndarray:
@@ -105,14 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 runs[label] = IoStep(model_a if kind[0] == "a" else model_b, a.ctx, a.threads, kind.endswith("Z"),
                                      shape.head_dim, shape.vocab)
-    step_s: dict[str, list[float]] = {n: [] for n in runs}
-    for _ in range(a.rounds):
-        for n, r in runs.items():
-            for i in range(a.block + 1):  # one untimed step: the others ran in between
-                t0 = time.perf_counter()
-                r.step()
-                if i:
-                    step_s[n].append(time.perf_counter() - t0)
+    # one untimed step per block: the others ran in between
+    step_ms = lower_quartile_ms(interleave({n: r.step for n, r in runs.items()}, a.rounds, a.block))
     print(f"ctx {a.ctx}, {a.threads} threads, {a.rounds} x {a.block} steps per variant (interleaved); attention "
           f"per call (us) and x {shape.layers} layers per step (ms)")
     first = None
@@ -122,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         first = first or med
         print(f"  {n:10s} median {med:7.1f}  lq {np.percentile(us, 25):7.1f}  mean {us.mean():7.1f}  "
               f"-> {med * shape.layers / 1e3:.3f} ms/step ({med / first:.2f}x the first)  step lq "
-              f"{np.percentile(step_s[n], 25) * 1e3:.2f} ms")
+              f"{step_ms[n]:.2f} ms")
     return 0
 
 

@@ -47,8 +47,10 @@ def _session(path: Path, threads: int, profile: bool, native: bool):
                         profile=Path(tempfile.gettempdir()) / "fastcar_profile_genai" if profile else None)
 
 
-def _binding(sess, ctx: int, max_length: int, head_dim: int, vocab: int):
-    """IO binding of one decode step at position ctx, state buffers bound as their own outputs."""
+def _binding(sess, ctx: int, max_length: int, head_dim: int, vocab: int, zeros: bool | None = None):
+    """IO binding of one decode step at position ctx, state buffers bound as their own outputs; zeros: KV buffers
+    from np.zeros (default: `--kv`'s KV_ZEROS)."""
+    zeros = KV_ZEROS if zeros is None else zeros
     import onnxruntime as ort
 
     io = sess.io_binding()
@@ -76,7 +78,7 @@ def _binding(sess, ctx: int, max_length: int, head_dim: int, vocab: int):
         if name.endswith((".key", ".value")):  # random, written: np.zeros' untouched pages all map the one zero
             # page, so attention would read them from L1 instead of DRAM (half the real cost at ctx 1024)
             shape = (1, inp.shape[1], max_length, head_dim)
-            arr = (np.zeros(shape, np.float32) if KV_ZEROS
+            arr = (np.zeros(shape, np.float32) if zeros
                    else np.random.default_rng(len(bound)).standard_normal(shape).astype(np.float32))
         elif name.endswith(".recurrent_state"):  # age + 1 = 1: every slot written by a computed MLP
             arr = np.ones([1, *inp.shape[1:]], np.int64)

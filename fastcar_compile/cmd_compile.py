@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "op with the native dense attention core: same semantics, faster; its function body is the "
                         "original op, so without the native library nothing changes (default on)")
     p.add_argument("--pack-qkv", choices=["on", "off"], default="on",
-                   help="with --fusions and fused attention: one packed q/k/v MatMul per layer, RoPE inside the "
-                        "attention op and the gate, at KV-index positions (the export's up to rounding when "
+                   help="with --fusions and --fused-attention fastcar or gqa: one packed q/k/v MatMul per layer, RoPE "
+                        "inside the attention op (CompressedAttention or GroupQueryAttention) and the gate, at KV-index positions (the export's up to rounding when "
                         "position_ids count each row's real tokens, as FastCarSession feeds them; padding only "
                         "before a row's first real token; default on)")
     p.add_argument("--rotary-positions", type=int, default=DEFAULT_ROTARY_POSITIONS, metavar="N",

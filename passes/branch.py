@@ -96,8 +96,11 @@ class BranchPass(ir.passes.InPlacePass):
         present_cache, present_age, used = b(
             contract.MLP_CACHE_MERGE, [lr.past_cache, lr.past_age, out, lr.replay, lr.slot, lr.write],
             domain=contract.DOMAIN, outputs=3, part="cache",
-            names=[contract.mlp_cache_output(n), contract.mlp_age_output(n), f"fastcar.{n}.mlp_used"])
+            names=[contract.mlp_cache_output(n), contract.mlp_age_output(n),
+                   f"fastcar.{n}.mlp_used" + ("" if three else "_bsh")])
         lr.present = (present_cache, present_age)
+        if not three:  # the merge returns [B, S, H]; the residual stream may be [B*S, H] (or of unknown rank)
+            used = b("Reshape", [used, b("Shape", [x], part="mlp")], part="mlp", names=[f"fastcar.{n}.mlp_used"])
         return used
 
     def _nested(self, graph: ir.Graph, lr: LayerRewrite, b: build.Builder, full_nodes: list[ir.Node]) -> ir.Value:

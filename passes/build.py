@@ -45,6 +45,13 @@ def const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return value
 
 
+def absent(graph: ir.Graph, dtype: type = np.float32) -> ir.Value:
+    """The empty tensor that stands for an absent optional input of a fastcar op before a given one (the lite
+    custom-op API cannot take a gap); one initializer per dtype, shared by every node."""
+    suffix = "" if dtype is np.float32 else f"_{np.dtype(dtype).name.replace('int', 'i')}"
+    return const(graph, f"fastcar.ca.none{suffix}", np.zeros(0, dtype))
+
+
 def graph_input(graph: ir.Graph, name: str, dtype: ir.DataType, shape, default: np.ndarray | None = None) -> ir.Value:
     """A new graph input; with `default` it is also an initializer (an overridable input)."""
     value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))

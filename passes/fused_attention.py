@@ -292,7 +292,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
                 # video_start is input 11 (pruning; TempCache merges only when p - L is video): fill the
                 # optional inputs before it
                 if cfg.prune_prompt is not None or cfg.tempcache_sim is not None:
-                    none = build.const(graph, "fastcar.ca.none", np.zeros(0, np.float32))
+                    none = build.absent(graph)
                     inputs += [none] * (11 - len(inputs))
                     inputs.append(build.video_start_input(graph, opts.required_video_inputs))
             diag = opts.kv_diagnostics is not None

@@ -351,8 +351,7 @@ class PackQkvPass(ir.passes.InPlacePass):
     def _pack(self, model: ir.Model, layer: _Layer, table: tuple[ir.Value, ir.Value]) -> None:
         graph, ca = model.graph, layer.ca
         qkv = self._projection(graph, layer)
-        none_f = build.const(graph, "fastcar.ca.none", np.zeros(0, np.float32))
-        none_i = build.const(graph, "fastcar.ca.none_i64", np.zeros(0, np.int64))
+        none_f, none_i = build.absent(graph), build.absent(graph, np.int64)
         inputs = [qkv, none_f, none_f, *ca.inputs[3:7], none_f, none_f, none_f, none_f, none_i, *table]
         assert len(inputs) == PACKED_ARITY
         attrs = {k: a.value for k, a in ca.attributes.items()} | {"do_rotary": 1, "rotary_interleaved": 0}

@@ -239,7 +239,6 @@ def test_native_gqa_shared_buffer_written_in_place():
         np.testing.assert_array_equal(pv[b][:, keep], before_v[b][:, keep])
 
 
-
 def test_native_gqa_concurrent_runs_of_one_session():
     """Run calls of one session from four threads at once (the kernel's q scratch, mask and positions are per
     thread, reused between calls): decode steps at batch 1 and 2 (unequal rows), a short prompt and a 600-token

@@ -278,3 +278,37 @@ def test_compiled_genai_graph_batch3_matches_reference(genai_model, fc_compile, 
                                               err_msg=f"layer {i} step {k} ({native})")
             np.testing.assert_array_equal(got.final_state[f"past_mlp_age.{i}"], run.final_age[i])
     ort_driver.skip_native_half(native_lib)
+
+
+def test_merge_takes_the_mlp_input_shape_when_its_rank_is_unknown(genai_model, fc_compile, tmp_path, native_lib,
+                                                                   monkeypatch):
+    """Review item 7: MLPCacheMerge returns `used` as [B, S, H]; when the MLP input is not known to be 3-D (here:
+    its shape cleared before BranchPass) the layer reshapes `used` to the input's own shape, and the compiled
+    graph still equals the eager reference at batch 3 with rows that replay and rows that compute."""
+    import genai_zoo
+    import test_genai_graphs as tgr
+
+    from fastcar_compile.passes import branch
+
+    shared = branch.BranchPass._shared
+
+    def unknown_rank(self, graph, lr, b, full_nodes):
+        lr.match.mlp.entry.shape = None
+        return shared(self, graph, lr, b, full_nodes)
+
+    monkeypatch.setattr(branch.BranchPass, "_shared", unknown_rank)
+    src = genai_model("llama", "fp32") / "model.onnx"
+    model = genai_zoo.reference_model("llama", src)
+    prompt = np.random.default_rng(17).integers(3, genai_zoo.GENAI_VOCAB, (3, tgr.VIDEO_START + 2))
+    t = tgr._pick_tau(_genai_reference(model, math.inf, prompt, 4 * tgr.L))
+    run = _genai_reference(model, t, prompt, 4 * tgr.L)
+    out = tmp_path / "fast.onnx"
+    fc_compile(str(src), output=str(out), frame_tokens=tgr.L, threshold=t, tas_query="rope", max_replay=2,
+               genai=False)
+    reshaped = [n for n in onnx.load(str(out)).graph.node if n.op_type == "Reshape" and
+                n.output[0].endswith(".mlp_used")]
+    assert len(reshaped) == 2  # one per rewritten layer
+    got = ort_driver.decode(tgr._session(out, "fp32", compiled=True, native=native_lib), run.steps,
+                            video_start=tgr.VIDEO_START, head_dim=tgr.HEAD_DIM)
+    for k, (g, w) in enumerate(zip(got.logits, run.logits, strict=True)):
+        assert np.abs(g - w).max() <= tgr.TOL, f"step {k}"

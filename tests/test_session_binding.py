@@ -1,4 +1,4 @@
-"""FastCarSession's IO-bound decode (bindings kept from step to step, runtime/session.py `_run_inplace`) against
+"""FastCarSession's IO-bound decode (bindings kept from step to step, runtime/session.py `_run_bound`) against
 stock ONNX Runtime runs of complete feeds (tests/ort_driver.py: function bodies, a growing cache, no binding)."""
 
 from __future__ import annotations
