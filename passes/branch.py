@@ -6,8 +6,8 @@
     present_mlp_cache, present_mlp_age, used = ai.fastcar.MLPCacheMerge(past_mlp_cache, past_mlp_age, out, replay,
                                                                         slot, write)
 
-`used` is each token's MLP output: its computed row, or its slot's cached one; the merge also writes it back
-(MLPCacheUpdate). The MLP nodes move into the If's subgraph once, one level below the main graph; weights stay in
+`used` is each token's MLP output ([B, S, H]; reshaped to x's shape when x is not known to be 3-D): its computed
+row, or its slot's cached one; the merge also writes it back (MLPCacheUpdate). The MLP nodes move into the If's subgraph once, one level below the main graph; weights stay in
 the main graph and are read from the outer scope, so nothing is duplicated. This layout (`shared_mlp`, the
 default) is what keeps the process small in ONNX Runtime: ORT prepacks a MatMul weight once per consuming node
 and frees the plain copy only when every consumer prepacked it, and a consumer two If levels below the graph
