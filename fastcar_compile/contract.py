@@ -285,9 +285,11 @@ class FastCarMetadata:
         "different settings (--kv-layer): no top-level settings but `per_layer` {layer: settings}; "
         "read through kv_layer_settings()"))
     rotary_positions: int | None = field(default=None, metadata=_doc(
-        "packed q/k/v with the rotary inside the attention op (PackQkvPass): those layers rotate at KV index minus "
-        "the row's left padding, from a cos/sin table of this many positions; FastCarSession refuses attention_mask "
-        "zeros after a row's first real token, explicit position_ids other than those, and videos longer than the "
+        "packed q/k/v with the rotary inside the attention op (PackQkvPass): those layers rotate at the KV index "
+        "(the export's positions plus the row's left padding; RoPE scores and TAS `rope` see only position "
+        "differences, so this equals the export's rotation while padding precedes a row's first real token), from a "
+        "cos/sin table of this many positions; FastCarSession refuses attention_mask "
+        "zeros after a row's first real token, explicit position_ids other than the real-token counts, and videos longer than the "
         "table (--rotary-positions, --pack-qkv off); absent = the export's rotation at the position_ids fed"))
 
     @staticmethod

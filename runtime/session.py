@@ -240,8 +240,9 @@ class FastCarSession:
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
         # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
         self.max_length = self._check_shared_kv(max_length)
-        # packed q/k/v (PackQkvPass): the rotary is at KV index minus the row's left padding, from a table of this
-        # many positions; None: the graph rotates at the position_ids fed
+        # packed q/k/v (PackQkvPass): the rotary is at the KV index (the export's positions plus the row's left
+        # padding; equal scores, RoPE sees only differences), from a table of this many positions; None: the graph
+        # rotates at the position_ids fed
         self.rotary_positions: int | None = fc.rotary_positions if fc is not None else None
         if self.max_length is not None:
             self.check_video_length(self.max_length, "positions of max_length")
@@ -287,9 +288,10 @@ class FastCarSession:
 
     def _check_kv_index_positions(self, state: DecodeState, new_mask: np.ndarray | None,
                                   position_ids: np.ndarray | None, seq: int) -> None:
-        """A packed-rotary model rotates token i of a row at KV index minus the row's left padding: the export's
-        positions (the count of real tokens before each) only while padding comes before a row's first real
-        token. Refuse feeds for which the two differ (the graph has no position_ids input to honour them)."""
+        """A packed-rotary model rotates token i of a row at its KV index; the export rotates at the count of real
+        tokens before it (KV index minus the row's left padding). RoPE scores depend only on position differences,
+        so the two agree while a row's padding is a constant offset: only before its first real token. Refuse
+        feeds for which they differ (the graph has no position_ids input to honour them)."""
         self.check_video_length(state.past_len + seq)
         fix = f"; recompile with --pack-qkv off to run such feeds ({self.path.name} rotates at KV indices)"
         real = None if new_mask is None else new_mask != 0

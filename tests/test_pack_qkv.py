@@ -246,10 +246,11 @@ def _export_with_hf_positions(src, steps: list[np.ndarray], masks: list[np.ndarr
 
 
 def test_session_refuses_feeds_the_packed_rotary_cannot_honour(zoo_model, fc_compile, tmp_path):
-    """Packed rotary turns at KV index minus the row's left padding: FastCarSession refuses (one line naming
-    --pack-qkv off / --rotary-positions) a mask 0 after a row's first real token, explicit position_ids other
-    than the real-token counts, and a video past the table; the same mid-stream padding on a --pack-qkv off
-    compile equals the export fed transformers' positions."""
+    """Packed rotary turns at the KV index, the export at KV index minus the row's left padding (equal scores:
+    RoPE depends on differences, and that padding is a per-row constant only before the first real token).
+    FastCarSession refuses (one line naming --pack-qkv off / --rotary-positions) a mask 0 after a row's first
+    real token, explicit position_ids other than the real-token counts, and a video past the table; the same
+    mid-stream padding on a --pack-qkv off compile equals the export fed transformers' positions."""
     from fastcar_compile.errors import FastCarError
     from fastcar_compile.runtime import FastCarSession
 
