@@ -99,7 +99,9 @@ class BranchPass(ir.passes.InPlacePass):
             names=[contract.mlp_cache_output(n), contract.mlp_age_output(n),
                    f"fastcar.{n}.mlp_used" + ("" if three else "_bsh")])
         lr.present = (present_cache, present_age)
-        if not three:  # the merge returns [B, S, H]; the residual stream may be [B*S, H] (or of unknown rank)
+        # the merge returns [B, S, H]; the residual stream may be [B*S, H] (or of unknown rank). Untested for a real
+        # 2-D entry: test_an_unknown_rank_mlp_entry_still_compiles_and_runs only reaches this with a [B, S, H] one
+        if not three:
             used = b("Reshape", [used, b("Shape", [x], part="mlp")], part="mlp", names=[f"fastcar.{n}.mlp_used"])
         return used
 
