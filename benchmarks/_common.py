@@ -176,28 +176,64 @@ def make_session(path: str | Path | bytes, threads: int, spin: bool = True, **op
     return ort.InferenceSession(model, ort_options(threads, spin=spin, **options), providers=["CPUExecutionProvider"])
 
 
-HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
+HUGEPAGE_TUNABLE_NAME = "glibc.malloc.hugetlb"
+HUGEPAGE_TUNABLE = f"{HUGEPAGE_TUNABLE_NAME}=1"
+HUGEPAGE_GLIBC = (2, 35)  # older glibc ignores the tunable without a word
+NO_HUGEPAGES = "--no-hugepages"  # the flag that keeps 4 KiB pages (add_hugepage_flag)
+REEXEC_SENTINEL = "FASTCAR_BENCH_REEXEC"  # set in the re-exec'd child: never exec twice
 
 
-def reexec_with_hugepage_malloc(script: str, argv: list[str]) -> None:
-    """Run this script again (same argv) with glibc's malloc backing its large blocks by transparent huge pages,
-    unless that is already so or this is no glibc Linux process.
+def add_hugepage_flag(ap) -> None:
+    """The `--no-hugepages` option of a script that calls reexec_with_hugepage_malloc (its parser needs
+    allow_abbrev=False: the re-exec matches the whole token before argparse runs)."""
+    ap.add_argument(NO_HUGEPAGES, action="store_true",
+                    help=f"keep glibc malloc's default 4 KiB pages (by default the script runs itself again with "
+                         f"GLIBC_TUNABLES={HUGEPAGE_TUNABLE}: without it the session created first in the process "
+                         "runs 6-26%% slower, so results follow the variants' creation order)")
+
+
+def glibc_version() -> tuple[int, int] | None:
+    """(major, minor) of the running glibc, None when this is no glibc process."""
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"
+        major, minor = version.split(".")[:2]
+        return (int(major), int(minor)) if name == "glibc" else None
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def hugepage_malloc_record() -> dict[str, object]:
+    """What a results file records about the tunable: requested (in this process's GLIBC_TUNABLES) is not
+    applied when glibc is older than 2.35, which ignores it silently."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    version = glibc_version()
+    requested = HUGEPAGE_TUNABLE in tunables.split(":")
+    return {"glibc_tunables": tunables, "glibc": ".".join(map(str, version)) if version else None,
+            "hugetlb_requested": requested,
+            "hugetlb_supported": version is not None and version >= HUGEPAGE_GLIBC}
+
+
+def reexec_with_hugepage_malloc(argv: list[str]) -> None:
+    """Run this process again (sys.orig_argv: interpreter options and `-m` kept) with glibc's malloc backing its
+    large blocks by transparent huge pages, unless `argv` holds --no-hugepages, that is already so, this process
+    is a re-exec already, or this is no glibc >= 2.35 Linux process.
 
     Why: with THP in `madvise` mode and plain malloc, the ~0.4 GB of prepacked weights per ORT session lie in
     4 KiB pages, and in one process the session created first then ran 6-26% more CPU time per decode step at
     ctx 1024 than an identical one created after it (gone with prepacking off, or with this tunable: 0.95-1.05),
     so bench_genai's comparisons followed the variants' creation order. The tunable is read at process start, so
-    it must be in the environment before Python starts: hence the exec."""
-    import platform
-
+    it must be in the environment before Python starts: hence the exec. The sentinel stops a loop when the
+    child loses GLIBC_TUNABLES (glibc drops it in AT_SECURE processes; launchers may clean the environment)."""
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if (not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc"
-            or "glibc.malloc.hugetlb" in tunables):
+    version = glibc_version()
+    if (NO_HUGEPAGES in argv or os.environ.get(REEXEC_SENTINEL) or not sys.platform.startswith("linux")
+            or version is None or version < HUGEPAGE_GLIBC or HUGEPAGE_TUNABLE_NAME in tunables):
         return
     env = dict(os.environ, GLIBC_TUNABLES=":".join(t for t in (tunables, HUGEPAGE_TUNABLE) if t))
+    env[REEXEC_SENTINEL] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, script, *argv], env)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 @contextlib.contextmanager

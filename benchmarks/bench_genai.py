@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -46,9 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     DEFAULT_CACHE,
     LlamaShape,
+    add_hugepage_flag,
     atomic_write_text,
     build_random_llama,
     cached_export,
+    hugepage_malloc_record,
     interleave,
     lower_quartile_ms,
     ms_lists,
@@ -362,7 +363,7 @@ def measure(folders: dict[str, Path], ctx: int, tokens: int, vocab: int, fused: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # NO_HUGEPAGES whole
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--contexts", help="comma-separated contexts (default: 1024,4096; quick: 256)")
     ap.add_argument("--tokens", type=int, help="decode tokens timed per variant")
@@ -382,10 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated replay ratios of (b) that are no whole number of layers, measured with a "
                          "per-step layer schedule (default 0.8, the issue's 80%%; '' for none). (a)'s og.Generator "
                          "variants are compiled per replay count, so they have no such row")
-    ap.add_argument("--no-hugepages", action="store_true",
-                    help="keep glibc malloc's default 4 KiB pages (by default the script runs itself again with "
-                         "GLIBC_TUNABLES=glibc.malloc.hugetlb=1: without it the session created first in the process "
-                         "runs 6-26%% slower, so results follow the variants' creation order)")
+    add_hugepage_flag(ap)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=Path("docs/bench_genai.json"))
     ap.add_argument("--cpu-time", action="store_true",
@@ -419,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--fused-kinds: unknown kind(s) {', '.join(bad)}; use {' or '.join(FUSED_PREFIX)}")
     fused = {} if a.no_fused else {k: fused_export(shape, a.cache, cfg["frame_tokens"], k) for k in kinds}
     results = {"shape": shape.tag(), "threads": a.threads,
-               "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "tokens": tokens, "session_config": entries,
+               **hugepage_malloc_record(), "tokens": tokens, "session_config": entries,
                "clock": "cpu" if a.cpu_time else "wall",
                "contexts": {}}
     for ctx in contexts:
@@ -471,7 +469,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if "--no-hugepages" not in sys.argv[1:]:
-        # every variant's weights in huge pages: otherwise the session created first runs slower (_common)
-        reexec_with_hugepage_malloc(__file__, sys.argv[1:])
+    # every variant's weights in huge pages: otherwise the session created first runs slower (_common)
+    reexec_with_hugepage_malloc(sys.argv[1:])
     sys.exit(main())
