@@ -17,11 +17,14 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from fastcar_compile.atomic import write_text
 from fastcar_compile.contract import io_names
+
+K = TypeVar("K")  # the key naming a timed variant (a string, or a tuple of its parts)
 
 DEFAULT_CACHE = Path(os.environ.get("FASTCAR_BENCH_CACHE", Path.home() / ".cache" / "fastcar-bench"))
 
@@ -253,9 +256,9 @@ def gc_paused():
             gc.enable()
 
 
-def interleave(steps: dict[str, Callable[[], object]], rounds: int, block: int | dict[str, int], *,
+def interleave(steps: dict[K, Callable[[], object]], rounds: int, block: int | dict[K, int], *,
                clock: Callable[[], float] = time.perf_counter, warmup: int = 1,
-               warm: dict[str, Callable[[], object]] | None = None) -> dict[str, list[float]]:
+               warm: dict[K, Callable[[], object]] | None = None) -> dict[K, list[float]]:
     """Time every step function in turn, `block` (or block[name]) calls at a time, for `rounds` rounds; the
     seconds of each call by `clock`.
 
@@ -264,7 +267,7 @@ def interleave(steps: dict[str, Callable[[], object]], rounds: int, block: int |
     untimed calls (warm[name] instead of the step itself where given, e.g. to restart a replay schedule after
     it), so every timed call follows a call of the same model, as in a real decode loop. The garbage
     collector is paused throughout (gc_paused)."""
-    times: dict[str, list[float]] = {n: [] for n in steps}
+    times: dict[K, list[float]] = {n: [] for n in steps}
     with gc_paused():
         for _ in range(rounds):
             for name, step in steps.items():
@@ -278,7 +281,7 @@ def interleave(steps: dict[str, Callable[[], object]], rounds: int, block: int |
     return times
 
 
-def lower_quartile_ms(times: dict[str, list[float]]) -> dict[str, float]:
+def lower_quartile_ms(times: dict[K, list[float]]) -> dict[K, float]:
     """Per-step seconds -> the lower quartile in milliseconds: on a shared machine other jobs preempt whole
     steps (x50 outliers), which a median still feels in short runs."""
     return {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}

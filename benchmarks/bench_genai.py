@@ -254,8 +254,6 @@ class FusedStepper:
         self.state, self.ids = out.state, out.logits[:, -1].argmax(-1)[:, None]
 
 
-_FusedStepper = FusedStepper  # the old name, for a script still being landed (bench_row_layout.py)
-
 
 def replay_schedule(layers: int, ratio: float, max_cycle: int = 20) -> list[np.ndarray]:
     """Per-step tau arrays whose replaying layers average exactly `ratio` over one cycle (the shortest c with

@@ -31,9 +31,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_genai  # noqa: E402
 import profile_fused  # noqa: E402
-from _common import DEFAULT_CACHE, cached_export, interleave, lower_quartile_ms, ort_options  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_CACHE,
+    BadArgument,
+    cached_export,
+    interleave,
+    lower_quartile_ms,
+    ort_options,
+    parse_models,
+)
 
 LAYERS, FRAME_TOKENS = 8, 256
+Key = tuple[str, str, str]  # (path "(a)"/"(b)", replay "0%"/"100%", model name): names may hold any character
 
 
 def compile_models(out: Path, cache: Path, nested: bool) -> None:
@@ -53,8 +62,8 @@ def compile_models(out: Path, cache: Path, nested: bool) -> None:
 
 
 def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: int, vocab: int,
-          cpu_time: bool = False, paths: str = "ab") -> dict[str, list[float]]:
-    """name -> seconds per step of every (model, path, replay) combination, interleaved in blocks (rounds x block
+          cpu_time: bool = False, paths: str = "ab") -> dict[Key, list[float]]:
+    """(path, replay, name) -> seconds per step of every (model, path, replay) combination, interleaved in blocks (rounds x block
     values, in order). cpu_time: process CPU time with spinning off (robust to other jobs on the machine; use 1
     thread). paths: which of (a) and (b) to run."""
     import onnxruntime_genai as og
@@ -65,7 +74,7 @@ def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: i
     rounds = -(-tokens // block)
     max_length = ctx + rounds * (block + 1) + 2
     prompt = np.random.default_rng(0).integers(3, vocab, (1, ctx)).astype(np.int32)
-    gens: dict[str, object] = {}
+    gens: dict[Key, object] = {}
     keep = []
     for name, d in models.items():
         for replay, k in (("0%", 0), ("100%", LAYERS)) if "a" in paths else ():
@@ -76,21 +85,21 @@ def timed(models: dict[str, Path], ctx: int, tokens: int, block: int, threads: i
             gen = og.Generator(model, params)
             gen.append_tokens(prompt)
             gen.generate_next_token()  # the first call only samples the token the prefill computed
-            gens[f"(a) {replay} {name}"] = gen
+            gens["(a)", replay, name] = gen
             keep.append(model)
         if "b" not in paths:
             continue
         sess = FastCarSession(d / "b" / "fast.onnx", session_options=ort_options(threads, spin=not cpu_time),
                               threads=threads, max_length=max_length)
         for replay, tau in (("0%", np.inf), ("100%", -np.inf)):
-            gens[f"(b) {replay} {name}"] = bench_genai._FusedStepper(sess, np.full(LAYERS, tau, np.float32), prompt)
+            gens["(b)", replay, name] = bench_genai.FusedStepper(sess, np.full(LAYERS, tau, np.float32), prompt)
         print(f"  {name}: prefilled {ctx} tokens", file=sys.stderr)
     return interleave({n: g.generate_next_token for n, g in gens.items()}, rounds, block,
                       clock=time.process_time if cpu_time else time.perf_counter)
 
 
-def launches(models: dict[str, Path], threads: int) -> dict[str, float]:
-    """name -> kernel launches per step (ORT's profiler, FastCarSession; ctx past one frame so tokens may replay:
+def launches(models: dict[str, Path], threads: int) -> dict[Key, float]:
+    """(path, replay, name) -> kernel launches per step (ORT's profiler, FastCarSession; ctx past one frame so tokens may replay:
     the counts do not depend on ctx)."""
     out = {}
     for name, d in models.items():
@@ -99,7 +108,7 @@ def launches(models: dict[str, Path], threads: int) -> dict[str, float]:
                 s = profile_fused.Stepper(folder / "fast.onnx", None, FRAME_TOKENS + 64, threads, replay == "100%", 8)
                 for _ in range(6):
                     s.step()
-                out[f"{path} {replay} {name}"] = s.profile()[0]
+                out[path, replay, name] = s.profile()[0]
     return out
 
 
@@ -121,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not a.models:
         ap.error("give --compile DIR or --models name=DIR,...")
-    models = {k: Path(v) for k, v in (item.split("=", 1) for item in a.models.split(","))}
+    try:
+        models = parse_models(a.models, files=False)
+        if missing := [f"{n}={d}" for n, d in models.items() if not d.is_dir()]:
+            raise BadArgument(f"--models: {', '.join(missing)} is not a folder; give folders built by --compile")
+    except BadArgument as exc:
+        print(f"bench_row_layout: {exc}", file=sys.stderr)
+        return 2
     counts = launches(models, a.threads)  # (both paths: cheap at ctx 320)
     times = timed(models, a.ctx, a.tokens, a.block, a.threads, bench_genai.FULL["shape"].vocab, a.cpu_time, a.paths)
     ms = lower_quartile_ms(times)
@@ -130,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ctx {a.ctx}, {a.threads} threads, {a.tokens} tokens per model, blocks of {a.block}, lower quartile of "
           f"{clock}")
     for key in ms:
-        path, replay, name = key.split(" ")
-        ref = f"{path} {replay} {first}"
+        path, replay, name = key
+        ref = (path, replay, first)
         # per round: the reference's lower quartile over this model's (paired blocks: slow drifts cancel)
         rounds = len(times[key]) // a.block
         pair = [np.percentile(r, 25) / np.percentile(m, 25) for r, m in
