@@ -89,6 +89,10 @@ def _rotary(value: ir.Value, heads: int) -> ir.Node | str:
         return f"{value.name} is not a com.microsoft.RotaryEmbedding output"
     if _attr(node, "interleaved", 0) or _attr(node, "num_heads", 0) != heads or _attr(node, "rotary_embedding_dim", 0):
         return f"{node.name}: not RotaryFusionPass's form (half-split, num_heads {heads}, full rotary dim)"
+    # the packed op and the gate rotate with the table alone: they have no scale and no packed batching
+    if _attr(node, "scale", 1.0) != 1.0 or _attr(node, "is_packed_batching", 0):
+        return (f"{node.name}: RotaryEmbedding with scale {_attr(node, 'scale', 1.0)} / is_packed_batching "
+                f"{_attr(node, 'is_packed_batching', 0)}, which the packed rotary does not apply (needs 1 / 0)")
     return node
 
 
@@ -210,6 +214,8 @@ class _GqaLayer(_Layer):
             return ALREADY
         if any(node.inputs[i] is not None for i in (7, 8, 9) if i < len(node.inputs)):
             return "cos/sin caches or position_ids already given"
+        if any(v is not None for v in node.inputs[11:]):  # _pack_gqa writes inputs 0-10 only
+            return "inputs past attention_bias (head_sink) are given, which the packed form does not carry"
         yq, yk, yv = (_bhsd_source(node.inputs[i]) for i in range(3))
         if yq is None or yk is None or yv is None:
             return "q/k/v are not [B, S, H*D] views of [B, H, S, D] heads"

@@ -329,3 +329,27 @@ def test_table_refuses_a_rotary_that_depends_on_the_length(switch):
         want = np.arange(100, dtype=np.float32)[:, None] * inv[None, :]
         np.testing.assert_allclose(found[0], np.cos(want), atol=1e-6)
         np.testing.assert_allclose(found[1], np.sin(want), atol=1e-6)
+
+
+def test_matchers_refuse_what_the_packed_form_would_drop():
+    """A RotaryEmbedding with scale != 1 or is_packed_batching, and a GroupQueryAttention with head_sink (input
+    11), are left unpacked with a reason: the packed op, the gate and _pack_gqa's inputs have no room for them."""
+    import onnx_ir as ir
+
+    from fastcar_compile.passes import pack_qkv
+
+    def rotary(**attrs):
+        x, pos, cos, sin = (ir.Value(name=n) for n in ("x", "pos", "cos", "sin"))
+        node = ir.node("RotaryEmbedding", [x, pos, cos, sin], {"num_heads": 2, **attrs}, domain="com.microsoft",
+                       name="rope")
+        return node.outputs[0]
+
+    assert isinstance(pack_qkv._rotary(rotary(), 2), ir.Node)  # the form RotaryFusionPass writes
+    for attrs in ({"scale": 0.5}, {"is_packed_batching": 1}):
+        why = pack_qkv._rotary(rotary(**attrs), 2)
+        assert isinstance(why, str) and "does not apply" in why, attrs
+
+    ins = [ir.Value(name=f"i{k}") for k in range(7)] + [None, None, None, None, ir.Value(name="head_sink")]
+    gqa = ir.node("GroupQueryAttention", ins, {"num_heads": 2, "kv_num_heads": 1}, domain="com.microsoft")
+    why = pack_qkv._GqaLayer(gqa).match()
+    assert isinstance(why, str) and "head_sink" in why
