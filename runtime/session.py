@@ -13,6 +13,7 @@ import json
 import operator
 import os
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,7 +236,6 @@ class FastCarSession:
         self._feeds_positions = contract.POSITION_IDS in self._inputs
         self._feeds_video_start = contract.VIDEO_START in self._inputs
         self._video_start_bound = 0  # the value in the bound video_start buffer
-        self.last_ort_s = 0.0  # seconds inside ORT in the last bound step (step time minus this = Python)
         self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
         # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
@@ -256,7 +256,8 @@ class FastCarSession:
         self.kv_slots: int | None = max(self._kv_caps.values()) if self._kv_caps else None  # the largest budget
         if self.kv_slots is not None and self.native_library is None:
             raise FastCarError(_needs_native(self.path.name))
-        self.last_ort_s = 0.0  # seconds inside ONNX Runtime of the last step (the rest is Python)
+        # seconds inside ONNX Runtime of the last step, bound or plain (step time minus this = Python)
+        self.last_ort_s = 0.0
 
     def _check_shared_kv(self, max_length: int | None) -> int | None:
         if max_length is None:
@@ -587,7 +588,10 @@ class FastCarSession:
         if tau is not None:
             feeds[contract.THRESHOLD] = tau
         feeds.update(state.arrays)
-        res = dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=True))
+        t0 = time.perf_counter()
+        outs = self.session.run(self.output_names, feeds)
+        self.last_ort_s = time.perf_counter() - t0
+        res = dict(zip(self.output_names, outs, strict=True))
         self._vocab, self._logits_dtype = res[contract.LOGITS].shape[-1], res[contract.LOGITS].dtype
         return res
 
