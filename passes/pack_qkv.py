@@ -48,6 +48,7 @@ BSHD_PERM = [0, 2, 1, 3]
 ALREADY = "already packed or rotating inside the op"
 PREFIX_CHECK = 64  # positions evaluated alone: their rows must equal the long table's bit for bit
 PACKED_ARITY = 14  # q, k, v, past k/v, mask, total_len, slots, k_raw, past_key_raw, past_dense, video_start, cos, sin
+TABLE_PREFIX = "fastcar.rotary"  # initializer names of the cos/sin tables: fastcar.rotaryK.{cos,sin}_table
 
 
 def _attr(node: ir.Node, name: str, default=None):
@@ -307,8 +308,8 @@ class PackQkvPass(ir.passes.InPlacePass):
         if isinstance(found, str):
             return found
         cos, sin = found
-        return (build.const(model.graph, f"fastcar.rotary{k}.cos_table", cos),
-                build.const(model.graph, f"fastcar.rotary{k}.sin_table", sin))
+        return (build.const(model.graph, f"{TABLE_PREFIX}{k}.cos_table", cos),
+                build.const(model.graph, f"{TABLE_PREFIX}{k}.sin_table", sin))
 
     def _pack_gqa(self, model: ir.Model, layer: _GqaLayer, table: tuple[ir.Value, ir.Value]) -> None:
         """GroupQueryAttention's own packed form: query = the packed projection, key/value absent, do_rotary with

@@ -19,6 +19,8 @@ import pytest
 import test_pass_reference as tpr
 import zoo
 
+from fastcar_compile.passes import fastcar_ops
+
 L = 4
 FAMILIES = [("llama", "dynamo20"), ("qwen2", "dynamo20"), ("phi3", "dynamo18")]
 
@@ -38,7 +40,7 @@ def _assert_fused(path, layers: int) -> None:
     graph = onnx.load(str(path)).graph
     ops = _ops(graph)
     # q and k of every layer: RotaryEmbedding nodes, or inside the packed attention op (passes/pack_qkv.py)
-    packed = sum(n.op_type == "CompressedAttention" and n.overload == "packed_rotary" for n in graph.node)
+    packed = sum(n.op_type == "CompressedAttention" and n.overload == fastcar_ops.PACKED_ROTARY for n in graph.node)
     assert ops.count("RotaryEmbedding") + 2 * packed == 2 * layers
     # both residual Adds close into a norm: the attention's into the MLP norm (moved out of the If), the MLP's
     # into the next layer's (or the final) norm

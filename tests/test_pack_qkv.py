@@ -16,10 +16,10 @@ import zoo
 from onnx import TensorProto, helper
 from test_compressed_attention import HKV, HQ, D, reference
 
-from fastcar_compile.passes import fastcar_ops
+from fastcar_compile.passes import fastcar_ops, pack_qkv
 
 L = tpr.L
-PACKED = "packed_rotary"
+PACKED = fastcar_ops.PACKED_ROTARY
 
 
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
@@ -151,7 +151,7 @@ def test_pass_fires_and_weights_do_not_grow(zoo_model, fc_compile, tmp_path):
     def weight_bytes(path):
         model = onnx.load(str(path))
         return sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer
-                   if not t.name.startswith("fastcar.rotary"))
+                   if not t.name.startswith(pack_qkv.TABLE_PREFIX))
 
     # not more; less only by the rotary plumbing's small constants (inv_freq, index vectors)
     assert weight_bytes(plain) - 1024 <= weight_bytes(packed) <= weight_bytes(plain)
@@ -300,7 +300,6 @@ def test_table_refuses_a_rotary_that_depends_on_the_length(switch):
     max(position_ids) (dynamic / longrope scaling) is refused with a reason instead of tabulated."""
     import onnx_ir as ir
 
-    from fastcar_compile.passes import pack_qkv
 
     half, inv = 4, (1.0 / 10000 ** (np.arange(4) / 4)).astype(np.float32)
     t = helper.make_tensor
@@ -336,7 +335,6 @@ def test_matchers_refuse_what_the_packed_form_would_drop():
     11), are left unpacked with a reason: the packed op, the gate and _pack_gqa's inputs have no room for them."""
     import onnx_ir as ir
 
-    from fastcar_compile.passes import pack_qkv
 
     def rotary(**attrs):
         x, pos, cos, sin = (ir.Value(name=n) for n in ("x", "pos", "cos", "sin"))
