@@ -58,8 +58,8 @@ def _attr(node: ir.Node, name: str, default=None):
 class _Projection:
     """y = x @ W (+ b): W a constant [E, N] float32, b a constant [N] (or None)."""
 
-    def __init__(self, out: ir.Value, matmul: ir.Node, weight: np.ndarray, bias: np.ndarray | None, add: ir.Node | None):
-        self.out, self.matmul, self.weight, self.bias, self.add = out, matmul, weight, bias, add
+    def __init__(self, out: ir.Value, matmul: ir.Node, weight: np.ndarray, bias: np.ndarray | None):
+        self.out, self.matmul, self.weight, self.bias = out, matmul, weight, bias
 
     @staticmethod
     def match(value: ir.Value) -> _Projection | str:
@@ -81,7 +81,7 @@ class _Projection:
             return f"{value.name}'s bias is not a float32 vector of the output width"
         if add is not None and len(node.outputs[0].consumers()) != 1:
             return f"{value.name}'s MatMul output has readers besides the bias Add"
-        return _Projection(value, node, weight, bias, add)
+        return _Projection(value, node, weight, bias)
 
 
 def _rotary(value: ir.Value, heads: int) -> ir.Node | str:
