@@ -39,6 +39,7 @@ class StepModel(Protocol):
     def state_nbytes(self, batch: int = 1) -> dict[str, int]: ...
     def describe_memory(self, batch: int = 1, tokens: int | None = None) -> str: ...
     def threshold_array(self, threshold: Any) -> np.ndarray: ...
+    def check_video_length(self, tokens: int, what: str = ...) -> None: ...
 
 
 FrameCallback = Callable[[int, np.ndarray], "bool | None"]
@@ -185,9 +186,7 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     video_start = padded - given_video_tokens
     n_out = len(cond)
     total = num_frames * L
-    check_length = getattr(session, "check_video_length", None)
-    if check_length is not None:  # (the last token is sampled, never fed)
-        check_length(padded + total - 1)
+    session.check_video_length(padded + total - 1)  # (the last token is sampled, never fed)
     rng = np.random.default_rng(seed)
     mem = session.state_nbytes(batch)
     stats = RunStats(model=str(session.path), fastcar=session.is_fastcar, frame_tokens=L,
