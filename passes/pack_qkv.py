@@ -16,8 +16,8 @@ seqlens_k = total_len - 1, from a cos/sin table [positions, D / 2] that is the e
 evaluated (ONNX Runtime, at compile time) on position_ids = 0..positions-1 (`--rotary-positions`). The export
 rotates at the position_ids fed, which FastCarSession makes the count of real tokens before each one: the KV
 index minus the row's left padding, a per-row constant. RoPE scores and TAS depend on q and k positions only
-through their difference, so the values are the export's up to float rounding of the angles (bit for bit
-without padding: the same table rows, the same kernels). That needs padding only before a row's first real token:
+through their difference, so the values are the export's up to float rounding of the angles (without padding:
+the same table rows; the native kernels' rotation is not ORT's RotaryEmbedding kernel: tests compare within 1e-4). That needs padding only before a row's first real token:
 the metadata's `rotary_positions` (the table length, written when a layer is packed) makes FastCarSession refuse
 mask zeros after it, other position_ids (gaps, restarts) and videos past the table; --pack-qkv off runs those.
 A rotary whose row p depends on more than p (frequencies switched by the sequence length) is left unpacked. TAS `raw` dots the unrotated query with
