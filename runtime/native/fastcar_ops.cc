@@ -14,6 +14,7 @@
 #include "compressed_attention.h"
 #include "group_query_attention.h"
 #include "row_ops.h"
+#include "thread_scratch.h"
 
 #include <cmath>
 #include <cstdint>
@@ -243,7 +244,9 @@ struct TemporalGatePacked {
     }
     *compute_all.Allocate({}) = n_replay == 0;
     *compute_some.Allocate({}) = n_replay < B * S;
-    if (mlp_input != nullptr) fastcar_rows::Select(*mlp_input, rep, B * S, *rows);  // the ...Rows variants
+    if (mlp_input != nullptr)  // the ...Rows variants
+      fastcar_rows::Select(*mlp_input, rep, B * S, *rows,
+                           cos == nullptr ? "TemporalGatePackedRows" : "TemporalGatePackedRopeRows");
   }
 };
 
@@ -386,22 +389,11 @@ struct MLPCacheMerge : MLPCacheUpdate {
 // layout. do_rotary: q and k are rotated here (cos_cache/sin_cache [max_pos, <= D/2], inputs 12/13) at KV index
 // total_len - S + i, as GroupQueryAttention rotates with seqlens_k = total_len - 1 (passes/pack_qkv.py).
 struct CompressedAttention {
-  // Per-thread q/k/v copies, as group_query_attention.h's Scratch: kept between Compute calls of this thread (no
-  // allocation per decode step), freed after a call when larger than kKeepBytes (a long prompt's copies).
+  // q/k/v copies; per thread, kept between Compute calls and trimmed after large ones (thread_scratch.h)
   struct Scratch {
-    static constexpr size_t kKeepBytes = size_t{1} << 20;
     std::vector<float> q, k, v;
     void Trim() {
-      for (auto* b : {&q, &k, &v})
-        if (b->capacity() * sizeof(float) > kKeepBytes) std::vector<float>().swap(*b);
-    }
-  };
-  struct ScratchLease {  // this thread's Scratch for one call; Trim on the way out, exceptions included
-    Scratch& s = Mine();
-    ~ScratchLease() { s.Trim(); }
-    static Scratch& Mine() {
-      static thread_local Scratch scratch;
-      return scratch;
+      for (auto* b : {&q, &k, &v}) fastcar_scratch::TrimBuffer(*b);
     }
   };
   fastcar_attn::Settings cfg;
@@ -454,16 +446,8 @@ struct CompressedAttention {
         for (int64_t h = 0; h < heads; ++h) {
           const float* src = x + (b * S + s) * stride + offset + h * D;
           float* dst = buf.data() + ((b * heads + h) * S + s) * D;
-          if (c == nullptr) {
-            std::memcpy(dst, src, sizeof(float) * D);
-            continue;
-          }
-          for (int64_t j = 0; j < half; ++j) {
-            const int64_t a1 = interleaved ? 2 * j : j, a2 = interleaved ? 2 * j + 1 : j + half;
-            dst[a1] = src[a1] * c[j] - src[a2] * sn[j];
-            dst[a2] = src[a2] * c[j] + src[a1] * sn[j];
-          }
-          for (int64_t d = 2 * half; d < D; ++d) dst[d] = src[d];
+          std::memcpy(dst, src, sizeof(float) * D);
+          if (c != nullptr) fastcar_gqa::Rotate(dst, c, sn, half, interleaved);  // GQA's rule, one definition
         }
       }
     return buf.data();
@@ -527,7 +511,7 @@ struct CompressedAttention {
                                ", the only forms its function bodies compute; recompile the model");
     // [B,heads,S,D] copies (rotated, or of a multi-token [B,S,heads*D] step): this thread's buffers, kept between
     // calls (a decode step allocates nothing), trimmed when large, also when the call throws
-    ScratchLease lease;
+    fastcar_scratch::Lease<Scratch> lease;
     Scratch& scratch = lease.s;
     const float *qd, *kd, *vd;
     if (packed) {

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "dense_attention.h"
+#include "thread_scratch.h"
 
 namespace fastcar_gqa {
 
@@ -105,26 +106,17 @@ inline void PrepThunk(void* data, size_t item) {
   PrepRow(*static_cast<PrepTask*>(data), static_cast<int64_t>(item));
 }
 
-// Per-thread working memory of one Run call: q [B,H,S,D], the [B,T] mask and the per-row positions. Kept between
-// calls, so a decode step allocates nothing; thread_local, so concurrent Run calls of one session (each computes on
-// its own calling thread; the pool's workers only read or write through the pointers while that thread waits in
-// ParallelFor) never share it. Buffers larger than kKeepBytes (a long prompt's q) are freed after their call
-// (Trim), so one prompt does not pin megabytes for the thread's lifetime.
+// Working memory of one Run call: q [B,H,S,D], the [B,T] mask and the per-row positions; per thread, kept between
+// calls and trimmed after large ones (thread_scratch.h).
 struct Scratch {
-  static constexpr size_t kKeepBytes = size_t{1} << 20;
   std::vector<float> q;
   std::vector<int64_t> mask, past, pos, rows;
   void Trim() {
-    if (q.capacity() * sizeof(float) > kKeepBytes) std::vector<float>().swap(q);
-    if (mask.capacity() * sizeof(int64_t) > kKeepBytes) std::vector<int64_t>().swap(mask);
-    if (pos.capacity() * sizeof(int64_t) > kKeepBytes) std::vector<int64_t>().swap(pos);
+    fastcar_scratch::TrimBuffer(q);
+    fastcar_scratch::TrimBuffer(mask);
+    fastcar_scratch::TrimBuffer(pos);
   }
 };
-
-inline Scratch& ThreadScratch() {
-  static thread_local Scratch s;
-  return s;
-}
 
 // The whole op. key/val: the present buffers [B,Hkv,N,D] (may be the past buffers); out [B,S,H D]. ctx: anything
 // with Ort::KernelContext's ParallelFor (ORT's pool). Working memory: this thread's Scratch.
@@ -135,11 +127,8 @@ void Run(const Settings& c, const Inputs& in, float* key, float* val, int64_t N,
   if (S > 1 && !first_prompt && B != 1)
     throw std::runtime_error("GroupQueryAttention: batch_size must be 1 when sequence_length > 1 and past context "
                              "is given");
-  Scratch& sc = ThreadScratch();
-  struct TrimOnExit {  // also when a check below throws
-    Scratch& s;
-    ~TrimOnExit() { s.Trim(); }
-  } trim{sc};
+  fastcar_scratch::Lease<Scratch> lease;  // trimmed also when a check below throws
+  Scratch& sc = lease.s;
   std::vector<int64_t>& past = sc.past;
   std::vector<int64_t>& pos = sc.pos;
   std::vector<int64_t>& rows = sc.rows;

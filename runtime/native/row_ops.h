@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace fastcar_rows {
@@ -14,12 +15,14 @@ namespace fastcar_rows {
 using Ort::Custom::Tensor;
 
 // x [..., H] as T = numel / H rows; rows [1, n, H] = the rows whose replay flag is false, in order. Returns n.
-inline int64_t Select(const Tensor<float>& x, const bool* replay, int64_t tokens, Tensor<float>& rows) {
+// op: the graph op being run, for the error (SelectRows, or the gate that selects: TemporalGatePacked[Rope]Rows).
+inline int64_t Select(const Tensor<float>& x, const bool* replay, int64_t tokens, Tensor<float>& rows,
+                      const char* op = "SelectRows") {
   const auto xs = x.Shape();
   const int64_t H = xs.empty() ? 0 : xs.back();
   if (H <= 0 || static_cast<int64_t>(x.NumberOfElement()) != tokens * H)
-    throw std::runtime_error("SelectRows: x must be [..., H] with one row per token of replay (" +
-                             std::to_string(tokens) + " tokens)");
+    throw std::runtime_error(std::string(op) + ": the MLP input must be [..., H] with one row per token of "
+                             "replay (" + std::to_string(tokens) + " tokens)");
   int64_t n = 0;
   for (int64_t t = 0; t < tokens; ++t) n += replay[t] ? 0 : 1;
   float* out = rows.Allocate({1, n, H});
