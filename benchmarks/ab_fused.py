@@ -21,11 +21,21 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_genai  # noqa: E402
-from _common import DEFAULT_CACHE, BadArgument, interleave, lower_quartile_ms, ort_options, parse_models  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_CACHE,
+    BadArgument,
+    add_hugepage_flag,
+    interleave,
+    lower_quartile_ms,
+    ort_options,
+    parse_models,
+    reexec_with_hugepage_malloc,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # NO_HUGEPAGES whole
+    add_hugepage_flag(ap)
     ap.add_argument("--models", required=True, help="name=fast.onnx,... (the first is the reference of the A/B)")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=32)
@@ -84,4 +94,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # sessions created one after another in one process: huge pages for all alike (_common)
+    reexec_with_hugepage_malloc(sys.argv[1:])
     raise SystemExit(main())

@@ -24,7 +24,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_CACHE, interleave, lower_quartile_ms, ms_lists, save_results  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_CACHE,
+    add_hugepage_flag,
+    hugepage_malloc_record,
+    interleave,
+    lower_quartile_ms,
+    ms_lists,
+    reexec_with_hugepage_malloc,
+    save_results,
+)
 from bench_genai import FULL, QUICK, FusedStepper, fused_export  # noqa: E402
 
 KINDS = ("gqa", "fastcar", "none")
@@ -66,7 +75,8 @@ def measure(paths: dict[str, Path], ctx: int, tokens: int, vocab: int, layers: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # NO_HUGEPAGES whole
+    add_hugepage_flag(ap)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--contexts", help="comma-separated contexts (default: 1024,4096; quick: 256)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per variant")
@@ -79,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else list(cfg["contexts"])
     shape = cfg["shape"]
     paths = {k: fused_export(shape, a.cache, cfg["frame_tokens"], None if k == "none" else k) for k in KINDS}
-    results = {"shape": shape.tag(), "threads": a.threads, "tokens": a.tokens, "contexts": {}}
+    results = {"shape": shape.tag(), "threads": a.threads, "tokens": a.tokens, **hugepage_malloc_record(),
+               "contexts": {}}
     for ctx in contexts:
         times, python, checks = measure(paths, ctx, a.tokens, shape.vocab, shape.layers, a.threads, a.block)
         q25 = lower_quartile_ms(times)
@@ -99,4 +110,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # sessions created one after another in one process: huge pages for all alike (_common)
+    reexec_with_hugepage_malloc(sys.argv[1:])
     sys.exit(main())

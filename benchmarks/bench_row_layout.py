@@ -34,11 +34,13 @@ import profile_fused  # noqa: E402
 from _common import (  # noqa: E402
     DEFAULT_CACHE,
     BadArgument,
+    add_hugepage_flag,
     cached_export,
     interleave,
     lower_quartile_ms,
     ort_options,
     parse_models,
+    reexec_with_hugepage_malloc,
 )
 
 LAYERS, FRAME_TOKENS = 8, 256
@@ -113,7 +115,8 @@ def launches(models: dict[str, Path], threads: int) -> dict[Key, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # NO_HUGEPAGES whole
+    add_hugepage_flag(ap)
     ap.add_argument("--compile", type=Path, help="build one layout's models in this folder and stop")
     ap.add_argument("--nested", action="store_true", help="with --compile: shared_mlp=False")
     ap.add_argument("--models", help="name=DIR,name=DIR,... (the first is the reference of the ratios)")
@@ -158,4 +161,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # sessions created one after another in one process: huge pages for all alike (_common)
+    reexec_with_hugepage_malloc(sys.argv[1:])
     raise SystemExit(main())

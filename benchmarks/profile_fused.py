@@ -25,7 +25,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleave, lower_quartile_ms, ort_options  # noqa: E402
+from _common import (  # noqa: E402
+    add_hugepage_flag,
+    interleave,
+    lower_quartile_ms,
+    ort_options,
+    reexec_with_hugepage_malloc,
+)
 
 
 class Stepper:
@@ -68,7 +74,8 @@ class Stepper:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # NO_HUGEPAGES whole
+    add_hugepage_flag(ap)
     ap.add_argument("model", type=Path, help="fast.onnx compiled with --fused-attention fastcar")
     ap.add_argument("--ctx", type=int, default=4096, help="prompt tokens before the timed decode steps")
     ap.add_argument("--replay", choices=["none", "all"], default="none", help="tau +inf (none) or -inf (all)")
@@ -104,4 +111,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # sessions created one after another in one process: huge pages for all alike (_common)
+    reexec_with_hugepage_malloc(sys.argv[1:])
     raise SystemExit(main())
