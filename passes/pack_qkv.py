@@ -149,13 +149,10 @@ class _Layer:
             return "q/k/v are not [B, S, H*D] (FusedLayoutPass did not take the layer)"
         if ca.overload:
             return ALREADY
-        rq, rk = _rotary(ca.inputs[0], self.heads), _rotary(ca.inputs[1], self.kv_heads)
-        for r in (rq, rk):
-            if isinstance(r, str):
-                return r
-        if rq.inputs[1:] != rk.inputs[1:]:
-            return "q and k are rotated with different caches"
-        self.rq, self.rk = rq, rk
+        why = self._rotaries(ca.inputs[0], ca.inputs[1])
+        if why is not None:
+            return why
+        rq, rk = self.rq, self.rk
         why = self._projections([rq.inputs[0], rk.inputs[0], ca.inputs[2]])
         if why is not None:
             return why
@@ -169,6 +166,17 @@ class _Layer:
         if self.gate is not None and self.gate.inputs[0] is not rq.outputs[0]:
             return ("TAS `raw` dots the unrotated query with keys rotated at their absolute positions, which moving "
                     "the rotation to KV indices would shift under left padding")
+        return None
+
+    def _rotaries(self, q: ir.Value, k: ir.Value) -> str | None:
+        """q's and k's RotaryEmbedding nodes (kept as self.rq / self.rk), or why the layer cannot rotate in the op."""
+        rq, rk = _rotary(q, self.heads), _rotary(k, self.kv_heads)
+        for r in (rq, rk):
+            if isinstance(r, str):
+                return r
+        if rq.inputs[1:] != rk.inputs[1:]:
+            return "q and k are rotated with different caches"
+        self.rq, self.rk = rq, rk
         return None
 
     def _projections(self, values: list[ir.Value]) -> str | None:
@@ -220,13 +228,10 @@ class _GqaLayer(_Layer):
         yq, yk, yv = (_bhsd_source(node.inputs[i]) for i in range(3))
         if yq is None or yk is None or yv is None:
             return "q/k/v are not [B, S, H*D] views of [B, H, S, D] heads"
-        rq, rk = _rotary(yq, self.heads), _rotary(yk, self.kv_heads)
-        for r in (rq, rk):
-            if isinstance(r, str):
-                return r
-        if rq.inputs[1:] != rk.inputs[1:]:
-            return "q and k are rotated with different caches"
-        self.rq, self.rk = rq, rk
+        why = self._rotaries(yq, yk)
+        if why is not None:
+            return why
+        rq, rk = self.rq, self.rk
         xs = [head_split_source(rq.inputs[0], self.heads), head_split_source(rk.inputs[0], self.kv_heads),
               head_split_source(yv, self.kv_heads)]
         if any(x is None for x in xs):

@@ -93,14 +93,18 @@ def test_packed_rotary_op_equals_numpy(native, P, S, extra, interleaved):
     assert np.abs(out - reference(q, want_k, want_v, mask, P, 1 / np.sqrt(D))).max() <= 2e-5
 
 
+def _prompt_feeds(S: int, rows: int) -> dict[str, np.ndarray]:
+    """A first prompt of S tokens (batch 1, empty past) for the one-node packed model, with a rows-long table."""
+    return {"qkv": np.zeros((1, S, (HQ + 2 * HKV) * D), np.float32),
+            "past_key": np.zeros((1, HKV, 0, D), np.float32), "past_value": np.zeros((1, HKV, 0, D), np.float32),
+            "attention_mask": np.ones((1, S), np.int64), "total_len": np.array(S, np.int32),
+            "cos": np.ones((rows, D // 2), np.float32), "sin": np.zeros((rows, D // 2), np.float32)}
+
+
 def test_packed_rotary_op_refuses_a_short_table():
     """A KV index past the table fails the Run with a message naming --rotary-positions (native kernel)."""
     sess = ort_driver.make_session(_packed_model(0, 4), native=True)
-    B, S = 1, 6
-    feeds = {"qkv": np.zeros((B, S, (HQ + 2 * HKV) * D), np.float32),
-             "past_key": np.zeros((B, HKV, 0, D), np.float32), "past_value": np.zeros((B, HKV, 0, D), np.float32),
-             "attention_mask": np.ones((B, S), np.int64), "total_len": np.array(S, np.int32),
-             "cos": np.ones((4, D // 2), np.float32), "sin": np.zeros((4, D // 2), np.float32)}
+    feeds = _prompt_feeds(S=6, rows=4)
     with pytest.raises(Exception, match="rotary-positions"):
         sess.run(None, feeds)
 
@@ -109,11 +113,7 @@ def test_kernel_refuses_packed_qkv_without_rotary():
     """The packed_rotary body always rotates: the kernel computes no packed form without do_rotary (it refuses it)
     rather than a different model than the body."""
     sess = ort_driver.make_session(_packed_model(0, 8, do_rotary=0), native=True)
-    B, S = 1, 2
-    feeds = {"qkv": np.zeros((B, S, (HQ + 2 * HKV) * D), np.float32),
-             "past_key": np.zeros((B, HKV, 0, D), np.float32), "past_value": np.zeros((B, HKV, 0, D), np.float32),
-             "attention_mask": np.ones((B, S), np.int64), "total_len": np.array(S, np.int32),
-             "cos": np.ones((8, D // 2), np.float32), "sin": np.zeros((8, D // 2), np.float32)}
+    feeds = _prompt_feeds(S=2, rows=8)
     with pytest.raises(Exception, match="packed q/k/v .* needs do_rotary = 1"):
         sess.run(None, feeds)
 
