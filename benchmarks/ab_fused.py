@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     gens: dict[str, object] = {"genai dense": og.Generator(model, params)}
     gens["genai dense"].append_tokens(prompt)
     for name, path in models.items():
-        sess = FastCarSession(path, session_options=ort_options(a.threads, {}), threads=a.threads,
+        sess = FastCarSession(path, session_options=ort_options(a.threads, spin=not a.cpu_time), threads=a.threads,
                               max_length=a.ctx + steps)
         layers = len(sess.layers)
         for replay, tau in (("0%", np.inf), ("100%", -np.inf)):

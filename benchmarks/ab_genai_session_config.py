@@ -16,11 +16,9 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_genai  # noqa: E402
-from _common import DEFAULT_CACHE  # noqa: E402
+from _common import DEFAULT_CACHE, lower_quartile_ms  # noqa: E402
 
 
 def twin(folder: Path, dst: Path) -> Path:
@@ -62,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else list(cfg["contexts"])
     for ctx in contexts:
         times, _ = bench_genai.measure(folders, ctx, a.tokens, shape.vocab, None, shape.layers, a.threads, a.block)
-        p25 = {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
+        p25 = lower_quartile_ms(times)
         print(f"\nctx {ctx}, {a.threads} threads, {a.tokens} tokens, lower quartile ms/token; with = {entries}")
         print("| variant | without | with | with / without |")
         print("|---|---:|---:|---:|")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleave  # noqa: E402
+from _common import interleave, lower_quartile_ms  # noqa: E402
 
 
 def load_session_class(path: Path):
@@ -72,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if runs["old"].tokens != runs["installed"].tokens:
         raise SystemExit("the two sessions decoded different tokens")
     py = {n: float(np.median(r.python)) * 1e3 for n, r in runs.items()}
+    step_ms = lower_quartile_ms(times)
     for name in runs:
         print(f"{name:9s}: Python {py[name]:.3f} ms/step outside ORT (median of {len(runs[name].python)}), "
-              f"step {np.percentile(times[name], 25) * 1e3:.2f} ms (lower quartile)")
+              f"step {step_ms[name]:.2f} ms (lower quartile)")
     print(f"installed / old Python per step: {py['installed'] / py['old']:.3f} ({a.model}, ctx {a.ctx}, replay "
           f"{a.replay}, same tokens)")
     return 0

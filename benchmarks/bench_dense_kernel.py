@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     libs = a.libs.split(",") if a.libs else [str(library_path())]
     names = a.names.split(",") if a.names else (["old", "new"] if len(libs) == 2 else
                                                 ["fastcar"] if len(libs) == 1 else [f"lib{i}" for i in range(len(libs))])
+    if len(names) != len(libs):
+        ap.error("--names: give one name per --libs entry")
     rows = []
     for ctx in (int(x) for x in a.contexts.split(",")):
         variants = {n: Variant("fastcar", lib, ctx, a) for n, lib in zip(names, libs, strict=True)}

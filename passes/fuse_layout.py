@@ -52,7 +52,8 @@ def head_split_source(value: ir.Value, heads: int) -> ir.Value | None:
     return x
 
 
-def _only_consumers(value: ir.Value, allowed: set[ir.Node]) -> bool:
+def only_consumers(value: ir.Value, allowed: set[ir.Node]) -> bool:
+    """True when only `allowed` nodes read `value` and it is no graph output (so a rewrite may drop it)."""
     return not value.is_graph_output() and all(n in allowed for n in value.consumers())
 
 
@@ -145,9 +146,9 @@ class FusedLayoutPass(ir.passes.InPlacePass):
                if n.domain == contract.DOMAIN and n.op_type == contract.TEMPORAL_GATE_AT and n.inputs[0] is val]
         gates = [g for n in tga if (g := GateChain.find(n)) is not None]
         allowed = {ca, *tga}
-        if len(gates) != len(tga) or len(tga) > 1 or not _only_consumers(q, allowed) or \
-                not _only_consumers(rq.inputs[0], {rq, *tga}) or not _only_consumers(k, {ca}) or \
-                not _only_consumers(rk.inputs[0], {rk}) or not _only_consumers(v, {ca}):
+        if len(gates) != len(tga) or len(tga) > 1 or not only_consumers(q, allowed) or \
+                not only_consumers(rq.inputs[0], {rq, *tga}) or not only_consumers(k, {ca}) or \
+                not only_consumers(rk.inputs[0], {rk}) or not only_consumers(v, {ca}):
             return None
         for r, x, n in ((rq, xq, heads), (rk, xk, kv_heads)):
             r.replace_input_with(0, x)

@@ -359,8 +359,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         """The fused op's output replaces the projection input; its present key/value become the graph's."""
         ir.convenience.replace_all_uses_with(p["out"], out)
         for old, new in ((p["present_k"], present_k), (p["present_v"], present_v)):
-            graph.outputs[graph.outputs.index(old)] = new
-            gu.take_over(old, new)
+            gu.take_over(old, new, graph_outputs=True)
         if not math.isfinite(p["scale"]) or p["scale"] <= 0:
             raise AssertionError(f"attention scale {p['scale']}")
 

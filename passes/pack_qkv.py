@@ -41,10 +41,15 @@ from fastcar_compile import contract
 from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
-from fastcar_compile.passes.fuse_layout import FusedLayoutPass, GateChain, head_split_source
+from fastcar_compile.passes.fuse_layout import (
+    BSHD_PERM,
+    MS,
+    FusedLayoutPass,
+    GateChain,
+    head_split_source,
+    only_consumers,
+)
 
-MS = contract.MS_DOMAIN
-BSHD_PERM = [0, 2, 1, 3]
 ALREADY = "already packed or rotating inside the op"
 PREFIX_CHECK = 64  # positions evaluated alone: their rows must equal the long table's bit for bit
 PACKED_ARITY = 14  # q, k, v, past k/v, mask, total_len, slots, k_raw, past_key_raw, past_dense, video_start, cos, sin
@@ -159,8 +164,8 @@ class _Layer:
         # readers: q -> attention + the gate (rope); q's projection -> its rotary + the gate (raw)
         gates = [n for val in (rq.outputs[0], self.pq.out) for n in val.consumers()
                  if n.domain == contract.DOMAIN and n.op_type == contract.TEMPORAL_GATE_PACKED and n.inputs[0] is val]
-        if len(gates) > 1 or not _only(rq.outputs[0], {ca, *gates}) or not _only(self.pq.out, {rq, *gates}) or \
-                not _only(rk.outputs[0], {ca}) or not _only(self.pk.out, {rk}) or not _only(self.pv.out, {ca}):
+        if len(gates) > 1 or not only_consumers(rq.outputs[0], {ca, *gates}) or not only_consumers(self.pq.out, {rq, *gates}) or \
+                not only_consumers(rk.outputs[0], {ca}) or not only_consumers(self.pk.out, {rk}) or not only_consumers(self.pv.out, {ca}):
             return "q, k or v has readers besides the attention, its rotary and the one-node gate"
         self.gate = gates[0] if gates else None
         if self.gate is not None and self.gate.inputs[0] is not rq.outputs[0]:
@@ -257,10 +262,6 @@ class _GqaLayer(_Layer):
         self.gate_chain = gates[0] if gates else None
         self.gate = None
         return None
-
-
-def _only(value: ir.Value, allowed: set[ir.Node]) -> bool:
-    return not value.is_graph_output() and all(n in allowed for n in value.consumers())
 
 
 class PackQkvPass(ir.passes.InPlacePass):

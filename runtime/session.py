@@ -287,6 +287,10 @@ class FastCarSession:
             raise FastCarError(f"{tokens} {what} but {self.path.name}'s rotary table covers {table} positions; "
                                f"recompile with --rotary-positions {tokens} or more (or --pack-qkv off)")
 
+    def _kv_index_fix(self) -> str:
+        """The remedy named by _check_kv_index_positions' refusals (built only when one is raised)."""
+        return f"; recompile with --pack-qkv off to run such feeds ({self.path.name} rotates at KV indices)"
+
     def _check_kv_index_positions(self, state: DecodeState, new_mask: np.ndarray | None,
                                   position_ids: np.ndarray | None, seq: int) -> None:
         """A packed-rotary model rotates token i of a row at its KV index; the export rotates at the count of real
@@ -294,13 +298,12 @@ class FastCarSession:
         so the two agree while a row's padding is a constant offset: only before its first real token. Refuse
         feeds for which they differ (the graph has no position_ids input to honour them)."""
         self.check_video_length(state.past_len + seq)
-        fix = f"; recompile with --pack-qkv off to run such feeds ({self.path.name} rotates at KV indices)"
         real = None if new_mask is None else new_mask != 0
         if real is not None and not real.all():
             after = np.any(real[:, :-1] & ~real[:, 1:], axis=1) | ((state.real_len > 0) & ~real.all(axis=1))
             if after.any():
                 raise FastCarError(f"attention_mask row {int(np.argmax(after))} has a 0 after a real token "
-                                   f"(only left padding before a row's first token is supported){fix}")
+                                   f"(only left padding before a row's first token is supported){self._kv_index_fix()}")
         if position_ids is None:
             return
         start = state.real_len[:, None]
@@ -314,7 +317,7 @@ class FastCarSession:
         if differ.any():
             b, i = map(int, np.argwhere(differ)[0])
             raise FastCarError(f"position_ids[{b}, {i}] = {int(given[b, i])} but the packed rotary rotates at "
-                               f"{int(implied[b, i])} (the real tokens before it){fix}")
+                               f"{int(implied[b, i])} (the real tokens before it){self._kv_index_fix()}")
 
     @staticmethod
     def _options(threads: int):

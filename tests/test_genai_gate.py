@@ -108,8 +108,9 @@ CASES = {  # B, H, Hkv, D, S, past, buffer rows (0: exactly T), L, video_start, 
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_packed_gate_body_and_kernel_match_numpy(native_lib, name):
+def case_feeds(name: str) -> tuple[np.random.Generator, dict[str, np.ndarray], dict[str, int]]:
+    """CASES[name]'s random gate inputs (without cos/sin) and the gate's attributes, and the generator that drew
+    them (the rope tables come next from it); shared with test_row_ops' Rows-variant test."""
     B, H, Hkv, D, S, past, rows, L, vs, K, rope, rot, inter, offset, n_tau, tau = CASES[name]
     rng = np.random.default_rng(len(name))
     T = past + S
@@ -127,6 +128,14 @@ def test_packed_gate_body_and_kernel_match_numpy(native_lib, name):
         feeds["age"][:] = offset
     attrs = {"frame_tokens": L, "max_replay": K, "num_heads": H, "age_offset": offset,
              "threshold_index": n_tau - 1 if n_tau else 0}
+    return rng, feeds, attrs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_packed_gate_body_and_kernel_match_numpy(native_lib, name):
+    B, H, Hkv, D, S, past, rows, L, vs, K, rope, rot, inter, offset, n_tau, tau = CASES[name]
+    T = past + S
+    rng, feeds, attrs = case_feeds(name)
     op = contract.TEMPORAL_GATE_PACKED
     if rope:
         op = contract.TEMPORAL_GATE_PACKED_ROPE

@@ -158,20 +158,8 @@ def test_packed_gate_rows_variant_matches_numpy(native_lib, name):
     """TemporalGatePacked[Rope]Rows: the gate's outputs as test_genai_gate's NumPy reference, plus rows = the
     MLP input's rows of the computing tokens."""
     B, H, Hkv, D, S, past, nrows, L, vs, K, rope, rot, inter, offset, n_tau, tau = tgg.CASES[name]
-    rng = np.random.default_rng(len(name))
     T = past + S
-    feeds = {
-        "qkv": rng.standard_normal((B, S, (H + 2 * Hkv) * D)).astype(np.float32),
-        "key": rng.standard_normal((B, Hkv, max(nrows, T), D)).astype(np.float32),
-        "age": (rng.integers(-1, 4, (B, L)) + offset).astype(np.int64),
-        "cache": rng.standard_normal((B, L, 24)).astype(np.float32),
-        "threshold": (rng.standard_normal(n_tau).astype(np.float32) * 0.1 if n_tau else np.array(tau, np.float32)),
-        "video_start": np.array(vs, np.int64), "total_len": np.array(T, np.int32),
-    }
-    if name == "every row replays":
-        feeds["age"][:] = offset
-    attrs = {"frame_tokens": L, "max_replay": K, "num_heads": H, "age_offset": offset,
-             "threshold_index": n_tau - 1 if n_tau else 0}
+    rng, feeds, attrs = tgg.case_feeds(name)
     op, names = contract.TEMPORAL_GATE_PACKED_ROWS, ["qkv", "key", "age", "cache", "threshold", "video_start",
                                                      "total_len"]
     used = (contract.TEMPORAL_GATE_PACKED, contract.TEMPORAL_GATE_AT, contract.MLP_CACHE_READ, contract.SELECT_ROWS)
