@@ -181,18 +181,7 @@ def main(argv: list[str]) -> int:
     if args.calibrate_replay is not None or args.calibrate_quality is not None:
         return _calibrate(args)
     start = time.perf_counter()
-    threshold = args.threshold if args.per_layer_threshold else _single(args.threshold)
-    _, report = fc.compile(args.model, args.output, frame_tokens=args.frame_tokens, threshold=threshold,
-                           tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers,
-                           per_layer_threshold=args.per_layer_threshold, emit_diagnostics=args.emit_diagnostics,
-                           validate=not args.no_validate, genai=args.genai,
-                           fused_attention=args.fused_attention, kv_budget=args.kv_budget, kv_sinks=args.kv_sinks,
-                           kv_window=args.kv_window, kv_eviction=args.kv_eviction, tempcache=args.tempcache,
-                           sparse_attention=args.sparse_attention, kv_diagnostics=args.kv_diagnostics,
-                           prune_prompt=args.prune_prompt,
-                           kv_layers=args.kv_layers, required_video_inputs=args.required_video_inputs,
-                           fusions=args.fusions == "on", native_attention=args.native_attention == "on",
-                           pack_qkv=args.pack_qkv == "on", rotary_positions=args.rotary_positions)
+    _, report = fc.compile(args.model, args.output, **_compile_options(args))
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
     if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):
@@ -200,6 +189,24 @@ def main(argv: list[str]) -> int:
               "often replays every eligible MLP there. Calibrate (--calibrate-replay 0.5 --calib-data p.npy) or "
               "use --tas-query raw", file=sys.stderr)
     return 0
+
+
+def _compile_options(args, **overrides) -> dict:
+    """The keywords of `fastcar_compile.compile` the command line sets: every compile, the calibration's probe
+    and its final one included, starts from these (a calibrated compile keeps every option)."""
+    opts = dict(frame_tokens=args.frame_tokens, tas_query=args.tas_query, max_replay=args.max_replay,
+                layers=args.layers, per_layer_threshold=args.per_layer_threshold,
+                emit_diagnostics=args.emit_diagnostics, validate=not args.no_validate, genai=args.genai,
+                fused_attention=args.fused_attention, kv_budget=args.kv_budget, kv_sinks=args.kv_sinks,
+                kv_window=args.kv_window, kv_eviction=args.kv_eviction, tempcache=args.tempcache,
+                sparse_attention=args.sparse_attention, kv_diagnostics=args.kv_diagnostics,
+                prune_prompt=args.prune_prompt, kv_layers=args.kv_layers,
+                required_video_inputs=args.required_video_inputs, fusions=args.fusions == "on",
+                native_attention=args.native_attention == "on", pack_qkv=args.pack_qkv == "on",
+                rotary_positions=args.rotary_positions,
+                threshold=args.threshold if args.per_layer_threshold else _single(args.threshold))
+    opts.update(overrides)
+    return opts
 
 
 def _single(values: list[float]) -> float:
@@ -243,8 +250,11 @@ def _calibrate(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # the probe records TAS (tas.N outputs), so one pass gives the quantile (runtime/calibrate.py)
         probe = Path(tmp) / "probe.onnx"
-        fc.compile(args.model, probe, frame_tokens=args.frame_tokens, threshold=_single(args.threshold),
-                   tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers, emit_diagnostics=True)
+        # the final model (compressed KV cache, fusions, ...) so the TAS it records is the final model's, with
+        # one tau for every layer, the outputs calibration reads, no genai files
+        fc.compile(args.model, probe, **_compile_options(args, threshold=args.threshold[0], per_layer_threshold=False,
+                                                         emit_diagnostics=True, genai=False, validate=False,
+                                                         required_video_inputs=False))
         n_held = max(1, len(prompts) // 4) if len(prompts) > 1 else 0
         calib, held = (prompts[:-n_held], prompts[-n_held:]) if n_held else (prompts, None)
         print(f"calibrating on {len(calib)} prompts x {args.calib_frames} frames, {n_held} held out ...", flush=True)
@@ -254,10 +264,7 @@ def _calibrate(args) -> int:
                                      given_video_tokens=args.given_video_tokens)
     print(result.summary())
     print(f"calibrated tau = {result.tau:.6g}; compiling {args.output} with it", flush=True)
-    _, report = fc.compile(args.model, args.output, frame_tokens=args.frame_tokens, threshold=result.tau,
-                           tas_query=args.tas_query, max_replay=args.max_replay, layers=args.layers,
-                           per_layer_threshold=args.per_layer_threshold, emit_diagnostics=args.emit_diagnostics,
-                           validate=not args.no_validate)
+    _, report = fc.compile(args.model, args.output, **_compile_options(args, threshold=result.tau))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, tau = {result.tau:.6g})")
     return 0
 
