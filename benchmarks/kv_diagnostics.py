@@ -23,14 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-# (name, compiler options); budget 4100 > any context here = no eviction
+# (name, compiler options); budget 4100 > any context here = no eviction. Every layer is compiled with FastCar
+# (at tau=+inf), so every window covers a frame of 64 tokens (the compiler refuses less: the gate's aligned key)
 MODES = [
     ("window S4+W124 C129", ["--kv-budget", "129", "--kv-sinks", "4", "--kv-window", "124", "--kv-eviction", "oldest"]),
-    ("TempCache 0.95", ["--kv-budget", "4100", "--tempcache", "0.95"]),
-    ("TempCache 0.95 C256 S4+W60", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60", "--tempcache", "0.95"]),
+    ("TempCache 0.95", ["--kv-budget", "4100", "--kv-window", "64", "--tempcache", "0.95"]),
+    ("TempCache 0.95 C256 S4+W64", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "64", "--tempcache", "0.95"]),
     ("AnnSA lsh 8x4 S4+W64", ["--kv-budget", "4100", "--kv-sinks", "4", "--kv-window", "64",
                               "--sparse-attention", "lsh:8x4"]),
-    ("all: C256 S4+W60 TempCache 0.95 lsh 8x4", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60",
+    ("all: C256 S4+W64 TempCache 0.95 lsh 8x4", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "64",
                                                 "--tempcache", "0.95", "--sparse-attention", "lsh:8x4"]),
     # AnnSA by 8-bit quantised buckets (fastar/int8.py): DIRS directions x TABLES tables, same sinks + window as lsh
     ("AnnSA int8 2x4 S4+W64", ["--kv-budget", "4100", "--kv-sinks", "4", "--kv-window", "64",
@@ -40,14 +41,14 @@ MODES = [
     ("AnnSA int8 8x16 S4+W64", ["--kv-budget", "4100", "--kv-sinks", "4", "--kv-window", "64",
                                 "--sparse-attention", "int8:8x16"]),
     # AnnCA's decoder-only counterpart: prompt keys (BOS, motion, VIDEO_START) no query of the last frame hit
-    ("prune-prompt 0.01", ["--kv-budget", "4100", "--prune-prompt", "0.01"]),
-    ("prune-prompt 0.1", ["--kv-budget", "4100", "--prune-prompt", "0.1"]),
+    ("prune-prompt 0.01", ["--kv-budget", "4100", "--kv-window", "64", "--prune-prompt", "0.01"]),
+    ("prune-prompt 0.1", ["--kv-budget", "4100", "--kv-window", "64", "--prune-prompt", "0.1"]),
     # per layer (--kv-layer): layer 0 reads by position (a window keeps its mass), layers 1-3 by content
     ("per layer: L0 window S4+W124 C129, L1-3 TempCache 0.95",
-     ["--kv-layer", "0:budget=129,sinks=4,window=124,eviction=oldest", "--kv-layer", "1-3:budget=4100,tempcache=0.95"]),
-    ("per layer: L0 window S4+W124 C129, L1-3 TempCache 0.95 C256 S4+W60",
+     ["--kv-layer", "0:budget=129,sinks=4,window=124,eviction=oldest", "--kv-layer", "1-3:budget=4100,window=64,tempcache=0.95"]),
+    ("per layer: L0 window S4+W124 C129, L1-3 TempCache 0.95 C256 S4+W64",
      ["--kv-layer", "0:budget=129,sinks=4,window=124,eviction=oldest",
-      "--kv-layer", "1-3:budget=256,sinks=4,window=60,tempcache=0.95"]),
+      "--kv-layer", "1-3:budget=256,sinks=4,window=64,tempcache=0.95"]),
 ]
 
 

@@ -112,20 +112,20 @@ OP_MODES = [
     ("FastCar", "tau", ["--fused-attention", "off"]),  # the exported attention (fused is the default now)
     ("dense, fused op (growing KV)", None, ["--fused-attention", "fastcar"]),
     ("FastCar, fused op (growing KV)", "tau", ["--fused-attention", "fastcar"]),
-    ("TempCache 0.95", None, ["--kv-budget", "4100", "--tempcache", "0.95"]),
-    ("FastCar + TempCache 0.95", "tau", ["--kv-budget", "4100", "--tempcache", "0.95"]),
+    ("TempCache 0.95", None, ["--kv-budget", "4100", "--kv-window", "64", "--tempcache", "0.95"]),
+    ("FastCar + TempCache 0.95", "tau", ["--kv-budget", "4100", "--kv-window", "64", "--tempcache", "0.95"]),
     ("window S4+W124", None, ["--kv-budget", "129", "--kv-sinks", "4", "--kv-window", "124", "--kv-eviction",
                               "oldest"]),
     ("FastCar + window S4+W124", "tau", ["--kv-budget", "129", "--kv-sinks", "4", "--kv-window", "124",
                                          "--kv-eviction", "oldest"]),
-    ("FastCar + TempCache 0.95 C256 (S4+W60)", "tau", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60",
+    ("FastCar + TempCache 0.95 C256 (S4+W64)", "tau", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "64",
                                                       "--tempcache", "0.95"]),
     # per layer (--kv-layer): window on layer 0 (reads by position), TempCache on layers 1-3 (read by content)
     ("window L0 + TempCache 0.95 L1-3", None, ["--kv-layer", "0:budget=129,sinks=4,window=124,eviction=oldest",
-                                                "--kv-layer", "1-3:budget=4100,tempcache=0.95"]),
-    ("FastCar + window L0 + TempCache 0.95 C256 (S4+W60) L1-3", "tau",
+                                                "--kv-layer", "1-3:budget=4100,window=64,tempcache=0.95"]),
+    ("FastCar + window L0 + TempCache 0.95 C256 (S4+W64) L1-3", "tau",
      ["--kv-layer", "0:budget=129,sinks=4,window=124,eviction=oldest",
-      "--kv-layer", "1-3:budget=256,sinks=4,window=60,tempcache=0.95"]),
+      "--kv-layer", "1-3:budget=256,sinks=4,window=64,tempcache=0.95"]),
 ]
 
 
@@ -323,9 +323,9 @@ def plot_curve(res: dict, path: Path) -> None:
 GENAI_MODES = {  # ours at frame 64, next to onnxruntime-genai's dense loop (issue 12 item 7)
     "dense (plain export, FastCarSession)": (None, None),
     "FastCar + window S4+W124": ("tau", OP_MODES[7][2]),
-    "FastCar + TempCache 0.95 C256 (S4+W60)": ("tau", OP_MODES[8][2]),
-    "FastCar + TempCache 0.95 + AnnSA lsh 8x4, C256 (S4+W60)": (
-        "tau", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "60", "--tempcache", "0.95",
+    "FastCar + TempCache 0.95 C256 (S4+W64)": ("tau", OP_MODES[8][2]),
+    "FastCar + TempCache 0.95 + AnnSA lsh 8x4, C256 (S4+W64)": (
+        "tau", ["--kv-budget", "256", "--kv-sinks", "4", "--kv-window", "64", "--tempcache", "0.95",
                 "--sparse-attention", "lsh:8x4"]),
 }
 

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-layer", action="append", default=[], metavar="LAYERS:SETTINGS", dest="kv_layers",
                     help="per-layer settings instead of the ones above, repeatable: e.g. "
                          "0:budget=129,sinks=4,window=124,eviction=oldest (a window where a layer reads by position) "
-                         "1-3:budget=4100,tempcache=0.95 (TempCache where it reads by content), 2:off (uncompressed); "
+                         "1-3:budget=4100,window=64,tempcache=0.95 (TempCache where it reads by content), 2:off (uncompressed); "
                          "settings: budget, sinks, window, eviction, tempcache, sparse (lsh:BxT, int8:DxT), prune (P)")
     p.add_argument("--genai", action=argparse.BooleanOptionalAction, default=None,
                    help="name the state for onnxruntime-genai's generator and write genai_config.json beside "

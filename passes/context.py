@@ -88,11 +88,11 @@ class CompileOptions:
         check_int("--rotary-positions", self.rotary_positions, 1, MAX_ROTARY_POSITIONS,
                   "KV positions the packed attention's rotary table covers")
         if self.kv_compress is not None or any(c is not None for c in self.kv_layer_configs.values()):
-            if self.fused_attention == "gqa":
-                raise FastCarError("--kv-budget/--tempcache/--sparse-attention/--prune-prompt live in the fastcar "
-                                   "attention op; "
-                                   "use --fused-attention fastcar (or leave --fused-attention out)")
-            object.__setattr__(self, "fused_attention", "fastcar")
+            if self.fused_attention != "fastcar":
+                raise FastCarError("--kv-budget/--kv-layer/--tempcache/--sparse-attention/--prune-prompt live in the "
+                                   f"fastcar attention op, which --fused-attention {self.fused_attention or 'off'} "
+                                   "leaves out; use --fused-attention fastcar (or leave --fused-attention out)")
+            self._check_fastcar_windows()
         if not self.per_layer_threshold and len(self.threshold) != 1:
             raise FastCarError("several thresholds need --per-layer-threshold")
 
@@ -126,6 +126,46 @@ class CompileOptions:
             out.update(dict.fromkeys(layers, cfg))
         check_diagnostics(self.kv_diagnostics)
         return out
+
+    def _check_fastcar_windows(self) -> None:
+        """Every compressed cache of a layer to be rewritten keeps the key one frame back (KVCompressConfig.
+        check_fastcar_window): the global kv_* settings where they reach such a layer, then each --kv-layer."""
+        explicit = self.kv_layer_configs
+        if self.kv_compress is not None and self._fastcar_beyond(set(explicit)):
+            self.kv_compress.check_fastcar_window(
+                f"--kv-window {self.kv_window}", f"use --kv-window {self.frame_tokens} or more (with --kv-budget "
+                "above --kv-sinks + --kv-window)")
+        for spec in self.kv_layers:
+            cfg = next((explicit[n] for n in _layer_indices(spec.partition(":")[0], spec) if self._fastcar_on(n)),
+                       None)
+            if cfg is not None:
+                cfg.check_fastcar_window(f"--kv-layer {spec!r}", f"add window={self.frame_tokens} (or more) to it")
+
+    @functools.cached_property
+    def _fastcar_ranges(self) -> list[tuple[int, int]] | None:
+        """`layers` as inclusive index ranges (None: every matched layer). Unreadable text gives None here:
+        the layer selection reports it with the model's layers at hand (analysis.parse_layers)."""
+        if self.layers is None:
+            return None
+        if not isinstance(self.layers, str):
+            return [(int(n), int(n)) for n in self.layers]
+        out = []
+        for part in self.layers.split(","):
+            lo, _, hi = part.strip().partition("-")
+            if not lo.isdigit() or not (hi or lo).isdigit():
+                return None
+            out.append((int(lo), int(hi or lo)))
+        return out
+
+    def _fastcar_on(self, layer: int) -> bool:
+        """Whether `layer` is asked to be rewritten (the FastCar gate on it)."""
+        ranges = self._fastcar_ranges
+        return ranges is None or any(lo <= layer <= hi for lo, hi in ranges)
+
+    def _fastcar_beyond(self, named: set[int]) -> bool:
+        """Whether some layer asked to be rewritten is outside `named` (then it takes the global kv_* settings)."""
+        ranges = self._fastcar_ranges
+        return ranges is None or any(hi - lo + 1 > sum(lo <= n <= hi for n in named) for lo, hi in ranges)
 
     def kv_config(self, layer: int) -> KVCompressConfig | None:
         """One layer's compressed-KV settings (fastar.KVCompressConfig) or None for a dense cache."""

@@ -238,7 +238,7 @@ def test_kv_diagnostics_in_run_stats(zoo_model, fc_compile, tmp_path):
     for budget in (64, 8):
         out = tmp_path / f"b{budget}.onnx"
         fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=budget,
-                   kv_sinks=1, kv_window=3, kv_diagnostics=64)
+                   kv_sinks=1, kv_window=4, kv_diagnostics=64)
         sess, seen = FastCarSession(out), []
         step = sess.step
 
@@ -287,7 +287,7 @@ def test_prompt_pruning_and_int8_end_to_end(zoo_model, fc_compile, tmp_path):
     for prune in (0.0, 0.5):
         out = tmp_path / f"p{prune}.onnx"
         fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=64,
-                   prune_prompt=prune)
+                   kv_window=4, prune_prompt=prune)
         got = run_session(FastCarSession(out), prompt, mask, steps, video_start=6).logits
         diff[prune] = max(np.abs(got[k] - want[k]).max() for k in range(1, len(want)))
     assert diff[0.0] <= 1e-4 < diff[0.5], diff
@@ -333,7 +333,7 @@ def test_tempcache_waits_for_video_end_to_end(zoo_model, fc_compile, tmp_path):
 
     src = zoo_model("llama", "dynamo20")
     out = tmp_path / "tc.onnx"
-    fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=32, tempcache=-1.0)
+    fc_compile(str(src), output=str(out), frame_tokens=4, threshold=float("inf"), kv_budget=32, kv_window=4, tempcache=-1.0)
     graph = onnx.load(str(out), load_external_data=False).graph
     assert all(n.input[11] == contract.VIDEO_START for n in graph.node if n.op_type == "CompressedAttention")
     rng = np.random.default_rng(13)
@@ -377,11 +377,11 @@ def test_valid_kv_options_are_kept():
     """The control case of the refusals above: valid values pass through to the config the pass reads."""
     from fastcar_compile.passes.context import CompileOptions
 
-    cfg = CompileOptions(frame_tokens=4, kv_budget=8, kv_sinks=2, kv_window=3).kv_compress
-    assert (cfg.budget, cfg.sinks, cfg.window) == (8, 2, 3)
-    cfg = CompileOptions(frame_tokens=4, kv_budget=8, sparse_attention="int8", prune_prompt=0.02).kv_compress
+    cfg = CompileOptions(frame_tokens=4, kv_budget=8, kv_sinks=2, kv_window=4).kv_compress
+    assert (cfg.budget, cfg.sinks, cfg.window) == (8, 2, 4)
+    cfg = CompileOptions(frame_tokens=4, kv_budget=8, kv_window=4, sparse_attention="int8", prune_prompt=0.02).kv_compress
     assert (cfg.int8_dirs, cfg.int8_tables, cfg.lsh_bits, cfg.prune_prompt) == (2, 4, None, 0.02)
-    opts = CompileOptions(frame_tokens=4, kv_layers=("1:budget=8,sparse=int8:8x2,prune=0.1",))
+    opts = CompileOptions(frame_tokens=4, kv_layers=("1:budget=8,window=4,sparse=int8:8x2,prune=0.1",))
     assert (opts.kv_config(1).int8_dirs, opts.kv_config(1).int8_tables, opts.kv_config(1).prune_prompt) == (8, 2, 0.1)
 
 
@@ -450,11 +450,11 @@ def test_compressed_model_refusals_are_one_line(zoo_model, fc_compile, tmp_path)
     from fastcar_compile.runtime import FastCarSession
 
     comp = tmp_path / "comp.onnx"
-    fc_compile(str(zoo_model("llama", "dynamo20")), output=str(comp), frame_tokens=4, kv_budget=16)
+    fc_compile(str(zoo_model("llama", "dynamo20")), output=str(comp), frame_tokens=4, kv_budget=16, kv_window=4)
     with pytest.raises(FastCarError, match="only the native kernels run"):
         FastCarSession(comp, native=False)
     with pytest.raises(FastCarError, match="cannot take .*no exported MatMul/Softmax attention core"):
-        fc_compile(str(zoo_model("gpt2", "dynamo20")), output=str(tmp_path / "g.onnx"), frame_tokens=4, kv_budget=16)
+        fc_compile(str(zoo_model("gpt2", "dynamo20")), output=str(tmp_path / "g.onnx"), frame_tokens=4, kv_budget=16, kv_window=4)
 
 
 def test_bad_sparse_and_prune_cli_exit_2(zoo_model, tmp_path, capsys):
@@ -499,7 +499,7 @@ def test_per_layer_int8_and_prune_slot_widths_equal_the_export(zoo_model, fc_com
     src = zoo_model("llama", "dynamo20")
     comp = tmp_path / "comp.onnx"
     fc_compile(str(src), output=str(comp), frame_tokens=4, threshold=float("inf"),
-               kv_layers=["0:budget=64,prune=0", "1:budget=80,sinks=64,sparse=int8:2x3"])
+               kv_layers=["0:budget=64,window=4,prune=0", "1:budget=80,sinks=64,window=4,sparse=int8:2x3"])
     rng = np.random.default_rng(21)
     prompt = rng.integers(0, zoo.VOCAB, (2, 6))
     mask, _ = ort_driver.left_pad_masks([0, 3], 6)

@@ -45,7 +45,7 @@ def test_each_layer_is_its_single_setting_model(zoo_model, fc_compile, tmp_path)
     common = dict(frame_tokens=4, threshold=float("inf"))
     fc_compile(str(src), output=str(paths["mixed"]), kv_layers=[f"0:{WINDOW_SPEC}", "1:off"], **common)
     fc_compile(str(src), output=str(paths["window"]), **WINDOW, **common)
-    fc_compile(str(src), output=str(paths["wide1"]), kv_layers=[f"0:{WINDOW_SPEC}", "1:budget=64"], **common)
+    fc_compile(str(src), output=str(paths["wide1"]), kv_layers=[f"0:{WINDOW_SPEC}", "1:budget=64,window=4"], **common)
     prompt, mask, steps = _inputs(3, 30)
     got, st = _run(paths["mixed"], prompt, mask, steps)
     _, st_w = _run(paths["window"], prompt, mask, steps)
@@ -74,7 +74,7 @@ def test_budgets_above_context_everywhere_equal_the_export(zoo_model, fc_compile
     src = zoo_model("llama", "dynamo20")
     comp = tmp_path / "comp.onnx"
     fc_compile(str(src), output=str(comp), frame_tokens=4, threshold=float("inf"),
-               kv_layers=["0:budget=64,sinks=2,window=8,eviction=oldest", "1:budget=80"])
+               kv_layers=["0:budget=64,sinks=2,window=8,eviction=oldest", "1:budget=80,window=4"])
     prompt, mask, steps = _inputs(4, 30)
     got, st = _run(comp, prompt, mask, steps)
     want = ort_driver.decode(src, [prompt, *steps], pad=[0, 3]).logits
@@ -85,7 +85,7 @@ def test_budgets_above_context_everywhere_equal_the_export(zoo_model, fc_compile
     assert st["past_key_values.0.key"].shape == (2, 2, 64, 16) and st["past_key_values.1.value"].shape == (2, 2, 80, 16)
     fc = FastCarSession(comp).fastcar
     settings = fc.kv_layer_settings()
-    assert (settings[0]["budget"], settings[0]["window"], settings[1]["budget"], settings[1]["window"]) == (64, 8, 80, 0)
+    assert (settings[0]["budget"], settings[0]["window"], settings[1]["budget"], settings[1]["window"]) == (64, 8, 80, 4)
     assert "budget" not in fc.kv_compress  # no shared top-level setting that an old runtime would apply to all
 
 
@@ -119,17 +119,17 @@ def test_bad_kv_layer_cli_exit_2(zoo_model, tmp_path, capsys):
     src = str(zoo_model("llama", "dynamo20"))
     for extra, msg in ((["--kv-layer", "0:budget=ten"], "must be integers"),
                        (["--kv-layer", "0:off", "--kv-layer", "0-1:budget=8"], "layer 0 already has settings"),
-                       (["--kv-layer", "5:budget=8"], "names layer 5")):
+                       (["--kv-layer", "5:budget=8,window=4"], "names layer 5")):
         assert_cli_refuses(main, [src, "-o", str(tmp_path / "o.onnx"), "--frame-tokens", "4", *extra], msg,
                            tmp_path / "o.onnx", capsys)
 
 
 def test_layers_without_an_entry_take_the_global_settings():
     """--kv-layer overrides only the layers it names; the rest keep --kv-budget's setting ('off' = uncompressed)."""
-    opts = CompileOptions(frame_tokens=4, kv_budget=20, kv_window=3, kv_layers=("0:off", "2-3:budget=9,tempcache=0.9"))
+    opts = CompileOptions(frame_tokens=4, kv_budget=20, kv_window=4, kv_layers=("0:off", "2-3:budget=9,window=4,tempcache=0.9"))
     assert opts.kv_config(0) is None
-    assert (opts.kv_config(1).budget, opts.kv_config(1).window, opts.kv_config(1).tempcache_sim) == (20, 3, None)
-    assert (opts.kv_config(3).budget, opts.kv_config(3).window, opts.kv_config(3).tempcache_sim) == (9, 0, 0.9)
+    assert (opts.kv_config(1).budget, opts.kv_config(1).window, opts.kv_config(1).tempcache_sim) == (20, 4, None)
+    assert (opts.kv_config(3).budget, opts.kv_config(3).window, opts.kv_config(3).tempcache_sim) == (9, 4, 0.9)
     # parsed once at construction: every read hands back the same settings objects
     assert opts.kv_config(1) is opts.kv_compress and opts.kv_config(2) is opts.kv_config(3)
     with pytest.raises(FastCarError, match="--fused-attention fastcar"):

@@ -74,6 +74,18 @@ class KVCompressConfig:
         if self.frame_len < 1 or self.video_start < 0:
             raise FastCarError(f"frame_len must be >= 1 and video_start >= 0, got {self.frame_len}, {self.video_start}")
 
+    def check_fastcar_window(self, where: str, fix: str) -> None:
+        """Refuse these settings on a FastCar layer when the window is shorter than a frame. The gate of a
+        compressed layer reads the key of token p - frame_len from this cache (CompressedAttention hands it
+        over, zeros once evicted), and only the last `window` tokens are safe from eviction: with a shorter
+        window the aligned key can be gone, reads as zeros and replay silently collapses (51% -> 14% seen).
+        `where` names the setting, `fix` says what to change."""
+        if self.window < self.frame_len:
+            raise FastCarError(f"{where}: window {self.window} is shorter than a frame ({self.frame_len} tokens, "
+                               f"--frame-tokens) on a FastCar layer, so the key one frame back that the gate "
+                               f"reads can be evicted and read as zeros; {fix}, or keep FastCar off these layers "
+                               "with --layers")
+
     @property
     def is_dense(self) -> bool:
         """No budget, no merging, no sparsity: attention must equal plain dense attention."""
