@@ -3,11 +3,17 @@
 A decode step changes little: the token, its position, the attention mask's length and the logits. The KV
 buffers and the FastCar state are the same arrays for a whole video (the native kernels write them in place).
 `StepBinding` binds each name once and again only when its array changes, so a step's Python work outside ORT
-binds a few small arrays, not a pass over every state tensor (issue 11: Python per step).
+binds a few small arrays, not a pass over every state tensor.
+
+One binding belongs to one video (it travels with that video's `DecodeState`), never to the session: an ORT
+IO binding is not safe to use from two threads at once, and a session must be (ORT's `InferenceSession.run` is),
+so videos stepped concurrently from several threads each bind their own buffers. The lock serialises steps of
+the same video from two threads (a caller's race, which must not become a heap corruption).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -15,7 +21,8 @@ import numpy as np
 
 
 class StepBinding:
-    """One ORT session's IO binding; every bound numpy array is kept alive here (ORT aliases its memory)."""
+    """One video's IO binding on an ORT session; every bound numpy array is kept alive here (ORT aliases its
+    memory), with what is bound: the state arrays, whether tau is an input, the video_start value."""
 
     def __init__(self, session: Any):
         import onnxruntime as ort
@@ -28,6 +35,10 @@ class StepBinding:
         self._wrap = C.OrtValue.ortvalue_from_numpy  # aliases the array (no copy)
         self.inputs: dict[str, np.ndarray] = {}
         self.outputs: dict[str, np.ndarray] = {}
+        self.state: tuple[tuple[str, ...], list[np.ndarray]] | None = None  # (names, arrays) bound in place
+        self.tau_bound = False  # the bound input set includes the threshold
+        self.video_start = 0  # the value in the bound video_start buffer
+        self.lock = threading.Lock()
 
     def bind_input(self, name: str, a: np.ndarray) -> None:
         """Bind `a` (C-contiguous) to input `name` unless it already is."""

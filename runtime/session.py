@@ -13,6 +13,7 @@ import json
 import operator
 import os
 import re
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,9 @@ class DecodeState:
     consumed: bool = False  # set when a step updated these arrays in place (native kernels)
     real_len: np.ndarray | None = None  # [batch] real (unpadded) tokens so far: the next position id
     mask_buffer: np.ndarray | None = None  # [batch, max_length] (shared KV): attention_mask is a view of it
+    # this video's IO binding (native kernels / shared KV), handed on to the next state: per video, not per
+    # session, so videos stepped from several threads never share one (runtime/binding.py)
+    binding: StepBinding | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.real_len is None:
@@ -220,11 +224,10 @@ class FastCarSession:
         # in place: present_mlp_* are bound to the buffers of past_mlp_*, so the cache is never copied
         self._vocab: int | None = None
         self._logits_dtype = np.dtype(np.float32)
-        # IO binding (_run_bound), kept between steps: see runtime/binding.py
-        self._binding: StepBinding | None = None
-        self._bound_state: tuple[tuple[str, ...], list[np.ndarray]] | None = None  # (names, arrays) bound
-        self._tau_bound = False  # the bound input set includes the threshold
+        # IO binding (_run_bound), kept between steps in each video's state: see runtime/binding.py
         self._tau_last: tuple[Any, np.ndarray] | None = None  # (the caller's threshold as a key, its array)
+        self._plan_lock = threading.Lock()  # the plan below is made once, by whichever thread steps first
+        self._ort_time = threading.local()  # last_ort_s of the calling thread
         # made once on the first bound step: each state spec with how its output is bound ("fast": to its input's
         # buffer; "shared": the fixed KV buffer, past and present; "kv": a new growing buffer), and the outputs
         # written into buffers bound once (logits, diagnostics); None: an output of unknown shape (plain runs)
@@ -235,7 +238,6 @@ class FastCarSession:
         self._feeds_mask = contract.ATTENTION_MASK in self._inputs
         self._feeds_positions = contract.POSITION_IDS in self._inputs
         self._feeds_video_start = contract.VIDEO_START in self._inputs
-        self._video_start_bound = 0  # the value in the bound video_start buffer
         self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
         # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
@@ -256,8 +258,12 @@ class FastCarSession:
         self.kv_slots: int | None = max(self._kv_caps.values()) if self._kv_caps else None  # the largest budget
         if self.kv_slots is not None and self.native_library is None:
             raise FastCarError(_needs_native(self.path.name))
-        # seconds inside ONNX Runtime of the last step, bound or plain (step time minus this = Python)
-        self.last_ort_s = 0.0
+
+    @property
+    def last_ort_s(self) -> float:
+        """Seconds inside ONNX Runtime of this thread's last step, bound or plain (step time minus this =
+        Python); per thread, so concurrent steps of other threads do not overwrite it."""
+        return getattr(self._ort_time, "s", 0.0)
 
     def _check_shared_kv(self, max_length: int | None) -> int | None:
         if max_length is None:
@@ -395,20 +401,19 @@ class FastCarSession:
         return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ state
-    def release(self) -> None:
-        """Drop the IO bindings (and so the last video's state, shared KV and output buffers they keep alive);
-        the next step binds its own arrays again. new_state calls it: a dropped video's memory is freed."""
-        if self._binding is not None:
-            self._binding.clear()
-        self._bound_state = None
+    def release(self, state: DecodeState | None = None) -> None:
+        """Drop `state`'s IO binding (the buffers it keeps alive besides the state's own arrays) now rather than
+        when the state is dropped; its next step binds again. Without a state there is nothing to do: bindings
+        belong to the videos' states (runtime/binding.py), so a dropped video frees its memory by itself."""
+        if state is not None and state.binding is not None:
+            with state.binding.lock:
+                state.binding.clear()
+            state.binding = None
 
     def new_state(self, batch: int, video_start: int = 0) -> DecodeState:
-        """Empty state for `batch` new videos: no KV, caches zero, ages -1 (per the model's `fill`). Releases
-        the bindings of earlier videos (their buffers would otherwise stay alive after the caller drops them;
-        a video still being stepped is bound again on its next step)."""
+        """Empty state for `batch` new videos: no KV, caches zero, ages -1 (per the model's `fill`)."""
         if batch < 1:
             raise FastCarError(f"batch must be >= 1, got {batch}")
-        self.release()
         arrays = {s.input: s.empty(batch) for s in self.specs}
         for s in self.specs:  # allocated once per video, written in place by the fused attention
             cap = self._kv_capacity(s)
@@ -493,9 +498,10 @@ class FastCarSession:
                 key = tuple(np.asarray(threshold, np.float64).ravel())
         except (TypeError, ValueError):  # not numbers: threshold_array says what is wrong
             return self.threshold_array(threshold)
-        if self._tau_last is None or self._tau_last[0] != key:
-            self._tau_last = (key, self.threshold_array(threshold))
-        return self._tau_last[1]
+        last = self._tau_last  # (read once: another thread may replace it meanwhile)
+        if last is None or last[0] != key:
+            last = self._tau_last = (key, self.threshold_array(threshold))
+        return last[1]
 
     def model_feeds(self, video_start: int, threshold: float | Sequence[float] | None = None) -> dict[str, np.ndarray]:
         """The per-video inputs this model takes besides tokens and state (`video_start`, tau when given)."""
@@ -563,11 +569,13 @@ class FastCarSession:
                 arrays = {s.input: res[s.output] for s in self.specs}
             else:  # written in place: the next state holds the same arrays (this one is consumed)
                 arrays = state.arrays if self._all_inplace else {s.input: res[s.output] for s in self.specs}
+        except FastCarError:
+            raise
         except Exception as exc:
             raise FastCarError(f"ONNX Runtime failed on {self.path.name}: {exc}") from exc
         new_state = DecodeState(arrays, b, state.past_len + seq, state.video_start, state.owner, mask,
                                 real_len=state.real_len + (seq if new_mask is None else new_mask.sum(axis=1)),
-                                mask_buffer=state.mask_buffer)
+                                mask_buffer=state.mask_buffer, binding=state.binding)
         out = StepOutput(res[contract.LOGITS], new_state)
         if self._kv_stats_names:  # --kv-diagnostics
             out.extra.update({k: res[k] for k in self._kv_stats_names})
@@ -593,48 +601,61 @@ class FastCarSession:
         feeds.update(state.arrays)
         t0 = time.perf_counter()
         outs = self.session.run(self.output_names, feeds)
-        self.last_ort_s = time.perf_counter() - t0
+        self._ort_time.s = time.perf_counter() - t0
         res = dict(zip(self.output_names, outs, strict=True))
         self._vocab, self._logits_dtype = res[contract.LOGITS].shape[-1], res[contract.LOGITS].dtype
         return res
 
     def _plan(self) -> bool:
-        """How each output is bound (made once, on the first bound step); False when one cannot be predicted."""
-        self._planned = True
+        """How each output is bound (made once, on the first bound step); False when one cannot be predicted.
+        Under a lock, and published last (`_planned`), so a concurrent first step never sees half a plan."""
+        with self._plan_lock:
+            if not self._planned:
+                self._make_plan()
+                self._planned = True
+        return self._state_plan is not None
+
+    def _make_plan(self) -> None:
         kinds = {s.output: (s, "fast" if s.kind == "fastcar" else "shared" if self._kv_capacity(s) is not None
                             else "kv") for s in self.specs}
         diag = {**{contract.tas_output(n): np.dtype(np.float32) for n in self.layers},
                 **{contract.replay_mask_output(n): np.dtype(np.bool_) for n in self.layers}}
         fresh = [(contract.LOGITS, self._logits_dtype)] + [(n, diag[n]) for n in self.output_names if n in diag]
         if any(n not in kinds and n not in diag and n != contract.LOGITS for n in self.output_names):
-            return False  # e.g. --kv-diagnostics statistics: shapes unknown before the run
-        self._state_plan = [kinds[s.output] for s in self.specs]
+            return  # e.g. --kv-diagnostics statistics: shapes unknown before the run
+        plan = [kinds[s.output] for s in self.specs]
         self._fresh = fresh
-        self._all_inplace = all(kind != "kv" for _, kind in self._state_plan)
-        return True
+        self._all_inplace = all(kind != "kv" for _, kind in plan)
+        self._state_plan = plan
 
     def _run_bound(self, state: DecodeState, ids: np.ndarray, mask: np.ndarray, position_ids: np.ndarray | None,
                    tau: np.ndarray | None, seq: int) -> dict[str, np.ndarray] | None:
         """Run through ORT's IO binding, every output preallocated; present_mlp_* / shared KV outputs bound to
         the buffers of their past inputs, so the native kernels write the state in place (no copy per step).
 
-        Bindings persist between steps (runtime/binding.py): the state is bound again only when its arrays are
-        not the ones bound (another video, or an array replaced); the token ids, position ids and attention
+        Bindings persist between steps of a video (runtime/binding.py; each video's state carries its own, so
+        threads stepping different videos share none): the state is bound again only when its arrays are not
+        the ones bound (an array replaced); the token ids, position ids and attention
         mask (a view one column longer each step) are bound as given, video_start is copied into a buffer
         bound once, tau bound again only when its values change.
         Returns logits (a copy: the bound buffer serves the next step), the diagnostics outputs (the bound
         buffers: `step` stacks them at once) and, unless all were written in place, the state outputs; None
         when an output's shape cannot be predicted (the caller then runs normally).
         """
-        if not self._planned and not self._plan() or self._state_plan is None:
+        if not (self._planned and self._state_plan is not None or self._plan()):
             return None
-        bind = self._binding
+        bind = state.binding
         if bind is None:
-            bind = self._binding = StepBinding(self.session)
-        if (tau is not None) != self._tau_bound:  # another set of inputs (tau fed, then not): start over
+            bind = state.binding = StepBinding(self.session)
+        with bind.lock:
+            return self._run_bound_locked(bind, state, ids, mask, position_ids, tau, seq)
+
+    def _run_bound_locked(self, bind: StepBinding, state: DecodeState, ids: np.ndarray, mask: np.ndarray,
+                          position_ids: np.ndarray | None, tau: np.ndarray | None, seq: int) -> dict[str, np.ndarray]:
+        if (tau is not None) != bind.tau_bound:  # another set of inputs (tau fed, then not): start over
             bind.clear_inputs()
-            self._tau_bound, self._bound_state = tau is not None, None
-        arrays, bound = state.arrays, self._bound_state
+            bind.tau_bound, bind.state = tau is not None, None
+        arrays, bound = state.arrays, bind.state
         if not (self._all_inplace and bound is not None and bound[0] == tuple(arrays)
                 and all(map(operator.is_, arrays.values(), bound[1]))):
             self._bind_state(bind, state, seq)
@@ -645,15 +666,15 @@ class FastCarSession:
         if self._feeds_positions:
             bind.bind_input(contract.POSITION_IDS, np.ascontiguousarray(position_ids))
         if self._feeds_video_start and (contract.VIDEO_START not in bind.inputs
-                                        or self._video_start_bound != state.video_start):
+                                        or bind.video_start != state.video_start):
             bind.copy_input(contract.VIDEO_START, np.array(state.video_start, dtype=np.int64))
-            self._video_start_bound = state.video_start
+            bind.video_start = state.video_start
         if tau is not None:
             bind.bind_input(contract.THRESHOLD, tau)
         vocab = self._vocab
         res = {name: bind.output_buffer(name, (b, seq, vocab) if name == contract.LOGITS else (b, seq), dtype)
                for name, dtype in self._fresh}
-        self.last_ort_s = bind.run()
+        self._ort_time.s = bind.run()
         state.consumed = True
         res[contract.LOGITS] = res[contract.LOGITS].copy()  # the caller keeps it; the buffer serves the next step
         if not self._all_inplace:
@@ -678,7 +699,7 @@ class FastCarSession:
                     a = arrays[s.input] = np.array(a)
                 bind.bind_output(s.output, a)
             bind.bind_input(s.input, a)
-        self._bound_state = (tuple(arrays), list(arrays.values())) if self._all_inplace else None
+        bind.state = (tuple(arrays), list(arrays.values())) if self._all_inplace else None
 
     def _replay_of(self, res: dict[str, np.ndarray], arrays: dict[str, np.ndarray], state: DecodeState, seq: int
                    ) -> np.ndarray | None:
