@@ -132,14 +132,11 @@ def compile(  # noqa: A001 - the natural name of the entry point
         rotary_positions=rotary_positions)
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
-    if out_path is not None and in_path is not None:
-        if fileio.same_file(in_path, out_path):
-            raise FastCarError(f"output {out_path} is the input model; choose another -o path (the input is "
-                               "never overwritten)")
+    genai_config = _genai_config(genai, in_path, out_path)
     staging = Staging(out_path, source=in_path) if out_path is not None else None
-    if staging is not None and in_path is not None:
-        fileio.refuse_collisions(fileio.model_files(in_path), staging.files())
-    ctx = CompileContext(opts, genai_config=_genai_config(genai, in_path, out_path))
+    if staging is not None:
+        _check_files(in_path, staging, genai_config)
+    ctx = CompileContext(opts, genai_config=genai_config)
     manager = pipeline.build(ctx, staging, validate)
     try:
         with fileio.os_errors(str(out_path or "")):
@@ -155,6 +152,29 @@ def compile(  # noqa: A001 - the natural name of the entry point
     report.metadata = ctx.metadata
     report.passes = pipeline.describe(manager)
     return loaded, report
+
+
+def check_files(model: str | os.PathLike, output: str | os.PathLike, *, genai: bool | None = None,
+                reads: dict[str | os.PathLike, str] | None = None) -> None:
+    """What `compile(model, output)` checks before any work (fileio.check_outputs over the model, its
+    external data, a genai folder and its outputs), with `reads`: other files the caller reads (calibration
+    data) that no output may replace. For a caller with work to do before it compiles."""
+    in_path, out_path = Path(model), fileio.check_output_path(output)
+    _check_files(in_path, Staging(out_path, source=in_path), _genai_config(genai, in_path, out_path), reads)
+
+
+def _check_files(in_path: Path | None, staging: Staging, genai_config: Path | None,
+                 reads: dict[str | os.PathLike, str] | None = None) -> None:
+    """Every file the save writes (model, external data, genai folder files) against every file it reads."""
+    files = staging.files()
+    writes: dict[Path, str] = {files[0]: "output", **{f: "the output's external data" for f in files[1:]}}
+    ins: dict[str | os.PathLike, str] = dict(fileio.model_reads(in_path)) if in_path is not None else {}
+    if genai_config is not None:
+        w, r = genai_state.planned_files(genai_config, staging.output)
+        writes.update(w)
+        ins.update(r)
+    ins.update(reads or {})
+    fileio.check_outputs(writes, ins)
 
 
 def _genai_config(genai: bool | None, in_path: Path | None, out_path: Path | None) -> Path | None:
@@ -176,10 +196,8 @@ def _input_output(model: str | os.PathLike, output: str | os.PathLike) -> tuple[
     src, dst = Path(model), fileio.check_output_path(output)
     if not src.is_file():
         raise FastCarError(f"{src} does not exist")
-    if fileio.same_file(src, dst):
-        raise FastCarError(f"output {dst} is the input model; choose another output path")
     staging = Staging(dst, source=src)
-    fileio.refuse_collisions(fileio.model_files(src), staging.files())
+    _check_files(src, staging, None)
     return src, staging
 
 
@@ -208,12 +226,14 @@ def native_attention(model: str | os.PathLike, output: str | os.PathLike, valida
     dst = staging.output
     loaded, _ = load(src)
     ctx = CompileContext(CompileOptions(frame_tokens=1), genai_config=_genai_config(None, src, dst))
+    if ctx.genai_config is not None:
+        _check_files(src, staging, ctx.genai_config)
     passes: list[ir.passes.PassBase] = [native_gqa.NativeGqaPass(ctx.notes)]
     if validate:
         passes.append(ValidatePass(staging))
-    passes.append(SavePass(staging))
     if ctx.genai_config is not None:
-        passes.append(genai_state.GenaiConfigPass(ctx, staging.output))
+        passes.append(genai_state.GenaiConfigPass(ctx, staging))
+    passes.append(SavePass(staging))
     try:
         with fileio.os_errors(str(dst)):
             pipeline.run(ir.passes.PassManager(passes), loaded)

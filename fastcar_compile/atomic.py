@@ -1,7 +1,8 @@
 """Atomic file output: every file the project writes goes through here.
 
 A temp file in the destination folder is written, given the usual permissions (mkstemp creates 0600), and
-renamed onto the target; on any failure it is removed, so a crash never leaves a half-written output.
+renamed onto the target; on any failure it is removed, so a crash never leaves a half-written output. A write
+error that names no file (a full disk fails `write`, not `open`) is re-raised naming the target.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from fastcar_compile.fileio import refuse_special, with_path
 
 
 @contextmanager
@@ -26,7 +29,10 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
+        refuse_special(path)  # last look before the rename: never replace a device, FIFO or socket
         os.replace(tmp, path)
+    except OSError as exc:
+        raise with_path(exc, path) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

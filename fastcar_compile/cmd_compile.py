@@ -232,19 +232,15 @@ def _fpga(args) -> int:
 def _calibrate(args) -> int:
     import tempfile
 
-    import numpy as np
-
     import fastcar_compile as fc
 
     if args.calib_data is None:
         raise FastCarError("--calibrate-* needs --calib-data prompts.npy (int array [prompts, prompt_len])")
-    try:
-        prompts = np.load(args.calib_data)
-    except Exception as exc:  # noqa: BLE001
-        raise FastCarError(f"--calib-data {args.calib_data}: cannot read a .npy array ({exc})") from None
-    if prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
-        raise FastCarError(f"--calib-data must hold an integer array [prompts, prompt_len], got {prompts.dtype} "
-                           f"{prompts.shape}")
+    from fastcar_compile.api import check_files
+    from fastcar_compile.eval_model import load_prompts
+
+    check_files(args.model, args.output, genai=args.genai, reads={args.calib_data: "--calib-data"})
+    prompts = load_prompts(args.calib_data, "--calib-data")
     from fastcar_compile.runtime.calibrate import calibrate_threshold
 
     with tempfile.TemporaryDirectory() as tmp:

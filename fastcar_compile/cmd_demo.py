@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
     if a.max_replay < 0 or a.max_replay > limits.MAX_REPLAY:
         raise FastCarError(f"--max-replay must be in 0..{limits.MAX_REPLAY} (0 = off), got {a.max_replay}")
     fileio.check_output_dir(a.out, "--out")
+    fileio.check_outputs({a.out / name: f"--out's {name}" for name in OUTPUTS})
     t0 = time.time()
     with fileio.staged_dir(a.out) as staged:  # every file appears at the end, or none (no empty folder)
         files, fast, s = _run(a, staged, t0)
@@ -74,6 +75,11 @@ def main(argv: list[str]) -> int:
     for f in files:
         print(f"  {out / f.name}" + (" (compiled model)" if f == fast else ""))
     return 0
+
+
+# what a run may write into --out (the compiled model's data file only when the weights are large)
+OUTPUTS = ("demo.gif", "strip.png", "replay_heatmap.png", "replay_layers.png", "psnr_frames.png", "results.json",
+           "fast.onnx", "fast.onnx.data")
 
 
 def _run(a: argparse.Namespace, out: Path, t0: float):

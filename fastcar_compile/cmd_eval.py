@@ -128,6 +128,7 @@ def main(argv: list[str]) -> int:
     from fastcar_compile.atomic import write_bytes
 
     fileio.check_output_dir(a.out, "--out")
+    fileio.check_outputs({a.out / name: f"--out's {name}" for name in ("eval.json", "eval.md", "eval.png")})
     t0 = time.time()
     with fileio.staged_dir(a.out) as staged:  # the three results appear together at the end, or none
         models = Path(tempfile.mkdtemp(prefix=".eval-models-", dir=staged))  # compiled per tau, removed below
@@ -183,8 +184,9 @@ def _sweep(a, targets: list[float], variants: list[str], out: Path) -> list[dict
 def _own(a) -> int:
     if a.model is None or a.prompts is None:
         raise FastCarError("eval on your model needs both --model fast.onnx and --prompts p.npy")
-    from fastcar_compile.eval_model import evaluate, load_prompts
+    from fastcar_compile.eval_model import check_files, evaluate, load_prompts
 
+    check_files(a.model, a.dense, a.out, a.prompts)
     prompts = load_prompts(a.prompts)
     frames = 4 if a.frames is None else a.frames
     threads = 2 if a.threads is None else a.threads
@@ -210,6 +212,7 @@ def _kv_sweep(a) -> int:
     tok = load_tokenizer()
     modes = kvsweep.parse_modes(a.kv_modes or kvsweep.DEFAULT_MODES, tok.tokens_per_frame, VIDEO_START)
     fileio.check_output_dir(a.out, "--out")
+    fileio.check_outputs({a.out / f"kv_sweep.{ext}": f"--out's kv_sweep.{ext}" for ext in ("json", "md", "png")})
     import torch
 
     torch.set_num_threads(1 if a.threads is None else a.threads)

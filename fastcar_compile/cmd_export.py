@@ -34,6 +34,7 @@ def main(argv: list[str]) -> int:
     out = Path(a.output)
     if out.suffix != ".onnx":
         raise FastCarError(f"-o {out}: give a path ending in .onnx")
+    _check_files(Path(a.source), out)
     from fastcar_compile.export import check_logits, export_decoder, load_model
 
     t0 = time.perf_counter()
@@ -56,10 +57,24 @@ def main(argv: list[str]) -> int:
     msg = f"wrote {out} ({time.perf_counter() - t0:.0f} s)"
     if not a.no_check:
         err = check_logits(model, out)
-        if err > CHECK_TOLERANCE:
+        if not err <= CHECK_TOLERANCE:  # NaN fails too
             raise FastCarError(f"{out}: ONNX Runtime logits differ from the eager model by {err:.3g} "
                                f"(> {CHECK_TOLERANCE}); try the other exporter")
         msg += f"; logits match the eager model (max abs diff {err:.1e} over a prompt + 2 decode steps)"
     print(msg)
     print(f"next: fastcar-compile {out} --inspect")
     return 0
+
+
+def _check_files(source: Path, out: Path) -> None:
+    """Before any work: the output (and the data file a large export writes beside it) is a regular file or a
+    new path, and none is a file of the checkpoint folder (config, weights, tokenizer)."""
+    from fastcar_compile.fileio import check_output_path, check_outputs
+
+    check_output_path(out, "-o")
+    folder = source if source.is_dir() else source.parent
+    reads = {f: "a file of the checkpoint" for f in folder.iterdir()  # not earlier exports into the folder
+             if f.is_file() and ".onnx" not in f.name and f.suffix != ".data"} if folder.is_dir() else {}
+    if source.is_file():
+        reads[source] = "the config"
+    check_outputs({out: "-o", out.parent / f"{out.name}.data": "the output's external data"}, reads)

@@ -21,11 +21,23 @@ def main(argv: list[str]) -> int:
                                                          "draw the replay share of every token position")
     ap.add_argument("-o", "--out-dir", default=None, help="folder for the PNGs (default: next to the run)")
     a = ap.parse_args(argv)
-    from fastcar_compile.runtime.report import comparison, parse_frame_shape, write_report
+    from fastcar_compile.fileio import check_outputs
+    from fastcar_compile.runtime.report import (
+        PICTURES,
+        comparison,
+        parse_frame_shape,
+        picture_name,
+        write_report,
+    )
     from fastcar_compile.runtime.stats import RunStats
 
     if len(a.runs) > 2:
         raise FastCarError(f"give one run.json, or two (FastCar and dense), not {len(a.runs)}")
+    # before reading them: the pictures go beside the FastCar run, which may be either file
+    for p in a.runs:
+        out = Path(a.out_dir or Path(p).parent)
+        check_outputs({out / picture_name(Path(p).stem, kind): "picture" for kind in PICTURES},
+                      {r: "the run" for r in a.runs})
     runs = [(Path(p), RunStats.load(p)) for p in a.runs]
     dense = None
     if len(runs) == 2:

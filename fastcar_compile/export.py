@@ -130,17 +130,83 @@ def load_model(source: str | os.PathLike, seed: int = 0):
         raise FastCarError(f"{cfg_file}: transformers cannot read this config ({str(exc).splitlines()[0][:200]})") \
             from None
     config._attn_implementation = "sdpa"
+    check_size(config, cfg_file)
     weights = src.is_dir() and any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+    verbosity = tf.logging.get_verbosity()
+    tf.logging.set_verbosity_error()  # its load report of a broken checkpoint: said in one line below
     try:
         if weights and src.is_dir():
-            model = tf.AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32)
+            model, info = tf.AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                                                  output_loading_info=True,
+                                                                  ignore_mismatched_sizes=True)
         else:
             torch.manual_seed(seed)
-            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model, info = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32), {}
     except ValueError as exc:
-        raise FastCarError(f"{cfg_file}: not a causal LM transformers knows ({str(exc).splitlines()[0][:200]})") \
-            from None
-    return model.float().eval(), bool(weights and src.is_dir())
+        raise FastCarError(f"{cfg_file}: not a causal LM transformers knows ({_first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 - safetensors/torch/pickle raise many types for a broken weight file
+        raise FastCarError(f"{folder}: cannot load the weights ({type(exc).__name__}: {_first_line(exc)}); check "
+                           "that the weight files are complete and match config.json") from None
+    finally:
+        tf.logging.set_verbosity(verbosity)
+    _refuse_incomplete(info, folder)
+    model = model.float().eval()
+    if weights and src.is_dir():
+        _refuse_non_finite(model, folder)
+    return model, bool(weights and src.is_dir())
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def check_size(config: Any, where: Path) -> None:
+    """Refuse a config whose model cannot fit in this machine's memory (vocab_size 10^12 would otherwise fail
+    as a MemoryError deep inside torch): embedding and layer weights estimated in float32."""
+    from fastcar_compile.limits import memory_bytes
+
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    dims = {k: getattr(cfg, k, None) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                               "intermediate_size")}
+    bad = [f"{k}={v!r}" for k, v in dims.items() if v is not None and (isinstance(v, bool) or
+                                                                       not isinstance(v, int) or v < 1)]
+    if bad:
+        raise FastCarError(f"{where}: {', '.join(bad)} must be positive integers; fix config.json")
+    vocab, hidden, layers = (dims[k] or 1 for k in ("vocab_size", "hidden_size", "num_hidden_layers"))
+    inter = dims["intermediate_size"] or 4 * hidden
+    need = 4 * (2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inter))
+    if need > memory_bytes():
+        raise FastCarError(f"{where}: vocab_size {vocab}, hidden_size {hidden}, {layers} layers need about "
+                           f"{need / 2**30:.0f} GiB of float32 weights, more than this machine's "
+                           f"{memory_bytes() / 2**30:.0f} GiB; check config.json")
+
+
+def _names(names, n: int = 4) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _refuse_incomplete(info: dict, folder: Path) -> None:
+    """transformers fills weights a checkpoint lacks with random values (and drops unknown ones) with only a
+    log line: an export of such a model is not the user's model."""
+    for key, what in (("missing_keys", "lacks weights the model in config.json needs"),
+                      ("mismatched_keys", "has weights whose shapes contradict config.json"),
+                      ("unexpected_keys", "has weights the model in config.json does not have")):
+        names = [k if isinstance(k, str) else k[0] for k in info.get(key) or ()]
+        if names:
+            raise FastCarError(f"{folder}: the checkpoint {what} ({_names(names)}); give the complete checkpoint "
+                               "saved with this config")
+    if info.get("error_msgs"):
+        raise FastCarError(f"{folder}: the weights do not load cleanly ({str(info['error_msgs'][0])[:200]})")
+
+
+def _refuse_non_finite(model, folder: Path) -> None:
+    import torch
+
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise FastCarError(f"{folder}: weights hold NaN or infinity ({_names(bad)}); the checkpoint is broken")
 
 
 def export_decoder(model, output: str | os.PathLike, *, opset: int | None = None, dynamo: bool = True,
@@ -228,4 +294,8 @@ def check_logits(model, path: str | os.PathLike, steps: int = 2) -> float:
         got.append(res["logits"])
         past = {k: res[k.replace("past_key_values", "present")] for k in past}
         t += n
-    return float(np.abs(np.concatenate(got, axis=1) - want).max())
+    got = np.concatenate(got, axis=1)
+    if not (np.isfinite(want).all() and np.isfinite(got).all()):  # NaN - NaN is no match
+        raise FastCarError(f"{path}: the logits hold NaN or infinity (eager: {int((~np.isfinite(want)).sum())}, "
+                           f"ONNX Runtime: {int((~np.isfinite(got)).sum())} values); the model is broken")
+    return float(np.abs(got - want).max())

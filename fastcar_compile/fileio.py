@@ -1,8 +1,11 @@
 """File safety for everything the project reads and writes: inputs are never touched, outputs appear whole.
 
-* ``model_files`` lists every file an ONNX model reads (the model and each external-data location), so
-  ``refuse_collisions`` can compare them with every file an output will write, through symlinks and hard
-  links (same device and inode), before anything is written.
+* ``check_outputs`` is the one check every command runs before any work, with all the files it will write
+  (derived ones too: external data, pictures, files written beside) and all it reads (``model_files``: the
+  model and each external-data location; calibration data, board files, traces, prompts): no output may be
+  an input (through symlinks, hard links, ``./x`` vs ``x``), and none may be a device, FIFO or socket
+  (renaming a file over ``/dev/null`` would replace the device node).
+* ``read_json`` is the one reader of user-supplied JSON: size and nesting bounded before parsing.
 * ``copy_file`` copies external data for an output instead of hard-linking it (onnx >= 1.23 refuses to load a
   model whose data file has several links, and a later in-place write would change both models): a reflink
   (FICLONE) where the file system offers one, else a sparse-aware copy (SEEK_DATA/SEEK_HOLE +
@@ -17,8 +20,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,6 +52,13 @@ def describe_os_error(exc: OSError, what: str = "") -> str:
     hint = _HINTS.get(exc.errno or -1, (exc.strerror or str(exc)).lower())
     prefix = f"{what}: " if what and str(where) != what else ""
     return f"{prefix}{where}: {hint}"
+
+
+def with_path(exc: OSError, path: str | os.PathLike) -> OSError:
+    """`exc`, naming `path` when it names no file (a full disk fails a write, not the open: no file name)."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path))
 
 
 @contextmanager
@@ -132,19 +143,58 @@ def model_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
+def model_reads(path: str | os.PathLike, what: str = "the input model") -> dict[Path, str]:
+    """model_files, labelled for check_outputs."""
+    files = model_files(path)
+    return {files[0]: what, **{f: f"{what}'s external data" for f in files[1:]}}
+
+
 def missing_external_data(path: str | os.PathLike) -> list[Path]:
     """External-data files a model names that do not exist (loading it would fail deep inside onnx)."""
     return [f for f in model_files(path)[1:] if not f.is_file()]
 
 
-def refuse_collisions(reads: Iterable[str | os.PathLike], writes: Iterable[str | os.PathLike]) -> None:
-    """Raise FastCarError if any output file would replace (or write into) a file the input reads."""
-    reads = list(reads)
-    for w in writes:
-        for r in reads:
+Paths = Mapping[str | os.PathLike, str] | Iterable[str | os.PathLike]
+
+_SPECIAL = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+            (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def _labelled(paths: Paths, default: str) -> list[tuple[Path, str]]:
+    items = paths.items() if isinstance(paths, Mapping) else ((p, default) for p in paths)
+    return [(Path(p), what) for p, what in items if p is not None]
+
+
+def refuse_special(path: str | os.PathLike, what: str = "output") -> None:
+    """An output must be a new path or a regular file, also where a symlink leads: a rename over a device,
+    FIFO or socket would replace that node (as root, `-o /dev/null` would replace the system's)."""
+    try:
+        st = os.stat(path)
+    except OSError:  # nothing there (a new path, or a dangling link that the rename replaces)
+        return
+    if stat.S_ISREG(st.st_mode):
+        return
+    kind = next((k for test, k in _SPECIAL if test(st.st_mode)), "not a regular file")
+    via = f" (through the link to {os.path.realpath(path)})" if os.path.islink(path) else ""
+    hint = "give a file path, not a folder" if stat.S_ISDIR(st.st_mode) else \
+        "give a regular file or a new path (special files are never replaced)"
+    raise FastCarError(f"{what} {path} is {kind}{via}; {hint}")
+
+
+def check_outputs(writes: Paths, reads: Paths = ()) -> None:
+    """Run by every command before any work, with every file it writes and every file it reads: each output
+    must be a regular file or a new path, and none may be an input (same path, symlink, hard link: an atomic
+    rename would replace the input, and a picture or model would take the place of a bundle or prompt file).
+    Mappings name each path ({path: "--timeline"}); plain lists are "output" / "input"."""
+    outs, ins = _labelled(writes, "output"), _labelled(reads, "input")
+    for w, w_what in outs:
+        refuse_special(w, w_what)
+    for w, w_what in outs:
+        for r, r_what in ins:
             if same_file(r, w):
-                raise FastCarError(f"output {w} would overwrite {r}, which the input model reads; choose "
-                                   "another -o path (inputs are never modified)")
+                same = "" if str(r) == str(w) else f" {r}"
+                raise FastCarError(f"{w_what} {w} would overwrite {r_what}{same}, which this command reads; "
+                                   "choose another output path (inputs are never modified)")
 
 
 def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
@@ -190,6 +240,53 @@ def check_input_file(path: str | os.PathLike, what: str) -> Path:
     if not os.access(path, os.R_OK):
         raise FastCarError(f"{what} {path} is not readable (permission denied)")
     return path
+
+
+MAX_JSON_BYTES = 256 << 20  # a run.json of a long batched run stays far below; a board or genai config is KBs
+MAX_JSON_DEPTH = 64  # run.json nests 4 deep, genai_config.json 5: deeper is not one of ours
+
+
+def _json_depth(text: str) -> int:
+    """The deepest [ / { nesting of a JSON text, counted without recursion (strings cannot open a level)."""
+    import re
+
+    import numpy as np
+
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text).encode("utf-8", "replace")
+    b = np.frombuffer(bare, np.uint8)
+    step = np.isin(b, (ord("["), ord("{"))).astype(np.int64) - np.isin(b, (ord("]"), ord("}")))
+    return int(np.cumsum(step).max()) if len(step) else 0
+
+
+def read_json(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_JSON_BYTES,
+              max_depth: int = MAX_JSON_DEPTH, kind: type | None = dict):
+    """A user-supplied JSON file, bounded in size and depth before it is parsed (the parser recurses: 100,000
+    levels crash it), as `kind` (None: any value). Every problem is one FastCarError naming the file."""
+    import json
+
+    path = check_input_file(path, what)
+    with os_errors(what):
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise FastCarError(f"{what} {path} is {size / 2**20:.0f} MiB, more than the {max_bytes >> 20} MiB a "
+                               f"{what} can be; give the right file")
+        data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark is harmless
+    except UnicodeDecodeError:
+        raise FastCarError(f"{what} {path} is not a UTF-8 text file (binary?); give the JSON file") from None
+    if (depth := _json_depth(text)) > max_depth:
+        raise FastCarError(f"{what} {path} nests {depth} levels deep (at most {max_depth}); give the right file")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FastCarError(f"{what} {path} is not valid JSON ({exc}); fix or regenerate it") from None
+    except RecursionError:
+        raise FastCarError(f"{what} {path} nests too deeply; give the right file") from None
+    if kind is not None and not isinstance(value, kind):
+        want = {dict: "a JSON object", list: "a JSON list"}.get(kind, kind.__name__)
+        raise FastCarError(f"{what} {path} must hold {want}, not {type(value).__name__ if value is not None else 'null'}")
+    return value
 
 
 def read_text(path: str | os.PathLike, what: str) -> str:
@@ -316,18 +413,29 @@ def staged_dir(target: str | os.PathLike) -> Iterator[Path]:
                 raise FastCarError(f"{target / e.name} is a directory; remove it or write elsewhere")
         umask = os.umask(0)
         os.umask(umask)
+        for e in entries:
+            refuse_special(target / e.name)
         with os_errors(str(target)):
             for e in entries:
                 if e.is_file() and (e.stat().st_mode & 0o777) == 0o600:
                     os.chmod(e, 0o666 & ~umask)
                 os.replace(e, target / e.name)
                 moved.append(target / e.name)
+    except OSError as exc:
+        _undo(tmp, created, moved)
+        if exc.filename is not None and str(exc.filename).startswith(str(tmp)):  # name the file it was for
+            exc = OSError(exc.errno, exc.strerror, str(target) + str(exc.filename)[len(str(tmp)):])
+        raise with_path(exc, target) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created is not None:
-            for m in moved:  # a later rename failed: the folder we created must not keep a partial set
-                m.unlink(missing_ok=True)
-            shutil.rmtree(created, ignore_errors=True)
+        _undo(tmp, created, moved)
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _undo(tmp: Path, created: Path | None, moved: list[Path]) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if created is not None:
+        for m in moved:  # a later rename failed: the folder we created must not keep a partial set
+            m.unlink(missing_ok=True)
+        shutil.rmtree(created, ignore_errors=True)

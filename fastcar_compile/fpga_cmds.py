@@ -58,9 +58,11 @@ def sim_main(argv: list[str]) -> int:
     if args.context is not None and not 1 <= args.context <= 2**32 - 1:
         raise FastCarError(f"--context must be in 1..{2**32 - 1} (KV length of a synthetic step), got {args.context}")
     if args.timeline:
-        from fastcar_compile.fileio import check_output_path
+        from fastcar_compile.fileio import check_output_path, check_outputs
 
         check_output_path(args.timeline, "--timeline")
+        check_outputs({args.timeline: "--timeline"}, {args.fcb: "the bundle", args.replay_trace: "--replay-trace",
+                                                      args.board_file: "--board-file", args.baseline: "--baseline"})
     program = encode.load(args.fcb)
     board = None
     if args.board or args.board_file:
@@ -75,9 +77,9 @@ def sim_main(argv: list[str]) -> int:
     video_start = int(program.meta["model"].get("video_start", 0))
     if args.replay_trace:
         replay, ctx, batch = masks.load_trace(args.replay_trace, layers)
-        from fastcar_compile.errors import read_json_file
+        from fastcar_compile.fileio import read_json
 
-        used = read_json_file(args.replay_trace, "replay trace").get("video_start")
+        used = read_json(args.replay_trace, "replay trace").get("video_start")
         if used is not None and int(used) != video_start:
             print(f"note: the trace's run used video_start {used} but the program was compiled for {video_start}; "
                   f"recompile with --video-start {used} so the bundle records it", file=sys.stderr)
@@ -189,11 +191,10 @@ def disasm_main(argv: list[str]) -> int:
 
     program = encode.load(args.fcb)
     if args.output:
-        from fastcar_compile.fileio import check_output_path, same_file
+        from fastcar_compile.fileio import check_output_path, check_outputs
 
         check_output_path(args.output, "-o")
-        if same_file(args.fcb, args.output):
-            raise FastCarError(f"-o {args.output} is the bundle file being read; choose another output path")
+        check_outputs({args.output: "-o"}, {args.fcb: "the bundle"})
         write_text(args.output, asm.disassemble(program))
         return 0
     try:
@@ -209,13 +210,12 @@ def asm_main(argv: list[str]) -> int:
     p.add_argument("source", help="assembly text (as printed by disasm)")
     p.add_argument("-o", "--output", required=True, help="bundle file to write")
     args = p.parse_args(argv)
-    from fastcar_compile.fileio import check_output_path, read_text, same_file
+    from fastcar_compile.fileio import check_output_path, check_outputs, read_text
     from fastcar_compile.fpga_backend import asm, encode
     from fastcar_compile.fpga_backend.verify import check_program
 
     check_output_path(args.output, "-o")
-    if same_file(args.source, args.output):
-        raise FastCarError(f"-o {args.output} is the assembly source; choose another output path")
+    check_outputs({args.output: "-o"}, {args.source: "the assembly source"})
     program = asm.assemble(read_text(args.source, "assembly file"))
     check_program(program)  # what sim would refuse is never written
     size = encode.save(program, args.output)

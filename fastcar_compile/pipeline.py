@@ -4,7 +4,7 @@
     [-> native GroupQueryAttention]
     [-> rotary, q/k/v layout + packed gate [-> packed QKV + RoPE in the op], RMSNorm, MLP norm hoist,
      skip-norm fusions] -> row select into the gate
-    -> KV dim names -> IR version -> metadata [-> validate] [-> save]
+    -> KV dim names -> IR version -> metadata [-> validate] [-> genai config] [-> save]
 
 A new transformation is one module under passes/ plus one line in `build`. `describe` is what
 `fastcar-compile --verbose` prints.
@@ -56,9 +56,9 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
     if staging is not None:
         if validate:
             passes.append(ValidatePass(staging))
+        if ctx.genai_config is not None:  # staged with the model, committed together by the save
+            passes.append(GenaiConfigPass(ctx, staging))
         passes.append(SavePass(staging))
-        if ctx.genai_config is not None:
-            passes.append(GenaiConfigPass(ctx, staging.output))
     return ir.passes.PassManager(passes)
 
 

@@ -24,7 +24,7 @@ import onnx
 import onnx_ir as ir
 
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import copy_file, first_missing, model_files
+from fastcar_compile.fileio import copy_file, first_missing, model_files, refuse_special
 from fastcar_compile.passes.context import weight_bytes
 
 # Above this many bytes of weights the model is written with external data (protobuf's 2 GiB limit).
@@ -104,6 +104,7 @@ class Staging:
         self.path: Path | None = None  # the written model, once written
         self.created: Path | None = None
         self.big = False
+        self.extra: list[str] = []  # files committed with the model (genai_config.json, tokenizer copies)
 
     @functools.cached_property
     def owned(self) -> list[Path]:
@@ -137,6 +138,16 @@ class Staging:
         self.path = tmp_model
         return tmp_model
 
+    def add(self, name: str) -> Path:
+        """Where to write a file that goes beside the model as part of the same output (write() first): it is
+        renamed into the output folder just before the model, and taken back if the model's rename fails."""
+        assert self.tmp is not None, "write() first"
+        if name in self.extra or name in (self.output.name, self.data_name):
+            raise FastCarError(f"{self.output.parent / name}: two files of the output would have this name; "
+                               "rename the input's companion file")
+        self.extra.append(name)
+        return self.tmp / name
+
     def commit(self) -> Path:
         """New data under its fresh name, then the .onnx rename (the commit point), then the old output's data
         files are deleted (a failure before the rename takes the new data back and leaves the old pair)."""
@@ -149,14 +160,29 @@ class Staging:
             raise FastCarError(f"{data} appeared while compiling; run again (nothing was written)")
         stale = [f for f in self.owned if f != data]
         moved = False
+        extras: list[tuple[Path, Path | None]] = []  # (placed file, the earlier file it replaced, kept aside)
         try:
             if (self.tmp / self.data_name).exists():
                 os.replace(self.tmp / self.data_name, data)
                 moved = True
+            for name in self.extra:
+                dst = self.output.parent / name
+                refuse_special(dst)
+                old = None
+                if dst.is_file():
+                    old = self.tmp / f".previous.{name}"
+                    os.link(dst, old)
+                os.replace(self.tmp / name, dst)
+                extras.append((dst, old))
             os.replace(self.path, self.output)
-        except BaseException:  # all or nothing: a data file without its model is taken back
+        except BaseException:  # all or nothing: a data file or companion without its model is taken back
             if moved:
                 data.unlink(missing_ok=True)
+            for dst, old in reversed(extras):
+                if old is not None:
+                    os.replace(old, dst)
+                else:
+                    dst.unlink(missing_ok=True)
             raise
         self.created = None
         for f in stale:  # the old model is gone: its data would be stale (or mis-paired) beside the new one

@@ -120,13 +120,13 @@ def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Pat
     run-time length per step); default 2 x frame_tokens. ``weights`` is the weight-stream mode the DRS remap
     thresholds are computed for. Raises FastCarError on bad input.
     """
-    cfg = load_board(board, board_file)
     if output_path is not None:
-        from fastcar_compile.fileio import check_output_path, same_file
+        from fastcar_compile.fileio import check_output_path, check_outputs, model_reads
 
         check_output_path(output_path, "-o")
-        if isinstance(onnx_path, str | Path) and same_file(onnx_path, output_path):
-            raise FastCarError(f"-o {output_path} is the input model; choose another output path")
+        reads = dict(model_reads(onnx_path)) if isinstance(onnx_path, str | Path) else {}
+        check_outputs({output_path: "-o"}, {**reads, board_file: "--board-file"})
+    cfg = load_board(board, board_file)
     program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict, weights=weights,
                             dense=dense, video_start=video_start)
     from .verify import check_program

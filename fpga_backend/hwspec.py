@@ -20,7 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fastcar_compile.errors import FastCarError, read_json_file
+from fastcar_compile.errors import FastCarError
+from fastcar_compile.fileio import read_json
 
 KIB = 1024
 MAX_FIGURE = 2**31 - 1  # largest value any board figure may take
@@ -184,7 +185,7 @@ def load_board(board: str | BoardConfig = "kv260", board_file: str | Path | None
     if board_file is None:
         return _validated(cfg)
     path = Path(board_file)
-    data = read_json_file(path, "board file")
+    data = read_json(path, "board file", kind=None)
     if not isinstance(data, dict):
         raise FastCarError(f"board file {path} must hold a JSON object of board fields")
     data = {k: v for k, v in data.items() if not k.startswith("_")}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError, read_json_file
+from fastcar_compile.errors import FastCarError
+from fastcar_compile.fileio import read_json
 
 MASK_KINDS = ("random", "clustered")
 
@@ -56,7 +57,7 @@ def nested(ratios: list[float], batch: int, layers: int, steps: int, seed: int =
 def load_trace(path: str | Path, num_layers: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Read run.json (docs/DESIGN.md): returns (replay[step, layer, row], context[step], batch)."""
     path = Path(path)
-    data = read_json_file(path, "replay trace")
+    data = read_json(path, "replay trace")
     try:
         layers = [int(x) for x in data["layers"]]
         batch = int(data["batch"])

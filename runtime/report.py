@@ -17,6 +17,13 @@ from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import staged_dir
 from fastcar_compile.runtime.stats import RunStats
 
+PICTURES = ("replay", "latency", "tokens")  # <stem>.<kind>.png
+MAX_TOKEN_CELLS = 1 << 24  # frames x tokens per frame of the per-token picture (256 MiB of float64 counters)
+
+
+def picture_name(stem: str, kind: str) -> str:
+    return f"{stem}.{kind}.png"
+
 
 def _png(fig) -> bytes:
     import matplotlib.pyplot as plt
@@ -37,6 +44,8 @@ def parse_frame_shape(text: str | None, frame_tokens: int) -> tuple[int, int] | 
         h, w = (int(x) for x in text.lower().split("x"))
     except ValueError:
         raise FastCarError(f"--frame-shape {text!r}: give HxW, e.g. 16x16") from None
+    if h < 1 or w < 1:
+        raise FastCarError(f"--frame-shape {text}: height and width must be >= 1, e.g. 16x16")
     if h * w != frame_tokens:
         raise FastCarError(f"--frame-shape {text}: {h}x{w} = {h * w} tokens, but the run has {frame_tokens} "
                            "tokens per frame")
@@ -73,10 +82,14 @@ def render_report(stats: RunStats, stem: str = "run", dense: RunStats | None = N
         ax.set_ylabel("layer")
         ax.set_title(f"MLP replay % (overall {100 * stats.replay_ratio:.1f}%, tau={stats.threshold})")
         fig.colorbar(im, ax=ax, label="replay %")
-        pictures[f"{stem}.replay.png"] = _png(fig)
-    pictures[f"{stem}.latency.png"] = _latency(plt, stats, dense)
+        pictures[picture_name(stem, "replay")] = _png(fig)
+    pictures[picture_name(stem, "latency")] = _latency(plt, stats, dense)
     if frame_shape is not None and stats.layers:
-        pictures[f"{stem}.tokens.png"] = _tokens(plt, stats, frame_shape)
+        cells = max(stats.frames_done, 1) * stats.frame_tokens
+        if cells > MAX_TOKEN_CELLS:  # [frames, L] float64 twice: 2^31 tokens per frame would need 32 GiB
+            raise FastCarError(f"--frame-shape: {max(stats.frames_done, 1)} frames x {stats.frame_tokens} tokens "
+                               f"are too many to draw per token (at most {MAX_TOKEN_CELLS}); drop --frame-shape")
+        pictures[picture_name(stem, "tokens")] = _tokens(plt, stats, frame_shape)
     return pictures
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from fastcar_compile import contract
 from fastcar_compile.atomic import write_text
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.fileio import read_json
 
 
 @dataclass
@@ -263,6 +264,13 @@ class RunStats:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
             raise FastCarError(f"not a run.json (invalid JSON: {exc})") from exc
+        except RecursionError:
+            raise FastCarError("not a run.json: it nests too deeply") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RunStats:
+        """A parsed run.json, its types and bounds checked (_check_schema)."""
         if not isinstance(d, dict):
             raise FastCarError("not a run.json: expected a JSON object")
         missing = [k for k in ("frame_tokens", "layers", "batch", "steps") if k not in d]
@@ -278,22 +286,25 @@ class RunStats:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RunStats:
-        p = Path(path)
-        if p.is_dir():
-            raise FastCarError(f"{p} is a directory; give the run.json file written by generate(..., trace=PATH)")
-        if not p.is_file():
-            raise FastCarError(f"{p} does not exist; write one with RunStats.save() or generate(..., trace=PATH)")
-        try:
-            text = p.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            raise FastCarError(f"{p} is not a run.json (binary data); give the file written by generate") from None
-        except OSError as exc:
-            raise FastCarError(f"{p}: cannot read it ({exc.strerror or exc})") from None
-        return cls.from_json(text)
+        """A run.json written by generate(..., trace=PATH) or RunStats.save (fileio.read_json: bounded)."""
+        return cls.from_dict(read_json(path, "run.json"))
 
 
 def _is_int(v: Any, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_thresholds(v: Any) -> bool:
+    """tau as the runtime records it: none, one number, or one per layer (inf/nan are floats: json allows)."""
+    return v is None or _is_number(v) or (isinstance(v, list) and all(_is_number(x) for x in v))
 
 
 def _check_schema(d: dict[str, Any]) -> None:
@@ -316,6 +327,14 @@ def _check_schema(d: dict[str, Any]) -> None:
         bad.append("prefill_ms")
     if "model" in d and not isinstance(d["model"], str):
         bad.append("model")
+    for k, ok in (("threshold", _is_thresholds), ("cfg_scale", lambda v: v is None or _is_number(v)),
+                  ("fastcar", _is_bool), ("interrupted", _is_bool), ("native_ops", _is_bool),
+                  ("videos", lambda v: _is_int(v, 1, 2**31)), ("state_bytes", lambda v: _is_int(v, 0, 2**62)),
+                  ("kv_bytes_per_token", lambda v: _is_int(v, 0, 2**62)),
+                  ("tas", lambda v: v is None or isinstance(v, list)),
+                  ("kv_diagnostics", lambda v: v is None or isinstance(v, dict))):
+        if k in d and not ok(d[k]):
+            bad.append(k)
     if not bad and d.get("frames_done", 0) > len(steps) + 1:
         bad.append("frames_done")
     if not bad and layers:

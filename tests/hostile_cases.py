@@ -115,7 +115,100 @@ def build_sandbox(root: Path) -> Path:
     np.save(root / "floats.npy", np.zeros((2, 3), np.float32))
     os.symlink("model.onnx", root / "link.onnx")
     os.link(root / "model.onnx", root / "hard.onnx")
+    _files_that_are_inputs(root, run)
+    _special_files(root)
+    _genai_folders(root)
+    _checkpoints(root)
     return root
+
+
+def _files_that_are_inputs(root: Path, run: dict) -> None:
+    """Inputs named like an output of the same command (issue 26, item 2) and eval/report inputs (item 9)."""
+    rng = np.random.default_rng(1)
+    np.save(root / "calib.npy", rng.integers(0, 64, (2, 6)).astype(np.int64))
+    np.save(root / "prompts.npy", rng.integers(0, 64, (1, 6)).astype(np.int64))
+    np.savez(root / "prompts.npz", ids=np.zeros((1, 6), np.int64))
+    (root / "board.json").write_text(json.dumps({"base": "kv260"}))
+    (root / "evalout").mkdir()
+    shutil.copyfile(root / "fast.onnx", root / "evalout" / "fast.json")  # the model where eval writes fast.json
+    dense = dict(run, fastcar=False, layers=[], steps=[{"pos": st["pos"], "replay": []} for st in run["steps"]])
+    (root / "r.json").write_text(json.dumps(run))
+    (root / "r.latency.png").write_text(json.dumps(dense))  # a dense run named like the FastCar run's picture
+    (root / "run_deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (root / "run_tau_str.json").write_text(json.dumps(dict(run, threshold="abc")))
+    (root / "run_ft31.json").write_text(json.dumps(dict(run, frame_tokens=2**31)))
+    (root / "cfg.onnx").write_text(json.dumps(_tiny_llama().to_dict()))  # a config.json by another name
+
+
+def _special_files(root: Path) -> None:
+    """A FIFO, a character device (root only: mknod) and links to them: outputs must never replace them."""
+    import stat
+
+    (root / "special").mkdir()
+    os.mkfifo(root / "special" / "fifo")
+    os.symlink("fifo", root / "special" / "to-fifo")
+    os.mkfifo(root / "special" / "run.latency.png")  # where `report run.json -o special` would write
+    os.mkfifo(root / "special" / "fast.json")  # where `eval --out special` would write
+    os.mkfifo(root / "special" / "fifo.onnx")
+    if os.geteuid() == 0:
+        os.mknod(root / "special" / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        os.symlink("null", root / "special" / "to-null")
+
+
+GENAI_CONFIG = {"model": {"type": "llama", "decoder": {"filename": "model.onnx", "head_size": 16,
+                                                          "hidden_size": 64, "num_attention_heads": 4,
+                                                          "num_hidden_layers": 2, "num_key_value_heads": 4},
+                          "vocab_size": 512, "context_length": 2048}}
+
+
+def _genai_folders(root: Path) -> None:
+    """An input model beside a broken genai_config.json, one folder per way of being broken (issue 26, item 4)."""
+    cfg = json.dumps(GENAI_CONFIG).encode()
+    broken = {"ok": cfg, "trunc": cfg[: len(cfg) // 2], "list": b"[1, 2]", "null": b"null",
+              "bin": np.random.default_rng(2).bytes(300), "bom": b"\xef\xbb\xbf" + cfg,
+              "deep": b"[" * 100_000 + b"]" * 100_000, "nodecoder": b'{"model": {"type": "llama"}}',
+              "hugetok": cfg}
+    for name, data in broken.items():
+        d = root / f"genai_{name}"
+        d.mkdir()
+        os.symlink("../model.onnx", d / "model.onnx")
+        (d / "genai_config.json").write_bytes(data)
+        (d / "tokenizer.json").write_text('{"version": "1.0"}')
+    with open(root / "genai_hugetok" / "tokenizer.model", "wb") as f:  # sparse: costs no disk
+        f.truncate((1 << 30) + 1)
+
+
+def _tiny_llama():
+    import transformers as tf
+
+    return tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+
+
+def _checkpoints(root: Path) -> None:
+    """Broken transformers checkpoints for `export` (issue 26, item 5)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(_tiny_llama())
+    model.save_pretrained(root / "ckpt_ok")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(root / "ckpt_nan")
+    half = tf.LlamaForCausalLM(tf.LlamaConfig(**dict(_tiny_llama().to_dict(), num_hidden_layers=1)))
+    half.save_pretrained(root / "ckpt_half")
+    shutil.copyfile(root / "ckpt_ok" / "config.json", root / "ckpt_half" / "config.json")  # says 2 layers
+    (root / "ckpt_shape").mkdir()
+    shutil.copyfile(root / "ckpt_ok" / "model.safetensors", root / "ckpt_shape" / "model.safetensors")
+    (root / "ckpt_shape" / "config.json").write_text(json.dumps(dict(_tiny_llama().to_dict(), intermediate_size=48)))
+    for name, weights, data in (("ckpt_random", "model.safetensors", np.random.default_rng(3).bytes(4096)),
+                                ("ckpt_bin", "pytorch_model.bin", b"not a pickle" * 100)):
+        (root / name).mkdir()
+        shutil.copyfile(root / "ckpt_ok" / "config.json", root / name / "config.json")
+        (root / name / weights).write_bytes(data)
+    (root / "ckpt_vocab").mkdir()
+    (root / "ckpt_vocab" / "config.json").write_text(json.dumps(dict(_tiny_llama().to_dict(), vocab_size=10**12)))
 
 
 _HASHES: dict[tuple, str] = {}
@@ -124,13 +217,22 @@ _HASHES: dict[tuple, str] = {}
 def snapshot(root: Path) -> dict[str, tuple[str, int]]:
     """Every file under root: (sha256, inode). A file is re-hashed whenever its size, mtime or ctime moved
     (any write changes ctime), so unchanged 12 MB inputs are not hashed again for every case."""
+    import stat
+
+    from fastcar_compile.fileio import fingerprint
+
     out = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and not p.is_symlink():
-            st = p.stat()
+        st = p.lstat()
+        if stat.S_ISLNK(st.st_mode):  # a link stays the same link
+            out[str(p.relative_to(root))] = (f"link -> {os.readlink(p)}", st.st_ino)
+        elif stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode):  # a special file stays itself
+            out[str(p.relative_to(root))] = (f"special {st.st_mode:o} {st.st_rdev}", st.st_ino)
+        elif stat.S_ISREG(st.st_mode):
             key = (str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
             if key not in _HASHES:
-                _HASHES[key] = hashlib.sha256(p.read_bytes()).hexdigest()
+                _HASHES[key] = (fingerprint(p).hex() if st.st_size > 64 << 20 else
+                                hashlib.sha256(p.read_bytes()).hexdigest())
             out[str(p.relative_to(root))] = (_HASHES[key], st.st_ino)
     return out
 
@@ -163,6 +265,35 @@ def disk_full():
 
 def disk_full_save():
     return _fault("onnx_ir.save", errno.ENOSPC)
+
+
+@contextlib.contextmanager
+def _fault_unnamed(target: str, err: int):
+    """Like `_fault`, but the OSError names no file, as a real full disk fails `write` (not `open`)."""
+    import importlib
+    from unittest import mock
+
+    mod, attr = target.rsplit(".", 1)
+    try:
+        owner = importlib.import_module(mod)
+    except ModuleNotFoundError:  # a class attribute: module.Class.attr
+        mod, cls = mod.rsplit(".", 1)
+        owner = getattr(importlib.import_module(mod), cls)
+
+    def boom(*a, **k):
+        raise OSError(err, os.strerror(err))
+
+    with mock.patch.object(owner, attr, boom):
+        yield
+
+
+def disk_full_genai_files():
+    """The disk fills while the tokenizer files are copied beside the output (whichever writer copies them)."""
+    import importlib
+
+    mod = importlib.import_module("fastcar_compile.passes.genai_state")
+    name = "copy_file" if hasattr(mod, "copy_file") else "write_bytes"
+    return _fault(f"fastcar_compile.passes.genai_state.{name}", errno.ENOSPC)
 
 
 def read_only():
@@ -346,6 +477,7 @@ def cases() -> list[Case]:
         _c("eval --targets 2", lambda d: ["eval", "--targets", "2", "--out", str(d / "out/eval")],
            message="--targets"),
         _c("eval --out a file", lambda d: ["eval", "--out", str(d / "afile")], message="not a folder"),
+        *files_cases(comp, fpga, sim, rep),
         # accepted: what must work, and leaves the inputs as they were
         _c("compile external data (accepted)", comp(model="ext/model.onnx"), exit=0,
            outputs=("out/fast.onnx", "out/fast.onnx.data"), subprocess=True),
@@ -356,6 +488,95 @@ def cases() -> list[Case]:
         _c("asm round trip (accepted)", lambda d: ["asm", str(d / "prog.s"), "-o", str(d / "out/p.fcb")], exit=0,
            outputs=("out/p.fcb",)),
     ]
+
+
+def files_cases(comp, fpga, sim, rep) -> list[Case]:
+    """Issue 26, items 2-5 and 9: outputs that are inputs of the same command, special files as outputs,
+    broken genai folders, broken checkpoints for export, eval/report files."""
+    ev = lambda *extra, model="fast.onnx", prompts="prompts.npy", out="out/e": lambda d: [  # noqa: E731
+        "eval", "--model", str(d / model), "--prompts", str(d / prompts), "--frames", "2", "--out", str(d / out),
+        *extra]
+    exp = lambda src, out="out/m.onnx", *extra: lambda d: ["export", str(d / src), "-o", str(d / out),  # noqa: E731
+                                                           *extra]
+    gen = lambda name: comp(model=f"genai_{name}/model.onnx", out="out/g/fast.onnx")  # noqa: E731
+    special = [("fifo", "FIFO"), ("to-fifo", "FIFO")] + ([("null", "character device"), ("to-null",
+                                                                                           "character device")]
+                                                         if os.geteuid() == 0 else [])
+    out: list[Case] = [
+        # 2. an output that is another input of the same command
+        _c("sim --timeline the bundle it simulates", lambda d: sim("--timeline", str(d / "prog.fcb"))(d),
+           message="overwrite"),
+        _c("sim --timeline the replay trace", lambda d: sim("--replay-trace", str(d / "run.json"), "--timeline",
+                                                            str(d / "run.json"))(d), message="--replay-trace"),
+        _c("compile -o the calibration data", lambda d: comp("--calibrate-replay", "0.3", "--calib-data",
+                                                             str(d / "calib.npy"), out="calib.npy")(d),
+           message="--calib-data", subprocess=True),
+        _c("compile --target fpga -o the board file", lambda d: fpga("--board-file", str(d / "board.json"),
+                                                                     out="board.json")(d), message="--board-file"),
+        _c("eval --model OUT/fast.json (eval writes fast.json there)", ev(model="evalout/fast.json", out="evalout"),
+           message="--model"),
+        _c("eval --prompts OUT/fast.json", lambda d: ev(out="evalout")(d)[:4] + [
+            str(d / "evalout" / "fast.json"), "--frames", "2", "--out", str(d / "evalout")], message="overwrite"),
+        _c("report r.json r.latency.png (the picture is the dense run)", lambda d: [
+            "report", str(d / "r.json"), str(d / "r.latency.png")], message="overwrite"),
+        _c("export cfg.onnx -o cfg.onnx", exp("cfg.onnx", "cfg.onnx"), message="config"),
+        # 3. special files as outputs (a rename would replace the device node or FIFO)
+        *[_c(f"compile -o {name}", comp(out=f"special/{name}"), message=kind) for name, kind in special],
+        *[_c(f"asm -o {name}", lambda d, n=name: ["asm", str(d / "prog.s"), "-o", str(d / "special" / n)],
+             message=kind) for name, kind in special],
+        *[_c(f"disasm -o {name}", lambda d, n=name: ["disasm", str(d / "prog.fcb"), "-o", str(d / "special" / n)],
+             message=kind) for name, kind in special],
+        *[_c(f"sim --timeline {name}", lambda d, n=name: sim("--timeline", str(d / "special" / n))(d),
+             message=kind) for name, kind in special],
+        *[_c(f"--target fpga -o {name}", fpga(out=f"special/{name}"), message=kind) for name, kind in special],
+        _c("export -o a FIFO", exp("ckpt_ok", "special/fifo.onnx"), message="FIFO"),
+        _c("report -o a folder whose picture name is a FIFO", lambda d: ["report", str(d / "run.json"), "-o",
+                                                                         str(d / "special")], message="FIFO"),
+        _c("eval --out a folder whose fast.json is a FIFO", ev(out="special"), message="FIFO"),
+        # 4. a broken genai_config.json beside the input: refused before compiling, nothing written
+        *[_c(f"compile beside a {what} genai_config.json", gen(name), message=word,
+             subprocess=name == "deep") for name, what, word in (
+            ("trunc", "truncated", "genai_config.json"), ("list", "JSON list", "object"),
+            ("null", "null", "object"), ("bin", "binary", "UTF-8"), ("deep", "100,000-deep", "nests"),
+            ("nodecoder", "decoder-less", "decoder"))],
+        _c("compile beside a 1 GiB tokenizer file", gen("hugetok"), message="tokenizer.model"),
+        _c("compile beside genai_config.json, disk full while copying the tokenizer", gen("ok"),
+           patch=disk_full_genai_files, message="space"),
+        # 5. export: broken checkpoints
+        _c("export NaN weights", exp("ckpt_nan"), message="NaN", subprocess=True),
+        _c("export random bytes as model.safetensors", exp("ckpt_random"), message="weights"),
+        _c("export a garbage pytorch_model.bin", exp("ckpt_bin"), message="weights"),
+        _c("export weights whose shapes contradict config.json", exp("ckpt_shape"), message="shape"),
+        _c("export vocab_size 10**12", exp("ckpt_vocab"), message="GiB"),
+        _c("export a checkpoint missing half its layers", exp("ckpt_half"), message="layers.1"),
+        # 9. eval / report files
+        _c("report a run.json nested 100,000 deep", rep("run_deep.json"), message="nests", subprocess=True),
+        _c("report threshold 'abc'", rep("run_tau_str.json"), message="threshold"),
+        _c("report frame_tokens 2**31", rep("run_ft31.json", "--frame-shape", f"{2**16}x{2**15}"),
+           message="frame"),
+        _c("report --frame-shape=-1x-4", rep("run.json", "--frame-shape=-1x-4"), message="--frame-shape"),
+        _c("eval --frame-shape=-8x-8", ev("--frame-shape=-8x-8"), message="--frame-shape"),
+        _c("eval --prompts an .npz", ev(prompts="prompts.npz"), message="npz"),
+        _c("compile --calib-data an .npz", lambda d: comp("--calibrate-replay", "0.3", "--calib-data",
+                                                          str(d / "prompts.npz"))(d), message="npz"),
+        _c("report, disk full (the error names the folder)", lambda d: ["report", str(d / "run.json"), "-o",
+                                                                         str(d / "out/pics")],
+           patch=lambda: _fault_unnamed("pathlib.Path.write_bytes", errno.ENOSPC), message="out/pics"),
+        _c("eval, disk full while writing its files (the error names the file)", ev(),
+           patch=lambda: _fault_unnamed("os.replace", errno.ENOSPC), message="out/e"),
+        # accepted
+        _c("compile beside a genai_config.json with a byte-order mark (accepted)", gen("bom"), exit=0,
+           outputs=genai_outputs()),
+    ]
+    return out
+
+
+def genai_outputs() -> tuple[str, ...]:
+    """What a compile beside a genai folder writes into out/g (the native library when it is built)."""
+    from fastcar_compile.passes import genai_state
+
+    lib = getattr(genai_state, "_library_name", lambda: None)()
+    return tuple(f"out/g/{n}" for n in ("fast.onnx", "genai_config.json", "tokenizer.json", *([lib] if lib else [])))
 
 
 # --------------------------------------------------------------------------------------------- running

@@ -38,8 +38,48 @@ def test_collisions_through_symlinks_and_hard_links(tmp_path):
     for alias in ("s.onnx", "h.onnx", "sub/../a.onnx"):
         (tmp_path / "sub").mkdir(exist_ok=True)
         with pytest.raises(FastCarError, match="overwrite"):
-            fileio.refuse_collisions([a], [tmp_path / alias])
-    fileio.refuse_collisions([a], [tmp_path / "other.onnx"])
+            fileio.check_outputs([tmp_path / alias], [a])
+    fileio.check_outputs([tmp_path / "other.onnx"], [a])
+
+
+def test_outputs_are_regular_files_or_new_paths(tmp_path):
+    """A FIFO, a character device (as root) and a link to either are refused; a regular file, a link to one,
+    a dangling link and a new path are fine. Nothing is touched."""
+    import stat
+
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink(tmp_path / "fifo", tmp_path / "to-fifo")
+    (tmp_path / "f").write_bytes(b"x")
+    os.symlink(tmp_path / "f", tmp_path / "to-f")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    bad = ["fifo", "to-fifo"]
+    if os.geteuid() == 0:
+        os.mknod(tmp_path / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        bad.append("null")
+    for name in bad:
+        with pytest.raises(FastCarError, match="FIFO|character device"):
+            fileio.check_outputs({tmp_path / name: "-o"})
+    fileio.check_outputs([tmp_path / n for n in ("f", "to-f", "dangling", "new")])
+    assert stat.S_ISFIFO(os.stat(tmp_path / "fifo").st_mode) and (tmp_path / "f").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("text, problem", [("{\"a\": 1", "not valid JSON"), ("[1]", "JSON object"),
+                                           ("null", "JSON object"), ("[" * 100_000 + "]" * 100_000, "nests"),
+                                           ('{"s": "' + "[" * 1000 + '"}', None)])
+def test_read_json_bounds(tmp_path, text, problem):
+    """The one JSON reader: malformed, wrong kind and 100,000 levels deep are one-line errors; brackets inside
+    strings do not count as nesting; a byte-order mark is accepted."""
+    import json
+
+    p = tmp_path / "x.json"
+    p.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    if problem is None:
+        assert fileio.read_json(p, "run.json") == json.loads(text)
+    else:
+        with pytest.raises(FastCarError, match=problem):
+            fileio.read_json(p, "run.json")
+    with pytest.raises(FastCarError, match="MiB"):
+        fileio.read_json(p, "run.json", max_bytes=4)
 
 
 def test_staged_dir_leaves_nothing_on_failure(tmp_path):
