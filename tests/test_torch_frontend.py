@@ -400,3 +400,19 @@ def test_inputs_embeds_prefix_matches_reference():
     assert fm.fastcar.stats.replayed == sum(int(run.replay[i][k].sum()) for i in (0, 1) for k in range(1, n)) > 0
     with pytest.raises(FastCarError, match="not both"):
         fm(input_ids=torch.zeros(2, 1, dtype=torch.long), inputs_embeds=torch.as_tensor(prefix))
+
+
+def test_to_onnx_prints_nothing(tmp_path, capfd):
+    """to_onnx writes the model and says nothing: no torchvision notes, no untyped-value warnings from onnx_ir
+    (the gate's outputs carry the fake impl's types)."""
+    import onnx
+
+    fm = fct.apply(zoo.build_model("llama"), frame_tokens=L, threshold=0.0)
+    capfd.readouterr()
+    fct.to_onnx(fm, tmp_path / "fast.onnx")
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out + err)[:500]
+    proto = onnx.load(str(tmp_path / "fast.onnx"), load_external_data=False)
+    gate = [n for n in proto.graph.node if n.op_type == "TemporalGate"]
+    typed = {v.name: v.type.tensor_type.elem_type for v in proto.graph.value_info}
+    assert gate and all(typed.get(o) for n in gate for o in n.output if o)

@@ -9,8 +9,11 @@ metadata follow the compiler's contract, so `FastCarSession`, ort_driver and the
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,32 @@ _FASTCAR = None
 
 _TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)", "tensor(int64)", "tensor(int32)",
           "tensor(bool)"]
+
+
+# torch.onnx says on every export that torchvision's ops are not registered: nothing to do with the user's
+# model. Dropped by message, only while to_onnx runs, so any other warning of that logger still shows.
+_NOISE = {"torch.onnx._internal.exporter._registration": "torchvision is not installed"}
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    added = [(logging.getLogger(name), _DropMessages(prefix)) for name, prefix in _NOISE.items()]
+    for log, f in added:
+        log.addFilter(f)
+    try:
+        yield
+    finally:
+        for log, f in added:
+            log.removeFilter(f)
 
 
 def _register_schemas() -> None:
@@ -76,6 +105,23 @@ def _mlp_cache_read(past_mlp_cache, slot):
 
 def _mlp_cache_update(past_mlp_cache, past_mlp_age, branch, replay, slot, write):
     return getattr(_opset(), contract.MLP_CACHE_UPDATE)(past_mlp_cache, past_mlp_age, branch, replay, slot, write)
+
+
+# Element types of TemporalGate's outputs (replay, tas, slot, write): the fake impl's dtypes in ops.py. The
+# exporter cannot infer a custom op's output types, and onnx_ir would warn on every untyped value it writes.
+_GATE_TYPES = ("BOOL", "FLOAT", "INT64", "BOOL")
+
+
+def _type_gate_outputs(model) -> None:
+    import onnx_ir as ir
+
+    from fastcar_compile.passes import fastcar_ops
+
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain == fastcar_ops.DOMAIN and node.op_type == contract.TEMPORAL_GATE:
+            for value, name in zip(node.outputs, _GATE_TYPES, strict=True):
+                if value.type is None:
+                    value.type = ir.TensorType(getattr(ir.DataType, name))
 
 
 def translation_table() -> dict:
@@ -131,12 +177,13 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
     B, S, T, P = Dim.AUTO, Dim.AUTO, Dim.AUTO, Dim.AUTO
     shapes = [{0: B, 1: S}, {0: B, 1: T}, {0: B, 1: S}] + [{0: B, 2: P}] * dec.num_kv + [None, None]
     shapes += [{0: B}] * (2 * len(dec.layers))
-    with torch.no_grad(), warnings.catch_warnings(), dense_branches():
+    with torch.no_grad(), warnings.catch_warnings(), dense_branches(), _quiet_exporter():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(dec.program, _example(dec), input_names=ins, output_names=outs,
                                  dynamic_shapes=tuple(shapes), opset_version=opset, dynamo=True, optimize=True,
                                  custom_translation_table=translation_table(), verbose=False)
     model: ir.Model = prog.model
+    _type_gate_outputs(model)
     fastcar_ops.add_functions(model, model.opset_imports.get("", opset))
     rebuild_branches(model, layers=list(dec.layers), options=options_of(dec))
     graph = model.graph
