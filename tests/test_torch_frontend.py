@@ -131,6 +131,41 @@ def test_generate_replays_like_reference():
     assert torch.equal(got, plain) and fm.fastcar.stats.replayed == 0
 
 
+def test_video_start_with_frame_zero_in_prompt():
+    """A prompt of text then frame 0 (the README's case): the video starts at len(prompt) - L. generate() with
+    prompt_frames=1, and with that video_start, replays as the eager reference does; the prompt length as
+    video_start (frame 0 left out of the replay cache) never replays in frame 1 where the reference does; a video_start that disagrees with
+    prompt_frames is refused in one line."""
+    model = zoo.build_model("llama")
+    text = 3
+    prompt = np.random.default_rng(5).integers(0, zoo.VOCAB, (1, text + L))
+    for tau in (0.5, 0.0, 1.0, -0.5, 2.0):
+        with FastCarReference(model, frame_tokens=L, threshold=tau, video_start=text) as ref:
+            run = ref.run([prompt], greedy=4 * L)
+        # generate() feeds every token but the last one it samples: the reference's decode steps but its last
+        dec = np.concatenate([np.concatenate(run.replay[i][1:-1], 1) for i in (0, 1)])
+        first = np.concatenate([np.concatenate(run.replay[i][1:L + 1], 1) for i in (0, 1)])  # frame 1
+        if dec.any() and not dec.all() and first.any():
+            break
+    else:
+        pytest.fail("no tau with mixed decisions (reference)")
+    fm = fct.apply(model, frame_tokens=L, threshold=tau)
+    want = np.concatenate(run.steps, axis=1)
+    for kw in ({"prompt_frames": 1}, {"video_start": text}, {"prompt_frames": 1, "video_start": text}):
+        with torch.no_grad():
+            got = fm.generate(torch.as_tensor(prompt), max_new_tokens=4 * L, do_sample=False, **kw)
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=str(kw))
+        assert fm.fastcar.stats.replayed == int(dec.sum()), kw
+    with torch.no_grad():  # frame 1 (the first L tokens fed after the prompt) never replays: frame 0 is not cached
+        fm.generate(torch.as_tensor(prompt), max_new_tokens=L + 1, do_sample=False, video_start=prompt.shape[1])
+    assert fm.fastcar.stats.replayed == 0 < int(first.sum())
+    for kw, msg in (({"prompt_frames": 1, "video_start": prompt.shape[1]}, "disagrees with prompt_frames"),
+                    ({"prompt_frames": 3}, "prompt has 7"), ({"video_start": -1}, "integer >= 0")):
+        with pytest.raises(FastCarError, match=msg) as err, torch.no_grad():
+            fm.generate(torch.as_tensor(prompt), max_new_tokens=2, do_sample=False, **kw)
+        assert "\n" not in str(err.value)
+
+
 class _NoAttention(torch.nn.Module):
     """Flat KV contract, but the cache is never read by an attention op."""
 

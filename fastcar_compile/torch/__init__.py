@@ -21,7 +21,13 @@ from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.passes.analysis import parse_layers
 from fastcar_compile.torch import capture, discover
-from fastcar_compile.torch.module import FastCarCausalLMMixin, FastCarDecoder, FastCarStats, wrap_causal_lm
+from fastcar_compile.torch.module import (
+    FastCarCausalLMMixin,
+    FastCarDecoder,
+    FastCarStats,
+    check_video_start,
+    wrap_causal_lm,
+)
 from fastcar_compile.torch.rewrite import rewrite
 
 
@@ -96,13 +102,19 @@ def apply(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[fl
           max_replay: int = 0, layers: str | Sequence[int] | None = None, per_layer_threshold: bool = False,
           video_start: int = 0, example_inputs: tuple[torch.Tensor, ...] | None = None) -> nn.Module:
     """FastCar inserted into `model` (never modified). A transformers causal LM comes back as the same class
-    (`generate()` works, also from `inputs_embeds`; `video_start=`/`fastcar_threshold=` may be passed per
-    call); any other module with the flat forward `(input_ids, attention_mask, position_ids, *past_kv)` comes
-    back as a FastCarDecoder."""
+    (`generate()` works, also from `inputs_embeds`; `video_start=`/`prompt_frames=`/`fastcar_threshold=` may
+    be passed per call); any other module with the flat forward `(input_ids, attention_mask, position_ids,
+    *past_kv)` comes back as a FastCarDecoder.
+
+    `video_start` is the KV position of the video's first frame token (the default for calls that give none).
+    A prompt that ends with frame 0 of the video starts it at `len(prompt) - frame_tokens`, not at the prompt
+    length (that leaves frame 0 out of the replay cache: the first generated frame cannot replay). Per call,
+    `prompt_frames=k` (the prompt ends with k whole frames) computes it, and refuses a `video_start` that
+    disagrees."""
     opts = dict(frame_tokens=frame_tokens, threshold=threshold, tas_query=tas_query, max_replay=max_replay,
                 layers=layers, per_layer_threshold=per_layer_threshold)
     decoder = build(model, **opts, example_inputs=example_inputs)
-    decoder.video_start = int(video_start)
+    decoder.video_start = check_video_start(video_start)
     if capture.is_transformers_lm(model):
         # A call with inputs_embeds (a multimodal prefix) runs a second program captured from the embeddings
         # on first use; it shares the FastCar state, so the prefix and the tokens after it form one video.

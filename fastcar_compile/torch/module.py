@@ -29,8 +29,40 @@ class FastCarStats:
         return self.replayed / self.decisions if self.decisions else 0.0
 
 
+def check_video_start(video_start) -> int:
+    """`video_start` is a KV index (an int >= 0), the position of the video's first frame token."""
+    if isinstance(video_start, torch.Tensor) and video_start.numel() == 1:
+        video_start = video_start.item()
+    if isinstance(video_start, bool) or not isinstance(video_start, int) or video_start < 0:
+        raise FastCarError(f"video_start must be an integer >= 0 (the KV position of the video's first frame "
+                           f"token), got {video_start!r}")
+    return video_start
+
+
+def start_from_frames(prompt_frames, prompt_len: int, frame_tokens: int, video_start=None) -> int:
+    """video_start of a prompt that ends with `prompt_frames` whole frames of the video: prompt_len - frames * L.
+    A `video_start` given as well must agree (the usual mistake is the prompt length, which leaves frame 0 of
+    the prompt out of the replay cache so the first generated frame cannot replay)."""
+    if isinstance(prompt_frames, bool) or not isinstance(prompt_frames, int) or prompt_frames < 0:
+        raise FastCarError(f"prompt_frames must be an integer >= 0 (whole video frames at the end of the prompt), "
+                           f"got {prompt_frames!r}")
+    start = prompt_len - prompt_frames * frame_tokens
+    if start < 0:
+        raise FastCarError(f"prompt_frames={prompt_frames} needs {prompt_frames * frame_tokens} tokens "
+                           f"({frame_tokens} per frame) but the prompt has {prompt_len}")
+    if video_start is not None and check_video_start(video_start) != start:
+        raise FastCarError(f"video_start={video_start} disagrees with prompt_frames={prompt_frames}: a "
+                           f"{prompt_len}-token prompt ending with {prompt_frames} frame(s) of {frame_tokens} "
+                           f"tokens starts its video at {start}; pass one of the two")
+    return start
+
+
 class FastCarDecoder(nn.Module):
-    """The rewritten program with its FastCar state. `last_replay` / `last_tas`: {layer: [B, S]} of the last call."""
+    """The rewritten program with its FastCar state. `last_replay` / `last_tas`: {layer: [B, S]} of the last call.
+
+    `video_start` is the KV position of the video's first frame token. When the prompt holds frames of the video
+    (frame 0 given, the next generated), that is the prompt length minus those frames' tokens, not the prompt
+    length: pass `prompt_frames=` (frames at the end of the prompt) on a new video's call to have it computed."""
 
     def __init__(self, program: fx.GraphModule, *, layers: list[int], num_kv: int, frame_tokens: int,
                  hidden: int, threshold, per_layer_threshold: bool, kv_shape: tuple[int, int], dtype: torch.dtype,
@@ -45,7 +77,8 @@ class FastCarDecoder(nn.Module):
         self.kv_shape = kv_shape  # (kv heads, head dim): an empty cache for a new video
         self.dtype = dtype
         self.report = report
-        self.video_start = 0
+        self.video_start = 0  # default for calls that give neither video_start nor prompt_frames
+        self.video_start_now: int | None = None  # this video's, from prompt_frames on its first call
         self.threshold = threshold
         self.state: list[torch.Tensor] = []
         self.stats = FastCarStats()
@@ -90,11 +123,23 @@ class FastCarDecoder(nn.Module):
             raise FastCarError("several thresholds need per_layer_threshold=True")
         return t.reshape(-1) if self.per_layer_threshold else t.reshape(())
 
-    def forward(self, input_ids, attention_mask, position_ids, *past, video_start=None, threshold=None):
+    def resolve_video_start(self, video_start, prompt_frames, total: int, new_video: bool) -> int:
+        """This call's video_start: given, or from prompt_frames on a new video's first call (kept for its
+        later calls), or the default."""
+        if prompt_frames is not None:
+            if new_video or self.video_start_now is None:
+                self.video_start_now = start_from_frames(prompt_frames, total, self.frame_tokens, video_start)
+            return self.video_start_now
+        return self.video_start if video_start is None else check_video_start(video_start)
+
+    def forward(self, input_ids, attention_mask, position_ids, *past, video_start=None, threshold=None,
+                prompt_frames=None):
         """One step; `input_ids` may be inputs_embeds [B, S, hidden] (floating point) instead of ids."""
-        if past[0].shape[2] == 0 or not self.state or self.state[0].shape[0] != input_ids.shape[0]:
+        new_video = past[0].shape[2] == 0
+        if new_video or not self.state or self.state[0].shape[0] != input_ids.shape[0]:
             self.reset(input_ids.shape[0], input_ids.device)
-        vs = torch.tensor(self.video_start if video_start is None else int(video_start), dtype=torch.int64)
+        start = self.resolve_video_start(video_start, prompt_frames, attention_mask.shape[1], new_video)
+        vs = torch.tensor(start, dtype=torch.int64)
         program = self.program_for(input_ids)
         outs = program(input_ids, attention_mask, position_ids, *past, vs, self.threshold_tensor(threshold),
                        *self.state)
@@ -132,7 +177,7 @@ class FastCarCausalLMMixin:
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=True, video_start=None, fastcar_threshold=None, return_dict=True, inputs_embeds=None,
-                **kwargs):
+                prompt_frames=None, **kwargs):
         from transformers import DynamicCache
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -157,7 +202,7 @@ class FastCarCausalLMMixin:
             for layer in cache.layers[: fc.num_kv // 2]:
                 past += [layer.keys, layer.values]
         outs = fc(input_ids, attention_mask.to(torch.int64), position_ids, *past, video_start=video_start,
-                  threshold=fastcar_threshold)
+                  threshold=fastcar_threshold, prompt_frames=prompt_frames)
         logits, present = outs[0], outs[1:]
         for i in range(fc.num_kv // 2):
             cache.update(present[2 * i][:, :, past_len:], present[2 * i + 1][:, :, past_len:], i)
