@@ -252,6 +252,33 @@ def test_torch_compile_inductor():
     _compile_check("inductor", count_rows=False)
 
 
+def test_torch_compile_model_generate():
+    """torch.compile(model).generate(...) compiles the FastCar decode step with the given backend (frames counted
+    by the backend, the fastcar ops in its graphs) and generates the eager model's tokens with its replays; the
+    model itself keeps running eagerly."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    fm = fct.apply(zoo.build_model("llama"), frame_tokens=L, threshold=0.0)
+    prompt = torch.as_tensor(np.random.default_rng(5).integers(0, zoo.VOCAB, (1, 3 + L)))
+    with torch.no_grad():
+        want = fm.generate(prompt, max_new_tokens=3 * L, do_sample=False, prompt_frames=1)
+    replayed = fm.fastcar.stats.replayed
+    assert 0 < replayed < fm.fastcar.stats.decisions
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        got = torch.compile(fm, backend=counter, dynamic=True).generate(prompt, max_new_tokens=3 * L, do_sample=False,
+                                                                         prompt_frames=1)
+    assert torch.equal(got, want) and fm.fastcar.stats.replayed == replayed
+    assert counter.frame_count >= 1
+    ops = {str(n.target) for g in counter.graphs for n in g.graph.nodes}
+    assert {"fastcar.temporal_gate.default", "fastcar.mlp_cache_update.default"} <= ops
+    frames = counter.frame_count
+    with torch.no_grad():
+        assert torch.equal(fm.generate(prompt, max_new_tokens=3 * L, do_sample=False, prompt_frames=1), want)
+    assert counter.frame_count == frames
+
+
 def _mlp_rows_run(path, profile: str) -> dict[int, int]:
     """Rows each layer's MLP ran on in an ORT profile: every MLP MatMul/Gemm event's input rows (all but the last
     dim of its first input), summed and divided by the MatMuls per branch."""

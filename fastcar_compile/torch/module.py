@@ -7,7 +7,10 @@ works unchanged. A call with an empty KV cache (past length 0) starts a new vide
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +89,28 @@ class FastCarDecoder(nn.Module):
         self.last_tas: dict[int, torch.Tensor] = {}
         self.capture_embeds: Callable[[], FastCarDecoder] | None = None  # set by apply for transformers LMs
         self.embeds_program: fx.GraphModule | None = None
+        # compile_with(ctx) runs the programs compiled by a torch.compile context (see FastCarCausalLMMixin)
+        self._compile_ctx: Callable | None = None
+        self._compiled: dict[tuple[int, int], tuple[Callable, nn.Module]] = {}
+
+    @contextlib.contextmanager
+    def compile_with(self, ctx: Callable) -> Iterator[None]:
+        """Run the programs compiled by `ctx` (a torch.compile context, e.g. the `dynamo_ctx` of the module that
+        `torch.compile(model)` returned) while in this block: the decode step is one graph, so compiling it
+        compiles everything FastCar adds. Compiled once per (context, program)."""
+        old, self._compile_ctx = self._compile_ctx, ctx
+        try:
+            yield
+        finally:
+            self._compile_ctx = old
+
+    def _runnable(self, program: fx.GraphModule) -> nn.Module:
+        if self._compile_ctx is None:
+            return program
+        key = (id(self._compile_ctx), id(program))
+        if key not in self._compiled or self._compiled[key][0] is not self._compile_ctx:  # (ids may be reused)
+            self._compiled[key] = (self._compile_ctx, self._compile_ctx(program))
+        return self._compiled[key][1]
 
     def program_for(self, first: torch.Tensor) -> fx.GraphModule:
         """The program for token ids, or (floating first input) the inputs_embeds one, captured on first use."""
@@ -140,7 +165,7 @@ class FastCarDecoder(nn.Module):
             self.reset(input_ids.shape[0], input_ids.device)
         start = self.resolve_video_start(video_start, prompt_frames, attention_mask.shape[1], new_video)
         vs = torch.tensor(start, dtype=torch.int64)
-        program = self.program_for(input_ids)
+        program = self._runnable(self.program_for(input_ids))
         outs = program(input_ids, attention_mask, position_ids, *past, vs, self.threshold_tensor(threshold),
                        *self.state)
         n = 1 + self.num_kv
@@ -170,10 +195,42 @@ def position_ids_from_mask(mask: torch.Tensor, seq: int) -> torch.Tensor:
     return pos.masked_fill(mask == 0, 1)[:, -seq:]
 
 
+class _CompiledGenerate:
+    """`generate` of a FastCar causal LM. Looked up through the module that `torch.compile(model)` returns (whose
+    attribute lookup forwards to the model, so transformers' generate() would otherwise run the model's eager
+    forward and compile nothing), it runs with the FastCar program compiled by that module's torch.compile
+    context: `torch.compile(model, ...).generate(...)` compiles the decode step with those options."""
+
+    def __get__(self, instance, owner):
+        if instance is None:
+            return self
+        plain = super(FastCarCausalLMMixin, instance).generate
+        caller = sys._getframe(1)  # OptimizedModule.__getattr__ when reached through torch.compile(model)
+        wrapper = caller.f_locals.get("self") if caller.f_code is _optimized_getattr() else None
+        if wrapper is None or wrapper._orig_mod is not instance:
+            return plain
+
+        @functools.wraps(plain)
+        def generate(*args, **kwargs):
+            with instance.fastcar.compile_with(wrapper.dynamo_ctx):
+                return plain(*args, **kwargs)
+
+        return generate
+
+
+@functools.cache
+def _optimized_getattr():
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return OptimizedModule.__getattr__.__code__
+
+
 class FastCarCausalLMMixin:
-    """Put in front of a transformers causal LM class: forward runs the FastCar program, generate() unchanged."""
+    """Put in front of a transformers causal LM class: forward runs the FastCar program, generate() unchanged
+    (through `torch.compile(model)`, with the FastCar program compiled: _CompiledGenerate)."""
 
     fastcar: FastCarDecoder
+    generate = _CompiledGenerate()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=True, video_start=None, fastcar_threshold=None, return_dict=True, inputs_embeds=None,
