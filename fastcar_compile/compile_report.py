@@ -61,6 +61,7 @@ def summary(m: LayerMatch) -> str:
         return f"missing anchor '{m.failure.anchor}': {m.failure.reason}{where}"
     a, b = m.attention, m.mlp
     extra = "".join([" (fused norm)" if b.fused_norm else "", " (parallel residual)" if b.form == "parallel residual"
-                     else "", f" (sliding window {a.window or '?'})" if a.sliding_window else ""])
+                     else "", f" (sliding window {a.window or '?'})" if a.sliding_window else "",
+                     f" (rope TAS refused: {a.rope_refusal})" if a.rope_refusal else ""])
     return (f"heads {a.num_heads}/{a.num_kv_heads}x{a.head_dim}, rotary {a.rope}, "
             f"MLP {len(b.nodes)} nodes {b.weights}{extra}")

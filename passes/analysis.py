@@ -144,6 +144,15 @@ class SelectLayersPass(ir.passes.InPlacePass):
                                + CompileReport.from_matches(matches).format())
         if unmatched:
             ctx.notes.append(f"layers {unmatched} left dense (not matched)")
+        refused = {m.layer: m.attention.rope_refusal for m in ctx.selected
+                   if opts.tas_query == contract.TAS_ROPE and m.attention.rope_refusal is not None}
+        if refused:
+            first = next(iter(refused))
+            others = [m.layer for m in ctx.selected if m.layer not in refused]
+            leave = f", or rewrite only the other layers with --layers {','.join(map(str, others))}" if others else ""
+            raise FastCarError(f"--tas-query rope: the rotary of layer{'s' if len(refused) > 1 else ''} "
+                               f"{sorted(refused)} cannot be reproduced by the gate (layer {first}: {refused[first]}); "
+                               f"compile with --tas-query raw{leave}")
         if opts.per_layer_threshold and len(opts.threshold) not in (1, len(ctx.selected)):
             raise FastCarError(f"--threshold gives {len(opts.threshold)} values for {len(ctx.selected)} rewritten layers")
         if ctx.selected and ctx.selected[0].mlp is not None:

@@ -69,14 +69,19 @@ def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> Atten
     kdims = gu.static_dims(pkey)
     core_node, kidx, keys = ma.cache_consumer(ctx, pkey)
     packed = genai_gqa.match(core_node)
-    if packed is not None:  # onnxruntime-genai: packed QKV, fused rotary, symbolic head size
+    if packed is not None:  # onnxruntime-genai: packed QKV or rotary inside the op, symbolic head size
         src, heads, num_kv, head_dim = packed
-        ctx.trace.append(f"{gu.describe(core_node)} on packed QKV {src.qkv.name}: heads {heads}, kv heads {num_kv}, "
-                         f"head dim {head_dim} (output projection), rotary dim {src.rotary_dim}")
+        inputs = "packed QKV" if src.packed else "separate q/k/v, query"
+        ctx.trace.append(f"{gu.describe(core_node)} on {inputs} {src.qkv.name}: heads {heads}, kv heads {num_kv}, "
+                         f"head dim {head_dim} (output projection), rotary {src.rotary}")
+        if src.rope_refusal is not None:
+            ctx.trace.append(f"rope TAS refused: {src.rope_refusal}")
+        if heads % num_kv:
+            raise MatchFailure("query", f"{heads} query heads do not group over {num_kv} kv heads", src.qkv.name)
+        form = "packed-QKV GroupQueryAttention" if src.packed else "GroupQueryAttention (separate q/k/v)"
         return AttentionBlock(pkey, pvalue, core_node, core_node.outputs[0], src.qkv, "QKV", src.qkv, "QKV",
-                              "GroupQueryAttention do_rotary" if src.cos_cache is not None else "none",
-                              heads, num_kv, head_dim, form="packed-QKV GroupQueryAttention", keys=pkey,
-                              packed_query=src, total_len=src.total_len)
+                              src.rotary, heads, num_kv, head_dim, form=form, keys=pkey, packed_query=src,
+                              total_len=src.total_len, rope_refusal=src.rope_refusal)
     form, core = ma.find_core(ctx, core_node, kidx, keys, pvalue)
     if kdims is not None and len(kdims) == 4 and kdims[3] is None:  # symbolic head size (genai's builder)
         kdims[3] = ma.head_dim_from_core(core.core)

@@ -279,8 +279,9 @@ _TEMPORAL_GATE_ALIGNED = _derive(
     ("  idx = Max (aligned, zero_s)\n", "  idx = Range (zero_s, S_s, one_s)\n"),
 )
 
-# The main-graph gate of a GroupQueryAttention layer on packed QKV [B, S, (H + 2 Hkv) D] (onnxruntime-genai's
-# builder graphs), one node instead of ~14 small ones: the query is the first H*D channels (TAS `raw`), rotated
+# The main-graph gate of a GroupQueryAttention layer on packed QKV [B, S, (H + 2 Hkv) D], or on a separate query
+# [B, S, H D] that the op rotates itself (onnxruntime-genai's builder graphs; Qwen3), one node instead of ~14
+# small ones: the query is the first H*D channels (TAS `raw`), rotated
 # at positions total_len - S + i by the graph's own cos/sin caches for `rope` (what GroupQueryAttention's
 # do_rotary computes inside); then TemporalGateAt, MLPCacheRead of the slots, and the two If conditions of the
 # branch (compute_all: no token replays; compute_some: some token computes). `threshold_index` picks the

@@ -2,8 +2,8 @@
 
     replay, tas, slot, write = ai.fastcar.TemporalGate(q, present_key, past_mlp_age, tau, video_start)
 
-(onnxruntime-genai's packed-QKV GroupQueryAttention layers get ai.fastcar.TemporalGatePacked[Rope], which also
-rebuilds the query from the packed input and reads the cached rows and the branch conditions.) The pass adds the model-level inputs (`video_start`, `fastcar_threshold`, both with defaults), the
+(onnxruntime-genai's GroupQueryAttention layers on packed QKV or rotating inside get ai.fastcar.TemporalGatePacked[Rope],
+which also rebuilds the query from the op's query input and reads the cached rows and the branch conditions.) The pass adds the model-level inputs (`video_start`, `fastcar_threshold`, both with defaults), the
 `ai.fastcar` functions, each layer's state inputs (cache_state.declare_state), brings the query into
 [B, H, S, D] and emits the gate. Attention nodes are tagged for the FPGA partitioner.
 """
@@ -56,7 +56,7 @@ class GatePass(ir.passes.InPlacePass):
         names = [contract.replay_mask_output(n), contract.tas_output(n), f"fastcar.{n}.slot", f"fastcar.{n}.write"]
         keys = window.gate_keys(graph, b, att, opts.frame_tokens)  # the present key, or a window padded
         attrs = {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay}
-        if att.packed_query is not None:  # GroupQueryAttention on packed QKV: one fused node
+        if att.packed_query is not None:  # GroupQueryAttention on packed QKV or rotating inside: one fused node
             self._packed_gate(b, lr, keys, attrs, names)
         else:
             q = query_bhsd(graph, b, att, opts.tas_query)
@@ -80,6 +80,7 @@ class GatePass(ir.passes.InPlacePass):
         node on the main graph costs a kernel launch every step, replayed or not)."""
         opts, att, n = self.ctx.options, lr.match.attention, lr.layer
         src = att.packed_query
+        assert opts.tas_query != contract.TAS_ROPE or att.rope_refusal is None  # SelectLayersPass refused it
         rope = opts.tas_query == contract.TAS_ROPE and src.cos_cache is not None  # no rotary: rope = raw
         op = contract.TEMPORAL_GATE_PACKED_ROPE if rope else contract.TEMPORAL_GATE_PACKED
         inputs = [src.qkv, keys, lr.past_age, lr.past_cache, self.ctx.threshold, self.ctx.video_start, src.total_len]

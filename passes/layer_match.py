@@ -31,7 +31,9 @@ class AttentionBlock:
     keys: ir.Value | None = None
     stream_in: ir.Value | None = None  # the residual stream value the block starts from (set by the residual form)
     window: int | None = None  # positions a sliding-window cache keeps (None: the whole context, or unknown)
-    packed_query: genai_gqa.PackedQuery | None = None  # GroupQueryAttention on packed QKV: q built by the rewrite
+    # GroupQueryAttention on packed QKV or rotating inside: the gate rebuilds q from the op's query input
+    packed_query: genai_gqa.PackedQuery | None = None
+    rope_refusal: str | None = None  # why `rope` TAS cannot be read in this layer (None: it can)
     # GroupQueryAttention's total_sequence_length: its key buffer may be preallocated (longer than the tokens)
     total_len: ir.Value | None = None
 

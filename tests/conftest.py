@@ -61,17 +61,18 @@ def zoo_model(zoo_dir: Path) -> Callable[[str, str], Path]:
 
 
 @pytest.fixture(scope="session")
-def genai_model(zoo_dir: Path) -> Callable[[str, str], Path]:
-    """genai_model(family, precision) -> folder of an onnxruntime-genai builder graph (built at most once)."""
+def genai_model(zoo_dir: Path) -> Callable[..., Path]:
+    """genai_model(family, precision, sizes=None) -> folder of an onnxruntime-genai builder graph (built at most
+    once; `sizes`: config fields overridden, genai_zoo.build)."""
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[genai]')")
     genai_zoo = pytest.importorskip("genai_zoo", reason="the genai graphs need torch and transformers")
-    results: dict[tuple[str, str], Path | BaseException] = {}
+    results: dict[tuple, Path | BaseException] = {}
 
-    def get(family: str, precision: str = "fp32") -> Path:
-        key = (family, precision)
+    def get(family: str, precision: str = "fp32", sizes: dict | None = None) -> Path:
+        key = (family, precision, tuple(sorted((sizes or {}).items())))
         if key not in results:
             try:
-                results[key] = genai_zoo.build(family, precision, zoo_dir)
+                results[key] = genai_zoo.build(family, precision, zoo_dir, sizes)
             except Exception as exc:  # remembered: a failed build is not retried by every test
                 results[key] = exc
         got = results[key]

@@ -22,6 +22,8 @@ import zoo
 
 FAMILIES = ("llama", "qwen2", "phi3")
 PRECISIONS = ("fp32", "fp16", "int4")
+# Families whose RMSNorm computes x * (1 + w): the builder stores 1 + w in the graph.
+NORM_OFFSET_FAMILIES = frozenset({"gemma"})
 GENAI_VOCAB = 160
 # Builder precision and extra options per build name. The zoo's widths are 64/128: block 32 fits. "int4" is the
 # CPU default (MatMulNBits accuracy_level 4: activations quantized to int8 inside the kernel); "int4-fp32a"
@@ -31,10 +33,16 @@ BUILDS = {"fp32": ("fp32", []), "fp16": ("fp16", []), "int4": ("int4", ["int4_bl
           "int4-fp32a": ("int4", ["int4_block_size=32", "accuracy_level=1"])}
 
 
+# Config fields a family's genai graph is built with. Mistral: no sliding window (the builder reads the window
+# from `layer_types`, which MistralConfig lacks, so its graph attends to the whole context while transformers
+# would mask beyond the window; Mistral 7B v0.2 and later have none either).
+FAMILY_SIZES: dict[str, dict] = {"mistral": {"sliding_window": None}}
+
+
 def build_model(family: str, sizes: dict | None = None):
     """The transformers model a genai graph of `family` is built from (fp32, random, seeded; `sizes`: config
     fields overridden, zoo.make_config)."""
-    return zoo.build_model(family, vocab=GENAI_VOCAB, sizes=sizes)
+    return zoo.build_model(family, vocab=GENAI_VOCAB, sizes={**FAMILY_SIZES.get(family, {}), **(sizes or {})} or None)
 
 
 def _save_hf(family: str, out: Path, sizes: dict | None = None) -> None:
@@ -123,21 +131,23 @@ def graph_weights(model_path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
-def reference_model(family: str, model_path: str | os.PathLike):
+def reference_model(family: str, model_path: str | os.PathLike, sizes: dict | None = None):
     """The transformers model of `family` carrying the genai graph's weights (what an int4 / fp16 graph
     computes, in fp32): the eager FastCar reference then runs the same weights as the graph."""
     import torch
 
-    model = build_model(family)
+    model = build_model(family, sizes)
     state = model.state_dict()
     weights = graph_weights(model_path)
     new: dict[str, np.ndarray] = {}
     n_layers = model.config.num_hidden_layers
     for key, arr in weights.items():
         if f"layers.{n_layers}.final_norm" in key:
-            new["model.norm.weight"] = arr
+            new["model.norm.weight"] = arr - 1.0 if family in NORM_OFFSET_FAMILIES else arr
             continue
-        key = key.replace(".attn.", ".self_attn.")
+        key = key.replace(".attn.", ".self_attn.").replace("_norm.layernorm.", "_norm.")  # q_norm / k_norm
+        if key.endswith("norm.weight") and family in NORM_OFFSET_FAMILIES:
+            arr = arr - 1.0  # the builder stores (1 + w) for the norms that compute x * (1 + w)
         if ".qkv_proj." in key and key not in state:  # packed q|k|v -> q_proj, k_proj, v_proj
             parts = [key.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
             sizes = np.cumsum([state[p].shape[0] for p in parts])[:-1]

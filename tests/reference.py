@@ -157,6 +157,8 @@ class FastCarReference:
             q, k = attn.q_proj(h), attn.k_proj(h)
             if hasattr(attn, "q_norm") and getattr(self.model.config, "model_type", "") == "olmo2":
                 q, k = attn.q_norm(q), attn.k_norm(k)  # OLMo2 normalises the whole projection, before RoPE
+            elif hasattr(attn, "q_norm"):  # Qwen3, Gemma3: each head normalised, before RoPE
+                q, k = attn.q_norm(q.view(B, S, H, D)), attn.k_norm(k.view(B, S, Hkv, D))
         return (q.view(B, S, H, D).transpose(1, 2), k.view(B, S, Hkv, D).transpose(1, 2))
 
     def _mlp_hook(self, i: int):

@@ -95,10 +95,10 @@ def _natives(precision: str) -> list:
     return [None] + ([lib] if lib is not None else [])
 
 
-def _case(genai_model, family: str, precision: str, tas_query: str):
+def _case(genai_model, family: str, precision: str, tas_query: str, sizes: dict | None = None):
     """(the builder graph, its reference model, the reference run at a tau in a gap of layer 0's TAS)."""
-    src = genai_model(family, precision) / "model.onnx"
-    model = genai_zoo.reference_model(family, src)
+    src = genai_model(family, precision, sizes) / "model.onnx"
+    model = genai_zoo.reference_model(family, src, sizes)
     prompt = np.random.default_rng(7).integers(3, genai_zoo.GENAI_VOCAB, (2, VIDEO_START + 2))
     probe = _reference(model, float("inf"), tas_query, prompt, 4 * L)
     tau = _pick_tau(probe, margin=TOLERANCES[precision][2])
@@ -129,6 +129,12 @@ def _check_decode(got, run, precision: str, what: str, age_of) -> np.ndarray:
 
 @pytest.mark.parametrize("family,precision,tas_query", [
     ("llama", "fp32", "rope"), ("llama", "fp32", "raw"), ("llama", "int4-fp32a", "rope"),
+    ("qwen3", "fp32", "rope"),
+    pytest.param("qwen3", "fp32", "raw", marks=pytest.mark.slow),
+    pytest.param("qwen3", "int4-fp32a", "rope", marks=pytest.mark.slow),
+    pytest.param("mistral", "fp32", "rope", marks=pytest.mark.slow),
+    pytest.param("gemma", "fp32", "rope", marks=pytest.mark.slow),
+    pytest.param("gemma", "fp32", "raw", marks=pytest.mark.slow),
     pytest.param("llama", "fp16", "rope", marks=pytest.mark.slow),
     pytest.param("qwen2", "fp32", "rope", marks=pytest.mark.slow),
     pytest.param("qwen2", "int4-fp32a", "raw", marks=pytest.mark.slow),
@@ -138,12 +144,22 @@ def _check_decode(got, run, precision: str, what: str, age_of) -> np.ndarray:
     pytest.param("phi3", "int4-fp32a", "rope", marks=pytest.mark.slow),
     pytest.param("phi3", "fp16", "raw", marks=pytest.mark.slow)])
 def test_compiled_genai_graph_matches_reference(genai_model, fc_compile, tmp_path, family, precision, tas_query):
-    """GroupQueryAttention with packed QKV and fused rotary (fp32, int4 MatMulNBits) and the fp16 CPU build
-    (MultiHeadAttention + RotaryEmbedding): TAS from the rebuilt query equals the eager reference's (post-RoPE
-    `rope` from the graph's own cos/sin caches, pre-RoPE `raw`), and so do the replay decisions and logits
-    over a greedy decode; tau=+inf equals the uncompiled graph. The reference is the transformers model
-    carrying the graph's own weights (int4 dequantized with NumPy from MatMulNBits' spec, fp16 widened)."""
-    src, tau, run = _case(genai_model, family, precision, tas_query)
+    """Every family the builder makes on CPU with RoPE: GroupQueryAttention rotating inside (do_rotary=1) on
+    packed QKV (Llama, Qwen2, Phi-3, Mistral, Gemma) or on separate q/k/v after per-head q/k norms (Qwen3),
+    fp32 and int4 MatMulNBits, and the fp16 CPU build (MultiHeadAttention + RotaryEmbedding): at a tau that
+    mixes replay and compute, TAS from the rebuilt query equals the eager reference's (post-RoPE `rope`
+    from the graph's own cos/sin caches, pre-RoPE `raw`), and so do the replay decisions and logits over a
+    prompt and a greedy decode of four frames; tau=+inf equals the uncompiled graph. The reference is the
+    transformers model carrying the graph's own weights (int4 dequantized with NumPy from MatMulNBits'
+    spec, fp16 widened)."""
+    _compiled_matches_reference(genai_model, fc_compile, tmp_path, family, precision, tas_query)
+
+
+def _compiled_matches_reference(genai_model, fc_compile, tmp_path, family: str, precision: str, tas_query: str,
+                                sizes: dict | None = None) -> None:
+    src, tau, run = _case(genai_model, family, precision, tas_query, sizes)
+    cfg = genai_zoo.build_model(family, sizes).config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     out = tmp_path / "fastcar.onnx"
     _, report = fc_compile(str(src), output=str(out), frame_tokens=L, threshold=tau, tas_query=tas_query,
                            max_replay=2, emit_diagnostics=True, genai=False)  # DESIGN.md's state names
@@ -151,16 +167,85 @@ def test_compiled_genai_graph_matches_reference(genai_model, fc_compile, tmp_pat
     natives = _natives(precision)
     for native in natives:
         got = ort_driver.decode(_session(out, precision, compiled=True, native=native), run.steps,
-                                video_start=VIDEO_START, head_dim=HEAD_DIM)
+                                video_start=VIDEO_START, head_dim=head_dim)
         _check_decode(got, run, precision, f"native {native}", lambda i: (f"past_mlp_age.{i}", run.final_age[i]))
     never_tol = TOLERANCES[precision][3]
-    dense = ort_driver.decode(_session(src, precision, compiled=False), run.steps, head_dim=HEAD_DIM)
+    dense = ort_driver.decode(_session(src, precision, compiled=False), run.steps, head_dim=head_dim)
     never = ort_driver.decode(_session(out, precision, compiled=True), run.steps, video_start=VIDEO_START,
-                              threshold=float("inf"), head_dim=HEAD_DIM)
+                              threshold=float("inf"), head_dim=head_dim)
     for a, b in zip(never.logits, dense.logits, strict=True):
         assert np.abs(a.astype(np.float32) - b.astype(np.float32)).max() <= never_tol
     if precision != "fp16" and len(natives) == 1:
         ort_driver.skip_native_half(None)
+
+
+# Phi-3 with partial rotary (Phi-4-mini style): the builder's cos/sin caches cover the first half of each head.
+# ORT's GroupQueryAttention wants the cache width a multiple of 8, so the head is 32 wide (2 heads, 1 KV head).
+PARTIAL = {"partial_rotary_factor": 0.5, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tas_query", ["rope", "raw"])
+def test_partial_rotary_genai_graph_matches_reference(genai_model, fc_compile, tmp_path, tas_query):
+    """GroupQueryAttention rotating 16 of 32 channels inside: the gate rotates the same 16 (and reads the
+    other 16 as they are), so TAS, replay decisions and logits equal the eager reference's."""
+    _compiled_matches_reference(genai_model, fc_compile, tmp_path, "phi3", "fp32", tas_query, PARTIAL)
+
+
+@pytest.mark.parametrize("family,sizes,rotary,form", [
+    ("qwen3", None, "rotary in GroupQueryAttention (do_rotary=1, half-split, dim 16)",
+     "on separate q/k/v"),
+    ("llama", None, "rotary in GroupQueryAttention (do_rotary=1, half-split, dim 16)", "on packed QKV"),
+    pytest.param("phi3", PARTIAL, "rotary in GroupQueryAttention (do_rotary=1, half-split, dim 16 of 32)",
+                 "on packed QKV", marks=pytest.mark.slow)])
+def test_inspect_names_the_rotary_inside_gqa(genai_model, family, sizes, rotary, form):
+    """--inspect says where the rotary is, its pairing and width (Qwen3's separate q/k/v read "rotary none"
+    before: the rotary inside the op went unnoticed and the gate read the unrotated query for `rope`)."""
+    import fastcar_compile
+
+    report = fastcar_compile.inspect(str(genai_model(family, "fp32", sizes) / "model.onnx"))
+    text = report.format(verbose=True)
+    assert report.matched == [0, 1], text
+    for r in report.layers:
+        assert f"{rotary}, MLP" in r.summary, text
+        assert any(form in t for t in r.trace), text
+
+
+def _with_position_ids(src, out) -> None:
+    """The builder graph with a `position_ids` input wired into each GroupQueryAttention (input 9): the op then
+    rotates at those positions, which the gate does not read."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(src))
+    model.graph.input.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64,
+                                                           ["batch_size", "sequence_length"]))
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            while len(node.input) < 10:
+                node.input.append("")
+            node.input[9] = "position_ids"
+    onnx.save(model, str(out))
+
+
+def test_rotary_the_gate_cannot_reproduce_is_refused_for_rope(genai_model, fc_compile, tmp_path):
+    """A GroupQueryAttention that rotates at a position_ids input: `rope` TAS is refused with an error naming
+    --tas-query raw (never computed from a guessed rotation), --inspect says why, and `raw` still compiles."""
+    import fastcar_compile
+    from fastcar_compile.errors import FastCarError
+
+    src = tmp_path / "positions.onnx"
+    _with_position_ids(genai_model("qwen3", "fp32") / "model.onnx", src)
+    report = fastcar_compile.inspect(str(src))
+    assert all("rope TAS refused" in r.summary and "position_ids" in r.summary for r in report.layers), str(report)
+    with pytest.raises(FastCarError, match=r"--tas-query raw") as err:
+        fc_compile(str(src), output=str(tmp_path / "rope.onnx"), frame_tokens=L, threshold=0.0, tas_query="rope",
+                   genai=False)
+    assert "\n" not in str(err.value) and "position_ids" in str(err.value)
+    assert not (tmp_path / "rope.onnx").exists()
+    _, raw = fc_compile(str(src), output=str(tmp_path / "raw.onnx"), frame_tokens=L, threshold=0.0, tas_query="raw",
+                        genai=False)
+    assert raw.rewritten == [0, 1]
 
 
 @pytest.mark.parametrize("family,precision,tas_query", [

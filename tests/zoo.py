@@ -30,6 +30,9 @@ FAMILIES = ("llama", "qwen2", "phi3", "gpt2")
 # Architectures added by issue 8 (parallel residual, norms after attention/MLP, sliding windows, MoE). They are
 # tested with the two exporter paths users take (dynamo opset 20 and TorchScript) by test_pass_architectures.py.
 NEW_FAMILIES = ("neox", "phi2", "gptj", "falcon", "olmo2", "gemma2", "mistral", "mixtral", "qwen2moe")
+# Families only the onnxruntime-genai builder tests use (tests/genai_zoo.py): per-head q/k norms before RoPE
+# (Qwen3), scaled embeddings, offset norms and a GELU MLP (Gemma).
+GENAI_ONLY_FAMILIES = ("qwen3", "gemma")
 NEW_EXPORTERS = ("dynamo20", "torchscript17")
 # A sliding window wider than the frame (L = 4 in the tests) but shorter than the test decodes (~30 tokens),
 # so the KV cache really is truncated.
@@ -143,12 +146,16 @@ def make_config(family: str, attn_implementation: str = "sdpa", vocab: int = VOC
             bos_token_id=1,
             eos_token_id=2,
         )
-    elif family in NEW_FAMILIES:
-        cfg = _new_family_config(family)
+    elif family in NEW_FAMILIES + GENAI_ONLY_FAMILIES:
+        cfg = _new_family_config(family, vocab)
     else:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + NEW_FAMILIES}")
     if sizes:  # rebuilt, so derived fields (head_dim = hidden / heads) follow the new sizes
         fields = {k: v for k, v in cfg.to_dict().items() if k != "head_dim" or "head_dim" in sizes}
+        if "partial_rotary_factor" in sizes and isinstance(fields.get("rope_parameters"), dict):
+            # transformers 5 rotates by rope_parameters' factor (the top-level field is what the genai builder reads)
+            fields["rope_parameters"] = {**fields["rope_parameters"],
+                                         "partial_rotary_factor": sizes["partial_rotary_factor"]}
         cfg = type(cfg)(**{**fields, **sizes})
     # Gemma2 (soft-capping) and GPT-J have no SDPA path in transformers: they are exported with eager attention.
     cfg._attn_implementation = "eager" if family in EAGER_ONLY else attn_implementation
@@ -160,7 +167,7 @@ def make_config(family: str, attn_implementation: str = "sdpa", vocab: int = VOC
     return cfg
 
 
-def _new_family_config(family: str):
+def _new_family_config(family: str, vocab: int = VOCAB):
     """Configs of the issue-8 families (same tiny sizes; head_dim 16)."""
     import transformers as tf
 
@@ -169,7 +176,7 @@ def _new_family_config(family: str):
         intermediate_size=INTER,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_position_embeddings=MAX_POS,
         bos_token_id=1,
         eos_token_id=2,
@@ -198,6 +205,12 @@ def _new_family_config(family: str):
     if family == "gemma2":  # pre- and post-norms around attention and MLP, sliding layers, soft-capping
         return tf.Gemma2Config(**common, **gqa, head_dim=HIDDEN // HEADS, sliding_window=SLIDING_WINDOW,
                                rms_norm_eps=1e-6)
+    if family == "qwen3":  # RMSNorm on each q/k head before RoPE
+        return tf.Qwen3Config(**common, **gqa, head_dim=HIDDEN // HEADS, rms_norm_eps=1e-6,
+                              use_sliding_window=False, tie_word_embeddings=False)
+    if family == "gemma":  # embeddings scaled by sqrt(hidden), norms weighted (1 + w), GELU (tanh) MLP
+        return tf.GemmaConfig(**common, **gqa, head_dim=HIDDEN // HEADS, rms_norm_eps=1e-6,
+                              hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False)
     if family == "mistral":
         return tf.MistralConfig(**common, **gqa, sliding_window=SLIDING_WINDOW, rms_norm_eps=1e-5,
                                 tie_word_embeddings=False)
