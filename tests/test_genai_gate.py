@@ -216,3 +216,54 @@ def test_genai_layer_adds_three_main_graph_nodes(genai_model, fc_compile, tmp_pa
         if node.op_type == "If":
             branches = {a.name: [n.op_type for n in a.g.node] for a in node.attribute}
             assert branches == {"then_branch": mlp, "else_branch": ["Identity"]}
+
+
+def _gqa_rotated(x: np.ndarray, past: int, cos: np.ndarray, sin: np.ndarray, interleaved: int, packed: bool) -> np.ndarray:
+    """x [B, 1, H * D] as com.microsoft.GroupQueryAttention (do_rotary=1) rotates it at position `past`: fed as
+    its key too (Hkv = H), read back from the present key [B, H, past + 1, D] at index `past`."""
+    B, _, HD = x.shape
+    H, D = 2, HD // 2
+    f, i32 = TensorProto.FLOAT, TensorProto.INT32
+    names = ["qkv", "", ""] if packed else ["q", "k", "v"]
+    ins = [helper.make_tensor_value_info(n, f, None) for n in names if n]
+    ins += [helper.make_tensor_value_info("pk", f, None), helper.make_tensor_value_info("pv", f, None),
+            helper.make_tensor_value_info("seqlens", i32, None), helper.make_tensor_value_info("total", i32, None),
+            helper.make_tensor_value_info("cos", f, None), helper.make_tensor_value_info("sin", f, None)]
+    node = helper.make_node("GroupQueryAttention", [*names, "pk", "pv", "seqlens", "total", "cos", "sin"],
+                            ["out", "present_key", "present_value"], domain="com.microsoft", num_heads=H,
+                            kv_num_heads=H, do_rotary=1, rotary_interleaved=interleaved)
+    outs = [helper.make_tensor_value_info(n, f, None) for n in ("out", "present_key", "present_value")]
+    model = helper.make_model(helper.make_graph([node], "g", ins, outs), ir_version=10,
+                              opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)])
+    zeros = np.zeros((B, H, past, D), np.float32)
+    feeds = {"pk": zeros, "pv": zeros, "seqlens": np.full(B, past, np.int32), "total": np.array(past + 1, np.int32),
+             "cos": cos, "sin": sin}
+    feeds |= {"qkv": np.concatenate([x, x, x], -1)} if packed else {"q": x, "k": x, "v": x}
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(["present_key"], feeds)[0][:, :, past]
+
+
+@pytest.mark.parametrize("rot,interleaved,packed", [(32, 0, True), (32, 0, False), (16, 0, False), (16, 1, True),
+                                                    (32, 1, False)])
+def test_rope_gate_rotates_as_group_query_attention(native_lib, rot, interleaved, packed):
+    """The `rope` gate's query rotation is GroupQueryAttention's own (do_rotary=1), read off ORT's op rather than
+    written from the same formula: half-split or interleaved pairs, full or partial width, on a packed QKV or a
+    separate query input (the Qwen3 builder form); function body and native kernel."""
+    rng = np.random.default_rng(rot + interleaved + 2 * packed)
+    B, H, D, L, past = 3, 2, 32, 4, 9
+    q = rng.standard_normal((B, 1, H * D)).astype(np.float32)
+    angles = rng.uniform(0, 6.3, (past + 4, rot // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    key = rng.standard_normal((B, H, past + 1, D)).astype(np.float32)
+    rotated = _gqa_rotated(q, past, cos, sin, interleaved, packed)  # [B, H, D]
+    want = (rotated * key[:, :, past - L]).sum(-1).mean(1) / np.sqrt(D)
+    feeds = {"qkv": np.concatenate([q, q, q], -1) if packed else q, "key": key,
+             "age": np.zeros((B, L), np.int64), "cache": np.zeros((B, L, 8), np.float32),
+             "threshold": np.array(0.0, np.float32), "video_start": np.array(0, np.int64),
+             "total_len": np.array(past + 1, np.int32), "cos": cos, "sin": sin}
+    attrs = {"frame_tokens": L, "max_replay": 0, "num_heads": H, "rotary_embedding_dim": rot, "interleaved": interleaved}
+    model = _model(contract.TEMPORAL_GATE_PACKED_ROPE, attrs, rope=True)
+    for lib in _libs(native_lib):
+        got = _run(model, feeds, lib)
+        np.testing.assert_allclose(got["tas"][:, 0], want, atol=1e-5, rtol=0, err_msg=f"native {lib}")
+    ort_driver.skip_native_half(native_lib)
