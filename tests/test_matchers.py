@@ -219,6 +219,76 @@ def test_fused_attention_op(op):
     assert m.mlp.form == "sequential Add"
 
 
+def _gqa_layer(packed: bool, do_rotary: int, cos_width: int | None = D // 2, interleaved: int = 0,
+               rotary_before: bool = False, position_ids: bool = False, q_norm: bool = False) -> ir.Model:
+    """One layer whose attention is com.microsoft.GroupQueryAttention as onnxruntime-genai's builder writes it:
+    packed QKV or separate q/k/v, rotating inside with cos/sin caches [32, cos_width] (None: a graph input of
+    unknown shape); optionally a RotaryEmbedding on the packed tensor, a position_ids input, fused q/k norms."""
+    g = G(1)
+    h = g.rms("x")
+    qkv = g.linear(h, (H + 2) * D)
+    if rotary_before:
+        cache = g.const(np.ones((32, D // 2), np.float32))
+        qkv = g.op("RotaryEmbedding", [qkv, g.const(np.zeros((1, 1), np.int64)), cache, cache],
+                   domain="com.microsoft")
+    if packed:
+        qkv_in = [qkv, "", ""]
+    else:
+        qkv_in = g.op("Split", [qkv, g.const(np.array([H * D, D, D]))], n_out=3, axis=-1)
+    if cos_width is None:
+        g.inputs.append(helper.make_tensor_value_info("cos_cache", TensorProto.FLOAT, None))
+        cos = sin = "cos_cache"
+    else:
+        cos = sin = g.const(np.ones((32, cos_width), np.float32))
+    extra = []
+    if position_ids:
+        g.inputs.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["b", "s"]))
+        extra = ["position_ids"]
+    if q_norm:
+        extra = ["", "", "", "", "", g.const(np.ones(D, np.float32)), g.const(np.ones(D, np.float32))]
+    out, pk, pv = g.op("GroupQueryAttention", [*qkv_in, "past_key_values.0.key", "past_key_values.0.value",
+                                               g.const(np.zeros(1, np.int32)), g.const(np.array(1, np.int32)),
+                                               cos, sin, *extra], n_out=3, domain="com.microsoft", num_heads=H,
+                       kv_num_heads=1, do_rotary=do_rotary, rotary_interleaved=interleaved)
+    g.output("present.0.key", pk, ["b", 1, "t", "head"])
+    g.output("present.0.value", pv, ["b", 1, "t", "head"])
+    r = g.op("Add", ["x", g.linear(out, E)])
+    return finish(g, g.op("Add", [r, g.mlp(g.rms(r))]))
+
+
+@pytest.mark.parametrize("packed,kwargs,rope,refused", [
+    (False, {}, "in GroupQueryAttention (do_rotary=1, half-split, dim 4)", None),
+    (True, {"cos_width": 1, "interleaved": 1}, "in GroupQueryAttention (do_rotary=1, interleaved, dim 2 of 4)", None),
+    (True, {"do_rotary": 0}, "none", None),
+    (False, {"position_ids": True}, "in GroupQueryAttention (do_rotary=1, half-split, at position_ids)", "position_ids"),
+    (False, {"cos_width": None}, "in GroupQueryAttention (do_rotary=1, half-split)", "is not known"),
+    (True, {"cos_width": 4}, "in GroupQueryAttention (do_rotary=1, half-split, dim 8 of 4)", "more than the head"),
+    (True, {"do_rotary": 0, "rotary_before": True}, "com.microsoft::RotaryEmbedding on the packed QKV before",
+     "rotates the packed q/k/v"),
+])
+def test_group_query_attention_rotary_forms(packed, kwargs, rope, refused):
+    """GroupQueryAttention as the genai builder emits it: the rotary inside the op is named (pairing, width,
+    partial), the gate reads the op's own query input, and a rotary the gate cannot reproduce is refused for
+    `rope` with the reason (never taken as `none`)."""
+    m = only(_gqa_layer(packed, **{"do_rotary": 1, **kwargs}))
+    assert m.ok, m.failure and m.failure.reason
+    att = m.attention
+    assert att.packed_query is not None and att.packed_query.qkv is att.q and att.rope.startswith(rope), att.rope
+    assert att.form == ("packed-QKV GroupQueryAttention" if packed else "GroupQueryAttention (separate q/k/v)")
+    assert (att.num_heads, att.num_kv_heads, att.head_dim) == (H, 1, D)
+    if refused is None:
+        assert att.rope_refusal is None
+    else:
+        assert refused in (att.rope_refusal or ""), att.rope_refusal
+
+
+def test_group_query_attention_normalising_q_inside_is_not_matched():
+    """q/k norms fused into GroupQueryAttention (q_norm_weight input): the normalised query is never a tensor,
+    so neither TAS can be read; the layer is left dense with the reason."""
+    m = only(_gqa_layer(False, 1, q_norm=True))
+    assert not m.ok and m.failure.anchor == "query" and "q_norm_weight" in m.failure.reason
+
+
 # --- rotary forms --------------------------------------------------------------------------------------------
 
 
