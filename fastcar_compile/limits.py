@@ -19,7 +19,10 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_FRAME_TOKENS = UINT32_MAX
 MAX_REPLAY = 2**31 - 1  # the age counters are stored as float32/int32: beyond this K is "unlimited" anyway
 DEFAULT_ROTARY_POSITIONS = 16384  # --rotary-positions default: 64 frames of 256 tokens
-MAX_ROTARY_POSITIONS = 1 << 20  # the packed attention's cos/sin table: 1M x 32 x 2 float32 = 256 MiB at head size 64
+MAX_ROTARY_POSITIONS = 1 << 20
+# ONNX Runtime threads of one session: ORT starts them all when the session opens (10**6 hung there); more than
+# this is oversubscription on any machine this runs on. 0 = ORT's default (one per core).
+MAX_THREADS = 1024  # the packed attention's cos/sin table: 1M x 32 x 2 float32 = 256 MiB at head size 64
 
 
 def check_int(flag: str, value, lo: int, hi: int, meaning: str = "") -> int:
@@ -32,12 +35,43 @@ def check_int(flag: str, value, lo: int, hi: int, meaning: str = "") -> int:
     return value
 
 
+def check_finite(flag: str, value, meaning: str = "") -> float:
+    """A real number (not bool), neither NaN nor infinite; otherwise one clear FastCarError naming the flag."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise FastCarError(f"{flag} must be a number{f' ({meaning})' if meaning else ''}, got {value!r}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise FastCarError(f"{flag} must be a finite number{f' ({meaning})' if meaning else ''}, got {value}")
+    return value
+
+
 def memory_bytes() -> int:
     """Physical memory of this machine (what ONNX Runtime can allocate at most)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return 1 << 40
+
+
+def available_memory_bytes() -> int:
+    """Memory a new allocation can get now (Linux MemAvailable; the physical size elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return memory_bytes()
+
+
+def check_fits_memory(what: str, need: int, fix: str) -> None:
+    """Refuse, before allocating, `need` bytes that this machine cannot provide now (a later MemoryError, or
+    the kernel's OOM killer, would say neither which value nor which limit)."""
+    have = available_memory_bytes()
+    if need > have:
+        raise FastCarError(f"{what} needs {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of memory "
+                           f"available here; {fix}")
 
 
 def check_state_size(frame_tokens: int, hidden: int, layers: int, itemsize: int = 4) -> None:

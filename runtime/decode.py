@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.limits import check_finite, check_int
 from fastcar_compile.runtime.sampling import Sampler, guide
 from fastcar_compile.runtime.stats import RunStats
 from fastcar_compile.runtime.tokens import check_token_ids
@@ -40,6 +41,7 @@ class StepModel(Protocol):
     def describe_memory(self, batch: int = 1, tokens: int | None = None) -> str: ...
     def threshold_array(self, threshold: Any) -> np.ndarray: ...
     def check_video_length(self, tokens: int, what: str = ...) -> None: ...
+    def check_memory(self, batch: int, what: str, fix: str, tokens: int = 0) -> None: ...
 
 
 FrameCallback = Callable[[int, np.ndarray], "bool | None"]
@@ -108,6 +110,24 @@ def _as_rows(prompt_ids: Any, what: str, vocab: int | None = None) -> list[list[
     return rows
 
 
+def _processed(logits_processor: Callable[[np.ndarray], np.ndarray], g: np.ndarray, n: int) -> np.ndarray:
+    """The processor's logits, refused when they cannot choose a token: NaN, +inf, another shape, or a row with
+    no finite value (greedy argmax would pick token 0 silently)."""
+    try:
+        out = np.asarray(logits_processor(g), dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise FastCarError(f"logits_processor returned no numeric array for token {n}: {exc}") from None
+    if out.shape != g.shape:
+        raise FastCarError(f"logits_processor returned shape {list(out.shape)} for token {n}; it must keep the "
+                           f"shape of its input {list(g.shape)}")
+    if np.isnan(out).any() or np.isposinf(out).any():
+        raise FastCarError(f"logits_processor returned {'NaN' if np.isnan(out).any() else '+inf'} for token {n}; "
+                           "mask tokens with -inf instead")
+    if not np.isfinite(out).any(axis=-1).all():
+        raise FastCarError(f"logits_processor masked every token of a row (all -inf) for token {n}")
+    return out
+
+
 def _warn_threshold(stats: RunStats) -> bool:
     """Warn (once per run) when tau replays all or nothing of the first eligible frame; True once judged."""
     if stats.eligible_steps().sum() < max(1, stats.frame_tokens // 2):
@@ -165,6 +185,9 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     thr = None if threshold is None else session.threshold_array(threshold)  # type/NaN checks first
     if collect_tas and not session.has_diagnostics:
         raise FastCarError("collect_tas needs a model compiled with --emit-diagnostics (tas.N outputs)")
+    seed = check_int("seed", seed, 0, 2**64 - 1, "of the sampler's random generator")
+    if cfg_scale is not None:
+        cfg_scale = check_finite("cfg_scale", cfg_scale, "classifier-free guidance scale")
     sampler = Sampler(do_sample, temperature, top_k, top_p)
     vocab = getattr(session, "vocab", None)
     cond = _as_rows(prompt_ids, "prompt_ids", vocab)
@@ -187,6 +210,8 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     n_out = len(cond)
     total = num_frames * L
     session.check_video_length(padded + total - 1)  # (the last token is sampled, never fed)
+    session.check_memory(batch, f"{num_frames} frames of {L} tokens for {batch} row(s) after a {padded}-token prompt",
+                         "generate fewer frames or rows", tokens=padded + total - 1)
     rng = np.random.default_rng(seed)
     mem = session.state_nbytes(batch)
     stats = RunStats(model=str(session.path), fastcar=session.is_fastcar, frame_tokens=L,
@@ -204,8 +229,11 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     def choose(logits: np.ndarray) -> np.ndarray:
         last = logits[:, -1, :]
         g = guide(last[:n_out], last[n_out:], cfg_scale) if cfg else last.astype(np.float64)
+        if np.isnan(g).any():
+            raise FastCarError(f"the model's logits for token {n} contain NaN ({session.path.name}); its weights "
+                               "or inputs hold NaN or overflow, so no token can be chosen")
         if logits_processor is not None:
-            g = np.asarray(logits_processor(g), dtype=np.float64)
+            g = _processed(logits_processor, g, n)
         if keep_logits:
             logit_rows.append(g.astype(np.float32))
         return sampler(g, rng)

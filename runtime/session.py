@@ -25,6 +25,7 @@ import numpy as np
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import model_fingerprint
+from fastcar_compile.limits import INT64_MAX, MAX_THREADS, check_fits_memory, check_int
 from fastcar_compile.runtime.binding import StepBinding
 from fastcar_compile.runtime.tokens import check_token_ids
 
@@ -124,6 +125,21 @@ def _load_error(path: Path, exc: Exception, native: bool) -> str:
     return f"ONNX Runtime cannot load {path}: {first}{hint}"
 
 
+def _check_positions(position_ids: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """position_ids as int64 [batch, seq] (broadcast), refused when not integers, of another shape or negative
+    (a negative position indexes RoPE's tables from their end: plausible logits, wrong model)."""
+    p = np.asarray(position_ids)
+    if p.dtype.kind not in "iu":
+        raise FastCarError(f"position_ids must be integers, got {p.dtype} values")
+    try:
+        p = np.ascontiguousarray(np.broadcast_to(p.astype(np.int64), shape))
+    except ValueError:
+        raise FastCarError(f"position_ids must be {list(shape)} like input_ids, got {list(p.shape)}") from None
+    if p.size and p.min() < 0:
+        raise FastCarError(f"position_ids must be >= 0, got {int(p.min())}")
+    return p
+
+
 class FastCarSession:
     """Run a FastCar-compiled (or the original dense) decoder step by step in ONNX Runtime.
 
@@ -136,6 +152,7 @@ class FastCarSession:
                  session_options: Any = None, *, frame_tokens: int | None = None,
                  native: bool | None = None, threads: int = DEFAULT_THREADS, inplace: bool | None = None,
                  max_length: int | None = None):
+        threads = check_int("threads", threads, 0, MAX_THREADS, "ONNX Runtime threads; 0 = one per core")
         ort = _ort()
         self.path = Path(path)
         if self.path.is_dir():
@@ -258,6 +275,11 @@ class FastCarSession:
         self.kv_slots: int | None = max(self._kv_caps.values()) if self._kv_caps else None  # the largest budget
         if self.kv_slots is not None and self.native_library is None:
             raise FastCarError(_needs_native(self.path.name))
+        if self.max_length is not None or self._kv_caps:  # one video's fixed buffers must fit
+            self.check_memory(1, f"one video's state of {self.path.name}"
+                              + (f" with max_length={self.max_length}" if self.max_length is not None else ""),
+                              "give a smaller max_length" if self.max_length is not None else
+                              "recompile with a smaller --kv-budget")
 
     @property
     def last_ort_s(self) -> float:
@@ -268,8 +290,7 @@ class FastCarSession:
     def _check_shared_kv(self, max_length: int | None) -> int | None:
         if max_length is None:
             return None
-        if not isinstance(max_length, int) or max_length < 1:
-            raise FastCarError(f"max_length must be a positive number of tokens, got {max_length!r}")
+        max_length = check_int("max_length", max_length, 1, INT64_MAX, "KV positions per video")
         import onnx
 
         graph = onnx.load(str(self.path), load_external_data=False).graph
@@ -412,8 +433,9 @@ class FastCarSession:
 
     def new_state(self, batch: int, video_start: int = 0) -> DecodeState:
         """Empty state for `batch` new videos: no KV, caches zero, ages -1 (per the model's `fill`)."""
-        if batch < 1:
-            raise FastCarError(f"batch must be >= 1, got {batch}")
+        batch = check_int("batch", batch, 1, INT64_MAX, "videos in the state")
+        video_start = check_int("video_start", video_start, 0, INT64_MAX, "KV index of the first video token")
+        self.check_memory(batch, f"new_state(batch={batch})", "use a smaller batch")
         arrays = {s.input: s.empty(batch) for s in self.specs}
         for s in self.specs:  # allocated once per video, written in place by the fused attention
             cap = self._kv_capacity(s)
@@ -427,6 +449,21 @@ class FastCarSession:
     def _kv_capacity(self, spec: StateSpec) -> int | None:
         """A KV input's fixed past length: its layer's budget, else max_length; None = grows with the video."""
         return self._kv_caps.get(spec.input, self.max_length)
+
+    def state_bytes(self, batch: int = 1, tokens: int = 0) -> int:
+        """Bytes of `batch` videos' state at `tokens` KV positions: what new_state allocates (FastCar state,
+        fixed KV buffers of a budget or max_length, the attention mask buffer) plus a growing KV cache."""
+        total = batch * self.max_length * 8 if self.max_length is not None else 0
+        for s in self.specs:
+            row = int(np.prod([1 if d in ("batch", "past") else int(d) for d in s.shape])) * s.dtype.itemsize
+            cap = self._kv_capacity(s) if s.kind == "kv" else 1
+            total += batch * row * (tokens if cap is None else cap)
+        return total
+
+    def check_memory(self, batch: int, what: str, fix: str, tokens: int = 0) -> None:
+        """Refuse `batch` videos of `tokens` KV positions whose state cannot fit in the memory available now,
+        before anything is allocated (a raw MemoryError later names neither the value nor the limit)."""
+        check_fits_memory(what, self.state_bytes(batch, tokens), fix)
 
     def state_nbytes(self, batch: int = 1) -> dict[str, int]:
         """Size of the fixed FastCar state and of the KV cache per token, in bytes, for `batch` rows."""
@@ -530,6 +567,8 @@ class FastCarSession:
         if check:
             self.check_state(state)
             input_ids = check_token_ids(input_ids, self.vocab, "input_ids")
+        if position_ids is not None:
+            position_ids = _check_positions(position_ids, np.shape(input_ids))
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[0] != state.batch:
             raise FastCarError(f"input_ids must be [batch={state.batch}, seq], got {list(ids.shape)}")
@@ -552,8 +591,6 @@ class FastCarSession:
                 state.real_len[:, None]
         elif position_ids is None:  # HF convention: count of real tokens before this one (padding: 0)
             position_ids = np.maximum(state.real_len[:, None] + np.cumsum(new_mask, axis=1) - 1, 0)
-        else:
-            position_ids = np.asarray(position_ids, dtype=np.int64)
         if threshold is None and self._feed_tau:
             threshold = self.default_threshold
         tau = None if threshold is None else self._tau_feed(threshold)

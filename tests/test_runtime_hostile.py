@@ -102,3 +102,85 @@ def test_random_bytes_are_named_as_not_onnx(models):
 def test_directory_as_model(models):
     with pytest.raises(FastCarError, match="directory"):
         FastCarSession(models)
+
+
+# ------------------------------------------------------------------ values of the runtime API (issue 26)
+@pytest.mark.parametrize("prompt,kwargs,word", [
+    ([[1, 2]], {"seed": -1, "do_sample": True}, "seed"),
+    ([[1, 2]], {"seed": 1.5}, "seed"),
+    ([[1, 2]], {"seed": "0"}, "seed"),
+    ([[1, 2]], {"cfg_scale": float("nan"), "uncond_prompt_ids": [[1]]}, "cfg_scale"),
+    ([[1, 2]], {"cfg_scale": float("inf"), "uncond_prompt_ids": [[1]]}, "cfg_scale"),
+    ([[1, 2]], {"cfg_scale": "2", "uncond_prompt_ids": [[1]]}, "cfg_scale"),
+    ([[1, 2]], {"logits_processor": lambda g: g * np.nan}, "NaN"),
+    ([[1, 2]], {"logits_processor": lambda g: np.where(np.arange(g.shape[-1]) == 3, np.inf, g)}, r"\+inf"),
+    ([[1, 2]], {"logits_processor": lambda g: np.full_like(g, -np.inf)}, "every token"),
+    ([[1, 2]], {"logits_processor": lambda g: g[:, :5]}, "shape"),
+    ([[1, 2]], {"logits_processor": lambda g: None}, "logits_processor"),
+], ids=["seed=-1", "seed=1.5", "seed='0'", "cfg_scale=nan", "cfg_scale=inf", "cfg_scale='2'", "processor NaN",
+        "processor +inf", "processor all -inf", "processor shape", "processor None"])
+def test_generate_rejects_values(sess, prompt, kwargs, word):
+    with pytest.raises(FastCarError, match=word) as info:
+        sess.generate(prompt, 1, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("args,kwargs,word", [
+    ((10**9,), {}, "GiB"),
+    ((2.5,), {}, "batch"),
+    (("2",), {}, "batch"),
+    ((True,), {}, "batch"),
+    ((0,), {}, "batch"),
+    ((1,), {"video_start": "abc"}, "video_start"),
+    ((1,), {"video_start": -5}, "video_start"),
+    ((1,), {"video_start": 2**70}, "video_start"),
+], ids=["batch=10**9", "batch=2.5", "batch='2'", "batch=True", "batch=0", "video_start='abc'", "video_start=-5",
+        "video_start=2**70"])
+def test_new_state_rejects(sess, args, kwargs, word):
+    with pytest.raises(FastCarError, match=word) as info:
+        sess.new_state(*args, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("positions,word", [
+    (np.array([[-3, -2]]), ">= 0"),
+    (np.array([[0.5, 1.0]]), "integers"),
+    (np.array([[0, 1, 2]]), r"\[1, 2\]"),
+    (np.array([[2**63, 0]], np.uint64), ">= 0"),
+], ids=["negative", "floats", "shape", "uint64 wrap"])
+def test_step_rejects_position_ids(sess, positions, word):
+    with pytest.raises(FastCarError, match=word):
+        sess.step(sess.new_state(1), np.array([[1, 2]]), position_ids=positions)
+
+
+@pytest.mark.parametrize("kwargs,word", [
+    ({"threads": 10**6}, "threads"),
+    ({"threads": -1}, "threads"),
+    ({"threads": 1.5}, "threads"),
+    ({"max_length": True}, "max_length"),
+    ({"max_length": 0}, "max_length"),
+    ({"max_length": 10**12}, "max_length"),
+], ids=["threads=10**6", "threads=-1", "threads=1.5", "max_length=True", "max_length=0", "max_length=10**12"])
+def test_session_rejects(models, kwargs, word):
+    with pytest.raises(FastCarError, match=word) as info:
+        FastCarSession(models / "a.onnx", **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_state_beyond_memory_is_refused_up_front(native_lib, tmp_path, monkeypatch):
+    """--kv-budget 16777216: every video holds that many key/value slots per KV head (and their records), which
+    the session refuses when it opens, naming the size and the limit, instead of a MemoryError later. The size
+    is computed here from the bundled graph's KV shapes; the available memory is set below it."""
+    from fastcar_compile import limits
+
+    budget = 16777216
+    fc.compile(BUNDLED, tmp_path / "big.onnx", frame_tokens=L, threshold=0.0, kv_budget=budget, kv_sinks=4,
+               kv_window=L)
+    kv = [i for i in onnx.load(BUNDLED).graph.input if i.name.startswith("past_key_values")]
+    per_slot = sum(i.type.tensor_type.shape.dim[1].dim_value * (i.type.tensor_type.shape.dim[3].dim_value + 1.5)
+                   for i in kv) * 4  # key/value rows + the slot records (3 floats per layer and KV head)
+    want = f"{budget * per_slot / 2**30:.1f} GiB"
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: 4 << 30)
+    with pytest.raises(FastCarError, match="more than the 4.0 GiB") as info:
+        FastCarSession(tmp_path / "big.onnx")
+    assert want in str(info.value) and "--kv-budget" in str(info.value)
