@@ -56,6 +56,13 @@ def test_export_matches_eager(family, exporter, tmp_path, capsys):
 
     _, report = fc.compile(str(out), str(tmp_path / "fast.onnx"), frame_tokens=4)
     assert report.rewritten == list(range(zoo.LAYERS))
+    if (family, exporter) == FAST[0]:  # a NaN logit difference is no match (NaN > tolerance is False)
+        from fastcar_compile.export import check_logits
+
+        with torch.no_grad():
+            model.get_output_embeddings().weight[0] = float("nan")  # logit 0 of every token
+        with pytest.raises(fc.FastCarError, match="NaN"):
+            check_logits(model, out)
 
 
 def test_export_config_only_and_opset(tmp_path, capsys):

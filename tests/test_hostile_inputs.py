@@ -8,7 +8,9 @@ in a subprocess. `python tests/hostile_cases.py` prints the totals of the closin
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,3 +114,88 @@ def test_ctrl_c_inside_a_subcommand_import(monkeypatch, capsys):
     monkeypatch.setattr(importlib, "import_module", interrupted)
     assert cli.main(["sim", "x.fcb"]) == 130
     assert "Traceback" not in capsys.readouterr().err
+
+
+def _console(*argv: str, **kw) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("fastcar-compile")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fastcar_compile"]
+    return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=300, **kw)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_output_through_a_link_to_stdout_is_refused(sandbox, tmp_path):
+    """-o a symlink to /proc/self/fd/1 (here a pipe): refused, the link stays a link, nothing is written."""
+    link = tmp_path / "out.onnx"
+    os.symlink("/proc/self/fd/1", link)
+    proc = _console(str(sandbox / "model.onnx"), "-o", str(link), "--frame-tokens", str(hc.L))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "FIFO" in proc.stderr and proc.stdout == ""
+    assert os.readlink(link) == "/proc/self/fd/1" and sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx"]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A mount point for a small tmpfs (root with mount rights only); unmounted afterwards."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+
+    def mount(size: int) -> Path:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+        if r.returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root with mount rights)")
+        return mnt
+
+    yield mount
+    subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_full_disk_errors_name_the_path_and_leave_nothing(sandbox, tmpfs):
+    """On a real full file system (an 8 KiB tmpfs): report's pictures and a compiled model do not fit; the one
+    error line names where it was writing, and nothing is left on the file system."""
+    mnt = tmpfs(8 << 10)
+    for argv, where in ((["report", str(sandbox / "run.json"), "-o", str(mnt / "pics")], mnt / "pics"),
+                        ([str(sandbox / "model.onnx"), "-o", str(mnt / "fast.onnx"), "--frame-tokens", str(hc.L)],
+                         mnt / "fast.onnx")):
+        o = hc.run_case(hc.Case("full", lambda d, a=argv: a), sandbox)
+        assert o.rc == 2 and not o.traceback, o.stderr
+        assert "no space left" in o.stderr and str(where) in o.stderr, o.stderr
+        assert list(mnt.iterdir()) == []
+
+
+def test_full_disk_during_the_genai_files_leaves_no_model(sandbox, tmp_path, tmpfs):
+    """The tokenizer copy beside the output fills the disk: before, fast.onnx stayed there without its config;
+    now the model, the config and the tokenizer copies are one unit and none of them appears."""
+    src = tmp_path / "genai"
+    shutil.copytree(sandbox / "genai_ok", src, symlinks=False)
+    (src / "tokenizer.model").write_bytes(np.random.default_rng(0).bytes(4 << 20))  # does not compress
+    probe = tmp_path / "probe" / "fast.onnx"
+    assert hc.run_case(hc.Case("probe", lambda d: [str(src / "model.onnx"), "-o", str(probe), "--frame-tokens",
+                                                    str(hc.L), "--no-genai"]), sandbox).rc == 0
+    mnt = tmpfs(probe.stat().st_size + (2 << 20))  # room for the model, not for model + tokenizer
+    o = hc.run_case(hc.Case("full", lambda d: [str(src / "model.onnx"), "-o", str(mnt / "fast.onnx"),
+                                               "--frame-tokens", str(hc.L)]), sandbox)
+    assert o.rc == 2 and not o.traceback and "no space left" in o.stderr, o.stderr
+    assert list(mnt.iterdir()) == []
+
+
+def test_genai_output_replaced_as_one_unit(sandbox, tmp_path, monkeypatch):
+    """Recompiling into a genai output folder whose model rename fails: the earlier genai_config.json is put
+    back, the earlier model stays, and no staged file is left."""
+    out = tmp_path / "g" / "fast.onnx"
+    argv = [str(sandbox / "genai_ok" / "model.onnx"), "-o", str(out), "--frame-tokens", str(hc.L)]
+    from fastcar_compile.cli import main
+
+    assert main(argv) == 0
+    (out.parent / "genai_config.json").write_text('{"earlier": true}')  # marks the earlier output's config
+    before = {p.name: p.read_bytes() for p in out.parent.iterdir()}
+    real = os.replace
+
+    def fail_model(src, dst, *a, **k):
+        if str(dst) == str(out):
+            raise OSError(errno.EIO, "input/output error", str(dst))
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", fail_model)
+    assert main(argv + ["--threshold", "0"]) == 2
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
