@@ -106,9 +106,14 @@ def _inner_rotary(core: ir.Node, head_dim: int) -> tuple[ir.Value | None, ir.Val
 def match(core: ir.Node) -> tuple[PackedQuery, int, int, int] | None:
     """(query source, heads, kv heads, head size) of a GroupQueryAttention whose query the gate rebuilds
     (packed QKV, or separate q/k/v with do_rotary=1), or None (not such an op: the generic matchers, which
-    find a rotary applied before the op, take it). Raises MatchFailure for a form no TAS can be read from."""
+    find a rotary applied before the op, take it). Raises MatchFailure for a form FastCar cannot read TAS from
+    (q/k norms inside the op, a window-sized KV buffer)."""
     if core.op_type != "GroupQueryAttention" or len(core.inputs) < 7 or core.inputs[0] is None:
         return None
+    if _attr(core, "sliding_window_cache", 0):
+        raise MatchFailure("kv", f"{core.name} keeps a window-sized KV buffer (sliding_window_cache=1) indexed "
+                           "relative to the window; the gate reads the key one frame back by absolute position",
+                           gu.describe(core))
     do_rotary = bool(_attr(core, "do_rotary", 0))
     packed = is_packed(core)
     if not packed and not do_rotary:

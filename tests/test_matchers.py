@@ -220,10 +220,12 @@ def test_fused_attention_op(op):
 
 
 def _gqa_layer(packed: bool, do_rotary: int, cos_width: int | None = D // 2, interleaved: int = 0,
-               rotary_before: bool = False, position_ids: bool = False, q_norm: bool = False) -> ir.Model:
+               rotary_before: bool = False, position_ids: bool = False, q_norm: bool = False,
+               window_cache: bool = False) -> ir.Model:
     """One layer whose attention is com.microsoft.GroupQueryAttention as onnxruntime-genai's builder writes it:
     packed QKV or separate q/k/v, rotating inside with cos/sin caches [32, cos_width] (None: a graph input of
-    unknown shape); optionally a RotaryEmbedding on the packed tensor, a position_ids input, fused q/k norms."""
+    unknown shape); optionally a RotaryEmbedding on the packed tensor, a position_ids input, fused q/k norms, a
+    window-sized KV buffer."""
     g = G(1)
     h = g.rms("x")
     qkv = g.linear(h, (H + 2) * D)
@@ -249,7 +251,8 @@ def _gqa_layer(packed: bool, do_rotary: int, cos_width: int | None = D // 2, int
     out, pk, pv = g.op("GroupQueryAttention", [*qkv_in, "past_key_values.0.key", "past_key_values.0.value",
                                                g.const(np.zeros(1, np.int32)), g.const(np.array(1, np.int32)),
                                                cos, sin, *extra], n_out=3, domain="com.microsoft", num_heads=H,
-                       kv_num_heads=1, do_rotary=do_rotary, rotary_interleaved=interleaved)
+                       kv_num_heads=1, do_rotary=do_rotary, rotary_interleaved=interleaved,
+                       **({"local_window_size": 8, "sliding_window_cache": 1} if window_cache else {}))
     g.output("present.0.key", pk, ["b", 1, "t", "head"])
     g.output("present.0.value", pv, ["b", 1, "t", "head"])
     r = g.op("Add", ["x", g.linear(out, E)])
@@ -282,11 +285,14 @@ def test_group_query_attention_rotary_forms(packed, kwargs, rope, refused):
         assert refused in (att.rope_refusal or ""), att.rope_refusal
 
 
-def test_group_query_attention_normalising_q_inside_is_not_matched():
-    """q/k norms fused into GroupQueryAttention (q_norm_weight input): the normalised query is never a tensor,
-    so neither TAS can be read; the layer is left dense with the reason."""
-    m = only(_gqa_layer(False, 1, q_norm=True))
-    assert not m.ok and m.failure.anchor == "query" and "q_norm_weight" in m.failure.reason
+@pytest.mark.parametrize("kwargs,anchor,reason", [
+    ({"q_norm": True}, "query", "q_norm_weight"), ({"window_cache": True}, "kv", "sliding_window_cache=1")])
+def test_group_query_attention_forms_left_dense(kwargs, anchor, reason):
+    """q/k norms fused into GroupQueryAttention (q_norm_weight input: the normalised query is never a tensor, so
+    neither TAS can be read), and a window-sized KV buffer (Gemma2/3 local layers: the key one frame back is not
+    at its absolute position): the layer is left dense with the reason."""
+    m = only(_gqa_layer(False, 1, **kwargs))
+    assert not m.ok and m.failure.anchor == anchor and reason in m.failure.reason
 
 
 # --- rotary forms --------------------------------------------------------------------------------------------
