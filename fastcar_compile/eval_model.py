@@ -1,11 +1,15 @@
 """`fastcar-compile eval --model fast.onnx --prompts p.npy`: the user's own model, dense vs FastCar.
 
-Every prompt batch is generated greedily by the dense model and by FastCar in the same run, the order
-alternating from batch to batch (so machine load hits both alike). Reported: replay (with and without
-frame 0), decode ms per token of each (`RunStats.ms_per_token`, FastCarSession.step incl. Python), the
-speed-up, token agreement with dense, and KL(dense || FastCar) per generated token, teacher-forced on the
-FastCar tokens (one dense prefill over prompt + video). Writes dense.json and fast.json (runtime traces:
-`fastcar-compile report` and the FPGA simulator read them), eval.json and the pictures.
+Every prompt batch is generated greedily by the input model (`--dense`), by the compiled model at tau=+inf (its
+`fastcar_threshold` input set to +inf: no replay, no recompile) and by FastCar at its tau, in the same run, the
+order rotating from batch to batch (so machine load hits all alike). The speed-up is reported as its factors:
+graph/attention gain (compiled at tau=+inf vs the input model: the fused attention and norm fusions, net of the
+gate's cost), replay gain (FastCar vs the same compiled model at tau=+inf) and their product. Also reported:
+replay (with and without frame 0), decode ms per token of each (`RunStats.ms_per_token`, FastCarSession.step
+incl. Python), token agreement, KL(dense || FastCar) per generated token, teacher-forced on the FastCar tokens
+(one dense prefill over prompt + video), and with --kv-diagnostics models the KV cache's density, recall and
+resident bytes over every video. Writes fast.json, fast_inf.json and dense.json (runtime traces: `fastcar-compile
+report` and the FPGA simulator read them), eval.json and the pictures.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +28,8 @@ import numpy as np
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import check_output_dir, check_outputs, model_reads, staged_dir
 
-OUTPUTS = ("dense.json", "fast.json", "fast.replay.png", "fast.latency.png", "fast.tokens.png", "eval.json")
+OUTPUTS = ("dense.json", "fast.json", "fast_inf.json", "fast.replay.png", "fast.latency.png", "fast.kv.png",
+           "fast.tokens.png", "eval.json")
 
 
 def load_prompts(path: str | os.PathLike, what: str = "--prompts") -> np.ndarray:
@@ -65,12 +71,23 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
              given_video_tokens: int = 0, frame_shape: str | None = None,
              progress: bool = True) -> dict[str, Any]:
     """Dense vs FastCar on `prompts`; returns the eval.json dict and writes the files into out_dir.
-    frame_shape: "HxW" (H x W = L) for the per-token replay picture."""
+    frame_shape: "HxW" (H x W = L) for the per-token replay picture.
+
+    The speed-up is reported as its two factors, each measured in this run: the graph/attention gain (the
+    compiled model at tau=+inf, i.e. its `fastcar_threshold` input set to +inf, against the input model: fused
+    attention and norm fusions, minus the gate's cost) and the replay gain (FastCar at its tau against that same
+    compiled model at tau=+inf), and their product. Without `dense_path` only the replay gain is measured."""
     from tqdm.auto import tqdm
 
     from fastcar_compile.runtime.calibrate import NeverReplay, teacher_forced_kl
     from fastcar_compile.runtime.decode import ThresholdWarning
-    from fastcar_compile.runtime.report import comparison, parse_frame_shape, render_report
+    from fastcar_compile.runtime.report import (
+        comparison,
+        kv_summary,
+        parse_frame_shape,
+        render_report,
+        speedups,
+    )
     from fastcar_compile.runtime.session import FastCarSession
     from fastcar_compile.runtime.stats import RunStats
 
@@ -90,57 +107,66 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
         raise FastCarError(f"--dense {dense_path} is a FastCar-compiled model; pass the original export")
     reference = dense if dense is not None else NeverReplay(fast)
     kw = dict(given_video_tokens=given_video_tokens, progress=False)
-    d_runs, f_runs, kl, agree = [], [], [], []
+    runs: dict[str, Callable[[np.ndarray], Any]] = {
+        "inf": lambda chunk: fast.generate(chunk, frames, threshold=math.inf, **kw),
+        "fast": lambda chunk: fast.generate(chunk, frames, keep_logits=True, **kw)}
+    if dense is not None:
+        runs["dense"] = lambda chunk: dense.generate(chunk, frames, **kw)
+    stats: dict[str, list] = {k: [] for k in runs}
+    kl, agree, inf_agree = [], [], []
     chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    order = list(runs)
     with warnings.catch_warnings():  # one video may replay all of frame 1 legitimately: judged on the whole run
         warnings.simplefilter("ignore", ThresholdWarning)
         for i, chunk in enumerate(tqdm(chunks, desc="dense vs FastCar", unit="batch", disable=not progress)):
-            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-                if which == 0:
-                    d = (dense.generate(chunk, frames, **kw) if dense is not None
-                         else fast.generate(chunk, frames, threshold=math.inf, **kw))
-                else:
-                    f = fast.generate(chunk, frames, keep_logits=True, **kw)
-            d_runs.append(_as_dense(d.stats) if dense is None else d.stats)
-            f_runs.append(f.stats)
+            res = {}
+            for which in order[i % len(order):] + order[: i % len(order)]:  # each model first in turn
+                res[which] = runs[which](chunk)
+                stats[which].append(res[which].stats)
+            f, d = res["fast"], res.get("dense", res["inf"])
             kl.append(teacher_forced_kl(reference, [list(map(int, r)) for r in chunk], f.tokens, f.logits))
             agree.append(d.tokens == f.tokens)
-    ds, fs = RunStats.merge(d_runs), RunStats.merge(f_runs)
+            if dense is not None:
+                inf_agree.append(res["inf"].tokens == d.tokens)
+    merged = {k: RunStats.merge(v) for k, v in stats.items()}
+    fs, gs, ds = merged["fast"], merged["inf"], merged.get("dense")
     if (msg := fs.threshold_warning()) is not None:
         print(f"warning: {msg}", file=sys.stderr)
-    pictures = render_report(fs, stem="fast", dense=ds, frame_shape=shape)
+    pictures = render_report(fs, stem="fast", dense=ds, frame_shape=shape, compiled_inf=gs)
+    traces = {"fast.json": fs, "fast_inf.json": gs, **({"dense.json": ds} if ds is not None else {})}
     k = np.concatenate([x.ravel() for x in kl])
     result = {
-        "model": str(fast_path), "dense": str(dense_path) if dense_path else f"{fast_path} at tau=+inf",
+        "model": str(fast_path), "dense": str(dense_path) if dense_path else None,
         "prompts": int(len(prompts)), "frames": frames, "frame_tokens": fast.frame_tokens, "batch": batch,
         "threads": threads, "native_kernels": fast.native_library is not None, "tau": fs.threshold,
         "replay_ratio": fs.replay_ratio, "replay_ratio_eligible": fs.replay_ratio_eligible,
         "replay_ceiling": fs.eligible_ratio_ceiling,
-        "dense_ms_per_token": ds.ms_per_token, "fast_ms_per_token": fs.ms_per_token,
-        "speedup": ds.ms_per_token / fs.ms_per_token if fs.ms_per_token else float("nan"),
+        "dense_ms_per_token": ds.ms_per_token if ds is not None else None,
+        "inf_ms_per_token": gs.ms_per_token, "fast_ms_per_token": fs.ms_per_token, **speedups(ds, gs, fs),
         "kl_mean": float(k.mean()), "kl_p95": float(np.quantile(k, 0.95)),
         "token_agreement": float(np.mean(np.concatenate([a.ravel() for a in agree]))),
-        "files": [str(out / name) for name in ("dense.json", "fast.json", *pictures, "eval.json")],
+        "inf_token_agreement": float(np.mean(np.concatenate([a.ravel() for a in inf_agree]))) if inf_agree else None,
+        "kv_diagnostics": fs.kv_diagnostics, "kv_diagnostics_per_video": fs.kv_diagnostics_per_video,
+        "files": [str(out / name) for name in (*traces, *pictures, "eval.json")],
     }
     with staged_dir(out) as tmp:  # every file of the run appears together at the end, or none
-        ds.save(tmp / "dense.json")
-        fs.save(tmp / "fast.json")
+        for name, run in traces.items():
+            run.save(tmp / name)
         for name, data in pictures.items():
             (tmp / name).write_bytes(data)
         (tmp / "eval.json").write_text(json.dumps(result, indent=1))
-    print(comparison(fs, ds))
-    print(f"tokens equal to dense: {100 * result['token_agreement']:.1f}%; KL(dense || FastCar) per token: mean "
+    print(comparison(fs, ds, gs))
+    if result["inf_token_agreement"] is not None:
+        print(f"tokens of the compiled model at tau=+inf equal to the input model's: "
+              f"{100 * result['inf_token_agreement']:.1f}%")
+    print(f"tokens of FastCar equal to {'the input model' if ds is not None else 'tau=+inf'}: "
+          f"{100 * result['token_agreement']:.1f}%; KL(dense || FastCar) per token: mean "
           f"{result['kl_mean']:.4g}, 95th percentile {result['kl_p95']:.4g} nats (teacher-forced on FastCar's tokens)")
+    if (kv := kv_summary(fs)) is not None:
+        print(kv)
     print(f"native kernels: {'on' if result['native_kernels'] else 'OFF'}; {len(prompts)} prompts x {frames} "
           f"frames x {fast.frame_tokens} tokens, batch {batch}, {threads} thread(s)")
     print(f"wrote {len(result['files'])} files in {out}:")
     for p in result["files"]:
         print(f"  {p}")
     return result
-
-
-def _as_dense(stats):
-    """The fast model's tau=+inf run relabelled as the dense baseline (no replay by construction)."""
-    stats.fastcar, stats.layers = False, []
-    stats.steps = [{"pos": s["pos"], "replay": []} for s in stats.steps]
-    return stats.finalize()

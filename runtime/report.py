@@ -1,5 +1,6 @@
-"""Pictures of a run, as PNG next to run.json: replay heatmap (layer x frame), per-frame latency (with the
-dense run's bars beside it when one is given), and a per-token replay heatmap when the frame is a grid.
+"""Pictures of a run, as PNG next to run.json: replay heatmap (layer x frame), per-frame latency (with the input
+model's and the compiled model's tau=+inf bars beside it when given), KV cache diagnostics (--kv-diagnostics
+runs), and a per-token replay heatmap when the frame is a grid.
 
 All pictures are drawn first and then written together through a staged folder (fileio.staged_dir), so a
 failure leaves none of them (nor a folder made for them) behind.
@@ -17,7 +18,7 @@ from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import staged_dir
 from fastcar_compile.runtime.stats import RunStats
 
-PICTURES = ("replay", "latency", "tokens")  # <stem>.<kind>.png
+PICTURES = ("replay", "latency", "kv", "tokens")  # <stem>.<kind>.png
 MAX_TOKEN_CELLS = 1 << 24  # frames x tokens per frame of the per-token picture (256 MiB of float64 counters)
 
 
@@ -52,19 +53,116 @@ def parse_frame_shape(text: str | None, frame_tokens: int) -> tuple[int, int] | 
     return h, w
 
 
-def comparison(fast: RunStats, dense: RunStats) -> str:
-    """Lines comparing a FastCar run with a dense run of the same prompts."""
-    sp = dense.ms_per_token / fast.ms_per_token if fast.ms_per_token else float("nan")
-    return (f"decode ms/token: dense {dense.ms_per_token:.3f}, FastCar {fast.ms_per_token:.3f} -> speed-up "
-            f"{sp:.2f}x (runtime step incl. Python; {dense.videos} + {fast.videos} videos)\n"
+def speedups(dense: RunStats | None, compiled_inf: RunStats | None, fast: RunStats) -> dict[str, float | None]:
+    """The speed-up as its factors (decode ms per token ratios, runs of the same prompts): `speedup_graph` = the
+    input model over the compiled model at tau=+inf (graph and attention fusions, net of the gate), `speedup_replay`
+    = the compiled model at tau=+inf over FastCar at its tau (what replay alone gains), `speedup` = the input model
+    over FastCar (their product). A factor whose run is missing is None."""
+    def ratio(a: RunStats | None, b: RunStats | None) -> float | None:
+        return a.ms_per_token / b.ms_per_token if a is not None and b is not None and b.ms_per_token else None
+
+    return {"speedup_graph": ratio(dense, compiled_inf), "speedup_replay": ratio(compiled_inf, fast),
+            "speedup": ratio(dense, fast)}
+
+
+def speedup_text(gains: dict[str, float | None]) -> str:
+    """'graph/attention 1.40x x replay 1.10x = 1.54x', with the factors that were measured."""
+    g, r, t = gains["speedup_graph"], gains["speedup_replay"], gains["speedup"]
+    parts = [f"graph/attention {g:.2f}x (compiled at tau=+inf vs the input model)" if g is not None else None,
+             f"replay {r:.2f}x (FastCar vs the same compiled model at tau=+inf)" if r is not None else None]
+    text = " x ".join(p for p in parts if p)
+    return f"{text} = {t:.2f}x in all" if t is not None and g is not None and r is not None else \
+        text or (f"{t:.2f}x vs the input model" if t is not None else "not measured")
+
+
+def comparison(fast: RunStats, dense: RunStats | None, compiled_inf: RunStats | None = None) -> str:
+    """Lines comparing a FastCar run with the input model's run and/or the compiled model's tau=+inf run of the
+    same prompts: ms per token of each and the speed-up as its factors."""
+    times = [f"{name} {r.ms_per_token:.3f}" for name, r in (("input model", dense), ("compiled at tau=+inf",
+                                                                                    compiled_inf), ("FastCar", fast))
+             if r is not None]
+    videos = " + ".join(str(r.videos) for r in (dense, compiled_inf, fast) if r is not None)
+    return (f"decode ms/token: {', '.join(times)} (runtime step incl. Python; {videos} videos, same prompts)\n"
+            f"speed-up: {speedup_text(speedups(dense, compiled_inf, fast))}\n"
             f"replay {100 * fast.replay_ratio:.1f}% of all decode steps (frame 0 included), "
             f"{100 * fast.replay_ratio_eligible:.1f}% of eligible steps (frame 0 excluded)")
 
 
+def kv_table(stats: RunStats) -> list[dict]:
+    """Per compressed layer of a --kv-diagnostics run: {layer, density, recall, kv_share, kv_bytes, dense_kv_bytes}
+    over all videos, and `videos`: the same numbers per video (missing numbers are None)."""
+    diag = stats.kv_diagnostics if isinstance(stats.kv_diagnostics, dict) else {}
+    per_video = [v for v in (stats.kv_diagnostics_per_video or []) if isinstance(v, dict)]
+
+    def numbers(acc: dict) -> dict:
+        out = {k: float(acc[k]) if isinstance(acc.get(k), int | float) else None
+               for k in ("density", "recall", "kv_bytes", "dense_kv_bytes")}
+        out["kv_share"] = out["kv_bytes"] / out["dense_kv_bytes"] if out["kv_bytes"] is not None and \
+            out["dense_kv_bytes"] else None
+        return out
+
+    rows = []
+    for layer in sorted((k for k, v in diag.items() if isinstance(v, dict)), key=lambda k: (len(k), k)):
+        rows.append({"layer": layer, **numbers(diag[layer]),
+                     "videos": [numbers(v[layer]) for v in per_video if isinstance(v.get(layer), dict)]})
+    return rows
+
+
+def kv_summary(stats: RunStats) -> str | None:
+    """Lines of a --kv-diagnostics run: per compressed layer density, recall and resident KV over all videos,
+    with the range over the videos beside each; None for a run without them."""
+    rows = kv_table(stats)
+    if not rows:
+        return None
+    n = max(len(r["videos"]) for r in rows)
+    lines = [f"KV cache against dense attention on the side, over {n or stats.videos} video(s) "
+             f"(pooled; per-video range in brackets):"]
+    for r in rows:
+        def part(key: str, label: str, r=r) -> str:
+            if r[key] is None:
+                return f"{label} -"
+            vals = [v[key] for v in r["videos"] if v[key] is not None]
+            spread = f" [{100 * min(vals):.1f}-{100 * max(vals):.1f}]" if len(vals) > 1 else ""
+            return f"{label} {100 * r[key]:.1f}%{spread}"
+        kv = "" if r["kv_bytes"] is None or r["dense_kv_bytes"] is None else \
+            f" ({r['kv_bytes'] / 1024:.1f} of {r['dense_kv_bytes'] / 1024:.1f} KiB per video)"
+        lines.append(f"  layer {r['layer']}: {part('density', 'density')}, {part('recall', 'recall')}, "
+                     f"{part('kv_share', 'resident KV')}{kv}")
+    return "\n".join(lines)
+
+
+def _kv(plt, stats: RunStats) -> bytes:
+    """Density, recall and resident KV share per compressed layer: bars over all videos, a dot per video."""
+    rows = kv_table(stats)
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.2))
+    x = np.arange(len(rows))
+    n = max(len(r["videos"]) for r in rows)
+    for ax, (key, title) in zip(axes, (("density", "density (executed / dense q.k pairs)"),
+                                       ("recall", "recall (dense softmax mass kept)"),
+                                       ("kv_share", "resident KV / dense KV, end of video")), strict=True):
+        ax.bar(x, [100 * (r[key] or 0.0) for r in rows], color="tab:blue", width=0.6,
+               label=f"all {n} videos" if n else "run")
+        for i, r in enumerate(rows):
+            vals = [100 * v[key] for v in r["videos"] if v[key] is not None]
+            if len(vals) > 1:
+                ax.plot(i + np.linspace(-0.2, 0.2, len(vals)), vals, "k.", ms=3,
+                        label="each video" if i == 0 else None)
+        ax.set_xticks(x, [f"L{r['layer']}" for r in rows])
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("%")
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"KV cache diagnostics per compressed layer, {Path(stats.model).name}", fontsize=10)
+    fig.tight_layout()
+    return _png(fig)
+
+
 def render_report(stats: RunStats, stem: str = "run", dense: RunStats | None = None,
-                  frame_shape: tuple[int, int] | None = None) -> dict[str, bytes]:
-    """{file name: PNG bytes}: <stem>.replay.png (FastCar runs), <stem>.latency.png (dense bars beside
-    FastCar's when `dense` is given) and, with `frame_shape`, <stem>.tokens.png."""
+                  frame_shape: tuple[int, int] | None = None, compiled_inf: RunStats | None = None) -> dict[str, bytes]:
+    """{file name: PNG bytes}: <stem>.replay.png (FastCar runs), <stem>.latency.png (the input model's and the
+    compiled model's tau=+inf bars beside FastCar's when given), <stem>.kv.png (--kv-diagnostics runs) and,
+    with `frame_shape`, <stem>.tokens.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,12 +176,14 @@ def render_report(stats: RunStats, stem: str = "run", dense: RunStats | None = N
         im = ax.imshow(m, aspect="auto", cmap="viridis", vmin=0, vmax=100, interpolation="nearest")
         ax.set_yticks(range(len(stats.layers)), [str(n) for n in stats.layers])
         ax.set_xticks(range(m.shape[1]))
-        ax.set_xlabel("frame (0 never replays)")
+        ax.set_xlabel(stats.frame_axis_label(), fontsize=8)
         ax.set_ylabel("layer")
-        ax.set_title(f"MLP replay % (overall {100 * stats.replay_ratio:.1f}%, tau={stats.threshold})")
+        ax.set_title(f"MLP replay % (overall {100 * stats.replay_ratio:.1f}%, tau={stats.tau_text})")
         fig.colorbar(im, ax=ax, label="replay %")
         pictures[picture_name(stem, "replay")] = _png(fig)
-    pictures[picture_name(stem, "latency")] = _latency(plt, stats, dense)
+    pictures[picture_name(stem, "latency")] = _latency(plt, stats, dense, compiled_inf)
+    if kv_table(stats):
+        pictures[picture_name(stem, "kv")] = _kv(plt, stats)
     if frame_shape is not None and stats.layers:
         cells = max(stats.frames_done, 1) * stats.frame_tokens
         if cells > MAX_TOKEN_CELLS:  # [frames, L] float64 twice: 2^31 tokens per frame would need 32 GiB
@@ -94,9 +194,9 @@ def render_report(stats: RunStats, stem: str = "run", dense: RunStats | None = N
 
 
 def write_report(stats: RunStats, out_dir: str | os.PathLike, stem: str = "run", dense: RunStats | None = None,
-                 frame_shape: tuple[int, int] | None = None) -> list[Path]:
+                 frame_shape: tuple[int, int] | None = None, compiled_inf: RunStats | None = None) -> list[Path]:
     """Write the pictures of `render_report`, all or none; return the paths."""
-    pictures = render_report(stats, stem, dense, frame_shape)
+    pictures = render_report(stats, stem, dense, frame_shape, compiled_inf)
     out = Path(out_dir)
     with staged_dir(out) as tmp:
         for name, data in pictures.items():
@@ -104,19 +204,31 @@ def write_report(stats: RunStats, out_dir: str | os.PathLike, stem: str = "run",
     return [out / name for name in pictures]
 
 
-def _latency(plt, stats: RunStats, dense: RunStats | None) -> bytes:
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+def _latency(plt, stats: RunStats, dense: RunStats | None, compiled_inf: RunStats | None = None) -> bytes:
+    fig, ax = plt.subplots(figsize=(7, 3.4))
     per_tok = np.asarray(stats.ms_per_token_by_frame())
     x = np.arange(len(per_tok))
-    if dense is not None and dense.step_ms:
-        dense.finalize()
-        d = np.asarray(dense.ms_per_token_by_frame()[: len(x)])
-        ax.bar(x[: len(d)] - 0.2, d, width=0.4, color="tab:gray", label=f"dense ({dense.ms_per_token:.2f} ms/token)")
-        ax.bar(x + 0.2, per_tok, width=0.4, color="tab:blue",
+    others = [(r, name, color) for r, name, color in ((dense, "input model", "tab:gray"),
+                                                      (compiled_inf, "compiled, tau=+inf", "tab:orange"))
+              if r is not None and r.step_ms]
+    if others:
+        width = 0.8 / (len(others) + 1)
+        for i, (r, name, color) in enumerate(others):
+            r.finalize()
+            d = np.asarray(r.ms_per_token_by_frame()[: len(x)])
+            ax.bar(x[: len(d)] + (i - len(others) / 2) * width, d, width=width, color=color,
+                   label=f"{name} ({r.ms_per_token:.2f} ms/token)")
+        ax.bar(x + len(others) / 2 * width, per_tok, width=width, color="tab:blue",
                label=f"FastCar ({stats.ms_per_token:.2f} ms/token, {100 * stats.replay_ratio:.0f}% replay)")
-        ax.legend(fontsize=8)
-        sp = dense.ms_per_token / stats.ms_per_token if stats.ms_per_token else float("nan")
-        title = f"decode time per token and frame: {sp:.2f}x vs dense"
+        ax.legend(fontsize=7)
+        g = speedups(dense, compiled_inf, stats)
+        factors = [f"graph/attention {g['speedup_graph']:.2f}x" if g["speedup_graph"] else None,
+                   f"replay {g['speedup_replay']:.2f}x" if g["speedup_replay"] else None]
+        title = "decode time per token and frame: " + " x ".join(f for f in factors if f)
+        if g["speedup"] and g["speedup_graph"] and g["speedup_replay"]:
+            title += f" = {g['speedup']:.2f}x"
+        elif g["speedup"]:
+            title += f"{g['speedup']:.2f}x vs the input model"
     else:
         ax.bar(x, per_tok, color="tab:blue")
         title = f"per-frame latency ({stats.ms_per_token:.2f} ms/token, prefill {stats.prefill_ms:.0f} ms)"
@@ -124,7 +236,7 @@ def _latency(plt, stats: RunStats, dense: RunStats | None) -> bytes:
     ax.set_xlabel("generated frame" + (f" (after {stats.given_video_tokens} given video tokens)"
                                        if stats.given_video_tokens else ""))
     ax.set_ylabel("decode ms per token (group medians)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
     return _png(fig)
 
 
@@ -142,7 +254,6 @@ def _tokens(plt, stats: RunStats, shape: tuple[int, int]) -> bytes:
         ax.set_xticks([])
         ax.set_yticks([])
     fig.colorbar(im, cax=axes[-1], label="replayed share")
-    tau = stats.threshold if isinstance(stats.threshold, list) else f"{stats.threshold:.4g}"
     given = f"; frames counted after {stats.given_video_tokens} given video tokens" if stats.given_video_tokens else ""
-    fig.suptitle(f"MLP replay per token position ({shape[0]}x{shape[1]}), tau={tau}{given}", fontsize=9)
+    fig.suptitle(f"MLP replay per token position ({shape[0]}x{shape[1]}), tau={stats.tau_text}{given}", fontsize=9)
     return _png(fig)

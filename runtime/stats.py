@@ -55,55 +55,59 @@ class RunStats:
     native_ops: bool = False
     videos: int = 1  # generate calls merged into this trace (merge_runs)
     # --kv-diagnostics models: per compressed layer {density, recall, kv_bytes, dense_kv_bytes} against dense
-    # attention run on the side (sums of the kv_stats.N outputs: executed pairs, dense pairs, recall, queries)
+    # attention run on the side, over every video of the run: the sums of the kv_stats.N outputs (executed pairs,
+    # dense pairs, recall, queries) pooled, so density and recall are ratios over all of them; kv_bytes and
+    # dense_kv_bytes are the resident KV of one video at its end (mean over the videos)
     kv_diagnostics: dict[str, dict[str, float]] | None = None
+    # the same per video (one entry per batch row of each generate call, in order)
+    kv_diagnostics_per_video: list[dict[str, dict[str, float]]] | None = None
 
     def add_kv_stats(self, extra: dict[str, np.ndarray]) -> None:
-        """Accumulate one step's kv_stats.N outputs ([batch, kv_heads, 4]) per layer: running sums only, per
-        decode step; density and recall are ratios of these sums, taken once in `finalize`."""
+        """Accumulate one step's kv_stats.N outputs ([batch, kv_heads, 4]) per layer, pooled and per batch row:
+        running sums only; density and recall are ratios of these sums, taken once in `finalize`."""
         for name, arr in extra.items():
             if not name.startswith(contract.KV_STATS_PREFIX):
                 continue
+            layer = name.split(".", 1)[1]
+            rows = np.asarray(arr, dtype=np.float64).sum(axis=1)  # [batch, fields]
             if self.kv_diagnostics is None:
                 self.kv_diagnostics = {}
-            acc = self.kv_diagnostics.setdefault(name.split(".", 1)[1], {})
-            for key, v in zip(contract.KV_STATS_FIELDS, arr.sum(axis=(0, 1)), strict=True):
-                acc[key] = acc.get(key, 0.0) + float(v)
+            if self.kv_diagnostics_per_video is None:
+                self.kv_diagnostics_per_video = [{} for _ in range(len(rows))]
+            _add_sums(self.kv_diagnostics.setdefault(layer, {}), rows.sum(axis=0))
+            for video, row in zip(self.kv_diagnostics_per_video, rows, strict=True):
+                _add_sums(video.setdefault(layer, {}), row)
 
     def kv_ratios(self) -> dict[str, dict[str, float]]:
         """Per compressed layer {density, recall} from the running sums so far: density = executed / dense q.k
         pairs, recall = kept dense softmax mass / queries. Public so step-by-step callers (which never call
         `finalize`) read the ratios without relying on finalize having stored them; layers of a loaded
         run.json without numeric sums keep the ratios they say."""
-        diag = self.kv_diagnostics if isinstance(self.kv_diagnostics, dict) else {}
-        out = {}
-        for layer, acc in diag.items():
-            if not isinstance(acc, dict):
-                continue
-            if all(isinstance(acc.get(k), float | int) for k in contract.KV_STATS_FIELDS):
-                out[layer] = {"density": acc["executed"] / max(acc["dense"], 1.0),
-                              "recall": acc["recall_sum"] / max(acc["queries"], 1.0)}
-            elif "density" in acc and "recall" in acc:
-                out[layer] = {"density": acc["density"], "recall": acc["recall"]}
-        return out
+        return _ratios(self.kv_diagnostics)
 
     def _kv_ratios(self) -> None:
-        """Store `kv_ratios` in kv_diagnostics (finalize: the saved run.json carries them)."""
-        diag = self.kv_diagnostics if isinstance(self.kv_diagnostics, dict) else {}
-        for layer, ratios in self.kv_ratios().items():
-            diag[layer].update(ratios)
+        """Store `kv_ratios` in kv_diagnostics and in each video's entry (finalize: run.json carries them)."""
+        videos = self.kv_diagnostics_per_video if isinstance(self.kv_diagnostics_per_video, list) else []
+        for diag in [self.kv_diagnostics, *videos]:
+            for layer, ratios in _ratios(diag).items():
+                diag[layer].update(ratios)
 
     def add_kv_bytes(self, arrays: dict[str, np.ndarray], tokens: int) -> None:
-        """Resident KV bytes per compressed layer (live slots x slot state) next to a dense cache of `tokens`."""
+        """Resident KV bytes per compressed layer and video (live slots x slot state) next to a dense cache of
+        `tokens`; the pooled entry holds their mean over the videos."""
+        videos = self.kv_diagnostics_per_video or []
         for layer, acc in (self.kv_diagnostics or {}).items():
             slots = arrays.get(contract.kv_slots_input(int(layer)))
             key = arrays.get(contract.kv_input(int(layer), "key"))
             if slots is None or key is None:
                 continue
-            live = int((slots[..., 0] > 0).sum())
             per_slot = 2 * key.shape[-1] * key.itemsize + slots.shape[-1] * slots.itemsize
-            acc["kv_bytes"] = float(live * per_slot)
-            acc["dense_kv_bytes"] = float(tokens * key.shape[0] * key.shape[1] * 2 * key.shape[-1] * key.itemsize)
+            dense = float(tokens * key.shape[1] * 2 * key.shape[-1] * key.itemsize)
+            live = (slots[..., 0] > 0).reshape(len(slots), -1).sum(axis=1)
+            for video, n in zip(videos, live, strict=False):
+                video.setdefault(layer, {}).update(kv_bytes=float(n * per_slot), dense_kv_bytes=dense)
+            acc["kv_bytes"] = float(live.mean() * per_slot)
+            acc["dense_kv_bytes"] = dense
 
     # ------------------------------------------------------------------ derived numbers
     def replay_array(self) -> np.ndarray:
@@ -147,6 +151,22 @@ class RunStats:
         pos = np.array([s["pos"] for s in self.steps], dtype=np.int64)
         return contract.aligned_is_video(pos, self.frame_tokens, self.video_start)
 
+    @property
+    def tau_text(self) -> str:
+        """tau as people read it: 4 significant digits, one per layer with --per-layer-threshold."""
+        return format_tau(self.threshold)
+
+    def frame_axis_label(self) -> str:
+        """What the frame axis of a run's pictures counts, and whether generated frame 0 can replay: its
+        aligned tokens (one frame back) are video only where the prompt ends with given video tokens."""
+        given, L = self.given_video_tokens, max(self.frame_tokens, 1)
+        if not given:
+            return "generated frame (frame 0 never replays: nothing one frame back)"
+        if given >= L:
+            return f"generated frame (after {given} given video tokens: frame 0 replays against the given frame)"
+        return (f"generated frame (after {given} given video tokens: the first {L - given} tokens of frame 0 "
+                "never replay)")
+
     def threshold_warning(self) -> str | None:
         """A warning when tau replays every eligible MLP or none of them so far (after at least one full
         frame of eligible steps): such a tau says nothing about the model and is almost always a TAS scale
@@ -163,7 +183,7 @@ class RunStats:
             t = np.asarray(self.tas, dtype=float)[elig[: len(self.tas)]]
             if t.size:
                 tas = f"; TAS on these steps spans {np.quantile(t, 0.05):.3g} .. {np.quantile(t, 0.95):.3g} (5-95%)"
-        return (f"tau={self.threshold} replays {what} on the first {int(elig.sum())} eligible decode steps{tas}: "
+        return (f"tau={self.tau_text} replays {what} on the first {int(elig.sum())} eligible decode steps{tas}: "
                 "the threshold is off the model's TAS scale. Calibrate it (fastcar-compile ... --calibrate-replay "
                 "0.5 --calib-data prompts.npy) or, for the paper's raw-TAS values (-1/-4/-8), compile with "
                 "--tas-query raw")
@@ -217,7 +237,7 @@ class RunStats:
         if self.fastcar:
             lines.append(f"  replay {100 * self.replay_ratio:.1f}% of all decode steps, frame 0 included (ceiling "
                          f"{100 * self.eligible_ratio_ceiling:.1f}%); {100 * self.replay_ratio_eligible:.1f}% of "
-                         f"eligible steps (frame 0 excluded), at tau={self.threshold}")
+                         f"eligible steps (frame 0 excluded), at tau={self.tau_text}")
             lines.append("  per layer: " + " ".join(f"L{n}={100 * v:.0f}%" for n, v in
                                                     zip(self.layers, self.replay_per_layer, strict=True)))
             lines.append("  per frame: " + " ".join(f"{100 * v:.0f}%" for v in self.replay_per_frame))
@@ -246,6 +266,8 @@ class RunStats:
         d["interrupted"] = any(r.interrupted for r in runs)
         d["videos"] = sum(r.videos for r in runs)
         d["tas"] = None
+        if any(r.kv_diagnostics for r in runs):
+            d["kv_diagnostics"], d["kv_diagnostics_per_video"] = _merge_kv(runs)
         return cls(**d).finalize()
 
     def to_dict(self) -> dict[str, Any]:
@@ -290,6 +312,53 @@ class RunStats:
         return cls.from_dict(read_json(path, "run.json"))
 
 
+def format_tau(tau: Any) -> str:
+    """A threshold (a number, +-inf or one per layer) with 4 significant digits."""
+    if isinstance(tau, list | tuple):
+        return "[" + ", ".join(format_tau(t) for t in tau) + "]"
+    try:
+        return f"{float(tau):.4g}"
+    except (TypeError, ValueError):
+        return str(tau)
+
+
+def _add_sums(acc: dict[str, float], values: np.ndarray) -> None:
+    for key, v in zip(contract.KV_STATS_FIELDS, values, strict=True):
+        acc[key] = acc.get(key, 0.0) + float(v)
+
+
+def _ratios(diag: Any) -> dict[str, dict[str, float]]:
+    """{layer: {density, recall}} of one kv_diagnostics dict (pooled or one video's); see RunStats.kv_ratios."""
+    out = {}
+    for layer, acc in (diag if isinstance(diag, dict) else {}).items():
+        if not isinstance(acc, dict):
+            continue
+        if all(isinstance(acc.get(k), float | int) for k in contract.KV_STATS_FIELDS):
+            out[layer] = {"density": acc["executed"] / max(acc["dense"], 1.0),
+                          "recall": acc["recall_sum"] / max(acc["queries"], 1.0)}
+        elif "density" in acc and "recall" in acc:
+            out[layer] = {"density": acc["density"], "recall": acc["recall"]}
+    return out
+
+
+def _merge_kv(runs: list[RunStats]) -> tuple[dict[str, dict[str, float]], list[dict[str, dict[str, float]]]]:
+    """KV diagnostics of several runs: the kv_stats sums pooled over every run, the videos listed in order and
+    the resident bytes averaged over them (over the runs for a run.json that lists no videos)."""
+    videos = [dict(v) for r in runs for v in (r.kv_diagnostics_per_video or [])]
+    pooled: dict[str, dict[str, float]] = {}
+    for r in runs:
+        for layer, acc in (r.kv_diagnostics or {}).items():
+            if all(isinstance(acc.get(k), float | int) for k in contract.KV_STATS_FIELDS):
+                _add_sums(pooled.setdefault(layer, {}), np.array([acc[k] for k in contract.KV_STATS_FIELDS]))
+    for layer, acc in pooled.items():
+        for key in ("kv_bytes", "dense_kv_bytes"):
+            vals = [v[layer][key] for v in videos if key in v.get(layer, {})] or \
+                [r.kv_diagnostics[layer][key] for r in runs if key in (r.kv_diagnostics or {}).get(layer, {})]
+            if vals:
+                acc[key] = float(np.mean(vals))
+    return pooled, videos
+
+
 def _is_int(v: Any, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
@@ -332,7 +401,9 @@ def _check_schema(d: dict[str, Any]) -> None:
                   ("videos", lambda v: _is_int(v, 1, 2**31)), ("state_bytes", lambda v: _is_int(v, 0, 2**62)),
                   ("kv_bytes_per_token", lambda v: _is_int(v, 0, 2**62)),
                   ("tas", lambda v: v is None or isinstance(v, list)),
-                  ("kv_diagnostics", lambda v: v is None or isinstance(v, dict))):
+                  ("kv_diagnostics", lambda v: v is None or isinstance(v, dict)),
+                  ("kv_diagnostics_per_video", lambda v: v is None or (isinstance(v, list) and
+                                                                       all(isinstance(x, dict) for x in v)))):
         if k in d and not ok(d[k]):
             bad.append(k)
     if not bad and d.get("frames_done", 0) > len(steps) + 1:

@@ -58,6 +58,22 @@ def test_eval_own_model_matches_direct_runs(setup, capsys):
     assert res["kl_mean"] == pytest.approx(float((np.exp(lp) * (lp - lq)).sum(-1).mean()), rel=1e-4)
     assert res["speedup"] == pytest.approx(res["dense_ms_per_token"] / res["fast_ms_per_token"])
     assert 0 < res["replay_ratio"] < res["replay_ratio_eligible"] < 1
+    # the speed-up as its factors, from the three runs' own traces: input model -> compiled at tau=+inf -> FastCar
+    from fastcar_compile.runtime.stats import RunStats
+
+    runs = {k: RunStats.load(out / f"{k}.json") for k in ("dense", "fast_inf", "fast")}
+    ms = {k: r.ms_per_token for k, r in runs.items()}
+    assert res["inf_ms_per_token"] == pytest.approx(ms["fast_inf"]) and res["dense_ms_per_token"] == ms["dense"]
+    assert res["speedup_graph"] == pytest.approx(ms["dense"] / ms["fast_inf"])
+    assert res["speedup_replay"] == pytest.approx(ms["fast_inf"] / ms["fast"])
+    assert res["speedup"] == pytest.approx(res["speedup_graph"] * res["speedup_replay"])
+    assert runs["fast_inf"].threshold == float("inf") and runs["fast_inf"].replay_array().sum() == 0
+    assert runs["fast_inf"].videos == runs["dense"].videos == runs["fast"].videos == 2
+    # tau=+inf is the compiled model's overridable input, no recompile: its greedy tokens are the input model's
+    inf = fast.generate(prompts, 3, threshold=float("inf"))
+    assert (inf.tokens == g.tokens).all() and res["inf_token_agreement"] == 1.0
+    for line in ("graph/attention", "replay", "in all", "compiled at tau=+inf"):
+        assert line in text
 
 
 def test_report_compares_runs_and_draws_tokens(setup, tmp_path, capsys):
@@ -75,8 +91,11 @@ def test_report_compares_runs_and_draws_tokens(setup, tmp_path, capsys):
     assert "speed-up" in text
     for name in ("all.latency.png", "all.replay.png", "all.tokens.png"):
         assert (tmp_path / name).is_file()
-    assert main(["report", str(tmp_path / "all.json"), str(tmp_path / "inf.json")]) == 2
-    assert "one FastCar run and one dense run" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "all.json"), str(tmp_path / "inf.json"), str(tmp_path / "d.json")]) == 0
+    text = capsys.readouterr().out
+    assert "graph/attention" in text and "replay" in text and "in all" in text
+    assert main(["report", str(tmp_path / "all.json"), str(tmp_path / "all.json")]) == 2
+    assert "one FastCar run" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "all.json"), "--frame-shape", "3x3"]) == 2
     assert "8 tokens per frame" in capsys.readouterr().err
 
