@@ -20,6 +20,7 @@ from typing import Any
 
 from fastcar_compile.contract import io_names
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.fileio import refuse_special
 
 DEFAULT_OPSET = {"dynamo": 20, "torchscript": 17}
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with headroom
@@ -256,6 +257,7 @@ def export_decoder(model, output: str | os.PathLike, *, opset: int | None = None
             for f in tmpdir.iterdir():
                 if f != tmp:
                     f.unlink()
+        refuse_special(out)  # the API's caller may not have run check_outputs: never replace a device or FIFO
         for f in tmpdir.iterdir():  # data file first, then the model: a reader never sees a model without data
             if f != tmp:
                 os.replace(f, out.parent / f.name)
