@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
           flush=True)
     try:
         export_decoder(model, out, opset=a.opset, dynamo=not a.torchscript)
-    except FastCarError:
+    except (FastCarError, OSError):  # OSError: a file-system problem, said as one (cli)
         raise
     except Exception as exc:  # noqa: BLE001 - torch.onnx raises many types; say which exporter and what to try
         other = "dynamo (drop --torchscript)" if a.torchscript else "--torchscript"

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastcar_compile.contract import io_names
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import refuse_special
+from fastcar_compile.fileio import refuse_special, with_path
 
 DEFAULT_OPSET = {"dynamo": 20, "torchscript": 17}
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with headroom
@@ -262,6 +262,8 @@ def export_decoder(model, output: str | os.PathLike, *, opset: int | None = None
             if f != tmp:
                 os.replace(f, out.parent / f.name)
         os.replace(tmp, out)
+    except OSError as exc:  # a full disk fails a write, which names no file: name the output
+        raise with_path(exc, out) from None
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     return out

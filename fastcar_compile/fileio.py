@@ -51,7 +51,7 @@ def describe_os_error(exc: OSError, what: str = "") -> str:
     where = exc.filename if exc.filename is not None else what
     hint = _HINTS.get(exc.errno or -1, (exc.strerror or str(exc)).lower())
     prefix = f"{what}: " if what and str(where) != what else ""
-    return f"{prefix}{where}: {hint}"
+    return f"{prefix}{where}: {hint}" if where else hint
 
 
 def with_path(exc: OSError, path: str | os.PathLike) -> OSError:
