@@ -121,7 +121,7 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
         for i, chunk in enumerate(tqdm(chunks, desc="dense vs FastCar", unit="batch", disable=not progress)):
             res = {}
             for which in order[i % len(order):] + order[: i % len(order)]:  # each model first in turn
-                res[which] = runs[which](chunk)
+                res[which] = runs[which](chunk).complete()
                 stats[which].append(res[which].stats)
             f, d = res["fast"], res.get("dense", res["inf"])
             kl.append(teacher_forced_kl(reference, [list(map(int, r)) for r in chunk], f.tokens, f.logits))

@@ -125,7 +125,7 @@ class _Prober:
                 warnings.simplefilter("ignore", ThresholdWarning)
                 res = generate(self.fast, chunk, self.num_frames, threshold=tau, seed=self.seed + i,
                                keep_logits=self.dense is not None, progress=False, collect_tas=collect_tas,
-                               **self.gen_kwargs)
+                               **self.gen_kwargs).complete()
             r = res.stats.replay_array()
             replayed += float(r.sum())
             total += r.size

@@ -57,6 +57,13 @@ class GenerationResult:
     stats: RunStats
     logits: np.ndarray | None = None  # [rows, n, vocab] float32
 
+    def complete(self) -> GenerationResult:
+        """This result, or KeyboardInterrupt again when Ctrl-C cut the run short: for callers whose figures a
+        partial run would corrupt (eval, calibration), where Ctrl-C must stop the whole command."""
+        if self.stats.interrupted:
+            raise KeyboardInterrupt
+        return self
+
     def frames(self) -> np.ndarray:
         """Complete frames as [rows, frames, L]."""
         L = self.stats.frame_tokens

@@ -199,3 +199,41 @@ def test_genai_output_replaced_as_one_unit(sandbox, tmp_path, monkeypatch):
     assert main(argv + ["--threshold", "0"]) == 2
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
+
+
+def _start_and_wait(argv: list[str], marker: str, timeout: float = 180) -> tuple[subprocess.Popen, list[str]]:
+    """Start the console script with `argv`; return once `marker` appeared on its stderr (collected meanwhile)."""
+    import threading
+
+    exe = Path(sys.executable).with_name("fastcar-compile")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fastcar_compile"]
+    proc = subprocess.Popen([*cmd, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    chunks: list[str] = []
+    threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stderr.read1(4096).decode(errors="replace"),
+                                                       "")), daemon=True).start()
+    end = time.monotonic() + timeout
+    while marker not in "".join(chunks):
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            pytest.fail(f"never saw {marker!r}: {''.join(chunks)[-2000:]}")
+        time.sleep(0.02)
+    return proc, chunks
+
+
+@pytest.mark.parametrize("delay", [0.2, 1.5])
+def test_ctrl_c_during_eval_exits_130_quietly(sandbox, tmp_path, delay):
+    """SIGINT while `eval --model` generates (the runtime returns the tokens made so far to an API caller; eval's
+    figures would be wrong, and comparing partial runs raised a ValueError): exit 130, the one line, no traceback,
+    nothing written."""
+    np.save(tmp_path / "p.npy", np.random.default_rng(0).integers(1, 50, (8, 4)))
+    out = tmp_path / "eval"
+    proc, chunks = _start_and_wait(["eval", "--model", str(sandbox / "fast.onnx"), "--prompts", str(tmp_path / "p.npy"),
+                                    "--frames", "4", "--out", str(out)], "dense vs FastCar")
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    err = "".join(chunks)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "Error" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "fastcar-compile: interrupted"
+    assert not out.exists() or not any(out.iterdir())
