@@ -15,9 +15,9 @@ import onnx
 import onnx_ir as ir
 
 from fastcar_compile import fileio, pipeline
+from fastcar_compile import options as declared
 from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.limits import DEFAULT_ROTARY_POSITIONS
 from fastcar_compile.passes import genai_state, native_gqa
 from fastcar_compile.passes.analysis import find_layers, parse_layers
 from fastcar_compile.passes.context import CompileContext, CompileOptions
@@ -70,74 +70,25 @@ def pass_list(output: bool = True, validate: bool = True) -> list[str]:
     return pipeline.describe(pipeline.build(CompileContext(CompileOptions(frame_tokens=1)), staging, validate))
 
 
-def compile(  # noqa: A001 - the natural name of the entry point
-    model,
-    output: str | os.PathLike | None = None,
-    *,
-    frame_tokens: int,
-    threshold: float | list[float] = -4.0,
-    tas_query: str = "rope",
-    max_replay: int = 0,
-    layers: str | list[int] | None = None,
-    per_layer_threshold: bool = False,
-    emit_diagnostics: bool = False,
-    validate: bool = True,
-    genai: bool | None = None,
-    fused_attention: str | bool | None = "fastcar",
-    required_video_inputs: bool = False,
-    kv_budget: int | None = None,
-    kv_sinks: int = 0,
-    kv_window: int = 0,
-    kv_eviction: str = "mass",
-    tempcache: float | None = None,
-    sparse_attention: str | None = None,
-    kv_diagnostics: int | None = None,
-    prune_prompt: float | None = None,
-    kv_layers: list[str] | tuple[str, ...] | None = None,
-    fusions: bool = True,
-    native_attention: bool = True,
-    shared_mlp: bool = True,
-    pack_qkv: bool = True,
-    rotary_positions: int = DEFAULT_ROTARY_POSITIONS,
-) -> tuple[ir.Model, CompileReport]:
+def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[ir.Model, CompileReport]:  # noqa: A001
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 
-    genai: name the state for onnxruntime-genai's generator and write genai_config.json beside the output
-    (None: when the input sits beside one and the output goes to another folder). fused_attention: replace
-    exported attention cores by an in-place fused attention: "fastcar" (ai.fastcar CompressedAttention, the default)
-    or "gqa" (com.microsoft.GroupQueryAttention; True means this); None/"off" keeps the exported attention. kv_budget/kv_sinks/kv_window/
-    kv_eviction/tempcache/sparse_attention/prune_prompt: a FAST-AR compressed KV cache in that op (docs/fastar.md);
-    kv_diagnostics=M: dense attention on the side over up to M tokens, kv_stats.N outputs (density, recall).
-    kv_layers: per-layer settings ["LAYERS:SETTINGS", ...], e.g. "0:budget=129,sinks=4,window=124" or "1:off";
-    those layers take them instead of the kv_* ones (passes/context.py parse_kv_layer).
-    required_video_inputs: `video_start` / `fastcar_threshold` without defaults (every run feeds them; what
-    onnxruntime-genai's `generator.set_model_input` needs to set them per video).
-    fusions: after the rewrite, fuse the export's RMSNorm chains (SimplifiedLayerNormalization, residual Adds
-    into SkipSimplifiedLayerNormalization) and rotate-half RoPE (RotaryEmbedding): same values, fewer kernels.
-    native_attention: com.microsoft.GroupQueryAttention nodes (genai graphs, fused_attention="gqa") become
-    ai.fastcar.GroupQueryAttention, the native dense core with the same semantics (function body: the original op).
-    shared_mlp: each MLP's nodes once in the compute branch (ONNX Runtime then keeps only the prepacked MLP
-    weights: docs/memory.md); False keeps the older nested layout with a second MLP copy for compacted rows.
-    pack_qkv (with fusions): a fused layer's q/k/v MatMuls become one packed MatMul and its RoPE moves into
-    CompressedAttention and the gate, rotated from a table of `rotary_positions` KV positions (passes/pack_qkv.py).
+    The keywords are the options declared in fastcar_compile/options.py (their help there; `frame_tokens` is
+    required), e.g. `compile("model.onnx", "fast.onnx", frame_tokens=256, tas_query="raw", threshold=-4)`.
+    genai=None: name the state for onnxruntime-genai's generator when the input sits beside a genai_config.json
+    and the output goes to another folder. kv_layers: ["LAYERS:SETTINGS", ...] (passes/context.py
+    parse_kv_layer). shared_mlp=False keeps the older nested MLP layout (docs/memory.md).
     """
-    opts = CompileOptions(
-        frame_tokens=frame_tokens, threshold=threshold, tas_query=tas_query, max_replay=max_replay,
-        layers=layers if layers is None or isinstance(layers, str) else tuple(layers),
-        per_layer_threshold=per_layer_threshold, emit_diagnostics=emit_diagnostics, fused_attention=fused_attention,
-        required_video_inputs=required_video_inputs, kv_budget=kv_budget, kv_sinks=kv_sinks, kv_window=kv_window,
-        kv_eviction=kv_eviction, tempcache=tempcache, sparse_attention=sparse_attention, prune_prompt=prune_prompt,
-        kv_diagnostics=kv_diagnostics, kv_layers=tuple(kv_layers or ()), fusions=bool(fusions),
-        native_attention=bool(native_attention), shared_mlp=bool(shared_mlp), pack_qkv=bool(pack_qkv),
-        rotary_positions=rotary_positions)
+    declared.unknown(options, "compile")
+    opts = CompileOptions(**options)
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
-    genai_config = _genai_config(genai, in_path, out_path)
+    genai_config = _genai_config(opts.genai, in_path, out_path)
     staging = Staging(out_path, source=in_path) if out_path is not None else None
     if staging is not None:
         _check_files(in_path, staging, genai_config)
     ctx = CompileContext(opts, genai_config=genai_config)
-    manager = pipeline.build(ctx, staging, validate)
+    manager = pipeline.build(ctx, staging, opts.validate)
     try:
         with fileio.os_errors(str(out_path or "")):
             pipeline.run(manager, loaded)
@@ -152,6 +103,9 @@ def compile(  # noqa: A001 - the natural name of the entry point
     report.metadata = ctx.metadata
     report.passes = pipeline.describe(manager)
     return loaded, report
+
+
+compile.__signature__ = declared.signature(compile, 2)  # the declared options, for help() and editors
 
 
 def check_files(model: str | os.PathLike, output: str | os.PathLike, *, genai: bool | None = None,

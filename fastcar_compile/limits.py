@@ -19,10 +19,14 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_FRAME_TOKENS = UINT32_MAX
 MAX_REPLAY = 2**31 - 1  # the age counters are stored as float32/int32: beyond this K is "unlimited" anyway
 DEFAULT_ROTARY_POSITIONS = 16384  # --rotary-positions default: 64 frames of 256 tokens
-MAX_ROTARY_POSITIONS = 1 << 20
+MAX_ROTARY_POSITIONS = 1 << 20  # the packed attention's cos/sin table: 1M x 32 x 2 float32 = 256 MiB at head size 64
+# KV slots per layer and KV head (--kv-budget): 1M tokens = 4096 frames of 256 tokens; the state a model needs at
+# its sizes is checked against this machine's memory when the compressed cache is built (check_state_bytes)
+MAX_KV_BUDGET = 1 << 20
+MAX_KV_DIAGNOSTICS = 1 << 20  # tokens of --kv-diagnostics' dense side buffer
 # ONNX Runtime threads of one session: ORT starts them all when the session opens (10**6 hung there); more than
 # this is oversubscription on any machine this runs on. 0 = ORT's default (one per core).
-MAX_THREADS = 1024  # the packed attention's cos/sin table: 1M x 32 x 2 float32 = 256 MiB at head size 64
+MAX_THREADS = 1024
 
 
 def check_int(flag: str, value, lo: int, hi: int, meaning: str = "") -> int:
@@ -72,6 +76,15 @@ def check_fits_memory(what: str, need: int, fix: str) -> None:
     if need > have:
         raise FastCarError(f"{what} needs {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of memory "
                            f"available here; {fix}")
+
+
+def check_state_bytes(flag: str, value: int, need: int, what: str) -> None:
+    """State of one video (`need` bytes, set by `flag` = value) must fit in this machine's memory: refused at
+    compile time rather than as a MemoryError when the runtime allocates it."""
+    have = memory_bytes()
+    if need > have:
+        raise FastCarError(f"{flag} {value}: the state of one video would need {need / 2**30:.1f} GiB ({what}), more "
+                           f"than this machine's {have / 2**30:.1f} GiB; lower {flag}")
 
 
 def check_state_size(frame_tokens: int, hidden: int, layers: int, itemsize: int = 4) -> None:

@@ -17,6 +17,7 @@ from fastcar_compile import contract
 from fastcar_compile.compile_report import CompileReport
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.limits import check_state_size
+from fastcar_compile.options import ascii_int
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes.context import CompileContext, weight_bytes
 
@@ -105,7 +106,7 @@ def parse_layers(spec: str | list[int] | tuple[int, ...] | None, available: list
             part = part.strip()
             try:
                 if "-" in part:
-                    lo, hi = (int(x) for x in part.split("-", 1))
+                    lo, hi = (ascii_int(x.strip()) for x in part.split("-", 1))
                     if hi < lo:
                         raise ValueError
                     top = max(available, default=-1)
@@ -114,7 +115,7 @@ def parse_layers(spec: str | list[int] | tuple[int, ...] | None, available: list
                                            f"(0-{top}); use indices and ranges within them")
                     out.extend(range(lo, hi + 1))
                 else:
-                    out.append(int(part))
+                    out.append(ascii_int(part))
             except ValueError:
                 raise FastCarError(f"--layers: cannot read '{part}' in '{spec}'; use indices and ranges like 0,2-5") from None
     else:

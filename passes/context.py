@@ -7,6 +7,7 @@ discovery fills `matches`/`selected`, the rewrite passes fill `layers`, metadata
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -16,15 +17,10 @@ from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
-from fastcar_compile import contract
+from fastcar_compile import contract, options
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.limits import (
-    DEFAULT_ROTARY_POSITIONS,
-    MAX_FRAME_TOKENS,
-    MAX_REPLAY,
-    MAX_ROTARY_POSITIONS,
-    check_int,
-)
+from fastcar_compile.limits import MAX_KV_BUDGET, MAX_KV_DIAGNOSTICS, check_int
+from fastcar_compile.options import FUSED_ATTENTION, ascii_float, ascii_int, check_fused_attention  # noqa: F401
 from fastcar_compile.passes.discover import LayerMatch
 
 if TYPE_CHECKING:
@@ -32,61 +28,14 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class CompileOptions:
-    """The compiler's options, validated on construction (one place for every check)."""
-
-    frame_tokens: int
-    threshold: tuple[float, ...] = (-4.0,)
-    tas_query: str = contract.TAS_ROPE
-    max_replay: int = 0
-    layers: str | tuple[int, ...] | None = None
-    per_layer_threshold: bool = False
-    emit_diagnostics: bool = False
-    # exported attention cores -> ai.fastcar CompressedAttention ("fastcar", the default: exact in every case,
-    # in-place KV buffers) or com.microsoft.GroupQueryAttention ("gqa"); None/False/"off" = left as exported,
-    # True = "gqa" (passes/fused_attention.py)
-    fused_attention: str | bool | None = "fastcar"
-    # video_start / fastcar_threshold as plain inputs without defaults: onnxruntime-genai feeds only those from
-    # generator.set_model_input (it drops names ORT lists as overridable initializers), docs/genai.md
-    required_video_inputs: bool = False
-    # FAST-AR compressed KV cache in the fastcar attention op (fastcar_compile/fastar/config.py): slots per KV
-    # head, attention sinks, local window, eviction, TempCache similarity, AnnSA "lsh:BITSxTABLES"
-    kv_budget: int | None = None
-    kv_sinks: int = 0
-    kv_window: int = 0
-    kv_eviction: str = "mass"
-    tempcache: float | None = None
-    sparse_attention: str | None = None
-    prune_prompt: float | None = None  # AnnCA counterpart: skip prompt keys the previous frame did not hit
-    kv_diagnostics: int | None = None  # dense attention on the side over at most this many tokens (stats outputs)
-    # per-layer settings "LAYERS:SETTINGS" (parse_kv_layer): those layers get them instead of the global ones
-    # (layer 0 of the long demo reads by position, layers 1-3 by content: docs/kv_diagnostics.md)
-    kv_layers: tuple[str, ...] = ()
-    # after the rewrite: RMSNorm -> SimplifiedLayerNormalization (+ residual Add -> Skip*), rotate-half RoPE ->
-    # RotaryEmbedding (passes/fuse_norm.py, fuse_rotary.py): fewer kernels per step, same values
-    fusions: bool = True
-    # com.microsoft.GroupQueryAttention -> ai.fastcar.GroupQueryAttention (passes/native_gqa.py): the native dense
-    # core where the library is registered, the original op (its function body) where not
-    native_attention: bool = True
-    # each MLP's nodes once, in one If level below the main graph (passes/branch.py): ONNX Runtime then frees the
-    # plain MLP weights after prepacking them (docs/memory.md); False: the older nested layout (a copy of the MLP
-    # two levels down for compacted rows), kept to compare
-    shared_mlp: bool = True
-    # q/k/v MatMuls -> one packed MatMul, RoPE inside CompressedAttention and the gate (passes/pack_qkv.py), with
-    # a rotary table of `rotary_positions` KV positions (a longer video fails with a message naming the option)
-    pack_qkv: bool = True
-    rotary_positions: int = DEFAULT_ROTARY_POSITIONS
+class CompileOptions(dataclasses.make_dataclass("DeclaredOptions", options.fields(), frozen=True)):
+    """The compiler's options: the fields, their defaults and per-option checks are fastcar_compile.options'
+    declarations; this class adds the checks between options (one place for every check, run on construction)."""
 
     def __post_init__(self) -> None:
-        check_int("--frame-tokens", self.frame_tokens, 1, MAX_FRAME_TOKENS, "tokens per video frame")
-        taus = contract.check_thresholds(self.threshold).reshape(-1)
-        object.__setattr__(self, "threshold", tuple(float(t) for t in taus))
-        contract.check_tas_query(self.tas_query)
-        check_int("--max-replay", self.max_replay, 0, MAX_REPLAY, "0 = unlimited")
-        object.__setattr__(self, "fused_attention", check_fused_attention(self.fused_attention))
-        object.__setattr__(self, "kv_layers", tuple(self.kv_layers or ()))
-        check_int("--rotary-positions", self.rotary_positions, 1, MAX_ROTARY_POSITIONS,
-                  "KV positions the packed attention's rotary table covers")
+        checked = options.check_all({name: getattr(self, name) for name in options.BY_NAME})
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
         if self.kv_compress is not None or any(c is not None for c in self.kv_layer_configs.values()):
             if self.fused_attention != "fastcar":
                 raise FastCarError("--kv-budget/--kv-layer/--tempcache/--sparse-attention/--prune-prompt live in the "
@@ -177,9 +126,6 @@ class CompileOptions:
         return list(self.threshold) if self.per_layer_threshold else self.threshold[0]
 
 
-FUSED_ATTENTION = ("gqa", "fastcar")
-
-
 SPARSE_FORM = "lsh:BITSxTABLES (e.g. lsh:8x4), int8 or int8:DIRSxTABLES (e.g. int8:2x4)"
 INT8_DEFAULT = (2, 4)  # `int8` alone: 2 directions x 16 levels per table, 4 tables (fastar/int8.py)
 
@@ -196,7 +142,7 @@ def parse_sparse_attention(value: str | None, flag: str = "--sparse-attention") 
     first, _, tables = spec.partition("x")
     if str(value) == "int8":
         kw = {"int8_dirs": INT8_DEFAULT[0], "int8_tables": INT8_DEFAULT[1]}
-    elif head not in ("lsh", "int8") or not first.isdigit() or not tables.isdigit():
+    elif head not in ("lsh", "int8") or not _digits(first) or not _digits(tables):
         raise FastCarError(f"{flag} must look like {SPARSE_FORM}, got {value!r}")
     elif (head == "lsh" and not 1 <= int(first) <= 24) or not 1 <= int(tables) <= 64:  # the kernel's limits
         raise FastCarError(f"{flag} {value}: use 1..24 bits (lsh) and 1..64 tables")
@@ -215,12 +161,17 @@ KV_LAYER_FORM = ("--kv-layer takes LAYERS:SETTINGS, e.g. 0:budget=129,sinks=4,wi
                  "1-3:budget=4100,tempcache=0.95 or 2:off (settings: " + ", ".join(KV_LAYER_KEYS) + ")")
 
 
+def _digits(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes '²' (which int() refuses) and '٢' (which int() reads as 2)."""
+    return text.isascii() and text.isdigit()
+
+
 def _layer_indices(text: str, spec: str) -> list[int]:
     """'0,2-5' -> [0, 2, 3, 4, 5] (checked against the model's layers by the fused-attention pass)."""
     out: list[int] = []
     for part in text.split(","):
         lo, dash, hi = part.strip().partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)) or \
+        if not _digits(lo) or (dash and not _digits(hi)) or (dash and int(hi) < int(lo)) or \
                 int(hi or lo) > 1 << 16:
             raise FastCarError(f"--kv-layer {spec!r}: cannot read layers {text!r}; {KV_LAYER_FORM}")
         out.extend(range(int(lo), int(hi or lo) + 1))
@@ -230,7 +181,7 @@ def _layer_indices(text: str, spec: str) -> list[int]:
 def check_diagnostics(tokens: int | None) -> None:
     """--kv-diagnostics' range (the dense side buffer's tokens), when set."""
     if tokens is not None:
-        check_int("--kv-diagnostics", tokens, 1, 1 << 20, "tokens the dense side buffer holds")
+        check_int("--kv-diagnostics", tokens, 1, MAX_KV_DIAGNOSTICS, "tokens the dense side buffer holds")
 
 
 def kv_settings(frame_tokens: int, budget_flag: tuple[str, str], sparse: str | None, diagnostics: int | None = None,
@@ -241,7 +192,7 @@ def kv_settings(frame_tokens: int, budget_flag: tuple[str, str], sparse: str | N
     compiler's: L = frame_tokens; video_start is not known here (the op reads the model's input)."""
     from fastcar_compile.fastar.config import KVCompressConfig
 
-    check_int(budget_flag[0], settings["budget"], 1, 1 << 24, budget_flag[1])
+    check_int(budget_flag[0], settings["budget"], 1, MAX_KV_BUDGET, budget_flag[1])
     check_diagnostics(diagnostics)
     settings.update(parse_sparse_attention(sparse))
     try:
@@ -269,9 +220,9 @@ def parse_kv_layer(spec: str, frame_tokens: int):
     if "budget" not in values:
         raise FastCarError(f"--kv-layer {spec!r}: needs budget=C (KV slots per KV head) or 'off'")
     try:
-        ints = {k: int(values[k]) for k in ("budget", "sinks", "window") if k in values}
-        sim = float(values["tempcache"]) if "tempcache" in values else None
-        prune = float(values["prune"]) if "prune" in values else None
+        ints = {k: ascii_int(values[k]) for k in ("budget", "sinks", "window") if k in values}
+        sim = ascii_float(values["tempcache"]) if "tempcache" in values else None
+        prune = ascii_float(values["prune"]) if "prune" in values else None
     except ValueError:
         raise FastCarError(f"--kv-layer {spec!r}: budget/sinks/window must be integers, tempcache/prune numbers; "
                            f"{KV_LAYER_FORM}") from None
@@ -280,17 +231,6 @@ def parse_kv_layer(spec: str, frame_tokens: int):
                       window=ints.get("window", 0), tempcache_sim=sim, eviction=values.get("eviction", "mass"),
                       prune_prompt=prune)
     return layers, cfg
-
-
-def check_fused_attention(value: str | bool | None) -> str | None:
-    """--fused-attention's value: 'gqa' | 'fastcar' | None ('off'/False); True means 'gqa' (the first one built)."""
-    if value is None or value is False or value == "off":
-        return None
-    if value is True:
-        return "gqa"
-    if value not in FUSED_ATTENTION:
-        raise FastCarError(f"--fused-attention must be one of {', '.join(FUSED_ATTENTION)} or off, got {value!r}")
-    return value
 
 
 @dataclass

@@ -32,6 +32,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.limits import check_state_bytes
 from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes import graph_utils as gu
@@ -306,6 +307,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             _own_names(nodes, str(n), tag=True)
             graph.insert_before(p["out"].consumers()[0], nodes)
             self._rewire(graph, p, out, present_k, present_v)
+        self._check_state_bytes(plans, configs)
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         RemoveUnusedNodesPass()(model)
         self.ctx.notes.append(f"fused attention (ai.fastcar CompressedAttention) in layers {sorted(plans)}")
@@ -314,6 +316,18 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             same = [n for n, c in self.ctx.kv_configs.items() if describe(c) == text]
             self.ctx.notes.append(f"compressed KV cache in layers {same}: {text}")
         return ir.passes.PassResult(model, modified=True)
+
+    def _check_state_bytes(self, plans: dict[int, dict], configs: dict) -> None:
+        """The fixed state of one video (K/V slots and slot records of every compressed layer) must fit in this
+        machine's memory: refused here, naming the budget, rather than as a MemoryError when a session allocates."""
+        budgets = {n: c.budget for n, c in configs.items() if c is not None and c.budget is not None}
+        if not budgets:
+            return
+        kv = sum(2 * plans[n]["kv_heads"] * c * plans[n]["head_dim"] * 4 for n, c in budgets.items())
+        records = sum(math.prod(int(d) for d in e.shape[1:]) * 4 for e in self.ctx.kv_state)
+        big = max(budgets.values())
+        flag = "--kv-budget" if self.ctx.options.kv_budget == big else "--kv-layer budget"
+        check_state_bytes(flag, big, kv + records, f"{len(budgets)} layers x K/V slots and their records")
 
     def _slot_state(self, graph: ir.Graph, n: int, p: dict, cfg) -> list[ir.Value]:
         """The layer's slot records (and raw keys for TempCache) as state inputs, recorded for the metadata."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fastcar_compile import contract
+from fastcar_compile import contract, options
 from fastcar_compile._version import __version__
 from fastcar_compile.passes.context import CompileContext
 
@@ -32,15 +32,13 @@ def metadata_of(ctx: CompileContext) -> contract.FastCarMetadata:
     """The contract's metadata for what the passes did (first rewritten layer gives the model's sizes)."""
     opts, first = ctx.options, ctx.layers[0].match
     assert first.attention is not None and first.mlp is not None
+    recorded = {o.record: getattr(opts, o.name) for o in options.OPTIONS if o.record}  # as declared
+    recorded["threshold"] = opts.metadata_threshold
     return contract.FastCarMetadata(
+        **recorded,
         version=__version__,
-        frame_tokens=opts.frame_tokens,
-        threshold=opts.metadata_threshold,
-        per_layer_threshold=opts.per_layer_threshold,
         layers=sorted(ctx.rewritten),
         num_layers=len(ctx.matches),
-        tas_query=opts.tas_query,
-        max_replay=opts.max_replay,
         hidden_size=first.mlp.hidden,
         num_heads=first.attention.num_heads,
         num_kv_heads=first.attention.num_kv_heads,
@@ -48,7 +46,6 @@ def metadata_of(ctx: CompileContext) -> contract.FastCarMetadata:
         state=[s for lr in ctx.layers for s in lr.state] + ctx.kv_state,
         kv=[contract.KVEntry(contract.kv_input(m.layer, k), contract.kv_output(m.layer, k))
             for m in ctx.matches for k in contract.KV_KINDS],
-        diagnostics=opts.emit_diagnostics,
         kv_compress=contract.kv_compress_record({n: c.to_dict() for n, c in ctx.kv_configs.items()},
                                                 opts.kv_diagnostics),
         rotary_positions=ctx.rotary_table,

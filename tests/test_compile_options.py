@@ -1,10 +1,14 @@
-"""A calibrated compile keeps every option: its output equals a plain compile with the same options and the
-calibrated tau (metadata, graph inputs/outputs and their defaults, ops, genai_config.json)."""
+"""Options declared once (fastcar_compile/options.py): the CLI flags, `compile`'s and `torch.apply`'s keywords,
+their checks, the metadata and README's option table follow the declaration; a calibrated compile keeps every
+option (its output equals a plain compile with the same options and the calibrated tau: metadata, graph
+inputs/outputs and their defaults, ops, genai_config.json)."""
 
 from __future__ import annotations
 
 import collections
+import inspect
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +16,15 @@ import onnx
 import pytest
 import zoo
 
+from fastcar_compile import options
 from fastcar_compile.cli import main
+from fastcar_compile.errors import FastCarError
+
+ROOT = Path(__file__).resolve().parent.parent
+# `fastcar-compile` flags that are not compile options: what to read and write, what to print, calibration, FPGA
+COMMAND_FLAGS = {"-h", "--help", "-o", "--output", "--inspect", "--verbose", "-v", "--calibrate-replay",
+                 "--calibrate-quality", "--calib-data", "--calib-frames", "--given-video-tokens", "--target", "--board",
+                 "--board-file", "--batch", "--context", "--weights", "--dense", "--video-start"}
 
 L = 4
 # Non-default values of every option `fastcar-compile` compiles with, in groups that can be given together.
@@ -80,3 +92,113 @@ def test_calibrated_compile_keeps_every_option(group, zoo_model, calib, tmp_path
 @pytest.mark.parametrize("args", [[], ["--no-genai"]], ids=["genai", "no-genai"])
 def test_calibrated_compile_keeps_genai(args, genai_model, calib, tmp_path, capsys):
     _compare(genai_model("llama", "fp32") / "model.onnx", calib, tmp_path, args)
+
+
+def _cli_flags() -> dict[str, str]:
+    """flag -> dest of every `fastcar-compile` option."""
+    from fastcar_compile.cmd_compile import build_parser
+
+    return {f: a.dest for a in build_parser()._actions for f in a.option_strings}
+
+
+def test_cli_flags_are_the_declared_options_and_the_command_flags():
+    flags = _cli_flags()
+    declared = {o.flag for o in options.CLI_OPTIONS}
+    assert set(flags) - {"--no-genai"} == declared | COMMAND_FLAGS
+    assert {flags[o.flag] for o in options.CLI_OPTIONS} == {o.name for o in options.CLI_OPTIONS}
+    assert all(o.help for o in options.OPTIONS)
+
+
+def test_every_cli_option_is_in_a_calibrated_compile_test():
+    given = {a for args in GROUPS.values() for a in args if a.startswith("--")} | {"--genai"}
+    assert given | {"--frame-tokens", "--threshold"} == {o.flag for o in options.CLI_OPTIONS}
+
+
+def test_api_keywords_are_the_declared_options():
+    import fastcar_compile as fc
+    from fastcar_compile.passes.context import CompileOptions
+
+    params = inspect.signature(fc.compile).parameters
+    assert list(params) == ["model", "output", *options.BY_NAME]
+    assert params["frame_tokens"].default is inspect.Parameter.empty
+    assert {n: p.default for n, p in list(params.items())[3:]} == \
+        {f.name: f.default for f in __import__("dataclasses").fields(CompileOptions)[1:]}
+    with pytest.raises(TypeError, match="'bogus'"):
+        fc.compile("x.onnx", frame_tokens=4, bogus=1)
+
+
+# Out of range / not of the option's kind, for every option with bounds or choices (a new one needs a case).
+BAD = {"frame_tokens": 0, "threshold": float("nan"), "tas_query": "post", "max_replay": 2**70,
+       "fused_attention": "dense", "rotary_positions": 2**21, "kv_budget": 2**24, "kv_sinks": -1, "kv_window": 2**40,
+       "kv_eviction": "newest", "tempcache": 1.5, "prune_prompt": -0.5, "kv_diagnostics": 0}
+
+
+def test_every_bounded_option_refuses_out_of_range_through_api_and_cli(tmp_path, capsys):
+    import fastcar_compile as fc
+
+    bounded = {o.name for o in options.OPTIONS if o.lo is not None or o.choices is not None} | {"threshold",
+                                                                                                 "fused_attention"}
+    assert set(BAD) == bounded
+    src = tmp_path / "in.onnx"
+    src.write_bytes(b"")  # never read: the options are checked first
+    for name, bad in BAD.items():
+        o = options.BY_NAME[name]
+        kw = {"frame_tokens": 4, name: bad} | ({"kv_budget": 8} if name.startswith(("kv_", "tempcache", "prune"))
+                                               and name != "kv_budget" else {})
+        with pytest.raises(FastCarError) as err:
+            fc.compile(str(src), **kw)
+        assert o.flag in str(err.value) and "\n" not in str(err.value), (name, str(err.value))
+        argv = [str(src), "-o", str(tmp_path / "o.onnx"), *(f"--{k.replace('_', '-')}={v}" for k, v in kw.items()
+                                                            if k != name), f"{o.flag}={bad}"]
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse's own refusal (a value it cannot read)
+            rc = exc.code
+        assert rc == 2, name
+        err_lines = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+        assert len(err_lines) == 1 and o.flag in err_lines[0], (name, err_lines)
+
+
+def test_torch_apply_options_are_the_declared_ones():
+    fct = pytest.importorskip("fastcar_compile.torch")
+    for func in (fct.apply, fct.build):
+        params = inspect.signature(func).parameters
+        assert [n for n in params if n in options.BY_NAME] == [o.name for o in options.TORCH_OPTIONS]
+    readme = (ROOT / "README.md").read_text()
+    said = re.search(r"Options are `fastcar-compile`'s\s+\(([^)]*)\)", readme).group(1)
+    assert set(re.findall(r"`(\w+)`", said)) == {o.name for o in options.TORCH_OPTIONS} - {"frame_tokens",
+                                                                                              "threshold"}
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(frame_tokens=10**12), "frame_tokens must be in 1..4294967295"),
+    (dict(frame_tokens=4, max_replay=2**70), "max_replay must be in 0..2147483647"),
+    (dict(frame_tokens=4, tas_query="post"), "tas-query"),
+    (dict(frame_tokens=4, threshold=float("nan")), "NaN"),
+    (dict(frame_tokens=4, kv_budget=16), "unexpected keyword argument 'kv_budget'"),
+])
+def test_torch_apply_refuses_before_capturing(kw, msg):
+    fct = pytest.importorskip("fastcar_compile.torch")
+    with pytest.raises((FastCarError, TypeError), match=msg):
+        fct.apply(object(), **kw)  # refused before the model is looked at
+
+
+def test_recorded_options_are_in_the_metadata(zoo_model, tmp_path):
+    import fastcar_compile as fc
+
+    values = {"frame_tokens": 4, "threshold": [0.25, 0.5], "tas_query": "raw", "max_replay": 3,
+              "per_layer_threshold": True, "emit_diagnostics": True}
+    assert set(values) == {o.name for o in options.OPTIONS if o.record}
+    fc.compile(str(zoo_model("llama", "dynamo20")), str(tmp_path / "f.onnx"), **values)
+    meta = {p.key: p.value for p in onnx.load(str(tmp_path / "f.onnx"), load_external_data=False).metadata_props}
+    for name, value in values.items():
+        text = meta[f"fastcar.{options.BY_NAME[name].record}"]
+        assert (text if isinstance(value, str) else json.loads(text)) == value, name
+
+
+def test_readme_option_table_lists_the_declared_flags():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| option | meaning |"):]
+    table = table[:table.index("\n\n")]
+    named = {f for row in table.splitlines()[2:] for f in re.findall(r"--[a-z][a-z0-9-]*", row.split(" | ")[0])}
+    assert named - {"--no-genai"} == {o.flag for o in options.CLI_OPTIONS} | (named & COMMAND_FLAGS)

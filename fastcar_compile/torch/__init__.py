@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from fastcar_compile import contract
+from fastcar_compile import limits
+from fastcar_compile import options as declared
 from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.passes.analysis import parse_layers
@@ -31,22 +31,24 @@ from fastcar_compile.torch.module import (
 from fastcar_compile.torch.rewrite import rewrite
 
 
-def _check_options(frame_tokens, threshold, tas_query, max_replay) -> list[float]:
-    if not isinstance(frame_tokens, int) or isinstance(frame_tokens, bool) or frame_tokens <= 0:
-        raise FastCarError(f"frame_tokens must be a positive integer (tokens per video frame), got {frame_tokens!r}")
-    taus = [float(t) for t in contract.check_thresholds(threshold, "threshold").reshape(-1)]
-    contract.check_tas_query(tas_query)
-    if not isinstance(max_replay, int) or max_replay < 0:
-        raise FastCarError(f"max_replay must be an integer >= 0 (0 = unlimited), got {max_replay!r}")
-    return taus
+def _check_options(opts: dict) -> dict:
+    """The options `apply` takes (declared in fastcar_compile/options.py with torch=True): every one set, checked
+    as the compiler checks it, named as the keyword."""
+    declared.unknown(opts, "apply", declared.TORCH_OPTIONS)
+    if "frame_tokens" not in opts:
+        raise TypeError("apply() missing required keyword argument: 'frame_tokens'")
+    full = {o.name: o.default for o in declared.TORCH_OPTIONS if o.default is not declared.REQUIRED} | opts
+    return declared.check_all(full, spell=lambda o: o.name)
 
 
-def build(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[float] = -4.0, tas_query: str = "rope",
-          max_replay: int = 0, layers: str | Sequence[int] | None = None, per_layer_threshold: bool = False,
-          example_inputs: tuple[torch.Tensor, ...] | None = None, embeds: bool = False) -> FastCarDecoder:
+def build(model: nn.Module, *, example_inputs: tuple[torch.Tensor, ...] | None = None, embeds: bool = False,
+          **options) -> FastCarDecoder:
     """Capture, discover and rewrite: the flat-contract FastCar program (what `apply` runs and `to_onnx` lowers).
-    With `embeds` the program's first input is inputs_embeds [B, S, hidden] instead of input_ids."""
-    taus = _check_options(frame_tokens, threshold, tas_query, max_replay)
+    With `embeds` the program's first input is inputs_embeds [B, S, hidden] instead of input_ids. The options
+    are `apply`'s."""
+    opts = _check_options(options)
+    frame_tokens, tas_query, max_replay = opts["frame_tokens"], opts["tas_query"], opts["max_replay"]
+    layers, per_layer_threshold, taus = opts["layers"], opts["per_layer_threshold"], list(opts["threshold"])
     front, _ = capture.flat_front(model, embeds)
     if example_inputs is None:
         if not capture.is_transformers_lm(model):
@@ -77,6 +79,7 @@ def build(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[fl
         raise FastCarError(f"layers {unmatched} were asked for but did not match:\n" + report.format())
     if unmatched:
         report.notes.append(f"layers {unmatched} left dense (not matched)")
+    limits.check_state_size(frame_tokens, selected[0].hidden, len(selected))  # the replay cache, before allocating
     if per_layer_threshold and len(taus) not in (1, len(selected)):
         raise FastCarError(f"threshold gives {len(taus)} values for {len(selected)} rewritten layers")
     if not per_layer_threshold and len(taus) != 1:
@@ -98,9 +101,8 @@ def build(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[fl
     return decoder
 
 
-def apply(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[float] = -4.0, tas_query: str = "rope",
-          max_replay: int = 0, layers: str | Sequence[int] | None = None, per_layer_threshold: bool = False,
-          video_start: int = 0, example_inputs: tuple[torch.Tensor, ...] | None = None) -> nn.Module:
+def apply(model: nn.Module, *, video_start: int = 0, example_inputs: tuple[torch.Tensor, ...] | None = None,
+          **options) -> nn.Module:
     """FastCar inserted into `model` (never modified). A transformers causal LM comes back as the same class
     (`generate()` works, also from `inputs_embeds`; `video_start=`/`prompt_frames=`/`fastcar_threshold=` may
     be passed per call); any other module with the flat forward `(input_ids, attention_mask, position_ids,
@@ -110,9 +112,9 @@ def apply(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[fl
     A prompt that ends with frame 0 of the video starts it at `len(prompt) - frame_tokens`, not at the prompt
     length (that leaves frame 0 out of the replay cache: the first generated frame cannot replay). Per call,
     `prompt_frames=k` (the prompt ends with k whole frames) computes it, and refuses a `video_start` that
-    disagrees."""
-    opts = dict(frame_tokens=frame_tokens, threshold=threshold, tas_query=tas_query, max_replay=max_replay,
-                layers=layers, per_layer_threshold=per_layer_threshold)
+    disagrees. The options (frame_tokens required, threshold, tas_query, max_replay, layers, per_layer_threshold)
+    are fastcar-compile's, declared in fastcar_compile/options.py."""
+    opts = _check_options(options)
     decoder = build(model, **opts, example_inputs=example_inputs)
     decoder.video_start = check_video_start(video_start)
     if capture.is_transformers_lm(model):
@@ -121,6 +123,10 @@ def apply(model: nn.Module, *, frame_tokens: int, threshold: float | Sequence[fl
         decoder.capture_embeds = functools.partial(build, model, **opts, embeds=True)
         return wrap_causal_lm(model, decoder)
     return decoder
+
+
+apply.__signature__ = declared.signature(apply, 3, declared.TORCH_OPTIONS)
+build.__signature__ = declared.signature(build, 3, declared.TORCH_OPTIONS)
 
 
 def inspect(model: nn.Module, example_inputs: tuple[torch.Tensor, ...] | None = None) -> CompileReport:
