@@ -202,3 +202,24 @@ def test_readme_option_table_lists_the_declared_flags():
     table = table[:table.index("\n\n")]
     named = {f for row in table.splitlines()[2:] for f in re.findall(r"--[a-z][a-z0-9-]*", row.split(" | ")[0])}
     assert named - {"--no-genai"} == {o.flag for o in options.CLI_OPTIONS} | (named & COMMAND_FLAGS)
+
+
+def test_compressed_state_beyond_memory_is_refused_at_compile_time(zoo_model, tmp_path, monkeypatch):
+    """The K/V slots of one video (2 x layers x kv heads x budget x head size x 4 B, from the model's sizes) must
+    fit in memory: refused while compiling, naming --kv-budget, not a MemoryError when a session allocates."""
+    import fastcar_compile as fc
+    from fastcar_compile import limits
+
+    src = str(zoo_model("llama", "dynamo20"))
+    plain = fc.compile(src, frame_tokens=L)[1].metadata
+    layers, kv_heads, head_dim = (json.loads(plain[f"fastcar.{k}"]) for k in ("num_layers", "num_kv_heads",
+                                                                               "head_dim"))
+    budget = 4096
+    kv_bytes = 2 * layers * kv_heads * budget * head_dim * 4
+    kw = dict(frame_tokens=L, kv_budget=budget, kv_window=L)
+    monkeypatch.setattr(limits, "memory_bytes", lambda: kv_bytes - 1)
+    with pytest.raises(FastCarError, match=f"--kv-budget {budget}: the state of one video would need .* GiB"):
+        fc.compile(src, str(tmp_path / "f.onnx"), **kw)
+    assert not (tmp_path / "f.onnx").exists()
+    monkeypatch.setattr(limits, "memory_bytes", lambda: 2 * kv_bytes)
+    fc.compile(src, **kw)
