@@ -150,8 +150,8 @@ def reference_model(family: str, model_path: str | os.PathLike, sizes: dict | No
             arr = arr - 1.0  # the builder stores (1 + w) for the norms that compute x * (1 + w)
         if ".qkv_proj." in key and key not in state:  # packed q|k|v -> q_proj, k_proj, v_proj
             parts = [key.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
-            sizes = np.cumsum([state[p].shape[0] for p in parts])[:-1]
-            new.update(zip(parts, np.split(arr, sizes), strict=True))
+            cuts = np.cumsum([state[p].shape[0] for p in parts])[:-1]
+            new.update(zip(parts, np.split(arr, cuts), strict=True))
         else:
             new[key] = arr
     for packed, parts in ((".self_attn.qkv_proj.", ("q_proj", "k_proj", "v_proj")),

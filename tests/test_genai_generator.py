@@ -45,7 +45,8 @@ def _session_tokens(path, prompt: np.ndarray, n: int, tau: float | np.ndarray | 
     return np.stack(toks, 1), replayed / max(decided, 1)
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("phi3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama", pytest.param("phi3", marks=pytest.mark.slow),
+                                    pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_genai_generator_runs_fastcar(genai_model, fc_compile, tmp_path, family):
     src = genai_model(family, "fp32")
     prompt = np.random.default_rng(7).integers(3, genai_zoo.GENAI_VOCAB, (1, 5))

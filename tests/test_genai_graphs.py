@@ -249,7 +249,8 @@ def test_rotary_the_gate_cannot_reproduce_is_refused_for_rope(genai_model, fc_co
 
 
 @pytest.mark.parametrize("family,precision,tas_query", [
-    ("llama", "fp32", "rope"), pytest.param("phi3", "int4-fp32a", "raw", marks=pytest.mark.slow)])
+    ("llama", "fp32", "rope"), pytest.param("phi3", "int4-fp32a", "raw", marks=pytest.mark.slow),
+    pytest.param("qwen3", "fp32", "rope", marks=pytest.mark.slow)])
 def test_genai_state_names_match_reference(genai_model, fc_compile, tmp_path, family, precision, tas_query):
     """Compiled for onnxruntime-genai's generator (state `past_key_values.N.conv_state` / `.recurrent_state`,
     the age stored + 1 through the ops' `age_offset`, passes/genai_state.py) and driven as genai's generator
