@@ -4,7 +4,8 @@ Anchors, in the order they are searched (each failure names the anchor, the form
 search stopped; `--inspect` prints them per layer):
 1. `kv`: the graph outputs `present.N.key` / `present.N.value` (the exporter I/O convention).
 2. `attention` (passes/match_attention.py): the op that reads the key cache, as onnxruntime-genai's
-   GroupQueryAttention on packed QKV (passes/genai_gqa.py), a fused attention op or a MatMul/Softmax pair,
+   GroupQueryAttention on packed QKV or rotating inside (passes/genai_gqa.py), a fused attention op or a
+   MatMul/Softmax pair,
    through layout ops and a sliding-window Slice.
 3. `query`: the query that op reads, its heads and layout; `rotary` (passes/match_rotary.py): the raw query
    behind a RotaryEmbedding op, a partial or a rotate-half rotary, or none.
