@@ -32,10 +32,10 @@ from fastcar_compile.fastar.trace import TRACE_SOURCES, demo_trace
 PAPER = {"TempCache (paper)": (0.16, 0.90), "AnnSA (paper)": (0.28, 0.92)}
 
 
-def modes(frame_len: int, video_start: int, quick: bool, kv_heads: int,
+def modes(frame_tokens: int, video_start: int, quick: bool, kv_heads: int,
           per_head: bool = True) -> dict[str, KVCompressConfig | list]:
-    lay = {"frame_len": frame_len, "video_start": video_start}
-    win = frame_len + 16  # covers the demo's copy heads (offsets 55..71): the local window StreamingLLM keeps
+    lay = {"frame_tokens": frame_tokens, "video_start": video_start}
+    win = frame_tokens + 16  # covers the demo's copy heads (offsets 55..71): the local window StreamingLLM keeps
     m = {
         "dense": KVCompressConfig(**lay),
         f"window S3+W{win} C{win + 3 + 32} oldest": KVCompressConfig(budget=win + 3 + 32, sinks=3, window=win,
@@ -53,9 +53,9 @@ def modes(frame_len: int, video_start: int, quick: bool, kv_heads: int,
         m.update({
             "tempcache 0.995": KVCompressConfig(tempcache_sim=0.995, **lay),
             "tempcache 0.99 +top1": KVCompressConfig(tempcache_sim=0.99, correspondence="aligned+top1", **lay),
-            f"tempcache 0.999 C{2 * frame_len} mass": KVCompressConfig(budget=2 * frame_len, sinks=3, window=win,
+            f"tempcache 0.999 C{2 * frame_tokens} mass": KVCompressConfig(budget=2 * frame_tokens, sinks=3, window=win,
                                                                        tempcache_sim=0.999, eviction="mass", **lay),
-            f"tempcache 0.999 C{2 * frame_len} oldest": KVCompressConfig(budget=2 * frame_len, sinks=3, window=win,
+            f"tempcache 0.999 C{2 * frame_tokens} oldest": KVCompressConfig(budget=2 * frame_tokens, sinks=3, window=win,
                                                                          tempcache_sim=0.999, eviction="oldest",
                                                                          **lay),
             "annsa lsh 8x8": KVCompressConfig(lsh_bits=8, lsh_tables=8, sinks=3, window=16, **lay),
@@ -74,8 +74,8 @@ def modes(frame_len: int, video_start: int, quick: bool, kv_heads: int,
         m[f"per-head: window (h0-{kv_heads - 2}) + tempcache {sim} (h{kv_heads - 1})"] = (
             [window] * (kv_heads - 1) + [KVCompressConfig(tempcache_sim=sim, **lay)])
     # the same with head 5's cache bounded too (every head flat): C = 2 frames, sinks 3, window 16
-    m[f"per-head: window (h0-{kv_heads - 2}) + tempcache 0.9 C{2 * frame_len} (h{kv_heads - 1})"] = (
-        [window] * (kv_heads - 1) + [KVCompressConfig(tempcache_sim=0.9, budget=2 * frame_len, sinks=3, window=16,
+    m[f"per-head: window (h0-{kv_heads - 2}) + tempcache 0.9 C{2 * frame_tokens} (h{kv_heads - 1})"] = (
+        [window] * (kv_heads - 1) + [KVCompressConfig(tempcache_sim=0.9, budget=2 * frame_tokens, sinks=3, window=16,
                                                       eviction="mass", **lay)])
     return m
 
@@ -138,20 +138,20 @@ def main(argv: list[str] | None = None) -> int:
     notes = []
     for source in a.source:
         tr = demo_trace(a.frames, a.clip, source, long=a.long)
-        start = tr.video_start + 2 * tr.frame_len
+        start = tr.video_start + 2 * tr.frame_tokens
         hkv = tr.layers[0].k.shape[1]
-        for name, cfg in tqdm(modes(tr.frame_len, tr.video_start, a.quick, hkv, per_head=not a.long).items(),
+        for name, cfg in tqdm(modes(tr.frame_tokens, tr.video_start, a.quick, hkv, per_head=not a.long).items(),
                               desc=f"modes ({source})", unit="mode"):
             for li, layer in enumerate(tr.layers):
                 res = run_trace(layer.q, layer.k, layer.v, cfg, theta=tr.rope_theta, measure_from=start)
                 m = res.metrics
                 per_slot = np.array([slot_bytes(c.cfg, layer.k.shape[-1], 2) for c in res.caches])
-                ends = [tr.video_start + (f + 1) * tr.frame_len - 1 for f in range(a.frames)]
+                ends = [tr.video_start + (f + 1) * tr.frame_tokens - 1 for f in range(a.frames)]
                 rows.append({"source": source, "mode": name, "layer": li, **m.to_dict(),
                              "kv_ratio": m.kv_bytes / m.dense_kv_bytes,
                              "kv_bytes_per_frame": [float(res.slots[e] @ per_slot) for e in ends],
                              "config": [c.cfg.to_dict() for c in res.caches] if isinstance(cfg, list) else cfg.to_dict()})
-        notes.append(f"{source}: {len(tr.tokens)} tokens ({tr.frame_len} per frame), metrics over positions >= {start}")
+        notes.append(f"{source}: {len(tr.tokens)} tokens ({tr.frame_tokens} per frame), metrics over positions >= {start}")
     head = ("| trace | mode | layer | density | recall | recall per head | kept mass | out rel. err | KV bytes (fp16) "
             "| KV vs dense | merges | evicted |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(f"| {r['source']} | {r['mode']} | {r['layer']} | {r['density']:.1%} | {r['recall']:.1%} | "

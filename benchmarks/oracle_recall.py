@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         per_clip = []
         for clip in range(a.clips):
             t = demo_trace(a.frames, clip, source, long=True)
-            per_clip.append([ceiling(tr, t.rope_theta, t.video_start + 2 * t.frame_len) for tr in t.layers])
+            per_clip.append([ceiling(tr, t.rope_theta, t.video_start + 2 * t.frame_tokens) for tr in t.layers])
             print(f"{source} clip {clip} done", file=sys.stderr, flush=True)
         rows.append({"source": source, "densities": list(DENSITIES), "recall": np.mean(per_clip, 0).tolist()})
     md = [f"Recall ceiling: dense softmax mass in each query's exact top-k keys, k = density x (p + 1); long demo "

@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         per_clip = []
         for clip in range(a.clips):
             t = demo_trace(a.frames, clip, source, long=True)
-            L, vs = t.frame_len, t.video_start
+            L, vs = t.frame_tokens, t.video_start
             layers = [layer_anchors(tr, t.rope_theta, L, vs) for tr in t.layers]
             prune = {}
             for p in THRESHOLDS:
-                cfg = KVCompressConfig(prune_prompt=p, frame_len=L, video_start=vs)
+                cfg = KVCompressConfig(prune_prompt=p, frame_tokens=L, video_start=vs)
                 ms = [run_trace(tr.q, tr.k, tr.v, cfg, t.rope_theta, measure_from=vs + L).metrics for tr in t.layers]
                 prune[str(p)] = {"density": [m.density for m in ms], "recall": [m.recall for m in ms],
                                  "out_err": [m.out_err for m in ms]}

@@ -350,9 +350,9 @@ class FastCarMetadata:
             return {}
         try:
             if "per_layer" in kvc:
-                return {int(n): dict(c) for n, c in kvc["per_layer"].items()}
+                return {int(n): _renamed(c) for n, c in kvc["per_layer"].items()}
             shared = {k: v for k, v in kvc.items() if k not in ("layers", "diagnostics_tokens")}
-            return {int(n): dict(shared) for n in kvc.get("layers", [])}
+            return {int(n): _renamed(shared) for n in kvc.get("layers", [])}
         except (AttributeError, TypeError, ValueError) as exc:
             raise FastCarError(f"malformed fastcar.kv_compress metadata ({exc!r}); recompile the model") from None
 
@@ -360,6 +360,15 @@ class FastCarMetadata:
     def first_threshold(self) -> float:
         t = self.threshold
         return float(t[0] if isinstance(t, list) else t)
+
+
+def _renamed(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """One layer's KVCompressConfig fields as this version names them: models compiled before the rename
+    recorded tokens per frame as `frame_len`."""
+    out = dict(settings)
+    if "frame_len" in out:
+        out["frame_tokens"] = out.pop("frame_len")
+    return out
 
 
 def kv_compress_record(per_layer: Mapping[int, Mapping[str, Any]], diagnostics_tokens: int | None

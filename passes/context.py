@@ -196,7 +196,7 @@ def kv_settings(frame_tokens: int, budget_flag: tuple[str, str], sparse: str | N
     check_diagnostics(diagnostics)
     settings.update(parse_sparse_attention(sparse))
     try:
-        return KVCompressConfig(**settings, frame_len=frame_tokens, video_start=0)
+        return KVCompressConfig(**settings, frame_tokens=frame_tokens, video_start=0)
     except FastCarError as exc:
         if not context:
             raise

@@ -173,7 +173,7 @@ def compressed_attributes(cfg, head_dim: int) -> dict:
     """CompressedAttention's attributes for a fastar.KVCompressConfig (LSH / int8 planes drawn as the reference)."""
     from fastcar_compile.fastar.cache import hasher
 
-    attrs = {"budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "frame_tokens": cfg.frame_len,
+    attrs = {"budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "frame_tokens": cfg.frame_tokens,
              "eviction": cfg.eviction}
     if cfg.tempcache_sim is not None:
         attrs["tempcache_sim"] = float(cfg.tempcache_sim)

@@ -40,7 +40,7 @@ def test_kernel_equals_reference_at_benchmark_sizes(name):
     reference, and the final slots (latest KV index, member count) identical; eviction (and merging, where
     configured) is exercised."""
     hq, hkv, d, settings = CASES[name]
-    cfg = KVCompressConfig(**settings, frame_len=L, video_start=0)
+    cfg = KVCompressConfig(**settings, frame_tokens=L, video_start=0)
     q, k, v = _trace(np.random.default_rng(5), 72, hq, hkv, d)
     ref = run_trace(q, k, v, cfg)
     got, slots = run_kernel(cfg, q, k, v, [6] + [1] * 30 + [4] + [1] * 32)

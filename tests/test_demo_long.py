@@ -32,7 +32,7 @@ def test_mode_grammar():
     w = parse_mode("window:4+60", 64, 3)
     assert (w.budget, w.sinks, w.window, w.eviction) == (65, 4, 60, "oldest")
     t = parse_mode("tempcache:0.95@4+60+192", 64, 3)
-    assert (t.tempcache_sim, t.budget, t.sinks, t.window, t.frame_len, t.video_start) == (0.95, 192, 4, 60, 64, 3)
+    assert (t.tempcache_sim, t.budget, t.sinks, t.window, t.frame_tokens, t.video_start) == (0.95, 192, 4, 60, 64, 3)
     assert parse_mode("lsh:8x4", 64, 3).lsh_bits == 8 and parse_mode("dense", 64, 3) is None
     assert [m for m, _ in parse_modes("tempcache:0.9", 64, 3)] == ["dense", "tempcache:0.9"]
     i8 = parse_mode("int8:4x8", 64, 3)

@@ -69,7 +69,7 @@ def test_tempcache_lemma_exact_for_identical_keys():
     T = k.shape[0]
     v = rng.standard_normal((T, 2, d))
     q = rng.standard_normal((T, 4, d))
-    cfg = KVCompressConfig(tempcache_sim=0.999, frame_len=L, video_start=3)
+    cfg = KVCompressConfig(tempcache_sim=0.999, frame_tokens=L, video_start=3)
     res = run_trace(q, k, v, cfg, theta=None)
     assert res.metrics.merges == 2 * L * (frames - 1)
     np.testing.assert_array_equal(res.slots[-1], [3 + L, 3 + L])
@@ -88,7 +88,7 @@ def test_merged_slot_keeps_most_recent_key_post_rope():
     k = rng.standard_normal((3 + 2 * L, 1, d))
     k[3 + L:] = k[3:3 + L] * 1.001  # near-identical direction: cosine ~1 -> merge
     v = rng.standard_normal(k.shape)
-    cfg = KVCompressConfig(tempcache_sim=0.99, frame_len=L, video_start=3)
+    cfg = KVCompressConfig(tempcache_sim=0.99, frame_tokens=L, video_start=3)
     c = HeadCache(cfg, d, k.shape[0], 10000.0)
     for p in range(k.shape[0]):
         c.append(k[p, 0], v[p, 0])
@@ -164,7 +164,7 @@ def test_bookkeeping_properties(budget, sinks, window, sim, eviction, corr, L, s
             KVCompressConfig(budget=budget, sinks=sinks, window=window)
         return
     cfg = KVCompressConfig(budget=budget, sinks=sinks, window=window, tempcache_sim=sim, eviction=eviction,
-                           correspondence=corr, frame_len=L, video_start=1)
+                           correspondence=corr, frame_tokens=L, video_start=1)
     rng = np.random.default_rng(seed)
     T, d = 40, 4
     k = rng.standard_normal((T, d))
@@ -252,5 +252,5 @@ def test_kv_bytes_hand_counted_with_counts_and_codes():
     """Per slot: K+V fp16 (2 x 8 x 2 B) + int32 count (TempCache) + 4 bits x 3 tables packed = 2 B (AnnSA)."""
     q, k, v = _trace(T=10, hq=2, hkv=2)
     m = run_trace(q, k, v, KVCompressConfig(budget=6, sinks=1, window=2, tempcache_sim=1.0, lsh_bits=4,
-                                            lsh_tables=3, frame_len=3, video_start=1)).metrics
+                                            lsh_tables=3, frame_tokens=3, video_start=1)).metrics
     assert m.merges == 0 and m.kv_bytes == 2 * 6 * (32 + 4 + 2)

@@ -64,7 +64,7 @@ CONFIGS = {
 def test_kernel_equals_fastar_reference(name):
     """Outputs over a 60-token trace (single-token steps and multi-token chunks) and the final slots (KV index,
     member count per slot) equal the reference HeadCache's."""
-    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS[name]}, frame_len=L)
+    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS[name]}, frame_tokens=L)
     q, k, v = _trace(7, 60, repeat=cfg.tempcache_sim is not None)
     ref = run_trace(q, k, v, cfg)
     got, slots = run_kernel(cfg, q, k, v, [5, 1, 1, 3] + [1] * 50)
@@ -95,7 +95,7 @@ def test_kernel_equals_fastar_reference(name):
 def test_diagnostics_equal_the_reference_metrics(name):
     """Dense attention on the side (--kv-diagnostics): the kernel's density (executed / dense q.k pairs) and
     recall (dense softmax mass kept, merged slots shared by their members) equal run_trace's metrics."""
-    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS[name]}, frame_len=L)
+    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS[name]}, frame_tokens=L)
     q, k, v = _trace(7, 60, repeat=cfg.tempcache_sim is not None)
     ref = run_trace(q, k, v, cfg).metrics
     stats: list[np.ndarray] = []
@@ -110,7 +110,7 @@ def test_diagnostics_equal_the_reference_metrics(name):
 def test_budget_above_context_is_dense():
     """No compression in effect (budget >= tokens, no merging, no sparsity): the kernel equals dense attention
     written independently (softmax over every earlier token, keys at their true positions)."""
-    cfg = KVCompressConfig(budget=64, frame_len=L, video_start=0)
+    cfg = KVCompressConfig(budget=64, frame_tokens=L, video_start=0)
     q, k, v = _trace(3, 30, repeat=False)
     got, _ = run_kernel(cfg, q, k, v, [4] + [1] * 26)
     pos = np.arange(30)
@@ -135,7 +135,7 @@ def test_tempcache_prefix_batch_left_padded():
     for t in range(L, T):  # in KV indices: the first video frame always recurs p - L, later frames mostly
         if t < vs + L or rng.random() < 0.7:
             k[:, t] = k[:, t - L] + 0.01 * rng.standard_normal((2, HKV, D))
-    cfg = KVCompressConfig(budget=T, sinks=0, window=2, tempcache_sim=0.9, frame_len=L, video_start=vs)
+    cfg = KVCompressConfig(budget=T, sinks=0, window=2, tempcache_sim=0.9, frame_tokens=L, video_start=vs)
     got, slots = run_kernel(cfg, q, k, v, [vs, 2, 1, 3] + [1] * (T - vs - 6), pads=pads)
     for b, n in enumerate(pads):
         row = dataclasses.replace(cfg, video_start=vs - n)
@@ -153,7 +153,7 @@ def test_tempcache_prefix_batch_left_padded():
 def test_slot_bookkeeping_properties():
     """Over a long trace with merging and eviction: at most C live slots, KV indices distinct, counts >= 1, the
     sinks and the last W tokens resident, and every member count adds up with the reference's evictions."""
-    cfg = KVCompressConfig(budget=10, sinks=2, window=3, tempcache_sim=0.9, frame_len=L, video_start=0)
+    cfg = KVCompressConfig(budget=10, sinks=2, window=3, tempcache_sim=0.9, frame_tokens=L, video_start=0)
     q, k, v = _trace(11, 80, repeat=True)
     _, slots = run_kernel(cfg, q, k, v, [1] * 80)
     ref = run_trace(q, k, v, cfg)
@@ -303,7 +303,7 @@ def test_prompt_pruning_and_int8_end_to_end(zoo_model, fc_compile, tmp_path):
     fc_compile(str(src), output=str(small), frame_tokens=4, threshold=float("inf"), kv_budget=12, kv_sinks=1,
                kv_window=4, sparse_attention="int8:4x3", prune_prompt=0.05)
     cfg = KVCompressConfig(budget=12, sinks=1, window=4, int8_dirs=4, int8_tables=3, prune_prompt=0.05,
-                           frame_len=4, video_start=6)
+                           frame_tokens=4, video_start=6)
     run = run_session(FastCarSession(small), prompt[:1], mask[:1], [s[:1] for s in steps], video_start=6)
     assert run.arrays["past_kv_slots.0"].shape == (1, 2, 12, slot_width(cfg))
     model = zoo.build_model("llama", attn_implementation="eager")
@@ -422,7 +422,7 @@ def test_tempcache_lemma_in_the_kernel():
     k = np.concatenate([rng.standard_normal((T - m, HKV, D)), np.repeat(key[None], m, 0)])
     v = rng.standard_normal((T, HKV, D))
     q = rng.standard_normal((T, HQ, D))
-    cfg = KVCompressConfig(budget=T, tempcache_sim=0.999, frame_len=1, video_start=0)
+    cfg = KVCompressConfig(budget=T, tempcache_sim=0.999, frame_tokens=1, video_start=0)
     attrs = compressed_attributes(cfg, D)
     sess = session(True, n_in=10, n_out=6, **attrs)
     f32 = np.float32
@@ -474,7 +474,7 @@ def test_prune_everything_equals_attention_without_the_prompt():
     """--prune-prompt 1.0 (no softmax weight over several keys reaches 1: no prompt key is ever hit): the prompt
     and frame 0 attend to everything, every later query to the video tokens only (written independently)."""
     vs = 7
-    cfg = KVCompressConfig(budget=64, prune_prompt=1.0, frame_len=L, video_start=vs)
+    cfg = KVCompressConfig(budget=64, prune_prompt=1.0, frame_tokens=L, video_start=vs)
     q, k, v = _trace(5, 40, repeat=False)
     got, _ = run_kernel(cfg, q, k, v, [9] + [1] * 31)
     pos = np.arange(40)
@@ -521,7 +521,7 @@ def test_slot_state_of_another_width_is_refused():
     """A past_slots record one field narrower than the op's settings (LSH tables: a state from another compile)
     is refused with a message naming the expected layout, instead of the kernel writing past the buffer; the
     state of the right width runs (control)."""
-    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS["lsh"]}, frame_len=L)
+    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS["lsh"]}, frame_tokens=L)
     C, F = cfg.budget, slot_width(cfg)
     sess = session(True, n_in=8, n_out=5, **compressed_attributes(cfg, D))
     rng = np.random.default_rng(0)
@@ -540,7 +540,7 @@ def test_slot_state_of_another_width_is_refused():
 def test_bucket_planes_of_another_size_are_refused(name, key):
     """Bucket planes that do not match tables x bits x head_dim (a model edited by hand, or compiled for another
     head size) are refused instead of read past their end; the compiler's own planes run (control)."""
-    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS[name]}, frame_len=L)
+    cfg = KVCompressConfig(**{"video_start": 0, **CONFIGS[name]}, frame_tokens=L)
     C, F = cfg.budget, slot_width(cfg)
     attrs = compressed_attributes(cfg, D)
     rng = np.random.default_rng(0)

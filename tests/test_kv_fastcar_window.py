@@ -20,7 +20,7 @@ def _aligned_lost(window: int, L: int = 6, budget: int = 12, eviction: str = "ma
     """Steps of a 60-token video whose key one frame back (p - L) was no longer resident when token p came, in
     the NumPy reference cache (fastar.cache.HeadCache) under random keys and attention."""
     rng = np.random.default_rng(window)
-    cfg = KVCompressConfig(budget=budget, sinks=1, window=window, eviction=eviction, frame_len=L, video_start=0)
+    cfg = KVCompressConfig(budget=budget, sinks=1, window=window, eviction=eviction, frame_tokens=L, video_start=0)
     cache, lost, d = HeadCache(cfg, 8, 60, theta=None), 0, 8
     for p in range(60):
         lost += p >= L and cache.token_slot[p - L] < 0

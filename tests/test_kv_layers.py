@@ -99,6 +99,20 @@ def test_old_single_setting_metadata_reads_per_layer():
                                         for n in (0, 2)}
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_old_frame_len_key_reads_as_frame_tokens(per_layer):
+    """Models compiled before the rename recorded tokens per frame as `frame_len` in kv_compress; they read as
+    this version's `frame_tokens`, the name the settings and KVCompressConfig use."""
+    from fastcar_compile.contract import FastCarMetadata
+    from fastcar_compile.fastar.config import KVCompressConfig
+
+    old = {"budget": 12, "sinks": 1, "window": 4, "frame_len": 4, "video_start": 0}
+    kvc = {"layers": [0], "diagnostics_tokens": None, **({"per_layer": {"0": old}} if per_layer else old)}
+    meta = FastCarMetadata("0", 4, 0.0, False, [0], 1, "rope", 0, 8, 2, 2, 4, [], [], False, kv_compress=kvc)
+    settings = meta.kv_layer_settings()[0]
+    assert "frame_len" not in settings and KVCompressConfig(**settings).frame_tokens == 4
+
+
 @pytest.mark.parametrize("spec,msg", [
     ("0", "no settings"),
     ("x:budget=8", "cannot read layers"),

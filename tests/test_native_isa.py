@@ -53,7 +53,7 @@ def test_dense_core_at_one_isa(isa_lib, name):
 def test_compressed_trace_at_one_isa(isa_lib):
     """The grouped (GroupAttend) path with eviction and TempCache merging: outputs within 1e-4 of run_trace."""
     hq, hkv, d, settings = sizes.CASES["16/2x64 tempcache bounded"]
-    cfg = KVCompressConfig(**settings, frame_len=sizes.L, video_start=0)
+    cfg = KVCompressConfig(**settings, frame_tokens=sizes.L, video_start=0)
     q, k, v = sizes._trace(np.random.default_rng(5), 72, hq, hkv, d)
     ref = run_trace(q, k, v, cfg)
     got, _ = run_kernel(cfg, q, k, v, [6] + [1] * 30 + [4] + [1] * 32)

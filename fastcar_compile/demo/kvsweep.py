@@ -41,10 +41,10 @@ def _ints(s: str, n: int, what: str) -> list[int]:
     return vals
 
 
-def parse_mode(spec: str, frame_len: int, video_start: int) -> KVCompressConfig | None:
+def parse_mode(spec: str, frame_tokens: int, video_start: int) -> KVCompressConfig | None:
     """One mode string -> its config (None = dense). Bad strings raise FastCarError naming the grammar."""
     spec = spec.strip()
-    base = {"frame_len": frame_len, "video_start": video_start}
+    base = {"frame_tokens": frame_tokens, "video_start": video_start}
     kind, _, arg = spec.partition(":")
     if kind == "dense" and not arg:
         return None
@@ -77,8 +77,8 @@ def parse_mode(spec: str, frame_len: int, video_start: int) -> KVCompressConfig 
                        "lsh:BITSxTABLES, int8[:DIRSxTABLES] or prune:P")
 
 
-def parse_modes(specs: str, frame_len: int, video_start: int) -> list[tuple[str, KVCompressConfig | None]]:
-    modes = [(s.strip(), parse_mode(s, frame_len, video_start)) for s in specs.split(";") if s.strip()]
+def parse_modes(specs: str, frame_tokens: int, video_start: int) -> list[tuple[str, KVCompressConfig | None]]:
+    modes = [(s.strip(), parse_mode(s, frame_tokens, video_start)) for s in specs.split(";") if s.strip()]
     if not modes:
         raise FastCarError("--kv-modes is empty; e.g. 'dense;tempcache:0.95'")
     if modes[0][1] is not None:

@@ -82,12 +82,12 @@ class HeadCache:
     def _merge_target(self, p: int, k_pre: np.ndarray) -> int:
         """The slot the new key merges into (TempCache), or -1."""
         cfg = self.cfg
-        if cfg.tempcache_sim is None or p < cfg.sinks or not aligned_is_video(p, cfg.frame_len, cfg.video_start):
+        if cfg.tempcache_sim is None or p < cfg.sinks or not aligned_is_video(p, cfg.frame_tokens, cfg.video_start):
             return -1
-        cand = [self.token_slot[p - cfg.frame_len : p - cfg.frame_len + 1]]
+        cand = [self.token_slot[p - cfg.frame_tokens : p - cfg.frame_tokens + 1]]
         if cfg.correspondence == "aligned+top1":
-            frame_start = p - (p - cfg.video_start) % cfg.frame_len
-            cand.append(self.token_slot[frame_start - cfg.frame_len : frame_start])
+            frame_start = p - (p - cfg.video_start) % cfg.frame_tokens
+            cand.append(self.token_slot[frame_start - cfg.frame_tokens : frame_start])
         slots = self._mergeable(np.concatenate(cand))
         if slots.size == 0:
             return -1
@@ -115,7 +115,7 @@ class HeadCache:
 
     def _frame(self, p: int) -> int:
         """Video frame index of position p (-1 for the prompt prefix)."""
-        return (p - self.cfg.video_start) // self.cfg.frame_len if p >= self.cfg.video_start else -1
+        return (p - self.cfg.video_start) // self.cfg.frame_tokens if p >= self.cfg.video_start else -1
 
     def pruned(self, p: int) -> np.ndarray:
         """[cap] bool: prompt-prefix slots skipped at position p (--prune-prompt): from video frame 1 on, a

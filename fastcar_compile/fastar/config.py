@@ -31,14 +31,14 @@ class KVCompressConfig:
     budget: slots per KV head (None = unbounded). sinks/window: the first S tokens and the last W tokens are
     always resident. tempcache_sim: merge a new key into its temporal correspondent's slot when the pre-RoPE
     cosine similarity exceeds it (None = no merging). correspondence: 'aligned' compares with token p - L
-    (frame_len); 'aligned+top1' also with the best pre-RoPE match among the previous frame's slots.
+    (frame_tokens); 'aligned+top1' also with the best pre-RoPE match among the previous frame's slots.
     eviction: which non-sink, non-window slot leaves when the budget is full ('mass' = least cumulative
     attention probability received, H2O-style; 'oldest' = smallest latest position). lsh_bits/lsh_tables:
     AnnSA by sign random projections (None = dense over resident slots). int8_dirs/int8_tables: AnnSA by 8-bit
     quantised buckets instead (fastar/int8.py; exclusive with lsh). prune_prompt: AnnCA's decoder-only
     counterpart: a prompt-prefix key (position < video_start) that no query of the previous frame gave softmax
     weight >= this value is skipped for the current frame (None = off; 0 keeps every prefix key).
-    frame_len/video_start: the token layout (SPEC.md section 6).
+    frame_tokens/video_start: the token layout (SPEC.md section 6).
     """
 
     budget: int | None = None
@@ -52,7 +52,7 @@ class KVCompressConfig:
     int8_dirs: int | None = None
     int8_tables: int = 1
     prune_prompt: float | None = None
-    frame_len: int = 64
+    frame_tokens: int = 64
     video_start: int = 3
     seed: int = 0
 
@@ -71,17 +71,17 @@ class KVCompressConfig:
         check_buckets(self.lsh_bits, self.lsh_tables, self.int8_dirs, self.int8_tables)
         if self.prune_prompt is not None and not 0.0 <= self.prune_prompt <= 1.0:
             raise FastCarError(f"prune-prompt threshold must be a softmax weight in [0, 1], got {self.prune_prompt}")
-        if self.frame_len < 1 or self.video_start < 0:
-            raise FastCarError(f"frame_len must be >= 1 and video_start >= 0, got {self.frame_len}, {self.video_start}")
+        if self.frame_tokens < 1 or self.video_start < 0:
+            raise FastCarError(f"frame_tokens must be >= 1 and video_start >= 0, got {self.frame_tokens}, {self.video_start}")
 
     def check_fastcar_window(self, where: str, fix: str) -> None:
         """Refuse these settings on a FastCar layer when the window is shorter than a frame. The gate of a
-        compressed layer reads the key of token p - frame_len from this cache (CompressedAttention hands it
+        compressed layer reads the key of token p - frame_tokens from this cache (CompressedAttention hands it
         over, zeros once evicted), and only the last `window` tokens are safe from eviction: with a shorter
         window the aligned key can be gone, reads as zeros and replay silently collapses (51% -> 14% seen).
         `where` names the setting, `fix` says what to change."""
-        if self.window < self.frame_len:
-            raise FastCarError(f"{where}: window {self.window} is shorter than a frame ({self.frame_len} tokens, "
+        if self.window < self.frame_tokens:
+            raise FastCarError(f"{where}: window {self.window} is shorter than a frame ({self.frame_tokens} tokens, "
                                f"--frame-tokens) on a FastCar layer, so the key one frame back that the gate "
                                f"reads can be evicted and read as zeros; {fix}, or keep FastCar off these layers "
                                "with --layers")

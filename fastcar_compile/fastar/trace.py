@@ -25,7 +25,7 @@ class ModelTrace:
     tokens: np.ndarray  # [T]
     layers: list[LayerTrace]
     rope_theta: float
-    frame_len: int
+    frame_tokens: int
     video_start: int
 
 
@@ -86,8 +86,8 @@ def demo_trace(frames: int = 8, clip: int = 0, source: str = "generated", long: 
     tok = load_tokenizer()
     c = data.make_clip("eval", clip, frames=frames if source == "clip" else 2)
     toks = tok.encode(c.frames).reshape(len(c.frames), -1)
-    frame_len = toks.shape[1]
+    frame_tokens = toks.shape[1]
     gen = torch_generate(model, c.motion, toks[0], frames - 1) if source == "generated" else toks
     ids = sequence(c.motion, gen)
     theta = float(model.config.rope_parameters["rope_theta"])
-    return ModelTrace(ids, capture(model, ids), theta, frame_len, VIDEO_START)
+    return ModelTrace(ids, capture(model, ids), theta, frame_tokens, VIDEO_START)
