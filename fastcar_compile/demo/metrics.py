@@ -65,3 +65,12 @@ def ssim(a: np.ndarray, b: np.ndarray, data_range: float | None = None, win: int
     if x.ndim == 4:
         return float(np.mean([ssim(x[t], y[t], r, win) for t in range(x.shape[0])]))
     raise FastCarError(f"ssim takes [H,W], [H,W,C] or [T,H,W,C]; got shape {a.shape}")
+
+
+def copy_rate(codes: np.ndarray) -> float:
+    """Fraction of tokens equal to the token at the same position one frame earlier, codes [..., T, L]
+    (frames 1.. of every clip): how much of a video "holds still" at the token level."""
+    codes = np.asarray(codes)
+    if codes.ndim < 2 or codes.shape[-2] < 2:
+        raise FastCarError(f"copy rate needs codes [..., frames >= 2, tokens], got shape {codes.shape}")
+    return float((codes[..., 1:, :] == codes[..., :-1, :]).mean())
