@@ -17,6 +17,16 @@ from fastcar_compile.errors import FastCarError
 PATCH = 4
 
 
+def check_tokens(tokens: np.ndarray, per_frame: int, vocab: int) -> np.ndarray:
+    """`tokens` as an array [..., per_frame] of ids in [0, vocab), or a one-line error saying what is wrong."""
+    tokens = np.asarray(tokens)
+    if tokens.shape[-1] != per_frame:
+        raise FastCarError(f"expected {per_frame} tokens per frame, got {tokens.shape[-1]}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+        raise FastCarError(f"token ids must lie in [0, {vocab}); got {tokens.min()}..{tokens.max()}")
+    return tokens
+
+
 class PatchTokenizer:
     """Frame [H, W, 3] uint8 <-> token grid [H/PATCH * W/PATCH] int64 (raster order)."""
 
@@ -60,11 +70,7 @@ class PatchTokenizer:
 
     def decode(self, tokens: np.ndarray) -> np.ndarray:
         """[..., L] codes -> [..., H, W, 3] uint8."""
-        tokens = np.asarray(tokens)
-        if tokens.shape[-1] != self.tokens_per_frame:
-            raise FastCarError(f"expected {self.tokens_per_frame} tokens per frame, got {tokens.shape[-1]}")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab):
-            raise FastCarError(f"token ids must lie in [0, {self.vocab}); got {tokens.min()}..{tokens.max()}")
+        tokens = check_tokens(tokens, self.tokens_per_frame, self.vocab)
         lead = tokens.shape[:-1]
         g = self.frame // PATCH
         p = self.codebook[tokens.reshape(-1, g * g)].reshape(-1, g, g, PATCH, PATCH, 3)
