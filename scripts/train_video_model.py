@@ -1,0 +1,139 @@
+"""Train the conditioned video model on the CPU, in two stages (seeded; the model stage resumes by itself).
+
+    python scripts/train_video_model.py tokenizer        # k-means vs VQ-VAE on held-out clips; keeps the better
+    nice -n 19 python scripts/train_video_model.py model  # the 6-layer LM; resumes from --ckpt when present
+    python scripts/train_video_model.py model --until 300 # stop at step 300 (resume later with a larger one)
+    python scripts/train_video_model.py throughput       # tokens/s of frames of 8x8 vs 16x16 tokens
+
+The tokenizer stage writes fastcar_compile/demo/assets/video_tokenizer.npz and training/video_model/
+tokenizer_report.json (PSNR and token copy rate of both tokenizers on held-out clips). The model stage appends
+a JSON line per step (loss, tokens/s, threads) and per evaluation (held-out loss and accuracy vs copying) to
+training/video_model/train_log.jsonl, checkpoints model + optimizer + step + RNG to --ckpt every ~10 minutes,
+and writes the fp16 weights (video.safetensors + video.json) next to the checkpoint each time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import fields
+from pathlib import Path
+
+# One BLAS thread: the machine is shared; a spinning multi-threaded BLAS slows everyone (see train_demo.py).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+from fastcar_compile.atomic import write_text  # noqa: E402
+from fastcar_compile.demo import scenes  # noqa: E402
+from fastcar_compile.demo.metrics import copy_rate, psnr  # noqa: E402
+from fastcar_compile.demo.videomodel import VIDEO_TOKENIZER, VideoTrainSettings, train_video_model  # noqa: E402
+
+TRAINING = Path(__file__).resolve().parents[1] / "training" / "video_model"
+CKPT = Path("/work/ckpt/video-model")
+
+
+def measure(tok, clips: list[scenes.SceneClip]) -> dict:
+    frames = np.stack([c.frames for c in clips])
+    codes = tok.encode(frames)
+    return {"psnr_heldout": psnr(frames, tok.decode(codes)), "copy_rate_heldout": copy_rate(codes)}
+
+
+def tokenizer_stage(a) -> None:
+    import torch
+
+    from fastcar_compile.demo.tokenizer import train_tokenizer
+    from fastcar_compile.demo.vqvae import train_vqvae
+
+    torch.set_num_threads(1)
+    t0 = time.time()
+    train = np.concatenate([c.frames for c in scenes.make_scene_clips("train", a.clips, 16, a.seed)])
+    held = scenes.make_scene_clips("eval", a.eval_clips, 16, a.seed)
+    rep: dict = {"train_frames": len(train), "eval_clips": a.eval_clips, "seed": a.seed, "torch_threads": 1,
+                 "data_seconds": time.time() - t0}
+    t = time.time()
+    km = train_tokenizer(train, codes=512, seed=a.seed)
+    rep["kmeans"] = {**measure(km, held), "seconds": time.time() - t, "codes": 512, "patch": 4}
+    print("k-means", rep["kmeans"], flush=True)
+    t, log = time.time(), []
+    vq = train_vqvae(train, codes=512, steps=a.vq_steps, seed=a.seed, log=log)
+    rep["vqvae"] = {**measure(vq, held), "seconds": time.time() - t, "codes": 512, "steps": a.vq_steps,
+                    "params": sum(p.numel() for p in vq.net.parameters()), "log": log}
+    print("VQ-VAE", {k: v for k, v in rep["vqvae"].items() if k != "log"}, flush=True)
+    best = "vqvae" if rep["vqvae"]["psnr_heldout"] > rep["kmeans"]["psnr_heldout"] else "kmeans"
+    rep["kept"] = best
+    (vq if best == "vqvae" else km).save(a.tokenizer)
+    a.report.parent.mkdir(parents=True, exist_ok=True)
+    write_text(a.report, json.dumps(rep, indent=1))
+    print(f"kept {best}: {a.tokenizer}")
+
+
+def model_stage(a) -> None:
+    from fastcar_compile.demo.vqvae import load_frame_tokenizer
+
+    kw = {f.name: getattr(a, f.name) for f in fields(VideoTrainSettings) if getattr(a, f.name, None) is not None}
+    s = VideoTrainSettings(**kw)
+    tok = load_frame_tokenizer(a.tokenizer)
+    step = train_video_model(s, tok, a.ckpt, a.log, until=a.until, export=a.ckpt)
+    print(f"reached step {step}; checkpoint {a.ckpt / 'checkpoint.pt'}; weights {a.ckpt / 'video.safetensors'}")
+
+
+def throughput_stage(a) -> None:
+    """Training tokens/s of one 16-frame clip per step, frames of 8x8 vs 16x16 tokens (the frame-size choice)."""
+    import torch
+
+    from fastcar_compile.demo.model import DemoConfig, build_model
+
+    torch.set_num_threads(1)
+    for per_frame in (64, 256):
+        for bf16 in (False, True):
+            n = 16 * per_frame + 4
+            cfg = DemoConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4,
+                             num_key_value_heads=4, max_position_embeddings=n + 8, copy_offsets=())
+            model = build_model(cfg)
+            model.set_attn_implementation("sdpa")
+            opt = torch.optim.AdamW(model.parameters(), 1e-3)
+            x = torch.randint(0, 512, (1, n))
+            times = []
+            for _ in range(3):
+                t = time.time()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    model(input_ids=x, labels=x).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                times.append(time.time() - t)
+            print(f"{per_frame} tokens/frame, bf16={bf16}: {n / min(times):.0f} tokens/s "
+                  f"({min(times):.2f} s per clip)", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", choices=["tokenizer", "model", "throughput"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", type=Path, default=VIDEO_TOKENIZER)
+    ap.add_argument("--clips", type=int, default=400, help="tokenizer stage: training clips (16 frames)")
+    ap.add_argument("--eval-clips", type=int, default=None)
+    ap.add_argument("--vq-steps", type=int, default=600, help="tokenizer stage: VQ-VAE steps")
+    ap.add_argument("--report", type=Path, default=TRAINING / "tokenizer_report.json")
+    ap.add_argument("--ckpt", type=Path, default=CKPT, help="model stage: checkpoint folder (resumed from)")
+    ap.add_argument("--log", type=Path, default=TRAINING / "train_log.jsonl")
+    ap.add_argument("--until", type=int, default=None, help="model stage: stop at this step")
+    for name in ("steps", "batch", "frames", "eval_every", "position_gap"):
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--checkpoint-seconds", type=float, default=None)
+    a = ap.parse_args()
+    if a.stage == "throughput":
+        throughput_stage(a)
+    elif a.stage == "tokenizer":
+        a.eval_clips = a.eval_clips or 48
+        tokenizer_stage(a)
+    else:
+        model_stage(a)
+
+
+if __name__ == "__main__":
+    main()

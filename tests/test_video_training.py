@@ -1,0 +1,93 @@
+"""Conditioned video model training: batches are a pure function of (seed, step), the conditioning is dropped to
+the unconditional prompt at the set rate, and a run stopped and resumed from its checkpoint ends with exactly
+the weights of an uninterrupted run (model + optimizer + step + RNG restored)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("skimage")
+pytest.importorskip("sklearn")
+
+from fastcar_compile.demo import condition, scenes  # noqa: E402
+from fastcar_compile.demo.model import BOS, CODES, DemoConfig  # noqa: E402
+from fastcar_compile.demo.tokenizer import PATCH, PatchTokenizer  # noqa: E402
+from fastcar_compile.demo.videomodel import (  # noqa: E402
+    VIDEO_CONFIG,
+    VideoTrainSettings,
+    batch_for_step,
+    train_video_model,
+)
+
+TINY = DemoConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, vocab_size=condition.VOCAB, max_position_embeddings=512,
+                  copy_offsets=(63, 62), copy_layers=(0,))
+
+
+@pytest.fixture(scope="module")
+def tok() -> PatchTokenizer:
+    cb = np.random.default_rng(0).random((CODES, PATCH * PATCH * 3)).astype(np.float32)
+    return PatchTokenizer(cb)
+
+
+def test_layout_ids_are_distinct_and_inside_the_vocabulary() -> None:
+    ids = [condition.label_token(f, v) for f, vs in scenes.LABELS.items() for v in vs]
+    special = [BOS, condition.UNCOND, condition.VIDEO_START_TOKEN]
+    assert len(set(ids + special)) == len(ids) + 3
+    assert min(ids + special) >= CODES and max(ids + special) == condition.VOCAB - 1
+    assert VIDEO_CONFIG.vocab_size == condition.VOCAB
+    assert condition.prompt(None) == [BOS] + [condition.UNCOND] * len(scenes.LABELS) + [
+        condition.VIDEO_START_TOKEN]
+
+
+def test_batches_are_seeded_and_drop_conditioning(tok) -> None:
+    s = VideoTrainSettings(frames=4, batch=4, uncond_prob=0.5, position_gap=100)
+    a, ga = batch_for_step(tok, s, 3)
+    b, gb = batch_for_step(tok, s, 3)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(ga, gb)
+    assert not np.array_equal(a, batch_for_step(tok, s, 4)[0])
+    L = tok.tokens_per_frame
+    assert a.shape == (4, condition.VIDEO_START + 4 * L) and (0 <= ga).all() and (ga <= 100).all()
+    for i in range(4):  # step 3's clips are clip indices 12..15; frames are their tokens; prompt is labels or none
+        clip = scenes.make_scene_clip("train", 12 + i, 4, s.seed)
+        np.testing.assert_array_equal(a[i, condition.VIDEO_START:], tok.encode(clip.frames).reshape(-1))
+        assert list(a[i, :condition.VIDEO_START]) in (condition.prompt(clip.labels), condition.prompt(None))
+    drops = [np.mean([list(r[:condition.VIDEO_START]) == condition.prompt(None)
+                      for r in batch_for_step(tok, VideoTrainSettings(frames=4, batch=4, uncond_prob=p), st)[0]])
+             for p in (0.0, 1.0) for st in range(2)]
+    assert drops == [0.0, 0.0, 1.0, 1.0]
+
+
+def _settings(**kw) -> VideoTrainSettings:
+    return VideoTrainSettings(frames=4, batch=2, steps=4, warmup=2, eval_every=2, eval_clips=2,
+                              position_gap=8, checkpoint_seconds=0.0, config=TINY, **kw)
+
+
+def test_resume_matches_an_uninterrupted_run(tok, tmp_path) -> None:
+    s = _settings()
+    train_video_model(s, tok, tmp_path / "a", tmp_path / "a.jsonl")
+    train_video_model(s, tok, tmp_path / "b", tmp_path / "b.jsonl", until=2)
+    ck = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
+    assert ck["step"] == 2 and {"model", "optimizer", "torch_rng", "settings"} <= set(ck)
+    train_video_model(s, tok, tmp_path / "b", tmp_path / "b.jsonl", export=tmp_path / "b")
+    wa = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["model"]
+    wb = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["model"]
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+    recs = [json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()]
+    starts = [r for r in recs if r.get("event") == "start"]
+    assert [r["step"] for r in starts] == [0, 2] and all(r["torch_threads"] == 1 for r in starts)
+    steps = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3] and all(np.isfinite(r["loss"]) for r in steps)
+    assert [r["step"] for r in recs if "eval_loss" in r] == [1, 3]
+    from safetensors.torch import load_file
+
+    fp16 = load_file(str(tmp_path / "b" / "video.safetensors"))
+    assert all(v.dtype == torch.float16 for v in fp16.values())
+    torch.testing.assert_close(fp16["lm_head.weight"].float(), wb["lm_head.weight"], rtol=1e-3, atol=1e-3)
