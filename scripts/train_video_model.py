@@ -5,7 +5,7 @@
     python scripts/train_video_model.py model --until 300 # stop at step 300 (resume later with a larger one)
     python scripts/train_video_model.py throughput       # tokens/s of frames of 8x8 vs 16x16 tokens
 
-The tokenizer stage writes fastcar_compile/demo/assets/video_tokenizer.npz and training/video_model/
+The tokenizer stage writes training/video_model/video_tokenizer.npz and training/video_model/
 tokenizer_report.json (PSNR and token copy rate of both tokenizers on held-out clips). The model stage appends
 a JSON line per step (loss, tokens/s, threads) and per evaluation (held-out loss and accuracy vs copying) to
 training/video_model/train_log.jsonl, checkpoints model + optimizer + step + RNG to --ckpt every ~10 minutes,
@@ -30,9 +30,11 @@ import numpy as np  # noqa: E402
 from fastcar_compile.atomic import write_text  # noqa: E402
 from fastcar_compile.demo import scenes  # noqa: E402
 from fastcar_compile.demo.metrics import copy_rate, psnr  # noqa: E402
-from fastcar_compile.demo.videomodel import VIDEO_TOKENIZER, VideoTrainSettings, train_video_model  # noqa: E402
+from fastcar_compile.demo.videomodel import VideoTrainSettings, train_video_model  # noqa: E402
 
 TRAINING = Path(__file__).resolve().parents[1] / "training" / "video_model"
+# Next to the training log, not in the package's assets: the package ships it with the model (not yet trained).
+VIDEO_TOKENIZER = TRAINING / "video_tokenizer.npz"
 CKPT = Path("/work/ckpt/video-model")
 
 

@@ -90,13 +90,20 @@ def test_bad_arguments() -> None:
 def test_copy_rate_of_tokenized_clips() -> None:
     """copy_rate against a loop reference, and reported for the shipped video tokenizer on held-out clips:
     the richer motion must leave well under the 1-layer demo clips' hold-still share of tokens."""
-    from fastcar_compile.demo.videomodel import VIDEO_TOKENIZER
+    import importlib.util
+    from pathlib import Path
+
     from fastcar_compile.demo.vqvae import load_frame_tokenizer
+
+    script = Path(__file__).parents[1] / "scripts" / "train_video_model.py"
+    spec = importlib.util.spec_from_file_location("train_video_model", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
 
     codes = np.random.default_rng(0).integers(0, 3, size=(2, 5, 7))
     ref = np.mean([codes[c, t, i] == codes[c, t - 1, i] for c in range(2) for t in range(1, 5) for i in range(7)])
     assert copy_rate(codes) == pytest.approx(ref)
-    tok = load_frame_tokenizer(VIDEO_TOKENIZER)
+    tok = load_frame_tokenizer(mod.VIDEO_TOKENIZER)
     clips = scenes.make_scene_clips("eval", 8, frames=16)
     rate = copy_rate(tok.encode(np.stack([c.frames for c in clips])))
     print(f"copy rate of tokenized held-out scene clips: {rate:.3f}")

@@ -26,10 +26,8 @@ import numpy as np
 
 from fastcar_compile.atomic import atomic_path
 from fastcar_compile.demo import condition, scenes
-from fastcar_compile.demo.export import ASSETS
 from fastcar_compile.demo.model import DemoConfig, build_model
 
-VIDEO_TOKENIZER = ASSETS / "video_tokenizer.npz"
 # 6 layers, hidden 256, MLP 8x wide (FastCar skips MLPs: their share of a decode step bounds its speed-up);
 # copy-head init in layer 0 only (as the long demo model). 11.3 M parameters, 22.7 MB as fp16.
 VIDEO_CONFIG = DemoConfig(hidden_size=256, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8,
