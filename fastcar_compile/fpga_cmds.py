@@ -36,10 +36,12 @@ def _sim_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", metavar="DENSE.fcb",
                    help="the same model compiled with --dense: simulated on the same steps and contexts, "
                         "to print 'x dense' speed-ups")
-    p.add_argument("--kv-window", type=int, default=0,
+    p.add_argument("--kv-window", type=int,
                    help="bounded KV cache: attention reads the last W tokens plus --kv-sinks (local attention, "
-                        "StreamingLLM); the --baseline keeps full attention")
-    p.add_argument("--kv-sinks", type=int, default=0, help="first tokens always read with --kv-window/--kv-budget")
+                        "StreamingLLM); the --baseline keeps full attention. Default: the compressed KV cache the "
+                        "compiled model records (fastcar.kv_compress); any --kv-* flag overrides it for every "
+                        "layer, and says so")
+    p.add_argument("--kv-sinks", type=int, help="first tokens always read with --kv-window/--kv-budget")
     p.add_argument("--kv-budget", type=int, help="bounded KV cache of C slots per KV head (reads min(context, C))")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
@@ -49,14 +51,21 @@ def sim_main(argv: list[str]) -> int:
     args = _sim_parser().parse_args(argv)
     import numpy as np
 
-    from fastcar_compile.fpga_backend import encode, masks
+    from fastcar_compile.fpga_backend import encode, isa, masks
     from fastcar_compile.fpga_backend.hwspec import load_board
     from fastcar_compile.fpga_backend.simulate import Simulator, plot_timeline
+    from fastcar_compile.limits import INT64_MAX, check_int
 
-    if args.batch is not None and not 1 <= args.batch <= 32:
-        raise FastCarError(f"--batch must be in 1..32 (rows of the Index Register), got {args.batch}")
-    if args.context is not None and not 1 <= args.context <= 2**32 - 1:
-        raise FastCarError(f"--context must be in 1..{2**32 - 1} (KV length of a synthetic step), got {args.context}")
+    if args.batch is not None:
+        check_int("--batch", args.batch, 1, isa.MAX_ROWS, "rows of the Index Register")
+    if args.context is not None:
+        check_int("--context", args.context, 1, isa.MAX_CONTEXT, "KV length of a synthetic step")
+    check_int("--seed", args.seed, 0, INT64_MAX)
+    check_int("--timeline-layers", args.timeline_layers, 0, isa.MAX_LAYERS, "0 draws every layer")
+    for flag, value in (("--kv-window", args.kv_window), ("--kv-sinks", args.kv_sinks),
+                        ("--kv-budget", args.kv_budget)):
+        if value is not None:
+            check_int(flag, value, 0, isa.MAX_CONTEXT, "KV slots; the attention instructions' length is 32-bit")
     if args.timeline:
         from fastcar_compile.fileio import check_output_path, check_outputs
 
@@ -77,13 +86,11 @@ def sim_main(argv: list[str]) -> int:
     video_start = int(program.meta["model"].get("video_start", 0))
     if args.replay_trace:
         replay, ctx, batch = masks.load_trace(args.replay_trace, layers)
-        from fastcar_compile.fileio import read_json
-
-        used = read_json(args.replay_trace, "replay trace").get("video_start")
-        if used is not None and int(used) != video_start:
+        used = masks.trace_video_start(args.replay_trace)
+        if used is not None and used != video_start:
             print(f"note: the trace's run used video_start {used} but the program was compiled for {video_start}; "
                   f"recompile with --video-start {used} so the bundle records it", file=sys.stderr)
-            video_start = int(used)
+            video_start = used
         if args.batch is not None and args.batch != batch:
             raise FastCarError(f"--batch {args.batch} disagrees with the trace's batch {batch}")
         source = f"trace {args.replay_trace} ({replay.shape[0]} steps)"
@@ -100,13 +107,20 @@ def sim_main(argv: list[str]) -> int:
                                  replayable=frozenset(sim.replayable_layers))
         ctx = int(program.meta["context"]) if args.context is None else args.context
         source = f"synthetic {args.mask} masks, ratio {ratio:g}, {args.steps} steps, context {ctx}"
-    kv_len = None
-    if args.kv_window or args.kv_budget is not None or args.kv_sinks:
-        from fastcar_compile.fpga_backend.kvbound import KVBound, kv_lengths
+    from fastcar_compile.fpga_backend.kvbound import KVBound, describe, kv_lengths, recorded_bounds
 
-        bound = KVBound(budget=args.kv_budget, sinks=args.kv_sinks, window=args.kv_window)
-        kv_len = kv_lengths(np.broadcast_to(np.asarray(ctx, np.int64), (replay.shape[0],)), layers, bound)
-        source += f", KV bounded to {bound.capacity} slots (sinks {bound.sinks}, window {bound.window})"
+    bounds = recorded_bounds(program.meta, layers)
+    if any(v is not None for v in (args.kv_window, args.kv_budget, args.kv_sinks)):
+        bound = KVBound(budget=args.kv_budget, sinks=args.kv_sinks or 0, window=args.kv_window or 0)
+        was = f"compressed: {describe(bounds)}" if bounds else "dense"
+        print(f"note: --kv-* override the KV cache the model records ({was}): every layer reads at most "
+              f"{bound.capacity} slots (sinks "
+              f"{bound.sinks}, window {bound.window})", file=sys.stderr)
+        bounds = dict.fromkeys(range(layers), bound)
+    kv_len = None
+    if bounds:
+        kv_len = kv_lengths(np.broadcast_to(np.asarray(ctx, np.int64), (replay.shape[0],)), layers, per_layer=bounds)
+        source += f", KV bounded to {describe(bounds)}"
     policies = ["static", "drs"] if args.policy == "both" else [args.policy]
     step = representative_step(replay[:, sorted(sim.replayable_layers), :batch]) if args.timeline_step is None \
         else args.timeline_step

@@ -23,7 +23,7 @@ from fastcar_compile.errors import FastCarError
 
 from . import isa
 from .encode import VERSION, Program, validate_bundles
-from .hwspec import board_from_dict
+from .hwspec import BoardConfig, board_from_dict
 
 _BUF_FIELDS = ("dst", "src")
 _HEX_FIELDS = ("arg",)
@@ -75,6 +75,8 @@ def disassemble(program: Program) -> str:
 
 def _parse_int(text: str, what: str, lineno: int) -> int:
     try:
+        if not text.isascii():  # int() also reads other scripts' digits ('٣' == 3)
+            raise ValueError(text)
         return int(text, 0)
     except ValueError:
         raise FastCarError(f"line {lineno}: {what} {text!r} is not an integer") from None
@@ -132,6 +134,7 @@ def assemble(lines: str | Iterable[str]) -> Program:
     if isinstance(lines, str):
         lines = lines.splitlines()
     meta: dict | None = None
+    board: BoardConfig | None = None
     cores: int | None = None
     bundles: list[np.ndarray] = []
     current: np.ndarray | None = None
@@ -154,7 +157,8 @@ def assemble(lines: str | Iterable[str]) -> Program:
                 raise FastCarError(f"line {lineno}: .meta is not valid JSON: {exc}") from None
             if not isinstance(meta, dict) or not isinstance(meta.get("board"), dict):
                 raise FastCarError(f"line {lineno}: .meta must be a JSON object with a 'board' entry")
-            cores = int(meta["board"].get("cores", 0))
+            board = board_from_dict(meta.pop("board"))  # the checks the decoder applies (cores 1..32, ...)
+            cores = board.cores
             continue
         if line == "bundle":
             if cores is None:
@@ -177,9 +181,8 @@ def assemble(lines: str | Iterable[str]) -> Program:
         if current[slot].tobytes().strip(b"\0"):
             raise FastCarError(f"line {lineno}: slot {slot_name} given twice in one bundle")
         current[slot] = _parse_instr(tokens[1:], lineno, limits)
-    if meta is None or cores is None:
+    if meta is None or cores is None or board is None:
         raise FastCarError("assembly lacks the .meta line with the board description")
-    board = board_from_dict(meta.pop("board"))
     arr = np.stack(bundles) if bundles else np.zeros((0, cores + 1), dtype=isa.INSTR_DTYPE)
     validate_bundles(arr)
     return Program(board=board, bundles=arr, meta=meta)

@@ -64,14 +64,17 @@ class FpgaCompileReport:
 
 def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfig, batch: int = 1,
                   context: int | None = None, *, num_heads: int | None = None, strict: bool = True,
-                  weights: str = "broadcast", dense: bool = False, video_start: int | None = None) -> Program:
+                  weights: str = "broadcast", dense: bool = False, video_start: int | None = None,
+                  frame_tokens: int | None = None) -> Program:
     """partition -> schedule -> DRS thresholds (for the ``weights`` stream mode).
 
     dense: no FastCar instructions at all (no TAS, no replay exchange, nothing skippable): the baseline
-    that "x dense" figures divide by. video_start: KV index of the first video token the runtime used
-    (run.json's video_start), encoded in the TAS/exchange instructions and recorded in the metadata."""
-    if weights not in ("broadcast", "per_core"):
-        raise FastCarError(f"weights {weights!r} must be 'broadcast' or 'per_core'")
+    that "x dense" figures divide by (a plain export, without fastcar.* metadata, always compiles dense).
+    video_start: KV index of the first video token the runtime used (run.json's video_start), encoded in the
+    TAS/exchange instructions and recorded in the metadata. frame_tokens: tokens per frame of a plain export
+    (a compiled model records its own; a different value is refused), used for the default context."""
+    if weights not in isa.WEIGHT_STREAMS:
+        raise FastCarError(f"weights {weights!r} must be one of {isa.WEIGHT_STREAMS}")
     from fastcar_compile.limits import UINT32_MAX, check_int
 
     check_int("--batch", batch, 1, isa.MAX_ROWS, "rows of the Index Register")
@@ -83,10 +86,19 @@ def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardC
     if video_start is not None:
         check_int("--video-start", video_start, 0, UINT32_MAX, "KV index; the TAS instruction's off_k is 32-bit")
         overrides["video_start"] = int(video_start)
-    part = partition(model, board, num_heads=num_heads, strict=strict, overrides=overrides)
-    if dense:
-        part.notes = [n for n in part.notes if "treated as replayable" not in n]
+    if frame_tokens is not None:
+        check_int("--frame-tokens", frame_tokens, 1, UINT32_MAX, "tokens per video frame")
+    part = partition(model, board, num_heads=num_heads, strict=strict, overrides=overrides,
+                     frame_tokens=frame_tokens)
+    if dense and part.spec.frame_tokens is not None:
         part.notes.append("dense baseline: no TAS, no replay exchange, every MLP computed")
+    if part.kv:
+        from .kvbound import describe
+
+        part.notes.append(f"compressed KV cache of the model: {describe(part.kv)}; `sim` reads it (--kv-* override)")
+    if context is None and part.spec.frame_tokens is None:
+        raise FastCarError("the model records no tokens per frame (a plain export): pass --context N (the KV "
+                           "length the attention tiles are sized for) or --frame-tokens L (context 2 x L)")
     ctx = context if context is not None else 2 * part.spec.frame_tokens
     check_int("--context", ctx, 1, UINT32_MAX, "KV length; the ISA's m field is 32-bit")
     return fill_thresholds(emit_program(part, batch, ctx), weights)
@@ -113,7 +125,7 @@ def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Pat
                        board_file: str | Path | None = None, batch: int = 1, context: int | None = None, *,
                        num_heads: int | None = None, strict: bool = True,
                        weights: str = "broadcast", dense: bool = False,
-                       video_start: int | None = None) -> FpgaCompileReport:
+                       video_start: int | None = None, frame_tokens: int | None = None) -> FpgaCompileReport:
     """Compile a fast.onnx (or plain decoder, or ModelSpec) to a `.fcb` bundle file for ``board``.
 
     ``context`` is the KV length the attention instructions are encoded with (the simulator substitutes the
@@ -128,7 +140,7 @@ def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Pat
         check_outputs({output_path: "-o"}, {**reads, board_file: "--board-file"})
     cfg = load_board(board, board_file)
     program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict, weights=weights,
-                            dense=dense, video_start=video_start)
+                            dense=dense, video_start=video_start, frame_tokens=frame_tokens)
     from .verify import check_program
 
     check_program(program)

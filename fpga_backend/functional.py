@@ -96,8 +96,9 @@ class FunctionalSim:
         self.max_context = max_context
         self.kc = np.zeros((s.layers, b, max_context, s.kv_dim))
         self.vc = np.zeros((s.layers, b, max_context, s.kv_dim))
-        self.cache = np.zeros((s.layers, b, s.frame_tokens, s.hidden))
-        self.age = -np.ones((s.layers, b, s.frame_tokens), np.int64)
+        frame = s.frame_tokens or 1  # a dense program has no replay cache to address
+        self.cache = np.zeros((s.layers, b, frame, s.hidden))
+        self.age = -np.ones((s.layers, b, frame), np.int64)
 
     def step(self, x: np.ndarray, pos: int) -> dict[str, Any]:
         """Run the program for the token at KV index ``pos`` with input embeddings x (batch, hidden)."""
@@ -152,9 +153,10 @@ class FunctionalSim:
                         buf[dst][r, :m] = x[r, :m]
                     elif op == isa.Op.VEC:
                         v = buf[src][r]
-                        if sub == isa.Vec.RMSNORM:
-                            vv = v[:m]
-                            buf[dst][r, :m] = vv / np.sqrt(np.mean(vv * vv) + s.rms_eps) * self.w[ten]
+                        if sub == isa.Vec.RMSNORM:  # n groups of m / n (per-head q/k norm), one scale
+                            vv = v[:m].reshape(n, m // n)
+                            norm = np.sqrt(np.mean(vv * vv, axis=1, keepdims=True) + s.rms_eps)
+                            buf[dst][r, :m] = (vv / norm * self.w[ten]).reshape(-1)
                         elif sub == isa.Vec.ROPE:
                             buf[dst][r, :m] = rope(v[:m], n, pos, s.rope_theta)
                         elif sub == isa.Vec.SOFTMAX:

@@ -23,6 +23,8 @@ from typing import Any
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import read_json
 
+from .isa import MAX_ROWS
+
 KIB = 1024
 MAX_FIGURE = 2**31 - 1  # largest value any board figure may take
 
@@ -143,6 +145,9 @@ def _load_presets() -> dict[str, BoardConfig]:
 PRESETS: dict[str, BoardConfig] = _load_presets()
 
 
+INTEGER_FIELDS = ("cores", "array_rows", "array_cols", "weight_buffer_kib", "dtype_bytes", "issue_latency")
+
+
 def _validated(cfg: BoardConfig) -> BoardConfig:
     problems = []
     for f in dataclasses.fields(cfg):
@@ -156,18 +161,19 @@ def _validated(cfg: BoardConfig) -> BoardConfig:
     if not isinstance(cfg.name, str) or not isinstance(cfg.double_buffering, bool):
         problems.append("name must be a string and double_buffering true/false")
     if not problems:
-        if cfg.cores > 32:
-            problems.append("cores must be <= 32 (Mapping Registers address at most 32 rows)")
+        if cfg.cores > MAX_ROWS:
+            problems.append(f"cores must be <= {MAX_ROWS} (Mapping Registers address at most {MAX_ROWS} rows)")
         if not 0 < cfg.dram_efficiency <= 1:
             problems.append("dram_efficiency must be in (0, 1]")
-        for f in ("cores", "array_rows", "array_cols", "weight_buffer_kib", "dtype_bytes", "issue_latency"):
+        for f in INTEGER_FIELDS:
             if int(getattr(cfg, f)) != getattr(cfg, f):
                 problems.append(f"{f} must be an integer")
         if cfg.weight_tile_bytes < cfg.array_rows * cfg.array_cols * cfg.dtype_bytes:
             problems.append("weight_buffer_kib too small to hold one array-sized tile")
     if problems:
-        raise FastCarError(f"board {cfg.name!r}: " + "; ".join(problems))
-    return cfg
+        raise FastCarError(f"board {str(cfg.name)[:40]!r}: " + "; ".join(problems))
+    # whole numbers written as 4.0 in a JSON file become ints: they size arrays and pack into the header
+    return dataclasses.replace(cfg, **{f: int(getattr(cfg, f)) for f in INTEGER_FIELDS})
 
 
 def load_board(board: str | BoardConfig = "kv260", board_file: str | Path | None = None) -> BoardConfig:

@@ -14,7 +14,7 @@ offset  type     field
 5       u8       reserved, must be 0
 6       u16      layer (``NO_LAYER`` outside the decoder layers: final norm, LM head)
 8       u16      tensor: weight id (GEMM/RMSNORM), second source buffer (ADD, SILU_MUL)
-10      u16      n: columns per row (query heads per KV head for attention, heads for ROPE/SOFTMAX, else 1)
+10      u16      n: columns per row (query heads per KV head for attention, heads for ROPE/SOFTMAX/RMSNORM, else 1)
 12      u32      m: output extent (GEMM rows of W^T / context for attention; elements for VEC/LOAD/STORE)
 16      u32      k: reduction extent (GEMM), frame tokens L (TAS)
 20      u32      off_m: offset of the tile along m; TAS: threshold tau as float32 bits
@@ -68,6 +68,12 @@ INSTR_DTYPE = np.dtype(
 assert INSTR_DTYPE.itemsize == INSTR_BYTES
 
 FIELDS: tuple[str, ...] = tuple(INSTR_DTYPE.names or ())
+MAX_CONTEXT = int(np.iinfo(INSTR_DTYPE["m"]).max)  # KV length of the attention instructions (u32 m field)
+MAX_FRAME_TOKENS = int(np.iinfo(INSTR_DTYPE["k"]).max)  # L in the TAS / XCHG instructions' k field
+MAX_VIDEO_START = int(np.iinfo(INSTR_DTYPE["off_k"]).max)  # video_start in their off_k field
+MAX_LAYERS = NO_LAYER - 1  # the layer field is u16 and NO_LAYER means "no layer"
+# Weight stream modes of the bundle metadata's drs_weights (one broadcast stream, or one per core).
+WEIGHT_STREAMS = ("broadcast", "per_core")
 # Fields an assembler line may set (reserved is never written by the tools).
 TEXT_FIELDS: tuple[str, ...] = tuple(f for f in FIELDS if f not in ("opcode", "flags", "sub", "reserved"))
 
@@ -99,7 +105,7 @@ class Space(enum.IntEnum):
 
 
 class Vec(enum.IntEnum):
-    RMSNORM = 0  # dst = src / rms(src) * W[tensor]
+    RMSNORM = 0  # dst = src / rms(src) * W[tensor], over n groups of m / n (n <= 1: one group; per-head q/k norm)
     ROPE = 1  # rotary embedding at the current position, n heads of m / n
     SOFTMAX = 2  # over the context, n heads (SFU)
     SILU_MUL = 3  # dst = silu(src) * buf[tensor] (SFU)

@@ -13,6 +13,8 @@ import numpy as np
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import read_json
 
+from .isa import MAX_CONTEXT, MAX_ROWS
+
 MASK_KINDS = ("random", "clustered")
 
 
@@ -54,33 +56,50 @@ def nested(ratios: list[float], batch: int, layers: int, steps: int, seed: int =
     return [u < r for r in ratios]
 
 
+def _trace_int(value: object, lo: int, hi: int, what: str, path: Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise FastCarError(f"replay trace {path}: {what} must be an integer in {lo}..{hi}, got {str(value)[:40]}")
+    return value
+
+
 def load_trace(path: str | Path, num_layers: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Read run.json (docs/DESIGN.md): returns (replay[step, layer, row], context[step], batch)."""
+    """Read run.json (docs/DESIGN.md): returns (replay[step, layer, row], context[step], batch).
+
+    Every value is checked (the file may come from anywhere): layers are indices of the program, batch fits
+    the Index Register, positions fit the ISA's 32-bit context, replay entries are 0/1."""
     path = Path(path)
     data = read_json(path, "replay trace")
-    try:
-        layers = [int(x) for x in data["layers"]]
-        batch = int(data["batch"])
-        steps = data["steps"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FastCarError(f"replay trace {path} lacks 'layers', 'batch' or 'steps' ({exc})") from None
-    bad = [x for x in layers if not 0 <= x < num_layers]
-    if bad:
-        raise FastCarError(f"replay trace {path} names layers {bad} but the program has {num_layers} layers")
+    if not isinstance(data, dict) or not all(k in data for k in ("layers", "batch", "steps")):
+        raise FastCarError(f"replay trace {path} lacks 'layers', 'batch' or 'steps' (a run.json written with "
+                           "trace=)")
+    if not isinstance(data["layers"], list) or not isinstance(data["steps"], list):
+        raise FastCarError(f"replay trace {path}: 'layers' and 'steps' must be lists")
+    layers = [_trace_int(x, 0, num_layers - 1, f"layer (the program has {num_layers})", path)
+              for x in data["layers"]]
+    if len(set(layers)) != len(layers):
+        raise FastCarError(f"replay trace {path} names a layer twice: {layers}")
+    batch = _trace_int(data["batch"], 1, MAX_ROWS, "batch (rows of the Index Register)", path)
+    steps = data["steps"]
     if not steps:
         raise FastCarError(f"replay trace {path} has no steps")
     replay = np.zeros((len(steps), num_layers, batch), bool)
     ctx = np.zeros(len(steps), np.int64)
     for i, st in enumerate(steps):
-        try:
-            ctx[i] = int(st["pos"]) + 1
-            rows = np.asarray(st["replay"], dtype=np.int64)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FastCarError(f"replay trace {path}: step {i} malformed ({exc})") from None
-        if rows.shape != (len(layers), batch):
-            raise FastCarError(
-                f"replay trace {path}: step {i} replay has shape {rows.shape}, expected "
-                f"(layers {len(layers)}, batch {batch})"
-            )
-        replay[i, layers, :] = rows.astype(bool)
+        if not isinstance(st, dict) or "pos" not in st or "replay" not in st:
+            raise FastCarError(f"replay trace {path}: step {i} must be an object with 'pos' and 'replay'")
+        ctx[i] = _trace_int(st["pos"], 0, MAX_CONTEXT - 1, f"step {i} pos", path) + 1
+        rows = st["replay"]
+        if not isinstance(rows, list) or len(rows) != len(layers) or any(
+                not isinstance(r, list) or len(r) != batch for r in rows):
+            raise FastCarError(f"replay trace {path}: step {i} replay must be [layers {len(layers)}][batch {batch}]")
+        if any(v not in (0, 1) or isinstance(v, float) for r in rows for v in r):
+            raise FastCarError(f"replay trace {path}: step {i} replay entries must be 0 or 1")
+        replay[i, layers, :] = np.asarray(rows, dtype=bool).reshape(len(layers), batch)
     return replay, ctx, batch
+
+
+def trace_video_start(path: str | Path) -> int | None:
+    """The video_start a trace's run used (None when the trace does not say)."""
+    data = read_json(path, "replay trace")
+    value = data.get("video_start") if isinstance(data, dict) else None
+    return None if value is None else _trace_int(value, 0, MAX_CONTEXT, "video_start", Path(path))

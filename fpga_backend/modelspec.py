@@ -20,6 +20,8 @@ from onnx import numpy_helper
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
 
+from . import isa
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -33,20 +35,38 @@ class ModelSpec:
     head_dim: int
     vocab: int
     dtype_bytes: int = 2
-    frame_tokens: int = 256
+    frame_tokens: int | None = None  # L; needed by FastCar layers (TAS, replay cache), None for a dense program
     replay_layers: tuple[int, ...] | None = None  # None: every layer; () : dense model
     threshold: float = -4.0
     video_start: int = 0
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
     tas_query: str = contract.TAS_ROPE  # rope: TAS uses q after RoPE (DESIGN default); raw: before (released code)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3), weights [head_dim]
 
     def __post_init__(self) -> None:
-        for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes",
-                  "frame_tokens"):
+        for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise FastCarError(f"model spec: {f}={v!r} must be a positive integer")
+        ft = self.frame_tokens
+        if ft is not None and (isinstance(ft, bool) or not isinstance(ft, int) or not 1 <= ft <= isa.MAX_FRAME_TOKENS):
+            raise FastCarError(f"model spec: frame_tokens={ft!r} must be a positive integer (tokens per frame)")
+        if ft is None and self.replay_layers != ():
+            raise FastCarError("model spec: FastCar layers need frame_tokens (tokens per video frame, "
+                               "--frame-tokens); a dense program (replay_layers=()) does not")
+        vs = self.video_start
+        if isinstance(vs, bool) or not isinstance(vs, int) or not 0 <= vs <= isa.MAX_VIDEO_START:
+            raise FastCarError(f"model spec: video_start={vs!r} must be an integer in 0..{isa.MAX_VIDEO_START}")
+        for f in ("threshold", "rms_eps", "rope_theta"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
+                raise FastCarError(f"model spec: {f}={v!r} must be a number")
+        if not 0 < self.rms_eps < 1 or not 1 < self.rope_theta < float("inf"):
+            raise FastCarError(f"model spec: rms_eps {self.rms_eps} must be in (0, 1) and rope_theta "
+                               f"{self.rope_theta} a finite number > 1")
+        if not isinstance(self.qk_norm, bool):
+            raise FastCarError(f"model spec: qk_norm={self.qk_norm!r} must be true or false")
         if self.heads % self.kv_heads:
             raise FastCarError(f"model spec: heads {self.heads} not a multiple of kv_heads {self.kv_heads}")
         if self.tas_query not in contract.TAS_QUERIES:
@@ -210,6 +230,98 @@ def _reshape_heads(model: onnx.ModelProto, q_dim: int, kv_dim: int) -> tuple[int
     return None
 
 
+NORM_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def _float_consts(model: onnx.ModelProto) -> dict[str, float]:
+    """Scalar (or one-element) float constants by name: initializers and Constant nodes."""
+    out: dict[str, float] = {}
+    tensors = [(t.name, t) for t in _initializers(model.graph, {}).values()]
+    tensors += [(n.output[0], a.t) for n in iter_nodes(model.graph) if n.op_type == "Constant" and n.output
+                for a in n.attribute if a.name == "value"]
+    for name, t in tensors:
+        if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE) and \
+                int(np.prod(t.dims)) == 1:
+            out[name] = float(numpy_helper.to_array(t).reshape(-1)[0])
+    return out
+
+
+def _shortest(v: float) -> float:
+    """A float32 value as the decimal it was written as (9.99999997e-07 -> 1e-06)."""
+    return float(str(np.float32(v)))
+
+
+def rms_eps_values(model: onnx.ModelProto) -> Counter[float]:
+    """The epsilon of every RMSNorm of the graph: the attribute of the fused norm ops, or the constant added to
+    the mean of squares (ReduceMean -> Add eps -> Sqrt) of an unfused one."""
+    found: Counter[float] = Counter()
+    producer = {o: n for n in iter_nodes(model.graph) for o in n.output}
+    consts = _float_consts(model)
+    for node in iter_nodes(model.graph):
+        if node.op_type in NORM_OPS:
+            eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)  # the ops' documented default
+            found[_shortest(eps)] += 1
+        elif node.op_type == "Add" and len(node.input) == 2:
+            a, b = node.input
+            for mean, const in ((a, b), (b, a)):
+                src = producer.get(mean)
+                if src is not None and src.op_type == "ReduceMean" and const in consts:
+                    found[_shortest(consts[const])] += 1
+    return found
+
+
+def rope_theta_from_graph(model: onnx.ModelProto, head_dim: int) -> float | None:
+    """RoPE base from the inverse-frequency table [head_dim / 2] (inv[i] = theta^(-2i/d)) or from a cos cache
+    [positions, head_dim / 2] (cos[p, i] = cos(p * inv[i])); None when neither is in the graph."""
+    for t in _initializers(model.graph, {}).values():
+        if t.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16) or \
+                list(t.dims)[-1:] != [head_dim // 2] or head_dim < 4:
+            continue
+        v = numpy_helper.to_array(t).astype(np.float64)
+        if v.ndim == 1 and abs(v[0] - 1.0) < 1e-6 and (np.diff(v) < 0).all() and (v > 0).all():
+            return float(f"{v[1] ** (-head_dim / 2):.6g}")
+        if v.ndim == 2 and v.shape[0] > 1 and np.allclose(v[0], 1.0) and "cos" in t.name.lower() and \
+                -1 < v[1, 1] < 1:
+            return float(f"{np.arccos(v[1, 1]) ** (-head_dim / 2):.6g}")
+    return None
+
+
+def qk_norm_weights(model: onnx.ModelProto, head_dim: int, hidden: int) -> list[str]:
+    """Names of the per-head q/k norm scales ([head_dim] initializers multiplied in by a norm), in graph
+    order (per layer q then k, as transformers computes them)."""
+    if head_dim == hidden:
+        return []
+    inits = {t.name for t in _initializers(model.graph, {}).values() if list(t.dims) == [head_dim]}
+    names: dict[str, None] = {}  # ordered set
+    for node in iter_nodes(model.graph):
+        if node.op_type in ("Mul", *NORM_OPS):
+            names.update((i, None) for i in node.input if i in inits)
+    return list(names)
+
+
+def kv_bounds(model: onnx.ModelProto) -> tuple[dict[int, Any], list[str]]:
+    """Layer -> KVBound of the compressed KV cache the compiled model records (fastcar.kv_compress), and notes
+    on the settings the accelerator's cost model does not price (it prices the slots read: min(context,
+    budget)); ({}, []) for a dense KV cache."""
+    from .kvbound import from_settings
+
+    meta = contract.FastCarMetadata.from_props(_meta(model))
+    if meta is None:
+        return {}, []
+    out, notes = {}, []
+    unpriced = {"tempcache_sim": "TempCache merging", "lsh_bits": "AnnSA (LSH)", "int8_dirs": "AnnSA (int8)",
+                "prune_prompt": "prompt pruning"}
+    seen: set[str] = set()
+    for layer, settings in sorted(meta.kv_layer_settings().items()):
+        bound = from_settings(settings)
+        if bound is not None:
+            out[layer] = bound
+        seen |= {what for key, what in unpriced.items() if settings.get(key) is not None}
+    if seen:
+        notes.append(f"KV cache: {', '.join(sorted(seen))} not priced; attention reads min(context, budget) slots")
+    return out, notes
+
+
 def spec_from_onnx(path: str | Path, *, num_heads: int | None = None, num_kv_heads: int | None = None,
                    dtype_bytes: int = 2, frame_tokens: int | None = None) -> tuple[ModelSpec, list[str]]:
     """Read model dims from a fast.onnx (metadata) or a plain decoder (shapes). Returns (spec, notes)."""
@@ -265,20 +377,42 @@ def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num
     vocab = max(vocab_cands) if vocab_cands else max(emb, default=0)
     if not vocab:
         raise FastCarError("cannot find the vocabulary size (no LM head [hidden, vocab] or embedding weight)")
-    ft = frame_tokens or (meta.frame_tokens if meta is not None else 0) or 256
-    replay_layers: tuple[int, ...] | None = None
+    replay_layers: tuple[int, ...] | None = ()
     threshold, tas_query = -4.0, contract.TAS_ROPE
     if meta is None:
-        notes.append("plain decoder (no fastcar.* metadata): every layer's MLP treated as replayable")
+        ft = frame_tokens
+        notes.append("plain decoder (no fastcar.* metadata): dense program (no TAS, no replay); compile it to "
+                     "fast.onnx first for FastCar instructions")
     else:
+        if frame_tokens is not None and frame_tokens != meta.frame_tokens:
+            raise FastCarError(f"--frame-tokens {frame_tokens} disagrees with the model, compiled with frame_tokens "
+                               f"{meta.frame_tokens}; drop --frame-tokens or recompile the model")
+        ft = meta.frame_tokens
         replay_layers, threshold, tas_query = tuple(meta.layers), meta.first_threshold, meta.tas_query
         if isinstance(meta.threshold, list):
             notes.append("per-layer thresholds: the TAS unit uses the first one (one tau register)")
         if meta.max_replay:
             notes.append(f"max_replay {meta.max_replay} (drift guard) is not modelled: the TAS unit only "
                          "checks that the cache slot was written")
+    details: dict[str, Any] = {}
+    eps = rms_eps_values(model)
+    if eps:
+        details["rms_eps"] = eps.most_common(1)[0][0]
+        if len(eps) > 1:
+            notes.append(f"RMSNorm epsilons differ ({sorted(eps)}): the vector unit uses {details['rms_eps']:g}")
+    else:
+        notes.append("no RMSNorm epsilon found in the graph: functional mode uses 1e-05")
+    theta = rope_theta_from_graph(model, head_dim)
+    if theta is not None:
+        details["rope_theta"] = theta
+    else:
+        notes.append("no RoPE frequency table found in the graph: functional mode uses theta 10000")
+    qk = qk_norm_weights(model, head_dim, hidden)
+    if len(qk) == 2 * layers:
+        details["qk_norm"] = True
+        notes.append("q/k norm: per-head RMSNorm of q and k (2 VEC RMSNORM instructions per layer)")
     spec = ModelSpec(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
                      head_dim=head_dim, vocab=vocab, dtype_bytes=dtype_bytes, frame_tokens=ft,
                      replay_layers=replay_layers, threshold=threshold,
-                     tas_query=tas_query)
+                     tas_query=tas_query, **details)
     return spec, notes

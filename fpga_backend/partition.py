@@ -30,12 +30,15 @@ from fastcar_compile.passes.graph_utils import LAYOUT_OPS
 
 from . import isa
 from .hwspec import BoardConfig
+from .kvbound import KVBound
 from .modelspec import (
     ModelSpec,
     column_source,
     iter_nodes,
+    kv_bounds,
     load_onnx_shapes_only,
     matmul_weights,
+    qk_norm_weights,
     spec_from_model,
 )
 
@@ -95,6 +98,7 @@ class Partition:
     unsupported: list[str]
     notes: list[str]
     op_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    kv: dict[int, KVBound] = dataclasses.field(default_factory=dict)  # bounded KV layers of the compiled model
 
     def tasks(self, g: nx.DiGraph) -> list[Task]:
         return [g.nodes[n]["task"] for n in g.graph["order"]]
@@ -135,6 +139,11 @@ def _layer_tasks(spec: ModelSpec, layer: int, wid: dict[str, int], board: BoardC
         gemm("q_proj", B["q"], B["xn"], qd, h),
         gemm("k_proj", B["k"], B["xn"], kvd, h),
         gemm("v_proj", B["v"], B["xn"], kvd, h),
+        # per-head RMSNorm of q and k (Qwen3): n groups of head_dim, one [head_dim] scale
+        *([Task("q_norm", "vector", isa.Op.VEC, isa.Vec.RMSNORM, B["q"], B["q"], weight=wid["q_norm"], m=qd,
+                n=spec.heads),
+           Task("k_norm", "vector", isa.Op.VEC, isa.Vec.RMSNORM, B["k"], B["k"], weight=wid["k_norm"], m=kvd,
+                n=spec.kv_heads)] if spec.qk_norm else []),
         # tas_query "raw": TAS reads q before RoPE (K[p - L] is already in the cache from an earlier step)
         *([tas] if replay and spec.tas_query == "raw" else []),
         Task("rope_q", "vector", isa.Op.VEC, isa.Vec.ROPE, B["q"], B["q"], m=qd, n=spec.heads),
@@ -209,6 +218,8 @@ def partition_spec(spec: ModelSpec, board: BoardConfig, sources: dict[str, str] 
             "q_proj": add("q_proj", layer, [h, spec.q_dim]),
             "k_proj": add("k_proj", layer, [h, spec.kv_dim]),
             "v_proj": add("v_proj", layer, [h, spec.kv_dim]),
+            **({"q_norm": add("q_norm", layer, [spec.head_dim]), "k_norm": add("k_norm", layer, [spec.head_dim])}
+               if spec.qk_norm else {}),
             "o_proj": add("o_proj", layer, [spec.q_dim, h]),
             "mlp_norm": add("mlp_norm", layer, [h]),
             "gate_proj": add("gate_proj", layer, [h, i]),
@@ -296,6 +307,10 @@ def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
         act = {"Sigmoid", "Silu"}
         if g and u and not consumers.get(out_of[g], set()) & act and consumers.get(out_of[u], set()) & act:
             sources[f"L{layer}.gate_proj"], sources[f"L{layer}.up_proj"] = u, g
+    if spec.qk_norm:
+        qk = qk_norm_weights(proto, spec.head_dim, h)
+        for layer in range(spec.layers):
+            sources[f"L{layer}.q_norm"], sources[f"L{layer}.k_norm"] = qk[2 * layer : 2 * layer + 2]
     inits = {}
     for t in proto.graph.initializer:
         if list(t.dims) == [h]:
@@ -354,9 +369,16 @@ def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfi
     spec, notes = spec_from_model(proto, num_heads=num_heads, dtype_bytes=board.dtype_bytes,
                                   frame_tokens=frame_tokens)
     spec = dataclasses.replace(spec, **(overrides or {}))
+    qk = qk_norm_weights(proto, spec.head_dim, spec.hidden)
+    if qk and not spec.qk_norm:  # neither dropped silently nor guessed: listed with what it would cost
+        cyc = 2 * (spec.q_dim + spec.kv_dim) // board.vector_lanes * spec.layers
+        bad.append(f"q/k norm ({len(qk)} [head_dim] norm scales, not 2 per layer: not modelled; about {cyc} "
+                   "vector cycles per row and step uncounted)")
     sources = weight_sources(proto, spec)
-    part = partition_spec(spec, board, sources=sources, unsupported=bad, notes=notes)
+    kv, kv_notes = kv_bounds(proto)
+    part = partition_spec(spec, board, sources=sources, unsupported=bad, notes=notes + kv_notes)
     part.op_counts = counts
+    part.kv = kv
     return part
 
 

@@ -25,6 +25,7 @@ from fastcar_compile.errors import FastCarError
 from . import isa
 from .encode import Program
 from .isa import ceil_div
+from .kvbound import META_KEY as KV_META_KEY
 from .partition import Partition, Task, live_activations
 
 
@@ -158,4 +159,6 @@ def emit_program(part: Partition, batch: int, context: int) -> Program:
         "unsupported": part.unsupported,
         "notes": notes,
     }
+    if part.kv:
+        meta[KV_META_KEY] = {str(layer): b.to_dict() for layer, b in sorted(part.kv.items())}
     return Program(board=board, bundles=bundles, meta=meta)

@@ -36,7 +36,7 @@ from .isa import popcount32
 from .schedule import drs_masks
 
 POLICIES = ("static", "drs")
-STREAMS = ("broadcast", "per_core")
+STREAMS = isa.WEIGHT_STREAMS
 DRAM_CLASSES = ("weights", "kv", "replay_cache", "activations")
 
 

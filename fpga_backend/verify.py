@@ -16,12 +16,10 @@ from fastcar_compile.errors import FastCarError
 
 from . import isa
 from .encode import Program
+from .kvbound import recorded_bounds
 from .modelspec import ModelSpec
 
-MAX_CONTEXT = 2**32 - 1  # the m field (u32) holds the compile-time context
-MAX_LAYERS = isa.NO_LAYER - 1  # the layer field is u16 and 0xFFFF means "no layer"
 MAX_WORK = 2**53  # m * k * n of one instruction: beyond this the cost model loses integer precision
-STREAMS = ("broadcast", "per_core")
 
 
 def _int(meta: dict, key: str, lo: int, hi: int) -> int:
@@ -37,8 +35,9 @@ def model_spec(meta: dict) -> ModelSpec:
         raise FastCarError("bundle metadata lacks the model description ('model'); recompile the program")
     for key in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "frame_tokens",
                 "dtype_bytes"):
-        if key in model or key not in ("dtype_bytes", "frame_tokens"):
-            _int(model, key, 1, MAX_LAYERS if key == "layers" else 2**31 - 1)
+        if key in ("dtype_bytes", "frame_tokens") and model.get(key) is None:
+            continue  # optional: the board's element size; no frames in a dense program
+        _int(model, key, 1, isa.MAX_LAYERS if key == "layers" else 2**31 - 1)
     rl = model.get("replay_layers")
     if rl is not None and (not isinstance(rl, list) or
                            any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in rl)):
@@ -46,9 +45,12 @@ def model_spec(meta: dict) -> ModelSpec:
     for key in ("threshold", "rms_eps", "rope_theta"):
         if key in model and (isinstance(model[key], bool) or not isinstance(model[key], numbers.Real)):
             raise FastCarError(f"bundle metadata: model.{key}={model[key]!r} must be a number")
+    if rl is not None and any(not 0 <= x < model["layers"] for x in rl):
+        raise FastCarError(f"bundle metadata: model.replay_layers={str(rl)[:60]} names layers outside "
+                           f"0..{model['layers'] - 1}")
     try:
         return ModelSpec.from_dict(model)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise FastCarError(f"bundle metadata: invalid model description ({exc})") from None
 
 
@@ -59,7 +61,7 @@ def check_program(program: Program) -> None:
         raise FastCarError("bundle metadata must be a JSON object")
     spec = model_spec(meta)
     batch = _int(meta, "batch", 1, isa.MAX_ROWS)
-    _int(meta, "context", 1, MAX_CONTEXT)
+    _int(meta, "context", 1, isa.MAX_CONTEXT)
     cores = program.cores
     active = (1 << batch) - 1
     masks = meta.get("binding_masks")
@@ -75,12 +77,10 @@ def check_program(program: Program) -> None:
     if union != active:
         raise FastCarError(f"bundle metadata: binding_masks cover rows {union:#x}, not every row of batch {batch}")
     weights = meta.get("drs_weights", "broadcast")
-    if weights not in STREAMS:
-        raise FastCarError(f"bundle metadata: drs_weights={weights!r} must be one of {STREAMS}")
-    tensors = meta.get("tensors", [])
-    if not isinstance(tensors, list) or any(not isinstance(t, dict) for t in tensors):
-        raise FastCarError("bundle metadata: tensors must be a list of objects")
-    ids = {t.get("id") for t in tensors}
+    if weights not in isa.WEIGHT_STREAMS:
+        raise FastCarError(f"bundle metadata: drs_weights={str(weights)[:40]} must be one of {isa.WEIGHT_STREAMS}")
+    ids = _tensor_ids(meta.get("tensors", []))
+    recorded_bounds(meta, spec.layers)
     b = program.bundles
     if len(b) == 0:
         raise FastCarError("the program is empty (no bundles); it must end with a FINISH bundle")
@@ -90,12 +90,37 @@ def check_program(program: Program) -> None:
     _check_bundles(b, spec.layers, batch, ids)
 
 
+def _is_int(v: object, lo: int, hi: int) -> bool:
+    return not isinstance(v, bool) and isinstance(v, numbers.Integral) and lo <= v <= hi
+
+
+def _tensor_ids(tensors: object) -> set[int]:
+    """The weight ids of the tensor table, each entry checked: {id = its index, name, layer, shape, source}."""
+    if not isinstance(tensors, list) or any(not isinstance(t, dict) for t in tensors):
+        raise FastCarError("bundle metadata: tensors must be a list of objects")
+    if len(tensors) > isa.NO_LAYER:
+        raise FastCarError(f"bundle metadata: {len(tensors)} tensors exceed the 16-bit tensor field")
+    for i, t in enumerate(tensors):
+        shape = t.get("shape")
+        if t.get("id") != i or not _is_int(t.get("id"), 0, isa.NO_LAYER):
+            raise FastCarError(f"bundle metadata: tensors[{i}].id={str(t.get('id'))[:40]} must be {i}")
+        if not isinstance(t.get("name"), str) or not _is_int(t.get("layer"), 0, isa.NO_LAYER):
+            raise FastCarError(f"bundle metadata: tensors[{i}] needs a name (text) and a layer (0..{isa.NO_LAYER})")
+        if not isinstance(shape, list) or not 1 <= len(shape) <= 2 or \
+                not all(_is_int(d, 1, 2**31 - 1) for d in shape):
+            raise FastCarError(f"bundle metadata: tensors[{i}].shape={str(shape)[:40]} must list 1 or 2 sizes "
+                               "in 1..2^31-1")
+        if t.get("source") is not None and not isinstance(t["source"], str):
+            raise FastCarError(f"bundle metadata: tensors[{i}].source must be an initializer name or null")
+    return set(range(len(tensors)))
+
+
 def _where(bad: np.ndarray, what: str) -> FastCarError:
     bundle, slot = (int(x[0]) for x in np.nonzero(bad))
     return FastCarError(f"bundle {bundle} slot {slot}: {what}")
 
 
-def _check_bundles(b: np.ndarray, layers: int, batch: int, tensor_ids: set) -> None:
+def _check_bundles(b: np.ndarray, layers: int, batch: int, tensor_ids: set[int]) -> None:
     core, ctl = b[:, :-1], b[:, -1:]
     live = core["opcode"] != isa.Op.NOP
     lay = core["layer"].astype(np.int64)
@@ -119,7 +144,7 @@ def _check_bundles(b: np.ndarray, layers: int, batch: int, tensor_ids: set) -> N
             raise _where(bad, f"{f} buffer {int(core[f][bad][0])} does not exist (0..{nbuf - 1})")
     op, sub = core["opcode"], core["sub"]
     weight = ((op == isa.Op.GEMM) & (sub == isa.Space.WEIGHT)) | ((op == isa.Op.VEC) & (sub == isa.Vec.RMSNORM))
-    known = np.isin(core["tensor"], np.array(sorted(i for i in tensor_ids if isinstance(i, int)), dtype=np.int64))
+    known = core["tensor"].astype(np.int64) < len(tensor_ids)
     bad = weight & ~known
     if bad.any():
         raise _where(bad, f"weight tensor {int(core['tensor'][bad][0])} is not in the program's tensor table")
@@ -131,6 +156,11 @@ def _check_bundles(b: np.ndarray, layers: int, batch: int, tensor_ids: set) -> N
     bad = live & ((core["arg"] & ~rows) != 0)
     if bad.any():
         raise _where(bad, f"row mask {int(core['arg'][bad][0]):#x} names rows beyond batch {batch}")
+    norm = live & (op == isa.Op.VEC) & (sub == isa.Vec.RMSNORM)
+    groups = np.maximum(core["n"], 1).astype(np.int64)
+    bad = norm & (core["m"].astype(np.int64) % groups != 0)
+    if bad.any():
+        raise _where(bad, "RMSNORM over n groups needs m divisible by n")
     work = core["m"].astype(np.float64) * core["k"].astype(np.float64) * np.maximum(core["n"], 1)
     bad = live & (work > MAX_WORK)
     if bad.any():

@@ -19,7 +19,8 @@ def _tensors(program):
 
 
 class NumpyDecoder:
-    """Reference: pre-norm LLaMA step (GQA, rotate-half RoPE, SwiGLU) + FastCar MLP replay (docs/DESIGN.md)."""
+    """Reference: pre-norm LLaMA step (GQA, rotate-half RoPE, SwiGLU, optional per-head q/k RMSNorm before RoPE
+    as in Qwen3) + FastCar MLP replay (docs/DESIGN.md)."""
 
     def __init__(self, spec: ModelSpec, w: dict[str, np.ndarray], batch: int) -> None:
         self.s, self.w, self.b = spec, w, batch
@@ -48,8 +49,11 @@ class NumpyDecoder:
                 h = x[r]
                 xn = self._norm(h, w[p + "attn_norm"])
                 q_raw = (xn @ w[p + "q_proj"]).reshape(s.heads, s.head_dim)
+                k_raw = (xn @ w[p + "k_proj"]).reshape(s.kv_heads, s.head_dim)
+                if s.qk_norm:  # each head normalised over its head_dim with one shared [head_dim] scale
+                    q_raw, k_raw = self._norm(q_raw, w[p + "q_norm"]), self._norm(k_raw, w[p + "k_norm"])
                 q = self._rope(q_raw, pos)
-                k = self._rope((xn @ w[p + "k_proj"]).reshape(s.kv_heads, s.head_dim), pos)
+                k = self._rope(k_raw, pos)
                 v = (xn @ w[p + "v_proj"]).reshape(s.kv_heads, s.head_dim)
                 self.K[layer][r].append(k)
                 self.V[layer][r].append(v)
@@ -83,13 +87,20 @@ class NumpyDecoder:
         return logits, replay
 
 
-@pytest.mark.parametrize("board,kib,tas_query", [("kv260", 1, "rope"), ("u280", 4, "rope"), ("zcu102", 1, "raw")])
-def test_functional_matches_numpy_and_policies_agree(board, kib, tas_query):
+@pytest.mark.parametrize("board,kib,tas_query,qk_norm", [("kv260", 1, "rope", False), ("u280", 4, "rope", False),
+                                                         ("zcu102", 1, "raw", False), ("kv260", 1, "rope", True),
+                                                         ("zcu102", 1, "raw", True)])
+def test_functional_matches_numpy_and_policies_agree(board, kib, tas_query, qk_norm):
     batch, steps = 5, 10
     cfg = load_board(board).replace(weight_buffer_kib=kib)  # tiny buffers: many tiles, k-split accumulation
-    spec = dataclasses.replace(SPEC, tas_query=tas_query)
+    spec = dataclasses.replace(SPEC, tas_query=tas_query, qk_norm=qk_norm)
     prog = build_program(spec, cfg, batch=batch, context=steps)
     assert any(int(t) > 0 for t in prog.bundles["off_k"][:, 0]), "expected reduction-split tiles"
+    from fastcar_compile.fpga_backend import isa
+
+    c0 = prog.bundles[:, 0]
+    per_head = (c0["opcode"] == isa.Op.VEC) & (c0["sub"] == isa.Vec.RMSNORM) & (c0["n"] > 1)
+    assert per_head.sum() == (2 * spec.layers if qk_norm else 0)  # q and k norm per layer, as instructions
     w = random_weights(prog, seed=3, scale=2.0)
     named = {name: w[i] for name, i in _tensors(prog).items()}
     ref = NumpyDecoder(spec, named, batch)

@@ -41,7 +41,7 @@ def test_tiles_cover_each_weight_once_and_fit_the_buffer(board, shape):
 
 def test_task_graph_per_layer():
     spec = ModelSpec(layers=3, hidden=256, intermediate=512, heads=8, kv_heads=2, head_dim=32, vocab=300,
-                     replay_layers=(1,))
+                     replay_layers=(1,), frame_tokens=256)
     part = partition(spec, load_board("kv260"))
     assert len(part.graphs) == spec.layers + 1  # + head
     for layer, g in enumerate(part.graphs[:-1]):
@@ -70,7 +70,8 @@ def test_dims_from_a_plain_export_and_from_fast_onnx(zoo_model, tmp_path):
     spec, notes = spec_from_onnx(path)
     want = (zoo.LAYERS, zoo.HIDDEN, zoo.INTER, zoo.HEADS, zoo.KV_HEADS, zoo.HIDDEN // zoo.HEADS, zoo.VOCAB)
     assert (spec.layers, spec.hidden, spec.intermediate, spec.heads, spec.kv_heads, spec.head_dim, spec.vocab) == want
-    assert spec.replay_layers is None and any("plain decoder" in n for n in notes)
+    # a plain export compiles to a dense program: no replay layers, no tokens per frame invented
+    assert spec.replay_layers == () and spec.frame_tokens is None and any("plain decoder" in n for n in notes)
     fast = tmp_path / "fast.onnx"
     fc.compile(str(path), str(fast), frame_tokens=4, layers=[1])
     spec2, _ = spec_from_onnx(fast)
