@@ -1,5 +1,5 @@
 """Are prompt tokens attention anchors? Dense attention mass on the prompt prefix, per layer and head, on the
-long-video demo model; and what --prune-prompt P would skip there (issue 12 item 4, SPEC.md section 6).
+long-video demo model; and what --prune-prompt P would skip there (issue 12 item 4, docs/semantics.md section 6).
 
 The demo's prompt is [BOS, motion, VIDEO_START] (3 tokens before video_start; the LLaMA-style zoo models are
 random-weight test graphs with no prompt structure, so they are not measured). On a trace of the 4-layer model

@@ -21,7 +21,7 @@ import numpy as np
 
 from fastcar_compile.errors import FastCarError
 
-# --- exporter I/O (SPEC.md section 4) ------------------------------------------------------------------------
+# --- exporter I/O (docs/semantics.md section 4) ---------------------------------------------------------
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
 KV_KINDS = ("key", "value")
 KV_INPUT_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
@@ -61,7 +61,7 @@ THRESHOLD = "fastcar_threshold"
 
 def aligned_is_video(p: Any, frame_tokens: int, video_start: Any) -> Any:
     """Whether token p's aligned token p - L (the same spatial position one frame back) is a video token, i.e.
-    p - L >= video_start (ints or arrays). The one rule for "one frame back" with a prompt prefix (SPEC.md
+    p - L >= video_start (ints or arrays). The one rule for "one frame back" with a prompt prefix (docs/semantics.md
     section 1): the gate replays, TempCache merges and run stats count eligible steps only then (the native
     kernels and the ONNX function bodies state the same comparison)."""
     return p - frame_tokens >= video_start

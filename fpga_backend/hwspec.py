@@ -1,7 +1,7 @@
 """Board descriptions for the FastCar FPGA accelerator model.
 
 A board is a frozen :class:`BoardConfig`. The presets are the JSON files in ``fpga_backend/boards/`` (the one
-place for every hardware figure; their ``_doc`` says where the figures come from, SPEC.md section 2). Where
+place for every hardware figure; their ``_doc`` says where the figures come from, docs/semantics.md section 2). Where
 the paper gives no number (core count, array shape, clock, latencies, energy) the figure is our assumption,
 named in ``ASSUMPTIONS``. Every field can be overridden from a JSON file (``load_board``).
 
@@ -46,7 +46,7 @@ class BoardConfig:
     sram_bytes_per_cycle: int  # per core on-chip buffer bandwidth (array reads rows*cols weights a cycle)
     vector_lanes: int  # per core vector unit (norm, add, act), elements per cycle
     sfu_lanes: int  # per core special-function unit (exp in softmax, silu), elements per cycle
-    issue_latency: int  # fixed cycles per bundle (issue + DMA setup), SPEC: ~100-150
+    issue_latency: int  # fixed cycles per bundle (issue + DMA setup), docs/semantics.md: ~100-150
     drs_overhead: int  # cycles for one DRS remap (Index -> Mapping Registers -> dispatch)
     dtype_bytes: int  # weights, activations, KV
     pj_per_mac: float
@@ -117,8 +117,8 @@ ASSUMPTIONS = {
     "energy_dram": "DDR4 ~20 pJ/bit (160 pJ/B incl. PHY); HBM2 ~7 pJ/bit (56 pJ/B)",
     "energy_sram": "BRAM/URAM ~0.6 pJ/B per access",
     "static_power": "board static power (FPGA + memory idle): KV260 ~2.5 W, ZCU102 ~4 W, U280 ~25 W",
-    "clock": "KV260/ZCU102 300 MHz, U280 250 MHz (SPEC: ~225-300 MHz)",
-    "drs": "DRS remap cost: SPEC 'hundreds to thousands of cycles'",
+    "clock": "KV260/ZCU102 300 MHz, U280 250 MHz (docs/semantics.md: ~225-300 MHz)",
+    "drs": "DRS remap cost: docs/semantics.md 'hundreds to thousands of cycles'",
 }
 
 BOARDS_DIR = Path(__file__).with_name("boards")

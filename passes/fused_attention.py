@@ -3,7 +3,7 @@ CompressedAttention (`--fused-attention gqa|fastcar`).
 
 Exporters write attention as `present.N.key = Concat(past_key, k_new)`, a K transpose, the GQA expand
 (Unsqueeze/Expand/Reshape), MatMul/Softmax/MatMul: two O(context) copies of the cache per step (the
-concat, the transpose) that replay cannot touch (SPEC.md section 5: 37% of a decode step at ctx 1024).
+concat, the transpose) that replay cannot touch (docs/semantics.md section 5: 37% of a decode step at ctx 1024).
 GroupQueryAttention reads the cache in place and, when its past and present are one buffer
 (`past_present_share_buffer`, what onnxruntime-genai binds), appends the new key/value without copying.
 

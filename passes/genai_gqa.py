@@ -1,6 +1,6 @@
 """onnxruntime-genai's attention: `com.microsoft.GroupQueryAttention` with the rotary inside it (`do_rotary=1`).
 
-The model builder's graphs (SPEC.md section 5) feed the op either one packed projection [B, S, (H + 2 Hkv) D]
+The model builder's graphs (docs/semantics.md section 5) feed the op either one packed projection [B, S, (H + 2 Hkv) D]
 as the query with key/value empty, or separate q [B, S, H D] / k / v (Qwen3: after per-head q/k norms), and
 let the op rotate q and k itself from the graph's `cos_cache`/`sin_cache`: the post-RoPE query never exists
 as a tensor, and the head size is symbolic in the KV I/O. Here: `match` reads heads, KV heads, head size

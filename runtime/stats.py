@@ -1,6 +1,6 @@
 """Run statistics returned with the tokens; their JSON is also the replay trace the FPGA simulator reads.
 
-Replay ratio counts replayed MLPs over decode steps x rows x rewritten layers (SPEC.md section 1), frame 0
+Replay ratio counts replayed MLPs over decode steps x rows x rewritten layers (docs/semantics.md section 1), frame 0
 included, so with 8 frames of 256 tokens its ceiling is 1791/2047: frame 0 can never replay.
 `replay_ratio_eligible` is the same count over the steps where replay was possible (frame 0 excluded).
 """
@@ -147,7 +147,7 @@ class RunStats:
 
     def eligible_steps(self) -> np.ndarray:
         """[steps] bool: decode steps whose aligned token (p - L) is video, i.e. not frame 0, so replay can
-        happen there (SPEC.md section 1)."""
+        happen there (docs/semantics.md section 1)."""
         pos = np.array([s["pos"] for s in self.steps], dtype=np.int64)
         return contract.aligned_is_video(pos, self.frame_tokens, self.video_start)
 

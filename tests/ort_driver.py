@@ -25,7 +25,7 @@ _ORT_TO_NP = {
 
 
 # The per-layer state onnxruntime-genai's generator recycles besides the KV cache (src/models/recurrent_state.cpp,
-# SPEC.md): allocated from the input's static shape, zero-filled for a new sequence, present -> past each step.
+# docs/semantics.md): allocated from the input's static shape, zero-filled for a new sequence, present -> past each step.
 GENAI_RECURRENT = re.compile(r"past_key_values\.\d+\.(conv_state|recurrent_state)")
 
 

@@ -1,4 +1,4 @@
-"""Eager PyTorch reference of FastCar, written against SPEC.md section 1 and docs/DESIGN.md "Semantics".
+"""Eager PyTorch reference of FastCar, written against docs/semantics.md section 1 and docs/DESIGN.md "Semantics".
 
 It wraps a transformers causal LM with hooks (own code, independent of `fastcar_compile.passes`):
 - a forward pre-hook on each layer's attention records the normed hidden states and the RoPE (cos, sin);

@@ -31,7 +31,8 @@ def test_demo_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     for name in ("demo.gif", "strip.png", "replay_heatmap.png", "results.json", "fast.onnx"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
         assert str(out / name) in text
-    for key in ("replay ratio", "ms/token, ORT run", "speedup", "FastCar vs dense", "FastCar vs truth"):
+    for key in ("replay ratio", "ms/token, ORT run", "speed-up, ORT run", "compiled at tau=+inf", "graph",
+                "FastCar vs dense", "FastCar vs truth"):
         assert key in text
     s = json.loads((out / "results.json").read_text())["summary"]
     # tau = -inf: every eligible decode-step MLP replays (frame 0 is context, so all decode steps are eligible)
@@ -111,3 +112,7 @@ def test_eval_tiny_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureF
     assert mid["token_agreement"] == pytest.approx((ours == dense).mean())
     assert 0.0 < mid["replay_ratio"] < 1.0
     assert (out / "eval.md").read_text().count("\n") == len(rows) + 2
+    for r in rows:  # the ORT speed-up as its factors, each a ratio of the row's own timings
+        assert r["speedup_graph_ort"] == pytest.approx(r["dense_ort_ms"] / r["inf_ort_ms"])
+        assert r["speedup_replay_ort"] == pytest.approx(r["inf_ort_ms"] / r["fast_ort_ms"])
+        assert r["speedup_ort"] == pytest.approx(r["speedup_graph_ort"] * r["speedup_replay_ort"])

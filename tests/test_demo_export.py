@@ -22,7 +22,7 @@ def test_assets_within_budget_and_contract() -> None:
     assert total <= 20 * 2**20
     cfg = json.loads(CONFIG.read_text())
     m = onnx.load(str(ONNX), load_external_data=False)
-    # The I/O names SPEC.md section 4 asks exporters for, written out here (not taken from the exporter's code).
+    # The I/O names docs/semantics.md section 4 asks exporters for, written out here (not taken from the exporter's code).
     n = cfg["num_hidden_layers"]
     kv_in = [f"past_key_values.{i}.{k}" for i in range(n) for k in ("key", "value")]
     assert [i.name for i in m.graph.input] == ["input_ids", "attention_mask", "position_ids", *kv_in]

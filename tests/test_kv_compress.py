@@ -325,7 +325,7 @@ def test_prompt_pruning_and_int8_end_to_end(zoo_model, fc_compile, tmp_path):
 
 def test_tempcache_waits_for_video_end_to_end(zoo_model, fc_compile, tmp_path):
     """Through the compiler and FastCarSession with a 6-token prompt (video_start = 6, batch 2, left padding) and
-    --tempcache -1 (any two keys merge): by SPEC's "one frame back" no prompt token merges and neither does
+    --tempcache -1 (any two keys merge): by docs/semantics.md's "one frame back" no prompt token merges and neither does
     video frame 0 (its p - L is prompt), every later video token merges into frame 0's slot of its spatial
     position; so each (row, KV head) ends with one slot per prompt KV index (pads included, count 1) and one per
     spatial position (latest member: its last video token, count: its video tokens)."""

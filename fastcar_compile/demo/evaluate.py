@@ -32,6 +32,7 @@ class ClipResult:
     gt: np.ndarray  # [T, H, W, 3] uint8 ground truth pixels
     dense: VideoRun
     fast: VideoRun
+    inf_ort_ms: list[float] = field(default_factory=list)  # bare ORT of the compiled model at tau=+inf
 
 
 @dataclass
@@ -49,6 +50,9 @@ class Summary:
     dense_ort_ms: float
     fast_ort_ms: float
     speedup_ort: float
+    inf_ort_ms: float  # the compiled model at tau=+inf (never replays): the graph/attention and replay factors
+    speedup_graph_ort: float  # dense / compiled at tau=+inf (the gate's cost here: the export's ops are kept)
+    speedup_replay_ort: float  # compiled at tau=+inf / FastCar
     token_agreement: float
     psnr_fast_vs_dense: float
     ssim_fast_vs_dense: float
@@ -88,8 +92,9 @@ def _mean_finite(xs: list[float], cap: float = 100.0) -> float:
 def run_clips(dense_path: Path, fast_path: Path, clips: list[data.Clip], tok: PatchTokenizer, tau: float,
               threads: int = 1, progress: bool = True, rounds: int = 2) -> list[ClipResult]:
     """Generate every clip with both models, then time each model on its own (see `ort_alone_ms`):
-    `rounds` alternations of dense and FastCar per clip, the order flipped from clip to clip (0: no bare-ORT
-    timing; only the runtime step times of the generation itself)."""
+    `rounds` rotations of dense, the compiled model at tau=+inf (on the dense tokens, which it generates) and
+    FastCar per clip, the order rotating from clip to clip (0: no bare-ORT timing; only the runtime step times
+    of the generation itself)."""
     dense = open_session(dense_path, threads)
     fast = open_session(fast_path, threads)
     out = []
@@ -103,15 +108,17 @@ def run_clips(dense_path: Path, fast_path: Path, clips: list[data.Clip], tok: Pa
         d, f = runs[0], runs[1]
         pre = prompt(c.motion)
         seqs = (np.concatenate([pre, d.tokens.reshape(-1)]), np.concatenate([pre, f.tokens.reshape(-1)]))
-        ort: tuple[list[float], list[float]] = ([], [])
+        # (session, sequence, tau): dense, the compiled model at tau=+inf on the dense tokens, FastCar
+        timed = ((dense, seqs[0], None), (fast, seqs[0], float("inf")), (fast, seqs[1], tau))
+        ort: tuple[list, list, list] = ([], [], [])
         for _ in range(rounds):
-            for j in order:
-                t = ort_alone_ms((dense, fast)[j], seqs[j], len(pre) + tok.tokens_per_frame, tau if j else None)
-                ort[j].append(t)
+            for j in [(i + k) % 3 for k in range(3)]:  # each model first in turn
+                sess, seq, thr = timed[j]
+                ort[j].append(ort_alone_ms(sess, seq, len(pre) + tok.tokens_per_frame, thr))
+        inf_ms: list[float] = []
         if rounds:  # per step: the fastest of the rounds (noise only ever adds time)
-            d.ort_ms = list(np.min(np.array(ort[0]), axis=0))
-            f.ort_ms = list(np.min(np.array(ort[1]), axis=0))
-        out.append(ClipResult(c.motion, c.source, c.frames, d, f))
+            d.ort_ms, inf_ms, f.ort_ms = (list(np.min(np.array(t), axis=0)) for t in ort)
+        out.append(ClipResult(c.motion, c.source, c.frames, d, f, inf_ms))
     return out
 
 
@@ -157,11 +164,14 @@ def summarize(results: list[ClipResult], tok: PatchTokenizer, tau: float, tas_qu
         mixture_ms([r.fast.step_ms for r in results], f_rep)
     dense_ort = mixture_ms([r.dense.ort_ms for r in results], d_rep)
     fast_ort = mixture_ms([r.fast.ort_ms for r in results], f_rep)
+    inf_ort = mixture_ms([r.inf_ort_ms for r in results], d_rep)
     frames = int(results[0].gt.shape[0]) if results else 0
     return Summary(tau=float(tau), tas_query=tas_query, max_replay=max_replay, replay_ratio=float(np.mean(rep)),
                    replay_ceiling=float(np.mean(ceil)), dense_ms=dense_ms, fast_ms=fast_ms,
                    speedup=dense_ms / fast_ms if fast_ms else float("nan"), dense_ort_ms=dense_ort,
                    fast_ort_ms=fast_ort, speedup_ort=dense_ort / fast_ort if fast_ort else float("nan"),
+                   inf_ort_ms=inf_ort, speedup_graph_ort=dense_ort / inf_ort if inf_ort else float("nan"),
+                   speedup_replay_ort=inf_ort / fast_ort if fast_ort else float("nan"),
                    token_agreement=float(np.mean(agree)),
                    psnr_fast_vs_dense=psnr(np.concatenate(all_d), np.concatenate(all_f)) if all_d else float("nan"),
                    ssim_fast_vs_dense=float(np.mean(sf_d)), psnr_fast_vs_gt=_mean_finite(pf_g),

@@ -2,7 +2,7 @@
 
 A trace is one layer's pre-RoPE queries [T, Hq, d], pre-RoPE keys [T, Hkv, d] and values [T, Hkv, d] for
 positions 0..T-1; step p writes token p into every KV head's cache, then each query head attends (GQA: query
-head h reads KV head h // (Hq / Hkv)). Metrics (SPEC.md section 3) over steps p >= measure_from:
+head h reads KV head h // (Hq / Hkv)). Metrics (docs/semantics.md section 3) over steps p >= measure_from:
 - density: executed q.k pairs / dense pairs (p + 1 per query head and step);
 - recall: overlap of the dense softmax with the compressed one mapped back to tokens, sum_t min(p_dense(t),
   p_slot(t) / count(slot(t))). For pure selection it is the dense mass on the attended keys (the paper's

@@ -38,7 +38,7 @@ class KVCompressConfig:
     quantised buckets instead (fastar/int8.py; exclusive with lsh). prune_prompt: AnnCA's decoder-only
     counterpart: a prompt-prefix key (position < video_start) that no query of the previous frame gave softmax
     weight >= this value is skipped for the current frame (None = off; 0 keeps every prefix key).
-    frame_tokens/video_start: the token layout (SPEC.md section 6).
+    frame_tokens/video_start: the token layout (docs/semantics.md section 6).
     """
 
     budget: int | None = None
