@@ -9,12 +9,18 @@ name no current file has (`<name>.data`, or `<name>.<token>.data` while that one
 .onnx rename the old model still pairs with its own data; afterwards the data files the old output owned
 (`owned_data`) are deleted. A crash between the steps leaves the old pair loadable plus, at worst, one
 unreferenced new data file.
+
+Concurrency and killed runs (fastcar_compile/locks.py): `commit` runs under the output folder's exclusive lock,
+which loaders (`FastCarSession`) take shared while they read a model, so none reads an .onnx whose data was just
+deleted. Under the same lock each save sweeps what killed runs left: `.fastcar-*` staging folders whose
+creator's lock is free, and `<name>.<token>.data` files the current output does not name.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -25,6 +31,7 @@ import onnx_ir as ir
 
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import copy_file, first_missing, model_files, refuse_special
+from fastcar_compile.locks import Owned, folder_lock, sweep
 from fastcar_compile.passes.context import weight_bytes
 
 # Above this many bytes of weights the model is written with external data (protobuf's 2 GiB limit).
@@ -84,12 +91,30 @@ def owned_data(output: str | os.PathLike) -> list[Path]:
     return owned
 
 
-def _free_data_name(output: Path) -> str:
-    """`<name>.data` unless a file has that name (then `<name>.<token>.data`): never the old model's data."""
+STAGING_PREFIX = ".fastcar-"
+
+
+def _free_data_name(output: Path, busy: bool = False) -> str:
+    """`<name>.data` unless a file has that name or another save into the folder is under way (`busy`; it may
+    take that name first), then `<name>.<token>.data`: never the old model's data, nor a concurrent save's."""
     name = f"{output.name}.data"
-    while (output.parent / name).exists():
-        name = f"{output.name}.{secrets.token_hex(4)}.data"
+    while busy or (output.parent / name).exists():
+        name, busy = f"{output.name}.{secrets.token_hex(4)}.data", False
     return name
+
+
+def sweep_data(output: Path) -> list[Path]:
+    """Delete the `<name>.<token>.data` files (the names `_free_data_name` makes) that the current output does
+    not read: left by a save killed between its data rename and its model rename, or by one whose deletion of
+    the old data was cut short. Only under the folder's exclusive lock, when no save is half-way."""
+    token = re.compile(re.escape(output.name) + r"\.[0-9a-f]{8}\.data")
+    used = {f.name for f in model_files(output)[1:] if f.parent == output.parent} if output.is_file() else set()
+    removed = []
+    for f in output.parent.iterdir():
+        if token.fullmatch(f.name) and f.name not in used and f.is_file() and not f.is_symlink():
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    return removed
 
 
 class Staging:
@@ -105,6 +130,7 @@ class Staging:
         self.created: Path | None = None
         self.big = False
         self.extra: list[str] = []  # files committed with the model (genai_config.json, tokenizer copies)
+        self._owner: Owned | None = None  # this run's lock on its staging folder (a free one = a dead run's)
 
     @functools.cached_property
     def owned(self) -> list[Path]:
@@ -128,8 +154,13 @@ class Staging:
         weights = weight_bytes(model)
         self.big = weights > EXTERNAL_DATA_LIMIT
         self.external = bool(self.external) or self.big or weights > INLINE_WEIGHTS_MAX
-        self.tmp = Path(tempfile.mkdtemp(prefix=".fastcar-", dir=self.output.parent))
-        self.data_name = _free_data_name(self.output)
+        with folder_lock(self.output.parent, shared=False, what=str(self.output)):
+            sweep(self.output.parent, STAGING_PREFIX)  # killed runs' staging folders (their locks are free)
+            sweep_data(self.output)
+            busy = any(True for _ in self.output.parent.glob(STAGING_PREFIX + "*"))  # a live save's
+            self.tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.output.parent))
+            self._owner = Owned(self.tmp)
+            self.data_name = _free_data_name(self.output, busy)
         tmp_model = self.tmp / self.output.name
         if not self.external:
             ir.save(model, tmp_model)
@@ -150,8 +181,13 @@ class Staging:
 
     def commit(self) -> Path:
         """New data under its fresh name, then the .onnx rename (the commit point), then the old output's data
-        files are deleted (a failure before the rename takes the new data back and leaves the old pair)."""
+        files are deleted (a failure before the rename takes the new data back and leaves the old pair). All
+        under the folder's exclusive lock: no loader is between reading the old .onnx and its data meanwhile."""
         assert self.tmp is not None and self.path is not None, "write() first"
+        with folder_lock(self.output.parent, shared=False, what=str(self.output)):
+            return self._commit()
+
+    def _commit(self) -> Path:
         data = self.output.parent / self.data_name
         if self.output.is_dir() or data.is_dir():
             raise FastCarError(f"{data if data.is_dir() else self.output} is a directory; remove it or choose "
@@ -187,6 +223,7 @@ class Staging:
         self.created = None
         for f in stale:  # the old model is gone: its data would be stale (or mis-paired) beside the new one
             f.unlink(missing_ok=True)
+        sweep_data(self.output)  # and what a concurrent save's model (replaced since `owned` was read) named
         return self.output
 
     def cleanup(self) -> None:
@@ -194,7 +231,9 @@ class Staging:
             shutil.rmtree(self.tmp, ignore_errors=True)
         if self.created is not None:  # a folder made for an output that never came: no empty folders
             shutil.rmtree(self.created, ignore_errors=True)
-        self.tmp = self.path = self.created = None
+        if self._owner is not None:
+            self._owner.release()
+        self.tmp = self.path = self.created = self._owner = None
 
 
 class SavePass(ir.passes.InPlacePass):

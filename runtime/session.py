@@ -26,6 +26,7 @@ from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import model_fingerprint
 from fastcar_compile.limits import INT64_MAX, MAX_THREADS, check_fits_memory, check_int
+from fastcar_compile.locks import folder_lock
 from fastcar_compile.runtime.binding import StepBinding
 from fastcar_compile.runtime.tokens import check_token_ids
 
@@ -152,6 +153,15 @@ class FastCarSession:
                  session_options: Any = None, *, frame_tokens: int | None = None,
                  native: bool | None = None, threads: int = DEFAULT_THREADS, inplace: bool | None = None,
                  max_length: int | None = None):
+        # the model folder's shared lock while the model and its external data are read: a compile replacing it
+        # meanwhile waits to delete the data this load reads (fastcar_compile/locks.py, save.py)
+        with folder_lock(Path(path).parent, shared=True):
+            self._open(path, providers, session_options, frame_tokens=frame_tokens, native=native,
+                       threads=threads, inplace=inplace, max_length=max_length)
+
+    def _open(self, path: str | os.PathLike, providers: Sequence[str] | None, session_options: Any, *,
+              frame_tokens: int | None, native: bool | None, threads: int, inplace: bool | None,
+              max_length: int | None) -> None:
         threads = check_int("threads", threads, 0, MAX_THREADS, "ONNX Runtime threads; 0 = one per core")
         ort = _ort()
         self.path = Path(path)

@@ -42,6 +42,10 @@ def _compile(src, out, monkeypatch, external: bool):
 def _check(src, out):
     """The folder holds the model and exactly the data it names; it decodes as the uncompiled model does."""
     assert sorted(os.listdir(out.parent)) == sorted({out.name} | _data_files(out))
+    _decodes_as(src, out)
+
+
+def _decodes_as(src, out):
     dense = ort_driver.decode(str(src), _steps(), pad=[0, 1])
     fast = ort_driver.decode(str(out), _steps(), pad=[0, 1], frame_tokens=L)
     for a, b in zip(dense.logits, fast.logits, strict=True):
@@ -94,3 +98,154 @@ def test_replacing_keeps_the_old_pair_until_the_model_rename(zoo_model, tmp_path
         _check(first, out)
     else:
         _check(second, out)
+
+
+# ------------------------------------------------------------------ killed and concurrent saves, readers
+BUNDLED = os.path.join(os.path.dirname(fc.__file__), "demo", "assets", "decoder.onnx")
+FRAME = 64  # the bundled decoder's frame tokens
+
+
+@pytest.fixture(scope="module")
+def ext_sources(tmp_path_factory):
+    """The bundled decoder twice (the second with one weight scaled: other logits), weights in external data, so
+    every compiled output has a data file; and each compiled once into a folder of its own (the references)."""
+    d = tmp_path_factory.mktemp("ext")
+    paths = []
+    for k, scale in enumerate((1.0, 1.5)):
+        proto = onnx.load(BUNDLED)
+        t = max(proto.graph.initializer, key=lambda t: t.ByteSize())
+        t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t) * scale, t.name))
+        (d / f"src{k}").mkdir()
+        src = d / f"src{k}" / "model.onnx"
+        onnx.save_model(proto, str(src), save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
+        ref = d / f"ref{k}" / "fast.onnx"
+        fc.compile(src, ref, frame_tokens=FRAME, threshold=0.0)
+        paths.append((src, ref))
+    return paths
+
+
+def _child(code: str, *args: str, wait: bool = True):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", code, *args]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+_COMPILE = "import sys, fastcar_compile as fc; fc.compile(sys.argv[1], sys.argv[2], frame_tokens=64, threshold=0.0)"
+# killed (SIGKILL, no cleanup of any kind) between the data rename and the model rename of the commit
+_KILLED_MID_COMMIT = """
+import os, signal, sys
+import fastcar_compile as fc
+from fastcar_compile import save
+real, calls = os.replace, []
+def replace(a, b):
+    calls.append(b)
+    real(a, b)
+    if str(b).endswith('.data'):
+        os.kill(os.getpid(), signal.SIGKILL)
+save.os = type(os)('os_shim'); save.os.__dict__.update(os.__dict__); save.os.replace = replace
+fc.compile(sys.argv[1], sys.argv[2], frame_tokens=64, threshold=0.0)
+"""
+
+
+def _same_model(ref, out):
+    """`out` decodes as `ref` (the same source compiled into a folder of its own), by stock ONNX Runtime."""
+    steps = [np.array([[5, 9, 13, 2]])] + [np.array([[k]]) for k in range(3)]
+    for a, b in zip(ort_driver.decode(str(ref), steps, frame_tokens=FRAME).logits,
+                    ort_driver.decode(str(out), steps, frame_tokens=FRAME).logits, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def _only_the_model(out):
+    assert sorted(os.listdir(out.parent)) == sorted({out.name} | _data_files(out))
+
+
+def test_kill_9_mid_compile_leaves_nothing_after_the_next_run(ext_sources, tmp_path):
+    """kill -9 while the compile stages its output (a `.fastcar-*` folder with the model and its data), and a
+    replacing compile killed between its data rename and its model rename (an orphan data file): the next
+    compile into that folder removes both, and leaves alone a staging folder a live run still holds."""
+    import signal
+    import time
+
+    from fastcar_compile.locks import Owned
+
+    (src0, ref0), (src1, ref1) = ext_sources
+    out = tmp_path / "out" / "fast.onnx"
+    out.parent.mkdir()
+    proc = _child(_COMPILE, str(src0), str(out), wait=False)
+    end = time.monotonic() + 300
+    while not any(n.startswith(".fastcar-") for n in os.listdir(out.parent)):
+        assert proc.poll() is None and time.monotonic() < end, "the compile ended before it staged anything"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert any(n.startswith(".fastcar-") for n in os.listdir(out.parent))  # what the kill left
+
+    fc.compile(src0, out, frame_tokens=FRAME, threshold=0.0)
+    _only_the_model(out)
+    r = _child(_KILLED_MID_COMMIT, str(src1), str(out))
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    orphans = [n for n in os.listdir(out.parent) if n.endswith(".data") and n not in _data_files(out)]
+    assert orphans and any(n.startswith(".fastcar-") for n in os.listdir(out.parent))
+    _same_model(ref0, out)  # the old pair still loads and decodes as before
+
+    live = tmp_path / "out" / ".fastcar-live"  # a concurrent run's staging folder, its lock held
+    live.mkdir()
+    owner = Owned(live)
+    try:
+        fc.compile(src1, out, frame_tokens=FRAME, threshold=0.0)
+        assert live.is_dir()
+    finally:
+        owner.release()
+    assert sorted(os.listdir(out.parent)) == sorted({out.name, live.name} | _data_files(out))
+    live.rmdir()
+    _only_the_model(out)
+    _same_model(ref1, out)
+
+
+READER_IDS = [[5, 9, 13, 2]]
+_READER = """
+import sys, time, json
+import numpy as np
+from fastcar_compile.runtime import FastCarSession
+out, done = sys.argv[1], sys.argv[2]
+import os
+ids = np.array(json.loads(sys.argv[3]))
+loads, logits = 0, []
+while not os.path.exists(done):
+    s = FastCarSession(out, native=False)
+    logits.append(s.step(s.new_state(1), ids).logits[0, -1].tolist())
+    loads += 1
+print(json.dumps(logits))
+"""
+
+
+def test_readers_never_see_a_half_replaced_model(ext_sources, tmp_path):
+    """A process loading the output in a loop while another compiles over it again and again (the two sources
+    in turn): every load succeeds and computes the logits of one of the two complete models, never of a mix
+    (checked against stock ONNX Runtime on copies compiled apart)."""
+    import json
+
+    (src0, ref0), (src1, ref1) = ext_sources
+    out = tmp_path / "out" / "fast.onnx"
+    fc.compile(src0, out, frame_tokens=FRAME, threshold=0.0)
+    done = tmp_path / "done"
+    reader = _child(_READER, str(out), str(done), json.dumps(READER_IDS), wait=False)
+    try:
+        for k in range(4):
+            r = _child(_COMPILE, str((src1, src0)[k % 2]), str(out))
+            assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        done.touch()
+    stdout, stderr = reader.communicate(timeout=600)
+    assert reader.returncode == 0, stderr.decode()[-3000:]
+    loads = json.loads(stdout.decode().strip().splitlines()[-1])
+    assert len(loads) >= 4
+    want = [ort_driver.decode(str(ref), [np.array(READER_IDS)], frame_tokens=FRAME).logits[0][0, -1]
+            for ref in (ref0, ref1)]
+    assert np.abs(want[0] - want[1]).max() > 1e-3  # the two models are told apart
+    for k, got in enumerate(loads):
+        assert min(np.abs(np.asarray(got) - w).max() for w in want) <= 1e-4, f"load {k} matches neither model"
