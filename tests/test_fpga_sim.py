@@ -257,3 +257,24 @@ def test_double_buffering_overlaps_weight_loads_with_compute():
     bd = cfg
     both_floors = sum(on.dram_bytes.values()) / bd.dram_bytes_per_cycle + on.macs / bd.macs_per_cycle
     assert off.cycles >= both_floors > on.cycles
+
+
+@pytest.mark.parametrize("board,batch", [("kv260", 1), ("u280", 5)])
+def test_qk_norm_costs_two_vector_bundles_per_layer(board, batch):
+    """Per-head q/k norm (Qwen3) is priced, not dropped: per layer one RMSNORM over q_dim and one over kv_dim,
+    each a bundle of max(ceil(2 m / vector lanes) cycles x rows, 3 m bytes x rows / SRAM bandwidth) + issue
+    latency (simulate.py's execution model; the rows of the busiest core)."""
+    import dataclasses
+
+    cfg = load_board(board).replace(weight_buffer_kib=16)
+    plain, qk = (Simulator(build_program(dataclasses.replace(SPEC, qk_norm=q), cfg, batch=batch, context=CTX))
+                 for q in (False, True))
+    replay = np.zeros((2, SPEC.layers, batch), bool)
+    rows = -(-batch // cfg.cores)  # block binding: the busiest core's rows
+    want = 0.0
+    for m in (SPEC.heads * SPEC.head_dim, SPEC.kv_heads * SPEC.head_dim):
+        compute = rows * math.ceil(2 * m / cfg.vector_lanes)
+        sram = rows * 3 * m * cfg.dtype_bytes / cfg.sram_bytes_per_cycle
+        want += max(compute, sram) + cfg.issue_latency
+    got = qk.run(replay, CTX, policy="static").cycles_per_step - plain.run(replay, CTX, policy="static").cycles_per_step
+    assert cfg.double_buffering and got == pytest.approx(SPEC.layers * want)
