@@ -502,6 +502,7 @@ def cases() -> list[Case]:
            message="--targets"),
         _c("eval --out a file", lambda d: ["eval", "--out", str(d / "afile")], message="not a folder"),
         *files_cases(comp, fpga, sim, rep),
+        *runtime_cases(),
         # accepted: what must work, and leaves the inputs as they were
         _c("compile external data (accepted)", comp(model="ext/model.onnx"), exit=0,
            outputs=("out/fast.onnx", "out/fast.onnx.data"), subprocess=True),
@@ -593,6 +594,18 @@ def files_cases(comp, fpga, sim, rep) -> list[Case]:
            outputs=genai_outputs()),
     ]
     return out
+
+
+def runtime_cases() -> list[Case]:
+    """Issue 26, item 8 (runtime values through the CLI): the session's own refusals reach the user as one
+    line, exit 2 (the API's cases: tests/test_runtime_hostile.py)."""
+    ev = lambda *extra: lambda d: ["eval", "--model", str(d / "fast.onnx"), "--prompts",  # noqa: E731
+                                   str(d / "prompts.npy"), "--frames", "2", "--out", str(d / "out/e"), *extra]
+    return [
+        _c("eval --threads 1000000 (ORT started them all: a hang)", ev("--threads", "1000000"), message="threads",
+           subprocess=True),
+        _c("eval --threads 2000 (beyond the session's bound)", ev("--threads", "2000"), message="threads"),
+    ]
 
 
 def genai_outputs() -> tuple[str, ...]:
