@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fastcar_compile import contract, fileio, limits
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.options import ascii_float, ascii_int
 
 DEFAULT_TAU = 33.0  # post-RoPE TAS giving ~80% replay on the bundled model (docs/demo.md, eval sweep)
 
@@ -25,14 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the 4-layer long-video model: 64-frame videos, per-layer replay and per-frame quality plots "
                          "(defaults: 4 clips, 64 frames, its own tau; out fastcar-out/demo-long)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default fastcar-out/demo)")
-    ap.add_argument("--clips", type=int, default=None, help="held-out clips to generate (default 16; --long 4)")
-    ap.add_argument("--frames", type=int, default=None,
+    ap.add_argument("--clips", type=ascii_int, default=None, help="held-out clips to generate (default 16; --long 4)")
+    ap.add_argument("--frames", type=ascii_int, default=None,
                     help="frames per clip incl. the given frame 0 (default 8; --long 64)")
-    ap.add_argument("--tau", type=float, default=None, help=f"TAS threshold (default {DEFAULT_TAU}; --long its own)")
+    ap.add_argument("--tau", type=ascii_float, default=None, help=f"TAS threshold (default {DEFAULT_TAU}; --long its own)")
     ap.add_argument("--tas-query", choices=contract.TAS_QUERIES, default=contract.TAS_ROPE)
-    ap.add_argument("--max-replay", type=int, default=0, help="drift guard: max consecutive replays (0 = off)")
-    ap.add_argument("--threads", type=int, default=1, help="ORT intra-op threads for both models (default 1)")
-    ap.add_argument("--seed", type=int, default=0, help="clip selection seed (default 0)")
+    ap.add_argument("--max-replay", type=ascii_int, default=0, help="drift guard: max consecutive replays (0 = off)")
+    ap.add_argument("--threads", type=ascii_int, default=1, help="ORT intra-op threads for both models (default 1)")
+    ap.add_argument("--seed", type=ascii_int, default=0, help="clip selection seed (default 0)")
     return ap
 
 

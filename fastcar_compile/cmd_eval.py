@@ -24,6 +24,7 @@ import numpy as np
 from fastcar_compile import contract, fileio
 from fastcar_compile.atomic import save_figure
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.options import ascii_float, ascii_int
 
 TARGETS = (0.2, 0.5, 0.8, 0.9)
 
@@ -31,24 +32,24 @@ TARGETS = (0.2, 0.5, 0.8, 0.9)
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fastcar-compile eval", description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--out", type=Path, default=Path("fastcar-out/eval"), help="output folder")
-    ap.add_argument("--frames", type=int, default=None, help="frames per video (default 4 for --model, 8 bundled)")
-    ap.add_argument("--threads", type=int, default=None, help="ORT threads (default 2 for --model, 1 bundled)")
+    ap.add_argument("--frames", type=ascii_int, default=None, help="frames per video (default 4 for --model, 8 bundled)")
+    ap.add_argument("--threads", type=ascii_int, default=None, help="ORT threads (default 2 for --model, 1 bundled)")
     own = ap.add_argument_group("your own model")
     own.add_argument("--model", type=Path, help="compiled fast.onnx to measure")
     own.add_argument("--prompts", type=Path, help=".npy int array [prompts, prompt_len] of token ids")
     own.add_argument("--dense", type=Path, help="the original export (dense baseline); default: --model at "
                                                 "tau=+inf (same tokens, but carries the gate's overhead)")
-    own.add_argument("--batch", type=int, default=1, help="prompts per generate call (default 1)")
-    own.add_argument("--given-video-tokens", type=int, default=0,
+    own.add_argument("--batch", type=ascii_int, default=1, help="prompts per generate call (default 1)")
+    own.add_argument("--given-video-tokens", type=ascii_int, default=0,
                      help="the prompts end with this many video tokens (e.g. a given frame 0)")
     own.add_argument("--frame-shape", metavar="HxW", help="frame as a token grid (16x16 for L=256): per-token "
                                                           "replay heatmap fast.tokens.png")
     bundled = ap.add_argument_group("bundled video model (no --model)")
-    bundled.add_argument("--clips", type=int, default=None, help="held-out clips (default 8; --kv-sweep 2)")
+    bundled.add_argument("--clips", type=ascii_int, default=None, help="held-out clips (default 8; --kv-sweep 2)")
     bundled.add_argument("--targets", type=str, default=",".join(map(str, TARGETS)),
                     help="replay ratios whose TAS quantiles become the swept thresholds")
     bundled.add_argument("--variants", type=str, default="rope,raw", help="TAS variants (rope, raw)")
-    bundled.add_argument("--guard", type=int, default=2, help="drift guard K swept next to 0 = off (default 2)")
+    bundled.add_argument("--guard", type=ascii_int, default=2, help="drift guard K swept next to 0 = off (default 2)")
     kv = ap.add_argument_group("FAST-AR KV modes on the long-video model (reference path)")
     kv.add_argument("--kv-sweep", action="store_true",
                     help="sweep KV modes (--kv-modes) on the long-video model: density, recall, KV bytes, PSNR/SSIM "
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> int:
     a.threads = 1 if a.threads is None else a.threads
     a.clips = 8 if a.clips is None else a.clips
     try:
-        targets = [float(x) for x in a.targets.split(",") if x.strip()]
+        targets = [ascii_float(x) for x in a.targets.split(",") if x.strip()]
     except ValueError:
         raise FastCarError(f"--targets must be comma-separated numbers in (0, 1), got {a.targets!r}") from None
     if not targets or any(not 0 < t < 1 for t in targets):

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.options import ascii_int
 
 CHECK_TOLERANCE = 1e-3
 
@@ -18,10 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
         "config.json for random weights) to ONNX with past_key_values.N.key|value -> present.N.key|value.")
     ap.add_argument("source", help="transformers model folder (config.json + weights) or a config.json")
     ap.add_argument("-o", "--output", required=True, help="output .onnx (written atomically)")
-    ap.add_argument("--opset", type=int, help="ONNX opset (default 20 with dynamo, 17 with --torchscript)")
+    ap.add_argument("--opset", type=ascii_int, help="ONNX opset (default 20 with dynamo, 17 with --torchscript)")
     ap.add_argument("--torchscript", action="store_true",
                     help="use the TorchScript exporter (dynamo=False) instead of dynamo (the default)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights when given a config only")
+    ap.add_argument("--seed", type=ascii_int, default=0, help="seed of the random weights when given a config only")
     ap.add_argument("--no-check", action="store_true",
                     help="skip the check that ONNX Runtime's logits equal the eager model's (prompt + 2 steps)")
     return ap

@@ -7,6 +7,7 @@ import json
 import sys
 
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.options import ascii_float, ascii_int
 
 
 def _sim_parser() -> argparse.ArgumentParser:
@@ -15,12 +16,12 @@ def _sim_parser() -> argparse.ArgumentParser:
     p.add_argument("fcb", help="bundle file from `fastcar-compile fast.onnx --target fpga -o model.fcb`")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--replay-trace", help="run.json recorded by the runtime (per step, per layer, per row 0/1)")
-    src.add_argument("--replay-ratio", type=float, help="synthetic masks with this replay ratio (0-1); default 0")
+    src.add_argument("--replay-ratio", type=ascii_float, help="synthetic masks with this replay ratio (0-1); default 0")
     p.add_argument("--mask", choices=["random", "clustered"], default="random", help="synthetic mask kind")
-    p.add_argument("--batch", type=int, help="rows to simulate (<= the batch the program was compiled for)")
-    p.add_argument("--steps", type=int, default=8, help="synthetic decode steps (default 8)")
-    p.add_argument("--context", type=int, help="KV length for synthetic steps (default: the compiled one)")
-    p.add_argument("--seed", type=int, default=0, help="synthetic mask seed")
+    p.add_argument("--batch", type=ascii_int, help="rows to simulate (<= the batch the program was compiled for)")
+    p.add_argument("--steps", type=ascii_int, default=8, help="synthetic decode steps (default 8)")
+    p.add_argument("--context", type=ascii_int, help="KV length for synthetic steps (default: the compiled one)")
+    p.add_argument("--seed", type=ascii_int, default=0, help="synthetic mask seed")
     p.add_argument("--board", help="board preset to simulate on (must have the program's cores and buffers)")
     p.add_argument("--board-file", help="JSON file overriding board figures (clock, bandwidth, efficiency, ...)")
     p.add_argument("--policy", choices=["static", "drs", "both"], default="both", help="dispatch policy")
@@ -28,21 +29,21 @@ def _sim_parser() -> argparse.ArgumentParser:
                    help="weight streams: one broadcast to all cores, or one per core (default: the mode the "
                         "program's DRS thresholds were compiled for)")
     p.add_argument("--timeline", help="write a per-core timeline PNG of one decode step, one panel per policy")
-    p.add_argument("--timeline-step", type=int,
+    p.add_argument("--timeline-step", type=ascii_int,
                    help="step drawn in the timeline (default: a representative one, whose replay is closest to "
                         "the run's mean; frame 0, where nothing replays, only when nothing replays at all)")
-    p.add_argument("--timeline-layers", type=int, default=0,
+    p.add_argument("--timeline-layers", type=ascii_int, default=0,
                    help="draw only the first N decoder layers (default 0: all, each labelled)")
     p.add_argument("--baseline", metavar="DENSE.fcb",
                    help="the same model compiled with --dense: simulated on the same steps and contexts, "
                         "to print 'x dense' speed-ups")
-    p.add_argument("--kv-window", type=int,
+    p.add_argument("--kv-window", type=ascii_int,
                    help="bounded KV cache: attention reads the last W tokens plus --kv-sinks (local attention, "
                         "StreamingLLM); the --baseline keeps full attention. Default: the compressed KV cache the "
                         "compiled model records (fastcar.kv_compress); any --kv-* flag overrides it for every "
                         "layer, and says so")
-    p.add_argument("--kv-sinks", type=int, help="first tokens always read with --kv-window/--kv-budget")
-    p.add_argument("--kv-budget", type=int, help="bounded KV cache of C slots per KV head (reads min(context, C))")
+    p.add_argument("--kv-sinks", type=ascii_int, help="first tokens always read with --kv-window/--kv-budget")
+    p.add_argument("--kv-budget", type=ascii_int, help="bounded KV cache of C slots per KV head (reads min(context, C))")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
 

@@ -41,19 +41,26 @@ VALUE, SWITCH, ON_OFF, NEGATE, TRISTATE, REPEAT, OPTIONAL = "value", "switch", "
 KV_GROUP = "compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)"
 
 
+class NotANumber(ValueError, argparse.ArgumentTypeError):
+    """A value that does not read as a number; argparse prints its text after the flag's name."""
+
+
 def ascii_int(text: str) -> int:
-    """An integer written in ASCII digits (int() also reads '٢', '²' raises): the CLI's integer reader."""
+    """An integer written in ASCII digits (int() also reads '٢' as 2, and '1_000'): the CLI's integer reader."""
     body = text[1:] if text[:1] in "+-" else text
     if not body or not (body.isascii() and body.isdigit()):
-        raise ValueError(f"not an integer in ASCII digits: {text!r}")
+        raise NotANumber(f"not an integer in ASCII digits: {text!r}")
     return int(text)
 
 
 def ascii_float(text: str) -> float:
     """A number written in ASCII (float() also reads Arabic-Indic digits): the CLI's number reader."""
-    if not text.isascii():
-        raise ValueError(f"not a number in ASCII digits: {text!r}")
-    return float(text)
+    try:
+        if not text.isascii():
+            raise ValueError
+        return float(text)
+    except ValueError:
+        raise NotANumber(f"not a number in ASCII digits: {text!r}") from None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import numpy as np
 
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import staged_dir
+from fastcar_compile.options import ascii_int
 from fastcar_compile.runtime.stats import RunStats
 
 PICTURES = ("replay", "latency", "kv", "tokens")  # <stem>.<kind>.png
@@ -42,7 +43,7 @@ def parse_frame_shape(text: str | None, frame_tokens: int) -> tuple[int, int] | 
     if not text:
         return None
     try:
-        h, w = (int(x) for x in text.lower().split("x"))
+        h, w = (ascii_int(x) for x in text.lower().split("x"))
     except ValueError:
         raise FastCarError(f"--frame-shape {text!r}: give HxW, e.g. 16x16") from None
     if h < 1 or w < 1:

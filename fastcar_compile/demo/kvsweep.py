@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fastar.config import KVCompressConfig
+from fastcar_compile.options import ascii_float, ascii_int
 from fastcar_compile.passes.context import parse_sparse_attention
 
 DEFAULT_MODES = ("dense;window:4+124;budget:4+60+192;tempcache:0.99;tempcache:0.95;tempcache:0.9;"
@@ -33,7 +34,7 @@ LSH_SINKS, LSH_WINDOW = 4, 64
 def _ints(s: str, n: int, what: str) -> list[int]:
     parts = s.split("+")
     try:
-        vals = [int(p) for p in parts]
+        vals = [ascii_int(p) for p in parts]
     except ValueError:
         vals = []
     if len(vals) != n or any(v < 0 for v in vals):
@@ -57,7 +58,7 @@ def parse_mode(spec: str, frame_tokens: int, video_start: int) -> KVCompressConf
     if kind == "tempcache":
         sim, _, bound = arg.partition("@")
         try:
-            simf = float(sim)
+            simf = ascii_float(sim)
         except ValueError:
             raise FastCarError(f"{spec}: tempcache takes a cosine, e.g. tempcache:0.95") from None
         if bound:
@@ -69,7 +70,7 @@ def parse_mode(spec: str, frame_tokens: int, video_start: int) -> KVCompressConf
         return KVCompressConfig(**kw, sinks=LSH_SINKS, window=LSH_WINDOW, **base)
     if kind == "prune":
         try:
-            thr = float(arg)
+            thr = ascii_float(arg)
         except ValueError:
             raise FastCarError(f"{spec}: prune takes a softmax weight, e.g. prune:0.01") from None
         return KVCompressConfig(prune_prompt=thr, **base)
