@@ -197,7 +197,7 @@ OPTIONS: tuple[Option, ...] = (
            metavar="C", lo=1, hi=MAX_KV_BUDGET, meaning="KV slots per layer and KV head", group=KV_GROUP),
     Option("kv_sinks", int, 0, "first S tokens always kept (attention sinks)", "--kv-sinks", metavar="S", lo=0,
            hi=MAX_KV_BUDGET, meaning="tokens always kept, below --kv-budget", group=KV_GROUP),
-    Option("kv_window", int, 0, "last W tokens always kept (local window)", "--kv-window", metavar="W", lo=0,
+    Option("kv_window", int, 0, "last W tokens always kept (local window; on FastCar layers at least a frame)", "--kv-window", metavar="W", lo=0,
            hi=MAX_KV_BUDGET, meaning="tokens always kept, below --kv-budget", group=KV_GROUP),
     Option("kv_eviction", str, "mass", "which slot leaves a full cache: least attention mass received (default) "
            "or oldest", "--kv-eviction", choices=("mass", "oldest"), group=KV_GROUP),
