@@ -74,11 +74,13 @@ def tokenizer_stage(a) -> None:
 
 
 def model_stage(a) -> None:
+    import hashlib
+
     from fastcar_compile.demo.vqvae import load_frame_tokenizer
 
     kw = {f.name: getattr(a, f.name) for f in fields(VideoTrainSettings) if getattr(a, f.name, None) is not None}
-    s = VideoTrainSettings(**kw)
     tok = load_frame_tokenizer(a.tokenizer)
+    s = VideoTrainSettings(**kw, tokenizer_sha256=hashlib.sha256(a.tokenizer.read_bytes()).hexdigest())
     step = train_video_model(s, tok, a.ckpt, a.log, until=a.until, export=a.ckpt)
     print(f"reached step {step}; checkpoint {a.ckpt / 'checkpoint.pt'}; weights {a.ckpt / 'video.safetensors'}")
 
@@ -138,4 +140,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from fastcar_compile.errors import FastCarError
+
+    try:
+        main()
+    except FastCarError as e:
+        raise SystemExit(f"error: {e}") from None

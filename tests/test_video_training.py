@@ -65,8 +65,9 @@ def test_batches_are_seeded_and_drop_conditioning(tok) -> None:
 
 
 def _settings(**kw) -> VideoTrainSettings:
-    return VideoTrainSettings(frames=4, batch=2, steps=4, warmup=2, eval_every=2, eval_clips=2,
-                              position_gap=8, checkpoint_seconds=0.0, config=TINY, **kw)
+    base = dict(frames=4, batch=2, steps=4, warmup=2, eval_every=2, eval_clips=2, position_gap=8,
+                checkpoint_seconds=0.0, config=TINY)
+    return VideoTrainSettings(**{**base, **kw})
 
 
 def test_resume_matches_an_uninterrupted_run(tok, tmp_path) -> None:
@@ -91,3 +92,16 @@ def test_resume_matches_an_uninterrupted_run(tok, tmp_path) -> None:
     fp16 = load_file(str(tmp_path / "b" / "video.safetensors"))
     assert all(v.dtype == torch.float16 for v in fp16.values())
     torch.testing.assert_close(fp16["lm_head.weight"].float(), wb["lm_head.weight"], rtol=1e-3, atol=1e-3)
+
+
+def test_resume_refuses_other_data_settings(tok, tmp_path) -> None:
+    """A checkpoint continued with another batch size or tokenizer would silently see other clips / tokens."""
+    from fastcar_compile.errors import FastCarError
+
+    train_video_model(_settings(tokenizer_sha256="aa"), tok, tmp_path, tmp_path / "log.jsonl", until=1)
+    with pytest.raises(FastCarError, match="batch=2, not 3"):
+        train_video_model(_settings(tokenizer_sha256="aa", batch=3), tok, tmp_path, tmp_path / "l.jsonl")
+    with pytest.raises(FastCarError, match="tokenizer_sha256"):
+        train_video_model(_settings(tokenizer_sha256="bb"), tok, tmp_path, tmp_path / "l.jsonl")
+    assert train_video_model(_settings(tokenizer_sha256="aa", lr=1e-3), tok, tmp_path, tmp_path / "l.jsonl",
+                             until=2) == 2

@@ -27,6 +27,7 @@ import numpy as np
 from fastcar_compile.atomic import atomic_path
 from fastcar_compile.demo import condition, scenes
 from fastcar_compile.demo.model import DemoConfig, build_model
+from fastcar_compile.errors import FastCarError
 
 # 6 layers, hidden 256, MLP 8x wide (FastCar skips MLPs: their share of a decode step bounds its speed-up);
 # copy-head init in layer 0 only (as the long demo model). 11.3 M parameters, 22.7 MB as fp16.
@@ -53,7 +54,23 @@ class VideoTrainSettings:
     eval_clips: int = 32
     checkpoint_seconds: float = 600.0
     bf16: bool = True
+    tokenizer_sha256: str = ""  # the frame tokenizer's file hash: a resumed run must tokenize as it began
     config: DemoConfig = field(default_factory=lambda: VIDEO_CONFIG)
+
+
+# Settings a resumed run must share with its checkpoint: they decide which clips and tokens a step sees and
+# what the weights mean. (steps, lr, evaluation and checkpoint cadence may change between runs.)
+_RESUME_FIXED = ("frames", "batch", "seed", "uncond_prob", "position_gap", "bf16", "tokenizer_sha256", "config")
+
+
+def check_resumable(saved: dict, s: VideoTrainSettings, ckpt: Path) -> None:
+    """One-line error when the checkpoint was trained with other data / model settings than `s`."""
+    now = {**asdict(s), "config": s.config.to_dict()}
+    for k in _RESUME_FIXED:
+        old, new = saved.get(k), now[k]
+        if old is not None and old != "" and old != new:
+            raise FastCarError(f"checkpoint {ckpt} was trained with {k}={old!r}, not {new!r}; resume with the "
+                               f"same settings or give another --ckpt folder")
 
 
 def batch_for_step(tok, s: VideoTrainSettings, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -145,6 +162,7 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
     step = 0
     if ckpt.exists():
         blob = torch.load(ckpt, weights_only=False)
+        check_resumable(blob["settings"], s, ckpt)
         model.load_state_dict(blob["model"])
         opt.load_state_dict(blob["optimizer"])
         step = int(blob["step"])
