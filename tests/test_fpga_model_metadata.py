@@ -152,6 +152,20 @@ def test_kv_settings_are_read_from_the_model(qwen3):
     assert program.meta["kv"] == {str(n): {"budget": BUDGET, "sinks": SINKS, "window": WINDOW} for n in layers}
 
 
+def test_per_layer_kv_settings_reach_their_layers(qwen3, tmp_path):
+    """--kv-layer: layer 1 bounded with its own settings and TempCache merging, layer 0 dense; the bundle
+    records exactly that, and the report notes that merging is not priced."""
+    import fastcar_compile as fc
+
+    _, plain, _, _ = qwen3
+    mixed = tmp_path / "mixed.onnx"
+    fc.compile(str(plain), str(mixed), frame_tokens=FRAME, threshold=0.0,
+               kv_layers=["0:off", "1:budget=10,sinks=1,window=4,tempcache=0.9"])
+    report = compile_to_bundles(mixed, tmp_path / "mixed.fcb")
+    assert encode.load(tmp_path / "mixed.fcb").meta["kv"] == {"1": {"budget": 10, "sinks": 1, "window": 4}}
+    assert any("TempCache merging" in n and "not priced" in n for n in report.notes), report.notes
+
+
 def _sim(capsys, fcb, *extra):
     capsys.readouterr()
     rc = cli(["sim", str(fcb), "--context", "40", "--steps", "2", "--policy", "static", "--json", *extra])
