@@ -20,7 +20,7 @@ from fastcar_compile import options as declared
 from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.passes.analysis import parse_layers
-from fastcar_compile.torch import capture, discover
+from fastcar_compile.torch import capture, discover, native
 from fastcar_compile.torch.module import (
     FastCarCausalLMMixin,
     FastCarDecoder,
@@ -49,6 +49,7 @@ def build(model: nn.Module, *, example_inputs: tuple[torch.Tensor, ...] | None =
     opts = _check_options(options)
     frame_tokens, tas_query, max_replay = opts["frame_tokens"], opts["tas_query"], opts["max_replay"]
     layers, per_layer_threshold, taus = opts["layers"], opts["per_layer_threshold"], list(opts["threshold"])
+    native.load()  # the ops' CPU kernels (built once; without a compiler the ATen composite runs)
     front, _ = capture.flat_front(model, embeds)
     if example_inputs is None:
         if not capture.is_transformers_lm(model):

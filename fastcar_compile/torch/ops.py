@@ -1,8 +1,15 @@
-"""The FastCar ops as torch custom ops (`fastcar::*`): opaque to torch.export / torch.compile, lowered to the
+"""The FastCar ops as torch ops (`fastcar::*`): opaque to torch.export / torch.compile, lowered to the
 `ai.fastcar` ONNX functions of passes/fastcar_ops.py by `fastcar_compile.torch.onnx_export`.
 
-Semantics are docs/DESIGN.md's (`TemporalGate`, `MLPCacheRead`, `MLPCacheUpdate`); this file is their eager
-PyTorch implementation, vectorised over rows and tokens.
+Semantics are docs/DESIGN.md's (`TemporalGate`, `MLPCacheRead`, `MLPCacheUpdate`). Each op is defined once
+(SCHEMAS) with three implementations:
+- the ATen composite below (vectorised over rows and tokens), registered for CompositeExplicitAutograd: it
+  serves every device without a kernel of its own, and is the reference the kernels are tested against;
+- a C++ kernel for the CPU dispatch key (fastcar_torch_ops.cc, built and loaded by native.load()): one call
+  instead of the ~10-15 small ATen ops of the composite, which dominated a batch-1 decode step;
+- a fake (meta) impl, so torch.compile and torch.export trace the ops without running them.
+A CUDA (e.g. Triton) kernel goes in with `torch.library.impl(f"fastcar::{name}", "CUDA")`; until then CUDA
+tensors run the composite.
 """
 
 from __future__ import annotations
@@ -13,9 +20,18 @@ import weakref
 import torch
 
 NAMESPACE = "fastcar"
+LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+SCHEMAS = {
+    "temporal_gate": "(Tensor q, Tensor present_key, Tensor past_mlp_age, Tensor threshold, Tensor video_start, "
+                     "int frame_tokens, int max_replay) -> (Tensor, Tensor, Tensor, Tensor)",
+    "mlp_cache_read": "(Tensor past_mlp_cache, Tensor slot) -> Tensor",
+    "mlp_cache_update": "(Tensor past_mlp_cache, Tensor past_mlp_age, Tensor branch, Tensor replay, Tensor slot, "
+                        "Tensor write) -> (Tensor, Tensor)",
+}
+for _name, _schema in SCHEMAS.items():
+    LIB.define(_name + _schema)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::temporal_gate", mutates_args=())
 def temporal_gate(
     q: torch.Tensor,
     present_key: torch.Tensor,
@@ -44,25 +60,21 @@ def temporal_gate(
     return replay, tas, slot, write
 
 
-@temporal_gate.register_fake
-def _(q, present_key, past_mlp_age, threshold, video_start, frame_tokens, max_replay):
+def _temporal_gate_fake(q, present_key, past_mlp_age, threshold, video_start, frame_tokens, max_replay):
     B, S = q.shape[0], q.shape[2]
     return (q.new_empty((B, S), dtype=torch.bool), q.new_empty((B, S), dtype=torch.float32),
             q.new_empty((S,), dtype=torch.int64), q.new_empty((S,), dtype=torch.bool))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::mlp_cache_read", mutates_args=())
 def mlp_cache_read(past_mlp_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """cached [B,S,H]: the stored MLP branch output of each token's slot."""
     return past_mlp_cache.index_select(1, slot)
 
 
-@mlp_cache_read.register_fake
-def _(past_mlp_cache, slot):
+def _mlp_cache_read_fake(past_mlp_cache, slot):
     return past_mlp_cache.new_empty((past_mlp_cache.shape[0], slot.shape[0], past_mlp_cache.shape[2]))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::mlp_cache_update", mutates_args=())
 def mlp_cache_update(
     past_mlp_cache: torch.Tensor,
     past_mlp_age: torch.Tensor,
@@ -80,9 +92,16 @@ def mlp_cache_update(
     return cache, past_mlp_age.index_copy(1, slots, new)
 
 
-@mlp_cache_update.register_fake
-def _(past_mlp_cache, past_mlp_age, branch, replay, slot, write):
+def _mlp_cache_update_fake(past_mlp_cache, past_mlp_age, branch, replay, slot, write):
     return torch.empty_like(past_mlp_cache), torch.empty_like(past_mlp_age)
+
+
+COMPOSITES = {"temporal_gate": temporal_gate, "mlp_cache_read": mlp_cache_read, "mlp_cache_update": mlp_cache_update}
+for _name, _fn in COMPOSITES.items():
+    LIB.impl(_name, _fn, "CompositeExplicitAutograd")
+for _name, _fake in (("temporal_gate", _temporal_gate_fake), ("mlp_cache_read", _mlp_cache_read_fake),
+                     ("mlp_cache_update", _mlp_cache_update_fake)):
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=LIB)
 
 
 # Branch modules by handle, for compact_branch (a custom op takes tensors and ints, not modules).

@@ -68,11 +68,9 @@ class FastCarBranch(nn.Module):
             return torch.cond(replay.all(), all_replay, select, (x, replay, cached, *ext))
         if torch.compiler.is_compiling():
             return torch.cond(replay.any(), self._some_replay, self._no_replay, (x, replay, cached, *ext))
-        keep = ~replay
-        n_keep = int(keep.sum())
-        if n_keep == keep.numel():
+        if not replay.any():
             return self.branch(x, *ext)
-        if n_keep == 0:
+        if replay.all():
             return cached.to(x.dtype)
         return self.compacted(x, replay, cached, *ext)
 
