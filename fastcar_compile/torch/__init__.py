@@ -20,7 +20,7 @@ from fastcar_compile import options as declared
 from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.passes.analysis import parse_layers
-from fastcar_compile.torch import capture, discover, native
+from fastcar_compile.torch import capture, discover, native, optimize
 from fastcar_compile.torch.module import (
     FastCarCausalLMMixin,
     FastCarDecoder,
@@ -89,6 +89,8 @@ def build(model: nn.Module, *, example_inputs: tuple[torch.Tensor, ...] | None =
                    per_layer_threshold=per_layer_threshold)
     for r in report.layers:
         r.rewritten = r.layer in done
+    lowering = _copy_program(program)  # what to_onnx lowers: the exported form, as the ONNX path sees it
+    optimize.sdpa_gqa(program)  # what runs: grouped heads read in place, as the eager model does
     first = selected[0]
     kshape = first.present_key.meta["val"].shape
     dtype = first.entry.meta["val"].dtype
@@ -96,10 +98,20 @@ def build(model: nn.Module, *, example_inputs: tuple[torch.Tensor, ...] | None =
                              hidden=first.hidden, threshold=taus if per_layer_threshold else taus[0],
                              per_layer_threshold=per_layer_threshold, kv_shape=(int(kshape[1]), int(kshape[3])),
                              dtype=dtype, report=report)
+    object.__setattr__(decoder, "lowering_program", lowering)  # not a submodule: its weights are the program's
     decoder.options = {"frame_tokens": frame_tokens, "tas_query": tas_query, "max_replay": max_replay,
                        "num_layers": len(matches), "num_heads": first.num_heads, "num_kv_heads": first.num_kv_heads,
                        "head_dim": first.head_dim}
     return decoder
+
+
+def _copy_program(program: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A second GraphModule over the same weights and submodules with its own copy of the graph."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(program.graph, {}))
+    copy = torch.fx.GraphModule(program, graph, class_name=type(program).__name__)
+    copy.train = types.MethodType(lambda self, mode=True: self, copy)
+    return copy
 
 
 def apply(model: nn.Module, *, video_start: int = 0, example_inputs: tuple[torch.Tensor, ...] | None = None,

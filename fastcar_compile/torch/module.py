@@ -89,6 +89,7 @@ class FastCarDecoder(nn.Module):
         self.last_tas: dict[int, torch.Tensor] = {}
         self.capture_embeds: Callable[[], FastCarDecoder] | None = None  # set by apply for transformers LMs
         self.embeds_program: fx.GraphModule | None = None
+        self.lowering_program: fx.GraphModule | None = None  # the program in its exported form (to_onnx); set by build
         # compile_with(ctx) runs the programs compiled by a torch.compile context (see FastCarCausalLMMixin)
         self._compile_ctx: Callable | None = None
         self._compiled: dict[tuple[int, int], tuple[Callable, nn.Module]] = {}

@@ -179,7 +179,7 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
     shapes += [{0: B}] * (2 * len(dec.layers))
     with torch.no_grad(), warnings.catch_warnings(), dense_branches(), _quiet_exporter():
         warnings.simplefilter("ignore")
-        prog = torch.onnx.export(dec.program, _example(dec), input_names=ins, output_names=outs,
+        prog = torch.onnx.export(dec.program if dec.lowering_program is None else dec.lowering_program, _example(dec), input_names=ins, output_names=outs,
                                  dynamic_shapes=tuple(shapes), opset_version=opset, dynamo=True, optimize=True,
                                  custom_translation_table=translation_table(), verbose=False)
     model: ir.Model = prog.model

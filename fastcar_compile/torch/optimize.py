@@ -1,0 +1,74 @@
+"""Graph rewrites that make the captured program run as fast as the eager model it came from.
+
+torch.export captures attention with an explicit mask, and transformers then expands the KV heads for grouped
+query attention (repeat_kv: unsqueeze, expand, reshape) before scaled_dot_product_attention. With that
+reshape the whole key and value caches are copied per layer and step; the eager model, which passes no mask at
+batch 1, lets SDPA read the grouped heads (enable_gqa) and copies nothing. `sdpa_gqa` gives the captured program
+the eager model's form. The program lowered to ONNX keeps the exported form (onnx_export), so the ONNX path
+and its tests see what the exporter emits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+_SDPA = aten.scaled_dot_product_attention.default
+_FULL = (0, None, 9223372036854775807)  # a slice that keeps everything
+
+
+def _shape(node) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _skip_full_slices(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target is aten.slice.Tensor:
+        start = node.args[2] if len(node.args) > 2 else 0
+        end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        if start != 0 or end not in _FULL or step != 1:
+            break
+        node = node.args[0]
+    return node
+
+
+def repeated_kv(node: fx.Node) -> fx.Node | None:
+    """x [B, Hkv, T, D] when `node` is repeat_kv(x) = reshape(expand(x[:, :, None], [B, Hkv, g, T, D]),
+    [B, Hkv * g, T, D]) (full slices allowed in between), else None."""
+    if node.op != "call_function" or node.target not in (aten.reshape.default, aten.view.default):
+        return None
+    expand = _skip_full_slices(node.args[0])
+    if expand.op != "call_function" or expand.target is not aten.expand.default:
+        return None
+    unsq = _skip_full_slices(expand.args[0])
+    if unsq.op != "call_function" or unsq.target is not aten.unsqueeze.default or unsq.args[1] != 2:
+        return None
+    base = _skip_full_slices(unsq.args[0])
+    bs, es, rs = _shape(base), _shape(expand), _shape(node)
+    if bs is None or es is None or rs is None or len(bs) != 4 or len(es) != 5 or len(rs) != 4:
+        return None
+    same = [str(a) == str(b) for a, b in ((bs[0], rs[0]), (bs[2], rs[2]), (bs[3], rs[3]), (bs[1], es[1]))]
+    if not all(same) or str(rs[1]) != str(es[1] * es[2]):
+        return None
+    return base
+
+
+def sdpa_gqa(gm: fx.GraphModule) -> int:
+    """SDPA on repeat_kv'd key and value -> SDPA on the grouped heads with enable_gqa=True (same result, no
+    copy of the caches). Returns the number of attention ops rewritten."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _SDPA or len(node.args) > 7:
+            continue
+        key, value = repeated_kv(node.args[1]), repeated_kv(node.args[2])
+        if key is None or value is None or node.kwargs.get("enable_gqa"):
+            continue
+        node.args = (node.args[0], key, value, *node.args[3:])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+        done += 1
+    if done:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return done
