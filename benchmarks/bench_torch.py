@@ -1,8 +1,10 @@
 """Per-token decode time of FastCar in PyTorch (eager and torch.compile) next to the ONNX path, at forced replay.
 
 One seeded random LLaMA-style decoder (benchmarks/_common.py) is run three ways, batch 1, on CPU:
-- PyTorch eager: the model's captured program without FastCar ("dense") and with it
-  (`fastcar_compile.torch.build`), plus the transformers model itself;
+- PyTorch eager: the model's captured program without FastCar ("dense", with the same graph rewrite as the
+  FastCar program: fastcar_compile.torch.optimize) and with it (`fastcar_compile.torch.build`), plus the
+  transformers model itself and, at 0% and the next ratio, the FastCar program with the ops' ATen composite
+  instead of their C++ kernels ("composite": what ran before the kernels, and where no compiler exists);
 - torch.compile (inductor, dynamic shapes) of the same two programs;
 - ONNX Runtime: the dense export and its `fastcar-compile` output (what bench_pass.py measures).
 Replay is forced per layer through a per-layer threshold (tau = -inf replays, +inf computes; the same
@@ -13,6 +15,10 @@ same window (medians over windows). Prints a table, writes bench_torch.json and 
 
     python benchmarks/bench_torch.py            # hidden 1024, 8 layers, context 1024 (several minutes: compiles)
     python benchmarks/bench_torch.py --quick    # small model, smoke run
+    python benchmarks/bench_torch.py --threads 1 --no-compile --no-ort --ratios 0,0.4,0.5,1   # the targets below
+
+Targets (printed as met / missed): FastCar at 0% replay within 3% of the transformers model itself, and
+faster than it at >= 40% replay (torch eager, same window).
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ class TorchRunner:
     def __init__(self, name: str, fn, kv: list, past: int, vocab: int, *, state: list | None = None,
                  ratio: Fraction | None = None, layers: int = 0):
         self.name, self.fn, self.kv, self.past, self.vocab = name, fn, list(kv), past, vocab
-        self.state, self.ratio, self.layers = list(state or []), ratio, layers
+        # own copies: the eager FastCar step updates its state in place (as FastCarDecoder runs it)
+        self.state, self.ratio, self.layers = [s.clone() for s in state or []], ratio, layers
         self.rng = np.random.default_rng(1)
         self.step = 0
         self.wall_ms: list[float] = []
@@ -96,7 +103,8 @@ def plot(results: dict, path: Path) -> None:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
     for runtime, color in zip(results["runtimes"], ("C0", "C1", "C2"), strict=False):
-        rows = [r for r in results["rows"] if r["runtime"] == runtime and r["ratio"] is not None]
+        rows = [r for r in results["rows"] if r["runtime"] == runtime and r["ratio"] is not None
+                and not r["config"].startswith("composite")]
         x = [100 * r["ratio"] for r in rows]
         ax.plot(x, [r["ms"] for r in rows], "o-", color=color, label=f"{runtime} FastCar")
         ax.axhline(results["dense_ms"][runtime], color=color, ls=":", lw=1, label=f"{runtime} dense")
@@ -125,15 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, help="timed windows per configuration")
     ap.add_argument("--ratios", default="0,0.5,0.8,1")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it takes minutes on 2 cores)")
+    ap.add_argument("--no-ort", action="store_true", help="skip ONNX Runtime (its export takes minutes once)")
     a = ap.parse_args(argv)
 
     import torch
     from tqdm import tqdm
 
-    import fastcar_compile
     import fastcar_compile.torch as fct
-    from fastcar_compile.atomic import write_text
-    from fastcar_compile.torch import capture
+    from fastcar_compile.torch import capture, ops, optimize
 
     torch.set_num_threads(a.threads)
     preset = QUICK if a.quick else FULL
@@ -149,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     dense_prog = fct.build(model, frame_tokens=L, threshold=math.inf, per_layer_threshold=True)
     plain = capture.capture(front, capture.example_inputs(model)).module(check_guards=False)
     plain._forward_pre_hooks.clear()
+    optimize.sdpa_gqa(plain)  # the form the FastCar program runs in (grouped KV heads read in place)
+    optimize.drop_metadata_asserts(plain)
+    composite = optimize.copy_program(dense_prog.program)  # the ops' ATen composites, called directly
+    for node in composite.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == ops.NAMESPACE:
+            node.target = ops.COMPOSITES.get(node.target._opname, node.target)
+    composite.recompile()
     rng = np.random.default_rng(0)
     ids = torch.as_tensor(rng.integers(0, shape.vocab, (1, context)))
     print(f"prefill {context} tokens in PyTorch ...", file=sys.stderr)
@@ -160,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                                       *empty, torch.tensor(0), torch.full((n,), math.inf), *dense_prog.state)
     kv0 = list(dense_out[1:])
     fkv0, fstate0 = list(fast_out[1:1 + 2 * n]), list(fast_out[1 + 2 * n:1 + 4 * n])
-    runtimes = {"torch eager": (front, plain, dense_prog.program)}
+    # eager: the program as FastCarDecoder runs it (MLP state updated in place); compiled: the functional one
+    runtimes = {"torch eager": (front, plain, optimize.inplace_state(dense_prog.program))}
     if not a.no_compile:
         runtimes["torch.compile"] = (None, torch.compile(plain, dynamic=True),
                                      torch.compile(dense_prog.program, dynamic=True))
@@ -171,6 +186,29 @@ def main(argv: list[str] | None = None) -> int:
         runners.append(TorchRunner(f"{rt}|dense", dense_fn, kv0, context, shape.vocab))
         runners += [TorchRunner(f"{rt}|{float(r):.0%}", fast_fn, fkv0, context, shape.vocab, state=fstate0, ratio=r,
                                 layers=n) for r in ratios]
+        if hf is not None:
+            runners += [TorchRunner(f"{rt}|composite {float(r):.0%}", composite, fkv0, context, shape.vocab,
+                                    state=fstate0, ratio=r, layers=n) for r in ratios[:2]]
+    if not a.no_ort:
+        runners += ort_runners(shape, a, L, ids, ratios)
+    period = period_of(ratios, n)
+    for _ in tqdm(range(period), desc="warm-up (torch.compile compiles here)", unit="step"):
+        for r in runners:
+            r.run_step(record=False)
+    order = list(range(len(runners)))
+    for _ in tqdm(range(rounds * period), desc=f"timing {len(runners)} configs", unit="step"):
+        order = order[1:] + order[:1]
+        for i in order:
+            runners[i].run_step()
+    report(runners, list(runtimes) + ([] if a.no_ort else ["ORT"]), shape, n, context, L, a, rounds, period)
+    return 0
+
+
+def ort_runners(shape, a, L, ids, ratios) -> list:
+    """The dense export and its fastcar-compile output in ONNX Runtime, prefilled like the PyTorch runners."""
+    import fastcar_compile
+
+    n = shape.layers
     dense_path = cached_export(shape, a.cache)
     fast_path = dense_path.parent / f"fast-L{L}.onnx"
     # Exported attention and ops kept (as in the dense export and the PyTorch programs): FastCar's ratio alone.
@@ -181,25 +219,25 @@ def main(argv: list[str] | None = None) -> int:
     st_d = prefill(sess_d, ids_np, L, {})
     st_f = prefill(sess_f, ids_np, L, {"video_start": np.asarray(0, np.int64),
                                        "fastcar_threshold": np.full(n, np.inf, np.float32)})
-    runners.append(Runner("ORT|dense", sess_d, st_d, context, np.random.default_rng(1), shape.vocab))
+    context = ids.shape[1]
+    runners = [Runner("ORT|dense", sess_d, st_d, context, np.random.default_rng(1), shape.vocab)]
     runners += [Runner(f"ORT|{float(r):.0%}", sess_f, st_f, context, np.random.default_rng(1), shape.vocab,
                        ratio=r, fast_layers=list(range(n)), frame_tokens=L) for r in ratios]
-    period = period_of(ratios, n)
-    for _ in tqdm(range(period), desc="warm-up (torch.compile compiles here)", unit="step"):
-        for r in runners:
-            r.run_step(record=False)
-    order = list(range(len(runners)))
-    for _ in tqdm(range(rounds * period), desc=f"timing {len(runners)} configs", unit="step"):
-        order = order[1:] + order[:1]
-        for i in order:
-            runners[i].run_step()
+    return runners
+
+
+def report(runners, names, shape, n, context, L, a, rounds, period) -> None:
+    """Print the table and the targets; write bench_torch.json / .png."""
+    from fastcar_compile.atomic import write_text
+    from fastcar_compile.torch import native
 
     def windows(r) -> np.ndarray:
         return np.asarray(r.wall_ms).reshape(rounds, period).mean(axis=1)
 
     by_name = {r.name: r for r in runners}
-    names = list(runtimes) + ["ORT"]
     rows, dense_ms = [], {}
+    hf = by_name.get("torch eager|transformers")
+    hw = windows(hf) if hf is not None else None
     for rt in names:
         dw = windows(by_name[f"{rt}|dense"])
         dense_ms[rt] = float(np.median(dw))
@@ -210,26 +248,42 @@ def main(argv: list[str] | None = None) -> int:
             ratio = getattr(r, "ratio", None)
             rows.append({"runtime": rt, "config": r.name.split("|", 1)[1], "ratio": None if ratio is None else float(ratio),
                          "realised": None if ratio is None else r.realised, "mismatch": getattr(r, "mismatch", 0),
-                         "ms": float(np.median(w)), "speedup": float(np.median(dw / w))})
+                         "ms": float(np.median(w)), "speedup": float(np.median(dw / w)),
+                         "x_transformers": float(np.median(hw / w)) if rt == "torch eager" and hw is not None else None})
     ort_ms = {row["config"]: row["ms"] for row in rows if row["runtime"] == "ORT"}
     print(f"\nLLaMA-style hidden {shape.hidden}, {n} layers, context {context}, L {L}, batch 1, CPU {a.threads} threads"
           f" ({rounds} windows of {period} steps, interleaved)")
-    print(f"{'runtime':<14} {'config':<13} {'ms/step':>8} {'x own dense':>11} {'x ORT same':>10} {'realised':>8}")
+    print(f"{'runtime':<14} {'config':<14} {'ms/step':>8} {'x own dense':>11} {'x transformers':>14} "
+          f"{'x ORT same':>10} {'realised':>8}")
     for row in rows:
         vs_ort = ort_ms.get(row["config"])
-        print(f"{row['runtime']:<14} {row['config']:<13} {row['ms']:8.2f} {row['speedup']:11.3f} "
-              f"{(vs_ort / row['ms'] if vs_ort else float('nan')):10.3f} "
+        xt = row["x_transformers"]
+        print(f"{row['runtime']:<14} {row['config']:<14} {row['ms']:8.2f} {row['speedup']:11.3f} "
+              f"{'' if xt is None else format(xt, '.3f'):>14} {(vs_ort / row['ms'] if vs_ort else float('nan')):10.3f} "
               f"{'' if row['realised'] is None else format(row['realised'], '.0%'):>8}")
         if row["mismatch"]:
             print(f"  warning: {row['mismatch']} layer-steps replayed differently from the forced pattern")
+    targets = []
+    for row in rows:  # FastCar (C++ kernels) in torch eager against the transformers model, same windows
+        if row["runtime"] != "torch eager" or row["ratio"] is None or row["config"].startswith("composite"):
+            continue
+        if row["ratio"] == 0:
+            cost = 1 / row["x_transformers"] - 1
+            targets.append(f"0% replay costs {cost:+.1%} vs transformers (target <= +3%): "
+                           f"{'met' if cost <= 0.03 else 'missed'}")
+        elif row["ratio"] >= 0.4:
+            targets.append(f"{row['ratio']:.0%} replay runs at {row['x_transformers']:.3f}x transformers "
+                           f"(target > 1): {'met' if row['x_transformers'] > 1 else 'missed'}")
+    print(native.status())
+    for line in targets:
+        print("target: " + line)
     results = {"title": f"LLaMA-style h{shape.hidden} x{n}, ctx {context}, L {L}, CPU {a.threads} threads, batch 1",
                "shape": vars(shape) if hasattr(shape, "__dict__") else str(shape), "context": context,
                "frame_tokens": L, "threads": a.threads, "rounds": rounds, "period": period,
-               "runtimes": names, "dense_ms": dense_ms, "rows": rows}
+               "runtimes": names, "dense_ms": dense_ms, "rows": rows, "kernels": native.status(), "targets": targets}
     write_text(a.out / "bench_torch.json", json.dumps(results, indent=1, default=str))
     plot(results, a.out / "bench_torch.png")
     print(f"wrote {a.out / 'bench_torch.json'} and {a.out / 'bench_torch.png'}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -70,6 +70,12 @@ def test_kernels_match_composite(case):
     o_cache, o_age = torch.ops.fastcar.mlp_cache_update(cache, age, branch, replay, slot, write)
     assert torch.equal(o_cache, w_cache) and torch.equal(o_age, w_age)
     assert write.any() and not torch.equal(o_cache, cache)  # rows were written; the inputs are left as they were
+    for update in (torch.ops.fastcar.mlp_cache_update_, ops.mlp_cache_update_):  # in place: kernel, composite
+        for strided in (False, True):
+            c = cache.transpose(0, 1).contiguous().transpose(0, 1) if strided else cache.clone()
+            a = age.clone()
+            update(c, a, branch, replay, slot, write)
+            assert torch.equal(c, w_cache) and torch.equal(a, w_age), (update, strided)
 
 
 def test_kernels_are_the_cpu_kernels():
@@ -96,3 +102,32 @@ def test_without_compiler_composite_runs_and_says_so(tmp_path):
     assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "C++ kernels OFF" in lines[0] and "ATen composite runs" in lines[0], r.stderr
+
+
+def test_eager_steps_update_the_state_in_place():
+    """FastCarDecoder's eager steps write the MLP caches into its own state (no copy per step) and give what
+    the functional program gives from the same inputs, which it leaves as they were."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import zoo
+
+    import fastcar_compile.torch as fct
+
+    dec = fct.apply(zoo.build_model("llama"), frame_tokens=4, threshold=-1e9).fastcar
+    g = torch.Generator().manual_seed(0)
+    hkv, d = dec.kv_shape
+    past = [torch.randn(2, hkv, 9, d, generator=g) for _ in range(dec.num_kv)]
+    dec.reset(2)
+    dec.state = [s.normal_(generator=g) if s.is_floating_point() else s.fill_(0) for s in dec.state]
+    before = [s.clone() for s in dec.state]
+    ids, mask, pos = torch.tensor([[3], [5]]), torch.ones(2, 10, dtype=torch.long), torch.full((2, 1), 9)
+    with torch.no_grad():
+        want = dec.program(ids, mask, pos, *past, torch.tensor(0), dec.threshold_tensor(), *before)
+        state_ids = [s.data_ptr() for s in dec.state]
+        got = dec(ids, mask, pos, *past)
+    assert [s.data_ptr() for s in dec.state] == state_ids
+    n = 1 + dec.num_kv
+    for a, b in zip(want[:n], got, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for a, b in zip(want[n:n + len(dec.state)], dec.state, strict=True):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(before, dec.state, strict=True))  # the step wrote state

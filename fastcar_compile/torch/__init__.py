@@ -89,8 +89,9 @@ def build(model: nn.Module, *, example_inputs: tuple[torch.Tensor, ...] | None =
                    per_layer_threshold=per_layer_threshold)
     for r in report.layers:
         r.rewritten = r.layer in done
-    lowering = _copy_program(program)  # what to_onnx lowers: the exported form, as the ONNX path sees it
+    lowering = optimize.copy_program(program)  # what to_onnx lowers: the exported form, as the ONNX path sees it
     optimize.sdpa_gqa(program)  # what runs: grouped heads read in place, as the eager model does
+    optimize.drop_metadata_asserts(program)
     first = selected[0]
     kshape = first.present_key.meta["val"].shape
     dtype = first.entry.meta["val"].dtype
@@ -103,15 +104,6 @@ def build(model: nn.Module, *, example_inputs: tuple[torch.Tensor, ...] | None =
                        "num_layers": len(matches), "num_heads": first.num_heads, "num_kv_heads": first.num_kv_heads,
                        "head_dim": first.head_dim}
     return decoder
-
-
-def _copy_program(program: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A second GraphModule over the same weights and submodules with its own copy of the graph."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(program.graph, {}))
-    copy = torch.fx.GraphModule(program, graph, class_name=type(program).__name__)
-    copy.train = types.MethodType(lambda self, mode=True: self, copy)
-    return copy
 
 
 def apply(model: nn.Module, *, video_start: int = 0, example_inputs: tuple[torch.Tensor, ...] | None = None,

@@ -105,10 +105,41 @@ std::tuple<at::Tensor, at::Tensor> mlp_cache_update(const at::Tensor& past_mlp_c
   return {cache, age};
 }
 
+// The same update written into the state itself (the eager runtime owns its state): no copy of the caches.
+void mlp_cache_update_(at::Tensor& past_mlp_cache, at::Tensor& past_mlp_age, const at::Tensor& branch,
+                       const at::Tensor& replay, const at::Tensor& slot, const at::Tensor& write) {
+  TORCH_CHECK(past_mlp_cache.dim() == 3 && branch.dim() == 3 && past_mlp_age.dim() == 2 &&
+              past_mlp_age.scalar_type() == at::kLong, "fastcar::mlp_cache_update_: cache [B,L,H], branch [B,S,H], "
+              "age [B,L] int64 expected");
+  at::Tensor src = branch.to(past_mlp_cache.scalar_type()).contiguous();
+  at::Tensor rep = replay.to(at::kBool).contiguous();
+  const int64_t B = past_mlp_cache.size(0), L = past_mlp_cache.size(1), Hd = past_mlp_cache.size(2);
+  const int64_t S = src.size(1);
+  auto slot_a = slot.accessor<int64_t, 1>();
+  auto write_a = write.accessor<bool, 1>();
+  auto rep_a = rep.accessor<bool, 2>();
+  auto age_a = past_mlp_age.accessor<int64_t, 2>();
+  const bool flat = past_mlp_cache.is_contiguous();
+  const size_t row = static_cast<size_t>(Hd) * past_mlp_cache.element_size();
+  char* dst = static_cast<char*>(past_mlp_cache.data_ptr());
+  const char* from = static_cast<const char*>(src.data_ptr());
+  for (int64_t i = 0; i < S; ++i) {  // the written tokens' slots are distinct (at most L consecutive tokens)
+    if (!write_a[i]) continue;
+    const int64_t s = slot_a[i];
+    TORCH_CHECK(s >= 0 && s < L, "fastcar::mlp_cache_update_: slot out of range");
+    if (!flat) past_mlp_cache.select(1, s).copy_(src.select(1, i));
+    for (int64_t b = 0; b < B; ++b) {
+      if (flat) std::memcpy(dst + (b * L + s) * row, from + (b * S + i) * row, row);
+      age_a[b][s] = rep_a[b][i] ? age_a[b][s] + 1 : 0;
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastcar, CPU, m) {
   m.impl("temporal_gate", &temporal_gate);
   m.impl("mlp_cache_read", &mlp_cache_read);
   m.impl("mlp_cache_update", &mlp_cache_update);
+  m.impl("mlp_cache_update_", &mlp_cache_update_);
 }

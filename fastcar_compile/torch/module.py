@@ -93,6 +93,7 @@ class FastCarDecoder(nn.Module):
         # compile_with(ctx) runs the programs compiled by a torch.compile context (see FastCarCausalLMMixin)
         self._compile_ctx: Callable | None = None
         self._compiled: dict[tuple[int, int], tuple[Callable, nn.Module]] = {}
+        self._inplace: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}  # program -> its in-place form
 
     @contextlib.contextmanager
     def compile_with(self, ctx: Callable) -> Iterator[None]:
@@ -106,8 +107,16 @@ class FastCarDecoder(nn.Module):
             self._compile_ctx = old
 
     def _runnable(self, program: fx.GraphModule) -> nn.Module:
+        """What runs `program` this step: eagerly, its form that updates this decoder's own state in place."""
         if self._compile_ctx is None:
-            return program
+            if not isinstance(program, fx.GraphModule):
+                return program  # e.g. a compiled program put in its place
+            entry = self._inplace.get(id(program))
+            if entry is None or entry[0] is not program:
+                from fastcar_compile.torch.optimize import inplace_state
+
+                entry = self._inplace[id(program)] = (program, inplace_state(program))
+            return entry[1]
         key = (id(self._compile_ctx), id(program))
         if key not in self._compiled or self._compiled[key][0] is not self._compile_ctx:  # (ids may be reused)
             self._compiled[key] = (self._compile_ctx, self._compile_ctx(program))

@@ -27,6 +27,9 @@ SCHEMAS = {
     "mlp_cache_read": "(Tensor past_mlp_cache, Tensor slot) -> Tensor",
     "mlp_cache_update": "(Tensor past_mlp_cache, Tensor past_mlp_age, Tensor branch, Tensor replay, Tensor slot, "
                         "Tensor write) -> (Tensor, Tensor)",
+    # the same update written into the state (the eager runtime's own state: optimize.inplace_state)
+    "mlp_cache_update_": "(Tensor(a!) past_mlp_cache, Tensor(b!) past_mlp_age, Tensor branch, Tensor replay, "
+                         "Tensor slot, Tensor write) -> ()",
 }
 for _name, _schema in SCHEMAS.items():
     LIB.define(_name + _schema)
@@ -96,11 +99,25 @@ def _mlp_cache_update_fake(past_mlp_cache, past_mlp_age, branch, replay, slot, w
     return torch.empty_like(past_mlp_cache), torch.empty_like(past_mlp_age)
 
 
-COMPOSITES = {"temporal_gate": temporal_gate, "mlp_cache_read": mlp_cache_read, "mlp_cache_update": mlp_cache_update}
+def mlp_cache_update_(past_mlp_cache: torch.Tensor, past_mlp_age: torch.Tensor, branch: torch.Tensor,
+                      replay: torch.Tensor, slot: torch.Tensor, write: torch.Tensor) -> None:
+    """mlp_cache_update written into past_mlp_cache / past_mlp_age."""
+    cache, age = mlp_cache_update(past_mlp_cache, past_mlp_age, branch, replay, slot, write)
+    past_mlp_cache.copy_(cache)
+    past_mlp_age.copy_(age)
+
+
+def _mlp_cache_update_inplace_fake(past_mlp_cache, past_mlp_age, branch, replay, slot, write):
+    return None
+
+
+COMPOSITES = {"temporal_gate": temporal_gate, "mlp_cache_read": mlp_cache_read, "mlp_cache_update": mlp_cache_update,
+              "mlp_cache_update_": mlp_cache_update_}
 for _name, _fn in COMPOSITES.items():
     LIB.impl(_name, _fn, "CompositeExplicitAutograd")
 for _name, _fake in (("temporal_gate", _temporal_gate_fake), ("mlp_cache_read", _mlp_cache_read_fake),
-                     ("mlp_cache_update", _mlp_cache_update_fake)):
+                     ("mlp_cache_update", _mlp_cache_update_fake),
+                     ("mlp_cache_update_", _mlp_cache_update_inplace_fake)):
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=LIB)
 
 

@@ -10,12 +10,23 @@ and its tests see what the exporter emits.
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import fx
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 _FULL = (0, None, 9223372036854775807)  # a slice that keeps everything
+
+
+def copy_program(program: fx.GraphModule) -> fx.GraphModule:
+    """A second GraphModule over the same weights and submodules with its own copy of the graph."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(program.graph, {}))
+    copy = fx.GraphModule(program, graph, class_name=type(program).__name__)
+    copy.train = types.MethodType(lambda self, mode=True: self, copy)  # as build() does for the program
+    return copy
 
 
 def _shape(node) -> tuple | None:
@@ -72,3 +83,38 @@ def sdpa_gqa(gm: fx.GraphModule) -> int:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return done
+
+
+def drop_metadata_asserts(gm: fx.GraphModule) -> int:
+    """Remove torch.export's `_assert_tensor_metadata` checks (dtype/device asserts on values the graph itself
+    made): one dispatch each per step, dozens per decoder, nothing to check at run time."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default]
+    for node in nodes:
+        gm.graph.erase_node(node)
+    if nodes:
+        gm.recompile()
+    return len(nodes)
+
+
+def inplace_state(program: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the FastCar program that writes the MLP cache update into its state inputs
+    (`fastcar::mlp_cache_update_`) and returns them as the new state: no copy of every layer's cache per step.
+    Only for a caller that owns the state it passes (FastCarDecoder's eager steps); the program itself stays
+    functional for torch.compile, export and callers that keep their inputs."""
+    gm = copy_program(program)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.fastcar.mlp_cache_update.default:
+            continue
+        cache, age = node.args[0], node.args[1]
+        if any(order[u] > order[node] for v in (cache, age) for u in v.users if u is not node and u.op != "output"):
+            continue  # the old state is read after the update: keep the copy
+        with gm.graph.inserting_before(node):
+            gm.graph.call_function(torch.ops.fastcar.mlp_cache_update_.default, node.args)
+        for user in list(node.users):  # getitem 0 / 1: the state just written
+            user.replace_all_uses_with(cache if user.args[1] == 0 else age)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
