@@ -38,6 +38,7 @@ REQUIRED = dataclasses.MISSING  # an option without a default (frame_tokens)
 # unset default; repeatable; a value that may be left out (`--fused-attention` alone = its `const`).
 VALUE, SWITCH, ON_OFF, NEGATE, TRISTATE, REPEAT, OPTIONAL = "value", "switch", "on|off", "negate", "tristate", \
     "repeat", "optional"
+EVICTION_POLICIES = ("mass", "oldest")  # which slot leaves a full compressed KV cache (fastar/cache.py)
 KV_GROUP = "compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)"
 
 
@@ -86,10 +87,6 @@ class Option:
     torch: bool = False  # also an option of fastcar_compile.torch.apply
     meaning: str = ""  # said in range errors
 
-    @property
-    def dest(self) -> str:
-        return self.name
-
     def check(self, value: Any, name: str | None = None) -> Any:
         """The value as stored, or one FastCarError naming the option (`name`: how the caller spells it)."""
         name = name or self.flag or self.name
@@ -113,7 +110,7 @@ class Option:
 
 
 def _is_int(o: Option) -> bool:
-    return o.lo is not None and o.type in (int, "int | None", int | None)
+    return o.lo is not None and o.type in (int, int | None)
 
 
 def _threshold(value) -> tuple[float, ...]:
@@ -200,7 +197,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_window", int, 0, "last W tokens always kept (local window; on FastCar layers at least a frame)", "--kv-window", metavar="W", lo=0,
            hi=MAX_KV_BUDGET, meaning="tokens always kept, below --kv-budget", group=KV_GROUP),
     Option("kv_eviction", str, "mass", "which slot leaves a full cache: least attention mass received (default) "
-           "or oldest", "--kv-eviction", choices=("mass", "oldest"), group=KV_GROUP),
+           "or oldest", "--kv-eviction", choices=EVICTION_POLICIES, group=KV_GROUP),
     Option("tempcache", float | None, None, "TempCache: merge a key into the slot of its aligned token (p - L) when "
            "their pre-RoPE cosine exceeds SIM (mean value, count, +log(count) bias)", "--tempcache", metavar="SIM",
            lo=-1.0, hi=1.0, meaning="a cosine", group=KV_GROUP),
@@ -301,27 +298,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             groups[o.group] = parser.add_argument_group(o.group)
         add = groups[o.group].add_argument
         if o.cli == SWITCH:
-            add(o.flag, dest=o.dest, action="store_true", help=o.help)
+            add(o.flag, dest=o.name, action="store_true", help=o.help)
         elif o.cli == NEGATE:
-            add(o.flag, dest=o.dest, action="store_false", help=o.help)
+            add(o.flag, dest=o.name, action="store_false", help=o.help)
         elif o.cli == TRISTATE:
-            add(o.flag, dest=o.dest, action=argparse.BooleanOptionalAction, default=None, help=o.help)
+            add(o.flag, dest=o.name, action=argparse.BooleanOptionalAction, default=None, help=o.help)
         elif o.cli == ON_OFF:
-            add(o.flag, dest=o.dest, choices=["on", "off"], default="on" if o.default else "off", help=o.help)
+            add(o.flag, dest=o.name, choices=["on", "off"], default="on" if o.default else "off", help=o.help)
         elif o.cli == REPEAT:
-            add(o.flag, dest=o.dest, action="append", default=[], metavar=o.metavar, help=o.help)
+            add(o.flag, dest=o.name, action="append", default=[], metavar=o.metavar, help=o.help)
         elif o.cli == OPTIONAL:
-            add(o.flag, dest=o.dest, nargs="?", const=o.const, default=o.default, metavar=o.metavar, help=o.help)
+            add(o.flag, dest=o.name, nargs="?", const=o.const, default=o.default, metavar=o.metavar, help=o.help)
         else:
             default = None if o.default is REQUIRED else list(o.default) if isinstance(o.default, tuple) \
                 else o.default
-            add(o.flag, dest=o.dest, type=_cli_reader(o), default=default, help=o.help, metavar=o.metavar,
+            add(o.flag, dest=o.name, type=_cli_reader(o), default=default, help=o.help, metavar=o.metavar,
                 **({"choices": list(o.choices)} if o.choices else {}))
 
 
 def from_args(args: argparse.Namespace, **overrides) -> dict[str, Any]:
     """The `fastcar_compile.compile` keywords a parsed command line sets (every option with a flag), with
     `overrides`: each compile of one command line (the calibration's probe and final one too) starts here."""
-    out = {o.name: (getattr(args, o.dest) == "on" if o.cli == ON_OFF else getattr(args, o.dest)) for o in CLI_OPTIONS}
+    out = {o.name: (getattr(args, o.name) == "on" if o.cli == ON_OFF else getattr(args, o.name)) for o in CLI_OPTIONS}
     out.update(overrides)
     return out

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.options import EVICTION_POLICIES
 
-EVICTION_POLICIES = ("mass", "oldest")
 CORRESPONDENCE = ("aligned", "aligned+top1")
 INT8_DIRS = (1, 2, 4, 8)  # directions per int8 bucket table: 8 / dirs bits of each one's int8 code (fastar/int8.py)
 
