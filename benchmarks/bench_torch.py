@@ -108,6 +108,13 @@ def plot(results: dict, path: Path) -> None:
         x = [100 * r["ratio"] for r in rows]
         ax.plot(x, [r["ms"] for r in rows], "o-", color=color, label=f"{runtime} FastCar")
         ax.axhline(results["dense_ms"][runtime], color=color, ls=":", lw=1, label=f"{runtime} dense")
+        for r in results["rows"]:
+            if r["runtime"] == runtime and r["config"] == "transformers":
+                ax.axhline(r["ms"], color="black", ls="--", lw=1, label="transformers model (eager)")
+        comp = [r for r in results["rows"] if r["runtime"] == runtime and r["config"].startswith("composite")]
+        if comp:
+            ax.plot([100 * r["ratio"] for r in comp], [r["ms"] for r in comp], "x", color=color,
+                    label=f"{runtime} FastCar, ATen composite ops")
         bx.plot(x, [r["speedup"] for r in rows], "o-", color=color, label=runtime)
     ax.set_xlabel("forced replay (% of layer-steps)")
     ax.set_ylabel("ms per decode step")
