@@ -4,6 +4,7 @@
     nice -n 19 python scripts/train_video_model.py model  # the 6-layer LM; resumes from --ckpt when present
     python scripts/train_video_model.py model --until 300 # stop at step 300 (resume later with a larger one)
     python scripts/train_video_model.py throughput       # tokens/s of frames of 8x8 vs 16x16 tokens
+    python scripts/train_video_model.py status --log LOG # step, losses, speed and time left of a run
 
 The tokenizer stage writes training/video_model/video_tokenizer.npz and training/video_model/
 tokenizer_report.json (PSNR and token copy rate of both tokenizers on held-out clips). The model stage appends
@@ -113,9 +114,38 @@ def throughput_stage(a) -> None:
                   f"({min(times):.2f} s per clip)", flush=True)
 
 
+def status_stage(a) -> None:
+    """Where a run stands, from its log: step, recent loss, held-out evaluations, speed and time left."""
+    from fastcar_compile.errors import FastCarError
+
+    if not a.log.is_file():
+        raise FastCarError(f"training log {a.log} not found; give the run's --log")
+    recs = [json.loads(x) for x in a.log.read_text().splitlines() if x.strip()]
+    steps = {r["step"]: r for r in recs if "loss" in r}  # a restart repeats steps: the later line counts
+    evals = {r["step"]: r for r in recs if "eval_loss" in r}
+    start = [r for r in recs if r.get("event") == "start"][-1]
+    total = a.steps or start["settings"]["steps"]
+    if not steps:
+        print(f"no step logged yet in {a.log}")
+        return
+    done = max(steps) + 1
+    recent = [steps[k] for k in sorted(steps)[-20:]]
+    wall = float(np.mean([r["seconds"] for r in recent]))
+    cpu = (recent[-1]["cpu_s"] - recent[0]["cpu_s"]) / max(1, len(recent) - 1)
+    tokens = recent[-1]["tokens_per_s"] * recent[-1]["seconds"]  # tokens per step
+    print(f"step {done}/{total}; loss (last 20 steps) {np.mean([r['loss'] for r in recent]):.3f}; "
+          f"{wall:.1f} s wall and {cpu:.1f} CPU s per step ({tokens / wall:.0f} tokens/s wall, "
+          f"{tokens / cpu:.0f} per CPU s); {total - done} steps left: {(total - done) * wall / 3600:.1f} h at this "
+          f"wall rate, {(total - done) * cpu / 3600:.1f} CPU h")
+    for k in sorted(evals):
+        e = evals[k]
+        print(f"  step {k + 1}: held-out loss {e['eval_loss']:.3f}, accuracy {e['eval_acc']:.3f} "
+              f"(copying one frame back: {e['copy_acc']:.3f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["tokenizer", "model", "throughput"])
+    ap.add_argument("stage", choices=["tokenizer", "model", "throughput", "status"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", type=Path, default=VIDEO_TOKENIZER)
     ap.add_argument("--clips", type=int, default=400, help="tokenizer stage: training clips (16 frames)")
@@ -130,7 +160,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--checkpoint-seconds", type=float, default=None)
     a = ap.parse_args()
-    if a.stage == "throughput":
+    if a.stage == "status":
+        status_stage(a)
+    elif a.stage == "throughput":
         throughput_stage(a)
     elif a.stage == "tokenizer":
         a.eval_clips = a.eval_clips or 48

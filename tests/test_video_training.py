@@ -70,7 +70,7 @@ def _settings(**kw) -> VideoTrainSettings:
     return VideoTrainSettings(**{**base, **kw})
 
 
-def test_resume_matches_an_uninterrupted_run(tok, tmp_path) -> None:
+def test_resume_matches_an_uninterrupted_run(tok, tmp_path, capsys) -> None:
     s = _settings()
     train_video_model(s, tok, tmp_path / "a", tmp_path / "a.jsonl")
     train_video_model(s, tok, tmp_path / "b", tmp_path / "b.jsonl", until=2)
@@ -92,6 +92,20 @@ def test_resume_matches_an_uninterrupted_run(tok, tmp_path) -> None:
     fp16 = load_file(str(tmp_path / "b" / "video.safetensors"))
     assert all(v.dtype == torch.float16 for v in fp16.values())
     torch.testing.assert_close(fp16["lm_head.weight"].float(), wb["lm_head.weight"], rtol=1e-3, atol=1e-3)
+    # the status report reads the same log: 4 of 4 steps, both evaluations, the last loss of each step
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "train_video_model", Path(__file__).parents[1] / "scripts" / "train_video_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    capsys.readouterr()
+    mod.status_stage(argparse.Namespace(log=tmp_path / "b.jsonl", steps=None))
+    out = capsys.readouterr().out
+    assert out.startswith("step 4/4;") and f"loss (last 20 steps) {np.mean([r['loss'] for r in steps]):.3f}" in out
+    assert "step 2: held-out loss" in out and "step 4: held-out loss" in out
 
 
 def test_resume_refuses_other_data_settings(tok, tmp_path) -> None:
