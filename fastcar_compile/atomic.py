@@ -1,7 +1,9 @@
 """Atomic file output: every file the project writes goes through here.
 
 A temp file in the destination folder is written, given the usual permissions (mkstemp creates 0600), and
-renamed onto the target; on any failure it is removed, so a crash never leaves a half-written output. A write
+renamed onto the target; on any failure it is removed, so a crash never leaves a half-written output. Its
+creator holds its lock (fastcar_compile/locks.py): a temp file a killed run left is removed by the next write
+into that folder. A write
 error that names no file (a full disk fails `write`, not `open`) is re-raised naming the target.
 """
 
@@ -14,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fastcar_compile.fileio import refuse_special, with_path
+from fastcar_compile.locks import TEMP_PREFIX, owned_temp
 
 
 @contextmanager
@@ -21,9 +24,14 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[
     """Yield a temp path beside `path` (same suffix, so writers that infer a format from it work)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix if suffix is None else suffix,
-                               dir=path.parent)
-    os.close(fd)
+
+    def make() -> str:
+        fd, name = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}.",
+                                    suffix=path.suffix if suffix is None else suffix, dir=path.parent)
+        os.close(fd)
+        return name
+
+    tmp, owner = owned_temp(path.parent, make)
     try:
         yield Path(tmp)
         umask = os.umask(0)
@@ -36,6 +44,7 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        owner.release()
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.locks import TEMP_PREFIX, owned_temp
 
 FICLONE = 0x40049409  # linux/fs.h _IOW(0x94, 9, int)
 PROGRESS_BYTES = 256 << 20  # copies larger than this show a progress bar
@@ -403,7 +404,8 @@ def staged_dir(target: str | os.PathLike) -> Iterator[Path]:
     created = first_missing(target)
     with os_errors(str(target)):
         target.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name or 'out'}.", dir=target))
+    tmp, owner = owned_temp(target, lambda: tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{target.name or 'out'}.",
+                                                             dir=target))  # (a killed run's: swept)
     moved: list[Path] = []
     try:
         yield tmp
@@ -431,6 +433,7 @@ def staged_dir(target: str | os.PathLike) -> Iterator[Path]:
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        owner.release()
 
 
 def _undo(tmp: Path, created: Path | None, moved: list[Path]) -> None:

@@ -18,7 +18,7 @@ import errno
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +29,9 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
+# Every temp entry the project makes in a user's folder starts with this (staging folders, atomic writes'
+# temp files): a sweep touches nothing else.
+TEMP_PREFIX = ".fastcar-"
 # How long a save waits for loads of the model it replaces (or for another save into the same folder).
 WAIT_S = 300.0
 
@@ -55,9 +58,12 @@ def _try(fd: int, mode: int) -> bool:
 def folder_lock(folder: str | os.PathLike, *, shared: bool, wait_s: float = WAIT_S,
                 what: str = "") -> Iterator[None]:
     """Hold `folder`'s lock, shared (loading a model in it) or exclusive (replacing or sweeping files in it).
-    A folder that cannot be opened (missing, no permission) is not locked: the operation itself reports it."""
+    A folder that cannot be opened (missing, no permission) is not locked: the operation itself reports it. Nor is
+    one of our temp folders (TEMP_PREFIX): it is private to the run that made it, whose owner lock on it would
+    conflict with this one (files written into a staging folder)."""
     folder = Path(folder)
-    fd = _open(folder) if fcntl is not None else None
+    private = folder.name.startswith(TEMP_PREFIX)
+    fd = _open(folder) if fcntl is not None and not private else None
     if fd is None:
         yield
         return
@@ -102,6 +108,17 @@ def abandoned(path: str | os.PathLike) -> bool:
         return _try(fd, fcntl.LOCK_EX)
     finally:
         os.close(fd)  # (releases the probe's lock at once)
+
+
+def owned_temp(folder: str | os.PathLike, make: Callable[[], str]) -> tuple[Path, Owned]:
+    """Sweep `folder` of the temp entries dead runs left, then create one with `make` (mkstemp / mkdtemp with
+    TEMP_PREFIX) and lock it as its owner; under the folder's exclusive lock, so no sweep meets an entry between
+    its creation and its lock."""
+    with folder_lock(folder, shared=False):
+        if not Path(folder).name.startswith(TEMP_PREFIX):  # (nothing of a dead run inside a live run's folder)
+            sweep(folder, TEMP_PREFIX)
+        path = Path(make())
+        return path, Owned(path)
 
 
 def sweep(folder: str | os.PathLike, prefix: str) -> list[Path]:

@@ -31,7 +31,7 @@ import onnx_ir as ir
 
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.fileio import copy_file, first_missing, model_files, refuse_special
-from fastcar_compile.locks import Owned, folder_lock, sweep
+from fastcar_compile.locks import TEMP_PREFIX, Owned, folder_lock, sweep
 from fastcar_compile.passes.context import weight_bytes
 
 # Above this many bytes of weights the model is written with external data (protobuf's 2 GiB limit).
@@ -91,7 +91,7 @@ def owned_data(output: str | os.PathLike) -> list[Path]:
     return owned
 
 
-STAGING_PREFIX = ".fastcar-"
+STAGING_PREFIX = TEMP_PREFIX + "stage-"
 
 
 def _free_data_name(output: Path, busy: bool = False) -> str:
@@ -155,7 +155,7 @@ class Staging:
         self.big = weights > EXTERNAL_DATA_LIMIT
         self.external = bool(self.external) or self.big or weights > INLINE_WEIGHTS_MAX
         with folder_lock(self.output.parent, shared=False, what=str(self.output)):
-            sweep(self.output.parent, STAGING_PREFIX)  # killed runs' staging folders (their locks are free)
+            sweep(self.output.parent, TEMP_PREFIX)  # killed runs' staging folders and temp files (locks free)
             sweep_data(self.output)
             busy = any(True for _ in self.output.parent.glob(STAGING_PREFIX + "*"))  # a live save's
             self.tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.output.parent))

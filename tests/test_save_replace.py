@@ -249,3 +249,46 @@ def test_readers_never_see_a_half_replaced_model(ext_sources, tmp_path):
     assert np.abs(want[0] - want[1]).max() > 1e-3  # the two models are told apart
     for k, got in enumerate(loads):
         assert min(np.abs(np.asarray(got) - w).max() for w in want) <= 1e-4, f"load {k} matches neither model"
+
+
+_KILLED_WRITERS = """
+import os, signal, sys
+from pathlib import Path
+from fastcar_compile.atomic import atomic_path
+from fastcar_compile.fileio import staged_dir
+folder, which = Path(sys.argv[1]), sys.argv[2]
+if which == "atomic":
+    with atomic_path(folder / "run.json") as tmp:
+        tmp.write_text("half")
+        os.kill(os.getpid(), signal.SIGKILL)
+with staged_dir(folder / "pics") as tmp:
+    (tmp / "a.png").write_bytes(b"half")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_killed_writers_temp_entries_are_removed_by_the_next_write(tmp_path):
+    """An atomic file write and a staged folder write (eval, report), each killed half-way with SIGKILL: the next
+    write into the same folder removes what they left; an entry whose creator is alive is kept."""
+    import signal
+
+    from fastcar_compile.atomic import write_text
+    from fastcar_compile.fileio import staged_dir
+    from fastcar_compile.locks import Owned
+
+    for which in ("atomic", "staged"):
+        r = _child(_KILLED_WRITERS, str(tmp_path), which)
+        assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    left = [p for p in [*tmp_path.iterdir(), *(tmp_path / "pics").iterdir()] if p.name.startswith(".")]
+    assert len(left) == 2, left  # the temp file beside run.json, the temp folder inside pics/
+    live = tmp_path / ".fastcar-live.json"
+    live.write_text("a live run's")
+    owner = Owned(live)
+    try:
+        write_text(tmp_path / "run.json", "{}")
+        with staged_dir(tmp_path / "pics") as tmp:
+            (tmp / "a.png").write_bytes(b"whole")
+        assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "pics", "run.json"]
+        assert [p.name for p in (tmp_path / "pics").iterdir()] == ["a.png"]
+    finally:
+        owner.release()
