@@ -17,7 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="fastcar-compile export", description="Export a transformers causal LM (a save_pretrained folder, or a "
         "config.json for random weights) to ONNX with past_key_values.N.key|value -> present.N.key|value.")
-    ap.add_argument("source", help="transformers model folder (config.json + weights) or a config.json")
+    ap.add_argument("source", nargs="?", help="transformers model folder (config.json + weights) or a config.json")
+    ap.add_argument("--dit", metavar="CONFIG_OR_DIR_OR_PRESET",
+                    help="export a chunk-causal video DiT instead: a preset (tiny, wan2.1-1.3b), a DiT config .json "
+                    "or a folder with config.json (+ model.safetensors); writes the step graph and OUT.text.onnx")
     ap.add_argument("-o", "--output", required=True, help="output .onnx (written atomically)")
     ap.add_argument("--opset", type=ascii_int, help="ONNX opset (default 20 with dynamo, 17 with --torchscript)")
     ap.add_argument("--torchscript", action="store_true",
@@ -30,6 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
+    if a.dit is not None:
+        if a.source is not None:
+            raise FastCarError(f"give either a transformers model ({a.source}) or --dit {a.dit}, not both")
+        import importlib
+
+        from fastcar_compile.commands import DIT_EXPORT
+
+        module, func = DIT_EXPORT
+        return int(getattr(importlib.import_module(module), func)(a) or 0)
+    if a.source is None:
+        raise FastCarError("give a transformers model folder (or config.json), or --dit PRESET_OR_CONFIG")
     if a.opset is not None and not 7 <= a.opset <= 24:
         raise FastCarError(f"--opset {a.opset} is outside 7..24 (20 is the tested default)")
     out = Path(a.output)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("fastcar_compile.cmd_export", "main", "transformers model folder -> ONNX decoder with KV cache"),
+    "stream": ("fastcar_compile.dit.cli", "stream_main", "stream a video chunk by chunk with an exported DiT (export --dit)"),
     "demo": ("fastcar_compile.cmd_demo", "main", "compile the bundled video model and compare dense vs FastCar"),
     "eval": ("fastcar_compile.cmd_eval", "main", "dense vs FastCar on your model (--model fast.onnx --prompts p.npy), or a tau sweep "
              "on the bundled one"),
@@ -18,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "disasm": ("fastcar_compile.fpga_cmds", "disasm_main", "print a .fcb bundle file as readable assembly"),
     "asm": ("fastcar_compile.fpga_cmds", "asm_main", "assemble readable assembly back into a .fcb file"),
 }
+# `export --dit`: the video DiT's export, in the layer above (fastcar_compile/dit), imported only when used.
+DIT_EXPORT = ("fastcar_compile.dit.cli", "export_main")
 # Without a subcommand name the arguments are the compiler's own (`fastcar-compile model.onnx -o fast.onnx`).
 DEFAULT = ("fastcar_compile.cmd_compile", "main")
 

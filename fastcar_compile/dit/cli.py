@@ -1,0 +1,214 @@
+"""`fastcar-compile export --dit CONFIG_OR_DIR_OR_PRESET -o dit.onnx` and `fastcar-compile stream dit.onnx
+--frames N -o OUT` (registered in fastcar_compile/commands.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from fastcar_compile.errors import FastCarError
+from fastcar_compile.limits import check_finite, check_int
+
+CHECK_TOLERANCE = 1e-4
+RANDOM_WEIGHTS_MAX_BYTES = 1 << 30  # larger configs without a checkpoint are exported without weights
+MAX_FRAMES = 100_000
+
+
+def export_main(a: argparse.Namespace) -> int:
+    """The `--dit` branch of `fastcar-compile export` (its parsed arguments)."""
+    from fastcar_compile.dit.config import load_config
+    from fastcar_compile.dit.export import text_graph_path
+    from fastcar_compile.fileio import check_output_path, check_outputs
+
+    if a.torchscript or a.opset is not None:
+        raise FastCarError("--dit exports with the dynamo exporter at opset 20; drop --torchscript / --opset")
+    out = Path(a.output)
+    if out.suffix != ".onnx":
+        raise FastCarError(f"-o {out}: give a path ending in .onnx")
+    check_output_path(out, "-o")
+    cfg, weights = load_config(a.dit)
+    text_out = text_graph_path(out)
+    src = Path(a.dit)
+    reads = {}
+    if src.exists():
+        reads = {f: "a file of the DiT folder" for f in (src.iterdir() if src.is_dir() else [src]) if f.is_file()}
+    check_outputs({out: "-o", text_out: "the prompt graph", out.parent / f"{out.name}.data": "the output's data",
+                   out.parent / f"{text_out.name}.data": "the prompt graph's data"}, reads)
+    from fastcar_compile.dit.export import check_step, export_dit
+    from fastcar_compile.dit.model import build
+
+    meta = weights is None and 4 * cfg.params > RANDOM_WEIGHTS_MAX_BYTES
+    t0 = time.perf_counter()
+    if weights is None and meta:
+        print(f"note: {a.dit} has no weights and {cfg.params / 1e9:.2f} B parameters; exporting the graph without "
+              "weights (zero-filled external data, never in memory)")
+    elif weights is None:
+        print(f"note: {a.dit} has no weights; exporting random weights (seed {a.seed}) to try the tool chain")
+    model = build(cfg, weights, seed=a.seed, device="meta" if meta else None)
+    print(f"exporting a {cfg.layers}-layer chunk-causal DiT ({cfg.params / 1e6:.1f} M parameters, "
+          f"{cfg.tokens_per_frame} tokens per frame) ...", flush=True)
+    try:
+        export_dit(model, out, weights="zeros" if meta else "checkpoint" if weights else "random")
+    except (FastCarError, OSError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.onnx raises many types
+        raise FastCarError(f"the dynamo exporter failed: {type(exc).__name__}: "
+                           f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}") from None
+    msg = f"wrote {out} and {text_out} ({time.perf_counter() - t0:.0f} s)"
+    if meta:
+        msg += "; not checked against eager PyTorch (no weights)"
+    elif not a.no_check:
+        err = check_step(model, out, text_out)
+        if not err <= CHECK_TOLERANCE:
+            raise FastCarError(f"{out}: ONNX Runtime differs from the eager model by {err:.3g} (> {CHECK_TOLERANCE})")
+        msg += (f"; matches the eager model (max abs diff {err:.1e} over the prompt K/V and a step with an empty "
+                "and a non-empty cache)")
+    print(msg)
+    print(f"next: fastcar-compile stream {out} --frames 24 -o stream_out")
+    return 0
+
+
+def build_stream_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="fastcar-compile stream", description="Generate a video chunk by chunk with an exported DiT step "
+        "graph (few-step flow matching, KV cache with sink frames and a rolling window, CFG); writes "
+        "OUT/video.gif (latent preview), OUT/stream.json and OUT/stream.png.")
+    ap.add_argument("model", help="the step graph written by `fastcar-compile export --dit` (its .text.onnx beside)")
+    ap.add_argument("--frames", type=int, required=True, help="latent frames to generate")
+    ap.add_argument("-o", "--output", required=True, help="output folder")
+    ap.add_argument("--text", help="prompt embeddings .npy [tokens, text_dim] (default: seeded random)")
+    ap.add_argument("--cfg", type=float, default=3.0, help="classifier-free guidance scale (1: none, one row)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the noise (and of the default prompt)")
+    ap.add_argument("--sink", type=int, help="sink frames kept for ever (default: the model's)")
+    ap.add_argument("--window", type=int, help="recent frames kept in the cache, 0 = all (default: the model's)")
+    ap.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: one per core)")
+    return ap
+
+
+def _read_text(path: str, text_dim: int):
+    import numpy as np
+
+    from fastcar_compile.fileio import check_input_file
+
+    p = check_input_file(path, "--text")
+    try:
+        arr = np.load(p, allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001 - numpy raises ValueError/OSError/EOFError for a bad file
+        raise FastCarError(f"--text {p}: not a readable .npy file ({type(exc).__name__})") from None
+    if not isinstance(arr, np.ndarray) or arr.ndim != 2 or arr.shape[1] != text_dim or not 1 <= arr.shape[0] <= 4096 \
+            or arr.dtype.kind not in "fiu":
+        raise FastCarError(f"--text {p}: need a numeric array [tokens (1..4096), {text_dim}], got "
+                           f"{getattr(arr, 'dtype', '?')} {list(getattr(arr, 'shape', []))}")
+    arr = arr.astype(np.float32)
+    if not np.isfinite(arr).all():
+        raise FastCarError(f"--text {p}: holds NaN or infinity")
+    return arr
+
+
+def stream_main(argv: list[str]) -> int:
+    a = build_stream_parser().parse_args(argv)
+    check_int("--frames", a.frames, 1, MAX_FRAMES, "latent frames")
+    check_finite("--cfg", a.cfg)
+    if a.cfg <= 0:
+        raise FastCarError(f"--cfg must be > 0 (1 = no guidance), got {a.cfg}")
+    check_int("--seed", a.seed, 0, 2**32 - 1)
+    from fastcar_compile.limits import MAX_THREADS
+
+    check_int("--threads", a.threads, 0, MAX_THREADS)
+    for flag, v in (("--sink", a.sink), ("--window", a.window)):
+        if v is not None:
+            check_int(flag, v, 0, MAX_FRAMES)
+    from fastcar_compile.fileio import check_input_file, check_output_dir, check_outputs, staged_dir
+
+    model_path = check_input_file(a.model, "the model")
+    out = check_output_dir(a.output, "-o")
+    files = {out / n: f"-o's {n}" for n in ("video.gif", "stream.json", "stream.png")}
+    reads = {model_path: "the model"} | ({Path(a.text): "--text"} if a.text else {})
+    check_outputs(files, reads)
+    from fastcar_compile.dit.stream import OrtDiT, StreamSettings
+
+    try:
+        model = OrtDiT(model_path, threads=a.threads)
+    except FastCarError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - onnx / onnxruntime raise many types for a bad file
+        raise FastCarError(f"{model_path}: cannot load it as a DiT step graph ({type(exc).__name__}: "
+                           f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})") from None
+    check_outputs(files, {model.text_path: "the prompt graph"})
+    text = _read_text(a.text, model.cfg.text_dim) if a.text else None
+    settings = StreamSettings(frames=a.frames, seed=a.seed, cfg_scale=a.cfg, sink_frames=a.sink,
+                              window_frames=a.window)
+    result = run_stream(model, settings, text)
+    with staged_dir(out) as tmp:
+        write_outputs(tmp, result, model_path)
+    fps = 1000 / (sum(result["frame_ms"]) / len(result["frame_ms"]))
+    print(f"wrote {out}/video.gif, stream.json, stream.png: {a.frames} frames, {fps:.1f} frames/s, "
+          f"last RSS {result['rss_mib'][-1]:.0f} MiB")
+    return 0
+
+
+def run_stream(model, settings, text=None, progress: bool = True) -> dict:
+    """Roll out and record per-frame latency (a chunk's time shared by its frames) and RSS after each chunk."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from fastcar_compile.dit.stream import rollout, rss_mib
+
+    frame_ms: list[float] = []
+    rss: list[float] = []
+    chunks = []
+    resident: list[int] = []
+    with tqdm(total=settings.frames, unit="frame", disable=None if progress else True, leave=False) as bar:
+        for res in rollout(model, settings, text):
+            n = min(res.frames.shape[1], settings.frames - res.first_frame)
+            frame_ms += [1000 * res.seconds / res.frames.shape[1]] * n
+            rss += [rss_mib()] * n
+            chunks.append(res.frames[:, :n])
+            resident = res.resident
+            bar.update(n)
+    cfg = model.cfg
+    return {"frames": settings.frames, "frame_ms": frame_ms, "rss_mib": rss,
+            "latent": np.concatenate(chunks, axis=1),
+            "settings": {"seed": settings.seed, "cfg_scale": settings.cfg_scale, "steps": list(settings.steps),
+                         "chunk_frames": cfg.chunk_frames,
+                         "sink_frames": cfg.sink_frames if settings.sink_frames is None else settings.sink_frames,
+                         "window_frames": cfg.window_frames if settings.window_frames is None
+                         else settings.window_frames, "tokens_per_frame": cfg.tokens_per_frame},
+            "resident_frames": resident}
+
+
+def write_outputs(folder: Path, result: dict, model_path: Path) -> None:
+    """video.gif (latent preview), stream.json, stream.png into `folder`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from fastcar_compile.atomic import save_figure, write_text
+    from fastcar_compile.dit.stream import preview
+
+    pics = [Image.fromarray(p) for p in preview(result["latent"])]
+    pics[0].save(folder / "video.gif", save_all=True, append_images=pics[1:], duration=62, loop=0)
+    doc = {k: v for k, v in result.items() if k != "latent"}
+    doc["model"] = str(model_path)
+    doc["video"] = "video.gif: the latent frames' first three channels (no VAE decoder), 8x upsampled"
+    write_text(folder / "stream.json", json.dumps(doc, indent=1) + "\n")
+    ms = result["frame_ms"]
+    x = list(range(len(ms)))
+    fig, ax = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+    ax[0].plot(x, ms)
+    ax[0].set_ylabel("latency per frame (ms)")
+    ax[1].plot(x, [1000 / m if m > 0 else math.nan for m in ms])
+    ax[1].set_ylabel("frames per second")
+    ax[2].plot(x, result["rss_mib"])
+    ax[2].set_ylabel("RSS (MiB)")
+    ax[2].set_xlabel("latent frame")
+    s = result["settings"]
+    ax[0].set_title(f"{model_path.name}: {len(ms)} frames, chunk {s['chunk_frames']}, sinks {s['sink_frames']}, "
+                    f"window {s['window_frames'] or 'all'}, CFG {s['cfg_scale']}")
+    fig.tight_layout()
+    save_figure(fig, folder / "stream.png")

@@ -1,0 +1,169 @@
+"""Shapes of a chunk-causal Wan2.1-style video DiT, declared once as named presets, and the ONNX I/O names.
+
+A "frame" here is a latent frame (Wan's VAE: 4x temporal, 8x8 spatial compression); the patch (1, 2, 2)
+makes `tokens_per_frame` = (latent_h / 2) * (latent_w / 2) tokens, 1560 for 480x832 video.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastcar_compile.errors import FastCarError
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    text_dim: int
+    in_channels: int = 16
+    patch: tuple[int, int, int] = (1, 2, 2)
+    latent_h: int = 60
+    latent_w: int = 104
+    freq_dim: int = 256
+    text_len: int = 512
+    chunk_frames: int = 3  # latent frames denoised together (Self-Forcing's block)
+    sink_frames: int = 3  # first frames kept in the cache for ever (attention sinks)
+    window_frames: int = 18  # most recent non-sink frames kept; 0 = keep every frame (the cache grows)
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.latent_h // self.patch[1], self.latent_w // self.patch[2]
+
+    @property
+    def tokens_per_frame(self) -> int:
+        h, w = self.grid
+        return h * w
+
+    @property
+    def patch_dim(self) -> int:
+        p = self.patch
+        return self.in_channels * p[0] * p[1] * p[2]
+
+    def check(self, where: str = "the DiT config") -> DiTConfig:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("eps", "rope_theta"):
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                    raise FastCarError(f"{where}: {f.name}={v!r} must be a positive number")
+            elif f.name == "patch":
+                if len(v) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
+                    raise FastCarError(f"{where}: patch={list(v)!r} must be three positive integers")
+            elif isinstance(v, bool) or not isinstance(v, int) or v < (0 if f.name in (
+                    "window_frames", "sink_frames") else 1):
+                raise FastCarError(f"{where}: {f.name}={v!r} must be a {'non-negative' if f.name in ('window_frames', 'sink_frames') else 'positive'} integer")
+        if self.hidden % self.heads or self.head_dim % 2 or self.head_dim < 6:
+            raise FastCarError(f"{where}: hidden {self.hidden} / heads {self.heads} must give an even head size "
+                               ">= 6 (3D RoPE splits it over frame, h, w)")
+        if self.patch[0] != 1:
+            raise FastCarError(f"{where}: patch {list(self.patch)}: only a temporal patch of 1 is supported")
+        if self.latent_h % self.patch[1] or self.latent_w % self.patch[2]:
+            raise FastCarError(f"{where}: latent {self.latent_h}x{self.latent_w} is not a multiple of the patch "
+                               f"{self.patch[1]}x{self.patch[2]}")
+        if self.freq_dim % 2:
+            raise FastCarError(f"{where}: freq_dim {self.freq_dim} must be even")
+        return self
+
+    @property
+    def params(self) -> int:
+        """Parameter count (for messages and the memory check)."""
+        d, f, t = self.hidden, self.ffn, self.text_dim
+        block = 8 * d * d + 2 * d * f + 6 * d + 4 * d + 2 * d
+        return (self.layers * block + self.patch_dim * d + t * d + d * d + self.freq_dim * d + 7 * d * d
+                + d * self.patch_dim)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+PRESETS: dict[str, DiTConfig] = {
+    # Random weights, seconds to export: tests and the tool chain.
+    "tiny": DiTConfig(layers=2, hidden=48, heads=2, ffn=96, text_dim=24, in_channels=4, latent_h=8, latent_w=8,
+                      freq_dim=32, text_len=6, chunk_frames=2, sink_frames=1, window_frames=4),
+    # Wan2.1-T2V-1.3B's shapes (480x832 video, 3-frame blocks, a 21-frame local window as in Self-Forcing).
+    "wan2.1-1.3b": DiTConfig(layers=30, hidden=1536, heads=12, ffn=8960, text_dim=4096),
+}
+
+
+def from_dict(d: dict, where: str) -> DiTConfig:
+    names = {f.name for f in dataclasses.fields(DiTConfig)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise FastCarError(f"{where}: unknown DiT config keys {unknown}; known: {sorted(names)}")
+    missing = sorted(k for k in ("layers", "hidden", "heads", "ffn", "text_dim") if k not in d)
+    if missing:
+        raise FastCarError(f"{where}: the DiT config lacks {missing}")
+    d = dict(d)
+    if "patch" in d:
+        if not isinstance(d["patch"], list):
+            raise FastCarError(f"{where}: patch must be a list of three integers")
+        d["patch"] = tuple(d["patch"])
+    return DiTConfig(**d).check(where)
+
+
+def load_config(source: str) -> tuple[DiTConfig, Path | None]:
+    """A preset name, a DiT config .json, or a folder with config.json (+ model.safetensors).
+
+    Returns (config, weights file or None: random weights)."""
+    from fastcar_compile.fileio import read_json
+
+    if source in PRESETS:
+        return PRESETS[source], None
+    src = Path(source)
+    if not src.exists():
+        raise FastCarError(f"--dit {source}: no such preset or path; give one of {sorted(PRESETS)}, a DiT "
+                           "config .json, or a folder with config.json (+ model.safetensors)")
+    cfg_file = src / "config.json" if src.is_dir() else src
+    if not cfg_file.is_file():
+        raise FastCarError(f"--dit {src}: the folder has no config.json")
+    data = read_json(cfg_file, "the DiT config")
+    if not isinstance(data, dict):
+        raise FastCarError(f"{cfg_file}: the DiT config must be a JSON object")
+    cfg = from_dict(data, str(cfg_file))
+    weights = src / "model.safetensors" if src.is_dir() else None
+    return cfg, weights if weights is not None and weights.is_file() else None
+
+
+# The ONNX I/O of the denoiser step (stream.py and export.py derive from these).
+STEP_INPUTS = ("latent", "timestep", "frame_start")
+STEP_OUTPUT = "velocity"
+TEXT_INPUT = "text_embeds"
+
+
+def past_names(layers: int) -> list[str]:
+    return [f"past.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+
+
+def cross_names(layers: int) -> list[str]:
+    return [f"cross.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+
+
+def present_names(layers: int) -> list[str]:
+    return [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+
+
+def step_io(layers: int) -> tuple[list[str], list[str]]:
+    """(inputs, outputs) of the step graph: the noisy chunk, per-frame timesteps, its first frame's index, the
+    cache (past K/V per layer), the prompt's cross-attention K/V -> velocity, the chunk's own K/V."""
+    return ([*STEP_INPUTS, *past_names(layers), *cross_names(layers)],
+            [STEP_OUTPUT, *present_names(layers)])
+
+
+def text_io(layers: int) -> tuple[list[str], list[str]]:
+    """(inputs, outputs) of the prompt graph: text embeddings -> cross-attention K/V per layer, once a video."""
+    return [TEXT_INPUT], cross_names(layers)
+
+
+METADATA_KEY = "fastcar.dit_config"  # the step graph's metadata: the config it was exported from
+TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph beside the step graph

@@ -1,0 +1,221 @@
+"""Streaming chunk-causal generation: a few-step flow-matching sampler per chunk over a frame KV cache with
+attention sinks and a rolling window, one loop for both backends (ONNX Runtime and the eager model).
+
+Per chunk (Self-Forcing's rollout): start from noise; at each step t (1000, 750, 500, 250) the denoiser predicts
+the flow velocity v over the chunk + the cache; x0 = x_t - sigma v; the next step re-noises x0 to its sigma
+with fresh noise (DMD-style). With CFG the model runs on two rows (prompt, empty prompt) and
+v = v_u + s (v_c - v_u). After the last step the model runs once more on the clean chunk at t = 0 and that
+pass's K/V are written to the cache: the first `sink_frames` frames stay for ever, then only the
+`window_frames` most recent frames (0: all). The cache and the noise are NumPy, so both backends see the
+very same inputs and the eager loop is the reference and the baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fastcar_compile.dit.config import (
+    METADATA_KEY,
+    TEXT_GRAPH_KEY,
+    DiTConfig,
+    from_dict,
+    past_names,
+    step_io,
+)
+from fastcar_compile.errors import FastCarError
+
+STEPS = (1000.0, 750.0, 500.0, 250.0)  # flow-matching timesteps of a 4-step distilled sampler
+
+
+class FrameCache:
+    """The K/V of resident frames, per layer: the first `sinks` frames ever written, then at most `window`
+    of the most recent others (window 0: no eviction). Frames are kept one array per (frame, layer, K|V) so
+    that eviction drops whole frames; `past()` concatenates the resident ones in frame order."""
+
+    def __init__(self, layers: int, tokens_per_frame: int, sinks: int, window: int):
+        self.layers, self.tokens, self.sinks, self.window = layers, tokens_per_frame, sinks, window
+        self.frames: dict[int, list[np.ndarray]] = {}  # frame index -> 2*layers arrays [B, heads, T, d]
+        self.written = 0
+
+    @property
+    def resident(self) -> list[int]:
+        return sorted(self.frames)
+
+    def write(self, first_frame: int, kv: list[np.ndarray]) -> None:
+        """Store a chunk's K/V (2*layers arrays [B, heads, F*T, d]) as frames first_frame.., then evict."""
+        frames = kv[0].shape[2] // self.tokens
+        for j in range(frames):
+            sl = slice(j * self.tokens, (j + 1) * self.tokens)
+            self.frames[first_frame + j] = [np.ascontiguousarray(a[:, :, sl]) for a in kv]
+        self.written = max(self.written, first_frame + frames)
+        if self.window:
+            keep = set(range(min(self.sinks, self.written))) | set(range(max(self.sinks, self.written - self.window),
+                                                                         self.written))
+            for f in [f for f in self.frames if f not in keep]:
+                del self.frames[f]
+
+    def past(self, batch: int, heads: int, head_dim: int) -> list[np.ndarray]:
+        """Flat past.N.key|value arrays [B, heads, resident*T, d] (0 tokens when empty)."""
+        order = self.resident
+        if not order:
+            return [np.zeros((batch, heads, 0, head_dim), np.float32) for _ in range(2 * self.layers)]
+        return [np.concatenate([self.frames[f][i] for f in order], axis=2) for i in range(2 * self.layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for arrays in self.frames.values() for a in arrays)
+
+
+class OrtDiT:
+    """The exported step and prompt graphs in ONNX Runtime."""
+
+    def __init__(self, step_path: str | os.PathLike, text_path: str | os.PathLike | None = None,
+                 threads: int = 0):
+        import onnx
+        import onnxruntime as ort
+
+        step_path = Path(step_path)
+        proto = onnx.load(str(step_path), load_external_data=False)
+        meta = {p.key: p.value for p in proto.metadata_props}
+        if METADATA_KEY not in meta or TEXT_GRAPH_KEY not in meta:  # the prompt graph has the config only
+            raise FastCarError(f"{step_path} is not a DiT step graph (no {TEXT_GRAPH_KEY} metadata); give the "
+                               "step graph written by `fastcar-compile export --dit tiny -o dit.onnx`")
+        import json
+
+        self.cfg: DiTConfig = from_dict(json.loads(meta[METADATA_KEY]), str(step_path))
+        text_path = Path(text_path) if text_path else step_path.with_name(meta[TEXT_GRAPH_KEY])
+        if not text_path.is_file():
+            raise FastCarError(f"{step_path}: its prompt graph {text_path} is missing; export both again")
+        self.text_path = text_path
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        self.sess = ort.InferenceSession(str(step_path), so, providers=["CPUExecutionProvider"])
+        self.text_sess = ort.InferenceSession(str(text_path), so, providers=["CPUExecutionProvider"])
+        ins, outs = step_io(self.cfg.layers)
+        got = [i.name for i in self.sess.get_inputs()]
+        if got != ins:
+            raise FastCarError(f"{step_path}: inputs {got[:4]}... are not the DiT step's {ins[:4]}...")
+        self.outs = outs
+
+    def text_kv(self, text_embeds: np.ndarray) -> list[np.ndarray]:
+        return self.text_sess.run(None, {"text_embeds": text_embeds.astype(np.float32)})
+
+    def step(self, latent, timestep, frame_start: int, past, cross) -> list[np.ndarray]:
+        n = self.cfg.layers
+        feed = {"latent": latent, "timestep": timestep, "frame_start": np.array([frame_start], np.int64)}
+        feed.update(zip(past_names(n), past, strict=True))
+        feed.update(zip(step_io(n)[0][3 + 2 * n:], cross, strict=True))
+        return self.sess.run(None, feed)
+
+
+class TorchDiT:
+    """The eager model behind the same interface (NumPy in and out; torch.from_numpy shares memory)."""
+
+    def __init__(self, model, threads: int = 0):
+        import torch
+
+        self.model, self.cfg, self.torch = model, model.cfg, torch
+        if threads:
+            torch.set_num_threads(threads)
+
+    def text_kv(self, text_embeds: np.ndarray) -> list[np.ndarray]:
+        with self.torch.no_grad():
+            return [t.numpy() for t in self.model.text_kv(self.torch.from_numpy(text_embeds.astype(np.float32)))]
+
+    def step(self, latent, timestep, frame_start: int, past, cross) -> list[np.ndarray]:
+        torch = self.torch
+        with torch.no_grad():
+            out = self.model(torch.from_numpy(latent), torch.from_numpy(timestep),
+                             torch.tensor([frame_start], dtype=torch.int64),
+                             *(torch.from_numpy(a) for a in past), *(torch.from_numpy(a) for a in cross))
+        return [t.numpy() for t in out]
+
+
+@dataclass
+class StreamSettings:
+    frames: int
+    seed: int = 0
+    cfg_scale: float = 3.0  # 1: no guidance, one row
+    steps: tuple[float, ...] = STEPS
+    sink_frames: int | None = None  # None: the model config's
+    window_frames: int | None = None
+
+
+@dataclass
+class ChunkResult:
+    first_frame: int
+    frames: np.ndarray  # [C, F, H, W] clean latent frames
+    seconds: float
+    resident: list[int] = field(default_factory=list)
+
+
+def prompt_rows(cfg: DiTConfig, text: np.ndarray | None, guided: bool, seed: int) -> np.ndarray:
+    """Text embedding rows [B, L, text_dim]: the prompt (seeded random when none given) and, with CFG, an
+    all-zero unconditional row."""
+    if text is None:
+        text = np.random.default_rng(seed + 7919).standard_normal((cfg.text_len, cfg.text_dim)).astype(np.float32)
+    text = np.asarray(text, np.float32)[None]
+    return np.concatenate([text, np.zeros_like(text)]) if guided else text
+
+
+def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
+            ) -> Iterator[ChunkResult]:
+    """Generate `settings.frames` latent frames chunk by chunk with `model` (OrtDiT or TorchDiT)."""
+    cfg = model.cfg
+    guided = settings.cfg_scale != 1.0
+    cross = model.text_kv(prompt_rows(cfg, text, guided, settings.seed))
+    rows = cross[0].shape[0]
+    cache = FrameCache(cfg.layers, cfg.tokens_per_frame,
+                       cfg.sink_frames if settings.sink_frames is None else settings.sink_frames,
+                       cfg.window_frames if settings.window_frames is None else settings.window_frames)
+    rng = np.random.default_rng(settings.seed)
+    f = cfg.chunk_frames
+    shape = (1, cfg.in_channels, f, cfg.latent_h, cfg.latent_w)
+    for start in range(0, settings.frames, f):
+        t0 = time.perf_counter()
+        past = cache.past(rows, cfg.heads, cfg.head_dim)
+        x = rng.standard_normal(shape).astype(np.float32)
+        x0 = x
+        for i, t in enumerate(settings.steps):
+            v = model.step(np.repeat(x, rows, 0), np.full((rows, f), t, np.float32), start, past, cross)[0]
+            v = v[:1] + settings.cfg_scale * (v[:1] - v[1:]) if guided else v
+            sigma = t / 1000.0
+            x0 = x - sigma * v
+            if i + 1 < len(settings.steps):
+                nxt = settings.steps[i + 1] / 1000.0
+                x = ((1 - nxt) * x0 + nxt * rng.standard_normal(shape)).astype(np.float32)
+        x0 = x0.astype(np.float32)
+        out = model.step(np.repeat(x0, rows, 0), np.zeros((rows, f), np.float32), start, past, cross)
+        cache.write(start, out[1:])
+        yield ChunkResult(start, x0[0], time.perf_counter() - t0, cache.resident)
+
+
+def rss_mib() -> float:
+    """This process's resident memory (Linux VmRSS), MiB."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def preview(frames: np.ndarray, scale: int = 8) -> list[np.ndarray]:
+    """RGB uint8 pictures of latent frames [C, N, H, W] (no VAE here: the first three channels, each
+    normalised over the whole video, upsampled `scale` x as the VAE's 8x8 spatial compression would)."""
+    c = frames[:3] if frames.shape[0] >= 3 else np.repeat(frames[:1], 3, 0)
+    lo = c.min(axis=(1, 2, 3), keepdims=True)
+    hi = c.max(axis=(1, 2, 3), keepdims=True)
+    img = ((c - lo) / np.maximum(hi - lo, 1e-8) * 255).astype(np.uint8)  # [3, N, H, W]
+    img = img.transpose(1, 2, 3, 0).repeat(scale, 1).repeat(scale, 2)
+    return list(img)
