@@ -168,19 +168,20 @@ def test_session_rejects(models, kwargs, word):
 
 
 def test_state_beyond_memory_is_refused_up_front(native_lib, tmp_path, monkeypatch):
-    """--kv-budget 16777216: every video holds that many key/value slots per KV head (and their records), which
-    the session refuses when it opens, naming the size and the limit, instead of a MemoryError later. The size
-    is computed here from the bundled graph's KV shapes; the available memory is set below it."""
+    """A compiled --kv-budget: every video holds that many key/value slots per KV head (and their records); a
+    state beyond the memory available is refused when the session opens, naming the size and the limit, instead
+    of a MemoryError later (16777216 slots: 25 GiB here). The size is computed here from the bundled graph's KV
+    shapes at the largest budget the compiler takes; the available memory is set below it."""
     from fastcar_compile import limits
 
-    budget = 16777216
+    budget = 1 << 20
     fc.compile(BUNDLED, tmp_path / "big.onnx", frame_tokens=L, threshold=0.0, kv_budget=budget, kv_sinks=4,
                kv_window=L)
     kv = [i for i in onnx.load(BUNDLED).graph.input if i.name.startswith("past_key_values")]
     per_slot = sum(i.type.tensor_type.shape.dim[1].dim_value * (i.type.tensor_type.shape.dim[3].dim_value + 1.5)
                    for i in kv) * 4  # key/value rows + the slot records (3 floats per layer and KV head)
     want = f"{budget * per_slot / 2**30:.1f} GiB"
-    monkeypatch.setattr(limits, "available_memory_bytes", lambda: 4 << 30)
-    with pytest.raises(FastCarError, match="more than the 4.0 GiB") as info:
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: 1 << 30)
+    with pytest.raises(FastCarError, match="more than the 1.0 GiB") as info:
         FastCarSession(tmp_path / "big.onnx")
     assert want in str(info.value) and "--kv-budget" in str(info.value)
