@@ -273,8 +273,6 @@ class FastCarSession:
         # padding; equal scores, RoPE sees only differences), from a table of this many positions; None: the graph
         # rotates at the position_ids fed
         self.rotary_positions: int | None = fc.rotary_positions if fc is not None else None
-        if self.max_length is not None:
-            self.check_video_length(self.max_length, "positions of max_length")
         # compressed KV cache (kv_compress metadata): KV inputs hold `budget` slots per KV head, fixed size
         # (per layer: --kv-layer gives layers different budgets, or none; those layers grow as usual)
         budgets = {n: int(c["budget"]) for n, c in (fc.kv_layer_settings() if fc is not None else {}).items()
@@ -283,6 +281,8 @@ class FastCarSession:
                                          and (n := contract.kv_layer_of(s.input)) is not None and n in budgets}
         self._kv_growing = any(s.kind == "kv" and s.input not in self._kv_caps for s in self.specs)
         self.kv_slots: int | None = max(self._kv_caps.values()) if self._kv_caps else None  # the largest budget
+        if self.max_length is not None:
+            self.check_video_length(self.max_length, "positions of max_length")
         if self.kv_slots is not None and self.native_library is None:
             raise FastCarError(_needs_native(self.path.name))
         if self.max_length is not None or self._kv_caps:  # one video's fixed buffers must fit
@@ -318,7 +318,11 @@ class FastCarSession:
         return max_length
 
     def check_video_length(self, tokens: int, what: str = "tokens of KV cache (prompt included)") -> None:
-        """Refuse, before ORT runs, a video of `tokens` KV positions longer than the packed rotary table."""
+        """Refuse, before ORT runs, a video of `tokens` KV positions longer than the packed rotary table or than
+        the KV buffers of `max_length` (generate checks the whole video before its first step)."""
+        if self.max_length is not None and self._kv_growing and tokens > self.max_length:
+            raise FastCarError(f"{tokens} {what} but the session was created with max_length={self.max_length}; "
+                               f"create it with max_length={tokens} or more")
         table = self.rotary_positions
         if table is not None and tokens > table:
             raise FastCarError(f"{tokens} {what} but {self.path.name}'s rotary table covers {table} positions; "

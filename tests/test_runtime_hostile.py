@@ -185,3 +185,14 @@ def test_state_beyond_memory_is_refused_up_front(native_lib, tmp_path, monkeypat
     with pytest.raises(FastCarError, match="more than the 1.0 GiB") as info:
         FastCarSession(tmp_path / "big.onnx")
     assert want in str(info.value) and "--kv-budget" in str(info.value)
+
+
+def test_video_longer_than_max_length_is_refused_before_generating(models, native_lib, monkeypatch):
+    """2 frames of 64 tokens after a 3-token prompt need 130 KV positions: with max_length=96 the session
+    refuses before the first step (it used to generate 94 tokens, then fail)."""
+    s = FastCarSession(models / "a.onnx", max_length=96)
+    calls = []
+    monkeypatch.setattr(type(s), "step", lambda *a, **k: calls.append(1))
+    with pytest.raises(FastCarError, match="max_length=96"):
+        s.generate([[1, 2, 3]], 2)
+    assert not calls
