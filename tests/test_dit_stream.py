@@ -168,3 +168,22 @@ def test_bad_input_is_one_line(exported, tmp_path, capsys, argv, words):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "x.onnx").exists()
+
+
+@pytest.mark.slow
+def test_wan_shaped_export_without_weights(tmp_path, capsys):
+    """`export --dit wan2.1-1.3b`: the 30-layer graph with 1560-token frames, its 5 GB of initializers a
+    sparse hole; the checker accepts the model with its external data."""
+    import onnx
+
+    from fastcar_compile.dit.config import step_io
+
+    out = tmp_path / "wan.onnx"
+    assert main(["export", "--dit", "wan2.1-1.3b", "-o", str(out)]) == 0
+    assert "without weights" in capsys.readouterr().out
+    data = tmp_path / "wan.onnx.data"
+    assert data.stat().st_size > 4 * 1.3e9 and data.stat().st_blocks * 512 < 1 << 20
+    onnx.checker.check_model(str(out))
+    proto = onnx.load(str(out), load_external_data=False)
+    assert [i.name for i in proto.graph.input] == step_io(30)[0]
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)

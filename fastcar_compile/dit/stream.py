@@ -155,6 +155,7 @@ class ChunkResult:
     frames: np.ndarray  # [C, F, H, W] clean latent frames
     seconds: float
     resident: list[int] = field(default_factory=list)
+    cache_bytes: int = 0  # the K/V held after this chunk's write
 
 
 def prompt_rows(cfg: DiTConfig, text: np.ndarray | None, guided: bool, seed: int) -> np.ndarray:
@@ -195,7 +196,7 @@ def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
         x0 = x0.astype(np.float32)
         out = model.step(np.repeat(x0, rows, 0), np.zeros((rows, f), np.float32), start, past, cross)
         cache.write(start, out[1:])
-        yield ChunkResult(start, x0[0], time.perf_counter() - t0, cache.resident)
+        yield ChunkResult(start, x0[0], time.perf_counter() - t0, cache.resident, cache.nbytes)
 
 
 def rss_mib() -> float:
