@@ -44,13 +44,12 @@ def _open(path: Path) -> int | None:
         return None
 
 
-def _try(fd: int, mode: int) -> bool:
+def _try(fd: int, mode: int) -> bool | None:
+    """True: locked; False: another holder has it; None: this file system has no flock (ENOLCK, EOPNOTSUPP...)."""
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        raise
+        return False if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
     return True
 
 
@@ -70,7 +69,7 @@ def folder_lock(folder: str | os.PathLike, *, shared: bool, wait_s: float = WAIT
     try:
         mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         end = time.monotonic() + wait_s
-        while not _try(fd, mode):
+        while _try(fd, mode) is False:  # (None: no flock here; go on unlocked, as before)
             if time.monotonic() > end:
                 raise FastCarError(f"{what or folder}: another process has been loading or writing a model in "
                                    f"{folder} for {wait_s:.0f} s; run again when it is done (nothing was written)")
@@ -105,7 +104,7 @@ def abandoned(path: str | os.PathLike) -> bool:
     if fd is None:
         return False
     try:
-        return _try(fd, fcntl.LOCK_EX)
+        return _try(fd, fcntl.LOCK_EX) is True  # (no flock on this file system: cannot tell, keep it)
     finally:
         os.close(fd)  # (releases the probe's lock at once)
 

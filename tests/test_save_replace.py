@@ -292,3 +292,20 @@ def test_killed_writers_temp_entries_are_removed_by_the_next_write(tmp_path):
         assert [p.name for p in (tmp_path / "pics").iterdir()] == ["a.png"]
     finally:
         owner.release()
+
+
+def test_a_file_system_without_flock_still_saves_and_sweeps_nothing(tmp_path, monkeypatch):
+    """Where flock fails (ENOLCK: some network or FUSE file systems) saves go on unlocked, as before, and no temp
+    entry is taken for a dead run's: whose it is cannot be told there."""
+    import errno
+
+    from fastcar_compile import locks
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(locks.fcntl, "flock", no_flock)
+    out = tmp_path / "out" / "fast.onnx"
+    (tmp_path / "out" / ".fastcar-other").mkdir(parents=True)
+    fc.compile(BUNDLED, out, frame_tokens=FRAME, threshold=float("inf"))
+    assert sorted(os.listdir(out.parent)) == sorted({".fastcar-other", out.name} | _data_files(out))
