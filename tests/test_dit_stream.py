@@ -187,3 +187,27 @@ def test_wan_shaped_export_without_weights(tmp_path, capsys):
     proto = onnx.load(str(out), load_external_data=False)
     assert [i.name for i in proto.graph.input] == step_io(30)[0]
     assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+
+
+def test_export_from_a_checkpoint_folder(tmp_path, capsys):
+    """config.json + model.safetensors: the export carries those weights (not the seeded random ones)."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(CFG)))
+    trained = build(CFG, seed=7)
+    save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(folder / "model.safetensors"))
+    out = tmp_path / "dit.onnx"
+    assert main(["export", "--dit", str(folder), "-o", str(out)]) == 0
+    assert "matches the eager model" in capsys.readouterr().out
+    settings = StreamSettings(frames=4, seed=1)
+    got = [c.frames for c in rollout(OrtDiT(out), settings)]
+    want = [c.frames for c in rollout(TorchDiT(trained), settings)]
+    np.testing.assert_allclose(np.concatenate(got, 1), np.concatenate(want, 1), atol=1e-4, rtol=0)
+    (folder / "model.safetensors").write_bytes(b"broken")
+    assert main(["export", "--dit", str(folder), "-o", str(tmp_path / "b.onnx")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot read the weights" in err
