@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from fastcar_compile.atomic import write_text  # noqa: E402
 from fastcar_compile.demo import scenes  # noqa: E402
 from fastcar_compile.demo.metrics import copy_rate, psnr  # noqa: E402
-from fastcar_compile.demo.videomodel import VideoTrainSettings, train_video_model  # noqa: E402
+from fastcar_compile.demo.videomodel import VIDEO_SIZES, VideoTrainSettings, train_video_model  # noqa: E402
 
 TRAINING = Path(__file__).resolve().parents[1] / "training" / "video_model"
 # Next to the training log, not in the package's assets: the package ships it with the model (not yet trained).
@@ -81,7 +81,7 @@ def model_stage(a) -> None:
 
     kw = {f.name: getattr(a, f.name) for f in fields(VideoTrainSettings) if getattr(a, f.name, None) is not None}
     tok = load_frame_tokenizer(a.tokenizer)
-    s = VideoTrainSettings(**kw, tokenizer_sha256=hashlib.sha256(a.tokenizer.read_bytes()).hexdigest())
+    s = VideoTrainSettings(**kw, config=VIDEO_SIZES[a.size], tokenizer_sha256=hashlib.sha256(a.tokenizer.read_bytes()).hexdigest())
     step = train_video_model(s, tok, a.ckpt, a.log, until=a.until, export=a.ckpt)
     print(f"reached step {step}; checkpoint {a.ckpt / 'checkpoint.pt'}; weights {a.ckpt / 'video.safetensors'}")
 
@@ -155,6 +155,7 @@ def main() -> None:
     ap.add_argument("--ckpt", type=Path, default=CKPT, help="model stage: checkpoint folder (resumed from)")
     ap.add_argument("--log", type=Path, default=TRAINING / "train_log.jsonl")
     ap.add_argument("--until", type=int, default=None, help="model stage: stop at this step")
+    ap.add_argument("--size", choices=sorted(VIDEO_SIZES), default="base", help="model stage: model size")
     for name in ("steps", "batch", "frames", "eval_every", "position_gap"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)

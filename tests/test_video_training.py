@@ -19,6 +19,7 @@ from fastcar_compile.demo.model import BOS, CODES, DemoConfig  # noqa: E402
 from fastcar_compile.demo.tokenizer import PATCH, PatchTokenizer  # noqa: E402
 from fastcar_compile.demo.videomodel import (  # noqa: E402
     VIDEO_CONFIG,
+    VIDEO_SIZES,
     VideoTrainSettings,
     batch_for_step,
     train_video_model,
@@ -41,6 +42,7 @@ def test_layout_ids_are_distinct_and_inside_the_vocabulary() -> None:
     assert len(set(ids + special)) == len(ids) + 3
     assert min(ids + special) >= CODES and max(ids + special) == condition.VOCAB - 1
     assert VIDEO_CONFIG.vocab_size == condition.VOCAB
+    assert all(c.vocab_size == condition.VOCAB for c in VIDEO_SIZES.values())
     assert condition.prompt(None) == [BOS] + [condition.UNCOND] * len(scenes.LABELS) + [
         condition.VIDEO_START_TOKEN]
 

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,12 @@ from fastcar_compile.errors import FastCarError
 VIDEO_CONFIG = DemoConfig(hidden_size=256, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8,
                           num_key_value_heads=8, vocab_size=condition.VOCAB, max_position_embeddings=4160,
                           copy_offsets=(63, 62, 64, 55), copy_layers=(0,))
+# Sizes for the scaling note (loss vs parameters vs CPU hours): same data, schedule and layout.
+VIDEO_SIZES: dict[str, DemoConfig] = {
+    "base": VIDEO_CONFIG,
+    "small": replace(VIDEO_CONFIG, hidden_size=128, intermediate_size=1024, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=4),
+}
 
 
 @dataclass
