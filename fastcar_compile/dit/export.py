@@ -51,35 +51,40 @@ def example_inputs(cfg: DiTConfig, device: str = "cpu", batch: int = 2, past_fra
             torch.tensor([past_frames], dtype=torch.int64, device=device), *kv)
 
 
-def _export(module, args: tuple, shapes, names: tuple[list[str], list[str]], meta: bool):
+def _export(module, args: tuple, shapes, names: tuple[list[str], list[str]], optimize: bool):
     import torch
 
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision note
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         return torch.onnx.export(module, args, input_names=names[0], output_names=names[1], dynamic_shapes=shapes,
-                                 opset_version=OPSET, dynamo=True, optimize=not meta, verbose=False)
+                                 opset_version=OPSET, dynamo=True, optimize=optimize, verbose=False)
 
 
 def _save(prog, path: Path, meta: bool, metadata: dict[str, str]) -> None:
-    """Write the program; from the meta device, its initializers go to a sparse zero-filled `path.data`."""
+    """Write the program (or a composed (proto, stubs) pair); from the meta device, the initializers go to a
+    sparse zero-filled `path.data`."""
     import onnx
 
-    if not meta:
+    if isinstance(prog, tuple):
+        proto, inits = prog
+    elif not meta:
         prog.save(str(path))
         proto = onnx.load(str(path))
     else:
-        inits = [(v.name, v.shape, v.dtype) for v in prog.model.graph.initializers.values()]
+        inits = [(v.name, [int(d) for d in v.shape], int(v.dtype)) for v in prog.model.graph.initializers.values()]
         prog.save(str(path), include_initializers=False)
         proto = onnx.load(str(path), load_external_data=False)
+    if meta:
         data = path.with_name(path.name + ".data")
         offset = 0
         del proto.graph.initializer[:]
         for name, shape, dtype in inits:
-            dims = [int(d) for d in shape]
-            t = onnx.TensorProto(name=name, dims=dims, data_type=int(dtype))
+            dims = list(shape)
+            t = onnx.TensorProto(name=name, dims=dims, data_type=dtype)
             t.data_location = onnx.TensorProto.EXTERNAL
-            length = math.ceil(dtype.itemsize * math.prod(dims))  # itemsize is fractional for 4-bit types
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(dtype).itemsize
+            length = math.ceil(itemsize * math.prod(dims))
             for k, v in (("location", data.name), ("offset", str(offset)), ("length", str(length))):
                 t.external_data.add(key=k, value=v)
             proto.graph.initializer.append(t)
@@ -91,9 +96,14 @@ def _save(prog, path: Path, meta: bool, metadata: dict[str, str]) -> None:
     onnx.save(proto, str(path))
 
 
-def export_dit(model, output: str | os.PathLike, *, weights: str = "random") -> tuple[Path, Path]:
+def export_dit(model, output: str | os.PathLike, *, weights: str = "random", compose: bool = True
+               ) -> tuple[Path, Path]:
     """Export `model` (ChunkDiT, on CPU or the meta device) to `output` and its prompt graph beside it,
-    atomically (data files first, then the graphs); checks the I/O names written."""
+    atomically (data files first, then the graphs); checks the I/O names written.
+
+    compose: trace the embedding, ONE block and the head, and chain the block's graph `layers` times with
+    each block's own weights (export time independent of depth: 30 traced blocks cost minutes); False
+    traces the whole model."""
     import onnx
     import torch
 
@@ -114,8 +124,9 @@ def export_dit(model, output: str | os.PathLike, *, weights: str = "random") -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmpdir = Path(tempfile.mkdtemp(dir=out.parent, prefix=".export-"))
     try:
-        step = _export(model, ex, step_shapes, step_io(n), meta)
-        prompt = _export(TextGraph(model), text_ex, ({0: batch, 1: text},), text_io(n), meta)
+        step = _compose_step(model, ex, (batch, past, text), meta) if compose else _export(model, ex, step_shapes,
+                                                                                      step_io(n), not meta)
+        prompt = _export(TextGraph(model), text_ex, ({0: batch, 1: text},), text_io(n), not meta)
         _save(step, tmpdir / out.name, meta, metadata)
         _save(prompt, tmpdir / text_out.name, meta, {METADATA_KEY: cfg.to_json()})
         for path, names in ((tmpdir / out.name, step_io(n)), (tmpdir / text_out.name, text_io(n))):
@@ -167,3 +178,137 @@ def check_step(model, step_path: str | os.PathLike, text_path: str | os.PathLike
                                "values); the model is broken")
         worst = max(worst, float(np.abs(got - want).max()))
     return worst
+
+
+def _part(module, args: tuple, shapes, names: tuple[list[str], list[str]], meta: bool, tmp: Path):
+    """One traced part (unoptimised, so that its initializers keep their parameter names): its graph and
+    initializers as {name: (dims, onnx dtype, array or None on the meta device)}."""
+    import onnx
+
+    prog = _export(module, args, shapes, names, optimize=False)
+    inits = {v.name: ([int(d) for d in v.shape], int(v.dtype), None if meta else v.const_value.numpy())
+             for v in prog.model.graph.initializers.values()}
+    prog.save(str(tmp), include_initializers=False)
+    proto = onnx.load(str(tmp), load_external_data=False)
+    for node in proto.graph.node:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            raise FastCarError(f"the traced {type(module).__name__} holds a subgraph ({node.op_type}); export "
+                               "with compose=False")
+    return proto, inits
+
+
+def _compose_step(model, ex: tuple, dims: tuple, meta: bool):
+    """The step graph from three traces (embedding, one block, head): the block's nodes are copied once per
+    layer with renamed values, wired x -> x, and given that layer's weights (`blocks.i.` + the block's own
+    parameter names). Returns (proto, initializer stubs) for _save; real weights are embedded."""
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    from fastcar_compile.dit.model import ChunkDiT
+
+    cfg, n = model.cfg, model.cfg.layers
+    batch, past, text = dims
+
+    class Embed(torch.nn.Module):
+        patchify, rope, embed = ChunkDiT.patchify, ChunkDiT.rope, ChunkDiT.embed
+
+        def __init__(self):
+            super().__init__()
+            self.cfg, self.parts = cfg, model.parts
+            self.patch_embed, self.time_embed, self.time_proj = model.patch_embed, model.time_embed, model.time_proj
+
+        def forward(self, latent, timestep, frame_start):
+            return self.embed(latent, timestep, frame_start)
+
+    class Final(torch.nn.Module):
+        unpatchify, final = ChunkDiT.unpatchify, ChunkDiT.final
+
+        def __init__(self):
+            super().__init__()
+            self.cfg, self.norm_out, self.head = cfg, model.norm_out, model.head
+            self.head_modulation = model.head_modulation
+
+        def forward(self, x, t):
+            return self.final(x, t)
+
+    with torch.no_grad():
+        x, t, e, cos, sin = model.embed(*ex[:3])
+    kv = ex[3:]
+    ex_names = ["latent", "timestep", "frame_start"]
+    b_in = ["x", "e", "cos", "sin", "past_k", "past_v", "cross_k", "cross_v"]
+    tmpdir = Path(tempfile.mkdtemp(prefix=".dit-parts-"))
+    try:
+        pre, pre_w = _part(Embed(), ex[:3], ({0: batch}, {0: batch}, None),
+                           (ex_names, ["tokens_0", "time_embedding", "modulation", "rope_cos", "rope_sin"]), meta,
+                           tmpdir / "pre.onnx")
+        blk, blk_w = _part(model.blocks[0], (x, e, cos, sin, kv[0], kv[1], kv[2 * n], kv[2 * n + 1]),
+                           ({0: batch}, {0: batch}, None, None, {0: batch, 2: past}, {0: batch, 2: past},
+                            {0: batch, 2: text}, {0: batch, 2: text}), (b_in, ["x_out", "k", "v"]), meta,
+                           tmpdir / "block.onnx")
+        head, head_w = _part(Final(), (x, t), ({0: batch}, {0: batch}), (["x", "t"], ["velocity"]), meta,
+                             tmpdir / "head.onnx")
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    params = {name for name, _ in model.blocks[0].named_parameters()}
+    graph = onnx.GraphProto(name="dit_step")
+    stubs: list[tuple[str, list[int], int]] = []
+
+    def add(part, rename: dict[str, str], prefix: str, weights: dict, weight_name, weight_of) -> None:
+        def r(name: str) -> str:
+            return name and rename.get(name, prefix + name)
+
+        for name, (shape, dtype, arr) in weights.items():
+            rename[name] = final = weight_name(name)
+            if meta:
+                stubs.append((final, shape, dtype))
+            else:
+                graph.initializer.append(numpy_helper.from_array(weight_of(name, arr), final))
+        for node in part.graph.node:
+            new = graph.node.add()
+            new.CopyFrom(node)
+            new.name = prefix + node.name
+            new.input[:] = [r(v) for v in node.input]
+            new.output[:] = [r(v) for v in node.output]
+        for vi in part.graph.value_info:
+            new = graph.value_info.add()
+            new.CopyFrom(vi)
+            new.name = r(vi.name)
+
+    add(pre, {name: name for name in ex_names} | {o.name: o.name for o in pre.graph.output}, "embed/", pre_w,
+        lambda k: k, lambda k, a: a)
+    for name in ex_names:
+        graph.input.append(next(i for i in pre.graph.input if i.name == name))
+    for i in range(n):
+        rename = dict(zip(b_in, [f"tokens_{i}", "modulation", "rope_cos", "rope_sin", f"past.{i}.key",
+                                 f"past.{i}.value", f"cross.{i}.key", f"cross.{i}.value"], strict=True))
+        rename.update(x_out=f"tokens_{i + 1}", k=f"present.{i}.key", v=f"present.{i}.value")
+        state = {k: v.detach().numpy() for k, v in model.blocks[i].named_parameters()} if not meta else {}
+        add(blk, rename, f"blocks.{i}/", blk_w,
+            lambda k, i=i: f"blocks.{i}.{k}" if k in params else f"blocks.{i}/{k}",
+            lambda k, a, state=state: state[k] if k in state else a)
+    for name in ("past", "cross"):
+        for i in range(n):
+            for kv_name, src in (("key", f"{name}_k"), ("value", f"{name}_v")):
+                vi = onnx.ValueInfoProto()
+                vi.CopyFrom(next(x for x in blk.graph.input if x.name == src))
+                vi.name = f"{name}.{i}.{kv_name}"
+                graph.input.append(vi)
+    add(head, {"x": f"tokens_{n}", "t": "time_embedding", "velocity": "velocity"}, "head/", head_w,
+        lambda k: k, lambda k, a: a)
+    graph.output.append(next(o for o in head.graph.output if o.name == "velocity"))
+    for i in range(n):
+        for kv_name, src in (("key", "k"), ("value", "v")):
+            vi = onnx.ValueInfoProto()
+            vi.CopyFrom(next(x for x in blk.graph.output if x.name == src))
+            vi.name = f"present.{i}.{kv_name}"
+            graph.output.append(vi)
+    proto = onnx.helper.make_model(graph, opset_imports=list(blk.opset_import), ir_version=blk.ir_version,
+                                   producer_name=blk.producer_name, producer_version=blk.producer_version)
+    seen = set()
+    for part in (pre, blk, head):
+        for f in part.functions:
+            if (f.domain, f.name) not in seen:
+                seen.add((f.domain, f.name))
+                proto.functions.append(f)
+    return proto, stubs

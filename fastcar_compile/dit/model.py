@@ -155,19 +155,28 @@ class ChunkDiT(nn.Module):
         [B, heads, P, d] (P may be 0) then cross.N.key|value [B, heads, L, d]."""
         n = self.cfg.layers
         past, cross = kv[:2 * n], kv[2 * n:]
-        frames = latent.shape[2]
-        x = self.patch_embed(self.patchify(latent))
-        t = self.time_embed(sinusoid(timestep, self.cfg.freq_dim))  # [B, F, D]
-        e = self.time_proj(t).unflatten(-1, (6, -1))
-        cos, sin = self.rope(frame_start, frames)
+        x, t, e, cos, sin = self.embed(latent, timestep, frame_start)
         presents = []
         for i, blk in enumerate(self.blocks):
             x, k, v = blk(x, e, cos, sin, past[2 * i], past[2 * i + 1], cross[2 * i], cross[2 * i + 1])
             presents += [k, v]
+        return (self.final(x, t), *presents)
+
+    def embed(self, latent, timestep, frame_start):
+        """Tokens x [B, F*T, D], time embedding t [B, F, D], block modulation e [B, F, 6, D], RoPE cos/sin."""
+        x = self.patch_embed(self.patchify(latent))
+        t = self.time_embed(sinusoid(timestep, self.cfg.freq_dim))
+        e = self.time_proj(t).unflatten(-1, (6, -1))
+        cos, sin = self.rope(frame_start, latent.shape[2])
+        return x, t, e, cos, sin
+
+    def final(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The AdaLN head: tokens -> flow velocity [B, C, F, H, W]."""
         b, s, d = x.shape
+        frames = t.shape[1]
         shift, scale = (self.head_modulation[:, None] + t[:, :, None]).unbind(2)
         x = (self.norm_out(x).view(b, frames, -1, d) * (1 + scale[:, :, None]) + shift[:, :, None]).view(b, s, d)
-        return (self.unpatchify(self.head(x), frames), *presents)
+        return self.unpatchify(self.head(x), frames)
 
 
 class TextGraph(nn.Module):
