@@ -38,6 +38,7 @@ def load(model) -> tuple[ir.Model, Path | None]:
     path = Path(model)
     if path.is_dir():
         raise FastCarError(f"{path} is a directory; pass the path of an exported .onnx decoder file in it")
+    fileio.refuse_special_input(path, "model")
     if not path.is_file():
         raise FastCarError(f"{path}: no such file; pass the path of an exported .onnx decoder")
     missing = fileio.missing_external_data(path)
@@ -148,6 +149,7 @@ def _input_output(model: str | os.PathLike, output: str | os.PathLike) -> tuple[
     """The input model (must exist) and the staging of a writable output path that neither is it nor overwrites
     its files."""
     src, dst = Path(model), fileio.check_output_path(output)
+    fileio.refuse_special_input(src, "model")
     if not src.is_file():
         raise FastCarError(f"{src} does not exist")
     staging = Staging(dst, source=src)

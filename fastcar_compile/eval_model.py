@@ -26,7 +26,13 @@ from typing import Any
 import numpy as np
 
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import check_output_dir, check_outputs, model_reads, staged_dir
+from fastcar_compile.fileio import (
+    check_output_dir,
+    check_outputs,
+    model_reads,
+    refuse_special_input,
+    staged_dir,
+)
 
 OUTPUTS = ("dense.json", "fast.json", "fast_inf.json", "fast.replay.png", "fast.latency.png", "fast.kv.png",
            "fast.tokens.png", "eval.json")
@@ -35,6 +41,7 @@ OUTPUTS = ("dense.json", "fast.json", "fast_inf.json", "fast.replay.png", "fast.
 def load_prompts(path: str | os.PathLike, what: str = "--prompts") -> np.ndarray:
     """An integer .npy [prompts, prompt_len] (one prompt may be 1-D); a clear error for anything else."""
     p = Path(path)
+    refuse_special_input(p, what)
     if not p.is_file():
         raise FastCarError(f"{what} {p} does not exist; save token ids with np.save('p.npy', ids) "
                            "(int array [prompts, prompt_len])")
@@ -63,6 +70,8 @@ def check_files(fast_path: str | os.PathLike, dense_path: str | os.PathLike | No
         reads.update(model_reads(dense_path, "--dense"))
     if prompts_path is not None:
         reads[prompts_path] = "--prompts"
+    for path, what in reads.items():
+        refuse_special_input(path, what)
     check_outputs({out / name: f"--out's {name}" for name in OUTPUTS}, reads)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastcar_compile.contract import io_names
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import refuse_special, with_path
+from fastcar_compile.fileio import refuse_special, refuse_special_input, with_path
 
 DEFAULT_OPSET = {"dynamo": 20, "torchscript": 17}
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with headroom
@@ -123,6 +123,7 @@ def load_model(source: str | os.PathLike, seed: int = 0):
                            "a config.json")
     folder = src if src.is_dir() else src.parent
     cfg_file = folder / "config.json" if src.is_dir() else src
+    refuse_special_input(cfg_file, "config")
     if not cfg_file.is_file():
         raise FastCarError(f"{folder} has no config.json; give the folder written by save_pretrained()")
     try:
@@ -132,7 +133,10 @@ def load_model(source: str | os.PathLike, seed: int = 0):
             from None
     config._attn_implementation = "sdpa"
     check_size(config, cfg_file)
-    weights = src.is_dir() and any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+    weight_files = [*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")] if src.is_dir() else []
+    for f in weight_files:
+        refuse_special_input(f, "weight file")
+    weights = bool(weight_files)
     verbosity = tf.logging.get_verbosity()
     tf.logging.set_verbosity_error()  # its load report of a broken checkpoint: said in one line below
     try:

@@ -126,6 +126,8 @@ def model_files(path: str | os.PathLike) -> list[Path]:
 
     path = Path(path)
     files = [path]
+    if not path.is_file():  # missing, a folder, or a FIFO that onnx.load would wait on forever
+        return files
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception:  # noqa: BLE001 - an unreadable model is reported by the loader itself
@@ -151,8 +153,12 @@ def model_reads(path: str | os.PathLike, what: str = "the input model") -> dict[
 
 
 def missing_external_data(path: str | os.PathLike) -> list[Path]:
-    """External-data files a model names that do not exist (loading it would fail deep inside onnx)."""
-    return [f for f in model_files(path)[1:] if not f.is_file()]
+    """External-data files a model names that do not exist (loading it would fail deep inside onnx); one that
+    is a FIFO or device is refused (onnx would wait on it forever)."""
+    files = model_files(path)[1:]
+    for f in files:
+        refuse_special_input(f, f"{path}'s external data")
+    return [f for f in files if not f.is_file()]
 
 
 Paths = Mapping[str | os.PathLike, str] | Iterable[str | os.PathLike]
@@ -166,20 +172,37 @@ def _labelled(paths: Paths, default: str) -> list[tuple[Path, str]]:
     return [(Path(p), what) for p, what in items if p is not None]
 
 
+def _special_kind(path: str | os.PathLike) -> tuple[str, bool] | None:
+    """What a path that exists but is no regular file is, also where a symlink leads ("a FIFO (named pipe)
+    (through the link to ...)"), and whether it is a folder; None for a regular file or nothing there."""
+    try:
+        st = os.stat(path)
+    except OSError:  # nothing there (a new path, or a dangling link)
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    kind = next((k for test, k in _SPECIAL if test(st.st_mode)), "not a regular file")
+    via = f" (through the link to {os.path.realpath(path)})" if os.path.islink(path) else ""
+    return kind + via, stat.S_ISDIR(st.st_mode)
+
+
 def refuse_special(path: str | os.PathLike, what: str = "output") -> None:
     """An output must be a new path or a regular file, also where a symlink leads: a rename over a device,
     FIFO or socket would replace that node (as root, `-o /dev/null` would replace the system's)."""
-    try:
-        st = os.stat(path)
-    except OSError:  # nothing there (a new path, or a dangling link that the rename replaces)
+    if (found := _special_kind(path)) is None:
         return
-    if stat.S_ISREG(st.st_mode):
-        return
-    kind = next((k for test, k in _SPECIAL if test(st.st_mode)), "not a regular file")
-    via = f" (through the link to {os.path.realpath(path)})" if os.path.islink(path) else ""
-    hint = "give a file path, not a folder" if stat.S_ISDIR(st.st_mode) else \
+    kind, folder = found
+    hint = "give a file path, not a folder" if folder else \
         "give a regular file or a new path (special files are never replaced)"
-    raise FastCarError(f"{what} {path} is {kind}{via}; {hint}")
+    raise FastCarError(f"{what} {path} is {kind}; {hint}")
+
+
+def refuse_special_input(path: str | os.PathLike, what: str = "input") -> None:
+    """An input that exists must be a regular file (folders are left to the caller, which names what it wants
+    instead): reading a FIFO waits forever for a writer, a device such as /dev/zero never ends."""
+    found = _special_kind(path)
+    if found is not None and not found[1]:
+        raise FastCarError(f"{what} {path} is {found[0]}; give a regular file (a pipe or device is never read)")
 
 
 def check_outputs(writes: Paths, reads: Paths = ()) -> None:
@@ -232,12 +255,13 @@ def check_output_dir(path: str | os.PathLike, what: str = "output folder") -> Pa
 
 
 def check_input_file(path: str | os.PathLike, what: str) -> Path:
-    """An existing regular file (a folder or a missing path is named as such)."""
+    """An existing regular file (a folder, a missing path or a FIFO/device is named as such)."""
     path = Path(path)
     if path.is_dir():
         raise FastCarError(f"{what} {path} is a directory; give the path of a file")
     if not path.exists():
         raise FastCarError(f"{what} {path} does not exist; check the path")
+    refuse_special_input(path, what)
     if not os.access(path, os.R_OK):
         raise FastCarError(f"{what} {path} is not readable (permission denied)")
     return path

@@ -40,6 +40,7 @@ class Case:
     outputs: tuple[str, ...] = ()  # files an accepted case may create (relative to the sandbox)
     patch: Callable[[], contextlib.AbstractContextManager] | None = None  # in-process fault injection
     subprocess: bool = False  # also run through the real console script
+    timeout: float | None = None  # seconds before the case counts as hung (None: the runner's default)
 
 
 @dataclass
@@ -116,9 +117,9 @@ def build_sandbox(root: Path) -> Path:
     os.symlink("model.onnx", root / "link.onnx")
     os.link(root / "model.onnx", root / "hard.onnx")
     _files_that_are_inputs(root, run)
-    _special_files(root)
     _genai_folders(root)
     _checkpoints(root)
+    _special_files(root)
     return root
 
 
@@ -150,6 +151,13 @@ def _special_files(root: Path) -> None:
     os.mkfifo(root / "special" / "run.latency.png")  # where `report run.json -o special` would write
     os.mkfifo(root / "special" / "fast.json")  # where `eval --out special` would write
     os.mkfifo(root / "special" / "fifo.onnx")
+    # inputs that are FIFOs: reading one waits forever for a writer
+    (root / "fifo_ext").mkdir()
+    shutil.copyfile(root / "ext" / "model.onnx", root / "fifo_ext" / "model.onnx")
+    os.mkfifo(root / "fifo_ext" / "model.onnx.data")
+    (root / "fifo_ckpt").mkdir()
+    shutil.copyfile(root / "ckpt_ok" / "config.json", root / "fifo_ckpt" / "config.json")
+    os.mkfifo(root / "fifo_ckpt" / "model.safetensors")
     if os.geteuid() == 0:
         os.mknod(root / "special" / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
         os.symlink("null", root / "special" / "to-null")
@@ -305,8 +313,9 @@ def no_permission():
 
 
 # --------------------------------------------------------------------------------------------- cases
-def _c(name, argv, exit=2, message="", outputs=(), patch=None, subprocess=False) -> Case:  # noqa: A002
-    return Case(name, argv, exit, message, outputs, patch, subprocess)
+def _c(name, argv, exit=2, message="", outputs=(), patch=None, subprocess=False,  # noqa: A002
+       timeout=None) -> Case:
+    return Case(name, argv, exit, message, outputs, patch, subprocess, timeout)
 
 
 def cases() -> list[Case]:
@@ -572,6 +581,26 @@ def files_cases(comp, fpga, sim, rep) -> list[Case]:
         _c("report -o a folder whose picture name is a FIFO", lambda d: ["report", str(d / "run.json"), "-o",
                                                                          str(d / "special")], message="FIFO"),
         _c("eval --out a folder whose fast.json is a FIFO", ev(out="special"), message="FIFO"),
+        # ... and as inputs: refused in one line instead of waiting forever for a writer
+        *[_c(f"{name} a FIFO", argv, message="named pipe", timeout=30, subprocess=name == "report")
+          for name, argv in (
+            ("compile", comp(model="special/fifo")),
+            ("compile --inspect", lambda d: [str(d / "special" / "to-fifo"), "--inspect"]),
+            ("compile a model whose external data is", comp(model="fifo_ext/model.onnx")),
+            ("compile --calib-data", lambda d: comp("--calibrate-replay", "0.3", "--calib-data",
+                                                    str(d / "special" / "fifo"))(d)),
+            ("compile --target fpga --board-file", lambda d: fpga("--board-file", str(d / "special" / "fifo"))(d)),
+            ("eval --model", ev(model="special/fifo")),
+            ("eval --model whose external data is", ev(model="fifo_ext/model.onnx")),
+            ("eval --dense", lambda d: ev("--dense", str(d / "special" / "fifo"))(d)),
+            ("eval --prompts", ev(prompts="special/fifo")),
+            ("report", rep("special/fifo")),
+            ("sim", sim(fcb="special/fifo")),
+            ("sim --replay-trace", lambda d: sim("--replay-trace", str(d / "special" / "fifo"))(d)),
+            ("disasm", lambda d: ["disasm", str(d / "special" / "fifo")]),
+            ("asm", lambda d: ["asm", str(d / "special" / "fifo"), "-o", str(d / "out/p.fcb")]),
+            ("export", exp("special/fifo")),
+            ("export a checkpoint whose weight file is", exp("fifo_ckpt")))],
         # 4. a broken genai_config.json beside the input: refused before compiling, nothing written
         *[_c(f"compile beside a {what} genai_config.json", gen(name), message=word,
              subprocess=name == "deep") for name, what, word in (
@@ -682,6 +711,7 @@ def run_case(case: Case, sandbox: Path, *, in_subprocess: bool = False, timeout:
     before = snapshot(sandbox)
     t0 = time.perf_counter()
     argv = case.argv(sandbox)
+    timeout = case.timeout or timeout
     rc, stderr = _subprocess(argv, timeout) if in_subprocess else _in_process(argv, case.patch, timeout)
     seconds = time.perf_counter() - t0
     after = snapshot(sandbox)
