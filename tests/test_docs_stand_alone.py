@@ -15,7 +15,7 @@ SOURCES = [p for d in ("fastcar_compile", "runtime", "passes", "fpga_backend", "
 
 
 def test_no_reference_outside_the_repository():
-    outside = ("SPEC" + ".md", "../" + "shared")  # split: this file names them too
+    outside = ("SPEC" + ".md", "../" + "shared", "/" + "work/notes")  # split: this file names them too
     bad = [str(p.relative_to(ROOT)) for p in DOCS + SOURCES
            if any(ref in p.read_text(encoding="utf-8") for ref in outside)]
     assert bad == []
