@@ -206,11 +206,14 @@ def refuse_special_input(path: str | os.PathLike, what: str = "input") -> None:
 
 
 def check_outputs(writes: Paths, reads: Paths = ()) -> None:
-    """Run by every command before any work, with every file it writes and every file it reads: each output
-    must be a regular file or a new path, and none may be an input (same path, symlink, hard link: an atomic
+    """Run by every command before any work, with every file it writes and every file it reads: an input that
+    exists must be a regular file (refuse_special_input), each output must be a regular file or a new path, and
+    none may be an input (same path, symlink, hard link: an atomic
     rename would replace the input, and a picture or model would take the place of a bundle or prompt file).
     Mappings name each path ({path: "--timeline"}); plain lists are "output" / "input"."""
     outs, ins = _labelled(writes, "output"), _labelled(reads, "input")
+    for r, r_what in ins:
+        refuse_special_input(r, r_what)
     for w, w_what in outs:
         refuse_special(w, w_what)
     for w, w_what in outs:
