@@ -30,6 +30,7 @@ import numpy as np
 
 from fastcar_compile.api import bake_threshold  # noqa: F401 - baking is compiler-side; kept importable here
 from fastcar_compile.errors import FastCarError
+from fastcar_compile.fileio import refuse_special_input
 from fastcar_compile.runtime.calib_stats import ci95, tau_for_share
 from fastcar_compile.runtime.decode import ThresholdWarning, generate, left_pad
 from fastcar_compile.runtime.session import FastCarSession
@@ -82,6 +83,7 @@ def replay_ceiling(num_frames: int, frame_tokens: int, given_video_tokens: int =
 def _prompts(x: Any, what: str) -> list[list[int]]:
     if isinstance(x, (str, os.PathLike)):
         p = Path(x)
+        refuse_special_input(p, what)
         if not p.is_file():
             raise FastCarError(f"{what}: {p} does not exist (expected a .npy of token ids [N, P])")
         x = np.load(p, allow_pickle=False)

@@ -24,7 +24,7 @@ import numpy as np
 
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import model_fingerprint
+from fastcar_compile.fileio import model_fingerprint, refuse_special_input
 from fastcar_compile.limits import INT64_MAX, MAX_THREADS, check_fits_memory, check_int
 from fastcar_compile.locks import folder_lock
 from fastcar_compile.runtime.binding import StepBinding
@@ -167,6 +167,7 @@ class FastCarSession:
         self.path = Path(path)
         if self.path.is_dir():
             raise FastCarError(f"model file {self.path} is a directory; pass the path of an .onnx file")
+        refuse_special_input(self.path, "model file")
         if not self.path.is_file():
             raise FastCarError(f"model file {self.path} does not exist; pass the path of an .onnx file")
         so = session_options if session_options is not None else self._options(threads)

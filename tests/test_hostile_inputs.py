@@ -237,3 +237,16 @@ def test_ctrl_c_during_eval_exits_130_quietly(sandbox, tmp_path, delay):
     assert "Traceback" not in err and "Error" not in err, err[-2000:]
     assert err.strip().splitlines()[-1] == "fastcar-compile: interrupted"
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_runtime_api_refuses_a_fifo_as_model_or_prompts(sandbox):
+    """The runtime API (no CLI checks before it) names a FIFO as one instead of calling it missing."""
+    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.runtime import FastCarSession
+    from fastcar_compile.runtime.calibrate import calibrate_threshold
+
+    fifo = sandbox / "special" / "fifo"
+    with pytest.raises(FastCarError, match="named pipe"):
+        FastCarSession(fifo)
+    with pytest.raises(FastCarError, match="named pipe"):
+        calibrate_threshold(sandbox / "fast.onnx", fifo, num_frames=2, target_replay=0.3)
