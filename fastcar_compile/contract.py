@@ -149,34 +149,93 @@ DOMAIN = "ai.fastcar"
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops the passes emit (GQA, RotaryEmbedding, norms)
 OPSET_VERSION = 1
 TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE = "TemporalGate", "MLPCacheRead", "MLPCacheUpdate"
-TEMPORAL_GATE_AT = "TemporalGateAt"  # TemporalGate with the token count as an input (shared KV buffers)
 COMPRESSED_ATTENTION = "CompressedAttention"  # fused in-place attention (+ FAST-AR compressed KV modes)
-# TemporalGate on keys already gathered per new token (a compressed KV cache has no K[p - L] row to index)
-TEMPORAL_GATE_ALIGNED = "TemporalGateAligned"
-# The whole main-graph gate of a GroupQueryAttention layer on packed QKV (onnxruntime-genai graphs) in one launch:
-# query slice (+ RoPE at the tokens' positions from the graph's cos/sin caches), TemporalGateAt, MLPCacheRead and
-# the branch conditions.
-TEMPORAL_GATE_PACKED, TEMPORAL_GATE_PACKED_ROPE = "TemporalGatePacked", "TemporalGatePackedRope"
 # com.microsoft.GroupQueryAttention's drop-in with the native dense core (passes/native_gqa.py; body: the original op)
 GROUP_QUERY_ATTENTION = "GroupQueryAttention"
 # BranchPass's row ops around the one MLP copy (passes/branch.py): the computing tokens' rows and the If condition,
 # then the write-back that merges the computed rows with the cached ones and updates the cache (MLPCacheUpdate)
 SELECT_ROWS, MLP_CACHE_MERGE = "SelectRows", "MLPCacheMerge"
-# TemporalGatePacked[Rope] that also selects the MLP input's computing rows (one main-graph node: passes/fuse_rows.py)
-TEMPORAL_GATE_PACKED_ROWS, TEMPORAL_GATE_PACKED_ROPE_ROWS = "TemporalGatePackedRows", "TemporalGatePackedRopeRows"
-OP_NAMES = (TEMPORAL_GATE, TEMPORAL_GATE_AT, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION,
-            TEMPORAL_GATE_ALIGNED, TEMPORAL_GATE_PACKED, TEMPORAL_GATE_PACKED_ROPE, GROUP_QUERY_ATTENTION,
-            SELECT_ROWS, MLP_CACHE_MERGE, TEMPORAL_GATE_PACKED_ROWS, TEMPORAL_GATE_PACKED_ROPE_ROWS)
+OP_NAMES = (TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION, GROUP_QUERY_ATTENTION,
+            SELECT_ROWS, MLP_CACHE_MERGE)
+
+# TemporalGate's inputs and outputs in order; a form uses the first four outputs (seven when packed, eight when it
+# selects rows) and the inputs it names (the rest are left empty).
+GATE_INPUTS = ("q", "key", "past_mlp_age", "threshold", "video_start", "total_len", "past_mlp_cache", "cos_cache",
+               "sin_cache", "mlp_input")
+GATE_OUTPUTS = ("replay", "tas", "slot", "write", "cached", "compute_all", "compute_some", "rows")
+
+
+@dataclass(frozen=True)
+class GateForm:
+    """Which TemporalGate: one op whose variant attributes (0/1) say what its inputs are and what it also does.
+
+    use_total_len: token positions from total_len (GroupQueryAttention's total_sequence_length), not the key
+    buffer's length (onnxruntime-genai's preallocated shared buffer). aligned_keys: `key` holds each new token's
+    aligned key already (CompressedAttention's output with a compressed cache, which has no K[p - L] row).
+    packed_qkv: the query is the first num_heads * head_dim channels of [B, S, >= H D] (a packed projection or a
+    GroupQueryAttention query), taus are indexed by threshold_index, and the op also outputs the slots' cached MLP
+    rows and the branch's two If conditions (the layer's whole main-graph gate in one launch). do_rotary: the op
+    rotates that query slice (TAS `rope`) at KV index total_len - S + i with cos_cache/sin_cache.
+    select_rows: it also outputs SelectRows(mlp_input) on its own decision. The ONNX function body of each form is
+    the overload named `overload` (passes/fastcar_ops.py); the native kernel reads the attributes."""
+
+    use_total_len: bool = False
+    aligned_keys: bool = False
+    packed_qkv: bool = False
+    do_rotary: bool = False
+    select_rows: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.aligned_keys or self.packed_qkv) and not self.use_total_len:
+            raise ValueError("internal: aligned_keys and packed_qkv take positions from total_len")
+        if (self.do_rotary or self.select_rows) and not self.packed_qkv:
+            raise ValueError("internal: do_rotary and select_rows are forms of the packed gate")
+        if self.aligned_keys and self.packed_qkv:
+            raise ValueError("internal: the packed gate reads K[p - L] from the dense cache")
+
+    @property
+    def attributes(self) -> dict[str, int]:
+        """The variant attributes a node of this form carries (all of them, 0 or 1)."""
+        return {f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @property
+    def overload(self) -> str:
+        """The function overload holding this form's body ("" for the plain form: no IR version 10 needed)."""
+        return "_".join(f.name for f in dataclasses.fields(self) if getattr(self, f.name))
+
+    @property
+    def num_outputs(self) -> int:
+        return 8 if self.select_rows else 7 if self.packed_qkv else 4
+
+    @classmethod
+    def of(cls, attributes: Mapping[str, Any]) -> GateForm:
+        """The form a node's attributes name (`attributes`: name -> int; absent = 0)."""
+        return cls(**{f.name: bool(attributes.get(f.name, 0)) for f in dataclasses.fields(cls)})
+
+
+GATE_FORM_ATTRIBUTES = tuple(f.name for f in dataclasses.fields(GateForm))
+GATE_FORMS = (GateForm(), GateForm(use_total_len=True), GateForm(use_total_len=True, aligned_keys=True),
+              *(GateForm(use_total_len=True, packed_qkv=True, do_rotary=r, select_rows=s)
+                for r in (False, True) for s in (False, True)))
+# The op names models compiled before the one gate op used for its forms, with their inputs in order (TemporalGate
+# itself was the plain form, unchanged). The native library registers each onto the one kernel
+# (runtime/native/fastcar_ops.cc restates this table), so such models keep loading and run as before.
+_PACKED_OLD = ("q", "key", "past_mlp_age", "past_mlp_cache", "threshold", "video_start", "total_len")
+LEGACY_GATE_OPS: dict[str, tuple[GateForm, tuple[str, ...]]] = {
+    "TemporalGateAt": (GATE_FORMS[1], GATE_INPUTS[:6]),
+    "TemporalGateAligned": (GATE_FORMS[2], GATE_INPUTS[:6]),
+    "TemporalGatePacked": (GATE_FORMS[3], _PACKED_OLD),
+    "TemporalGatePackedRows": (GATE_FORMS[4], (*_PACKED_OLD, "mlp_input")),
+    "TemporalGatePackedRope": (GATE_FORMS[5], (*_PACKED_OLD, "cos_cache", "sin_cache")),
+    "TemporalGatePackedRopeRows": (GATE_FORMS[6], (*_PACKED_OLD, "cos_cache", "sin_cache", "mlp_input")),
+}
+
 # Attributes per op (tests/test_contract.py checks these against DESIGN.md and the function bodies).
 # `age_offset` (default 0): the stored age is age + age_offset (onnxruntime-genai zero-fills its recurrent state,
 # so genai graphs store age + 1 and 0 means "never written").
 OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    TEMPORAL_GATE: ("frame_tokens", "max_replay", "age_offset"),
-    TEMPORAL_GATE_AT: ("frame_tokens", "max_replay", "age_offset"),
-    TEMPORAL_GATE_ALIGNED: ("frame_tokens", "max_replay", "age_offset"),
-    TEMPORAL_GATE_PACKED: ("frame_tokens", "max_replay", "age_offset", "num_heads", "threshold_index"),
-    TEMPORAL_GATE_PACKED_ROPE: ("frame_tokens", "max_replay", "age_offset", "num_heads", "threshold_index",
-                                "rotary_embedding_dim", "interleaved"),
+    TEMPORAL_GATE: ("frame_tokens", "max_replay", "age_offset", "num_heads", "threshold_index",
+                    "rotary_embedding_dim", "interleaved", *GATE_FORM_ATTRIBUTES),
     MLP_CACHE_READ: (),
     MLP_CACHE_UPDATE: ("age_offset",),
     COMPRESSED_ATTENTION: ("num_heads", "kv_num_heads", "scale", "budget", "sinks", "window", "frame_tokens",
@@ -186,8 +245,6 @@ OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     SELECT_ROWS: (),
     MLP_CACHE_MERGE: ("age_offset",),
 }
-OP_ATTRIBUTES[TEMPORAL_GATE_PACKED_ROWS] = OP_ATTRIBUTES[TEMPORAL_GATE_PACKED]
-OP_ATTRIBUTES[TEMPORAL_GATE_PACKED_ROPE_ROWS] = OP_ATTRIBUTES[TEMPORAL_GATE_PACKED_ROPE]
 
 # --- TAS variants and node tags -------------------------------------------------------------------------------
 TAS_ROPE, TAS_RAW = "rope", "raw"

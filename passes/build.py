@@ -23,9 +23,9 @@ class Builder:
         self.ids = ids
 
     def __call__(self, op: str, inputs, attrs=None, *, domain: str = "", outputs: int = 1, part: str = "gate",
-                 names: list[str] | None = None) -> ir.Value | tuple[ir.Value, ...]:
+                 names: list[str] | None = None, overload: str = "") -> ir.Value | tuple[ir.Value, ...]:
         uid = next(self.ids)
-        node = ir.node(op, inputs, attrs or {}, domain=domain, num_outputs=outputs,
+        node = ir.node(op, inputs, attrs or {}, domain=domain, num_outputs=outputs, overload=overload,
                        name=f"fastcar/{self.layer}/{op}_{uid}",
                        metadata_props={contract.TAG_LAYER: str(self.layer), contract.TAG_PART: part})
         for i, out in enumerate(node.outputs):

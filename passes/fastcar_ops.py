@@ -18,72 +18,6 @@ from fastcar_compile import contract
 DOMAIN = contract.DOMAIN
 VERSION = contract.OPSET_VERSION
 
-_TEMPORAL_GATE = """
-<domain: "ai.fastcar", opset_import: ["" : {opset}]>
-TemporalGate <frame_tokens, max_replay, age_offset: int = 0>(q, present_key, past_mlp_age, threshold, video_start)
-    => (replay, tas, slot, write) {{
-  zero = Constant <value = int64[1] {{0}}> ()
-  two = Constant <value = int64[1] {{2}}> ()
-  one = Constant <value = int64[1] {{1}}> ()
-  minus1 = Constant <value = int64[1] {{-1}}> ()
-  last = Constant <value = int64[1] {{-1}}> ()
-  zero_s = Constant <value = int64 {{0}}> ()
-  one_s = Constant <value = int64 {{1}}> ()
-  L = Constant <value_int: int = @frame_tokens> ()
-  K = Constant <value_int: int = @max_replay> ()
-  S = Shape <start = 2, end = 3> (q)
-  T = Shape <start = 2, end = 3> (present_key)
-  S_s = Squeeze (S, zero)
-  T_s = Squeeze (T, zero)
-  P_s = Sub (T_s, S_s)
-  p = Range (P_s, T_s, one_s)
-  aligned = Sub (p, L)
-  idx = Max (aligned, zero_s)
-  k_al = Gather <axis = 2> (present_key, idx)
-  qf = Cast <to = 1> (q)
-  kf = Cast <to = 1> (k_al)
-  B = Shape <start = 0, end = 1> (q)
-  Hkv = Shape <start = 1, end = 2> (present_key)
-  SD = Shape <start = 2, end = 4> (q)
-  q5_shape = Concat <axis = 0> (B, Hkv, minus1, SD)
-  q5 = Reshape (qf, q5_shape)
-  q_grp = ReduceSum <keepdims = 0> (q5, two)
-  prod = Mul (q_grp, kf)
-  dots = ReduceSum <keepdims = 0> (prod, last)
-  dsum = ReduceSum <keepdims = 0> (dots, one)
-  H = Shape <start = 1, end = 2> (q)
-  D = Shape <start = 3, end = 4> (q)
-  H_s = Squeeze (H, zero)
-  D_s = Squeeze (D, zero)
-  Hf = Cast <to = 1> (H_s)
-  Df = Cast <to = 1> (D_s)
-  sqrt_d = Sqrt (Df)
-  denom = Mul (Hf, sqrt_d)
-  tas = Div (dsum, denom)
-  rel = Sub (p, video_start)
-  slot = Mod (rel, L)
-  first_written = Sub (T_s, L)
-  is_video = GreaterOrEqual (p, video_start)
-  in_last_frame = GreaterOrEqual (p, first_written)
-  write = And (is_video, in_last_frame)
-  single = Equal (S_s, one_s)
-  after_frame0 = GreaterOrEqual (aligned, video_start)
-  pos_ok = And (single, after_frame0)
-  age_stored = Gather <axis = 1> (past_mlp_age, slot)
-  age_offset = Constant <value_int: int = @age_offset> ()
-  age_slot = Sub (age_stored, age_offset)
-  written = GreaterOrEqual (age_slot, zero_s)
-  unlimited = Equal (K, zero_s)
-  young = Less (age_slot, K)
-  guard_ok = Or (unlimited, young)
-  slot_ok = And (written, guard_ok)
-  elig = And (slot_ok, pos_ok)
-  tau = Cast <to = 1> (threshold)
-  above = Greater (tas, tau)
-  replay = And (elig, above)
-}}
-"""
-
 _MLP_CACHE_READ = """
 <domain: "ai.fastcar", opset_import: ["" : {opset}]>
 MLPCacheRead (past_mlp_cache, slot) => (cached) {{
@@ -121,29 +55,6 @@ MLPCacheUpdate <age_offset: int = 0> (past_mlp_cache, past_mlp_age, branch, repl
   present_mlp_age = ScatterElements <axis = 1> (past_mlp_age, age_idx, new_age)
 }}
 """
-
-def _derive(text: str, *edits: tuple[str, str]) -> str:
-    """A variant of an op's text: each `old` must occur exactly once (a silent no-op replace would ship the
-    parent op's body under the variant's name)."""
-    for old, new in edits:
-        if text.count(old) != 1:
-            raise RuntimeError(f"internal: op text edit expects exactly one {old[:60]!r}")
-        text = text.replace(old, new)
-    return text
-
-
-# TemporalGate for a key buffer longer than the sequence (onnxruntime-genai's past_present_share_buffer:
-# present_key is [B, Hkv, max_length, D]): the token positions come from `total_len` (GroupQueryAttention's
-# total_sequence_length, int32 scalar), not from the buffer's length.
-_TEMPORAL_GATE_AT = _derive(
-    _TEMPORAL_GATE,
-    ("TemporalGate <frame_tokens, max_replay, age_offset: int = 0>(q, present_key, past_mlp_age, threshold, video_start)",
-     "TemporalGateAt <frame_tokens, max_replay, age_offset: int = 0>(q, present_key, past_mlp_age, threshold, "
-     "video_start, total_len)"),
-    ("  T = Shape <start = 2, end = 3> (present_key)\n",
-     "  total64 = Cast <to = 7> (total_len)\n  T = Reshape (total64, one)\n"),
-)
-
 
 # CompressedAttention's body: dense causal GQA attention (all compression modes off), what the native kernel
 # computes in plain mode. The KV buffer is either the growing cache (past has P = total_len - S rows: present =
@@ -270,69 +181,219 @@ CompressedAttention <num_heads, kv_num_heads, scale, qkv_perm: ints = [0, 2, 1, 
 }}}}
 """
 
-# TemporalGate on keys gathered per new token (aligned_key [B,Hkv,S,D]: row i = the post-RoPE key of token
-# p_i - L, CompressedAttention's output with a compressed cache); positions from total_len as TemporalGateAt.
-_TEMPORAL_GATE_ALIGNED = _derive(
-    _TEMPORAL_GATE_AT,
-    ("TemporalGateAt <frame_tokens, max_replay, age_offset: int = 0>",
-     "TemporalGateAligned <frame_tokens, max_replay, age_offset: int = 0>"),
-    ("  idx = Max (aligned, zero_s)\n", "  idx = Range (zero_s, S_s, one_s)\n"),
-)
-
-# The main-graph gate of a GroupQueryAttention layer on packed QKV [B, S, (H + 2 Hkv) D], or on a separate query
-# [B, S, H D] that the op rotates itself (onnxruntime-genai's builder graphs; Qwen3), one node instead of ~14
-# small ones: the query is the first H*D channels (TAS `raw`), rotated
-# at positions total_len - S + i by the graph's own cos/sin caches for `rope` (what GroupQueryAttention's
-# do_rotary computes inside); then TemporalGateAt, MLPCacheRead of the slots, and the two If conditions of the
-# branch (compute_all: no token replays; compute_some: some token computes). `threshold_index` picks the
-# layer's tau from a per-layer threshold (0 for a scalar one).
-_TEMPORAL_GATE_PACKED = """
-<domain: "ai.fastcar", opset_import: ["" : {opset}, "ai.fastcar" : 1]>
-TemporalGatePacked <frame_tokens, max_replay, age_offset: int = 0, num_heads, threshold_index: int = 0>
-    (qkv, present_key, past_mlp_age, past_mlp_cache, threshold, video_start, total_len)
-    => (replay, tas, slot, write, cached, compute_all, compute_some) {{
-  zero = Constant <value = int64[1] {{0}}> ()
-  last = Constant <value = int64[1] {{-1}}> ()
-  zero_s = Constant <value = int64 {{0}}> ()
-  H_s = Constant <value_int: int = @num_heads> ()
-  H = Unsqueeze (H_s, zero)
-  D = Shape <start = 3, end = 4> (present_key)
-  HD = Mul (H, D)
-  q = Slice (qkv, zero, HD, last)
-  q4_shape = Concat <axis = 0> (zero, zero, H, D)
-  q4 = Reshape (q, q4_shape)
-  q_bhsd = Transpose <perm = [0, 2, 1, 3]> (q4)
-  taus = Reshape (threshold, last)
+# TemporalGate: one op, one body per form (contract.GateForm), each composed from the pieces below in this order:
+# the query in [B, H, S, D] (`qb`; packed: the first num_heads * head_dim channels, rotated for do_rotary), tau,
+# the token positions (key length or total_len), the aligned key rows (K[max(p - L, 0)], or `key` row i for
+# aligned_keys), then the shared TAS and decision; packed forms add the slots' cached rows and the If conditions,
+# select_rows the computing rows of mlp_input. docs/DESIGN.md states the semantics.
+_GATE_CONSTS = """
+  zero = Constant <value = int64[1] {0}> ()
+  one = Constant <value = int64[1] {1}> ()
+  two = Constant <value = int64[1] {2}> ()
+  minus1 = Constant <value = int64[1] {-1}> ()
+  zero_s = Constant <value = int64 {0}> ()
+  one_s = Constant <value = int64 {1}> ()
+  L = Constant <value_int: int = @frame_tokens> ()
+  K = Constant <value_int: int = @max_replay> ()
+"""
+_GATE_QUERY_BHSD = """
+  qb = Identity (q)
+"""
+_GATE_QUERY_PACKED = """
+  nh_s = Constant <value_int: int = @num_heads> ()
+  nh = Unsqueeze (nh_s, zero)
+  Dk = Shape <start = 3, end = 4> (key)
+  HD = Mul (nh, Dk)
+  q_flat = Slice (q, zero, HD, minus1)
+"""
+_GATE_QUERY_UNROTATED = """
+  q_sel = Identity (q_flat)
+"""
+_GATE_QUERY_ROTATED = f"""
+  total64_r = Cast <to = 7> (total_len)
+  total_r = Reshape (total64_r, minus1)
+  Sq = Shape <start = 1, end = 2> (q)
+  start = Sub (total_r, Sq)
+  q_sel = {contract.MS_DOMAIN}.RotaryEmbedding <interleaved: int = @interleaved, num_heads: int = @num_heads,
+      rotary_embedding_dim: int = @rotary_embedding_dim> (q_flat, start, cos_cache, sin_cache)
+"""
+_GATE_QUERY_HEADS = """
+  q4_shape = Concat <axis = 0> (zero, zero, nh, Dk)
+  q4 = Reshape (q_sel, q4_shape)
+  qb = Transpose <perm = [0, 2, 1, 3]> (q4)
+"""
+_GATE_TAU = """
+  taus = Reshape (threshold, minus1)
   t_index = Constant <value_int: int = @threshold_index> ()
-  tau = Gather (taus, t_index)
-  replay, tas, slot, write = ai.fastcar.TemporalGateAt <frame_tokens: int = @frame_tokens, max_replay: int = @max_replay,
-      age_offset: int = @age_offset> (q_bhsd, present_key, past_mlp_age, tau, video_start, total_len)
-  cached = ai.fastcar.MLPCacheRead (past_mlp_cache, slot)
+  tau_t = Gather (taus, t_index)
+  tau = Cast <to = 1> (tau_t)
+"""
+_GATE_T_FROM_KEY = """
+  T = Shape <start = 2, end = 3> (key)
+"""
+_GATE_T_FROM_TOTAL_LEN = """
+  total64 = Cast <to = 7> (total_len)
+  T = Reshape (total64, one)
+"""
+_GATE_POSITIONS = """
+  S = Shape <start = 2, end = 3> (qb)
+  S_s = Squeeze (S, zero)
+  T_s = Squeeze (T, zero)
+  P_s = Sub (T_s, S_s)
+  p = Range (P_s, T_s, one_s)
+  aligned = Sub (p, L)
+"""
+_GATE_ROWS_FROM_POSITIONS = """
+  idx = Max (aligned, zero_s)
+"""
+_GATE_ROWS_GIVEN = """
+  idx = Range (zero_s, S_s, one_s)
+"""
+_GATE_DECISION = """
+  k_al = Gather <axis = 2> (key, idx)
+  qf = Cast <to = 1> (qb)
+  kf = Cast <to = 1> (k_al)
+  B = Shape <start = 0, end = 1> (qb)
+  Hkv = Shape <start = 1, end = 2> (key)
+  SD = Shape <start = 2, end = 4> (qb)
+  q5_shape = Concat <axis = 0> (B, Hkv, minus1, SD)
+  q5 = Reshape (qf, q5_shape)
+  q_grp = ReduceSum <keepdims = 0> (q5, two)
+  prod = Mul (q_grp, kf)
+  dots = ReduceSum <keepdims = 0> (prod, minus1)
+  dsum = ReduceSum <keepdims = 0> (dots, one)
+  H = Shape <start = 1, end = 2> (qb)
+  D = Shape <start = 3, end = 4> (qb)
+  H_s = Squeeze (H, zero)
+  D_s = Squeeze (D, zero)
+  Hf = Cast <to = 1> (H_s)
+  Df = Cast <to = 1> (D_s)
+  sqrt_d = Sqrt (Df)
+  denom = Mul (Hf, sqrt_d)
+  tas = Div (dsum, denom)
+  rel = Sub (p, video_start)
+  slot = Mod (rel, L)
+  first_written = Sub (T_s, L)
+  is_video = GreaterOrEqual (p, video_start)
+  in_last_frame = GreaterOrEqual (p, first_written)
+  write = And (is_video, in_last_frame)
+  single = Equal (S_s, one_s)
+  after_frame0 = GreaterOrEqual (aligned, video_start)
+  pos_ok = And (single, after_frame0)
+  age_stored = Gather <axis = 1> (past_mlp_age, slot)
+  age_offset = Constant <value_int: int = @age_offset> ()
+  age_slot = Sub (age_stored, age_offset)
+  written = GreaterOrEqual (age_slot, zero_s)
+  unlimited = Equal (K, zero_s)
+  young = Less (age_slot, K)
+  guard_ok = Or (unlimited, young)
+  slot_ok = And (written, guard_ok)
+  elig = And (slot_ok, pos_ok)
+  above = Greater (tas, tau)
+  replay = And (elig, above)
+"""
+_GATE_CACHED_AND_CONDITIONS = """
+  cached = Gather <axis = 1> (past_mlp_cache, slot)
   replay64 = Cast <to = 7> (replay)
   n_replay = ReduceSum <keepdims = 0> (replay64)
   n_tokens = Size (replay)
   compute_all = Equal (n_replay, zero_s)
   compute_some = Less (n_replay, n_tokens)
-}}
 """
+_GATE_SELECT_ROWS = f"""
+  rows, rows_some = {DOMAIN}.{contract.SELECT_ROWS} (mlp_input, replay)
+"""
+# attributes the forms share (frame_tokens and max_replay have no default: every gate names them)
+_GATE_ATTRIBUTES = ("frame_tokens, max_replay, age_offset: int = 0, num_heads: int = 0, threshold_index: int = 0, "
+                    "rotary_embedding_dim: int = 0, interleaved: int = 0, "
+                    + ", ".join(f"{a}: int = 0" for a in contract.GATE_FORM_ATTRIBUTES))
 
-_TEMPORAL_GATE_PACKED_ROPE = _derive(
-    _TEMPORAL_GATE_PACKED,
-    ('"ai.fastcar" : 1]>', f'"ai.fastcar" : 1, "{contract.MS_DOMAIN}" : 1]>'),
-    ("TemporalGatePacked <frame_tokens, max_replay, age_offset: int = 0, num_heads, threshold_index: int = 0>\n"
-     "    (qkv, present_key, past_mlp_age, past_mlp_cache, threshold, video_start, total_len)",
-     "TemporalGatePackedRope <frame_tokens, max_replay, age_offset: int = 0, num_heads, threshold_index: int = 0,\n"
-     "                        rotary_embedding_dim, interleaved>\n"
-     "    (qkv, present_key, past_mlp_age, past_mlp_cache, threshold, video_start, total_len, cos_cache, sin_cache)"),
-    ("  q = Slice (qkv, zero, HD, last)\n",
-     "  q_raw = Slice (qkv, zero, HD, last)\n"
-     "  total64 = Cast <to = 7> (total_len)\n"
-     "  total1 = Reshape (total64, last)\n"
-     "  S = Shape <start = 1, end = 2> (qkv)\n"
-     "  start = Sub (total1, S)\n"
-     f"  q = {contract.MS_DOMAIN}.RotaryEmbedding <interleaved: int = @interleaved, num_heads: int = @num_heads,\n"
-     "      rotary_embedding_dim: int = @rotary_embedding_dim> (q_raw, start, cos_cache, sin_cache)\n"),
-)
+
+def gate_text(form: contract.GateForm, opset: int) -> str:
+    """The ONNX text of TemporalGate's body for one form (its overload), composed from the shared pieces."""
+    imports = [f'"" : {opset}']
+    if form.select_rows:
+        imports.append(f'"{DOMAIN}" : {VERSION}')
+    if form.do_rotary:
+        imports.append(f'"{contract.MS_DOMAIN}" : 1')
+    if form.packed_qkv:
+        query = [_GATE_QUERY_PACKED, _GATE_QUERY_ROTATED if form.do_rotary else _GATE_QUERY_UNROTATED,
+                 _GATE_QUERY_HEADS]
+    else:
+        query = [_GATE_QUERY_BHSD]
+    pieces = [_GATE_CONSTS, *query, _GATE_TAU, _GATE_T_FROM_TOTAL_LEN if form.use_total_len else _GATE_T_FROM_KEY,
+              _GATE_POSITIONS, _GATE_ROWS_GIVEN if form.aligned_keys else _GATE_ROWS_FROM_POSITIONS, _GATE_DECISION]
+    if form.packed_qkv:
+        pieces.append(_GATE_CACHED_AND_CONDITIONS)
+    if form.select_rows:
+        pieces.append(_GATE_SELECT_ROWS)
+    outputs = ", ".join(contract.GATE_OUTPUTS[:form.num_outputs])
+    head = (f'<domain: "{DOMAIN}", opset_import: [{", ".join(imports)}]>\n'
+            f"{contract.TEMPORAL_GATE} <{_GATE_ATTRIBUTES}>\n"
+            f"    ({', '.join(contract.GATE_INPUTS)}) => ({outputs}) {{")
+    return head + "".join(pieces) + "}\n"
+
+
+def gate_function(form: contract.GateForm, opset: int) -> onnx.FunctionProto:
+    """TemporalGate's FunctionProto for one form: the overload `form.overload`."""
+    proto = onnx.parser.parse_function(gate_text(form, opset))
+    proto.overload = form.overload
+    return proto
+
+
+def gate_form(node: ir.Node) -> contract.GateForm | None:
+    """The form of an ai.fastcar TemporalGate node (None for any other node)."""
+    if node.domain != DOMAIN or node.op_type != contract.TEMPORAL_GATE:
+        return None
+    return contract.GateForm.of({a.name: a.value for a in node.attributes.values() if a.name in
+                                 contract.GATE_FORM_ATTRIBUTES})
+
+
+def gate_args(model: ir.Model, form: contract.GateForm, inputs: dict[str, ir.Value | None],
+              attributes: dict[str, object]) -> tuple[list[ir.Value | None], dict[str, object]]:
+    """A TemporalGate node's positional inputs (given by contract.GATE_INPUTS name) and attributes (the form's
+    variant attributes set, 0s left out), its body registered in `model`; the node's overload is form.overload."""
+    unknown = set(inputs) - set(contract.GATE_INPUTS)
+    if unknown:
+        raise ValueError(f"internal: TemporalGate has no input {sorted(unknown)}")
+    values = [inputs.get(name) for name in contract.GATE_INPUTS]
+    while values[-1] is None:
+        values.pop()
+    add_gate(model, form, model.opset_imports.get("", 17))
+    attrs = {**{k: v for k, v in attributes.items() if k not in contract.GATE_FORM_ATTRIBUTES},
+             **{k: v for k, v in form.attributes.items() if v}}
+    return values, attrs
+
+
+def gate_node(model: ir.Model, form: contract.GateForm, inputs: dict[str, ir.Value | None],
+              attributes: dict[str, object], **kwargs) -> ir.Node:
+    """A TemporalGate node of `form` (not inserted; gate_args says what it takes)."""
+    values, attrs = gate_args(model, form, inputs, attributes)
+    return ir.node(contract.TEMPORAL_GATE, values, attrs, domain=DOMAIN, num_outputs=form.num_outputs,
+                   overload=form.overload, **kwargs)
+
+
+def gate_inputs(node: ir.Node) -> dict[str, ir.Value]:
+    """A TemporalGate node's given inputs by contract.GATE_INPUTS name."""
+    return {name: v for name, v in zip(contract.GATE_INPUTS, node.inputs, strict=False) if v is not None}
+
+
+def gate_attributes(node: ir.Node) -> dict[str, object]:
+    """A TemporalGate node's attributes other than the form's (name -> value)."""
+    return {a.name: a.value for a in node.attributes.values() if a.name not in contract.GATE_FORM_ATTRIBUTES}
+
+
+def add_gate(model: ir.Model, form: contract.GateForm, opset: int) -> None:
+    """Register the body of one TemporalGate form (idempotent); forms other than the plain one are overloads."""
+    add_functions(model, opset)
+    key = (DOMAIN, contract.TEMPORAL_GATE, form.overload)
+    if key not in model.functions:
+        model.functions[key] = ir.serde.deserialize_function(gate_function(form, opset))
+    if form.overload:
+        if form.do_rotary:
+            model.opset_imports.setdefault(contract.MS_DOMAIN, 1)
+        model.ir_version = max(model.ir_version, OVERLOAD_IR_VERSION)
+
 
 # ai.fastcar GroupQueryAttention: com.microsoft.GroupQueryAttention's signature (the subset passes/native_gqa.py
 # swaps); its body is that op itself, so a model run without the native library (runtime/native/
@@ -397,37 +458,13 @@ MLPCacheMerge <age_offset: int = 0> (past_mlp_cache, past_mlp_age, rows, replay,
 """
 
 
-def _with_rows(text: str, name: str) -> str:
-    """TemporalGatePacked[Rope] `text` as op `name` that also takes the MLP input and outputs its computing rows
-    (SelectRows on the gate's own decision): the selection costs no launch of its own."""
-    head = text[text.index("\n", text.index("<domain")) + 1:].split(" ", 1)[0]
-    return _derive(
-        text,
-        (f"{head} <", f"{name} <"),
-        (")\n    => (replay, tas, slot, write, cached, compute_all, compute_some) {{",
-         ", mlp_input)\n    => (replay, tas, slot, write, cached, compute_all, compute_some, rows) {{"),
-        ("  compute_some = Less (n_replay, n_tokens)\n",
-         "  compute_some = Less (n_replay, n_tokens)\n  rows, rows_some = ai.fastcar.SelectRows (mlp_input, replay)\n"),
-    )
-
-
-_TEMPORAL_GATE_PACKED_ROWS = _with_rows(_TEMPORAL_GATE_PACKED, contract.TEMPORAL_GATE_PACKED_ROWS)
-_TEMPORAL_GATE_PACKED_ROPE_ROWS = _with_rows(_TEMPORAL_GATE_PACKED_ROPE, contract.TEMPORAL_GATE_PACKED_ROPE_ROWS)
-
 OP_TEXTS = {
-    contract.TEMPORAL_GATE: _TEMPORAL_GATE,
-    contract.TEMPORAL_GATE_AT: _TEMPORAL_GATE_AT,
     contract.MLP_CACHE_READ: _MLP_CACHE_READ,
     contract.MLP_CACHE_UPDATE: _MLP_CACHE_UPDATE,
     contract.COMPRESSED_ATTENTION: _COMPRESSED_ATTENTION,
-    contract.TEMPORAL_GATE_ALIGNED: _TEMPORAL_GATE_ALIGNED,
-    contract.TEMPORAL_GATE_PACKED: _TEMPORAL_GATE_PACKED,
-    contract.TEMPORAL_GATE_PACKED_ROPE: _TEMPORAL_GATE_PACKED_ROPE,
     contract.GROUP_QUERY_ATTENTION: _GROUP_QUERY_ATTENTION,
     contract.SELECT_ROWS: _SELECT_ROWS,
     contract.MLP_CACHE_MERGE: _MLP_CACHE_MERGE,
-    contract.TEMPORAL_GATE_PACKED_ROWS: _TEMPORAL_GATE_PACKED_ROWS,
-    contract.TEMPORAL_GATE_PACKED_ROPE_ROWS: _TEMPORAL_GATE_PACKED_ROPE_ROWS,
 }
 
 
@@ -441,6 +478,8 @@ OVERLOAD_IR_VERSION = 10  # NodeProto.overload / FunctionProto.overload
 def function_proto(op: str, opset: int, overload: str = "") -> onnx.FunctionProto:
     """The FunctionProto of one ai.fastcar op (or one of its overloads), its body written against the model's
     default opset."""
+    if op == contract.TEMPORAL_GATE:
+        return gate_function(next(f for f in contract.GATE_FORMS if f.overload == overload), opset)
     text = OVERLOAD_TEXTS[(op, overload)] if overload else OP_TEXTS[op]
     proto = onnx.parser.parse_function(text.format(opset=opset))
     proto.overload = overload
@@ -448,7 +487,11 @@ def function_proto(op: str, opset: int, overload: str = "") -> onnx.FunctionProt
 
 
 def add_functions(model: ir.Model, opset: int) -> None:
-    """Register every ai.fastcar function in `model` (idempotent) and import the domain."""
+    """Register every ai.fastcar function in `model` (idempotent; the gate's plain form, gate_node adds the
+    others) and import the domain."""
+    key = (DOMAIN, contract.TEMPORAL_GATE, "")
+    if key not in model.functions:
+        model.functions[key] = ir.serde.deserialize_function(gate_function(contract.GateForm(), opset))
     for op in OP_TEXTS:
         key = (DOMAIN, op, "")
         if key not in model.functions:

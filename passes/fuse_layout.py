@@ -1,13 +1,13 @@
 """Decode layout fusion for `--fused-attention fastcar`: no layout ops around the attention, one gate node.
 
 After the rotary fusion a fused layer still runs, per step, Reshape + Transpose for each of q, k and v (the
-exporter's head split, [B, S, H*D] -> [B, H, S, D]) and, for FastCar, TemporalGateAt, MLPCacheRead, Cast,
+exporter's head split, [B, S, H*D] -> [B, H, S, D]) and, for FastCar, TemporalGate (on total_len), MLPCacheRead, Cast,
 ReduceSum, Equal, Size, Less and the per-layer tau Gather: 16 launches onnxruntime-genai's step does not have
 (each costs its thread-pool hand-off at 2 threads, whatever the kernel time). This pass
 
 - feeds RotaryEmbedding (which takes [B, S, H*D] with `num_heads`) and CompressedAttention (`qkv_perm`
   [0, 2, 1, 3]) the projections' [B, S, H*D] outputs, so the Reshape/Transpose pairs go;
-- replaces the gate's nodes by `ai.fastcar.TemporalGatePacked` on that [B, S, H*D] query (post-RoPE for TAS
+- replaces the gate's nodes by the packed `ai.fastcar.TemporalGate` on that [B, S, H*D] query (post-RoPE for TAS
   `rope`, the projection for `raw`): the op onnxruntime-genai graphs use, whose "first H*D channels of the
   packed projection" is then the whole query. Same decision, cached rows and If conditions, one launch.
 
@@ -24,10 +24,12 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fastcar_compile import contract
+from fastcar_compile.passes import fastcar_ops
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
 
 MS = contract.MS_DOMAIN
+AT_FORM = contract.GateForm(use_total_len=True)  # the gate GatePass emits on CompressedAttention's total_len
 BSHD_PERM = [0, 2, 1, 3]
 
 
@@ -64,7 +66,7 @@ def _single(value: ir.Value, op: str) -> ir.Node | None:
 
 @dataclass
 class GateChain:
-    """A TemporalGateAt and the nodes BranchPass built from it (cached rows, the two If conditions)."""
+    """A TemporalGate on total_len and the nodes BranchPass built from it (cached rows, the two If conditions)."""
 
     node: ir.Node
     cache: ir.Value  # past_mlp_cache
@@ -106,7 +108,7 @@ class GateChain:
 
 
 class FusedLayoutPass(ir.passes.InPlacePass):
-    """[B, S, H*D] q/k/v into RotaryEmbedding + CompressedAttention; the gate as one TemporalGatePacked."""
+    """[B, S, H*D] q/k/v into RotaryEmbedding + CompressedAttention; the gate as one packed TemporalGate."""
 
     def __init__(self, ctx: CompileContext):
         super().__init__()
@@ -116,7 +118,7 @@ class FusedLayoutPass(ir.passes.InPlacePass):
         graph = model.graph
         layouts = gates = 0
         for ca in [n for n in graph if n.domain == contract.DOMAIN and n.op_type == contract.COMPRESSED_ATTENTION]:
-            fused = self._fuse(graph, ca)
+            fused = self._fuse(model, ca)
             if fused is not None:
                 layouts += 1
                 gates += fused
@@ -124,10 +126,10 @@ class FusedLayoutPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         RemoveUnusedNodesPass()(model)
         self.ctx.notes.append(f"q/k/v kept [B, S, H*D] into the fused attention in {layouts} layers; "
-                              f"one-node gate (TemporalGatePacked) in {gates}")
+                              f"one-node gate (packed TemporalGate) in {gates}")
         return ir.passes.PassResult(model, modified=True)
 
-    def _fuse(self, graph: ir.Graph, ca: ir.Node) -> int | None:
+    def _fuse(self, model: ir.Model, ca: ir.Node) -> int | None:
         """Rewrite one layer; None when it does not have the expected form (then it is left alone)."""
         attrs = ca.attributes
         if attrs.get_int("budget", 0) or "qkv_perm" in attrs or len(ca.inputs) > 7 or len(ca.outputs) > 3:
@@ -143,7 +145,7 @@ class FusedLayoutPass(ir.passes.InPlacePass):
             return None
         # the queries' readers: the attention and (rewritten layers) the gate, on q (`rope`) or its input (`raw`)
         tga = [n for val in (q, rq.inputs[0]) for n in val.consumers()
-               if n.domain == contract.DOMAIN and n.op_type == contract.TEMPORAL_GATE_AT and n.inputs[0] is val]
+               if fastcar_ops.gate_form(n) == AT_FORM and n.inputs[0] is val]
         gates = [g for n in tga if (g := GateChain.find(n)) is not None]
         allowed = {ca, *tga}
         if len(gates) != len(tga) or len(tga) > 1 or not only_consumers(q, allowed) or \
@@ -157,27 +159,23 @@ class FusedLayoutPass(ir.passes.InPlacePass):
         ca.replace_input_with(2, xv)
         ca.attributes["qkv_perm"] = ir.AttrInt64s("qkv_perm", BSHD_PERM)
         for g in gates:
-            self.packed_gate(graph, g, q if g.node.inputs[0] is q else xq, heads)
+            self.packed_gate(model, g, q if g.node.inputs[0] is q else xq, heads)
         return len(gates)
 
     @staticmethod
-    def packed_gate(graph: ir.Graph, g: GateChain, query: ir.Value, heads: int,
+    def packed_gate(model: ir.Model, g: GateChain, query: ir.Value, heads: int,
                     rope: tuple[ir.Value, ir.Value, int] | None = None) -> None:
-        """g's nodes -> one TemporalGatePacked on `query` ([B, S, >= H*D]); with rope = (cos, sin, rotary dim)
-        TemporalGatePackedRope, which rotates the query slice itself (passes/pack_qkv.py)."""
-        old = g.node
-        at = old.attributes
-        inputs = [query, old.inputs[1], old.inputs[2], g.cache, g.threshold, old.inputs[4], old.inputs[5]]
-        attrs = {"frame_tokens": at.get_int("frame_tokens", 1), "max_replay": at.get_int("max_replay", 0),
-                 "num_heads": heads, "threshold_index": g.index}
-        if at.get_int("age_offset", 0):
-            attrs["age_offset"] = at.get_int("age_offset", 0)
-        op = contract.TEMPORAL_GATE_PACKED
+        """g's nodes -> one packed TemporalGate on `query` ([B, S, >= H*D]); with rope = (cos, sin, rotary dim)
+        do_rotary, which rotates the query slice itself (passes/pack_qkv.py)."""
+        graph, old = model.graph, g.node
+        inputs = fastcar_ops.gate_inputs(old) | {"q": query, "past_mlp_cache": g.cache, "threshold": g.threshold}
+        attrs = fastcar_ops.gate_attributes(old) | {"num_heads": heads, "threshold_index": g.index}
         if rope is not None:
-            op, inputs = contract.TEMPORAL_GATE_PACKED_ROPE, [*inputs, rope[0], rope[1]]
+            inputs |= {"cos_cache": rope[0], "sin_cache": rope[1]}
             attrs |= {"rotary_embedding_dim": rope[2], "interleaved": 0}
-        node = ir.node(op, inputs, attrs, domain=contract.DOMAIN, num_outputs=7,
-                       name=f"{old.name or 'gate'}/packed", metadata_props=dict(old.metadata_props))
+        form = contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=rope is not None)
+        node = fastcar_ops.gate_node(model, form, inputs, attrs, name=f"{old.name or 'gate'}/packed",
+                                     metadata_props=dict(old.metadata_props))
         graph.insert_before(old, node)
         olds = [*old.outputs, *g.conditions]
         for before, after in zip(olds, node.outputs[:len(olds)], strict=True):

@@ -1,8 +1,8 @@
 """BranchPass's row selection folded into a packed gate: one main-graph node where there were two.
 
 In the shared layout (passes/branch.py) each layer runs `rows, some = SelectRows(x, replay)` on the main graph,
-every step. When `replay` comes from a TemporalGatePacked[Rope] (onnxruntime-genai graphs; dynamo exports after
-FusedLayoutPass), the gate becomes TemporalGatePacked[Rope]Rows, which takes x and outputs the rows itself:
+every step. When `replay` comes from a packed TemporalGate (onnxruntime-genai graphs; dynamo exports after
+FusedLayoutPass), the gate gets `select_rows`: it takes x and outputs the rows itself:
 its own compute_some is the If condition. Same values (the op's body is the gate's body plus SelectRows), one
 kernel launch less per layer and step. Runs after the fusions: the MLP norm hoisted out of the If
 (NormHoistPass) and joined to the residual Add is what x is then. The gate moves to just before SelectRows (x
@@ -11,18 +11,18 @@ is computed after the attention the gate reads).
 
 from __future__ import annotations
 
+import dataclasses
+
 import onnx_ir as ir
 
 from fastcar_compile import contract
+from fastcar_compile.passes import fastcar_ops
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
 
-ROWS_VARIANT = {contract.TEMPORAL_GATE_PACKED: contract.TEMPORAL_GATE_PACKED_ROWS,
-                contract.TEMPORAL_GATE_PACKED_ROPE: contract.TEMPORAL_GATE_PACKED_ROPE_ROWS}
-
 
 class RowGatePass(ir.passes.InPlacePass):
-    """SelectRows(x, replay of a packed gate) -> the gate's ...Rows variant."""
+    """SelectRows(x, replay of a packed gate) -> the gate with select_rows."""
 
     def __init__(self, ctx: CompileContext):
         super().__init__()
@@ -33,13 +33,14 @@ class RowGatePass(ir.passes.InPlacePass):
         fused = 0
         for select in [n for n in graph if n.domain == contract.DOMAIN and n.op_type == contract.SELECT_ROWS]:
             gate = select.inputs[1].producer() if select.inputs[1] is not None else None
-            if gate is None or gate.domain != contract.DOMAIN or gate.op_type not in ROWS_VARIANT or \
+            form = fastcar_ops.gate_form(gate) if gate is not None else None
+            if form is None or not form.packed_qkv or form.select_rows or \
                     gate.graph is not graph or select.inputs[1] is not gate.outputs[0]:
                 continue
-            node = ir.node(ROWS_VARIANT[gate.op_type], [*gate.inputs, select.inputs[0]],
-                           {a.name: a for a in gate.attributes.values()}, domain=contract.DOMAIN,
-                           num_outputs=len(gate.outputs) + 1, name=f"{gate.name or 'gate'}/rows",
-                           metadata_props=dict(gate.metadata_props))
+            inputs = fastcar_ops.gate_inputs(gate) | {"mlp_input": select.inputs[0]}
+            node = fastcar_ops.gate_node(model, dataclasses.replace(form, select_rows=True), inputs,
+                                         fastcar_ops.gate_attributes(gate), name=f"{gate.name or 'gate'}/rows",
+                                         metadata_props=dict(gate.metadata_props))
             graph.insert_before(select, node)
             for k, (before, after) in enumerate(zip([*gate.outputs, select.outputs[0]], node.outputs, strict=True)):
                 if before.name is None:  # an output no pass named (FusedLayoutPass's unused conditions)

@@ -2,8 +2,9 @@
 
     replay, tas, slot, write = ai.fastcar.TemporalGate(q, present_key, past_mlp_age, tau, video_start)
 
-(onnxruntime-genai's GroupQueryAttention layers on packed QKV or rotating inside get ai.fastcar.TemporalGatePacked[Rope],
-which also rebuilds the query from the op's query input and reads the cached rows and the branch conditions.) The pass adds the model-level inputs (`video_start`, `fastcar_threshold`, both with defaults), the
+(in the form the layer needs, contract.GateForm: positions from total_len, aligned keys of a compressed cache;
+onnxruntime-genai's GroupQueryAttention layers on packed QKV or rotating inside get the packed form, which also
+rebuilds the query from the op's query input and reads the cached rows and the branch conditions.) The pass adds the model-level inputs (`video_start`, `fastcar_threshold`, both with defaults), the
 `ai.fastcar` functions, each layer's state inputs (cache_state.declare_state), brings the query into
 [B, H, S, D] and emits the gate. Attention nodes are tagged for the FPGA partitioner.
 """
@@ -29,6 +30,7 @@ class GatePass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         ctx, opts, graph = self.ctx, self.ctx.options, model.graph
+        self.model = model
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         ctx.batch = build.batch_dim(graph)
         plain = opts.required_video_inputs  # no defaults: the caller feeds both every run
@@ -64,14 +66,15 @@ class GatePass(ir.passes.InPlacePass):
             if opts.per_layer_threshold:
                 tau = b("Gather", [tau, build.const(graph, f"fastcar.index.{lr.index}",
                                                     np.array(lr.index, np.int64))], {"axis": 0})
-            op, inputs = contract.TEMPORAL_GATE, [q, keys, lr.past_age, tau, self.ctx.video_start]
+            inputs = {"q": q, "key": keys, "past_mlp_age": lr.past_age, "threshold": tau,
+                      "video_start": self.ctx.video_start}
+            form = contract.GateForm()
             if att.total_len is not None:  # GroupQueryAttention: the key buffer may be preallocated (shared)
-                op, inputs = contract.TEMPORAL_GATE_AT, [*inputs, att.total_len]
+                form, inputs["total_len"] = contract.GateForm(use_total_len=True), att.total_len
             if att.core_node.op_type == contract.COMPRESSED_ATTENTION and len(att.core_node.outputs) > 4:
                 # a compressed KV cache holds slots, not positions: the op gathered each token's aligned key
-                op, inputs[1] = contract.TEMPORAL_GATE_ALIGNED, att.core_node.outputs[4]
-            lr.replay, lr.tas, lr.slot, lr.write = b(op, inputs, attrs, domain=contract.DOMAIN, outputs=4,
-                                                     names=names)
+                form, inputs["key"] = contract.GateForm(use_total_len=True, aligned_keys=True), att.core_node.outputs[4]
+            lr.replay, lr.tas, lr.slot, lr.write = self._emit(b, form, inputs, attrs, names)
         graph.insert_before(lr.match.mlp.closing, lr.nodes)
         lr.nodes = []
 
@@ -82,16 +85,24 @@ class GatePass(ir.passes.InPlacePass):
         src = att.packed_query
         assert opts.tas_query != contract.TAS_ROPE or att.rope_refusal is None  # SelectLayersPass refused it
         rope = opts.tas_query == contract.TAS_ROPE and src.cos_cache is not None  # no rotary: rope = raw
-        op = contract.TEMPORAL_GATE_PACKED_ROPE if rope else contract.TEMPORAL_GATE_PACKED
-        inputs = [src.qkv, keys, lr.past_age, lr.past_cache, self.ctx.threshold, self.ctx.video_start, src.total_len]
+        form = contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=rope)
+        inputs = {"q": src.qkv, "key": keys, "past_mlp_age": lr.past_age, "past_mlp_cache": lr.past_cache,
+                  "threshold": self.ctx.threshold, "video_start": self.ctx.video_start, "total_len": src.total_len}
         attrs = {**attrs, "num_heads": att.num_heads, "threshold_index": lr.index if opts.per_layer_threshold else 0}
         if rope:
-            inputs += [src.cos_cache, src.sin_cache]
+            inputs |= {"cos_cache": src.cos_cache, "sin_cache": src.sin_cache}
             attrs |= {"rotary_embedding_dim": src.rotary_dim, "interleaved": int(src.interleaved)}
-        outs = b(op, inputs, attrs, domain=contract.DOMAIN, outputs=7,
-                 names=[*names, f"fastcar.{n}.cached", f"fastcar.{n}.compute_all", f"fastcar.{n}.compute_some"])
+        outs = self._emit(b, form, inputs, attrs,
+                          [*names, f"fastcar.{n}.cached", f"fastcar.{n}.compute_all", f"fastcar.{n}.compute_some"])
         lr.replay, lr.tas, lr.slot, lr.write, lr.cached, compute_all, compute_some = outs
         lr.conditions = (compute_all, compute_some)
+
+    def _emit(self, b: build.Builder, form: contract.GateForm, inputs: dict[str, ir.Value], attrs: dict,
+              names: list[str]) -> tuple[ir.Value, ...]:
+        """One TemporalGate node of `form` (its body registered), appended to the layer's nodes."""
+        values, attributes = fastcar_ops.gate_args(self.model, form, inputs, attrs)
+        return b(contract.TEMPORAL_GATE, values, attributes, domain=contract.DOMAIN, outputs=form.num_outputs,
+                 names=names, overload=form.overload)
 
 
 def tag_attention(att, layer: int) -> None:

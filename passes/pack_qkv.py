@@ -6,7 +6,7 @@ does not have (one packed MatMul, RoPE inside GroupQueryAttention). This pass ma
 
     qkv = MatMul(x, concat(Wq, Wk, Wv))  [+ Add(concat(bq, bk, bv))]
     out, present_key, present_value = CompressedAttention[packed_rotary](qkv, -, -, ..., cos_table, sin_table)
-    gate: TemporalGatePackedRope(qkv, ..., total_len, cos_table, sin_table)
+    gate: TemporalGate[packed_qkv, do_rotary](qkv, ..., total_len, ..., cos_table, sin_table)
 
 The concatenated weights replace the three originals (which go), so the weights held do not grow. The gate is
 path (a)'s op unchanged: it rebuilds the post-RoPE query from the packed projection.
@@ -32,6 +32,8 @@ whose QKV is packed already).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -42,6 +44,7 @@ from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
 from fastcar_compile.passes.fuse_layout import (
+    AT_FORM,
     BSHD_PERM,
     MS,
     FusedLayoutPass,
@@ -53,6 +56,7 @@ from fastcar_compile.passes.fuse_layout import (
 ALREADY = "already packed or rotating inside the op"
 PREFIX_CHECK = 64  # positions evaluated alone: their rows must equal the long table's bit for bit
 PACKED_ARITY = 14  # q, k, v, past k/v, mask, total_len, slots, k_raw, past_key_raw, past_dense, video_start, cos, sin
+PACKED_FORM = contract.GateForm(use_total_len=True, packed_qkv=True)  # FusedLayoutPass's gate (TAS `rope`)
 TABLE_PREFIX = "fastcar.rotary"  # initializer names of the cos/sin tables: fastcar.rotaryK.{cos,sin}_table
 
 
@@ -163,7 +167,7 @@ class _Layer:
             return why
         # readers: q -> attention + the gate (rope); q's projection -> its rotary + the gate (raw)
         gates = [n for val in (rq.outputs[0], self.pq.out) for n in val.consumers()
-                 if n.domain == contract.DOMAIN and n.op_type == contract.TEMPORAL_GATE_PACKED and n.inputs[0] is val]
+                 if fastcar_ops.gate_form(n) == PACKED_FORM and n.inputs[0] is val]
         if len(gates) > 1 or not only_consumers(rq.outputs[0], {ca, *gates}) or not only_consumers(self.pq.out, {rq, *gates}) or \
                 not only_consumers(rk.outputs[0], {ca}) or not only_consumers(self.pk.out, {rk}) or not only_consumers(self.pv.out, {ca}):
             return "q, k or v has readers besides the attention, its rotary and the one-node gate"
@@ -247,10 +251,10 @@ class _GqaLayer(_Layer):
         # readers: the query view -> attention + the gate's [B, H, S, D] view of it (TAS `rope`)
         tga = [t for r in node.inputs[0].consumers() if r.op_type == "Reshape" for t0 in r.outputs[0].consumers()
                if t0.op_type == "Transpose" for t in t0.outputs[0].consumers()
-               if t.domain == contract.DOMAIN and t.op_type == contract.TEMPORAL_GATE_AT and t.inputs[0] is t0.outputs[0]]
+               if fastcar_ops.gate_form(t) == AT_FORM and t.inputs[0] is t0.outputs[0]]
         gates = [g for t in tga if (g := GateChain.find(t)) is not None]
         if len(gates) != len(tga) or len(tga) > 1:
-            return "the gate is not TemporalGateAt with its cached-rows and branch-condition nodes"
+            return "the gate is not TemporalGate on total_len with its cached-rows and branch-condition nodes"
         # FusedAttentionPass reads S off the rotated query for the bias's shape: Shape(q, start 2, end 3)
         self.s_reads = [n for n in rq.outputs[0].consumers() if n.op_type == "Shape" and
                         (_attr(n, "start", 0), _attr(n, "end", None)) == (2, 3)]
@@ -336,7 +340,7 @@ class PackQkvPass(ir.passes.InPlacePass):
             shape.replace_input_with(0, qkv)
             shape.attributes["start"], shape.attributes["end"] = ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)
         if layer.gate_chain is not None:
-            FusedLayoutPass.packed_gate(graph, layer.gate_chain, qkv, layer.heads, rope=(*table, layer.head_dim))
+            FusedLayoutPass.packed_gate(model, layer.gate_chain, qkv, layer.heads, rope=(*table, layer.head_dim))
 
     @staticmethod
     def _projection(graph: ir.Graph, layer: _Layer) -> ir.Value:
@@ -375,19 +379,19 @@ class PackQkvPass(ir.passes.InPlacePass):
             gu.take_over(old, out, graph_outputs=True)
         graph.remove(ca, safe=True)
         if layer.gate is not None:
-            self._gate(graph, layer, qkv, table)
+            self._gate(model, layer, qkv, table)
         fastcar_ops.add_overload(model, contract.COMPRESSED_ATTENTION, fastcar_ops.PACKED_ROTARY,
                                  model.opset_imports.get("", 17))
 
     @staticmethod
-    def _gate(graph: ir.Graph, layer: _Layer, qkv: ir.Value, table: tuple[ir.Value, ir.Value]) -> None:
-        """TemporalGatePacked on the post-RoPE query -> TemporalGatePackedRope on the packed projection: it
+    def _gate(model: ir.Model, layer: _Layer, qkv: ir.Value, table: tuple[ir.Value, ir.Value]) -> None:
+        """The packed TemporalGate on the post-RoPE query -> the same with do_rotary on the packed projection: it
         rotates the query slice with the op's table at the same KV indices."""
-        old = layer.gate
-        attrs = {k: a.value for k, a in old.attributes.items()} | {"rotary_embedding_dim": layer.head_dim,
-                                                                   "interleaved": 0}
-        new = ir.node(contract.TEMPORAL_GATE_PACKED_ROPE, [qkv, *old.inputs[1:7], *table], attrs,
-                      domain=contract.DOMAIN, num_outputs=7, name=old.name, metadata_props=dict(old.metadata_props))
+        graph, old = model.graph, layer.gate
+        form = dataclasses.replace(fastcar_ops.gate_form(old), do_rotary=True)
+        inputs = fastcar_ops.gate_inputs(old) | {"q": qkv, "cos_cache": table[0], "sin_cache": table[1]}
+        attrs = fastcar_ops.gate_attributes(old) | {"rotary_embedding_dim": layer.head_dim, "interleaved": 0}
+        new = fastcar_ops.gate_node(model, form, inputs, attrs, name=old.name, metadata_props=dict(old.metadata_props))
         graph.insert_before(old, new)
         for before, after in zip(old.outputs, new.outputs, strict=True):
             gu.take_over(before, after, graph_outputs=True)

@@ -103,3 +103,58 @@ def test_cache_update_and_read_match_numpy():
                     [_vi("o", TensorProto.FLOAT, 3)], {})
     (o,) = read.run(None, {"c": cache, "s": slot})
     np.testing.assert_array_equal(o, cache[:, slot])
+
+
+@pytest.mark.parametrize("form_name", ["plain", "total_len", "aligned_keys"])
+@pytest.mark.parametrize("S,past,vstart,K", [(1, 12, 2, 0), (1, 12, 2, 2), (1, 4, 2, 0), (4, 8, 3, 0)])
+def test_temporal_gate_forms_body_kernel_and_old_names(form_name, S, past, vstart, K):
+    """TemporalGate's [B, H, S, D] forms: positions from the key's length, from total_len with a longer
+    (preallocated) key buffer, and aligned keys given per token (a compressed cache); function body, native
+    kernel and the kernel under the old op name (TemporalGateAt / TemporalGateAligned) against NumPy."""
+    import ort_driver
+    from gate_models import gate_model, legacy
+
+    from fastcar_compile import contract
+
+    rng = np.random.default_rng(S * 100 + past + K + len(form_name))
+    B, H, Hkv, D, L = 3, 4, 2, 8, 4
+    T = past + S
+    form = {"plain": contract.GateForm(), "total_len": contract.GateForm(use_total_len=True),
+            "aligned_keys": contract.GateForm(use_total_len=True, aligned_keys=True)}[form_name]
+    q = rng.standard_normal((B, H, S, D)).astype(np.float32)
+    dense = rng.standard_normal((B, Hkv, T, D)).astype(np.float32)  # the reference's key cache
+    age = rng.integers(-1, 4, size=(B, L)).astype(np.int64)
+    tas0 = np.sort(_gate_reference(q, dense, age, 0.0, vstart, L, K)[1].reshape(-1))
+    tau = np.float32((tas0[len(tas0) // 2 - 1] + tas0[len(tas0) // 2]) / 2)  # between two TAS: no rounding tie
+    want = _gate_reference(q, dense, age, tau, vstart, L, K)
+    p = np.arange(T - S, T)
+    key = {"plain": dense, "total_len": np.concatenate([dense, rng.standard_normal((B, Hkv, 5, D))], 2),
+           "aligned_keys": dense[:, :, np.maximum(p - L, 0)]}[form_name].astype(np.float32)
+    feeds = {"q": q, "key": key, "age": age, "tau": np.array(tau, np.float32), "vs": np.array(vstart),
+             "total": np.array(T, np.int32)}
+    names = {"q": "q", "key": "key", "past_mlp_age": "age", "threshold": "tau", "video_start": "vs"}
+    ins = [_vi("q", TensorProto.FLOAT, 4), _vi("key", TensorProto.FLOAT, 4), _vi("age", TensorProto.INT64, 2),
+           _vi("tau", TensorProto.FLOAT, 0), _vi("vs", TensorProto.INT64, 0)]
+    if form.use_total_len:
+        names["total_len"] = "total"
+        ins.append(_vi("total", TensorProto.INT32, 0))
+    else:
+        del feeds["total"]
+    outs = [_vi("replay", TensorProto.BOOL, 2), _vi("tas", TensorProto.FLOAT, 2), _vi("slot", TensorProto.INT64, 1),
+            _vi("write", TensorProto.BOOL, 1)]
+    model = gate_model(form, names, {"frame_tokens": L, "max_replay": K}, ins, outs)
+    onnx.checker.check_model(model)
+    lib = ort_driver.native_or_none()
+    runs = [("body", model, None)]
+    if lib is not None:
+        runs += [("kernel", model, lib), ("kernel, old op name", legacy(model), lib)]
+    for which, m, use in runs:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.log_severity_level = 1, 3
+        if use is not None:
+            so.register_custom_ops_library(str(use))
+        got = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+        np.testing.assert_allclose(got[1], want[1], atol=1e-5, err_msg=which)
+        for k in (0, 2, 3):
+            np.testing.assert_array_equal(got[k], want[k], err_msg=which)
+    ort_driver.skip_native_half(lib)

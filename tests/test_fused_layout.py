@@ -15,6 +15,7 @@ import test_pass_reference as tpr
 from onnx import TensorProto, helper
 from test_compressed_attention import HKV, HQ, D, reference
 
+from fastcar_compile import contract
 from fastcar_compile.passes import fastcar_ops
 
 L = tpr.L
@@ -22,18 +23,20 @@ L = tpr.L
 
 def test_layer_is_one_gate_and_no_layout_ops(zoo_model, fc_compile, tmp_path):
     """Each fused layer's main graph: no Transpose/Reshape between the projections and the attention, and the
-    gate is one TemporalGatePackedRows (no TemporalGateAt, MLPCacheRead, tau Gather, Cast/ReduceSum/Equal/Less,
-    SelectRows)."""
+    gate is one packed TemporalGate that selects rows (no TemporalGate on the [B, H, S, D] query, MLPCacheRead, tau
+    Gather, Cast/ReduceSum/Equal/Less, SelectRows)."""
     out = tmp_path / "fast.onnx"
     _, report = fc_compile(str(zoo_model("llama", "dynamo20")), output=str(out), frame_tokens=L, threshold=[0.1, 0.2],
                            per_layer_threshold=True, pack_qkv=False)  # FusedLayoutPass's own form
-    assert any("one-node gate (TemporalGatePacked) in 2" in n for n in report.notes)
+    assert any("one-node gate (packed TemporalGate) in 2" in n for n in report.notes)
     graph = onnx.load(str(out)).graph
-    ops = [n.op_type for n in graph.node]
+    ops = [n.op_type + (f"[{n.overload}]" if n.overload else "") for n in graph.node]
+    rows_gate = f"TemporalGate[{contract.GateForm(True, False, True, False, True).overload}]"
     # the packed gate also selects the MLP's rows (passes/fuse_rows.py); the merge writes the cache back
-    assert ops.count("TemporalGatePackedRows") == 2 and ops.count("CompressedAttention") == 2
+    assert ops.count(rows_gate) == 2 and ops.count("CompressedAttention") == 2
     assert ops.count("MLPCacheMerge") == 2 and ops.count("If") == 2
-    for gone in ("TemporalGateAt", "TemporalGatePacked", "SelectRows", "MLPCacheRead", "MLPCacheUpdate", "Transpose",
+    assert ops.count(rows_gate) == sum(op.startswith("TemporalGate") for op in ops)  # no other gate
+    for gone in ("SelectRows", "MLPCacheRead", "MLPCacheUpdate", "Transpose",
                  "Equal", "Less", "ReduceSum", "Add"):
         assert gone not in ops, gone  # (Add: the attention residual joins the MLP norm, hoisted out of the If)
     for n in graph.node:
@@ -45,7 +48,7 @@ def test_layer_is_one_gate_and_no_layout_ops(zoo_model, fc_compile, tmp_path):
     for n in graph.node:
         if n.op_type == "CompressedAttention":
             assert [list(a.ints) for a in n.attribute if a.name == "qkv_perm"] == [[0, 2, 1, 3]]
-    gates = [n for n in graph.node if n.op_type == "TemporalGatePackedRows"]
+    gates = [n for n in graph.node if n.op_type == "TemporalGate"]
     assert sorted(a.i for n in gates for a in n.attribute if a.name == "threshold_index") == [0, 1]
 
 
@@ -59,7 +62,7 @@ def test_layer_is_one_gate_and_no_layout_ops(zoo_model, fc_compile, tmp_path):
 ], ids=["rope-perlayer-chunk-native", "rope-perlayer-chunk-body", "raw-layer1-native"])
 def test_packed_gate_matches_eager_reference(zoo_model, fc_compile, tmp_path, case, runner):
     """Finite tau: logits, replay decisions, TAS and final state equal the eager reference, with the native
-    kernels (TemporalGatePacked on the [B, S, H*D] query, CompressedAttention with qkv_perm) and with the bodies;
+    kernels (the packed TemporalGate on the [B, S, H*D] query, CompressedAttention with qkv_perm) and with the bodies;
     per-layer taus (threshold_index), a multi-token step after the prompt, TAS `raw` on a layer-subset model."""
     seen = []
 
@@ -71,7 +74,7 @@ def test_packed_gate_matches_eager_reference(zoo_model, fc_compile, tmp_path, ca
     session = functools.partial(ort_driver.make_session, native=True) if runner == "native" else None
     tpr.check_against_reference(zoo_model, functools.partial(compile_and_check), tmp_path, case, session=session)
     n = len(case.layers) if case.layers else 2
-    assert any(f"one-node gate (TemporalGatePacked) in {n}" in note for note in seen[0])
+    assert any(f"one-node gate (packed TemporalGate) in {n}" in note for note in seen[0])
 
 
 def _bshd_model(opset: int = 20) -> bytes:

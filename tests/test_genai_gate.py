@@ -1,5 +1,7 @@
-"""ai.fastcar.TemporalGatePacked[Rope] (the one-node gate of onnxruntime-genai's packed-QKV layers) and the
-`age_offset` encoding: function body (stock ORT) and native kernel against a NumPy reading of docs/DESIGN.md.
+"""ai.fastcar.TemporalGate's packed forms (packed_qkv, with or without do_rotary: the one-node gate of
+onnxruntime-genai's packed-QKV layers) and the `age_offset` encoding: function body (stock ORT), native kernel and
+the kernel under the op names models compiled before the one gate op carry, against a NumPy reading of
+docs/DESIGN.md.
 
 The reference rotates the query itself (GroupQueryAttention's do_rotary semantics: cos/sin rows at position
 total_len - S + i, half-split or interleaved pairs, the first `rotary_embedding_dim` channels), so neither ORT's
@@ -13,6 +15,7 @@ import onnx
 import onnxruntime as ort
 import ort_driver
 import pytest
+from gate_models import gate_model, legacy
 from onnx import TensorProto, helper
 
 from fastcar_compile import contract
@@ -73,18 +76,27 @@ def _reference(f, *, H, L, K, age_offset, t_index, rope, rot, interleaved):
             "compute_all": np.array(not replay.any()), "compute_some": np.array(not replay.all())}
 
 
-def _model(op: str, attrs: dict, rope: bool) -> onnx.ModelProto:
+FEEDS = {"q": "qkv", "key": "key", "past_mlp_age": "age", "past_mlp_cache": "cache", "threshold": "threshold",
+         "video_start": "video_start", "total_len": "total_len", "cos_cache": "cos", "sin_cache": "sin"}
+
+
+def _model(attrs: dict, rope: bool) -> onnx.ModelProto:
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     names = ["qkv", "key", "age", "cache", "threshold", "video_start", "total_len"] + (["cos", "sin"] if rope else [])
     types = [f, f, i64, f, f, i64, TensorProto.INT32, f, f]
     ins = [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, types, strict=False)]
     outs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(OUTS, OUT_TYPES, strict=True)]
-    node = helper.make_node(op, names, list(OUTS), domain=DOMAIN, **attrs)
-    used = (op, contract.TEMPORAL_GATE_AT, contract.MLP_CACHE_READ)
-    return helper.make_model(helper.make_graph([node], "g", ins, outs), ir_version=10,
-                             opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(DOMAIN, 1),
-                                            helper.make_opsetid("com.microsoft", 1)],
-                             functions=[function_proto(o, 20) for o in used])
+    form = contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=rope)
+    return gate_model(form, {k: v for k, v in FEEDS.items() if v in names}, attrs, ins, outs)
+
+
+def _runs(model: onnx.ModelProto, feeds: dict, native_lib) -> list[tuple[str, dict]]:
+    """(which, outputs): the function body, then where the library exists the kernel, and the kernel on the same
+    model written with the old per-form op name (contract.LEGACY_GATE_OPS)."""
+    runs = [("body", _run(model, feeds, None))]
+    if native_lib is not None:
+        runs += [("kernel", _run(model, feeds, native_lib)), ("legacy name", _run(legacy(model), feeds, native_lib))]
+    return runs
 
 
 def _run(model: onnx.ModelProto, feeds: dict, lib) -> dict:
@@ -136,23 +148,20 @@ def test_packed_gate_body_and_kernel_match_numpy(native_lib, name):
     B, H, Hkv, D, S, past, rows, L, vs, K, rope, rot, inter, offset, n_tau, tau = CASES[name]
     T = past + S
     rng, feeds, attrs = case_feeds(name)
-    op = contract.TEMPORAL_GATE_PACKED
     if rope:
-        op = contract.TEMPORAL_GATE_PACKED_ROPE
         attrs |= {"rotary_embedding_dim": rot, "interleaved": inter}
         angles = rng.uniform(0, 6.3, (T + 5, rot // 2))
         feeds["cos"], feeds["sin"] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     want = _reference(feeds, H=H, L=L, K=K, age_offset=offset, t_index=attrs["threshold_index"], rope=rope,
                       rot=rot, interleaved=inter)
-    model = _model(op, attrs, rope)
-    for lib in _libs(native_lib):  # function body, then the kernel
-        got = _run(model, feeds, lib)
+    model = _model(attrs, rope)
+    for which, got in _runs(model, feeds, native_lib):  # function body, kernel, kernel under the old name
         for k in OUTS:
-            assert got[k].shape == want[k].shape, (k, lib)
+            assert got[k].shape == want[k].shape, (k, which)
             if k == "tas":
-                np.testing.assert_allclose(got[k], want[k], atol=1e-5, rtol=0, err_msg=f"{k} {lib}")
+                np.testing.assert_allclose(got[k], want[k], atol=1e-5, rtol=0, err_msg=f"{k} {which}")
             else:
-                np.testing.assert_array_equal(got[k], want[k], err_msg=f"{k} {lib}")
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"{k} {which}")
     if name.startswith("decode rope, shared"):
         assert want["replay"].any() and not want["replay"].all(), "the case must mix replay and compute"
     if name == "every row replays":
@@ -193,8 +202,8 @@ def test_cache_update_age_offset(native_lib):
     ort_driver.skip_native_half(native_lib)
 
 
-@pytest.mark.parametrize("tas_query,gate", [("rope", contract.TEMPORAL_GATE_PACKED_ROPE_ROWS),
-                                            ("raw", contract.TEMPORAL_GATE_PACKED_ROWS)])
+@pytest.mark.parametrize("tas_query,gate", [("rope", "use_total_len_packed_qkv_do_rotary_select_rows"),
+                                            ("raw", "use_total_len_packed_qkv_select_rows")])
 def test_genai_layer_adds_three_main_graph_nodes(genai_model, fc_compile, tmp_path, tas_query, gate):
     """Every node on a genai step's main graph is a kernel launch per step, replayed or not: a rewritten layer
     (genai state names, per-layer tau) adds exactly its gate (which also selects the MLP's rows), the If and
@@ -209,8 +218,8 @@ def test_genai_layer_adds_three_main_graph_nodes(genai_model, fc_compile, tmp_pa
     for node in model.graph.node:
         if node.name not in original:
             layer = next(p.value for p in node.metadata_props if p.key == contract.TAG_LAYER)
-            added.setdefault(layer, []).append(node.op_type)
-    assert added == {n: [gate, "If", contract.MLP_CACHE_MERGE] for n in ("0", "1")}
+            added.setdefault(layer, []).append(node.op_type + (f"[{node.overload}]" if node.overload else ""))
+    assert added == {n: [f"{contract.TEMPORAL_GATE}[{gate}]", "If", contract.MLP_CACHE_MERGE] for n in ("0", "1")}
     mlp = ["MatMul", "MatMul", "Sigmoid", "Mul", "Mul", "MatMul"]  # the builder's SwiGLU
     for node in model.graph.node:
         if node.op_type == "If":
@@ -262,8 +271,7 @@ def test_rope_gate_rotates_as_group_query_attention(native_lib, rot, interleaved
              "threshold": np.array(0.0, np.float32), "video_start": np.array(0, np.int64),
              "total_len": np.array(past + 1, np.int32), "cos": cos, "sin": sin}
     attrs = {"frame_tokens": L, "max_replay": 0, "num_heads": H, "rotary_embedding_dim": rot, "interleaved": interleaved}
-    model = _model(contract.TEMPORAL_GATE_PACKED_ROPE, attrs, rope=True)
-    for lib in _libs(native_lib):
-        got = _run(model, feeds, lib)
-        np.testing.assert_allclose(got["tas"][:, 0], want, atol=1e-5, rtol=0, err_msg=f"native {lib}")
+    model = _model(attrs, rope=True)
+    for which, got in _runs(model, feeds, native_lib):
+        np.testing.assert_allclose(got["tas"][:, 0], want, atol=1e-5, rtol=0, err_msg=which)
     ort_driver.skip_native_half(native_lib)

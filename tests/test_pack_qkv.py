@@ -1,5 +1,5 @@
 """passes/pack_qkv.py: one packed q/k/v MatMul per layer, RoPE inside CompressedAttention (overload packed_rotary)
-and the gate (TemporalGatePackedRope). References: NumPy (the op alone: rotation at KV indices, attention), the
+and the gate (TemporalGate with packed_qkv and do_rotary). References: NumPy (the op alone: rotation at KV indices, attention), the
 eager PyTorch FastCar reference (finite tau: logits, decisions, TAS, state) and the uncompiled export (tau = +inf),
 with batch 2, left padding and a multi-token step after the prompt, through the function bodies and the kernels."""
 
@@ -16,6 +16,7 @@ import zoo
 from onnx import TensorProto, helper
 from test_compressed_attention import HKV, HQ, D, reference
 
+from fastcar_compile import contract
 from fastcar_compile.passes import fastcar_ops, pack_qkv
 
 L = tpr.L
@@ -140,13 +141,14 @@ def test_pass_fires_and_weights_do_not_grow(zoo_model, fc_compile, tmp_path):
     assert len(cas) == layers and all(n.overload == PACKED for n in cas)
     assert "RotaryEmbedding" not in ops and ops.get("Cos", 0) == 0 and ops.get("Sin", 0) == 0
     # the gate rotates the query itself (RowGatePass then folds the row select in: the Rows variant)
-    gates = [n.op_type for n in nodes if n.op_type.startswith("TemporalGatePacked")]
-    assert len(gates) == layers and all(g.startswith("TemporalGatePackedRope") for g in gates), gates
+    gates = [n.overload for n in nodes if n.op_type == contract.TEMPORAL_GATE]
+    rope_rows = contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=True, select_rows=True)
+    assert gates == [rope_rows.overload] * layers, gates
     assert plain_ops["MatMul"] - ops["MatMul"] == 2 * layers
     for ca in cas:  # the packed projection feeds the op and the gate, nothing else
         qkv = ca.input[0]
         readers = [n.op_type for n in nodes if qkv in n.input]
-        assert len(readers) == 2 and readers[0] == "CompressedAttention" and readers[1] in gates
+        assert readers == ["CompressedAttention", contract.TEMPORAL_GATE], readers
 
     def weight_bytes(path):
         model = onnx.load(str(path))
@@ -171,7 +173,7 @@ def test_pass_explains_what_it_leaves(zoo_model, fc_compile, tmp_path):
     out = tmp_path / "off.onnx"
     assert main([str(src), "-o", str(out), "--frame-tokens", str(L), "--pack-qkv", "off"]) == 0
     nodes, ops = _layer_ops(out)
-    assert ops["RotaryEmbedding"] == 4 and not any(n.overload for n in nodes)
+    assert ops["RotaryEmbedding"] == 4 and not any(n.overload for n in nodes if n.op_type == "CompressedAttention")
 
 
 OPS = {"fastcar": "CompressedAttention", "gqa": "GroupQueryAttention"}

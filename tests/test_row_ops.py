@@ -1,5 +1,5 @@
-"""BranchPass's row ops (passes/branch.py): ai.fastcar.SelectRows, MLPCacheMerge and the packed gates' ...Rows
-variants, function bodies (stock ORT) and native kernels against NumPy readings of docs/DESIGN.md; the compiled
+"""BranchPass's row ops (passes/branch.py): ai.fastcar.SelectRows, MLPCacheMerge and the packed gate's
+select_rows forms, function bodies (stock ORT) and native kernels against NumPy readings of docs/DESIGN.md; the compiled
 one-MLP layout against the eager reference at batch 3 (mixed rows, every row replaying, none), and its kernel
 launches per step against the older nested layout's, counted by ORT's profiler.
 """
@@ -16,6 +16,7 @@ import onnxruntime as ort
 import ort_driver
 import pytest
 import test_genai_gate as tgg
+from gate_models import gate_model, legacy
 from onnx import TensorProto, helper
 
 from fastcar_compile import contract
@@ -155,28 +156,31 @@ def test_cache_merge_refuses_a_wrong_row_count(native_lib):
 @pytest.mark.parametrize("name", ["decode rope, shared buffer, genai ages, per-layer tau", "decode raw",
                                   "every row replays", "prefill past a frame: writes, never replays"])
 def test_packed_gate_rows_variant_matches_numpy(native_lib, name):
-    """TemporalGatePacked[Rope]Rows: the gate's outputs as test_genai_gate's NumPy reference, plus rows = the
-    MLP input's rows of the computing tokens."""
+    """The packed TemporalGate with select_rows (do_rotary or not): the gate's outputs as test_genai_gate's NumPy
+    reference, plus rows = the MLP input's rows of the computing tokens; body, kernel, kernel under the old name."""
     B, H, Hkv, D, S, past, nrows, L, vs, K, rope, rot, inter, offset, n_tau, tau = tgg.CASES[name]
     T = past + S
     rng, feeds, attrs = tgg.case_feeds(name)
-    op, names = contract.TEMPORAL_GATE_PACKED_ROWS, ["qkv", "key", "age", "cache", "threshold", "video_start",
-                                                     "total_len"]
-    used = (contract.TEMPORAL_GATE_PACKED, contract.TEMPORAL_GATE_AT, contract.MLP_CACHE_READ, contract.SELECT_ROWS)
+    names = ["qkv", "key", "age", "cache", "threshold", "video_start", "total_len"]
     if rope:
-        op, names = contract.TEMPORAL_GATE_PACKED_ROPE_ROWS, [*names, "cos", "sin"]
-        used = (contract.TEMPORAL_GATE_PACKED_ROPE, *used)
+        names += ["cos", "sin"]
         attrs |= {"rotary_embedding_dim": rot, "interleaved": inter}
         angles = rng.uniform(0, 6.3, (T + 5, rot // 2))
         feeds["cos"], feeds["sin"] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     feeds["x"] = rng.standard_normal((B, S, 12)).astype(np.float32)
     types = dict(zip([*tgg.OUTS, "rows"], [*tgg.OUT_TYPES, F], strict=True))
     ins = [(n, {"age": I64, "video_start": I64, "total_len": TensorProto.INT32}.get(n, F)) for n in [*names, "x"]]
-    model = _model(op, ins, list(types.items()), attrs, used=used)
+    form = contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=rope, select_rows=True)
+    model = gate_model(form, {k: v for k, v in tgg.FEEDS.items() if v in names} | {"mlp_input": "x"}, attrs,
+                       [helper.make_tensor_value_info(n, t, None) for n, t in ins],
+                       [helper.make_tensor_value_info(n, t, None) for n, t in types.items()])
     want = tgg._reference(feeds, H=H, L=L, K=K, age_offset=offset, t_index=attrs["threshold_index"], rope=rope,
                           rot=rot, interleaved=inter)
     want["rows"] = feeds["x"].reshape(-1, 12)[~want["replay"].reshape(-1)][None]
-    for which, got in _runs(model, feeds, native_lib):
+    runs = _runs(model, feeds, native_lib)
+    if native_lib is not None:
+        runs.append(("kernel, old op name", _session(legacy(model), native_lib).run(None, feeds)))
+    for which, got in runs:
         for k, g in zip(types, got, strict=True):
             assert g.shape == want[k].shape, (k, which)
             tol = 1e-5 if k == "tas" else 0

@@ -64,17 +64,26 @@ def _register_schemas() -> None:
 
     from fastcar_compile.passes import fastcar_ops
 
-    for op in fastcar_ops.OP_TEXTS:
+    for op in (contract.TEMPORAL_GATE, *fastcar_ops.OP_TEXTS):
         # CompressedAttention is never emitted here, and its optional inputs / float attributes do not fit
         # this generic schema (registered once per process, it would make onnx.checker refuse the ONNX path's)
         if op in (contract.COMPRESSED_ATTENTION, contract.GROUP_QUERY_ATTENTION) or onnx.defs.has(op, fastcar_ops.DOMAIN):
             continue
         fn = fastcar_ops.function_proto(op, 18)
-        params = [(f"T{i}", name) for i, name in enumerate(list(fn.input) + list(fn.output))]
+        names_in, names_out, needed = list(fn.input), list(fn.output), (len(fn.input), len(fn.output))
+        if op == contract.TEMPORAL_GATE:  # every form's inputs and outputs; those of the plain form required
+            names_in, names_out, needed = list(contract.GATE_INPUTS), list(contract.GATE_OUTPUTS), (5, 4)
+        params = [(f"T{i}", name) for i, name in enumerate(names_in + names_out)]
+
+        def formal(name: str, type_str: str, k: int, required: int):
+            option = onnx.defs.OpSchema.FormalParameterOption
+            return onnx.defs.OpSchema.FormalParameter(
+                name, type_str, param_option=option.Single if k < required else option.Optional)
+
         schema = onnx.defs.OpSchema(
             op, fastcar_ops.DOMAIN, fastcar_ops.VERSION, "",
-            inputs=[onnx.defs.OpSchema.FormalParameter(n, t) for t, n in params[: len(fn.input)]],
-            outputs=[onnx.defs.OpSchema.FormalParameter(n, t) for t, n in params[len(fn.input):]],
+            inputs=[formal(n, t, k, needed[0]) for k, (t, n) in enumerate(params[: len(names_in)])],
+            outputs=[formal(n, t, k, needed[1]) for k, (t, n) in enumerate(params[len(names_in):])],
             type_constraints=[(t, _TYPES, "") for t, _ in params],
             attributes=[onnx.defs.OpSchema.Attribute(a, onnx.defs.OpSchema.AttrType.INT, "") for a in fn.attribute]
             + [onnx.defs.OpSchema.Attribute(a.name, onnx.defs.OpSchema.AttrType.INT, "", required=False)

@@ -55,178 +55,151 @@ T AttrOr(const Ort::ConstKernelInfo& ki, const char* name, T fallback) {
   }
 }
 
-struct TemporalGate {
-  int64_t L = 1;
-  int64_t K = 0;
-  int64_t age_offset = 0;  // stored age = age + age_offset (onnxruntime-genai graphs: 1)
-  bool aligned_rows = false;  // TemporalGateAligned: key row i already is token i's aligned key
+// TemporalGate: one kernel for every form (contract.GateForm), dispatching on the variant attributes.
+//   inputs  q, key, past_mlp_age [B,L], threshold [] or [layers], video_start [], total_len [] int32,
+//           past_mlp_cache [B,L,Hd], cos_cache [P,R/2], sin_cache, mlp_input [B,S,Hm]
+//   outputs replay [B,S] bool, tas [B,S], slot [S] int64, write [S] bool, cached [B,S,Hd], compute_all [],
+//           compute_some [], rows [1,n,Hm]
+// q is [B,H,S,D], or with packed_qkv [B,S,W >= H*D] whose first H*D channels are the query (rotated at position
+// total_len - S + i for do_rotary: rotation is linear, so the G query heads of a KV head are summed first and
+// rotated once). key is [B,Hkv,N,D] read at K[max(p - L, 0)], or with aligned_keys [B,Hkv,S,D] whose row i is
+// token i's aligned key. Tokens are at KV positions P..T-1, T = total_len (use_total_len) or N. A packed gate also
+// outputs the slots' cached MLP rows and the branch's If conditions, select_rows the computing rows of mlp_input.
+// The op names models compiled before the one gate op used for its forms (contract.LEGACY_GATE_OPS), registered
+// onto this kernel: their form is fixed by the name and their inputs come in another order (`at`: the node's
+// position of each TemporalGate input, -1 = none).
+struct GateSignature {
+  const char* name;
+  bool use_total_len, aligned_keys, packed, rotary, select_rows;
+  int at[10];
+};
+constexpr GateSignature kGate = {"TemporalGate", false, false, false, false, false, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}};
+constexpr GateSignature kLegacyGates[] = {
+    {"TemporalGateAt", true, false, false, false, false, {0, 1, 2, 3, 4, 5, -1, -1, -1, -1}},
+    {"TemporalGateAligned", true, true, false, false, false, {0, 1, 2, 3, 4, 5, -1, -1, -1, -1}},
+    {"TemporalGatePacked", true, false, true, false, false, {0, 1, 2, 4, 5, 6, 3, -1, -1, -1}},
+    {"TemporalGatePackedRope", true, false, true, true, false, {0, 1, 2, 4, 5, 6, 3, 7, 8, -1}},
+    {"TemporalGatePackedRows", true, false, true, false, true, {0, 1, 2, 4, 5, 6, 3, -1, -1, 7}},
+    {"TemporalGatePackedRopeRows", true, false, true, true, true, {0, 1, 2, 4, 5, 6, 3, 7, 8, 9}},
+};
 
-  TemporalGate(const OrtApi* api, const OrtKernelInfo* info) {
+struct GateKernel {
+  int64_t L = 1, K = 0, age_offset = 0, H = 0, t_index = 0, rot_dim = 0;
+  bool interleaved = false, use_total_len = false, aligned_keys = false, packed = false, rotary = false,
+       select_rows = false;
+  const GateSignature* sig;
+
+  GateKernel(const OrtKernelInfo* info, const GateSignature* signature) : sig(signature) {
     Ort::ConstKernelInfo ki(info);
     L = ki.GetAttribute<int64_t>("frame_tokens");
     K = ki.GetAttribute<int64_t>("max_replay");
     age_offset = AttrOr<int64_t>(ki, "age_offset", 0);
-    (void)api;
-  }
-
-  // q [B,H,S,D], present_key [B,Hkv,T,D], past_mlp_age [B,L], threshold [], video_start []
-  //   -> replay [B,S] bool, tas [B,S] float, slot [S] int64, write [S] bool
-  void Compute(const Tensor<float>& q, const Tensor<float>& key, const Tensor<int64_t>& age,
-               const Tensor<float>& threshold, const Tensor<int64_t>& video_start, Tensor<bool>& replay,
-               Tensor<float>& tas, Tensor<int64_t>& slot, Tensor<bool>& write) {
-    Run(q, key, age, threshold, video_start, key.Shape()[2], replay, tas, slot, write);
-  }
-
-  // T: tokens in the cache (the key buffer may be longer: a preallocated shared buffer)
-  void Run(const Tensor<float>& q, const Tensor<float>& key, const Tensor<int64_t>& age,
-           const Tensor<float>& threshold, const Tensor<int64_t>& video_start, const int64_t T,
-           Tensor<bool>& replay, Tensor<float>& tas, Tensor<int64_t>& slot, Tensor<bool>& write) {
-    const auto qs = q.Shape();
-    const auto ks = key.Shape();
-    const int64_t B = qs[0], H = qs[1], S = qs[2], D = qs[3];
-    const int64_t Hkv = ks[1], Tbuf = ks[2];
-    const int64_t G = H / Hkv;
-    const int64_t P = T - S;
-    const int64_t vs = video_start.Data()[0];
-    const float tau = threshold.Data()[0];
-    const float scale = 1.0f / (static_cast<float>(H) * std::sqrt(static_cast<float>(D)));
-    bool* rep = replay.Allocate({B, S});
-    float* t = tas.Allocate({B, S});
-    int64_t* sl = slot.Allocate({S});
-    bool* wr = write.Allocate({S});
-    const float* qd = q.Data();
-    const float* kd = key.Data();
-    const int64_t* ad = age.Data();
-    SlotsAndWrites(P, S, T, L, vs, sl, wr);
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t i = 0; i < S; ++i) {
-        const int64_t p = P + i;
-        const int64_t aligned = p - L;
-        const int64_t idx = aligned_rows ? i : (aligned > 0 ? aligned : 0);
-        float acc = 0.0f;
-        for (int64_t hk = 0; hk < Hkv; ++hk) {
-          const float* kr = kd + ((b * Hkv + hk) * Tbuf + idx) * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qr = qd + ((b * H + hk * G + g) * S + i) * D;
-            float dot = 0.0f;
-            for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-            acc += dot;
-          }
-        }
-        const float v = acc * scale;
-        t[b * S + i] = v;
-        rep[b * S + i] = Eligible(S, aligned, vs, ad[b * L + sl[i]] - age_offset, K) && v > tau;
-      }
-    }
-  }
-};
-
-// TemporalGate whose token count comes from total_len (int32 scalar, GroupQueryAttention's
-// total_sequence_length) instead of the key buffer's length (onnxruntime-genai's shared KV buffer).
-struct TemporalGateAt : TemporalGate {
-  TemporalGateAt(const OrtApi* api, const OrtKernelInfo* info) : TemporalGate(api, info) {}
-  void Compute(const Tensor<float>& q, const Tensor<float>& key, const Tensor<int64_t>& age,
-               const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
-               const Tensor<int32_t>& total_len, Tensor<bool>& replay, Tensor<float>& tas,
-               Tensor<int64_t>& slot, Tensor<bool>& write) {
-    Run(q, key, age, threshold, video_start, static_cast<int64_t>(total_len.Data()[0]), replay, tas, slot,
-        write);
-  }
-};
-
-// TemporalGateAt on aligned_key [B,Hkv,S,D] (row i = key of token p_i - L; CompressedAttention's output).
-struct TemporalGateAligned : TemporalGateAt {
-  TemporalGateAligned(const OrtApi* api, const OrtKernelInfo* info) : TemporalGateAt(api, info) {
-    aligned_rows = true;
-  }
-  void Compute(const Tensor<float>& q, const Tensor<float>& key, const Tensor<int64_t>& age,
-               const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
-               const Tensor<int32_t>& total_len, Tensor<bool>& replay, Tensor<float>& tas,
-               Tensor<int64_t>& slot, Tensor<bool>& write) {
-    TemporalGateAt::Compute(q, key, age, threshold, video_start, total_len, replay, tas, slot, write);
-  }
-};
-
-// TemporalGatePacked(qkv [B,S,(H+2Hkv)D], present_key [B,Hkv,N,D], past_mlp_age [B,L], past_mlp_cache [B,L,Hd],
-//   threshold [] or [layers], video_start [], total_len [] int32[, cos_cache [P,R/2], sin_cache [P,R/2]])
-//   -> replay [B,S], tas [B,S], slot [S], write [S], cached [B,S,Hd], compute_all [], compute_some []
-// The whole main-graph gate of a packed-QKV GroupQueryAttention layer in one launch (onnxruntime-genai graphs):
-// q = the first H*D channels, rotated at position total_len - S + i for TemporalGatePackedRope (rotation is
-// linear, so the G query heads of a KV head are summed first and rotated once), TAS against K[p - L], the
-// decision, the slots' cached MLP rows and the branch's If conditions.
-struct TemporalGatePacked {
-  int64_t L = 1, K = 0, age_offset = 0, H = 1, t_index = 0;
-  int64_t rot_dim = 0;  // 0: no rotation (TAS `raw`)
-  bool interleaved = false;
-
-  TemporalGatePacked(const OrtApi* api, const OrtKernelInfo* info) {
-    (void)api;
-    Ort::ConstKernelInfo ki(info);
-    L = ki.GetAttribute<int64_t>("frame_tokens");
-    K = ki.GetAttribute<int64_t>("max_replay");
-    H = ki.GetAttribute<int64_t>("num_heads");
-    age_offset = AttrOr<int64_t>(ki, "age_offset", 0);
+    H = AttrOr<int64_t>(ki, "num_heads", 0);
     t_index = AttrOr<int64_t>(ki, "threshold_index", 0);
+    rot_dim = AttrOr<int64_t>(ki, "rotary_embedding_dim", 0);
+    interleaved = AttrOr<int64_t>(ki, "interleaved", 0) != 0;
+    use_total_len = sig->use_total_len || AttrOr<int64_t>(ki, "use_total_len", 0) != 0;
+    aligned_keys = sig->aligned_keys || AttrOr<int64_t>(ki, "aligned_keys", 0) != 0;
+    packed = sig->packed || AttrOr<int64_t>(ki, "packed_qkv", 0) != 0;
+    rotary = sig->rotary || AttrOr<int64_t>(ki, "do_rotary", 0) != 0;
+    select_rows = sig->select_rows || AttrOr<int64_t>(ki, "select_rows", 0) != 0;
+    if (L <= 0 || ((aligned_keys || packed) && !use_total_len) || ((rotary || select_rows) && !packed) ||
+        (packed && H <= 0))
+      throw std::runtime_error("TemporalGate: inconsistent form attributes (frame_tokens > 0; aligned_keys and "
+                               "packed_qkv need use_total_len; do_rotary and select_rows need packed_qkv with "
+                               "num_heads)");
   }
 
-  void Compute(const Tensor<float>& qkv, const Tensor<float>& key, const Tensor<int64_t>& age,
-               const Tensor<float>& cache, const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
-               const Tensor<int32_t>& total_len, Tensor<bool>& replay, Tensor<float>& tas, Tensor<int64_t>& slot,
-               Tensor<bool>& write, Tensor<float>& cached, Tensor<bool>& compute_all, Tensor<bool>& compute_some) {
-    Run(qkv, key, age, cache, threshold, video_start, total_len, nullptr, nullptr, replay, tas, slot, write, cached,
-        compute_all, compute_some);
+  Ort::ConstValue Input(const Ort::KernelContext& ctx, size_t i, const char* name) const {
+    const int at = sig->at[i];
+    Ort::ConstValue v = at >= 0 && static_cast<size_t>(at) < ctx.GetInputCount() ? ctx.GetInput(at)
+                                                                                  : Ort::ConstValue(nullptr);
+    if (!v) throw std::runtime_error(std::string("TemporalGate: this form needs the input ") + name);
+    return v;
   }
 
-  void Run(const Tensor<float>& qkv, const Tensor<float>& key, const Tensor<int64_t>& age, const Tensor<float>& cache,
-           const Tensor<float>& threshold, const Tensor<int64_t>& video_start, const Tensor<int32_t>& total_len,
-           const Tensor<float>* cos, const Tensor<float>* sin, Tensor<bool>& replay, Tensor<float>& tas,
-           Tensor<int64_t>& slot, Tensor<bool>& write, Tensor<float>& cached, Tensor<bool>& compute_all,
-           Tensor<bool>& compute_some, const Tensor<float>* mlp_input = nullptr, Tensor<float>* rows = nullptr) {
-    const auto xs = qkv.Shape(), ks = key.Shape(), cs = cache.Shape();
-    const int64_t B = xs[0], S = xs[1], W = xs[2];
-    const int64_t Hkv = ks[1], Tbuf = ks[2], D = ks[3];
-    const int64_t G = H / Hkv, Hd = cs[2];
-    const int64_t T = static_cast<int64_t>(total_len.Data()[0]), P = T - S;
-    const auto as = age.Shape();
-    if (H % Hkv != 0 || W < H * D || P < 0 || T > Tbuf || cs[1] != L || threshold.NumberOfElement() <= t_index ||
-        ks[0] != B || cs[0] != B || as.size() != 2 || as[0] != B || as[1] != L)
-      throw std::runtime_error("TemporalGatePacked: inconsistent shapes (qkv, present_key, age, past_mlp_cache, "
-                               "threshold, total_len)");
-    const int64_t R = cos == nullptr ? 0 : (rot_dim > 0 ? rot_dim : D), half = R / 2;
-    const int64_t cstride = cos == nullptr ? 0 : cos->Shape()[1];
-    if (cos != nullptr && (R > D || cstride < half || T > cos->Shape()[0] || sin == nullptr ||
-                           sin->Shape() != cos->Shape()))
-      throw std::runtime_error("TemporalGatePackedRope: cos/sin caches shorter than the positions or rotary dim");
-    const int64_t vs = video_start.Data()[0];
-    const float tau = threshold.Data()[t_index];
-    const float scale = 1.0f / (static_cast<float>(H) * std::sqrt(static_cast<float>(D)));
-    bool* rep = replay.Allocate({B, S});
-    float* t = tas.Allocate({B, S});
-    int64_t* sl = slot.Allocate({S});
-    bool* wr = write.Allocate({S});
-    float* out = cached.Allocate({B, S, Hd});
-    const float* x = qkv.Data();
-    const float* kd = key.Data();
-    const int64_t* ad = age.Data();
-    const float* cd = cache.Data();
+  void Compute(OrtKernelContext* context) const {
+    Ort::KernelContext ctx(context);
+    Ort::ConstValue qv = Input(ctx, 0, "q"), kv = Input(ctx, 1, "key"), av = Input(ctx, 2, "past_mlp_age"),
+                    tv = Input(ctx, 3, "threshold"), vv = Input(ctx, 4, "video_start");
+    const auto qs = qv.GetTensorTypeAndShapeInfo().GetShape(), ks = kv.GetTensorTypeAndShapeInfo().GetShape(),
+               as = av.GetTensorTypeAndShapeInfo().GetShape();
+    const size_t n_tau = tv.GetTensorTypeAndShapeInfo().GetElementCount();
+    if (qs.size() != (packed ? 3u : 4u) || ks.size() != 4)
+      throw std::runtime_error(packed ? "TemporalGate: q must be [B,S,W] (packed_qkv) and key [B,Hkv,N,D]"
+                                      : "TemporalGate: q must be [B,H,S,D] and key [B,Hkv,N,D]");
+    const int64_t B = qs[0], Hq = packed ? H : qs[1], S = packed ? qs[1] : qs[2], D = ks[3];
+    const int64_t Hkv = ks[1], Tbuf = ks[2], W = packed ? qs[2] : 0;
+    const int64_t T = use_total_len ? static_cast<int64_t>(Input(ctx, 5, "total_len").GetTensorData<int32_t>()[0])
+                                    : Tbuf;
+    const int64_t P = T - S;
+    if (Hkv <= 0 || Hq % Hkv != 0 || ks[0] != B || (!packed && qs[3] != D) || (packed && W < Hq * D) || P < 0 ||
+        (!aligned_keys && T > Tbuf) || (aligned_keys && Tbuf != S) || as.size() != 2 || as[0] != B ||
+        as[1] != L || static_cast<int64_t>(n_tau) <= t_index)
+      throw std::runtime_error("TemporalGate: inconsistent shapes (q, key, past_mlp_age, threshold, total_len)");
+    const int64_t G = Hq / Hkv;
+    const int64_t vs = vv.GetTensorData<int64_t>()[0];
+    const float tau = tv.GetTensorData<float>()[t_index];
+    const float scale = 1.0f / (static_cast<float>(Hq) * std::sqrt(static_cast<float>(D)));
+    const float* cos = nullptr;
+    const float* sin = nullptr;
+    int64_t R = 0, cstride = 0;
+    if (rotary) {
+      Ort::ConstValue cv = Input(ctx, 7, "cos_cache"), sv = Input(ctx, 8, "sin_cache");
+      const auto cs = cv.GetTensorTypeAndShapeInfo().GetShape();
+      R = rot_dim > 0 ? rot_dim : D;
+      if (cs.size() != 2 || R > D || cs[1] < R / 2 || T > cs[0] || sv.GetTensorTypeAndShapeInfo().GetShape() != cs)
+        throw std::runtime_error("TemporalGate: cos/sin caches shorter than the positions or rotary dim");
+      cos = cv.GetTensorData<float>();
+      sin = sv.GetTensorData<float>();
+      cstride = cs[1];
+    }
+    const float* cache = nullptr;
+    int64_t Hd = 0;
+    if (packed) {
+      Ort::ConstValue cv = Input(ctx, 6, "past_mlp_cache");
+      const auto cs = cv.GetTensorTypeAndShapeInfo().GetShape();
+      if (cs.size() != 3 || cs[0] != B || cs[1] != L)
+        throw std::runtime_error("TemporalGate: past_mlp_cache must be [B, frame_tokens, hidden]");
+      cache = cv.GetTensorData<float>();
+      Hd = cs[2];
+    }
+    bool* rep = ctx.GetOutput(0, {B, S}).GetTensorMutableData<bool>();
+    float* t = ctx.GetOutput(1, {B, S}).GetTensorMutableData<float>();
+    int64_t* sl = ctx.GetOutput(2, {S}).GetTensorMutableData<int64_t>();
+    bool* wr = ctx.GetOutput(3, {S}).GetTensorMutableData<bool>();
+    float* out = packed ? ctx.GetOutput(4, {B, S, Hd}).GetTensorMutableData<float>() : nullptr;
+    const float* qd = qv.GetTensorData<float>();
+    const float* kd = kv.GetTensorData<float>();
+    const int64_t* ad = av.GetTensorData<int64_t>();
     SlotsAndWrites(P, S, T, L, vs, sl, wr);
     std::vector<float> qsum(static_cast<size_t>(D));
+    const int64_t half = R / 2;
     int64_t n_replay = 0;
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t i = 0; i < S; ++i) {
         const int64_t p = P + i, aligned = p - L;
-        const int64_t idx = aligned > 0 ? aligned : 0;
-        const float* row = x + (b * S + i) * W;
-        const float* c = cos == nullptr ? nullptr : cos->Data() + p * cstride;
-        const float* sn = sin == nullptr ? nullptr : sin->Data() + p * cstride;
+        const int64_t idx = aligned_keys ? i : (aligned > 0 ? aligned : 0);
         float acc = 0.0f;
         for (int64_t hk = 0; hk < Hkv; ++hk) {
+          const float* kr = kd + ((b * Hkv + hk) * Tbuf + idx) * D;
+          if (!packed) {  // [B,H,S,D]: one dot per query head
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qr = qd + ((b * Hq + hk * G + g) * S + i) * D;
+              float dot = 0.0f;
+              for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+              acc += dot;
+            }
+            continue;
+          }
           std::fill(qsum.begin(), qsum.end(), 0.0f);
+          const float* row = qd + (b * S + i) * W;
           for (int64_t g = 0; g < G; ++g) {
             const float* qh = row + (hk * G + g) * D;
             for (int64_t d = 0; d < D; ++d) qsum[d] += qh[d];
           }
-          const float* kr = kd + ((b * Hkv + hk) * Tbuf + idx) * D;
+          const float* c = rotary ? cos + p * cstride : nullptr;
+          const float* sn = rotary ? sin + p * cstride : nullptr;
           for (int64_t j = 0; j < half; ++j) {  // rotated part
             const int64_t a1 = interleaved ? 2 * j : j, a2 = interleaved ? 2 * j + 1 : j + half;
             const float x1 = qsum[a1], x2 = qsum[a2];
@@ -239,57 +212,64 @@ struct TemporalGatePacked {
         const bool r = Eligible(S, aligned, vs, ad[b * L + sl[i]] - age_offset, K) && v > tau;
         rep[b * S + i] = r;
         n_replay += r ? 1 : 0;
-        std::memcpy(out + (b * S + i) * Hd, cd + (b * L + sl[i]) * Hd, sizeof(float) * Hd);
+        if (packed) std::memcpy(out + (b * S + i) * Hd, cache + (b * L + sl[i]) * Hd, sizeof(float) * Hd);
       }
     }
-    *compute_all.Allocate({}) = n_replay == 0;
-    *compute_some.Allocate({}) = n_replay < B * S;
-    if (mlp_input != nullptr)  // the ...Rows variants
-      fastcar_rows::Select(*mlp_input, rep, B * S, *rows,
-                           cos == nullptr ? "TemporalGatePackedRows" : "TemporalGatePackedRopeRows");
+    if (!packed) return;
+    *ctx.GetOutput(5, {}).GetTensorMutableData<bool>() = n_replay == 0;
+    *ctx.GetOutput(6, {}).GetTensorMutableData<bool>() = n_replay < B * S;
+    if (select_rows) {
+      Ort::ConstValue xv = Input(ctx, 9, "mlp_input");
+      const auto info = xv.GetTensorTypeAndShapeInfo();
+      const int64_t Hm = fastcar_rows::RowWidth(info.GetShape(), static_cast<int64_t>(info.GetElementCount()),
+                                                B * S, "TemporalGate");
+      const int64_t n = B * S - n_replay;
+      fastcar_rows::CopyRows(xv.GetTensorData<float>(), Hm, rep, B * S,
+                             ctx.GetOutput(7, {1, n, Hm}).GetTensorMutableData<float>());
+    }
   }
 };
 
-// TemporalGatePacked with the query rotated (TAS `rope`) by the graph's cos/sin caches.
-struct TemporalGatePackedRope : TemporalGatePacked {
-  TemporalGatePackedRope(const OrtApi* api, const OrtKernelInfo* info) : TemporalGatePacked(api, info) {
-    Ort::ConstKernelInfo ki(info);
-    rot_dim = ki.GetAttribute<int64_t>("rotary_embedding_dim");
-    interleaved = ki.GetAttribute<int64_t>("interleaved") != 0;
+// A raw OrtCustomOp, not a lite op: the forms leave optional inputs empty ("") between given ones.
+struct GateOp : Ort::CustomOpBase<GateOp, GateKernel> {
+  const GateSignature* sig;
+  explicit GateOp(const GateSignature* signature) : sig(signature) {}
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const {
+    (void)api;
+    return new GateKernel(info, sig);
   }
-  void Compute(const Tensor<float>& qkv, const Tensor<float>& key, const Tensor<int64_t>& age,
-               const Tensor<float>& cache, const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
-               const Tensor<int32_t>& total_len, const Tensor<float>& cos, const Tensor<float>& sin,
-               Tensor<bool>& replay, Tensor<float>& tas, Tensor<int64_t>& slot, Tensor<bool>& write,
-               Tensor<float>& cached, Tensor<bool>& compute_all, Tensor<bool>& compute_some) {
-    Run(qkv, key, age, cache, threshold, video_start, total_len, &cos, &sin, replay, tas, slot, write, cached,
-        compute_all, compute_some);
+  const char* GetName() const { return sig->name; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t Inputs() const {
+    int n = 0;
+    for (int at : sig->at) n = std::max(n, at + 1);
+    return static_cast<size_t>(n);
   }
-};
-
-// TemporalGatePacked[Rope]Rows: the gate, then SelectRows of mlp_input [B,S,H] on its decision (one launch).
-struct TemporalGatePackedRows : TemporalGatePacked {
-  TemporalGatePackedRows(const OrtApi* api, const OrtKernelInfo* info) : TemporalGatePacked(api, info) {}
-  void Compute(const Tensor<float>& qkv, const Tensor<float>& key, const Tensor<int64_t>& age,
-               const Tensor<float>& cache, const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
-               const Tensor<int32_t>& total_len, const Tensor<float>& mlp_input, Tensor<bool>& replay,
-               Tensor<float>& tas, Tensor<int64_t>& slot, Tensor<bool>& write, Tensor<float>& cached,
-               Tensor<bool>& compute_all, Tensor<bool>& compute_some, Tensor<float>& rows) {
-    Run(qkv, key, age, cache, threshold, video_start, total_len, nullptr, nullptr, replay, tas, slot, write, cached,
-        compute_all, compute_some, &mlp_input, &rows);
+  size_t GetInputTypeCount() const { return Inputs(); }
+  int Role(size_t node_input) const {  // which TemporalGate input the node's input is
+    for (int i = 0; i < 10; ++i)
+      if (sig->at[i] == static_cast<int>(node_input)) return i;
+    return -1;
   }
-};
-
-struct TemporalGatePackedRopeRows : TemporalGatePackedRope {
-  TemporalGatePackedRopeRows(const OrtApi* api, const OrtKernelInfo* info) : TemporalGatePackedRope(api, info) {}
-  void Compute(const Tensor<float>& qkv, const Tensor<float>& key, const Tensor<int64_t>& age,
-               const Tensor<float>& cache, const Tensor<float>& threshold, const Tensor<int64_t>& video_start,
-               const Tensor<int32_t>& total_len, const Tensor<float>& cos, const Tensor<float>& sin,
-               const Tensor<float>& mlp_input, Tensor<bool>& replay, Tensor<float>& tas, Tensor<int64_t>& slot,
-               Tensor<bool>& write, Tensor<float>& cached, Tensor<bool>& compute_all, Tensor<bool>& compute_some,
-               Tensor<float>& rows) {
-    Run(qkv, key, age, cache, threshold, video_start, total_len, &cos, &sin, replay, tas, slot, write, cached,
-        compute_all, compute_some, &mlp_input, &rows);
+  ONNXTensorElementDataType GetInputType(size_t k) const {
+    const int i = Role(k);
+    if (i == 2 || i == 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    if (i == 5) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t k) const {
+    return sig == &kGate && k >= 5 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const {
+    return sig == &kGate ? 8 : sig->select_rows ? 8 : sig->packed ? 7 : 4;
+  }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    if (i == 0 || i == 3 || i == 5 || i == 6) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    if (i == 2) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return sig == &kGate && i >= 4 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
 };
 
@@ -732,6 +712,7 @@ std::once_flag g_once;
 std::unique_ptr<Ort::CustomOpDomain> g_domain;
 std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>> g_ops;
 GqaOp g_gqa;
+std::vector<std::unique_ptr<GateOp>> g_gates;
 
 }  // namespace
 
@@ -743,28 +724,18 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
   try {
     std::call_once(g_once, [] {
       g_domain = std::make_unique<Ort::CustomOpDomain>("ai.fastcar");
-      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGate>("TemporalGate", "CPUExecutionProvider"));
-      g_ops.emplace_back(
-          Ort::Custom::CreateLiteCustomOp<TemporalGateAt>("TemporalGateAt", "CPUExecutionProvider"));
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp("MLPCacheRead", "CPUExecutionProvider", MLPCacheRead));
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MLPCacheUpdate>("MLPCacheUpdate", "CPUExecutionProvider"));
-      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGateAligned>("TemporalGateAligned",
-                                                                               "CPUExecutionProvider"));
-      g_ops.emplace_back(
-          Ort::Custom::CreateLiteCustomOp<TemporalGatePacked>("TemporalGatePacked", "CPUExecutionProvider"));
-      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGatePackedRope>("TemporalGatePackedRope",
-                                                                                  "CPUExecutionProvider"));
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<CompressedAttention>("CompressedAttention", "CPUExecutionProvider"));
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp("SelectRows", "CPUExecutionProvider", fastcar_rows::SelectRows));
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MLPCacheMerge>("MLPCacheMerge", "CPUExecutionProvider"));
-      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGatePackedRows>("TemporalGatePackedRows",
-                                                                                  "CPUExecutionProvider"));
-      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TemporalGatePackedRopeRows>("TemporalGatePackedRopeRows",
-                                                                                      "CPUExecutionProvider"));
       for (auto& op : g_ops) g_domain->Add(op.get());
+      g_gates.push_back(std::make_unique<GateOp>(&kGate));
+      for (const GateSignature& legacy : kLegacyGates) g_gates.push_back(std::make_unique<GateOp>(&legacy));
+      for (auto& op : g_gates) g_domain->Add(op.get());
       g_domain->Add(&g_gqa);
     });
     Ort::UnownedSessionOptions so(options);

@@ -14,21 +14,33 @@ namespace fastcar_rows {
 
 using Ort::Custom::Tensor;
 
-// x [..., H] as T = numel / H rows; rows [1, n, H] = the rows whose replay flag is false, in order. Returns n.
-// op: the graph op being run, for the error (SelectRows, or the gate that selects: TemporalGatePacked[Rope]Rows).
-inline int64_t Select(const Tensor<float>& x, const bool* replay, int64_t tokens, Tensor<float>& rows,
-                      const char* op = "SelectRows") {
-  const auto xs = x.Shape();
+// x [..., H] (shape xs) as `tokens` rows: H, or an error naming `op` (SelectRows, or the gate that selects).
+inline int64_t RowWidth(const std::vector<int64_t>& xs, int64_t numel, int64_t tokens, const char* op) {
   const int64_t H = xs.empty() ? 0 : xs.back();
-  if (H <= 0 || static_cast<int64_t>(x.NumberOfElement()) != tokens * H)
+  if (H <= 0 || numel != tokens * H)
     throw std::runtime_error(std::string(op) + ": the MLP input must be [..., H] with one row per token of "
                              "replay (" + std::to_string(tokens) + " tokens)");
+  return H;
+}
+
+inline int64_t Computing(const bool* replay, int64_t tokens) {
   int64_t n = 0;
   for (int64_t t = 0; t < tokens; ++t) n += replay[t] ? 0 : 1;
-  float* out = rows.Allocate({1, n, H});
-  const float* src = x.Data();
+  return n;
+}
+
+// out [n, H] = the rows of src whose replay flag is false, in order
+inline void CopyRows(const float* src, int64_t H, const bool* replay, int64_t tokens, float* out) {
   for (int64_t t = 0, k = 0; t < tokens; ++t)
     if (!replay[t]) std::memcpy(out + (k++) * H, src + t * H, sizeof(float) * H);
+}
+
+// x [..., H] as T = numel / H rows; rows [1, n, H] = the rows whose replay flag is false, in order. Returns n.
+inline int64_t Select(const Tensor<float>& x, const bool* replay, int64_t tokens, Tensor<float>& rows,
+                      const char* op = "SelectRows") {
+  const int64_t H = RowWidth(x.Shape(), static_cast<int64_t>(x.NumberOfElement()), tokens, op);
+  const int64_t n = Computing(replay, tokens);
+  CopyRows(x.Data(), H, replay, tokens, rows.Allocate({1, n, H}));
   return n;
 }
 
