@@ -79,7 +79,7 @@ class GatePass(ir.passes.InPlacePass):
         lr.nodes = []
 
     def _packed_gate(self, b: build.Builder, lr: LayerRewrite, keys: ir.Value, attrs: dict, names: list[str]) -> None:
-        """TemporalGatePacked[Rope]: query rebuild, gate, cached rows and the branch conditions in one node (each
+        """The packed gate (packed_qkv, do_rotary for `rope`): query rebuild, gate, cached rows and the branch conditions in one node (each
         node on the main graph costs a kernel launch every step, replayed or not)."""
         opts, att, n = self.ctx.options, lr.match.attention, lr.layer
         src = att.packed_query

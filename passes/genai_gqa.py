@@ -5,7 +5,7 @@ as the query with key/value empty, or separate q [B, S, H D] / k / v (Qwen3: aft
 let the op rotate q and k itself from the graph's `cos_cache`/`sin_cache`: the post-RoPE query never exists
 as a tensor, and the head size is symbolic in the KV I/O. Here: `match` reads heads, KV heads, head size
 (off the op and the output projection's weight), the rotary the op applies and where the query comes from:
-the gate (ai.fastcar.TemporalGatePacked[Rope], passes/gate.py) takes the op's query input itself (its first
+the gate (ai.fastcar.TemporalGate's packed_qkv form, passes/gate.py) takes the op's query input itself (its first
 H*D channels are q in both forms) and rebuilds the query TAS reads: `raw` = those channels, `rope` = those
 channels rotated as GroupQueryAttention rotates them, with the same caches at the tokens' positions
 `total_sequence_length - S + i` (KV index = position when rows are unpadded; GQA keeps each row's cache

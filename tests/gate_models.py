@@ -32,8 +32,8 @@ def gate_model(form: contract.GateForm, feeds: dict[str, str], attrs: dict, ins:
 
 def legacy(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with every TemporalGate node of a non-plain form written as before the one gate op: the old op
-    name, its input order, no form attributes or overload. Each old op ships a body (as compiled models did) that
-    calls the form's overload, so the model also runs without the native library."""
+    name, its input order, no form attributes or overload. Each old op ships its body (the form's, inputs in the
+    old order), as compiled models did, so the model also runs without the native library."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     by_form = {form: (name, order) for name, (form, order) in contract.LEGACY_GATE_OPS.items()}
@@ -62,28 +62,15 @@ def legacy(model: onnx.ModelProto) -> onnx.ModelProto:
             used[name] = form
 
     rewrite(out.graph)
-    for name, form in used.items():
-        order = contract.LEGACY_GATE_OPS[name][1]
-        body = fastcar_ops.gate_function(form, OPSET)
-        call = helper.make_node(contract.TEMPORAL_GATE, [n if n in order else "" for n in contract.GATE_INPUTS],
-                                list(body.output), domain=DOMAIN)
-        while not call.input[-1]:
-            call.input.pop()
-        for a in body.attribute:
-            call.attribute.append(helper.make_attribute_ref(a, onnx.AttributeProto.INT))
-        for a in body.attribute_proto:
-            if a.name not in contract.GATE_FORM_ATTRIBUTES:
-                call.attribute.append(helper.make_attribute_ref(a.name, onnx.AttributeProto.INT))
-        call.attribute.extend(helper.make_attribute(k, v) for k, v in form.attributes.items() if v)
-        call.overload = form.overload
-        fn = helper.make_function(DOMAIN, name, list(order), list(body.output), [call],
-                                  [helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
-                                  attributes=list(body.attribute),
-                                  attribute_protos=[a for a in body.attribute_proto
-                                                    if a.name not in contract.GATE_FORM_ATTRIBUTES])
+    for name, form in used.items():  # the form's body under the old name, its inputs in the old order
+        fn = fastcar_ops.gate_function(form, OPSET)
+        fn.name, fn.overload = name, ""
+        del fn.input[:]
+        fn.input.extend(contract.LEGACY_GATE_OPS[name][1])
+        kept = [a for a in fn.attribute_proto if a.name not in contract.GATE_FORM_ATTRIBUTES]
+        del fn.attribute_proto[:]
+        fn.attribute_proto.extend(kept)
         out.functions.append(fn)
-        if not any(f.name == contract.TEMPORAL_GATE and f.overload == form.overload for f in out.functions):
-            out.functions.append(body)
         if form.select_rows and not any(f.name == contract.SELECT_ROWS for f in out.functions):
             out.functions.append(fastcar_ops.function_proto(contract.SELECT_ROWS, OPSET))
     out.ir_version = max(out.ir_version, fastcar_ops.OVERLOAD_IR_VERSION)

@@ -275,3 +275,23 @@ def test_rope_gate_rotates_as_group_query_attention(native_lib, rot, interleaved
     for which, got in _runs(model, feeds, native_lib):
         np.testing.assert_allclose(got["tas"][:, 0], want, atol=1e-5, rtol=0, err_msg=which)
     ort_driver.skip_native_half(native_lib)
+
+
+def test_old_gate_name_runs_on_the_kernel_not_its_body(native_lib):
+    """An old op name (TemporalGatePacked) resolves to the one kernel: with the model's own body for it made wrong
+    (TAS negated), the registered library still gives the NumPy reference's TAS."""
+    if native_lib is None:
+        pytest.skip("native kernels not built here")
+    name = "decode raw"
+    B, H, Hkv, D, S, past, rows, L, vs, K, rope, rot, inter, offset, n_tau, tau = CASES[name]
+    _, feeds, attrs = case_feeds(name)
+    model = legacy(_model(attrs, rope=False))
+    (fn,) = [f for f in model.functions if f.name == "TemporalGatePacked"]
+    for node in fn.node:
+        node.output[:] = ["tas_body" if o == "tas" else o for o in node.output]
+        node.input[:] = ["tas_body" if i == "tas" else i for i in node.input]
+    fn.node.append(helper.make_node("Neg", ["tas_body"], ["tas"]))
+    want = _reference(feeds, H=H, L=L, K=K, age_offset=offset, t_index=attrs["threshold_index"], rope=False, rot=0,
+                      interleaved=0)
+    np.testing.assert_allclose(_run(model, feeds, None)["tas"], -want["tas"], atol=1e-5, rtol=0)  # the wrong body
+    np.testing.assert_allclose(_run(model, feeds, native_lib)["tas"], want["tas"], atol=1e-5, rtol=0)
