@@ -51,8 +51,9 @@ COMPUTE_OPS = frozenset({
     "SkipSimplifiedLayerNormalization", "Attention", "MultiHeadAttention", "GroupQueryAttention",
     "RotaryEmbedding", "ReduceSum", "Erf", "Tanh",
     # ai.fastcar ops (docs/DESIGN.md): TAS + gate on the vector unit, cache ops on the DMA engine, the fused
-    # attention core (CompressedAttention, --fused-attention fastcar, the default)
-    *contract.OP_NAMES,
+    # attention core (CompressedAttention, --fused-attention fastcar, the default); the gate's old per-form names
+    # too (models compiled before the one TemporalGate op)
+    *contract.OP_NAMES, *contract.LEGACY_GATE_OPS,
 })
 # Ops the accelerator runs without compute cost: the layout ops discovery walks through (one definition,
 # passes/graph_utils.py) plus shape, index and control ops.
