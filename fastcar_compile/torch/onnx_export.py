@@ -122,15 +122,30 @@ _GATE_TYPES = ("BOOL", "FLOAT", "INT64", "BOOL")
 
 
 def _type_gate_outputs(model) -> None:
+    """Type the gates' outputs, keeping only the plain form's four: the exporter gives a node every output its
+    schema declares, and TemporalGate's schema declares those of every form (optional)."""
     import onnx_ir as ir
 
     from fastcar_compile.passes import fastcar_ops
+    from fastcar_compile.passes import graph_utils as gu
 
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.domain == fastcar_ops.DOMAIN and node.op_type == contract.TEMPORAL_GATE:
-            for value, name in zip(node.outputs, _GATE_TYPES, strict=True):
-                if value.type is None:
-                    value.type = ir.TensorType(getattr(ir.DataType, name))
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        if node.domain != fastcar_ops.DOMAIN or node.op_type != contract.TEMPORAL_GATE:
+            continue
+        n = len(_GATE_TYPES)
+        if len(node.outputs) > n:
+            if any(v.uses() or v.is_graph_output() for v in node.outputs[n:]):
+                raise RuntimeError("internal: the exported gate uses an output of another form")
+            new = ir.node(node.op_type, list(node.inputs), {a.name: a for a in node.attributes.values()},
+                          domain=node.domain, num_outputs=n, name=node.name, overload=node.overload)
+            node.graph.insert_before(node, new)
+            for before, after in zip(node.outputs[:n], new.outputs, strict=True):
+                gu.take_over(before, after, graph_outputs=True)
+            node.graph.remove(node, safe=True)
+            node = new
+        for value, name in zip(node.outputs, _GATE_TYPES, strict=True):
+            if value.type is None:
+                value.type = ir.TensorType(getattr(ir.DataType, name))
 
 
 def translation_table() -> dict:
