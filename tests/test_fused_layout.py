@@ -1,5 +1,5 @@
 """passes/fuse_layout.py: q/k/v stay [B, S, H*D] into RotaryEmbedding and CompressedAttention (qkv_perm), and the
-gate of a dynamo export's fused layer is one TemporalGatePacked; passes/hoist_norm.py: the MLP norm leaves the If. References: NumPy attention (the op on its own),
+gate of a dynamo export's fused layer is one packed TemporalGate; passes/hoist_norm.py: the MLP norm leaves the If. References: NumPy attention (the op on its own),
 the eager PyTorch FastCar reference (finite tau, function bodies and native kernels) and the uncompiled export
 (tau = +inf, tests/test_export_fusions.py and tests/test_fused_attention.py run the same compiles)."""
 

@@ -90,7 +90,7 @@ def _session(path, precision: str, compiled: bool, native=None):
 
 def _natives(precision: str) -> list:
     """Function bodies (None), then the native kernels where they exist (fp32 activations only: packed-QKV
-    layers run TemporalGatePacked[Rope]); a missing library is reported as a skip after the body check."""
+    layers run the packed TemporalGate); a missing library is reported as a skip after the body check."""
     lib = ort_driver.native_or_none() if precision != "fp16" else None
     return [None] + ([lib] if lib is not None else [])
 
