@@ -9,7 +9,6 @@ model (the dense baseline): it then simply has no FastCar state.
 from __future__ import annotations
 
 import hashlib
-import json
 import operator
 import os
 import re
@@ -24,7 +23,7 @@ import numpy as np
 
 from fastcar_compile import contract
 from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import model_fingerprint, refuse_special_input
+from fastcar_compile.fileio import model_fingerprint, read_json, refuse_special_input
 from fastcar_compile.limits import INT64_MAX, MAX_THREADS, check_fits_memory, check_int
 from fastcar_compile.locks import folder_lock
 from fastcar_compile.runtime.binding import StepBinding
@@ -422,8 +421,9 @@ class FastCarSession:
         cfg = self.path.parent / "genai_config.json"
         if not cfg.is_file():
             return None
+        config = read_json(cfg, "genai_config.json")  # bounded: a broken one is named, not a RecursionError
         try:
-            return int(json.loads(cfg.read_text())["model"]["decoder"]["head_size"])
+            return int(config["model"]["decoder"]["head_size"])
         except (KeyError, ValueError, TypeError):
             return None
 

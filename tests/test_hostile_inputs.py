@@ -250,3 +250,23 @@ def test_runtime_api_refuses_a_fifo_as_model_or_prompts(sandbox):
         FastCarSession(fifo)
     with pytest.raises(FastCarError, match="named pipe"):
         calibrate_threshold(sandbox / "fast.onnx", fifo, num_frames=2, target_replay=0.3)
+
+
+def test_session_reads_genai_head_size_through_the_bounded_reader(tmp_path):
+    """A genai graph's symbolic head size comes from genai_config.json beside it: a 100,000-deep file is named
+    in one line (json.loads raised RecursionError), a config without the field gives no size."""
+    import json
+
+    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.runtime.session import FastCarSession
+
+    session = FastCarSession.__new__(FastCarSession)  # only the path matters to this reader
+    session.path = tmp_path / "model.onnx"
+    cfg = tmp_path / "genai_config.json"
+    cfg.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(FastCarError, match="nests"):
+        session._genai_head_size()
+    cfg.write_text(json.dumps(hc.GENAI_CONFIG))
+    assert session._genai_head_size() == hc.GENAI_CONFIG["model"]["decoder"]["head_size"]
+    cfg.write_text('{"model": {"type": "llama"}}')
+    assert session._genai_head_size() is None
