@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fastcar_compile.errors import FastCarError
 from fastcar_compile.limits import check_finite, check_int
+from fastcar_compile.options import ascii_float, ascii_int
 
 CHECK_TOLERANCE = 1e-4
 RANDOM_WEIGHTS_MAX_BYTES = 1 << 30  # larger configs without a checkpoint are exported without weights
@@ -77,14 +78,14 @@ def build_stream_parser() -> argparse.ArgumentParser:
         "graph (few-step flow matching, KV cache with sink frames and a rolling window, CFG); writes "
         "OUT/video.gif (latent preview), OUT/stream.json and OUT/stream.png.")
     ap.add_argument("model", help="the step graph written by `fastcar-compile export --dit` (its .text.onnx beside)")
-    ap.add_argument("--frames", type=int, required=True, help="latent frames to generate")
+    ap.add_argument("--frames", type=ascii_int, required=True, help="latent frames to generate")
     ap.add_argument("-o", "--output", required=True, help="output folder")
     ap.add_argument("--text", help="prompt embeddings .npy [tokens, text_dim] (default: seeded random)")
-    ap.add_argument("--cfg", type=float, default=3.0, help="classifier-free guidance scale (1: none, one row)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the noise (and of the default prompt)")
-    ap.add_argument("--sink", type=int, help="sink frames kept for ever (default: the model's)")
-    ap.add_argument("--window", type=int, help="recent frames kept in the cache, 0 = all (default: the model's)")
-    ap.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: one per core)")
+    ap.add_argument("--cfg", type=ascii_float, default=3.0, help="classifier-free guidance scale (1: none, one row)")
+    ap.add_argument("--seed", type=ascii_int, default=0, help="seed of the noise (and of the default prompt)")
+    ap.add_argument("--sink", type=ascii_int, help="sink frames kept for ever (default: the model's)")
+    ap.add_argument("--window", type=ascii_int, help="recent frames kept in the cache, 0 = all (default: the model's)")
+    ap.add_argument("--threads", type=ascii_int, default=0, help="ONNX Runtime threads (0: one per core)")
     return ap
 
 
