@@ -51,13 +51,39 @@ def _load(command: str, argv: list[str]) -> None:
             importlib.import_module(name)
 
 
+@contextlib.contextmanager
+def _sigint_remembered():
+    """Ctrl-C raises KeyboardInterrupt as usual and is also remembered: Python drops an exception raised inside a
+    weakref callback or __del__ ("Exception ignored in ..."), so a Ctrl-C landing in a garbage collection would
+    otherwise let the command run on and exit 0."""
+    hit: list[int] = []
+
+    def handler(signum, frame):
+        hit.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield hit
+        return
+    try:
+        yield hit
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def main(argv: list[str] | None = None) -> int:
     from_console = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         module, func, rest = lookup(argv)
         _load(argv[0] if argv and argv[0] in SUBCOMMANDS else "compile", argv)
-        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+        with _sigint_remembered() as hit:
+            rc = int(getattr(importlib.import_module(module), func)(rest) or 0)
+        if hit:
+            raise KeyboardInterrupt
+        return rc
     except FastCarError as exc:
         print(f"fastcar-compile: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -225,11 +225,13 @@ def test_ctrl_c_during_eval_exits_130_quietly(sandbox, tmp_path, delay):
     """SIGINT while `eval --model` generates (the runtime returns the tokens made so far to an API caller; eval's
     figures would be wrong, and comparing partial runs raised a ValueError): exit 130, the one line, no traceback,
     nothing written."""
-    np.save(tmp_path / "p.npy", np.random.default_rng(0).integers(1, 50, (8, 4)))
+    # enough work that the signal lands while eval generates (8 prompts x 4 frames took ~1 s on an idle machine)
+    np.save(tmp_path / "p.npy", np.random.default_rng(0).integers(1, 50, (256, 4)))
     out = tmp_path / "eval"
     proc, chunks = _start_and_wait(["eval", "--model", str(sandbox / "fast.onnx"), "--prompts", str(tmp_path / "p.npy"),
-                                    "--frames", "4", "--out", str(out)], "dense vs FastCar")
+                                    "--frames", "8", "--out", str(out)], "dense vs FastCar")
     time.sleep(delay)
+    assert proc.poll() is None, "eval ended before the signal: the test measures nothing"
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     err = "".join(chunks)
