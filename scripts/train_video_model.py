@@ -36,7 +36,7 @@ from fastcar_compile.demo.videomodel import VIDEO_SIZES, VideoTrainSettings, tra
 TRAINING = Path(__file__).resolve().parents[1] / "training" / "video_model"
 # Next to the training log, not in the package's assets: the package ships it with the model (not yet trained).
 VIDEO_TOKENIZER = TRAINING / "video_tokenizer.npz"
-CKPT = Path("/work/ckpt/video-model")
+CKPT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastcar-compile" / "video-model"
 
 
 def measure(tok, clips: list[scenes.SceneClip]) -> dict:
