@@ -21,8 +21,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from fastcar_compile.atomic import write_text
-from fastcar_compile.contract import io_names
+from fastcar_compile.core.atomic import write_text
+from fastcar_compile.core.contract import io_names
 
 K = TypeVar("K")  # the key naming a timed variant (a string, or a tuple of its parts)
 

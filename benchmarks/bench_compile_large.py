@@ -10,7 +10,7 @@ The rotary `inv_freq` buffer (64 floats) is the only tensor given real values.
 child's peak RSS (os.wait4 rusage) are reported against the targets (<= 30 s, <= 2 GB). `--profile` also runs
 the compile in-process under cProfile and tracemalloc (top functions and allocation sites written next to
 the JSON). The compiler copies the data file (a reflink where the file system offers one, else a sparse-aware
-copy that keeps the holes, fastcar_compile/fileio.py): the table says which, and that the two data files share
+copy that keeps the holes, fastcar_compile/core/fileio.py): the table says which, and that the two data files share
 no inode (onnx refuses hard-linked data), each with one link.
 
     python benchmarks/bench_compile_large.py              # build (cached) + measure

@@ -121,7 +121,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
     ctxs = [r["ctx"] for r in results["rows"]]

@@ -134,7 +134,7 @@ def _uses_fastcar(folder: Path) -> bool:
     """The folder's model imports the ai.fastcar domain (compiled variants, denseN): it wants the native library."""
     import onnx
 
-    from fastcar_compile import contract
+    from fastcar_compile.core import contract
 
     cfg = json.loads((folder / "genai_config.json").read_text())
     model = onnx.load(str(folder / cfg["model"]["decoder"]["filename"]), load_external_data=False)

@@ -39,7 +39,7 @@ def _step(kind: str, heads: int, kv: int, d: int, ctx: int, threads: int, prompt
     KV buffer shared)."""
     import onnxruntime as ort
 
-    from fastcar_compile import contract
+    from fastcar_compile.core import contract
     from fastcar_compile.runtime.native import library_path
 
     lib = library_path() if kind == "ours" else None

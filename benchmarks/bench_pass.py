@@ -38,7 +38,7 @@ from _common import (  # noqa: E402
     past_name_for,
 )
 
-from fastcar_compile.atomic import save_figure  # noqa: E402
+from fastcar_compile.core.atomic import save_figure  # noqa: E402
 
 FULL = dict(shape=LlamaShape(), context=2048, frame_tokens=256, rounds=40)
 QUICK = dict(shape=LlamaShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=512, max_pos=1024),

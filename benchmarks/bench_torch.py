@@ -99,7 +99,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
     for runtime, color in zip(results["runtimes"], ("C0", "C1", "C2"), strict=False):
@@ -235,7 +235,7 @@ def ort_runners(shape, a, L, ids, ratios) -> list:
 
 def report(runners, names, shape, n, context, L, a, rounds, period) -> None:
     """Print the table and the targets; write bench_torch.json / .png."""
-    from fastcar_compile.atomic import write_text
+    from fastcar_compile.core.atomic import write_text
     from fastcar_compile.torch import native
 
     def windows(r) -> np.ndarray:

@@ -57,7 +57,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for rt in dict.fromkeys(r["runtime"] for r in rows):
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     import fastcar_compile.torch as fct
-    from fastcar_compile.atomic import write_text
+    from fastcar_compile.core.atomic import write_text
     from fastcar_compile.torch.onnx_export import io_names
 
     torch.set_num_threads(a.threads)

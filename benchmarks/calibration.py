@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntarget {a.target}, demo model (L={L}, frame 0 given, {a.frames - 1} generated frames), "
           f"{a.heldout} held-out clips, {a.draws} draws per size\n{table}")
     if a.out:
-        from fastcar_compile.atomic import write_text
+        from fastcar_compile.core.atomic import write_text
 
         write_text(a.out, table + "\n")
     return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from fastcar_compile.atomic import save_figure, write_text
+from fastcar_compile.core.atomic import save_figure, write_text
 from fastcar_compile.fastar.attention import run_trace, slot_bytes
 from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.fastar.trace import TRACE_SOURCES, demo_trace

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from fastcar_compile.atomic import write_bytes
+from fastcar_compile.core.atomic import write_bytes
 from fastcar_compile.fpga_backend import LLAMA2_7B, TINY, build_program, load_board
 from fastcar_compile.fpga_backend import masks as M
 from fastcar_compile.fpga_backend.simulate import Simulator

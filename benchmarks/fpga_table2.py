@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.atomic import write_bytes
+from fastcar_compile.core.atomic import write_bytes
 from fastcar_compile.fpga_backend import LLAMA2_7B, build_program, load_board
 from fastcar_compile.fpga_backend.kvbound import KVBound, kv_lengths
 from fastcar_compile.fpga_backend.simulate import Simulator

@@ -111,14 +111,14 @@ def plot(rows: list[dict], path: Path, frames: int) -> None:
     ax[2].legend(fontsize=7)
     fig.suptitle("FAST-AR modes through ai.fastcar CompressedAttention (--kv-diagnostics), long demo model")
     fig.tight_layout()
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fastcar_compile.atomic import write_text
     from fastcar_compile.cli import main as cli
+    from fastcar_compile.core.atomic import write_text
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.longvideo import long_onnx

@@ -34,7 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def hold(clips: int, frames: int, out: Path) -> dict:
     import torch
 
-    from fastcar_compile.atomic import save_figure, write_text
+    from fastcar_compile.core.atomic import save_figure, write_text
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS, load_model
@@ -132,8 +132,8 @@ OP_MODES = [
 def op_modes(clips: int, frames: int, tau: float, out: Path, only: list[int] | None = None) -> list[dict]:
     """Every OP_MODES row through the compiler and FastCarSession (ai.fastcar CompressedAttention's native
     kernel): PSNR/SSIM vs truth and vs dense, replay, runtime step time on frame 8 and on the last frame."""
-    from fastcar_compile.atomic import write_text
     from fastcar_compile.cli import main as cli
+    from fastcar_compile.core.atomic import write_text
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.longvideo import long_onnx
@@ -266,7 +266,7 @@ def curve(frames: int, tau: float, out: Path, clip: int = 0, only: list[int] | N
 
     from tqdm import tqdm
 
-    from fastcar_compile.atomic import write_text
+    from fastcar_compile.core.atomic import write_text
 
     res: dict = {"frames": frames, "clip": clip, "tau": tau, "modes": {}}
     bar = tqdm([i for i in CURVE_MODES if not only or i in only], desc=f"curve, {frames} frames", unit="mode")
@@ -294,7 +294,7 @@ def plot_curve(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     rss = any("rss_per_frame" in r for r in res["modes"].values())
     fig, ax = plt.subplots(1, 3 if rss else 2, figsize=(17 if rss else 12, 4.2))
@@ -343,7 +343,7 @@ def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from fastcar_compile.atomic import write_text
+    from fastcar_compile.core.atomic import write_text
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS, load_model

@@ -293,7 +293,7 @@ def plot(rows: list[dict], modes: list[Mode], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.4))
     for m in modes:
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker(json.loads(a.worker))
         return 0
-    from fastcar_compile.atomic import write_text
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.atomic import write_text
+    from fastcar_compile.core.errors import FastCarError
 
     cfg = dict(QUICK if a.quick else FULL)
     cfg.update({k: v for k, v in (("block", a.block), ("tokens", a.tokens)) if v})
@@ -382,7 +382,7 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except Exception as exc:  # one line for the user's mistakes, a traceback for ours
-        from fastcar_compile.errors import FastCarError
+        from fastcar_compile.core.errors import FastCarError
 
         if isinstance(exc, FastCarError):
             print(f"error: {exc}", file=sys.stderr)

@@ -50,7 +50,7 @@ def plot(rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = 100 * np.asarray(DENSITIES)
@@ -79,7 +79,7 @@ def plot(rows: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fastcar_compile.atomic import write_text
+    from fastcar_compile.core.atomic import write_text
     from fastcar_compile.fastar.trace import demo_trace
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

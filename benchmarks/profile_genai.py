@@ -106,7 +106,7 @@ def _fastcar_nodes(path: Path) -> set[str]:
     type only, and ai.fastcar.GroupQueryAttention must not pool with ORT's)."""
     import onnx
 
-    from fastcar_compile import contract
+    from fastcar_compile.core import contract
 
     return {n.name for n in onnx.load(str(path), load_external_data=False).graph.node if n.domain == contract.DOMAIN}
 

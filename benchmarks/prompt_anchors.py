@@ -70,7 +70,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for i, r in enumerate(rows):
@@ -93,7 +93,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fastcar_compile.atomic import write_text
+    from fastcar_compile.core.atomic import write_text
     from fastcar_compile.fastar.attention import run_trace
     from fastcar_compile.fastar.config import KVCompressConfig
     from fastcar_compile.fastar.trace import demo_trace

@@ -4,8 +4,8 @@ The public names are imported on first use (PEP 562), so `import fastcar_compile
 can then guard the heavy imports (onnx, ONNX Runtime) itself, and Ctrl-C while they load exits quietly.
 """
 
-from fastcar_compile._version import __version__
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core._version import __version__
+from fastcar_compile.core.errors import FastCarError
 
 __all__ = ["CompileReport", "FastCarError", "__version__", "compile", "inspect", "native_attention"]
 _LAZY = {"CompileReport", "compile", "inspect", "native_attention"}

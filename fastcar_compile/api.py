@@ -14,10 +14,11 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from fastcar_compile import fileio, pipeline
-from fastcar_compile import options as declared
+from fastcar_compile import pipeline
 from fastcar_compile.compile_report import CompileReport, LayerReport
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import fileio
+from fastcar_compile.core import options as declared
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes import genai_state, native_gqa
 from fastcar_compile.passes.analysis import find_layers, parse_layers
 from fastcar_compile.passes.context import CompileContext, CompileOptions
@@ -74,7 +75,7 @@ def pass_list(output: bool = True, validate: bool = True) -> list[str]:
 def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[ir.Model, CompileReport]:  # noqa: A001
     """Compile `model` (path, ModelProto or onnx_ir.Model) for FastCar; save to `output` when given.
 
-    The keywords are the options declared in fastcar_compile/options.py (their help there; `frame_tokens` is
+    The keywords are the options declared in fastcar_compile/core/options.py (their help there; `frame_tokens` is
     required), e.g. `compile("model.onnx", "fast.onnx", frame_tokens=256, tas_query="raw", threshold=-4)`.
     genai=None: name the state for onnxruntime-genai's generator when the input sits beside a genai_config.json
     and the output goes to another folder. kv_layers: ["LAYERS:SETTINGS", ...] (passes/context.py

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from fastcar_compile.commands import SUBCOMMANDS, lookup
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 __all__ = ["SUBCOMMANDS", "main"]
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastcar-compile: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # a file-system problem the command did not anticipate: still a user error
-        from fastcar_compile.fileio import describe_os_error
+        from fastcar_compile.core.fileio import describe_os_error
 
         print(f"fastcar-compile: error: {describe_os_error(exc)}", file=sys.stderr)
         return 2

@@ -7,8 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from fastcar_compile import commands, contract, options
-from fastcar_compile.errors import FastCarError
+from fastcar_compile import commands
+from fastcar_compile.core import contract, options
+from fastcar_compile.core.errors import FastCarError
 
 # Options whose value may start with '-' (argparse takes `--threshold -1e30` / `-inf` for an option).
 _NEGATIVE_OK = ("--threshold",)
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="input .onnx decoder (I/O: input_ids, attention_mask, position_ids, "
                                  "past_key_values.N.key|value -> logits, present.N.key|value); never modified")
     p.add_argument("-o", "--output", help="output path (.onnx, or .fcb with --target fpga); written atomically")
-    options.add_arguments(p)  # every compile option (fastcar_compile/options.py)
+    options.add_arguments(p)  # every compile option (fastcar_compile/core/options.py)
     p.add_argument("--inspect", action="store_true",
                    help="only report what discovery finds per layer (and why a layer does not match)")
     p.add_argument("--verbose", "-v", action="store_true",

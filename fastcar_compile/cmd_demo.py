@@ -13,9 +13,9 @@ import math
 import time
 from pathlib import Path
 
-from fastcar_compile import contract, fileio, limits
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.options import ascii_float, ascii_int
+from fastcar_compile.core import contract, fileio, limits
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.options import ascii_float, ascii_int
 
 DEFAULT_TAU = 33.0  # post-RoPE TAS giving ~80% replay on the bundled model (docs/demo.md, eval sweep)
 
@@ -120,7 +120,7 @@ def _run(a: argparse.Namespace, out: Path, t0: float):
                   lv.write_psnr_plot(curves, out / "psnr_frames.png", f"PSNR vs truth per frame, {s.clips} held-out clips")]
         extra = {"replay_per_layer": per_layer.tolist(), "psnr_per_frame": {k: v.tolist() for k, v in curves.items()}}
     res = out / "results.json"
-    from fastcar_compile.atomic import write_bytes
+    from fastcar_compile.core.atomic import write_bytes
 
     write_bytes(res, json.dumps({"summary": s.to_dict(), **extra, "clips": [
         {"motion": r.motion, "source": r.source, "replay_ratio": r.fast.replay_ratio} for r in results]},

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile import contract, fileio
-from fastcar_compile.atomic import save_figure
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.options import ascii_float, ascii_int
+from fastcar_compile.core import contract, fileio
+from fastcar_compile.core.atomic import save_figure
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.options import ascii_float, ascii_int
 
 TARGETS = (0.2, 0.5, 0.8, 0.9)
 
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
         raise FastCarError(f"--variants takes rope and/or raw, got {a.variants!r}")
     if a.clips < 1 or a.frames < 2 or a.guard < 0:
         raise FastCarError("--clips >= 1, --frames >= 2 and --guard >= 0 are required")
-    from fastcar_compile.atomic import write_bytes
+    from fastcar_compile.core.atomic import write_bytes
 
     fileio.check_output_dir(a.out, "--out")
     fileio.check_outputs({a.out / name: f"--out's {name}" for name in ("eval.json", "eval.md", "eval.png")})
@@ -203,7 +203,7 @@ def _own(a) -> int:
 
 def _kv_sweep(a) -> int:
     """FAST-AR modes on the long-video model (reference path): kv_sweep.{json,md,png} in --out."""
-    from fastcar_compile.atomic import write_bytes
+    from fastcar_compile.core.atomic import write_bytes
     from fastcar_compile.demo import data, kvsweep
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS, load_model

@@ -7,8 +7,8 @@ import argparse
 import time
 from pathlib import Path
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.options import ascii_int
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.options import ascii_int
 
 CHECK_TOLERANCE = 1e-3
 
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
 def _check_files(source: Path, out: Path) -> None:
     """Before any work: the output (and the data file a large export writes beside it) is a regular file or a
     new path, and none is a file of the checkpoint folder (config, weights, tokenizer)."""
-    from fastcar_compile.fileio import check_output_path, check_outputs
+    from fastcar_compile.core.fileio import check_output_path, check_outputs
 
     check_output_path(out, "-o")
     folder = source if source.is_dir() else source.parent

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 
 def main(argv: list[str]) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
                                                          "draw the replay share of every token position")
     ap.add_argument("-o", "--out-dir", default=None, help="folder for the PNGs (default: next to the run)")
     a = ap.parse_args(argv)
-    from fastcar_compile.fileio import check_outputs
+    from fastcar_compile.core.fileio import check_outputs
     from fastcar_compile.runtime.report import (
         PICTURES,
         comparison,

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import (
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.fileio import (
     check_output_dir,
     check_outputs,
     model_reads,

@@ -2,7 +2,7 @@
 
 The exporters cannot take transformers' `DynamicCache` object as a graph input, so a small wrapper takes
 flat KV tensors, builds the cache, and returns flat presents. The I/O is the contract of
-`fastcar_compile.contract.io_names`: `input_ids`, `attention_mask`, `position_ids`,
+`fastcar_compile.core.contract.io_names`: `input_ids`, `attention_mask`, `position_ids`,
 `past_key_values.N.key|value` -> `logits`, `present.N.key|value`, KV [batch, kv_heads, past, head_dim]
 with dynamic batch, sequence and past length. dynamo (torch.onnx, opset 20) by default; TorchScript
 (`dynamo=False`, opset 17) as the fallback for models dynamo cannot trace.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastcar_compile.contract import io_names
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import refuse_special, refuse_special_input, with_path
+from fastcar_compile.core.contract import io_names
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.fileio import refuse_special, refuse_special_input, with_path
 
 DEFAULT_OPSET = {"dynamo": 20, "torchscript": 17}
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with headroom
@@ -169,7 +169,7 @@ def _first_line(exc: BaseException) -> str:
 def check_size(config: Any, where: Path) -> None:
     """Refuse a config whose model cannot fit in this machine's memory (vocab_size 10^12 would otherwise fail
     as a MemoryError deep inside torch): embedding and layer weights estimated in float32."""
-    from fastcar_compile.limits import memory_bytes
+    from fastcar_compile.core.limits import memory_bytes
 
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     dims = {k: getattr(cfg, k, None) for k in ("vocab_size", "hidden_size", "num_hidden_layers",

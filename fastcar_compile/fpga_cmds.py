@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.options import ascii_float, ascii_int
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.options import ascii_float, ascii_int
 
 
 def _sim_parser() -> argparse.ArgumentParser:
@@ -52,10 +52,10 @@ def sim_main(argv: list[str]) -> int:
     args = _sim_parser().parse_args(argv)
     import numpy as np
 
+    from fastcar_compile.core.limits import INT64_MAX, check_int
     from fastcar_compile.fpga_backend import encode, isa, masks
     from fastcar_compile.fpga_backend.hwspec import load_board
     from fastcar_compile.fpga_backend.simulate import Simulator, plot_timeline
-    from fastcar_compile.limits import INT64_MAX, check_int
 
     if args.batch is not None:
         check_int("--batch", args.batch, 1, isa.MAX_ROWS, "rows of the Index Register")
@@ -68,7 +68,7 @@ def sim_main(argv: list[str]) -> int:
         if value is not None:
             check_int(flag, value, 0, isa.MAX_CONTEXT, "KV slots; the attention instructions' length is 32-bit")
     if args.timeline:
-        from fastcar_compile.fileio import check_output_path, check_outputs
+        from fastcar_compile.core.fileio import check_output_path, check_outputs
 
         check_output_path(args.timeline, "--timeline")
         check_outputs({args.timeline: "--timeline"}, {args.fcb: "the bundle", args.replay_trace: "--replay-trace",
@@ -201,12 +201,12 @@ def disasm_main(argv: list[str]) -> int:
     p.add_argument("fcb")
     p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
     args = p.parse_args(argv)
-    from fastcar_compile.atomic import write_text
+    from fastcar_compile.core.atomic import write_text
     from fastcar_compile.fpga_backend import asm, encode
 
     program = encode.load(args.fcb)
     if args.output:
-        from fastcar_compile.fileio import check_output_path, check_outputs
+        from fastcar_compile.core.fileio import check_output_path, check_outputs
 
         check_output_path(args.output, "-o")
         check_outputs({args.output: "-o"}, {args.fcb: "the bundle"})
@@ -225,7 +225,7 @@ def asm_main(argv: list[str]) -> int:
     p.add_argument("source", help="assembly text (as printed by disasm)")
     p.add_argument("-o", "--output", required=True, help="bundle file to write")
     args = p.parse_args(argv)
-    from fastcar_compile.fileio import check_output_path, check_outputs, read_text
+    from fastcar_compile.core.fileio import check_output_path, check_outputs, read_text
     from fastcar_compile.fpga_backend import asm, encode
     from fastcar_compile.fpga_backend.verify import check_program
 

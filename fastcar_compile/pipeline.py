@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes.analysis import DiscoverPass, SelectLayersPass
 from fastcar_compile.passes.branch import BranchPass
 from fastcar_compile.passes.cache_state import CacheStatePass

@@ -10,7 +10,7 @@ name no current file has (`<name>.data`, or `<name>.<token>.data` while that one
 (`owned_data`) are deleted. A crash between the steps leaves the old pair loadable plus, at worst, one
 unreferenced new data file.
 
-Concurrency and killed runs (fastcar_compile/locks.py): `commit` runs under the output folder's exclusive lock,
+Concurrency and killed runs (fastcar_compile/core/locks.py): `commit` runs under the output folder's exclusive lock,
 which loaders (`FastCarSession`) take shared while they read a model, so none reads an .onnx whose data was just
 deleted. Under the same lock each save sweeps what killed runs left: `.fastcar-*` staging folders whose
 creator's lock is free, and `<name>.<token>.data` files the current output does not name.
@@ -29,9 +29,9 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import copy_file, first_missing, model_files, refuse_special
-from fastcar_compile.locks import TEMP_PREFIX, Owned, folder_lock, sweep
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.fileio import copy_file, first_missing, model_files, refuse_special
+from fastcar_compile.core.locks import TEMP_PREFIX, Owned, folder_lock, sweep
 from fastcar_compile.passes.context import weight_bytes
 
 # Above this many bytes of weights the model is written with external data (protobuf's 2 GiB limit).

@@ -9,7 +9,7 @@ from typing import Any
 
 import onnx
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 from . import isa
 from .drs import fill_thresholds
@@ -75,7 +75,7 @@ def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardC
     (a compiled model records its own; a different value is refused), used for the default context."""
     if weights not in isa.WEIGHT_STREAMS:
         raise FastCarError(f"weights {weights!r} must be one of {isa.WEIGHT_STREAMS}")
-    from fastcar_compile.limits import UINT32_MAX, check_int
+    from fastcar_compile.core.limits import UINT32_MAX, check_int
 
     check_int("--batch", batch, 1, isa.MAX_ROWS, "rows of the Index Register")
     if context is not None:
@@ -133,7 +133,7 @@ def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Pat
     thresholds are computed for. Raises FastCarError on bad input.
     """
     if output_path is not None:
-        from fastcar_compile.fileio import check_output_path, check_outputs, model_reads
+        from fastcar_compile.core.fileio import check_output_path, check_outputs, model_reads
 
         check_output_path(output_path, "-o")
         reads = dict(model_reads(onnx_path)) if isinstance(onnx_path, str | Path) else {}

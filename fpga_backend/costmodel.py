@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 from . import isa
 from .encode import Program

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from fastcar_compile.atomic import write_bytes
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.atomic import write_bytes
+from fastcar_compile.core.errors import FastCarError
 
 from . import isa
 from .hwspec import BoardConfig, board_from_dict
@@ -155,7 +155,7 @@ def save(program: Program, path: str | Path) -> int:
 
 
 def load(path: str | Path) -> Program:
-    from fastcar_compile.fileio import check_input_file, os_errors
+    from fastcar_compile.core.fileio import check_input_file, os_errors
 
     path = check_input_file(path, "bundle file")
     with os_errors("bundle file"):

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 from . import isa
 from .encode import Program

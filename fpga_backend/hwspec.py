@@ -20,8 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import read_json
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.fileio import read_json
 
 from .isa import MAX_ROWS
 

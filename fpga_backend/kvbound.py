@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 from .isa import MAX_CONTEXT
 

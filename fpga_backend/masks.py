@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import read_json
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.fileio import read_json
 
 from .isa import MAX_CONTEXT, MAX_ROWS
 

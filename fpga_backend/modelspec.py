@@ -17,8 +17,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
 
 from . import isa
 

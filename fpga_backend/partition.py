@@ -24,8 +24,8 @@ import networkx as nx
 import numpy as np
 import onnx
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes.graph_utils import LAYOUT_OPS
 
 from . import isa

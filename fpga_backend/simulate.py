@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 from . import isa
 from .costmodel import CostModel
@@ -257,7 +257,7 @@ def plot_timeline(results: SimResult | list[SimResult], path: str | Path, title:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import write_bytes
+    from fastcar_compile.core.atomic import write_bytes
 
     results = results if isinstance(results, list) else [results]
     cores = results[0].core_busy.shape[0]

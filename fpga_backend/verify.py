@@ -12,7 +12,7 @@ import numbers
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 from . import isa
 from .encode import Program

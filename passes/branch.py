@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes import build
 from fastcar_compile.passes.context import CompileContext, LayerRewrite
 

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 
 
 class Builder:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes import build
 from fastcar_compile.passes.context import CompileContext, LayerRewrite
 from fastcar_compile.passes.discover import LayerMatch

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
-from fastcar_compile import contract, options
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.limits import MAX_KV_BUDGET, MAX_KV_DIAGNOSTICS, check_int
-from fastcar_compile.options import FUSED_ATTENTION, ascii_float, ascii_int, check_fused_attention  # noqa: F401
+from fastcar_compile.core import contract, options
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.limits import MAX_KV_BUDGET, MAX_KV_DIAGNOSTICS, check_int
+from fastcar_compile.core.options import FUSED_ATTENTION, ascii_float, ascii_int, check_fused_attention  # noqa: F401
 from fastcar_compile.passes.discover import LayerMatch
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CompileOptions(dataclasses.make_dataclass("DeclaredOptions", options.fields(), frozen=True)):
-    """The compiler's options: the fields, their defaults and per-option checks are fastcar_compile.options'
+    """The compiler's options: the fields, their defaults and per-option checks are fastcar_compile.core.options'
     declarations; this class adds the checks between options (one place for every check, run on construction)."""
 
     def __post_init__(self) -> None:

@@ -20,7 +20,7 @@ import re
 
 import onnx_ir as ir
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes import genai_gqa
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes import match_attention as ma

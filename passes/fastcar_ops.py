@@ -13,7 +13,7 @@ import onnx
 import onnx.parser
 import onnx_ir as ir
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 
 DOMAIN = contract.DOMAIN
 VERSION = contract.OPSET_VERSION

@@ -19,7 +19,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
 

@@ -30,9 +30,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.limits import check_state_bytes
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.limits import check_state_bytes
 from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes import graph_utils as gu

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes import build, fastcar_ops, window
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.cache_state import declare_state

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import copy_file, read_json
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.fileio import copy_file, read_json
 from fastcar_compile.passes.context import CompileContext
 
 if TYPE_CHECKING:

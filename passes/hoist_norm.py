@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes.context import CompileContext
 
 NORM = "SimplifiedLayerNormalization"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fastcar_compile import contract, options
-from fastcar_compile._version import __version__
+from fastcar_compile.core import contract, options
+from fastcar_compile.core._version import __version__
 from fastcar_compile.passes.context import CompileContext
 
 # Model-local functions (the ai.fastcar ops ship as functions) need IR version 8.

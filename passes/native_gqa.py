@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes import fastcar_ops
 from fastcar_compile.passes import graph_utils as gu
 

@@ -11,8 +11,8 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
 
 
 class BakeThresholdPass(ir.passes.InPlacePass):

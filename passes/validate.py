@@ -11,8 +11,8 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.save import Staging
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 ATTENTION_MASK = "attention_mask"
 

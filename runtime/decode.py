@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.limits import check_finite, check_int
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.limits import check_finite, check_int
 from fastcar_compile.runtime.sampling import Sampler, guide
 from fastcar_compile.runtime.stats import RunStats
 from fastcar_compile.runtime.tokens import check_token_ids
@@ -184,7 +184,7 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     if isinstance(num_frames, bool) or not isinstance(num_frames, int | np.integer) or not 1 <= num_frames <= 2**31:
         raise FastCarError(f"num_frames must be a whole number of frames >= 1, got {num_frames!r}")
     if trace is not None:  # checked before generating: a bad path must not cost the generated tokens
-        from fastcar_compile.fileio import check_output_path
+        from fastcar_compile.core.fileio import check_output_path
 
         check_output_path(trace, "trace")
     if threshold is not None and not session.is_fastcar:

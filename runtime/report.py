@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import staged_dir
-from fastcar_compile.options import ascii_int
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.fileio import staged_dir
+from fastcar_compile.core.options import ascii_int
 from fastcar_compile.runtime.stats import RunStats
 
 PICTURES = ("replay", "latency", "kv", "tokens")  # <stem>.<kind>.png

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import model_fingerprint, read_json, refuse_special_input
-from fastcar_compile.limits import INT64_MAX, MAX_THREADS, check_fits_memory, check_int
-from fastcar_compile.locks import folder_lock
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.fileio import model_fingerprint, read_json, refuse_special_input
+from fastcar_compile.core.limits import INT64_MAX, MAX_THREADS, check_fits_memory, check_int
+from fastcar_compile.core.locks import folder_lock
 from fastcar_compile.runtime.binding import StepBinding
 from fastcar_compile.runtime.tokens import check_token_ids
 
@@ -153,7 +153,7 @@ class FastCarSession:
                  native: bool | None = None, threads: int = DEFAULT_THREADS, inplace: bool | None = None,
                  max_length: int | None = None):
         # the model folder's shared lock while the model and its external data are read: a compile replacing it
-        # meanwhile waits to delete the data this load reads (fastcar_compile/locks.py, save.py)
+        # meanwhile waits to delete the data this load reads (fastcar_compile/core/locks.py, save.py)
         with folder_lock(Path(path).parent, shared=True):
             self._open(path, providers, session_options, frame_tokens=frame_tokens, native=native,
                        threads=threads, inplace=inplace, max_length=max_length)

@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from fastcar_compile import contract
-from fastcar_compile.atomic import write_text
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import read_json
+from fastcar_compile.core import contract
+from fastcar_compile.core.atomic import write_text
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.fileio import read_json
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 
 def check_token_ids(ids: Any, vocab: int | None, what: str) -> np.ndarray:

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib", type=int, default=64)
     ap.add_argument("--heldout", type=int, default=16)
     a = ap.parse_args(argv)
-    from fastcar_compile.atomic import atomic_path
+    from fastcar_compile.core.atomic import atomic_path
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.export import load_model

@@ -105,7 +105,7 @@ def main() -> None:
     summary = report(weights, config, tok_path, s.frames, a.eval_clips, s.seed)
     summary["train_seconds"] = log["train_seconds"]
     log["summary"] = summary
-    from fastcar_compile.atomic import write_text
+    from fastcar_compile.core.atomic import write_text
 
     write_text(log_json, json.dumps(log, indent=1))
     print(json.dumps(summary, indent=1))

@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from fastcar_compile.atomic import write_text  # noqa: E402
+from fastcar_compile.core.atomic import write_text  # noqa: E402
 from fastcar_compile.demo import scenes  # noqa: E402
 from fastcar_compile.demo.metrics import copy_rate, psnr  # noqa: E402
 from fastcar_compile.demo.videomodel import VIDEO_SIZES, VideoTrainSettings, train_video_model  # noqa: E402
@@ -116,7 +116,7 @@ def throughput_stage(a) -> None:
 
 def status_stage(a) -> None:
     """Where a run stands, from its log: step, recent loss, held-out evaluations, speed and time left."""
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
 
     if not a.log.is_file():
         raise FastCarError(f"training log {a.log} not found; give the run's --log")
@@ -173,7 +173,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
 
     try:
         main()

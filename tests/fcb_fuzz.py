@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.fpga_backend import encode, isa, masks
 from fastcar_compile.fpga_backend.compiler import build_program
 from fastcar_compile.fpga_backend.hwspec import load_board

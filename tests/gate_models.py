@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes import fastcar_ops
 
 DOMAIN = contract.DOMAIN

@@ -227,7 +227,7 @@ def snapshot(root: Path) -> dict[str, tuple[str, int]]:
     (any write changes ctime), so unchanged 12 MB inputs are not hashed again for every case."""
     import stat
 
-    from fastcar_compile.fileio import fingerprint
+    from fastcar_compile.core.fileio import fingerprint
 
     out = {}
     for p in sorted(root.rglob("*")):
@@ -268,7 +268,7 @@ def _fault(target: str, err: int, nth: int = 1):
 
 
 def disk_full():
-    return _fault("fastcar_compile.fileio._copy_range", errno.ENOSPC)
+    return _fault("fastcar_compile.core.fileio._copy_range", errno.ENOSPC)
 
 
 def disk_full_save():

@@ -1,4 +1,4 @@
-"""Options declared once (fastcar_compile/options.py): the CLI flags, `compile`'s and `torch.apply`'s keywords,
+"""Options declared once (fastcar_compile/core/options.py): the CLI flags, `compile`'s and `torch.apply`'s keywords,
 their checks, the metadata and README's option table follow the declaration; a calibrated compile keeps every
 option (its output equals a plain compile with the same options and the calibrated tau: metadata, graph
 inputs/outputs and their defaults, ops, genai_config.json)."""
@@ -16,9 +16,9 @@ import onnx
 import pytest
 import zoo
 
-from fastcar_compile import options
 from fastcar_compile.cli import main
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import options
+from fastcar_compile.core.errors import FastCarError
 
 ROOT = Path(__file__).resolve().parent.parent
 # `fastcar-compile` flags that are not compile options: what to read and write, what to print, calibration, FPGA
@@ -208,7 +208,7 @@ def test_compressed_state_beyond_memory_is_refused_at_compile_time(zoo_model, tm
     """The K/V slots of one video (2 x layers x kv heads x budget x head size x 4 B, from the model's sizes) must
     fit in memory: refused while compiling, naming --kv-budget, not a MemoryError when a session allocates."""
     import fastcar_compile as fc
-    from fastcar_compile import limits
+    from fastcar_compile.core import limits
 
     src = str(zoo_model("llama", "dynamo20"))
     plain = fc.compile(src, frame_tokens=L)[1].metadata

@@ -1,4 +1,4 @@
-"""The contract in code (fastcar_compile/contract.py) against docs/DESIGN.md and against hand-written values."""
+"""The contract in code (fastcar_compile/core/contract.py) against docs/DESIGN.md and against hand-written values."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes.fastcar_ops import function_proto
 
 DESIGN = (Path(__file__).parent.parent / "docs" / "DESIGN.md").read_text()

@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("skimage")
 pytest.importorskip("sklearn")
 
+from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.demo import data  # noqa: E402
-from fastcar_compile.errors import FastCarError  # noqa: E402
 
 
 def test_sources_disjoint() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo.evaluate import ClipResult
 from fastcar_compile.demo.kvsweep import parse_mode, parse_modes
 from fastcar_compile.demo.longvideo import layer_replay
 from fastcar_compile.demo.video import VideoRun
-from fastcar_compile.errors import FastCarError
 
 
 def test_layer_replay_places_each_step_on_its_frame_and_position():

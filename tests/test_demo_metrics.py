@@ -9,8 +9,8 @@ skimage = pytest.importorskip("skimage")
 from skimage import data as skdata  # noqa: E402
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity  # noqa: E402
 
+from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.demo.metrics import psnr, ssim  # noqa: E402
-from fastcar_compile.errors import FastCarError  # noqa: E402
 
 
 def _noisy(img: np.ndarray, sigma: float, seed: int) -> np.ndarray:

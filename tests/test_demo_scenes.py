@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("skimage")
 pytest.importorskip("sklearn")
 
+from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.demo import condition, scenes  # noqa: E402
 from fastcar_compile.demo.data import EVAL_SOURCES, FRAME, TRAIN_SOURCES  # noqa: E402
 from fastcar_compile.demo.metrics import copy_rate  # noqa: E402
-from fastcar_compile.errors import FastCarError  # noqa: E402
 
 STILL = {"objects": "objects_0", "occluder": "no_occluder", "cut": "no_cut"}
 

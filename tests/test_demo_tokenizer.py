@@ -8,11 +8,11 @@ import pytest
 pytest.importorskip("skimage")
 pytest.importorskip("sklearn")
 
+from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.demo import data  # noqa: E402
 from fastcar_compile.demo.export import TOKENIZER  # noqa: E402
 from fastcar_compile.demo.metrics import psnr  # noqa: E402
 from fastcar_compile.demo.tokenizer import PATCH, PatchTokenizer  # noqa: E402
-from fastcar_compile.errors import FastCarError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

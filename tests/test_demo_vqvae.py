@@ -10,11 +10,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("skimage")
 pytest.importorskip("sklearn")
 
+from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.demo import scenes  # noqa: E402
 from fastcar_compile.demo.metrics import psnr  # noqa: E402
 from fastcar_compile.demo.tokenizer import PatchTokenizer, train_tokenizer  # noqa: E402
 from fastcar_compile.demo.vqvae import VQVAETokenizer, load_frame_tokenizer, train_vqvae  # noqa: E402
-from fastcar_compile.errors import FastCarError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

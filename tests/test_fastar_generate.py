@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
-from fastcar_compile.errors import FastCarError  # noqa: E402
+from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.fastar.config import KVCompressConfig  # noqa: E402
 from fastcar_compile.fastar.generate import ReferenceAttention, generate, reference_attention  # noqa: E402
 

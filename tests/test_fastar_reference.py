@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.fastar.attention import run_trace
 from fastcar_compile.fastar.cache import HeadCache
 from fastcar_compile.fastar.config import KVCompressConfig

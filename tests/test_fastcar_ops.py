@@ -114,7 +114,7 @@ def test_temporal_gate_forms_body_kernel_and_old_names(form_name, S, past, vstar
     import ort_driver
     from gate_models import gate_model, legacy
 
-    from fastcar_compile import contract
+    from fastcar_compile.core import contract
 
     rng = np.random.default_rng(S * 100 + past + K + len(form_name))
     B, H, Hkv, D, L = 3, 4, 2, 8, 4

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.fpga_backend import encode, isa
 from fastcar_compile.fpga_backend.simulate import Simulator
 

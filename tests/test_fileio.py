@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from fastcar_compile import fileio
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import fileio
+from fastcar_compile.core.errors import FastCarError
 
 
 def test_copy_keeps_holes_and_bytes(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.fpga_backend import TINY, build_program, isa, load_board
 from fastcar_compile.fpga_backend.asm import assemble, disassemble
 from fastcar_compile.fpga_backend.encode import HEADER, Program, decode, encode

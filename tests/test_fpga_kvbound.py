@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.fpga_backend import ModelSpec, build_program, load_board
 from fastcar_compile.fpga_backend.kvbound import KVBound, kv_lengths
 from fastcar_compile.fpga_backend.simulate import Simulator

@@ -13,8 +13,8 @@ import numpy as np
 import onnx
 import pytest
 
-from fastcar_compile import contract
 from fastcar_compile.cli import main as cli
+from fastcar_compile.core import contract
 from fastcar_compile.fpga_backend import compile_to_bundles, encode, isa, load_board
 from fastcar_compile.fpga_backend.functional import FunctionalSim, weights_from_onnx
 from fastcar_compile.fpga_backend.modelspec import spec_from_onnx

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.fpga_backend import LLAMA2_7B, ModelSpec, load_board
 from fastcar_compile.fpga_backend.hwspec import PRESETS
 from fastcar_compile.fpga_backend.modelspec import spec_from_onnx

@@ -210,7 +210,7 @@ def test_board_override_must_keep_structure():
     sim = _sim("kv260", 2)
     faster = sim.board.replace(clock_mhz=600.0)
     Simulator(sim.program, faster)
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
 
     with pytest.raises(FastCarError, match="recompile"):
         Simulator(sim.program, sim.board.replace(cores=2))

@@ -80,7 +80,7 @@ def test_shared_kv_buffer_session(zoo_model, fc_compile, tmp_path):
     """FastCarSession(max_length=...) on a fused model: one KV buffer per video bound as GQA's past and
     present (appended in place); greedy logits equal the unfused compiled model run with a growing cache
     (batch 2, left padding, finite tau with replay), and a model without GQA is refused clearly."""
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
     from fastcar_compile.runtime import FastCarSession
 
     src = zoo_model("llama", "dynamo20")
@@ -163,7 +163,7 @@ def test_fastcar_shared_buffer_session_multi_token(zoo_model, fc_compile, tmp_pa
 
 
 def test_bad_fused_attention_value_is_one_line(zoo_model, tmp_path):
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
     from fastcar_compile.passes.context import CompileOptions
 
     with pytest.raises(FastCarError, match="--fused-attention must be one of gqa, fastcar or off, got 'flash'"):

@@ -15,7 +15,7 @@ import test_pass_reference as tpr
 from onnx import TensorProto, helper
 from test_compressed_attention import HKV, HQ, D, reference
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes import fastcar_ops
 
 L = tpr.L

@@ -18,7 +18,7 @@ import pytest
 from gate_models import gate_model, legacy
 from onnx import TensorProto, helper
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes.fastcar_ops import DOMAIN, function_proto
 
 pytestmark = pytest.mark.filterwarnings("ignore")

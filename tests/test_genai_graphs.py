@@ -232,7 +232,7 @@ def test_rotary_the_gate_cannot_reproduce_is_refused_for_rope(genai_model, fc_co
     """A GroupQueryAttention that rotates at a position_ids input: `rope` TAS is refused with an error naming
     --tas-query raw (never computed from a guessed rotation), --inspect says why, and `raw` still compiles."""
     import fastcar_compile
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
 
     src = tmp_path / "positions.onnx"
     _with_position_ids(genai_model("qwen3", "fp32") / "model.onnx", src)

@@ -243,7 +243,7 @@ def test_ctrl_c_during_eval_exits_130_quietly(sandbox, tmp_path, delay):
 
 def test_runtime_api_refuses_a_fifo_as_model_or_prompts(sandbox):
     """The runtime API (no CLI checks before it) names a FIFO as one instead of calling it missing."""
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
     from fastcar_compile.runtime import FastCarSession
     from fastcar_compile.runtime.calibrate import calibrate_threshold
 
@@ -259,7 +259,7 @@ def test_session_reads_genai_head_size_through_the_bounded_reader(tmp_path):
     in one line (json.loads raised RecursionError), a config without the field gives no size."""
     import json
 
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
     from fastcar_compile.runtime.session import FastCarSession
 
     session = FastCarSession.__new__(FastCarSession)  # only the path matters to this reader

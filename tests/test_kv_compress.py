@@ -16,8 +16,8 @@ from kernel_driver import run_kernel
 from session_driver import assert_cli_refuses, run_session
 from test_compressed_attention import session
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.fastar.attention import run_trace
 from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.fastar.rope import apply_rope

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import zoo
 
-from fastcar_compile import contract
 from fastcar_compile.cli import main
+from fastcar_compile.core import contract
 from fastcar_compile.runtime.decode import ThresholdWarning
 
 L, FRAMES = 4, 6

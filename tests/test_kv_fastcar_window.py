@@ -10,7 +10,7 @@ from session_driver import assert_cli_refuses
 
 import fastcar_compile
 from fastcar_compile.cli import main
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.fastar.cache import HeadCache
 from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.passes.context import CompileOptions

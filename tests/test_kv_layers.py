@@ -14,7 +14,7 @@ import zoo
 from session_driver import assert_cli_refuses, run_session
 
 from fastcar_compile.cli import main
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes.context import CompileOptions
 
 WINDOW = dict(kv_budget=10, kv_sinks=2, kv_window=5, kv_eviction="oldest")
@@ -91,7 +91,7 @@ def test_budgets_above_context_everywhere_equal_the_export(zoo_model, fc_compile
 
 def test_old_single_setting_metadata_reads_per_layer():
     """kv_compress written by older compilers (one flat setting + layers) reads as that setting per layer."""
-    from fastcar_compile.contract import FastCarMetadata
+    from fastcar_compile.core.contract import FastCarMetadata
 
     flat = {"budget": 12, "sinks": 1, "window": 3, "tempcache_sim": None, "layers": [0, 2], "diagnostics_tokens": None}
     meta = FastCarMetadata("0", 4, 0.0, False, [0], 3, "rope", 0, 8, 2, 2, 4, [], [], False, kv_compress=flat)
@@ -103,7 +103,7 @@ def test_old_single_setting_metadata_reads_per_layer():
 def test_old_frame_len_key_reads_as_frame_tokens(per_layer):
     """Models compiled before the rename recorded tokens per frame as `frame_len` in kv_compress; they read as
     this version's `frame_tokens`, the name the settings and KVCompressConfig use."""
-    from fastcar_compile.contract import FastCarMetadata
+    from fastcar_compile.core.contract import FastCarMetadata
     from fastcar_compile.fastar.config import KVCompressConfig
 
     old = {"budget": 12, "sinks": 1, "window": 4, "frame_len": 4, "video_start": 0}

@@ -13,7 +13,7 @@ import pytest
 import test_pass_reference as tpr
 from gate_models import legacy
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 
 L = tpr.L
 

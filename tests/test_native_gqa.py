@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 
 D = 32  # head size (multiple of 16, as GQA's rotary needs)
 MAX_POS = 64

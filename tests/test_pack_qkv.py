@@ -16,7 +16,7 @@ import zoo
 from onnx import TensorProto, helper
 from test_compressed_attention import HKV, HQ, D, reference
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes import fastcar_ops, pack_qkv
 
 L = tpr.L
@@ -253,7 +253,7 @@ def test_session_refuses_feeds_the_packed_rotary_cannot_honour(zoo_model, fc_com
     FastCarSession refuses (one line naming --pack-qkv off / --rotary-positions) a mask 0 after a row's first
     real token, explicit position_ids other than the real-token counts, and a video past the table; the same
     mid-stream padding on a --pack-qkv off compile equals the export fed transformers' positions."""
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
     from fastcar_compile.runtime import FastCarSession
 
     src = zoo_model("llama", "dynamo20")

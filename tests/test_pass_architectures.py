@@ -81,7 +81,7 @@ def test_new_family_matches_eager_reference_all(zoo_model, fc_compile, tmp_path,
 
 def test_window_shorter_than_a_frame_is_refused(zoo_model, fc_compile, tmp_path):
     """Mistral keeps SLIDING_WINDOW - 1 = 7 positions: a frame of 8 would need a key the cache dropped."""
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
 
     src = zoo_model("mistral", "torchscript17")
     with pytest.raises(FastCarError, match="sliding-window cache keeps 7 positions"):

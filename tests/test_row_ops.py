@@ -19,7 +19,7 @@ import test_genai_gate as tgg
 from gate_models import gate_model, legacy
 from onnx import TensorProto, helper
 
-from fastcar_compile import contract
+from fastcar_compile.core import contract
 from fastcar_compile.passes.fastcar_ops import DOMAIN, function_proto
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -13,7 +13,7 @@ import pytest
 import zoo
 from reference import FastCarReference
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.runtime import FastCarSession, bake_threshold, calibrate_threshold
 from fastcar_compile.runtime.decode import left_pad
 

@@ -15,7 +15,7 @@ import pytest
 from onnx import numpy_helper
 
 import fastcar_compile as fc
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.runtime import FastCarSession
 
 BUNDLED = os.path.join(os.path.dirname(fc.__file__), "demo", "assets", "decoder.onnx")
@@ -172,7 +172,7 @@ def test_state_beyond_memory_is_refused_up_front(native_lib, tmp_path, monkeypat
     state beyond the memory available is refused when the session opens, naming the size and the limit, instead
     of a MemoryError later (16777216 slots: 25 GiB here). The size is computed here from the bundled graph's KV
     shapes at the largest budget the compiler takes; the available memory is set below it."""
-    from fastcar_compile import limits
+    from fastcar_compile.core import limits
 
     budget = 1 << 20
     fc.compile(BUNDLED, tmp_path / "big.onnx", frame_tokens=L, threshold=0.0, kv_budget=budget, kv_sinks=4,

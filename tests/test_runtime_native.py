@@ -121,7 +121,7 @@ def test_native_in_place_update(native_lib):
 def test_compiled_model_with_native_kernels(native_lib, zoo_model, tmp_path):
     """A whole compiled model: native (copying and in place) decodes exactly as the function bodies."""
     fc = pytest.importorskip("fastcar_compile")
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
     from fastcar_compile.runtime import FastCarSession
 
     path = tmp_path / "fast.onnx"
@@ -153,7 +153,7 @@ def test_float16_model_falls_back_to_function_bodies(native_lib, tmp_path):
     import zoo
 
     fc = pytest.importorskip("fastcar_compile")
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
     from fastcar_compile.runtime import FastCarSession
 
     info = zoo.model_info("llama")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.runtime.sampling import Sampler, guide
 
 LOGITS = np.array([2.0, 1.5, 1.0, 0.2, -1.0, -3.0])

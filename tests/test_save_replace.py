@@ -13,7 +13,7 @@ import pytest
 
 import fastcar_compile as fc
 from fastcar_compile import save
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 L = 4
 
@@ -170,7 +170,7 @@ def test_kill_9_mid_compile_leaves_nothing_after_the_next_run(ext_sources, tmp_p
     import signal
     import time
 
-    from fastcar_compile.locks import Owned
+    from fastcar_compile.core.locks import Owned
 
     (src0, ref0), (src1, ref1) = ext_sources
     out = tmp_path / "out" / "fast.onnx"
@@ -254,8 +254,8 @@ def test_readers_never_see_a_half_replaced_model(ext_sources, tmp_path):
 _KILLED_WRITERS = """
 import os, signal, sys
 from pathlib import Path
-from fastcar_compile.atomic import atomic_path
-from fastcar_compile.fileio import staged_dir
+from fastcar_compile.core.atomic import atomic_path
+from fastcar_compile.core.fileio import staged_dir
 folder, which = Path(sys.argv[1]), sys.argv[2]
 if which == "atomic":
     with atomic_path(folder / "run.json") as tmp:
@@ -272,9 +272,9 @@ def test_killed_writers_temp_entries_are_removed_by_the_next_write(tmp_path):
     write into the same folder removes what they left; an entry whose creator is alive is kept."""
     import signal
 
-    from fastcar_compile.atomic import write_text
-    from fastcar_compile.fileio import staged_dir
-    from fastcar_compile.locks import Owned
+    from fastcar_compile.core.atomic import write_text
+    from fastcar_compile.core.fileio import staged_dir
+    from fastcar_compile.core.locks import Owned
 
     for which in ("atomic", "staged"):
         r = _child(_KILLED_WRITERS, str(tmp_path), which)
@@ -299,7 +299,7 @@ def test_a_file_system_without_flock_still_saves_and_sweeps_nothing(tmp_path, mo
     entry is taken for a dead run's: whose it is cannot be told there."""
     import errno
 
-    from fastcar_compile import locks
+    from fastcar_compile.core import locks
 
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))

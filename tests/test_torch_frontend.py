@@ -18,7 +18,7 @@ from reference import FastCarReference
 from test_pass_reference import TOL, Case
 
 fct = pytest.importorskip("fastcar_compile.torch")
-from fastcar_compile.errors import FastCarError  # noqa: E402
+from fastcar_compile.core.errors import FastCarError  # noqa: E402
 
 L = tpr.L
 CASES = [
@@ -286,7 +286,7 @@ def _mlp_rows_run(path, profile: str) -> dict[int, int]:
 
     import onnx
 
-    from fastcar_compile import contract
+    from fastcar_compile.core import contract
     from fastcar_compile.fpga_backend.modelspec import iter_nodes
 
     model = onnx.load(str(path), load_external_data=False)
@@ -334,7 +334,7 @@ def _lowering_vs_onnx_path(family, zoo_model, fc_compile, tmp_path, fpga=False):
     import onnxruntime as ort
     import ort_driver
 
-    from fastcar_compile import contract
+    from fastcar_compile.core import contract
     from fastcar_compile.fpga_backend.modelspec import iter_nodes
 
     case = Case(family, "dynamo20", "rope", max_replay=2, pad=(0, 2), video_start=3)

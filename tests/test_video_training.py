@@ -112,7 +112,7 @@ def test_resume_matches_an_uninterrupted_run(tok, tmp_path, capsys) -> None:
 
 def test_resume_refuses_other_data_settings(tok, tmp_path) -> None:
     """A checkpoint continued with another batch size or tokenizer would silently see other clips / tokens."""
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
 
     train_video_model(_settings(tokenizer_sha256="aa"), tok, tmp_path, tmp_path / "log.jsonl", until=1)
     with pytest.raises(FastCarError, match="batch=2, not 3"):

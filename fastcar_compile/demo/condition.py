@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo.model import BOS, CODES
 from fastcar_compile.demo.scenes import LABELS
-from fastcar_compile.errors import FastCarError
 
 UNCOND = CODES + 1
 VIDEO_START_TOKEN = CODES + 2

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 FRAME = 32  # frame side in pixels
 MOTIONS: tuple[str, ...] = (

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo import data
 from fastcar_compile.demo.export import ONNX, TOKENIZER
 from fastcar_compile.demo.metrics import psnr, ssim
 from fastcar_compile.demo.model import prompt
 from fastcar_compile.demo.tokenizer import PatchTokenizer
 from fastcar_compile.demo.video import VideoRun, generate_video, open_session, ort_alone_ms
-from fastcar_compile.errors import FastCarError
 
 
 @dataclass

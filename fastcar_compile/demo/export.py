@@ -12,9 +12,9 @@ import json
 import os
 from pathlib import Path
 
-from fastcar_compile.atomic import atomic_path, write_text
+from fastcar_compile.core.atomic import atomic_path, write_text
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo.model import DemoConfig, build_model
-from fastcar_compile.errors import FastCarError
 from fastcar_compile.export import export_decoder
 
 ASSETS = Path(__file__).with_name("assets")

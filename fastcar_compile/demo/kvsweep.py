@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm import tqdm
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.options import ascii_float, ascii_int
 from fastcar_compile.fastar.config import KVCompressConfig
-from fastcar_compile.options import ascii_float, ascii_int
 from fastcar_compile.passes.context import parse_sparse_attention
 
 DEFAULT_MODES = ("dense;window:4+124;budget:4+60+192;tempcache:0.99;tempcache:0.95;tempcache:0.9;"
@@ -176,7 +176,7 @@ def plot(rows: list[dict], path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     dense_gt = next(r["psnr_vs_gt"] for r in rows if r["mode"] == "dense")

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo.evaluate import ClipResult
 from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS, export_onnx, load_model
 from fastcar_compile.demo.metrics import psnr
 from fastcar_compile.demo.tokenizer import PATCH, PatchTokenizer
-from fastcar_compile.errors import FastCarError
 
 LONG_FRAMES = 64
 LONG_CLIPS = 4
@@ -79,7 +79,7 @@ def write_layer_plots(results: list[ClipResult], tok: PatchTokenizer, path: Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     L, g = tok.tokens_per_frame, tok.frame // PATCH
     m = layer_replay(results, L)  # [layers, T, L]
@@ -112,7 +112,7 @@ def write_psnr_plot(curves: dict[str, np.ndarray], path: Path, title: str = "") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcar_compile.atomic import save_figure
+    from fastcar_compile.core.atomic import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for name, y in curves.items():

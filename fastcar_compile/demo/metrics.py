@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.ndimage import uniform_filter
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 
 def _check(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo.data import MOTIONS
-from fastcar_compile.errors import FastCarError
 
 CODES = 512  # tokenizer codebook size: token ids [0, CODES)
 BOS = CODES

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo.data import EVAL_SOURCES, FRAME, TRAIN_SOURCES, _digits, _fit, _tint, source_image
-from fastcar_compile.errors import FastCarError
 
 _PANS = {"pan_left": (-1, 0), "pan_right": (1, 0), "pan_up": (0, -1), "pan_down": (0, 1),
          "pan_up_left": (-1, -1), "pan_up_right": (1, -1), "pan_down_left": (-1, 1), "pan_down_right": (1, 1)}

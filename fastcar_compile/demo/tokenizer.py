@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.atomic import atomic_path
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.atomic import atomic_path
+from fastcar_compile.core.errors import FastCarError
 
 PATCH = 4
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from fastcar_compile.atomic import save_figure, write_text
+from fastcar_compile.core.atomic import save_figure, write_text
 from fastcar_compile.demo import data
 from fastcar_compile.demo.model import VIDEO_START, DemoConfig, build_model, sequence
 from fastcar_compile.demo.tokenizer import PatchTokenizer, train_tokenizer

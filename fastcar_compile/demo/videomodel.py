@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.atomic import atomic_path
+from fastcar_compile.core.atomic import atomic_path
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo import condition, scenes
 from fastcar_compile.demo.model import DemoConfig, build_model
-from fastcar_compile.errors import FastCarError
 
 # 6 layers, hidden 256, MLP 8x wide (FastCar skips MLPs: their share of a decode step bounds its speed-up);
 # copy-head init in layer 0 only (as the long demo model). 11.3 M parameters, 22.7 MB as fp16.

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from fastcar_compile.atomic import save_figure, write_bytes
+from fastcar_compile.core.atomic import save_figure, write_bytes
 from fastcar_compile.demo.evaluate import ClipResult
 from fastcar_compile.demo.tokenizer import PATCH, PatchTokenizer
 

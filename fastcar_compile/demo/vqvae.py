@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.atomic import atomic_path
+from fastcar_compile.core.atomic import atomic_path
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo.tokenizer import PatchTokenizer, check_tokens
-from fastcar_compile.errors import FastCarError
 
 DIM = 32  # code vector size
 WIDTH = 64  # conv channels

@@ -9,9 +9,9 @@ import math
 import time
 from pathlib import Path
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.limits import check_finite, check_int
-from fastcar_compile.options import ascii_float, ascii_int
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.limits import check_finite, check_int
+from fastcar_compile.core.options import ascii_float, ascii_int
 
 CHECK_TOLERANCE = 1e-4
 RANDOM_WEIGHTS_MAX_BYTES = 1 << 30  # larger configs without a checkpoint are exported without weights
@@ -20,9 +20,9 @@ MAX_FRAMES = 100_000
 
 def export_main(a: argparse.Namespace) -> int:
     """The `--dit` branch of `fastcar-compile export` (its parsed arguments)."""
+    from fastcar_compile.core.fileio import check_output_path, check_outputs
     from fastcar_compile.dit.config import load_config
     from fastcar_compile.dit.export import text_graph_path
-    from fastcar_compile.fileio import check_output_path, check_outputs
 
     if a.torchscript or a.opset is not None:
         raise FastCarError("--dit exports with the dynamo exporter at opset 20; drop --torchscript / --opset")
@@ -92,7 +92,7 @@ def build_stream_parser() -> argparse.ArgumentParser:
 def _read_text(path: str, text_dim: int):
     import numpy as np
 
-    from fastcar_compile.fileio import check_input_file
+    from fastcar_compile.core.fileio import check_input_file
 
     p = check_input_file(path, "--text")
     try:
@@ -116,13 +116,13 @@ def stream_main(argv: list[str]) -> int:
     if a.cfg <= 0:
         raise FastCarError(f"--cfg must be > 0 (1 = no guidance), got {a.cfg}")
     check_int("--seed", a.seed, 0, 2**32 - 1)
-    from fastcar_compile.limits import MAX_THREADS
+    from fastcar_compile.core.limits import MAX_THREADS
 
     check_int("--threads", a.threads, 0, MAX_THREADS)
     for flag, v in (("--sink", a.sink), ("--window", a.window)):
         if v is not None:
             check_int(flag, v, 0, MAX_FRAMES)
-    from fastcar_compile.fileio import check_input_file, check_output_dir, check_outputs, staged_dir
+    from fastcar_compile.core.fileio import check_input_file, check_output_dir, check_outputs, staged_dir
 
     model_path = check_input_file(a.model, "the model")
     out = check_output_dir(a.output, "-o")
@@ -189,7 +189,7 @@ def write_outputs(folder: Path, result: dict, model_path: Path) -> None:
     import matplotlib.pyplot as plt
     from PIL import Image
 
-    from fastcar_compile.atomic import save_figure, write_text
+    from fastcar_compile.core.atomic import save_figure, write_text
     from fastcar_compile.dit.stream import preview
 
     pics = [Image.fromarray(p) for p in preview(result["latent"])]

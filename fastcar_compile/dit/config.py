@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def load_config(source: str) -> tuple[DiTConfig, Path | None]:
     """A preset name, a DiT config .json, or a folder with config.json (+ model.safetensors).
 
     Returns (config, weights file or None: random weights)."""
-    from fastcar_compile.fileio import read_json
+    from fastcar_compile.core.fileio import read_json
 
     if source in PRESETS:
         return PRESETS[source], None

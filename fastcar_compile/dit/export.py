@@ -19,9 +19,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.fileio import refuse_special, with_path
 from fastcar_compile.dit.config import METADATA_KEY, TEXT_GRAPH_KEY, DiTConfig, step_io, text_io
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.fileio import refuse_special, with_path
 
 OPSET = 20
 ALIGN = 4096  # external-data offsets page-aligned, so that ONNX Runtime can map them

@@ -193,7 +193,7 @@ class TextGraph(nn.Module):
 def build(cfg: DiTConfig, weights=None, seed: int = 0, device: str | None = None) -> ChunkDiT:
     """The model in eval mode: weights from a safetensors file, random (seeded) ones, or on the meta device
     (device="meta": shapes only, nothing allocated, for exporting the graph of a large config)."""
-    from fastcar_compile.errors import FastCarError
+    from fastcar_compile.core.errors import FastCarError
 
     if device == "meta":
         with torch.device("meta"):

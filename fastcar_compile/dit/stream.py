@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.dit.config import (
     METADATA_KEY,
     TEXT_GRAPH_KEY,
@@ -28,7 +29,6 @@ from fastcar_compile.dit.config import (
     past_names,
     step_io,
 )
-from fastcar_compile.errors import FastCarError
 
 STEPS = (1000.0, 750.0, 500.0, 250.0)  # flow-matching timesteps of a 4-step distilled sampler
 

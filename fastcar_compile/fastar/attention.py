@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.fastar.cache import HeadCache, hasher
 from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.fastar.rope import apply_rope

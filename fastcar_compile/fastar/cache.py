@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastcar_compile.contract import aligned_is_video
+from fastcar_compile.core.contract import aligned_is_video
 from fastcar_compile.fastar.buckets import Buckets
 from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.fastar.int8 import Int8Buckets

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.options import EVICTION_POLICIES
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.options import EVICTION_POLICIES
 
 CORRESPONDENCE = ("aligned", "aligned+top1")
 INT8_DIRS = (1, 2, 4, 8)  # directions per int8 bucket table: 8 / dirs bits of each one's int8 code (fastar/int8.py)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.fastar.attention import dense_step, recall_and_kept, slot_bytes
 from fastcar_compile.fastar.cache import HeadCache, hasher
 from fastcar_compile.fastar.config import KVCompressConfig

@@ -68,12 +68,12 @@ def demo_trace(frames: int = 8, clip: int = 0, source: str = "generated", long: 
     model's greedy videos are nearly static, so keys recur a lot). 'clip': teacher-forced on the clip's own
     tokens (real camera motion: fewer recurring keys).
     """
+    from fastcar_compile.core.errors import FastCarError
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.export import load_model
     from fastcar_compile.demo.generate import torch_generate
     from fastcar_compile.demo.model import VIDEO_START, sequence
-    from fastcar_compile.errors import FastCarError
 
     if source not in TRACE_SOURCES:
         raise FastCarError(f"trace source must be one of {TRACE_SOURCES}, got {source!r}")

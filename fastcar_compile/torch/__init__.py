@@ -15,10 +15,10 @@ import types
 import torch
 from torch import nn
 
-from fastcar_compile import limits
-from fastcar_compile import options as declared
 from fastcar_compile.compile_report import CompileReport, LayerReport
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import limits
+from fastcar_compile.core import options as declared
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes.analysis import parse_layers
 from fastcar_compile.torch import capture, discover, native, optimize
 from fastcar_compile.torch.module import (
@@ -32,7 +32,7 @@ from fastcar_compile.torch.rewrite import rewrite
 
 
 def _check_options(opts: dict) -> dict:
-    """The options `apply` takes (declared in fastcar_compile/options.py with torch=True): every one set, checked
+    """The options `apply` takes (declared in fastcar_compile/core/options.py with torch=True): every one set, checked
     as the compiler checks it, named as the keyword."""
     declared.unknown(opts, "apply", declared.TORCH_OPTIONS)
     if "frame_tokens" not in opts:
@@ -118,7 +118,7 @@ def apply(model: nn.Module, *, video_start: int = 0, example_inputs: tuple[torch
     length (that leaves frame 0 out of the replay cache: the first generated frame cannot replay). Per call,
     `prompt_frames=k` (the prompt ends with k whole frames) computes it, and refuses a `video_start` that
     disagrees. The options (frame_tokens required, threshold, tas_query, max_replay, layers, per_layer_threshold)
-    are fastcar-compile's, declared in fastcar_compile/options.py."""
+    are fastcar-compile's, declared in fastcar_compile/core/options.py."""
     opts = _check_options(options)
     decoder = build(model, **opts, example_inputs=example_inputs)
     decoder.video_start = check_video_start(video_start)

@@ -1,6 +1,6 @@
 """Capture a decoder as one ATen graph with torch.export (strict=False).
 
-The captured program has the exported-decoder I/O contract (docs/semantics.md section 4, fastcar_compile.contract):
+The captured program has the exported-decoder I/O contract (docs/semantics.md section 4, fastcar_compile.core.contract):
 `(input_ids, attention_mask, position_ids, *past_kv) -> (logits, *present_kv)`, KV tensors flat and
 [batch, kv_heads, past, head_dim]. A transformers causal LM is put behind `fastcar_compile.export.flat_kv_wrapper` to get it; any other
 module with that forward is captured as it is (pass `example_inputs`).
@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.export import flat_kv_wrapper, kv_shape
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 
 @dataclass

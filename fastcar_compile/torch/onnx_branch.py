@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes import build
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.branch import BranchPass

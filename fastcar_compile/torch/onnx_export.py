@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastcar_compile import contract
-from fastcar_compile._version import __version__
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import contract
+from fastcar_compile.core._version import __version__
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.torch.module import FastCarDecoder
 
 _FASTCAR = None

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 # --- exporter I/O (docs/semantics.md section 4) ---------------------------------------------------------
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"

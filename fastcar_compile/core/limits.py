@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 
 INT64_MAX = 2**63 - 1
 UINT32_MAX = 2**32 - 1

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.limits import (
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.limits import (
     DEFAULT_ROTARY_POSITIONS,
     MAX_FRAME_TOKENS,
     MAX_KV_BUDGET,

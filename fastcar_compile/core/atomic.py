@@ -2,7 +2,7 @@
 
 A temp file in the destination folder is written, given the usual permissions (mkstemp creates 0600), and
 renamed onto the target; on any failure it is removed, so a crash never leaves a half-written output. Its
-creator holds its lock (fastcar_compile/locks.py): a temp file a killed run left is removed by the next write
+creator holds its lock (fastcar_compile/core/locks.py): a temp file a killed run left is removed by the next write
 into that folder. A write
 error that names no file (a full disk fails `write`, not `open`) is re-raised naming the target.
 """
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fastcar_compile.fileio import refuse_special, with_path
-from fastcar_compile.locks import TEMP_PREFIX, owned_temp
+from fastcar_compile.core.fileio import refuse_special, with_path
+from fastcar_compile.core.locks import TEMP_PREFIX, owned_temp
 
 
 @contextmanager

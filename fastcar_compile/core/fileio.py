@@ -26,8 +26,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from fastcar_compile.errors import FastCarError
-from fastcar_compile.locks import TEMP_PREFIX, owned_temp
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.locks import TEMP_PREFIX, owned_temp
 
 FICLONE = 0x40049409  # linux/fs.h _IOW(0x94, 9, int)
 PROGRESS_BYTES = 256 << 20  # copies larger than this show a progress bar
