@@ -290,10 +290,11 @@ def read_thresholds(text: str) -> list[float] | None:
         return None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every option with a flag, in declaration order, in its help group (what `fastcar-compile` accepts)."""
+def add_arguments(parser: argparse.ArgumentParser, declared: Sequence[Option] | None = None) -> None:
+    """Every option with a flag, in declaration order, in its help group (what `fastcar-compile` accepts;
+    `declared`: another command's options, e.g. the DiT stream's)."""
     groups: dict[str | None, Any] = {None: parser}
-    for o in CLI_OPTIONS:
+    for o in (CLI_OPTIONS if declared is None else [o for o in declared if o.flag is not None]):
         if o.group not in groups:
             groups[o.group] = parser.add_argument_group(o.group)
         add = groups[o.group].add_argument

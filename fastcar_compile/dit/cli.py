@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import check_finite, check_int
-from fastcar_compile.core.options import ascii_float, ascii_int
+from fastcar_compile.core.options import add_arguments, ascii_float, ascii_int
 
 CHECK_TOLERANCE = 1e-4
 RANDOM_WEIGHTS_MAX_BYTES = 1 << 30  # larger configs without a checkpoint are exported without weights
@@ -77,7 +77,10 @@ def build_stream_parser() -> argparse.ArgumentParser:
         prog="fastcar-compile stream", description="Generate a video chunk by chunk with an exported DiT step "
         "graph (few-step flow matching, KV cache with sink frames and a rolling window, CFG); writes "
         "OUT/video.gif (latent preview), OUT/stream.json and OUT/stream.png.")
-    ap.add_argument("model", help="the step graph written by `fastcar-compile export --dit` (its .text.onnx beside)")
+    ap.add_argument("model", help="the step graph written by `fastcar-compile export --dit` (its .text.onnx beside), "
+                    "or the DiT itself (a preset such as tiny, a config .json or a folder with config.json + "
+                    "model.safetensors; random weights of seed 0 without one) run in eager PyTorch: the FAST-AR "
+                    "and FastCar modes need it")
     ap.add_argument("--frames", type=ascii_int, required=True, help="latent frames to generate")
     ap.add_argument("-o", "--output", required=True, help="output folder")
     ap.add_argument("--text", help="prompt embeddings .npy [tokens, text_dim] (default: seeded random)")
@@ -85,7 +88,10 @@ def build_stream_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=ascii_int, default=0, help="seed of the noise (and of the default prompt)")
     ap.add_argument("--sink", type=ascii_int, help="sink frames kept for ever (default: the model's)")
     ap.add_argument("--window", type=ascii_int, help="recent frames kept in the cache, 0 = all (default: the model's)")
-    ap.add_argument("--threads", type=ascii_int, default=0, help="ONNX Runtime threads (0: one per core)")
+    ap.add_argument("--threads", type=ascii_int, default=0, help="ONNX Runtime / PyTorch threads (0: one per core)")
+    from fastcar_compile.dit.modes import DIT_OPTIONS
+
+    add_arguments(ap, DIT_OPTIONS)
     return ap
 
 
@@ -123,32 +129,87 @@ def stream_main(argv: list[str]) -> int:
         if v is not None:
             check_int(flag, v, 0, MAX_FRAMES)
     from fastcar_compile.core.fileio import check_input_file, check_output_dir, check_outputs, staged_dir
+    from fastcar_compile.dit import modes
 
-    model_path = check_input_file(a.model, "the model")
+    fa = modes.settings(**{o.name: getattr(a, o.name) for o in modes.DIT_OPTIONS})
+    eager = not a.model.endswith(".onnx")
+    if not eager and (not modes.is_dense(fa) or fa.diagnostics):
+        raise FastCarError(f"the FAST-AR / FastCar modes and --diagnostics run in the eager runtime: give the DiT "
+                           f"itself (a preset such as tiny, a config .json or a folder), not {a.model}")
+    model_path = Path(a.model) if eager else check_input_file(a.model, "the model")
     out = check_output_dir(a.output, "-o")
-    files = {out / n: f"-o's {n}" for n in ("video.gif", "stream.json", "stream.png")}
-    reads = {model_path: "the model"} | ({Path(a.text): "--text"} if a.text else {})
+    names = ("video.gif", "stream.json", "stream.png") + (("fastar.png",) if eager else ())
+    files = {out / n: f"-o's {n}" for n in names}
+    reads = ({model_path: "the model"} if model_path.exists() else {}) | ({Path(a.text): "--text"} if a.text else {})
     check_outputs(files, reads)
-    from fastcar_compile.dit.stream import OrtDiT, StreamSettings
+    from fastcar_compile.dit.stream import StreamSettings
+
+    model = _eager_model(a.model, fa, a.threads) if eager else _ort_model(model_path, a.threads)
+    if not eager:
+        check_outputs(files, {model.text_path: "the prompt graph"})
+    text = _read_text(a.text, model.cfg.text_dim) if a.text else None
+    settings = StreamSettings(frames=a.frames, seed=a.seed, cfg_scale=a.cfg, sink_frames=a.sink,
+                              window_frames=a.window)
+    if fa.fastcar_ratio is not None:
+        import dataclasses
+
+        from fastcar_compile.dit.fastar import calibrate_tau
+
+        tau = calibrate_tau(model.model, fa, settings, text)
+        print(f"calibrated --fastcar-tau {tau:.4g} for replay ratio {fa.fastcar_ratio:g} (TAS quantile over the "
+              "first two chunks)")
+        model.tau = tau
+        model.fa = dataclasses.replace(fa, fastcar_tau=tau)
+    result = run_stream(model, settings, text)
+    if eager:
+        from fastcar_compile.dit.fastar import totals
+
+        result["fastar"] = {"mode": modes.label(model.fa), "settings": modes.record(model.fa),
+                            "totals": totals(model.stats), "layers": model.layer_summary()}
+    with staged_dir(out) as tmp:
+        write_outputs(tmp, result, model_path)
+    fps = 1000 / (sum(result["frame_ms"]) / len(result["frame_ms"]))
+    print(f"wrote {out}/video.gif, stream.json, stream.png{', fastar.png' * eager}: {a.frames} frames, "
+          f"{fps:.1f} frames/s, last RSS {result['rss_mib'][-1]:.0f} MiB")
+    if eager:
+        print(_describe(result["fastar"]))
+    return 0
+
+
+def _ort_model(model_path: Path, threads: int):
+    from fastcar_compile.dit.stream import OrtDiT
 
     try:
-        model = OrtDiT(model_path, threads=a.threads)
+        return OrtDiT(model_path, threads=threads)
     except FastCarError:
         raise
     except Exception as exc:  # noqa: BLE001 - onnx / onnxruntime raise many types for a bad file
         raise FastCarError(f"{model_path}: cannot load it as a DiT step graph ({type(exc).__name__}: "
                            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})") from None
-    check_outputs(files, {model.text_path: "the prompt graph"})
-    text = _read_text(a.text, model.cfg.text_dim) if a.text else None
-    settings = StreamSettings(frames=a.frames, seed=a.seed, cfg_scale=a.cfg, sink_frames=a.sink,
-                              window_frames=a.window)
-    result = run_stream(model, settings, text)
-    with staged_dir(out) as tmp:
-        write_outputs(tmp, result, model_path)
-    fps = 1000 / (sum(result["frame_ms"]) / len(result["frame_ms"]))
-    print(f"wrote {out}/video.gif, stream.json, stream.png: {a.frames} frames, {fps:.1f} frames/s, "
-          f"last RSS {result['rss_mib'][-1]:.0f} MiB")
-    return 0
+
+
+def _eager_model(source: str, fa, threads: int):
+    """The DiT (preset, config or folder) in eager PyTorch behind the FAST-AR runtime."""
+    from fastcar_compile.dit.config import load_config
+    from fastcar_compile.dit.fastar import FastARDiT
+    from fastcar_compile.dit.model import build
+
+    cfg, weights = load_config(source)
+    if 4 * cfg.params > RANDOM_WEIGHTS_MAX_BYTES and weights is None:
+        raise FastCarError(f"{source}: {cfg.params / 1e9:.2f} B parameters and no weights; the eager stream needs "
+                           "a folder with model.safetensors (or a small config)")
+    return FastARDiT(build(cfg, weights), fa, threads)
+
+
+def _describe(fa: dict) -> str:
+    t = fa["totals"]
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    return (f"{fa['mode']}: self density {pct(t['self_density'])} (recall {pct(t['self_recall'])}), cross density "
+            f"{pct(t['cross_density'])} (recall {pct(t['cross_recall'])}), FFN replayed {pct(t['replay_ratio'])}, "
+            f"resident KV {pct(t['kv_density'])} of dense")
 
 
 def run_stream(model, settings, text=None, progress: bool = True) -> dict:
@@ -213,3 +274,38 @@ def write_outputs(folder: Path, result: dict, model_path: Path) -> None:
                     f"window {s['window_frames'] or 'all'}, CFG {s['cfg_scale']}")
     fig.tight_layout()
     save_figure(fig, folder / "stream.png")
+    if "fastar" in result:
+        _plot_fastar(result["fastar"], folder / "fastar.png", f"{model_path.name}: {len(ms)} frames")
+
+
+def _plot_fastar(fa: dict, path: Path, title: str) -> None:
+    """Per layer: self- and cross-attention density and recall, FFN replay and merge ratios, resident KV."""
+    import matplotlib.pyplot as plt
+
+    from fastcar_compile.core.atomic import save_figure
+
+    layers = fa["layers"]
+    x = list(range(len(layers)))
+
+    def col(key):
+        return [math.nan if r[key] is None else r[key] for r in layers]
+
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
+    for key, lab in (("self_density", "self density"), ("self_recall", "self recall"),
+                     ("cross_density", "cross density"), ("cross_recall", "cross recall")):
+        ax[0].plot(x, col(key), marker="o", label=lab)
+    ax[0].set_ylim(0, 1.05)
+    ax[0].set_title("attention (recall needs --diagnostics)")
+    for key, lab in (("replay_ratio", "FFN replay ratio"), ("merge_ratio", "TempCache merges / written")):
+        ax[1].plot(x, col(key), marker="o", label=lab)
+    ax[1].set_ylim(0, 1.05)
+    ax[1].set_title("FastCar and TempCache")
+    ax[2].bar([i - 0.2 for i in x], [r["dense_kv_bytes"] / 2**20 for r in layers], 0.4, label="dense")
+    ax[2].bar([i + 0.2 for i in x], [r["resident_kv_bytes"] / 2**20 for r in layers], 0.4, label="resident")
+    ax[2].set_ylabel("KV after the last chunk (MiB)")
+    for a in ax:
+        a.set_xlabel("layer")
+        a.legend(fontsize=8)
+    fig.suptitle(f"{title}, {fa['mode']}")
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -33,6 +33,14 @@ from fastcar_compile.dit.config import (
 STEPS = (1000.0, 750.0, 500.0, 250.0)  # flow-matching timesteps of a 4-step distilled sampler
 
 
+def kept_frames(written: int, sinks: int, window: int) -> set[int] | None:
+    """Frames a cache keeps once `written` frames were written: the first `sinks`, then the `window` most
+    recent others (None: window 0, every frame)."""
+    if not window:
+        return None
+    return set(range(min(sinks, written))) | set(range(max(sinks, written - window), written))
+
+
 class FrameCache:
     """The K/V of resident frames, per layer: the first `sinks` frames ever written, then at most `window`
     of the most recent others (window 0: no eviction). Frames are kept one array per (frame, layer, K|V) so
@@ -54,9 +62,8 @@ class FrameCache:
             sl = slice(j * self.tokens, (j + 1) * self.tokens)
             self.frames[first_frame + j] = [np.ascontiguousarray(a[:, :, sl]) for a in kv]
         self.written = max(self.written, first_frame + frames)
-        if self.window:
-            keep = set(range(min(self.sinks, self.written))) | set(range(max(self.sinks, self.written - self.window),
-                                                                         self.written))
+        keep = kept_frames(self.written, self.sinks, self.window)
+        if keep is not None:
             for f in [f for f in self.frames if f not in keep]:
                 del self.frames[f]
 
@@ -174,9 +181,11 @@ def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
     guided = settings.cfg_scale != 1.0
     cross = model.text_kv(prompt_rows(cfg, text, guided, settings.seed))
     rows = cross[0].shape[0]
-    cache = FrameCache(cfg.layers, cfg.tokens_per_frame,
-                       cfg.sink_frames if settings.sink_frames is None else settings.sink_frames,
-                       cfg.window_frames if settings.window_frames is None else settings.window_frames)
+    # a backend with its own cache (the FAST-AR runtime: dit/fastar.py) makes it; `past()` then hands it over
+    new_cache = getattr(model, "new_cache", FrameCache)
+    cache = new_cache(cfg.layers, cfg.tokens_per_frame,
+                      cfg.sink_frames if settings.sink_frames is None else settings.sink_frames,
+                      cfg.window_frames if settings.window_frames is None else settings.window_frames)
     rng = np.random.default_rng(settings.seed)
     f = cfg.chunk_frames
     shape = (1, cfg.in_channels, f, cfg.latent_h, cfg.latent_w)

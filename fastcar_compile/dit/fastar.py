@@ -1,0 +1,564 @@
+"""FAST-AR and FastCar in the DiT stream (eager PyTorch): TempCache at cache-write time, AnnSA over the cache,
+AnnCA on the cross-attention, FFN replay by TAS, with density / recall / resident KV per layer.
+
+`FastARDiT` is a stream backend (dit/stream.rollout runs it like TorchDiT); it keeps its own cache
+(`FastARState`, made by `new_cache`): per layer a `SlotCache` whose slots may hold several merged tokens.
+Semantics (docs/dit.md, "FAST-AR on the DiT"):
+- TempCache: when a frame is written, each token's pre-RoPE key is compared with its correspondent among the
+  previous frame's slots ('aligned': the slot of the same (h, w); 'lsh'/'quant': the best cosine among those
+  sharing a bucket); above SIM it merges: the slot keeps the newest key (post-RoPE at its own position),
+  the running mean of the values, count + 1, and attention adds log(count) to its logit. Sink frames never
+  merge. Tokens of one frame are matched against the cache as it was before that frame (several may join one
+  slot: the last in raster order gives the key), so a frame is one vectorised step; the NumPy reference
+  (fastar/cache.py) appends token by token, which is the same wherever no two tokens pick one slot.
+- AnnSA: the chunk's queries attend densely to the chunk, the sink frames and the `annsa_local` most recent
+  cached frames; the other slots only where query and (post-RoPE) key share a bucket in a table, and only those
+  pairs are computed (dit/sparse.py).
+- AnnCA: per frame of the chunk, a prompt token is attended only if a query of that frame shares a bucket.
+- FastCar: TAS = mean over heads of q . k(one frame back, same (h, w)) / sqrt(d) (post-RoPE, as attention uses
+  them; the previous chunk's last frame at the same timestep for a chunk's first frame); TAS > tau replays
+  that frame's FFN output; only the other rows go through the FFN. Frame 0 never replays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fastcar_compile.dit import sparse
+from fastcar_compile.dit.model import apply_rope
+from fastcar_compile.dit.stream import FrameCache, TorchDiT, kept_frames
+
+DEAD = torch.iinfo(torch.int64).max  # slot id of an empty padding slot (sorts last)
+
+
+@dataclass
+class LayerStats:
+    """Counts summed over a stream (pairs are per (row, head, query)); recall sums need --diagnostics."""
+
+    sa_executed: int = 0
+    sa_dense: int = 0
+    sa_recall_sum: float = 0.0
+    sa_queries: int = 0
+    ca_executed: int = 0
+    ca_dense: int = 0
+    ca_kept_sum: float = 0.0
+    ca_queries: int = 0
+    ffn_rows: int = 0
+    ffn_replayed: int = 0
+    written: int = 0
+    merges: int = 0
+    merges_aligned: int = 0  # ANN-matched merges whose slot is the aligned one
+    resident_slots: int = 0  # after the last write, all rows and heads
+    dense_slots: int = 0  # what the uncompressed cache holds then
+    resident_bytes: int = 0
+    dense_bytes: int = 0
+
+    def summary(self) -> dict:
+        def ratio(a, b):
+            return a / b if b else None
+
+        return {"self_density": ratio(self.sa_executed, self.sa_dense),
+                "self_recall": ratio(self.sa_recall_sum, self.sa_queries),
+                "cross_density": ratio(self.ca_executed, self.ca_dense),
+                "cross_recall": ratio(self.ca_kept_sum, self.ca_queries),
+                "replay_ratio": ratio(self.ffn_replayed, self.ffn_rows),
+                "merge_ratio": ratio(self.merges, self.written),
+                "merges_aligned_share": ratio(self.merges_aligned, self.merges),
+                "kv_density": ratio(self.resident_slots, self.dense_slots),
+                "resident_kv_bytes": self.resident_bytes, "dense_kv_bytes": self.dense_bytes}
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise cosine of a and b [..., d] (0 for a zero vector)."""
+    den = a.norm(dim=-1) * b.norm(dim=-1)
+    return torch.where(den > 0, (a * b).sum(-1) / torch.where(den > 0, den, torch.ones_like(den)),
+                       torch.zeros_like(den))
+
+
+class SlotCache:
+    """One layer's self-attention cache for G = rows x heads groups: live slots first in each group, in
+    creation order, padded to a common capacity with dead slots (id DEAD, count 0). A slot's id is the index
+    frame * T + s of the token that created it; `token_sid[f]` [G, T] maps each token of frame f to the id of
+    the slot holding it."""
+
+    def __init__(self, groups: int, tokens: int, head_dim: int, tables: int, tables_pre: int):
+        self.G, self.T = groups, tokens
+        z = torch.zeros(groups, 0, head_dim)
+        self.k_post, self.k_pre, self.v = z, z.clone(), z.clone()
+        self.count = torch.zeros(groups, 0, dtype=torch.int64)
+        self.frame = torch.zeros(groups, 0, dtype=torch.int64)
+        self.sid = torch.zeros(groups, 0, dtype=torch.int64)
+        self.codes = torch.zeros(groups, 0, tables, dtype=torch.int64)  # post-RoPE keys: AnnSA
+        self.codes_pre = torch.zeros(groups, 0, tables_pre, dtype=torch.int64)  # pre-RoPE keys: TempCache's match
+        self.token_sid: dict[int, torch.Tensor] = {}
+        self.merged = False  # TempCache on: slots carry a count
+
+    @property
+    def live(self) -> torch.Tensor:
+        return self.count > 0
+
+    def positions(self, sids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position, found) of slot ids [G, n] in this layout (ids are sorted in each group)."""
+        if self.sid.shape[1] == 0:
+            z = torch.zeros_like(sids)
+            return z, z.bool()
+        pos = torch.searchsorted(self.sid, sids).clamp(max=self.sid.shape[1] - 1)
+        return pos, self.sid.gather(1, pos) == sids
+
+    # --- writing ----------------------------------------------------------------------------------------------
+    def aligned_targets(self, f: int, k_pre: torch.Tensor, sim: float, sinks: int) -> torch.Tensor:
+        """[G, T] position of the slot holding token (f-1, s) where the cosine > sim, else -1."""
+        prev = self.token_sid.get(f - 1)
+        if prev is None or f - 1 < sinks:
+            return torch.full((self.G, self.T), -1, dtype=torch.int64)
+        pos, found = self.positions(prev)
+        ok = found & (self.count.gather(1, pos) > 0)
+        cand = self.k_pre.gather(1, pos[..., None].expand(-1, -1, k_pre.shape[-1]))
+        return torch.where(ok & (_cos(k_pre, cand) > sim), pos, torch.full_like(pos, -1))
+
+    def ann_targets(self, f: int, k_pre: torch.Tensor, codes_pre: torch.Tensor, sim: float, sinks: int
+                    ) -> torch.Tensor:
+        """[G, T] position of the best-cosine slot of frame f-1 sharing a bucket with each key (> sim), else -1."""
+        out = torch.full((self.G, self.T), -1, dtype=torch.int64)
+        if f - 1 < sinks:
+            return out
+        cg, cp = torch.nonzero(self.live & (self.frame == f - 1), as_tuple=True)
+        if cg.numel() == 0:
+            return out
+        qg = torch.arange(self.G).repeat_interleave(self.T)
+        qi, ci = sparse.bucket_join(qg, codes_pre.flatten(0, 1), cg, self.codes_pre[cg, cp])
+        if qi.numel() == 0:
+            return out
+        cos = _cos(k_pre.flatten(0, 1)[qi], self.k_pre[cg[ci], cp[ci]])
+        best = torch.full((self.G * self.T,), -torch.inf, dtype=cos.dtype).scatter_reduce(0, qi, cos, "amax")
+        at_best = cos == best[qi]
+        pick = torch.full((self.G * self.T,), -1, dtype=torch.int64).scatter_reduce(
+            0, qi[at_best], cp[ci[at_best]], "amax")  # ties: the later slot
+        return torch.where(best > sim, pick, torch.full_like(pick, -1)).view(self.G, self.T)
+
+    def write_frame(self, f: int, k_post, k_pre, v, codes, codes_pre, target: torch.Tensor) -> int:
+        """Write frame f's tokens [G, T, ...]: those with target >= 0 merge into that slot, the rest get new
+        slots. Returns the number merged."""
+        G, T = self.G, self.T
+        sid_new = f * T + torch.arange(T).expand(G, T)
+        merge = target >= 0
+        n_merge = int(merge.sum())
+        token_sid = sid_new.clone()
+        if n_merge:
+            g, s = torch.nonzero(merge, as_tuple=True)
+            slot = target[g, s]
+            cap = self.count.shape[1]
+            flat = g * cap + slot
+            add = torch.zeros(G * cap, dtype=torch.int64).index_add_(0, flat, torch.ones_like(flat))
+            vsum = torch.zeros(G * cap, v.shape[-1]).index_add_(0, flat, v[g, s])
+            last = torch.full((G * cap,), -1, dtype=torch.int64).scatter_reduce(0, flat, s, "amax")
+            hit = torch.nonzero(add > 0).flatten()
+            hg, hp, hs = hit // cap, hit % cap, last[hit]
+            c = self.count[hg, hp]
+            self.v[hg, hp] = (self.v[hg, hp] * c[:, None] + vsum[hit]) / (c + add[hit])[:, None]
+            self.count[hg, hp] = c + add[hit]
+            self.k_post[hg, hp], self.k_pre[hg, hp] = k_post[hg, hs], k_pre[hg, hs]
+            self.codes[hg, hp], self.codes_pre[hg, hp] = codes[hg, hs], codes_pre[hg, hs]
+            self.frame[hg, hp] = f
+            token_sid[g, s] = self.sid[g, slot]
+        new = ~merge
+        dead = torch.full((G, T), DEAD, dtype=torch.int64)
+        self.k_post = torch.cat([self.k_post, k_post * new[..., None]], 1)
+        self.k_pre = torch.cat([self.k_pre, k_pre * new[..., None]], 1)
+        self.v = torch.cat([self.v, v * new[..., None]], 1)
+        self.count = torch.cat([self.count, new.long()], 1)
+        self.frame = torch.cat([self.frame, torch.where(new, f, -1)], 1)
+        self.sid = torch.cat([self.sid, torch.where(new, sid_new, dead)], 1)
+        self.codes = torch.cat([self.codes, codes * new[..., None]], 1)
+        self.codes_pre = torch.cat([self.codes_pre, codes_pre * new[..., None]], 1)
+        self.token_sid[f] = token_sid
+        self.compact()
+        return n_merge
+
+    def evict(self, keep: set[int] | None, hold_tokens_of: set[int]) -> None:
+        """Drop slots whose newest member's frame is not kept; forget token maps outside `hold_tokens_of`."""
+        if keep is not None:
+            gone = self.live & ~torch.isin(self.frame, torch.tensor(sorted(keep), dtype=torch.int64))
+            if gone.any():
+                self.count = torch.where(gone, 0, self.count)
+                self.sid = torch.where(gone, DEAD, self.sid)
+                self.frame = torch.where(gone, -1, self.frame)
+                self.compact()
+        for f in [f for f in self.token_sid if f not in hold_tokens_of]:
+            del self.token_sid[f]
+
+    def compact(self) -> None:
+        """Live slots to the front, in id order; trim the padding to the fullest group."""
+        order = torch.argsort(self.sid, dim=1, stable=True)
+        n = int(self.live.sum(1).max()) if self.count.numel() else 0
+        order = order[:, :n]
+
+        def take(a):
+            idx = order if a.dim() == 2 else order[..., None].expand(-1, -1, a.shape[-1])
+            return a.gather(1, idx)
+
+        self.k_post, self.k_pre, self.v = take(self.k_post), take(self.k_pre), take(self.v)
+        self.count, self.frame, self.sid = take(self.count), take(self.frame), take(self.sid)
+        self.codes, self.codes_pre = take(self.codes), take(self.codes_pre)
+
+    def bias(self) -> torch.Tensor:
+        """log(count) per slot, -inf for padding (the TempCache lemma's logit term)."""
+        c = self.count.to(torch.float32)
+        return torch.where(c > 0, torch.log(torch.where(c > 0, c, torch.ones_like(c))), torch.full_like(c, -torch.inf))
+
+    def slot_bytes(self) -> int:
+        """Bytes of one resident slot: key + value (float32), an int32 count with TempCache, one int64 bucket id
+        per AnnSA table and, for TempCache's ANN match, per table of the pre-RoPE key."""
+        counted = self.codes_pre.shape[-1] > 0 or self.merged
+        return 2 * 4 * self.k_post.shape[-1] + 4 * counted + 8 * (self.codes.shape[-1] + self.codes_pre.shape[-1])
+
+
+def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotCache, keep: torch.Tensor | None,
+                 hasher, diag: bool) -> tuple[torch.Tensor, dict]:
+    """The chunk's queries q [G, Q, d] over the chunk's own k, v [G, Q, d] and the cache. keep [G, cap]: slots
+    attended densely (AnnSA's sinks and local frames; None: every slot, no AnnSA). Returns (output [G, Q, d],
+    info: executed pairs, and with diag the per-slot probabilities and the own part's)."""
+    G, Q, d = q.shape
+    bias = cache.bias()
+    parts = [sparse.dense_part(q, k, v)]
+    executed = G * Q * Q
+    qi = ki = None
+    if cache.count.shape[1] == 0:
+        pass
+    elif keep is None:
+        parts.append(sparse.dense_part(q, cache.k_post, cache.v, bias))
+        executed += Q * int(cache.live.sum())
+    else:
+        kept = keep & cache.live
+        n = int(kept.sum(1).max())
+        idx = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)[:, :n]
+        ok = kept.gather(1, idx)
+        e = idx[..., None].expand(-1, -1, d)
+        kb = torch.where(ok, bias.gather(1, idx), torch.full_like(ok, -torch.inf, dtype=bias.dtype))
+        parts.append(sparse.dense_part(q, cache.k_post.gather(1, e), cache.v.gather(1, e), kb))
+        executed += Q * int(kept.sum())
+        cg, cp = torch.nonzero(cache.live & ~kept, as_tuple=True)
+        cap = cache.count.shape[1]
+        if cg.numel():
+            qcodes = sparse.codes(hasher, q).flatten(0, 1)
+            qi, ci = sparse.bucket_join(torch.arange(G).repeat_interleave(Q), qcodes, cg, cache.codes[cg, cp])
+            ki = cg[ci] * cap + cp[ci]
+            logits = sparse.pair_logits(q.flatten(0, 1), cache.k_post.flatten(0, 1), qi, ki, bias.flatten())
+            parts.append(sparse.pair_part(logits, cache.v.flatten(0, 1), qi, ki, G * Q))
+            executed += int(qi.numel())
+    out, lse, _ = sparse.combine(parts)
+    info = {"executed": executed}
+    if diag:  # the compressed softmax per slot and per own key, for recall (diagnostics only: dense products)
+        lse = lse.view(G, Q)
+        full = (q @ cache.k_post.transpose(1, 2) / d ** 0.5 + bias[:, None]) - lse[..., None]
+        sel = cache.live[:, None, :].expand(G, Q, -1).clone()
+        if keep is not None:
+            sel = (keep & cache.live)[:, None, :].expand(G, Q, -1).clone()
+            if qi is not None:
+                sel.view(G * Q, -1)[qi, ki % cache.count.shape[1]] = True
+        info["p_slot"] = torch.where(sel, torch.exp(full), torch.zeros_like(full))
+        info["p_own"] = torch.exp(q @ k.transpose(1, 2) / d ** 0.5 - lse[..., None])
+    return out.view(G, Q, d), info
+
+
+def cross_attend(cq: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, q_codes: torch.Tensor,
+                 k_codes: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """AnnCA: queries cq [G, Q, d] in `frames` equal frames over the prompt ck, cv [G, L, d]; a prompt token is
+    kept for a frame when a query of that frame shares a bucket (q_codes [G, Q, T], k_codes [G, L, T]).
+    Returns (output [G, Q, d] (0 for a frame that keeps nothing), kept [G, frames, L] bool, executed pairs)."""
+    G, Q, d = cq.shape
+    L = ck.shape[1]
+    per = Q // frames
+    gf = (torch.arange(G)[:, None] * frames + torch.arange(Q)[None, :] // per).flatten()  # [G*Q] (row-head, frame)
+    kg = torch.arange(G).repeat_interleave(L)
+    kept = torch.zeros(G * frames * L, dtype=torch.bool)
+    for t in range(q_codes.shape[-1]):  # one lookup per distinct (group, frame, code), not per query
+        u = torch.unique(gf * sparse.CODE_SPAN + q_codes[..., t].flatten())
+        ugf, ucode = u // sparse.CODE_SPAN, u % sparse.CODE_SPAN
+        ui, ki = sparse.bucket_join(ugf // frames, ucode[:, None], kg, k_codes[..., t].flatten()[:, None])
+        kept[ugf[ui] * L + ki % L] = True
+    kept = kept.view(G * frames, L)
+    n = kept.sum(1)  # per (group, frame)
+    key_of = torch.nonzero(kept, as_tuple=True)[1]  # kept prompt positions, grouped by (group, frame)
+    start = torch.cumsum(n, 0) - n
+    reps = n[gf]
+    qi = torch.repeat_interleave(torch.arange(G * Q), reps)
+    off = torch.arange(qi.numel()) - (torch.cumsum(reps, 0) - reps)[qi]
+    ki = (qi // Q) * L + key_of[start[gf[qi]] + off]
+    logits = sparse.pair_logits(cq.flatten(0, 1), ck.flatten(0, 1), qi, ki)
+    out, _, _ = sparse.combine([sparse.pair_part(logits, cv.flatten(0, 1), qi, ki, G * Q)])
+    return out.view(G, Q, d), kept.view(G, frames, L), int(qi.numel())
+
+
+def replay_ffn(ffn, x: torch.Tensor, tas: torch.Tensor, eligible: torch.Tensor, tau: float,
+               prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FFN of x [B, F, T, D] where TAS [B, F, T] <= tau or not eligible; elsewhere the output of the same
+    (h, w) one frame earlier (`prev` [B, T, D] for the chunk's first frame), chained frame by frame. Only the
+    computed rows go through the FFN. Returns (output [B, F, T, D], replay mask [B, F, T])."""
+    B, Fr, T, D = x.shape
+    replay = eligible & (tas > tau)
+    rows = torch.nonzero(~replay.flatten(), as_tuple=True)[0]
+    out = torch.zeros(B * Fr * T, D, dtype=x.dtype)
+    if rows.numel():
+        out[rows] = ffn(x.reshape(-1, D)[rows])
+    out = out.view(B, Fr, T, D)
+    for j in range(Fr):
+        if replay[:, j].any():
+            src = out[:, j - 1] if j else prev
+            out[:, j] = torch.where(replay[:, j, :, None], src, out[:, j])
+    return out, replay
+
+
+@dataclass
+class FastARState:
+    """The stream's cache and FAST-AR state for one video (made by FastARDiT.new_cache; rollout's `past`)."""
+
+    runtime: FastARDiT
+    tokens: int
+    sinks: int
+    window: int
+    layers: list[SlotCache] = field(default_factory=list)
+    shadow: FrameCache | None = None  # the uncompressed cache (diagnostics)
+    replay_state: dict = field(default_factory=dict)  # timestep -> layer -> (FFN output, key) of the last frame
+    cross_codes: dict = field(default_factory=dict)  # layer -> prompt key codes [G, L, T]
+    written: int = 0
+    tas_log: list = field(default_factory=list)  # eligible TAS values (calibration)
+
+    def past(self, batch: int, heads: int, head_dim: int) -> FastARState:
+        return self
+
+    @property
+    def resident(self) -> list[int]:
+        keep = kept_frames(self.written, self.sinks, self.window)
+        return sorted(keep) if keep is not None else list(range(self.written))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(c.live.sum()) * c.slot_bytes() for c in self.layers)
+
+    def write(self, first_frame: int, kv: list) -> None:
+        """Write the clean chunk's keys/values (per layer (k_post, k_pre, v) [B, H, F*T, d]) frame by frame."""
+        rt, T = self.runtime, self.tokens
+        s = rt.fa
+        frames = kv[0][0].shape[2] // T
+        if self.shadow is not None:
+            self.shadow.write(first_frame, [a.numpy() for k_post, _, v in kv for a in (k_post, v)])
+        for i, (k_post, k_pre, v) in enumerate(kv):
+            B, H, _, d = k_post.shape
+            if len(self.layers) <= i:
+                self.layers.append(SlotCache(B * H, T, d, rt.tables, rt.tc_tables))
+            c, st = self.layers[i], rt.stats[i]
+            kp, kr, vv = (a.reshape(B * H, frames, T, d) for a in (k_post, k_pre, v))
+            for j in range(frames):
+                f = first_frame + j
+                codes = sparse.codes(rt.sa_hasher, kp[:, j]) if rt.sa_hasher else torch.zeros(B * H, T, 0).long()
+                codes_pre = (sparse.codes(rt.tc_hasher, kr[:, j]) if rt.tc_hasher
+                             else torch.zeros(B * H, T, 0).long())
+                target = torch.full((B * H, T), -1, dtype=torch.int64)
+                c.merged = s.tempcache is not None
+                if s.tempcache == "aligned" and f >= self.sinks:
+                    target = c.aligned_targets(f, kr[:, j], s.tempcache_sim, self.sinks)
+                    st.merges_aligned += int((target >= 0).sum())
+                elif s.tempcache is not None and f >= self.sinks:
+                    target = c.ann_targets(f, kr[:, j], codes_pre, s.tempcache_sim, self.sinks)
+                    al = c.aligned_targets(f, kr[:, j], -2.0, self.sinks)  # the aligned slot, for the share
+                    st.merges_aligned += int(((target >= 0) & (target == al)).sum())
+                st.merges += c.write_frame(f, kp[:, j], kr[:, j], vv[:, j], codes, codes_pre, target)
+                st.written += B * H * T
+        self.written = max(self.written, first_frame + frames)
+        keep = kept_frames(self.written, self.sinks, self.window)
+        hold = set(self.shadow.resident) if self.shadow is not None else {self.written - 1}
+        for i, c in enumerate(self.layers):
+            c.evict(keep, hold)
+            st = rt.stats[i]
+            st.resident_slots = int(c.live.sum())
+            st.dense_slots = c.G * T * len(self.resident)
+            st.resident_bytes = st.resident_slots * c.slot_bytes()
+            st.dense_bytes = st.dense_slots * 2 * 4 * c.k_post.shape[-1]
+
+
+class FastARDiT(TorchDiT):
+    """The eager DiT with FAST-AR / FastCar (settings: dit/modes.FastARSettings) behind the stream interface."""
+
+    def __init__(self, model, fa, threads: int = 0):
+        super().__init__(model, threads)
+        self.fa = fa
+        cfg = model.cfg
+        d = cfg.head_dim
+
+        def hasher(kind):
+            return sparse.make_hasher(kind, d, fa.lsh_bits, fa.quant_dirs, fa.ann_tables, fa.ann_seed)
+
+        self.sa_hasher = hasher(fa.annsa) if fa.annsa else None
+        self.tc_hasher = hasher(fa.tempcache) if fa.tempcache in ("lsh", "quant") else None
+        self.ca_hasher = hasher(fa.annsa or "lsh") if fa.annca else None
+        self.tables = fa.ann_tables if fa.annsa else 0  # bucket ids stored per slot
+        self.tc_tables = fa.ann_tables if self.tc_hasher else 0
+        self.tau = fa.fastcar_tau
+        self.record_tas = False
+        self.stats = [LayerStats() for _ in range(cfg.layers)]
+
+    def new_cache(self, layers: int, tokens: int, sinks: int, window: int) -> FastARState:
+        self.stats = [LayerStats() for _ in range(layers)]
+        shadow = FrameCache(layers, tokens, sinks, window) if self.fa.diagnostics else None
+        self.state = FastARState(self, tokens, sinks, window, shadow=shadow)
+        return self.state
+
+    def step(self, latent, timestep, frame_start: int, past: FastARState, cross) -> list:
+        torch = self.torch
+        m = self.model
+        with torch.no_grad():
+            x, t, e, cos, sin = m.embed(torch.from_numpy(latent), torch.from_numpy(timestep),
+                                        torch.tensor([frame_start], dtype=torch.int64))
+            key = tuple(np.asarray(timestep)[0].tolist())
+            prev = past.replay_state.get(key, {})
+            now: dict = {}
+            written = []
+            for i, blk in enumerate(m.blocks):
+                x, kv = self.block(i, blk, x, e, cos, sin, past, torch.from_numpy(cross[2 * i]),
+                                   torch.from_numpy(cross[2 * i + 1]), frame_start, prev.get(i), now)
+                written.append(kv)
+            if self.tau is not None or self.record_tas:
+                past.replay_state[key] = now
+            vel = m.final(x, t)
+        return [vel.numpy(), *written]
+
+    def block(self, i, blk, x, e, cos, sin, state: FastARState, ck, cv, frame_start, prev, now):
+        """Block.forward with the FAST-AR attention and FastCar's FFN (model.Block for the dense form)."""
+        cfg = self.model.cfg
+        b, s, d = x.shape
+        fr = e.shape[1]
+        T, H, hd = cfg.tokens_per_frame, cfg.heads, cfg.head_dim
+        mod = (blk.modulation[:, None] + e).unbind(2)
+
+        def modulate(h, shift, scale):
+            return (h.view(b, fr, -1, d) * (1 + scale[:, :, None]) + shift[:, :, None]).view(b, s, d)
+
+        def gate(h, g):
+            return (h.view(b, fr, -1, d) * g[:, :, None]).view(b, s, d)
+
+        h = modulate(blk.norm1(x), mod[0], mod[1])
+        k_pre = blk.norm_k(blk.k(h)).unflatten(-1, (H, -1))
+        q = apply_rope(blk.norm_q(blk.q(h)).unflatten(-1, (H, -1)), cos, sin).transpose(1, 2)
+        k = apply_rope(k_pre, cos, sin).transpose(1, 2)
+        v = blk.heads_first(blk.v(h))
+        att = self.self_attention(i, q, k, v, state, frame_start)
+        x = x + gate(blk.o(att.transpose(1, 2).flatten(2)), mod[2])
+        cq = blk.heads_first(blk.norm_cq(blk.cq(blk.norm3(x))))
+        x = x + blk.co(self.cross_attention(i, cq, ck, cv, fr, state).transpose(1, 2).flatten(2))
+        xm = modulate(blk.norm2(x), mod[3], mod[4])
+        st = self.stats[i]
+        if self.tau is None and not self.record_tas:
+            ffn = blk.ffn(xm)
+            st.ffn_rows += b * s
+        else:
+            qf, kf = q.view(b, H, fr, T, hd), k.view(b, H, fr, T, hd)
+            k_back = torch.cat([(prev[1] if prev is not None else torch.zeros_like(kf[:, :, 0]))[:, :, None],
+                                kf[:, :, :-1]], 2)
+            tas = (qf * k_back).sum(-1).mean(1) / hd ** 0.5  # [B, F, T]
+            eligible = torch.ones_like(tas, dtype=torch.bool)
+            eligible[:, 0] = prev is not None and frame_start >= 1
+            if self.record_tas:
+                state.tas_log.append(tas[eligible].numpy().astype(np.float64))
+            tau = float("inf") if self.tau is None else self.tau
+            out, replay = replay_ffn(blk.ffn, xm.view(b, fr, T, d), tas, eligible, tau,
+                                     prev[0] if prev is not None else None)
+            now[i] = (out[:, -1].clone(), kf[:, :, -1].clone())
+            ffn = out.view(b, s, d)
+            st.ffn_rows += b * s
+            st.ffn_replayed += int(replay.sum())
+        x = x + gate(ffn, mod[5])
+        return x, (k, k_pre.transpose(1, 2), v)
+
+    def self_attention(self, i, q, k, v, state: FastARState, frame_start: int) -> torch.Tensor:
+        B, H, Q, d = q.shape
+        G = B * H
+        fa, st = self.fa, self.stats[i]
+        cache = state.layers[i] if i < len(state.layers) else SlotCache(G, state.tokens, d, self.tables,
+                                                                        self.tc_tables)
+        keep = None
+        if self.sa_hasher is not None:
+            keep = (cache.frame < state.sinks) | (cache.frame >= frame_start - fa.annsa_local)
+        diag = state.shadow is not None
+        out, info = attend_cache(q.reshape(G, Q, d), k.reshape(G, Q, d), v.reshape(G, Q, d), cache, keep,
+                                 self.sa_hasher, diag)
+        st.sa_executed += info["executed"]
+        dense_tokens = state.tokens * len(state.resident)
+        st.sa_dense += G * Q * (dense_tokens + Q)
+        if diag:
+            st.sa_recall_sum += self.recall(i, q, k, cache, state, info)
+            st.sa_queries += G * Q
+        return out.view(B, H, Q, d)
+
+    def recall(self, i, q, k, cache: SlotCache, state: FastARState, info) -> float:
+        """Sum over queries of sum_t min(p_dense(t), p_slot(slot(t)) / count(slot(t))): the dense attention
+        over the uncompressed cache (the shadow) and the chunk, against the compressed one mapped to tokens."""
+        B, H, Q, d = q.shape
+        G = B * H
+        frames = state.shadow.resident
+        qf, kf = q.reshape(G, Q, d), k.reshape(G, Q, d)
+        if frames:
+            past = torch.from_numpy(state.shadow.past(B, H, d)[2 * i]).reshape(G, -1, d)
+            sids = torch.cat([cache.token_sid[f] for f in frames], 1)
+            pos, found = cache.positions(sids)
+            p_tok = info["p_slot"].gather(2, pos[:, None].expand(-1, Q, -1)) / \
+                cache.count.gather(1, pos).clamp(min=1)[:, None].to(torch.float32)
+            p_tok = torch.where(found[:, None], p_tok, torch.zeros_like(p_tok))
+        else:
+            past = kf[:, :0]
+            p_tok = torch.zeros(G, Q, 0)
+        dense = torch.softmax(torch.cat([qf @ past.transpose(1, 2), qf @ kf.transpose(1, 2)], -1) / d ** 0.5, -1)
+        comp = torch.cat([p_tok, info["p_own"]], -1)
+        return float(torch.minimum(dense, comp).double().sum())
+
+    def cross_attention(self, i, cq, ck, cv, frames: int, state: FastARState) -> torch.Tensor:
+        B, H, Q, d = cq.shape
+        L = ck.shape[2]
+        st = self.stats[i]
+        st.ca_dense += B * H * Q * L
+        if self.ca_hasher is None:
+            st.ca_executed += B * H * Q * L
+            return F.scaled_dot_product_attention(cq, ck, cv)
+        G = B * H
+        if i not in state.cross_codes:
+            state.cross_codes[i] = sparse.codes(self.ca_hasher, ck.reshape(G, L, d))
+        qg, kg, vg = cq.reshape(G, Q, d), ck.reshape(G, L, d), cv.reshape(G, L, d)
+        out, kept, executed = cross_attend(qg, kg, vg, sparse.codes(self.ca_hasher, qg), state.cross_codes[i],
+                                           frames)
+        st.ca_executed += executed
+        if state.shadow is not None:  # recall: dense softmax mass on the kept prompt tokens
+            p = torch.softmax(qg @ kg.transpose(1, 2) / d ** 0.5, -1).view(G, frames, Q // frames, L)
+            st.ca_kept_sum += float((p * kept[:, :, None]).double().sum())
+            st.ca_queries += G * Q
+        return out.view(B, H, Q, d)
+
+    def layer_summary(self) -> list[dict]:
+        return [st.summary() for st in self.stats]
+
+
+def calibrate_tau(model, fa, settings, text=None, chunks: int = 2) -> float:
+    """The tau giving replay ratio `fa.fastcar_ratio` (over eligible rows) on the first `chunks` chunks of the
+    same stream run with FastCar off and its TAS recorded (the quantile, as the decoders' one-pass calibration)."""
+    from fastcar_compile.dit.stream import rollout
+    from fastcar_compile.runtime.calib_stats import tau_for_share
+
+    probe = FastARDiT(model, dataclasses.replace(fa, fastcar_tau=None, fastcar_ratio=None, diagnostics=False))
+    probe.record_tas = True
+    short = dataclasses.replace(settings, frames=min(settings.frames, chunks * model.cfg.chunk_frames))
+    for _ in rollout(probe, short, text):
+        pass
+    return tau_for_share(np.concatenate(probe.state.tas_log), fa.fastcar_ratio)
+
+
+def totals(stats: list[LayerStats]) -> dict:
+    """The layers' counts summed, as one summary (what the command line prints and tables report)."""
+    acc = LayerStats()
+    for st in stats:
+        for f in dataclasses.fields(LayerStats):
+            setattr(acc, f.name, getattr(acc, f.name) + getattr(st, f.name))
+    return acc.summary()

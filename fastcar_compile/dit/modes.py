@@ -1,0 +1,95 @@
+"""FAST-AR and FastCar settings of the DiT stream, each declared once (options.Option, as the compiler's are).
+
+`FastARSettings` (the runtime's), the `fastcar-compile stream` flags and the record in stream.json all derive
+from `DIT_OPTIONS`, so each can later become a compile option by moving its entry. Defaults are all off:
+the stream is then the dense rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.options import SWITCH, Option
+from fastcar_compile.fastar.config import INT8_DIRS
+
+TEMPCACHE_MODES = ("aligned", "lsh", "quant")  # correspondence: same (h, w) one frame back, or ANN top-1 match
+BUCKETINGS = ("lsh", "quant")  # sign random projections (fastar/lsh.py) or 8-bit quantised ones (fastar/int8.py)
+GROUP = "FAST-AR and FastCar (eager runtime: give a DiT preset or folder; docs/dit.md)"
+MAX_TABLES = 64
+
+DIT_OPTIONS: tuple[Option, ...] = (
+    Option("tempcache", str | None, None, "TempCache at cache-write time: a written key merges into its temporal "
+           "correspondent's slot when their pre-RoPE cosine exceeds --tempcache-sim (last key kept, running mean "
+           "value, count, +log(count) on the logit). Correspondent: 'aligned' = the same (h, w) one frame back; "
+           "'lsh' / 'quant' = the top-1 match among the previous frame's slots sharing a bucket",
+           "--tempcache", choices=TEMPCACHE_MODES, group=GROUP),
+    Option("tempcache_sim", float, 0.9, "TempCache's cosine threshold (default 0.9, the paper's)", "--tempcache-sim",
+           metavar="SIM", lo=-1.0, hi=1.0, meaning="a cosine", group=GROUP),
+    Option("annsa", str | None, None, "AnnSA: the chunk's queries attend only to cached slots sharing a bucket "
+           "(any table), plus the sink frames, the --annsa-local most recent frames and the chunk itself; "
+           "computed on the gathered pairs", "--annsa", choices=BUCKETINGS, group=GROUP),
+    Option("annsa_local", int, 1, "cached frames before the chunk that AnnSA always attends (default 1)",
+           "--annsa-local", metavar="FRAMES", lo=0, hi=1 << 20, meaning="frames", group=GROUP),
+    Option("lsh_bits", int, 4, "sign bits per LSH table (default 4)", "--lsh-bits", metavar="BITS", lo=1, hi=16,
+           meaning="bits per table", group=GROUP),
+    Option("quant_dirs", int, 2, f"int8-quantised directions per 'quant' table ({'/'.join(map(str, INT8_DIRS))}; "
+           "default 2: 16 x 16 levels)", "--quant-dirs", metavar="DIRS", lo=1, hi=8, meaning="directions per table",
+           group=GROUP),
+    Option("ann_tables", int, 2, "bucket tables of AnnSA / AnnCA / TempCache's ANN match (default 2)",
+           "--ann-tables", metavar="T", lo=1, hi=MAX_TABLES, meaning="tables", group=GROUP),
+    Option("annca", bool, False, "AnnCA: per frame, a prompt token is kept in the cross-attention only if a query "
+           "of that frame shares a bucket with it (--annsa's bucketing, lsh without it)", "--annca", cli=SWITCH,
+           group=GROUP),
+    Option("fastcar_tau", float | None, None, "FastCar on DiT blocks: a token's FFN output is replayed from the "
+           "same (h, w) one frame earlier at the same denoising step when its TAS (query vs the key one frame "
+           "back, mean over heads, / sqrt(d)) exceeds TAU; the other rows alone go through the FFN",
+           "--fastcar-tau", metavar="TAU", lo=-1e30, hi=1e30, meaning="a TAS threshold", group=GROUP),
+    Option("fastcar_ratio", float | None, None, "calibrate --fastcar-tau to this replay ratio on a first chunk "
+           "pair (the TAS quantile), instead of giving TAU", "--fastcar-ratio", metavar="R", lo=0.0, hi=1.0,
+           meaning="a replay ratio", group=GROUP),
+    Option("diagnostics", bool, False, "also attend densely on the side: recall per layer and mode in stream.json "
+           "(costs a dense pass and an uncompressed copy of the cache)", "--diagnostics", cli=SWITCH, group=GROUP),
+    Option("ann_seed", int, 0, "seed of the bucket projections", "--ann-seed", metavar="SEED", lo=0, hi=2**32 - 1,
+           meaning="a seed", group=GROUP),
+)
+BY_NAME = {o.name: o for o in DIT_OPTIONS}
+
+FastARSettings = dataclasses.make_dataclass(
+    "FastARSettings", [(o.name, o.type, dataclasses.field(default=o.default)) for o in DIT_OPTIONS], frozen=True)
+FastARSettings.__doc__ = "The FAST-AR / FastCar settings of one stream (fields: DIT_OPTIONS)."
+
+
+def settings(**values: Any) -> Any:
+    """A checked FastARSettings (each value through its Option; cross-field rules here)."""
+    bad = sorted(set(values) - set(BY_NAME))
+    if bad:
+        raise FastCarError(f"unknown FAST-AR setting {bad[0]!r}; known: {', '.join(BY_NAME)}")
+    out = {k: BY_NAME[k].check(v) for k, v in values.items()}
+    s = FastARSettings(**out)
+    if s.quant_dirs not in INT8_DIRS:
+        raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {s.quant_dirs}")
+    if s.fastcar_tau is not None and s.fastcar_ratio is not None:
+        raise FastCarError("give --fastcar-tau or --fastcar-ratio, not both")
+    return s
+
+
+def is_dense(s: Any) -> bool:
+    """No mode on: the stream must equal the dense rollout."""
+    return s.tempcache is None and s.annsa is None and not s.annca and s.fastcar_tau is None \
+        and s.fastcar_ratio is None
+
+
+def record(s: Any) -> dict[str, Any]:
+    """What stream.json records (every field, by its option name)."""
+    return dataclasses.asdict(s)
+
+
+def label(s: Any) -> str:
+    """A short name of the mode combination (tables, figure legends)."""
+    parts = [f"TempCache-{s.tempcache}"] * (s.tempcache is not None) + [f"AnnSA-{s.annsa}"] * (s.annsa is not None)
+    parts += ["AnnCA"] * s.annca
+    if s.fastcar_tau is not None or s.fastcar_ratio is not None:
+        parts.append("FastCar")
+    return " + ".join(parts) or "dense"
