@@ -19,6 +19,7 @@ import numpy as np
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import check_finite, check_int
 from fastcar_compile.runtime.sampling import Sampler, guide
+from fastcar_compile.runtime.speculate import DraftLength, DraftSpec, parse_draft, propose, verify
 from fastcar_compile.runtime.stats import RunStats
 from fastcar_compile.runtime.tokens import check_token_ids
 
@@ -40,6 +41,8 @@ class StepModel(Protocol):
     def state_nbytes(self, batch: int = 1) -> dict[str, int]: ...
     def describe_memory(self, batch: int = 1, tokens: int | None = None) -> str: ...
     def threshold_array(self, threshold: Any) -> np.ndarray: ...
+    def speculation_refusal(self) -> str | None: ...
+    def rewind(self, state: Any, past_len: int) -> Any: ...
     def check_video_length(self, tokens: int, what: str = ...) -> None: ...
     def check_memory(self, batch: int, what: str, fix: str, tokens: int = 0) -> None: ...
 
@@ -165,7 +168,8 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
              uncond_prompt_ids: Any = None, pad_token_id: int = 0, callback: FrameCallback | None = None,
              progress: bool | None = None, collect_tas: bool = False, keep_logits: bool = False,
              trace: str | None = None, given_video_tokens: int = 0,
-             logits_processor: Callable[[np.ndarray], np.ndarray] | None = None) -> GenerationResult:
+             logits_processor: Callable[[np.ndarray], np.ndarray] | None = None, draft: str | None = None,
+             draft_tokens: int | None = None) -> GenerationResult:
     """Generate `num_frames` frames of `L` tokens for each prompt row, from fresh state.
 
     threshold: tau for this run (None: the model's baked default; float('inf') turns replay off).
@@ -175,6 +179,9 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     given_video_tokens: the last k tokens of every prompt are already video (e.g. a conditioning frame 0),
     so `video_start` sits before them and the first generated frame may replay at once.
     logits_processor(logits[rows, vocab]) -> logits, applied after guidance (e.g. mask special tokens).
+    draft: speculative decoding ("temporal": the token one frame back; "ngram"; "temporal+ngram"), each draft
+    verified in one multi-token step, the output the model's own (greedy: identical tokens; sampling: the same
+    distribution; runtime/speculate.py). draft_tokens: K per step (default adaptive). Dense models only.
     """
     L = int(frame_tokens or session.frame_tokens or 0)
     if session.frame_tokens and frame_tokens and frame_tokens != session.frame_tokens:
@@ -196,6 +203,9 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     if cfg_scale is not None:
         cfg_scale = check_finite("cfg_scale", cfg_scale, "classifier-free guidance scale")
     sampler = Sampler(do_sample, temperature, top_k, top_p)
+    spec = parse_draft(draft, draft_tokens)
+    if spec is not None and (why := session.speculation_refusal()) is not None:
+        raise FastCarError(why)
     vocab = getattr(session, "vocab", None)
     cond = _as_rows(prompt_ids, "prompt_ids", vocab)
     rows = cond
@@ -233,14 +243,18 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     tokens = np.zeros((n_out, total), dtype=np.int64)
     logit_rows: list[np.ndarray] = []
 
-    def choose(logits: np.ndarray) -> np.ndarray:
-        last = logits[:, -1, :]
+    def guided(last: np.ndarray, n: int) -> np.ndarray:
+        """The logits token n is chosen from ([rows, vocab] float64): guidance, then the processor."""
         g = guide(last[:n_out], last[n_out:], cfg_scale) if cfg else last.astype(np.float64)
         if np.isnan(g).any():
             raise FastCarError(f"the model's logits for token {n} contain NaN ({session.path.name}); its weights "
                                "or inputs hold NaN or overflow, so no token can be chosen")
         if logits_processor is not None:
             g = _processed(logits_processor, g, n)
+        return g
+
+    def choose(logits: np.ndarray) -> np.ndarray:
+        g = guided(logits[:, -1, :], n)
         if keep_logits:
             logit_rows.append(g.astype(np.float32))
         return sampler(g, rng)
@@ -265,7 +279,11 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
         frame_ms = 0.0
         warned = False
         one = np.ones((batch, 1), np.int64)
-        while n <= total:
+        if spec is not None:
+            histories = [np.asarray(r, np.int64) for r in cond]
+            n = _speculate(session, state, spec, thr, tokens, n, histories, given_video_tokens, guided, sampler,
+                           rng, stats, bar, callback, logit_rows if keep_logits else None, batch, cfg)
+        while spec is None and n <= total:
             if n % L == 0:  # a frame is complete
                 f = n // L - 1
                 if not warned and stats.steps:
@@ -307,3 +325,72 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
         stats.save(trace)
     return result
 
+
+
+def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray | None, tokens: np.ndarray, n: int,
+               prompts: list[np.ndarray], given_video_tokens: int, guided: Callable[[np.ndarray, int], np.ndarray],
+               sampler: Sampler, rng: np.random.Generator, stats: RunStats, bar: Any,
+               callback: FrameCallback | None, logit_rows: list[np.ndarray] | None, batch: int, cfg: bool) -> int:
+    """The decode loop with drafts (runtime/speculate.py): each step feeds the last kept token and k draft
+    tokens, keeps what the model accepts plus its own next token, and rewinds the KV cache to them. Returns the
+    number of tokens generated. Each kept token is a trace step at its KV index, with its share of the step's
+    time; frames are reported to `callback` in order, and a False return drops the tokens after that frame."""
+    n_out, total = tokens.shape
+    L = stats.frame_tokens
+    length = DraftLength(spec.tokens)
+    stats.draft = str(spec)
+    frame_ms = np.zeros(max(1, -(-total // L)))
+    # each row's real tokens: prompt (unpadded), then the video as it is kept (the draft's source)
+    hist = [np.concatenate([p, np.zeros(total, np.int64)]) for p in prompts]
+    for r, p in enumerate(prompts):
+        hist[r][len(p)] = tokens[r, 0]
+    reported = 0
+    try:
+        while True:
+            while reported < n // L:  # frames completed, one callback each, in order
+                f = reported
+                stats.frame_ms.append(float(frame_ms[f]))
+                stats.frames_done = reported = f + 1
+                if callback is not None and callback(f, tokens[:, f * L:(f + 1) * L].copy()) is False:
+                    return (f + 1) * L
+            if n >= total:
+                return n
+            k = min(length.k, total - 1 - n)  # the step's own token covers the last position
+            views = [h[: len(p) + n] for h, p in zip(hist, prompts, strict=True)]
+            draft = propose(spec, views, given_video_tokens + n, L, k) if k else np.zeros((n_out, 0), np.int64)
+            k = draft.shape[1]
+            feed = np.concatenate([tokens[:, n - 1: n], draft], axis=1)
+            if cfg:  # both rows of a pair verify the same draft; the guided logits decide
+                feed = np.concatenate([feed, feed])
+            pos = state.past_len
+            t0 = time.perf_counter()
+            out = session.step(state, feed, attention_mask=np.ones((batch, k + 1), np.int64), threshold=thr,
+                               check=False)
+            logits, seen = out.logits, []
+
+            def position(i: int, logits=logits, seen=seen, n=n) -> np.ndarray:
+                seen.append(guided(logits[:, i, :], n + i))
+                return seen[-1]
+
+            kept, a = verify(draft, position, sampler, rng)
+            state = session.rewind(out.state, pos + a + 1)
+            dt = 1e3 * (time.perf_counter() - t0)
+            m = a + 1
+            tokens[:, n: n + m] = kept
+            for r, p in enumerate(prompts):
+                hist[r][len(p) + n: len(p) + n + m] = kept[r]
+            if logit_rows is not None:
+                logit_rows.extend(g.astype(np.float32) for g in seen[:m])
+            for j in range(m):
+                stats.step_ms.append(dt / m)
+                stats.steps.append({"pos": int(pos + j), "replay": []})
+                frame_ms[(n + j) // L] += dt / m
+            stats.verify_steps += 1
+            stats.draft_proposed += k
+            stats.draft_accepted += a
+            length.update(k, a)
+            n += m
+            bar.update(m)
+    except KeyboardInterrupt:
+        stats.interrupted = True
+        return n

@@ -32,10 +32,14 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """logits [rows, vocab] -> token ids [rows]."""
-        x = np.asarray(logits, dtype=np.float64)
         if not self.do_sample:
-            return x.argmax(axis=-1).astype(np.int64)
-        x = x / self.temperature
+            return np.asarray(logits, dtype=np.float64).argmax(axis=-1).astype(np.int64)
+        return draw(self.probs(logits), rng)
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution a sampled token is drawn from ([rows, vocab] float64): temperature, then top-k, then
+        top-p. Speculative sampling accepts draft tokens against exactly this distribution."""
+        x = np.asarray(logits, dtype=np.float64) / self.temperature
         vocab = x.shape[-1]
         if 0 < self.top_k < vocab:
             kth = np.partition(x, vocab - self.top_k, axis=-1)[:, vocab - self.top_k][:, None]
@@ -51,10 +55,16 @@ class Sampler:
             np.put_along_axis(drop, order, drop_sorted, axis=-1)
             p = np.where(drop, 0.0, p)
             p /= p.sum(axis=-1, keepdims=True)
-        u = rng.random(p.shape[0])
-        cdf = np.cumsum(p, axis=-1)
-        tok = (cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1)
-        return np.minimum(tok, vocab - 1).astype(np.int64)
+        return p
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One token per row from probabilities p [rows, vocab] (need not be normalised): inverse CDF, one uniform
+    number per row."""
+    u = rng.random(p.shape[0])
+    cdf = np.cumsum(p, axis=-1)
+    tok = (cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1)
+    return np.minimum(tok, p.shape[-1] - 1).astype(np.int64)
 
 
 def guide(cond: np.ndarray, uncond: np.ndarray, scale: float) -> np.ndarray:

@@ -520,6 +520,40 @@ class FastCarSession:
                 raise FastCarError(f"state {s.input} has shape {list(a.shape)}, model expects {want} "
                                    f"(batch {state.batch}, past {state.past_len})")
 
+    def speculation_refusal(self) -> str | None:
+        """Why this model cannot verify draft tokens exactly (one line), or None when it can.
+
+        A verify step feeds several tokens at once: a FastCar graph decides replay for a single-token step only
+        (a multi-token step computes every MLP, unlike the sequential steps it stands for), and a compressed KV
+        cache merges tokens into slots that cannot be taken back after a rejection."""
+        if self.layers:
+            return (f"draft= needs a dense model: {self.path.name} is FastCar-compiled, and its graph decides MLP "
+                    "replay for one token per step, so a multi-token verify step would not equal sequential "
+                    "steps; run draft= on the input (dense) model")
+        if self.kv_slots is not None:
+            return (f"draft= cannot run on {self.path.name}: its compressed KV cache cannot drop rejected draft "
+                    "tokens; run draft= on a model without --kv-budget")
+        return None
+
+    def rewind(self, state: DecodeState, past_len: int) -> DecodeState:
+        """`state` as if only its first `past_len` KV positions had been decoded (speculative decoding drops
+        the rejected draft tokens). A growing KV cache is cut to past_len; a fixed buffer (max_length) keeps its
+        arrays and simply is not advanced past the accepted length: the next step writes over the rest."""
+        if not 0 <= past_len <= state.past_len:
+            raise FastCarError(f"cannot rewind a state of {state.past_len} positions to {past_len}")
+        if past_len == state.past_len:
+            return state
+        if (why := self.speculation_refusal()) is not None:
+            raise FastCarError(why)
+        arrays = dict(state.arrays)
+        for s in self.specs:
+            if s.kind == "kv" and self._kv_capacity(s) is None:
+                arrays[s.input] = np.ascontiguousarray(arrays[s.input][:, :, :past_len])
+        dropped = state.attention_mask[:, past_len:].sum(axis=1)
+        return DecodeState(arrays, state.batch, past_len, state.video_start, state.owner,
+                           state.attention_mask[:, :past_len], real_len=state.real_len - dropped,
+                           mask_buffer=state.mask_buffer, binding=state.binding)
+
     # ------------------------------------------------------------------ one step
     def threshold_array(self, threshold: float | Sequence[float] | np.ndarray) -> np.ndarray:
         """The `fastcar_threshold` input for a user value: scalar, or one value per rewritten layer."""

@@ -54,6 +54,12 @@ class RunStats:
     kv_bytes_per_token: int = 0
     native_ops: bool = False
     videos: int = 1  # generate calls merged into this trace (merge_runs)
+    # speculative decoding (generate(draft=...)): the draft, verify steps, draft tokens proposed and accepted
+    # (batch level: a step keeps the shortest accepted prefix of its rows)
+    draft: str | None = None
+    verify_steps: int = 0
+    draft_proposed: int = 0
+    draft_accepted: int = 0
     # --kv-diagnostics models: per compressed layer {density, recall, kv_bytes, dense_kv_bytes} against dense
     # attention run on the side, over every video of the run: the sums of the kv_stats.N outputs (executed pairs,
     # dense pairs, recall, queries) pooled, so density and recall are ratios over all of them; kv_bytes and
@@ -224,6 +230,16 @@ class RunStats:
         return float(sum((g == v).mean() * np.median(t[g == v]) for v in np.unique(g)))
 
     @property
+    def acceptance(self) -> float:
+        """Share of the draft tokens the model accepted (0 without drafts)."""
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens kept per verify step (1 without drafts)."""
+        return len(self.steps) / self.verify_steps if self.verify_steps else 1.0
+
+    @property
     def ms_per_step(self) -> float:
         """Median decode step time (robust to the odd descheduled step on a shared machine)."""
         return float(np.median(self.step_ms)) if self.step_ms else 0.0
@@ -234,6 +250,9 @@ class RunStats:
                  f"tokens, batch {self.batch}{' (interrupted)' if self.interrupted else ''}",
                  f"  prefill {self.prefill_ms:.1f} ms, decode {self.ms_per_token:.3f} ms/token (median per "
                  f"replay group), {self.videos} video(s)"]
+        if self.draft:
+            lines.append(f"  draft {self.draft}: {100 * self.acceptance:.1f}% of {self.draft_proposed} draft tokens "
+                         f"accepted, {self.tokens_per_step:.2f} tokens per verify step ({self.verify_steps} steps)")
         if self.fastcar:
             lines.append(f"  replay {100 * self.replay_ratio:.1f}% of all decode steps, frame 0 included (ceiling "
                          f"{100 * self.eligible_ratio_ceiling:.1f}%); {100 * self.replay_ratio_eligible:.1f}% of "
@@ -265,6 +284,8 @@ class RunStats:
         d["prefill_ms"] = float(np.mean([r.prefill_ms for r in runs]))
         d["interrupted"] = any(r.interrupted for r in runs)
         d["videos"] = sum(r.videos for r in runs)
+        for k in ("verify_steps", "draft_proposed", "draft_accepted"):
+            d[k] = sum(getattr(r, k) for r in runs)
         d["tas"] = None
         if any(r.kv_diagnostics for r in runs):
             d["kv_diagnostics"], d["kv_diagnostics_per_video"] = _merge_kv(runs)
@@ -398,7 +419,9 @@ def _check_schema(d: dict[str, Any]) -> None:
         bad.append("model")
     for k, ok in (("threshold", _is_thresholds), ("cfg_scale", lambda v: v is None or _is_number(v)),
                   ("fastcar", _is_bool), ("interrupted", _is_bool), ("native_ops", _is_bool),
-                  ("videos", lambda v: _is_int(v, 1, 2**31)), ("state_bytes", lambda v: _is_int(v, 0, 2**62)),
+                  ("videos", lambda v: _is_int(v, 1, 2**31)),
+                  ("draft", lambda v: v is None or isinstance(v, str)),
+                  *((k, lambda v: _is_int(v, 0, 2**62)) for k in ("verify_steps", "draft_proposed", "draft_accepted")), ("state_bytes", lambda v: _is_int(v, 0, 2**62)),
                   ("kv_bytes_per_token", lambda v: _is_int(v, 0, 2**62)),
                   ("tas", lambda v: v is None or isinstance(v, list)),
                   ("kv_diagnostics", lambda v: v is None or isinstance(v, dict)),

@@ -249,6 +249,11 @@ OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
 # --- TAS variants and node tags -------------------------------------------------------------------------------
 TAS_ROPE, TAS_RAW = "rope", "raw"
 TAS_QUERIES = (TAS_ROPE, TAS_RAW)  # rope: q as attention uses it (default); raw: before RoPE (released code)
+# --- speculative decoding drafts (runtime/speculate.py) --------------------------------------------------------
+# temporal: the token at the same position one frame back; ngram: the continuation of the latest earlier match of
+# the last tokens (prompt lookup); temporal+ngram: temporal where a previous frame exists, n-gram before it
+DRAFT_TEMPORAL, DRAFT_NGRAM, DRAFT_BOTH = "temporal", "ngram", "temporal+ngram"
+DRAFT_KINDS = (DRAFT_TEMPORAL, DRAFT_NGRAM, DRAFT_BOTH)
 TAG_LAYER, TAG_PART = "fastcar.layer", "fastcar.part"
 PARTS = ("attention", "mlp", "norm", "gate", "cache")
 
