@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastcar_compile import contract
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core import contract
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.runtime.sampling import Sampler, draw
 
 ADAPTIVE_START = 4  # draft length of an adaptive run's first verify step

@@ -9,7 +9,7 @@ import torch
 import zoo
 from reference import plain_logits
 
-from fastcar_compile.errors import FastCarError
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.runtime import FastCarSession
 from fastcar_compile.runtime.decode import left_pad
 from fastcar_compile.runtime.sampling import Sampler
