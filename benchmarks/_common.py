@@ -148,8 +148,7 @@ def cached_export(shape: LlamaShape, cache_dir: Path, seed: int = 0) -> Path:
 def ort_options(threads: int, entries: dict[str, str] | None = None, *, spin: bool = True,
                 library: str | Path | None = None, profile: str | Path | None = None):
     """The SessionOptions every benchmark runs with: `threads` intra-op threads (the calling thread among them),
-    one inter-op thread, sequential execution, warnings off (fast.onnx's overridable-initializer warning is by
-    design). spin=False: pool threads sleep instead of spinning between parallel sections (CPU-time clocks,
+    one inter-op thread, sequential execution, warnings off. spin=False: pool threads sleep instead of spinning between parallel sections (CPU-time clocks,
     where a spinning thread bills its wait as work); entries: ORT config entries (session.KEY -> VALUE);
     library: a custom-op library (the native ai.fastcar kernels); profile: ORT's profiler on, files named
     with this prefix."""
@@ -172,11 +171,15 @@ def ort_options(threads: int, entries: dict[str, str] | None = None, *, spin: bo
 
 
 def make_session(path: str | Path | bytes, threads: int, spin: bool = True, **options):
-    """An ORT CPU session of a model file (or serialized bytes) with `ort_options(threads, spin=..., **options)`."""
+    """An ORT CPU session of a model file (or serialized bytes) with `ort_options(threads, spin=..., **options)`;
+    a compiled model's `video_start` / `fastcar_threshold` are inputs to feed, as in FastCarSession."""
     import onnxruntime as ort
 
-    model = path if isinstance(path, bytes) else str(path)
-    return ort.InferenceSession(model, ort_options(threads, spin=spin, **options), providers=["CPUExecutionProvider"])
+    from fastcar_compile.runtime.overridable import model_source
+
+    so = ort_options(threads, spin=spin, **options)
+    model = path if isinstance(path, bytes) else model_source(Path(path), so)
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
 HUGEPAGE_TUNABLE_NAME = "glibc.malloc.hugetlb"

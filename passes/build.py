@@ -52,23 +52,33 @@ def absent(graph: ir.Graph, dtype: type = np.float32) -> ir.Value:
     return const(graph, f"fastcar.ca.none{suffix}", np.zeros(0, dtype))
 
 
-def graph_input(graph: ir.Graph, name: str, dtype: ir.DataType, shape, default: np.ndarray | None = None) -> ir.Value:
-    """A new graph input; with `default` it is also an initializer (an overridable input)."""
+def graph_input(graph: ir.Graph, name: str, dtype: ir.DataType, shape) -> ir.Value:
+    """A new graph input (fed every run)."""
     value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))
     graph.inputs.append(value)
-    if default is not None:
-        value.const_value = ir.tensor(default, name=name)
-        graph.register_initializer(value)
+    return value
+
+
+def overridable(graph: ir.Graph, name: str, dtype: ir.DataType, shape, default: np.ndarray | None) -> ir.Value:
+    """One of contract.OVERRIDABLE: with `default` an initializer that is not a graph input (a stock ONNX Runtime
+    session runs with it and prints nothing; FastCarSession feeds it as an input), without one a plain input."""
+    if default is None:
+        return graph_input(graph, name, dtype, shape)
+    value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape),
+                     const_value=ir.tensor(np.asarray(default, dtype=dtype.numpy()), name=name))
+    graph.register_initializer(value)
     return value
 
 
 def video_start_input(graph: ir.Graph, plain: bool) -> ir.Value:
-    """The model's `video_start` input (KV index of the first video token), created once: the gate pass and the
+    """The model's `video_start` (KV index of the first video token), created once: the gate pass and the
     fused attention's prompt pruning both read it. plain: no default (every run feeds it; onnxruntime-genai)."""
     for value in graph.inputs:
         if value.name == contract.VIDEO_START:
             return value
-    return graph_input(graph, contract.VIDEO_START, ir.DataType.INT64, [], None if plain else np.array(0, np.int64))
+    if contract.VIDEO_START in graph.initializers:
+        return graph.initializers[contract.VIDEO_START]
+    return overridable(graph, contract.VIDEO_START, ir.DataType.INT64, [], None if plain else np.array(0, np.int64))
 
 
 def graph_output(graph: ir.Graph, value: ir.Value, name: str, dtype: ir.DataType, shape) -> None:

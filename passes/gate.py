@@ -4,7 +4,7 @@
 
 (in the form the layer needs, contract.GateForm: positions from total_len, aligned keys of a compressed cache;
 onnxruntime-genai's GroupQueryAttention layers on packed QKV or rotating inside get the packed form, which also
-rebuilds the query from the op's query input and reads the cached rows and the branch conditions.) The pass adds the model-level inputs (`video_start`, `fastcar_threshold`, both with defaults), the
+rebuilds the query from the op's query input and reads the cached rows and the branch conditions.) The pass adds the model-level inputs (`video_start`, `fastcar_threshold`: initializers with their defaults, not graph inputs, contract.OVERRIDABLE), the
 `ai.fastcar` functions, each layer's state inputs (cache_state.declare_state), brings the query into
 [B, H, S, D] and emits the gate. Attention nodes are tagged for the FPGA partitioner.
 """
@@ -39,10 +39,10 @@ class GatePass(ir.passes.InPlacePass):
             taus = np.asarray(opts.threshold, np.float32).reshape(-1)
             if taus.size == 1:
                 taus = np.full(len(ctx.selected), taus[0], np.float32)
-            ctx.threshold = build.graph_input(graph, contract.THRESHOLD, ir.DataType.FLOAT, [len(ctx.selected)],
+            ctx.threshold = build.overridable(graph, contract.THRESHOLD, ir.DataType.FLOAT, [len(ctx.selected)],
                                               None if plain else taus)
         else:
-            ctx.threshold = build.graph_input(graph, contract.THRESHOLD, ir.DataType.FLOAT, [],
+            ctx.threshold = build.overridable(graph, contract.THRESHOLD, ir.DataType.FLOAT, [],
                                               None if plain else np.array(opts.threshold[0], np.float32))
         for k, match in enumerate(ctx.selected):
             lr = declare_state(graph, ctx, match, k)

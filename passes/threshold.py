@@ -1,7 +1,8 @@
 """Bake a threshold into a compiled model: the default of `fastcar_threshold` and `fastcar.threshold`.
 
 Compiler-side (it edits the graph); the runtime's calibration picks tau and calls `fastcar_compile.api.
-bake_threshold`, which runs this pass.
+bake_threshold`, which runs this pass. A model written before the defaults left the graph inputs
+(contract.OVERRIDABLE) comes out in today's form, so ONNX Runtime no longer warns when it loads it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ class BakeThresholdPass(ir.passes.InPlacePass):
         graph = model.graph
         value = graph.initializers.get(contract.THRESHOLD)
         meta = contract.FastCarMetadata.from_props(model.metadata_props)
-        if value is None or value not in graph.inputs or value.const_value is None or meta is None:
-            raise FastCarError(f"{self.where} has no {contract.THRESHOLD} input with a default; is it a "
+        if value is None or value.const_value is None or meta is None:
+            raise FastCarError(f"{self.where} has no default {contract.THRESHOLD}; is it a "
                                "FastCar-compiled model?")
         old = value.const_value.numpy()
         new = self.tau.astype(np.float32)
@@ -39,4 +40,8 @@ class BakeThresholdPass(ir.passes.InPlacePass):
         value.const_value = ir.tensor(new, name=contract.THRESHOLD)
         baked = float(new) if new.ndim == 0 else [float(x) for x in new]
         model.metadata_props.update(dataclasses.replace(meta, threshold=baked).to_props())
+        keep = [v for v in graph.inputs if not (v.name in contract.OVERRIDABLE and v.const_value is not None)]
+        if len(keep) != len(graph.inputs):
+            graph.inputs.clear()
+            graph.inputs.extend(keep)
         return ir.passes.PassResult(model, modified=True)

@@ -27,6 +27,7 @@ from fastcar_compile.core.fileio import model_fingerprint, read_json, refuse_spe
 from fastcar_compile.core.limits import INT64_MAX, MAX_THREADS, check_fits_memory, check_int
 from fastcar_compile.core.locks import folder_lock
 from fastcar_compile.runtime.binding import StepBinding
+from fastcar_compile.runtime.overridable import model_source
 from fastcar_compile.runtime.tokens import check_token_ids
 
 _ORT_DTYPES: dict[str, np.dtype] = {
@@ -170,9 +171,6 @@ class FastCarSession:
         if not self.path.is_file():
             raise FastCarError(f"model file {self.path} does not exist; pass the path of an .onnx file")
         so = session_options if session_options is not None else self._options(threads)
-        # fast.onnx keeps video_start/fastcar_threshold as inputs with defaults by design; ORT warns about
-        # each at WARNING level on load, so warnings are kept off the session (errors still show)
-        so.log_severity_level = max(so.log_severity_level, 3)
         so.enable_mem_pattern = False  # also on a caller's options: see _options (flat memory with a bounded cache)
         self.native_library: str | None = None
         lib = None
@@ -191,14 +189,16 @@ class FastCarSession:
                          "enable_cpu_mem_arena", "log_severity_level"):
                 setattr(plain_so, attr, getattr(so, attr))
             so.register_custom_ops_library(str(lib))
+        # video_start / fastcar_threshold as plain inputs, fed every run
+        source = model_source(self.path, *{id(o): o for o in (so, plain_so)}.values())
         try:
-            self.session = ort.InferenceSession(str(self.path), sess_options=so, providers=provs)
+            self.session = ort.InferenceSession(source, sess_options=so, providers=provs)
             self.native_library = str(lib) if lib is not None else None
         except Exception as exc:  # ORT raises its own exception types; make it a user error
             if lib is not None and native is None and "TemporalGate" in str(exc) + str(exc.__cause__):
                 # the kernels are float32 only: a float16 model keeps its function bodies
                 try:
-                    self.session = ort.InferenceSession(str(self.path), sess_options=plain_so, providers=provs)
+                    self.session = ort.InferenceSession(source, sess_options=plain_so, providers=provs)
                 except Exception as exc2:
                     raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc2}") from exc2
             else:
@@ -206,9 +206,7 @@ class FastCarSession:
         self.meta: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self.fastcar: contract.FastCarMetadata | None = contract.FastCarMetadata.from_props(self.meta)
         self.is_fastcar = self.fastcar is not None
-        # inputs with a default initializer (video_start, fastcar_threshold) are "overridable initializers"
-        self._inputs = {i.name: i for i in [*self.session.get_inputs(),
-                                            *self.session.get_overridable_initializers()]}
+        self._inputs = {i.name: i for i in self.session.get_inputs()}
         self._outputs = {o.name: o for o in self.session.get_outputs()}
         self.output_names = list(self._outputs)
         self._kv_stats_names = [n for n in self.output_names if n.startswith(contract.KV_STATS_PREFIX)]
@@ -227,8 +225,8 @@ class FastCarSession:
         self.num_layers = (fc.num_layers if fc is not None else 0) or self._count_kv_layers()
         self.per_layer_threshold = fc.per_layer_threshold if fc is not None else False
         self.default_threshold = fc.threshold if fc is not None else None
-        # compiled with required_video_inputs: tau has no default in the graph, so every run feeds one
-        self._feed_tau = contract.THRESHOLD in {i.name for i in self.session.get_inputs()}
+        # tau is a plain input (model_source): every run feeds one, the metadata's default unless the caller's
+        self._feed_tau = contract.THRESHOLD in self._inputs
         self.max_replay = fc.max_replay if fc is not None else 0
         self.specs: list[StateSpec] = self._pair_state()
         # layer -> (age output, value of a slot just written by a computed MLP = the new-video fill + 1):

@@ -49,9 +49,15 @@ def skip_native_half(lib: Path | None) -> None:
                     "(`python -m fastcar_compile.runtime.native.build` says why)")
 
 
-def make_session(path: str | Path | bytes, threads: int = 1, native: bool = False) -> ort.InferenceSession:
+# the compiled model's per-run values: initializers of fast.onnx, made graph inputs where a test feeds them
+VIDEO_INPUTS = frozenset({"video_start", "fastcar_threshold"})
+
+
+def make_session(path: str | Path | bytes, threads: int = 1, native: bool = False,
+                 inputs: set[str] | frozenset[str] = frozenset()) -> ort.InferenceSession:
     """A CPU session with one intra-op thread (the test machine is shared); `native`: with the ai.fastcar kernels
-    registered (the test is skipped where they are not built)."""
+    registered (the test is skipped where they are not built); `inputs`: initializers of the file made plain
+    graph inputs, so a run can feed them (fast.onnx's `video_start`, `fastcar_threshold` defaults)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
@@ -65,8 +71,34 @@ def make_session(path: str | Path | bytes, threads: int = 1, native: bool = Fals
         if lib is None:
             pytest.skip("native kernels not built here")
         so.register_custom_ops_library(str(lib))
-    model = path if isinstance(path, bytes) else str(path)
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model_source(path, so, inputs), so, providers=["CPUExecutionProvider"])
+
+
+def model_source(path: str | Path | bytes, so: ort.SessionOptions, inputs=frozenset()) -> str | bytes:
+    """The model for InferenceSession: its path, or with the initializers named in `inputs` made plain graph
+    inputs (ONNX Runtime cannot feed an initializer that is not an input; its session-level initializer override
+    is applied after constant folding, so it is not used here)."""
+    if isinstance(path, bytes) or not inputs:
+        return path if isinstance(path, bytes) else str(path)
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    graph = proto.graph
+    listed = {v.name for v in graph.input}
+    for t in [t for t in graph.initializer if t.name in inputs]:
+        if t.name not in listed:
+            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        graph.initializer.remove(t)
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                str(Path(path).resolve().parent))
+    return proto.SerializeToString()
+
+
+def session_with(model: str | Path | ort.InferenceSession, values: dict[str, np.ndarray]) -> ort.InferenceSession:
+    """A session of `model` that takes each of `values` as a graph input (a session made elsewhere as it is)."""
+    if isinstance(model, ort.InferenceSession):
+        return model
+    return make_session(model, inputs=frozenset(values))
 
 
 def past_name_for(output_name: str) -> str | None:
@@ -151,23 +183,18 @@ def decode(
     pad: left-padding length per row of the prompt. video_start / threshold: override the graph's defaults
     (`video_start`, `fastcar_threshold` inputs); None leaves the defaults in the model.
     """
-    sess = model if isinstance(model, ort.InferenceSession) else make_session(model)
+    values = {name: np.asarray(value, dtype=dtype) for name, value, dtype in (
+        ("video_start", video_start, np.int64), ("fastcar_threshold", threshold, np.float32)) if value is not None}
+    sess, extra = session_with(model, values), values
     batch = int(steps[0].shape[0])
     input_names = {i.name for i in sess.get_inputs()}
     overridable = {i.name for i in sess.get_overridable_initializers()}
     out_names = [o.name for o in sess.get_outputs()]
     state = initial_state(sess, batch, frame_tokens, head_dim)
     mask, pos = left_pad_masks(pad if pad is not None else [0] * batch, int(steps[0].shape[1]))
-    extra: dict[str, np.ndarray] = {}
-    for name, value, dtype in (
-        ("video_start", video_start, np.int64),
-        ("fastcar_threshold", threshold, np.float32),
-    ):
-        if value is None:
-            continue
+    for name in extra:
         if name not in input_names | overridable:
             raise ValueError(f"model has no input {name!r} to override")
-        extra[name] = np.asarray(value, dtype=dtype)
     res = DecodeResult()
     for k, ids in enumerate(steps):
         ids = np.asarray(ids, dtype=np.int64)
@@ -201,14 +228,14 @@ def greedy(model: str | Path, prompt: list[int], new_tokens: int, video_start: i
            threshold: float | None = None, vocab_limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Greedy generation of one row: (the new tokens [new_tokens], replay bits [decode steps, layers] from the
     replay_mask.N outputs, when the model has them). Argmax over the first `vocab_limit` logits."""
-    sess = make_session(model)
+    values = {"video_start": np.array(video_start, np.int64)}
+    if threshold is not None:
+        values["fastcar_threshold"] = np.array(threshold, np.float32)
+    sess, extra = session_with(model, values), values
     input_names = {i.name for i in sess.get_inputs()} | {i.name for i in sess.get_overridable_initializers()}
     out_names = [o.name for o in sess.get_outputs()]
     masks = sorted((int(n.split(".")[1]), n) for n in out_names if n.startswith("replay_mask."))
     state = initial_state(sess, 1)
-    extra = {"video_start": np.array(video_start, np.int64)}
-    if threshold is not None:
-        extra["fastcar_threshold"] = np.array(threshold, np.float32)
     ids = np.array([prompt], np.int64)
     past, toks, bits = 0, [], []
     while len(toks) < new_tokens:

@@ -71,7 +71,7 @@ def test_packed_gate_matches_eager_reference(zoo_model, fc_compile, tmp_path, ca
         seen.append(result[1].notes)
         return result
 
-    session = functools.partial(ort_driver.make_session, native=True) if runner == "native" else None
+    session = functools.partial(ort_driver.make_session, native=True, inputs=ort_driver.VIDEO_INPUTS) if runner == "native" else None
     tpr.check_against_reference(zoo_model, functools.partial(compile_and_check), tmp_path, case, session=session)
     n = len(case.layers) if case.layers else 2
     assert any(f"one-node gate (packed TemporalGate) in {n}" in note for note in seen[0])

@@ -72,20 +72,21 @@ TOLERANCES = {"fp32": (TOL, TOL, MARGIN, 1e-5), "int4-fp32a": (TOL, TOL, MARGIN,
               "fp16": (3e-2, 1.5e-2, 2e-2, 2e-2)}
 
 
-def _session(path, precision: str, compiled: bool, native=None):
-    """ORT session for a genai graph (`native`: the ai.fastcar kernels' library, else the function bodies);
-    the builder's fp16 CPU graph runs only without memory reuse (its repeat_kv tensors declare dim names ORT's
-    buffer reuse trusts, passes/kv_dims.py; compiled graphs are repaired and run with the defaults)."""
+def _session(path, precision: str, compiled: bool, native=None, inputs=frozenset()):
+    """ORT session for a genai graph (`native`: the ai.fastcar kernels' library, else the function bodies;
+    `inputs`: video_start / fastcar_threshold made graph inputs to feed); the builder's fp16 CPU graph runs only
+    without memory reuse (its repeat_kv tensors declare dim names ORT's buffer reuse trusts, passes/kv_dims.py;
+    compiled graphs are repaired and run with the defaults)."""
     import onnxruntime as ort
 
     if (precision != "fp16" or compiled) and native is None:
-        return ort_driver.make_session(path)
+        return ort_driver.make_session(path, inputs=inputs)
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.log_severity_level = 1, 3
     so.enable_mem_reuse = precision != "fp16" or compiled
     if native is not None:
         so.register_custom_ops_library(str(native))
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(ort_driver.model_source(path, so, inputs), so, providers=["CPUExecutionProvider"])
 
 
 def _natives(precision: str) -> list:
@@ -166,13 +167,13 @@ def _compiled_matches_reference(genai_model, fc_compile, tmp_path, family: str, 
     assert report.rewritten == [0, 1]
     natives = _natives(precision)
     for native in natives:
-        got = ort_driver.decode(_session(out, precision, compiled=True, native=native), run.steps,
-                                video_start=VIDEO_START, head_dim=head_dim)
+        got = ort_driver.decode(_session(out, precision, compiled=True, native=native, inputs={"video_start"}),
+                                run.steps, video_start=VIDEO_START, head_dim=head_dim)
         _check_decode(got, run, precision, f"native {native}", lambda i: (f"past_mlp_age.{i}", run.final_age[i]))
     never_tol = TOLERANCES[precision][3]
     dense = ort_driver.decode(_session(src, precision, compiled=False), run.steps, head_dim=head_dim)
-    never = ort_driver.decode(_session(out, precision, compiled=True), run.steps, video_start=VIDEO_START,
-                              threshold=float("inf"), head_dim=head_dim)
+    never = ort_driver.decode(_session(out, precision, compiled=True, inputs=ort_driver.VIDEO_INPUTS), run.steps,
+                              video_start=VIDEO_START, threshold=float("inf"), head_dim=head_dim)
     for a, b in zip(never.logits, dense.logits, strict=True):
         assert np.abs(a.astype(np.float32) - b.astype(np.float32)).max() <= never_tol
     if precision != "fp16" and len(natives) == 1:
@@ -266,8 +267,8 @@ def test_genai_state_names_match_reference(genai_model, fc_compile, tmp_path, fa
     assert not any(n.startswith(("past_mlp_cache.", "past_mlp_age.")) for n in names)
     natives = _natives(precision)
     for native in natives:
-        got = ort_driver.decode(_session(out, precision, compiled=True, native=native), run.steps,
-                                video_start=VIDEO_START, head_dim=HEAD_DIM)
+        got = ort_driver.decode(_session(out, precision, compiled=True, native=native, inputs={"video_start"}),
+                                run.steps, video_start=VIDEO_START, head_dim=HEAD_DIM)
         _check_decode(got, run, precision, f"genai names, native {native}",
                       lambda i: (f"past_key_values.{i}.recurrent_state", run.final_age[i] + 1))
     if precision != "fp16" and len(natives) == 1:

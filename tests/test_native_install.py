@@ -66,16 +66,3 @@ def test_no_compiler_says_why_in_one_line(fast_model, tmp_path):
 def test_env_off_is_reported(fast_model):
     r = _run(fast_model, FASTCAR_NATIVE="0")
     assert "native kernels OFF (FASTCAR_NATIVE=0)" in r.stderr and "LIB None" in r.stdout
-
-
-def test_no_overridable_initializer_warning(fast_model):
-    """Stock ORT warns about video_start/fastcar_threshold on load; a FastCarSession with the user's own
-    SessionOptions does not (ORT itself is the reference that the warning exists)."""
-    code = ("import sys, onnxruntime as ort\n"
-            "from fastcar_compile.runtime import FastCarSession\n"
-            "if sys.argv[2] == 'ort': ort.InferenceSession(sys.argv[1], ort.SessionOptions())\n"
-            "else: FastCarSession(sys.argv[1], session_options=ort.SessionOptions(), native=False)\n")
-    plain = subprocess.run([sys.executable, "-c", code, str(fast_model), "ort"], capture_output=True, text=True)
-    ours = subprocess.run([sys.executable, "-c", code, str(fast_model), "ours"], capture_output=True, text=True)
-    assert "appears in graph inputs" in plain.stderr
-    assert ours.returncode == 0 and "appears in graph inputs" not in ours.stderr

@@ -195,7 +195,7 @@ def test_packed_matches_eager_reference(zoo_model, fc_compile, tmp_path, kind, f
 
     case = tpr.Case(family, "dynamo20", "rope", max_replay=2, pad=(0, 2), video_start=3, per_layer=True,
                     chunk=L + 2 if kind == "fastcar" else 0)
-    session = functools.partial(ort_driver.make_session, native=True) if runner == "native" else None
+    session = functools.partial(ort_driver.make_session, native=True, inputs=ort_driver.VIDEO_INPUTS) if runner == "native" else None
     tpr.check_against_reference(zoo_model, compile_and_check, tmp_path, case, session=session)
     n = zoo.model_info(family).num_layers
     assert any(f"packed QKV with RoPE inside {OPS[kind]} in {n} layers" in x for x in notes), notes

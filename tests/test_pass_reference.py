@@ -191,8 +191,8 @@ def _real(run: RefRun, pad: tuple[int, int], k: int, aligned: bool) -> np.ndarra
 
 
 def check_against_reference(zoo_model, fc_compile, tmp_path: Path, case: Case, session=None) -> None:
-    """`session`: path -> ort.InferenceSession to run the compiled model with (default: stock ORT, the
-    function bodies)."""
+    """`session`: path -> ort.InferenceSession to run the compiled model with, taking `video_start` and
+    `fastcar_threshold` as inputs (as FastCarSession's session does; default: stock ORT, the function bodies)."""
     run, taus, layers = reference_run(case, n_decode=5 * L - 1)
     src = zoo_model(case.family, case.exporter)
     out = tmp_path / "fast.onnx"
@@ -214,7 +214,7 @@ def check_against_reference(zoo_model, fc_compile, tmp_path: Path, case: Case, s
         run.steps,
         pad=list(case.pad),
         video_start=case.video_start,
-        threshold=tau_arg if case.runtime_tau else None,
+        threshold=tau_arg if case.runtime_tau or session is not None else None,
     )
     n_layers = zoo.model_info(case.family).num_layers
     assert sorted(got.replay_mask) == layers, (

@@ -357,7 +357,8 @@ def _lowering_vs_onnx_path(family, zoo_model, fc_compile, tmp_path, fpga=False):
     so.profile_file_prefix = str(tmp_path / "prof")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep the node names
     so.intra_op_num_threads = 1
-    sess = ort.InferenceSession(str(tmp_path / "torch.onnx"), so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(ort_driver.model_source(tmp_path / "torch.onnx", so, {"video_start"}), so,
+                                providers=["CPUExecutionProvider"])
     got = [ort_driver.decode(sess, run.steps, pad=list(case.pad), video_start=case.video_start),
            ort_driver.decode(tmp_path / "onnx.onnx", run.steps, pad=list(case.pad), video_start=case.video_start)]
     rows = _mlp_rows_run(tmp_path / "torch.onnx", sess.end_profiling())

@@ -57,6 +57,10 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
 # --- what the compiler adds ------------------------------------------------------------------------------------
 VIDEO_START = "video_start"
 THRESHOLD = "fastcar_threshold"
+# Per-run values with a default: stored as initializers that are NOT graph inputs (ONNX Runtime warns on load about
+# every initializer listed as an input), so a stock session runs with the defaults; FastCarSession loads them as
+# plain inputs and feeds them (runtime/overridable.py). --required-video-inputs makes them plain inputs on disk.
+OVERRIDABLE = (VIDEO_START, THRESHOLD)
 
 
 def aligned_is_video(p: Any, frame_tokens: int, video_start: Any) -> Any:

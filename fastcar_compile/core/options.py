@@ -151,8 +151,8 @@ OPTIONS: tuple[Option, ...] = (
            torch=True, metavar="L"),
     Option("threshold", float | Sequence[float], (-4.0,),
            "tau: replay when TAS > tau (default -4; inf never replays). With --per-layer-threshold a "
-           "comma-separated list, one per rewritten layer. Stored as the default of the overridable input "
-           "'fastcar_threshold'", "--threshold", convert=_threshold, record="threshold", torch=True,
+           "comma-separated list, one per rewritten layer. Stored as the default of "
+           "'fastcar_threshold', which FastCarSession can override per run", "--threshold", convert=_threshold, record="threshold", torch=True,
            metavar="TAU"),
     Option("tas_query", str, contract.TAS_ROPE,
            "query for TAS: 'rope' = as attention uses it (default); 'raw' = before RoPE, as the published FastCar "

@@ -211,13 +211,12 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
     fastcar_ops.add_functions(model, model.opset_imports.get("", opset))
     rebuild_branches(model, layers=list(dec.layers), options=options_of(dec))
     graph = model.graph
-    for value in graph.inputs:  # defaults, as the ONNX path writes them
-        if value.name == contract.VIDEO_START:
-            value.const_value = ir.tensor(np.array(dec.video_start, np.int64), name=value.name)
-            graph.register_initializer(value)
-        elif value.name == contract.THRESHOLD:
-            value.const_value = ir.tensor(dec.threshold_tensor().numpy(), name=value.name)
-            graph.register_initializer(value)
+    defaults = {contract.VIDEO_START: np.array(dec.video_start, np.int64),
+                contract.THRESHOLD: dec.threshold_tensor().numpy()}
+    for value in [v for v in graph.inputs if v.name in defaults]:  # initializers, not inputs, as the ONNX path writes them
+        graph.inputs.remove(value)
+        value.const_value = ir.tensor(defaults[value.name], name=value.name)
+        graph.register_initializer(value)
     if not emit_diagnostics:
         diag = {n for i in dec.layers for n in (contract.replay_mask_output(i), contract.tas_output(i))}
         keep = [o for o in graph.outputs if o.name not in diag]
