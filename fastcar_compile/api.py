@@ -19,9 +19,10 @@ from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.core import fileio
 from fastcar_compile.core import options as declared
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.passes import genai_state, native_gqa
+from fastcar_compile.passes import fused_attention, genai_state, native_gqa
 from fastcar_compile.passes.analysis import find_layers, parse_layers
 from fastcar_compile.passes.context import CompileContext, CompileOptions
+from fastcar_compile.passes.plan import plan_blocks
 from fastcar_compile.passes.threshold import BakeThresholdPass
 from fastcar_compile.passes.validate import ValidatePass
 from fastcar_compile.save import SavePass, Staging
@@ -60,7 +61,11 @@ def inspect(model) -> CompileReport:
     """Discovery only: what was found in each layer, and why a layer did not match."""
     loaded, _ = load(model)
     notes: list[str] = []
-    report = CompileReport.from_matches(find_layers(loaded, notes))
+    matches = find_layers(loaded, notes)
+    report = CompileReport.from_matches(matches)
+    defaults = CompileOptions(frame_tokens=1)  # what a compile with default options plans (frame_tokens aside)
+    fused = fused_attention.fusable(loaded, matches, defaults, notes)
+    report.plan = plan_blocks(matches, [m.layer for m in matches if m.ok], defaults, fused).lines()
     report.notes.extend(notes)
     report.notes.extend(native_gqa.inspect_notes(loaded))
     return report
@@ -104,6 +109,7 @@ def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[
     report.notes = ctx.notes
     report.metadata = ctx.metadata
     report.passes = pipeline.describe(manager)
+    report.plan = ctx.plan.lines()
     return loaded, report
 
 

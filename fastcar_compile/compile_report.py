@@ -24,6 +24,7 @@ class CompileReport:
     notes: list[str] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
     passes: list[str] = field(default_factory=list)
+    plan: list[str] = field(default_factory=list)  # passes/plan.py Plan.lines(): per layer, what is built
 
     @classmethod
     def from_matches(cls, matches: list[LayerMatch]) -> CompileReport:
@@ -47,6 +48,9 @@ class CompileReport:
             lines.append(f"  layer {r.layer:>3}: {state:<11} {r.summary}")
             if verbose or not r.matched:
                 lines.extend(f"               {t}" for t in r.trace)
+        if verbose and self.plan:
+            lines.append("plan:")
+            lines.extend(f"  {p}" for p in self.plan)
         lines.extend(f"note: {n}" for n in self.notes)
         if verbose and self.passes:
             lines.append("passes:")

@@ -1,6 +1,6 @@
 """The compiler's pipeline: which `onnx_ir.passes` passes run, in order, for a set of options.
 
-    [fused attention ->] discover -> select layers -> gate -> branch -> cache state [-> genai state]
+    discover -> select layers -> plan [-> fused attention] -> gate -> branch -> cache state [-> genai state]
     [-> native GroupQueryAttention]
     [-> rotary, q/k/v layout + packed gate [-> packed QKV + RoPE in the op], RMSNorm, MLP norm hoist,
      skip-norm fusions] -> row select into the gate
@@ -15,7 +15,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.passes.analysis import DiscoverPass, SelectLayersPass
+from fastcar_compile.passes.analysis import DiscoverPass, PlanPass, SelectLayersPass
 from fastcar_compile.passes.branch import BranchPass
 from fastcar_compile.passes.cache_state import CacheStatePass
 from fastcar_compile.passes.context import CompileContext
@@ -38,9 +38,10 @@ from fastcar_compile.save import SavePass, Staging
 def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = True) -> ir.passes.PassManager:
     """The passes for `ctx.options`; with `staging` the result is validated (unless off) and saved."""
     passes: list[ir.passes.PassBase] = [
-        *([FusedAttentionPass(ctx)] if ctx.options.fused_attention else []),
         DiscoverPass(ctx),
         SelectLayersPass(ctx),
+        PlanPass(ctx),
+        *([FusedAttentionPass(ctx)] if ctx.options.fused_attention else []),
         GatePass(ctx),
         BranchPass(ctx),
         CacheStatePass(ctx),

@@ -1,8 +1,9 @@
-"""Discovery as passes: find the decoder layers (an analysis), then select the ones to rewrite.
+"""Discovery as passes: find the decoder layers (an analysis), select the ones to rewrite, plan each layer.
 
 `DiscoverPass` wraps `passes.discover.discover` (the matchers) and attaches its `LayerMatch` list to the
 context; it only changes the model when a first look fails and ONNX shape inference is run to fill in
 shapes some exporters leave unknown. `SelectLayersPass` applies `--layers` and checks the thresholds.
+`PlanPass` decides, from the matches and the options, what each layer becomes (passes/plan.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import check_state_size
 from fastcar_compile.core.options import ascii_int
 from fastcar_compile.passes import discover as disc
+from fastcar_compile.passes import fused_attention
 from fastcar_compile.passes.context import CompileContext, weight_bytes
+from fastcar_compile.passes.plan import plan_blocks
 
 # Above this many bytes of weights shape inference is not tried (it would serialise every weight).
 SHAPE_INFERENCE_LIMIT = 2 << 30
@@ -61,9 +64,7 @@ def infer_shapes(model: ir.Model) -> str | None:
 
 def find_layers(model: ir.Model, notes: list[str] | None = None) -> list[disc.LayerMatch]:
     """Discovery, retried after shape inference when a layer does not match (TorchScript leaves shapes out)."""
-    # (the fused-attention pass runs first and may already have put CompressedAttention nodes in)
-    if "fastcar.version" in model.metadata_props or any(
-            n.domain == "ai.fastcar" and n.op_type != contract.COMPRESSED_ATTENTION for n in model.graph):
+    if "fastcar.version" in model.metadata_props or any(n.domain == contract.DOMAIN for n in model.graph):
         raise FastCarError("the model is already compiled by fastcar-compile (fastcar.version "
                            f"{model.metadata_props.get('fastcar.version', '?')}); compile the original export "
                            "(to change tau, use fastcar_compile.api.bake_threshold)")
@@ -158,4 +159,20 @@ class SelectLayersPass(ir.passes.InPlacePass):
             raise FastCarError(f"--threshold gives {len(opts.threshold)} values for {len(ctx.selected)} rewritten layers")
         if ctx.selected and ctx.selected[0].mlp is not None:
             check_state_size(opts.frame_tokens, ctx.selected[0].mlp.hidden, len(ctx.selected))
+        return ir.passes.PassResult(model, modified=False)
+
+
+class PlanPass(ir.passes.InPlacePass):
+    """Analysis: the per-layer plan (attention op, KV mode, gate form, packing, rows) the emission builds."""
+
+    def __init__(self, ctx: CompileContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        ctx = self.ctx
+        ctx.fusions = fused_attention.fusable(model, ctx.matches, ctx.options, ctx.notes)
+        ctx.kv_configs = fused_attention.kv_configs(ctx.options, ctx.fusions)
+        kv = {n: fused_attention.describe(c) for n, c in ctx.kv_configs.items()}
+        ctx.plan = plan_blocks(ctx.matches, [m.layer for m in ctx.selected], ctx.options, ctx.fusions, kv)
         return ir.passes.PassResult(model, modified=False)

@@ -22,6 +22,7 @@ from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import MAX_KV_BUDGET, MAX_KV_DIAGNOSTICS, check_int
 from fastcar_compile.core.options import FUSED_ATTENTION, ascii_float, ascii_int, check_fused_attention  # noqa: F401
 from fastcar_compile.passes.discover import LayerMatch
+from fastcar_compile.passes.plan import Plan
 
 if TYPE_CHECKING:
     from fastcar_compile.fastar.config import KVCompressConfig
@@ -278,6 +279,8 @@ class CompileContext:
     kv_state: list[contract.StateEntry] = field(default_factory=list)  # compressed-KV slot state (fused pass)
     kv_configs: dict[int, object] = field(default_factory=dict)  # those layers' fastar.KVCompressConfig
     rotary_table: int | None = None  # positions of PackQkvPass's cos/sin table when it packed a layer
+    fusions: dict[int, dict] = field(default_factory=dict)  # layer -> what its fused attention reads (the plan's)
+    plan: Plan = field(default_factory=Plan)  # per layer: what the emission builds (PlanPass)
     genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator
 
     @property

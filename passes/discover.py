@@ -51,18 +51,33 @@ def discover(model: ir.Model) -> list[LayerMatch]:
     matches = []
     for layer, kv in kv_outputs(graph).items():
         match = LayerMatch(layer)
-        ctx.trace = match.trace
-        try:
-            if "key" not in kv or "value" not in kv:
-                raise MatchFailure("kv", f"present.{layer}.key/value: only {sorted(kv)} found", "graph outputs")
-            match.attention = find_attention(ctx, kv["key"], kv["value"])
-            join, _, match.mlp = find_mlp(ctx, match.attention.core_output)
-            match.attention.join = join.node
-            match.attention.stream_in = match.mlp.residual if match.mlp.form == "parallel residual" else join.other
-        except MatchFailure as exc:
-            match.failure = exc
+        _match_layer(ctx, match, kv)
         matches.append(match)
     return matches
+
+
+def rematch(model: ir.Model, matches: list[LayerMatch]) -> None:
+    """Match these layers again in place, after a pass replaced their attention by com.microsoft's
+    GroupQueryAttention (`--fused-attention gqa`): its query is a new [B, S, H*D] view the gate then reads."""
+    ctx = MatchContext.of(model.graph)
+    kvs = kv_outputs(model.graph)
+    for match in matches:
+        match.attention, match.mlp, match.failure = None, None, None
+        match.trace.clear()
+        _match_layer(ctx, match, kvs[match.layer])
+
+
+def _match_layer(ctx: MatchContext, match: LayerMatch, kv: dict[str, ir.Value]) -> None:
+    ctx.trace = match.trace
+    try:
+        if "key" not in kv or "value" not in kv:
+            raise MatchFailure("kv", f"present.{match.layer}.key/value: only {sorted(kv)} found", "graph outputs")
+        match.attention = find_attention(ctx, kv["key"], kv["value"])
+        join, _, match.mlp = find_mlp(ctx, match.attention.core_output)
+        match.attention.join = join.node
+        match.attention.stream_in = match.mlp.residual if match.mlp.form == "parallel residual" else join.other
+    except MatchFailure as exc:
+        match.failure = exc
 
 
 def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> AttentionBlock:
@@ -117,8 +132,8 @@ def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> Atten
                                "graph inputs")
         window = ma.window_length(pkey)
         ctx.trace.append(f"sliding-window cache: keeps {window if window is not None else '?'} positions")
-    # GroupQueryAttention's total_sequence_length / CompressedAttention's total_len (both input 6)
-    gqa = core.core.op_type in ("GroupQueryAttention", contract.COMPRESSED_ATTENTION) and len(core.core.inputs) > 6
+    # GroupQueryAttention's total_sequence_length (input 6)
+    gqa = core.core.op_type == contract.GROUP_QUERY_ATTENTION and len(core.core.inputs) > 6
     return AttentionBlock(pkey, pvalue, core.core, core.core_output, q, layout, q_raw, raw_layout, rope, heads,
                           num_kv, head_dim, form=form, keys=core.keys, window=window,
                           total_len=core.core.inputs[6] if gqa else None)

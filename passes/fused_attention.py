@@ -23,6 +23,7 @@ padding and causality over KV indices inside the op), so multi-token steps after
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -213,6 +214,46 @@ def _own_names(nodes: list[ir.Node], key: str, tag: bool) -> None:
             node.metadata_props.clear()
 
 
+def fusable(model: ir.Model, matches: list[disc.LayerMatch], opts, notes: list[str]) -> dict[int, dict]:
+    """Layer -> what its fusion needs, for the layers `--fused-attention` replaces (the plan's decision; {} when
+    none). Refuses compressed-KV options this model cannot take and --kv-layer naming a layer left as exported."""
+    if not opts.fused_attention:
+        return {}
+    graph = model.graph
+    mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
+    plans = {m.layer: p for m in matches if (p := _plan(m)) is not None} if mask is not None else {}
+    dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT if plans else None
+    compress = opts.kv_compress is not None or any(c is not None for c in opts.kv_layer_configs.values())
+    if compress and (not plans or dtype != ir.DataType.FLOAT):
+        why = "no attention_mask input" if mask is None else "no exported MatMul/Softmax attention core " \
+            "(dynamo / ort_fusions exports of LLaMA-style models)" if not plans else f"a {dtype.name.lower()} model"
+        raise FastCarError(f"--kv-budget/--tempcache/--sparse-attention/--prune-prompt need the fastcar attention "
+                           f"op, which "
+                           f"this model cannot take ({why}; the op is float32); drop those options")
+    if mask is None:
+        notes.append("fused attention: no attention_mask input; attention left as exported")
+        return {}
+    if not plans:
+        return {}
+    if opts.fused_attention == "fastcar":
+        if dtype != ir.DataType.FLOAT:  # the op is float32 (kernel and body): other dtypes stay as exported
+            notes.append(f"fused attention: {dtype.name.lower()} model; attention left as exported "
+                         "(the fastcar op is float32)")
+            return {}
+        unknown = sorted(set(opts.kv_layer_configs) - set(plans))
+        if unknown:
+            raise FastCarError(f"--kv-layer names layer {unknown[0]}, but the fastcar attention op replaced only "
+                               f"layers {sorted(plans)}; name those")
+    return plans
+
+
+def kv_configs(opts, plans: dict[int, dict]) -> dict:
+    """Layer -> its compressed-KV settings (fastar.KVCompressConfig) among the fused layers (`fastcar` only)."""
+    if opts.fused_attention != "fastcar":
+        return {}
+    return {n: c for n in sorted(plans) if (c := opts.kv_config(n)) is not None}
+
+
 class FusedAttentionPass(ir.passes.InPlacePass):
     """Exported attention cores (cache Concat, K transpose, GQA expand, MatMul/Softmax) -> GroupQueryAttention."""
 
@@ -222,29 +263,14 @@ class FusedAttentionPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
-        plans = {m.layer: p for m in disc.discover(model) if (p := _plan(m)) is not None} if mask is not None else {}
-        dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT if plans else None
-        opts = self.ctx.options
-        compress = opts.kv_compress is not None or any(c is not None for c in opts.kv_layer_configs.values())
-        if compress and (not plans or dtype != ir.DataType.FLOAT):
-            why = "no attention_mask input" if mask is None else "no exported MatMul/Softmax attention core " \
-                "(dynamo / ort_fusions exports of LLaMA-style models)" if not plans else f"a {dtype.name.lower()} model"
-            raise FastCarError(f"--kv-budget/--tempcache/--sparse-attention/--prune-prompt need the fastcar attention "
-                               f"op, which "
-                               f"this model cannot take ({why}; the op is float32); drop those options")
-        if mask is None:
-            self.ctx.notes.append("fused attention: no attention_mask input; attention left as exported")
-            return ir.passes.PassResult(model, modified=False)
+        plans = self.ctx.fusions  # the plan's layers (fusable), matched before this pass
         if not plans:
             return ir.passes.PassResult(model, modified=False)
+        mask = next(v for v in graph.inputs if v.name == "attention_mask")
+        dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT
         shared: list[ir.Node] = []
         b = build.Builder(0, shared, itertools.count())
         if self.ctx.options.fused_attention == "fastcar":
-            if dtype != ir.DataType.FLOAT:  # the op is float32 (kernel and body): other dtypes stay as exported
-                self.ctx.notes.append(f"fused attention: {dtype.name.lower()} model; attention left as exported "
-                                      "(the fastcar op is float32)")
-                return ir.passes.PassResult(model, modified=False)
             return self._fastcar(model, plans, mask, shared, b)
         # Shared inputs of every layer's GQA: lengths and the left-padding bias.
         total64 = b("Squeeze", [b("Shape", [mask], {"start": 1, "end": 2}),
@@ -264,6 +290,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             self._fuse(graph, n, p, seqlens, total, bias4)
         model.opset_imports.setdefault(MS, 1)
         RemoveUnusedNodesPass()(model)
+        disc.rematch(model, [m for m in self.ctx.matches if m.layer in plans])  # (com.microsoft's op)
         self.ctx.notes.append(f"fused attention (GroupQueryAttention) in layers {sorted(plans)}")
         return ir.passes.PassResult(model, modified=True)
 
@@ -276,11 +303,8 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         _own_names(shared, "shared", tag=False)
         graph.insert_before(graph[0], shared)
         opts = self.ctx.options
-        unknown = sorted(set(opts.kv_layer_configs) - set(plans))
-        if unknown:
-            raise FastCarError(f"--kv-layer names layer {unknown[0]}, but the fastcar attention op replaced only "
-                               f"layers {sorted(plans)}; name those")
         configs = {n: opts.kv_config(n) for n in plans}
+        cores: dict[int, ir.Node] = {}
         for n, p in sorted(plans.items()):
             cfg = configs[n]
             nodes: list[ir.Node] = []
@@ -301,6 +325,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, outputs=n_out,
                       part="attention")
             out, present_k, present_v = outs[:3]
+            cores[n] = out.producer()
             if cfg is not None:
                 self._slot_outputs(graph, n, outs, inputs[7:])
             out.shape, out.type = ir.Shape([None, None, p["heads"] * p["head_dim"]]), p["out"].type
@@ -311,7 +336,12 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         RemoveUnusedNodesPass()(model)
         self.ctx.notes.append(f"fused attention (ai.fastcar CompressedAttention) in layers {sorted(plans)}")
-        self.ctx.kv_configs = {n: c for n, c in sorted(configs.items()) if c is not None}
+        for m in self.ctx.matches:  # the layer's attention is now the op this pass built
+            if m.layer in cores:
+                core = cores[m.layer]
+                m.attention = dataclasses.replace(
+                    m.attention, core_node=core, core_output=core.outputs[0], present_key=core.outputs[1],
+                    present_value=core.outputs[2], keys=core.outputs[1], total_len=core.inputs[6], form="fused op")
         for text in dict.fromkeys(describe(c) for c in self.ctx.kv_configs.values()):
             same = [n for n, c in self.ctx.kv_configs.items() if describe(c) == text]
             self.ctx.notes.append(f"compressed KV cache in layers {same}: {text}")

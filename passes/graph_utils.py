@@ -15,7 +15,7 @@ SKIP_NORM_OPS = frozenset({"SkipSimplifiedLayerNormalization", "SkipLayerNormali
 NORM_OPS = frozenset(
     {"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"} | SKIP_NORM_OPS
 )
-ATTENTION_OPS = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention", "CompressedAttention"})
+ATTENTION_OPS = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention"})
 ROTARY_OPS = frozenset({"RotaryEmbedding"})
 MATMUL_OPS = frozenset({"MatMul", "Gemm", "MatMulNBits", "FusedMatMul"})
 

@@ -14,7 +14,7 @@ from fastcar_compile.cli import main
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 L = 4
-PASSES = ["FusedAttentionPass", "DiscoverPass", "SelectLayersPass", "GatePass", "BranchPass", "CacheStatePass",
+PASSES = ["DiscoverPass", "SelectLayersPass", "PlanPass", "FusedAttentionPass", "GatePass", "BranchPass", "CacheStatePass",
           "NativeGqaPass",
           "RotaryFusionPass", "FusedLayoutPass", "PackQkvPass", "RmsNormFusionPass", "NormHoistPass", "SkipNormFusionPass",
           "RowGatePass", "KvDimNamesPass",

@@ -1,0 +1,166 @@
+"""The compile plan: per block, the forms discovery found and what the emission passes build from them.
+
+Discovery (passes/discover.py) matches the export once; `plan_blocks` turns its matches and the options into one
+frozen `DecoderLayerPlan` per KV-cache layer: the attention, rotary, residual and MLP forms found, the op the
+attention becomes, the KV cache mode and its settings, the TemporalGate form emitted, how the query is packed and
+where the MLP rows are selected. The emission passes decide from it (never from the ai.fastcar nodes an earlier
+pass built), and `--inspect -v` / `--verbose` print it.
+
+A new block kind (say a DiT block) is a new frozen dataclass deriving from `BlockPlan` with its own fields:
+`BlockPlan.lines` prints every field, so the report needs no change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import onnx_ir as ir
+
+from fastcar_compile.core import contract
+from fastcar_compile.passes import native_gqa
+from fastcar_compile.passes.layer_match import LayerMatch
+
+CompileOptions = Any  # passes/context.py's CompileOptions (which imports this module for the Plan it holds)
+
+# What the attention becomes (`attention_op`).
+AS_EXPORTED = "as exported"
+FASTCAR_ATTENTION = f"{contract.DOMAIN}.{contract.COMPRESSED_ATTENTION}"
+MS_GQA = f"{contract.MS_DOMAIN}.{contract.GROUP_QUERY_ATTENTION}"
+FASTCAR_GQA = f"{contract.DOMAIN}.{contract.GROUP_QUERY_ATTENTION}"
+
+
+@dataclass(frozen=True)
+class KvPlan:
+    """A layer's KV cache: `dense` (every position kept) or `compressed` with its settings (fastar.KVCompressConfig
+    as the fused attention's describe() says it)."""
+
+    mode: str = "dense"
+    settings: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.mode} ({self.settings})" if self.settings else self.mode
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """One block of the model: its index, whether discovery matched it, and whether the compile rewrites it."""
+
+    layer: int
+    matched: bool
+    rewrite: bool
+
+    def lines(self) -> list[str]:
+        """`layer N: field value, ...` over every field (a subclass's new fields print with no change here)."""
+        head = f"layer {self.layer:>3}: " + ("rewrite" if self.rewrite else "matched" if self.matched else
+                                              "not matched")
+        fields = [f for f in dataclasses.fields(self) if f.name not in ("layer", "matched", "rewrite")]
+        return [head] + [f"  {f.name.replace('_', ' ')}: {_text(getattr(self, f.name))}" for f in fields]
+
+
+def _text(value: object) -> str:
+    if isinstance(value, contract.GateForm):
+        on = [f.name for f in dataclasses.fields(value) if getattr(value, f.name)]
+        return "TemporalGate" + (f" [{', '.join(on)}]" if on else " [plain]")
+    return "-" if value is None else str(value)
+
+
+@dataclass(frozen=True)
+class DecoderLayerPlan(BlockPlan):
+    """A decoder layer: attention (-> KV cache, gate) then a residual MLP branch (-> the replayed rows)."""
+
+    attention: str = ""  # discovery's attention form and op
+    attention_op: str = AS_EXPORTED  # what the attention becomes (AS_EXPORTED, FASTCAR_ATTENTION, MS_GQA, ...)
+    rotary: str = ""
+    residual: str = ""  # how the MLP branch joins the stream (discovery's residual form)
+    mlp: str = ""
+    kv: KvPlan = KvPlan()
+    gate: contract.GateForm | None = None  # the TemporalGate form emitted (None: the layer is not rewritten)
+    tas_query: str = ""  # the query TAS reads: rope (after the rotary) or raw
+    packing: str = "-"  # how q/k/v reach the attention and the gate
+    row_selection: str = "-"  # where the MLP's computing rows are selected
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every block's plan, in layer order."""
+
+    blocks: tuple[BlockPlan, ...] = ()
+
+    def __getitem__(self, layer: int) -> BlockPlan:
+        return next(b for b in self.blocks if b.layer == layer)
+
+    def lines(self) -> list[str]:
+        return [line for block in self.blocks for line in block.lines()]
+
+
+def _attention_op(m: LayerMatch, opts: CompileOptions | None, fused: dict[int, dict]) -> str:
+    att = m.attention
+    native = opts is None or opts.native_attention  # NativeGqaPass: com.microsoft's op -> ai.fastcar's
+    if m.layer in fused:
+        if opts is not None and opts.fused_attention == "fastcar":
+            return FASTCAR_ATTENTION
+        return FASTCAR_GQA if native and fused[m.layer]["present_k"].dtype in (None, ir.DataType.FLOAT) else MS_GQA
+    if att is not None and native_gqa.is_ms_gqa(att.core_node):
+        return FASTCAR_GQA if native and native_gqa.unsupported(att.core_node) is None else MS_GQA
+    return AS_EXPORTED
+
+
+def _gate(m: LayerMatch, opts: CompileOptions | None, op: str, kv: KvPlan) -> contract.GateForm:
+    att = m.attention
+    assert att is not None
+    rows = opts is None or opts.shared_mlp
+    if att.packed_query is not None:  # GroupQueryAttention on packed QKV or rotating inside
+        rope = (opts is None or opts.tas_query == contract.TAS_ROPE) and att.packed_query.cos_cache is not None
+        return contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=rope, select_rows=rows)
+    if kv.mode != "dense":
+        return contract.GateForm(use_total_len=True, aligned_keys=True)
+    total = att.total_len is not None or op in (FASTCAR_ATTENTION, MS_GQA, FASTCAR_GQA)
+    return contract.GateForm(use_total_len=total)
+
+
+def _packing(m: LayerMatch, opts: CompileOptions | None, op: str, kv: KvPlan) -> str:
+    att = m.attention
+    assert att is not None
+    if att.packed_query is not None:
+        return "packed QKV " + ("with the rotary in the op" if att.packed_query.cos_cache is not None else "as exported")
+    fusions = opts is None or opts.fusions
+    if op == FASTCAR_ATTENTION and kv.mode == "dense" and fusions:
+        packed = opts is None or opts.pack_qkv
+        return ("[B, S, H*D] q/k/v and a packed gate" + (" + one QKV MatMul, RoPE in the op" if packed else "") +
+                " (where the fusions find the head split and rotary)")
+    if op in (MS_GQA, FASTCAR_GQA) and fusions and (opts is None or opts.pack_qkv):
+        return "one QKV MatMul, RoPE in the op (where the fusions find the head split and rotary)"
+    return f"separate q/k/v, query as {att.q_layout}"
+
+
+def plan_blocks(matches: list[LayerMatch], selected: list[int], opts: CompileOptions | None,
+                fused: dict[int, dict] | None = None, kv: dict[int, str] | None = None) -> Plan:
+    """The plan for discovery's `matches`: `selected` layers rewritten, `fused` layers' attention replaced by the
+    fused op (layer -> what fused_attention.fusable found), `kv` = layer -> settings text of its compressed cache. opts None: the defaults (what --inspect
+    plans)."""
+    blocks: list[BlockPlan] = []
+    for m in matches:
+        att, mlp = m.attention, m.mlp
+        if not m.ok or att is None or mlp is None:
+            blocks.append(DecoderLayerPlan(m.layer, False, False))
+            continue
+        op = _attention_op(m, opts, fused or {})
+        cache = KvPlan("compressed", kv[m.layer]) if kv and m.layer in kv else KvPlan()
+        rewrite = m.layer in selected
+        gate = _gate(m, opts, op, cache) if rewrite else None
+        rows = "-" if not rewrite else "in the gate (select_rows)" if gate.select_rows else \
+            "SelectRows, then one MLP under an If" if opts is None or opts.shared_mlp else "nested If (older layout)"
+        mlp_text = (f"{len(mlp.nodes)} nodes, hidden {mlp.hidden}, weights {mlp.weights}" +
+                    (", norm fused with the residual Add" if mlp.fused_norm else ""))
+        blocks.append(DecoderLayerPlan(
+            m.layer, True, rewrite,
+            attention=f"{att.form or 'matched'}: {att.core_node.domain or 'ai.onnx'}.{att.core_node.op_type}, heads "
+                      f"{att.num_heads}/{att.num_kv_heads}x{att.head_dim}" +
+                      (f", sliding window {att.window or '?'}" if att.sliding_window else ""),
+            attention_op=op, rotary=att.rope + (f" (rope TAS refused: {att.rope_refusal})" if att.rope_refusal else ""),
+            residual=mlp.form, mlp=mlp_text, kv=cache, gate=gate,
+            tas_query=(opts.tas_query if opts is not None else contract.TAS_ROPE) if rewrite else "",
+            packing=_packing(m, opts, op, cache) if rewrite else "-", row_selection=rows))
+    return Plan(tuple(blocks))

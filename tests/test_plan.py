@@ -1,0 +1,97 @@
+"""The per-layer plan: `--inspect -v` and `--verbose` print it, and the compiled model is what it says."""
+
+from __future__ import annotations
+
+import re
+
+import onnx
+
+from fastcar_compile.core import contract
+from fastcar_compile.cli import main
+
+L = 4
+
+
+def _plan_blocks(text: str) -> dict[int, dict[str, str]]:
+    """The `plan:` section of a report: layer -> {field: value}."""
+    assert "plan:" in text, text
+    blocks: dict[int, dict[str, str]] = {}
+    layer = None
+    for line in text.split("plan:", 1)[1].splitlines():
+        head = re.match(r"^  layer +(\d+): (\S.*)$", line)
+        if head:
+            layer = int(head.group(1))
+            blocks[layer] = {"state": head.group(2)}
+        elif line.startswith("    ") and layer is not None and ": " in line:
+            key, value = line.strip().split(": ", 1)
+            blocks[layer][key] = value
+        elif not line.startswith("  "):
+            break
+    return blocks
+
+
+def _gate_forms(path) -> dict[int, set[str]]:
+    """Layer -> the variant attributes set on its TemporalGate in the written model (ONNX's own reader)."""
+    forms: dict[int, set[str]] = {}
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        if node.domain == contract.DOMAIN and node.op_type == contract.TEMPORAL_GATE:
+            layer = int(dict((p.key, p.value) for p in node.metadata_props)[contract.TAG_LAYER])
+            forms[layer] = {a.name for a in node.attribute if a.name in contract.GATE_FORM_ATTRIBUTES and a.i}
+    return forms
+
+
+def test_inspect_v_plans_every_layer_of_a_dynamo_export(zoo_model, capsys):
+    model = zoo_model("llama", "dynamo20")
+    assert main([str(model), "--inspect", "-v"]) == 0
+    blocks = _plan_blocks(capsys.readouterr().out)
+    num_layers = len([o for o in onnx.load(str(model), load_external_data=False).graph.output
+                      if re.fullmatch(r"present\.\d+\.key", o.name)])
+    assert sorted(blocks) == list(range(num_layers))
+    for b in blocks.values():  # the dynamo export: MatMul/Softmax attention, rotate-half RoPE, two residual Adds
+        assert b["state"] == "rewrite"
+        assert b["attention"].startswith("MatMul/Softmax")
+        assert b["attention op"] == "ai.fastcar.CompressedAttention"  # the default --fused-attention
+        assert b["rotary"].startswith("rotate-half")
+        assert b["residual"] == "sequential Add"
+        assert b["kv"] == "dense"
+        assert b["gate"].startswith("TemporalGate")
+
+
+def test_inspect_v_plans_a_genai_graph_and_the_compile_builds_that_gate(genai_model, tmp_path, capsys):
+    src = genai_model("llama", "fp32")
+    assert main([str(src / "model.onnx"), "--inspect", "-v"]) == 0
+    blocks = _plan_blocks(capsys.readouterr().out)
+    assert blocks and all(b["state"] == "rewrite" for b in blocks.values())
+    for b in blocks.values():  # onnxruntime-genai's builder: packed QKV GroupQueryAttention rotating inside
+        assert "GroupQueryAttention" in b["attention"]
+        assert b["attention op"] == "ai.fastcar.GroupQueryAttention"  # --native-attention on (default)
+        assert b["residual"] == "fused Skip*Norm"
+        assert b["gate"] == "TemporalGate [use_total_len, packed_qkv, do_rotary, select_rows]"
+        assert b["row selection"] == "in the gate (select_rows)"
+    out = tmp_path / "fast.onnx"
+    assert main([str(src / "model.onnx"), "-o", str(out), "--frame-tokens", str(L), "--verbose"]) == 0
+    compiled = _plan_blocks(capsys.readouterr().out)
+    assert compiled == blocks  # --verbose prints the same plan for the default options
+    built = _gate_forms(out)
+    assert sorted(built) == sorted(blocks)
+    for layer, attrs in built.items():
+        assert attrs == {"use_total_len", "packed_qkv", "do_rotary", "select_rows"}, (layer, attrs)
+
+
+def test_the_plan_follows_the_options(genai_model, zoo_model, tmp_path, capsys):
+    src = genai_model("llama", "fp32")
+    out = tmp_path / "raw.onnx"
+    assert main([str(src / "model.onnx"), "-o", str(out), "--frame-tokens", str(L), "--tas-query", "raw",
+                 "--layers", "0", "--verbose"]) == 0
+    blocks = _plan_blocks(capsys.readouterr().out)
+    assert blocks[0]["gate"] == "TemporalGate [use_total_len, packed_qkv, select_rows]"  # raw TAS: no rotation
+    assert all(b["state"] == "matched" and b["gate"] == "-" for n, b in blocks.items() if n != 0)
+    assert _gate_forms(out) == {0: {"use_total_len", "packed_qkv", "select_rows"}}
+    out = tmp_path / "kv.onnx"
+    assert main([str(zoo_model("llama", "dynamo20")), "-o", str(out), "--frame-tokens", str(L), "--kv-budget", "16",
+                 "--kv-sinks", "2", "--kv-window", "8", "--verbose"]) == 0
+    blocks = _plan_blocks(capsys.readouterr().out)
+    for b in blocks.values():
+        assert b["kv"].startswith("compressed (budget 16, sinks 2, window 8"), b["kv"]
+        assert b["gate"] == "TemporalGate [use_total_len, aligned_keys]"
+    assert set(map(frozenset, _gate_forms(out).values())) == {frozenset({"use_total_len", "aligned_keys"})}
