@@ -63,7 +63,7 @@ def _text(value: object) -> str:
     if isinstance(value, contract.GateForm):
         on = [f.name for f in dataclasses.fields(value) if getattr(value, f.name)]
         return "TemporalGate" + (f" [{', '.join(on)}]" if on else " [plain]")
-    return "-" if value is None else str(value)
+    return "-" if value is None or value == "" else str(value)
 
 
 @dataclass(frozen=True)

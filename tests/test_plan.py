@@ -6,8 +6,8 @@ import re
 
 import onnx
 
-from fastcar_compile.core import contract
 from fastcar_compile.cli import main
+from fastcar_compile.core import contract
 
 L = 4
 
@@ -17,7 +17,7 @@ def _plan_blocks(text: str) -> dict[int, dict[str, str]]:
     assert "plan:" in text, text
     blocks: dict[int, dict[str, str]] = {}
     layer = None
-    for line in text.split("plan:", 1)[1].splitlines():
+    for line in text.split("plan:", 1)[1].splitlines()[1:]:
         head = re.match(r"^  layer +(\d+): (\S.*)$", line)
         if head:
             layer = int(head.group(1))
