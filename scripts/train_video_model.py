@@ -3,6 +3,7 @@
     python scripts/train_video_model.py tokenizer        # k-means vs VQ-VAE on held-out clips; keeps the better
     nice -n 19 python scripts/train_video_model.py model  # the 6-layer LM; resumes from --ckpt when present
     python scripts/train_video_model.py model --until 300 # stop at step 300 (resume later with a larger one)
+    python scripts/train_video_model.py model --schedule-start 800 --steps 1400 --lr 6e-4  # warm restart
     python scripts/train_video_model.py throughput       # tokens/s of frames of 8x8 vs 16x16 tokens
     python scripts/train_video_model.py status --log LOG # step, losses, speed and time left of a run
 
@@ -156,7 +157,7 @@ def main() -> None:
     ap.add_argument("--log", type=Path, default=TRAINING / "train_log.jsonl")
     ap.add_argument("--until", type=int, default=None, help="model stage: stop at this step")
     ap.add_argument("--size", choices=sorted(VIDEO_SIZES), default="base", help="model stage: model size")
-    for name in ("steps", "batch", "frames", "eval_every", "position_gap"):
+    for name in ("steps", "batch", "frames", "eval_every", "position_gap", "warmup", "schedule_start"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--checkpoint-seconds", type=float, default=None)

@@ -110,6 +110,17 @@ def test_resume_matches_an_uninterrupted_run(tok, tmp_path, capsys) -> None:
     assert "step 2: held-out loss" in out and "step 4: held-out loss" in out
 
 
+def test_warm_restart_schedule() -> None:
+    """A continued run's learning rate: warm-up and cosine over [schedule_start, steps], as a fresh run's."""
+    from fastcar_compile.demo.videomodel import _lr
+
+    fresh, cont = VideoTrainSettings(steps=100, warmup=10, lr=1.0), VideoTrainSettings(
+        steps=900, warmup=10, lr=1.0, schedule_start=800)
+    for k in (0, 5, 9, 10, 50, 99, 100, 120):
+        want = min(1.0, (k + 1) / 10) * (1 + np.cos(np.pi * min(k, 100) / 100)) / 2
+        assert _lr(fresh, k) == pytest.approx(want) and _lr(cont, 800 + k) == pytest.approx(want)
+
+
 def test_resume_refuses_other_data_settings(tok, tmp_path) -> None:
     """A checkpoint continued with another batch size or tokenizer would silently see other clips / tokens."""
     from fastcar_compile.core.errors import FastCarError

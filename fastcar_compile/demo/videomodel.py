@@ -46,9 +46,12 @@ VIDEO_SIZES: dict[str, DemoConfig] = {
 class VideoTrainSettings:
     frames: int = 16
     batch: int = 8
-    steps: int = 800  # cosine schedule length
+    steps: int = 800  # the step the cosine schedule ends at
     lr: float = 1.5e-3
     warmup: int = 40
+    # the step the warm-up + cosine starts at: a run continued past its schedule's end restarts the learning
+    # rate from here (warm restart; the optimizer's moments are kept) instead of jumping mid-cosine
+    schedule_start: int = 0
     weight_decay: float = 0.01
     seed: int = 0
     threads: int = 1
@@ -132,7 +135,8 @@ def evaluate(model, held, L: int, bf16: bool) -> dict:
 
 
 def _lr(s: VideoTrainSettings, step: int) -> float:
-    return s.lr * min(1.0, (step + 1) / s.warmup) * 0.5 * (1 + math.cos(math.pi * min(step, s.steps) / s.steps))
+    k, n = step - s.schedule_start, s.steps - s.schedule_start
+    return s.lr * min(1.0, (k + 1) / s.warmup) * 0.5 * (1 + math.cos(math.pi * min(k, n) / n))
 
 
 def save_checkpoint(path: Path, model, opt, step: int, s: VideoTrainSettings) -> None:
@@ -156,6 +160,8 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
 
     from fastcar_compile.demo.export import save_weights
 
+    if not 0 <= s.schedule_start < s.steps:
+        raise FastCarError(f"schedule_start {s.schedule_start} must lie in [0, steps={s.steps}); give a larger --steps")
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     model = build_model(s.config, seed=s.seed)
