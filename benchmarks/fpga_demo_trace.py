@@ -34,13 +34,13 @@ BOARDS = ("kv260", "zcu102", "u280")
 
 
 def record_trace(clips: int, frames: int, tau: float | None, work: Path) -> tuple[Path, Path, dict]:
-    from fastcar_compile.cmd_demo import DEFAULT_TAU
     from fastcar_compile.demo import data
+    from fastcar_compile.demo.bundled import SMALL_TAU
     from fastcar_compile.demo.evaluate import compile_bundled, load_tokenizer
     from fastcar_compile.demo.model import VIDEO_START, prompt
     from fastcar_compile.demo.video import generate_video, open_session
 
-    tau = DEFAULT_TAU if tau is None else tau
+    tau = SMALL_TAU if tau is None else tau
     tok = load_tokenizer()
     L = tok.tokens_per_frame
     fast = compile_bundled(work / "fast.onnx", tau, frame_tokens=L)
@@ -48,7 +48,7 @@ def record_trace(clips: int, frames: int, tau: float | None, work: Path) -> tupl
     runs, starts = [], []
     for c in tqdm(data.make_clips("eval", clips, frames, seed=0), desc="generate clips", unit="clip"):
         toks = tok.encode(c.frames)
-        runs.append(generate_video(sess, c.motion, toks[0], frames - 1, threshold=tau))
+        runs.append(generate_video(sess, prompt(c.motion), toks[0], frames - 1, threshold=tau))
         starts.append(len(prompt(c.motion)) + L)  # KV index of the first fed (decode) token
     replay = np.stack([r.replay for r in runs], axis=2)  # [steps, layers, rows]
     p0 = int(np.median(starts))

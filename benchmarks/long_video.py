@@ -90,6 +90,7 @@ def calibrate(clips: int, frames: int, target: float) -> dict:
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import compile_bundled, load_tokenizer
     from fastcar_compile.demo.longvideo import long_onnx
+    from fastcar_compile.demo.model import prompt
     from fastcar_compile.demo.video import generate_video, open_session
 
     tok = load_tokenizer()
@@ -97,7 +98,7 @@ def calibrate(clips: int, frames: int, target: float) -> dict:
         diag = compile_bundled(Path(d) / "diag.onnx", float("inf"), "rope", 0, model=long_onnx(), diagnostics=True,
                                frame_tokens=tok.tokens_per_frame)
         sess = open_session(diag, 1)
-        tas = [generate_video(sess, c.motion, tok.encode(c.frames)[0], frames - 1, threshold=float("inf")).tas
+        tas = [generate_video(sess, prompt(c.motion), tok.encode(c.frames)[0], frames - 1, threshold=float("inf")).tas
                for c in data.make_clips("train", clips, frames, seed=1)]
     t = np.concatenate(tas)  # [steps, layers]
     tau = float(np.quantile(t.reshape(-1), 1 - target))
@@ -138,6 +139,7 @@ def op_modes(clips: int, frames: int, tau: float, out: Path, only: list[int] | N
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.longvideo import long_onnx
     from fastcar_compile.demo.metrics import psnr, ssim
+    from fastcar_compile.demo.model import prompt
     from fastcar_compile.demo.video import generate_video, open_session
 
     tok = load_tokenizer()
@@ -159,7 +161,7 @@ def op_modes(clips: int, frames: int, tau: float, out: Path, only: list[int] | N
             sess = open_session(path, 1)
             vids, reps, f8, flast = [], [], [], []
             for c in cl:
-                run = generate_video(sess, c.motion, tok.encode(c.frames)[0], frames - 1,
+                run = generate_video(sess, prompt(c.motion), tok.encode(c.frames)[0], frames - 1,
                                      threshold=tau if fc else None)
                 vids.append(tok.decode(run.tokens)[1:])
                 reps.append(run.replay_ratio)

@@ -30,6 +30,9 @@ TARGETS = (0.2, 0.5, 0.8, 0.9)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fastcar_compile.demo.bundled import DEMO_MODELS
+    from fastcar_compile.demo.decoding import add_decoding_args
+
     ap = argparse.ArgumentParser(prog="fastcar-compile eval", description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--out", type=Path, default=Path("fastcar-out/eval"), help="output folder")
     ap.add_argument("--frames", type=ascii_int, default=None, help="frames per video (default 4 for --model, 8 bundled)")
@@ -45,11 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--frame-shape", metavar="HxW", help="frame as a token grid (16x16 for L=256): per-token "
                                                           "replay heatmap fast.tokens.png")
     bundled = ap.add_argument_group("bundled video model (no --model)")
+    bundled.add_argument("--demo-model", choices=DEMO_MODELS, default="small",
+                         help="small: the package's 1-layer model (default, ~8 min); video: the conditioned 6-layer "
+                              "model of the repository's training/video_model/ (~10x the time per clip)")
     bundled.add_argument("--clips", type=ascii_int, default=None, help="held-out clips (default 8; --kv-sweep 2)")
     bundled.add_argument("--targets", type=str, default=",".join(map(str, TARGETS)),
                     help="replay ratios whose TAS quantiles become the swept thresholds")
     bundled.add_argument("--variants", type=str, default="rope,raw", help="TAS variants (rope, raw)")
     bundled.add_argument("--guard", type=ascii_int, default=2, help="drift guard K swept next to 0 = off (default 2)")
+    add_decoding_args(ap)
     kv = ap.add_argument_group("FAST-AR KV modes on the long-video model (reference path)")
     kv.add_argument("--kv-sweep", action="store_true",
                     help="sweep KV modes (--kv-modes) on the long-video model: density, recall, KV bytes, PSNR/SSIM "
@@ -152,33 +159,46 @@ def main(argv: list[str]) -> int:
 
 
 def _sweep(a, targets: list[float], variants: list[str], out: Path) -> list[dict]:
-    """Every (TAS variant, guard, tau) configuration on the same clips, dense timed alongside each."""
-    from fastcar_compile.demo import data
-    from fastcar_compile.demo.evaluate import compile_bundled, load_tokenizer, run_clips, summarize
-    from fastcar_compile.demo.export import ONNX
+    """Every (TAS variant, guard, tau) configuration on the same clips, dense timed alongside each; decoding
+    sampled by default (dense and FastCar share each clip's seed)."""
+    from fastcar_compile.demo import quality as q
+    from fastcar_compile.demo.bundled import spec as demo_spec
+    from fastcar_compile.demo.decoding import clip_seed, decoding_from_args
+    from fastcar_compile.demo.evaluate import compile_bundled, run_clips, summarize
     from fastcar_compile.demo.video import generate_video, open_session
 
-    tok = load_tokenizer()
-    clips = data.make_clips("eval", a.clips, a.frames)
+    spec = demo_spec(a.demo_model)
+    decoding = decoding_from_args(a, spec.decoding)
+    uncond = spec.uncond if decoding.cfg_scale is not None else None
+    tok = spec.tokenizer()
+    dense = spec.onnx()
+    clips = spec.clips(a.clips, a.frames, 0)
     rows: list[dict] = []
     guards = [0] + ([a.guard] if a.guard else [])
-    for q in variants:
+    for tq in variants:
         # TAS along the dense trajectories: a never-replaying model (tau = +inf) generates the dense video
-        diag = compile_bundled(out / f"diag-{q}.onnx", float("inf"), q, 0, diagnostics=True,
+        diag = compile_bundled(out / f"diag-{tq}.onnx", float("inf"), tq, 0, model=dense, diagnostics=True,
                                frame_tokens=tok.tokens_per_frame)
         sess = open_session(diag, a.threads)
-        tas = np.concatenate([generate_video(sess, c.motion, tok.encode(c.frames)[0], a.frames - 1,
-                                             threshold=float("inf")).tas.reshape(-1) for c in clips])
+        tas = np.concatenate([generate_video(sess, spec.prompt(c), tok.encode(c.frames)[0], a.frames - 1,
+                                             threshold=float("inf"), decoding=decoding, seed=clip_seed(a.sample_seed, i),
+                                             uncond_ids=uncond, codes=spec.codes).tas.reshape(-1)
+                              for i, c in enumerate(clips)])
         taus = [float("inf")] + [float(np.quantile(tas, 1 - t)) for t in targets] + [float("-inf")]
         for k in guards:
             for tau in taus:
                 if k and tau == float("inf"):
                     continue  # a guard changes nothing when nothing replays
-                fast = compile_bundled(out / "fast.onnx", tau, q, k, frame_tokens=tok.tokens_per_frame)
-                res = run_clips(ONNX, fast, clips, tok, tau, a.threads, progress=False)
-                s = summarize(res, tok, tau, q, k).to_dict()
+                fast = compile_bundled(out / "fast.onnx", tau, tq, k, model=dense, frame_tokens=tok.tokens_per_frame)
+                res = run_clips(spec, dense, fast, clips, tok, tau, a.threads, progress=False, decoding=decoding,
+                                seed=a.sample_seed)
+                s = summarize(res, tok, tau, tq, k).to_dict()
+                per_clip = [q.clip_quality(r.gt, tok.encode(r.gt), r.dense.tokens, r.fast.tokens, tok.decode, r.clip)
+                            for r in res]
+                s["quality"] = q.summarize_quality(per_clip, s["replay_ratio"])
+                s["model"], s["decoding"] = spec.name, decoding.to_dict()
                 rows.append(s)
-                print(f"{q:4s} K={k} tau={tau:9.3g}: replay {100 * s['replay_ratio']:5.1f}%  "
+                print(f"{tq:4s} K={k} tau={tau:9.3g}: replay {100 * s['replay_ratio']:5.1f}%  "
                       f"speedup ORT {s['speedup_ort']:.2f}x (graph {s['speedup_graph_ort']:.2f}x x replay "
                       f"{s['speedup_replay_ort']:.2f}x) runtime {s['speedup']:.2f}x  PSNR vs GT {s['psnr_fast_vs_gt']:.2f} "
                       f"(dense {s['psnr_dense_vs_gt']:.2f})  vs dense {s['psnr_fast_vs_dense']:.2f}", flush=True)

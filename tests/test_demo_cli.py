@@ -25,10 +25,10 @@ from fastcar_compile.demo.model import CODES, VIDEO_START, prompt  # noqa: E402
 
 def test_demo_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo"
-    rc = main(["demo", "--clips", "1", "--frames", "3", "--out", str(out), "--tau=-inf"])
+    rc = main(["demo", "--demo-model", "small", "--clips", "1", "--frames", "3", "--out", str(out), "--tau=-inf"])
     assert rc == 0
     text = capsys.readouterr().out
-    for name in ("demo.gif", "strip.png", "replay_heatmap.png", "results.json", "fast.onnx"):
+    for name in ("demo.gif", "strip.png", "replay_heatmap.png", "quality.png", "results.json", "fast.onnx"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
         assert str(out / name) in text
     for key in ("replay ratio", "ms/token, ORT run", "speed-up, ORT run", "compiled at tau=+inf", "graph",
@@ -61,10 +61,14 @@ def test_print_compile_report_is_readable(zoo_model) -> None:
 
 
 def test_demo_never_replay_equals_dense(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """tau = +inf: the compiled model must generate exactly the dense model's video."""
+    """tau = +inf: the compiled model must generate exactly the dense model's video, sampled (the default) with
+    the clip's shared seed."""
     out = tmp_path / "demo"
-    assert main(["demo", "--clips", "1", "--frames", "2", "--out", str(out), "--tau", "inf"]) == 0
-    s = json.loads((out / "results.json").read_text())["summary"]
+    assert main(["demo", "--demo-model", "small", "--clips", "1", "--frames", "2", "--out", str(out), "--tau",
+                 "inf"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["decoding"]["do_sample"] is True
+    s = res["summary"]
     assert s["replay_ratio"] == 0.0
     assert s["token_agreement"] == 1.0
     assert s["psnr_fast_vs_dense"] == float("inf")  # identical videos
@@ -83,7 +87,7 @@ def test_eval_tiny_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureF
     monkeypatch.setenv("FASTCAR_NATIVE", "0")
     out = tmp_path / "eval"
     rc = main(["eval", "--clips", "1", "--frames", "2", "--variants", "rope", "--guard", "0", "--targets", "0.5",
-               "--out", str(out)])
+               "--greedy", "--out", str(out)])
     assert rc == 0
     for name in ("eval.json", "eval.md", "eval.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0

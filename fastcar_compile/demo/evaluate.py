@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.demo import data
+from fastcar_compile.demo.decoding import Decoding, clip_seed
 from fastcar_compile.demo.export import ONNX, TOKENIZER
 from fastcar_compile.demo.metrics import psnr, ssim
-from fastcar_compile.demo.model import prompt
+from fastcar_compile.demo.spec import VideoSpec
 from fastcar_compile.demo.tokenizer import PatchTokenizer
 from fastcar_compile.demo.video import VideoRun, generate_video, open_session, ort_alone_ms
 
@@ -33,6 +34,7 @@ class ClipResult:
     dense: VideoRun
     fast: VideoRun
     inf_ort_ms: list[float] = field(default_factory=list)  # bare ORT of the compiled model at tau=+inf
+    clip: Any = None  # the held-out clip (scene clips carry labels and the true camera path)
 
 
 @dataclass
@@ -89,36 +91,41 @@ def _mean_finite(xs: list[float], cap: float = 100.0) -> float:
     return float(np.mean([min(x, cap) for x in xs])) if xs else float("nan")
 
 
-def run_clips(dense_path: Path, fast_path: Path, clips: list[data.Clip], tok: PatchTokenizer, tau: float,
-              threads: int = 1, progress: bool = True, rounds: int = 2) -> list[ClipResult]:
+def run_clips(spec: VideoSpec, dense_path: Path, fast_path: Path, clips: list, tok, tau: float,
+              threads: int = 1, progress: bool = True, rounds: int = 2, decoding: Decoding | None = None,
+              seed: int = 0) -> list[ClipResult]:
     """Generate every clip with both models, then time each model on its own (see `ort_alone_ms`):
     `rounds` rotations of dense, the compiled model at tau=+inf (on the dense tokens, which it generates) and
     FastCar per clip, the order rotating from clip to clip (0: no bare-ORT timing; only the runtime step times
-    of the generation itself)."""
+    of the generation itself). Decoding: `decoding` (default the model's recommended one); clip i is sampled
+    with seed `clip_seed(seed, i)` by both models, so their videos differ only where replay changed logits."""
+    decoding = spec.decoding if decoding is None else decoding
+    uncond = spec.uncond if decoding.cfg_scale is not None else None
     dense = open_session(dense_path, threads)
     fast = open_session(fast_path, threads)
     out = []
     for i, c in enumerate(tqdm(clips, desc=f"clips tau={tau:g}", disable=not progress, leave=False)):
         toks = tok.encode(c.frames)
+        pre = spec.prompt(c)
         order = [0, 1] if i % 2 == 0 else [1, 0]
         runs: dict[int, VideoRun] = {}
         for j in order:
-            runs[j] = generate_video((dense, fast)[j], c.motion, toks[0], len(c.frames) - 1,
-                                     threshold=tau if j else None)
+            runs[j] = generate_video((dense, fast)[j], pre, toks[0], len(c.frames) - 1, threshold=tau if j else None,
+                                     decoding=decoding, seed=clip_seed(seed, i), uncond_ids=uncond, codes=spec.codes)
         d, f = runs[0], runs[1]
-        pre = prompt(c.motion)
-        seqs = (np.concatenate([pre, d.tokens.reshape(-1)]), np.concatenate([pre, f.tokens.reshape(-1)]))
+        seqs = tuple(np.stack([np.concatenate([p, r.tokens.reshape(-1)]) for p in ([pre] + ([uncond] if uncond else []))])
+                     for r in (d, f))
         # (session, sequence, tau): dense, the compiled model at tau=+inf on the dense tokens, FastCar
         timed = ((dense, seqs[0], None), (fast, seqs[0], float("inf")), (fast, seqs[1], tau))
         ort: tuple[list, list, list] = ([], [], [])
         for _ in range(rounds):
             for j in [(i + k) % 3 for k in range(3)]:  # each model first in turn
                 sess, seq, thr = timed[j]
-                ort[j].append(ort_alone_ms(sess, seq, len(pre) + tok.tokens_per_frame, thr))
+                ort[j].append(ort_alone_ms(sess, seq, len(pre) + tok.tokens_per_frame, thr, spec.video_start))
         inf_ms: list[float] = []
         if rounds:  # per step: the fastest of the rounds (noise only ever adds time)
             d.ort_ms, inf_ms, f.ort_ms = (list(np.min(np.array(t), axis=0)) for t in ort)
-        out.append(ClipResult(c.motion, c.source, c.frames, d, f, inf_ms))
+        out.append(ClipResult(spec.motion(c), c.source, c.frames, d, f, inf_ms, clip=c))
     return out
 
 

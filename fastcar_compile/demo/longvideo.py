@@ -31,17 +31,19 @@ def cache_dir() -> Path:
     return CACHE_ROOT / "demo-long"
 
 
-def long_onnx(weights: Path = LONG_WEIGHTS, config: Path = LONG_CONFIG, progress: bool = True) -> Path:
-    """The long model's decoder.onnx in the user cache, exported from the shipped weights on first use."""
+def long_onnx(weights: Path = LONG_WEIGHTS, config: Path = LONG_CONFIG, progress: bool = True,
+              name: str = "the long-video model") -> Path:
+    """A model's decoder.onnx in the user cache, exported from its fp16 weights on first use (default: the
+    long model's shipped weights)."""
     if not Path(weights).exists() or not Path(config).exists():
-        raise FastCarError(f"long demo weights not found at {weights}; run scripts/train_demo.py --long")
+        raise FastCarError(f"weights of {name} not found at {weights}; run scripts/train_demo.py --long")
     h = hashlib.sha256(Path(weights).read_bytes() + Path(config).read_bytes()).hexdigest()[:16]
     path = cache_dir() / f"decoder-{h}.onnx"
     if not path.exists():
         import torch
 
         if progress:
-            print(f"exporting the long-video model once to {path} (~1 min) ...", flush=True)
+            print(f"exporting {name} once to {path} (~1 min) ...", flush=True)
         torch.set_num_threads(1)
         export_onnx(load_model(weights, config), path)
     return path
