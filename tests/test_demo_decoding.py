@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 import ort_driver  # noqa: E402
 
+from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.demo import data  # noqa: E402
 from fastcar_compile.demo.decoding import (  # noqa: E402
     GREEDY,
@@ -29,7 +30,6 @@ from fastcar_compile.demo.evaluate import load_tokenizer  # noqa: E402
 from fastcar_compile.demo.export import ONNX  # noqa: E402
 from fastcar_compile.demo.model import BOS, CODES, VIDEO_START, VIDEO_START_TOKEN, VOCAB, prompt  # noqa: E402
 from fastcar_compile.demo.video import generate_video, open_session  # noqa: E402
-from fastcar_compile.core.errors import FastCarError  # noqa: E402
 
 
 def _choose(logits: np.ndarray, d: Decoding, u: float) -> int:

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo.decoding import SAMPLED, Decoding
 from fastcar_compile.demo.spec import VideoSpec
-from fastcar_compile.core.errors import FastCarError
 
 SMALL_TAU = 33.0  # post-RoPE TAS giving ~80% replay on the 1-layer model (docs/demo.md, eval sweep)
 VIDEO_TAU = -0.94  # post-RoPE TAS: 80% of the sampled dense videos' decode-step MLPs replay (4 training-split clips x 16)
