@@ -16,7 +16,14 @@ torch = pytest.importorskip("torch")
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.dit import modes, sparse  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
-from fastcar_compile.dit.fastar import FastARDiT, SlotCache, attend_cache, cross_attend, replay_ffn  # noqa: E402
+from fastcar_compile.dit.fastar import (  # noqa: E402
+    FastARDiT,
+    SlotCache,
+    attend_cache,
+    cross_attend,
+    replay_ffn,
+    temporal_scores,
+)
 from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout  # noqa: E402
 from fastcar_compile.fastar.attention import dense_step  # noqa: E402
@@ -221,6 +228,25 @@ def test_replay_skips_rows_and_chains_frames():
         src = want[:, j - 1] if j else prev.numpy()
         want[:, j] = np.where(rep[:, j, :, None], src, want[:, j])
     np.testing.assert_allclose(out.numpy(), want, atol=1e-6)
+
+
+def test_temporal_scores_match_numpy():
+    """TAS of a 3-frame chunk: frame j's query against frame j-1's key at the same (h, w), the previous chunk's
+    last frame for j = 0; heads averaged, / sqrt(d)."""
+    rng = np.random.default_rng(9)
+    B, H, Fr, T, d = 2, 3, 3, 4, 8
+    q, k = (rng.standard_normal((B, H, Fr * T, d)).astype(np.float32) for _ in range(2))
+    prev = rng.standard_normal((B, H, T, d)).astype(np.float32)
+    tas, eligible = temporal_scores(torch.from_numpy(q), torch.from_numpy(k), T, torch.from_numpy(prev), 6)
+    qq, kk = q.reshape(B, H, Fr, T, d).astype(np.float64), k.reshape(B, H, Fr, T, d).astype(np.float64)
+    want = np.empty((B, Fr, T))
+    for j in range(Fr):
+        back = prev if j == 0 else kk[:, :, j - 1]
+        want[:, j] = np.einsum("bhtd,bhtd->bt", qq[:, :, j], back) / H / np.sqrt(d)
+    np.testing.assert_allclose(tas.numpy(), want, atol=1e-5)
+    assert eligible.all()
+    _, first = temporal_scores(torch.from_numpy(q), torch.from_numpy(k), T, None, 0)
+    assert not first[:, 0].any() and first[:, 1:].all()
 
 
 @pytest.fixture(scope="module")

@@ -295,6 +295,23 @@ def cross_attend(cq: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, q_codes: 
     return out.view(G, Q, d), kept.view(G, frames, L), int(qi.numel())
 
 
+def temporal_scores(q: torch.Tensor, k: torch.Tensor, tokens: int, prev_k: torch.Tensor | None, frame_start: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """TAS [B, F, T] of the chunk's queries q [B, H, F*T, d]: mean over heads of q . k / sqrt(d), k the key of
+    the same (h, w) one frame back (the chunk's own k [B, H, F*T, d], or `prev_k` [B, H, T, d]: the previous
+    chunk's last frame at this timestep, for the chunk's first frame); and which tokens may replay (not video
+    frame 0, not a first frame without `prev_k`)."""
+    B, H, S, d = q.shape
+    fr = S // tokens
+    qf, kf = q.view(B, H, fr, tokens, d), k.view(B, H, fr, tokens, d)
+    first = prev_k if prev_k is not None else torch.zeros_like(kf[:, :, 0])
+    k_back = torch.cat([first[:, :, None], kf[:, :, :-1]], 2)
+    tas = (qf * k_back).sum(-1).mean(1) / d ** 0.5
+    eligible = torch.ones_like(tas, dtype=torch.bool)
+    eligible[:, 0] = prev_k is not None and frame_start >= 1
+    return tas, eligible
+
+
 def replay_ffn(ffn, x: torch.Tensor, tas: torch.Tensor, eligible: torch.Tensor, tau: float,
                prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """FFN of x [B, F, T, D] where TAS [B, F, T] <= tau or not eligible; elsewhere the output of the same
@@ -457,12 +474,8 @@ class FastARDiT(TorchDiT):
             ffn = blk.ffn(xm)
             st.ffn_rows += b * s
         else:
-            qf, kf = q.view(b, H, fr, T, hd), k.view(b, H, fr, T, hd)
-            k_back = torch.cat([(prev[1] if prev is not None else torch.zeros_like(kf[:, :, 0]))[:, :, None],
-                                kf[:, :, :-1]], 2)
-            tas = (qf * k_back).sum(-1).mean(1) / hd ** 0.5  # [B, F, T]
-            eligible = torch.ones_like(tas, dtype=torch.bool)
-            eligible[:, 0] = prev is not None and frame_start >= 1
+            kf = k.view(b, H, fr, T, hd)
+            tas, eligible = temporal_scores(q, k, T, prev[1] if prev is not None else None, frame_start)
             if self.record_tas:
                 state.tas_log.append(tas[eligible].numpy().astype(np.float64))
             tau = float("inf") if self.tau is None else self.tau
