@@ -23,6 +23,7 @@ Semantics (docs/dit.md, "FAST-AR on the DiT"):
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,7 @@ from fastcar_compile.dit.model import apply_rope
 from fastcar_compile.dit.stream import FrameCache, TorchDiT, kept_frames
 
 DEAD = torch.iinfo(torch.int64).max  # slot id of an empty padding slot (sorts last)
+COMPONENTS = ("self_attention", "cross_attention", "ffn", "cache_write")  # timed parts (component speed-ups)
 
 
 @dataclass
@@ -360,6 +362,7 @@ class FastARState:
 
     def write(self, first_frame: int, kv: list) -> None:
         """Write the clean chunk's keys/values (per layer (k_post, k_pre, v) [B, H, F*T, d]) frame by frame."""
+        t0 = time.perf_counter()
         rt, T = self.runtime, self.tokens
         s = rt.fa
         frames = kv[0][0].shape[2] // T
@@ -397,6 +400,7 @@ class FastARState:
             st.dense_slots = c.G * T * len(self.resident)
             st.resident_bytes = st.resident_slots * c.slot_bytes()
             st.dense_bytes = st.dense_slots * 2 * 4 * c.k_post.shape[-1]
+        rt.seconds["cache_write"] += time.perf_counter() - t0
 
 
 class FastARDiT(TorchDiT):
@@ -419,9 +423,11 @@ class FastARDiT(TorchDiT):
         self.tau = fa.fastcar_tau
         self.record_tas = False
         self.stats = [LayerStats() for _ in range(cfg.layers)]
+        self.seconds = dict.fromkeys(COMPONENTS, 0.0)  # wall time per component over the stream
 
     def new_cache(self, layers: int, tokens: int, sinks: int, window: int) -> FastARState:
         self.stats = [LayerStats() for _ in range(layers)]
+        self.seconds = dict.fromkeys(COMPONENTS, 0.0)
         shadow = FrameCache(layers, tokens, sinks, window) if self.fa.diagnostics else None
         self.state = FastARState(self, tokens, sinks, window, shadow=shadow)
         return self.state
@@ -464,11 +470,19 @@ class FastARDiT(TorchDiT):
         q = apply_rope(blk.norm_q(blk.q(h)).unflatten(-1, (H, -1)), cos, sin).transpose(1, 2)
         k = apply_rope(k_pre, cos, sin).transpose(1, 2)
         v = blk.heads_first(blk.v(h))
+        t0 = time.perf_counter()
         att = self.self_attention(i, q, k, v, state, frame_start)
+        t1 = time.perf_counter()
+        self.seconds["self_attention"] += t1 - t0
         x = x + gate(blk.o(att.transpose(1, 2).flatten(2)), mod[2])
         cq = blk.heads_first(blk.norm_cq(blk.cq(blk.norm3(x))))
-        x = x + blk.co(self.cross_attention(i, cq, ck, cv, fr, state).transpose(1, 2).flatten(2))
+        t0 = time.perf_counter()
+        ca = self.cross_attention(i, cq, ck, cv, fr, state)
+        t1 = time.perf_counter()
+        self.seconds["cross_attention"] += t1 - t0
+        x = x + blk.co(ca.transpose(1, 2).flatten(2))
         xm = modulate(blk.norm2(x), mod[3], mod[4])
+        t0 = time.perf_counter()
         st = self.stats[i]
         if self.tau is None and not self.record_tas:
             ffn = blk.ffn(xm)
@@ -485,6 +499,7 @@ class FastARDiT(TorchDiT):
             ffn = out.view(b, s, d)
             st.ffn_rows += b * s
             st.ffn_replayed += int(replay.sum())
+        self.seconds["ffn"] += time.perf_counter() - t0
         x = x + gate(ffn, mod[5])
         return x, (k, k_pre.transpose(1, 2), v)
 

@@ -75,17 +75,17 @@ def dense_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Te
 def pair_logits(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """q[qi] . k[ki] / sqrt(d) (+ bias[ki]) for each pair: the only products computed."""
-    lg = (q[qi] * k[ki]).sum(-1) / q.shape[-1] ** 0.5
-    return lg if bias is None else lg + bias[ki]
+    lg = (q.index_select(0, qi) * k.index_select(0, ki)).sum(-1) * q.shape[-1] ** -0.5
+    return lg if bias is None else lg + bias.index_select(0, ki)
 
 
 def pair_part(logits: torch.Tensor, v: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor, nq: int) -> Part:
     """Segment softmax pieces of pairs (qi, ki) with their logits: per query qi in [0, nq)."""
     m = torch.full((nq,), -torch.inf, dtype=logits.dtype).scatter_reduce(0, qi, logits, "amax")
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(logits - m[qi])
+    e = torch.exp(logits - m.index_select(0, qi))
     s = torch.zeros(nq, dtype=logits.dtype).index_add_(0, qi, e)
-    o = torch.zeros(nq, v.shape[-1], dtype=v.dtype).index_add_(0, qi, e[:, None] * v[ki])
+    o = torch.zeros(nq, v.shape[-1], dtype=v.dtype).index_add_(0, qi, v.index_select(0, ki) * e[:, None])
     return Part(m, s, o)
 
 

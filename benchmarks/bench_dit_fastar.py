@@ -1,0 +1,134 @@
+"""FAST-AR's Table 1 layout on the chunk-causal DiT stream, per mode: speed, density, recall, resident KV.
+
+Every mode streams the same video (same seed, same prompt) with the eager runtime (fastcar_compile.dit.fastar),
+one chunk of each mode in turn so all see the same machine load; the dense eager rollout (TorchDiT) is the
+baseline. Reported per mode: ms per frame over frames [50, 150) and over the last 100 frames, the end-to-end
+speed-up vs dense at the end, the component speed-ups (self-attention, cross-attention, FFN) vs the runtime's
+own dense pass (the whole timed run), the PSNR of the latent video vs the dense one, and from a second, shorter run with
+--diagnostics: self/cross density and recall, FFN replay ratio, resident KV vs dense. With random weights
+attention has no structure to exploit: the quality and recall columns say nothing about a trained model.
+
+    python benchmarks/bench_dit_fastar.py --frames 300 --json docs/dit_fastar_tiny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastcar_compile.dit import modes
+from fastcar_compile.dit.config import PRESETS, load_config
+from fastcar_compile.dit.fastar import FastARDiT, calibrate_tau, totals
+from fastcar_compile.dit.model import build
+from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout, rss_mib
+
+MODES = {  # the paper's Table 1 rows (AnnCA and FastCar added)
+    "dense (FAST-AR runtime)": {},
+    "TempCache-aligned": {"tempcache": "aligned"},
+    "TempCache-LSH": {"tempcache": "lsh"},
+    "TempCache-Quant": {"tempcache": "quant"},
+    "AnnSA-LSH": {"annsa": "lsh"},
+    "AnnSA-Quant": {"annsa": "quant"},
+    "AnnCA": {"annca": True},
+    "all (TempCache-LSH + AnnSA-LSH + AnnCA)": {"tempcache": "lsh", "annsa": "lsh", "annca": True},
+    "FastCar": {"fastcar_ratio": 0.5},
+    "FastCar + all": {"tempcache": "lsh", "annsa": "lsh", "annca": True, "fastcar_ratio": 0.5},
+}
+
+
+def psnr(x: np.ndarray, ref: np.ndarray) -> float:
+    mse = float(np.mean((x - ref) ** 2))
+    peak = float(ref.max() - ref.min())
+    return float("inf") if mse == 0 else 10 * np.log10(peak ** 2 / mse)
+
+
+def backends(model, settings, extra: dict) -> dict:
+    out = {"dense (TorchDiT)": TorchDiT(model)}
+    for name, kw in MODES.items():
+        fa = modes.settings(**kw, **extra)
+        if fa.fastcar_ratio is not None:
+            import dataclasses
+
+            fa = dataclasses.replace(fa, fastcar_tau=calibrate_tau(model, fa, settings), fastcar_ratio=None)
+        out[name] = FastARDiT(model, fa)
+    return out
+
+
+def run(bk: dict, settings) -> dict:
+    """Interleaved rollouts: per-frame ms, latent frames, cache bytes per mode."""
+    gens = {n: rollout(b, settings) for n, b in bk.items()}
+    res = {n: {"frame_ms": [], "frames": [], "cache_mib": []} for n in bk}
+    while True:
+        done = False
+        for n, g in gens.items():
+            c = next(g, None)
+            if c is None:
+                done = True
+                break
+            k = c.frames.shape[1]
+            res[n]["frame_ms"] += [1000 * c.seconds / k] * k
+            res[n]["frames"].append(c.frames)
+            res[n]["cache_mib"] += [c.cache_bytes / 2**20] * k
+        if done:
+            return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dit", default="tiny", help="a preset or DiT config (random weights without a checkpoint)")
+    ap.add_argument("--frames", type=int, default=300)
+    ap.add_argument("--diag-frames", type=int, default=40, help="frames of the --diagnostics run")
+    ap.add_argument("--window", type=int, default=0, help="cache window frames (0: the cache grows)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    cfg, weights = (PRESETS[a.dit], None) if a.dit in PRESETS else load_config(a.dit)
+    model = build(cfg, weights)
+    settings = StreamSettings(frames=a.frames, seed=0, window_frames=a.window)
+    bk = backends(model, settings, {})
+    timed = run(bk, settings)
+    bk_d = backends(model, settings, {"diagnostics": True})
+    run(bk_d, StreamSettings(frames=a.diag_frames, seed=0, window_frames=a.window))
+    dense = np.concatenate(timed["dense (TorchDiT)"]["frames"], 1)
+    base = timed["dense (TorchDiT)"]["frame_ms"]
+    n = len(base)
+    early, late = slice(50, 150), slice(max(n - 100, 0), n)
+    ref_sec = bk["dense (FAST-AR runtime)"].seconds
+    rows = []
+    for name, r in timed.items():
+        ms = np.array(r["frame_ms"])
+        row = {"mode": name, "ms_early": float(np.median(ms[early])), "ms_late": float(np.median(ms[late])),
+               "speedup_late": float(np.median(np.array(base)[late]) / np.median(ms[late])),
+               "fps_late_over_early": float(np.median(ms[early]) / np.median(ms[late])),
+               "psnr_vs_dense": psnr(np.concatenate(r["frames"], 1), dense), "cache_mib_end": r["cache_mib"][-1]}
+        if isinstance(bk_d[name], FastARDiT):
+            row.update(totals(bk_d[name].stats))
+            sec = bk[name].seconds
+            row.update({f"{k}_speedup": (ref_sec[k] / sec[k] if sec[k] > 0 else None)
+                        for k in ("self_attention", "cross_attention", "ffn")})
+        rows.append(row)
+    hdr = ("mode", "ms/frame 50-150", f"ms/frame {late.start}-{n}", "x vs dense", "late/early FPS", "PSNR dB",
+           "self dens", "self recall", "cross dens", "cross recall", "replay", "KV dens", "SA x", "CA x", "FFN x")
+    print("| " + " | ".join(hdr) + " |\n|" + "---|" * len(hdr))
+
+    def f(v, p=2):
+        return "" if v is None else f"{v:.{p}f}"
+
+    for r in rows:
+        print(f"| {r['mode']} | {f(r['ms_early'])} | {f(r['ms_late'])} | {f(r['speedup_late'])} | "
+              f"{f(r['fps_late_over_early'])} | {f(r['psnr_vs_dense'], 1)} | {f(r.get('self_density'))} | "
+              f"{f(r.get('self_recall'))} | {f(r.get('cross_density'))} | {f(r.get('cross_recall'))} | "
+              f"{f(r.get('replay_ratio'))} | {f(r.get('kv_density'))} | {f(r.get('self_attention_speedup'))} | "
+              f"{f(r.get('cross_attention_speedup'))} | {f(r.get('ffn_speedup'))} |")
+    print(f"RSS {rss_mib():.0f} MiB; {a.dit}, {a.frames} frames, window {a.window or 'all'}, {a.threads} thread(s)")
+    if a.json:
+        a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
