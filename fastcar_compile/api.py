@@ -57,9 +57,20 @@ def load(model) -> tuple[ir.Model, Path | None]:
     return loaded, path
 
 
+def _dit():
+    """The DiT compiler (fastcar_compile/dit, the layer above: imported by name, commands.DIT_API)."""
+    import importlib
+
+    from fastcar_compile.commands import DIT_API
+
+    return importlib.import_module(DIT_API)
+
+
 def inspect(model) -> CompileReport:
     """Discovery only: what was found in each layer, and why a layer did not match."""
     loaded, _ = load(model)
+    if _dit().is_dit_step(loaded):
+        return _dit().inspect_dit(loaded)
     notes: list[str] = []
     matches = find_layers(loaded, notes)
     report = CompileReport.from_matches(matches)
@@ -90,6 +101,8 @@ def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[
     opts = CompileOptions(**options)
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
+    if _dit().is_dit_step(loaded):  # a video DiT's step graph (export --dit): its own rewrite
+        return _dit().compile_dit(loaded, out_path, source=in_path, **options)
     genai_config = _genai_config(opts.genai, in_path, out_path)
     staging = Staging(out_path, source=in_path) if out_path is not None else None
     if staging is not None:

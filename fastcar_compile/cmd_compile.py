@@ -86,10 +86,15 @@ def main(argv: list[str]) -> int:
         report = fc.inspect(args.model)
         print(report.format(verbose=args.verbose))
         if not report.matched:
-            raise FastCarError("no decoder layer matched (see the missing anchors above)")
+            raise FastCarError(f"no {report.unit[:-1]} matched (see the missing anchors above)")
         return 0
     if args.target == "fpga":
         return _fpga(args)
+    if args.frame_tokens is None and _dit_step(args.model):  # a video DiT knows its tokens per frame
+        import importlib
+
+        module, func = commands.DIT_COMPILE
+        return int(getattr(importlib.import_module(module), func)(args) or 0)
     if args.frame_tokens is None:
         raise FastCarError("--frame-tokens is required: the number of tokens per video frame (e.g. 256)")
     if args.output is None:
@@ -105,6 +110,18 @@ def main(argv: list[str]) -> int:
               "often replays every eligible MLP there. Calibrate (--calibrate-replay 0.5 --calib-data p.npy) or "
               "use --tas-query raw", file=sys.stderr)
     return 0
+
+
+def _dit_step(model: str) -> bool:
+    """Is `model` a DiT step graph (export --dit)? Asked only when --frame-tokens is missing, which a decoder
+    needs, so a decoder's compile never loads its model twice."""
+    from fastcar_compile.api import _dit, load
+
+    try:
+        loaded, _ = load(model)
+    except FastCarError:
+        return False  # the decoder path says what is wrong with the file
+    return _dit().is_dit_step(loaded)
 
 
 def _fpga(args) -> int:

@@ -21,6 +21,9 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 }
 # `export --dit`: the video DiT's export, in the layer above (fastcar_compile/dit), imported only when used.
 DIT_EXPORT = ("fastcar_compile.dit.cli", "export_main")
+# A DiT step graph given to the compiler (`fastcar-compile dit.onnx -o out.onnx`, `--inspect`): compiled there too.
+DIT_COMPILE = ("fastcar_compile.dit.cli", "compile_main")
+DIT_API = "fastcar_compile.dit.compile"  # compile_dit, inspect_dit, is_dit_step (fastcar_compile.api routes to it)
 # Without a subcommand name the arguments are the compiler's own (`fastcar-compile model.onnx -o fast.onnx`).
 DEFAULT = ("fastcar_compile.cmd_compile", "main")
 

@@ -25,6 +25,7 @@ class CompileReport:
     metadata: dict[str, str] = field(default_factory=dict)
     passes: list[str] = field(default_factory=list)
     plan: list[str] = field(default_factory=list)  # passes/plan.py Plan.lines(): per layer, what is built
+    unit: str = "decoder layers"  # what a layer is ("DiT blocks" for a video DiT's step graph)
 
     @classmethod
     def from_matches(cls, matches: list[LayerMatch]) -> CompileReport:
@@ -42,7 +43,7 @@ class CompileReport:
         return self.format()
 
     def format(self, verbose: bool = False) -> str:
-        lines = [f"{len(self.matched)}/{len(self.layers)} decoder layers matched"]
+        lines = [f"{len(self.matched)}/{len(self.layers)} {self.unit} matched"]
         for r in self.layers:
             state = "rewritten" if r.rewritten else ("matched" if r.matched else "NOT MATCHED")
             lines.append(f"  layer {r.layer:>3}: {state:<11} {r.summary}")

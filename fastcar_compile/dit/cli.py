@@ -72,6 +72,24 @@ def export_main(a: argparse.Namespace) -> int:
     return 0
 
 
+def compile_main(a: argparse.Namespace) -> int:
+    """`fastcar-compile dit.onnx -o fast.onnx` on a DiT step graph (the compiler's parsed arguments)."""
+    from fastcar_compile import options
+    from fastcar_compile.dit.compile import REPLAY_FEATURE, compile_dit
+
+    if a.calibrate_replay is not None or a.calibrate_quality is not None:
+        flag = "--calibrate-replay" if a.calibrate_replay is not None else "--calibrate-quality"
+        raise FastCarError(f"{flag}: {REPLAY_FEATURE} is not supported yet; leave {flag} out")
+    if a.output is None:
+        raise FastCarError("-o/--output is required: where to write the compiled step graph")
+    t0 = time.perf_counter()
+    _, report = compile_dit(a.model, a.output, **options.from_args(a))
+    print(report.format(verbose=a.verbose))
+    print(f"wrote {a.output} ({len(report.rewritten)} DiT blocks rewritten, {time.perf_counter() - t0:.1f} s); "
+          f"next: fastcar-compile stream {a.output} --frames 24 -o stream_out")
+    return 0
+
+
 def build_stream_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="fastcar-compile stream", description="Generate a video chunk by chunk with an exported DiT step "

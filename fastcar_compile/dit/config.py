@@ -165,5 +165,11 @@ def text_io(layers: int) -> tuple[list[str], list[str]]:
     return [TEXT_INPUT], cross_names(layers)
 
 
+# The compiled step graph (dit/compile.py): `past.N.key|value` are the runtime's preallocated cache buffers
+# [B, heads, capacity, d], written in place between chunks; their first `past_length` tokens hold K/V (the rest
+# is masked out). Its metadata names this form; stream.OrtDiT binds the buffers instead of concatenating them.
+PAST_LENGTH = "past_length"
+CACHE_FORM_KEY = "fastcar.dit_cache"
+CACHE_IN_PLACE = "in-place"
 METADATA_KEY = "fastcar.dit_config"  # the step graph's metadata: the config it was exported from
 TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph beside the step graph

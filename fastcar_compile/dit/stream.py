@@ -22,7 +22,10 @@ import numpy as np
 
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.dit.config import (
+    CACHE_FORM_KEY,
+    CACHE_IN_PLACE,
     METADATA_KEY,
+    PAST_LENGTH,
     TEXT_GRAPH_KEY,
     DiTConfig,
     from_dict,
@@ -79,8 +82,67 @@ class FrameCache:
         return sum(a.nbytes for arrays in self.frames.values() for a in arrays)
 
 
+class RingCache:
+    """The cache of a compiled step graph (dit/compile.py): per layer and K|V one preallocated buffer
+    [B, heads, slots * T, d] that ONNX Runtime reads in place. Sink frames own the first slots, the window's
+    frames a ring of the next `window` slots (window 0: a slot per frame, the buffers growing by a quarter when
+    full: a copy of the cache every few chunks, and at most a quarter of the slots masked out in attention).
+    Slots fill in order, so the first `length` tokens always hold K/V; a write copies the chunk's own K/V
+    only. Same residency as FrameCache."""
+
+    def __init__(self, layers: int, tokens_per_frame: int, sinks: int, window: int, grow_from: int = 8):
+        self.layers, self.tokens, self.sinks, self.window = layers, tokens_per_frame, sinks, window
+        self.first_slots = sinks + window if window else max(sinks, grow_from)
+        self.buffers: list[np.ndarray] = []  # allocated by the first past() or write() (rows known then)
+        self.slot_frame: dict[int, int] = {}
+        self.length = 0  # tokens at the start of the buffers that hold K/V
+
+    def _allocate(self, rows: int, heads: int, head_dim: int) -> None:
+        if not self.buffers:
+            self.buffers = [np.zeros((rows, heads, self.first_slots * self.tokens, head_dim), np.float32)
+                            for _ in range(2 * self.layers)]
+
+    @property
+    def slots(self) -> int:
+        return self.buffers[0].shape[2] // self.tokens
+
+    @property
+    def resident(self) -> list[int]:
+        return sorted(self.slot_frame.values())
+
+    def slot(self, frame: int) -> int:
+        return frame if frame < self.sinks or not self.window else self.sinks + (frame - self.sinks) % self.window
+
+    def write(self, first_frame: int, kv: list[np.ndarray]) -> None:
+        """Copy a chunk's K/V (2*layers arrays [B, heads, F*T, d]) into the slots of frames first_frame.."""
+        t = self.tokens
+        self._allocate(kv[0].shape[0], kv[0].shape[1], kv[0].shape[3])
+        for j in range(kv[0].shape[2] // t):
+            slot = self.slot(first_frame + j)
+            if slot >= self.slots:  # window 0: the cache grows with the video
+                grown = [np.zeros((*b.shape[:2], max(-(-5 * self.slots // 4), slot + 1) * t, b.shape[3]), b.dtype)
+                         for b in self.buffers]
+                for new, old in zip(grown, self.buffers, strict=True):
+                    new[:, :, :self.length] = old[:, :, :self.length]
+                self.buffers = grown
+            for buf, a in zip(self.buffers, kv, strict=True):
+                buf[:, :, slot * t:(slot + 1) * t] = a[:, :, j * t:(j + 1) * t]
+            self.slot_frame[slot] = first_frame + j
+            self.length = max(self.length, (slot + 1) * t)
+
+    def past(self, batch: int, heads: int, head_dim: int) -> RingCache:
+        self._allocate(batch, heads, head_dim)
+        return self  # the compiled step reads the buffers themselves
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+
 class OrtDiT:
-    """The exported step and prompt graphs in ONNX Runtime."""
+    """The exported (or compiled) step graph and the prompt graph in ONNX Runtime. A compiled step graph
+    reads the cache in place: its buffers (RingCache) are bound once through ORT's IO binding, as are the
+    outputs, so a denoising step copies no cache bytes."""
 
     def __init__(self, step_path: str | os.PathLike, text_path: str | os.PathLike | None = None,
                  threads: int = 0):
@@ -107,20 +169,50 @@ class OrtDiT:
         self.sess = ort.InferenceSession(str(step_path), so, providers=["CPUExecutionProvider"])
         self.text_sess = ort.InferenceSession(str(text_path), so, providers=["CPUExecutionProvider"])
         ins, outs = step_io(self.cfg.layers)
+        self.in_place = meta.get(CACHE_FORM_KEY) == CACHE_IN_PLACE
+        if self.in_place:
+            ins = [*ins, PAST_LENGTH]
+            from fastcar_compile.runtime.binding import StepBinding
+
+            self.binding = StepBinding(self.sess)
         got = [i.name for i in self.sess.get_inputs()]
         if got != ins:
             raise FastCarError(f"{step_path}: inputs {got[:4]}... are not the DiT step's {ins[:4]}...")
         self.outs = outs
+
+    def new_cache(self, layers: int, tokens_per_frame: int, sinks: int, window: int) -> FrameCache | RingCache:
+        return (RingCache if self.in_place else FrameCache)(layers, tokens_per_frame, sinks, window)
 
     def text_kv(self, text_embeds: np.ndarray) -> list[np.ndarray]:
         return self.text_sess.run(None, {"text_embeds": text_embeds.astype(np.float32)})
 
     def step(self, latent, timestep, frame_start: int, past, cross) -> list[np.ndarray]:
         n = self.cfg.layers
+        if self.in_place:
+            return self._step_bound(latent, timestep, frame_start, past, cross)
         feed = {"latent": latent, "timestep": timestep, "frame_start": np.array([frame_start], np.int64)}
         feed.update(zip(past_names(n), past, strict=True))
         feed.update(zip(step_io(n)[0][3 + 2 * n:], cross, strict=True))
         return self.sess.run(None, feed)
+
+
+    def _step_bound(self, latent, timestep, frame_start: int, cache: RingCache, cross) -> list[np.ndarray]:
+        """One step on the bound buffers; the outputs are buffers reused by the next step (read them first)."""
+        io, n = self.binding, self.cfg.layers
+        io.bind_input("latent", np.ascontiguousarray(latent, np.float32))
+        io.bind_input("timestep", np.ascontiguousarray(timestep, np.float32))
+        io.bind_input("frame_start", np.array([frame_start], np.int64))
+        io.bind_input(PAST_LENGTH, np.array([cache.length], np.int64))
+        for name, buf in zip(past_names(n), cache.buffers, strict=True):
+            io.bind_input(name, buf)  # rebound only when the buffers grew
+        for name, a in zip(step_io(n)[0][3 + 2 * n:], cross, strict=True):
+            io.bind_input(name, a)
+        rows, f = latent.shape[0], latent.shape[2]
+        kv_shape = (rows, self.cfg.heads, f * self.cfg.tokens_per_frame, self.cfg.head_dim)
+        out = [io.output_buffer(self.outs[0], latent.shape, np.float32)]
+        out += [io.output_buffer(name, kv_shape, np.float32) for name in self.outs[1:]]
+        io.run()
+        return out
 
 
 class TorchDiT:

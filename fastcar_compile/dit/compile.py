@@ -1,0 +1,264 @@
+"""`fastcar-compile dit.onnx -o fast.onnx` on a DiT step graph: discovery of its blocks (dit/discover.py) and
+the dense rewrite that reads the KV cache in place.
+
+The export's self-attention is `softmax(q [past; k]^T) [past; v]` with `[past; k] = Concat(past.N.key, k)`: per
+denoising step and layer, ONNX Runtime copies the whole cache twice (the concats) plus the key transpose and
+scale, and the runtime concatenates the resident frames into the step's inputs once per chunk. The rewrite
+computes the same attention without touching the cache's bytes except to read them:
+
+    scores = Concat(q' past^T + (0 if slot < past_length else -inf), q k^T)   (q' past^T: FusedMatMul, transB)
+    out    = Slice(softmax(scores), :C) past_v + Slice(softmax(scores), C:) v
+
+`past.N.key|value` become the runtime's preallocated buffers [B, heads, C, d] (C slots: sink frames, then a
+ring of window frames, stream.RingCache) of which the first `past_length` tokens hold K/V; the chunk's own K/V
+stay the `present.N.*` outputs, which the runtime writes into the ring after the chunk's cache pass (the
+chunk's bytes only). Keys are stored rotated at their absolute positions and attention is a sum over the
+keys, so their order in the buffer does not matter. FastCar replay (TAS over the cache, MLP reuse) and
+FAST-AR's compressed caches are not applied to DiT blocks yet: asked for, they are refused in one line.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from fastcar_compile import contract, options
+from fastcar_compile.compile_report import CompileReport, LayerReport
+from fastcar_compile.dit.config import (
+    CACHE_FORM_KEY,
+    CACHE_IN_PLACE,
+    METADATA_KEY,
+    PAST_LENGTH,
+    TEXT_GRAPH_KEY,
+)
+from fastcar_compile.dit.discover import DiTBlockMatch, SelfAttention, discover
+from fastcar_compile.errors import FastCarError
+from fastcar_compile.passes.build import Builder, const
+
+REPLAY_FEATURE = "FastCar MLP replay (TAS over the frame cache) on DiT blocks"
+KV_FEATURE = "FAST-AR's compressed KV cache (TempCache, AnnSA, AnnCA) on DiT blocks"
+# Options that ask for those features (any value but the default), and options that do not apply to a DiT.
+_REPLAY_OPTIONS = ("tas_query", "max_replay", "per_layer_threshold", "emit_diagnostics", "required_video_inputs")
+_KV_OPTIONS = ("kv_budget", "kv_sinks", "kv_window", "kv_eviction", "tempcache", "sparse_attention", "prune_prompt",
+               "kv_diagnostics", "kv_layers")
+_IGNORED = ("frame_tokens", "threshold", "validate")  # checked on their own below
+
+
+def is_dit_step(model: ir.Model) -> bool:
+    """A step graph written by `export --dit` (or compiled from one): its config in the metadata."""
+    return METADATA_KEY in model.metadata_props and TEXT_GRAPH_KEY in model.metadata_props
+
+
+def check_options(opts: dict, frame_tokens: int) -> list[str]:
+    """Refuse (one line, naming the feature) what a DiT step graph cannot be compiled with yet; returns notes."""
+    by_name = {o.name: o for o in options.OPTIONS}
+    for name, value in opts.items():
+        o = by_name.get(name)
+        if o is None or name in _IGNORED or value == o.default or (value is None and o.default is None):
+            continue
+        if isinstance(value, (list, tuple)) and tuple(value) == tuple(o.default or ()):
+            continue
+        flag = o.flag or name
+        if name in _REPLAY_OPTIONS:
+            raise FastCarError(f"{flag}: {REPLAY_FEATURE} is not supported yet; leave {flag} out (DiT step graphs "
+                               "compile dense, with the cache read in place)")
+        if name in _KV_OPTIONS:
+            raise FastCarError(f"{flag}: {KV_FEATURE} is not supported yet; leave {flag} out")
+        raise FastCarError(f"{flag} does not apply to a DiT step graph (it compiles dense, with the cache read in "
+                           f"place); leave {flag} out")
+    notes = []
+    given = opts.get("frame_tokens")
+    if given is not None and given != frame_tokens:
+        raise FastCarError(f"--frame-tokens {given}: this DiT has {frame_tokens} tokens per latent frame (its "
+                           "config); leave --frame-tokens out")
+    taus = [float(t) for t in np.atleast_1d(opts.get("threshold", (np.inf,)))]
+    default = tuple(by_name["threshold"].default)
+    if any(t != np.inf for t in taus):
+        if tuple(taus) != default:
+            raise FastCarError(f"--threshold {taus[0]:g}: {REPLAY_FEATURE} is not supported yet; compile with "
+                               "--threshold inf (dense) or leave --threshold out")
+        notes.append(f"{REPLAY_FEATURE} is not supported yet: compiled dense (as --threshold inf)")
+    return notes
+
+
+def inspect_dit(model: ir.Model) -> CompileReport:
+    """What discovery found per DiT block (the report `--inspect` prints)."""
+    report = CompileReport([_layer_report(m) for m in discover(model)], unit="DiT blocks")
+    if is_dit_step(model) and CACHE_FORM_KEY in model.metadata_props:
+        report.notes.append(f"already compiled (cache {model.metadata_props[CACHE_FORM_KEY]}): compile the export")
+    return report
+
+
+def _layer_report(m: DiTBlockMatch) -> LayerReport:
+    return LayerReport(m.layer, m.ok, False, m.summary(), m.trace)
+
+
+def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: ir.Value, ids) -> list[ir.Node]:
+    """The block's attention over (buffer, chunk) as in the module docstring; returns the new nodes."""
+    a: SelfAttention = m.attention
+    nodes: list[ir.Node] = []
+    b = Builder(m.layer, nodes, ids)
+    pkey, key = a.key_concat.inputs
+    pvalue, value = a.value_concat.inputs
+    # the chunk's own scores: the export's key path, fed the chunk's keys instead of the concat
+    ir.convenience.replace_all_uses_with(a.key_concat.outputs[0], key)
+    q = a.query
+    for f in a.key_factors:  # the scale the export applied to the keys, applied to the query instead
+        q = b("Mul", [q, f], part="attention")
+    past_scores = b("FusedMatMul", [q, pkey], {"transB": 1, "alpha": 1.0}, domain=contract.MS_DOMAIN,
+                    part="attention")
+    masked = b("Add", [past_scores, bias], part="attention")  # (ORT's broadcasting Where is 5x slower)
+    self_scores = a.softmax.inputs[0]
+    joined = b("Concat", [masked, self_scores], {"axis": -1}, part="attention")
+    a.softmax.replace_input_with(0, joined)
+    probs = a.softmax.outputs[0]
+    zero = const(graph, "fastcar.dit.zero", np.array([0], np.int64))
+    end = const(graph, "fastcar.dit.end", np.array([np.iinfo(np.int64).max], np.int64))
+    last = const(graph, "fastcar.dit.last_axis", np.array([-1], np.int64))
+    p_past = b("Slice", [probs, zero, capacity, last], part="attention")
+    p_self = b("Slice", [probs, capacity, end, last], part="attention")
+    ctx = b("Add", [b("MatMul", [p_past, pvalue], part="attention"), b("MatMul", [p_self, value], part="attention")],
+            part="attention")
+    old = a.context.outputs[0]
+    ir.convenience.replace_all_uses_with(old, ctx)
+    graph.insert_before(a.softmax, nodes[:-5])  # the scores, before the softmax reads them
+    graph.insert_after(a.softmax, nodes[-5:])  # the two slices, two MatMuls and their sum
+    return nodes
+
+
+def rewrite(model: ir.Model, matches: list[DiTBlockMatch]) -> None:
+    """Every block's attention reads `past.N.*` in place (module docstring); adds the `past_length` input."""
+    graph = model.graph
+    if any(v.name == PAST_LENGTH for v in graph.inputs):
+        raise FastCarError(f"the step graph already has a {PAST_LENGTH} input: it is compiled; compile the export")
+    length = ir.Value(name=PAST_LENGTH, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([1]))
+    graph.inputs.append(length)
+    model.opset_imports.setdefault(contract.MS_DOMAIN, 1)  # FusedMatMul
+    ids = itertools.count()
+    shared: list[ir.Node] = []
+    b = Builder(-1, shared, ids)
+    first = matches[0].attention.key_concat.inputs[0]
+    two = const(graph, "fastcar.dit.two", np.array([2], np.int64))
+    three = const(graph, "fastcar.dit.three", np.array([3], np.int64))
+    capacity = b("Slice", [b("Shape", [first], part="cache"), two, three], part="cache")  # [1]: C
+    slots = b("Range", [const(graph, "fastcar.dit.zero_s", np.array(0, np.int64)),
+                        b("Squeeze", [capacity], part="cache"),
+                        const(graph, "fastcar.dit.one_s", np.array(1, np.int64))], part="cache")
+    mask = b("Less", [slots, length], part="cache")  # [C]: slots holding K/V
+    bias = b("Where", [mask, const(graph, "fastcar.dit.zero_f", np.array(0.0, np.float32)),
+                       const(graph, "fastcar.dit.minus_inf", np.array(-np.inf, np.float32))], part="cache")
+    graph.insert_before(graph[0], shared)
+    for m in matches:
+        _rewrite_block(graph, m, bias, capacity, ids)
+    RemoveUnusedNodesPass()(model)
+    for m in matches:
+        i = m.layer
+        for kind in ("key", "value"):
+            v = next(x for x in graph.inputs if x.name == f"past.{i}.{kind}")
+            dims = list(v.shape) if v.shape is not None else [None] * 4
+            v.shape = ir.Shape([dims[0], dims[1], "capacity", dims[3]])
+
+
+def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path | None = None,
+                validate: bool = True, **opts) -> tuple[ir.Model, CompileReport]:
+    """Compile a DiT step graph (a path, or an onnx_ir.Model loaded from `source`, which this modifies) to the
+    in-place cache form; with `output`, written atomically beside a copy of its prompt graph. `opts`: the
+    compiler's options, of which a DiT takes none but `threshold=inf` (check_options refuses the others)."""
+    from fastcar_compile import api, fileio
+    from fastcar_compile.dit.config import from_dict
+    from fastcar_compile.dit.export import text_graph_path
+    from fastcar_compile.passes.validate import ValidatePass
+    from fastcar_compile.save import SavePass, Staging
+
+    options.unknown(opts, "compile")
+    out_path = fileio.check_output_path(output) if output is not None else None
+    loaded, in_path = (model, source) if isinstance(model, ir.Model) and source is not None else api.load(model)
+    if not is_dit_step(loaded):
+        raise FastCarError("not a DiT step graph (no fastcar.dit_config metadata); export it with "
+                           "`fastcar-compile export --dit`")
+    if CACHE_FORM_KEY in loaded.metadata_props:
+        raise FastCarError("the DiT step graph is already compiled (its cache is read in place); compile the "
+                           "export")
+    cfg = from_dict(json.loads(loaded.metadata_props[METADATA_KEY]), "the step graph's fastcar.dit_config")
+    notes = check_options(opts, cfg.tokens_per_frame)
+    t0 = time.perf_counter()
+    matches = discover(loaded)
+    report = CompileReport([_layer_report(m) for m in matches], notes=notes, unit="DiT blocks")
+    failed = [m for m in matches if not m.ok]
+    if not matches or failed:
+        head = (f"DiT block {failed[0].layer} did not match ({failed[0].summary()})" if failed
+                else "no DiT block found (no past.N.key inputs)")
+        raise FastCarError(f"{head}; every block must match, since the cache inputs change for all of them "
+                           "(run with --inspect to see each block)")
+    rewrite(loaded, matches)
+    for r in report.layers:
+        r.rewritten = True
+    text_src = None
+    if in_path is not None:
+        text_src = in_path.with_name(loaded.metadata_props[TEXT_GRAPH_KEY])
+        if not text_src.is_file():
+            raise FastCarError(f"{in_path}: its prompt graph {text_src} is missing; keep the export's two graphs "
+                               "together")
+    loaded.metadata_props[CACHE_FORM_KEY] = CACHE_IN_PLACE
+    if out_path is None:
+        return loaded, report
+    text_out = text_graph_path(out_path)
+    loaded.metadata_props[TEXT_GRAPH_KEY] = text_out.name
+    staging = Staging(out_path, source=in_path)
+    reads = dict(fileio.model_reads(in_path)) if in_path is not None else {}
+    if text_src is not None:
+        reads.update(fileio.model_reads(text_src, "the prompt graph"))
+    fileio.check_outputs({**{f: "output" for f in staging.files()}, text_out: "the prompt graph's copy",
+                          text_out.with_name(text_out.name + ".data"): "the prompt graph's data"}, reads)
+    passes: list[ir.passes.PassBase] = [ValidatePass(staging)] if validate else []
+    passes += [_StagePromptGraph(staging, text_src, text_out.name), SavePass(staging)]
+    from fastcar_compile import pipeline
+
+    try:
+        with fileio.os_errors(str(out_path)):
+            pipeline.run(ir.passes.PassManager(passes), loaded)
+    finally:
+        staging.cleanup()
+    report.notes.append(f"cache read in place: past.N.* are the runtime's buffers, past_length the tokens they "
+                        f"hold; prompt graph copied to {text_out.name} ({time.perf_counter() - t0:.1f} s)")
+    return loaded, report
+
+
+class _StagePromptGraph(ir.passes.InPlacePass):
+    """Stage the prompt graph (and its external data, holes kept) beside the model under the output's name."""
+
+    def __init__(self, staging, source: Path | None, name: str):
+        super().__init__()
+        self.staging, self.source, self.name = staging, source, name
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        import onnx
+
+        from fastcar_compile.fileio import copy_file
+
+        if self.source is None:
+            raise FastCarError("an in-memory DiT step graph has no prompt graph to write beside it; compile the "
+                               "exported file")
+        self.staging.write(model)
+        proto = onnx.load(str(self.source), load_external_data=False)
+        data_name = self.name + ".data"
+        old = set()
+        for t in proto.graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                for e in t.external_data:
+                    if e.key == "location":
+                        old.add(e.value)
+                        e.value = data_name
+        if len(old) > 1:
+            raise FastCarError(f"{self.source}: its weights are in {len(old)} files; keep them in one")
+        if old:
+            copy_file(self.source.with_name(old.pop()), self.staging.add(data_name))
+        onnx.save(proto, str(self.staging.add(self.name)))
+        return ir.passes.PassResult(model, modified=False)
