@@ -74,7 +74,7 @@ def export_main(a: argparse.Namespace) -> int:
 
 def compile_main(a: argparse.Namespace) -> int:
     """`fastcar-compile dit.onnx -o fast.onnx` on a DiT step graph (the compiler's parsed arguments)."""
-    from fastcar_compile import options
+    from fastcar_compile.core import options
     from fastcar_compile.dit.compile import REPLAY_FEATURE, compile_dit
 
     if a.calibrate_replay is not None or a.calibrate_quality is not None:

@@ -29,8 +29,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from fastcar_compile import contract, options
 from fastcar_compile.compile_report import CompileReport, LayerReport
+from fastcar_compile.core import contract, options
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.dit.config import (
     CACHE_FORM_KEY,
     CACHE_IN_PLACE,
@@ -39,7 +40,6 @@ from fastcar_compile.dit.config import (
     TEXT_GRAPH_KEY,
 )
 from fastcar_compile.dit.discover import DiTBlockMatch, SelfAttention, discover
-from fastcar_compile.errors import FastCarError
 from fastcar_compile.passes.build import Builder, const
 
 REPLAY_FEATURE = "FastCar MLP replay (TAS over the frame cache) on DiT blocks"
@@ -171,7 +171,8 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
     """Compile a DiT step graph (a path, or an onnx_ir.Model loaded from `source`, which this modifies) to the
     in-place cache form; with `output`, written atomically beside a copy of its prompt graph. `opts`: the
     compiler's options, of which a DiT takes none but `threshold=inf` (check_options refuses the others)."""
-    from fastcar_compile import api, fileio
+    from fastcar_compile import api
+    from fastcar_compile.core import fileio
     from fastcar_compile.dit.config import from_dict
     from fastcar_compile.dit.export import text_graph_path
     from fastcar_compile.passes.validate import ValidatePass
@@ -241,7 +242,7 @@ class _StagePromptGraph(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         import onnx
 
-        from fastcar_compile.fileio import copy_file
+        from fastcar_compile.core.fileio import copy_file
 
         if self.source is None:
             raise FastCarError("an in-memory DiT step graph has no prompt graph to write beside it; compile the "
