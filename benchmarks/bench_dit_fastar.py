@@ -84,7 +84,8 @@ def main() -> None:
     ap.add_argument("--diag-frames", type=int, default=40, help="frames of the --diagnostics run")
     ap.add_argument("--window", type=int, default=0, help="cache window frames (0: the cache grows)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="rows and per-frame ms per mode")
+    ap.add_argument("--png", type=Path, help="ms per frame over the video per mode, density / recall / KV per mode")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cfg, weights = (PRESETS[a.dit], None) if a.dit in PRESETS else load_config(a.dit)
@@ -127,7 +128,38 @@ def main() -> None:
               f"{f(r.get('cross_attention_speedup'))} | {f(r.get('ffn_speedup'))} |")
     print(f"RSS {rss_mib():.0f} MiB; {a.dit}, {a.frames} frames, window {a.window or 'all'}, {a.threads} thread(s)")
     if a.json:
-        a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "rows": rows}, indent=1) + "\n")
+        args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+        a.json.write_text(json.dumps({"args": args, "rows": rows, "frame_ms": {n: r["frame_ms"] for n, r in
+                                                                               timed.items()}}, indent=1) + "\n")
+    if a.png:
+        plot(rows, timed, a.png, f"{a.dit} (random weights), window {a.window or 'all'}, {a.threads} thread(s)")
+
+
+def plot(rows: list[dict], timed: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(14, 4.8))
+    for name, r in timed.items():
+        ms = np.convolve(r["frame_ms"], np.ones(10) / 10, mode="valid")
+        ax[0].plot(ms, label=name, lw=1)
+    ax[0].set_xlabel("latent frame")
+    ax[0].set_ylabel("ms per frame (10-frame mean)")
+    ax[0].set_yscale("log")
+    ax[0].legend(fontsize=7)
+    stats = [r for r in rows if "self_density" in r]
+    x = np.arange(len(stats))
+    for i, (key, lab) in enumerate((("self_density", "self density"), ("self_recall", "self recall"),
+                                    ("cross_density", "cross density"), ("replay_ratio", "FFN replay"),
+                                    ("kv_density", "resident KV / dense"))):
+        ax[1].bar(x + (i - 2) * 0.16, [np.nan if r[key] is None else r[key] for r in stats], 0.16, label=lab)
+    ax[1].set_xticks(x, [r["mode"].split(" (")[0] for r in stats], rotation=30, ha="right", fontsize=7)
+    ax[1].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

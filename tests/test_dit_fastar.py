@@ -338,6 +338,7 @@ def test_stream_cli_records_modes(tmp_path, capsys):
     (["--quant-dirs", "3"], "--quant-dirs must be one of"),
     (["--fastcar-tau", "1", "--fastcar-ratio", "0.5"], "not both"),
     (["--lsh-bits", "17"], "--lsh-bits must be in 1..16"),
+    (["--tempcache", "aligned", "--ann-tables", "0"], "--ann-tables must be in 1..64"),
 ])
 def test_stream_cli_bad_modes(tmp_path, capsys, argv, words):
     try:
@@ -348,6 +349,12 @@ def test_stream_cli_bad_modes(tmp_path, capsys, argv, words):
     err = capsys.readouterr().err.strip()
     assert words in err.splitlines()[-1] and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+def test_stream_cli_unknown_model_is_one_line(tmp_path, capsys):
+    rc = main(["stream", str(tmp_path / "nothing"), "--frames", "2", "-o", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "no such file or preset" in err and len(err.splitlines()) == 1
 
 
 def test_stream_cli_refuses_modes_on_an_onnx_graph(exported, tmp_path, capsys):

@@ -208,10 +208,13 @@ def _ort_model(model_path: Path, threads: int):
 
 def _eager_model(source: str, fa, threads: int):
     """The DiT (preset, config or folder) in eager PyTorch behind the FAST-AR runtime."""
-    from fastcar_compile.dit.config import load_config
+    from fastcar_compile.dit.config import PRESETS, load_config
     from fastcar_compile.dit.fastar import FastARDiT
     from fastcar_compile.dit.model import build
 
+    if source not in PRESETS and not Path(source).exists():
+        raise FastCarError(f"the model {source}: no such file or preset; give a step graph .onnx, a preset "
+                           f"({', '.join(sorted(PRESETS))}), a DiT config .json or a folder with config.json")
     cfg, weights = load_config(source)
     if 4 * cfg.params > RANDOM_WEIGHTS_MAX_BYTES and weights is None:
         raise FastCarError(f"{source}: {cfg.params / 1e9:.2f} B parameters and no weights; the eager stream needs "
@@ -322,6 +325,7 @@ def _plot_fastar(fa: dict, path: Path, title: str) -> None:
     ax[2].bar([i + 0.2 for i in x], [r["resident_kv_bytes"] / 2**20 for r in layers], 0.4, label="resident")
     ax[2].set_ylabel("KV after the last chunk (MiB)")
     for a in ax:
+        a.set_xticks(x)
         a.set_xlabel("layer")
         a.legend(fontsize=8)
     fig.suptitle(f"{title}, {fa['mode']}")
