@@ -5,7 +5,7 @@
     python benchmarks/fastar_recall.py --long --frames 16 --quick   # the 4-layer long-video model, per layer
 
 The demo model (1-layer LLaMA, 6 heads, 64 tokens per frame) generates `--frames` frames greedily from an
-eval clip's first frame; its per-layer q/k/v are captured (fastcar_compile.fastar.trace) and replayed through
+eval clip's first frame; its per-layer q/k/v are captured (fastcar_compile.demo.trace) and replayed through
 the NumPy reference (fastcar_compile.fastar.attention) with dense attention on the side. Metrics are over the
 decode steps of frames >= 2 (so every mode has a full frame of history to work with). Definitions: the module
 docstring of fastcar_compile/fastar/attention.py. FAST-AR's own figures (AR video diffusion, not token AR):
@@ -25,9 +25,9 @@ import numpy as np
 from tqdm import tqdm
 
 from fastcar_compile.core.atomic import save_figure, write_text
+from fastcar_compile.demo.trace import TRACE_SOURCES, demo_trace
 from fastcar_compile.fastar.attention import run_trace, slot_bytes
 from fastcar_compile.fastar.config import KVCompressConfig
-from fastcar_compile.fastar.trace import TRACE_SOURCES, demo_trace
 
 PAPER = {"TempCache (paper)": (0.16, 0.90), "AnnSA (paper)": (0.28, 0.92)}
 

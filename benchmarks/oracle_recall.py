@@ -2,7 +2,7 @@
 
 AnnSA-style modes choose which keys a query scores; no selector can keep more softmax mass at density f than
 the exact top f * (p + 1) keys of that query. This computes that ceiling per layer from dense attention (RoPE,
-causal) on traces of the 4-layer long-video model (`fastar.trace.demo_trace(long=True)`: teacher-forced clips
+causal) on traces of the 4-layer long-video model (`demo.trace.demo_trace(long=True)`: teacher-forced clips
 and the model's own greedy continuation), over the queries of frames >= 2 (as the other recall measurements),
 and draws it next to the op's measured modes (docs/kv_diagnostics.json) and FAST-AR's AnnSA point (28% / 92%).
 If the ceiling at 28% is below 92%, the paper's figure is out of reach on this model for any ANN index.
@@ -80,7 +80,7 @@ def plot(rows: list[dict], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from fastcar_compile.core.atomic import write_text
-    from fastcar_compile.fastar.trace import demo_trace
+    from fastcar_compile.demo.trace import demo_trace
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clips", type=int, default=2)

@@ -3,7 +3,7 @@ long-video demo model; and what --prune-prompt P would skip there (issue 12 item
 
 The demo's prompt is [BOS, motion, VIDEO_START] (3 tokens before video_start; the LLaMA-style zoo models are
 random-weight test graphs with no prompt structure, so they are not measured). On a trace of the 4-layer model
-(`fastar.trace.demo_trace(long=True)`: teacher-forced real clip, or its own greedy continuation), for every
+(`demo.trace.demo_trace(long=True)`: teacher-forced real clip, or its own greedy continuation), for every
 query of video frames >= 1 the dense softmax (RoPE applied, causal) gives the mass on positions < video_start.
 Reported per layer: mean prompt mass, its share of the per-token mean a uniform distribution would give
 (prompt mass / (3 / (p + 1))), the mass per prompt token, and the per-head maximum. Then each prompt token's
@@ -94,9 +94,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from fastcar_compile.core.atomic import write_text
+    from fastcar_compile.demo.trace import demo_trace
     from fastcar_compile.fastar.attention import run_trace
     from fastcar_compile.fastar.config import KVCompressConfig
-    from fastcar_compile.fastar.trace import demo_trace
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clips", type=int, default=2)

@@ -15,17 +15,17 @@ import onnx
 import onnx_ir as ir
 
 from fastcar_compile import pipeline
-from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.core import fileio
 from fastcar_compile.core import options as declared
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes import fused_attention, genai_state, native_gqa
 from fastcar_compile.passes.analysis import find_layers, parse_layers
+from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 from fastcar_compile.passes.plan import plan_blocks
+from fastcar_compile.passes.save import SavePass, Staging
 from fastcar_compile.passes.threshold import BakeThresholdPass
 from fastcar_compile.passes.validate import ValidatePass
-from fastcar_compile.save import SavePass, Staging
 
 __all__ = ["CompileOptions", "CompileReport", "LayerReport", "bake_threshold", "compile", "inspect", "load",
            "parse_layers", "pass_list"]

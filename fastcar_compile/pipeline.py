@@ -31,8 +31,8 @@ from fastcar_compile.passes.kv_dims import KvDimNamesPass
 from fastcar_compile.passes.metadata import IrVersionPass, MetadataPass
 from fastcar_compile.passes.native_gqa import NativeGqaPass
 from fastcar_compile.passes.pack_qkv import PackQkvPass
+from fastcar_compile.passes.save import SavePass, Staging
 from fastcar_compile.passes.validate import ValidatePass
-from fastcar_compile.save import SavePass, Staging
 
 
 def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = True) -> ir.passes.PassManager:

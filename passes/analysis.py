@@ -14,13 +14,13 @@ from contextlib import contextmanager
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from fastcar_compile.compile_report import CompileReport
 from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import check_state_size
 from fastcar_compile.core.options import ascii_int
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes import fused_attention
+from fastcar_compile.passes.compile_report import CompileReport
 from fastcar_compile.passes.context import CompileContext, weight_bytes
 from fastcar_compile.passes.plan import plan_blocks
 

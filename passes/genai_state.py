@@ -34,7 +34,7 @@ from fastcar_compile.core.fileio import copy_file, read_json
 from fastcar_compile.passes.context import CompileContext
 
 if TYPE_CHECKING:
-    from fastcar_compile.save import Staging
+    from fastcar_compile.passes.save import Staging
 
 CONFIG = "genai_config.json"
 CACHE_IN, CACHE_OUT = "past_key_values.{n}.conv_state", "present.{n}.conv_state"

@@ -1,6 +1,6 @@
 """The validation pass: the written model must pass onnx.checker and open in ONNX Runtime.
 
-It checks the staged file (fastcar_compile.save.Staging), the exact bytes that are then renamed into place.
+It checks the staged file (fastcar_compile.passes.save.Staging), the exact bytes that are then renamed into place.
 Errors found here are the compiler's (internal errors), except when the input itself does not load in ORT.
 """
 
@@ -13,7 +13,7 @@ import onnx_ir as ir
 
 from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.save import Staging
+from fastcar_compile.passes.save import Staging
 
 
 def _unknown_contrib_op(exc: Exception, model: ir.Model) -> bool:

@@ -1,8 +1,9 @@
 """fastcar_compile.runtime: run FastCar-compiled (and dense) decoders in ONNX Runtime.
 
 `FastCarSession(path).generate(prompt_ids, num_frames)` returns tokens plus `RunStats` (replay ratios,
-timings, the replay trace). `calibrate_threshold` / `bake_threshold` pick tau for a target replay ratio or a
-quality budget and write it into fast.onnx.
+timings, the replay trace). `calibrate_threshold` picks tau for a target replay ratio or a quality budget;
+writing it into fast.onnx is the compiler's `fastcar_compile.api.bake_threshold` (the runtime never imports
+the compiler).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 from fastcar_compile.runtime.session import DecodeState, FastCarSession, StepOutput
 from fastcar_compile.runtime.stats import RunStats
 
-__all__ = ["DecodeState", "FastCarSession", "GenerationResult", "RunStats", "StepOutput", "bake_threshold",
+__all__ = ["DecodeState", "FastCarSession", "GenerationResult", "RunStats", "StepOutput",
            "calibrate_threshold", "CalibrationResult", "generate"]
 
 
@@ -21,7 +22,7 @@ def __getattr__(name: str) -> Any:  # lazy: generation/calibration pull in tqdm 
         from fastcar_compile.runtime import decode as g
 
         return getattr(g, name)
-    if name in ("calibrate_threshold", "bake_threshold", "CalibrationResult"):
+    if name in ("calibrate_threshold", "CalibrationResult"):
         from fastcar_compile.runtime import calibrate as c
 
         return getattr(c, name)

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from fastcar_compile.api import bake_threshold  # noqa: F401 - baking is compiler-side; kept importable here
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.fileio import refuse_special_input
 from fastcar_compile.runtime.calib_stats import ci95, tau_for_share

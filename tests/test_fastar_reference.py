@@ -200,7 +200,7 @@ def test_reference_matches_transformers_attention():
     from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.export import load_model
     from fastcar_compile.demo.model import sequence
-    from fastcar_compile.fastar.trace import capture
+    from fastcar_compile.demo.trace import capture
 
     model = load_model()
     clip = data.make_clip("eval", 0, frames=3)

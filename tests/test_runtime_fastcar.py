@@ -13,8 +13,9 @@ import pytest
 import zoo
 from reference import FastCarReference
 
+from fastcar_compile.api import bake_threshold
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.runtime import FastCarSession, bake_threshold, calibrate_threshold
+from fastcar_compile.runtime import FastCarSession, calibrate_threshold
 from fastcar_compile.runtime.decode import left_pad
 
 L = 8

@@ -12,8 +12,8 @@ import ort_driver
 import pytest
 
 import fastcar_compile as fc
-from fastcar_compile import save
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.passes import save
 
 L = 4
 
@@ -139,7 +139,7 @@ _COMPILE = "import sys, fastcar_compile as fc; fc.compile(sys.argv[1], sys.argv[
 _KILLED_MID_COMMIT = """
 import os, signal, sys
 import fastcar_compile as fc
-from fastcar_compile import save
+from fastcar_compile.passes import save
 real, calls = os.replace, []
 def replace(a, b):
     calls.append(b)

@@ -8,5 +8,6 @@ and the tool that measures density and recall on captured attention traces. Noth
 - `lsh`: sign-random-projection hashing for AnnSA.
 - `cache`: one KV head's fixed-capacity cache with TempCache merging and eviction.
 - `attention`: decode attention over a whole trace, against dense on the side; the metrics.
-- `trace`: q/k/v capture from the bundled demo model (needs torch).
+
+The q/k/v capture from the bundled demo model (needs torch) is the demo's: `fastcar_compile/demo/trace.py`.
 """

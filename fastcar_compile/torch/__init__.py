@@ -15,11 +15,11 @@ import types
 import torch
 from torch import nn
 
-from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.core import limits
 from fastcar_compile.core import options as declared
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes.analysis import parse_layers
+from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 from fastcar_compile.torch import capture, discover, native, optimize
 from fastcar_compile.torch.module import (
     FastCarCausalLMMixin,

@@ -190,7 +190,7 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
     from torch.export import Dim
 
     from fastcar_compile.passes import fastcar_ops
-    from fastcar_compile.save import Staging
+    from fastcar_compile.passes.save import Staging
     from fastcar_compile.torch.onnx_branch import options_of, rebuild_branches
     from fastcar_compile.torch.rewrite import dense_branches
 
