@@ -2,51 +2,18 @@
 
 from __future__ import annotations
 
-import ast
-import sys
-from pathlib import Path
-
 import networkx as nx
-
-ROOT = Path(__file__).parent.parent
-
-
-def _modules() -> dict[str, Path]:
-    """Module name -> file, with passes/, runtime/, fpga_backend/ under fastcar_compile.* (pyproject's package-dir)."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    mods: dict[str, Path] = {}
-    for pkg, folder in sorted(package_dir.items(), key=lambda kv: -len(kv[0])):
-        for f in (ROOT / folder).rglob("*.py"):
-            parts = [p for p in f.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
-            mods.setdefault(".".join([pkg, *parts]), f)
-    return mods
+from import_scan import imported, modules
 
 
 def import_graph() -> nx.DiGraph:
-    mods = _modules()
+    mods = modules()
     g = nx.DiGraph()
     g.add_nodes_from(mods)
     for name, f in mods.items():
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = name.split(".") if f.name == "__init__.py" else name.split(".")[:-1]
-                    base = ".".join(parts[: len(parts) - (node.level - 1)] + ([base] if base else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
-            else:
-                continue
-            for t in targets:
-                while t and t not in mods:
-                    t = t.rpartition(".")[0]
-                if t and t != name and not name.startswith(t + "."):  # a package's own parents are not cycles
-                    g.add_edge(name, t)
+        for t, _ in imported(name, f, mods):
+            if not name.startswith(t + "."):  # a package's own parents are not cycles
+                g.add_edge(name, t)
     return g
 
 
