@@ -29,7 +29,6 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from fastcar_compile.compile_report import CompileReport, LayerReport
 from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.dit.config import (
@@ -41,6 +40,7 @@ from fastcar_compile.dit.config import (
 )
 from fastcar_compile.dit.discover import DiTBlockMatch, SelfAttention, discover
 from fastcar_compile.passes.build import Builder, const
+from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 
 REPLAY_FEATURE = "FastCar MLP replay (TAS over the frame cache) on DiT blocks"
 KV_FEATURE = "FAST-AR's compressed KV cache (TempCache, AnnSA, AnnCA) on DiT blocks"
@@ -175,8 +175,8 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
     from fastcar_compile.core import fileio
     from fastcar_compile.dit.config import from_dict
     from fastcar_compile.dit.export import text_graph_path
+    from fastcar_compile.passes.save import SavePass, Staging
     from fastcar_compile.passes.validate import ValidatePass
-    from fastcar_compile.save import SavePass, Staging
 
     options.unknown(opts, "compile")
     out_path = fileio.check_output_path(output) if output is not None else None
