@@ -25,7 +25,7 @@ from fastcar_compile.dit.fastar import (  # noqa: E402
     temporal_scores,
 )
 from fastcar_compile.dit.model import build  # noqa: E402
-from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout  # noqa: E402
+from fastcar_compile.dit.stream import StreamSettings, TorchDiT, kept_frames, rollout  # noqa: E402
 from fastcar_compile.fastar.attention import dense_step  # noqa: E402
 from fastcar_compile.fastar.cache import HeadCache  # noqa: E402
 from fastcar_compile.fastar.config import KVCompressConfig  # noqa: E402
@@ -46,7 +46,7 @@ def _frames(rng, n_frames, T, d, copy=0.6, noise=0.0, permute=False):
     return k, rng.standard_normal((n_frames, T, d)).astype(np.float32)
 
 
-def _write_slotcache(k, v, mode, sim, sinks, tables=2):
+def _write_slotcache(k, v, mode, sim, sinks, tables=2, window=0):
     n, T, d = k.shape
     hasher = sparse.make_hasher(mode if mode != "aligned" else "lsh", d, 4, 2, tables, 0)
     c = SlotCache(1, T, d, 0, tables if mode != "aligned" else 0)
@@ -60,7 +60,7 @@ def _write_slotcache(k, v, mode, sim, sinks, tables=2):
         else:
             tgt = c.ann_targets(f, kk, cp, sim, sinks)
         c.write_frame(f, kk, kk, vv, torch.zeros(1, T, 0, dtype=torch.int64), cp, tgt)
-        c.evict(None, {f})
+        c.evict(kept_frames(f + 1, sinks, window), {f})
     return c
 
 
@@ -74,9 +74,12 @@ def _reference(k, v, correspondence, sim, sinks):
     return ref
 
 
-def _assert_same_slots(c: SlotCache, ref: HeadCache, n_tokens: int):
-    """Same partition of the tokens into slots, and per slot the same count, key and mean value."""
+def _assert_same_slots(c: SlotCache, ref: HeadCache, n_tokens: int, keep: set[int] | None = None):
+    """Same partition of the tokens into slots, and per slot the same count, key and mean value (`keep`: only
+    the reference's slots whose newest member is in these frames)."""
     live = np.flatnonzero(ref.live)
+    if keep is not None:
+        live = live[np.isin(ref.pos[live] // c.T, sorted(keep))]
     assert int(c.live.sum()) == live.size
     # a slot of the reference is named by its first member, as the id of ours is
     first = {int(slot): int(np.flatnonzero(ref.token_slot[:n_tokens] == slot)[0]) for slot in live}
@@ -100,6 +103,19 @@ def test_tempcache_aligned_bookkeeping_matches_numpy_reference(seed, sinks, nois
     _assert_same_slots(c, ref, k.shape[0] * k.shape[1])
     # the counts partition the tokens: no token lost, none counted twice
     assert int(c.count.sum()) == k.shape[0] * k.shape[1]
+
+
+@pytest.mark.parametrize("sinks,window", [(1, 2), (0, 1), (2, 3)])
+def test_tempcache_eviction_keeps_slots_of_window_frames(sinks, window):
+    """With a window, a slot stays while its newest member's frame is kept (a merged slot outlives its older
+    members' frames): the reference's slots (no eviction) restricted to those frames."""
+    rng = np.random.default_rng(10 + window)
+    k, v = _frames(rng, 9, 10, 8, noise=0.2)
+    c = _write_slotcache(k, v, "aligned", 0.9, sinks, window=window)
+    ref = _reference(k, v, "aligned", 0.9, sinks)
+    keep = kept_frames(k.shape[0], sinks, window)
+    _assert_same_slots(c, ref, k.shape[0] * k.shape[1], keep)
+    assert int(c.live.sum()) < int(ref.live.sum())
 
 
 @pytest.mark.parametrize("mode", ["lsh", "quant"])

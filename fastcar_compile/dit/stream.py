@@ -273,7 +273,7 @@ def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
     guided = settings.cfg_scale != 1.0
     cross = model.text_kv(prompt_rows(cfg, text, guided, settings.seed))
     rows = cross[0].shape[0]
-    # a backend with its own cache (the FAST-AR runtime: dit/fastar.py) makes it; `past()` then hands it over
+    # a backend with its own cache (a compiled graph's ring, the FAST-AR runtime of dit/fastar.py) makes it
     new_cache = getattr(model, "new_cache", FrameCache)
     cache = new_cache(cfg.layers, cfg.tokens_per_frame,
                       cfg.sink_frames if settings.sink_frames is None else settings.sink_frames,
