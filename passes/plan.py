@@ -83,6 +83,22 @@ class DecoderLayerPlan(BlockPlan):
 
 
 @dataclass(frozen=True)
+class DiTBlockPlan(BlockPlan):
+    """A chunk-causal video DiT block (fastcar_compile/dit): self-attention over [frame cache; chunk], cross-attention
+    to the prompt, FFN, AdaLN modulation. Its MLP replay is not planned yet (`replay` says so)."""
+
+    self_attention: str = ""  # discovery's nodes and heads
+    attention_op: str = AS_EXPORTED  # what the self-attention becomes
+    rotary: str = ""
+    qk_norm: str = ""
+    cross_attention: str = ""
+    ffn: str = ""
+    modulation: str = ""
+    kv: KvPlan = KvPlan()
+    replay: str = "-"
+
+
+@dataclass(frozen=True)
 class Plan:
     """Every block's plan, in layer order."""
 

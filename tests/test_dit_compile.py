@@ -49,7 +49,7 @@ def test_inspect_explains_each_block(exported, capsys):
     assert main([str(exported), "--inspect", "--verbose"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{CFG.layers}/{CFG.layers} DiT blocks matched")
-    lines = [ln for ln in out.splitlines() if ln.strip().startswith("layer")]
+    lines = [ln for ln in out[:out.index("plan:")].splitlines() if ln.strip().startswith("layer")]
     assert len(lines) == CFG.layers
     for line in lines:
         assert "matched" in line and "NOT" not in line
@@ -58,6 +58,9 @@ def test_inspect_explains_each_block(exported, capsys):
                       f"FFN {CFG.hidden} -> {CFG.ffn} -> {CFG.hidden} (GELU tanh)", "AdaLN"):
             assert words in line, (words, line)
     assert "Concat" in out and "Softmax" in out  # --verbose: the nodes each anchor found
+    plan = out[out.index("plan:"):]  # and the plan: what the compile builds per block
+    assert plan.count("attention op: FusedMatMul over the cache buffer") == CFG.layers
+    assert plan.count("replay: none") == CFG.layers
 
 
 def _broken(exported: Path, tmp: Path, how: str) -> Path:

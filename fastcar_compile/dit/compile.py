@@ -41,9 +41,12 @@ from fastcar_compile.dit.config import (
 from fastcar_compile.dit.discover import DiTBlockMatch, SelfAttention, discover
 from fastcar_compile.passes.build import Builder, const
 from fastcar_compile.passes.compile_report import CompileReport, LayerReport
+from fastcar_compile.passes.plan import DiTBlockPlan, KvPlan, Plan
 
 REPLAY_FEATURE = "FastCar MLP replay (TAS over the frame cache) on DiT blocks"
 KV_FEATURE = "FAST-AR's compressed KV cache (TempCache, AnnSA, AnnCA) on DiT blocks"
+IN_PLACE_OP = "FusedMatMul over the cache buffer (transB, past_length mask) + MatMul over the chunk, one softmax"
+IN_PLACE_KV = "dense, read in place (the runtime's buffers: sink frames + a ring of window frames)"
 # Options that ask for those features (any value but the default), and options that do not apply to a DiT.
 _REPLAY_OPTIONS = ("tas_query", "max_replay", "per_layer_threshold", "emit_diagnostics", "required_video_inputs")
 _KV_OPTIONS = ("kv_budget", "kv_sinks", "kv_window", "kv_eviction", "tempcache", "sparse_attention", "prune_prompt",
@@ -88,9 +91,27 @@ def check_options(opts: dict, frame_tokens: int) -> list[str]:
     return notes
 
 
+def plan(matches: list[DiTBlockMatch], rewrite: bool) -> Plan:
+    """The DiT blocks' plan (passes/plan.py): what discovery found and what the compile builds from it."""
+    blocks = []
+    for m in matches:
+        if not m.ok:
+            blocks.append(DiTBlockPlan(m.layer, False, False))
+            continue
+        a = m.attention
+        blocks.append(DiTBlockPlan(
+            m.layer, True, rewrite,
+            self_attention=f"Concat(past.{m.layer}.*, chunk) -> MatMul -> Softmax -> MatMul, heads {a.heads}x{a.head_dim}",
+            attention_op=IN_PLACE_OP, rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross, ffn=m.ffn,
+            modulation=m.modulation, kv=KvPlan(IN_PLACE_KV), replay="none (not supported on DiT blocks yet)"))
+    return Plan(tuple(blocks))
+
+
 def inspect_dit(model: ir.Model) -> CompileReport:
     """What discovery found per DiT block (the report `--inspect` prints)."""
-    report = CompileReport([_layer_report(m) for m in discover(model)], unit="DiT blocks")
+    matches = discover(model)
+    report = CompileReport([_layer_report(m) for m in matches], unit="DiT blocks")
+    report.plan = plan(matches, rewrite=True).lines()
     if is_dit_step(model) and CACHE_FORM_KEY in model.metadata_props:
         report.notes.append(f"already compiled (cache {model.metadata_props[CACHE_FORM_KEY]}): compile the export")
     return report
@@ -198,6 +219,7 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
                 else "no DiT block found (no past.N.key inputs)")
         raise FastCarError(f"{head}; every block must match, since the cache inputs change for all of them "
                            "(run with --inspect to see each block)")
+    report.plan = plan(matches, rewrite=True).lines()
     rewrite(loaded, matches)
     for r in report.layers:
         r.rewritten = True
