@@ -46,7 +46,7 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         BranchPass(ctx),
         CacheStatePass(ctx),
         *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
-        *([NativeGqaPass(ctx.notes)] if ctx.options.native_attention else []),
+        *([NativeGqaPass(ctx.notes, ctx.swap_attention_node)] if ctx.options.native_attention else []),
         *([RotaryFusionPass(ctx), FusedLayoutPass(ctx), *([PackQkvPass(ctx)] if ctx.options.pack_qkv else []),
            RmsNormFusionPass(ctx), NormHoistPass(ctx), SkipNormFusionPass(ctx)] if ctx.options.fusions else []),
         RowGatePass(ctx),

@@ -68,8 +68,12 @@ class BranchPass(ir.passes.InPlacePass):
         mlp, n, hd, dtype = lr.match.mlp, lr.layer, lr.hidden, lr.dtype
         assert mlp is not None
         x = mlp.entry
-        rows, some = b(contract.SELECT_ROWS, [x, lr.replay], domain=contract.DOMAIN, outputs=2, part="mlp",
-                       names=[f"fastcar.{n}.rows", f"fastcar.{n}.compute_some"])
+        if lr.rows is not None:  # the gate selected them (select_rows)
+            rows, some = lr.rows
+        else:
+            rows, some = b(contract.SELECT_ROWS, [x, lr.replay], domain=contract.DOMAIN, outputs=2, part="mlp",
+                           names=[f"fastcar.{n}.rows", f"fastcar.{n}.compute_some"])
+            lr.select = rows.producer()
         rows.type, rows.shape = ir.TensorType(dtype), ir.Shape([1, None, hd])
         some.type, some.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([])
         body: list[ir.Node] = []
@@ -92,10 +96,11 @@ class BranchPass(ir.passes.InPlacePass):
         out = b("If", [some], {"then_branch": ir.Graph([], [y], nodes=body, name=f"fastcar_{n}_mlp_compute"),
                                "else_branch": ir.Graph([], [none], nodes=skip_nodes, name=f"fastcar_{n}_mlp_none")},
                 part="mlp", names=[f"fastcar.{n}.mlp_rows"])
+        lr.branch = out.producer()
         out.type = ir.TensorType(dtype)
         present_cache, present_age, used = b(
             contract.MLP_CACHE_MERGE, [lr.past_cache, lr.past_age, out, lr.replay, lr.slot, lr.write],
-            domain=contract.DOMAIN, outputs=3, part="cache",
+            self.ctx.age_attrs, domain=contract.DOMAIN, outputs=3, part="cache",
             names=[contract.mlp_cache_output(n), contract.mlp_age_output(n),
                    f"fastcar.{n}.mlp_used" + ("" if three else "_bsh")])
         lr.present = (present_cache, present_age)
@@ -119,6 +124,7 @@ class BranchPass(ir.passes.InPlacePass):
             n_replay = b("ReduceSum", [b("Cast", [lr.replay], {"to": ir.DataType.INT64})], {"keepdims": 0})
             all_keep = b("Equal", [n_replay, build.const(graph, "fastcar.zero", np.array(0, np.int64))])
             any_keep = b("Less", [n_replay, b("Size", [tokens])])
+            lr.chain = [cached, all_keep, any_keep]  # what a packed gate outputs itself (FusedLayoutPass)
         none_nodes: list[ir.Node] = []
         skipped = build.Builder(n, none_nodes, lr.ids)("Identity", [cached], part="cache")
         skipped.type = ir.TensorType(dtype)
@@ -132,8 +138,10 @@ class BranchPass(ir.passes.InPlacePass):
         partial = ir.Graph([], [inner], nodes=partial_nodes, name=f"fastcar_{n}_mlp_partial")
         for out in (mlp.output, mixed, inner):
             out.type = ir.TensorType(dtype)
-        return b("If", [all_keep], {"then_branch": full, "else_branch": partial}, part="mlp",
+        used = b("If", [all_keep], {"then_branch": full, "else_branch": partial}, part="mlp",
                  names=[f"fastcar.{n}.mlp_used"])
+        lr.branch = used.producer()
+        return used
 
     @staticmethod
     def _rows(graph: ir.Graph, c: build.Builder, lr: LayerRewrite) -> ir.Value:

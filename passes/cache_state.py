@@ -49,7 +49,7 @@ class CacheStatePass(ir.passes.InPlacePass):
         else:
             present_cache, present_age = b(contract.MLP_CACHE_UPDATE,
                                            [lr.past_cache, lr.past_age, lr.used, lr.replay, lr.slot, lr.write],
-                                           domain=contract.DOMAIN, outputs=2, part="cache",
+                                           ctx.age_attrs, domain=contract.DOMAIN, outputs=2, part="cache",
                                            names=[contract.mlp_cache_output(n), contract.mlp_age_output(n)])
         build.graph_output(graph, present_cache, contract.mlp_cache_output(n), lr.dtype, [ctx.batch, L, hd])
         build.graph_output(graph, present_age, contract.mlp_age_output(n), ir.DataType.INT64, [ctx.batch, L])

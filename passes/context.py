@@ -234,6 +234,9 @@ def parse_kv_layer(spec: str, frame_tokens: int):
     return layers, cfg
 
 
+GENAI_AGE_FILL = 0  # onnxruntime-genai zero-fills its state; the stored age is age + 1 (passes/genai_state.py)
+
+
 @dataclass
 class LayerRewrite:
     """The values one rewritten layer's parts hand each other (gate -> branch -> cache state)."""
@@ -254,6 +257,14 @@ class LayerRewrite:
     used: ir.Value | None = None  # the MLP branch output actually used (computed or replayed)
     present: tuple[ir.Value, ir.Value] | None = None  # (cache, age) when the branch's merge wrote them back
     state: list[contract.StateEntry] = field(default_factory=list)
+    # What the emission built, for the passes after it (which never search the graph for ai.fastcar nodes):
+    gate: ir.Node | None = None  # the layer's TemporalGate node
+    gate_form: contract.GateForm | None = None
+    gate_attrs: dict[str, object] = field(default_factory=dict)  # the non-form attributes
+    chain: list[ir.Value] = field(default_factory=list)  # nested layout: cached rows, compute_all, compute_some
+    select: ir.Node | None = None  # the shared layout's SelectRows
+    rows: tuple[ir.Value, ir.Value] | None = None  # (rows, some) when the gate selects the rows (select_rows)
+    branch: ir.Node | None = None  # the main-graph If around the MLP
 
     @property
     def layer(self) -> int:
@@ -280,12 +291,41 @@ class CompileContext:
     kv_configs: dict[int, object] = field(default_factory=dict)  # those layers' fastar.KVCompressConfig
     rotary_table: int | None = None  # positions of PackQkvPass's cos/sin table when it packed a layer
     fusions: dict[int, dict] = field(default_factory=dict)  # layer -> what its fused attention reads (the plan's)
+    layouts: set[int] = field(default_factory=set)  # fused layers FusedLayoutPass fed [B, S, H*D] q/k/v
     plan: Plan = field(default_factory=Plan)  # per layer: what the emission builds (PlanPass)
     genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator
 
     @property
+    def age_attrs(self) -> dict[str, int]:
+        """The age encoding of every ai.fastcar op that reads or writes a layer's age, set where it is built:
+        onnxruntime-genai zero-fills its recurrent state, so there the stored age is age + 1."""
+        return {"age_offset": GENAI_AGE_FILL - contract.AGE_FILL} if self.genai_config is not None else {}
+
+    @property
     def rewritten(self) -> list[int]:
         return [r.layer for r in self.layers]
+
+    def rewrite_of(self, layer: int) -> LayerRewrite | None:
+        """The rewritten layer's record (None: the layer is not rewritten)."""
+        return next((r for r in self.layers if r.layer == layer), None)
+
+    def attention_node(self, layer: int) -> ir.Node:
+        """The op computing the layer's attention now (the fused op built for it, or the export's)."""
+        match = next(m for m in self.matches if m.layer == layer)
+        assert match.attention is not None
+        return match.attention.core_node
+
+    def set_attention_node(self, layer: int, node: ir.Node) -> None:
+        """A pass replaced the layer's attention op by `node` (same outputs)."""
+        match = next(m for m in self.matches if m.layer == layer)
+        assert match.attention is not None
+        match.attention.core_node = node
+
+    def swap_attention_node(self, old: ir.Node, new: ir.Node) -> None:
+        """A pass replaced the attention op `old` by `new` (same outputs), in whichever layer has it."""
+        for m in self.matches:
+            if m.attention is not None and m.attention.core_node is old:
+                m.attention.core_node = new
 
 
 def weight_bytes(model: ir.Model) -> int:

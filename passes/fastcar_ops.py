@@ -341,14 +341,6 @@ def gate_function(form: contract.GateForm, opset: int) -> onnx.FunctionProto:
     return proto
 
 
-def gate_form(node: ir.Node) -> contract.GateForm | None:
-    """The form of an ai.fastcar TemporalGate node (None for any other node)."""
-    if node.domain != DOMAIN or node.op_type != contract.TEMPORAL_GATE:
-        return None
-    return contract.GateForm.of({a.name: a.value for a in node.attributes.values() if a.name in
-                                 contract.GATE_FORM_ATTRIBUTES})
-
-
 def gate_args(model: ir.Model, form: contract.GateForm, inputs: dict[str, ir.Value | None],
               attributes: dict[str, object]) -> tuple[list[ir.Value | None], dict[str, object]]:
     """A TemporalGate node's positional inputs (given by contract.GATE_INPUTS name) and attributes (the form's
@@ -371,16 +363,6 @@ def gate_node(model: ir.Model, form: contract.GateForm, inputs: dict[str, ir.Val
     values, attrs = gate_args(model, form, inputs, attributes)
     return ir.node(contract.TEMPORAL_GATE, values, attrs, domain=DOMAIN, num_outputs=form.num_outputs,
                    overload=form.overload, **kwargs)
-
-
-def gate_inputs(node: ir.Node) -> dict[str, ir.Value]:
-    """A TemporalGate node's given inputs by contract.GATE_INPUTS name."""
-    return {name: v for name, v in zip(contract.GATE_INPUTS, node.inputs, strict=False) if v is not None}
-
-
-def gate_attributes(node: ir.Node) -> dict[str, object]:
-    """A TemporalGate node's attributes other than the form's (name -> value)."""
-    return {a.name: a.value for a in node.attributes.values() if a.name not in contract.GATE_FORM_ATTRIBUTES}
 
 
 def add_gate(model: ir.Model, form: contract.GateForm, opset: int) -> None:

@@ -15,10 +15,8 @@ import dataclasses
 
 import onnx_ir as ir
 
-from fastcar_compile.core import contract
-from fastcar_compile.passes import fastcar_ops
-from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.context import CompileContext
+from fastcar_compile.passes.gate import replace_gate
 
 
 class RowGatePass(ir.passes.InPlacePass):
@@ -31,24 +29,18 @@ class RowGatePass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         fused = 0
-        for select in [n for n in graph if n.domain == contract.DOMAIN and n.op_type == contract.SELECT_ROWS]:
-            gate = select.inputs[1].producer() if select.inputs[1] is not None else None
-            form = fastcar_ops.gate_form(gate) if gate is not None else None
-            if form is None or not form.packed_qkv or form.select_rows or \
+        for lr in self.ctx.layers:  # the layer's gate and SelectRows, as the emission recorded them
+            select, gate, form = lr.select, lr.gate, lr.gate_form
+            if select is None or gate is None or not form.packed_qkv or form.select_rows or \
                     gate.graph is not graph or select.inputs[1] is not gate.outputs[0]:
                 continue
-            inputs = fastcar_ops.gate_inputs(gate) | {"mlp_input": select.inputs[0]}
-            node = fastcar_ops.gate_node(model, dataclasses.replace(form, select_rows=True), inputs,
-                                         fastcar_ops.gate_attributes(gate), name=f"{gate.name or 'gate'}/rows",
-                                         metadata_props=dict(gate.metadata_props))
-            graph.insert_before(select, node)
-            for k, (before, after) in enumerate(zip([*gate.outputs, select.outputs[0]], node.outputs, strict=True)):
-                if before.name is None:  # an output no pass named (FusedLayoutPass's unused conditions)
-                    before.name = f"{node.name}.out{k}"
-                gu.take_over(before, after, graph_outputs=True)
-            some = node.outputs[len(gate.outputs) - 1]  # the gate's compute_some: the If condition
+            outputs = len(gate.outputs)
+            node = replace_gate(model, lr, dataclasses.replace(form, select_rows=True), {"mlp_input": select.inputs[0]},
+                                {}, taken=(select.outputs[0],), at=select, name=f"{gate.name or 'gate'}/rows")
+            some = node.outputs[outputs - 1]  # the gate's compute_some: the If condition
             ir.convenience.replace_all_uses_with(select.outputs[1], some)
-            graph.remove([gate, select], safe=True)
+            graph.remove(select, safe=True)
+            lr.select = None
             fused += 1
         if fused:
             graph.sort()

@@ -11,6 +11,8 @@ rebuilds the query from the op's query input and reads the cached rows and the b
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_ir as ir
 
@@ -57,7 +59,7 @@ class GatePass(ir.passes.InPlacePass):
         b = build.Builder(n, lr.nodes, lr.ids)
         names = [contract.replay_mask_output(n), contract.tas_output(n), f"fastcar.{n}.slot", f"fastcar.{n}.write"]
         keys = window.gate_keys(graph, b, att, opts.frame_tokens)  # the present key, or a window padded
-        attrs = {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay}
+        attrs = {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay, **self.ctx.age_attrs}
         if att.packed_query is not None:  # GroupQueryAttention on packed QKV or rotating inside: one fused node
             self._packed_gate(b, lr, keys, attrs, names)
         else:
@@ -68,13 +70,13 @@ class GatePass(ir.passes.InPlacePass):
                                                     np.array(lr.index, np.int64))], {"axis": 0})
             inputs = {"q": q, "key": keys, "past_mlp_age": lr.past_age, "threshold": tau,
                       "video_start": self.ctx.video_start}
-            form = contract.GateForm()
-            if att.total_len is not None:  # GroupQueryAttention: the key buffer may be preallocated (shared)
-                form, inputs["total_len"] = contract.GateForm(use_total_len=True), att.total_len
-            if att.core_node.op_type == contract.COMPRESSED_ATTENTION and len(att.core_node.outputs) > 4:
+            form = self.ctx.plan[n].gate  # the plan's form (passes/plan.py)
+            if form.use_total_len:  # the key buffer may be preallocated (shared): positions from total_len
+                inputs["total_len"] = att.total_len
+            if form.aligned_keys:
                 # a compressed KV cache holds slots, not positions: the op gathered each token's aligned key
-                form, inputs["key"] = contract.GateForm(use_total_len=True, aligned_keys=True), att.core_node.outputs[4]
-            lr.replay, lr.tas, lr.slot, lr.write = self._emit(b, form, inputs, attrs, names)
+                inputs["key"] = att.core_node.outputs[4]
+            lr.replay, lr.tas, lr.slot, lr.write = self._emit(b, lr, form, inputs, attrs, names)
         graph.insert_before(lr.match.mlp.closing, lr.nodes)
         lr.nodes = []
 
@@ -84,25 +86,59 @@ class GatePass(ir.passes.InPlacePass):
         opts, att, n = self.ctx.options, lr.match.attention, lr.layer
         src = att.packed_query
         assert opts.tas_query != contract.TAS_ROPE or att.rope_refusal is None  # SelectLayersPass refused it
-        rope = opts.tas_query == contract.TAS_ROPE and src.cos_cache is not None  # no rotary: rope = raw
-        form = contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=rope)
+        form = self.ctx.plan[n].gate  # packed_qkv; do_rotary for `rope` (no rotary: rope = raw); select_rows
+        mlp = lr.match.mlp
+        rows = form.select_rows and mlp.fused_norm  # x is the skip norm's output: no norm to hoist before it
+        form = dataclasses.replace(form, select_rows=rows)  # (else RowGatePass folds the SelectRows in later)
         inputs = {"q": src.qkv, "key": keys, "past_mlp_age": lr.past_age, "past_mlp_cache": lr.past_cache,
                   "threshold": self.ctx.threshold, "video_start": self.ctx.video_start, "total_len": src.total_len}
         attrs = {**attrs, "num_heads": att.num_heads, "threshold_index": lr.index if opts.per_layer_threshold else 0}
-        if rope:
+        if form.do_rotary:
             inputs |= {"cos_cache": src.cos_cache, "sin_cache": src.sin_cache}
             attrs |= {"rotary_embedding_dim": src.rotary_dim, "interleaved": int(src.interleaved)}
-        outs = self._emit(b, form, inputs, attrs,
-                          [*names, f"fastcar.{n}.cached", f"fastcar.{n}.compute_all", f"fastcar.{n}.compute_some"])
-        lr.replay, lr.tas, lr.slot, lr.write, lr.cached, compute_all, compute_some = outs
+        if rows:
+            inputs["mlp_input"] = mlp.entry
+        outs = self._emit(b, lr, form, inputs, attrs,
+                          [*names, f"fastcar.{n}.cached", f"fastcar.{n}.compute_all", f"fastcar.{n}.compute_some",
+                           *([f"fastcar.{n}.rows"] if rows else [])])
+        lr.replay, lr.tas, lr.slot, lr.write, lr.cached, compute_all, compute_some = outs[:7]
+        if rows:  # the MLP's computing rows and the If condition, for BranchPass
+            lr.rows = (outs[7], compute_some)
         lr.conditions = (compute_all, compute_some)
 
-    def _emit(self, b: build.Builder, form: contract.GateForm, inputs: dict[str, ir.Value], attrs: dict,
-              names: list[str]) -> tuple[ir.Value, ...]:
-        """One TemporalGate node of `form` (its body registered), appended to the layer's nodes."""
+    def _emit(self, b: build.Builder, lr: LayerRewrite, form: contract.GateForm, inputs: dict[str, ir.Value],
+              attrs: dict, names: list[str]) -> tuple[ir.Value, ...]:
+        """One TemporalGate node of `form` (its body registered), appended to the layer's nodes and recorded."""
         values, attributes = fastcar_ops.gate_args(self.model, form, inputs, attrs)
-        return b(contract.TEMPORAL_GATE, values, attributes, domain=contract.DOMAIN, outputs=form.num_outputs,
+        outs = b(contract.TEMPORAL_GATE, values, attributes, domain=contract.DOMAIN, outputs=form.num_outputs,
                  names=names, overload=form.overload)
+        lr.gate, lr.gate_form = outs[0].producer(), form
+        lr.gate_attrs = dict(attrs)
+        return outs
+
+
+def replace_gate(model: ir.Model, lr: LayerRewrite, form: contract.GateForm, inputs: dict[str, ir.Value],
+                 attrs: dict, *, taken: tuple[ir.Value, ...] = (), at: ir.Node | None = None,
+                 name: str | None = None) -> ir.Node:
+    """The layer's gate again in `form`, from its inputs and recorded attributes updated by `inputs`/`attrs` (a
+    fusion changed what it reads): inserted before `at` (default: the old gate), its outputs take over the old
+    gate's and then `taken` (values other nodes computed that it now outputs too); the old gate goes."""
+    graph, old = model.graph, lr.gate
+    assert old is not None
+    # the values it reads now (a pass that replaced an op it reads from rewired them), then the new ones
+    current = {k: v for k, v in zip(contract.GATE_INPUTS, old.inputs, strict=False) if v is not None}
+    inputs, attrs = current | inputs, lr.gate_attrs | attrs
+    node = fastcar_ops.gate_node(model, form, inputs, attrs, name=name or old.name,
+                                 metadata_props=dict(old.metadata_props))
+    graph.insert_before(at or old, node)
+    olds = [*old.outputs, *taken]
+    for k, (before, after) in enumerate(zip(olds, node.outputs[:len(olds)], strict=True)):
+        if before.name is None:  # an output no pass named (the packed gate's unused conditions)
+            before.name = f"{node.name}.out{k}"
+        gu.take_over(before, after, graph_outputs=True)
+    graph.remove(old, safe=True)
+    lr.gate, lr.gate_form, lr.gate_attrs = node, form, attrs
+    return node
 
 
 def tag_attention(att, layer: int) -> None:

@@ -28,10 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
 
-from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.fileio import copy_file, read_json
-from fastcar_compile.passes.context import CompileContext
+from fastcar_compile.passes.context import GENAI_AGE_FILL, CompileContext
 
 if TYPE_CHECKING:
     from fastcar_compile.passes.save import Staging
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
 CONFIG = "genai_config.json"
 CACHE_IN, CACHE_OUT = "past_key_values.{n}.conv_state", "present.{n}.conv_state"
 AGE_IN, AGE_OUT = "past_key_values.{n}.recurrent_state", "present.{n}.recurrent_state"
-GENAI_AGE_FILL = 0  # genai zero-fills; stored age = age + 1
 MAX_CONFIG_BYTES = 16 << 20  # genai_config.json is a few KB
 MAX_COMPANION_BYTES = 1 << 30  # a tokenizer or processor file is MBs (Llama 3's tokenizer.json: 9 MB)
 
@@ -124,15 +122,9 @@ class GenaiStatePass(ir.passes.InPlacePass):
             cache, age = lr.state
             inputs[cache.input].name = CACHE_IN.format(n=n)
             outputs[cache.output].name = CACHE_OUT.format(n=n)
+            # every reader and the writer of the age are ai.fastcar ops built with the encoding as an attribute
+            # (CompileContext.age_attrs: no Sub/Add launches per layer and step)
             age_in, age_out = inputs[age.input], outputs[age.output]
-            # every reader and the writer of the age are ai.fastcar ops: they take the encoding as an attribute
-            # (no Sub/Add launches per layer and step)
-            for node in {node for node, _ in age_in.uses()} | {age_out.producer()}:
-                if node is None or node.domain != contract.DOMAIN \
-                        or "age_offset" not in contract.OP_ATTRIBUTES.get(node.op_type, ()):
-                    raise RuntimeError(f"internal: the age of layer {n} is read or written by {node}, not an "
-                                       "ai.fastcar op taking age_offset")
-                node.attributes["age_offset"] = ir.AttrInt64("age_offset", GENAI_AGE_FILL - contract.AGE_FILL)
             age_in.name, age_out.name = AGE_IN.format(n=n), AGE_OUT.format(n=n)
             lr.state = [dataclasses.replace(cache, input=CACHE_IN.format(n=n), output=CACHE_OUT.format(n=n)),
                         dataclasses.replace(age, input=AGE_IN.format(n=n), output=AGE_OUT.format(n=n),

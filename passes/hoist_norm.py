@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fastcar_compile.core import contract
 from fastcar_compile.passes.context import CompileContext
 
 NORM = "SimplifiedLayerNormalization"
@@ -41,13 +40,12 @@ class NormHoistPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         count = 0
-        for node in list(graph):
-            if node.op_type != "If" or contract.TAG_LAYER not in node.metadata_props:
-                continue
-            then = node.attributes.get("then_branch")
+        for lr in self.ctx.layers:  # the If BranchPass built around each rewritten layer's MLP
+            node = lr.branch
+            then = node.attributes.get("then_branch") if node is not None else None
             if then is None or then.type != ir.AttributeType.GRAPH:
                 continue
-            if _hoist_from_rows(graph, node, then.value):
+            if lr.select is not None and _hoist_from_rows(graph, node, lr.select, then.value):
                 count += 1
                 continue
             norm = _hoistable(then.value)
@@ -61,14 +59,12 @@ class NormHoistPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=count > 0)
 
 
-def _hoist_from_rows(graph: ir.Graph, layer_if: ir.Node, compute: ir.Graph) -> bool:
+def _hoist_from_rows(graph: ir.Graph, layer_if: ir.Node, select: ir.Node, compute: ir.Graph) -> bool:
     """BranchPass's shared layout (passes/branch.py): `rows, some = SelectRows(x, replay)` on the main graph,
     `If(some)` whose compute branch starts with the MLP's norm of `rows`. The norm then runs on the main graph
     before the selection, which takes the normalised rows: a row-wise norm of the selected rows is the selected
     rows of the norm, so the values are the same."""
-    select = layer_if.inputs[0].producer() if layer_if.inputs and layer_if.inputs[0] is not None else None
-    if select is None or select.domain != contract.DOMAIN or select.op_type != contract.SELECT_ROWS or \
-            select.outputs[1] is not layer_if.inputs[0]:
+    if select.outputs[1] is not layer_if.inputs[0]:
         return False
     x, rows = select.inputs[0], select.outputs[0]
     readers = [n for n in compute if rows in n.inputs]

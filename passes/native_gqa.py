@@ -13,6 +13,8 @@ fp32 activations and are swapped). `unsupported` says in one line why a node is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import onnx_ir as ir
 
 from fastcar_compile.core import contract
@@ -145,9 +147,10 @@ def inspect_notes(model: ir.Model) -> list[str]:
 class NativeGqaPass(ir.passes.InPlacePass):
     """com.microsoft.GroupQueryAttention -> ai.fastcar.GroupQueryAttention (native dense core; body = the original)."""
 
-    def __init__(self, notes: list[str] | None = None):
+    def __init__(self, notes: list[str] | None = None, on_swap: Callable[[ir.Node, ir.Node], None] | None = None):
         super().__init__()
         self.notes = notes if notes is not None else []
+        self.on_swap = on_swap  # told (old, new) per swapped node: the compile's layer records follow the new op
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -166,6 +169,8 @@ class NativeGqaPass(ir.passes.InPlacePass):
             for old, out in zip(node.outputs[:3], new.outputs, strict=True):
                 gu.take_over(old, out, graph_outputs=True)
             graph.remove(node, safe=True)
+            if self.on_swap is not None:
+                self.on_swap(node, new)
             swapped += 1
         if swapped:
             fastcar_ops.add_functions(model, model.opset_imports.get("", 17))

@@ -48,12 +48,11 @@ from fastcar_compile.passes.fuse_layout import (
     BSHD_PERM,
     MS,
     FusedLayoutPass,
-    GateChain,
     head_split_source,
     only_consumers,
 )
+from fastcar_compile.passes.gate import replace_gate
 
-ALREADY = "already packed or rotating inside the op"
 PREFIX_CHECK = 64  # positions evaluated alone: their rows must equal the long table's bit for bit
 PACKED_ARITY = 14  # q, k, v, past k/v, mask, total_len, slots, k_raw, past_key_raw, past_dense, video_start, cos, sin
 PACKED_FORM = contract.GateForm(use_total_len=True, packed_qkv=True)  # FusedLayoutPass's gate (TAS `rope`)
@@ -143,21 +142,20 @@ def _table(model: ir.Model, values: tuple[ir.Value, ir.Value], positions: int) -
 
 
 class _Layer:
-    """One CompressedAttention layer in FusedLayoutPass's form, what packing it needs."""
+    """One fused CompressedAttention layer in FusedLayoutPass's form, what packing it needs."""
 
-    def __init__(self, ca: ir.Node):
-        self.ca = ca
-        self.heads, self.kv_heads = _attr(ca, "num_heads", 0), _attr(ca, "kv_num_heads", 0)
+    def __init__(self, ctx: CompileContext, layer: int):
+        self.layer, self.ca, self.lr = layer, ctx.attention_node(layer), ctx.rewrite_of(layer)
+        self.heads, self.kv_heads = ctx.fusions[layer]["heads"], ctx.fusions[layer]["kv_heads"]
+        self.compressed, self.laid_out = layer in ctx.kv_configs, layer in ctx.layouts
 
     def match(self) -> str | None:
         """Fill the layer's parts; the reason it cannot be packed, or None."""
         ca = self.ca
-        if _attr(ca, "budget", 0) or len(ca.inputs) > 7 or len(ca.outputs) > 3:
+        if self.compressed:
             return "a compressed KV cache (budget, TempCache, diagnostics): its kernel reads separate q/k/v"
-        if list(_attr(ca, "qkv_perm", [0, 1, 2, 3])) != BSHD_PERM:
+        if not self.laid_out:
             return "q/k/v are not [B, S, H*D] (FusedLayoutPass did not take the layer)"
-        if ca.overload:
-            return ALREADY
         why = self._rotaries(ca.inputs[0], ca.inputs[1])
         if why is not None:
             return why
@@ -166,8 +164,9 @@ class _Layer:
         if why is not None:
             return why
         # readers: q -> attention + the gate (rope); q's projection -> its rotary + the gate (raw)
-        gates = [n for val in (rq.outputs[0], self.pq.out) for n in val.consumers()
-                 if fastcar_ops.gate_form(n) == PACKED_FORM and n.inputs[0] is val]
+        lr = self.lr
+        gates = [lr.gate] if lr is not None and lr.gate_form == PACKED_FORM and \
+            lr.gate.inputs[0] in (rq.outputs[0], self.pq.out) else []
         if len(gates) > 1 or not only_consumers(rq.outputs[0], {ca, *gates}) or not only_consumers(self.pq.out, {rq, *gates}) or \
                 not only_consumers(rk.outputs[0], {ca}) or not only_consumers(self.pk.out, {rk}) or not only_consumers(self.pv.out, {ca}):
             return "q, k or v has readers besides the attention, its rotary and the one-node gate"
@@ -218,22 +217,12 @@ def _bhsd_source(value: ir.Value) -> ir.Value | None:
     return t.inputs[0]
 
 
-def _is_gqa(node: ir.Node) -> bool:
-    return node.op_type == contract.GROUP_QUERY_ATTENTION and node.domain in (contract.DOMAIN, MS)
-
-
 class _GqaLayer(_Layer):
     """One `--fused-attention gqa` layer (ai.fastcar or com.microsoft GroupQueryAttention on separate [B, S, H*D]
     q/k/v views of rotated [B, H, S, D] heads): packed QKV with do_rotary, GroupQueryAttention's own form."""
 
     def match(self) -> str | None:
-        node = self.ca
-        if _attr(node, "do_rotary", 0) or len(node.inputs) < 7 or node.inputs[1] is None or node.inputs[2] is None:
-            return ALREADY
-        if any(node.inputs[i] is not None for i in (7, 8, 9) if i < len(node.inputs)):
-            return "cos/sin caches or position_ids already given"
-        if any(v is not None for v in node.inputs[11:]):  # _pack_gqa writes inputs 0-10 only
-            return "inputs past attention_bias (head_sink) are given, which the packed form does not carry"
+        node, lr = self.ca, self.lr
         yq, yk, yv = (_bhsd_source(node.inputs[i]) for i in range(3))
         if yq is None or yk is None or yv is None:
             return "q/k/v are not [B, S, H*D] views of [B, H, S, D] heads"
@@ -251,10 +240,7 @@ class _GqaLayer(_Layer):
         # readers: the query view -> attention + the gate's [B, H, S, D] view of it (TAS `rope`)
         tga = [t for r in node.inputs[0].consumers() if r.op_type == "Reshape" for t0 in r.outputs[0].consumers()
                if t0.op_type == "Transpose" for t in t0.outputs[0].consumers()
-               if fastcar_ops.gate_form(t) == AT_FORM and t.inputs[0] is t0.outputs[0]]
-        gates = [g for t in tga if (g := GateChain.find(t)) is not None]
-        if len(gates) != len(tga) or len(tga) > 1:
-            return "the gate is not TemporalGate on total_len with its cached-rows and branch-condition nodes"
+               if lr is not None and t is lr.gate and lr.gate_form == AT_FORM and t.inputs[0] is t0.outputs[0]]
         # FusedAttentionPass reads S off the rotated query for the bias's shape: Shape(q, start 2, end 3)
         self.s_reads = [n for n in rq.outputs[0].consumers() if n.op_type == "Shape" and
                         (_attr(n, "start", 0), _attr(n, "end", None)) == (2, 3)]
@@ -263,7 +249,7 @@ class _GqaLayer(_Layer):
                 *xs, rq.inputs[0], rk.inputs[0], rk.outputs[0], node.inputs[1], node.inputs[2])):
             return ("q, k or v has readers besides the attention, its rotary and a TAS `rope` gate (TAS `raw` dots the "
                     "unrotated query with keys rotated at absolute positions: not shift invariant, left unpacked)")
-        self.gate_chain = gates[0] if gates else None
+        self.gate_chain = lr if tga else None
         self.gate = None
         return None
 
@@ -276,16 +262,16 @@ class PackQkvPass(ir.passes.InPlacePass):
         self.ctx = ctx
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph, positions = model.graph, self.ctx.options.rotary_positions
+        positions = self.ctx.options.rotary_positions
         layers, kept = [], []
-        for ca in [n for n in graph if _is_gqa(n) or (n.domain == contract.DOMAIN and
-                                                      n.op_type == contract.COMPRESSED_ATTENTION)]:
-            layer = _GqaLayer(ca) if _is_gqa(ca) else _Layer(ca)
+        gqa = self.ctx.options.fused_attention != "fastcar"
+        for n in sorted(self.ctx.fusions):  # the plan's fused layers (genai graphs: packed and rotating already)
+            layer = _GqaLayer(self.ctx, n) if gqa else _Layer(self.ctx, n)
             why = layer.match()
             if why is None:
                 layers.append(layer)
-            elif why is not ALREADY:  # (genai graphs: packed and rotating already, nothing to say)
-                kept.append(f"{ca.name}: {why}")
+            else:
+                kept.append(f"{layer.ca.name}: {why}")
         tables: dict[tuple[ir.Value, ...], tuple[ir.Value, ir.Value] | str] = {}
         done = 0
         for layer in layers:
@@ -300,6 +286,7 @@ class PackQkvPass(ir.passes.InPlacePass):
                 self._pack_gqa(model, layer, table)
             else:
                 self._pack(model, layer, table)
+            self.ctx.set_attention_node(layer.layer, layer.ca)
             done += 1
         if kept:
             self.ctx.notes.append("packed QKV: left " + "; ".join(kept))
@@ -336,11 +323,13 @@ class PackQkvPass(ir.passes.InPlacePass):
         for before, after in zip(old.outputs, new.outputs, strict=True):
             gu.take_over(before, after, graph_outputs=True)
         graph.remove(old, safe=True)
+        layer.ca = new
         for shape in layer.s_reads:  # S of [B, H, S, D] = S of the packed [B, S, W]
             shape.replace_input_with(0, qkv)
             shape.attributes["start"], shape.attributes["end"] = ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)
         if layer.gate_chain is not None:
-            FusedLayoutPass.packed_gate(model, layer.gate_chain, qkv, layer.heads, rope=(*table, layer.head_dim))
+            FusedLayoutPass.packed_gate(model, self.ctx, layer.gate_chain, qkv, layer.heads,
+                                        rope=(*table, layer.head_dim))
 
     @staticmethod
     def _projection(graph: ir.Graph, layer: _Layer) -> ir.Value:
@@ -378,6 +367,7 @@ class PackQkvPass(ir.passes.InPlacePass):
         for old, out in zip(ca.outputs, new.outputs, strict=True):
             gu.take_over(old, out, graph_outputs=True)
         graph.remove(ca, safe=True)
+        layer.ca = new
         if layer.gate is not None:
             self._gate(model, layer, qkv, table)
         fastcar_ops.add_overload(model, contract.COMPRESSED_ATTENTION, fastcar_ops.PACKED_ROTARY,
@@ -387,13 +377,7 @@ class PackQkvPass(ir.passes.InPlacePass):
     def _gate(model: ir.Model, layer: _Layer, qkv: ir.Value, table: tuple[ir.Value, ir.Value]) -> None:
         """The packed TemporalGate on the post-RoPE query -> the same with do_rotary on the packed projection: it
         rotates the query slice with the op's table at the same KV indices."""
-        graph, old = model.graph, layer.gate
-        form = dataclasses.replace(fastcar_ops.gate_form(old), do_rotary=True)
-        inputs = fastcar_ops.gate_inputs(old) | {"q": qkv, "cos_cache": table[0], "sin_cache": table[1]}
-        attrs = fastcar_ops.gate_attributes(old) | {"rotary_embedding_dim": layer.head_dim, "interleaved": 0}
-        new = fastcar_ops.gate_node(model, form, inputs, attrs, name=old.name, metadata_props=dict(old.metadata_props))
-        graph.insert_before(old, new)
-        for before, after in zip(old.outputs, new.outputs, strict=True):
-            gu.take_over(before, after, graph_outputs=True)
-        graph.remove(old, safe=True)
-
+        lr = layer.lr
+        form = dataclasses.replace(lr.gate_form, do_rotary=True)
+        replace_gate(model, lr, form, {"q": qkv, "cos_cache": table[0], "sin_cache": table[1]},
+                     {"rotary_embedding_dim": layer.head_dim, "interleaved": 0})

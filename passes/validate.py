@@ -87,7 +87,8 @@ def check_file(path: Path, model: ir.Model, *, external: bool, big: bool, source
 
 
 def _compressed(model: ir.Model) -> bool:
-    return any(n.op_type == contract.COMPRESSED_ATTENTION and "budget" in n.attributes for n in model.graph)
+    """Whether the model declares a compressed KV cache (its metadata, which MetadataPass wrote from the plan)."""
+    return bool(model.metadata_props.get(contract.META_PREFIX + "kv_compress"))
 
 
 class ValidatePass(ir.passes.InPlacePass):

@@ -1,0 +1,88 @@
+"""No pass decides from the ai.fastcar nodes an earlier pass built: they read the plan and the layer records.
+
+A structural check over passes/*.py (Python's own parser): no comparison of a node's `op_type` or `domain` with an
+ai.fastcar op or domain, no reader of an emitted gate's form/inputs/attributes, no read of a compressed-cache
+setting (`budget`) off a node. Building such nodes (ir.node(contract.TEMPORAL_GATE, ...)) is what emission does
+and is not flagged. The one place that looks at ai.fastcar nodes is the input check before anything is emitted
+(an already compiled model is refused).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fastcar_compile.passes as passes_pkg
+from fastcar_compile.core import contract
+
+PASSES = Path(passes_pkg.__file__).parent
+# ai.fastcar's op names, GroupQueryAttention aside: that name is also com.microsoft's op, which exports contain
+OPS = set(contract.OP_NAMES) - {contract.GROUP_QUERY_ATTENTION}
+FASTCAR_NAMES = {"DOMAIN", *(name for name in dir(contract) if isinstance(getattr(contract, name), str) and getattr(contract, name) in OPS)}
+READERS = {"gate_form", "gate_inputs", "gate_attributes"}  # read an emitted gate back
+SETTINGS = {"budget", "qkv_perm", "frame_tokens", "age_offset"}  # settings the plan holds
+# (file, function) allowed to look: the input check, before any pass has emitted anything
+ALLOWED = {("analysis.py", "find_layers")}
+
+
+def _names(node: ast.AST) -> set[str]:
+    """Names and attribute names in an expression, and its string constants."""
+    out: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            out.add(sub.id)
+        elif isinstance(sub, ast.Attribute):
+            out.add(sub.attr)
+        elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+            out.add(sub.value)
+    return out
+
+
+def _fastcar_mention(expr: ast.AST) -> bool:
+    names = _names(expr)
+    return bool(names & FASTCAR_NAMES) or bool(names & OPS) or contract.DOMAIN in names
+
+
+def violations(source: str, filename: str) -> list[str]:
+    """What in `source` decides from an emitted ai.fastcar node (file:line: what)."""
+    tree = ast.parse(source)
+    found = []
+    for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
+        name = func.name
+        if (filename, name) in ALLOWED:
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                reads = any(isinstance(s, ast.Attribute) and s.attr in ("op_type", "domain") for s in sides)
+                if reads and any(_fastcar_mention(s) for s in sides):
+                    found.append(f"{filename}:{node.lineno}: compares a node's op_type/domain with an ai.fastcar one")
+            elif isinstance(node, ast.Call):
+                callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if callee in READERS:
+                    found.append(f"{filename}:{node.lineno}: reads an emitted gate back ({callee})")
+                if callee in ("get_int", "get", "_attr") and any(
+                        isinstance(a, ast.Constant) and a.value in SETTINGS for a in node.args):
+                    found.append(f"{filename}:{node.lineno}: reads a setting back off a node ({callee})")
+    return sorted(set(found))
+
+
+def test_no_pass_matches_or_reads_back_ai_fastcar_nodes():
+    found = [v for path in sorted(PASSES.glob("*.py")) for v in violations(path.read_text(), path.name)]
+    assert not found, "\n".join(found)
+
+
+def test_the_check_sees_what_it_forbids():
+    # the forms the passes used before the plan: each one must be caught
+    cases = {
+        "def f(n):\n    return n.op_type == contract.SELECT_ROWS\n": "op_type",
+        "def f(n):\n    return n.domain == contract.DOMAIN and n.op_type == 'CompressedAttention'\n": "op_type",
+        "def f(g):\n    return [n for n in g if fastcar_ops.gate_form(n) == AT]\n": "gate back",
+        "def f(ca):\n    return ca.attributes.get_int('budget', 0)\n": "setting",
+        "def f(ca):\n    return _attr(ca, 'qkv_perm', [0])\n": "setting",
+        "def f(g):\n    return [n for n in g if n.op_type == 'If' and n.domain != contract.DOMAIN]\n": "op_type",
+    }
+    for source, what in cases.items():
+        assert any(what in v for v in violations(source, "x.py")), source
+    fine = "def f(b):\n    return b(contract.TEMPORAL_GATE, [], domain=contract.DOMAIN)\n"  # emission
+    assert violations(fine, "x.py") == []
