@@ -22,7 +22,7 @@ from fastcar_compile.passes import fused_attention, genai_state, native_gqa
 from fastcar_compile.passes.analysis import find_layers, parse_layers
 from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 from fastcar_compile.passes.context import CompileContext, CompileOptions
-from fastcar_compile.passes.plan import plan_blocks
+from fastcar_compile.passes.plan import gate_text, plan_blocks
 from fastcar_compile.passes.save import SavePass, Staging
 from fastcar_compile.passes.threshold import BakeThresholdPass
 from fastcar_compile.passes.validate import ValidatePass
@@ -122,7 +122,8 @@ def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[
     report.notes = ctx.notes
     report.metadata = ctx.metadata
     report.passes = pipeline.describe(manager)
-    report.plan = ctx.plan.lines()
+    report.plan = ctx.plan.lines() + [f"layer {lr.layer:>3} built: {gate_text(lr.gate_form)}" for lr in ctx.layers
+                                      if lr.gate_form is not None and lr.gate_form != ctx.plan[lr.layer].gate]
     return loaded, report
 
 

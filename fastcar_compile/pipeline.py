@@ -6,7 +6,10 @@
      skip-norm fusions] -> row select into the gate
     -> KV dim names -> IR version -> metadata [-> validate] [-> genai config] [-> save]
 
-A new transformation is one module under passes/ plus one line in `build`. `describe` is what
+Discovery runs once, on the export; the plan (passes/plan.py) is decided from it and the options, and every
+later pass builds from the plan and from what the earlier passes recorded (the layer's match, LayerRewrite),
+never from the ai.fastcar nodes in the graph. A new transformation is one module under passes/ plus one line
+in `build`. `describe` is what
 `fastcar-compile --verbose` prints.
 """
 

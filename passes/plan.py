@@ -59,10 +59,15 @@ class BlockPlan:
         return [head] + [f"  {f.name.replace('_', ' ')}: {_text(getattr(self, f.name))}" for f in fields]
 
 
+def gate_text(form: contract.GateForm) -> str:
+    """'TemporalGate [use_total_len, packed_qkv, ...]': the form's variant attributes that are set."""
+    on = [f.name for f in dataclasses.fields(form) if getattr(form, f.name)]
+    return "TemporalGate" + (f" [{', '.join(on)}]" if on else " [plain]")
+
+
 def _text(value: object) -> str:
     if isinstance(value, contract.GateForm):
-        on = [f.name for f in dataclasses.fields(value) if getattr(value, f.name)]
-        return "TemporalGate" + (f" [{', '.join(on)}]" if on else " [plain]")
+        return gate_text(value)
     return "-" if value is None or value == "" else str(value)
 
 
@@ -167,7 +172,8 @@ def plan_blocks(matches: list[LayerMatch], selected: list[int], opts: CompileOpt
         rewrite = m.layer in selected
         gate = _gate(m, opts, op, cache) if rewrite else None
         rows = "-" if not rewrite else "in the gate (select_rows)" if gate.select_rows else \
-            "SelectRows, then one MLP under an If" if opts is None or opts.shared_mlp else "nested If (older layout)"
+            "SelectRows (into the gate where the fusions pack it), one MLP under an If" \
+            if opts is None or opts.shared_mlp else "nested If (older layout)"
         mlp_text = (f"{len(mlp.nodes)} nodes, hidden {mlp.hidden}, weights {mlp.weights}" +
                     (", norm fused with the residual Add" if mlp.fused_norm else ""))
         blocks.append(DecoderLayerPlan(
