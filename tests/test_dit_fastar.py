@@ -377,3 +377,14 @@ def test_stream_cli_refuses_modes_on_an_onnx_graph(exported, tmp_path, capsys):
     rc = main(["stream", str(exported), "--frames", "2", "-o", str(tmp_path / "x"), "--tempcache", "aligned"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "eager" in err and len(err.splitlines()) == 1
+
+
+def test_annca_frame_keeping_nothing_attends_to_nothing():
+    """A frame whose queries share no bucket with any prompt token gets a zero cross-attention output."""
+    hasher = sparse.make_hasher("lsh", 4, 1, 2, 1, 0)
+    n = torch.from_numpy(hasher.planes[0, 0].astype(np.float32))
+    cq = torch.stack([n, n, -n, -n])[None]  # frame 0 on one side of the plane, frame 1 on the other
+    ck = torch.stack([-n, -n])[None]
+    out, kept, executed = cross_attend(cq, ck, ck, sparse.codes(hasher, cq), sparse.codes(hasher, ck), 2)
+    assert kept[0, 0].sum() == 0 and kept[0, 1].all() and executed == 2 * 2
+    assert not out[0, :2].any() and torch.allclose(out[0, 2:], -n.expand(2, -1))

@@ -12,8 +12,8 @@ Semantics (docs/dit.md, "FAST-AR on the DiT"):
   slot: the last in raster order gives the key), so a frame is one vectorised step; the NumPy reference
   (fastar/cache.py) appends token by token, which is the same wherever no two tokens pick one slot.
 - AnnSA: the chunk's queries attend densely to the chunk, the sink frames and the `annsa_local` most recent
-  cached frames; the other slots only where query and (post-RoPE) key share a bucket in a table, and only those
-  pairs are computed (dit/sparse.py).
+  cached frames; the other slots only where query and (post-RoPE) key share a bucket in a table, computed
+  block-sparse: per table, each occupied bucket's keys and queries gathered into one block (dit/sparse.py).
 - AnnCA: per frame of the chunk, a prompt token is attended only if a query of that frame shares a bucket.
 - FastCar: TAS = mean over heads of q . k(one frame back, same (h, w)) / sqrt(d) (post-RoPE, as attention uses
   them; the previous chunk's last frame at the same timestep for a chunk's first frame); TAS > tau replays
@@ -229,7 +229,6 @@ def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotC
     bias = cache.bias()
     parts = [sparse.dense_part(q, k, v)]
     executed = G * Q * Q
-    qi = ki = None
     if cache.count.shape[1] == 0:
         pass
     elif keep is None:
@@ -245,24 +244,23 @@ def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotC
         parts.append(sparse.dense_part(q, cache.k_post.gather(1, e), cache.v.gather(1, e), kb))
         executed += Q * int(kept.sum())
         cg, cp = torch.nonzero(cache.live & ~kept, as_tuple=True)
-        cap = cache.count.shape[1]
         if cg.numel():
-            qcodes = sparse.codes(hasher, q).flatten(0, 1)
-            qi, ci = sparse.bucket_join(torch.arange(G).repeat_interleave(Q), qcodes, cg, cache.codes[cg, cp])
-            ki = cg[ci] * cap + cp[ci]
-            logits = sparse.pair_logits(q.flatten(0, 1), cache.k_post.flatten(0, 1), qi, ki, bias.flatten())
-            parts.append(sparse.pair_part(logits, cache.v.flatten(0, 1), qi, ki, G * Q))
-            executed += int(qi.numel())
+            qcodes = sparse.codes(hasher, q)
+            more, n_pairs = sparse.bucket_parts(q.flatten(0, 1), torch.arange(G).repeat_interleave(Q),
+                                                qcodes.flatten(0, 1), cache.k_post[cg, cp], cache.v[cg, cp],
+                                                bias[cg, cp], cg, cache.codes[cg, cp])
+            parts += more
+            executed += n_pairs
     out, lse, _ = sparse.combine(parts)
     info = {"executed": executed}
     if diag:  # the compressed softmax per slot and per own key, for recall (diagnostics only: dense products)
         lse = lse.view(G, Q)
         full = (q @ cache.k_post.transpose(1, 2) / d ** 0.5 + bias[:, None]) - lse[..., None]
-        sel = cache.live[:, None, :].expand(G, Q, -1).clone()
-        if keep is not None:
-            sel = (keep & cache.live)[:, None, :].expand(G, Q, -1).clone()
-            if qi is not None:
-                sel.view(G * Q, -1)[qi, ki % cache.count.shape[1]] = True
+        sel = cache.live[:, None, :].expand(G, Q, -1)
+        if keep is not None and cache.count.shape[1]:
+            qcodes = sparse.codes(hasher, q)
+            hit = (qcodes[:, :, None, :] == cache.codes[:, None, :, :]).any(-1)  # [G, Q, cap]
+            sel = sel & (keep[:, None, :] | hit)
         info["p_slot"] = torch.where(sel, torch.exp(full), torch.zeros_like(full))
         info["p_own"] = torch.exp(q @ k.transpose(1, 2) / d ** 0.5 - lse[..., None])
     return out.view(G, Q, d), info
@@ -271,7 +269,8 @@ def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotC
 def cross_attend(cq: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, q_codes: torch.Tensor,
                  k_codes: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """AnnCA: queries cq [G, Q, d] in `frames` equal frames over the prompt ck, cv [G, L, d]; a prompt token is
-    kept for a frame when a query of that frame shares a bucket (q_codes [G, Q, T], k_codes [G, L, T]).
+    kept for a frame when a query of that frame shares a bucket (q_codes [G, Q, T], k_codes [G, L, T]). Each
+    frame's kept tokens are gathered (padded to the frame keeping most) and its queries attend to them only.
     Returns (output [G, Q, d] (0 for a frame that keeps nothing), kept [G, frames, L] bool, executed pairs)."""
     G, Q, d = cq.shape
     L = ck.shape[1]
@@ -285,16 +284,14 @@ def cross_attend(cq: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, q_codes: 
         ui, ki = sparse.bucket_join(ugf // frames, ucode[:, None], kg, k_codes[..., t].flatten()[:, None])
         kept[ugf[ui] * L + ki % L] = True
     kept = kept.view(G * frames, L)
-    n = kept.sum(1)  # per (group, frame)
-    key_of = torch.nonzero(kept, as_tuple=True)[1]  # kept prompt positions, grouped by (group, frame)
-    start = torch.cumsum(n, 0) - n
-    reps = n[gf]
-    qi = torch.repeat_interleave(torch.arange(G * Q), reps)
-    off = torch.arange(qi.numel()) - (torch.cumsum(reps, 0) - reps)[qi]
-    ki = (qi // Q) * L + key_of[start[gf[qi]] + off]
-    logits = sparse.pair_logits(cq.flatten(0, 1), ck.flatten(0, 1), qi, ki)
-    out, _, _ = sparse.combine([sparse.pair_part(logits, cv.flatten(0, 1), qi, ki, G * Q)])
-    return out.view(G, Q, d), kept.view(G, frames, L), int(qi.numel())
+    n = kept.sum(1)  # prompt tokens kept per (group, frame)
+    idx = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)[:, :int(n.max())]  # kept ones first
+    ok = kept.gather(1, idx)
+    g = torch.arange(G * frames) // frames
+    bias = torch.where(ok, 0.0, -torch.inf)
+    part = sparse.dense_part(cq.reshape(G * frames, per, d), ck[g[:, None], idx], cv[g[:, None], idx], bias)
+    out, _, _ = sparse.combine([part])
+    return out.view(G, Q, d), kept.view(G, frames, L), per * int(n.sum())
 
 
 def temporal_scores(q: torch.Tensor, k: torch.Tensor, tokens: int, prev_k: torch.Tensor | None, frame_start: int

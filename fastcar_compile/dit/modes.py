@@ -29,7 +29,7 @@ DIT_OPTIONS: tuple[Option, ...] = (
            metavar="SIM", lo=-1.0, hi=1.0, meaning="a cosine", group=GROUP),
     Option("annsa", str | None, None, "AnnSA: the chunk's queries attend only to cached slots sharing a bucket "
            "(any table), plus the sink frames, the --annsa-local most recent frames and the chunk itself; "
-           "computed on the gathered pairs", "--annsa", choices=BUCKETINGS, group=GROUP),
+           "computed block-sparse, bucket by bucket", "--annsa", choices=BUCKETINGS, group=GROUP),
     Option("annsa_local", int, 1, "cached frames before the chunk that AnnSA always attends (default 1)",
            "--annsa-local", metavar="FRAMES", lo=0, hi=1 << 20, meaning="frames", group=GROUP),
     Option("lsh_bits", int, 4, "sign bits per LSH table (default 4)", "--lsh-bits", metavar="BITS", lo=1, hi=16,

@@ -1,10 +1,11 @@
-"""The attention primitives of the FAST-AR DiT runtime, in PyTorch: bucket joins and attention over gathered
-(query, key) pairs, merged with dense blocks by their softmax statistics.
+"""The attention primitives of the FAST-AR DiT runtime, in PyTorch: bucket joins, block-sparse attention by
+bucket, and softmax pieces merged by their statistics.
 
-Why pairs: AnnSA's selection differs per query, head and row, so a padded batch would compute (and mask)
-the dense product. Here only the selected pairs are gathered and multiplied; a softmax `Part` carries
-(row max, sum of exp, weighted value sum) per query, so a dense block (sinks, local frames, the chunk itself)
-and a sparse one combine exactly into one softmax (the log-sum-exp merge).
+AnnSA's selection differs per query, head and row, so one padded batch would compute (and mask) the dense
+product. Instead the keys and queries of each occupied bucket are gathered into a block and multiplied there
+(`bucket_parts`); a softmax `Part` carries (row max, sum of exp, weighted value sum) per query, so the dense
+blocks (sinks, local frames, the chunk itself) and the bucket blocks of each table combine exactly into one
+softmax (the log-sum-exp merge).
 Bucket codes come from the NumPy hashers of fastcar_compile.fastar (one definition of a bucket).
 """
 
@@ -63,6 +64,9 @@ class Part:
 
 def dense_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> Part:
     """q [G, Q, d] over k, v [G, K, d]; bias [G, K] (log count; -inf = not there). Flattened to [G*Q]."""
+    if k.shape[1] == 0:  # no key: an empty piece (combine gives 0 where every piece is empty)
+        n = q.shape[0] * q.shape[1]
+        return Part(torch.zeros(n), torch.zeros(n), torch.zeros(n, v.shape[-1]))
     logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     if bias is not None:
         logits = logits + bias[:, None, :]
@@ -70,23 +74,6 @@ def dense_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Te
     safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(logits - safe[..., None])
     return Part(safe.flatten(), e.sum(-1).flatten(), (e @ v).flatten(0, 1))
-
-
-def pair_logits(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """q[qi] . k[ki] / sqrt(d) (+ bias[ki]) for each pair: the only products computed."""
-    lg = (q.index_select(0, qi) * k.index_select(0, ki)).sum(-1) * q.shape[-1] ** -0.5
-    return lg if bias is None else lg + bias.index_select(0, ki)
-
-
-def pair_part(logits: torch.Tensor, v: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor, nq: int) -> Part:
-    """Segment softmax pieces of pairs (qi, ki) with their logits: per query qi in [0, nq)."""
-    m = torch.full((nq,), -torch.inf, dtype=logits.dtype).scatter_reduce(0, qi, logits, "amax")
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(logits - m.index_select(0, qi))
-    s = torch.zeros(nq, dtype=logits.dtype).index_add_(0, qi, e)
-    o = torch.zeros(nq, v.shape[-1], dtype=v.dtype).index_add_(0, qi, v.index_select(0, ki) * e[:, None])
-    return Part(m, s, o)
 
 
 def combine(parts: list[Part]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -100,3 +87,54 @@ def combine(parts: list[Part]) -> tuple[torch.Tensor, torch.Tensor, list[torch.T
     o = sum(sc[:, None] * p.o for sc, p in zip(scales, parts, strict=True))
     den = torch.where(s > 0, s, torch.ones_like(s))
     return o / den[:, None], m + torch.log(den), [sc / den for sc in scales]
+
+
+def _by_bucket(bucket: torch.Tensor, n_buckets: int) -> torch.Tensor:
+    """[n_buckets, max members] indices of the items in each bucket (-1 = padding), items in order."""
+    order = torch.argsort(bucket, stable=True)
+    count = torch.bincount(bucket, minlength=n_buckets)
+    start = torch.cumsum(count, 0) - count
+    sb = bucket[order]
+    pad = torch.full((n_buckets, int(count.max()) if count.numel() else 0), -1, dtype=torch.int64)
+    pad[sb, torch.arange(order.numel()) - start[sb]] = order
+    return pad
+
+
+def bucket_parts(q: torch.Tensor, q_group: torch.Tensor, q_codes: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 bias: torch.Tensor, k_group: torch.Tensor, k_codes: torch.Tensor) -> tuple[list[Part], int]:
+    """Attention pieces of queries q [Nq, d] over keys k, v [Nk, d] (bias [Nk]) that share a bucket, computed
+    bucket by bucket: per table, the keys and the queries of each occupied (group, bucket) are gathered into a
+    block and multiplied as one batched matmul (block-sparse: a key is gathered once per table, not once per
+    pair). A pair that already met in an earlier table is masked, so each executed pair counts once.
+    Returns (one Part per table, pairs executed)."""
+    parts, executed = [], 0
+    nq, d = q.shape
+    for t in range(q_codes.shape[1]):
+        kkey = k_group * CODE_SPAN + k_codes[:, t]
+        ukey, kb = torch.unique(kkey, return_inverse=True)
+        qkey = q_group * CODE_SPAN + q_codes[:, t]
+        qb = torch.searchsorted(ukey, qkey).clamp(max=max(ukey.numel() - 1, 0))
+        has = ukey[qb] == qkey if ukey.numel() else torch.zeros(nq, dtype=torch.bool)
+        qi = torch.nonzero(has).flatten()
+        if qi.numel() == 0:
+            continue
+        kpad = _by_bucket(kb, ukey.numel())
+        qpad_local = _by_bucket(qb[qi], ukey.numel())
+        qpad = torch.where(qpad_local >= 0, qi[qpad_local.clamp(min=0)], -1)
+        kc, qc = kpad.clamp(min=0), qpad.clamp(min=0)
+        logits = q[qc] @ k[kc].transpose(1, 2) * d ** -0.5 + bias[kc][:, None, :]
+        ok = (kpad >= 0)[:, None, :] & (qpad >= 0)[:, :, None]
+        for u in range(t):  # met in an earlier table: already counted there
+            ok &= q_codes[qc, u][:, :, None] != k_codes[kc, u][:, None, :]
+        logits = torch.where(ok, logits, torch.full_like(logits, -torch.inf))
+        executed += int(ok.sum())
+        m = logits.amax(-1)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = torch.exp(logits - m[..., None])
+        rows = qpad >= 0
+        idx = qpad[rows]
+        mm, ss = torch.zeros(nq), torch.zeros(nq)
+        oo = torch.zeros(nq, v.shape[-1])
+        mm[idx], ss[idx], oo[idx] = m[rows], e.sum(-1)[rows], (e @ v[kc])[rows]
+        parts.append(Part(mm, ss, oo))
+    return parts, executed
