@@ -100,41 +100,60 @@ def _by_bucket(bucket: torch.Tensor, n_buckets: int) -> torch.Tensor:
     return pad
 
 
+def _size_class(n: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(n)) (0 for n <= 1): buckets of one class differ at most 2x in size."""
+    return torch.ceil(torch.log2(n.clamp(min=1).to(torch.float32))).to(torch.int64)
+
+
 def bucket_parts(q: torch.Tensor, q_group: torch.Tensor, q_codes: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  bias: torch.Tensor, k_group: torch.Tensor, k_codes: torch.Tensor) -> tuple[list[Part], int]:
     """Attention pieces of queries q [Nq, d] over keys k, v [Nk, d] (bias [Nk]) that share a bucket, computed
     bucket by bucket: per table, the keys and the queries of each occupied (group, bucket) are gathered into a
-    block and multiplied as one batched matmul (block-sparse: a key is gathered once per table, not once per
-    pair). A pair that already met in an earlier table is masked, so each executed pair counts once.
+    block, and blocks of similar size (within 2x in queries and in keys) are multiplied as one batched matmul
+    (block-sparse: a key is gathered once per table, not once per pair, and skewed buckets pad only their own
+    class). A pair that already met in an earlier table is masked, so each executed pair counts once.
     Returns (one Part per table, pairs executed)."""
     parts, executed = [], 0
     nq, d = q.shape
     for t in range(q_codes.shape[1]):
         kkey = k_group * CODE_SPAN + k_codes[:, t]
         ukey, kb = torch.unique(kkey, return_inverse=True)
+        nb = ukey.numel()
+        if nb == 0:
+            continue
         qkey = q_group * CODE_SPAN + q_codes[:, t]
-        qb = torch.searchsorted(ukey, qkey).clamp(max=max(ukey.numel() - 1, 0))
-        has = ukey[qb] == qkey if ukey.numel() else torch.zeros(nq, dtype=torch.bool)
-        qi = torch.nonzero(has).flatten()
+        qb = torch.searchsorted(ukey, qkey).clamp(max=nb - 1)
+        qi = torch.nonzero(ukey[qb] == qkey).flatten()
         if qi.numel() == 0:
             continue
-        kpad = _by_bucket(kb, ukey.numel())
-        qpad_local = _by_bucket(qb[qi], ukey.numel())
-        qpad = torch.where(qpad_local >= 0, qi[qpad_local.clamp(min=0)], -1)
-        kc, qc = kpad.clamp(min=0), qpad.clamp(min=0)
-        logits = q[qc] @ k[kc].transpose(1, 2) * d ** -0.5 + bias[kc][:, None, :]
-        ok = (kpad >= 0)[:, None, :] & (qpad >= 0)[:, :, None]
-        for u in range(t):  # met in an earlier table: already counted there
-            ok &= q_codes[qc, u][:, :, None] != k_codes[kc, u][:, None, :]
-        logits = torch.where(ok, logits, torch.full_like(logits, -torch.inf))
-        executed += int(ok.sum())
-        m = logits.amax(-1)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        e = torch.exp(logits - m[..., None])
-        rows = qpad >= 0
-        idx = qpad[rows]
+        qb = qb[qi]
+        qcount = torch.bincount(qb, minlength=nb)
+        cls = _size_class(qcount) * 64 + _size_class(torch.bincount(kb, minlength=nb))
+        cls = torch.where(qcount > 0, cls, -1)
         mm, ss = torch.zeros(nq), torch.zeros(nq)
         oo = torch.zeros(nq, v.shape[-1])
-        mm[idx], ss[idx], oo[idx] = m[rows], e.sum(-1)[rows], (e @ v[kc])[rows]
+        for c in torch.unique(cls[cls >= 0]).tolist():
+            local = torch.full((nb,), -1, dtype=torch.int64)
+            members = torch.nonzero(cls == c).flatten()
+            local[members] = torch.arange(members.numel())
+            kin = torch.nonzero(local[kb] >= 0).flatten()
+            qin = torch.nonzero(local[qb] >= 0).flatten()
+            kpad = _by_bucket(local[kb[kin]], members.numel())
+            qpad = _by_bucket(local[qb[qin]], members.numel())
+            kpad = torch.where(kpad >= 0, kin[kpad.clamp(min=0)], -1)
+            qpad = torch.where(qpad >= 0, qi[qin[qpad.clamp(min=0)]], -1)
+            kc, qc = kpad.clamp(min=0), qpad.clamp(min=0)
+            logits = q[qc] @ k[kc].transpose(1, 2) * d ** -0.5 + bias[kc][:, None, :]
+            ok = (kpad >= 0)[:, None, :] & (qpad >= 0)[:, :, None]
+            for u in range(t):  # met in an earlier table: already counted there
+                ok &= q_codes[qc, u][:, :, None] != k_codes[kc, u][:, None, :]
+            logits = torch.where(ok, logits, torch.full_like(logits, -torch.inf))
+            executed += int(ok.sum())
+            m = logits.amax(-1)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            e = torch.exp(logits - m[..., None])
+            rows = qpad >= 0
+            idx = qpad[rows]
+            mm[idx], ss[idx], oo[idx] = m[rows], e.sum(-1)[rows], (e @ v[kc])[rows]
         parts.append(Part(mm, ss, oo))
     return parts, executed
