@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     g = int(round(np.sqrt(L)))
     write_text(Path("frame_shape.json"), json.dumps({"frame_tokens": L, "shape": [g, g]}))
     print("wrote frame_shape.json")
-    cfg = f", CFG {spec.decoding.cfg_scale:g} with the unconditional prompt {spec.uncond}" if spec.uncond else ""
+    cfg = f" (CFG needs the unconditional prompt {spec.uncond}: rows of your own loop)" if spec.uncond else ""
     print(f"wrote {a.out}/ (transformers LlamaForCausalLM, frames of {L} tokens = {g}x{g}; recommended decoding in "
           f"generation_config.json: {spec.decoding.describe()}{cfg})")
     return 0
