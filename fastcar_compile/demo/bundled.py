@@ -68,7 +68,8 @@ def _video() -> VideoSpec:
                      lambda: load_frame_tokenizer(tok),
                      lambda n, f, s: heldout_scene_clips(n, f, s),
                      lambda c: condition.prompt(c.labels), lambda c: c.labels["camera"],
-                     condition.prompt(None), condition.VIDEO_START, CODES, SAMPLED, VIDEO_TAU, 4, 16)
+                     condition.prompt(None), condition.VIDEO_START, CODES, SAMPLED, VIDEO_TAU, 4, 16,
+                     timing_rounds=1)
 
 
 def _video_long() -> VideoSpec:

@@ -106,7 +106,8 @@ def _run(a: argparse.Namespace, spec, decoding, out: Path, t0: float):
                            frame_tokens=tok.tokens_per_frame)
     clips = spec.clips(a.clips, a.frames, a.seed)
     # --long: 2 x 4031 steps per clip already; the bare-ORT re-timing would double the run (5-minute budget)
-    results = run_clips(spec, model, fast, clips, tok, a.tau, threads=a.threads, rounds=0 if a.long else 2,
+    results = run_clips(spec, model, fast, clips, tok, a.tau, threads=a.threads,
+                        rounds=0 if a.long else spec.timing_rounds,
                         decoding=decoding, seed=a.sample_seed)
     s = summarize(results, tok, a.tau, a.tas_query, a.max_replay)
     per_clip = [q.clip_quality(r.gt, tok.encode(r.gt), r.dense.tokens, r.fast.tokens, tok.decode, r.clip)

@@ -64,9 +64,11 @@ class Decoding:
         return cfg
 
 
-# The recommended decoding of the conditioned video model (VILA-U's choices, top-k scaled to a 512-code
-# vocabulary) and of the demo models without an unconditional prompt.
-SAMPLED = Decoding(do_sample=True, temperature=1.0, top_k=256, top_p=0.96, cfg_scale=3.0)
+# The recommended decoding of the conditioned video model: VILA-U's temperature and top-p, top-k scaled to a
+# 512-code vocabulary, CFG 1.5 instead of VILA-U's 3: on 4 held-out clips x 16 frames (800-step weights) CFG 3 gave
+# 16.4 dB vs truth and a copy rate 11 points under the truth's, CFG 1.5 17.5 dB and 7 points under; temperature
+# 0.7 drifts toward copying (copy rate 0.82 vs the truth's 0.47), greedy freezes every clip (docs/demo.md).
+SAMPLED = Decoding(do_sample=True, temperature=1.0, top_k=256, top_p=0.96, cfg_scale=1.5)
 GREEDY = Decoding(do_sample=False)
 
 

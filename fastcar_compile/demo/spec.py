@@ -27,3 +27,4 @@ class VideoSpec:
     default_tau: float  # TAS threshold of the demo (~80% replay along its dense videos)
     default_clips: int
     default_frames: int  # incl. the given frame 0
+    timing_rounds: int = 2  # bare-ORT re-timings per model and clip in `demo` (the fastest per step counts)
