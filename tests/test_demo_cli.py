@@ -120,3 +120,26 @@ def test_eval_tiny_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureF
         assert r["speedup_graph_ort"] == pytest.approx(r["dense_ort_ms"] / r["inf_ort_ms"])
         assert r["speedup_replay_ort"] == pytest.approx(r["inf_ort_ms"] / r["fast_ort_ms"])
         assert r["speedup_ort"] == pytest.approx(r["speedup_graph_ort"] * r["speedup_replay_ort"])
+
+
+@pytest.mark.slow
+def test_demo_video_model_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default model (conditioned, CFG rows in the batch): every file it writes is listed (its compiled
+    weights go to external data), tau = -inf replays every decode step of both rows, and the quality targets
+    are reported from the figures results.json holds."""
+    import re
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--clips", "1", "--frames", "4", "--out", str(out), "--tau=-inf"]) == 0
+    text = capsys.readouterr().out
+    n = int(re.search(r"wrote (\d+) files", text).group(1))
+    listed = [ln.split()[0] for ln in text.splitlines() if ln.startswith(f"  {out}")]
+    assert n == len(listed) == len(list(out.iterdir()))
+    res = json.loads((out / "results.json").read_text())
+    assert res["model"] == "video" and res["decoding"]["cfg_scale"] is not None and res["decoding"]["do_sample"]
+    assert res["summary"]["replay_ratio"] == pytest.approx(1.0)
+    q = res["quality"]
+    gain = q["targets"]["dense_vs_repeat_last_db"]
+    assert gain["value"] == pytest.approx(q["psnr_dense_vs_truth"] - q["psnr_repeat_last_vs_truth"])
+    assert gain["met"] == (gain["value"] >= 2.0) and ("MISSED" in text) != all(t["met"] for t in q["targets"].values())
+    assert (out / "quality.png").stat().st_size > 0

@@ -98,13 +98,13 @@ def _run(a: argparse.Namespace, spec, decoding, out: Path, t0: float):
     from fastcar_compile.demo.evaluate import compile_bundled, run_clips, summarize
     from fastcar_compile.demo.visuals import write_gif, write_heatmap, write_strip
 
+    clips = spec.clips(a.clips, a.frames, a.seed)  # first: bad sizes fail before the export and compile
     tok = spec.tokenizer()
     model = spec.onnx()
     print(f"compiling the {spec.name} model (L={tok.tokens_per_frame}, tau={a.tau:g}, "
           f"tas_query={a.tas_query}, max_replay={a.max_replay}) ...", flush=True)
     fast = compile_bundled(out / "fast.onnx", a.tau, a.tas_query, a.max_replay, model=model,
                            frame_tokens=tok.tokens_per_frame)
-    clips = spec.clips(a.clips, a.frames, a.seed)
     # --long: 2 x 4031 steps per clip already; the bare-ORT re-timing would double the run (5-minute budget)
     results = run_clips(spec, model, fast, clips, tok, a.tau, threads=a.threads,
                         rounds=0 if a.long else spec.timing_rounds,
@@ -138,7 +138,7 @@ def _run(a: argparse.Namespace, spec, decoding, out: Path, t0: float):
                                  "summary": s.to_dict(), "quality": qs, **extra, "clips": [
         {"motion": r.motion, "source": r.source, "replay_ratio": r.fast.replay_ratio, **c}
         for r, c in zip(results, per_clip, strict=True)]}, indent=1).encode())
-    files += [res, fast]
+    files += [res, fast] + [p for p in (out / "fast.onnx.data",) if p.exists()]  # large weights: external data
     print(f"\n{s.clips} held-out clips x {s.frames} frames ({s.frames - 1} generated, {decoding.describe()}), "
           f"{a.threads} ORT thread(s)")
     print(table([
