@@ -16,10 +16,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import check_finite, check_int
 from fastcar_compile.runtime.sampling import Sampler, guide
-from fastcar_compile.runtime.speculate import DraftLength, DraftSpec, parse_draft, propose, verify
+from fastcar_compile.runtime.speculate import (
+    DraftLength,
+    DraftSpec,
+    parse_draft,
+    previous_frame_draws,
+    propose,
+    verify,
+)
 from fastcar_compile.runtime.stats import RunStats
 from fastcar_compile.runtime.tokens import check_token_ids
 
@@ -273,6 +281,7 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
         stats.prefill_ms = 1e3 * (time.perf_counter() - t0)
         stats.add_kv_stats(out.extra)
         tokens[:, 0] = choose(out.logits)
+        prefill_logits = out.logits
         n = 1
         bar.update(1)
         state = out.state
@@ -281,7 +290,8 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
         one = np.ones((batch, 1), np.int64)
         if spec is not None:
             histories = [np.asarray(r, np.int64) for r in cond]
-            n = _speculate(session, state, spec, thr, tokens, n, histories, given_video_tokens, guided, sampler,
+            n = _speculate(session, state, spec, thr, tokens, n, histories, given_video_tokens, prefill_logits,
+                           guided, sampler,
                            rng, stats, bar, callback, logit_rows if keep_logits else None, batch, cfg)
         while spec is None and n <= total:
             if n % L == 0:  # a frame is complete
@@ -328,7 +338,7 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
 
 
 def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray | None, tokens: np.ndarray, n: int,
-               prompts: list[np.ndarray], given_video_tokens: int, guided: Callable[[np.ndarray, int], np.ndarray],
+               prompts: list[np.ndarray], given_video_tokens: int, prefill_logits: np.ndarray, guided: Callable[[np.ndarray, int], np.ndarray],
                sampler: Sampler, rng: np.random.Generator, stats: RunStats, bar: Any,
                callback: FrameCallback | None, logit_rows: list[np.ndarray] | None, batch: int, cfg: bool) -> int:
     """The decode loop with drafts (runtime/speculate.py): each step feeds the last kept token and k draft
@@ -345,6 +355,22 @@ def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray 
     for r, p in enumerate(prompts):
         hist[r][len(p)] = tokens[r, 0]
     reported = 0
+    # sampled temporal drafts: the model's own distribution one frame back (slot = position mod L) where it is
+    # known, so a token is accepted with probability 1 - TV(p, q) rather than p(previous token)
+    # sampled temporal drafts: the model's own distribution one frame back where it is known (slot = video index
+    # mod L): kept for every generated token, and for a given frame 0 and the first token read from the prefill
+    # (its logits predict each of them), so a token is accepted with probability 1 - TV(p, q) rather than p(previous token)
+    g = given_video_tokens
+    ring = ring_pos = None
+    if sampler.do_sample and spec.kind != contract.DRAFT_NGRAM:
+        ring_pos = np.full(L, -1, np.int64)
+        padded = prefill_logits.shape[1]
+        for v in range(max(0, g + 1 - L), g + 1):  # (v = g: the first generated token, chosen from the last)
+            at = padded - g - 1 + v  # the prompt position whose logits predict video token v
+            if at >= 0:
+                if ring is None:
+                    ring = np.zeros((n_out, L, prefill_logits.shape[-1]), np.float32)
+                ring[:, v % L], ring_pos[v % L] = sampler.probs(guided(prefill_logits[:, at, :], 0)), v
     try:
         while True:
             while reported < n // L:  # frames completed, one callback each, in order
@@ -359,6 +385,7 @@ def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray 
             views = [h[: len(p) + n] for h, p in zip(hist, prompts, strict=True)]
             draft = propose(spec, views, given_video_tokens + n, L, k) if k else np.zeros((n_out, 0), np.int64)
             k = draft.shape[1]
+            q = None if ring is None else previous_frame_draws(draft, ring, ring_pos, g + n, rng)
             feed = np.concatenate([tokens[:, n - 1: n], draft], axis=1)
             if cfg:  # both rows of a pair verify the same draft; the guided logits decide
                 feed = np.concatenate([feed, feed])
@@ -372,7 +399,7 @@ def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray 
                 seen.append(guided(logits[:, i, :], n + i))
                 return seen[-1]
 
-            kept, a = verify(draft, position, sampler, rng)
+            kept, a, dists = verify(draft, position, sampler, rng, q)
             state = session.rewind(out.state, pos + a + 1)
             dt = 1e3 * (time.perf_counter() - t0)
             m = a + 1
@@ -381,6 +408,11 @@ def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray 
                 hist[r][len(p) + n: len(p) + n + m] = kept[r]
             if logit_rows is not None:
                 logit_rows.extend(g.astype(np.float32) for g in seen[:m])
+            if ring_pos is not None:
+                if ring is None:
+                    ring = np.zeros((n_out, L, dists[0].shape[-1]), np.float32)
+                for j in range(m):
+                    ring[:, (g + n + j) % L], ring_pos[(g + n + j) % L] = dists[j], g + n + j
             for j in range(m):
                 stats.step_ms.append(dt / m)
                 stats.steps.append({"pos": int(pos + j), "replay": []})

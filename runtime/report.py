@@ -38,8 +38,8 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def parse_frame_shape(text: str | None, frame_tokens: int) -> tuple[int, int] | None:
-    """'16x16' -> (16, 16), checked against the frame size L."""
+def parse_frame_shape(text: str | None, frame_tokens: int | None) -> tuple[int, int] | None:
+    """'16x16' -> (16, 16), checked against the frame size L (None: the shape gives L)."""
     if not text:
         return None
     try:
@@ -48,7 +48,7 @@ def parse_frame_shape(text: str | None, frame_tokens: int) -> tuple[int, int] | 
         raise FastCarError(f"--frame-shape {text!r}: give HxW, e.g. 16x16") from None
     if h < 1 or w < 1:
         raise FastCarError(f"--frame-shape {text}: height and width must be >= 1, e.g. 16x16")
-    if h * w != frame_tokens:
+    if frame_tokens is not None and h * w != frame_tokens:
         raise FastCarError(f"--frame-shape {text}: {h}x{w} = {h * w} tokens, but the run has {frame_tokens} "
                            "tokens per frame")
     return h, w

@@ -24,7 +24,11 @@ from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.runtime.sampling import Sampler, draw
 
 ADAPTIVE_START = 4  # draft length of an adaptive run's first verify step
-ADAPTIVE_MAX = 16  # longest adaptive draft: a 17-token step costs ~2x a 1-token one (docs/speculation.md)
+ADAPTIVE_MAX = 16  # longest adaptive draft
+# a verify step of 1 + K tokens costs about 1 + 0.06 K one-token steps (the video model, batch 2 with CFG: 1.27x
+# for K = 4; 1.04x at batch 1; the long demo model 1.4x); adaptive K is chosen against this
+STEP_COST_PER_TOKEN = 0.06
+ADAPTIVE_DECAY = 0.9  # weight of the previous steps' acceptance counts, per step
 MAX_DRAFT_TOKENS = 256
 NGRAM_MAX = 3  # the n-gram draft matches the last 3 tokens, else 2, else 1
 
@@ -72,20 +76,27 @@ def parse_draft(draft: str | DraftSpec | None, draft_tokens: int | None = None) 
 
 
 class DraftLength:
-    """K per verify step: fixed, or adaptive (doubled after a fully accepted draft, halved when fewer than half
-    were accepted), so long static stretches verify many tokens a step and moving ones waste little."""
+    """K per verify step: fixed, or adaptive. Adaptive keeps a running estimate of the chance a draft token is
+    accepted (alpha: accepted tokens over tokens tried, the first rejection of a step counted as tried, old steps
+    decayed) and takes the K that maximises the expected tokens per step, (1 - alpha^(K+1)) / (1 - alpha), over
+    the step's relative cost 1 + STEP_COST_PER_TOKEN x K: long drafts on static stretches (alpha near 1), one or
+    two where the video moves."""
 
     def __init__(self, fixed: int | None):
         self.fixed = fixed
         self.k = fixed if fixed is not None else ADAPTIVE_START
+        self._acc, self._tried = 1.0, 2.0  # a prior of one accepted token in two
 
     def update(self, proposed: int, accepted: int) -> None:
-        if self.fixed is not None or proposed < self.k:  # a draft cut short (video end, no source) says nothing
+        if self.fixed is not None or proposed == 0:
             return
-        if accepted >= proposed:
-            self.k = min(2 * self.k, ADAPTIVE_MAX)
-        elif accepted < self.k // 2:
-            self.k = max(1, self.k // 2)
+        tried = accepted + (accepted < proposed)  # the tokens up to and including the first rejection
+        self._acc = ADAPTIVE_DECAY * self._acc + accepted
+        self._tried = ADAPTIVE_DECAY * self._tried + tried
+        alpha = min(self._acc / self._tried, 0.999)
+        ks = np.arange(1, ADAPTIVE_MAX + 1)
+        gain = (1 - alpha ** (ks + 1)) / (1 - alpha) / (1 + STEP_COST_PER_TOKEN * ks)
+        self.k = int(ks[np.argmax(gain)])
 
 
 def _ngram_offset(h: np.ndarray) -> int | None:
@@ -125,38 +136,78 @@ def propose(spec: DraftSpec, histories: list[np.ndarray], video_len: int, frame_
     return out
 
 
+def previous_frame_draws(draft: np.ndarray, ring: np.ndarray, ring_pos: np.ndarray, v0: int,
+                         rng: np.random.Generator) -> list[np.ndarray | None]:
+    """Sampled temporal drafts: draft token i (video index v0 + i) is drawn from the model's distribution at the
+    same position one frame back, where that distribution is known (ring[:, slot] holds video index
+    ring_pos[slot], slot = index mod L); `draft` is overwritten there, and the distributions are returned for
+    `verify` (None: the token draft stays, one-hot).
+
+    Why: with a one-hot draft a token is accepted with probability p(previous token); with the previous frame's
+    distribution q, with probability sum(min(p, q)) = 1 - TV(p, q), higher wherever the model is as unsure of
+    a static region in both frames (measured on the video model's sampled videos: docs/speculation.md)."""
+    L = len(ring_pos)
+    out: list[np.ndarray | None] = []
+    for i in range(draft.shape[1]):
+        src = v0 + i - L
+        if i >= L or src < 0 or ring_pos[src % L] != src:
+            out.append(None)
+            continue
+        q = ring[:, src % L].astype(np.float64)
+        q /= q.sum(axis=-1, keepdims=True)
+        draft[:, i] = draw(q, rng)
+        out.append(q)
+    return out
+
+
 def verify(draft: np.ndarray, get_guided: Callable[[int], np.ndarray], sampler: Sampler,
-           rng: np.random.Generator) -> tuple[np.ndarray, int]:
+           rng: np.random.Generator, q: list[np.ndarray | None] | None = None
+           ) -> tuple[np.ndarray, int, list[np.ndarray]]:
     """Accept the draft against the model's guided logits, position by position, the batch together.
 
     draft: the draft tokens [rows, k]. get_guided(i) -> guided logits [rows, vocab] of position i (the prediction
     after the fed token and i draft tokens), fetched lazily: a rejection at i needs no later position.
-    Returns (tokens [rows, a + 1], a): the kept tokens of every row, a = accepted draft tokens (batch minimum).
+    q[i]: the distribution draft token i was drawn from ([rows, vocab], normalised), None for a token given as
+    such (a one-hot draft).
+    Returns (tokens [rows, a + 1], a, p): the kept tokens of every row, a = accepted draft tokens (batch
+    minimum), and when sampling the model's distributions p at the kept positions (for later drafts).
     Greedy keeps the draft while it equals the argmax, then the argmax. Sampling accepts draft token x of a row
-    with probability p(x), else draws from p with x zeroed (renormalised); after k accepted tokens it draws
-    from p. A row that accepted where another rejected keeps its draft token: the batch stops there."""
+    with probability min(1, p(x) / q(x)) (p(x) for a one-hot draft), else draws from the residual
+    max(p - q, 0) renormalised (p with x zeroed for a one-hot draft): each kept token is distributed as p.
+    After k accepted tokens it draws from p. A row that accepted where another rejected keeps its draft token:
+    the batch stops there."""
     rows, k = draft.shape
     kept: list[np.ndarray] = []
+    dists: list[np.ndarray] = []
+    r = np.arange(rows)
     for i in range(k + 1):
         g = get_guided(i)
-        if i == k:  # the whole draft was accepted: the model's next token after it
-            kept.append(sampler(g, rng))
-            break
-        d = draft[:, i]
         if not sampler.do_sample:
             t = g.argmax(axis=-1).astype(np.int64)
-            ok = t == d
-            tok = np.where(ok, d, t)
+            if i == k:  # the whole draft was accepted: the model's next token after it
+                kept.append(t)
+                break
+            ok = t == draft[:, i]
+            tok = np.where(ok, draft[:, i], t)
         else:
             p = sampler.probs(g)
-            ok = rng.random(rows) < p[np.arange(rows), d]
+            dists.append(p)
+            if i == k:
+                kept.append(draw(p, rng))
+                break
+            d, qi = draft[:, i], q[i] if q is not None else None
+            ratio = p[r, d] if qi is None else p[r, d] / qi[r, d]
+            ok = rng.random(rows) < ratio
             tok = d.copy()
             bad = np.flatnonzero(~ok)
-            if bad.size:  # the residual of a one-hot draft: p without x, renormalised
-                q = p[bad].copy()
-                q[np.arange(bad.size), d[bad]] = 0.0
-                tok[bad] = draw(q, rng)
+            if bad.size:  # the residual: p without the draft's mass, renormalised
+                if qi is None:
+                    res = p[bad].copy()
+                    res[np.arange(bad.size), d[bad]] = 0.0
+                else:
+                    res = np.maximum(p[bad] - qi[bad], 0.0)
+                tok[bad] = draw(res, rng)
         kept.append(tok)
         if not ok.all():
             break
-    return np.stack(kept, axis=1), len(kept) - 1
+    return np.stack(kept, axis=1), len(kept) - 1, dists

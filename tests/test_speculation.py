@@ -110,25 +110,27 @@ def _exact_first_tokens(sess: FastCarSession, row: list[int], sampler: Sampler, 
     return probs
 
 
-@pytest.mark.parametrize("rows", [600, 1])
-def test_sampled_tokens_follow_the_model(demo, rows):
-    """Exact speculative sampling: the joint law of the first three sampled tokens (two of them verified drafts)
-    equals the model's, enumerated prefix by prefix; chi-square over the cells, many rows in one batch (the
-    batch stops at its shortest accepted prefix) and single rows over many seeds."""
+@pytest.mark.parametrize("rows, frame, draft", [(600, 3, "temporal:2"), (1, 3, "temporal:2"), (1, 1, "temporal:1")])
+def test_sampled_tokens_follow_the_model(demo, rows, frame, draft):
+    """Exact speculative sampling: the joint law of the first three sampled tokens (verified drafts) equals the
+    model's, enumerated prefix by prefix; chi-square over the cells. Many rows in one batch (the batch stops at
+    its shortest accepted prefix), single rows over many seeds, and frames of one token, where drafts are drawn
+    from the model's distribution one frame back (one position back) rather than copied."""
     from scipy.stats import chisquare
 
     base, rows_ = demo
-    sess = FastCarSession(base.path, frame_tokens=3, threads=1)  # frames of 3: drafts copy 3 tokens back
+    sess = FastCarSession(base.path, frame_tokens=frame, threads=1)
     sampler = Sampler(do_sample=True, temperature=1.5, top_k=3)
     row = rows_[0]
     exact = _exact_first_tokens(sess, row, sampler, 3)
     counts: dict[tuple, int] = {}
     accepted = proposed = 0
     for seed in range(600 // rows):
-        res = sess.generate([row] * rows, 1, given_video_tokens=3, draft="temporal:2", do_sample=True,
-                            temperature=1.5, top_k=3, seed=seed)
+        # (frames of one token: a fourth token, so the third one is drafted from the second one's distribution)
+        res = sess.generate([row] * rows, 4 if frame == 1 else 1, given_video_tokens=frame, draft=draft,
+                            do_sample=True, temperature=1.5, top_k=3, seed=seed)
         accepted, proposed = accepted + res.stats.draft_accepted, proposed + res.stats.draft_proposed
-        for t in map(tuple, res.tokens.tolist()):
+        for t in map(tuple, res.tokens[:, :3].tolist()):
             counts[t] = counts.get(t, 0) + 1
     assert proposed and (accepted < proposed if rows > 1 else 0 < accepted < proposed)
     assert set(counts) <= set(exact)
@@ -142,17 +144,24 @@ def test_sampled_tokens_follow_the_model(demo, rows):
 
 
 def test_accept_rule_is_exact_for_one_position():
-    """verify() on fixed logits: the kept first token is distributed as the sampler's p, whichever draft."""
+    """verify() on fixed logits: the kept first token is distributed as the sampler's p, whichever one-hot draft
+    and whichever draft distribution q the draft token was drawn from."""
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(1, 6)) * 2
     sampler = Sampler(do_sample=True, temperature=0.8, top_p=0.95)
     p = sampler.probs(logits)[0]
     n = 40000
-    for x in (int(p.argmax()), int(p.argmin()), 2):
-        draft = np.full((n, 1), x)
-        kept, _ = verify(draft, lambda i: np.repeat(logits, n, axis=0), sampler, rng)
+    qs = [None, None, None, np.full(6, 1 / 6), np.array([0.5, 0.3, 0.1, 0.05, 0.03, 0.02])]
+    for x, q in zip((int(p.argmax()), int(p.argmin()), 2, None, None), qs, strict=True):
+        if q is None:
+            draft = np.full((n, 1), x)
+        else:
+            draft = rng.choice(6, size=(n, 1), p=q)
+        kept, a, dists = verify(draft, lambda i: np.repeat(logits, n, axis=0), sampler, rng,
+                                None if q is None else [np.repeat(q[None], n, axis=0)])
+        np.testing.assert_allclose(dists[0][0], p)
         freq = np.bincount(kept[:, 0], minlength=6) / n
-        assert (np.abs(freq - p) <= 4.5 * np.sqrt(p * (1 - p) / n) + 1e-9).all(), (x, freq, p)
+        assert (np.abs(freq - p) <= 4.5 * np.sqrt(p * (1 - p) / n) + 1e-9).all(), (x, q, freq, p)
 
 
 def test_drafts_copy_the_previous_frame_and_ngrams():
@@ -165,15 +174,22 @@ def test_drafts_copy_the_previous_frame_and_ngrams():
     np.testing.assert_array_equal(propose(parse_draft("temporal+ngram"), [g], 2, 3, 2), [[9, 7]])
 
 
-def test_adaptive_length_grows_and_shrinks():
+def test_adaptive_length_follows_acceptance():
+    """Full acceptance drives K up to the longest draft, rejections at the first token down to one."""
+    from fastcar_compile.runtime.speculate import ADAPTIVE_MAX
+
     k = DraftLength(None)
-    start = k.k
-    k.update(start, start)
-    assert k.k == 2 * start
-    k.update(k.k, 0)
-    assert k.k == start
+    for _ in range(30):
+        k.update(k.k, k.k)
+    assert k.k == ADAPTIVE_MAX
+    for _ in range(60):
+        k.update(k.k, 0)
+    assert k.k == 1
+    for _ in range(60):  # half of the tokens accepted: a short draft
+        k.update(2, 1)
+    assert 1 <= k.k <= 4
     fixed = DraftLength(5)
-    fixed.update(5, 5)
+    fixed.update(5, 0)
     assert fixed.k == 5
 
 
@@ -222,3 +238,23 @@ def test_accepted_drafts_on_shared_kv_buffers(genai_model, monkeypatch, max_leng
     spec = sess.generate(prompts, 6, given_video_tokens=2, draft="temporal:5")
     np.testing.assert_array_equal(spec.tokens, plain.tokens)
     assert 0 < spec.stats.draft_accepted < spec.stats.draft_proposed and spec.stats.tokens_per_step > 2
+
+
+def test_eval_draft_command(demo, tmp_path, capsys):
+    """`eval --model dense.onnx --prompts p.npy --draft temporal:8`: plain vs draft in one run, the tokens
+    compared (all equal), acceptance and speed written to eval.json; a FastCar --model and --dense refused."""
+    import json
+
+    from fastcar_compile.cli import main
+
+    sess, rows = demo
+    np.save(tmp_path / "p.npy", np.array([rows[0], rows[0][:1] + rows[1]]))
+    args = ["eval", "--model", str(sess.path), "--prompts", str(tmp_path / "p.npy"), "--frames", "2",
+            "--given-video-tokens", "64", "--frame-shape", "8x8", "--threads", "1", "--out", str(tmp_path / "run")]
+    assert main([*args, "--draft", "temporal:8"]) == 0
+    res = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert res["token_agreement"] == 1.0 and res["draft"] == "temporal:8" and 0 < res["acceptance"] < 1
+    assert res["tokens_per_step"] > 1 and res["speedup"] > 0
+    assert "tokens equal to plain greedy decoding: 100.0%" in capsys.readouterr().out
+    assert main([*args, "--draft", "temporal", "--dense", str(sess.path)]) != 0
+    assert "drop --dense" in capsys.readouterr().err

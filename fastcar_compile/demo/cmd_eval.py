@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--batch", type=ascii_int, default=1, help="prompts per generate call (default 1)")
     own.add_argument("--given-video-tokens", type=ascii_int, default=0,
                      help="the prompts end with this many video tokens (e.g. a given frame 0)")
+    own.add_argument("--draft", metavar="KIND[:K]",
+                     help="speculative decoding instead: plain vs draft greedy decoding of --model, a dense export "
+                          "(temporal, ngram or temporal+ngram; :K draft tokens per step, default adaptive; "
+                          "--frame-shape gives the frame size; docs/speculation.md)")
     own.add_argument("--frame-shape", metavar="HxW", help="frame as a token grid (16x16 for L=256): per-token "
                                                           "replay heatmap fast.tokens.png")
     bundled = ap.add_argument_group("bundled video model (no --model)")
@@ -210,12 +214,20 @@ def _own(a) -> int:
         raise FastCarError("eval on your model needs both --model fast.onnx and --prompts p.npy")
     from fastcar_compile.eval_model import check_files, evaluate, load_prompts
 
-    check_files(a.model, a.dense, a.out, a.prompts)
-    prompts = load_prompts(a.prompts)
     frames = 4 if a.frames is None else a.frames
     threads = 2 if a.threads is None else a.threads
     if threads < 1:
         raise FastCarError(f"--threads must be >= 1, got {threads}")
+    if a.draft is not None:
+        from fastcar_compile.eval_draft import evaluate_draft, frame_tokens_of
+
+        if a.dense is not None:
+            raise FastCarError("--draft runs on --model (a dense export) against itself; drop --dense")
+        evaluate_draft(a.model, load_prompts(a.prompts), a.out, a.draft, frame_tokens=frame_tokens_of(a.frame_shape),
+                       frames=frames, batch=a.batch, threads=threads, given_video_tokens=a.given_video_tokens)
+        return 0
+    check_files(a.model, a.dense, a.out, a.prompts)
+    prompts = load_prompts(a.prompts)
     evaluate(a.model, prompts, a.out, dense_path=a.dense, frames=frames, batch=a.batch, threads=threads,
              given_video_tokens=a.given_video_tokens, frame_shape=a.frame_shape)
     return 0
