@@ -332,31 +332,17 @@ GENAI_MODES = {  # ours at frame 64, next to onnxruntime-genai's dense loop (iss
 }
 
 
-def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0) -> dict:
-    """Per-token time while generating frame `frames` (after a prefill of the prompt and frames 0..frames-2 of
-    a real held-out clip): onnxruntime-genai's own loop (og.Generator, the model builder's fp32 cpu graph of the
-    same weights) vs ours through FastCarSession. 1 intra-op thread each; median of `tokens` steps after one
-    untimed step; models run one after the other (shared machine: ratios within this run)."""
+def long_genai_dir() -> Path:
+    """The long model's onnxruntime-genai folder (the model builder's fp32 cpu graph of the shipped weights, with
+    a one-word-per-id tokenizer), built once into the user cache."""
     import subprocess
-    import time
 
-    import onnxruntime_genai as og
-    from bench_genai import set_session  # (benchmarks/ is on sys.path when run as a script)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from fastcar_compile.core.atomic import write_text
-    from fastcar_compile.demo import data
-    from fastcar_compile.demo.evaluate import load_tokenizer
     from fastcar_compile.demo.export import LONG_CONFIG, LONG_WEIGHTS, load_model
     from fastcar_compile.demo.longvideo import cache_dir, long_onnx
-    from fastcar_compile.demo.model import CODES, VIDEO_START, prompt
 
-    tok = load_tokenizer()
-    L = tok.tokens_per_frame
-    c = data.make_clip("eval", clip, frames, seed=0)
-    ids = prompt(c.motion) + [int(t) for t in tok.encode(c.frames[:-1]).reshape(-1)]
-    res: dict = {"frames": frames, "prefill": len(ids), "tokens": tokens, "tau": tau, "ms": {}}
     genai_dir = cache_dir() / f"genai-{long_onnx(progress=False).stem}"
     if not (genai_dir / "genai_config.json").is_file():
         hf = genai_dir.with_name(genai_dir.name + "-hf")
@@ -369,6 +355,31 @@ def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
                         str(genai_dir), "-p", "fp32", "-e", "cpu", "-c", str(hf) + "-cache"], check=True,
                        stdout=subprocess.DEVNULL)
+    return genai_dir
+
+
+def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0) -> dict:
+    """Per-token time while generating frame `frames` (after a prefill of the prompt and frames 0..frames-2 of
+    a real held-out clip): onnxruntime-genai's own loop (og.Generator, the model builder's fp32 cpu graph of the
+    same weights) vs ours through FastCarSession. 1 intra-op thread each; median of `tokens` steps after one
+    untimed step; models run one after the other (shared machine: ratios within this run)."""
+    import time
+
+    import onnxruntime_genai as og
+    from bench_genai import set_session  # (benchmarks/ is on sys.path when run as a script)
+
+    from fastcar_compile.core.atomic import write_text
+    from fastcar_compile.demo import data
+    from fastcar_compile.demo.evaluate import load_tokenizer
+    from fastcar_compile.demo.longvideo import long_onnx
+    from fastcar_compile.demo.model import CODES, VIDEO_START, prompt
+
+    tok = load_tokenizer()
+    L = tok.tokens_per_frame
+    c = data.make_clip("eval", clip, frames, seed=0)
+    ids = prompt(c.motion) + [int(t) for t in tok.encode(c.frames[:-1]).reshape(-1)]
+    res: dict = {"frames": frames, "prefill": len(ids), "tokens": tokens, "tau": tau, "ms": {}}
+    genai_dir = long_genai_dir()
     set_session(genai_dir, 1, native=False, entries={})  # 1 thread, no ORT config entries, no custom ops
     model = og.Model(str(genai_dir))
     params = og.GeneratorParams(model)

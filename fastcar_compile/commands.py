@@ -14,6 +14,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("fastcar_compile.demo.cmd_demo", "main", "compile the bundled video model and compare dense vs FastCar"),
     "eval": ("fastcar_compile.demo.cmd_eval", "main", "dense vs FastCar on your model (--model fast.onnx --prompts p.npy), or a tau sweep "
              "on the bundled one"),
+    "genai-speculate": ("fastcar_compile.genai_speculate", "main", "onnxruntime-genai folder verifying previous-frame "
+                        "drafts (a draft ONNX model) or genai's n-gram lookup"),
     "report": ("fastcar_compile.cmd_report", "main", "PNG pictures of run.json (replay, latency beside a dense run, per-token replay)"),
     "sim": ("fastcar_compile.fpga_cmds", "sim_main", "simulate FPGA bundles (.fcb) on a replay trace or mask"),
     "disasm": ("fastcar_compile.fpga_cmds", "disasm_main", "print a .fcb bundle file as readable assembly"),
