@@ -16,6 +16,7 @@ L = 8
 CASES = {  # (query heads, KV heads, head dim, settings)
     "16/2x64 window, mass": (16, 2, 64, dict(budget=40, sinks=3, window=12)),
     "16/2x64 window, oldest": (16, 2, 64, dict(budget=40, sinks=3, window=12, eviction="oldest")),
+    "16/2x64 tempcache, mean": (16, 2, 64, dict(budget=16, sinks=2, window=6, tempcache_sim=0.9, eviction="mean")),
     "16/2x64 tempcache bounded": (16, 2, 64, dict(budget=16, sinks=2, window=6, tempcache_sim=0.9)),
     "16/2x64 tempcache + lsh": (16, 2, 64, dict(budget=18, sinks=2, window=6, tempcache_sim=0.95, lsh_bits=3,
                                                 lsh_tables=2)),

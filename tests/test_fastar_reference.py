@@ -154,7 +154,7 @@ def test_lsh_recall_rises_with_tables():
 
 @settings(max_examples=40, deadline=None)
 @given(budget=st.integers(5, 20), sinks=st.integers(0, 3), window=st.integers(0, 4),
-       sim=st.sampled_from([None, 0.0, 0.5, 0.95]), eviction=st.sampled_from(["mass", "oldest"]),
+       sim=st.sampled_from([None, 0.0, 0.5, 0.95]), eviction=st.sampled_from(["mass", "oldest", "mean"]),
        corr=st.sampled_from(["aligned", "aligned+top1"]), L=st.integers(1, 6), seed=st.integers(0, 1000))
 def test_bookkeeping_properties(budget, sinks, window, sim, eviction, corr, L, seed):
     """Counts + evicted == tokens seen; every live slot is referenced exactly count times; no more than C

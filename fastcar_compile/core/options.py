@@ -38,7 +38,7 @@ REQUIRED = dataclasses.MISSING  # an option without a default (frame_tokens)
 # unset default; repeatable; a value that may be left out (`--fused-attention` alone = its `const`).
 VALUE, SWITCH, ON_OFF, NEGATE, TRISTATE, REPEAT, OPTIONAL = "value", "switch", "on|off", "negate", "tristate", \
     "repeat", "optional"
-EVICTION_POLICIES = ("mass", "oldest")  # which slot leaves a full compressed KV cache (fastar/cache.py)
+EVICTION_POLICIES = ("mass", "oldest", "mean")  # which slot leaves a full compressed KV cache (fastar/cache.py)
 KV_GROUP = "compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)"
 
 
@@ -196,8 +196,8 @@ OPTIONS: tuple[Option, ...] = (
            hi=MAX_KV_BUDGET, meaning="tokens always kept, below --kv-budget", group=KV_GROUP),
     Option("kv_window", int, 0, "last W tokens always kept (local window; on FastCar layers at least a frame)", "--kv-window", metavar="W", lo=0,
            hi=MAX_KV_BUDGET, meaning="tokens always kept, below --kv-budget", group=KV_GROUP),
-    Option("kv_eviction", str, "mass", "which slot leaves a full cache: least attention mass received (default) "
-           "or oldest", "--kv-eviction", choices=EVICTION_POLICIES, group=KV_GROUP),
+    Option("kv_eviction", str, "mass", "which slot leaves a full cache: least attention mass received (default), "
+           "oldest, or mean (least mass per token the slot holds: TempCache merges do not protect a slot)", "--kv-eviction", choices=EVICTION_POLICIES, group=KV_GROUP),
     Option("tempcache", float | None, None, "TempCache: merge a key into the slot of its aligned token (p - L) when "
            "their pre-RoPE cosine exceeds SIM (mean value, count, +log(count) bias)", "--tempcache", metavar="SIM",
            lo=-1.0, hi=1.0, meaning="a cosine", group=KV_GROUP),

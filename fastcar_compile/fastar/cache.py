@@ -100,7 +100,8 @@ class HeadCache:
         cfg = self.cfg
         ok = self.live & (self.pos >= cfg.sinks) & (self.pos <= p - cfg.window)
         cand = np.flatnonzero(ok)
-        key = self.mass[cand] if cfg.eviction == "mass" else self.pos[cand]
+        key = {"mass": lambda: self.mass[cand], "oldest": lambda: self.pos[cand],
+               "mean": lambda: self.mass[cand] / self.count[cand]}[cfg.eviction]()
         slot = int(cand[np.argmin(key)])
         self.token_slot[self.token_slot == slot] = -1
         self.evicted += int(self.count[slot])

@@ -33,7 +33,8 @@ class KVCompressConfig:
     cosine similarity exceeds it (None = no merging). correspondence: 'aligned' compares with token p - L
     (frame_tokens); 'aligned+top1' also with the best pre-RoPE match among the previous frame's slots.
     eviction: which non-sink, non-window slot leaves when the budget is full ('mass' = least cumulative
-    attention probability received, H2O-style; 'oldest' = smallest latest position). lsh_bits/lsh_tables:
+    attention probability received, H2O-style; 'oldest' = smallest latest position; 'mean' = least mass per
+    member token, so a slot TempCache merged many tokens into is not kept for its count alone). lsh_bits/lsh_tables:
     AnnSA by sign random projections (None = dense over resident slots). int8_dirs/int8_tables: AnnSA by 8-bit
     quantised buckets instead (fastar/int8.py; exclusive with lsh). prune_prompt: AnnCA's decoder-only
     counterpart: a prompt-prefix key (position < video_start) that no query of the previous frame gave softmax

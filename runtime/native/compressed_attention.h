@@ -49,7 +49,7 @@ struct Settings {
   float scale = 1.0f;
   int64_t budget = 0, sinks = 0, window = 0, frame_tokens = 1;
   float tempcache_sim = 2.0f;  // > 1: no merging
-  bool evict_oldest = false;
+  enum class Eviction { kMass, kOldest, kMean } eviction = Eviction::kMass;  // fastar/cache.py _evict
   int64_t lsh_bits = 0, lsh_tables = 0;
   std::vector<float> lsh_planes;  // [tables, bits, D]
   int64_t int8_dirs = 0, int8_tables = 0;  // AnnSA by 8-bit quantised buckets (fastcar_compile/fastar/int8.py)
@@ -351,7 +351,9 @@ static inline void CompressedItem(const CompressedTask& t, int64_t bh) {
         for (int64_t s = 0; s < C; ++s) {
           const int64_t ps = pos(s);
           if (ps < c.sinks || ps > p - c.window) continue;
-          const float score = c.evict_oldest ? static_cast<float>(ps) : slots[s * F + kMass];
+          const float score = c.eviction == Settings::Eviction::kOldest ? static_cast<float>(ps)
+                              : c.eviction == Settings::Eviction::kMean ? slots[s * F + kMass] / slots[s * F + kCount]
+                                                                        : slots[s * F + kMass];
           if (score < best) {
             best = score;
             slot = s;
