@@ -130,3 +130,10 @@ def test_decoding_options() -> None:
     g = SAMPLED.generation_config(CODES, VOCAB)
     assert g["do_sample"] and g["top_k"] == SAMPLED.top_k and g["suppress_tokens"] == list(range(CODES, VOCAB))
     assert GREEDY.generation_config(CODES, VOCAB) == {"do_sample": False, "suppress_tokens": list(range(CODES, VOCAB))}
+
+
+def test_video_model_missing_files_say_what_to_do(tmp_path) -> None:
+    from fastcar_compile.demo.bundled import video_files
+
+    with pytest.raises(FastCarError, match="video.safetensors, video.json, video_tokenizer.npz not found.*--demo-model small"):
+        video_files(tmp_path)

@@ -10,7 +10,7 @@ prompt, so classifier-free guidance is real).
 Why the `video` model is read from the repository's training/video_model/ and not from the package's assets:
 its fp16 weights are 22.6 MB, over the package's 20 MiB asset budget on their own (tests/test_demo_export),
 and its VQ-VAE tokenizer decodes in PyTorch. It is the default of `demo` in a clone of the repository;
-`--model small` runs the bundled models without it.
+`--demo-model small` runs the bundled models without it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def _small() -> VideoSpec:
     from fastcar_compile.demo.tokenizer import PatchTokenizer
 
     # sampled without CFG (no unconditional prompt was trained), VILA-U's top-p
-    return VideoSpec("small", lambda: ONNX, lambda: PatchTokenizer.load(TOKENIZER), lambda n, f, s: data.make_clips("eval", n, f, seed=s),
+    return VideoSpec("small", lambda: ONNX, lambda: PatchTokenizer.load(TOKENIZER),
+                     lambda n, f, s: data.make_clips("eval", n, f, seed=s),
                      lambda c: model.prompt(c.motion), lambda c: c.motion, None, model.VIDEO_START, model.CODES,
                      Decoding(do_sample=True, temperature=1.0, top_k=SAMPLED.top_k, top_p=SAMPLED.top_p),
                      SMALL_TAU, 16, 8)
@@ -53,7 +54,7 @@ def video_files(folder: Path = VIDEO_MODEL_DIR) -> tuple[Path, Path, Path]:
     missing = [p.name for p in files if not p.is_file()]
     if missing:
         raise FastCarError(f"the conditioned video model's {', '.join(missing)} not found in {folder} (it ships "
-                           "with the repository, not the package: run from a clone, or use --model small)")
+                           "with the repository, not the package: run from a clone, or use --demo-model small)")
     return files
 
 
