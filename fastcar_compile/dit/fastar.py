@@ -196,6 +196,8 @@ class SlotCache:
 
     def compact(self) -> None:
         """Live slots to the front, in id order; trim the padding to the fullest group."""
+        if bool(self.live.all()):  # nothing merged or evicted: already in order (new slots are appended)
+            return
         order = torch.argsort(self.sid, dim=1, stable=True)
         n = int(self.live.sum(1).max()) if self.count.numel() else 0
         order = order[:, :n]
