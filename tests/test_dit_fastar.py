@@ -2,7 +2,7 @@
 TempCache's bookkeeping against fastar/cache.HeadCache (the NumPy decoder reference), the merged attention
 against dense attention over every token (the lemma), AnnSA / AnnCA against NumPy selections made with the
 reference bucketings, FFN replay against computing every row; the stream with every mode off against the
-exported dense graph in ONNX Runtime; the `stream` command line's record."""
+exported dense graph in ONNX Runtime; recall against its NumPy definition; the `stream` command line's record."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _frames(rng, n_frames, T, d, copy=0.6, noise=0.0, permute=False):
     return k, rng.standard_normal((n_frames, T, d)).astype(np.float32)
 
 
-def _write_slotcache(k, v, mode, sim, sinks, tables=2, window=0):
+def _write_slotcache(k, v, mode, sim, sinks, tables=2, window=0, token_maps=False):
     n, T, d = k.shape
     hasher = sparse.make_hasher(mode if mode != "aligned" else "lsh", d, 4, 2, tables, 0)
     c = SlotCache(1, T, d, 0, tables if mode != "aligned" else 0)
@@ -60,7 +60,7 @@ def _write_slotcache(k, v, mode, sim, sinks, tables=2, window=0):
         else:
             tgt = c.ann_targets(f, kk, cp, sim, sinks)
         c.write_frame(f, kk, kk, vv, torch.zeros(1, T, 0, dtype=torch.int64), cp, tgt)
-        c.evict(kept_frames(f + 1, sinks, window), {f})
+        c.evict(kept_frames(f + 1, sinks, window), set(range(f + 1)) if token_maps else {f})
     return c
 
 
@@ -388,3 +388,45 @@ def test_annca_frame_keeping_nothing_attends_to_nothing():
     out, kept, executed = cross_attend(cq, ck, ck, sparse.codes(hasher, cq), sparse.codes(hasher, ck), 2)
     assert kept[0, 0].sum() == 0 and kept[0, 1].all() and executed == 2 * 2
     assert not out[0, :2].any() and torch.allclose(out[0, 2:], -n.expand(2, -1))
+
+
+def test_recall_matches_numpy_definition():
+    """Self-attention recall of the chunk's queries over a merged cache with AnnSA: sum over tokens of
+    min(dense softmax, compressed softmax of its slot / the slot's count), the chunk's own keys included;
+    computed in NumPy with the reference cache's token -> slot map and counts."""
+    from types import SimpleNamespace
+
+    from fastcar_compile.dit.stream import FrameCache
+
+    rng = np.random.default_rng(12)
+    n, T, d, Q = 6, 8, 8, 6
+    k, v = _frames(rng, n, T, d, noise=0.3)
+    c = _write_slotcache(k, v, "aligned", 0.8, 1, token_maps=True)
+    ref = _reference(k, v, "aligned", 0.8, 1)
+    assert ref.merges > 0
+    shadow = FrameCache(1, T, 1, 0)
+    shadow.write(0, [k.reshape(1, 1, n * T, d), v.reshape(1, 1, n * T, d)])
+    hasher = sparse.make_hasher("lsh", d, 2, 2, 1, 3)
+    c.codes = sparse.codes(hasher, c.k_post)
+    q, kq, vq = (rng.standard_normal((1, Q, d)).astype(np.float32) for _ in range(3))
+    keep = (c.frame == 0) | (c.frame >= n - 1)
+    _, info = attend_cache(torch.from_numpy(q), torch.from_numpy(kq), torch.from_numpy(vq), c, keep, hasher, True)
+    got = FastARDiT.recall(None, 0, torch.from_numpy(q)[None], torch.from_numpy(kq)[None], c,
+                           SimpleNamespace(shadow=shadow), info)
+    want = 0.0
+    live = np.flatnonzero(ref.live)
+    for i in range(Q):
+        qq = q[0, i].astype(np.float64)
+        frame_of = ref.pos[live] // T
+        codes = hasher.codes(ref.k_pre[live])
+        sel = live[(frame_of == 0) | (frame_of >= n - 1) | hasher.shares_bucket(codes, hasher.codes(qq))]
+        lg = np.concatenate([ref.k_pre[sel] @ qq / np.sqrt(d) + np.log(ref.count[sel]), kq[0] @ qq / np.sqrt(d)])
+        w = np.exp(lg - lg.max())
+        w /= w.sum()
+        per_slot = np.zeros(ref.capacity)
+        per_slot[sel] = w[:sel.size] / ref.count[sel]
+        _, dense = dense_step(qq, np.concatenate([k.reshape(-1, d), kq[0]]), np.concatenate([v.reshape(-1, d), vq[0]]))
+        comp = np.concatenate([per_slot[ref.token_slot[:n * T]], w[sel.size:]])
+        want += np.minimum(dense, comp).sum()
+    assert 0.2 * Q < want < 0.999 * Q
+    assert got == pytest.approx(want, abs=1e-4)
