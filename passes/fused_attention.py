@@ -247,6 +247,12 @@ def fusable(model: ir.Model, matches: list[disc.LayerMatch], opts, notes: list[s
     return plans
 
 
+def core_attributes(p: dict) -> dict:
+    """The fused op's head counts and score scale for one layer's fusion (`p`: what fusable found), the attributes
+    every later form of the op (PackQkvPass's packed ones) carries too."""
+    return {"num_heads": p["heads"], "kv_num_heads": p["kv_heads"], "scale": float(p["scale"])}
+
+
 def kv_configs(opts, plans: dict[int, dict]) -> dict:
     """Layer -> its compressed-KV settings (fastar.KVCompressConfig) among the fused layers (`fastcar` only)."""
     if opts.fused_attention != "fastcar":
@@ -309,7 +315,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             cfg = configs[n]
             nodes: list[ir.Node] = []
             bl = build.Builder(n, nodes, itertools.count())
-            attrs = {"num_heads": p["heads"], "kv_num_heads": p["kv_heads"], "scale": float(p["scale"])}
+            attrs = core_attributes(p)
             inputs = [p["q"], p["k"], p["v"], p["past_k"], p["past_v"], mask, total]
             if cfg is not None:
                 attrs.update(compressed_attributes(cfg, p["head_dim"]))
@@ -423,7 +429,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         v = _bhsd_to_bse(b, graph, p["v"], kv_heads, head_dim)
         out, present_k, present_v = b(
             "GroupQueryAttention", [q, k, v, p["past_k"], p["past_v"], seqlens, total, None, None, None, bias],
-            {"num_heads": heads, "kv_num_heads": kv_heads, "scale": float(p["scale"]), "do_rotary": 0},
+            {**core_attributes(p), "do_rotary": 0},
             domain=MS, outputs=3, part="attention")
         out.shape, out.type = ir.Shape([None, None, heads * head_dim]), p["out"].type
         _own_names(nodes, str(n), tag=True)

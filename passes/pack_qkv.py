@@ -51,6 +51,7 @@ from fastcar_compile.passes.fuse_layout import (
     head_split_source,
     only_consumers,
 )
+from fastcar_compile.passes.fused_attention import core_attributes
 from fastcar_compile.passes.gate import replace_gate
 
 PREFIX_CHECK = 64  # positions evaluated alone: their rows must equal the long table's bit for bit
@@ -146,7 +147,8 @@ class _Layer:
 
     def __init__(self, ctx: CompileContext, layer: int):
         self.layer, self.ca, self.lr = layer, ctx.attention_node(layer), ctx.rewrite_of(layer)
-        self.heads, self.kv_heads = ctx.fusions[layer]["heads"], ctx.fusions[layer]["kv_heads"]
+        self.fusion = ctx.fusions[layer]  # what the fused attention was built from (fused_attention.fusable)
+        self.heads, self.kv_heads = self.fusion["heads"], self.fusion["kv_heads"]
         self.compressed, self.laid_out = layer in ctx.kv_configs, layer in ctx.layouts
 
     def match(self) -> str | None:
@@ -316,7 +318,7 @@ class PackQkvPass(ir.passes.InPlacePass):
         inputs = [qkv, None, None, *old.inputs[3:7], *table, None, *old.inputs[10:11]]
         while inputs[-1] is None:
             inputs.pop()
-        attrs = {k: a.value for k, a in old.attributes.items()} | {"do_rotary": 1, "rotary_interleaved": 0}
+        attrs = core_attributes(layer.fusion) | {"do_rotary": 1, "rotary_interleaved": 0}
         new = ir.node(old.op_type, inputs, attrs, domain=old.domain, num_outputs=len(old.outputs), name=old.name,
                       metadata_props=dict(old.metadata_props))
         graph.insert_before(old, new)
@@ -360,7 +362,7 @@ class PackQkvPass(ir.passes.InPlacePass):
         none_f, none_i = build.absent(graph), build.absent(graph, np.int64)
         inputs = [qkv, none_f, none_f, *ca.inputs[3:7], none_f, none_f, none_f, none_f, none_i, *table]
         assert len(inputs) == PACKED_ARITY
-        attrs = {k: a.value for k, a in ca.attributes.items()} | {"do_rotary": 1, "rotary_interleaved": 0}
+        attrs = core_attributes(layer.fusion) | {"qkv_perm": BSHD_PERM, "do_rotary": 1, "rotary_interleaved": 0}
         new = ir.node(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, num_outputs=3,
                       name=ca.name, overload=fastcar_ops.PACKED_ROTARY, metadata_props=dict(ca.metadata_props))
         graph.insert_before(ca, new)
