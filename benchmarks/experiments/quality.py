@@ -1,6 +1,6 @@
 """Quality/speed sweep of the bundled demo model: the same as `fastcar-compile eval` (see docs/demo.md).
 
-    python benchmarks/quality.py [--clips 8] [--out fastcar-out/eval]
+    python benchmarks/experiments/quality.py [--clips 8] [--out fastcar-out/eval]
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ turn, --block steps each per round, interleaved so load hits them alike):
 `--libs OLD.so,NEW.so` runs each variant once per kernel build (`a@old`, ...; FASTCAR_NATIVE per session).
 Prints per variant: median / lower-quartile attention time per call, x layers per step, and the step's lower quartile.
 
-    python benchmarks/profile_attention.py --ctx 1024 --variants a,b,bP,aZ,bZ
-    python benchmarks/profile_attention.py --ctx 4096 --variants a,bP --libs OLD.so,NEW.so --names old,new
+    python benchmarks/experiments/profile_attention.py --ctx 1024 --variants a,b,bP,aZ,bZ
+    python benchmarks/experiments/profile_attention.py --ctx 4096 --variants a,bP --libs OLD.so,NEW.so --names old,new
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 import bench_genai  # noqa: E402
 import profile_fused  # noqa: E402
 import profile_genai  # noqa: E402

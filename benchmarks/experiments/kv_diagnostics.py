@@ -8,9 +8,9 @@ greedy-decodes held-out clips from their given frame 0 with FastCarSession (nati
 q.k pairs / dense pairs; recall = dense softmax mass kept (merged slots shared by their members);
 `fastcar_compile/fastar/attention.py` defines both and tests/test_kv_compress.py checks the kernel against it.
 
-    python benchmarks/kv_diagnostics.py                 # 2 clips x 16 frames -> docs/kv_diagnostics.{md,json,png}
-    python benchmarks/kv_diagnostics.py --only "per layer" --out /tmp/kvd   # the --kv-layer modes alone
-    python benchmarks/kv_diagnostics.py --replot        # redraw the picture from docs/kv_diagnostics.json
+    python benchmarks/experiments/kv_diagnostics.py                 # 2 clips x 16 frames -> docs/kv_diagnostics.{md,json,png}
+    python benchmarks/experiments/kv_diagnostics.py --only "per layer" --out /tmp/kvd   # the --kv-layer modes alone
+    python benchmarks/experiments/kv_diagnostics.py --replot        # redraw the picture from docs/kv_diagnostics.json
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     dense_tokens = 3 + a.frames * L
     head = (f"FAST-AR modes through the op (`--kv-diagnostics`), long demo model, {a.clips} held-out clips x "
-            f"{a.frames} frames of {L} tokens, greedy, tau=+inf (`python benchmarks/kv_diagnostics.py`).\n\n"
+            f"{a.frames} frames of {L} tokens, greedy, tau=+inf (`python benchmarks/experiments/kv_diagnostics.py`).\n\n"
             "| mode | density per layer | recall per layer | resident slots per head, last frame (dense: "
             f"{dense_tokens}) |\n|---|---|---|---|\n")
     body = "".join(f"| {r['mode']} | {', '.join(f'{x:.1%}' for x in r['density'])} | "

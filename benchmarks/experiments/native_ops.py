@@ -13,7 +13,7 @@ Modes take turns step by step and the lower quartile of each is reported, so loa
 hits all modes alike; ratios are measured in the same run. Default 1 intra-op thread: on an oversubscribed
 machine a 2-thread pool stalls for whole scheduler slices (~20 ms) at random.
 
-    python benchmarks/native_ops.py [--hidden 1024,2048,4096] [--frame-tokens 256] [--steps 16] [--out FILE]
+    python benchmarks/experiments/native_ops.py [--hidden 1024,2048,4096] [--frame-tokens 256] [--steps 16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _export(hidden: int, work: Path, layers: int) -> Path:
     import torch
     import transformers as tf
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     import zoo
 
     path = work / f"llama-h{hidden}.onnx"

@@ -2,9 +2,9 @@
 benchmark LLaMA's head layout (16 query / 2 KV heads x 64), in place (past and present bound to one buffer, as
 FastCarSession runs it), 1 intra-op thread; optionally two kernel libraries A/B in the same run (interleaved).
 
-    python benchmarks/bench_compressed_kernel.py                       # the current build, C 1024 and 2048
-    python benchmarks/bench_compressed_kernel.py --libs OLD.so,NEW.so  # A/B two builds of libfastcar_ops.so
-    python benchmarks/bench_compressed_kernel.py --libs OLD.so,NEW.so --evict 64  # cold slots, as in a model
+    python benchmarks/experiments/bench_compressed_kernel.py                       # the current build, C 1024 and 2048
+    python benchmarks/experiments/bench_compressed_kernel.py --libs OLD.so,NEW.so  # A/B two builds of libfastcar_ops.so
+    python benchmarks/experiments/bench_compressed_kernel.py --libs OLD.so,NEW.so --evict 64  # cold slots, as in a model
 
 Each config fills C + 256 tokens in 64-token chunks through the kernel (timed: "prefill"), then 10 rounds of 20
 single-token steps per library in turn; per-token time = lower quartile; the outputs of the two libraries are
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 from _common import make_session  # noqa: E402
 
 HQ, HKV, D = 16, 2, 64

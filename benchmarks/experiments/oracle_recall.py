@@ -7,8 +7,8 @@ and the model's own greedy continuation), over the queries of frames >= 2 (as th
 and draws it next to the op's measured modes (docs/kv_diagnostics.json) and FAST-AR's AnnSA point (28% / 92%).
 If the ceiling at 28% is below 92%, the paper's figure is out of reach on this model for any ANN index.
 
-    python benchmarks/oracle_recall.py   # 2 eval clips x 16 frames -> docs/oracle_recall.{md,json,png}
-    python benchmarks/oracle_recall.py --replot   # redraw the picture (e.g. after kv_diagnostics.json changed)
+    python benchmarks/experiments/oracle_recall.py   # 2 eval clips x 16 frames -> docs/oracle_recall.{md,json,png}
+    python benchmarks/experiments/oracle_recall.py --replot   # redraw the picture (e.g. after kv_diagnostics.json changed)
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"source": source, "densities": list(DENSITIES), "recall": np.mean(per_clip, 0).tolist()})
     md = [f"Recall ceiling: dense softmax mass in each query's exact top-k keys, k = density x (p + 1); long demo "
           f"model, {a.clips} eval clips x {a.frames} frames, queries of frames >= 2 "
-          "(`python benchmarks/oracle_recall.py`).", "",
+          "(`python benchmarks/experiments/oracle_recall.py`).", "",
           "| trace | layer | " + " | ".join(f"{100 * f:.0f}%" for f in DENSITIES) + " |",
           "|---|---|" + "---|" * len(DENSITIES)]
     for r in rows:

@@ -6,7 +6,7 @@ variant there. This times each variant (genai dense, without MLPs, FastCar at 0%
 without the entries in og.Generator, `--block` tokens at a time in turn (bench_genai.measure), and prints the
 lower-quartile ms/token and the ratio with / without per variant.
 
-    python benchmarks/ab_genai_session_config.py --contexts 1024,4096 session.disable_prepacking=1
+    python benchmarks/experiments/ab_genai_session_config.py --contexts 1024,4096 session.disable_prepacking=1
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 import bench_genai  # noqa: E402
 from _common import DEFAULT_CACHE, lower_quartile_ms  # noqa: E402
 

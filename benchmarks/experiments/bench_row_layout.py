@@ -2,8 +2,8 @@
 and 100% replay, for path (a) (a genai graph compiled by us, in og.Generator) and path (b) (the dynamo export
 compiled with --fused-attention fastcar, in FastCarSession).
 
-    python benchmarks/bench_row_layout.py --compile DIR [--nested]          # build one layout's models in DIR
-    python benchmarks/bench_row_layout.py --models before=DIR1,after=DIR2 [--ctx 4096] [--tokens 48]
+    python benchmarks/experiments/bench_row_layout.py --compile DIR [--nested]          # build one layout's models in DIR
+    python benchmarks/experiments/bench_row_layout.py --models before=DIR1,after=DIR2 [--ctx 4096] [--tokens 48]
 
 --compile uses the fastcar_compile that Python imports (run it from another checkout for a "before" build):
 DIR/a-r0, DIR/a-r8 (onnxruntime-genai folders, tau +inf / -inf in all 8 layers), DIR/b/fast.onnx (per-layer tau
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 import bench_genai  # noqa: E402
 import profile_fused  # noqa: E402
 from _common import (  # noqa: E402

@@ -1,8 +1,8 @@
 """Profile one FastCarSession decode step of a compiled model: ms per step, Python ms per step (outside ORT),
 kernel launches per step and the kernel time per op type (ORT's profiler over the timed steps).
 
-    python benchmarks/profile_fused.py FAST_ONNX [--ctx 4096] [--replay all|none] [--threads 2]
-    python benchmarks/profile_fused.py FAST_ONNX --libs OLD.so,NEW.so [--names old,new]   # kernel builds A/B
+    python benchmarks/experiments/profile_fused.py FAST_ONNX [--ctx 4096] [--replay all|none] [--threads 2]
+    python benchmarks/experiments/profile_fused.py FAST_ONNX --libs OLD.so,NEW.so [--names old,new]   # kernel builds A/B
 
 Path (b) of docs/genai.md (a dynamo export compiled with --fused-attention fastcar) against genai's 89 launches
 per step; a loaded machine moves the times but not the launch counts. With --libs, every build of the native
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 from _common import (  # noqa: E402
     add_hugepage_flag,
     interleave,

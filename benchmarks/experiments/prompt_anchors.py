@@ -12,7 +12,7 @@ Reported per layer: mean prompt mass, its share of the per-token mean a uniform 
 pruning never compounded. The pruning itself (density, recall) is then run on the same traces through the
 NumPy reference (`fastar.attention.run_trace`, config `prune_prompt=P`).
 
-    python benchmarks/prompt_anchors.py   # 2 eval clips x 16 frames -> docs/prompt_anchors.{md,json,png}
+    python benchmarks/experiments/prompt_anchors.py   # 2 eval clips x 16 frames -> docs/prompt_anchors.{md,json,png}
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                       for p in THRESHOLDS},
             "layers": n_layers})
     md = [f"Prompt tokens as attention anchors, long demo model ({a.clips} eval clips x {a.frames} frames; prompt = "
-          "BOS, motion, VIDEO_START; queries of frames >= 1; `python benchmarks/prompt_anchors.py`).", "",
+          "BOS, motion, VIDEO_START; queries of frames >= 1; `python benchmarks/experiments/prompt_anchors.py`).", "",
           "| trace | layer | prompt mass | max over heads | per token (BOS / motion / VIDEO_START) | x uniform share |",
           "|---|---|---|---|---|---|"]
     for r in rows:

@@ -9,8 +9,8 @@ a single layer's 4 MB left warm in L3); one ORT run = one token through every la
 Variants run in turn, --block runs each per round (interleaved, so load hits them alike); per-layer time = lower
 quartile (wall time; --cpu-time: process CPU time, which a loaded machine's time slicing does not inflate). Outputs of all variants at the same inputs are compared (max abs difference).
 
-    python benchmarks/bench_dense_kernel.py                                   # the current build vs GQA
-    python benchmarks/bench_dense_kernel.py --libs OLD.so,NEW.so --out docs/   # A/B two builds + GQA, JSON + PNG
+    python benchmarks/experiments/bench_dense_kernel.py                                   # the current build vs GQA
+    python benchmarks/experiments/bench_dense_kernel.py --libs OLD.so,NEW.so --out docs/   # A/B two builds + GQA, JSON + PNG
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 from _common import make_session, save_results  # noqa: E402
 
 

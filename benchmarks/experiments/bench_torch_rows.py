@@ -11,8 +11,8 @@ row saves. All configurations run interleaved; medians over rounds of wall and p
 thread CPU time is what the step itself used, less disturbed by other processes on a loaded machine).
 Writes bench_torch_rows.json/.png.
 
-    python benchmarks/bench_torch_rows.py --threads 1            # hidden 1024, 8 layers, batch 8, context 256
-    python benchmarks/bench_torch_rows.py --quick --no-compile   # small model, smoke run
+    python benchmarks/experiments/bench_torch_rows.py --threads 1            # hidden 1024, 8 layers, batch 8, context 256
+    python benchmarks/experiments/bench_torch_rows.py --quick --no-compile   # small model, smoke run
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 from _common import LlamaShape, build_random_llama, make_session  # noqa: E402
 
 FULL = dict(shape=LlamaShape(max_pos=2048), context=256, frame_tokens=256)

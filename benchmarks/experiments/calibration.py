@@ -6,7 +6,7 @@ on the same held-out clips. Reported per (method, n): mean calibration time, mea
 target|, the mean 95% CI half width the calibration itself reported (over its n prompts), and the passes.
 Methods alternate per draw, so machine load hits both alike.
 
-    python benchmarks/calibration.py [--target 0.5] [--ns 4,8,16,32,64] [--draws 3] [--heldout 128]
+    python benchmarks/experiments/calibration.py [--target 0.5] [--ns 4,8,16,32,64] [--draws 3] [--heldout 128]
 """
 
 from __future__ import annotations

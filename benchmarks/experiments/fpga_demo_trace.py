@@ -1,7 +1,7 @@
 """FPGA simulation driven by real replay traces of the bundled demo video model.
 
-    python benchmarks/fpga_demo_trace.py              # 32 held-out clips as 32 batch rows, 8 frames
-    python benchmarks/fpga_demo_trace.py --clips 4 --frames 4
+    python benchmarks/experiments/fpga_demo_trace.py              # 32 held-out clips as 32 batch rows, 8 frames
+    python benchmarks/experiments/fpga_demo_trace.py --clips 4 --frames 4
 
 Generates the clips with the runtime (greedy, FastCar at the demo's default tau), writes the run.json trace
 (docs/DESIGN.md format, one clip per batch row), compiles the demo's fast.onnx to bundles for every board and

@@ -1,7 +1,7 @@
 """Sweep the FPGA simulator: DRS vs static and FastCar vs dense over replay ratio, batch, board, mask kind.
 
-    python benchmarks/fpga_sweep.py                     # LLaMA-2-7B (VILA-U backbone) dims, all boards
-    python benchmarks/fpga_sweep.py --model tiny --quick # seconds
+    python benchmarks/experiments/fpga_sweep.py                     # LLaMA-2-7B (VILA-U backbone) dims, all boards
+    python benchmarks/experiments/fpga_sweep.py --model tiny --quick # seconds
 
 Prints a markdown table (also written to --out-dir/fpga_sweep.md with the JSON and a PNG). Speedups are
 ratios of simulated cycles measured in the same run.

@@ -1,7 +1,7 @@
 """Interleaved A/B of path (b) compiles (dynamo export + fused attention, FastCarSession) against genai dense
 (og.Generator on the builder's graph of the same weights): ms per decode step at 0% and 100% replay.
 
-    python benchmarks/ab_fused.py --models plain=DIR1/fast.onnx,packed=DIR2/fast.onnx [--ctx 4096] [--tokens 32]
+    python benchmarks/experiments/ab_fused.py --models plain=DIR1/fast.onnx,packed=DIR2/fast.onnx [--ctx 4096] [--tokens 32]
 
 Every model is prefilled with the same `--ctx` tokens, then all decode in turn, `--block` tokens at a time after
 one untimed step (machine load hits them alike); lower quartile per model; ratios = genai dense ms / model ms
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 import bench_genai  # noqa: E402
 from _common import (  # noqa: E402
     DEFAULT_CACHE,

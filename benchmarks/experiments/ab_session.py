@@ -2,7 +2,7 @@
 process on one compiled model: interleaved blocks, so machine load hits both alike; the tokens must agree.
 
     git show 797a7e9:runtime/session.py > /tmp/old_session.py
-    python benchmarks/ab_session.py /tmp/old_session.py FAST_ONNX [--ctx 1024] [--replay none|all]
+    python benchmarks/experiments/ab_session.py /tmp/old_session.py FAST_ONNX [--ctx 1024] [--replay none|all]
 
 OLD is loaded as a module of its own (its imports resolve against the installed fastcar_compile); the other
 side is the installed FastCarSession. Prints the median Python ms per step of each and their ratio.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 from _common import interleave, lower_quartile_ms  # noqa: E402
 
 

@@ -10,8 +10,8 @@ For each context all four sessions are prefilled with the same tokens, then deco
 a time after one untimed step (interleaved, so load hits them alike); per-token time = lower quartile.
 Also recorded: whether each variant runs a 2-token step after the prompt at batch 2 (ORT's GQA refuses it).
 
-    python benchmarks/bench_attention.py                  # ctx 1024 and 4096
-    python benchmarks/bench_attention.py --quick          # small model, ctx 256
+    python benchmarks/experiments/bench_attention.py                  # ctx 1024 and 4096
+    python benchmarks/experiments/bench_attention.py --quick          # small model, ctx 256
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 from _common import (  # noqa: E402
     DEFAULT_CACHE,
     add_hugepage_flag,

@@ -13,8 +13,8 @@ the native ai.fastcar.GroupQueryAttention), and compiled `rK` folders. Per
 variant: ms per step (median of --steps after --warmup) and the summed kernel time per op type, so
 (rK - noMLP) names what FastCar adds that the bound does not allow for.
 
-    python benchmarks/profile_genai.py --quick                # small model, ctx 256
-    python benchmarks/profile_genai.py --ctx 4096 --steps 40  # the bench_genai.py model
+    python benchmarks/experiments/profile_genai.py --quick                # small model, ctx 256
+    python benchmarks/experiments/profile_genai.py --ctx 4096 --steps 40  # the bench_genai.py model
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 import bench_genai  # noqa: E402
 from _common import DEFAULT_CACHE, make_session  # noqa: E402
 

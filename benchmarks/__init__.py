@@ -1,0 +1,1 @@
+"""Benchmark suites: `python -m benchmarks SUITE...` writes results/SUITE/ (docs/benchmarks.md)."""

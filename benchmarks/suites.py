@@ -1,0 +1,131 @@
+"""The benchmark suites `python -m benchmarks` runs: for each, the measuring script, its arguments per size, and
+how its JSON becomes the table and the plot of results/SUITE/.
+
+Sizes: `default` is what the results/ tables publish and runs in a few minutes on 2 cores once its model is
+exported (the first run exports into ~/.cache/fastcar-bench); `quick` is a smoke run of the same code on a
+smaller model or fewer steps. The scripts do the timing (interleaved variants, lower quartiles: _common.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness import Column
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    title: str
+    script: str  # benchmarks/<script>.py
+    sizes: dict[str, list[str]]  # size -> arguments
+    output: Callable[[Path], list[str]]  # temp folder -> the arguments that make the script write there
+    columns: list[Column]
+    rows: Callable[[object], list[dict]]  # the script's JSON -> table rows
+    plot: tuple[str, list[str], str]  # (label key, value keys, y label) of the bar chart
+    notes: list[str] = field(default_factory=list)
+
+
+def _genai_rows(raw: dict) -> list[dict]:
+    rows = []
+    for ctx, c in raw["contexts"].items():
+        for r in c["rows"]:
+            rows.append({"context": int(ctx), **r, "label": f"{r['variant']} {r['replay']:.0%} @{ctx}"})
+    return rows
+
+
+def _long_rows(raw: dict) -> list[dict]:
+    return [{**r, "rss_mib": r["rss_decoded"] / MiB, "label": f"{r['mode']} f{r['frame']}"} for r in raw["rows"]]
+
+
+def _memory_rows(raw: dict) -> list[dict]:
+    return [{**r, **{f"{k}_mib": r[k] / MiB for k in ("loaded", "decoded", "peak")}, "label": r["variant"]}
+            for r in raw["rows"]]
+
+
+def _fastar_rows(raw: list) -> list[dict]:
+    return [{**r, "label": f"{r['source']}: {r['mode']}"} for r in raw]
+
+
+def _torch_rows(raw: dict) -> list[dict]:
+    return [{**r, "label": f"{r['runtime']} {r['config']}"} for r in raw["rows"]]
+
+
+def _kernel_rows(raw: dict) -> list[dict]:
+    return [{"context": int(ctx), **{f"{k}_ms": v for k, v in c["ms"].items()}, "speedup": c["speedup"],
+             "label": f"ctx {ctx}"} for ctx, c in raw["contexts"].items()]
+
+
+def _walk_rows(raw: dict) -> list[dict]:
+    ms = [("input model", raw["dense_ms_per_token"]), ("compiled, tau=+inf", raw["inf_ms_per_token"]),
+          (f"FastCar, tau={raw['tau']:.4g}", raw["fast_ms_per_token"])]
+    rows = [{"label": name, "ms": v, "x_input": raw["dense_ms_per_token"] / v} for name, v in ms]
+    rows[1]["factor"] = f"graph/attention {raw['speedup_graph']:.2f}x"
+    rows[2]["factor"] = f"replay {raw['speedup_replay']:.2f}x ({raw['replay_ratio']:.1%} replayed)"
+    rows[2]["agree"] = raw["token_agreement"]
+    rows[1]["agree"] = raw["inf_token_agreement"]
+    return rows
+
+
+def _fpga_rows(raw: list) -> list[dict]:
+    return [{**r, "label": r["config"]} for r in raw]
+
+
+SUITES: dict[str, Suite] = {s.name: s for s in [
+    Suite("walk", "The README's five commands on the bundled 3 M-parameter video model (64-token frames, 1 thread)",
+          "walk.py", {"default": [], "quick": ["--quick"]}, lambda d: ["--out", str(d / "walk.json")],
+          [Column("label", "model"), Column("ms", "decode ms/token", "{:.3f}"), Column("x_input", "x input model",
+           "{:.2f}"), Column("factor", "factor"), Column("agree", "tokens equal to the input model's", "{:.1%}")],
+          _walk_rows, ("label", ["x_input"], "speed-up over the input model"),
+          ["tau calibrated on the calibration prompts for 50% replay, measured on the held-out ones; the three "
+           "models run the same prompts, interleaved prompt batch by prompt batch (`fastcar-compile eval`)."]),
+    Suite("genai", "Decode per token against onnxruntime-genai (LLaMA hidden 1024, 8 layers, forced replay)",
+          "bench_genai.py", {"default": ["--contexts", "4096"], "quick": ["--quick"]},
+          lambda d: ["--out", str(d / "bench_genai.json")],
+          [Column("context", "ctx"), Column("variant", "variant"), Column("replay", "replay", "{:.1%}"),
+           Column("ms", "ms/token", "{:.2f}"), Column("speedup", "x genai dense", "{:.2f}"),
+           Column("speedup_vs_fastest_dense", "x fastest dense", "{:.2f}"), Column("bound", "bound", "{:.2f}")],
+          _genai_rows, ("label", ["speedup", "speedup_vs_fastest_dense"], "speed-up"),
+          ["Variants: `rK` = (a) genai's builder graph compiled, in og.Generator, K layers replaying; `fcK` / "
+           "`fusedK` = (b) / (b') the dynamo export compiled with the fastcar / gqa attention, in FastCarSession; "
+           "`@80` = a per-step layer schedule replaying 80%. `dense` = genai dense, `denseN` = genai dense with "
+           "the native attention core (the fastest dense decode); bound = Amdahl's bound from denseN's MLP share."]),
+    Suite("long-video", "Long videos: FastCar + FAST-AR modes against onnxruntime-genai's dense loop, per frame",
+          "long_video_llama.py", {"default": ["--frames", "8,64", "--modes", "2,3"], "quick": ["--quick"]},
+          lambda d: ["--out", str(d / "long_video_llama")],
+          [Column("mode", "mode"), Column("frame", "frame"), Column("ctx", "positions"),
+           Column("ms_q25", "ms/token (q25)", "{:.2f}"), Column("rss_mib", "RSS after decode (MiB)", "{:.0f}")],
+          _long_rows, ("label", ["ms_q25"], "ms per token")),
+    Suite("memory", "Process memory of compiled and dense models (each in a fresh process)",
+          "memory_footprint.py", {"default": [], "quick": ["--quick"]},
+          lambda d: ["--out", str(d / "memory_footprint.json")],
+          [Column("variant", "model"), Column("loaded_mib", "after load (MiB)", "{:.0f}"),
+           Column("decoded_mib", "after prompt + steps (MiB)", "{:.0f}"), Column("peak_mib", "peak (MiB)", "{:.0f}")],
+          _memory_rows, ("label", ["loaded_mib", "decoded_mib"], "MiB")),
+    Suite("torch", "PyTorch front end: decode step against transformers eager at forced replay",
+          "bench_torch.py", {"default": [], "quick": ["--quick"]}, lambda d: ["--out", str(d)],
+          [Column("runtime", "runtime"), Column("config", "program"), Column("ratio", "replay", "{:.0%}"),
+           Column("ms", "ms/step", "{:.2f}"), Column("x_transformers", "x transformers eager", "{:.3f}")],
+          _torch_rows, ("label", ["x_transformers"], "x transformers eager")),
+    Suite("kernels", "Native dense attention core against ONNX Runtime's GroupQueryAttention (one decode step)",
+          "bench_native_gqa.py", {"default": [], "quick": ["--contexts", "1024", "--rounds", "10"]},
+          lambda d: ["--out", str(d / "bench_native_gqa.json")],
+          [Column("context", "ctx"), Column("ort_ms", "ORT GQA ms", "{:.3f}"), Column("ours_ms", "native ms", "{:.3f}"),
+           Column("speedup", "speed-up", "{:.2f}")],
+          _kernel_rows, ("label", ["speedup"], "speed-up")),
+    Suite("fastar", "FAST-AR modes on the demo model's attention: density against recall (NumPy reference)",
+          "fastar_recall.py", {"default": [], "quick": ["--quick"]}, lambda d: ["--out-dir", str(d)],
+          [Column("source", "trace"), Column("mode", "mode"), Column("density", "density", "{:.1%}"),
+           Column("recall", "recall", "{:.1%}"), Column("kv_ratio", "KV vs dense", "{:.1%}")],
+          _fastar_rows, ("label", ["density", "recall"], "share")),
+    Suite("fpga", "FPGA simulator: DRS schedule and KV-bounded modes on a VILA-U-7B-shaped decoder (U280)",
+          "fpga_table2.py", {"default": [], "quick": ["--frames", "4"]}, lambda d: ["--out-dir", str(d)],
+          [Column("config", "configuration"), Column("replay", "replay", "{:.0%}"),
+           Column("ms_per_step", "ms/step", "{:.1f}"), Column("x_dense", "x dense", "{:.2f}"),
+           Column("bound", "bound"), Column("paper", "paper")],
+          _fpga_rows, ("label", ["x_dense"], "x dense")),
+]}
