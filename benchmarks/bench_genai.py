@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                          "variants are compiled per replay count, so they have no such row")
     add_hugepage_flag(ap)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    ap.add_argument("--out", type=Path, default=Path("docs/bench_genai.json"))
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/bench/bench_genai.json"))
     ap.add_argument("--cpu-time", action="store_true",
                     help="time steps by process CPU time (a loaded machine: use with --threads 1 --no-fused; "
                          "genai's ORT threads spin, so at 2 threads CPU time is not the step time)")
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                                 only, time.process_time if a.cpu_time else time.perf_counter, fractions)
         med = lower_quartile_ms(times)
         f = 1 - med["noMLP"] / med["dense"]
-        # the fastest dense decode measured in this run: the baseline a speed-up counts against (issue 11)
+        # the fastest dense decode measured in this run: the baseline a speed-up counts against
         fastest = min(("dense", "denseN"), key=lambda n: med.get(n, float("inf")))
         f_fast = 1 - med[{"dense": "noMLP", "denseN": "noMLPN"}[fastest]] / med[fastest]
         rows = []

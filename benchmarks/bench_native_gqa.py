@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--prompt", action="store_true", help="time the first prompt of ctx tokens instead of decode")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench_native_gqa.json"))
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/bench/bench_native_gqa.json"))
     a = ap.parse_args(argv)
     results = {"phase": "prompt" if a.prompt else "decode", "threads": a.threads, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
                "clock": "wall, lower quartile", "contexts": {}}

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", action="store_true",
                     help="the 4-layer long-video model (frames up to 64; no per-head modes: those are the 1-layer "
                          "model's head layout); writes fastar_recall_long.*")
-    ap.add_argument("--out-dir", type=Path, default=Path("docs"))
+    ap.add_argument("--out-dir", type=Path, default=Path("fastcar-out/bench"))
     a = ap.parse_args(argv)
     top = 64 if a.long else 15
     if not 3 <= a.frames <= top:

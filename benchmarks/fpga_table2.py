@@ -9,7 +9,7 @@ replay: the 87.5% ceiling, the paper's "87%"). Local attention = 4 sinks + a win
 from a bounded cache (fpga_backend/kvbound.py): once full, a step reads sinks + W slots instead of the
 context. Speedups are ratios of simulated cycles over the same steps; "dense" is the same model compiled
 without FastCar, full attention. Paper (U280, VILA-U 7B): local alone 1.02-1.04x, FastCar 87% + local window
-256 / 16: 1.95x / 2.13x. Writes docs/fpga_table2.{md,json}.
+256 / 16: 1.95x / 2.13x. Writes fpga_table2.{md,json} into --out-dir.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stride", type=int, default=16, help="simulate every N-th decode step (default 16)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--windows", default="256,16")
-    p.add_argument("--out-dir", default="docs")
+    p.add_argument("--out-dir", default="fastcar-out/bench")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     rows = run(a.board, a.frames, a.frame_tokens, a.stride, a.sinks, [int(w) for w in a.windows.split(",")])

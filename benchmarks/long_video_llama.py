@@ -1,5 +1,5 @@
 """Long videos on the issue's LLaMA-style decoder: per-token decode time and process memory at frames 8 .. 128,
-onnxruntime-genai's dense loop vs ours dense vs FastCar + bounded KV caches (issue 12 item 7).
+onnxruntime-genai's dense loop vs ours dense vs FastCar + bounded KV caches.
 
 The seeded random LLaMA of benchmarks/bench_genai.py (hidden 1024, 8 layers, 16 heads / 2 KV heads, MLP 3072,
 vocab 2048), here with 33280 positions (genai's builder sizes its rotary cache by max_position_embeddings),
@@ -26,7 +26,7 @@ time after one untimed step, until each has `--tokens` timed steps (machine load
     python benchmarks/long_video_llama.py                    # frames 8,16,32,64: 31 min on the loaded 2-core
                                                              # machine (prefill dominates), ~15 min idle (estimate)
     python benchmarks/long_video_llama.py --frames 8,64      # the frame-64 comparison alone (~2/3 of that)
-    python benchmarks/long_video_llama.py --frames 8,128 --modes 0,2,3 --tokens 32 --out docs/long_video_llama_128
+    python benchmarks/long_video_llama.py --frames 8,128 --modes 0,2,3 --tokens 32 --out fastcar-out/bench/long_video_llama_128
                                                              # frame 128 (32768 positions): ~35 min loaded
     python benchmarks/long_video_llama.py --quick            # small model, frames 2,4,8: smoke run (~20 s)
 """
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                          "session.intra_op.allow_spinning=0: on a shared machine a spinning pool thread that loses "
                          "its core stalls every step; give session.intra_op.allow_spinning=1 for ORT's default)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    ap.add_argument("--out", type=Path, default=Path("docs/long_video_llama"),
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/bench/long_video_llama"),
                     help="output stem: writes STEM.json, STEM.md, STEM.png")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Token ids from the user, checked before they reach ONNX Runtime (issue 9): a negative id would silently
+"""Token ids from the user, checked before they reach ONNX Runtime: a negative id would silently
 wrap to the end of the vocabulary in Gather, a float would be truncated, 2**70 would overflow."""
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def genai_model(zoo_dir: Path) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def fc_compile() -> Callable:
-    """The lead's API `fastcar_compile.compile`; the tests skip (only) while it does not exist yet."""
+    """The API `fastcar_compile.compile`; the tests skip (only) while it does not exist yet."""
     mod = pytest.importorskip("fastcar_compile")
     fn = getattr(mod, "compile", None)
     if fn is None:

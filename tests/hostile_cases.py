@@ -1,4 +1,4 @@
-"""Hostile-but-fair inputs to the `fastcar-compile` CLI, as data, with one runner (issue 9).
+"""Hostile-but-fair inputs to the `fastcar-compile` CLI, as data, with one runner.
 
 Each case builds its argv inside a sandbox folder holding real inputs (the bundled decoder with inline and
 external weights, a compiled model, a `.fcb` program and its assembly, a run.json, board files, odd files).
@@ -124,7 +124,7 @@ def build_sandbox(root: Path) -> Path:
 
 
 def _files_that_are_inputs(root: Path, run: dict) -> None:
-    """Inputs named like an output of the same command (issue 26, item 2) and eval/report inputs (item 9)."""
+    """Inputs named like an output of the same command and eval/report inputs."""
     rng = np.random.default_rng(1)
     np.save(root / "calib.npy", rng.integers(0, 64, (2, 6)).astype(np.int64))
     np.save(root / "prompts.npy", rng.integers(0, 64, (1, 6)).astype(np.int64))
@@ -170,7 +170,7 @@ GENAI_CONFIG = {"model": {"type": "llama", "decoder": {"filename": "model.onnx",
 
 
 def _genai_folders(root: Path) -> None:
-    """An input model beside a broken genai_config.json, one folder per way of being broken (issue 26, item 4)."""
+    """An input model beside a broken genai_config.json, one folder per way of being broken."""
     cfg = json.dumps(GENAI_CONFIG).encode()
     broken = {"ok": cfg, "trunc": cfg[: len(cfg) // 2], "list": b"[1, 2]", "null": b"null",
               "bin": np.random.default_rng(2).bytes(300), "bom": b"\xef\xbb\xbf" + cfg,
@@ -194,7 +194,7 @@ def _tiny_llama():
 
 
 def _checkpoints(root: Path) -> None:
-    """Broken transformers checkpoints for `export` (issue 26, item 5)."""
+    """Broken transformers checkpoints for `export`."""
     import torch
     import transformers as tf
 
@@ -539,7 +539,7 @@ def cases() -> list[Case]:
 
 
 def files_cases(comp, fpga, sim, rep) -> list[Case]:
-    """Issue 26, items 2-5 and 9: outputs that are inputs of the same command, special files as outputs,
+    """Outputs that are inputs of the same command, special files as outputs,
     broken genai folders, broken checkpoints for export, eval/report files."""
     ev = lambda *extra, model="fast.onnx", prompts="prompts.npy", out="out/e": lambda d: [  # noqa: E731
         "eval", "--model", str(d / model), "--prompts", str(d / prompts), "--frames", "2", "--out", str(d / out),
@@ -640,7 +640,7 @@ def files_cases(comp, fpga, sim, rep) -> list[Case]:
 
 
 def runtime_cases() -> list[Case]:
-    """Issue 26, item 8 (runtime values through the CLI): the session's own refusals reach the user as one
+    """Runtime values through the CLI: the session's own refusals reach the user as one
     line, exit 2 (the API's cases: tests/test_runtime_hostile.py)."""
     ev = lambda *extra: lambda d: ["eval", "--model", str(d / "fast.onnx"), "--prompts",  # noqa: E731
                                    str(d / "prompts.npy"), "--frames", "2", "--out", str(d / "out/e"), *extra]

@@ -1,4 +1,4 @@
-"""A compiled model costs about as much process memory as the dense model it came from (issue 11).
+"""A compiled model costs about as much process memory as the dense model it came from.
 
 ONNX Runtime prepacks each MatMul weight once per consuming node and frees the plain copy only when every
 consumer prepacked it; a consumer two If levels below the weight's graph never finds it, and an inline weight

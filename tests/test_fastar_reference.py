@@ -1,4 +1,4 @@
-"""FAST-AR NumPy reference (fastcar_compile/fastar) against independent formulations (issue 12).
+"""FAST-AR NumPy reference (fastcar_compile/fastar) against independent formulations.
 
 References here are written separately: RoPE via complex multiplication, dense attention by a direct
 softmax over all tokens, the TempCache lemma by explicit duplication, LSH bits by a per-plane loop, and the

@@ -1,4 +1,4 @@
-"""FPGA flow gaps from issue 10: a dense baseline program (no FastCar instructions) and `sim --baseline`,
+"""The FPGA flow's first hour: a dense baseline program (no FastCar instructions) and `sim --baseline`,
 the video_start a run used recorded in the bundle, a representative timeline step with every layer."""
 
 from __future__ import annotations

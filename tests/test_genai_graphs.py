@@ -1,4 +1,4 @@
-"""onnxruntime-genai builder graphs (issue 11): the fixtures themselves, then compiling them.
+"""onnxruntime-genai builder graphs: the fixtures themselves, then compiling them.
 
 The genai graph is built from the same seeded transformers model the eager reference runs, so the plain
 graph must reproduce transformers' logits (fp32) before anything of ours is involved.

@@ -1,4 +1,4 @@
-"""Hostile-but-fair inputs through the real CLI (issue 9): exit code, no traceback, nothing left behind,
+"""Hostile-but-fair inputs through the real CLI: exit code, no traceback, nothing left behind,
 every input byte-identical and no file sharing an inode with another.
 
 The cases are data (tests/hostile_cases.py). Each runs through `fastcar_compile.cli.main`, the function the

@@ -1,4 +1,4 @@
-"""The architectures issue 8 added (parallel residual, post-norms, sliding windows, MoE), end to end.
+"""Further architectures (parallel residual, post-norms, sliding windows, MoE), end to end.
 
 For every new family x exporter (tests/zoo.py NEW_FAMILIES x NEW_EXPORTERS), judged as the existing families
 are (test_pass_equivalence.py, test_pass_reference.py): the export is the transformers model; tau = +inf

@@ -1,4 +1,4 @@
-"""Acceptance tests of the compiler pass (issue 2): tau = +inf is the original model, clear CLI errors.
+"""Acceptance tests of the compiler pass: tau = +inf is the original model, clear CLI errors.
 
 Judged against the original export run by ONNX Runtime and against the eager reference's TAS
 (tests/reference.py), never against the pass's own output.

@@ -1,4 +1,4 @@
-"""Acceptance tests of the compiler pass (issue 2) at finite tau: fast.onnx equals the eager FastCar reference.
+"""Acceptance tests of the compiler pass at finite tau: fast.onnx equals the eager FastCar reference.
 
 The reference (tests/reference.py, hooks on the transformers model) decodes greedily; ONNX Runtime is fed the
 same tokens. Logits, replay decisions, TAS and the final replay state must agree within 1e-4. tau is chosen

@@ -214,7 +214,7 @@ def _launches(path: Path, replay_all: bool, native: bool) -> float:
 @pytest.mark.parametrize("source", ["dynamo", "genai"])
 def test_shared_layout_launches_no_more_than_the_nested_one(zoo_model, genai_model, fc_compile, tmp_path, source,
                                                             native_lib):
-    """Issue 11: the one-MLP layout costs no more launches per step than the nested one, at 0% replay (computing
+    """The one-MLP layout costs no more launches per step than the nested one, at 0% replay (computing
     layers: the If and the MLP) and at 100% (skipping layers: the If and one Identity, one If fewer)."""
     src = zoo_model("llama", "dynamo20") if source == "dynamo" else genai_model("llama", "fp32") / "model.onnx"
     counts = {}

@@ -1,4 +1,4 @@
-"""Runtime input validation (issue 9, case 6/7): each bad input raises one clear FastCarError.
+"""Runtime input validation: each bad input raises one clear FastCarError.
 
 Uses the bundled decoder (no torch export): two compiles of it, and a second model with the same shapes
 but other weights, whose state must not be accepted by the first.
@@ -104,7 +104,7 @@ def test_directory_as_model(models):
         FastCarSession(models)
 
 
-# ------------------------------------------------------------------ values of the runtime API (issue 26)
+# ------------------------------------------------------------------ values of the runtime API
 @pytest.mark.parametrize("prompt,kwargs,word", [
     ([[1, 2]], {"seed": -1, "do_sample": True}, "seed"),
     ([[1, 2]], {"seed": 1.5}, "seed"),

@@ -1,4 +1,4 @@
-"""A bounded KV cache keeps the process's memory flat while the video grows (issue 12: "resident memory flat after
+"""A bounded KV cache keeps the process's memory flat while the video grows ("resident memory flat after
 the budget fills"), not only the decode state the session carries: ONNX Runtime's default memory-pattern cache
 keeps one allocation plan per distinct input shape, and the attention mask grows by one token every step, so
 with it on each decode step added a few KB of resident memory for good (~6.6 KB per token on the long demo

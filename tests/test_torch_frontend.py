@@ -1,4 +1,4 @@
-"""fastcar_compile.torch (issue 13): FastCar found in the torch.export graph and run in PyTorch, checked
+"""fastcar_compile.torch: FastCar found in the torch.export graph and run in PyTorch, checked
 against the eager hook reference (tests/reference.py) with the protocol of test_pass_reference: greedy
 decode by the reference at a tau in a TAS gap, the same tokens fed here; logits, replay decisions, TAS and
 the final replay state within 1e-4."""

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 FAMILIES = ("llama", "qwen2", "phi3", "gpt2")
-# Architectures added by issue 8 (parallel residual, norms after attention/MLP, sliding windows, MoE). They are
+# Further architectures (parallel residual, norms after attention/MLP, sliding windows, MoE). They are
 # tested with the two exporter paths users take (dynamo opset 20 and TorchScript) by test_pass_architectures.py.
 NEW_FAMILIES = ("neox", "phi2", "gptj", "falcon", "olmo2", "gemma2", "mistral", "mixtral", "qwen2moe")
 # Families only the onnxruntime-genai builder tests use (tests/genai_zoo.py): per-head q/k norms before RoPE

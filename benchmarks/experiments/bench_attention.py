@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    ap.add_argument("--out", type=Path, default=Path("docs/bench_attention.json"))
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/bench/bench_attention.json"))
     a = ap.parse_args(argv)
     cfg = dict(QUICK if a.quick else FULL)
     contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else list(cfg["contexts"])

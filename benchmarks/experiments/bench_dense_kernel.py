@@ -10,7 +10,7 @@ Variants run in turn, --block runs each per round (interleaved, so load hits the
 quartile (wall time; --cpu-time: process CPU time, which a loaded machine's time slicing does not inflate). Outputs of all variants at the same inputs are compared (max abs difference).
 
     python benchmarks/experiments/bench_dense_kernel.py                                   # the current build vs GQA
-    python benchmarks/experiments/bench_dense_kernel.py --libs OLD.so,NEW.so --out docs/   # A/B two builds + GQA, JSON + PNG
+    python benchmarks/experiments/bench_dense_kernel.py --libs OLD.so,NEW.so --out fastcar-out/bench/   # A/B two builds + GQA, JSON + PNG
 """
 
 from __future__ import annotations

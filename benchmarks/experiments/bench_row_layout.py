@@ -1,4 +1,4 @@
-"""A/B of compiled layouts on issue 11's benchmark LLaMA: ms per decode step and kernel launches per step, at 0%
+"""A/B of compiled layouts on the genai benchmark's LLaMA: ms per decode step and kernel launches per step, at 0%
 and 100% replay, for path (a) (a genai graph compiled by us, in og.Generator) and path (b) (the dynamo export
 compiled with --fused-attention fastcar, in FastCarSession).
 

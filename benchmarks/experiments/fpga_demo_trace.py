@@ -7,7 +7,7 @@ Generates the clips with the runtime (greedy, FastCar at the demo's default tau)
 (docs/DESIGN.md format, one clip per batch row), compiles the demo's fast.onnx to bundles for every board and
 simulates static vs DRS on that trace. The same trace then drives the LLaMA-2-7B dims: paper-scale layer l
 follows demo layer l mod (demo layers), so the per-row/per-step replay pattern is real but its layer
-structure is borrowed (stated in the table). Prints a markdown table; writes docs/fpga_demo_trace[_tauX].{md,json}
+structure is borrowed (stated in the table). Prints a markdown table; writes fpga_demo_trace[_tauX].{md,json} into --out-dir
 and a static-vs-DRS timeline PNG of the 7B run on the U280.
 """
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clips", type=int, default=32, help="clips = batch rows (<= 32)")
     p.add_argument("--frames", type=int, default=8)
     p.add_argument("--tau", type=float, default=None, help="TAS threshold (default: the demo's)")
-    p.add_argument("--out-dir", default="docs")
+    p.add_argument("--out-dir", default="fastcar-out/bench")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     out = Path(a.out_dir)

@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1152, help="KV length (8 frames x 256 + prompt: mid-video)")
     p.add_argument("--weights", choices=["broadcast", "per_core"], default="broadcast")
     p.add_argument("--quick", action="store_true", help="2 boards, batches 1 and 8, ratios 0.5 and 0.8")
-    p.add_argument("--table-only", action="store_true", help="re-print the tables of an earlier run's JSON")
-    p.add_argument("--out-dir", default="docs", help="where the .md/.json/.png go (docs/fpga_sweep_*)")
+    p.add_argument("--table-only", action="store_true", help="re-print the tables from a JSON this script wrote")
+    p.add_argument("--out-dir", default="fastcar-out/bench", help="where the .md/.json/.png go")
     a = p.parse_args(argv)
     boards = a.boards.split(",")
     batches = [int(x) for x in a.batches.split(",")]

@@ -8,9 +8,9 @@ greedy-decodes held-out clips from their given frame 0 with FastCarSession (nati
 q.k pairs / dense pairs; recall = dense softmax mass kept (merged slots shared by their members);
 `fastcar_compile/fastar/attention.py` defines both and tests/test_kv_compress.py checks the kernel against it.
 
-    python benchmarks/experiments/kv_diagnostics.py                 # 2 clips x 16 frames -> docs/kv_diagnostics.{md,json,png}
+    python benchmarks/experiments/kv_diagnostics.py                 # 2 clips x 16 frames -> fastcar-out/bench/kv_diagnostics.{md,json,png}
     python benchmarks/experiments/kv_diagnostics.py --only "per layer" --out /tmp/kvd   # the --kv-layer modes alone
-    python benchmarks/experiments/kv_diagnostics.py --replot        # redraw the picture from docs/kv_diagnostics.json
+    python benchmarks/experiments/kv_diagnostics.py --replot        # redraw the picture from fastcar-out/bench/kv_diagnostics.json
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clips", type=int, default=2)
     ap.add_argument("--frames", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/bench"))
     ap.add_argument("--only", help="run only the modes whose name contains this text (e.g. 'per layer')")
     ap.add_argument("--replot", action="store_true", help="redraw kv_diagnostics.png from --out's JSON, no run")
     a = ap.parse_args(argv)

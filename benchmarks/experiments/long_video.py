@@ -10,7 +10,7 @@
 --hold: the model was trained on 16-frame clips (1027 positions) with random position gaps; here it reads
 64-frame held-out clips (4099 positions) teacher-forced, and the next-token loss and accuracy per frame index
 show whether it holds past frame 15 (next to "same token as one frame back", the copy baseline, which
-does not depend on the model). Writes docs/demo-long-hold.{json,png}.
+does not depend on the model). Writes demo-long-hold.{json,png} into --out-dir.
 --calibrate: TAS values (post-RoPE, every layer) along dense greedy generations of train-split clips by a
 never-replaying compiled model with diagnostics outputs; the (1 - target) quantile is the tau whose replay
 ratio is ~target on dense trajectories (FastCar's own trajectories replay a little differently: demo --long
@@ -261,7 +261,7 @@ def curve_mode(i: int, frames: int, tau: float, clip: int = 0) -> dict:
 
 def curve(frames: int, tau: float, out: Path, clip: int = 0, only: list[int] | None = None) -> dict:
     """Per-token time, resident decode state and process RSS per frame, for CURVE_MODES on one held-out clip:
-    the long-video latency/memory picture (issue 12 item 7, without onnxruntime-genai). One model at a time,
+    the long-video latency/memory picture (without onnxruntime-genai). One model at a time,
     each in a fresh child process (`curve_mode`); times on a shared machine are noisy. 64 frames write
     long_video_curve.*, other lengths long_video_curve_<frames>f.*."""
     import subprocess
@@ -322,7 +322,7 @@ def plot_curve(res: dict, path: Path) -> None:
     save_figure(fig, path, dpi=110)
 
 
-GENAI_MODES = {  # ours at frame 64, next to onnxruntime-genai's dense loop (issue 12 item 7)
+GENAI_MODES = {  # ours at frame 64, next to onnxruntime-genai's dense loop
     "dense (plain export, FastCarSession)": (None, None),
     "FastCar + window S4+W124": ("tau", OP_MODES[7][2]),
     "FastCar + TempCache 0.95 C256 (S4+W64)": ("tau", OP_MODES[8][2]),
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curve-worker", help=argparse.SUPPRESS)  # [mode index, frames, tau, clip]: one curve row
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--target", type=float, default=0.8)
-    ap.add_argument("--out-dir", type=Path, default=Path("docs"))
+    ap.add_argument("--out-dir", type=Path, default=Path("fastcar-out/bench"))
     a = ap.parse_args(argv)
     if a.curve_worker:
         print(json.dumps(curve_mode(*json.loads(a.curve_worker))))

@@ -4,10 +4,10 @@ AnnSA-style modes choose which keys a query scores; no selector can keep more so
 the exact top f * (p + 1) keys of that query. This computes that ceiling per layer from dense attention (RoPE,
 causal) on traces of the 4-layer long-video model (`demo.trace.demo_trace(long=True)`: teacher-forced clips
 and the model's own greedy continuation), over the queries of frames >= 2 (as the other recall measurements),
-and draws it next to the op's measured modes (docs/kv_diagnostics.json) and FAST-AR's AnnSA point (28% / 92%).
+and draws it next to the op's measured modes (fastcar-out/bench/kv_diagnostics.json) and FAST-AR's AnnSA point (28% / 92%).
 If the ceiling at 28% is below 92%, the paper's figure is out of reach on this model for any ANN index.
 
-    python benchmarks/experiments/oracle_recall.py   # 2 eval clips x 16 frames -> docs/oracle_recall.{md,json,png}
+    python benchmarks/experiments/oracle_recall.py   # 2 eval clips x 16 frames -> fastcar-out/bench/oracle_recall.{md,json,png}
     python benchmarks/experiments/oracle_recall.py --replot   # redraw the picture (e.g. after kv_diagnostics.json changed)
 """
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clips", type=int, default=2)
     ap.add_argument("--frames", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/bench"))
     ap.add_argument("--replot", action="store_true", help="redraw oracle_recall.png from --out's JSON, no run")
     a = ap.parse_args(argv)
     if a.replot:

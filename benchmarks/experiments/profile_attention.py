@@ -1,4 +1,4 @@
-"""The attention op's time per call inside issue 11's two decode steps, same run: (a) genai's graph with
+"""The attention op's time per call inside the genai benchmark's two decode steps, same run: (a) genai's graph with
 ai.fastcar.GroupQueryAttention (`denseN` of bench_genai.py) and (b) the fused dynamo export with
 ai.fastcar.CompressedAttention, both running the dense core (runtime/native/dense_attention.h RunDense).
 

@@ -1,5 +1,5 @@
 """Are prompt tokens attention anchors? Dense attention mass on the prompt prefix, per layer and head, on the
-long-video demo model; and what --prune-prompt P would skip there (issue 12 item 4, docs/semantics.md section 6).
+long-video demo model; and what --prune-prompt P would skip there (docs/semantics.md section 6).
 
 The demo's prompt is [BOS, motion, VIDEO_START] (3 tokens before video_start; the LLaMA-style zoo models are
 random-weight test graphs with no prompt structure, so they are not measured). On a trace of the 4-layer model
@@ -12,7 +12,7 @@ Reported per layer: mean prompt mass, its share of the per-token mean a uniform 
 pruning never compounded. The pruning itself (density, recall) is then run on the same traces through the
 NumPy reference (`fastar.attention.run_trace`, config `prune_prompt=P`).
 
-    python benchmarks/experiments/prompt_anchors.py   # 2 eval clips x 16 frames -> docs/prompt_anchors.{md,json,png}
+    python benchmarks/experiments/prompt_anchors.py   # 2 eval clips x 16 frames -> fastcar-out/bench/prompt_anchors.{md,json,png}
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clips", type=int, default=2)
     ap.add_argument("--frames", type=int, default=16)
     ap.add_argument("--sources", default="clip,generated")
-    ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/bench"))
     ap.add_argument("--replot", action="store_true", help="redraw prompt_anchors.png from --out's JSON, no run")
     a = ap.parse_args(argv)
     if a.replot:

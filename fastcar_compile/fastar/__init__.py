@@ -1,4 +1,4 @@
-"""FAST-AR reference: decode attention over a compressed KV cache, in NumPy (issue 12, docs/semantics.md sections 3, 6).
+"""FAST-AR reference: decode attention over a compressed KV cache, in NumPy (docs/semantics.md sections 3, 6).
 
 Runtime-independent on purpose: this is the oracle that a later ONNX op / native kernel is checked against,
 and the tool that measures density and recall on captured attention traces. Nothing here imports ORT.

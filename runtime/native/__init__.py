@@ -72,7 +72,7 @@ def native_status(lib: Path | None) -> str:
 
 
 def announce(lib: Path | None) -> None:
-    """Print native_status once per process (the runtime calls it when its first session starts)."""
+    """Print native_status once per process (the runtime calls it when its first FastCarSession starts)."""
     global _said
     if not _said and os.environ.get("FASTCAR_QUIET", "0") != "1":
         print(native_status(lib), file=sys.stderr, flush=True)
