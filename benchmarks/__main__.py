@@ -61,8 +61,18 @@ def run(suite: Suite, size: str, out: Path, argv: list[str]) -> Path:
             raise SystemExit(f"error: suite {suite.name} failed (its script's message is above)")
         seconds = time.perf_counter() - t0
         raw = _read_json(Path(tmp))
+    return present(suite, raw, size, prov, seconds, out)
+
+
+def present(suite: Suite, raw, size: str, prov: dict, seconds: float, out: Path) -> Path:
+    """The suite's table, notes and plot from its script's JSON, written with the run's provenance."""
     rows = suite.rows(raw)
-    result = harness.Result(suite.name, suite.title, size, prov["command"], suite.columns, rows, list(suite.notes),
+    notes = list(suite.notes)
+    if isinstance(raw, dict):  # the measured model and settings, as the script records them
+        said = {k: raw[k] for k in ("shape", "title", "context", "ctx", "threads", "tokens", "frame_tokens") if k in raw}
+        if said:
+            notes.insert(0, "Settings: " + ", ".join(f"{k} {v}" for k, v in said.items()) + ".")
+    result = harness.Result(suite.name, suite.title, size, prov["command"], suite.columns, rows, notes,
                             raw, seconds, prov)
     result.provenance["script"] = " ".join(["python", f"benchmarks/{suite.script}", *suite.sizes[size]])
     folder = harness.write(result, out)
@@ -79,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: the published size (a few minutes each on 2 cores); quick: a smoke run")
     ap.add_argument("--out", type=Path, default=harness.RESULTS, help="results folder (default: results/)")
     ap.add_argument("--list", action="store_true", help="name and describe the suites, then exit")
+    ap.add_argument("--retable", action="store_true", help="rebuild table.md and plot.png of the named suites from "
+                    "their result.json (after a change to how a suite presents its data; nothing is measured)")
     a = ap.parse_args(argv)
     if a.list or not a.suites:
         for s in SUITES.values():
@@ -89,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown suite {', '.join(unknown)}; choose from {', '.join(SUITES)}", file=sys.stderr)
         return 2
     for name in a.suites:
-        run(SUITES[name], a.size, a.out, argv)
+        if a.retable:
+            d = json.loads((a.out / name / "result.json").read_text())
+            present(SUITES[name], d["raw"], d["size"], d["provenance"], d["seconds"], a.out)
+        else:
+            run(SUITES[name], a.size, a.out, argv)
     return 0
 
 

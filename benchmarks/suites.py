@@ -33,6 +33,11 @@ class Suite:
 def _genai_rows(raw: dict) -> list[dict]:
     rows = []
     for ctx, c in raw["contexts"].items():
+        dense = c["ms"].get("dense")
+        for name in ("dense", "denseN"):
+            if c["ms"].get(name) and dense:
+                rows.append({"context": int(ctx), "variant": name, "ms": c["ms"][name], "speedup": dense / c["ms"][name],
+                             "label": f"{name} @{ctx}"})
         for r in c["rows"]:
             rows.append({"context": int(ctx), **r, "label": f"{r['variant']} {r['replay']:.0%} @{ctx}"})
     return rows
@@ -83,7 +88,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           _walk_rows, ("label", ["x_input"], "speed-up over the input model"),
           ["tau calibrated on the calibration prompts for 50% replay, measured on the held-out ones; the three "
            "models run the same prompts, interleaved prompt batch by prompt batch (`fastcar-compile eval`)."]),
-    Suite("genai", "Decode per token against onnxruntime-genai (LLaMA hidden 1024, 8 layers, forced replay)",
+    Suite("genai", "Decode per token against onnxruntime-genai's own loop (LLaMA-style decoder, forced replay)",
           "bench_genai.py", {"default": ["--contexts", "4096"], "quick": ["--quick"]},
           lambda d: ["--out", str(d / "bench_genai.json")],
           [Column("context", "ctx"), Column("variant", "variant"), Column("replay", "replay", "{:.1%}"),
