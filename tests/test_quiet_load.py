@@ -80,6 +80,10 @@ def test_fastcar_session_prints_nothing(models, name):
     assert _load_log(models[name], "fastcar") == ""
 
 
+def test_fastcar_session_with_the_native_kernels_prints_nothing(models, native_lib):
+    assert _load_log(models["fast"], "native") == ""
+
+
 def _greedy_logits(sess, prompt: np.ndarray, steps: int, **kw) -> np.ndarray:
     state = sess.new_state(1)
     out = sess.step(state, prompt, **kw)
