@@ -82,13 +82,14 @@ def kv_args(kv: dict, frame_tokens: int) -> dict:
 
 
 WINDOW = dict(budget_frames=4, window_frames=2, sinks=4, eviction="oldest")
-TEMPCACHE_ANNSA = dict(budget_frames=4, window_frames=0.5, sinks=4, tempcache=0.95, lsh="8x4")
+# the window covers a frame: the gate of a FastCar layer reads the key one frame back from this cache
+TEMPCACHE_ANNSA = dict(budget_frames=4, window_frames=1, sinks=4, tempcache=0.95, lsh="8x4")
 MODES = [
     Mode("genai dense (og.Generator)", "genai"),
     Mode("dense (fused op)", "ours"),
     Mode("FastCar 75% + window S4+W2f, C4f", "ours", 0.75, WINDOW),
-    Mode("FastCar 75% + TempCache 0.95 + AnnSA 8x4, C4f (S4+W0.5f)", "ours", 0.75, TEMPCACHE_ANNSA),
-    Mode("FastCar 50% + TempCache 0.95 + AnnSA 8x4, C4f (S4+W0.5f)", "ours", 0.5, TEMPCACHE_ANNSA),
+    Mode("FastCar 75% + TempCache 0.95 + AnnSA 8x4, C4f (S4+W1f)", "ours", 0.75, TEMPCACHE_ANNSA),
+    Mode("FastCar 50% + TempCache 0.95 + AnnSA 8x4, C4f (S4+W1f)", "ours", 0.5, TEMPCACHE_ANNSA),
 ]
 GENAI = MODES[0].name
 
