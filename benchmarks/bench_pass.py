@@ -11,8 +11,8 @@ f, the MLP's share of a dense step, is measured in the same run by timing a copy
 branches are cut out (the closing residual Add gets a zero instead of the branch). All configurations are run
 interleaved step by step and compared window by window, so machine drift hits them alike. Prints a table, writes JSON + PNG.
 
-    python benchmarks/experiments/bench_pass.py            # full (several minutes on 2 cores)
-    python benchmarks/experiments/bench_pass.py --quick    # small model and context, smoke run
+    python benchmarks/bench_pass.py            # full (several minutes on 2 cores)
+    python benchmarks/bench_pass.py --quick    # small model and context, smoke run
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     DEFAULT_CACHE,
     LlamaShape,
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_at_0_cpu": (1.0 / zero["cpu_speedup"] - 1.0) if zero else None,
         "mlp_share_cpu": f_cpu, "spinning": a.spin, "stats": stats,
         "steps_ms": {r.name: {"wall": r.wall_ms, "cpu": r.cpu_ms} for r in runners},
-        "rows": rows, "command": " ".join(["python", "benchmarks/experiments/bench_pass.py", *(argv or sys.argv[1:])]),
+        "rows": rows, "command": " ".join(["python", "benchmarks/bench_pass.py", *(argv or sys.argv[1:])]),
     }
     lines = [f"{results['model']}; context {context}, L {L}, ORT CPU {a.threads} threads, batch 1",
              f"{rounds} windows x {period} steps per config, configs interleaved step by step; speedups are medians "
