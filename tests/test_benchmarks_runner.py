@@ -1,0 +1,62 @@
+"""`python -m benchmarks`: a suite's result folder holds result.json (figures + provenance), table.md and plot.png,
+the index lists every suite folder, and bad arguments end in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_result_folder_and_index(tmp_path):
+    import importlib
+
+    import harness
+    from suites import SUITES
+
+    sys.path.insert(0, str(ROOT))
+    runner = importlib.import_module("benchmarks.__main__")
+    raw = [{"config": "dense", "replay": 0.0, "ms_per_step": 46.4, "x_dense": 1.0, "bound": "bandwidth", "paper": ""},
+           {"config": "FastCar 87%", "replay": 0.875, "ms_per_step": 20.7, "x_dense": 2.24, "bound": "bandwidth",
+            "paper": "1.76"}]
+    prov = harness.provenance("quick", ["fpga", "--size", "quick"])
+    folder = runner.present(SUITES["fpga"], raw, "quick", prov, 12.0, tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["plot.png", "result.json", "table.md"]
+    data = json.loads((folder / "result.json").read_text())
+    assert data["raw"] == raw and data["size"] == "quick" and [r["config"] for r in data["rows"]] == ["dense", "FastCar 87%"]
+    p = data["provenance"]
+    assert p["command"] == "python -m benchmarks fpga --size quick" and p["commit"]
+    assert p["machine"]["versions"]["onnxruntime"] and p["machine"]["logical_cpus"] >= 1
+    table = (folder / "table.md").read_text()
+    assert "| FastCar 87% | 88% | 20.7 | 2.24 | bandwidth | 1.76 |" in table and p["commit"] in table
+    assert (folder / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    index = (tmp_path / "README.md").read_text()
+    assert "[fpga](fpga/table.md)" in index and "`quick`" in index
+
+
+def test_list_and_bad_suite():
+    listed = _run("--list")
+    assert listed.returncode == 0 and {ln.split()[0] for ln in listed.stdout.splitlines()} >= {"walk", "genai", "fpga"}
+    bad = _run("no-such-suite")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown suite no-such-suite" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("size", ["default", "quick"])
+def test_every_suite_script_exists_for_every_size(size):
+    from suites import SUITES
+
+    for suite in SUITES.values():
+        assert (ROOT / "benchmarks" / suite.script).is_file(), suite.name
+        assert size in suite.sizes, suite.name
