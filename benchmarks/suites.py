@@ -81,7 +81,7 @@ def _fpga_rows(raw: list) -> list[dict]:
 
 
 SUITES: dict[str, Suite] = {s.name: s for s in [
-    Suite("walk", "The README's five commands on the bundled 3 M-parameter video model (64-token frames, 1 thread)",
+    Suite("walk", "The README's five commands on the bundled video model as a transformers folder (64-token frames, 1 thread)",
           "walk.py", {"default": [], "quick": ["--quick"]}, lambda d: ["--out", str(d / "walk.json")],
           [Column("label", "model"), Column("ms", "decode ms/token", "{:.3f}"), Column("x_input", "x input model",
            "{:.2f}"), Column("factor", "factor"), Column("agree", "tokens equal to the input model's", "{:.1%}")],

@@ -1,4 +1,4 @@
-"""The README's five commands on the bundled 3 M-parameter video model written as a transformers folder: export,
+"""The README's five commands on the bundled video model written as a transformers folder: export,
 inspect, compile with tau calibrated for 50% replay, eval against the input model and tau=+inf in one run,
 report. Writes the eval.json of the run, with each command's seconds, to --out.
 
