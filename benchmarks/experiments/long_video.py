@@ -366,7 +366,9 @@ def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0
     import time
 
     import onnxruntime_genai as og
-    from bench_genai import set_session  # (benchmarks/ is on sys.path when run as a script)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_genai
+    from bench_genai import set_session
 
     from fastcar_compile.core.atomic import write_text
     from fastcar_compile.demo import data
