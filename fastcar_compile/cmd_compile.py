@@ -90,7 +90,8 @@ def main(argv: list[str]) -> int:
         return 0
     if args.target == "fpga":
         return _fpga(args)
-    if args.frame_tokens is None and _dit_step(args.model):  # a video DiT knows its tokens per frame
+    calibrating = args.calibrate_replay is not None or args.calibrate_quality is not None
+    if (args.frame_tokens is None or calibrating) and _dit_step(args.model):  # a DiT knows its tokens per frame
         import importlib
 
         module, func = commands.DIT_COMPILE
@@ -114,7 +115,8 @@ def main(argv: list[str]) -> int:
 
 def _dit_step(model: str) -> bool:
     """Is `model` a DiT step graph (export --dit)? Asked only when --frame-tokens is missing, which a decoder
-    needs, so a decoder's compile never loads its model twice."""
+    needs, or before a calibration (which loads the model many times), so a decoder's compile never loads its
+    model twice."""
     from fastcar_compile.api import _dit, load
 
     try:
