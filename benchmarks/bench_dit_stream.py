@@ -13,6 +13,7 @@ PyTorch per frame" as met / missed; --json writes the per-frame lists.
 
     python benchmarks/bench_dit_stream.py                      # 200 frames, 1 thread each
     python benchmarks/bench_dit_stream.py --frames 1000        # the growth to 1000 frames
+    python benchmarks/bench_dit_stream.py --frames 1000 --alone compiled   # one backend: its own RSS
 """
 
 from __future__ import annotations
@@ -48,14 +49,21 @@ def interleaved(backends: dict, settings: StreamSettings) -> dict:
             out[name]["frame_ms"] += [1000 * res.seconds / n] * n
             out[name]["cache_mib"] += [res.cache_bytes / 2**20] * n
             out[name]["rss_mib"] += [rss_mib()] * n
-        ref = chunks["eager"].frames
-        worst = max(worst, *(float(np.abs(c.frames - ref).max()) for c in chunks.values()))
+        if "eager" in chunks:
+            ref = chunks["eager"].frames
+            worst = max(worst, *(float(np.abs(c.frames - ref).max()) for c in chunks.values()))
+
+
+BACKENDS = ("compiled", "export", "eager")
+CACHE_LABEL = {"compiled": "ring MiB", "export": "kept MiB", "eager": "kept MiB"}  # the cache each backend holds
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1, help="threads of each backend (the machine is shared)")
+    ap.add_argument("--alone", choices=BACKENDS, help="run only this backend, so that the process RSS is its own "
+                    "(times are then not interleaved with the others')")
     ap.add_argument("--json", type=Path, help="write the per-frame lists here")
     a = ap.parse_args()
     cfg = PRESETS["tiny"]
@@ -64,14 +72,19 @@ def main() -> None:
     step, text = export_dit(model, tmp / "dit.onnx")
     compile_dit(step, tmp / "fast.onnx", threshold=float("inf"))
     torch.set_num_threads(a.threads)
-    backends = {"compiled": OrtDiT(tmp / "fast.onnx", threads=a.threads), "export": OrtDiT(step, text, threads=a.threads),
-                "eager": TorchDiT(model, threads=a.threads)}
+    make = {"compiled": lambda: OrtDiT(tmp / "fast.onnx", threads=a.threads),
+            "export": lambda: OrtDiT(step, text, threads=a.threads), "eager": lambda: TorchDiT(model, threads=a.threads)}
+    names = [a.alone] if a.alone else list(BACKENDS)
+    backends = {name: make[name]() for name in names}
     results = {}
     print(f"tiny DiT ({cfg.layers} layers, hidden {cfg.hidden}, {cfg.tokens_per_frame} tokens/frame, chunk "
           f"{cfg.chunk_frames}), {a.frames} frames, {a.threads} thread(s) each, CFG 3, 4 steps + cache pass")
-    print("ms per frame (medians); cache MiB: compiled ring / export's resident frames; RSS: the process")
-    print(f"{'window':>12} {'frames':>9} {'compiled':>9} {'export':>7} {'eager':>7} {'comp/eager':>11} "
-          f"{'cache MiB':>12} {'RSS MiB':>8}")
+    print("ms per frame (medians); cache: the compiled graph's ring buffers, the frames the others keep; RSS: the "
+          "process "
+          + (f"({a.alone} alone)" if a.alone else "(all three backends)"))
+    ratio = "compiled" in backends and "eager" in backends
+    print(f"{'window':>12} {'frames':>9} " + " ".join(f"{n:>9}" for n in names) + (" comp/eager" if ratio else "")
+          + "  " + " ".join(f"{CACHE_LABEL[n]:>10}" for n in names) + f" {'RSS MiB':>8}")
     met = True
     for label, window in (("1 sink + 4", None), ("none (grows)", 0)):
         r = interleaved(backends, StreamSettings(frames=a.frames, seed=0, window_frames=window))
@@ -79,13 +92,17 @@ def main() -> None:
         spans = [("40-60", slice(40, 60))] if a.frames >= 60 else []
         spans.append((f"last {min(50, a.frames)}", slice(-min(50, a.frames), None)))
         for span, sl in spans:
-            c, x, e = (float(np.median(r[k]["frame_ms"][sl])) for k in ("compiled", "export", "eager"))
-            met &= c <= e
-            cache = f"{r['compiled']['cache_mib'][sl][-1]:.2f}/{r['export']['cache_mib'][sl][-1]:.2f}"
-            print(f"{label:>12} {span:>9} {c:9.2f} {x:7.2f} {e:7.2f} {c / e:11.2f} {cache:>12} "
-                  f"{r['eager']['rss_mib'][sl][-1]:8.0f}")
-        print(f"{'':>12} ONNX rollouts vs eager: max abs diff {r['max_abs_diff']:.1e}")
-    print(f"target compiled ORT per frame <= eager PyTorch per frame: {'met' if met else 'missed'}")
+            ms = {k: float(np.median(r[k]["frame_ms"][sl])) for k in names}
+            line = f"{label:>12} {span:>9} " + " ".join(f"{ms[k]:9.2f}" for k in names)
+            if ratio:
+                met &= ms["compiled"] <= ms["eager"]
+                line += f" {ms['compiled'] / ms['eager']:10.2f}"
+            line += "  " + " ".join(f"{r[k]['cache_mib'][sl][-1]:10.2f}" for k in names)
+            print(line + f" {r[names[0]]['rss_mib'][sl][-1]:8.0f}")
+        if "eager" in backends and len(names) > 1:
+            print(f"{'':>12} ONNX rollouts vs eager: max abs diff {r['max_abs_diff']:.1e}")
+    if ratio:
+        print(f"target compiled ORT per frame <= eager PyTorch per frame: {'met' if met else 'missed'}")
     if a.json:
         a.json.write_text(json.dumps(results) + "\n")
 
