@@ -95,3 +95,15 @@ def test_the_plan_follows_the_options(genai_model, zoo_model, tmp_path, capsys):
         assert b["kv"].startswith("compressed (budget 16, sinks 2, window 8"), b["kv"]
         assert b["gate"] == "TemporalGate [use_total_len, aligned_keys]"
     assert set(map(frozenset, _gate_forms(out).values())) == {frozenset({"use_total_len", "aligned_keys"})}
+
+
+def test_verbose_says_how_the_fusions_built_a_dynamo_exports_gate(zoo_model, tmp_path, capsys):
+    out = tmp_path / "fast.onnx"
+    assert main([str(zoo_model("llama", "dynamo20")), "-o", str(out), "--frame-tokens", str(L), "--verbose"]) == 0
+    text = capsys.readouterr().out
+    blocks = _plan_blocks(text)
+    assert all(b["gate"] == "TemporalGate [use_total_len]" for b in blocks.values())  # what discovery plans
+    built = {int(m.group(1)): set(m.group(2).split(", "))
+             for m in re.finditer(r"^  layer +(\d+) built: TemporalGate \[(.*)\]$", text, re.M)}
+    assert built == _gate_forms(out)  # what the written model holds, layer by layer
+    assert sorted(built) == sorted(blocks) and all("packed_qkv" in form for form in built.values())
