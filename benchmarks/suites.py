@@ -76,6 +76,32 @@ def _walk_rows(raw: dict) -> list[dict]:
     return rows
 
 
+def _speculation_rows(raw: dict) -> list[dict]:
+    return [{**r, "label": f"{r['model']} {r['decoding']} {r['mode']}"} for r in raw["rows"]]
+
+
+def _genai_speculation_rows(raw: dict) -> list[dict]:
+    return [{"variant": name, **{k: v for k, v in r.items() if k != "seconds"}, "label": name}
+            for name, r in raw["variants"].items()]
+
+
+def _dit_fastar_rows(raw: dict) -> list[dict]:
+    return [{**r, "label": r["mode"]} for r in raw["rows"]]
+
+
+def _dit_stream_rows(raw: dict) -> list[dict]:
+    import numpy as np
+
+    rows = []
+    for window, r in raw.items():
+        eager = float(np.median(r["eager"]["frame_ms"][-50:]))
+        for backend in ("compiled", "export", "eager"):
+            ms = float(np.median(r[backend]["frame_ms"][-50:]))
+            rows.append({"window": window, "backend": backend, "ms": ms, "x_eager": eager / ms,
+                         "cache_mib": r[backend]["cache_mib"][-1], "label": f"{backend}, window {window}"})
+    return rows
+
+
 def _fpga_rows(raw: list) -> list[dict]:
     return [{**r, "label": r["config"]} for r in raw]
 
@@ -133,4 +159,31 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
            Column("ms_per_step", "ms/step", "{:.1f}"), Column("x_dense", "x dense", "{:.2f}"),
            Column("bound", "bound"), Column("paper", "paper")],
           _fpga_rows, ("label", ["x_dense"], "x dense")),
+    Suite("speculation", "Speculative decoding with temporal drafts: tokens per second against plain decoding",
+          "speculation.py", {"default": [], "quick": ["--quick"]}, lambda d: ["--out", str(d)],
+          [Column("model", "model"), Column("decoding", "decoding"), Column("mode", "mode"),
+           Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("speedup", "x plain", "{:.2f}"),
+           Column("acceptance", "acceptance", "{:.1%}"), Column("tokens_per_step", "tokens/step", "{:.2f}"),
+           Column("videos_identical_to_dense", "videos identical")],
+          _speculation_rows, ("label", ["speedup"], "x plain decoding")),
+    Suite("genai-speculation", "Speculative decoding in onnxruntime-genai's own loop (long demo model)",
+          "genai_speculation.py", {"default": [], "quick": ["--rounds", "2"]},
+          lambda d: ["--out", str(d / "genai_speculation")],
+          [Column("variant", "variant"), Column("tokens_per_s", "tokens/s", "{:.0f}"),
+           Column("x_plain", "x plain", "{:.2f}"), Column("acceptance", "acceptance", "{:.1%}"),
+           Column("tokens_per_target_step", "tokens/step", "{:.2f}"), Column("identical", "tokens identical")],
+          _genai_speculation_rows, ("label", ["x_plain"], "x plain genai")),
+    Suite("dit-fastar", "FAST-AR and FastCar in the chunk-causal DiT stream (tiny preset, random weights: speed only)",
+          "bench_dit_fastar.py", {"default": ["--frames", "120"], "quick": ["--frames", "40", "--diag-frames", "20"]},
+          lambda d: ["--json", str(d / "dit_fastar.json"), "--png", str(d / "dit_fastar.png")],
+          [Column("mode", "mode"), Column("ms_late", "ms/frame (late)", "{:.1f}"),
+           Column("speedup_late", "x dense", "{:.2f}"), Column("psnr_vs_dense", "PSNR vs dense (dB)", "{:.1f}"),
+           Column("self_recall", "self-attention recall", "{:.1%}"), Column("kv_density", "KV density", "{:.1%}")],
+          _dit_fastar_rows, ("label", ["speedup_late"], "x dense")),
+    Suite("dit-stream", "The DiT stream per frame: compiled ONNX, the export and eager PyTorch (tiny preset)",
+          "bench_dit_stream.py", {"default": [], "quick": ["--frames", "30"]},
+          lambda d: ["--json", str(d / "dit_stream.json")],
+          [Column("window", "window"), Column("backend", "backend"), Column("ms", "ms/frame (last 50)", "{:.2f}"),
+           Column("x_eager", "x eager", "{:.2f}"), Column("cache_mib", "cache MiB", "{:.2f}")],
+          _dit_stream_rows, ("label", ["x_eager"], "x eager PyTorch")),
 ]}
