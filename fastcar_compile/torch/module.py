@@ -94,6 +94,12 @@ class FastCarDecoder(nn.Module):
         self._compile_ctx: Callable | None = None
         self._compiled: dict[tuple[int, int], tuple[Callable, nn.Module]] = {}
         self._inplace: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}  # program -> its in-place form
+        # speculative decoding (fastcar_compile/torch/speculate.py): transformers' candidate generator, and the
+        # program transform whose gates decide every token of a multi-token decode (verify) step
+        self.candidates = None
+        self.decode_program: Callable[[fx.GraphModule], fx.GraphModule] | None = None
+        self.last_candidates = None
+        self._decode: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
 
     @contextlib.contextmanager
     def compile_with(self, ctx: Callable) -> Iterator[None]:
@@ -175,7 +181,13 @@ class FastCarDecoder(nn.Module):
             self.reset(input_ids.shape[0], input_ids.device)
         start = self.resolve_video_start(video_start, prompt_frames, attention_mask.shape[1], new_video)
         vs = torch.tensor(start, dtype=torch.int64)
-        program = self._runnable(self.program_for(input_ids))
+        program = self.program_for(input_ids)
+        if self.decode_program is not None and input_ids.shape[1] > 1 and not new_video:
+            entry = self._decode.get(id(program))
+            if entry is None or entry[0] is not program:
+                entry = self._decode[id(program)] = (program, self.decode_program(program))
+            program = entry[1]
+        program = self._runnable(program)
         outs = program(input_ids, attention_mask, position_ids, *past, vs, self.threshold_tensor(threshold),
                        *self.state)
         n = 1 + self.num_kv
@@ -241,6 +253,12 @@ class FastCarCausalLMMixin:
 
     fastcar: FastCarDecoder
     generate = _CompiledGenerate()
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        """transformers' assisted decoding asks here for its candidates: the previous-frame generator while
+        fastcar_compile.torch.speculate.generate runs, else transformers' own."""
+        mine = self.fastcar.candidates
+        return mine if mine is not None else super()._get_candidate_generator(*args, **kwargs)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=True, video_start=None, fastcar_threshold=None, return_dict=True, inputs_embeds=None,

@@ -24,6 +24,10 @@ LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 SCHEMAS = {
     "temporal_gate": "(Tensor q, Tensor present_key, Tensor past_mlp_age, Tensor threshold, Tensor video_start, "
                      "int frame_tokens, int max_replay) -> (Tensor, Tensor, Tensor, Tensor)",
+    # the gate of a multi-token decode step that decides per token, as single-token steps would (verify steps
+    # of speculative decoding: fastcar_compile/torch/speculate.py)
+    "temporal_gate_decode": "(Tensor q, Tensor present_key, Tensor past_mlp_age, Tensor threshold, "
+                            "Tensor video_start, int frame_tokens, int max_replay) -> (Tensor, Tensor, Tensor, Tensor)",
     "mlp_cache_read": "(Tensor past_mlp_cache, Tensor slot) -> Tensor",
     "mlp_cache_update": "(Tensor past_mlp_cache, Tensor past_mlp_age, Tensor branch, Tensor replay, Tensor slot, "
                         "Tensor write) -> (Tensor, Tensor)",
@@ -45,6 +49,17 @@ def temporal_gate(
     max_replay: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(replay [B,S] bool, tas [B,S] float32, slot [S] int64, write [S] bool) for q [B,H,S,D], K [B,Hkv,T,D]."""
+    return _gate(q, present_key, past_mlp_age, threshold, video_start, frame_tokens, max_replay, False)
+
+
+def temporal_gate_decode(q, present_key, past_mlp_age, threshold, video_start, frame_tokens: int, max_replay: int):
+    """temporal_gate deciding every token of a decode step of 1 < S <= L tokens on a non-empty past: each token's
+    slot is distinct and written before this step, and its key one frame back is in the past, so the decisions,
+    cached rows and the state written are those of S single-token steps (a prefill still computes every MLP)."""
+    return _gate(q, present_key, past_mlp_age, threshold, video_start, frame_tokens, max_replay, True)
+
+
+def _gate(q, present_key, past_mlp_age, threshold, video_start, frame_tokens: int, max_replay: int, per_token: bool):
     B, H, S, D = q.shape
     Hkv, T = present_key.shape[1], present_key.shape[2]
     L = frame_tokens
@@ -58,7 +73,8 @@ def temporal_gate(
     write = (p >= vs) & (p >= T - L)
     age = past_mlp_age.index_select(1, slot)
     eligible = (age >= 0) & ((age < max_replay) if max_replay > 0 else torch.ones_like(age, dtype=torch.bool))
-    eligible = eligible & (aligned >= vs) & (S == 1)
+    decides = S == 1 or (per_token and present_key.shape[2] > S and S <= L)
+    eligible = eligible & (aligned >= vs) & decides
     replay = eligible & (tas > threshold.float())
     return replay, tas, slot, write
 
@@ -111,11 +127,11 @@ def _mlp_cache_update_inplace_fake(past_mlp_cache, past_mlp_age, branch, replay,
     return None
 
 
-COMPOSITES = {"temporal_gate": temporal_gate, "mlp_cache_read": mlp_cache_read, "mlp_cache_update": mlp_cache_update,
+COMPOSITES = {"temporal_gate": temporal_gate, "temporal_gate_decode": temporal_gate_decode, "mlp_cache_read": mlp_cache_read, "mlp_cache_update": mlp_cache_update,
               "mlp_cache_update_": mlp_cache_update_}
 for _name, _fn in COMPOSITES.items():
     LIB.impl(_name, _fn, "CompositeExplicitAutograd")
-for _name, _fake in (("temporal_gate", _temporal_gate_fake), ("mlp_cache_read", _mlp_cache_read_fake),
+for _name, _fake in (("temporal_gate", _temporal_gate_fake), ("temporal_gate_decode", _temporal_gate_fake), ("mlp_cache_read", _mlp_cache_read_fake),
                      ("mlp_cache_update", _mlp_cache_update_fake),
                      ("mlp_cache_update_", _mlp_cache_update_inplace_fake)):
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=LIB)
