@@ -1,8 +1,8 @@
 """Speculative decoding inside onnxruntime-genai's generator on the long demo model: plain genai vs genai's n-gram
 lookup vs the previous-frame draft model (`fastcar-compile genai-speculate`), greedy, tokens checked identical.
 
-    python benchmarks/genai_speculation.py                       # 4 frames after a given frame 0, 5 rounds
-    python benchmarks/genai_speculation.py --frames 8 --rounds 3 --clips 0,1
+    python benchmarks/experiments/genai_speculation.py                       # 4 frames after a given frame 0, 5 rounds
+    python benchmarks/experiments/genai_speculation.py --frames 8 --rounds 3 --clips 0,1
 
 Each round runs every variant once on every clip (interleaved, so load drift hits all alike); per variant the
 median over rounds of the decode time (append of the prompt + frame 0, then `generate_next_token` to the end),
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/genai_speculation"), help="output stem (.json, .md)")
     a = ap.parse_args(argv)
     import onnxruntime_genai as og
-    from long_video import long_genai_dir  # (benchmarks/ is on sys.path when run as a script)
+    from long_video import long_genai_dir  # (benchmarks/experiments/ is on sys.path when run as a script)
 
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     for clip in (int(c) for c in a.clips.split(",")):
         c = data.make_clip("eval", clip, 2, seed=0)
         prompts.append(prompt(c.motion) + [int(t) for t in tok.encode(c.frames[:1]).reshape(-1)])
-    res: dict = {"command": "python benchmarks/genai_speculation.py " + " ".join(argv or sys.argv[1:]),
+    res: dict = {"command": "python benchmarks/experiments/genai_speculation.py " + " ".join(argv or sys.argv[1:]),
                  "frame_tokens": L, "tokens": n, "clips": a.clips, "threads": a.threads, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folders = {}
