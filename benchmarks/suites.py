@@ -80,11 +80,6 @@ def _speculation_rows(raw: dict) -> list[dict]:
     return [{**r, "label": f"{r['model']} {r['decoding']} {r['mode']}"} for r in raw["rows"]]
 
 
-def _genai_speculation_rows(raw: dict) -> list[dict]:
-    return [{"variant": name, **{k: v for k, v in r.items() if k != "seconds"}, "label": name}
-            for name, r in raw["variants"].items()]
-
-
 def _dit_fastar_rows(raw: dict) -> list[dict]:
     return [{**r, "label": r["mode"]} for r in raw["rows"]]
 
@@ -166,13 +161,6 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
            Column("acceptance", "acceptance", "{:.1%}"), Column("tokens_per_step", "tokens/step", "{:.2f}"),
            Column("videos_identical_to_dense", "videos identical")],
           _speculation_rows, ("label", ["speedup"], "x plain decoding")),
-    Suite("genai-speculation", "Speculative decoding in onnxruntime-genai's own loop (long demo model)",
-          "genai_speculation.py", {"default": [], "quick": ["--rounds", "2"]},
-          lambda d: ["--out", str(d / "genai_speculation")],
-          [Column("variant", "variant"), Column("tokens_per_s", "tokens/s", "{:.0f}"),
-           Column("x_plain", "x plain", "{:.2f}"), Column("acceptance", "acceptance", "{:.1%}"),
-           Column("tokens_per_target_step", "tokens/step", "{:.2f}"), Column("identical", "tokens identical")],
-          _genai_speculation_rows, ("label", ["x_plain"], "x plain genai")),
     Suite("dit-fastar", "FAST-AR and FastCar in the chunk-causal DiT stream (tiny preset, random weights: speed only)",
           "bench_dit_fastar.py", {"default": ["--frames", "120"], "quick": ["--frames", "40", "--diag-frames", "20"]},
           lambda d: ["--json", str(d / "dit_fastar.json"), "--png", str(d / "dit_fastar.png")],

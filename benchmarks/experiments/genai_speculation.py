@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/genai_speculation"), help="output stem (.json, .md)")
     a = ap.parse_args(argv)
     import onnxruntime_genai as og
-    from long_video import long_genai_dir  # (benchmarks/experiments/ is on sys.path when run as a script)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: long_video and _common
+    from long_video import long_genai_dir
 
     from fastcar_compile.demo import data
     from fastcar_compile.demo.evaluate import load_tokenizer
