@@ -3,7 +3,7 @@
     python benchmarks/compile_equivalence.py --old OLD/.venv/bin/fastcar-compile --new .venv/bin/fastcar-compile \
         --zoo $FASTCAR_ZOO_DIR [--models llama-dynamo20,genai-llama] [--options default,kv]
 
-For a refactoring of the compiler (e.g. an older checkout in a git worktree with its own venv as --old): every
+For a refactoring of the compiler (e.g. an older checkout of the repository with its own venv as --old): every
 export of the zoo folder (tests/zoo.py, tests/genai_zoo.py) found there is compiled by both with each option set;
 both compiled models decode the same prompt (two rows, one left-padded) and 16 single-token steps with the native
 kernels, at tau = the median TAS of the old model (mixed decisions) and at tau = -inf (every eligible MLP
