@@ -6,7 +6,6 @@ the one-line refusals of what a DiT cannot be compiled with yet."""
 from __future__ import annotations
 
 import json
-from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
+
+from test_dit_stream import _reference_resident  # noqa: E402  (the independent residency bookkeeping)
 
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.dit.config import PAST_LENGTH, PRESETS  # noqa: E402
@@ -32,16 +33,16 @@ def exported(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def eager():
+    return build(CFG, seed=0)  # the weights `export --dit tiny` drew
+
+
+@pytest.fixture(scope="module")
 def compiled(exported, tmp_path_factory) -> Path:
     """Compiled into another folder with --threshold inf (dense)."""
     out = tmp_path_factory.mktemp("fast") / "fast.onnx"
     assert main([str(exported), "-o", str(out), "--threshold", "inf"]) == 0
     return out
-
-
-@pytest.fixture(scope="module")
-def eager():
-    return build(CFG, seed=0)  # the weights `export --dit tiny` drew
 
 
 def test_inspect_explains_each_block(exported, capsys):
@@ -136,15 +137,6 @@ def test_cache_is_read_in_place(compiled):
         assert model.binding.inputs[name] is bound[name]  # the same array for every step and chunk
 
 
-def _reference_resident(frames_written: int, sinks: int, window: int) -> list[int]:
-    """Independent bookkeeping: a sink list that fills first, then a bounded deque of recent frames."""
-    sink_list: list[int] = []
-    recent: deque[int] = deque(maxlen=window or None)
-    for f in range(frames_written):
-        (sink_list if len(sink_list) < sinks else recent).append(f)
-    return sink_list + list(recent)
-
-
 @pytest.mark.parametrize("chunk,sinks,window", [(2, 1, 4), (3, 3, 18), (3, 0, 6), (2, 2, 0), (4, 1, 3), (1, 0, 0)])
 def test_ring_holds_the_resident_frames(chunk, sinks, window):
     """After each write the valid prefix of the buffers holds exactly the resident frames' K/V (in some order)."""
@@ -155,7 +147,7 @@ def test_ring_holds_the_resident_frames(chunk, sinks, window):
                               for f in range(start, start + chunk)], axis=2)
               for layer in range(layers) for off in (0, 5)]
         ring.write(start, kv)
-        want = _reference_resident(start + chunk, sinks, window)
+        want = _reference_resident(start + chunk, chunk, sinks, window)
         assert ring.resident == want
         for i, buf in enumerate(ring.buffers):
             layer, off = divmod(i, 2)
@@ -169,7 +161,7 @@ def test_stream_cli_on_the_compiled_graph(compiled, tmp_path):
     assert main(["stream", str(compiled), "--frames", "5", "-o", str(out)]) == 0
     doc = json.loads((out / "stream.json").read_text())
     # 3 chunks of 2 frames written, 1 sink + a 4-frame window
-    assert len(doc["frame_ms"]) == 5 and doc["resident_frames"] == _reference_resident(6, 1, 4)
+    assert len(doc["frame_ms"]) == 5 and doc["resident_frames"] == _reference_resident(6, 2, 1, 4)
 
 
 def test_default_threshold_compiles_dense_and_says_so(exported, tmp_path, capsys):
