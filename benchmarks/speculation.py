@@ -15,7 +15,8 @@ tokens/s of a mode over tokens/s of plain decoding in the same run, decode only 
 `set_speculative_options(ngram_size=4, max_draft_tokens=16)`, greedy and sampled (genai 0.18 accepts the
 options with sampling but falls back to plain steps for most of them: `genai_fallback_steps` of the json).
 
-    python benchmarks/speculation.py                          # video + long + llama1024, ~5 min on 2 cores
+    python benchmarks/speculation.py                          # video + long, ~3.5 min on 2 cores (+ genai)
+    python benchmarks/speculation.py --models llama1024 --clips 2 --frames 1   # ~4 min
     python benchmarks/speculation.py --models video --clips 8 --frames 8
     python benchmarks/speculation.py --quick                  # long model, 1 clip x 2 frames: smoke run
 """
@@ -241,9 +242,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _machine() -> str:
+    import os
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    commit = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip() or "?"
+    return f"commit {commit}, {os.cpu_count()} cores, load average {load:.1f} at the end"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="video,long,llama1024")
+    ap.add_argument("--models", default="video,long", help="comma-separated: video, long, llama1024")
     ap.add_argument("--clips", type=int, default=4)
     ap.add_argument("--frames", type=int, default=4, help="generated frames per clip (frame 0 is given)")
     ap.add_argument("--k", default="4,8,16", help="fixed draft lengths (adaptive is always run)")
@@ -252,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ngram", action="store_true", help="also our n-gram draft")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("fastcar-out/speculation"))
+    ap.add_argument("--name", default="speculation_bench", help="file stem of the .md / .json written in --out")
     a = ap.parse_args(argv)
     a.k = [int(x) for x in a.k.split(",") if x]
     if a.quick:
@@ -267,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print("\n" + text)
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "speculation.md").write_text(
+    (a.out / f"{a.name}.md").write_text(
         f"`python benchmarks/speculation.py --models {a.models} --clips {a.clips} --frames {a.frames} --k "
-        f"{','.join(map(str, a.k))} --threads {a.threads}` ({time.time() - t0:.0f} s)\n\n{text}\n")
-    return save_results(a.out / "speculation.json", {"rows": rows, "clips": a.clips, "frames": a.frames,
+        f"{','.join(map(str, a.k))} --threads {a.threads}` ({time.time() - t0:.0f} s, {_machine()})\n\n{text}\n")
+    return save_results(a.out / f"{a.name}.json", {"rows": rows, "clips": a.clips, "frames": a.frames,
                                                      "threads": a.threads, "models": names})
 
 
