@@ -123,7 +123,7 @@ def _dit_step(model: str) -> bool:
         loaded, _ = load(model)
     except FastCarError:
         return False  # the decoder path says what is wrong with the file
-    return _dit().is_dit_step(loaded)
+    return _dit().is_dit_graph(loaded)  # its prompt graph too: the DiT path says what to compile instead
 
 
 def _fpga(args) -> int:

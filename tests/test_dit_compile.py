@@ -207,11 +207,13 @@ def test_refusals_are_one_line(exported, tmp_path, capsys, extra, words):
     assert not (tmp_path / "x.onnx").exists() and not (tmp_path / "x.text.onnx").exists()
 
 
-def test_compiling_a_compiled_graph_is_refused(compiled, tmp_path, capsys):
+@pytest.mark.parametrize("which,words", [("compiled", "already compiled"), ("prompt", "DiT prompt graph")])
+def test_compiling_a_compiled_or_prompt_graph_is_refused(compiled, tmp_path, capsys, which, words):
+    model = compiled if which == "compiled" else compiled.with_name("fast.text.onnx")
     capsys.readouterr()
-    assert main([str(compiled), "-o", str(tmp_path / "again.onnx")]) == 2
+    assert main([str(model), "-o", str(tmp_path / "again.onnx")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "already compiled" in err
+    assert len(err.splitlines()) == 1 and words in err
 
 
 @pytest.mark.slow

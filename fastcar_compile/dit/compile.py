@@ -59,6 +59,11 @@ def is_dit_step(model: ir.Model) -> bool:
     return METADATA_KEY in model.metadata_props and TEXT_GRAPH_KEY in model.metadata_props
 
 
+def is_dit_graph(model: ir.Model) -> bool:
+    """Either graph `export --dit` writes (the step graph, or its prompt graph: the config only)."""
+    return METADATA_KEY in model.metadata_props
+
+
 def check_options(opts: dict, frame_tokens: int) -> list[str]:
     """Refuse (one line, naming the feature) what a DiT step graph cannot be compiled with yet; returns notes."""
     by_name = {o.name: o for o in options.OPTIONS}
@@ -203,6 +208,9 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = (model, source) if isinstance(model, ir.Model) and source is not None else api.load(model)
     if not is_dit_step(loaded):
+        if is_dit_graph(loaded):
+            raise FastCarError("this is a DiT prompt graph (text embeddings -> cross-attention K/V), run as it is; "
+                               "compile the step graph written beside it")
         raise FastCarError("not a DiT step graph (no fastcar.dit_config metadata); export it with "
                            "`fastcar-compile export --dit`")
     if CACHE_FORM_KEY in loaded.metadata_props:
