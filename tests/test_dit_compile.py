@@ -103,11 +103,13 @@ def test_a_block_that_does_not_match_says_why(exported, tmp_path, capsys, how, l
     assert not (tmp_path / "o.onnx").exists()
 
 
-@pytest.mark.parametrize("window", [None, 0])
-def test_compiled_rollout_matches_eager(compiled, eager, window):
+@pytest.mark.parametrize("window,sinks,cfg_scale,resident", [
+    (None, None, 3.0, [0, 10, 11, 12, 13]), (0, None, 3.0, list(range(14))), (3, 0, 1.0, [11, 12, 13])])
+def test_compiled_rollout_matches_eager(compiled, eager, window, sinks, cfg_scale, resident):
     """7 chunks of 2 frames: with the model's 1 sink + 4-frame window the ring wraps (frames 1..9 evicted);
-    without a window the buffers grow past their first 8 frames. tau = +inf: equal to the export's model."""
-    settings = StreamSettings(frames=14, seed=4, cfg_scale=3.0, window_frames=window)
+    without a window the buffers grow past their first 8 frames; no sink, a 3-frame window and one row (no
+    CFG). tau = +inf: equal to the export's model."""
+    settings = StreamSettings(frames=14, seed=4, cfg_scale=cfg_scale, sink_frames=sinks, window_frames=window)
     model = OrtDiT(compiled)
     assert model.in_place
     got = list(rollout(model, settings))
@@ -116,7 +118,7 @@ def test_compiled_rollout_matches_eager(compiled, eager, window):
     for a, b in zip(got, want, strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
-    assert got[-1].resident == ([0, 10, 11, 12, 13] if window is None else list(range(14)))
+    assert got[-1].resident == resident
     assert np.abs(got[-1].frames).max() > 0.1
 
 
