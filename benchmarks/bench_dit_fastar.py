@@ -8,7 +8,8 @@ own dense pass (the whole timed run), the PSNR of the latent video vs the dense 
 --diagnostics: self/cross density and recall, FFN replay ratio, resident KV vs dense. With random weights
 attention has no structure to exploit: the quality and recall columns say nothing about a trained model.
 
-    python benchmarks/bench_dit_fastar.py --frames 300 --json docs/dit_fastar_tiny.json
+    python -m benchmarks dit-fastar       # results/dit-fastar/ (120 frames of tiny)
+    python benchmarks/bench_dit_fastar.py --frames 300 --json out.json --png out.png
 """
 
 from __future__ import annotations
@@ -129,8 +130,9 @@ def main() -> None:
     print(f"RSS {rss_mib():.0f} MiB; {a.dit}, {a.frames} frames, window {a.window or 'all'}, {a.threads} thread(s)")
     if a.json:
         args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
-        a.json.write_text(json.dumps({"args": args, "rows": rows, "frame_ms": {n: r["frame_ms"] for n, r in
-                                                                               timed.items()}}, indent=1) + "\n")
+        title = f"{a.dit} (random weights), {a.frames} frames, window {a.window or 'all'}, CFG 3"
+        a.json.write_text(json.dumps({"title": title, "threads": a.threads, "args": args, "rows": rows,
+                                      "frame_ms": {n: r["frame_ms"] for n, r in timed.items()}}, indent=1) + "\n")
     if a.png:
         plot(rows, timed, a.png, f"{a.dit} (random weights), window {a.window or 'all'}, {a.threads} thread(s)")
 
