@@ -98,7 +98,8 @@ def drop_metadata_asserts(gm: fx.GraphModule) -> int:
 
 def inplace_state(program: fx.GraphModule) -> fx.GraphModule:
     """A copy of the FastCar program that writes the MLP cache update into its state inputs
-    (`fastcar::mlp_cache_update_`) and returns them as the new state: no copy of every layer's cache per step.
+    (`fastcar::mlp_cache_update_`) and returns them as the new state: no copy of every layer's cache per step;
+    its branches run as `FastCarBranch.eager` (_eager_branches).
     Only for a caller that owns the state it passes (FastCarDecoder's eager steps); the program itself stays
     functional for torch.compile, export and callers that keep their inputs."""
     gm = copy_program(program)
@@ -115,6 +116,27 @@ def inplace_state(program: fx.GraphModule) -> fx.GraphModule:
             user.replace_all_uses_with(cache if user.args[1] == 0 else age)
             gm.graph.erase_node(user)
         gm.graph.erase_node(node)
+    _eager_branches(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _eager_branches(gm: fx.GraphModule) -> None:
+    """Each `FastCarBranch(x, replay, mlp_cache_read(cache, slot), *w)` -> `FastCarBranch.eager(x, replay, cache,
+    slot, *w)`: the eager step reads the cache only when a row replays (what a layer costs at 0% replay)."""
+    from fastcar_compile.torch.rewrite import FastCarBranch
+
+    read_op = torch.ops.fastcar.mlp_cache_read.default
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), FastCarBranch):
+            continue
+        x, replay, cached, *ext = node.args
+        if cached.op != "call_function" or cached.target is not read_op or len(cached.users) != 1:
+            continue
+        with gm.graph.inserting_before(node):
+            branch = gm.graph.get_attr(node.target)
+            eager = gm.graph.call_method("eager", (branch, x, replay, *cached.args, *ext))
+        node.replace_all_uses_with(eager)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(cached)

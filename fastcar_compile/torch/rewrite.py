@@ -92,6 +92,18 @@ class FastCarBranch(nn.Module):
 
         return torch.cond(replay.all(), none, some, (x, replay, cached, *ext))
 
+    def eager(self, x: torch.Tensor, replay: torch.Tensor, past_mlp_cache: torch.Tensor, slot: torch.Tensor,
+              *ext: torch.Tensor) -> torch.Tensor:
+        """forward as the eager step runs it (optimize.inplace_state): the cache is read only when a row replays,
+        and the branch's generated code is called without two module calls' hooks around it. At 0% replay a
+        layer then adds a gate, one host check and a cache write to the dense layer, nothing more."""
+        if not replay.any():
+            return self.branch.forward(x, *ext)
+        cached = torch.ops.fastcar.mlp_cache_read.default(past_mlp_cache, slot)
+        if replay.all():
+            return cached.to(x.dtype)
+        return self.compacted(x, replay, cached, *ext)
+
     def compacted(self, x: torch.Tensor, replay: torch.Tensor, cached: torch.Tensor, *ext: torch.Tensor) -> torch.Tensor:
         """The branch on the rows that compute (index_select over the flattened (row, token) axis), scattered
         into the cached rows (index_copy)."""
