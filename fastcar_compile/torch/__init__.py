@@ -92,6 +92,7 @@ def build(model: nn.Module, *, example_inputs: tuple[torch.Tensor, ...] | None =
     lowering = optimize.copy_program(program)  # what to_onnx lowers: the exported form, as the ONNX path sees it
     optimize.sdpa_gqa(program)  # what runs: grouped heads read in place, as the eager model does
     optimize.drop_metadata_asserts(program)
+    optimize.drop_empty_cats(program)  # the KV cache copied once per step, as the eager model copies it
     first = selected[0]
     kshape = first.present_key.meta["val"].shape
     dtype = first.entry.meta["val"].dtype

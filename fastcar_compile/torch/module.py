@@ -100,6 +100,7 @@ class FastCarDecoder(nn.Module):
         self.decode_program: Callable[[fx.GraphModule], fx.GraphModule] | None = None
         self.last_candidates = None
         self._decode: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
+        self._scalars: tuple = (None, None)  # (key, (video_start, threshold) tensors): _step_scalars
 
     @contextlib.contextmanager
     def compile_with(self, ctx: Callable) -> Iterator[None]:
@@ -164,6 +165,17 @@ class FastCarDecoder(nn.Module):
             raise FastCarError("several thresholds need per_layer_threshold=True")
         return t.reshape(-1) if self.per_layer_threshold else t.reshape(())
 
+    def _step_scalars(self, start: int, threshold) -> tuple[torch.Tensor, torch.Tensor]:
+        """(video_start, threshold) tensors of a step, made once while they stay the same (a few small ops
+        per decode step otherwise)."""
+        tau = self.threshold if threshold is None else threshold
+        values = tuple(tau) if isinstance(tau, (list, tuple)) else (tau,)
+        plain = all(type(v) in (int, float) for v in values)  # anything else (tensors, arrays) is made anew
+        key = (start, self.per_layer_threshold, isinstance(tau, (list, tuple)), values) if plain else None
+        if key is None or self._scalars[0] != key:
+            self._scalars = (key, (torch.tensor(start, dtype=torch.int64), self.threshold_tensor(threshold)))
+        return self._scalars[1]
+
     def resolve_video_start(self, video_start, prompt_frames, total: int, new_video: bool) -> int:
         """This call's video_start: given, or from prompt_frames on a new video's first call (kept for its
         later calls), or the default."""
@@ -180,7 +192,7 @@ class FastCarDecoder(nn.Module):
         if new_video or not self.state or self.state[0].shape[0] != input_ids.shape[0]:
             self.reset(input_ids.shape[0], input_ids.device)
         start = self.resolve_video_start(video_start, prompt_frames, attention_mask.shape[1], new_video)
-        vs = torch.tensor(start, dtype=torch.int64)
+        vs, tau = self._step_scalars(start, threshold)
         program = self.program_for(input_ids)
         if self.decode_program is not None and input_ids.shape[1] > 1 and not new_video:
             entry = self._decode.get(id(program))
@@ -188,17 +200,18 @@ class FastCarDecoder(nn.Module):
                 entry = self._decode[id(program)] = (program, self.decode_program(program))
             program = entry[1]
         program = self._runnable(program)
-        outs = program(input_ids, attention_mask, position_ids, *past, vs, self.threshold_tensor(threshold),
-                       *self.state)
+        outs = program(input_ids, attention_mask, position_ids, *past, vs, tau, *self.state)
         n = 1 + self.num_kv
         k = 2 * len(self.layers)
         self.state = list(outs[n:n + k])
         diag = outs[n + k:]
         self.last_replay = {layer: diag[2 * i] for i, layer in enumerate(self.layers)}
         self.last_tas = {layer: diag[2 * i + 1] for i, layer in enumerate(self.layers)}
-        if input_ids.shape[1] == 1:
-            for layer, rep in self.last_replay.items():
-                r, d = int(rep.sum()), rep.numel()
+        if input_ids.shape[1] == 1 and self.layers:
+            # one count for all layers (a host read per layer was a measurable part of a 0%-replay step)
+            counts = torch.stack([diag[2 * i] for i in range(len(self.layers))]).flatten(1).sum(1).tolist()
+            for layer, r in zip(self.layers, counts, strict=True):
+                d = self.last_replay[layer].numel()
                 self.stats.replayed += r
                 self.stats.decisions += d
                 acc = self.stats.per_layer.setdefault(layer, [0, 0])
@@ -289,10 +302,27 @@ class FastCarCausalLMMixin:
         outs = fc(input_ids, attention_mask.to(torch.int64), position_ids, *past, video_start=video_start,
                   threshold=fastcar_threshold, prompt_frames=prompt_frames)
         logits, present = outs[0], outs[1:]
-        for i in range(fc.num_kv // 2):
-            cache.update(present[2 * i][:, :, past_len:], present[2 * i + 1][:, :, past_len:], i)
+        store_present(cache, present, past_len)
         out = CausalLMOutputWithPast(logits=logits, past_key_values=cache)
         return out if return_dict else out.to_tuple()
+
+
+def store_present(cache, present, past_len: int) -> None:
+    """Put the program's present KV (past and new tokens, one fresh tensor per layer) into transformers' cache.
+    A DynamicLayer (generate()'s default) takes the tensors as they are: its update() would concatenate the new
+    tokens onto the past again, a second copy of every layer's cache per step that the eager model does not
+    make. Any other layer type is updated with the new tokens through its own update()."""
+    from transformers.cache_utils import DynamicLayer
+
+    for i in range(len(present) // 2):
+        key, value = present[2 * i], present[2 * i + 1]
+        layer = cache.layers[i] if i < len(getattr(cache, "layers", ())) else None
+        if type(layer) is DynamicLayer:
+            if not layer.is_initialized:
+                layer.lazy_initialization(key, value)
+            layer.keys, layer.values = key, value
+        else:
+            cache.update(key[:, :, past_len:], value[:, :, past_len:], i)
 
 
 def wrap_causal_lm(model: nn.Module, decoder: FastCarDecoder) -> nn.Module:

@@ -85,6 +85,45 @@ def sdpa_gqa(gm: fx.GraphModule) -> int:
     return done
 
 
+def _empty_constant(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """`node` is a constant tensor with no elements (through lift_fresh_copy / detach_ / detach)."""
+    while node.op == "call_function" and node.target in (aten.lift_fresh_copy.default, aten.detach_.default,
+                                                         aten.detach.default):
+        node = node.args[0]
+    if node.op != "get_attr":
+        return False
+    value = getattr(gm, node.target, None)
+    return isinstance(value, torch.Tensor) and value.numel() == 0 and value.dim() == 1
+
+
+def drop_empty_cats(gm: fx.GraphModule) -> int:
+    """`cat([empty constant, past], d)` -> `past`. transformers' DynamicCache starts each layer from a 1-D empty
+    tensor and concatenates the past onto it, so the captured program copied every layer's KV cache twice per
+    step (that, then the new token's cat); the eager model, which keeps its cache, copies it once. cat skips
+    1-D empty inputs, so the result is the same tensor values. Returns the number of cats removed."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.cat.default:
+            continue
+        empty = [p for p in node.args[0] if _empty_constant(p, gm)]
+        parts = [p for p in node.args[0] if p not in empty]
+        if len(parts) != 1 or not empty or str(_shape(parts[0])) != str(_shape(node)):
+            continue
+        node.replace_all_uses_with(parts[0])
+        gm.graph.erase_node(node)
+        done += 1
+        for chain in empty:  # the constant's lift_fresh_copy / detach_ nodes (in-place, so not dead code)
+            while chain.op == "call_function" and not chain.users:
+                nxt = chain.args[0]
+                gm.graph.erase_node(chain)
+                chain = nxt
+    if done:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
 def drop_metadata_asserts(gm: fx.GraphModule) -> int:
     """Remove torch.export's `_assert_tensor_metadata` checks (dtype/device asserts on values the graph itself
     made): one dispatch each per step, dozens per decoder, nothing to check at run time."""
