@@ -1,10 +1,12 @@
 """Per-token decode time of FastCar in PyTorch (eager and torch.compile) next to the ONNX path, at forced replay.
 
 One seeded random LLaMA-style decoder (benchmarks/_common.py) is run three ways, batch 1, on CPU:
-- PyTorch eager: the model's captured program without FastCar ("dense", with the same graph rewrite as the
-  FastCar program: fastcar_compile.torch.optimize) and with it (`fastcar_compile.torch.build`), plus the
-  transformers model itself and, at 0% and the next ratio, the FastCar program with the ops' ATen composite
-  instead of their C++ kernels ("composite": what ran before the kernels, and where no compiler exists);
+- PyTorch eager: the model's captured program without FastCar ("dense", with the same graph rewrites as the
+  FastCar program: fastcar_compile.torch.optimize) and with it (`fastcar_compile.torch.build`, the step as
+  FastCarDecoder runs it), and at 0% and the next ratio with the ops' ATen composite instead of their C++
+  kernels ("composite": what runs where no compiler exists); then the models as generate() runs them, each
+  stepping its own DynamicCache through its forward: the transformers model itself ("transformers") and the
+  FastCar model from `fastcar_compile.torch.apply` ("model N%");
 - torch.compile (inductor, dynamic shapes) of the same two programs;
 - ONNX Runtime: the dense export and its `fastcar-compile` output (what bench_pass.py measures).
 Replay is forced per layer through a per-layer threshold (tau = -inf replays, +inf computes; the same
@@ -17,13 +19,14 @@ same window (medians over windows). Prints a table, writes bench_torch.json and 
     python benchmarks/bench_torch.py --quick    # small model, smoke run
     python benchmarks/bench_torch.py --threads 1 --no-compile --no-ort --ratios 0,0.4,0.5,1   # the targets below
 
-Targets (printed as met / missed): FastCar at 0% replay within 3% of the transformers model itself, and
-faster than it at >= 40% replay (torch eager, same window).
+Targets (printed as met / missed): the FastCar model at 0% replay within 3% of the transformers model itself,
+and faster than it at >= 40% replay (both through forward + DynamicCache, torch eager, same windows).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -93,6 +96,47 @@ class TorchRunner:
         return self.replayed / self.layer_steps if self.layer_steps else float("nan")
 
 
+class ModelRunner(TorchRunner):
+    """A transformers model (the plain one, or the FastCar one from `apply` with its own replay state) stepped
+    through its forward with the DynamicCache it keeps, as generate() runs it."""
+
+    def __init__(self, name: str, model, cache, past: int, vocab: int, *, state: list | None = None,
+                 ratio: Fraction | None = None, layers: int = 0):
+        super().__init__(name, model, [], past, vocab, state=state, ratio=ratio, layers=layers)
+        self.cache = copy.deepcopy(cache)
+
+    def run_step(self, record: bool = True) -> None:
+        import torch
+
+        ids = torch.as_tensor(self.rng.integers(0, self.vocab, (1, 1)))
+        kw = {"input_ids": ids, "attention_mask": torch.ones(1, self.past + 1, dtype=torch.int64),
+              "past_key_values": self.cache, "use_cache": True}
+        expect: set[int] = set()
+        if self.ratio is not None:
+            expect = set(replay_pattern(self.ratio, self.layers, self.step))
+            tau = torch.full((self.layers,), math.inf)
+            tau[list(expect)] = -math.inf
+            kw.update(fastcar_threshold=tau, video_start=0)
+            self.fn.fastcar.state = self.state  # several runners share one FastCar model: each its own state
+        c0, t0 = time.process_time(), time.perf_counter()
+        with torch.no_grad():
+            self.fn(**kw)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if record:
+            self.wall_ms.append(1e3 * dt)
+            self.cpu_ms.append(1e3 * dc)
+        if self.ratio is not None:
+            dec = self.fn.fastcar
+            self.state = dec.state
+            for pos, layer in enumerate(dec.layers):
+                r = bool(dec.last_replay[layer].item())
+                self.replayed += r
+                self.mismatch += r != (pos in expect)
+            self.layer_steps += self.layers
+        self.past += 1
+        self.step += 1
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -104,13 +148,17 @@ def plot(results: dict, path: Path) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
     for runtime, color in zip(results["runtimes"], ("C0", "C1", "C2"), strict=False):
         rows = [r for r in results["rows"] if r["runtime"] == runtime and r["ratio"] is not None
-                and not r["config"].startswith("composite")]
+                and r["config"][0].isdigit()]
         x = [100 * r["ratio"] for r in rows]
         ax.plot(x, [r["ms"] for r in rows], "o-", color=color, label=f"{runtime} FastCar")
         ax.axhline(results["dense_ms"][runtime], color=color, ls=":", lw=1, label=f"{runtime} dense")
         for r in results["rows"]:
             if r["runtime"] == runtime and r["config"] == "transformers":
                 ax.axhline(r["ms"], color="black", ls="--", lw=1, label="transformers model (eager)")
+        whole = [r for r in results["rows"] if r["runtime"] == runtime and r["config"].startswith("model")]
+        if whole:
+            ax.plot([100 * r["ratio"] for r in whole], [r["ms"] for r in whole], "+", color=color, ms=9,
+                    label=f"{runtime} FastCar model (forward + DynamicCache)")
         comp = [r for r in results["rows"] if r["runtime"] == runtime and r["config"].startswith("composite")]
         if comp:
             ax.plot([100 * r["ratio"] for r in comp], [r["ms"] for r in comp], "x", color=color,
@@ -145,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from tqdm import tqdm
+    from transformers import DynamicCache
 
     import fastcar_compile.torch as fct
     from fastcar_compile.torch import capture, ops, optimize
@@ -165,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     plain._forward_pre_hooks.clear()
     optimize.sdpa_gqa(plain)  # the form the FastCar program runs in (grouped KV heads read in place)
     optimize.drop_metadata_asserts(plain)
+    optimize.drop_empty_cats(plain)
     composite = optimize.copy_program(dense_prog.program)  # the ops' ATen composites, called directly
     for node in composite.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == ops.NAMESPACE:
@@ -179,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         dense_prog.reset(1)
         fast_out = dense_prog.program(ids, torch.ones(1, context, dtype=torch.int64), torch.arange(context)[None],
                                       *empty, torch.tensor(0), torch.full((n,), math.inf), *dense_prog.state)
+        # the models themselves, each with the DynamicCache it keeps (what generate() runs)
+        fast_model = fct.apply(model, frame_tokens=L, threshold=math.inf, per_layer_threshold=True)
+        hf_cache, fm_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        model(input_ids=ids, attention_mask=torch.ones(1, context, dtype=torch.int64), past_key_values=hf_cache)
+        fast_model(input_ids=ids, attention_mask=torch.ones(1, context, dtype=torch.int64), past_key_values=fm_cache,
+                   fastcar_threshold=torch.full((n,), math.inf), video_start=0)
+        fm_state0 = [t.clone() for t in fast_model.fastcar.state]
     kv0 = list(dense_out[1:])
     fkv0, fstate0 = list(fast_out[1:1 + 2 * n]), list(fast_out[1 + 2 * n:1 + 4 * n])
     # eager: the program as FastCarDecoder runs it (MLP state updated in place); compiled: the functional one
@@ -189,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     runners: list = []
     for rt, (hf, dense_fn, fast_fn) in runtimes.items():
         if hf is not None:
-            runners.append(TorchRunner(f"{rt}|transformers", hf, kv0, context, shape.vocab))
+            runners.append(ModelRunner(f"{rt}|transformers", model, hf_cache, context, shape.vocab))
+            runners += [ModelRunner(f"{rt}|model {float(r):.0%}", fast_model, fm_cache, context, shape.vocab,
+                                    state=fm_state0, ratio=r, layers=n) for r in ratios]
         runners.append(TorchRunner(f"{rt}|dense", dense_fn, kv0, context, shape.vocab))
         runners += [TorchRunner(f"{rt}|{float(r):.0%}", fast_fn, fkv0, context, shape.vocab, state=fstate0, ratio=r,
                                 layers=n) for r in ratios]
@@ -271,8 +330,8 @@ def report(runners, names, shape, n, context, L, a, rounds, period) -> None:
         if row["mismatch"]:
             print(f"  warning: {row['mismatch']} layer-steps replayed differently from the forced pattern")
     targets = []
-    for row in rows:  # FastCar (C++ kernels) in torch eager against the transformers model, same windows
-        if row["runtime"] != "torch eager" or row["ratio"] is None or row["config"].startswith("composite"):
+    for row in rows:  # the FastCar model against the transformers model, both as generate() runs them
+        if row["runtime"] != "torch eager" or not row["config"].startswith("model"):
             continue
         if row["ratio"] == 0:
             cost = 1 / row["x_transformers"] - 1

@@ -479,3 +479,47 @@ def test_to_onnx_prints_nothing(tmp_path, capfd):
     gate = [n for n in proto.graph.node if n.op_type == "TemporalGate"]
     typed = {v.name: v.type.tensor_type.elem_type for v in proto.graph.value_info}
     assert gate and all(typed.get(o) for n in gate for o in n.output if o)
+
+
+def test_decode_step_copies_the_kv_cache_as_the_model_does():
+    """A decode step of the FastCar model through forward + DynamicCache (what generate() runs) concatenates
+    each layer's past once, as the transformers model's own step does (the captured program used to copy it
+    onto DynamicCache's empty start tensor first, and the cache then appended the new token again), and leaves
+    the cache holding the model's keys and values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import DynamicCache
+
+    class KVCats(TorchDispatchMode):
+        """cats that make a [B, H, T, D] tensor with T the past (+ 1): each copies a layer's key or value cache."""
+
+        def __init__(self, total: int):
+            super().__init__()
+            self.total, self.n = total, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.cat.default and out.dim() == 4 and out.shape[2] >= self.total - 1:
+                self.n += 1
+            return out
+
+    model = zoo.build_model("llama")
+    fm = fct.apply(model, frame_tokens=L, threshold=math.inf)
+    n = 2 * L + 1
+    ids = torch.randint(0, zoo.VOCAB, (1, n), generator=torch.Generator().manual_seed(0))
+    counts, caches, logits = [], [], []
+    for m in (model, fm):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            m(input_ids=ids[:, :-1], attention_mask=torch.ones(1, n - 1, dtype=torch.long), past_key_values=cache)
+            with KVCats(n) as cats:
+                out = m(input_ids=ids[:, -1:], attention_mask=torch.ones(1, n, dtype=torch.long),
+                        past_key_values=cache)
+        counts.append(cats.n)
+        caches.append(cache)
+        logits.append(out.logits)
+    assert counts[0] == 2 * zoo.LAYERS and counts[1] == counts[0], counts
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)
+    assert caches[1].get_seq_length() == n
+    for want, got in zip(caches[0].layers, caches[1].layers, strict=True):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=0)
