@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     optimize.sdpa_gqa(plain)  # the form the FastCar program runs in (grouped KV heads read in place)
     optimize.drop_metadata_asserts(plain)
     optimize.drop_empty_cats(plain)
+    optimize.sdpa_float_mask(plain)
     composite = optimize.copy_program(dense_prog.program)  # the ops' ATen composites, called directly
     for node in composite.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == ops.NAMESPACE:

@@ -93,6 +93,7 @@ def build(model: nn.Module, *, example_inputs: tuple[torch.Tensor, ...] | None =
     optimize.sdpa_gqa(program)  # what runs: grouped heads read in place, as the eager model does
     optimize.drop_metadata_asserts(program)
     optimize.drop_empty_cats(program)  # the KV cache copied once per step, as the eager model copies it
+    optimize.sdpa_float_mask(program)
     first = selected[0]
     kshape = first.present_key.meta["val"].shape
     dtype = first.entry.meta["val"].dtype

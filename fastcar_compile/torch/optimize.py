@@ -10,6 +10,7 @@ and its tests see what the exporter emits.
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -81,6 +82,40 @@ def sdpa_gqa(gm: fx.GraphModule) -> int:
         done += 1
     if done:
         gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return done
+
+
+def sdpa_float_mask(gm: fx.GraphModule) -> int:
+    """Boolean SDPA masks -> one additive float mask per step. SDPA turns a boolean mask into 0 / -inf
+    (`where(mask, 0, -inf)`, three ops) on every call, i.e. in every layer; converted once where the mask is made,
+    every layer reads the same values. Returns the number of attention ops rewritten."""
+    done = 0
+    converted: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _SDPA:
+            continue
+        in_args = len(node.args) > 3
+        mask = node.args[3] if in_args else node.kwargs.get("attn_mask")
+        mval = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+        qval = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if not isinstance(mval, torch.Tensor) or mval.dtype != torch.bool or not isinstance(qval, torch.Tensor):
+            continue
+        key = (mask, qval.dtype)
+        if key not in converted:
+            with gm.graph.inserting_after(mask):
+                zero = gm.graph.call_function(aten.scalar_tensor.default, (0.0,), {"dtype": qval.dtype})
+            with gm.graph.inserting_after(zero):
+                ninf = gm.graph.call_function(aten.scalar_tensor.default, (-math.inf,), {"dtype": qval.dtype})
+            with gm.graph.inserting_after(ninf):
+                converted[key] = gm.graph.call_function(aten.where.self, (mask, zero, ninf))
+        if in_args:
+            node.args = (*node.args[:3], converted[key], *node.args[4:])
+        else:
+            node.kwargs = {**node.kwargs, "attn_mask": converted[key]}
+        done += 1
+    if done:
+        gm.graph.lint()
         gm.recompile()
     return done
 
