@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     optimize.drop_metadata_asserts(plain)
     optimize.drop_empty_cats(plain)
     optimize.sdpa_float_mask(plain)
+    optimize.skip_full_masks(plain)  # as the FastCar program's eager form (optimize.inplace_state)
     composite = optimize.copy_program(dense_prog.program)  # the ops' ATen composites, called directly
     for node in composite.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == ops.NAMESPACE:

@@ -523,3 +523,23 @@ def test_decode_step_copies_the_kv_cache_as_the_model_does():
     for want, got in zip(caches[0].layers, caches[1].layers, strict=True):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=0)
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("seq,pad", [(1, 0), (1, 3), (4, 0), (4, 2)])
+def test_attention_mask_forms_match_sdpa_boolean_mask(seq, pad):
+    """The runtime program's mask forms (optimize.sdpa_float_mask / skip_full_masks) give SDPA's output with the
+    boolean mask torch.export captured: padded, causal, and all-visible (a decode step without padding, where
+    the mask is dropped as the transformers model drops it)."""
+    from fastcar_compile.torch.optimize import additive_mask_or_none
+
+    g = torch.Generator().manual_seed(seq * 10 + pad)
+    total = 9
+    q, k, v = (torch.randn(2, h, n, 8, generator=g) for h, n in ((4, seq), (2, total), (2, total)))
+    kpos, qpos = torch.arange(total), torch.arange(total - seq, total)
+    mask = (kpos[None, :] <= qpos[:, None]).expand(2, 1, seq, total).clone()
+    mask[1, :, :, :pad] = False
+    attn = torch.ops.aten.scaled_dot_product_attention.default
+    want = attn(q, k, v, mask, enable_gqa=True)
+    form = additive_mask_or_none(mask, q.dtype)
+    assert (form is None) == (seq == 1 and pad == 0)
+    torch.testing.assert_close(attn(q, k, v, form, enable_gqa=True), want, atol=1e-6, rtol=1e-6)

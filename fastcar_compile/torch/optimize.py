@@ -19,6 +19,7 @@ from torch import fx
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 _FULL = (0, None, 9223372036854775807)  # a slice that keeps everything
+_MASK_META = "fastcar_additive_mask"  # node.meta key: the query dtype of a mask made by sdpa_float_mask
 
 
 def copy_program(program: fx.GraphModule) -> fx.GraphModule:
@@ -109,10 +110,43 @@ def sdpa_float_mask(gm: fx.GraphModule) -> int:
                 ninf = gm.graph.call_function(aten.scalar_tensor.default, (-math.inf,), {"dtype": qval.dtype})
             with gm.graph.inserting_after(ninf):
                 converted[key] = gm.graph.call_function(aten.where.self, (mask, zero, ninf))
+            converted[key].meta[_MASK_META] = qval.dtype  # (skip_full_masks finds it by this)
         if in_args:
             node.args = (*node.args[:3], converted[key], *node.args[4:])
         else:
             node.kwargs = {**node.kwargs, "attn_mask": converted[key]}
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def additive_mask_or_none(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """SDPA's additive form of a boolean mask, or None when it lets every query see every key (one query and
+    no padding: a decode step at batch 1). SDPA with a mask is slower than without it (the transformers model
+    passes none in that case), and an all-visible mask adds only zeros."""
+    if bool(mask.all()):
+        return None
+    return torch.where(mask, torch.scalar_tensor(0.0, dtype=dtype), torch.scalar_tensor(-math.inf, dtype=dtype))
+
+
+def skip_full_masks(gm: fx.GraphModule) -> int:
+    """The masks of sdpa_float_mask -> `additive_mask_or_none`: a host check once per step, so attention runs
+    unmasked whenever the mask hides nothing. Eager programs only (a data-dependent branch breaks a
+    torch.compile graph). Returns the number of masks rewritten."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or _MASK_META not in node.meta:
+            continue
+        mask, zero, ninf = node.args
+        with gm.graph.inserting_before(node):
+            lazy = gm.graph.call_function(additive_mask_or_none, (mask, node.meta[_MASK_META]))
+        node.replace_all_uses_with(lazy)
+        gm.graph.erase_node(node)
+        for const in (zero, ninf):
+            if not const.users:
+                gm.graph.erase_node(const)
         done += 1
     if done:
         gm.graph.lint()
@@ -173,7 +207,8 @@ def drop_metadata_asserts(gm: fx.GraphModule) -> int:
 def inplace_state(program: fx.GraphModule) -> fx.GraphModule:
     """A copy of the FastCar program that writes the MLP cache update into its state inputs
     (`fastcar::mlp_cache_update_`) and returns them as the new state: no copy of every layer's cache per step;
-    its branches run as `FastCarBranch.eager` (_eager_branches).
+    its branches run as `FastCarBranch.eager` (_eager_branches), its attention unmasked when the mask hides
+    nothing (skip_full_masks).
     Only for a caller that owns the state it passes (FastCarDecoder's eager steps); the program itself stays
     functional for torch.compile, export and callers that keep their inputs."""
     gm = copy_program(program)
@@ -191,6 +226,7 @@ def inplace_state(program: fx.GraphModule) -> fx.GraphModule:
             gm.graph.erase_node(user)
         gm.graph.erase_node(node)
     _eager_branches(gm)
+    skip_full_masks(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
