@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the prompts end with this many video tokens (e.g. a given frame 0)")
     own.add_argument("--draft", metavar="KIND[:K]",
                      help="speculative decoding instead: plain vs draft greedy decoding of --model, a dense export "
-                          "(temporal, ngram or temporal+ngram; :K draft tokens per step, default adaptive; "
+                          f"({', '.join(contract.DRAFT_KINDS)}; :K draft tokens per step, default adaptive; "
                           "--frame-shape gives the frame size; docs/speculation.md)")
     own.add_argument("--frame-shape", metavar="HxW", help="frame as a token grid (16x16 for L=256): per-token "
                                                           "replay heatmap fast.tokens.png")
