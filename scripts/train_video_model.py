@@ -132,7 +132,9 @@ def status_stage(a) -> None:
     done = max(steps) + 1
     recent = [steps[k] for k in sorted(steps)[-20:]]
     wall = float(np.mean([r["seconds"] for r in recent]))
-    cpu = (recent[-1]["cpu_s"] - recent[0]["cpu_s"]) / max(1, len(recent) - 1)
+    # process CPU seconds restart from 0 in a resumed run: per-step differences within one process only
+    diffs = [b["cpu_s"] - a["cpu_s"] for a, b in zip(recent, recent[1:]) if b["cpu_s"] > a["cpu_s"]]
+    cpu = float(np.median(diffs)) if diffs else float("nan")
     tokens = recent[-1]["tokens_per_s"] * recent[-1]["seconds"]  # tokens per step
     print(f"step {done}/{total}; loss (last 20 steps) {np.mean([r['loss'] for r in recent]):.3f}; "
           f"{wall:.1f} s wall and {cpu:.1f} CPU s per step ({tokens / wall:.0f} tokens/s wall, "
