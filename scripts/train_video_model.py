@@ -133,7 +133,8 @@ def status_stage(a) -> None:
     recent = [steps[k] for k in sorted(steps)[-20:]]
     wall = float(np.mean([r["seconds"] for r in recent]))
     # process CPU seconds restart from 0 in a resumed run: per-step differences within one process only
-    diffs = [b["cpu_s"] - a["cpu_s"] for a, b in zip(recent, recent[1:]) if b["cpu_s"] > a["cpu_s"]]
+    diffs = [b["cpu_s"] - a["cpu_s"] for a, b in zip(recent[:-1], recent[1:], strict=True)
+             if b["cpu_s"] > a["cpu_s"]]
     cpu = float(np.median(diffs)) if diffs else float("nan")
     tokens = recent[-1]["tokens_per_s"] * recent[-1]["seconds"]  # tokens per step
     print(f"step {done}/{total}; loss (last 20 steps) {np.mean([r['loss'] for r in recent]):.3f}; "
