@@ -12,6 +12,21 @@
 
 namespace {
 
+// The value of a one-element tensor, read in place when it is a CPU tensor of that type: .item() and .to() go
+// through the dispatcher, and in a decode step (caches cold after the MLP's weights) each such call costs far
+// more than its work; these ops run once per layer and step.
+template <typename T>
+T scalar_of(const at::Tensor& t) {
+  if (t.device().is_cpu() && t.scalar_type() == c10::CppTypeToScalarType<T>::value) return *t.const_data_ptr<T>();
+  return t.item<T>();
+}
+
+// `t` itself when it already has this dtype (and is contiguous), else the converted copy.
+at::Tensor as(const at::Tensor& t, at::ScalarType dtype, bool contiguous = false) {
+  at::Tensor r = t.scalar_type() == dtype ? t : t.to(dtype);
+  return contiguous && !r.is_contiguous() ? r.contiguous() : r;
+}
+
 // (replay [B,S] bool, tas [B,S] float32, slot [S] int64, write [S] bool) for q [B,H,S,D], K [B,Hkv,T,D].
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> temporal_gate(
     const at::Tensor& q, const at::Tensor& present_key, const at::Tensor& past_mlp_age, const at::Tensor& threshold,
@@ -22,8 +37,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> temporal_gate(
   const int64_t Hkv = present_key.size(1), T = present_key.size(2), L = frame_tokens;
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "fastcar::temporal_gate: query heads must be a multiple of KV heads");
   const int64_t g = H / Hkv;
-  const float tau = threshold.item<float>();
-  const int64_t vs = video_start.item<int64_t>();
+  const float tau = scalar_of<float>(threshold);
+  const int64_t vs = scalar_of<int64_t>(video_start);
   auto opts = q.options();
   at::Tensor replay = at::empty({B, S}, opts.dtype(at::kBool));
   at::Tensor tas = at::empty({B, S}, opts.dtype(at::kFloat));
@@ -36,13 +51,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> temporal_gate(
     slot_a[i] = ((p - vs) % L + L) % L;
     write_a[i] = p >= vs && p >= T - L;
   }
-  at::Tensor age = past_mlp_age.to(at::kLong);
+  at::Tensor age = as(past_mlp_age, at::kLong);
   auto age_a = age.accessor<int64_t, 2>();
   auto replay_a = replay.accessor<bool, 2>();
   auto tas_a = tas.accessor<float, 2>();
   const float scale = 1.0f / (static_cast<float>(H) * std::sqrt(static_cast<float>(D)));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fastcar_temporal_gate", [&] {
-    at::Tensor k = present_key.to(q.scalar_type());
+    at::Tensor k = as(present_key, q.scalar_type());
     auto q_a = q.accessor<scalar_t, 4>();
     auto k_a = k.accessor<scalar_t, 4>();
     for (int64_t b = 0; b < B; ++b) {
@@ -80,9 +95,9 @@ std::tuple<at::Tensor, at::Tensor> mlp_cache_update(const at::Tensor& past_mlp_c
               "fastcar::mlp_cache_update: cache [B,L,H], branch [B,S,H], age [B,L] expected");
   at::Tensor cache = past_mlp_cache.clone(at::MemoryFormat::Contiguous);
   at::Tensor age = past_mlp_age.clone(at::MemoryFormat::Contiguous);
-  at::Tensor src = branch.to(cache.scalar_type()).contiguous();
-  at::Tensor rep = replay.to(at::kBool).contiguous();
-  at::Tensor old = past_mlp_age.to(at::kLong);
+  at::Tensor src = as(branch, cache.scalar_type(), true);
+  at::Tensor rep = as(replay, at::kBool, true);
+  at::Tensor old = as(past_mlp_age, at::kLong);
   const int64_t B = cache.size(0), L = cache.size(1), Hd = cache.size(2), S = src.size(1);
   TORCH_CHECK(age.scalar_type() == at::kLong, "fastcar::mlp_cache_update: past_mlp_age must be int64");
   auto slot_a = slot.accessor<int64_t, 1>();
@@ -111,8 +126,8 @@ void mlp_cache_update_(at::Tensor& past_mlp_cache, at::Tensor& past_mlp_age, con
   TORCH_CHECK(past_mlp_cache.dim() == 3 && branch.dim() == 3 && past_mlp_age.dim() == 2 &&
               past_mlp_age.scalar_type() == at::kLong, "fastcar::mlp_cache_update_: cache [B,L,H], branch [B,S,H], "
               "age [B,L] int64 expected");
-  at::Tensor src = branch.to(past_mlp_cache.scalar_type()).contiguous();
-  at::Tensor rep = replay.to(at::kBool).contiguous();
+  at::Tensor src = as(branch, past_mlp_cache.scalar_type(), true);
+  at::Tensor rep = as(replay, at::kBool, true);
   const int64_t B = past_mlp_cache.size(0), L = past_mlp_cache.size(1), Hd = past_mlp_cache.size(2);
   const int64_t S = src.size(1);
   auto slot_a = slot.accessor<int64_t, 1>();

@@ -97,10 +97,10 @@ class FastCarBranch(nn.Module):
         """forward as the eager step runs it (optimize.inplace_state): the cache is read only when a row replays,
         and the branch's generated code is called without two module calls' hooks around it. At 0% replay a
         layer then adds a gate, one host check and a cache write to the dense layer, nothing more."""
-        if not replay.any():
+        if not (replay.item() if replay.numel() == 1 else replay.any()):  # (one host read at batch 1)
             return self.branch.forward(x, *ext)
         cached = torch.ops.fastcar.mlp_cache_read.default(past_mlp_cache, slot)
-        if replay.all():
+        if replay.numel() == 1 or replay.all():
             return cached.to(x.dtype)
         return self.compacted(x, replay, cached, *ext)
 
