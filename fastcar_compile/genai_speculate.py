@@ -125,13 +125,11 @@ def _target_io(model_path: Path, config: dict) -> tuple[int, int]:
     return last.dim_value, ids.type.tensor_type.elem_type
 
 
-def _link(src: Path, dst: Path) -> Path:
-    """dst as a hard link to src (no copy of the weights), a copy across file systems; an older dst replaced."""
+def _copy(src: Path, dst: Path) -> Path:
+    """dst as a copy of src, an older dst replaced. Not a hard link: onnx refuses external data files with more
+    than one link ("potential hardlink attack"), so a link would make the input folder unloadable by onnx.load."""
     tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
+    shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
     return dst
 
@@ -152,7 +150,7 @@ def speculation_config(config: dict, draft: str, k: int | None, ngram: int) -> d
 
 def write(genai_dir: str | os.PathLike, out_dir: str | os.PathLike, draft: str, frame_tokens: int | None,
           ngram: int = NGRAM_SIZE) -> list[Path]:
-    """Write OUT: genai_config.json, draft.onnx for the temporal draft, and GENAI_DIR's other files as hard links
+    """Write OUT: genai_config.json, draft.onnx for the temporal draft, and copies of GENAI_DIR's other files
     (genai 0.18 reads a model only from below its config's folder: no '..', no absolute path). GENAI_DIR is
     left as is. Returns the files written."""
     src, dst = Path(genai_dir), Path(out_dir)
@@ -183,7 +181,7 @@ def write(genai_dir: str | os.PathLike, out_dir: str | os.PathLike, draft: str, 
     cfg = speculation_config(config, spec.kind, spec.tokens, ngram)
     for f in sorted(src.iterdir()):  # the model, its weights, the tokenizer: genai reads only below its folder
         if f.is_file() and f.name != cfg_path.name and f.name != DRAFT_FILE:
-            files.append(_link(f, dst / f.name))
+            files.append(_copy(f, dst / f.name))
     files.append(write_text(dst / cfg_path.name, json.dumps(cfg, indent=4) + "\n"))
     return files
 
