@@ -13,7 +13,8 @@ Replay is forced per layer through a per-layer threshold (tau = -inf replays, +i
 Bresenham pattern as bench_pass.py), so every window of `period` steps holds exactly the ratio; the realised
 ratio is read back from the replay decisions. All configurations run interleaved step by step after a
 prefill of `--context` tokens; a ratio compares each configuration with its own runtime's dense step in the
-same window (medians over windows; the lower quartile of each configuration's window times too). Prints a table, writes bench_torch.json and bench_torch.png.
+same window (medians over windows; the lower quartile of each configuration's window times too). Prints a
+table, writes bench_torch.json and bench_torch.png.
 
     python benchmarks/bench_torch.py            # hidden 1024, 8 layers, context 1024 (several minutes: compiles)
     python benchmarks/bench_torch.py --quick    # small model, smoke run
@@ -316,7 +317,8 @@ def report(runners, names, shape, n, context, L, a, rounds, period) -> None:
             ratio = getattr(r, "ratio", None)
             rows.append({"runtime": rt, "config": r.name.split("|", 1)[1], "ratio": None if ratio is None else float(ratio),
                          "realised": None if ratio is None else r.realised, "mismatch": getattr(r, "mismatch", 0),
-                         "ms": float(np.median(w)), "ms_q25": float(np.percentile(w, 25)), "speedup": float(np.median(dw / w)),
+                         "ms": float(np.median(w)), "ms_q25": float(np.percentile(w, 25)),
+                         "speedup": float(np.median(dw / w)),
                          "x_transformers": float(np.median(hw / w)) if rt == "torch eager" and hw is not None else None})
     ort_ms = {row["config"]: row["ms"] for row in rows if row["runtime"] == "ORT"}
     print(f"\nLLaMA-style hidden {shape.hidden}, {n} layers, context {context}, L {L}, batch 1, CPU {a.threads} threads"
@@ -326,7 +328,8 @@ def report(runners, names, shape, n, context, L, a, rounds, period) -> None:
     for row in rows:
         vs_ort = ort_ms.get(row["config"])
         xt = row["x_transformers"]
-        print(f"{row['runtime']:<14} {row['config']:<14} {row['ms']:8.2f} {row['ms_q25']:8.2f} {row['speedup']:11.3f} "
+        print(f"{row['runtime']:<14} {row['config']:<14} {row['ms']:8.2f} {row['ms_q25']:8.2f} "
+              f"{row['speedup']:11.3f} "
               f"{'' if xt is None else format(xt, '.3f'):>14} {(vs_ort / row['ms'] if vs_ort else float('nan')):10.3f} "
               f"{'' if row['realised'] is None else format(row['realised'], '.0%'):>8}")
         if row["mismatch"]:
