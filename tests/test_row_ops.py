@@ -260,7 +260,7 @@ def test_compiled_genai_graph_batch3_matches_reference(genai_model, fc_compile, 
     else:
         assert not any(s.any() for s in per_step)
     for native in [None] + ([native_lib] if native_lib is not None else []):
-        got = ort_driver.decode(tgr._session(out, "fp32", compiled=True, native=native), run.steps,
+        got = ort_driver.decode(tgr._session(out, "fp32", compiled=True, native=native, inputs={"video_start"}), run.steps,
                                 video_start=tgr.VIDEO_START, head_dim=tgr.HEAD_DIM)
         for k, (g, w) in enumerate(zip(got.logits, run.logits, strict=True)):
             assert np.abs(g - w).max() <= tgr.TOL, f"step {k} ({native})"
@@ -301,7 +301,8 @@ def test_an_unknown_rank_mlp_entry_still_compiles_and_runs(genai_model, fc_compi
     reshaped = [n for n in onnx.load(str(out)).graph.node if n.op_type == "Reshape" and
                 n.output[0].endswith(".mlp_used")]
     assert len(reshaped) == 2  # one per rewritten layer
-    got = ort_driver.decode(tgr._session(out, "fp32", compiled=True, native=native_lib), run.steps,
+    sess = tgr._session(out, "fp32", compiled=True, native=native_lib, inputs={"video_start"})
+    got = ort_driver.decode(sess, run.steps,
                             video_start=tgr.VIDEO_START, head_dim=tgr.HEAD_DIM)
     for k, (g, w) in enumerate(zip(got.logits, run.logits, strict=True)):
         assert np.abs(g - w).max() <= tgr.TOL, f"step {k}"
