@@ -1,5 +1,5 @@
 """Options declared once (fastcar_compile/core/options.py): the CLI flags, `compile`'s and `torch.apply`'s keywords,
-their checks, the metadata and README's option table follow the declaration; a calibrated compile keeps every
+their checks, the metadata and the option tables of docs/compile.md and docs/pytorch.md follow the declaration; a calibrated compile keeps every
 option (its output equals a plain compile with the same options and the calibrated tau: metadata, graph
 inputs/outputs and their defaults, ops, genai_config.json)."""
 
@@ -164,8 +164,8 @@ def test_torch_apply_options_are_the_declared_ones():
     for func in (fct.apply, fct.build):
         params = inspect.signature(func).parameters
         assert [n for n in params if n in options.BY_NAME] == [o.name for o in options.TORCH_OPTIONS]
-    readme = (ROOT / "README.md").read_text()
-    said = re.search(r"Options are `fastcar-compile`'s\s+\(([^)]*)\)", readme).group(1)
+    guide = (ROOT / "docs" / "pytorch.md").read_text()
+    said = re.search(r"Options are `fastcar-compile`'s\s+\(([^)]*)\)", guide).group(1)
     assert set(re.findall(r"`(\w+)`", said)) == {o.name for o in options.TORCH_OPTIONS} - {"frame_tokens",
                                                                                               "threshold"}
 
@@ -196,9 +196,9 @@ def test_recorded_options_are_in_the_metadata(zoo_model, tmp_path):
         assert (text if isinstance(value, str) else json.loads(text)) == value, name
 
 
-def test_readme_option_table_lists_the_declared_flags():
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| option | meaning |"):]
+def test_compile_guide_option_table_lists_the_declared_flags():
+    guide = (ROOT / "docs" / "compile.md").read_text()
+    table = guide[guide.index("| option | meaning |"):]
     table = table[:table.index("\n\n")]
     named = {f for row in table.splitlines()[2:] for f in re.findall(r"--[a-z][a-z0-9-]*", row.split(" | ")[0])}
     assert named - {"--no-genai"} == {o.flag for o in options.CLI_OPTIONS} | (named & COMMAND_FLAGS)
