@@ -21,6 +21,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
+def dit_tiny_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`fastcar-compile export --dit tiny` once per session (random weights, seed 0; dit.onnx + dit.text.onnx),
+    shared read-only by the DiT test modules."""
+    from fastcar_compile.cli import main
+
+    out = tmp_path_factory.mktemp("dit") / "dit.onnx"
+    assert main(["export", "--dit", "tiny", "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where exported graphs live: $FASTCAR_ZOO_DIR (kept between runs) or a per-session temp dir."""
     env = os.environ.get("FASTCAR_ZOO_DIR")

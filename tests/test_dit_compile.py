@@ -26,10 +26,8 @@ CFG = PRESETS["tiny"]
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dit") / "dit.onnx"
-    assert main(["export", "--dit", "tiny", "-o", str(out)]) == 0
-    return out
+def exported(dit_tiny_export: Path) -> Path:
+    return dit_tiny_export  # exported once per test session (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -271,10 +271,8 @@ def eager():
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fa") / "dit.onnx"
-    assert main(["export", "--dit", "tiny", "-o", str(out)]) == 0
-    return out
+def exported(dit_tiny_export):
+    return dit_tiny_export  # exported once per test session (conftest)
 
 
 @pytest.mark.parametrize("kw", [
