@@ -1,5 +1,5 @@
 """The documentation stands alone in a clone: no reference to files outside the repository, every relative link
-resolves, and docs/genai.md's recipe for the tokenizer files onnxruntime-genai's builder needs runs as written."""
+and every repository path a guide names (a script to run, a file to read) exists, and docs/genai.md's recipe for the tokenizer files onnxruntime-genai's builder needs runs as written."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
+TOP = ("docs", "results", "benchmarks", "scripts", "tests", "fastcar_compile", "passes", "runtime", "fpga_backend",
+       "training")
+# a path from the repository root as prose and commands write it (`python benchmarks/x.py`, docs/y.md, tests/test_*.py)
+REPO_PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(TOP)})/[\w./*-]*[\w*/])")
 SOURCES = [p for d in ("fastcar_compile", "runtime", "passes", "fpga_backend", "benchmarks", "scripts", "tests")
            for p in sorted((ROOT / d).rglob("*.py"))]
 
@@ -27,6 +31,30 @@ def test_relative_links_resolve(path):
         if re.match(r"[a-z]+:", target):  # http(s), mailto
             continue
         assert (path.parent / target).exists(), f"{path.name} links to {target}, which is not in the repository"
+
+
+def missing_paths(text: str) -> list[str]:
+    """The repository paths `text` names that are not in the repository (globs must match something; a segment in
+    capitals, such as results/SUITE, is a placeholder)."""
+    missing = []
+    for target in REPO_PATH.findall(text):
+        target = target.rstrip("/.")
+        if any(part.isupper() for part in target.split("/")):
+            continue
+        found = list(ROOT.glob(target)) if "*" in target else (ROOT / target).exists()
+        if not found:
+            missing.append(target)
+    return missing
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_repository_paths_exist(path):
+    assert missing_paths(path.read_text(encoding="utf-8")) == [], f"{path.name} names files the repository lacks"
+
+
+def test_path_check_finds_a_moved_script():
+    text = "run `python benchmarks/quality.py --clips 16`, then read docs/demo.md and tests/test_fpga_*.py; results/SUITE/"
+    assert missing_paths(text) == ["benchmarks/quality.py"]
 
 
 def test_genai_tokenizer_recipe_runs(tmp_path, monkeypatch):

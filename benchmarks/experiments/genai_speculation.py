@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--clips", default="0", help="eval clips (comma-separated)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=Path("docs/genai_speculation"), help="output stem (.json, .md)")
+    ap.add_argument("--out", type=Path, default=Path("fastcar-out/bench/genai_speculation"), help="output stem (.json, .md)")
     a = ap.parse_args(argv)
     import onnxruntime_genai as og
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: long_video and _common
