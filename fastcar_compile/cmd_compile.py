@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from fastcar_compile import commands
+from fastcar_compile import commands, fpga_cmds
 from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
 
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     fpga = p.add_argument_group("FPGA backend")
     fpga.add_argument("--target", choices=["onnx", "fpga"], default="onnx",
                       help="onnx (default): write fast.onnx; fpga: compile a fast.onnx into DRS bundles (.fcb)")
-    fpga.add_argument("--board", default="kv260", help="board preset (kv260, zcu102, u280)")
+    fpga.add_argument("--board", default="kv260", help=f"board preset ({fpga_cmds.board_presets()}; default kv260)")
     fpga.add_argument("--board-file", help="JSON file overriding board parameters")
     fpga.add_argument("--batch", type=options.ascii_int, default=1, help="batch rows the bundles are scheduled for (<= 32)")
     fpga.add_argument("--context", type=options.ascii_int, help="KV context the attention tiles are sized for (default 2 x L)")

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
+from pathlib import Path
 
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.options import ascii_float, ascii_int
+
+
+def board_presets() -> str:
+    """The shipped board presets (fpga_backend/boards/*.json, what hwspec.PRESETS loads) for help texts, listed
+    without importing the backend: its import costs a second on every command line."""
+    spec = importlib.util.find_spec("fastcar_compile.fpga_backend")
+    if spec is None or not spec.submodule_search_locations:
+        return "see docs/fpga.md"
+    boards = Path(next(iter(spec.submodule_search_locations)), "boards")
+    return ", ".join(sorted(p.stem for p in boards.glob("*.json")))
 
 
 def _sim_parser() -> argparse.ArgumentParser:
@@ -22,7 +34,8 @@ def _sim_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=ascii_int, default=8, help="synthetic decode steps (default 8)")
     p.add_argument("--context", type=ascii_int, help="KV length for synthetic steps (default: the compiled one)")
     p.add_argument("--seed", type=ascii_int, default=0, help="synthetic mask seed")
-    p.add_argument("--board", help="board preset to simulate on (must have the program's cores and buffers)")
+    p.add_argument("--board", help=f"board preset to simulate on ({board_presets()}); must have the program's "
+                                   "cores and buffers")
     p.add_argument("--board-file", help="JSON file overriding board figures (clock, bandwidth, efficiency, ...)")
     p.add_argument("--policy", choices=["static", "drs", "both"], default="both", help="dispatch policy")
     p.add_argument("--weights", choices=["broadcast", "per_core"],
