@@ -75,7 +75,7 @@ class LayerStats:
                 "resident_kv_bytes": self.resident_bytes, "dense_kv_bytes": self.dense_bytes}
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Row-wise cosine of a and b [..., d] (0 for a zero vector)."""
     den = a.norm(dim=-1) * b.norm(dim=-1)
     return torch.where(den > 0, (a * b).sum(-1) / torch.where(den > 0, den, torch.ones_like(den)),
@@ -121,7 +121,7 @@ class SlotCache:
         pos, found = self.positions(prev)
         ok = found & (self.count.gather(1, pos) > 0)
         cand = self.k_pre.gather(1, pos[..., None].expand(-1, -1, k_pre.shape[-1]))
-        return torch.where(ok & (_cos(k_pre, cand) > sim), pos, torch.full_like(pos, -1))
+        return torch.where(ok & (cosine(k_pre, cand) > sim), pos, torch.full_like(pos, -1))
 
     def ann_targets(self, f: int, k_pre: torch.Tensor, codes_pre: torch.Tensor, sim: float, sinks: int
                     ) -> torch.Tensor:
@@ -136,7 +136,7 @@ class SlotCache:
         qi, ci = sparse.bucket_join(qg, codes_pre.flatten(0, 1), cg, self.codes_pre[cg, cp])
         if qi.numel() == 0:
             return out
-        cos = _cos(k_pre.flatten(0, 1)[qi], self.k_pre[cg[ci], cp[ci]])
+        cos = cosine(k_pre.flatten(0, 1)[qi], self.k_pre[cg[ci], cp[ci]])
         best = torch.full((self.G * self.T,), -torch.inf, dtype=cos.dtype).scatter_reduce(0, qi, cos, "amax")
         at_best = cos == best[qi]
         pick = torch.full((self.G * self.T,), -1, dtype=torch.int64).scatter_reduce(
@@ -321,7 +321,7 @@ def replay_ffn(ffn, x: torch.Tensor, tas: torch.Tensor, eligible: torch.Tensor, 
     B, Fr, T, D = x.shape
     replay = eligible & (tas > tau)
     rows = torch.nonzero(~replay.flatten(), as_tuple=True)[0]
-    out = torch.zeros(B * Fr * T, D, dtype=x.dtype)
+    out = torch.zeros(B * Fr * T, D, dtype=x.dtype, device=x.device)
     if rows.numel():
         out[rows] = ffn(x.reshape(-1, D)[rows])
     out = out.view(B, Fr, T, D)
@@ -330,6 +330,27 @@ def replay_ffn(ffn, x: torch.Tensor, tas: torch.Tensor, eligible: torch.Tensor, 
             src = out[:, j - 1] if j else prev
             out[:, j] = torch.where(replay[:, j, :, None], src, out[:, j])
     return out, replay
+
+
+def block_inputs(blk, x: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    """model.Block.forward up to the self-attention, for runtimes that replace its attention and FFN: the six
+    modulation vectors, the per-frame modulate / gate functions, and q, k (post-RoPE) [B, H, S, d], the
+    pre-RoPE key [B, S, H, d] (TempCache compares those) and v."""
+    b, s, d = x.shape
+    fr, H = e.shape[1], blk.heads
+    mod = (blk.modulation[:, None] + e).unbind(2)
+
+    def modulate(h, shift, scale):
+        return (h.view(b, fr, -1, d) * (1 + scale[:, :, None]) + shift[:, :, None]).view(b, s, d)
+
+    def gate(h, g):
+        return (h.view(b, fr, -1, d) * g[:, :, None]).view(b, s, d)
+
+    h = modulate(blk.norm1(x), mod[0], mod[1])
+    k_pre = blk.norm_k(blk.k(h)).unflatten(-1, (H, -1))
+    q = apply_rope(blk.norm_q(blk.q(h)).unflatten(-1, (H, -1)), cos, sin).transpose(1, 2)
+    k = apply_rope(k_pre, cos, sin).transpose(1, 2)
+    return mod, modulate, gate, q, k, k_pre, blk.heads_first(blk.v(h))
 
 
 @dataclass
@@ -456,19 +477,7 @@ class FastARDiT(TorchDiT):
         b, s, d = x.shape
         fr = e.shape[1]
         T, H, hd = cfg.tokens_per_frame, cfg.heads, cfg.head_dim
-        mod = (blk.modulation[:, None] + e).unbind(2)
-
-        def modulate(h, shift, scale):
-            return (h.view(b, fr, -1, d) * (1 + scale[:, :, None]) + shift[:, :, None]).view(b, s, d)
-
-        def gate(h, g):
-            return (h.view(b, fr, -1, d) * g[:, :, None]).view(b, s, d)
-
-        h = modulate(blk.norm1(x), mod[0], mod[1])
-        k_pre = blk.norm_k(blk.k(h)).unflatten(-1, (H, -1))
-        q = apply_rope(blk.norm_q(blk.q(h)).unflatten(-1, (H, -1)), cos, sin).transpose(1, 2)
-        k = apply_rope(k_pre, cos, sin).transpose(1, 2)
-        v = blk.heads_first(blk.v(h))
+        mod, modulate, gate, q, k, k_pre, v = block_inputs(blk, x, e, cos, sin)
         t0 = time.perf_counter()
         att = self.self_attention(i, q, k, v, state, frame_start)
         t1 = time.perf_counter()

@@ -5,6 +5,9 @@ from the graph's dataflow (fastcar_compile.torch.discover, the anchors of the ON
 inserted into that graph (fastcar_compile.torch.rewrite) and the rewritten program runs in place of the
 model's forward. A transformers causal LM comes back as a model of the same class whose `generate()` just
 works; `to_onnx` lowers the same program to a fast.onnx with the ONNX path's contract.
+
+A chunk-causal video DiT (fastcar_compile.dit.model) takes `apply_dit(model, tempcache="aligned",
+fastcar_tau=...)` instead (fastcar_compile.torch.dit): its modes change what the cache holds.
 """
 
 from __future__ import annotations
@@ -153,4 +156,11 @@ def to_onnx(model, path, *, opset: int = 20, emit_diagnostics: bool = False):
     return lower(model, path, opset=opset, emit_diagnostics=emit_diagnostics)
 
 
-__all__ = ["to_onnx", "FastCarCausalLMMixin", "FastCarDecoder", "FastCarStats", "apply", "build", "inspect"]
+def apply_dit(model: nn.Module, **options):
+    """TempCache and FastCar on a PyTorch DiT (fastcar_compile.torch.dit.apply_dit; imported on use)."""
+    from fastcar_compile.torch.dit import apply_dit as apply_to_dit
+
+    return apply_to_dit(model, **options)
+
+
+__all__ = ["apply_dit", "to_onnx", "FastCarCausalLMMixin", "FastCarDecoder", "FastCarStats", "apply", "build", "inspect"]

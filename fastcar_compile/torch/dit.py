@@ -1,0 +1,245 @@
+"""TempCache and FastCar on the PyTorch DiT: `fast = fastcar_compile.torch.apply_dit(model, fastcar_tau=0.5,
+tempcache="aligned")`.
+
+The DiT step (dit/model.ChunkDiT) takes its cache as tensors; these modes change what the cache is (merged
+slots with a count and a log(count) logit term) and add state across chunks (the replay cache), so the
+returned `FastCarDiT` owns both as tensors on the model's device. Its cache is positional, as the compiled
+step graph's buffers are: per layer one key/value/count tensor over the resident frames' token positions in
+frame order. With TempCache 'aligned' a written token merges into the slot at its own (h, w) one frame back;
+that slot always sits at the previous frame's position (a merge moves it to the new frame's position, leaving
+a dead slot of count 0 behind), so a merge is a masked update of the last frame's positions, never a search.
+FastCar's TAS and replay are dit/fastar.py's definitions (`temporal_scores`, `replay_ffn`: only the computed
+rows go through the FFN), with the replay cache (per denoising step and layer, the last frame's FFN output
+and key) held here. The eager stream runtime (dit/fastar.FastARDiT, slot lists) is the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.dit import modes
+from fastcar_compile.dit.fastar import LayerStats, block_inputs, cosine, replay_ffn, temporal_scores, totals
+from fastcar_compile.dit.model import ChunkDiT
+from fastcar_compile.dit.stream import kept_frames
+
+SUPPORTED = ("tempcache", "tempcache_sim", "fastcar_tau")  # of dit/modes.DIT_OPTIONS
+TEMPCACHE = ("aligned",)
+
+
+@dataclass
+class ModeCache:
+    """One video's state: per layer the resident slots (key post-RoPE, value, count; count 0 = a dead slot)
+    over the resident frames' positions in frame order, the last written frame's pre-RoPE keys (TempCache's
+    comparison), and the replay cache (timesteps -> layer -> (FFN output, key) of the last frame)."""
+
+    tokens: int
+    sinks: int
+    window: int
+    frames: list[int] = field(default_factory=list)
+    key: list[torch.Tensor] = field(default_factory=list)  # [B, H, frames * T, d]
+    value: list[torch.Tensor] = field(default_factory=list)
+    count: list[torch.Tensor] = field(default_factory=list)  # [B, H, frames * T] int64
+    last_pre: list[torch.Tensor] = field(default_factory=list)  # [B, H, T, d]
+    replay: dict = field(default_factory=dict)
+    written: int = 0
+    tempcache: str | None = None
+    sim: float = 0.9
+    layers: int = 0
+    stats: list[LayerStats] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stats = [LayerStats() for _ in range(self.layers)]
+
+    # the stream loop's cache interface (dit/stream.rollout): the module reads its own state
+    def past(self, batch: int, heads: int, head_dim: int) -> ModeCache:
+        return self
+
+    @property
+    def resident(self) -> list[int]:
+        return list(self.frames)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes + c.nbytes * (self.tempcache is not None)
+                   for k, v, c in zip(self.key, self.value, self.count, strict=True))
+
+    def bias(self, i: int) -> torch.Tensor:
+        """log(count) per slot of layer i [B, H, slots], -inf for a dead one (the TempCache lemma's term)."""
+        c = self.count[i].to(self.key[i].dtype)
+        return torch.where(c > 0, torch.log(c.clamp(min=1)), torch.full_like(c, -math.inf))
+
+    def write(self, first_frame: int, kv: list) -> None:
+        """Write the clean chunk (per layer (key post-RoPE, key pre-RoPE, value) [B, H, F*T, d]) frame by
+        frame: with TempCache a token whose pre-RoPE key's cosine with the aligned token one frame back
+        exceeds SIM merges into that slot (newest key, running mean value, count + 1). Sink frames never
+        merge. Then the frames outside the sinks and the window are dropped."""
+        T = self.tokens
+        frames = kv[0][0].shape[2] // T
+        for k_post, k_pre, v in kv[len(self.key):]:  # a new video's layers
+            B, H, _, d = k_post.shape
+            self.key.append(k_post.new_zeros(B, H, 0, d))
+            self.value.append(v.new_zeros(B, H, 0, d))
+            self.count.append(torch.zeros(B, H, 0, dtype=torch.int64, device=k_post.device))
+            self.last_pre.append(k_pre.new_zeros(B, H, 0, d))
+        for j in range(frames):
+            f = first_frame + j
+            sl = slice(j * T, (j + 1) * T)
+            merging = bool(self.tempcache) and f - 1 >= self.sinks and self.frames[-1:] == [f - 1]
+            for i, (k_post, k_pre, v) in enumerate(kv):
+                kp, kr, vv = k_post[:, :, sl], k_pre[:, :, sl], v[:, :, sl]
+                cnt = torch.ones(kp.shape[:3], dtype=torch.int64, device=kp.device)
+                st = self.stats[i]
+                if merging:
+                    old_c = self.count[i][:, :, -T:]
+                    merge = (old_c > 0) & (cosine(kr, self.last_pre[i]) > self.sim)
+                    c = old_c.to(vv.dtype)[..., None]
+                    vv = torch.where(merge[..., None], (self.value[i][:, :, -T:] * c + vv) / (c + 1), vv)
+                    cnt = torch.where(merge, old_c + 1, cnt)
+                    self.count[i][:, :, -T:] = torch.where(merge, 0, old_c)  # the slot moves to frame f
+                    st.merges += int(merge.sum())
+                    st.merges_aligned += int(merge.sum())
+                st.written += cnt.numel()
+                self.key[i] = torch.cat([self.key[i], kp], 2)
+                self.value[i] = torch.cat([self.value[i], vv], 2)
+                self.count[i] = torch.cat([self.count[i], cnt], 2)
+                self.last_pre[i] = kr
+            self.frames.append(f)
+        self.written = max(self.written, first_frame + frames)
+        keep = kept_frames(self.written, self.sinks, self.window)
+        if keep is not None and any(f not in keep for f in self.frames):
+            pos = torch.tensor([p for n, f in enumerate(self.frames) if f in keep for p in range(n * T, (n + 1) * T)],
+                               dtype=torch.int64, device=self.key[0].device)
+            self.frames = [f for f in self.frames if f in keep]
+            for i in range(len(self.key)):
+                self.key[i] = self.key[i].index_select(2, pos)
+                self.value[i] = self.value[i].index_select(2, pos)
+                self.count[i] = self.count[i].index_select(2, pos)
+        for i, st in enumerate(self.stats):
+            st.resident_slots = int((self.count[i] > 0).sum())
+            st.dense_slots = self.count[i].shape[0] * self.count[i].shape[1] * T * len(self.frames)
+
+
+class FastCarDiT(nn.Module):
+    """A ChunkDiT with TempCache and/or FastCar, owning its cache. Per chunk: `forward(latent, timestep,
+    frame_start, *cross)` for each denoising step (the cache read, nothing written), then the clean pass's
+    presents to `write(frame_start, presents)`. `reset()` starts a new video. The modes' settings are
+    dit/modes.py's (`settings`); `sinks` / `window` the cache's residency (the model config's by default)."""
+
+    def __init__(self, model: ChunkDiT, settings, sinks: int, window: int):
+        super().__init__()
+        self.model = model
+        self.cfg = model.cfg
+        self.settings = settings
+        self.sinks, self.window = sinks, window
+        self.cache = self.new_cache(self.cfg.layers, self.cfg.tokens_per_frame, sinks, window)
+
+    def new_cache(self, layers: int, tokens: int, sinks: int, window: int) -> ModeCache:
+        """A new video (also the stream loop's hook: dit/stream.rollout calls it)."""
+        s = self.settings
+        self.cache = ModeCache(tokens, sinks, window, tempcache=s.tempcache, sim=s.tempcache_sim, layers=layers)
+        return self.cache
+
+    def reset(self) -> None:
+        self.new_cache(self.cfg.layers, self.cfg.tokens_per_frame, self.sinks, self.window)
+
+    @property
+    def stats(self) -> dict:
+        """Replay and merge ratios, resident vs dense slots, summed over layers (dit/fastar.LayerStats)."""
+        return totals(self.cache.stats)
+
+    def write(self, frame_start: int, presents: list) -> None:
+        self.cache.write(int(frame_start), presents)
+
+    @torch.no_grad()
+    def forward(self, latent: torch.Tensor, timestep: torch.Tensor, frame_start, *cross: torch.Tensor
+                ) -> tuple[torch.Tensor, list]:
+        """latent [B, C, F, H, W], timestep [B, F], frame_start (int: the chunk's first frame), cross =
+        cross.N.key|value. Returns (velocity, presents: per layer (key post-RoPE, key pre-RoPE, value))."""
+        m, c = self.model, self.cache
+        frame_start = int(frame_start)
+        x, t, e, cos, sin = m.embed(latent, timestep, torch.tensor([frame_start], device=latent.device))
+        key = tuple(timestep[0].tolist())
+        prev, now = c.replay.get(key, {}), {}
+        presents = []
+        for i, blk in enumerate(m.blocks):
+            x, kv = self._block(i, blk, x, e, cos, sin, cross[2 * i], cross[2 * i + 1], frame_start, prev.get(i),
+                                now)
+            presents.append(kv)
+        if self.settings.fastcar_tau is not None:
+            c.replay[key] = now
+        return m.final(x, t), presents
+
+    def _block(self, i, blk, x, e, cos, sin, ck, cv, frame_start, prev, now):
+        """model.Block.forward over the positional cache (+ log(count) with TempCache) and with FastCar's FFN."""
+        c, cfg = self.cache, self.cfg
+        b, s, d = x.shape
+        fr, T, H = e.shape[1], cfg.tokens_per_frame, cfg.heads
+        mod, modulate, gate, q, k, k_pre, v = block_inputs(blk, x, e, cos, sin)
+        if i < len(c.key):
+            keys, vals = torch.cat([c.key[i], k], 2), torch.cat([c.value[i], v], 2)
+            mask = None
+            if c.tempcache is not None:
+                mask = torch.cat([c.bias(i), k.new_zeros(b, H, s)], 2)[:, :, None]
+            att = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        else:
+            att = F.scaled_dot_product_attention(q, k, v)
+        x = x + gate(blk.o(att.transpose(1, 2).flatten(2)), mod[2])
+        cq = blk.heads_first(blk.norm_cq(blk.cq(blk.norm3(x))))
+        x = x + blk.co(F.scaled_dot_product_attention(cq, ck, cv).transpose(1, 2).flatten(2))
+        xm = modulate(blk.norm2(x), mod[3], mod[4])
+        tau = self.settings.fastcar_tau
+        if tau is None:
+            ffn = blk.ffn(xm)
+        else:
+            tas, eligible = temporal_scores(q, k, T, prev[1] if prev is not None else None, frame_start)
+            out, replay = replay_ffn(blk.ffn, xm.view(b, fr, T, d), tas, eligible, tau,
+                                     prev[0] if prev is not None else None)
+            now[i] = (out[:, -1].clone(), k.view(b, H, fr, T, -1)[:, :, -1].clone())
+            ffn = out.view(b, s, d)
+            c.stats[i].ffn_rows += b * s
+            c.stats[i].ffn_replayed += int(replay.sum())
+        x = x + gate(ffn, mod[5])
+        return x, (k, k_pre.transpose(1, 2), v)
+
+    # the stream loop's backend interface (NumPy in and out, as dit/stream.TorchDiT)
+    def text_kv(self, text_embeds: np.ndarray) -> list[np.ndarray]:
+        dev = next(self.model.parameters()).device
+        with torch.no_grad():
+            return [a.cpu().numpy() for a in self.model.text_kv(torch.from_numpy(text_embeds.astype(np.float32))
+                                                                .to(dev))]
+
+    def step(self, latent, timestep, frame_start: int, past, cross) -> list:
+        dev = next(self.model.parameters()).device
+        vel, presents = self(torch.from_numpy(latent).to(dev), torch.from_numpy(timestep).to(dev), frame_start,
+                             *(torch.from_numpy(a).to(dev) for a in cross))
+        return [vel.cpu().numpy(), *presents]
+
+
+def apply_dit(model: ChunkDiT, *, sinks: int | None = None, window: int | None = None, **options) -> FastCarDiT:
+    """TempCache and/or FastCar on a ChunkDiT (never modified). Options: dit/modes.py's `tempcache` ('aligned'),
+    `tempcache_sim`, `fastcar_tau` (a TAS threshold; None = no replay); all off is the dense model. `sinks` /
+    `window`: frames the cache keeps (the model config's by default)."""
+    if not isinstance(model, ChunkDiT):
+        raise FastCarError(f"apply_dit takes a fastcar_compile.dit.model.ChunkDiT, got {type(model).__name__}; "
+                           "for a transformers decoder use fastcar_compile.torch.apply")
+    bad = sorted(set(options) - set(SUPPORTED))
+    if bad:
+        raise FastCarError(f"apply_dit: {bad[0]!r} is not supported on the PyTorch DiT (it takes "
+                           f"{', '.join(SUPPORTED)}); the stream's eager runtime runs the other modes")
+    s = modes.settings(**options)
+    if s.tempcache is not None and s.tempcache not in TEMPCACHE:
+        raise FastCarError(f"apply_dit: tempcache={s.tempcache!r} is not supported on the PyTorch DiT (only "
+                           f"{', '.join(map(repr, TEMPCACHE))}); the stream's eager runtime runs the ANN match")
+    cfg = model.cfg
+    return FastCarDiT(model, s, cfg.sink_frames if sinks is None else sinks,
+                      cfg.window_frames if window is None else window)
+
+
+__all__ = ["FastCarDiT", "ModeCache", "apply_dit"]
