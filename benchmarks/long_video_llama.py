@@ -14,7 +14,7 @@ frames of 256 tokens: frame 64 = 16384 positions, frame 128 = 32768. Modes:
 Random weights and random tokens carry no temporal redundancy, so FastCar's replay ratio is forced (75%, the
 nearest whole-layer ratio to 80%, and 50%, about what the trained long demo model replays on frame 64:
 docs/fastar.md), TempCache finds nothing to merge and AnnSA's buckets select ~1/256 of the keys per table: these
-rows measure cost, not quality (quality of the same modes: `benchmarks/long_video.py --op-modes` on the trained
+rows measure cost, not quality (quality of the same modes: `benchmarks/experiments/long_video.py --op-modes` on the trained
 demo model).
 
 Every (mode, frame) runs in a fresh child process: load, prefill the first `frame x 256` tokens of one random

@@ -60,3 +60,27 @@ def test_every_suite_script_exists_for_every_size(size):
     for suite in SUITES.values():
         assert (ROOT / "benchmarks" / suite.script).is_file(), suite.name
         assert size in suite.sizes, suite.name
+
+
+def test_benchmarks_holds_suites_and_what_they_import():
+    """benchmarks/ holds the runner, the suites' scripts and the modules they import; every other measurement is a
+    study in benchmarks/experiments/."""
+    import re
+
+    from suites import SUITES
+
+    top = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
+    scripts = {s.script for s in SUITES.values()}
+    imported = {f"{m}.py" for s in scripts
+                for m in re.findall(r"^\s*(?:from|import) (\w+)", (ROOT / "benchmarks" / s).read_text(), re.M)}
+    runner = {"__init__.py", "__main__.py", "harness.py", "suites.py"}
+    assert top - scripts - imported - runner == set()
+
+
+def test_every_study_is_described():
+    """docs/benchmarks.md's study table names every script of benchmarks/experiments/, and nothing else."""
+    import re
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `(\w+\.py)` \|", text[text.index("## Studies"):], re.M))
+    assert listed == {p.name for p in (ROOT / "benchmarks" / "experiments").glob("*.py")}

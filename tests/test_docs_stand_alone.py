@@ -39,7 +39,7 @@ def missing_paths(text: str) -> list[str]:
     missing = []
     for target in REPO_PATH.findall(text):
         target = target.rstrip("/.")
-        if any(part.isupper() for part in target.split("/")):
+        if any(part.split(".")[0].isupper() for part in target.split("/")):
             continue
         found = list(ROOT.glob(target)) if "*" in target else (ROOT / target).exists()
         if not found:
@@ -53,7 +53,7 @@ def test_named_repository_paths_exist(path):
 
 
 def test_path_check_finds_a_moved_script():
-    text = "run `python benchmarks/quality.py --clips 16`, then read docs/demo.md and tests/test_fpga_*.py; results/SUITE/"
+    text = "run `python benchmarks/quality.py --clips 16`, then read docs/demo.md and tests/test_fpga_*.py; results/SUITE/, benchmarks/NAME.py"
     assert missing_paths(text) == ["benchmarks/quality.py"]
 
 

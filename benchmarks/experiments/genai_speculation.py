@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("fastcar-out/bench/genai_speculation"), help="output stem (.json, .md)")
     a = ap.parse_args(argv)
     import onnxruntime_genai as og
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: long_video and _common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common (long_video sits next to this script)
     from long_video import long_genai_dir
 
     from fastcar_compile.demo import data

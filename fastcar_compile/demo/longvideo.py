@@ -21,7 +21,7 @@ from fastcar_compile.demo.tokenizer import PATCH, PatchTokenizer
 LONG_FRAMES = 64
 LONG_CLIPS = 4
 # post-RoPE TAS threshold giving ~80% replay on the long model's dense generations (docs/demo.md: how it was
-# calibrated; re-run `python benchmarks/long_video.py --calibrate` after retraining)
+# calibrated; re-run `python benchmarks/experiments/long_video.py --calibrate` after retraining)
 DEFAULT_LONG_TAU = -2.75
 
 

@@ -1,11 +1,11 @@
 """The long-video demo model beyond its training length, and its FastCar threshold.
 
-    python benchmarks/long_video.py --hold            # teacher-forced loss/accuracy per frame, 64-frame clips
-    python benchmarks/long_video.py --calibrate       # tau for ~80% replay along dense generations
-    python benchmarks/long_video.py --op-modes --clips 2   # FastCar x TempCache/window through the op (native)
-    python benchmarks/long_video.py --curve           # per-token time, decode-state bytes, RSS per frame, one clip
-    python benchmarks/long_video.py --curve --frames 128 --only 0,1,6,7,8   # 128 frames (8195 positions)
-    python benchmarks/long_video.py --genai           # frame 64 per-token time vs onnxruntime-genai's dense loop
+    python benchmarks/experiments/long_video.py --hold            # teacher-forced loss/accuracy per frame, 64-frame clips
+    python benchmarks/experiments/long_video.py --calibrate       # tau for ~80% replay along dense generations
+    python benchmarks/experiments/long_video.py --op-modes --clips 2   # FastCar x TempCache/window through the op (native)
+    python benchmarks/experiments/long_video.py --curve           # per-token time, decode-state bytes, RSS per frame, one clip
+    python benchmarks/experiments/long_video.py --curve --frames 128 --only 0,1,6,7,8   # 128 frames (8195 positions)
+    python benchmarks/experiments/long_video.py --genai           # frame 64 per-token time vs onnxruntime-genai's dense loop
 
 --hold: the model was trained on 16-frame clips (1027 positions) with random position gaps; here it reads
 64-frame held-out clips (4099 positions) teacher-forced, and the next-token loss and accuracy per frame index
@@ -366,7 +366,8 @@ def genai_vs_ours(frames: int, tau: float, tokens: int, out: Path, clip: int = 0
     import time
 
     import onnxruntime_genai as og
-    from bench_genai import set_session  # (benchmarks/ is on sys.path when run as a script)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_genai
+    from bench_genai import set_session
 
     from fastcar_compile.core.atomic import write_text
     from fastcar_compile.demo import data

@@ -13,8 +13,8 @@ the JSON). The compiler copies the data file (a reflink where the file system of
 copy that keeps the holes, fastcar_compile/core/fileio.py): the table says which, and that the two data files share
 no inode (onnx refuses hard-linked data), each with one link.
 
-    python benchmarks/bench_compile_large.py              # build (cached) + measure
-    python benchmarks/bench_compile_large.py --profile    # + where the time and memory go
+    python benchmarks/experiments/bench_compile_large.py              # build (cached) + measure
+    python benchmarks/experiments/bench_compile_large.py --profile    # + where the time and memory go
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
 from _common import (  # noqa: E402
     LlamaShape,
     atomic_write_text,
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "output_data_logical_gb": out_data.stat().st_size / 1e9 if out_data.exists() else None,
         "filesystem": _filesystem(result_dir),
         "targets": {"wall_s": 30, "peak_rss_mb": 2048},
-        "bench_command": " ".join(["python", "benchmarks/bench_compile_large.py", *(argv or sys.argv[1:])]),
+        "bench_command": " ".join(["python", "benchmarks/experiments/bench_compile_large.py", *(argv or sys.argv[1:])]),
     })
     lines = [
         f"Llama {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, inter {shape.intermediate}, "
