@@ -207,7 +207,8 @@ def layout_of(value: ir.Value, heads: int, head_dim: int) -> str | None:
 
 
 def layout_from_structure(value: ir.Value) -> str | None:
-    """BHSD when the value is the [0, 2, 1, 3] transpose of a head split (possibly behind a rotary op)."""
+    """BHSD when the value is the [0, 2, 1, 3] transpose of a head split (possibly behind a rotary op or a
+    per-head norm)."""
     node = value.producer()
     if node is not None and node.op_type == "Transpose" and "perm" in node.attributes:
         if list(node.attributes["perm"].value) == [0, 2, 1, 3]:
@@ -215,6 +216,29 @@ def layout_from_structure(value: ir.Value) -> str | None:
     if node is not None and (node.op_type in gu.ROTARY_OPS or node.op_type in ("Slice", "Split", "Concat")):
         # Rotary ops, a head-dim chunk (NeoX's fused qkv per head) and a partial rotary's Concat keep the layout.
         return layout_from_structure(node.inputs[0])
+    data = per_head_norm_input(node)
+    return layout_from_structure(data) if data is not None else None
+
+
+def per_head_norm_input(node: ir.Node | None) -> ir.Value | None:
+    """The head-laid-out input of one step of a norm over the head size, which keeps the layout: a norm op, a
+    Cast, or a Mul/Div whose other operand is a weight over the last axis or a scale computed from that input
+    (RMSNorm written out). Gemma 3 normalises q/k per head after the head transpose, before RoPE."""
+    if node is None or not node.inputs or node.inputs[0] is None:
+        return None
+    if node.op_type in gu.NORM_OPS - gu.SKIP_NORM_OPS or node.op_type == "Cast":
+        return node.inputs[0]
+    if node.op_type not in ("Mul", "Div") or len(node.inputs) != 2 or None in node.inputs:
+        return None
+    for data, other in (node.inputs, node.inputs[::-1]):
+        if gu.is_static(data):
+            continue
+        if gu.is_static(other):
+            shape = other.shape if other.shape is not None else getattr(other.const_value, "shape", None)
+            if shape is not None and len(shape) <= 1:  # a weight over the head size, or a scalar
+                return data
+        elif gu.depends_on(other, data, limit=8):  # x * rsqrt(mean(x^2) + eps)
+            return data
     return None
 
 

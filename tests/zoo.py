@@ -29,7 +29,7 @@ from torch import nn
 FAMILIES = ("llama", "qwen2", "phi3", "gpt2")
 # Further architectures (parallel residual, norms after attention/MLP, sliding windows, MoE). They are
 # tested with the two exporter paths users take (dynamo opset 20 and TorchScript) by test_pass_architectures.py.
-NEW_FAMILIES = ("neox", "phi2", "gptj", "falcon", "olmo2", "gemma2", "mistral", "mixtral", "qwen2moe")
+NEW_FAMILIES = ("neox", "phi2", "gptj", "falcon", "olmo2", "gemma2", "gemma3", "mistral", "mixtral", "qwen2moe")
 # Families only the onnxruntime-genai builder tests use (tests/genai_zoo.py): per-head q/k norms before RoPE
 # (Qwen3), scaled embeddings, offset norms and a GELU MLP (Gemma).
 GENAI_ONLY_FAMILIES = ("qwen3", "gemma")
@@ -39,7 +39,7 @@ NEW_EXPORTERS = ("dynamo20", "torchscript17")
 SLIDING_WINDOW = 8
 EAGER_ONLY = frozenset({"gemma2", "gptj"})
 MOE_FAMILIES = frozenset({"mixtral", "qwen2moe"})
-SLIDING_FAMILIES = frozenset({"mistral", "gemma2"})
+SLIDING_FAMILIES = frozenset({"mistral", "gemma2", "gemma3"})
 EXPORTERS = (
     "dynamo18",
     "dynamo20",
@@ -205,6 +205,10 @@ def _new_family_config(family: str, vocab: int = VOCAB):
     if family == "gemma2":  # pre- and post-norms around attention and MLP, sliding layers, soft-capping
         return tf.Gemma2Config(**common, **gqa, head_dim=HIDDEN // HEADS, sliding_window=SLIDING_WINDOW,
                                rms_norm_eps=1e-6)
+    if family == "gemma3":  # per-head q/k RMSNorm after the head transpose, before RoPE; a sliding and a full layer
+        return tf.Gemma3TextConfig(**common, **gqa, head_dim=HIDDEN // HEADS, sliding_window=SLIDING_WINDOW,
+                                   layer_types=["sliding_attention", "full_attention"], rms_norm_eps=1e-6,
+                                   tie_word_embeddings=False)
     if family == "qwen3":  # RMSNorm on each q/k head before RoPE
         return tf.Qwen3Config(**common, **gqa, head_dim=HIDDEN // HEADS, rms_norm_eps=1e-6,
                               use_sliding_window=False, tie_word_embeddings=False)
