@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--demo-model", choices=DEMO_MODELS, default="video",
                     help="video: the conditioned 6-layer model of the repository's training/video_model/ (default; "
                          "4 clips x 16 frames); small: the package's bundled 1-layer model (16 x 8)")
+    ap.add_argument("--dit", action="store_true",
+                    help="stream long videos from the causal video DiT trained in training/dit_model/ instead (its "
+                         "own options: demo --dit --help)")
     ap.add_argument("--long", action="store_true",
                     help="64-frame videos, per-layer replay and per-frame quality plots (video: 2 clips; small: the "
                          "bundled 4-layer long-video model, 4 clips; out fastcar-out/demo-long)")
@@ -61,6 +64,13 @@ def main(argv: list[str]) -> int:
     from fastcar_compile.demo.bundled import spec as demo_spec
     from fastcar_compile.demo.decoding import decoding_from_args
 
+    if "--dit" in argv:  # the DiT demo has its own options
+        import importlib
+
+        from fastcar_compile.commands import DIT_DEMO
+
+        module, func = DIT_DEMO
+        return int(getattr(importlib.import_module(module), func)(argv) or 0)
     a = build_parser().parse_args(argv)
     spec = demo_spec(a.demo_model, a.long)
     _defaults(a, spec)

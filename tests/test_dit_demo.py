@@ -1,0 +1,88 @@
+"""`fastcar-compile demo --dit`: the trained DiT's stream demo, its outputs and its refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fastcar_compile.cli import main  # noqa: E402
+from fastcar_compile.dit.demo import MODEL_DIR, parse_prompt  # noqa: E402
+from fastcar_compile.dit.model import build  # noqa: E402
+from fastcar_compile.dit.train import DIT_PIXEL_CONFIG, save_weights  # noqa: E402
+
+SMALL = dataclasses.replace(DIT_PIXEL_CONFIG, layers=1, hidden=24, heads=2, ffn=32, patch=(1, 8, 8), freq_dim=16,
+                            window_frames=2)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dit_small")
+    save_weights(build(SMALL, seed=3), folder)
+    return folder
+
+
+def test_demo_streams_labelled_videos(weights, tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--dit", "--weights", str(weights), "--frames", "7", "--out", str(out),
+                 "--prompt", "camera=pan_left", "--prompt", "camera=static,objects=objects_3", "--cfg", "1.5"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["demo.gif", "results.json", "strip.png"]
+    doc = json.loads((out / "results.json").read_text())
+    assert [v["prompt"]["camera"] for v in doc["videos"]] == ["pan_left", "static"]
+    assert doc["videos"][1]["prompt"]["speed"] == "none" and doc["videos"][1]["prompt"]["objects"] == "objects_3"
+    assert all(v["frames"] == 7 and len(ms) == 7 for v, ms in zip(doc["videos"], doc["frame_ms"], strict=True))
+    assert doc["settings"]["cfg_scale"] == 1.5 and doc["config"]["layers"] == 1
+    from PIL import Image
+
+    with Image.open(out / "demo.gif") as gif:
+        assert gif.n_frames == 7
+        assert gif.size[0] == 2 * 32 * 4 + 4  # two 4x panels side by side
+    assert "frames/s" in capsys.readouterr().out
+
+
+def test_prompt_fills_and_checks_labels():
+    p = parse_prompt("camera=zoom_out, scene=texture")
+    assert p["camera"] == "zoom_out" and p["scene"] == "texture" and p["speed"] == "slow" and len(p) == 6
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--weights", "{tmp}/none"], "not found in"),
+    (["--weights", "{tiny}"], "not a pixel-space DiT"),
+    (["--weights", "{w}", "--prompt", "camera=sideways"], "'camera=sideways' is not FIELD=VALUE"),
+    (["--weights", "{w}", "--prompt", "colour=red"], "is not FIELD=VALUE"),
+    (["--weights", "{w}", "--frames", "0"], "--frames"),
+    (["--weights", "{w}", "--cfg", "nan"], "--cfg"),
+    (["--weights", "{w}", "--cfg", "0"], "--cfg must be > 0"),
+    (["--weights", "{w}", "--threads", "0"], "--threads"),
+    (["--weights", "{w}", "--out", "{w}/config.json"], "is a file"),
+])
+def test_bad_input_is_one_line(weights, tmp_path, capsys, argv, words):
+    from fastcar_compile.dit.config import PRESETS
+
+    tiny = tmp_path / "tiny"
+    save_weights(build(PRESETS["tiny"]), tiny)
+    sub = {"tmp": str(tmp_path), "w": str(weights), "tiny": str(tiny)}
+    capsys.readouterr()
+    rc = main(["demo", "--dit", "--out", str(tmp_path / "o"), *[a.format(**sub) for a in argv]])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_shipped_weights_are_small_fp16_and_load():
+    files = [MODEL_DIR / "model.safetensors", MODEL_DIR / "config.json"]
+    if not all(f.is_file() for f in files):
+        pytest.skip("training/dit_model is not in this checkout")
+    assert files[0].stat().st_size <= 10 * 2**20
+    from safetensors.numpy import load_file
+
+    assert {a.dtype for a in load_file(str(files[0])).values()} == {np.dtype(np.float16)}
+    from fastcar_compile.dit.demo import load_trained
+
+    m = load_trained(MODEL_DIR)
+    assert m.cfg.in_channels == 3 and m.cfg.latent_h == 32
