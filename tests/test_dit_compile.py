@@ -186,9 +186,11 @@ def test_python_api_routes_dit_graphs(exported, tmp_path, eager):
 
 
 @pytest.mark.parametrize("extra,words", [
-    (["--threshold", "0.5"], "FastCar MLP replay"),
-    (["--calibrate-replay", "0.5", "--calib-data", "x.npy"], "FastCar MLP replay"),
-    (["--calibrate-quality", "0.05", "--calib-data", "x.npy", "--frame-tokens", "16"], "FastCar MLP replay"),
+    (["--threshold", "0.5", "--tas-query", "raw"], "--tas-query is not supported with FastCar FFN replay"),
+    (["--threshold", "0.5,1", "--per-layer-threshold"], "--per-layer-threshold is not supported"),
+    (["--threshold", "0.5", "--max-replay", "2"], "--max-replay is not supported"),
+    (["--calibrate-replay", "0.5", "--calib-data", "x.npy"], "give --threshold TAU instead"),
+    (["--calibrate-quality", "0.05", "--calib-data", "x.npy", "--frame-tokens", "16"], "give --threshold TAU"),
     (["--kv-budget", "64"], "compressed KV cache"),
     (["--tempcache", "0.9", "--kv-budget", "64"], "compressed KV cache"),
     (["--layers", "0"], "--layers does not apply to a DiT"),

@@ -79,7 +79,8 @@ def compile_main(a: argparse.Namespace) -> int:
 
     if a.calibrate_replay is not None or a.calibrate_quality is not None:
         flag = "--calibrate-replay" if a.calibrate_replay is not None else "--calibrate-quality"
-        raise FastCarError(f"{flag}: {REPLAY_FEATURE} is not supported yet; leave {flag} out")
+        raise FastCarError(f"{flag}: calibrating {REPLAY_FEATURE} is not supported yet; give --threshold TAU "
+                           f"instead of {flag}")
     if a.output is None:
         raise FastCarError("-o/--output is required: where to write the compiled step graph")
     t0 = time.perf_counter()
@@ -184,6 +185,8 @@ def stream_main(argv: list[str]) -> int:
 
         result["fastar"] = {"mode": modes.label(model.fa), "settings": modes.record(model.fa),
                             "totals": totals(model.stats), "layers": model.layer_summary()}
+    elif getattr(model, "tau", None) is not None:  # FastCar compiled into the step graph (its metadata)
+        result["compiled_modes"] = {**model.modes, "replay_ratio": model.replayed[0] / max(model.replayed[1], 1)}
     with staged_dir(out) as tmp:
         write_outputs(tmp, result, model_path)
     fps = 1000 / (sum(result["frame_ms"]) / len(result["frame_ms"]))
@@ -191,6 +194,9 @@ def stream_main(argv: list[str]) -> int:
           f"{fps:.1f} frames/s, last RSS {result['rss_mib'][-1]:.0f} MiB")
     if eager:
         print(_describe(result["fastar"]))
+    elif "compiled_modes" in result:
+        print(f"FastCar compiled in (tau {model.tau:g}): {100 * result['compiled_modes']['replay_ratio']:.1f}% of "
+              "the FFN rows replayed")
     return 0
 
 

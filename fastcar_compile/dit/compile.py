@@ -13,8 +13,9 @@ computes the same attention without touching the cache's bytes except to read th
 ring of window frames, stream.RingCache) of which the first `past_length` tokens hold K/V; the chunk's own K/V
 stay the `present.N.*` outputs, which the runtime writes into the ring after the chunk's cache pass (the
 chunk's bytes only). Keys are stored rotated at their absolute positions and attention is a sum over the
-keys, so their order in the buffer does not matter. FastCar replay (TAS over the cache, MLP reuse) and
-FAST-AR's compressed caches are not applied to DiT blocks yet: asked for, they are refused in one line.
+keys, so their order in the buffer does not matter. `--threshold TAU` adds FastCar's FFN replay on every
+block (dit/replay.py); FAST-AR's compressed caches are not compiled for DiT blocks yet: asked for, they are
+refused in one line. The modes compiled in are recorded in the metadata (config.MODES_KEY) for the runtime.
 """
 
 from __future__ import annotations
@@ -35,20 +36,22 @@ from fastcar_compile.dit.config import (
     CACHE_FORM_KEY,
     CACHE_IN_PLACE,
     METADATA_KEY,
+    MODES_KEY,
     PAST_LENGTH,
     TEXT_GRAPH_KEY,
 )
 from fastcar_compile.dit.discover import DiTBlockMatch, SelfAttention, discover
+from fastcar_compile.dit.replay import REPLAY_OP, add_replay
 from fastcar_compile.passes.build import Builder, const
 from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 from fastcar_compile.passes.plan import DiTBlockPlan, KvPlan, Plan
 
-REPLAY_FEATURE = "FastCar MLP replay (TAS over the frame cache) on DiT blocks"
+REPLAY_FEATURE = "FastCar FFN replay on DiT blocks"
 KV_FEATURE = "FAST-AR's compressed KV cache (TempCache, AnnSA, AnnCA) on DiT blocks"
 IN_PLACE_OP = "FusedMatMul over the cache buffer (transB, past_length mask) + MatMul over the chunk, one softmax"
 IN_PLACE_KV = "dense, read in place (the runtime's buffers: sink frames + a ring of window frames)"
 # Options that ask for those features (any value but the default), and options that do not apply to a DiT.
-_REPLAY_OPTIONS = ("tas_query", "max_replay", "per_layer_threshold", "emit_diagnostics", "required_video_inputs")
+_REPLAY_OPTIONS = ("tas_query", "max_replay", "per_layer_threshold", "emit_diagnostics", "required_video_inputs")  # refused
 _KV_OPTIONS = ("kv_budget", "kv_sinks", "kv_window", "kv_eviction", "tempcache", "sparse_attention", "prune_prompt",
                "kv_diagnostics", "kv_layers")
 _IGNORED = ("frame_tokens", "threshold", "validate")  # checked on their own below
@@ -64,8 +67,9 @@ def is_dit_graph(model: ir.Model) -> bool:
     return METADATA_KEY in model.metadata_props
 
 
-def check_options(opts: dict, frame_tokens: int) -> list[str]:
-    """Refuse (one line, naming the feature) what a DiT step graph cannot be compiled with yet; returns notes."""
+def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], float | None]:
+    """Refuse (one line, naming the feature) what a DiT step graph cannot be compiled with yet; returns notes
+    and the FastCar tau (None: dense). The decoders' default tau compiles dense: a DiT takes an explicit one."""
     by_name = {o.name: o for o in options.OPTIONS}
     for name, value in opts.items():
         o = by_name.get(name)
@@ -75,8 +79,8 @@ def check_options(opts: dict, frame_tokens: int) -> list[str]:
             continue
         flag = o.flag or name
         if name in _REPLAY_OPTIONS:
-            raise FastCarError(f"{flag}: {REPLAY_FEATURE} is not supported yet; leave {flag} out (DiT step graphs "
-                               "compile dense, with the cache read in place)")
+            raise FastCarError(f"{flag}: {flag} is not supported with {REPLAY_FEATURE} yet; leave {flag} out (one "
+                               "--threshold for every block, TAS from the query as attention uses it)")
         if name in _KV_OPTIONS:
             raise FastCarError(f"{flag}: {KV_FEATURE} is not supported yet; leave {flag} out")
         raise FastCarError(f"{flag} does not apply to a DiT step graph (it compiles dense, with the cache read in "
@@ -88,15 +92,16 @@ def check_options(opts: dict, frame_tokens: int) -> list[str]:
                            "config); leave --frame-tokens out")
     taus = [float(t) for t in np.atleast_1d(opts.get("threshold", (np.inf,)))]
     default = tuple(by_name["threshold"].default)
-    if any(t != np.inf for t in taus):
-        if tuple(taus) != default:
-            raise FastCarError(f"--threshold {taus[0]:g}: {REPLAY_FEATURE} is not supported yet; compile with "
-                               "--threshold inf (dense) or leave --threshold out")
-        notes.append(f"{REPLAY_FEATURE} is not supported yet: compiled dense (as --threshold inf)")
-    return notes
+    if tuple(taus) == default:
+        notes.append(f"the decoders' default tau ({default[0]:g}) does not apply to DiT blocks: compiled dense; "
+                     f"give --threshold TAU for {REPLAY_FEATURE}")
+        return notes, None
+    if len(taus) != 1:
+        raise FastCarError(f"--threshold gives {len(taus)} values: {REPLAY_FEATURE} takes one tau for every block")
+    return notes, (None if taus[0] == np.inf else taus[0])
 
 
-def plan(matches: list[DiTBlockMatch], rewrite: bool) -> Plan:
+def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None) -> Plan:
     """The DiT blocks' plan (passes/plan.py): what discovery found and what the compile builds from it."""
     blocks = []
     for m in matches:
@@ -108,7 +113,8 @@ def plan(matches: list[DiTBlockMatch], rewrite: bool) -> Plan:
             m.layer, True, rewrite,
             self_attention=f"Concat(past.{m.layer}.*, chunk) -> MatMul -> Softmax -> MatMul, heads {a.heads}x{a.head_dim}",
             attention_op=IN_PLACE_OP, rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross, ffn=m.ffn,
-            modulation=m.modulation, kv=KvPlan(IN_PLACE_KV), replay="none (not supported on DiT blocks yet)"))
+            modulation=m.modulation, kv=KvPlan(IN_PLACE_KV),
+            replay="none (--threshold TAU replays FFN rows)" if tau is None else f"tau {tau:g}: {REPLAY_OP}"))
     return Plan(tuple(blocks))
 
 
@@ -196,7 +202,7 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
                 validate: bool = True, **opts) -> tuple[ir.Model, CompileReport]:
     """Compile a DiT step graph (a path, or an onnx_ir.Model loaded from `source`, which this modifies) to the
     in-place cache form; with `output`, written atomically beside a copy of its prompt graph. `opts`: the
-    compiler's options, of which a DiT takes none but `threshold=inf` (check_options refuses the others)."""
+    compiler's options, of which a DiT takes `threshold` (one tau: FastCar replay) only (check_options)."""
     from fastcar_compile import api
     from fastcar_compile.core import fileio
     from fastcar_compile.dit.config import from_dict
@@ -217,7 +223,7 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
         raise FastCarError("the DiT step graph is already compiled (its cache is read in place); compile the "
                            "export")
     cfg = from_dict(json.loads(loaded.metadata_props[METADATA_KEY]), "the step graph's fastcar.dit_config")
-    notes = check_options(opts, cfg.tokens_per_frame)
+    notes, tau = check_options(opts, cfg.tokens_per_frame)
     t0 = time.perf_counter()
     matches = discover(loaded)
     report = CompileReport([_layer_report(m) for m in matches], notes=notes, unit="DiT blocks")
@@ -227,8 +233,11 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
                 else "no DiT block found (no past.N.key inputs)")
         raise FastCarError(f"{head}; every block must match, since the cache inputs change for all of them "
                            "(run with --inspect to see each block)")
-    report.plan = plan(matches, rewrite=True).lines()
+    report.plan = plan(matches, rewrite=True, tau=tau).lines()
     rewrite(loaded, matches)
+    if tau is not None:
+        add_replay(loaded, matches, cfg, tau)
+    loaded.metadata_props[MODES_KEY] = json.dumps({"threshold": tau})
     for r in report.layers:
         r.rewritten = True
     text_src = None

@@ -173,3 +173,14 @@ CACHE_FORM_KEY = "fastcar.dit_cache"
 CACHE_IN_PLACE = "in-place"
 METADATA_KEY = "fastcar.dit_config"  # the step graph's metadata: the config it was exported from
 TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph beside the step graph
+# The modes compiled into the step graph (dit/compile.py), recorded as JSON under MODES_KEY and read back by
+# stream.OrtDiT: {"threshold": tau or null (FastCar replay, dit/replay.py)}.
+MODES_KEY = "fastcar.dit_modes"
+REPLAY_FIRST = "replay_first"  # bool [1]: the chunk's first frame may replay (the runtime holds its predecessor)
+
+
+def replay_io(layer: int) -> tuple[tuple[str, str], tuple[str, str], str]:
+    """Block `layer`'s replay cache: (inputs (FFN output, key) of the frame before the chunk), (outputs: the
+    chunk's last frame's), and its replay decision output [B, S]."""
+    return ((f"past_replay.{layer}.ffn", f"past_replay.{layer}.key"),
+            (f"present_replay.{layer}.ffn", f"present_replay.{layer}.key"), f"replay.{layer}")

@@ -51,6 +51,7 @@ class DiTBlockMatch:
     qk_norm: str = ""
     cross: str = ""
     ffn: str = ""
+    ffn_io: tuple[ir.Node, ir.Value] | None = None  # (the FFN's first MatMul, its output after the bias)
     modulation: str = ""
     failure: MatchFailure | None = None
     trace: list[str] = field(default_factory=list)
@@ -123,7 +124,7 @@ def _match_block(m: DiTBlockMatch, ins: dict[str, ir.Value], outs: dict[str, ir.
     m.trace.append(f"q/k norm: RMSNorm of {q_in.name} and of {k_in.name}")
     cross_ctx, m.cross, where = cross_attention(ins[f"cross.{i}.key"], ins[f"cross.{i}.value"])
     m.trace.append(f"{m.cross}: {where}")
-    m.ffn = ffn(cross_ctx)
+    m.ffn, m.ffn_io = ffn(cross_ctx)
     m.trace.append(m.ffn)
     m.modulation = modulation(projection(q_in, "query"), timestep)
     m.trace.append(m.modulation)
@@ -373,8 +374,9 @@ def _linear_dims(matmul: ir.Node) -> tuple[int, int] | None:
     return (shape[1], shape[0]) if flipped else (shape[0], shape[1])
 
 
-def ffn(after: ir.Value, limit: int = 80) -> str:
-    """MatMul -> GELU -> MatMul downstream of the cross-attention (breadth-first, `limit` nodes)."""
+def ffn(after: ir.Value, limit: int = 80) -> tuple[str, tuple[ir.Node, ir.Value]]:
+    """MatMul -> GELU -> MatMul downstream of the cross-attention (breadth-first, `limit` nodes): its
+    description, and (the first MatMul, the output after the second's bias) for FastCar's row replay."""
     seen: set[ir.Node] = set()
     queue = list(after.consumers())
     while queue and len(seen) < limit:
@@ -393,7 +395,9 @@ def ffn(after: ir.Value, limit: int = 80) -> str:
             d1, d2 = _linear_dims(up), _linear_dims(down[0])
             approx = node.attributes["approximate"].value if "approximate" in node.attributes else "none"
             sizes = f"{d1[0]} -> {d1[1]} -> {d2[1]}" if d1 and d2 else "?"
-            return f"FFN {sizes} (GELU {approx})"
+            out = down[0].outputs[0]
+            bias = [n for n in gu.real_consumers(out) if n.op_type == "Add" and any(gu.is_static(i) for i in n.inputs)]
+            return f"FFN {sizes} (GELU {approx})", (up, bias[0].outputs[0] if len(bias) == 1 else out)
         for out in node.outputs:
             queue.extend(out.consumers())
     raise MatchFailure("ffn", f"no MatMul -> GELU -> MatMul within {limit} ops after the cross-attention",

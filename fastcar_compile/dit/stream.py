@@ -12,6 +12,7 @@ very same inputs and the eager loop is the reference and the baseline.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -25,11 +26,14 @@ from fastcar_compile.dit.config import (
     CACHE_FORM_KEY,
     CACHE_IN_PLACE,
     METADATA_KEY,
+    MODES_KEY,
     PAST_LENGTH,
+    REPLAY_FIRST,
     TEXT_GRAPH_KEY,
     DiTConfig,
     from_dict,
     past_names,
+    replay_io,
     step_io,
 )
 
@@ -96,6 +100,9 @@ class RingCache:
         self.buffers: list[np.ndarray] = []  # allocated by the first past() or write() (rows known then)
         self.slot_frame: dict[int, int] = {}
         self.length = 0  # tokens at the start of the buffers that hold K/V
+        # FastCar compiled in: per denoising step (the chunk's timesteps), the replay cache the last chunk left
+        # (per layer its last frame's FFN output and key), fed back as past_replay.N.* at the same step
+        self.replay: dict[tuple, list[np.ndarray]] = {}
 
     def _allocate(self, rows: int, heads: int, head_dim: int) -> None:
         if not self.buffers:
@@ -155,7 +162,6 @@ class OrtDiT:
         if METADATA_KEY not in meta or TEXT_GRAPH_KEY not in meta:  # the prompt graph has the config only
             raise FastCarError(f"{step_path} is not a DiT step graph (no {TEXT_GRAPH_KEY} metadata); give the "
                                "step graph written by `fastcar-compile export --dit tiny -o dit.onnx`")
-        import json
 
         self.cfg: DiTConfig = from_dict(json.loads(meta[METADATA_KEY]), str(step_path))
         text_path = Path(text_path) if text_path else step_path.with_name(meta[TEXT_GRAPH_KEY])
@@ -170,8 +176,13 @@ class OrtDiT:
         self.text_sess = ort.InferenceSession(str(text_path), so, providers=["CPUExecutionProvider"])
         ins, outs = step_io(self.cfg.layers)
         self.in_place = meta.get(CACHE_FORM_KEY) == CACHE_IN_PLACE
+        self.modes = json.loads(meta.get(MODES_KEY, "{}"))  # what the compiler built in (dit/compile.py)
+        self.tau = self.modes.get("threshold")
+        self.replayed = [0, 0]  # FFN rows replayed, rows decided (FastCar compiled in), over the session
         if self.in_place:
             ins = [*ins, PAST_LENGTH]
+            if self.tau is not None:
+                ins += [REPLAY_FIRST, *(n for i in range(self.cfg.layers) for n in replay_io(i)[0])]
             from fastcar_compile.runtime.binding import StepBinding
 
             self.binding = StepBinding(self.sess)
@@ -208,10 +219,28 @@ class OrtDiT:
         for name, a in zip(step_io(n)[0][3 + 2 * n:], cross, strict=True):
             io.bind_input(name, a)
         rows, f = latent.shape[0], latent.shape[2]
-        kv_shape = (rows, self.cfg.heads, f * self.cfg.tokens_per_frame, self.cfg.head_dim)
+        cfg = self.cfg
+        kv_shape = (rows, cfg.heads, f * cfg.tokens_per_frame, cfg.head_dim)
         out = [io.output_buffer(self.outs[0], latent.shape, np.float32)]
         out += [io.output_buffer(name, kv_shape, np.float32) for name in self.outs[1:]]
+        if self.tau is None:
+            io.run()
+            return out
+        key = tuple(np.asarray(timestep)[0].tolist())
+        prev = cache.replay.get(key)
+        shapes = ((rows, cfg.tokens_per_frame, cfg.hidden), (rows, cfg.heads, cfg.tokens_per_frame, cfg.head_dim))
+        io.copy_input(REPLAY_FIRST, np.array([prev is not None and frame_start >= 1]))
+        state, masks = [], []
+        for i in range(n):
+            (in_ffn, in_key), outs, mask = replay_io(i)
+            for name, shape, j in ((in_ffn, shapes[0], 0), (in_key, shapes[1], 1)):
+                io.copy_input(name, prev[2 * i + j] if prev is not None else np.zeros(shape, np.float32))
+            state += [io.output_buffer(name, shape, np.float32) for name, shape in zip(outs, shapes, strict=True)]
+            masks.append(io.output_buffer(mask, (rows, f * cfg.tokens_per_frame), np.bool_))
         io.run()
+        cache.replay[key] = [a.copy() for a in state]
+        self.replayed[0] += sum(int(m.sum()) for m in masks)
+        self.replayed[1] += sum(m.size for m in masks)
         return out
 
 
