@@ -86,6 +86,16 @@ def test_u55c_simulates_a_7b_decode_step_at_its_hbm_bandwidth():
     assert res.seconds >= res.macs / (DATA_SHEETS["u55c"].dsp * board.clock_mhz * 1e6)  # never beats the DSPs
 
 
+def test_every_preset_is_listed_by_the_command_line_help():
+    """The help texts list the board files themselves: a new preset needs no edit in the CLI."""
+    from fastcar_compile.cmd_compile import build_parser
+    from fastcar_compile.fpga_backend.hwspec import PRESETS
+    from fastcar_compile.fpga_cmds import board_presets
+
+    assert board_presets() == ", ".join(sorted(PRESETS)) and "u55c" in PRESETS
+    assert board_presets() in " ".join(build_parser().format_help().split())
+
+
 def test_u55c_from_the_command_line(zoo_model, tmp_path):
     """`--target fpga --board u55c` compiles a plain export, `sim --board u55c` runs it; a u280 program is
     refused on it (other buffers: the program was tiled for other tiles)."""
