@@ -1,16 +1,17 @@
 """The compiler's pipeline: which `onnx_ir.passes` passes run, in order, for a set of options.
 
-    discover -> select layers -> plan [-> fused attention] -> gate -> branch -> cache state [-> genai state]
-    [-> native GroupQueryAttention]
-    [-> rotary, q/k/v layout + packed gate [-> packed QKV + RoPE in the op], RMSNorm, MLP norm hoist,
-     skip-norm fusions] -> row select into the gate
-    -> KV dim names -> IR version -> metadata [-> validate] [-> genai config] [-> save]
+    [exporter fusions: rotary, RMSNorm, skip-norm] -> discover -> select layers -> plan
+    -> emit: [fused attention [-> q/k/v layout [-> packed QKV + RoPE in the op]]] -> gate -> branch -> cache state
+       [-> genai state] [-> native GroupQueryAttention] -> KV dim names -> IR version -> metadata
+    [-> validate] [-> genai config] [-> save]
 
-Discovery runs once, on the export; the plan (passes/plan.py) is decided from it and the options, and every
-later pass builds from the plan and from what the earlier passes recorded (the layer's match, LayerRewrite),
-never from the ai.fastcar nodes in the graph. A new transformation is one module under passes/ plus one line
-in `build`. `describe` is what
-`fastcar-compile --verbose` prints.
+The exporter-level fusions run first, so discovery, the plan and `--inspect` see the forms onnxruntime-genai's
+builder writes (RotaryEmbedding, SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization). Discovery runs
+once; the plan (passes/plan.py) is decided from it and the options; the emission passes build from the plan and
+from what the earlier ones recorded (the layer's match, PackedQuery, LayerRewrite), never from the ai.fastcar
+nodes in the graph, and each layer's gate is emitted once, in its final form, after the attention passes decided
+what query it reads. A new transformation is one module under passes/ plus one line in `build`. `describe` is
+what `fastcar-compile --verbose` prints.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ from fastcar_compile.passes.context import CompileContext
 from fastcar_compile.passes.fuse_layout import FusedLayoutPass
 from fastcar_compile.passes.fuse_norm import RmsNormFusionPass, SkipNormFusionPass
 from fastcar_compile.passes.fuse_rotary import RotaryFusionPass
-from fastcar_compile.passes.fuse_rows import RowGatePass
 from fastcar_compile.passes.fused_attention import FusedAttentionPass
 from fastcar_compile.passes.gate import GatePass
 from fastcar_compile.passes.genai_state import GenaiConfigPass, GenaiStatePass
-from fastcar_compile.passes.hoist_norm import NormHoistPass
 from fastcar_compile.passes.kv_dims import KvDimNamesPass
 from fastcar_compile.passes.metadata import IrVersionPass, MetadataPass
 from fastcar_compile.passes.native_gqa import NativeGqaPass
@@ -40,19 +39,19 @@ from fastcar_compile.passes.validate import ValidatePass
 
 def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = True) -> ir.passes.PassManager:
     """The passes for `ctx.options`; with `staging` the result is validated (unless off) and saved."""
+    fusions = ctx.options.fusions
     passes: list[ir.passes.PassBase] = [
+        *([RotaryFusionPass(ctx), RmsNormFusionPass(ctx), SkipNormFusionPass(ctx)] if fusions else []),
         DiscoverPass(ctx),
         SelectLayersPass(ctx),
         PlanPass(ctx),
         *([FusedAttentionPass(ctx)] if ctx.options.fused_attention else []),
+        *([FusedLayoutPass(ctx), *([PackQkvPass(ctx)] if ctx.options.pack_qkv else [])] if fusions else []),
         GatePass(ctx),
         BranchPass(ctx),
         CacheStatePass(ctx),
         *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
         *([NativeGqaPass(ctx.notes, ctx.swap_attention_node)] if ctx.options.native_attention else []),
-        *([RotaryFusionPass(ctx), FusedLayoutPass(ctx), *([PackQkvPass(ctx)] if ctx.options.pack_qkv else []),
-           RmsNormFusionPass(ctx), NormHoistPass(ctx), SkipNormFusionPass(ctx)] if ctx.options.fusions else []),
-        RowGatePass(ctx),
         KvDimNamesPass(ctx),
         IrVersionPass(ctx),
         MetadataPass(ctx),

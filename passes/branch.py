@@ -13,7 +13,7 @@ default) is what keeps the process small in ONNX Runtime: ORT prepacks a MatMul 
 and frees the plain copy only when every consumer prepacked it, and a consumer two If levels below the graph
 owning the weight never finds it to prepack (session_state.cc looks one scope up). Per step it costs the If and
 the MLP on a computing layer, the If and one Identity on a skipping one, besides the merge (in place of
-MLPCacheUpdate) and SelectRows, which passes/fuse_rows.py folds into a packed gate. The older nested layout (kept
+MLPCacheUpdate) and SelectRows, which a packed gate does itself (select_rows). The older nested layout (kept
 as `shared_mlp=False`)
 
     used = If(no token replays) -> the MLP on every token
@@ -124,7 +124,6 @@ class BranchPass(ir.passes.InPlacePass):
             n_replay = b("ReduceSum", [b("Cast", [lr.replay], {"to": ir.DataType.INT64})], {"keepdims": 0})
             all_keep = b("Equal", [n_replay, build.const(graph, "fastcar.zero", np.array(0, np.int64))])
             any_keep = b("Less", [n_replay, b("Size", [tokens])])
-            lr.chain = [cached, all_keep, any_keep]  # what a packed gate outputs itself (FusedLayoutPass)
         none_nodes: list[ir.Node] = []
         skipped = build.Builder(n, none_nodes, lr.ids)("Identity", [cached], part="cache")
         skipped.type = ir.TensorType(dtype)

@@ -234,6 +234,16 @@ def parse_kv_layer(spec: str, frame_tokens: int):
     return layers, cfg
 
 
+@dataclass(frozen=True)
+class PackedQuery:
+    """The query a fused layer's packed gate reads, decided by the attention passes before the gate is emitted:
+    `value` [B, S, >= H*D] (its first H*D channels are the query), `rope` = (cos table, sin table, rotary dim)
+    when `value` is the projection before RoPE and the gate rotates it itself."""
+
+    value: ir.Value
+    rope: tuple[ir.Value, ir.Value, int] | None = None
+
+
 GENAI_AGE_FILL = 0  # onnxruntime-genai zero-fills its state; the stored age is age + 1 (passes/genai_state.py)
 
 
@@ -260,8 +270,6 @@ class LayerRewrite:
     # What the emission built, for the passes after it (which never search the graph for ai.fastcar nodes):
     gate: ir.Node | None = None  # the layer's TemporalGate node
     gate_form: contract.GateForm | None = None
-    gate_attrs: dict[str, object] = field(default_factory=dict)  # the non-form attributes
-    chain: list[ir.Value] = field(default_factory=list)  # nested layout: cached rows, compute_all, compute_some
     select: ir.Node | None = None  # the shared layout's SelectRows
     rows: tuple[ir.Value, ir.Value] | None = None  # (rows, some) when the gate selects the rows (select_rows)
     branch: ir.Node | None = None  # the main-graph If around the MLP
@@ -292,6 +300,7 @@ class CompileContext:
     rotary_table: int | None = None  # positions of PackQkvPass's cos/sin table when it packed a layer
     fusions: dict[int, dict] = field(default_factory=dict)  # layer -> what its fused attention reads (the plan's)
     layouts: set[int] = field(default_factory=set)  # fused layers FusedLayoutPass fed [B, S, H*D] q/k/v
+    packed_queries: dict[int, PackedQuery] = field(default_factory=dict)  # rewritten fused layers: the packed gate's
     plan: Plan = field(default_factory=Plan)  # per layer: what the emission builds (PlanPass)
     genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator
 
@@ -315,11 +324,16 @@ class CompileContext:
         assert match.attention is not None
         return match.attention.core_node
 
-    def set_attention_node(self, layer: int, node: ir.Node) -> None:
-        """A pass replaced the layer's attention op by `node` (same outputs)."""
+    def set_attention_node(self, layer: int, node: ir.Node, old: ir.Node | None = None) -> None:
+        """A pass replaced the layer's attention op (`old`) by `node` (same outputs): the layer's match names the
+        new op and its outputs (the gate, emitted later, reads the present key from it)."""
         match = next(m for m in self.matches if m.layer == layer)
-        assert match.attention is not None
-        match.attention.core_node = node
+        att = match.attention
+        assert att is not None
+        outputs = dict(zip(old.outputs, node.outputs, strict=True)) if old is not None else {}
+        moved = {f.name: outputs[v] for f in dataclasses.fields(att)
+                 if isinstance(v := getattr(att, f.name), ir.Value) and v in outputs}
+        match.attention = dataclasses.replace(att, core_node=node, **moved)
 
     def swap_attention_node(self, old: ir.Node, new: ir.Node) -> None:
         """A pass replaced the attention op `old` by `new` (same outputs), in whichever layer has it."""

@@ -357,14 +357,6 @@ def gate_args(model: ir.Model, form: contract.GateForm, inputs: dict[str, ir.Val
     return values, attrs
 
 
-def gate_node(model: ir.Model, form: contract.GateForm, inputs: dict[str, ir.Value | None],
-              attributes: dict[str, object], **kwargs) -> ir.Node:
-    """A TemporalGate node of `form` (not inserted; gate_args says what it takes)."""
-    values, attrs = gate_args(model, form, inputs, attributes)
-    return ir.node(contract.TEMPORAL_GATE, values, attrs, domain=DOMAIN, num_outputs=form.num_outputs,
-                   overload=form.overload, **kwargs)
-
-
 def add_gate(model: ir.Model, form: contract.GateForm, opset: int) -> None:
     """Register the body of one TemporalGate form (idempotent); forms other than the plain one are overloads."""
     add_functions(model, opset)
@@ -469,7 +461,7 @@ def function_proto(op: str, opset: int, overload: str = "") -> onnx.FunctionProt
 
 
 def add_functions(model: ir.Model, opset: int) -> None:
-    """Register every ai.fastcar function in `model` (idempotent; the gate's plain form, gate_node adds the
+    """Register every ai.fastcar function in `model` (idempotent; the gate's plain form, gate_args adds the
     others) and import the domain."""
     key = (DOMAIN, contract.TEMPORAL_GATE, "")
     if key not in model.functions:

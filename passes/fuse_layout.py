@@ -7,13 +7,14 @@ ReduceSum, Equal, Size, Less and the per-layer tau Gather: 16 launches onnxrunti
 
 - feeds RotaryEmbedding (which takes [B, S, H*D] with `num_heads`) and CompressedAttention (`qkv_perm`
   [0, 2, 1, 3]) the projections' [B, S, H*D] outputs, so the Reshape/Transpose pairs go;
-- replaces the gate's nodes by the packed `ai.fastcar.TemporalGate` on that [B, S, H*D] query (post-RoPE for TAS
-  `rope`, the projection for `raw`): the op onnxruntime-genai graphs use, whose "first H*D channels of the
-  packed projection" is then the whole query. Same decision, cached rows and If conditions, one launch.
+- records, for a rewritten layer, the [B, S, H*D] query its gate reads (post-RoPE for TAS `rope`, the projection
+  for `raw`): GatePass, which runs next, emits the packed `ai.fastcar.TemporalGate` on it, the op
+  onnxruntime-genai graphs use, whose "first H*D channels of the packed projection" is then the whole query.
+  Same decision, cached rows and If conditions as the gate on [B, H, S, D], one launch.
 
 Exact: the same arithmetic on the same values, only the memory layout of the inputs differs. Only the plan's
-fused layers with a dense cache whose q/k/v come from the exporter's head split are touched (the attention op
-and the gate are the ones the layer's record names); a layer whose query has any other consumer stays as it is.
+fused layers with a dense cache whose q/k/v come from the exporter's head split are touched (the attention op is
+the one the layer's record names); a layer whose query has any other consumer stays as it is.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fastcar_compile.core import contract
-from fastcar_compile.passes.context import CompileContext, LayerRewrite
-from fastcar_compile.passes.gate import replace_gate
+from fastcar_compile.passes.context import CompileContext, PackedQuery
 
 MS = contract.MS_DOMAIN
-AT_FORM = contract.GateForm(use_total_len=True)  # the gate GatePass emits on CompressedAttention's total_len
+AT_FORM = contract.GateForm(use_total_len=True)  # the plan's gate on a fused attention's total_len
 BSHD_PERM = [0, 2, 1, 3]
 
 
@@ -57,7 +57,7 @@ def only_consumers(value: ir.Value, allowed: set[ir.Node]) -> bool:
 
 
 class FusedLayoutPass(ir.passes.InPlacePass):
-    """[B, S, H*D] q/k/v into RotaryEmbedding + CompressedAttention; the gate as one packed TemporalGate."""
+    """[B, S, H*D] q/k/v into RotaryEmbedding + CompressedAttention; the gate (next) reads the packed query."""
 
     def __init__(self, ctx: CompileContext):
         super().__init__()
@@ -93,11 +93,11 @@ class FusedLayoutPass(ir.passes.InPlacePass):
         xv = head_split_source(v, kv_heads)
         if xq is None or xk is None or xv is None or len({rq.inputs[0], rk.inputs[0], v}) != 3:
             return None
-        # the queries' readers: the attention and (rewritten layers) the gate, on q (`rope`) or its input (`raw`)
-        lr = self.ctx.rewrite_of(n)
-        gate = lr is not None and lr.gate_form == AT_FORM and lr.gate.inputs[0] in (q, rq.inputs[0])
-        readers = {lr.gate} if gate else set()
-        if not only_consumers(q, {ca, *readers}) or not only_consumers(rq.inputs[0], {rq, *readers}) or \
+        # a rewritten layer's gate (emitted next) reads q (TAS `rope`) or its input (`raw`): packed, it reads them
+        # [B, S, H*D]; a gate of another form would read [B, H, S, D] values this rewrite removes
+        plan = self.ctx.plan[n]
+        gate = plan.rewrite
+        if (gate and plan.gate != AT_FORM) or not only_consumers(q, {ca}) or not only_consumers(rq.inputs[0], {rq}) or \
                 not only_consumers(k, {ca}) or not only_consumers(rk.inputs[0], {rk}) or not only_consumers(v, {ca}):
             return None
         for r, x, h in ((rq, xq, heads), (rk, xk, kv_heads)):
@@ -107,19 +107,5 @@ class FusedLayoutPass(ir.passes.InPlacePass):
         ca.replace_input_with(2, xv)
         ca.attributes["qkv_perm"] = ir.AttrInt64s("qkv_perm", BSHD_PERM)
         if gate:
-            self.packed_gate(model, self.ctx, lr, q if lr.gate.inputs[0] is q else xq, heads)
+            self.ctx.packed_queries[n] = PackedQuery(q if self.ctx.options.tas_query == contract.TAS_ROPE else xq)
         return int(gate)
-
-    @staticmethod
-    def packed_gate(model: ir.Model, ctx: CompileContext, lr: LayerRewrite, query: ir.Value, heads: int,
-                    rope: tuple[ir.Value, ir.Value, int] | None = None) -> None:
-        """The layer's gate on total_len (and, nested layout, the cached-rows and branch-condition nodes BranchPass
-        built from it) -> one packed TemporalGate on `query` ([B, S, >= H*D]); with rope = (cos, sin, rotary dim)
-        do_rotary, which rotates the query slice itself (passes/pack_qkv.py)."""
-        inputs = {"q": query, "past_mlp_cache": lr.past_cache, "threshold": ctx.threshold}
-        attrs = {"num_heads": heads, "threshold_index": lr.index if ctx.options.per_layer_threshold else 0}
-        if rope is not None:
-            inputs |= {"cos_cache": rope[0], "sin_cache": rope[1]}
-            attrs |= {"rotary_embedding_dim": rope[2], "interleaved": 0}
-        form = contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=rope is not None)
-        replace_gate(model, lr, form, inputs, attrs, taken=tuple(lr.chain), name=f"{lr.gate.name or 'gate'}/packed")

@@ -3,11 +3,11 @@ Add feeding one -> `com.microsoft.SkipSimplifiedLayerNormalization` (what onnxru
 
 torch.onnx (dynamo) writes LlamaRMSNorm as Pow(x, 2) -> ReduceMean(-1) -> Add(eps) -> Sqrt -> Reciprocal ->
 Mul(x, .) -> Mul(weight, .): seven kernel launches where genai's graph has one, 17 times per step at 8
-layers (docs/genai.md, "path (b)"). These passes run after the FastCar rewrite, so discovery, `--inspect` and
-the gate see the export's own forms; the MLP's norm then sits inside the `If` branches, which onnxscript's
-`ort_fusions.rms_normalization` rule cannot reach (its matcher refuses patterns whose constants live in the
-outer graph: "Pattern matches crossing graph boundaries are not supported"), so the chain is matched here,
-in every graph. The skip fusion (main graph only, where both the Add and the norm live) is onnxscript's
+layers (docs/genai.md, "path (b)"). These passes run before discovery, so discovery, `--inspect` and the
+gate see the forms onnxruntime-genai's builder writes (the MLP's norm joined to the residual Add, outside the
+MLP branch). The chain is matched here rather than by onnxscript's `ort_fusions.rms_normalization` rule, which
+refuses patterns whose constants live in an outer graph ("Pattern matches crossing graph boundaries are not
+supported"), so this matcher also serves graphs with If branches. The skip fusion (main graph only, where both the Add and the norm live) is onnxscript's
 `ort_fusions.skip_normalization` rule, which checks that both Add inputs have the same [B, S, D] shape.
 
 Exactness: SimplifiedLayerNormalization computes x / sqrt(mean(x^2) + eps) * weight in float32 (stash_type
@@ -147,6 +147,10 @@ class SkipNormFusionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
+        # (the rewriter also types the graph's Constant outputs as it matches; discovery runs next, so a graph
+        # with no norm to fuse is not handed to it)
+        if not any(n.op_type == "SimplifiedLayerNormalization" and n.domain == "" for n in model.graph):
+            return ir.passes.PassResult(model, modified=False)
         count = fuse_skip_rms_normalization(model)
         if count:
             model.opset_imports.setdefault(contract.MS_DOMAIN, 1)

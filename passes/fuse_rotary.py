@@ -12,8 +12,8 @@ its per-row positions, and the values are the export's bit for bit. Only the equ
 the cos/sin fed to the Muls must come from Cos/Sin of Concat(f, f) (through Unsqueeze, Cast or a constant
 scale); a rotary whose halves could differ stays as exported.
 
-Runs after the FastCar rewrite: the gate's `rope` query (the Add's output) becomes the op's output, the same
-values, and `raw` (the op's input) is untouched. onnxscript's `ort_fusions.rotary_embedding` +
+Runs before discovery, which then finds the query behind a RotaryEmbedding op (the gate's `rope` query is the
+op's output, `raw` its input: the values the Add and x were). onnxscript's `ort_fusions.rotary_embedding` +
 `cos_sin_cache` rules match the same Mul/Add shape but build the cache from inv_freq up to a max position
 (a table every step when position_ids are dynamic, as they are in a decoder), hence this matcher.
 """

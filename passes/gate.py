@@ -6,12 +6,12 @@
 onnxruntime-genai's GroupQueryAttention layers on packed QKV or rotating inside get the packed form, which also
 rebuilds the query from the op's query input and reads the cached rows and the branch conditions.) The pass adds the model-level inputs (`video_start`, `fastcar_threshold`: initializers with their defaults, not graph inputs, contract.OVERRIDABLE), the
 `ai.fastcar` functions, each layer's state inputs (cache_state.declare_state), brings the query into
-[B, H, S, D] and emits the gate. Attention nodes are tagged for the FPGA partitioner.
+[B, H, S, D] and emits the gate, once, in its final form: the plan's, or for a fused layer whose attention passes kept
+the query packed (ctx.packed_queries: FusedLayoutPass, PackQkvPass run before) the packed form on that query.
+No later pass rewrites it. Attention nodes are tagged for the FPGA partitioner.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import onnx_ir as ir
@@ -20,7 +20,7 @@ from fastcar_compile.core import contract
 from fastcar_compile.passes import build, fastcar_ops, window
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.cache_state import declare_state
-from fastcar_compile.passes.context import CompileContext, LayerRewrite
+from fastcar_compile.passes.context import CompileContext, LayerRewrite, PackedQuery
 
 
 class GatePass(ir.passes.InPlacePass):
@@ -60,8 +60,9 @@ class GatePass(ir.passes.InPlacePass):
         names = [contract.replay_mask_output(n), contract.tas_output(n), f"fastcar.{n}.slot", f"fastcar.{n}.write"]
         keys = window.gate_keys(graph, b, att, opts.frame_tokens)  # the present key, or a window padded
         attrs = {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay, **self.ctx.age_attrs}
-        if att.packed_query is not None:  # GroupQueryAttention on packed QKV or rotating inside: one fused node
-            self._packed_gate(b, lr, keys, attrs, names)
+        packed = self.ctx.packed_queries.get(n)  # a fused layer's query kept packed by the attention passes
+        if att.packed_query is not None or packed is not None:  # packed QKV (genai's GroupQueryAttention): one node
+            self._packed_gate(b, lr, keys, attrs, names, packed)
         else:
             q = query_bhsd(graph, b, att, opts.tas_query)
             tau = self.ctx.threshold
@@ -80,22 +81,31 @@ class GatePass(ir.passes.InPlacePass):
         graph.insert_before(lr.match.mlp.closing, lr.nodes)
         lr.nodes = []
 
-    def _packed_gate(self, b: build.Builder, lr: LayerRewrite, keys: ir.Value, attrs: dict, names: list[str]) -> None:
-        """The packed gate (packed_qkv, do_rotary for `rope`): query rebuild, gate, cached rows and the branch conditions in one node (each
-        node on the main graph costs a kernel launch every step, replayed or not)."""
+    def _packed_gate(self, b: build.Builder, lr: LayerRewrite, keys: ir.Value, attrs: dict, names: list[str],
+                     fused: PackedQuery | None) -> None:
+        """The packed gate (packed_qkv, do_rotary for `rope`): query rebuild, gate, cached rows, the branch conditions
+        and (shared layout) the MLP's computing rows in one node (each node on the main graph costs a kernel launch
+        every step, replayed or not). `fused`: a fused layer's packed query (else genai's GroupQueryAttention's)."""
         opts, att, n = self.ctx.options, lr.match.attention, lr.layer
-        src = att.packed_query
-        assert opts.tas_query != contract.TAS_ROPE or att.rope_refusal is None  # SelectLayersPass refused it
-        form = self.ctx.plan[n].gate  # packed_qkv; do_rotary for `rope` (no rotary: rope = raw); select_rows
         mlp = lr.match.mlp
-        rows = form.select_rows and mlp.fused_norm  # x is the skip norm's output: no norm to hoist before it
-        form = dataclasses.replace(form, select_rows=rows)  # (else RowGatePass folds the SelectRows in later)
-        inputs = {"q": src.qkv, "key": keys, "past_mlp_age": lr.past_age, "past_mlp_cache": lr.past_cache,
-                  "threshold": self.ctx.threshold, "video_start": self.ctx.video_start, "total_len": src.total_len}
+        if fused is None:
+            src = att.packed_query
+            assert opts.tas_query != contract.TAS_ROPE or att.rope_refusal is None  # SelectLayersPass refused it
+            form = self.ctx.plan[n].gate  # packed_qkv; do_rotary for `rope` (no rotary: rope = raw); select_rows
+            query, total = src.qkv, src.total_len
+            rope = (src.cos_cache, src.sin_cache, src.rotary_dim, int(src.interleaved)) if form.do_rotary else None
+        else:  # [B, S, H*D] q (FusedLayoutPass) or the QKV projection with the op's rotary table (PackQkvPass)
+            form = contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=fused.rope is not None,
+                                     select_rows=opts.shared_mlp)
+            query, total = fused.value, att.total_len
+            rope = (*fused.rope, 0) if fused.rope is not None else None
+        inputs = {"q": query, "key": keys, "past_mlp_age": lr.past_age, "past_mlp_cache": lr.past_cache,
+                  "threshold": self.ctx.threshold, "video_start": self.ctx.video_start, "total_len": total}
         attrs = {**attrs, "num_heads": att.num_heads, "threshold_index": lr.index if opts.per_layer_threshold else 0}
-        if form.do_rotary:
-            inputs |= {"cos_cache": src.cos_cache, "sin_cache": src.sin_cache}
-            attrs |= {"rotary_embedding_dim": src.rotary_dim, "interleaved": int(src.interleaved)}
+        if rope is not None:
+            inputs |= {"cos_cache": rope[0], "sin_cache": rope[1]}
+            attrs |= {"rotary_embedding_dim": rope[2], "interleaved": rope[3]}
+        rows = form.select_rows
         if rows:
             inputs["mlp_input"] = mlp.entry
         outs = self._emit(b, lr, form, inputs, attrs,
@@ -113,32 +123,7 @@ class GatePass(ir.passes.InPlacePass):
         outs = b(contract.TEMPORAL_GATE, values, attributes, domain=contract.DOMAIN, outputs=form.num_outputs,
                  names=names, overload=form.overload)
         lr.gate, lr.gate_form = outs[0].producer(), form
-        lr.gate_attrs = dict(attrs)
         return outs
-
-
-def replace_gate(model: ir.Model, lr: LayerRewrite, form: contract.GateForm, inputs: dict[str, ir.Value],
-                 attrs: dict, *, taken: tuple[ir.Value, ...] = (), at: ir.Node | None = None,
-                 name: str | None = None) -> ir.Node:
-    """The layer's gate again in `form`, from its inputs and recorded attributes updated by `inputs`/`attrs` (a
-    fusion changed what it reads): inserted before `at` (default: the old gate), its outputs take over the old
-    gate's and then `taken` (values other nodes computed that it now outputs too); the old gate goes."""
-    graph, old = model.graph, lr.gate
-    assert old is not None
-    # the values it reads now (a pass that replaced an op it reads from rewired them), then the new ones
-    current = {k: v for k, v in zip(contract.GATE_INPUTS, old.inputs, strict=False) if v is not None}
-    inputs, attrs = current | inputs, lr.gate_attrs | attrs
-    node = fastcar_ops.gate_node(model, form, inputs, attrs, name=name or old.name,
-                                 metadata_props=dict(old.metadata_props))
-    graph.insert_before(at or old, node)
-    olds = [*old.outputs, *taken]
-    for k, (before, after) in enumerate(zip(olds, node.outputs[:len(olds)], strict=True)):
-        if before.name is None:  # an output no pass named (the packed gate's unused conditions)
-            before.name = f"{node.name}.out{k}"
-        gu.take_over(before, after, graph_outputs=True)
-    graph.remove(old, safe=True)
-    lr.gate, lr.gate_form, lr.gate_attrs = node, form, attrs
-    return node
 
 
 def tag_attention(att, layer: int) -> None:

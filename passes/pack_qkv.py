@@ -8,8 +8,9 @@ does not have (one packed MatMul, RoPE inside GroupQueryAttention). This pass ma
     out, present_key, present_value = CompressedAttention[packed_rotary](qkv, -, -, ..., cos_table, sin_table)
     gate: TemporalGate[packed_qkv, do_rotary](qkv, ..., total_len, ..., cos_table, sin_table)
 
-The concatenated weights replace the three originals (which go), so the weights held do not grow. The gate is
-path (a)'s op unchanged: it rebuilds the post-RoPE query from the packed projection.
+The concatenated weights replace the three originals (which go), so the weights held do not grow. The gate
+(emitted next by GatePass, from the layer's PackedQuery this pass records) is path (a)'s op unchanged: it
+rebuilds the post-RoPE query from the packed projection.
 
 Rotary positions: the op and the gate rotate at KV index total_len - S + i, as GroupQueryAttention does with
 seqlens_k = total_len - 1, from a cos/sin table [positions, D / 2] that is the export's own rotary subgraph
@@ -32,8 +33,6 @@ whose QKV is packed already).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -42,21 +41,12 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from fastcar_compile.core import contract
 from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import graph_utils as gu
-from fastcar_compile.passes.context import CompileContext
-from fastcar_compile.passes.fuse_layout import (
-    AT_FORM,
-    BSHD_PERM,
-    MS,
-    FusedLayoutPass,
-    head_split_source,
-    only_consumers,
-)
+from fastcar_compile.passes.context import CompileContext, PackedQuery
+from fastcar_compile.passes.fuse_layout import AT_FORM, BSHD_PERM, MS, head_split_source, only_consumers
 from fastcar_compile.passes.fused_attention import core_attributes
-from fastcar_compile.passes.gate import replace_gate
 
 PREFIX_CHECK = 64  # positions evaluated alone: their rows must equal the long table's bit for bit
 PACKED_ARITY = 14  # q, k, v, past k/v, mask, total_len, slots, k_raw, past_key_raw, past_dense, video_start, cos, sin
-PACKED_FORM = contract.GateForm(use_total_len=True, packed_qkv=True)  # FusedLayoutPass's gate (TAS `rope`)
 TABLE_PREFIX = "fastcar.rotary"  # initializer names of the cos/sin tables: fastcar.rotaryK.{cos,sin}_table
 
 
@@ -146,7 +136,7 @@ class _Layer:
     """One fused CompressedAttention layer in FusedLayoutPass's form, what packing it needs."""
 
     def __init__(self, ctx: CompileContext, layer: int):
-        self.layer, self.ca, self.lr = layer, ctx.attention_node(layer), ctx.rewrite_of(layer)
+        self.layer, self.ca, self.ctx = layer, ctx.attention_node(layer), ctx
         self.fusion = ctx.fusions[layer]  # what the fused attention was built from (fused_attention.fusable)
         self.heads, self.kv_heads = self.fusion["heads"], self.fusion["kv_heads"]
         self.compressed, self.laid_out = layer in ctx.kv_configs, layer in ctx.layouts
@@ -165,15 +155,14 @@ class _Layer:
         why = self._projections([rq.inputs[0], rk.inputs[0], ca.inputs[2]])
         if why is not None:
             return why
-        # readers: q -> attention + the gate (rope); q's projection -> its rotary + the gate (raw)
-        lr = self.lr
-        gates = [lr.gate] if lr is not None and lr.gate_form == PACKED_FORM and \
-            lr.gate.inputs[0] in (rq.outputs[0], self.pq.out) else []
-        if len(gates) > 1 or not only_consumers(rq.outputs[0], {ca, *gates}) or not only_consumers(self.pq.out, {rq, *gates}) or \
+        # readers: q -> attention; q's projection -> its rotary (the gate, emitted next, reads what FusedLayoutPass
+        # recorded: q for TAS `rope`, the projection for `raw`)
+        if not only_consumers(rq.outputs[0], {ca}) or not only_consumers(self.pq.out, {rq}) or \
                 not only_consumers(rk.outputs[0], {ca}) or not only_consumers(self.pk.out, {rk}) or not only_consumers(self.pv.out, {ca}):
             return "q, k or v has readers besides the attention, its rotary and the one-node gate"
-        self.gate = gates[0] if gates else None
-        if self.gate is not None and self.gate.inputs[0] is not rq.outputs[0]:
+        planned = self.ctx.packed_queries.get(self.layer)
+        self.gate = planned is not None
+        if planned is not None and planned.value is not rq.outputs[0]:
             return ("TAS `raw` dots the unrotated query with keys rotated at their absolute positions, which moving "
                     "the rotation to KV indices would shift under left padding")
         return None
@@ -224,7 +213,7 @@ class _GqaLayer(_Layer):
     q/k/v views of rotated [B, H, S, D] heads): packed QKV with do_rotary, GroupQueryAttention's own form."""
 
     def match(self) -> str | None:
-        node, lr = self.ca, self.lr
+        node, plan = self.ca, self.ctx.plan[self.layer]
         yq, yk, yv = (_bhsd_source(node.inputs[i]) for i in range(3))
         if yq is None or yk is None or yv is None:
             return "q/k/v are not [B, S, H*D] views of [B, H, S, D] heads"
@@ -239,20 +228,18 @@ class _GqaLayer(_Layer):
         why = self._projections(xs)
         if why is not None:
             return why
-        # readers: the query view -> attention + the gate's [B, H, S, D] view of it (TAS `rope`)
-        tga = [t for r in node.inputs[0].consumers() if r.op_type == "Reshape" for t0 in r.outputs[0].consumers()
-               if t0.op_type == "Transpose" for t in t0.outputs[0].consumers()
-               if lr is not None and t is lr.gate and lr.gate_form == AT_FORM and t.inputs[0] is t0.outputs[0]]
+        # the gate (emitted next) of a rewritten layer: packed with do_rotary for TAS `rope`; TAS `raw` (or a gate of
+        # another form) would read the [B, H, S, D] query before RoPE, which packing removes
+        unpackable_gate = plan.rewrite and (plan.gate != AT_FORM or self.ctx.options.tas_query != contract.TAS_ROPE)
         # FusedAttentionPass reads S off the rotated query for the bias's shape: Shape(q, start 2, end 3)
         self.s_reads = [n for n in rq.outputs[0].consumers() if n.op_type == "Shape" and
                         (_attr(n, "start", 0), _attr(n, "end", None)) == (2, 3)]
-        if len(rq.outputs[0].consumers()) - len(self.s_reads) != 1 or any(
+        if unpackable_gate or len(rq.outputs[0].consumers()) - len(self.s_reads) != 1 or any(
                 v.is_graph_output() or len(v.consumers()) != 1 for v in (
                 *xs, rq.inputs[0], rk.inputs[0], rk.outputs[0], node.inputs[1], node.inputs[2])):
             return ("q, k or v has readers besides the attention, its rotary and a TAS `rope` gate (TAS `raw` dots the "
                     "unrotated query with keys rotated at absolute positions: not shift invariant, left unpacked)")
-        self.gate_chain = lr if tga else None
-        self.gate = None
+        self.gate = plan.rewrite
         return None
 
 
@@ -288,7 +275,6 @@ class PackQkvPass(ir.passes.InPlacePass):
                 self._pack_gqa(model, layer, table)
             else:
                 self._pack(model, layer, table)
-            self.ctx.set_attention_node(layer.layer, layer.ca)
             done += 1
         if kept:
             self.ctx.notes.append("packed QKV: left " + "; ".join(kept))
@@ -326,12 +312,12 @@ class PackQkvPass(ir.passes.InPlacePass):
             gu.take_over(before, after, graph_outputs=True)
         graph.remove(old, safe=True)
         layer.ca = new
+        self.ctx.set_attention_node(layer.layer, new, old)
         for shape in layer.s_reads:  # S of [B, H, S, D] = S of the packed [B, S, W]
             shape.replace_input_with(0, qkv)
             shape.attributes["start"], shape.attributes["end"] = ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)
-        if layer.gate_chain is not None:
-            FusedLayoutPass.packed_gate(model, self.ctx, layer.gate_chain, qkv, layer.heads,
-                                        rope=(*table, layer.head_dim))
+        if layer.gate:
+            self.ctx.packed_queries[layer.layer] = PackedQuery(qkv, (*table, layer.head_dim))
 
     @staticmethod
     def _projection(graph: ir.Graph, layer: _Layer) -> ir.Value:
@@ -370,16 +356,8 @@ class PackQkvPass(ir.passes.InPlacePass):
             gu.take_over(old, out, graph_outputs=True)
         graph.remove(ca, safe=True)
         layer.ca = new
-        if layer.gate is not None:
-            self._gate(model, layer, qkv, table)
+        self.ctx.set_attention_node(layer.layer, new, ca)
+        if layer.gate:  # the gate rotates the query slice of the packed projection with the op's table
+            self.ctx.packed_queries[layer.layer] = PackedQuery(qkv, (*table, layer.head_dim))
         fastcar_ops.add_overload(model, contract.COMPRESSED_ATTENTION, fastcar_ops.PACKED_ROTARY,
                                  model.opset_imports.get("", 17))
-
-    @staticmethod
-    def _gate(model: ir.Model, layer: _Layer, qkv: ir.Value, table: tuple[ir.Value, ir.Value]) -> None:
-        """The packed TemporalGate on the post-RoPE query -> the same with do_rotary on the packed projection: it
-        rotates the query slice with the op's table at the same KV indices."""
-        lr = layer.lr
-        form = dataclasses.replace(lr.gate_form, do_rotary=True)
-        replace_gate(model, lr, form, {"q": qkv, "cos_cache": table[0], "sin_cache": table[1]},
-                     {"rotary_embedding_dim": layer.head_dim, "interleaved": 0})

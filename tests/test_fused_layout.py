@@ -1,5 +1,5 @@
 """passes/fuse_layout.py: q/k/v stay [B, S, H*D] into RotaryEmbedding and CompressedAttention (qkv_perm), and the
-gate of a dynamo export's fused layer is one packed TemporalGate; passes/hoist_norm.py: the MLP norm leaves the If. References: NumPy attention (the op on its own),
+gate of a dynamo export's fused layer is one packed TemporalGate; the MLP norm is joined to the residual Add. References: NumPy attention (the op on its own),
 the eager PyTorch FastCar reference (finite tau, function bodies and native kernels) and the uncompiled export
 (tau = +inf, tests/test_export_fusions.py and tests/test_fused_attention.py run the same compiles)."""
 
@@ -32,13 +32,13 @@ def test_layer_is_one_gate_and_no_layout_ops(zoo_model, fc_compile, tmp_path):
     graph = onnx.load(str(out)).graph
     ops = [n.op_type + (f"[{n.overload}]" if n.overload else "") for n in graph.node]
     rows_gate = f"TemporalGate[{contract.GateForm(True, False, True, False, True).overload}]"
-    # the packed gate also selects the MLP's rows (passes/fuse_rows.py); the merge writes the cache back
+    # the packed gate also selects the MLP's rows (select_rows); the merge writes the cache back
     assert ops.count(rows_gate) == 2 and ops.count("CompressedAttention") == 2
     assert ops.count("MLPCacheMerge") == 2 and ops.count("If") == 2
     assert ops.count(rows_gate) == sum(op.startswith("TemporalGate") for op in ops)  # no other gate
     for gone in ("SelectRows", "MLPCacheRead", "MLPCacheUpdate", "Transpose",
                  "Equal", "Less", "ReduceSum", "Add"):
-        assert gone not in ops, gone  # (Add: the attention residual joins the MLP norm, hoisted out of the If)
+        assert gone not in ops, gone  # (Add: the attention residual joins the MLP norm in a skip norm)
     for n in graph.node:
         if n.op_type == "If":  # compute: the MLP's own nodes from its first MatMul on; skip: one Identity
             then, other = (next(a.g for a in n.attribute if a.name == k) for k in ("then_branch", "else_branch"))

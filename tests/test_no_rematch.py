@@ -1,10 +1,12 @@
-"""No pass decides from the ai.fastcar nodes an earlier pass built: they read the plan and the layer records.
+"""No pass decides from the ai.fastcar nodes an earlier pass built: they read the plan and the layer records, and
+each layer's gate is emitted once, in its final form.
 
 A structural check over passes/*.py (Python's own parser): no comparison of a node's `op_type` or `domain` with an
 ai.fastcar op or domain, no reader of an emitted gate's form/inputs/attributes, no read of a compressed-cache
 setting (`budget`) off a node. Building such nodes (ir.node(contract.TEMPORAL_GATE, ...)) is what emission does
 and is not flagged. The one place that looks at ai.fastcar nodes is the input check before anything is emitted
-(an already compiled model is refused).
+(an already compiled model is refused). The compile tests run the pipeline pass by pass and watch every
+TemporalGate node: once emitted, no later pass may replace it or change its inputs or attributes.
 """
 
 from __future__ import annotations
@@ -12,8 +14,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import onnx_ir as ir
+import pytest
+
 import fastcar_compile.passes as passes_pkg
+from fastcar_compile import pipeline
 from fastcar_compile.core import contract
+from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 PASSES = Path(passes_pkg.__file__).parent
 # ai.fastcar's op names, GroupQueryAttention aside: that name is also com.microsoft's op, which exports contain
@@ -86,3 +93,48 @@ def test_the_check_sees_what_it_forbids():
         assert any(what in v for v in violations(source, "x.py")), source
     fine = "def f(b):\n    return b(contract.TEMPORAL_GATE, [], domain=contract.DOMAIN)\n"  # emission
     assert violations(fine, "x.py") == []
+
+
+def _gates(model: ir.Model) -> dict[ir.Node, tuple]:
+    """Every TemporalGate node of the model (If branches included) -> its inputs' names and its attributes (names:
+    a pass that replaces the op producing an input, e.g. NativeGqaPass, hands the gate the same value anew)."""
+    return {node: (tuple(v.name if v is not None else None for v in node.inputs), tuple(sorted((k, repr(a.value)) for k, a in node.attributes.items())))
+            for node in ir.traversal.RecursiveGraphIterator(model.graph)
+            if node.op_type == contract.TEMPORAL_GATE and node.domain == contract.DOMAIN}
+
+
+def compile_watching_gates(path, **options) -> tuple[CompileContext, dict[ir.Node, str], dict[ir.Node, tuple]]:
+    """Run the compile pipeline on `path` one pass at a time; fail when a pass replaces, rewires or re-attributes a
+    gate an earlier pass emitted. (context, gate -> the pass that emitted it, the final gates)."""
+    model = ir.load(str(path))
+    ctx = CompileContext(CompileOptions(frame_tokens=4, **options))
+    emitted: dict[ir.Node, str] = {}
+    seen: dict[ir.Node, tuple] = {}
+    for p in pipeline.build(ctx).passes:
+        p(model)
+        now = _gates(model)
+        for node, form in seen.items():
+            assert now.get(node) == form, f"{type(p).__name__} rewrote the gate {node.name} {emitted[node]} emitted"
+        for node, form in now.items():
+            if node not in seen:
+                emitted[node], seen[node] = type(p).__name__, form
+    return ctx, emitted, now
+
+
+@pytest.mark.parametrize("options", [{}, {"tas_query": "raw"}, {"fused_attention": "gqa"},
+                                     {"per_layer_threshold": True, "threshold": [0.3, 0.6]}],
+                         ids=["default", "raw", "gqa", "per-layer"])
+def test_a_dynamo_exports_gates_are_emitted_once(zoo_model, options):
+    ctx, emitted, final = compile_watching_gates(zoo_model("llama", "dynamo20"), **options)
+    assert ctx.rewritten and len(emitted) == len(ctx.rewritten)  # one gate creation per rewritten layer
+    assert set(emitted.values()) == {"GatePass"}
+    if not options or "per_layer_threshold" in options:  # the fusions' final form: packed q/k/v, RoPE, rows
+        for node in final:
+            on = {k for k in contract.GATE_FORM_ATTRIBUTES if node.attributes.get_int(k, 0)}
+            assert on == {"use_total_len", "packed_qkv", "do_rotary", "select_rows"}, (node.name, on)
+
+
+def test_a_genai_graphs_gates_are_emitted_once(genai_model):
+    ctx, emitted, _ = compile_watching_gates(genai_model("llama", "fp32") / "model.onnx")
+    assert ctx.rewritten and len(emitted) == len(ctx.rewritten)
+    assert set(emitted.values()) == {"GatePass"}

@@ -140,7 +140,7 @@ def test_pass_fires_and_weights_do_not_grow(zoo_model, fc_compile, tmp_path):
     cas = [n for n in nodes if n.op_type == "CompressedAttention"]
     assert len(cas) == layers and all(n.overload == PACKED for n in cas)
     assert "RotaryEmbedding" not in ops and ops.get("Cos", 0) == 0 and ops.get("Sin", 0) == 0
-    # the gate rotates the query itself (RowGatePass then folds the row select in: the Rows variant)
+    # the gate rotates the query itself (and selects the MLP rows: the Rows variant)
     gates = [n.overload for n in nodes if n.op_type == contract.TEMPORAL_GATE]
     rope_rows = contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=True, select_rows=True)
     assert gates == [rope_rows.overload] * layers, gates

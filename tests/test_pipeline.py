@@ -14,10 +14,9 @@ from fastcar_compile.cli import main
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 L = 4
-PASSES = ["DiscoverPass", "SelectLayersPass", "PlanPass", "FusedAttentionPass", "GatePass", "BranchPass", "CacheStatePass",
-          "NativeGqaPass",
-          "RotaryFusionPass", "FusedLayoutPass", "PackQkvPass", "RmsNormFusionPass", "NormHoistPass", "SkipNormFusionPass",
-          "RowGatePass", "KvDimNamesPass",
+PASSES = ["RotaryFusionPass", "RmsNormFusionPass", "SkipNormFusionPass",
+          "DiscoverPass", "SelectLayersPass", "PlanPass", "FusedAttentionPass", "FusedLayoutPass", "PackQkvPass",
+          "GatePass", "BranchPass", "CacheStatePass", "NativeGqaPass", "KvDimNamesPass",
           "IrVersionPass", "MetadataPass", "ValidatePass", "SavePass"]
 
 

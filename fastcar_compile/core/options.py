@@ -174,7 +174,7 @@ OPTIONS: tuple[Option, ...] = (
            "com.microsoft.GroupQueryAttention (batch > 1 multi-token steps after the prompt are refused by ORT's "
            "kernel); 'off' = keep the exported attention", "--fused-attention", cli=OPTIONAL, const="gqa",
            metavar="fastcar|gqa|off", convert=check_fused_attention),
-    Option("fusions", bool, True, "after the rewrite, fuse the export's RMSNorm chains into "
+    Option("fusions", bool, True, "before discovery, fuse the export's RMSNorm chains into "
            "(Skip)SimplifiedLayerNormalization and rotate-half RoPE into RotaryEmbedding (same values, fewer "
            "kernels per step; default on)", "--fusions", cli=ON_OFF),
     Option("native_attention", bool, True, "com.microsoft.GroupQueryAttention (genai graphs, --fused-attention "
