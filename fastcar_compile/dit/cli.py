@@ -185,8 +185,9 @@ def stream_main(argv: list[str]) -> int:
 
         result["fastar"] = {"mode": modes.label(model.fa), "settings": modes.record(model.fa),
                             "totals": totals(model.stats), "layers": model.layer_summary()}
-    elif getattr(model, "tau", None) is not None:  # FastCar compiled into the step graph (its metadata)
-        result["compiled_modes"] = {**model.modes, "replay_ratio": model.replayed[0] / max(model.replayed[1], 1)}
+    elif any(v is not None for v in getattr(model, "modes", {}).values()):  # compiled in (the graph's metadata)
+        result["compiled_modes"] = {**model.modes, "replay_ratio": model.replayed[0] / max(model.replayed[1], 1),
+                                    "merge_ratio": model.cache.merges[0] / max(model.cache.merges[1], 1)}
     with staged_dir(out) as tmp:
         write_outputs(tmp, result, model_path)
     fps = 1000 / (sum(result["frame_ms"]) / len(result["frame_ms"]))
@@ -195,8 +196,13 @@ def stream_main(argv: list[str]) -> int:
     if eager:
         print(_describe(result["fastar"]))
     elif "compiled_modes" in result:
-        print(f"FastCar compiled in (tau {model.tau:g}): {100 * result['compiled_modes']['replay_ratio']:.1f}% of "
-              "the FFN rows replayed")
+        done = result["compiled_modes"]
+        if model.tau is not None:
+            print(f"FastCar compiled in (tau {model.tau:g}): {100 * done['replay_ratio']:.1f}% of the FFN rows "
+                  "replayed")
+        if model.sim is not None:
+            print(f"TempCache compiled in (SIM {model.sim:g}): {100 * done['merge_ratio']:.1f}% of the written "
+                  "keys merged")
     return 0
 
 

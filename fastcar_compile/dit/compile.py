@@ -14,8 +14,10 @@ ring of window frames, stream.RingCache) of which the first `past_length` tokens
 stay the `present.N.*` outputs, which the runtime writes into the ring after the chunk's cache pass (the
 chunk's bytes only). Keys are stored rotated at their absolute positions and attention is a sum over the
 keys, so their order in the buffer does not matter. `--threshold TAU` adds FastCar's FFN replay on every
-block (dit/replay.py); FAST-AR's compressed caches are not compiled for DiT blocks yet: asked for, they are
-refused in one line. The modes compiled in are recorded in the metadata (config.MODES_KEY) for the runtime.
+block (dit/replay.py); `--tempcache SIM` adds each slot's log(count) (`past_bias.N`) to the cache's scores and
+outputs the pre-RoPE keys (`present_pre.N.key`) for the runtime's aligned merge at write time (stream.RingCache).
+FAST-AR's other compressed caches are not compiled for DiT blocks yet: asked for, they are refused in one line.
+The modes compiled in are recorded in the metadata (config.MODES_KEY) for the runtime.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fastcar_compile.dit.config import (
     MODES_KEY,
     PAST_LENGTH,
     TEXT_GRAPH_KEY,
+    tempcache_io,
 )
 from fastcar_compile.dit.discover import DiTBlockMatch, SelfAttention, discover
 from fastcar_compile.dit.replay import REPLAY_OP, add_replay
@@ -52,9 +55,9 @@ IN_PLACE_OP = "FusedMatMul over the cache buffer (transB, past_length mask) + Ma
 IN_PLACE_KV = "dense, read in place (the runtime's buffers: sink frames + a ring of window frames)"
 # Options that ask for those features (any value but the default), and options that do not apply to a DiT.
 _REPLAY_OPTIONS = ("tas_query", "max_replay", "per_layer_threshold", "emit_diagnostics", "required_video_inputs")  # refused
-_KV_OPTIONS = ("kv_budget", "kv_sinks", "kv_window", "kv_eviction", "tempcache", "sparse_attention", "prune_prompt",
+_KV_OPTIONS = ("kv_budget", "kv_sinks", "kv_window", "kv_eviction", "sparse_attention", "prune_prompt",
                "kv_diagnostics", "kv_layers")
-_IGNORED = ("frame_tokens", "threshold", "validate")  # checked on their own below
+_IGNORED = ("frame_tokens", "threshold", "tempcache", "validate")  # checked on their own below
 
 
 def is_dit_step(model: ir.Model) -> bool:
@@ -67,9 +70,10 @@ def is_dit_graph(model: ir.Model) -> bool:
     return METADATA_KEY in model.metadata_props
 
 
-def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], float | None]:
+def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], dict]:
     """Refuse (one line, naming the feature) what a DiT step graph cannot be compiled with yet; returns notes
-    and the FastCar tau (None: dense). The decoders' default tau compiles dense: a DiT takes an explicit one."""
+    and the modes to build (config.MODES_KEY: the FastCar tau, TempCache's SIM; None = off). The decoders'
+    default tau compiles dense: a DiT takes an explicit one."""
     by_name = {o.name: o for o in options.OPTIONS}
     for name, value in opts.items():
         o = by_name.get(name)
@@ -90,18 +94,21 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], float | Non
     if given is not None and given != frame_tokens:
         raise FastCarError(f"--frame-tokens {given}: this DiT has {frame_tokens} tokens per latent frame (its "
                            "config); leave --frame-tokens out")
+    sim = opts.get("tempcache")
+    modes = {"threshold": None, "tempcache": None if sim is None else float(sim)}
     taus = [float(t) for t in np.atleast_1d(opts.get("threshold", (np.inf,)))]
     default = tuple(by_name["threshold"].default)
     if tuple(taus) == default:
         notes.append(f"the decoders' default tau ({default[0]:g}) does not apply to DiT blocks: compiled dense; "
                      f"give --threshold TAU for {REPLAY_FEATURE}")
-        return notes, None
+        return notes, modes
     if len(taus) != 1:
         raise FastCarError(f"--threshold gives {len(taus)} values: {REPLAY_FEATURE} takes one tau for every block")
-    return notes, (None if taus[0] == np.inf else taus[0])
+    modes["threshold"] = None if taus[0] == np.inf else taus[0]
+    return notes, modes
 
 
-def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None) -> Plan:
+def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None, sim: float | None = None) -> Plan:
     """The DiT blocks' plan (passes/plan.py): what discovery found and what the compile builds from it."""
     blocks = []
     for m in matches:
@@ -113,7 +120,9 @@ def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None) 
             m.layer, True, rewrite,
             self_attention=f"Concat(past.{m.layer}.*, chunk) -> MatMul -> Softmax -> MatMul, heads {a.heads}x{a.head_dim}",
             attention_op=IN_PLACE_OP, rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross, ffn=m.ffn,
-            modulation=m.modulation, kv=KvPlan(IN_PLACE_KV),
+            modulation=m.modulation,
+            kv=KvPlan(IN_PLACE_KV if sim is None else f"{IN_PLACE_KV}; TempCache aligned at SIM {sim:g} (the runtime "
+                      "merges on write, the graph adds log(count) per slot: past_bias.N)"),
             replay="none (--threshold TAU replays FFN rows)" if tau is None else f"tau {tau:g}: {REPLAY_OP}"))
     return Plan(tuple(blocks))
 
@@ -132,8 +141,10 @@ def _layer_report(m: DiTBlockMatch) -> LayerReport:
     return LayerReport(m.layer, m.ok, False, m.summary(), m.trace)
 
 
-def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: ir.Value, ids) -> list[ir.Node]:
-    """The block's attention over (buffer, chunk) as in the module docstring; returns the new nodes."""
+def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: ir.Value, ids,
+                   slot_bias: ir.Value | None = None) -> list[ir.Node]:
+    """The block's attention over (buffer, chunk) as in the module docstring, plus `slot_bias` [B, heads, C]
+    (TempCache's log(count) per slot) on the cache's scores when given; returns the new nodes."""
     a: SelfAttention = m.attention
     nodes: list[ir.Node] = []
     b = Builder(m.layer, nodes, ids)
@@ -147,6 +158,9 @@ def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: 
     past_scores = b("FusedMatMul", [q, pkey], {"transB": 1, "alpha": 1.0}, domain=contract.MS_DOMAIN,
                     part="attention")
     masked = b("Add", [past_scores, bias], part="attention")  # (ORT's broadcasting Where is 5x slower)
+    if slot_bias is not None:
+        axis2 = const(graph, "fastcar.dit.axis2", np.array([2], np.int64))
+        masked = b("Add", [masked, b("Unsqueeze", [slot_bias, axis2], part="cache")], part="attention")
     self_scores = a.softmax.inputs[0]
     joined = b("Concat", [masked, self_scores], {"axis": -1}, part="attention")
     a.softmax.replace_input_with(0, joined)
@@ -165,8 +179,10 @@ def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: 
     return nodes
 
 
-def rewrite(model: ir.Model, matches: list[DiTBlockMatch]) -> None:
-    """Every block's attention reads `past.N.*` in place (module docstring); adds the `past_length` input."""
+def rewrite(model: ir.Model, matches: list[DiTBlockMatch], tempcache: bool = False) -> None:
+    """Every block's attention reads `past.N.*` in place (module docstring); adds the `past_length` input. With
+    `tempcache`, each block also takes its slots' log(count) (`past_bias.N`) on the cache's scores and outputs
+    the chunk's pre-RoPE keys (`present_pre.N.key`) for the runtime's merge."""
     graph = model.graph
     if any(v.name == PAST_LENGTH for v in graph.inputs):
         raise FastCarError(f"the step graph already has a {PAST_LENGTH} input: it is compiled; compile the export")
@@ -188,7 +204,8 @@ def rewrite(model: ir.Model, matches: list[DiTBlockMatch]) -> None:
                        const(graph, "fastcar.dit.minus_inf", np.array(-np.inf, np.float32))], part="cache")
     graph.insert_before(graph[0], shared)
     for m in matches:
-        _rewrite_block(graph, m, bias, capacity, ids)
+        slot_bias = _tempcache_io(graph, m, ids) if tempcache else None
+        _rewrite_block(graph, m, bias, capacity, ids, slot_bias)
     RemoveUnusedNodesPass()(model)
     for m in matches:
         i = m.layer
@@ -196,6 +213,25 @@ def rewrite(model: ir.Model, matches: list[DiTBlockMatch]) -> None:
             v = next(x for x in graph.inputs if x.name == f"past.{i}.{kind}")
             dims = list(v.shape) if v.shape is not None else [None] * 4
             v.shape = ir.Shape([dims[0], dims[1], "capacity", dims[3]])
+
+
+def _tempcache_io(graph: ir.Graph, m: DiTBlockMatch, ids) -> ir.Value:
+    """Block m's `past_bias.N` input [B, heads, capacity] and `present_pre.N.key` output [B, heads, S, d] (the
+    pre-RoPE key as [B, S, heads * d] reshaped and transposed, after its producer)."""
+    a = m.attention
+    name_in, name_out = tempcache_io(m.layer)
+    slot_bias = ir.Value(name=name_in, type=ir.TensorType(ir.DataType.FLOAT),
+                         shape=ir.Shape(["batch", a.heads, "capacity"]))
+    graph.inputs.append(slot_bias)
+    nodes: list[ir.Node] = []
+    b = Builder(m.layer, nodes, ids)
+    split = const(graph, "fastcar.dit.heads_shape", np.array([0, 0, a.heads, a.head_dim], np.int64))
+    pre = b("Transpose", [b("Reshape", [m.key_pre, split], part="cache")], {"perm": [0, 2, 1, 3]}, part="cache",
+            names=[name_out])
+    pre.type, pre.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape(["batch", a.heads, None, a.head_dim])
+    graph.insert_after(m.key_pre.producer(), nodes)
+    graph.outputs.append(pre)
+    return slot_bias
 
 
 def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path | None = None,
@@ -223,7 +259,8 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
         raise FastCarError("the DiT step graph is already compiled (its cache is read in place); compile the "
                            "export")
     cfg = from_dict(json.loads(loaded.metadata_props[METADATA_KEY]), "the step graph's fastcar.dit_config")
-    notes, tau = check_options(opts, cfg.tokens_per_frame)
+    notes, modes = check_options(opts, cfg.tokens_per_frame)
+    tau = modes["threshold"]
     t0 = time.perf_counter()
     matches = discover(loaded)
     report = CompileReport([_layer_report(m) for m in matches], notes=notes, unit="DiT blocks")
@@ -233,11 +270,11 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
                 else "no DiT block found (no past.N.key inputs)")
         raise FastCarError(f"{head}; every block must match, since the cache inputs change for all of them "
                            "(run with --inspect to see each block)")
-    report.plan = plan(matches, rewrite=True, tau=tau).lines()
-    rewrite(loaded, matches)
+    report.plan = plan(matches, rewrite=True, tau=tau, sim=modes["tempcache"]).lines()
+    rewrite(loaded, matches, tempcache=modes["tempcache"] is not None)
     if tau is not None:
         add_replay(loaded, matches, cfg, tau)
-    loaded.metadata_props[MODES_KEY] = json.dumps({"threshold": tau})
+    loaded.metadata_props[MODES_KEY] = json.dumps(modes)
     for r in report.layers:
         r.rewritten = True
     text_src = None

@@ -174,7 +174,8 @@ CACHE_IN_PLACE = "in-place"
 METADATA_KEY = "fastcar.dit_config"  # the step graph's metadata: the config it was exported from
 TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph beside the step graph
 # The modes compiled into the step graph (dit/compile.py), recorded as JSON under MODES_KEY and read back by
-# stream.OrtDiT: {"threshold": tau or null (FastCar replay, dit/replay.py)}.
+# stream.OrtDiT: {"threshold": tau or null (FastCar replay, dit/replay.py), "tempcache": SIM or null (TempCache
+# aligned at cache-write time: the runtime merges, the graph adds each slot's log(count), dit/compile.py)}.
 MODES_KEY = "fastcar.dit_modes"
 REPLAY_FIRST = "replay_first"  # bool [1]: the chunk's first frame may replay (the runtime holds its predecessor)
 
@@ -184,3 +185,9 @@ def replay_io(layer: int) -> tuple[tuple[str, str], tuple[str, str], str]:
     chunk's last frame's), and its replay decision output [B, S]."""
     return ((f"past_replay.{layer}.ffn", f"past_replay.{layer}.key"),
             (f"present_replay.{layer}.ffn", f"present_replay.{layer}.key"), f"replay.{layer}")
+
+
+def tempcache_io(layer: int) -> tuple[str, str]:
+    """Block `layer`'s TempCache I/O: the input log(count) per cache slot [B, heads, capacity] (-inf: empty)
+    and the output pre-RoPE keys of the chunk [B, heads, F x T, d] (what the runtime compares)."""
+    return f"past_bias.{layer}", f"present_pre.{layer}.key"

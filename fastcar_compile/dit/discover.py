@@ -52,6 +52,7 @@ class DiTBlockMatch:
     cross: str = ""
     ffn: str = ""
     ffn_io: tuple[ir.Node, ir.Value] | None = None  # (the FFN's first MatMul, its output after the bias)
+    key_pre: ir.Value | None = None  # the key before the rotary [B, S, heads * d] (TempCache compares those)
     modulation: str = ""
     failure: MatchFailure | None = None
     trace: list[str] = field(default_factory=list)
@@ -120,6 +121,7 @@ def _match_block(m: DiTBlockMatch, ins: dict[str, ir.Value], outs: dict[str, ir.
     m.rope = k_rope
     m.trace.append(f"rotary: {k_rope} on the query and the key")
     q_in, k_in = rms_norm(q_rot, "query"), rms_norm(k_rot, "key")
+    m.key_pre = k_rot
     m.qk_norm = "q/k RMSNorm"
     m.trace.append(f"q/k norm: RMSNorm of {q_in.name} and of {k_in.name}")
     cross_ctx, m.cross, where = cross_attention(ins[f"cross.{i}.key"], ins[f"cross.{i}.value"])

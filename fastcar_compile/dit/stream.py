@@ -35,6 +35,7 @@ from fastcar_compile.dit.config import (
     past_names,
     replay_io,
     step_io,
+    tempcache_io,
 )
 
 STEPS = (1000.0, 750.0, 500.0, 250.0)  # flow-matching timesteps of a 4-step distilled sampler
@@ -94,8 +95,16 @@ class RingCache:
     Slots fill in order, so the first `length` tokens always hold K/V; a write copies the chunk's own K/V
     only. Same residency as FrameCache."""
 
-    def __init__(self, layers: int, tokens_per_frame: int, sinks: int, window: int, grow_from: int = 8):
+    def __init__(self, layers: int, tokens_per_frame: int, sinks: int, window: int, grow_from: int = 8,
+                 tempcache: float | None = None):
         self.layers, self.tokens, self.sinks, self.window = layers, tokens_per_frame, sinks, window
+        # TempCache compiled in (SIM): per layer the tokens merged into each slot [B, heads, slots * T] (0: empty,
+        # or left by a merge), its log as the graph's past_bias.N (-inf where 0), the last frame's pre-RoPE keys
+        self.tempcache = tempcache
+        self.counts: list[np.ndarray] = []
+        self.bias: list[np.ndarray] = []
+        self.last_pre: list[np.ndarray] = []
+        self.merges = [0, 0]  # tokens merged, tokens written
         self.first_slots = sinks + window if window else max(sinks, grow_from)
         self.buffers: list[np.ndarray] = []  # allocated by the first past() or write() (rows known then)
         self.slot_frame: dict[int, int] = {}
@@ -108,6 +117,10 @@ class RingCache:
         if not self.buffers:
             self.buffers = [np.zeros((rows, heads, self.first_slots * self.tokens, head_dim), np.float32)
                             for _ in range(2 * self.layers)]
+            if self.tempcache is not None:
+                self.counts = [np.zeros((rows, heads, self.first_slots * self.tokens), np.int32)
+                               for _ in range(self.layers)]
+                self.bias = [np.full(c.shape, -np.inf, np.float32) for c in self.counts]
 
     @property
     def slots(self) -> int:
@@ -121,21 +134,64 @@ class RingCache:
         return frame if frame < self.sinks or not self.window else self.sinks + (frame - self.sinks) % self.window
 
     def write(self, first_frame: int, kv: list[np.ndarray]) -> None:
-        """Copy a chunk's K/V (2*layers arrays [B, heads, F*T, d]) into the slots of frames first_frame.."""
-        t = self.tokens
+        """Copy a chunk's K/V (2*layers arrays [B, heads, F*T, d], then with TempCache the pre-RoPE keys per
+        layer) into the slots of frames first_frame..; with TempCache a token whose pre-RoPE key's cosine with
+        the same (h, w) one frame back exceeds SIM merges into that slot, which moves to the new frame's slot
+        (newest key, running mean value, count + 1) leaving a dead one (count 0); sink frames never merge."""
+        t, n = self.tokens, self.layers
+        pre, kv = kv[2 * n:], kv[:2 * n]
         self._allocate(kv[0].shape[0], kv[0].shape[1], kv[0].shape[3])
         for j in range(kv[0].shape[2] // t):
-            slot = self.slot(first_frame + j)
+            f = first_frame + j
+            slot = self.slot(f)
             if slot >= self.slots:  # window 0: the cache grows with the video
-                grown = [np.zeros((*b.shape[:2], max(-(-5 * self.slots // 4), slot + 1) * t, b.shape[3]), b.dtype)
-                         for b in self.buffers]
-                for new, old in zip(grown, self.buffers, strict=True):
-                    new[:, :, :self.length] = old[:, :, :self.length]
-                self.buffers = grown
-            for buf, a in zip(self.buffers, kv, strict=True):
-                buf[:, :, slot * t:(slot + 1) * t] = a[:, :, j * t:(j + 1) * t]
-            self.slot_frame[slot] = first_frame + j
+                size = max(-(-5 * self.slots // 4), slot + 1) * t
+                self.buffers = [self._grown(b, size) for b in self.buffers]
+                self.counts = [self._grown(c, size) for c in self.counts]
+                self.bias = [self._grown(b, size, -np.inf) for b in self.bias]
+            src = self.slot(f - 1)
+            merging = (self.tempcache is not None and f - 1 >= self.sinks and self.slot_frame.get(src) == f - 1)
+            new = slice(slot * t, (slot + 1) * t)
+            for i in range(n):
+                key, value = kv[2 * i][:, :, j * t:(j + 1) * t], kv[2 * i + 1][:, :, j * t:(j + 1) * t]
+                if self.tempcache is not None:
+                    value, count = self._merge(i, pre[i][:, :, j * t:(j + 1) * t], value, src if merging else None)
+                    self.counts[i][:, :, new] = count
+                    self.bias[i][:, :, new] = np.log(count)
+                self.buffers[2 * i][:, :, new] = key
+                self.buffers[2 * i + 1][:, :, new] = value
+            self.slot_frame[slot] = f
             self.length = max(self.length, (slot + 1) * t)
+
+    def _grown(self, old: np.ndarray, size: int, fill: float = 0) -> np.ndarray:
+        """`old` with `size` slots' tokens on axis 2, the filled ones copied (a new array: ORT is rebound)."""
+        new = np.full((*old.shape[:2], size, *old.shape[3:]), fill, old.dtype)
+        new[:, :, :self.length] = old[:, :, :self.length]
+        return new
+
+    def _merge(self, i: int, k_pre: np.ndarray, value: np.ndarray, src: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """Layer i's merge of one frame into slot `src` (the previous frame's; None: no merge): (values to
+        write, counts); the previous frame's merged positions become dead."""
+        count = np.ones(value.shape[:3], np.int32)
+        if src is not None:
+            old = slice(src * self.tokens, (src + 1) * self.tokens)
+            c = self.counts[i][:, :, old].copy()
+            a, b = k_pre, self.last_pre[i]
+            den = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+            cos = np.where(den > 0, (a * b).sum(-1) / np.where(den > 0, den, 1), 0)
+            merge = (c > 0) & (cos > self.tempcache)
+            cf = c[..., None].astype(np.float32)
+            value = np.where(merge[..., None], (self.buffers[2 * i + 1][:, :, old] * cf + value) / (cf + 1), value)
+            count = np.where(merge, c + 1, count).astype(np.int32)
+            self.counts[i][:, :, old] = np.where(merge, 0, c)
+            self.bias[i][:, :, old] = np.where(merge, -np.inf, self.bias[i][:, :, old])
+            self.merges[0] += int(merge.sum())
+        self.merges[1] += count.size
+        if len(self.last_pre) <= i:
+            self.last_pre.append(k_pre.copy())
+        else:
+            self.last_pre[i] = k_pre.copy()
+        return value, count
 
     def past(self, batch: int, heads: int, head_dim: int) -> RingCache:
         self._allocate(batch, heads, head_dim)
@@ -178,9 +234,12 @@ class OrtDiT:
         self.in_place = meta.get(CACHE_FORM_KEY) == CACHE_IN_PLACE
         self.modes = json.loads(meta.get(MODES_KEY, "{}"))  # what the compiler built in (dit/compile.py)
         self.tau = self.modes.get("threshold")
+        self.sim = self.modes.get("tempcache")
         self.replayed = [0, 0]  # FFN rows replayed, rows decided (FastCar compiled in), over the session
         if self.in_place:
             ins = [*ins, PAST_LENGTH]
+            if self.sim is not None:
+                ins += [tempcache_io(i)[0] for i in range(self.cfg.layers)]
             if self.tau is not None:
                 ins += [REPLAY_FIRST, *(n for i in range(self.cfg.layers) for n in replay_io(i)[0])]
             from fastcar_compile.runtime.binding import StepBinding
@@ -192,7 +251,10 @@ class OrtDiT:
         self.outs = outs
 
     def new_cache(self, layers: int, tokens_per_frame: int, sinks: int, window: int) -> FrameCache | RingCache:
-        return (RingCache if self.in_place else FrameCache)(layers, tokens_per_frame, sinks, window)
+        if self.in_place:
+            self.cache = RingCache(layers, tokens_per_frame, sinks, window, tempcache=self.sim)
+            return self.cache  # kept: its merge counts are the stream's
+        return FrameCache(layers, tokens_per_frame, sinks, window)
 
     def text_kv(self, text_embeds: np.ndarray) -> list[np.ndarray]:
         return self.text_sess.run(None, {"text_embeds": text_embeds.astype(np.float32)})
@@ -223,6 +285,10 @@ class OrtDiT:
         kv_shape = (rows, cfg.heads, f * cfg.tokens_per_frame, cfg.head_dim)
         out = [io.output_buffer(self.outs[0], latent.shape, np.float32)]
         out += [io.output_buffer(name, kv_shape, np.float32) for name in self.outs[1:]]
+        if self.sim is not None:  # log(count) per slot in; the pre-RoPE keys out, after the K/V (RingCache.write)
+            for i, bias in enumerate(cache.bias):
+                io.bind_input(tempcache_io(i)[0], bias)
+            out += [io.output_buffer(tempcache_io(i)[1], kv_shape, np.float32) for i in range(n)]
         if self.tau is None:
             io.run()
             return out

@@ -1,0 +1,160 @@
+"""`fastcar-compile dit.onnx -o fast.onnx --threshold TAU --tempcache SIM`: FastCar's FFN replay (dit/replay.py,
+the replay cache as graph I/O) and TempCache 'aligned' at cache-write time (the runtime merges, the graph adds
+log(count)) compiled into the DiT step graph, recorded in the metadata and read back by the stream runtime.
+References: the eager stream runtime's modes (dit/fastar.FastARDiT: its replay checked against computing every
+row, its TempCache against the NumPy reference, in test_dit_fastar.py) and the dense export in ONNX Runtime."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+from fastcar_compile.cli import main  # noqa: E402
+from fastcar_compile.dit import modes  # noqa: E402
+from fastcar_compile.dit.config import MODES_KEY, PRESETS, replay_io  # noqa: E402
+from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
+from fastcar_compile.dit.model import build  # noqa: E402
+from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
+
+CFG = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return build(CFG, seed=0)  # the weights `export --dit tiny` drew
+
+
+def _compile(exported: Path, folder: Path, tau: str, *extra: str) -> Path:
+    out = folder / "fast.onnx"
+    assert main([str(exported), "-o", str(out), "--threshold", tau, *extra]) == 0
+    return out
+
+
+@pytest.mark.parametrize("tau, window", [("0", None), ("0", 0), ("-1e30", None)])
+def test_compiled_replay_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, tau, window):
+    """5 chunks: the compiled rollout == the eager FastCar rollout at the same tau within 1e-4, with the same
+    number of replayed FFN rows (tau -1e30: every eligible row replays, so a step computes no FFN row)."""
+    fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau))
+    assert fast.tau == float(tau)  # read back from the metadata
+    settings = StreamSettings(frames=10, seed=3, window_frames=window)
+    ref = FastARDiT(eager, modes.settings(fastcar_tau=float(tau)))
+    for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
+        assert a.resident == b.resident
+        np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
+    replayed, rows = sum(s.ffn_replayed for s in ref.stats), sum(s.ffn_rows for s in ref.stats)
+    assert fast.replayed == [replayed, rows] and 0 < replayed < rows
+
+
+def test_tau_no_score_exceeds_is_the_dense_export(dit_tiny_export, tmp_path):
+    fast = OrtDiT(_compile(dit_tiny_export, tmp_path, "1e30"))
+    settings = StreamSettings(frames=10, seed=4)
+    for a, b in zip(rollout(fast, settings), rollout(OrtDiT(dit_tiny_export), settings), strict=True):
+        np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
+    assert fast.replayed[0] == 0 and fast.replayed[1] > 0
+
+
+def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_export, tmp_path):
+    """The graph's I/O holds the replay cache per block, the metadata the tau; each FFN's first MatMul reads
+    rows gathered at the non-replayed positions (row skipping, not a mask over all rows)."""
+    path = _compile(dit_tiny_export, tmp_path, "0.25")
+    m = onnx.load(str(path))
+    meta = {p.key: p.value for p in m.metadata_props}
+    assert json.loads(meta[MODES_KEY]) == {"threshold": 0.25, "tempcache": None}
+    ins, outs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
+    for i in range(CFG.layers):
+        (a, b), (c, d), mask = replay_io(i)
+        assert {a, b} <= ins and {c, d, mask} <= outs
+    producer = {o: n for n in m.graph.node for o in n.output}
+    gelus = [n for n in m.graph.node if n.op_type == "Gelu"]
+    assert len(gelus) == CFG.layers
+    for g in gelus:
+        up = producer[producer[g.input[0]].input[0]]  # Add(bias) <- MatMul
+        assert up.op_type == "MatMul"
+        gather = producer[up.input[0]]
+        assert gather.op_type == "Gather" and producer[producer[gather.input[1]].input[0]].op_type == "NonZero"
+
+
+def test_dense_compile_records_no_mode(dit_tiny_export, tmp_path):
+    fast = OrtDiT(_compile(dit_tiny_export, tmp_path, "inf"))
+    assert fast.tau is None and fast.sim is None and fast.modes == {"threshold": None, "tempcache": None}
+
+
+@pytest.mark.parametrize("sim, tau, window", [("0.3", "inf", None), ("0.3", "inf", 0), ("0.2", "0", 2),
+                                              ("0.3", "0", None)])
+def test_compiled_tempcache_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, sim, tau, window):
+    """6 chunks (the ring wrapping, or the buffers growing): TempCache compiled in (alone, or with FastCar)
+    == the eager runtime's `tempcache aligned` at the same SIM within 1e-4, with the same merges."""
+    fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau, "--tempcache", sim))
+    assert fast.sim == float(sim) and fast.modes["threshold"] == (None if tau == "inf" else float(tau))
+    settings = StreamSettings(frames=12, seed=3, window_frames=window)
+    kw = {"tempcache": "aligned", "tempcache_sim": float(sim)} | ({} if tau == "inf" else {"fastcar_tau": 0.0})
+    ref = FastARDiT(eager, modes.settings(**kw))
+    for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
+        assert a.resident == b.resident
+        np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
+    merged = sum(s.merges for s in ref.stats)
+    assert fast.cache.merges == [merged, sum(s.written for s in ref.stats)] and merged > 0
+    assert fast.replayed[0] == sum(s.ffn_replayed for s in ref.stats)
+
+
+def test_tempcache_merging_nothing_is_the_dense_export(dit_tiny_export, tmp_path):
+    """SIM 1 (no cosine exceeds it) with a tau no TAS exceeds: every mode's machinery on, the dense result."""
+    fast = OrtDiT(_compile(dit_tiny_export, tmp_path, "1e30", "--tempcache", "1"))
+    settings = StreamSettings(frames=10, seed=4)
+    for a, b in zip(rollout(fast, settings), rollout(OrtDiT(dit_tiny_export), settings), strict=True):
+        np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
+    assert fast.cache.merges[0] == 0 < fast.cache.merges[1]
+
+
+def test_ring_merges_match_a_numpy_recount():
+    """RingCache's TempCache bookkeeping against a recount of the merge chains per (row, head, token): the
+    slot at the newest frame of a chain holds count = chain length, the mean value and the newest key; the
+    slots a chain left are dead (count 0, bias -inf); sink frames never merge; the ring overwrites evicted
+    frames."""
+    from fastcar_compile.dit.stream import RingCache
+
+    rng = np.random.default_rng(1)
+    B, H, T, d, sinks, window, frames = 2, 2, 3, 4, 1, 3, 8
+    ring = RingCache(1, T, sinks, window, tempcache=0.5)
+    base = rng.standard_normal((B, H, T, d)).astype(np.float32)
+    ks, vs, pres = [], [], []
+    for f in range(frames):
+        pres.append(base + (0.2 + 0.4 * (f % 3 == 0)) * rng.standard_normal((B, H, T, d)).astype(np.float32))
+        ks.append(rng.standard_normal((B, H, T, d)).astype(np.float32))
+        vs.append(rng.standard_normal((B, H, T, d)).astype(np.float32))
+    for f in range(0, frames, 2):
+        ring.write(f, [np.concatenate(x[f:f + 2], 2) for x in (ks, vs, pres)])
+    count, value = np.ones((frames, B, H, T), np.int64), np.array(vs)
+    for f in range(sinks + 1, frames):
+        a, b = pres[f], pres[f - 1]
+        m = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1) > 0.5
+        value[f] = np.where(m[..., None], (value[f - 1] * count[f - 1][..., None] + value[f]) /
+                            (count[f - 1] + 1)[..., None], value[f])
+        count[f], count[f - 1] = np.where(m, count[f - 1] + 1, 1), np.where(m, 0, count[f - 1])
+    assert (count == 0).any() and (count > 2).any()
+    assert ring.resident == [0, 5, 6, 7]
+    for f in ring.resident:
+        s = slice(ring.slot(f) * T, (ring.slot(f) + 1) * T)
+        np.testing.assert_array_equal(ring.counts[0][:, :, s], count[f])
+        np.testing.assert_allclose(ring.buffers[1][:, :, s], value[f], atol=1e-6)
+        np.testing.assert_array_equal(ring.buffers[0][:, :, s], ks[f])
+        np.testing.assert_array_equal(ring.bias[0][:, :, s], np.where(count[f] > 0, np.log(np.maximum(count[f], 1)),
+                                                                      -np.inf).astype(np.float32))
+
+
+def test_stream_cli_reports_the_compiled_mode(dit_tiny_export, tmp_path, capsys):
+    path = _compile(dit_tiny_export, tmp_path, "0", "--tempcache", "0.3")
+    capsys.readouterr()
+    assert main(["stream", str(path), "--frames", "6", "-o", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "FastCar compiled in (tau 0)" in out and "TempCache compiled in (SIM 0.3)" in out
+    done = json.loads((tmp_path / "run" / "stream.json").read_text())["compiled_modes"]
+    assert done["threshold"] == 0.0 and 0 < done["replay_ratio"] < 1
+    assert done["tempcache"] == 0.3 and 0 < done["merge_ratio"] < 1
