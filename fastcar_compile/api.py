@@ -67,14 +67,17 @@ def _dit():
 
 
 def inspect(model) -> CompileReport:
-    """Discovery only: what was found in each layer, and why a layer did not match."""
+    """Discovery only (after the exporter fusions a default compile runs first): what was found in each layer, and
+    why a layer did not match."""
     loaded, _ = load(model)
     if _dit().is_dit_step(loaded):
         return _dit().inspect_dit(loaded)
-    notes: list[str] = []
+    defaults = CompileOptions(frame_tokens=1)  # what a compile with default options plans (frame_tokens aside)
+    ctx = CompileContext(defaults)
+    pipeline.run(ir.passes.PassManager(pipeline.exporter_fusions(ctx)), loaded)
+    notes = ctx.notes
     matches = find_layers(loaded, notes)
     report = CompileReport.from_matches(matches)
-    defaults = CompileOptions(frame_tokens=1)  # what a compile with default options plans (frame_tokens aside)
     fused = fused_attention.fusable(loaded, matches, defaults, notes)
     report.plan = plan_blocks(matches, [m.layer for m in matches if m.ok], defaults, fused).lines()
     report.notes.extend(notes)

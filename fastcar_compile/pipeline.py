@@ -37,11 +37,16 @@ from fastcar_compile.passes.save import SavePass, Staging
 from fastcar_compile.passes.validate import ValidatePass
 
 
+def exporter_fusions(ctx: CompileContext) -> list[ir.passes.PassBase]:
+    """The exporter-level fusions (`--fusions`), the first stage: what discovery, the plan and `--inspect` see."""
+    return [RotaryFusionPass(ctx), RmsNormFusionPass(ctx), SkipNormFusionPass(ctx)] if ctx.options.fusions else []
+
+
 def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = True) -> ir.passes.PassManager:
     """The passes for `ctx.options`; with `staging` the result is validated (unless off) and saved."""
     fusions = ctx.options.fusions
     passes: list[ir.passes.PassBase] = [
-        *([RotaryFusionPass(ctx), RmsNormFusionPass(ctx), SkipNormFusionPass(ctx)] if fusions else []),
+        *exporter_fusions(ctx),
         DiscoverPass(ctx),
         SelectLayersPass(ctx),
         PlanPass(ctx),

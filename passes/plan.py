@@ -172,7 +172,7 @@ def plan_blocks(matches: list[LayerMatch], selected: list[int], opts: CompileOpt
         rewrite = m.layer in selected
         gate = _gate(m, opts, op, cache) if rewrite else None
         rows = "-" if not rewrite else "in the gate (select_rows)" if gate.select_rows else \
-            "SelectRows (into the gate where the fusions pack it), one MLP under an If" \
+            "SelectRows, one MLP under an If (the gate selects the rows where the attention passes pack its query)" \
             if opts is None or opts.shared_mlp else "nested If (older layout)"
         mlp_text = (f"{len(mlp.nodes)} nodes, hidden {mlp.hidden}, weights {mlp.weights}" +
                     (", norm fused with the residual Add" if mlp.fused_norm else ""))

@@ -40,21 +40,26 @@ def _gate_forms(path) -> dict[int, set[str]]:
     return forms
 
 
-def test_inspect_v_plans_every_layer_of_a_dynamo_export(zoo_model, capsys):
+def test_inspect_v_plans_every_layer_of_a_dynamo_export(zoo_model, tmp_path, capsys):
     model = zoo_model("llama", "dynamo20")
     assert main([str(model), "--inspect", "-v"]) == 0
     blocks = _plan_blocks(capsys.readouterr().out)
     num_layers = len([o for o in onnx.load(str(model), load_external_data=False).graph.output
                       if re.fullmatch(r"present\.\d+\.key", o.name)])
     assert sorted(blocks) == list(range(num_layers))
-    for b in blocks.values():  # the dynamo export: MatMul/Softmax attention, rotate-half RoPE, two residual Adds
+    # the dynamo export after the exporter fusions (they run before discovery): MatMul/Softmax attention, the
+    # rotate-half RoPE as RotaryEmbedding, the MLP norm joined to the residual Add (genai's builder's forms)
+    for b in blocks.values():
         assert b["state"] == "rewrite"
         assert b["attention"].startswith("MatMul/Softmax")
         assert b["attention op"] == "ai.fastcar.CompressedAttention"  # the default --fused-attention
-        assert b["rotary"].startswith("rotate-half")
-        assert b["residual"] == "sequential Add"
+        assert b["rotary"] == "com.microsoft::RotaryEmbedding"
+        assert b["residual"] == "fused Skip*Norm"
         assert b["kv"] == "dense"
         assert b["gate"].startswith("TemporalGate")
+    out = tmp_path / "fast.onnx"
+    assert main([str(model), "-o", str(out), "--frame-tokens", str(L), "--verbose"]) == 0
+    assert _plan_blocks(capsys.readouterr().out) == blocks  # the compile plans what --inspect -v printed
 
 
 def test_inspect_v_plans_a_genai_graph_and_the_compile_builds_that_gate(genai_model, tmp_path, capsys):
