@@ -158,3 +158,22 @@ def test_stream_cli_reports_the_compiled_mode(dit_tiny_export, tmp_path, capsys)
     done = json.loads((tmp_path / "run" / "stream.json").read_text())["compiled_modes"]
     assert done["threshold"] == 0.0 and 0 < done["replay_ratio"] < 1
     assert done["tempcache"] == 0.3 and 0 < done["merge_ratio"] < 1
+
+
+def test_calibrate_replay_equals_the_eager_calibration(dit_tiny_export, tmp_path, eager, capsys):
+    """`--calibrate-replay 0.4`: the tau read from the probe graph's TAS outputs equals the eager runtime's
+    calibration (its own TAS over the same 4-frame stream) and the compiled stream then replays about that
+    share of the eligible rows."""
+    from fastcar_compile.dit.fastar import calibrate_tau
+
+    out = tmp_path / "cal.onnx"
+    capsys.readouterr()
+    assert main([str(dit_tiny_export), "-o", str(out), "--calibrate-replay", "0.4"]) == 0
+    assert "calibrated --threshold" in capsys.readouterr().out
+    fast = OrtDiT(out)
+    settings = StreamSettings(frames=4, seed=0)
+    want = calibrate_tau(eager, modes.settings(fastcar_ratio=0.4), settings)
+    assert fast.tau == pytest.approx(want, abs=1e-4)
+    list(rollout(fast, settings))
+    ratio = fast.replayed[0] / fast.replayed[1]
+    assert 0.4 * 0.75 - 0.15 < ratio < 0.4 * 0.75 + 0.15  # over all rows: frame 0's are not eligible

@@ -75,16 +75,32 @@ def export_main(a: argparse.Namespace) -> int:
 def compile_main(a: argparse.Namespace) -> int:
     """`fastcar-compile dit.onnx -o fast.onnx` on a DiT step graph (the compiler's parsed arguments)."""
     from fastcar_compile.core import options
-    from fastcar_compile.dit.compile import REPLAY_FEATURE, compile_dit
+    from fastcar_compile.dit.compile import REPLAY_FEATURE, calibrate_threshold, compile_dit
 
-    if a.calibrate_replay is not None or a.calibrate_quality is not None:
-        flag = "--calibrate-replay" if a.calibrate_replay is not None else "--calibrate-quality"
-        raise FastCarError(f"{flag}: calibrating {REPLAY_FEATURE} is not supported yet; give --threshold TAU "
-                           f"instead of {flag}")
+    if a.calibrate_quality is not None:
+        raise FastCarError(f"--calibrate-quality: calibrating {REPLAY_FEATURE} by quality is not supported yet; "
+                           "give --calibrate-replay RATIO or --threshold TAU")
     if a.output is None:
         raise FastCarError("-o/--output is required: where to write the compiled step graph")
     t0 = time.perf_counter()
-    _, report = compile_dit(a.model, a.output, **options.from_args(a))
+    opts = options.from_args(a)
+    if a.calibrate_replay is not None:
+        if not 0.0 <= a.calibrate_replay <= 1.0:
+            raise FastCarError(f"--calibrate-replay must be a replay ratio in [0, 1], got {a.calibrate_replay:g}")
+        import onnx
+
+        from fastcar_compile.dit.config import METADATA_KEY, from_dict
+
+        meta = {p.key: p.value for p in onnx.load(str(a.model), load_external_data=False).metadata_props}
+        cfg = from_dict(json.loads(meta[METADATA_KEY]), str(a.model))
+        text = _read_text(a.calib_data, cfg.text_dim) if a.calib_data else None
+        tau = calibrate_threshold(a.model, a.calibrate_replay, text=text, frames=a.calib_frames,
+                                  tempcache=opts.get("tempcache"))
+        opts["threshold"] = (tau,)
+        print(f"calibrated --threshold {tau:.6g} for replay ratio {a.calibrate_replay:g} (TAS quantile over the "
+              f"eligible rows of a {max(a.calib_frames, 2 * cfg.chunk_frames)}-frame stream, "
+              f"{'--calib-data' if text is not None else 'a seeded random'} prompt)")
+    _, report = compile_dit(a.model, a.output, **opts)
     print(report.format(verbose=a.verbose))
     print(f"wrote {a.output} ({len(report.rewritten)} DiT blocks rewritten, {time.perf_counter() - t0:.1f} s); "
           f"next: fastcar-compile stream {a.output} --frames 24 -o stream_out")

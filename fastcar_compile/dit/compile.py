@@ -308,6 +308,26 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
     return loaded, report
 
 
+def calibrate_threshold(path: str | os.PathLike, ratio: float, *, text: np.ndarray | None = None, frames: int = 3,
+                        tempcache: float | None = None) -> float:
+    """The tau giving FFN replay ratio `ratio` over the eligible rows (the decoders' one-pass calibration): a
+    probe compiled with FastCar on and a tau no TAS exceeds streams `frames` frames (at least two chunks; the
+    prompt `text` [L, text_dim] or a seeded random one) and the quantile of the TAS it outputs is the tau."""
+    import tempfile
+
+    from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout
+    from fastcar_compile.runtime.calib_stats import tau_for_share
+
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.onnx"
+        compile_dit(path, probe, threshold=(3e38,), tempcache=tempcache, validate=False)
+        runtime = OrtDiT(probe)
+        runtime.tas_log = []
+        for _ in rollout(runtime, StreamSettings(frames=max(frames, 2 * runtime.cfg.chunk_frames)), text):
+            pass
+    return tau_for_share(np.concatenate(runtime.tas_log), ratio)
+
+
 class _StagePromptGraph(ir.passes.InPlacePass):
     """Stage the prompt graph (and its external data, holes kept) beside the model under the output's name."""
 

@@ -191,3 +191,8 @@ def tempcache_io(layer: int) -> tuple[str, str]:
     """Block `layer`'s TempCache I/O: the input log(count) per cache slot [B, heads, capacity] (-inf: empty)
     and the output pre-RoPE keys of the chunk [B, heads, F x T, d] (what the runtime compares)."""
     return f"past_bias.{layer}", f"present_pre.{layer}.key"
+
+
+def tas_name(layer: int) -> str:
+    """Block `layer`'s TAS output [B, S] (FastCar compiled in): what `--calibrate-replay` reads."""
+    return f"tas.{layer}"

@@ -11,7 +11,8 @@ Per block N, on the nodes discovery found (dit/discover.py):
     output       = per frame in order, replayed rows take the previous frame's output (`past_replay.N.ffn`
                    [B, T, D] for the first frame): the chain of dit/fastar.replay_ffn
 and outputs the chunk's last frame's FFN output and key as `present_replay.N.ffn|key` (the runtime keeps them
-per denoising step, dit/stream.OrtDiT) and the decision as `replay.N` [B, S].
+per denoising step, dit/stream.OrtDiT), the decision as `replay.N` [B, S] and the TAS as `tas.N` [B, S]
+(`--calibrate-replay` reads it).
 The chunk's frame count is the export's (static): the chain is unrolled over it.
 """
 
@@ -22,7 +23,7 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from fastcar_compile.dit.config import REPLAY_FIRST, DiTConfig, replay_io
+from fastcar_compile.dit.config import REPLAY_FIRST, DiTConfig, replay_io, tas_name
 from fastcar_compile.dit.discover import DiTBlockMatch
 from fastcar_compile.passes.build import Builder, const
 
@@ -83,7 +84,8 @@ def add_replay(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, ta
         else:
             back = prev_key
         per_head = b("ReduceSum", [b("Mul", [q, back]), c("last_axis", np.array([-1], np.int64))], {"keepdims": 0})
-        tas = b("ReduceMean", [per_head, c("heads_axis", np.array([1], np.int64))], {"keepdims": 0})  # [B, S]
+        tas = b("ReduceMean", [per_head, c("heads_axis", np.array([1], np.int64))], {"keepdims": 0},
+                names=[tas_name(i)])  # [B, S]
         replay = b("And", [b("Greater", [tas, tau_v]), b("Or", [later, first])], names=[mask_name])
         x = up.inputs[0]
         flat = b("Reshape", [x, c("rows_shape", np.array([-1, D], np.int64))])
@@ -114,7 +116,7 @@ def add_replay(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, ta
         for node, j in users:
             node.replace_input_with(j, result)
         types = {out_ffn: (ir.DataType.FLOAT, ["batch", T, D]), out_key: (ir.DataType.FLOAT, ["batch", H, T, d]),
-                 mask_name: (ir.DataType.BOOL, ["batch", S])}
+                 mask_name: (ir.DataType.BOOL, ["batch", S]), tas_name(i): (ir.DataType.FLOAT, ["batch", S])}
         for name, (dtype, dims) in types.items():
             v = next(n.outputs[0] for n in before + after if n.outputs[0].name == name)
             v.type, v.shape = ir.TensorType(dtype), ir.Shape(dims)

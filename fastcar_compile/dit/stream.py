@@ -35,6 +35,7 @@ from fastcar_compile.dit.config import (
     past_names,
     replay_io,
     step_io,
+    tas_name,
     tempcache_io,
 )
 
@@ -236,6 +237,7 @@ class OrtDiT:
         self.tau = self.modes.get("threshold")
         self.sim = self.modes.get("tempcache")
         self.replayed = [0, 0]  # FFN rows replayed, rows decided (FastCar compiled in), over the session
+        self.tas_log: list[np.ndarray] | None = None  # a list: the eligible rows' TAS of every step (calibration)
         if self.in_place:
             ins = [*ins, PAST_LENGTH]
             if self.sim is not None:
@@ -303,7 +305,11 @@ class OrtDiT:
                 io.copy_input(name, prev[2 * i + j] if prev is not None else np.zeros(shape, np.float32))
             state += [io.output_buffer(name, shape, np.float32) for name, shape in zip(outs, shapes, strict=True)]
             masks.append(io.output_buffer(mask, (rows, f * cfg.tokens_per_frame), np.bool_))
+        scores = [io.output_buffer(tas_name(i), (rows, f * cfg.tokens_per_frame), np.float32) for i in range(n)]
         io.run()
+        if self.tas_log is not None:  # eligible: past the chunk's first frame, or that frame's predecessor held
+            first = cfg.tokens_per_frame * (0 if prev is not None and frame_start >= 1 else 1)
+            self.tas_log += [t[:, first:].astype(np.float64).ravel() for t in scores]
         cache.replay[key] = [a.copy() for a in state]
         self.replayed[0] += sum(int(m.sum()) for m in masks)
         self.replayed[1] += sum(m.size for m in masks)
