@@ -48,6 +48,7 @@ def metadata_of(ctx: CompileContext) -> contract.FastCarMetadata:
             for m in ctx.matches for k in contract.KV_KINDS],
         kv_compress=contract.kv_compress_record({n: c.to_dict() for n, c in ctx.kv_configs.items()},
                                                 opts.kv_diagnostics),
+        multi_token_decode=True,  # the gate bodies of passes/fastcar_ops.py decide per token in decode steps
         rotary_positions=ctx.rotary_table,
     )
 

@@ -50,7 +50,8 @@ class StepModel(Protocol):
     def describe_memory(self, batch: int = 1, tokens: int | None = None) -> str: ...
     def threshold_array(self, threshold: Any) -> np.ndarray: ...
     def speculation_refusal(self) -> str | None: ...
-    def rewind(self, state: Any, past_len: int) -> Any: ...
+    def snapshot(self, state: Any, seq: int) -> Any: ...
+    def rewind(self, state: Any, past_len: int, snapshot: Any = None) -> Any: ...
     def check_video_length(self, tokens: int, what: str = ...) -> None: ...
     def check_memory(self, batch: int, what: str, fix: str, tokens: int = 0) -> None: ...
 
@@ -189,7 +190,9 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     logits_processor(logits[rows, vocab]) -> logits, applied after guidance (e.g. mask special tokens).
     draft: speculative decoding ("temporal": the token one frame back; "ngram"; "temporal+ngram"), each draft
     verified in one multi-token step, the output the model's own (greedy: identical tokens; sampling: the same
-    distribution; runtime/speculate.py). draft_tokens: K per step (default adaptive). Dense models only.
+    distribution; runtime/speculate.py). draft_tokens: K per step (default adaptive). On a FastCar model each
+    token of a verify step decides replay as its own step would (K < L), and rejected tokens' MLP cache rows and
+    ages are restored.
     """
     L = int(frame_tokens or session.frame_tokens or 0)
     if session.frame_tokens and frame_tokens and frame_tokens != session.frame_tokens:
@@ -344,11 +347,16 @@ def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray 
     """The decode loop with drafts (runtime/speculate.py): each step feeds the last kept token and k draft
     tokens, keeps what the model accepts plus its own next token, and rewinds the KV cache to them. Returns the
     number of tokens generated. Each kept token is a trace step at its KV index, with its share of the step's
-    time; frames are reported to `callback` in order, and a False return drops the tokens after that frame."""
+    time (and, on a FastCar model, its replay per layer and row); frames are reported to `callback` in order, and a
+    False return drops the tokens after that frame. On a FastCar model a verify step holds at most L tokens (each
+    token's slot written once, its decision that of a single-token step) and the FastCar state rows it writes are
+    copied before it, so a rejection restores them (session.snapshot / rewind)."""
     n_out, total = tokens.shape
     L = stats.frame_tokens
     length = DraftLength(spec.tokens)
     stats.draft = str(spec)
+    fastcar = bool(session.layers)
+    max_k = L - 1 if fastcar else total  # FastCar: a verify step of at most one frame (docs/DESIGN.md "Semantics")
     frame_ms = np.zeros(max(1, -(-total // L)))
     # each row's real tokens: prompt (unpadded), then the video as it is kept (the draft's source)
     hist = [np.concatenate([p, np.zeros(total, np.int64)]) for p in prompts]
@@ -381,7 +389,7 @@ def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray 
                     return (f + 1) * L
             if n >= total:
                 return n
-            k = min(length.k, total - 1 - n)  # the step's own token covers the last position
+            k = min(length.k, total - 1 - n, max_k)  # the step's own token covers the last position
             views = [h[: len(p) + n] for h, p in zip(hist, prompts, strict=True)]
             draft = propose(spec, views, given_video_tokens + n, L, k) if k else np.zeros((n_out, 0), np.int64)
             k = draft.shape[1]
@@ -391,6 +399,7 @@ def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray 
                 feed = np.concatenate([feed, feed])
             pos = state.past_len
             t0 = time.perf_counter()
+            snap = session.snapshot(state, k + 1) if fastcar else None
             out = session.step(state, feed, attention_mask=np.ones((batch, k + 1), np.int64), threshold=thr,
                                check=False)
             logits, seen = out.logits, []
@@ -400,7 +409,7 @@ def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray 
                 return seen[-1]
 
             kept, a, dists = verify(draft, position, sampler, rng, q)
-            state = session.rewind(out.state, pos + a + 1)
+            state = session.rewind(out.state, pos + a + 1, snap)
             dt = 1e3 * (time.perf_counter() - t0)
             m = a + 1
             tokens[:, n: n + m] = kept
@@ -413,9 +422,10 @@ def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray 
                     ring = np.zeros((n_out, L, dists[0].shape[-1]), np.float32)
                 for j in range(m):
                     ring[:, (g + n + j) % L], ring_pos[(g + n + j) % L] = dists[j], g + n + j
+            rep = out.replay if out.replay is None or out.replay.ndim == 3 else out.replay[:, :, None]
             for j in range(m):
                 stats.step_ms.append(dt / m)
-                stats.steps.append({"pos": int(pos + j), "replay": []})
+                stats.steps.append({"pos": int(pos + j), "replay": [] if rep is None else rep[:, :, j].astype(int).tolist()})
                 frame_ms[(n + j) // L] += dt / m
             stats.verify_steps += 1
             stats.draft_proposed += k

@@ -88,13 +88,25 @@ class DecodeState:
         return int(sum(a.nbytes for a in self.arrays.values()))
 
 
+@dataclass(frozen=True)
+class SlotSnapshot:
+    """The FastCar state rows a step will write, copied before it (`FastCarSession.snapshot`)."""
+
+    past_len: int  # KV length before the step
+    slots: np.ndarray  # [seq] slot of each token of the step
+    written: np.ndarray  # [seq] bool: the token is video (its slot is written)
+    rows: dict[str, np.ndarray]  # state input -> its rows at `slots` ([batch, seq, ...])
+
+
 @dataclass
 class StepOutput:
     """Result of one step: last-position logits, the new state, and (FastCar models) what each layer did."""
 
     logits: np.ndarray  # [batch, seq, vocab]
     state: DecodeState
-    replay: np.ndarray | None = None  # [num_rewritten_layers, batch] bool, decode steps only
+    # [num_rewritten_layers, batch] bool for a single-token decode step, [layers, batch, seq] for a multi-token one
+    # (1 < seq <= L after the prefill, models that decide per token there); None for a prefill
+    replay: np.ndarray | None = None
     tas: np.ndarray | None = None  # [num_rewritten_layers, batch, seq] float32, diagnostics models only
     extra: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -229,6 +241,10 @@ class FastCarSession:
         self._feed_tau = contract.THRESHOLD in self._inputs
         self.max_replay = fc.max_replay if fc is not None else 0
         self.specs: list[StateSpec] = self._pair_state()
+        # the FastCar state indexed by slot ([batch, L] ages, [batch, L, hidden] MLP caches): what a verify step
+        # writes per token, one slot each, and a rejected draft token must restore (snapshot / rewind)
+        self._slot_specs = [s for s in self.specs if s.kind == "fastcar" and len(s.shape) in (2, 3)
+                            and s.shape[1] == self.frame_tokens]
         # layer -> (age output, value of a slot just written by a computed MLP = the new-video fill + 1):
         # 0 normally (fill -1), 1 in onnxruntime-genai's zero-filled encoding (age + 1, passes/genai_state.py)
         # (read from the next state's arrays, where the age output lands under its input's name)
@@ -521,22 +537,45 @@ class FastCarSession:
     def speculation_refusal(self) -> str | None:
         """Why this model cannot verify draft tokens exactly (one line), or None when it can.
 
-        A verify step feeds several tokens at once: a FastCar graph decides replay for a single-token step only
-        (a multi-token step computes every MLP, unlike the sequential steps it stands for), and a compressed KV
-        cache merges tokens into slots that cannot be taken back after a rejection."""
-        if self.layers:
-            return (f"draft= needs a dense model: {self.path.name} is FastCar-compiled, and its graph decides MLP "
-                    "replay for one token per step, so a multi-token verify step would not equal sequential "
-                    "steps; run draft= on the input (dense) model")
+        A verify step feeds several tokens at once. A FastCar graph decides replay per token in such a step
+        only when compiled with that rule (`fastcar.multi_token_decode`; before, a multi-token step computed every
+        MLP, unlike the sequential steps it stands for); its MLP cache rows and ages are rolled back by `rewind`.
+        A compressed KV cache merges tokens into slots that cannot be taken back after a rejection."""
         if self.kv_slots is not None:
             return (f"draft= cannot run on {self.path.name}: its compressed KV cache cannot drop rejected draft "
                     "tokens; run draft= on a model without --kv-budget")
+        if self.layers and not (self.fastcar is not None and self.fastcar.multi_token_decode):
+            return (f"draft= cannot run on {self.path.name}: it was compiled before FastCar decided replay per "
+                    "token in a multi-token step, so a verify step would not equal sequential steps; recompile it "
+                    "with this version, or run draft= on the dense model")
+        other = [s.input for s in self.specs if s.kind == "fastcar" and s not in self._slot_specs]
+        if other:
+            return (f"draft= cannot run on {self.path.name}: its state {other[0]} cannot be rolled back after a "
+                    "rejected draft token; compile it without the KV diagnostics to use drafts")
         return None
 
-    def rewind(self, state: DecodeState, past_len: int) -> DecodeState:
+    def snapshot(self, state: DecodeState, seq: int) -> SlotSnapshot | None:
+        """Copies of the FastCar state rows a step of `seq` tokens from `state` will write (their slots), so
+        `rewind` can restore those of rejected draft tokens; None for a model without FastCar state. A step of
+        at most L tokens writes each slot once, so the rows before the step are all a rollback needs."""
+        specs = self._slot_specs
+        if not specs:
+            return None
+        L = int(self.frame_tokens or 1)
+        if seq > L:
+            raise FastCarError(f"a verify step of {seq} tokens is longer than a frame (L={L}); draft at most "
+                               f"{L - 1} tokens per step on a FastCar model")
+        p = np.arange(state.past_len, state.past_len + seq)
+        slots = (p - state.video_start) % L
+        return SlotSnapshot(state.past_len, slots, p >= state.video_start,
+                            {s.input: state.arrays[s.input][:, slots] for s in specs})
+
+    def rewind(self, state: DecodeState, past_len: int, snapshot: SlotSnapshot | None = None) -> DecodeState:
         """`state` as if only its first `past_len` KV positions had been decoded (speculative decoding drops
         the rejected draft tokens). A growing KV cache is cut to past_len; a fixed buffer (max_length) keeps its
-        arrays and simply is not advanced past the accepted length: the next step writes over the rest."""
+        arrays and simply is not advanced past the accepted length: the next step writes over the rest. The
+        FastCar MLP cache rows and ages the dropped tokens wrote get back their values from `snapshot` (taken
+        before the step that fed them)."""
         if not 0 <= past_len <= state.past_len:
             raise FastCarError(f"cannot rewind a state of {state.past_len} positions to {past_len}")
         if past_len == state.past_len:
@@ -544,6 +583,18 @@ class FastCarSession:
         if (why := self.speculation_refusal()) is not None:
             raise FastCarError(why)
         arrays = dict(state.arrays)
+        if self._slot_specs:
+            if snapshot is None or not snapshot.past_len <= past_len or \
+                    snapshot.past_len + len(snapshot.slots) != state.past_len:
+                raise FastCarError("rewinding a FastCar state needs the snapshot taken before the step that fed "
+                                   "the dropped tokens (session.snapshot(state, seq))")
+            drop = np.arange(past_len - snapshot.past_len, len(snapshot.slots))
+            drop = drop[snapshot.written[drop]]
+            for name, saved in snapshot.rows.items():
+                a = arrays[name]
+                if not a.flags.writeable:
+                    a = arrays[name] = a.copy()
+                a[:, snapshot.slots[drop]] = saved[:, drop]
         for s in self.specs:
             if s.kind == "kv" and self._kv_capacity(s) is None:
                 arrays[s.input] = np.ascontiguousarray(arrays[s.input][:, :, :past_len])
@@ -787,29 +838,36 @@ class FastCarSession:
 
     def _replay_of(self, res: dict[str, np.ndarray], arrays: dict[str, np.ndarray], state: DecodeState, seq: int
                    ) -> np.ndarray | None:
-        """Which rows replayed the MLP of each rewritten layer this step ([layers, batch]); None for prefill.
+        """Which rows replayed the MLP of each rewritten layer this step: [layers, batch] for one token,
+        [layers, batch, seq] for a multi-token decode step the model decides per token; None for a prefill.
 
         Read from the age counters (`arrays`: the next state's) so it works without diagnostics outputs: age > 0
         at the written slot means the value there was replayed (DESIGN.md).
         """
-        if seq != 1:
+        p, L = state.past_len, int(self.frame_tokens or 1)
+        if seq != 1 and not (p > 0 and seq <= L and self.fastcar is not None and self.fastcar.multi_token_decode):
             return None
-        p = state.past_len
-        if p < state.video_start:
+        if seq == 1 and p < state.video_start:
             return np.zeros((len(self.layers), state.batch), dtype=bool)
         masks = self._replay_names
         if masks[0] in res and all(m in res for m in masks):
-            return np.stack([res[m][:, 0] for m in masks]).astype(bool)
+            out = np.stack([res[m] for m in masks]).astype(bool)
+            return out[:, :, 0] if seq == 1 else out
         if self._ages is None:
             raise FastCarError(f"{self.path.name} has neither replay masks nor age counters for every layer")
-        slot = (p - state.video_start) % int(self.frame_tokens or 1)
-        if state.batch == 1:  # (one Python int per layer: a decode loop's common case, cheapest)
-            flat = [arrays[name].item(0, slot) > written for name, written in self._ages]
-            return np.array(flat, dtype=bool).reshape(len(flat), 1)
-        out = np.empty((len(self.layers), state.batch), dtype=bool)
-        for i, (name, written) in enumerate(self._ages):
-            np.greater(arrays[name][:, slot], written, out=out[i])
-        return out
+        if seq == 1:
+            slot = (p - state.video_start) % L
+            if state.batch == 1:  # (one Python int per layer: a decode loop's common case, cheapest)
+                flat = [arrays[name].item(0, slot) > written for name, written in self._ages]
+                return np.array(flat, dtype=bool).reshape(len(flat), 1)
+            out = np.empty((len(self.layers), state.batch), dtype=bool)
+            for i, (name, written) in enumerate(self._ages):
+                np.greater(arrays[name][:, slot], written, out=out[i])
+            return out
+        pos = np.arange(p, p + seq)
+        video = pos >= state.video_start  # (a token before the video writes no slot and never replays)
+        slots = (pos - state.video_start) % L
+        return np.stack([(arrays[name][:, slots] > written) & video for name, written in self._ages])
 
     def __repr__(self) -> str:
         kind = f"FastCar layers={self.layers} L={self.frame_tokens}" if self.is_fastcar else "dense"

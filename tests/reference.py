@@ -200,12 +200,16 @@ class FastCarReference:
         used = fresh.clone()
         replay = torch.zeros((B, S), dtype=torch.bool)
         cache, age = self.mlp_cache[i], self.mlp_age[i]
-        if S == 1 and P - L >= vs:
-            slot = (P - vs) % L
+        # a decode step (after the prefill) of at most L tokens decides every token as single-token steps
+        # would: the tokens' slots are distinct, so each reads its slot as the previous frame left it
+        for j in range(S) if P > 0 and S <= L else ():
+            if P + j - L < vs:
+                continue
+            slot = (P + j - vs) % L
             a_old = age[:, slot]
             eligible = (a_old >= 0) & ((self.max_replay == 0) | (a_old < self.max_replay))
-            replay[:, 0] = eligible & (tas[:, 0] > self.tau[i])
-            used[replay[:, 0], 0] = cache[replay[:, 0], slot].to(used.dtype)
+            replay[:, j] = eligible & (tas[:, j] > self.tau[i])
+            used[replay[:, j], j] = cache[replay[:, j], slot].to(used.dtype)
         writes = [j for j in range(S) if P + j >= vs][-L:]
         for j in writes:
             slot = (P + j - vs) % L

@@ -44,11 +44,13 @@ def _gate_reference(q, key, age, tau, vstart, L, K):
     slot = (p - vstart) % L
     write = (p >= vstart) & (p >= T - L)
     age_slot = age[:, slot]
-    elig = (S == 1) & (p - L >= vstart)[None, :] & (age_slot >= 0) & ((K == 0) | (age_slot < K))
+    decode = T - S > 0 and S <= L  # after the prefill, at most one frame: every token decides
+    elig = decode & (p - L >= vstart)[None, :] & (age_slot >= 0) & ((K == 0) | (age_slot < K))
     return elig & (tas > tau), tas, slot, write
 
 
-@pytest.mark.parametrize("S,T,vstart,K", [(1, 13, 2, 0), (1, 13, 2, 2), (1, 5, 2, 0), (4, 12, 3, 0), (9, 9, 0, 0)])
+@pytest.mark.parametrize("S,T,vstart,K", [(1, 13, 2, 0), (1, 13, 2, 2), (1, 5, 2, 0), (4, 12, 3, 0), (3, 13, 2, 2),
+                                             (6, 14, 3, 0), (9, 9, 0, 0)])
 def test_temporal_gate_matches_numpy(S, T, vstart, K):
     rng = np.random.default_rng(S * 100 + T)
     B, H, Hkv, D, L = 3, 4, 2, 8, 4
@@ -106,7 +108,8 @@ def test_cache_update_and_read_match_numpy():
 
 
 @pytest.mark.parametrize("form_name", ["plain", "total_len", "aligned_keys"])
-@pytest.mark.parametrize("S,past,vstart,K", [(1, 12, 2, 0), (1, 12, 2, 2), (1, 4, 2, 0), (4, 8, 3, 0)])
+@pytest.mark.parametrize("S,past,vstart,K", [(1, 12, 2, 0), (1, 12, 2, 2), (1, 4, 2, 0), (4, 8, 3, 0),
+                                                   (3, 9, 2, 2), (6, 8, 3, 0)])
 def test_temporal_gate_forms_body_kernel_and_old_names(form_name, S, past, vstart, K):
     """TemporalGate's [B, H, S, D] forms: positions from the key's length, from total_len with a longer
     (preallocated) key buffer, and aligned keys given per token (a compressed cache); function body, native

@@ -350,6 +350,10 @@ class FastCarMetadata:
         "input/output of those layers is [batch, kv_heads, budget, head_dim] (slots, not positions). Layers with "
         "different settings (--kv-layer): no top-level settings but `per_layer` {layer: settings}; "
         "read through kv_layer_settings()"))
+    multi_token_decode: bool | None = field(default=None, metadata=_doc(
+        "`true`: a decode step of 1 < S <= L tokens after the prefill decides replay per token as S single-token "
+        "steps would (docs/DESIGN.md \"Semantics\"), so drafts can be verified in one step (docs/speculation.md); "
+        "absent: compiled before that rule, its multi-token steps compute every MLP"))
     rotary_positions: int | None = field(default=None, metadata=_doc(
         "packed q/k/v with the rotary inside the attention op (PackQkvPass): those layers rotate at the KV index "
         "(the export's positions plus the row's left padding; RoPE scores and TAS `rope` see only position "

@@ -258,4 +258,4 @@ def metadata(dec: FastCarDecoder, emit_diagnostics: bool) -> contract.FastCarMet
         num_kv_heads=o["num_kv_heads"], head_dim=o["head_dim"], state=state,
         kv=[contract.KVEntry(contract.kv_input(i, k), contract.kv_output(i, k)) for i in range(n)
             for k in contract.KV_KINDS],
-        diagnostics=emit_diagnostics)
+        diagnostics=emit_diagnostics, multi_token_decode=True)  # the shared gate bodies decide per token

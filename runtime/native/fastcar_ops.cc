@@ -41,9 +41,11 @@ void SlotsAndWrites(int64_t P, int64_t S, int64_t T, int64_t L, int64_t vs, int6
   }
 }
 
-// a token may replay: single-token step, its aligned position inside the video, its slot written, not too old
-bool Eligible(int64_t S, int64_t aligned, int64_t vs, int64_t age, int64_t K) {
-  return S == 1 && aligned >= vs && age >= 0 && (K == 0 || age < K);
+// a token may replay: a decode step (after the prefill, at most one frame of tokens: each token's slot is distinct
+// and was written before the step, so it decides as a single-token step would), its aligned position inside the
+// video, its slot written, not too old
+bool Eligible(int64_t P, int64_t S, int64_t L, int64_t aligned, int64_t vs, int64_t age, int64_t K) {
+  return P > 0 && S <= L && aligned >= vs && age >= 0 && (K == 0 || age < K);
 }
 
 template <typename T>
@@ -209,7 +211,7 @@ struct GateKernel {
         }
         const float v = acc * scale;
         t[b * S + i] = v;
-        const bool r = Eligible(S, aligned, vs, ad[b * L + sl[i]] - age_offset, K) && v > tau;
+        const bool r = Eligible(P, S, L, aligned, vs, ad[b * L + sl[i]] - age_offset, K) && v > tau;
         rep[b * S + i] = r;
         n_replay += r ? 1 : 0;
         if (packed) std::memcpy(out + (b * S + i) * Hd, cache + (b * L + sl[i]) * Hd, sizeof(float) * Hd);
