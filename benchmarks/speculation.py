@@ -11,6 +11,10 @@ Models (`--models`, comma-separated):
 Modes: plain decoding, then drafts `temporal:K` for each `--k` plus adaptive `temporal`, greedy and sampled
 (temperature 1, video tokens only); each clip runs every mode in turn (order rotating), and every ratio is
 tokens/s of a mode over tokens/s of plain decoding in the same run, decode only (prefill excluded).
+FastCar (`--fastcar 50,80`, replay targets in percent): the model compiled (cached), tau calibrated per target on
+the same clips (greedy, runtime.calibrate_threshold), then FastCar alone and FastCar with the adaptive temporal
+draft (`--fastcar-k` adds fixed K); "vs best alone" is FastCar + draft over the faster of FastCar alone at that tau
+and the adaptive temporal draft on the dense model, and greedy FastCar + draft must give FastCar's own tokens.
 `genai`: the model builder's graph of the same weights in og.Generator, plain vs
 `set_speculative_options(ngram_size=4, max_draft_tokens=16)`, greedy and sampled (genai 0.18 accepts the
 options with sampling but falls back to plain steps for most of them: `genai_fallback_steps` of the json).
@@ -19,6 +23,7 @@ options with sampling but falls back to plain steps for most of them: `genai_fal
     python benchmarks/speculation.py --models llama1024 --clips 2 --frames 1   # ~4 min
     python benchmarks/speculation.py --models video --clips 8 --frames 8
     python benchmarks/speculation.py --quick                  # long model, 1 clip x 2 frames: smoke run
+    python benchmarks/speculation.py --models video --k 4 --fastcar 50,80 --no-genai   # FastCar + drafts
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -134,13 +140,62 @@ def _genai_run(folder: Path, threads: int, prompt: list[int], n: int, ngram: boo
 _GENAI_MODELS: dict = {}
 
 
+@dataclass(frozen=True)
+class Mode:
+    """One decoding of the benchmark: which session, which draft, which tau, and the mode its greedy tokens must
+    equal (plain decoding of the same model: dense, or FastCar at the same tau)."""
+
+    label: str
+    fast: bool = False
+    draft: str | None = None
+    tau: float | None = None
+    base: str = "dense"
+
+
+def _fastcar_model(onnx: Path, L: int) -> Path:
+    """The FastCar compile of `onnx` (cached beside the other benchmark artefacts, keyed by the file's content)."""
+    import hashlib
+
+    import fastcar_compile
+
+    h = hashlib.sha256(onnx.read_bytes()).hexdigest()[:12]
+    out = DEFAULT_CACHE / f"spec-fastcar-{h}-L{L}" / "fast.onnx"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"compiling {onnx.name} with FastCar ...", file=sys.stderr, flush=True)
+        fastcar_compile.compile(onnx, out, frame_tokens=L)
+    return out
+
+
+def _fastcar_modes(name: str, fast: Path, prompts: list[list[int]], L: int, a, kw: dict) -> list[Mode]:
+    """FastCar alone and with drafts at the tau of each replay target (calibrated on these clips, greedy)."""
+    from fastcar_compile.runtime import calibrate_threshold
+
+    modes = []
+    for t in a.fastcar:
+        r = calibrate_threshold(fast, prompts, num_frames=a.frames, target_replay=t / 100, batch_size=1,
+                                progress=False, method="search", tolerance=0.02, max_probes=12, **kw)
+        print(f"{name}: tau {r.tau:.4g} for {t}% replay (calibrated: {100 * r.replay_calib:.1f}%)", flush=True)
+        alone = f"FastCar {t}%"
+        modes.append(Mode(alone, True, None, r.tau, alone))
+        modes += [Mode(f"{alone} + temporal{f':{k}' if k else ''}", True, f"temporal:{k}" if k else "temporal",
+                       r.tau, alone) for k in [0, *a.fastcar_k]]
+    return modes
+
+
 def run_model(name: str, a) -> list[dict]:
     from fastcar_compile.demo.decoding import code_mask
     from fastcar_compile.runtime import FastCarSession
 
     model, onnx, L, prompts, uncond, codes, decoding = MODELS[name](a.clips)
-    sess = FastCarSession(onnx, frame_tokens=L, threads=a.threads)
-    modes = ["dense"] + [f"temporal:{k}" for k in a.k] + ["temporal"] + (["ngram"] if a.ngram else [])
+    sessions = {False: FastCarSession(onnx, frame_tokens=L, threads=a.threads)}
+    modes = [Mode("dense")] + [Mode(f"temporal:{k}", draft=f"temporal:{k}") for k in a.k] + \
+        [Mode("temporal", draft="temporal")] + ([Mode("ngram", draft="ngram")] if a.ngram else [])
+    if a.fastcar:
+        fast = _fastcar_model(Path(onnx), L)
+        sessions[True] = FastCarSession(fast, threads=a.threads)
+        modes += _fastcar_modes(name, fast, prompts, L, a,
+                                dict(logits_processor=code_mask(codes), given_video_tokens=L))
     rows = []
     for sample in (False, True):
         kw: dict = dict(logits_processor=code_mask(codes), progress=False, given_video_tokens=L)
@@ -148,34 +203,40 @@ def run_model(name: str, a) -> list[dict]:
             kw.update(do_sample=True, temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p)
             if uncond is not None and decoding.cfg_scale is not None:
                 kw.update(cfg_scale=decoding.cfg_scale)
-        acc = {m: {"tokens": 0, "s": 0.0, "proposed": 0, "accepted": 0, "steps": 0, "same": 0} for m in modes}
+        acc = {m.label: {"tokens": 0, "s": 0.0, "proposed": 0, "accepted": 0, "steps": 0, "same": 0, "replay": 0.0}
+               for m in modes}
         for i, p in enumerate(prompts):
             if "cfg_scale" in kw:  # the unconditional row: its prompt, then the same given frame 0
                 kw["uncond_prompt_ids"] = [uncond + p[len(p) - L:]]
             got = {}
             for m in modes[i % len(modes):] + modes[: i % len(modes)]:
+                extra = {"threshold": m.tau} if m.fast else {}
                 t0 = time.perf_counter()
-                res = sess.generate([p], a.frames, draft=None if m == "dense" else m, seed=i, **kw)
+                res = sessions[m.fast].generate([p], a.frames, draft=m.draft, seed=i, **extra, **kw)
                 dt = time.perf_counter() - t0 - res.stats.prefill_ms / 1e3
-                st, r = res.stats, acc[m]
-                r["tokens"] += res.tokens.shape[1] - 1
+                st, r = res.stats, acc[m.label]
+                n = res.tokens.shape[1] - 1
+                r["tokens"] += n
                 r["s"] += dt
                 r["proposed"] += st.draft_proposed
                 r["accepted"] += st.draft_accepted
-                r["steps"] += st.verify_steps or res.tokens.shape[1] - 1
-                got[m] = res.tokens
-            ref = got["dense"]
+                r["steps"] += st.verify_steps or n
+                r["replay"] += st.replay_ratio * n
+                got[m.label] = res.tokens
             for m in modes:
-                acc[m]["same"] += int(np.array_equal(got[m], ref))
-        base = acc["dense"]["tokens"] / acc["dense"]["s"]
+                acc[m.label]["same"] += int(np.array_equal(got[m.label], got[m.base]))
+        tps = {m.label: acc[m.label]["tokens"] / acc[m.label]["s"] for m in modes}
         for m in modes:
-            r = acc[m]
-            tps = r["tokens"] / r["s"]
-            rows.append({"model": name, "decoding": _describe(kw) if sample else "greedy", "mode": m,
-                         "tokens_per_s": tps, "speedup": tps / base,
+            r = acc[m.label]
+            best = max(tps["temporal"], tps[m.base]) if m.fast and m.draft else None
+            rows.append({"model": name, "decoding": _describe(kw) if sample else "greedy", "mode": m.label,
+                         "tokens_per_s": tps[m.label], "speedup": tps[m.label] / tps["dense"],
                          "acceptance": r["accepted"] / r["proposed"] if r["proposed"] else None,
                          "tokens_per_step": r["tokens"] / r["steps"],
-                         "videos_identical_to_dense": f"{r['same']}/{len(prompts)}" if not sample else None})
+                         "replay": r["replay"] / r["tokens"] if m.fast else None, "tau": m.tau,
+                         "vs_best_alone": tps[m.label] / best if best else None,
+                         "videos_identical_to_dense": f"{r['same']}/{len(prompts)}"
+                         + ("" if m.base == "dense" else f" (vs {m.base})") if not sample else None})
             print(_line(rows[-1]), flush=True)
     if a.genai:
         rows += _genai_rows(name, model(), prompts, L * a.frames, a.threads, decoding)
@@ -227,18 +288,27 @@ def _line(r: dict) -> str:
     acc = "" if r["acceptance"] is None else f"  accepted {100 * r['acceptance']:5.1f}%"
     tps = "" if r["tokens_per_step"] is None else f"  {r['tokens_per_step']:.2f} tok/step"
     same = f"  identical {r['videos_identical_to_dense']}" if r["videos_identical_to_dense"] else ""
-    return (f"{r['model']:9s} {r['decoding'][:7]:7s} {r['mode']:18s} {r['tokens_per_s']:8.1f} tok/s  "
-            f"{r['speedup']:.2f}x{acc}{tps}{same}")
+    rep = f"  replay {100 * r['replay']:.1f}%" if r.get("replay") is not None else ""
+    best = f"  {r['vs_best_alone']:.2f}x best alone" if r.get("vs_best_alone") else ""
+    return (f"{r['model']:9s} {r['decoding'][:7]:7s} {r['mode']:24s} {r['tokens_per_s']:8.1f} tok/s  "
+            f"{r['speedup']:.2f}x{acc}{tps}{rep}{best}{same}")
 
 
 def table(rows: list[dict]) -> str:
+    fast = any(r.get("replay") is not None for r in rows)
     head = "| model | decoding | mode | tokens/s | vs plain | draft accepted | tokens / step | greedy identical |"
-    lines = [head, "|" + "---|" * 8]
+    head += " replay | vs best alone |" if fast else ""
+    lines = [head, "|" + "---|" * (10 if fast else 8)]
     for r in rows:
         acc = "" if r["acceptance"] is None else f"{100 * r['acceptance']:.1f}%"
         tps = "" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
-        lines.append(f"| {r['model']} | {r['decoding']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {acc} | {tps} | {r['videos_identical_to_dense'] or ''} |")
+        line = (f"| {r['model']} | {r['decoding']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
+                f"{r['speedup']:.2f}x | {acc} | {tps} | {r['videos_identical_to_dense'] or ''} |")
+        if fast:
+            rep = "" if r.get("replay") is None else f"{100 * r['replay']:.1f}%"
+            best = "" if not r.get("vs_best_alone") else f"{r['vs_best_alone']:.2f}x"
+            line += f" {rep} | {best} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -260,11 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-genai", dest="genai", action="store_false")
     ap.add_argument("--ngram", action="store_true", help="also our n-gram draft")
+    ap.add_argument("--fastcar", default="", help="FastCar replay targets in percent, e.g. 50,80 (compiled, tau "
+                                                 "calibrated): FastCar alone and with the adaptive temporal draft")
+    ap.add_argument("--fastcar-k", default="", help="fixed draft lengths also run with FastCar (< L)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("fastcar-out/speculation"))
     ap.add_argument("--name", default="speculation_bench", help="file stem of the .md / .json written in --out")
     a = ap.parse_args(argv)
     a.k = [int(x) for x in a.k.split(",") if x]
+    a.fastcar = [int(x) for x in a.fastcar.split(",") if x]
+    a.fastcar_k = [int(x) for x in a.fastcar_k.split(",") if x]
     if a.quick:
         a.models, a.clips, a.frames, a.k, a.genai = "long", 1, 2, [4], False
     DEFAULT_CACHE.mkdir(parents=True, exist_ok=True)
@@ -280,9 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"{a.name}.md").write_text(
         f"`python benchmarks/speculation.py --models {a.models} --clips {a.clips} --frames {a.frames} --k "
-        f"{','.join(map(str, a.k))} --threads {a.threads}` ({time.time() - t0:.0f} s, {_machine()})\n\n{text}\n")
+        f"{','.join(map(str, a.k))} --threads {a.threads}"
+        + (f" --fastcar {','.join(map(str, a.fastcar))}" if a.fastcar else "")
+        + (f" --fastcar-k {','.join(map(str, a.fastcar_k))}" if a.fastcar_k else "")
+        + ("" if a.genai else " --no-genai") + f"` ({time.time() - t0:.0f} s, {_machine()})\n\n{text}\n")
     return save_results(a.out / f"{a.name}.json", {"rows": rows, "clips": a.clips, "frames": a.frames,
-                                                     "threads": a.threads, "models": names})
+                                                     "threads": a.threads, "models": names, "fastcar": a.fastcar})
 
 
 if __name__ == "__main__":

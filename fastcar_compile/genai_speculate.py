@@ -117,8 +117,8 @@ def _target_io(model_path: Path, config: dict) -> tuple[int, int]:
         raise FastCarError(f"{model_path}: no logits / input_ids as genai_config.json names them")
     if any(o.domain == contract.DOMAIN for o in m.opset_import):
         raise FastCarError(f"{model_path} is FastCar-compiled: genai rewinds a rejected draft's KV but not the FastCar "
-                           "state (its recurrent_state), and its multi-token verify steps would not replay as the "
-                           "single-token steps do; give the dense model's genai folder")
+                           "state (its recurrent_state), so a rejected token's MLP cache row would stay; give the "
+                           "dense model's genai folder (FastCar with drafts: FastCarSession.generate(draft=...))")
     last = logits.type.tensor_type.shape.dim[-1]
     if not last.HasField("dim_value"):
         raise FastCarError(f"{model_path}: the logits' vocabulary dim is symbolic; genai's speculation needs it static")

@@ -201,14 +201,6 @@ def test_bad_draft_arguments(draft, tokens, match):
         parse_draft(draft, tokens)
 
 
-def test_fastcar_model_refuses_drafts(zoo_model, fc_compile, tmp_path):
-    fast = tmp_path / "fast.onnx"
-    fc_compile(zoo_model("llama", "dynamo20"), fast, frame_tokens=L_ZOO, threshold=0.0)
-    sess = FastCarSession(fast, threads=1)
-    with pytest.raises(FastCarError, match="needs a dense model"):
-        sess.generate([[1, 2, 3]], 1, draft="temporal")
-
-
 def _oracle(monkeypatch, truth: np.ndarray) -> None:
     """Drafts from the plain run's own tokens, every third one wrong: long accepted prefixes and rejections on
     a random model whose real drafts would all be rejected."""

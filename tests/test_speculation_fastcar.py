@@ -156,3 +156,26 @@ def test_model_compiled_before_the_rule_refuses(fast_path, tmp_path):
     sess = FastCarSession(old, threads=1)
     with pytest.raises(FastCarError, match="compiled before FastCar decided replay per token"):
         sess.generate([[1, 2, 3]], 1, draft="temporal")
+
+
+def test_eval_draft_on_fastcar_with_dense(fast_path, zoo_model, tmp_path, capsys):
+    """`eval --model fast.onnx --dense model.onnx --draft temporal:4`: FastCar plain and with the draft, the dense
+    model plain and with the draft, in one run; FastCar + draft gives FastCar's greedy tokens (and the same
+    replay ratio), the dense draft the dense tokens; a FastCar model as --dense is refused."""
+    import json
+
+    from fastcar_compile.cli import main
+
+    np.save(tmp_path / "p.npy", np.array([PROMPTS[0], PROMPTS[0][::-1]]))
+    args = ["eval", "--model", str(fast_path), "--prompts", str(tmp_path / "p.npy"), "--frames", "3",
+            "--given-video-tokens", str(GIVEN), "--threads", "1", "--draft", "temporal:4"]
+    assert main([*args, "--dense", str(zoo_model("llama", "dynamo20")), "--out", str(tmp_path / "run")]) == 0
+    res = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert res["token_agreement"] == 1.0 and res["dense_token_agreement"] == 1.0
+    assert res["replay_plain"] == res["replay_draft"] > 0
+    assert res["speedup_vs_best_alone"] > 0 and res["verify_steps"] > 0
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == \
+        ["dense.json", "dense_draft.json", "draft.json", "eval.json", "plain.json"]
+    assert "faster of FastCar alone and the draft alone" in capsys.readouterr().out
+    assert main([*args, "--dense", str(fast_path), "--out", str(tmp_path / "run2")]) != 0
+    assert "is FastCar-compiled" in capsys.readouterr().err

@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the prompts end with this many video tokens (e.g. a given frame 0)")
     own.add_argument("--draft", metavar="KIND[:K]",
                      help="speculative decoding instead: plain vs draft greedy decoding of --model, a dense export "
+                          "or a FastCar one (with --dense: the dense model plain and with the draft too) "
                           f"({', '.join(contract.DRAFT_KINDS)}; :K draft tokens per step, default adaptive; "
-                          "--frame-shape gives the frame size; docs/speculation.md)")
+                          "--frame-shape gives the frame size of a dense model; docs/speculation.md)")
     own.add_argument("--frame-shape", metavar="HxW", help="frame as a token grid (16x16 for L=256): per-token "
                                                           "replay heatmap fast.tokens.png")
     bundled = ap.add_argument_group("bundled video model (no --model)")
@@ -221,10 +222,9 @@ def _own(a) -> int:
     if a.draft is not None:
         from fastcar_compile.eval_draft import evaluate_draft, frame_tokens_of
 
-        if a.dense is not None:
-            raise FastCarError("--draft runs on --model (a dense export) against itself; drop --dense")
         evaluate_draft(a.model, load_prompts(a.prompts), a.out, a.draft, frame_tokens=frame_tokens_of(a.frame_shape),
-                       frames=frames, batch=a.batch, threads=threads, given_video_tokens=a.given_video_tokens)
+                       frames=frames, batch=a.batch, threads=threads, given_video_tokens=a.given_video_tokens,
+                       dense_path=a.dense)
         return 0
     check_files(a.model, a.dense, a.out, a.prompts)
     prompts = load_prompts(a.prompts)
