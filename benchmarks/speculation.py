@@ -11,7 +11,7 @@ Models (`--models`, comma-separated):
 Modes: plain decoding, then drafts `temporal:K` for each `--k` plus adaptive `temporal`, greedy and sampled
 (temperature 1, video tokens only); each clip runs every mode in turn (order rotating), and every ratio is
 tokens/s of a mode over tokens/s of plain decoding in the same run, decode only (prefill excluded).
-FastCar (`--fastcar 50,80`, replay targets in percent): the model compiled (cached), tau calibrated per target on
+FastCar (`--fastcar 50,80`, the default; replay targets in percent): the model compiled (cached), tau calibrated per target on
 the same clips (greedy, runtime.calibrate_threshold), then FastCar alone and FastCar with the adaptive temporal
 draft (`--fastcar-k` adds fixed K); "vs best alone" is FastCar + draft over the faster of FastCar alone at that tau
 and the adaptive temporal draft on the dense model, and greedy FastCar + draft must give FastCar's own tokens.
@@ -19,11 +19,11 @@ and the adaptive temporal draft on the dense model, and greedy FastCar + draft m
 `set_speculative_options(ngram_size=4, max_draft_tokens=16)`, greedy and sampled (genai 0.18 accepts the
 options with sampling but falls back to plain steps for most of them: `genai_fallback_steps` of the json).
 
-    python benchmarks/speculation.py                          # video + long, ~3.5 min on 2 cores (+ genai)
-    python benchmarks/speculation.py --models llama1024 --clips 2 --frames 1   # ~4 min
+    python benchmarks/speculation.py                          # video + long with FastCar 50/80%, + genai
+    python benchmarks/speculation.py --models llama1024 --clips 2 --frames 1 --fastcar ''   # ~4 min
     python benchmarks/speculation.py --models video --clips 8 --frames 8
     python benchmarks/speculation.py --quick                  # long model, 1 clip x 2 frames: smoke run
-    python benchmarks/speculation.py --models video --k 4 --fastcar 50,80 --no-genai   # FastCar + drafts
+    python benchmarks/speculation.py --models video --k 4 --no-genai   # drafts and FastCar + drafts, ~5 min
 """
 
 from __future__ import annotations
@@ -330,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-genai", dest="genai", action="store_false")
     ap.add_argument("--ngram", action="store_true", help="also our n-gram draft")
-    ap.add_argument("--fastcar", default="", help="FastCar replay targets in percent, e.g. 50,80 (compiled, tau "
-                                                 "calibrated): FastCar alone and with the adaptive temporal draft")
+    ap.add_argument("--fastcar", default="50,80", help="FastCar replay targets in percent, e.g. 50,80 (compiled, tau "
+                                                 "calibrated): FastCar alone and with the adaptive temporal draft; '' for none")
     ap.add_argument("--fastcar-k", default="", help="fixed draft lengths also run with FastCar (< L)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("fastcar-out/speculation"))
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     a.fastcar = [int(x) for x in a.fastcar.split(",") if x]
     a.fastcar_k = [int(x) for x in a.fastcar_k.split(",") if x]
     if a.quick:
-        a.models, a.clips, a.frames, a.k, a.genai = "long", 1, 2, [4], False
+        a.models, a.clips, a.frames, a.k, a.genai, a.fastcar = "long", 1, 2, [4], False, [50]
     DEFAULT_CACHE.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows = []
