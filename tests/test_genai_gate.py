@@ -70,7 +70,8 @@ def _reference(f, *, H, L, K, age_offset, t_index, rope, rot, interleaved):
     slot = (p - vs) % L
     write = (p >= vs) & (p >= total - L)
     a = age[:, slot] - age_offset
-    elig = (S == 1) & (p - L >= vs)[None, :] & (a >= 0) & ((K == 0) | (a < K))
+    decode = total - S > 0 and S <= L  # after the prefill, at most one frame: every token decides
+    elig = decode & (p - L >= vs)[None, :] & (a >= 0) & ((K == 0) | (a < K))
     replay = elig & (tas > tau)
     return {"replay": replay, "tas": tas, "slot": slot, "write": write, "cached": cache[:, slot],
             "compute_all": np.array(not replay.any()), "compute_some": np.array(not replay.all())}
@@ -114,7 +115,8 @@ CASES = {  # B, H, Hkv, D, S, past, buffer rows (0: exactly T), L, video_start, 
     "decode rope interleaved, partial rotary, drift guard": (5, 6, 3, 8, 1, 13, 0, 4, 2, 2, True, 4, 1, 0, 0, 0.0),
     "decode raw": (6, 4, 1, 16, 1, 9, 16, 4, 0, 0, False, 0, 0, 0, 0, 0.0),
     "prefill past a frame: writes, never replays": (2, 4, 2, 16, 6, 0, 12, 4, 1, 0, True, 16, 0, 1, 0, -np.inf),
-    "multi-token step after a past": (2, 4, 2, 8, 3, 11, 0, 8, 4, 0, True, 8, 0, 0, 0, -np.inf),
+    "multi-token step after a past: every token decides": (2, 4, 2, 8, 3, 11, 0, 8, 4, 0, True, 8, 0, 0, 0, -np.inf),
+    "step longer than a frame after a past: computes": (2, 4, 2, 8, 10, 11, 0, 8, 0, 0, True, 8, 0, 0, 0, -np.inf),
     "every row replays": (3, 4, 2, 8, 1, 30, 0, 8, 0, 0, True, 8, 0, 1, 0, -np.inf),
     "aligned position before the video": (3, 4, 2, 8, 1, 5, 0, 8, 0, 0, False, 0, 0, 0, 0, -np.inf),
 }
