@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     ap.add_argument("suites", nargs="*", metavar="SUITE", help=f"one or more of: {', '.join(SUITES)}")
     ap.add_argument("--size", choices=["default", "quick"], default="default",
-                    help="default: the published size (a few minutes each on 2 cores); quick: a smoke run")
+                    help="default: the published size (up to ~15 minutes each on 2 cores); quick: a smoke run")
     ap.add_argument("--out", type=Path, default=harness.RESULTS, help="results folder (default: results/)")
     ap.add_argument("--list", action="store_true", help="name and describe the suites, then exit")
     ap.add_argument("--retable", action="store_true", help="rebuild table.md and plot.png of the named suites from "

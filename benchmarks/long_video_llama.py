@@ -23,9 +23,9 @@ single-token decode steps. The modes of one frame are alive together and decode 
 time after one untimed step, until each has `--tokens` timed steps (machine load hits them alike; per-token time
 = lower quartile); then each child's VmRSS and peak VmHWM from /proc/self/status. Ratios are within one run.
 
-    python benchmarks/long_video_llama.py                    # frames 8,16,32,64: 31 min on the loaded 2-core
-                                                             # machine (prefill dominates), ~15 min idle (estimate)
-    python benchmarks/long_video_llama.py --frames 8,64      # the frame-64 comparison alone (~2/3 of that)
+    python benchmarks/long_video_llama.py                    # frames 8,16,32,64, every mode: prefill dominates
+    python benchmarks/long_video_llama.py --frames 8,64 --modes 2,3   # `python -m benchmarks long-video`: 15 min on
+                                                             # the 2-core machine at load ~10 once exported
     python benchmarks/long_video_llama.py --frames 8,128 --modes 0,2,3 --tokens 32 --out fastcar-out/bench/long_video_llama_128
                                                              # frame 128 (32768 positions): ~35 min loaded
     python benchmarks/long_video_llama.py --quick            # small model, frames 2,4,8: smoke run (~20 s)
