@@ -141,3 +141,9 @@ def test_five_commands_run(tmp_path):
                            text=True, timeout=1200)
         assert r.returncode == 0, f"{command}: {r.stderr[-800:]}"
     assert (tmp_path / "run" / "eval.json").is_file() and list((tmp_path / "run").glob("*.png"))
+
+
+def test_every_guide_is_linked():
+    """A user finds every guide from the README (a new docs/*.md page needs its link)."""
+    linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)\)", README))
+    assert {p.name for p in (ROOT / "docs").glob("*.md")} <= linked
