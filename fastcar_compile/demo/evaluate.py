@@ -35,6 +35,7 @@ class ClipResult:
     fast: VideoRun
     inf_ort_ms: list[float] = field(default_factory=list)  # bare ORT of the compiled model at tau=+inf
     clip: Any = None  # the held-out clip (scene clips carry labels and the true camera path)
+    extra: dict[str, VideoRun] = field(default_factory=dict)  # more videos to show beside dense and FastCar
 
 
 @dataclass

@@ -25,6 +25,9 @@ class VideoRun:
     step_ms: list[float] = field(default_factory=list)
     ort_ms: list[float] = field(default_factory=list)  # bare ORT run per token (ort_alone_ms)
     tas: np.ndarray | None = None  # [steps, layers] when the model has diagnostics outputs
+    replay_rows: np.ndarray | None = None  # [steps, layers, rows] bool: each batch row's decision (CFG: 2 rows)
+    positions: np.ndarray | None = None  # [steps] KV index each decode step wrote (its context is pos + 1)
+    kv: dict | None = None  # per compressed layer {density, recall, ...} from --kv-diagnostics models
 
     @property
     def replay_ratio(self) -> float:
@@ -72,7 +75,9 @@ def generate_video(session, prompt_ids: list[int], frame0: np.ndarray, new_frame
     replay = rep.mean(axis=2) if rows > 1 else rep[:, :, 0].astype(bool)
     tas = np.array(st.tas, np.float32)[:, :, 0] if st.tas is not None else None
     frames = np.concatenate([np.asarray(f0, np.int64), res.tokens[0]]).reshape(1 + new_frames, L)
-    return VideoRun(frames, replay, list(st.step_ms), tas=tas)
+    kv = st.kv_ratios() if st.kv_diagnostics else None
+    return VideoRun(frames, replay, list(st.step_ms), tas=tas, replay_rows=rep.astype(bool),
+                    positions=np.array([s["pos"] for s in st.steps], np.int64), kv=kv)
 
 
 def ort_alone_ms(session, seq: np.ndarray, prefill: int, threshold: float | None,

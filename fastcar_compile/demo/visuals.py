@@ -13,7 +13,12 @@ from fastcar_compile.demo.evaluate import ClipResult
 from fastcar_compile.demo.tokenizer import PATCH, PatchTokenizer
 
 SCALE = 4
-COLUMNS = ("ground truth", "dense", "FastCar", "replay map")
+COLUMNS = ("ground truth", "dense", "FastCar", "replay map")  # plus each ClipResult.extra video before the map
+
+
+def columns(r: ClipResult) -> tuple[str, ...]:
+    """The labels of `_panels`' columns for this clip."""
+    return (*COLUMNS[:3], *r.extra, COLUMNS[3])
 
 
 def _replay_rgb(share: np.ndarray, frame: int) -> np.ndarray:
@@ -25,23 +30,23 @@ def _replay_rgb(share: np.ndarray, frame: int) -> np.ndarray:
 
 
 def _panels(r: ClipResult, tok: PatchTokenizer) -> np.ndarray:
-    """[T, H, 4W, 3] ground truth | dense | FastCar | replay map."""
-    d, f = tok.decode(r.dense.tokens), tok.decode(r.fast.tokens)
+    """[T, H, n W + n - 1, 3]: ground truth | dense | FastCar | each extra video | replay map (`columns`)."""
+    videos = [tok.decode(v.tokens) for v in (r.dense, r.fast, *r.extra.values())]
     rm = r.fast.replay_map(tok.tokens_per_frame)
     maps = np.stack([_replay_rgb(rm[t], tok.frame) for t in range(len(rm))])
     sep = np.full((*r.gt.shape[:2], 1, 3), 255, np.uint8)
-    return np.concatenate([r.gt, sep, d, sep, f, sep, maps], axis=2)
+    return np.concatenate(sum(([v, sep] for v in [r.gt, *videos]), []) + [maps], axis=2)
 
 
 def _upscale(img: np.ndarray, k: int = SCALE) -> np.ndarray:
     return np.kron(img, np.ones((k, k, 1), np.uint8))
 
 
-def _header(width: int) -> np.ndarray:
+def _header(width: int, names: tuple[str, ...] = COLUMNS) -> np.ndarray:
     im = Image.new("RGB", (width, 14), "white")
     dr = ImageDraw.Draw(im)
-    col = width // 4
-    for i, name in enumerate(COLUMNS):
+    col = width // len(names)
+    for i, name in enumerate(names):
         dr.text((i * col + 4, 1), name, fill="black")
     return np.asarray(im)
 
@@ -54,7 +59,7 @@ def write_gif(results: list[ClipResult], tok: PatchTokenizer, path: Path, fps: f
     for t in range(T):
         body = np.concatenate([np.concatenate([p[t], np.full((4, p.shape[2], 3), 255, np.uint8)])
                                for p in rows])
-        frames.append(Image.fromarray(np.concatenate([_header(body.shape[1]), body])))
+        frames.append(Image.fromarray(np.concatenate([_header(body.shape[1], columns(results[0])), body])))
     buf = io.BytesIO()
     frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
     write_bytes(path, buf.getvalue())
@@ -65,21 +70,22 @@ STRIP_LABEL_W = 110  # px of the label column left of the strip
 
 
 def write_strip(results: list[ClipResult], tok: PatchTokenizer, path: Path, every: int = 1) -> Path:
-    """PNG: for each clip, 4 rows (ground truth, dense, FastCar, replay) x frames (every `every`-th), each row
+    """PNG: for each clip, one row per column of `columns` (ground truth, dense, FastCar, extras, replay) x frames (every `every`-th), each row
     labelled on the left (with the clip's motion and source), frame numbers on top (frame 0 is given)."""
     k, W = 3, tok.frame
     blocks, labels = [], []
     y = 0
     for r in results:
-        p = _panels(r, tok)[::every]  # [T, H, 4W+3, 3]
-        cols = [p[:, :, i * (W + 1): i * (W + 1) + W] for i in range(4)]
+        names = columns(r)
+        p = _panels(r, tok)[::every]  # [T, H, n W + n - 1, 3]
+        cols = [p[:, :, i * (W + 1): i * (W + 1) + W] for i in range(len(names))]
         rows = [np.concatenate(list(c), axis=1) for c in cols]
         gap = np.full((2, rows[0].shape[1], 3), 255, np.uint8)
-        for i, name in enumerate(COLUMNS):
-            sub = f"{r.motion}, {r.source}" if i == 0 else ("orange = replayed" if i == 3 else "")
+        for i, name in enumerate(names):
+            sub = f"{r.motion}, {r.source}" if i == 0 else ("orange = replayed" if i == len(names) - 1 else "")
             labels.append((y + i * (W + 2), name, sub))
         blocks.append(np.concatenate(sum(([row, gap] for row in rows), []) + [gap, gap]))
-        y += 4 * (W + 2) + 4
+        y += len(names) * (W + 2) + 4
     body = _upscale(np.concatenate(blocks), k)
     head = 16
     canvas = Image.new("RGB", (STRIP_LABEL_W + body.shape[1], head + body.shape[0]), "white")
