@@ -61,7 +61,13 @@ def run(suite: Suite, size: str, out: Path, argv: list[str]) -> Path:
             raise SystemExit(f"error: suite {suite.name} failed (its script's message is above)")
         seconds = time.perf_counter() - t0
         raw = _read_json(Path(tmp))
-    return present(suite, raw, size, prov, seconds, out)
+        files = {name: (Path(tmp) / name).read_bytes() for name in suite.artifacts if (Path(tmp) / name).is_file()}
+    folder = present(suite, raw, size, prov, seconds, out)
+    from fastcar_compile.core.atomic import write_bytes
+
+    for name, data in files.items():  # the script's own pictures, next to the table
+        write_bytes(folder / name, data)
+    return folder
 
 
 def present(suite: Suite, raw, size: str, prov: dict, seconds: float, out: Path) -> Path:
@@ -73,10 +79,11 @@ def present(suite: Suite, raw, size: str, prov: dict, seconds: float, out: Path)
         if said:
             notes.insert(0, "Settings: " + ", ".join(f"{k} {v}" for k, v in said.items()) + ".")
     result = harness.Result(suite.name, suite.title, size, prov["command"], suite.columns, rows, notes,
-                            raw, seconds, prov)
+                            raw, seconds, prov, suite.sections(raw) if suite.sections else [])
     result.provenance["script"] = " ".join(["python", f"benchmarks/{suite.script}", *suite.sizes[size]])
     folder = harness.write(result, out)
-    plot(suite, rows, folder / "plot.png")
+    if suite.plot is not None:  # else the script draws its own plot.png (an artifact)
+        plot(suite, rows, folder / "plot.png")
     print(f"[{suite.name}] wrote {folder}/{{result.json,table.md,plot.png}} ({seconds:.0f} s)", file=sys.stderr)
     return folder
 

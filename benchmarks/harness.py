@@ -54,6 +54,7 @@ class Result:
     raw: dict | list | None = None  # the measuring script's own JSON
     seconds: float = 0.0
     provenance: dict = field(default_factory=dict)
+    sections: list[str] = field(default_factory=list)  # more markdown (further tables) after the notes
 
 
 def _cpu_model() -> str:
@@ -130,6 +131,7 @@ def write(result: Result, out: Path = RESULTS) -> Path:
     write_text(folder / "result.json", json.dumps(data, indent=1, default=str) + "\n")
     lines = [f"# {result.title}", "", table_md(result), ""]
     lines += [f"- {n}" for n in result.notes]
+    lines += [x for sec in result.sections for x in ("", sec)]
     lines += ["", f"Command: `{p['command']}` (size `{result.size}`, {result.seconds:.0f} s), commit {p['commit']}, "
               f"{p['date']}.", "", f"Machine: {describe_machine(p)}.", ""]
     write_text(folder / "table.md", "\n".join(lines))
