@@ -40,7 +40,6 @@ def fastar_modes(L: int, tokens: int) -> dict[str, dict]:
     covers a frame: the FastCar gate reads the key one frame back from the cache."""
     big = tokens + 8
     return {
-        "TempCache 0.95": {"kv_budget": big, "kv_window": L, "tempcache": 0.95},
         "TempCache 0.9": {"kv_budget": big, "kv_window": L, "tempcache": 0.9},
         "AnnSA lsh 8x4 S4+W64": {"kv_budget": big, "kv_sinks": 4, "kv_window": L, "sparse_attention": "lsh:8x4"},
         "AnnCA (prune-prompt 0.01)": {"kv_budget": big, "kv_window": L, "prune_prompt": 0.01},
@@ -99,18 +98,19 @@ def fpga(fast_onnx: Path, runs: list, video_start: int, stride: int) -> list[dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--clips", type=int, default=2, help="held-out clips (default 2)")
+    ap.add_argument("--clips", default="0,3", help="held-out clip indices (default 0,3: a scene clip and a clean pan, "
+                    "whose camera shift the pan check recovers)")
     ap.add_argument("--frames", type=int, default=16, help="frames per clip incl. the given frame 0 (default 16)")
     ap.add_argument("--calib-clips", type=int, default=1, help="training-split clips the taus are calibrated on")
     ap.add_argument("--targets", default="0.5,0.8", help="replay ratios to calibrate taus for")
     ap.add_argument("--timed-clips", type=int, default=1, help="clips whose decode steps are re-timed in bare ORT")
-    ap.add_argument("--fastar-clips", type=int, default=1, help="held-out clips each FAST-AR mode generates")
+    ap.add_argument("--fastar-clips", type=int, default=2, help="of those clips, how many each FAST-AR mode generates")
     ap.add_argument("--fpga-stride", type=int, default=8, help="simulate every N-th decode step")
     ap.add_argument("--quick", action="store_true", help="1 clip x 6 frames, targets 0.5,0.8, two FAST-AR modes")
     ap.add_argument("--out", type=Path, required=True, help="output folder")
     a = ap.parse_args(argv)
     if a.quick:
-        a.clips, a.frames, a.calib_clips, a.targets, a.fpga_stride = 1, 6, 1, "0.5,0.8", 16
+        a.clips, a.frames, a.calib_clips, a.targets, a.fpga_stride, a.fastar_clips = "0", 6, 1, "0.5,0.8", 16, 1
     targets = [float(t) for t in a.targets.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -141,9 +141,11 @@ def measure(a, targets: list[float]) -> dict:
     L = tok.tokens_per_frame
     onnx = spec.onnx()
     dec = spec.decoding
-    clips = spec.clips(a.clips, a.frames, SEED)
+    ids = [int(x) for x in a.clips.split(",")]
+    every = spec.clips(max(ids) + 1, a.frames, SEED)
+    clips = [every[i] for i in ids]
     calib = [scenes.make_scene_clip("train", i, a.frames, SEED) for i in range(a.calib_clips)]
-    a.timed_clips = min(a.timed_clips, a.clips)
+    a.timed_clips = min(a.timed_clips, len(clips))
     work = a.out / "models"
     work.mkdir(exist_ok=True)
 
@@ -245,12 +247,13 @@ def measure(a, targets: list[float]) -> dict:
     fa_show = next((m for m in modes if m.startswith("TempCache 0.9 +")), next(iter(modes)))
     results = []
     for i, c in enumerate(clips):
-        extra = {f"FAST-AR ({fa_show})": fastar_runs[fa_show][i]} if i < len(fastar_runs[fa_show]) else {}
+        extra = {"FAST-AR": fastar_runs[fa_show][i]} if i < len(fastar_runs[fa_show]) else {}
         results.append(ClipResult(spec.motion(c), c.source, c.frames, dense_runs[i], fast_runs[show][i], clip=c,
                                   extra=extra))
-    pictures(a.out, results[: a.fastar_clips], results, tok, show, curve, fastar_rows)
+    pictures(a.out, results[: a.fastar_clips], results, tok, show, curve)
+    fastar_plot(a.out / "fastar.png", fastar_rows)
 
-    return {"model": model_facts(), "clips": a.clips, "frames": a.frames, "calib_clips": a.calib_clips,
+    return {"model": model_facts(), "clips": ids, "frames": a.frames, "calib_clips": a.calib_clips,
             "fastar_clips": a.fastar_clips, "decoding": dec.to_dict(), "frame_tokens": L, "tas": tas_stats,
             "dense": {k: dense_q[k] for k in ("psnr_dense_vs_truth", "psnr_repeat_last_vs_truth", "copy_rate_dense",
                                               "copy_rate_truth", "token_acc_dense", "token_acc_repeat_last",
@@ -285,7 +288,7 @@ def model_facts() -> dict:
             "wall_hours": sum(float(d["seconds"]) for d in seq) / 3600, "eval": last_eval}
 
 
-def pictures(out: Path, gif_results: list, results: list, tok, show: str, curve: list[dict], fastar: list[dict]) -> None:
+def pictures(out: Path, gif_results: list, results: list, tok, show: str, curve: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -300,28 +303,39 @@ def pictures(out: Path, gif_results: list, results: list, tok, show: str, curve:
     write_heatmap(results, tok, out / "replay_heatmap.png", f"FastCar replay per token ({show})",
                   every=max(1, len(results[0].gt) // 8))
     lv.write_layer_plots(results, tok, out / "replay_layers.png", f"FastCar replay per layer ({show})")
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    one = [r for r in curve if not r["config"].startswith("per-layer") and "off" not in r["config"]]
-    per = [r for r in curve if r["config"].startswith("per-layer")]
-    for rows, style, label in ((one, "o-", "one tau"), (per, "s--", "per-layer tau")):
-        rep = [r["replay"] for r in rows]
-        ax.plot(rep, [r["psnr_fast_vs_truth"] for r in rows], style, label=f"FastCar vs truth ({label})")
-        ax2.plot(rep, [r["x_dense"] for r in rows], style, label=label)
-        ax.plot(rep, [r["copy_rate_fast"] * 20 for r in rows], style, alpha=0.4, label=f"copy rate x 20 ({label})")
-    ax.axhline(curve[0]["psnr_dense_vs_truth"], color="k", lw=0.8, label="dense vs truth")
-    ax.axhline(curve[0]["psnr_repeat_last_vs_truth"], color="tab:red", lw=0.8, ls=":", label="repeat last frame")
-    ax.axhline(curve[0]["copy_rate_truth"] * 20, color="tab:green", lw=0.8, ls=":", label="truth copy rate x 20")
-    ax.set_xlabel("replay ratio")
-    ax.set_ylabel("PSNR vs truth (dB)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    ax2.set_xlabel("replay ratio")
-    ax2.set_ylabel("x dense (bare ORT per token)")
-    ax2.legend(fontsize=8)
-    ax2.grid(alpha=0.3)
-    fig.suptitle("tau / quality / speed on the conditioned video model (sampled, CFG)", fontsize=10)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    groups = {"one tau": [r for r in curve if r["config"].startswith(("one tau,", "tau="))],
+              "per-layer tau": [r for r in curve if r["config"].startswith("per-layer")],
+              "one tau, layer 0 off": [r for r in curve if "layer 0 off" in r["config"]]}
+    keys = (("psnr_fast_vs_truth", "PSNR vs truth (dB)"), ("copy_rate_fast", "copy rate (tokens equal one frame back)"),
+            ("x_dense", "x dense (bare ORT per token)"))
+    for (key, label), ax in zip(keys, axes, strict=True):
+        for (name, rows), style in zip(groups.items(), ("o-", "s--", "D"), strict=True):
+            rows = sorted(rows, key=lambda r: r["replay"])
+            ax.plot([r["replay"] for r in rows], [r[key] for r in rows], style, label=name)
+        ax.set_xlabel("replay ratio")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(curve[0]["psnr_dense_vs_truth"], color="k", lw=0.8, label="dense")
+    axes[0].axhline(curve[0]["psnr_repeat_last_vs_truth"], color="tab:red", lw=0.8, ls=":", label="repeat last frame")
+    axes[1].axhline(curve[0]["copy_rate_dense"], color="k", lw=0.8, label="dense")
+    axes[1].axhline(curve[0]["copy_rate_truth"], color="tab:green", lw=0.8, ls=":", label="truth")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.suptitle(f"tau / quality / speed on the conditioned video model (sampled, CFG; GIF and maps: {show})",
+                 fontsize=10)
     fig.tight_layout()
     save_figure(fig, out / "plot.png", dpi=110)
+
+
+def fastar_plot(path: Path, fastar: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fastcar_compile.core.atomic import save_figure
+
     fig, ax = plt.subplots(figsize=(7, 5))
     for r in fastar:
         d = [p["density"] for p in r["per_layer"]]
@@ -337,7 +351,7 @@ def pictures(out: Path, gif_results: list, results: list, tok, show: str, curve:
     ax.set_xlim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.set_title("FAST-AR modes inside sampled generation (dots: layers, circles: mean)", fontsize=9)
-    save_figure(fig, out / "fastar.png", dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":
