@@ -24,7 +24,7 @@ from fastcar_compile.passes.context import CompileContext, LayerRewrite, PackedQ
 
 
 class GatePass(ir.passes.InPlacePass):
-    """Per layer: state inputs, the query in [B, H, S, D], ai.fastcar.TemporalGate (replay, tas, slot, write)."""
+    """Per layer: state inputs and ai.fastcar.TemporalGate (replay, tas, slot, write), once, in its final form."""
 
     def __init__(self, ctx: CompileContext):
         super().__init__()

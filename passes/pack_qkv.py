@@ -244,7 +244,8 @@ class _GqaLayer(_Layer):
 
 
 class PackQkvPass(ir.passes.InPlacePass):
-    """q/k/v MatMuls -> one packed MatMul; RoPE into the attention op (CompressedAttention / GQA) and the gate."""
+    """q/k/v MatMuls -> one packed MatMul; RoPE into the attention op (CompressedAttention / GQA); the gate (next)
+    rotates the packed query itself."""
 
     def __init__(self, ctx: CompileContext):
         super().__init__()
