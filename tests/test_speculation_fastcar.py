@@ -179,3 +179,17 @@ def test_eval_draft_on_fastcar_with_dense(fast_path, zoo_model, tmp_path, capsys
     assert "faster of FastCar alone and the draft alone" in capsys.readouterr().out
     assert main([*args, "--dense", str(fast_path), "--out", str(tmp_path / "run2")]) != 0
     assert "is FastCar-compiled" in capsys.readouterr().err
+
+
+def test_compressed_kv_cache_refuses_drafts(zoo_model, fc_compile, native_lib, tmp_path):
+    """A FastCar model with a compressed KV cache (--kv-budget): merged slots cannot drop a rejected token, so
+    drafts are refused in one line naming the option, by generate and by rewind."""
+    comp = tmp_path / "comp.onnx"
+    fc_compile(zoo_model("llama", "dynamo20"), comp, frame_tokens=L, threshold=TAU, kv_budget=16, kv_sinks=2,
+               kv_window=L)
+    sess = FastCarSession(comp, threads=1)
+    with pytest.raises(FastCarError, match="compressed KV cache cannot drop rejected draft tokens.*--kv-budget"):
+        sess.generate([[1, 2, 3]], 1, draft="temporal")
+    out = sess.step(sess.new_state(1), np.array([[1, 2, 3]]))
+    with pytest.raises(FastCarError, match="--kv-budget"):
+        sess.rewind(out.state, 1)
