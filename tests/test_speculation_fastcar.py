@@ -193,3 +193,48 @@ def test_compressed_kv_cache_refuses_drafts(zoo_model, fc_compile, native_lib, t
     out = sess.step(sess.new_state(1), np.array([[1, 2, 3]]))
     with pytest.raises(FastCarError, match="--kv-budget"):
         sess.rewind(out.state, 1)
+
+
+def test_sampled_tokens_follow_the_fastcar_model(fast_path):
+    """Exact speculative sampling with FastCar on: the joint law of the first three sampled tokens (two of them
+    verified in one step, each deciding replay itself) equals the FastCar model's, enumerated prefix by prefix
+    with single-token steps; chi-square over the cells. A frame 0 is given, so every generated token may
+    replay, and the drafts are drawn from the model's distribution one frame back. One batch of rows (it stops at
+    its shortest accepted prefix) and single rows over many seeds."""
+    from scipy.stats import chisquare
+
+    from fastcar_compile.runtime.sampling import Sampler
+
+    sess = FastCarSession(fast_path, threads=1, inplace=False)  # states not written in place: prefixes branch
+    row = PROMPTS[0][:2] + PROMPTS[0][:L]  # 2 prompt tokens, then a given frame 0
+    sampler = Sampler(do_sample=True, temperature=1.5, top_k=3)
+    first = sess.step(sess.new_state(1, video_start=2), np.array([row]))
+    law = {(): (1.0, first)}
+    for _ in range(3):  # P(first three tokens) through FastCar's own single-token steps
+        nxt = {}
+        for prefix, (q, out) in law.items():
+            p = sampler.probs(out.logits[:, -1].astype(np.float64))[0]
+            for t in np.flatnonzero(p > 0):
+                step = sess.step(out.state, np.array([[t]])) if len(prefix) < 2 else None
+                nxt[(*prefix, int(t))] = (q * p[t], step)
+        law = nxt
+    exact = {c: q for c, (q, _) in law.items()}
+    n = 600
+    counts: dict[tuple, int] = {}
+    stats = []
+    for rows, seed in [(n // 2, 0)] + [(1, s) for s in range(1, n // 2 + 1)]:  # one batch, then single rows
+        res = sess.generate([row] * rows, 1, given_video_tokens=L, draft="temporal:2", do_sample=True,
+                            temperature=1.5, top_k=3, seed=seed)
+        stats.append(res.stats)
+        for t in map(tuple, res.tokens[:, :3].tolist()):
+            counts[t] = counts.get(t, 0) + 1
+    assert 0 < sum(s.draft_accepted for s in stats) < sum(s.draft_proposed for s in stats)
+    assert 0 < np.mean([s.replay_ratio for s in stats]) < 1
+    assert set(counts) <= set(exact)
+    cells = sorted(exact, key=lambda c: -exact[c])
+    big = [c for c in cells if exact[c] * n >= 5]  # the rest pooled into one cell
+    rest = [c for c in cells if c not in big]
+    obs = [counts.get(c, 0) for c in big] + ([sum(counts.get(c, 0) for c in rest)] if rest else [])
+    exp = [exact[c] * n for c in big] + ([n * sum(exact[c] for c in rest)] if rest else [])
+    assert len(big) >= 10  # a law spread enough to tell a wrong rule apart
+    assert chisquare(obs, exp).pvalue > 1e-3
