@@ -147,3 +147,9 @@ def test_every_guide_is_linked():
     """A user finds every guide from the README (a new docs/*.md page needs its link)."""
     linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)\)", README))
     assert {p.name for p in (ROOT / "docs").glob("*.md")} <= linked
+
+
+def test_every_board_preset_is_named():
+    """The FPGA section names every board preset the compiler accepts (fpga_backend/boards/*.json)."""
+    boards = [p.stem.upper() for p in (ROOT / "fpga_backend" / "boards").glob("*.json")]
+    assert boards and [b for b in boards if b not in README] == []
