@@ -84,3 +84,15 @@ def test_every_study_is_described():
     text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     listed = set(re.findall(r"^\| `(\w+\.py)` \|", text[text.index("## Studies"):], re.M))
     assert listed == {p.name for p in (ROOT / "benchmarks" / "experiments").glob("*.py")}
+
+
+def test_results_hold_default_runs_of_existing_suites():
+    """results/ publishes each suite's default size (a smoke run is not a figure) and no folder of a suite that is
+    gone; the index lists every folder."""
+    from suites import SUITES
+
+    folders = {p.parent.name: json.loads(p.read_text()) for p in (ROOT / "results").glob("*/result.json")}
+    assert set(folders) <= set(SUITES)
+    assert {name: d["size"] for name, d in folders.items() if d["size"] != "default"} == {}
+    index = (ROOT / "results" / "README.md").read_text()
+    assert [name for name in folders if f"[{name}]({name}/table.md)" not in index] == []
