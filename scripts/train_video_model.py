@@ -6,6 +6,9 @@
     python scripts/train_video_model.py model --schedule-start 800 --steps 1400 --lr 6e-4  # warm restart
     python scripts/train_video_model.py throughput       # tokens/s of frames of 8x8 vs 16x16 tokens
     python scripts/train_video_model.py status --log LOG # step, losses, speed and time left of a run
+    python scripts/train_video_model.py model --device cuda --batch 64 --steps 5000 --pool-workers 15 \
+        --wall-minutes 7.5 --init training/video_model/video.safetensors   # on an accelerator (clip pool)
+    python scripts/train_video_model.py heldout --weights A.safetensors B.safetensors --eval-clips 256
 
 The tokenizer stage writes training/video_model/video_tokenizer.npz and training/video_model/
 tokenizer_report.json (PSNR and token copy rate of both tokenizers on held-out clips). The model stage appends
@@ -78,13 +81,48 @@ def tokenizer_stage(a) -> None:
 def model_stage(a) -> None:
     import hashlib
 
+    from fastcar_compile.demo.clippool import ClipPool, PoolSettings
     from fastcar_compile.demo.vqvae import load_frame_tokenizer
 
     kw = {f.name: getattr(a, f.name) for f in fields(VideoTrainSettings) if getattr(a, f.name, None) is not None}
+    if a.init is not None:
+        kw["init"] = str(a.init)
     tok = load_frame_tokenizer(a.tokenizer)
     s = VideoTrainSettings(**kw, config=VIDEO_SIZES[a.size], tokenizer_sha256=hashlib.sha256(a.tokenizer.read_bytes()).hexdigest())
-    step = train_video_model(s, tok, a.ckpt, a.log, until=a.until, export=a.ckpt)
+    pool = None
+    if a.pool_workers:  # clips made ahead by worker processes (an accelerator outruns per-step generation)
+        pool = ClipPool(str(a.tokenizer), s.frames, s.batch, s.seed, s.uncond_prob, s.position_gap,
+                        tok.tokens_per_frame, (a.until or s.steps) - s.schedule_start,
+                        PoolSettings(first=a.pool_first, refresh=a.pool_refresh, window=a.pool_window,
+                                     workers=a.pool_workers))
+    try:
+        step = train_video_model(s, tok, a.ckpt, a.log, until=a.until, export=a.ckpt,
+                                 batches=None if pool is None else (lambda k: pool.batch(k - s.schedule_start)),
+                                 wall_seconds=a.wall_minutes and a.wall_minutes * 60)
+    finally:
+        if pool is not None:
+            print(f"clip pool: {pool.ready} clips made, training waited {pool.wait_s:.1f} s for them")
+            pool.close()
     print(f"reached step {step}; checkpoint {a.ckpt / 'checkpoint.pt'}; weights {a.ckpt / 'video.safetensors'}")
+
+
+def heldout_stage(a) -> None:
+    """Held-out loss, teacher-forced accuracy and the copy baseline of fp16 weights files, on the same clips."""
+    import torch
+
+    from fastcar_compile.demo.export import load_model
+    from fastcar_compile.demo.videomodel import evaluate, heldout_sequences
+    from fastcar_compile.demo.vqvae import load_frame_tokenizer
+
+    tok = load_frame_tokenizer(a.tokenizer)
+    s = VideoTrainSettings(eval_clips=a.eval_clips or 32, seed=a.seed)
+    held = torch.from_numpy(heldout_sequences(tok, s)).to(a.device)
+    for w in a.weights:
+        model = load_model(w, w.with_suffix(".json")).to(a.device)
+        model.set_attn_implementation("sdpa")
+        r = evaluate(model, held, tok.tokens_per_frame, bf16=True)
+        print(f"{w}: {s.eval_clips} held-out clips: loss {r['eval_loss']:.4f}, accuracy {r['eval_acc']:.4f} "
+              f"(copying one frame back: {r['copy_acc']:.4f})", flush=True)
 
 
 def throughput_stage(a) -> None:
@@ -149,7 +187,7 @@ def status_stage(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["tokenizer", "model", "throughput", "status"])
+    ap.add_argument("stage", choices=["tokenizer", "model", "throughput", "status", "heldout"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", type=Path, default=VIDEO_TOKENIZER)
     ap.add_argument("--clips", type=int, default=400, help="tokenizer stage: training clips (16 frames)")
@@ -163,12 +201,24 @@ def main() -> None:
     for name in ("steps", "batch", "frames", "eval_every", "position_gap", "warmup", "schedule_start"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--device", default=None, help="model / heldout stage: torch device (cpu, cuda)")
+    ap.add_argument("--init", type=Path, default=None, help="model stage: fp16 weights a fresh run starts from")
+    ap.add_argument("--wall-minutes", type=float, default=None, help="model stage: end the run after this long")
+    ap.add_argument("--pool-workers", type=int, default=0,
+                    help="model stage: processes making clips ahead into a pool (0: per step, as on the CPU)")
+    ap.add_argument("--pool-first", type=int, default=4096, help="clips made before the first step")
+    ap.add_argument("--pool-refresh", type=float, default=16.0, help="new pool clips per step")
+    ap.add_argument("--pool-window", type=int, default=40000, help="a step draws from the newest this many clips")
+    ap.add_argument("--weights", type=Path, nargs="+", default=[], help="heldout stage: fp16 weights files")
     ap.add_argument("--checkpoint-seconds", type=float, default=None)
     a = ap.parse_args()
     if a.stage == "status":
         status_stage(a)
     elif a.stage == "throughput":
         throughput_stage(a)
+    elif a.stage == "heldout":
+        a.device = a.device or "cpu"
+        heldout_stage(a)
     elif a.stage == "tokenizer":
         a.eval_clips = a.eval_clips or 48
         tokenizer_stage(a)

@@ -63,6 +63,9 @@ class VideoTrainSettings:
     eval_clips: int = 32
     checkpoint_seconds: float = 600.0
     bf16: bool = True
+    device: str = "cpu"  # "cuda": an accelerator (batches then usually come from a `clippool.ClipPool`)
+    # fp16 weights (safetensors) a fresh run starts from instead of the seeded init (ignored when resuming)
+    init: str = ""
     tokenizer_sha256: str = ""  # the frame tokenizer's file hash: a resumed run must tokenize as it began
     config: DemoConfig = field(default_factory=lambda: VIDEO_CONFIG)
 
@@ -104,9 +107,9 @@ def _loss(model, batch, gaps, L: int, bf16: bool, reduce: bool = True):
     """Cross-entropy of frames 1.. (frame 0 is always given at generation time)."""
     import torch
 
-    pos = torch.arange(batch.shape[1] - 1).expand(len(batch), -1).clone()
-    pos[:, condition.VIDEO_START:] += gaps[:, None]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    pos = torch.arange(batch.shape[1] - 1, device=batch.device).expand(len(batch), -1).clone()
+    pos[:, condition.VIDEO_START:] += gaps.to(batch.device)[:, None]
+    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=batch[:, :-1], position_ids=pos).logits
     first = condition.VIDEO_START + L
     logits = logits[:, first - 1:].float()
@@ -151,10 +154,11 @@ def save_checkpoint(path: Path, model, opt, step: int, s: VideoTrainSettings) ->
 
 
 def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path, until: int | None = None,
-                      export: Path | None = None) -> int:
+                      export: Path | None = None, batches=None, wall_seconds: float | None = None) -> int:
     """Train (resuming from ckpt_dir/checkpoint.pt when it exists) up to step `until` (default s.steps);
     append a JSON line per step and per evaluation to log_path; export fp16 weights at each checkpoint.
-    Returns the step reached."""
+    `batches(step)` replaces `batch_for_step` (e.g. `ClipPool.batch`); `wall_seconds` ends the run (evaluated,
+    checkpointed, exported) at the first step past that many seconds. Returns the step reached."""
     import torch
     from tqdm import tqdm
 
@@ -162,10 +166,18 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
 
     if not 0 <= s.schedule_start < s.steps:
         raise FastCarError(f"schedule_start {s.schedule_start} must lie in [0, steps={s.steps}); give a larger --steps")
+    if s.device.startswith("cuda") and not torch.cuda.is_available():
+        raise FastCarError(f"device {s.device!r} asked for but torch sees no CUDA device; use --device cpu")
+    started = time.time()
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     model = build_model(s.config, seed=s.seed)
     model.set_attn_implementation("sdpa")
+    if s.init and not (ckpt_dir / "checkpoint.pt").exists():
+        from safetensors.torch import load_file
+
+        model.load_state_dict({k: v.float() for k, v in load_file(s.init).items()})
+    model.to(s.device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
@@ -176,12 +188,13 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
         blob = torch.load(ckpt, weights_only=False)
         check_resumable(blob["settings"], s, ckpt)
         model.load_state_dict(blob["model"])
-        opt.load_state_dict(blob["optimizer"])
+        opt.load_state_dict(blob["optimizer"])  # moments follow the parameters' device
         step = int(blob["step"])
         torch.set_rng_state(blob["torch_rng"])
     until = s.steps if until is None else until
     L = tok.tokens_per_frame
-    held = torch.from_numpy(heldout_sequences(tok, s))
+    held = torch.from_numpy(heldout_sequences(tok, s)).to(s.device)
+    batches = batches or (lambda k: batch_for_step(tok, s, k))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     params = sum(p.numel() for p in model.parameters())
 
@@ -191,17 +204,18 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
 
     log({"event": "start", "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
          "torch_threads": torch.get_num_threads(), "nice": os.nice(0), "params": params,
-         "settings": {k: v for k, v in asdict(s).items() if k != "config"}, "config": s.config.to_dict()})
+         "settings": {k: v for k, v in asdict(s).items() if k != "config"}, "config": s.config.to_dict(),
+         **({"device_name": torch.cuda.get_device_name()} if s.device.startswith("cuda") else {})})
     model.train()
     last_ckpt = time.time()
     bar = tqdm(range(step, until), initial=step, total=until, desc="train video model")
     for step in bar:
         t = time.time()
-        seqs, gaps = batch_for_step(tok, s, step)
+        seqs, gaps = batches(step)
         t_data = time.time() - t
         for g in opt.param_groups:
             g["lr"] = _lr(s, step)
-        loss, _ = _loss(model, torch.from_numpy(seqs), torch.from_numpy(gaps), L, s.bf16)
+        loss, _ = _loss(model, torch.from_numpy(seqs).to(s.device), torch.from_numpy(gaps), L, s.bf16)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -211,6 +225,8 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
              "tokens_per_s": seqs.size / dt, "cpu_s": time.process_time()})
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{seqs.size / dt:.0f}")
         done = step + 1
+        if wall_seconds is not None and time.time() - started >= wall_seconds:
+            until = done  # out of time: finish as at the last step
         if done % s.eval_every == 0 or done == until:
             log({"step": step, **evaluate(model, held, L, s.bf16)})
         if time.time() - last_ckpt >= s.checkpoint_seconds or done == until:
@@ -219,4 +235,6 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
                 save_weights(model, s.config, export / "video.safetensors", export / "video.json")
             log({"event": "checkpoint", "step": done})
             last_ckpt = time.time()
+        if done == until:
+            break
     return until
