@@ -132,3 +132,70 @@ def test_resume_refuses_other_data_settings(tok, tmp_path) -> None:
         train_video_model(_settings(tokenizer_sha256="bb"), tok, tmp_path, tmp_path / "l.jsonl")
     assert train_video_model(_settings(tokenizer_sha256="aa", lr=1e-3), tok, tmp_path, tmp_path / "l.jsonl",
                              until=2) == 2
+
+
+@pytest.mark.slow  # spawns 3 worker processes that each import torch: ~20-50 s on 2 shared cores
+def test_clip_pool_batches_are_the_generators_clips(tok, tmp_path) -> None:
+    """The accelerator's batches: step k's clips come from the sliding window of clips made so far, each is
+    exactly the generator's clip tokenized (made in another process), and the draws depend on (seed, step)
+    only, not on how many workers made them."""
+    from fastcar_compile.demo.clippool import ClipPool, PoolSettings
+
+    path = tmp_path / "tok.npz"
+    tok.save(path)
+    ref_tok = PatchTokenizer.load(path)
+    p = PoolSettings(first=6, refresh=2, window=5, workers=2, chunk=3, clip_start=10)
+    pool = ClipPool(str(path), 4, 4, 0, 0.5, 16, ref_tok.tokens_per_frame, 3, p)
+    try:
+        batches = [pool.batch(k) for k in range(3)]
+    finally:
+        pool.close()
+    assert pool.total == 6 + 2 * 3 + 1
+    prompt_none = condition.prompt(None)
+    ref = [scenes.make_scene_clip("train", 10 + i, 4, 0) for i in range(pool.total)]
+    ref_codes = [ref_tok.encode(c.frames).reshape(-1) for c in ref]
+    for k, (seqs, gaps) in enumerate(batches):
+        hi = 6 + 2 * k
+        assert seqs.shape == (4, condition.VIDEO_START + 4 * ref_tok.tokens_per_frame) and seqs.dtype == np.int64
+        assert ((0 <= gaps) & (gaps <= 16)).all()
+        for row in seqs:
+            # find the clip this row is: one of the window's clips (indices clip_start + [hi - window, hi))
+            matches = []
+            for i in range(max(0, hi - 5), hi):
+                if np.array_equal(row[condition.VIDEO_START:], ref_codes[i]):
+                    matches.append(i)
+                    assert list(row[:condition.VIDEO_START]) in (condition.prompt(ref[i].labels), prompt_none)
+            assert matches, f"step {k}: a row is no clip of its window"
+    one = ClipPool(str(path), 4, 4, 0, 0.5, 16, ref_tok.tokens_per_frame, 3, PoolSettings(
+        first=6, refresh=2, window=5, workers=1, chunk=5, clip_start=10))
+    try:
+        for k in range(3):
+            for a, b in zip(batches[k], one.batch(k), strict=True):
+                np.testing.assert_array_equal(a, b)
+    finally:
+        one.close()
+
+
+def test_external_batches_init_and_wall_clock_stop(tok, tmp_path) -> None:
+    """`batches` replaces the per-step generator, `init` loads the given fp16 weights, and a run out of wall
+    time ends at once as at its last step: evaluated, checkpointed and exported."""
+    from safetensors.torch import load_file
+
+    s = _settings()
+    train_video_model(s, tok, tmp_path / "a", tmp_path / "a.jsonl", until=1, export=tmp_path / "a")
+    init = tmp_path / "a" / "video.safetensors"
+    seen = []
+
+    def batches(k):
+        seen.append(k)
+        return batch_for_step(tok, s, k + 100)
+
+    s2 = _settings(init=str(init), lr=0.0)  # lr 0: the weights stay the init's
+    step = train_video_model(s2, tok, tmp_path / "b", tmp_path / "b.jsonl", export=tmp_path / "b",
+                             batches=batches, wall_seconds=0.0)
+    assert step == 1 and seen == [0]
+    recs = [json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "eval_loss" in r] == [0] and {"event": "checkpoint", "step": 1} in recs
+    want, got = load_file(str(init)), load_file(str(tmp_path / "b" / "video.safetensors"))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
