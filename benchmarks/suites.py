@@ -126,7 +126,9 @@ def _video_rows(raw: dict) -> list[dict]:
     rows = [{"quantity": "model", "value": f"{c['num_hidden_layers']} layers x {c['hidden_size']} (MLP "
              f"{c['intermediate_size']}), {m['params'] / 1e6:.1f} M parameters, {m['weights_mb']:.1f} MB fp16"},
             {"quantity": "training cost", "value": f"{m['steps']} steps, {m['cpu_hours']:.2f} CPU h "
-             f"({m['cpu_s_per_step']:.1f} CPU s/step, median), {m['wall_hours']:.1f} h wall; held-out loss "
+             f"({m['cpu_s_per_step']:.1f} CPU s/step, median), {m['wall_hours']:.1f} h wall"
+             + (f", then {g['steps']} steps x {g['batch']} clips on {g['device']} ({g['step_minutes']:.1f} min of "
+                "steps)" if (g := m.get("gpu")) else "") + "; held-out loss "
              f"{m['eval']['eval_loss']:.3f}, token accuracy {m['eval']['eval_acc']:.3f} (copying: "
              f"{m['eval']['copy_acc']:.3f})"}]
     gain = d["psnr_dense_vs_truth"] - d["psnr_repeat_last_vs_truth"]

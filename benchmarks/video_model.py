@@ -283,9 +283,19 @@ def model_facts() -> dict:
     seq = [steps[k] for k in sorted(steps)]
     diffs = [b["cpu_s"] - a["cpu_s"] for a, b in zip(seq[:-1], seq[1:], strict=True) if b["cpu_s"] > a["cpu_s"]]
     cpu_step = float(np.median(diffs)) if diffs else float("nan")
-    return {"config": cfg, "params": params, "weights_mb": weights.stat().st_size / 1e6, "steps": len(steps),
-            "cpu_s_per_step": cpu_step, "cpu_hours": cpu_step * len(steps) / 3600,
-            "wall_hours": sum(float(d["seconds"]) for d in seq) / 3600, "eval": last_eval}
+    facts = {"config": cfg, "params": params, "weights_mb": weights.stat().st_size / 1e6, "steps": len(steps),
+             "cpu_s_per_step": cpu_step, "cpu_hours": cpu_step * len(steps) / 3600,
+             "wall_hours": sum(float(d["seconds"]) for d in seq) / 3600, "eval": last_eval}
+    gpu = weights.parent / "train_log_gpu.jsonl"  # the shipped weights continue the CPU run on an accelerator
+    if gpu.is_file():
+        recs = [json.loads(x) for x in gpu.read_text().splitlines() if x.strip()]
+        start = next(r for r in recs if r.get("event") == "start")
+        gsteps = {r["step"]: r for r in recs if "loss" in r}
+        facts["gpu"] = {"steps": len(gsteps), "batch": start["settings"]["batch"],
+                        "device": start.get("device_name", start["settings"]["device"]),
+                        "step_minutes": sum(float(r["seconds"]) for r in gsteps.values()) / 60}
+        facts["eval"] = [r for r in recs if "eval_loss" in r][-1]
+    return facts
 
 
 def pictures(out: Path, gif_results: list, results: list, tok, show: str, curve: list[dict]) -> None:
