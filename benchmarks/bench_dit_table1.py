@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--diag-frames", type=int, default=24, help="frames of the quality / diagnostics run")
     ap.add_argument("--frames", type=int, default=1000, help="frames the timed run aims for")
     ap.add_argument("--seconds", type=float, default=150.0, help="time budget of the timed run")
+    ap.add_argument("--timed-modes", default="", help="comma-separated modes of the timed run besides dense "
+                    "(default: every mode); with --diag-frames 0 a long timed run of a few modes alone")
     ap.add_argument("--cfg", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path)
@@ -103,17 +105,23 @@ def main() -> None:
     text = text_embeds(parse_prompt(a.prompt))
     cfg = model.cfg
     settings = StreamSettings(frames=a.frames, seed=0, cfg_scale=a.cfg)
-    fas = {name: fast_settings(kw, model, settings, text) for name, kw in MODES.items()}
+    chosen = [n for n in a.timed_modes.split(",") if n] or list(MODES)
+    unknown = sorted(set(chosen) - set(MODES))
+    if unknown:
+        raise SystemExit(f"error: --timed-modes {unknown[0]!r} is not a mode; modes: {', '.join(MODES)}")
+    measured = list(MODES) if a.diag_frames else chosen
+    fas = {name: fast_settings(MODES[name], model, settings, text) for name in measured}
     # quality and structure: every mode with the dense attention on the side (not timed)
     diag_settings = dataclasses.replace(settings, frames=a.diag_frames)
     t0 = time.perf_counter()
-    dense_video = np.concatenate([to_uint8(c.frames) for c in rollout(TorchDiT(model), diag_settings, text)])
     diag, videos = {}, {}
-    for name, fa in fas.items():
-        diag[name], videos[name] = structure(model, fa, diag_settings, text, keep_video=True)
+    if a.diag_frames:
+        dense_video = np.concatenate([to_uint8(c.frames) for c in rollout(TorchDiT(model), diag_settings, text)])
+        for name, fa in fas.items():
+            diag[name], videos[name] = structure(model, fa, diag_settings, text, keep_video=True)
     t_diag = time.perf_counter() - t0
     # speed: every mode interleaved chunk by chunk, until --frames or --seconds
-    bk = {DENSE: TorchDiT(model), **{n: FastARDiT(model, fa) for n, fa in fas.items()}}
+    bk = {DENSE: TorchDiT(model), **{n: FastARDiT(model, fas[n]) for n in chosen}}
     t0 = time.perf_counter()
     timed = interleave(bk, settings, text, a.seconds)
     t_timed = time.perf_counter() - t0
@@ -124,7 +132,7 @@ def main() -> None:
         lo = min(cfg.sink_frames + cfg.window_frames, max(reached // 2 - 1, 0))
         early = (lo, min(lo + 16, max(lo + 1, (lo + reached) // 2)))
         late = (max(early[1], reached - 16), reached) if early[1] < reached else (reached - 1, reached)
-    ref_sec = bk["dense (FAST-AR runtime)"].seconds
+    ref_sec = bk["dense (FAST-AR runtime)"].seconds if "dense (FAST-AR runtime)" in bk else None
     rows = []
     for name, r in timed.items():
         e, la = window_stats(r["frame_ms"], *early), window_stats(r["frame_ms"], *late)
@@ -135,16 +143,17 @@ def main() -> None:
             video = videos[name]
             row.update({"psnr_vs_dense": psnr(video, dense_video, 255.0),
                         "ssim_vs_dense": ssim(video, dense_video, 255.0), **diag[name]})
+            row["tau"] = fas[name].fastcar_tau
+        if name in fas and ref_sec is not None:
             sec = bk[name].seconds
             row.update({f"{k}_speedup": (ref_sec[k] / sec[k] if sec[k] > 0 else None)
                         for k in ("self_attention", "cross_attention", "ffn")})
-            row["tau"] = fas[name].fastcar_tau
         row["targets"] = check_targets(row)
         rows.append(row)
     rss = timed[DENSE]["rss_mib"]
     title = (f"trained pixel DiT ({cfg.layers} blocks, hidden {cfg.hidden}, {cfg.tokens_per_frame} tokens/frame, "
              f"{cfg.sink_frames} sink + {cfg.window_frames}-frame window), prompt {a.prompt}, CFG {a.cfg:g}")
-    title += (f"; quality run {a.diag_frames} frames; timed run reached frame {reached}: early = frames "
+    title += (f"; quality run {a.diag_frames or 'skipped'} frames; timed run reached frame {reached}: early = frames "
               f"{early[0]}-{early[1]}, late = {late[0]}-{late[1]}; process RSS {rss[early[1] - 1]:.0f} MiB early, "
               f"{rss[-1]:.0f} MiB late")
     doc = {"title": title, "threads": a.threads, "args": {k: str(v) for k, v in vars(a).items()},
