@@ -24,7 +24,9 @@ from fastcar_compile.demo.decoding import SAMPLED, Decoding
 from fastcar_compile.demo.spec import VideoSpec
 
 SMALL_TAU = 33.0  # post-RoPE TAS giving ~80% replay on the 1-layer model (docs/demo.md, eval sweep)
-VIDEO_TAU = 0.017  # post-RoPE TAS: 80% of the sampled dense videos' decode-step MLPs replay (4 training-split clips x 16)
+# post-RoPE TAS: 80% replay along sampled dense videos of 4 training-split clips x 16 frames; re-measure with
+# scripts/calibrate_video_tau.py after retraining
+VIDEO_TAU = 1.62
 VIDEO_MODEL_DIR = Path(__file__).resolve().parents[2] / "training" / "video_model"
 
 

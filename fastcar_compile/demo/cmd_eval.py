@@ -168,13 +168,11 @@ def _sweep(a, targets: list[float], variants: list[str], out: Path) -> list[dict
     sampled by default (dense and FastCar share each clip's seed)."""
     from fastcar_compile.demo import quality as q
     from fastcar_compile.demo.bundled import spec as demo_spec
-    from fastcar_compile.demo.decoding import clip_seed, decoding_from_args
-    from fastcar_compile.demo.evaluate import compile_bundled, run_clips, summarize
-    from fastcar_compile.demo.video import generate_video, open_session
+    from fastcar_compile.demo.decoding import decoding_from_args
+    from fastcar_compile.demo.evaluate import compile_bundled, dense_tas, run_clips, summarize
 
     spec = demo_spec(a.demo_model)
     decoding = decoding_from_args(a, spec.decoding)
-    uncond = spec.uncond if decoding.cfg_scale is not None else None
     tok = spec.tokenizer()
     dense = spec.onnx()
     clips = spec.clips(a.clips, a.frames, 0)
@@ -182,13 +180,8 @@ def _sweep(a, targets: list[float], variants: list[str], out: Path) -> list[dict
     guards = [0] + ([a.guard] if a.guard else [])
     for tq in variants:
         # TAS along the dense trajectories: a never-replaying model (tau = +inf) generates the dense video
-        diag = compile_bundled(out / f"diag-{tq}.onnx", float("inf"), tq, 0, model=dense, diagnostics=True,
-                               frame_tokens=tok.tokens_per_frame)
-        sess = open_session(diag, a.threads)
-        tas = np.concatenate([generate_video(sess, spec.prompt(c), tok.encode(c.frames)[0], a.frames - 1,
-                                             threshold=float("inf"), decoding=decoding, seed=clip_seed(a.sample_seed, i),
-                                             uncond_ids=uncond, codes=spec.codes).tas.reshape(-1)
-                              for i, c in enumerate(clips)])
+        tas = dense_tas(spec, dense, clips, tok, decoding, out / f"diag-{tq}.onnx", tq, a.threads,
+                        a.sample_seed).reshape(-1)
         taus = [float("inf")] + [float(np.quantile(tas, 1 - t)) for t in targets] + [float("-inf")]
         for k in guards:
             for tau in taus:

@@ -92,6 +92,20 @@ def _mean_finite(xs: list[float], cap: float = 100.0) -> float:
     return float(np.mean([min(x, cap) for x in xs])) if xs else float("nan")
 
 
+def dense_tas(spec: VideoSpec, dense: Path, clips: list, tok, decoding: Decoding, out: Path,
+              tas_query: str = "rope", threads: int = 1, seed: int = 0) -> np.ndarray:
+    """TAS [steps, layers] along the dense videos of `clips` (clip i sampled with `clip_seed(seed, i)`): a
+    never-replaying compile (tau = +inf, diagnostics on, written to `out`) generates the dense video, so the
+    quantiles of these values are the thresholds that replay a given share of its decode-step MLPs."""
+    uncond = spec.uncond if decoding.cfg_scale is not None else None
+    diag = compile_bundled(out, float("inf"), tas_query, 0, model=dense, diagnostics=True,
+                           frame_tokens=tok.tokens_per_frame)
+    sess = open_session(diag, threads)
+    return np.concatenate([generate_video(sess, spec.prompt(c), tok.encode(c.frames)[0], len(c.frames) - 1,
+                                          threshold=float("inf"), decoding=decoding, seed=clip_seed(seed, i),
+                                          uncond_ids=uncond, codes=spec.codes).tas for i, c in enumerate(clips)])
+
+
 def run_clips(spec: VideoSpec, dense_path: Path, fast_path: Path, clips: list, tok, tau: float,
               threads: int = 1, progress: bool = True, rounds: int = 2, decoding: Decoding | None = None,
               seed: int = 0) -> list[ClipResult]:
