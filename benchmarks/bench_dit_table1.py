@@ -33,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_dit_fastar import MODES  # noqa: E402
 
+from fastcar_compile.demo.dit_demo import MODEL_DIR, load_trained, parse_prompt  # noqa: E402
+from fastcar_compile.demo.dit_train import text_embeds, to_uint8  # noqa: E402
 from fastcar_compile.demo.metrics import psnr, ssim  # noqa: E402
 from fastcar_compile.dit import modes  # noqa: E402
-from fastcar_compile.dit.demo import MODEL_DIR, load_trained, parse_prompt  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT, calibrate_tau, totals  # noqa: E402
 from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout, rss_mib  # noqa: E402
-from fastcar_compile.dit.train import text_embeds, to_uint8  # noqa: E402
 
 DENSE = "dense (TorchDiT)"
 # The paper's points (FAST-AR Table 1) this table is held to.

@@ -24,7 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 # `export --dit`: the video DiT's export, in the layer above (fastcar_compile/dit), imported only when used.
 DIT_EXPORT = ("fastcar_compile.dit.cli", "export_main")
 # `demo --dit`: the trained causal video DiT's stream demo, in the layer above (fastcar_compile/dit).
-DIT_DEMO = ("fastcar_compile.dit.demo", "main")
+DIT_DEMO = ("fastcar_compile.demo.dit_demo", "main")
 # A DiT step graph given to the compiler (`fastcar-compile dit.onnx -o out.onnx`, `--inspect`): compiled there too.
 DIT_COMPILE = ("fastcar_compile.dit.cli", "compile_main")
 DIT_API = "fastcar_compile.dit.compile"  # compile_dit, inspect_dit, is_dit_step (fastcar_compile.api routes to it)

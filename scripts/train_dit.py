@@ -8,7 +8,7 @@
 Writes a JSON line per step and per evaluation to training/dit_model/train_log.jsonl, checkpoints model +
 optimizer + step to --ckpt every ~5 minutes (atomically) and the fp16 weights (model.safetensors +
 config.json, what `fastcar-compile demo --dit` reads) to training/dit_model/ each time. The model, data and
-objective: fastcar_compile/dit/train.py.
+objective: fastcar_compile/demo/dit_train.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from fastcar_compile.dit.train import DiTTrainSettings, train_dit  # noqa: E402
+from fastcar_compile.demo.dit_train import DiTTrainSettings, train_dit  # noqa: E402
 
 TRAINING = Path(__file__).resolve().parents[1] / "training" / "dit_model"
 CKPT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastcar-compile" / "dit-model"

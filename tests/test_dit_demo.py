@@ -11,9 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fastcar_compile.cli import main  # noqa: E402
-from fastcar_compile.dit.demo import MODEL_DIR, parse_prompt  # noqa: E402
+from fastcar_compile.demo.dit_demo import MODEL_DIR, parse_prompt  # noqa: E402
+from fastcar_compile.demo.dit_train import DIT_PIXEL_CONFIG, save_weights  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
-from fastcar_compile.dit.train import DIT_PIXEL_CONFIG, save_weights  # noqa: E402
 
 SMALL = dataclasses.replace(DIT_PIXEL_CONFIG, layers=1, hidden=24, heads=2, ffn=32, patch=(1, 8, 8), freq_dim=16,
                             window_frames=2)
@@ -82,7 +82,7 @@ def test_shipped_weights_are_small_fp16_and_load():
     from safetensors.numpy import load_file
 
     assert {a.dtype for a in load_file(str(files[0])).values()} == {np.dtype(np.float16)}
-    from fastcar_compile.dit.demo import load_trained
+    from fastcar_compile.demo.dit_demo import load_trained
 
     m = load_trained(MODEL_DIR)
     assert m.cfg.in_channels == 3 and m.cfg.latent_h == 32

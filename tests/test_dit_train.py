@@ -1,4 +1,4 @@
-"""Training the pixel-space causal DiT (fastcar_compile/dit/train.py): resumption, the objective, the prompt."""
+"""Training the pixel-space causal DiT (fastcar_compile/demo/dit_train.py): resumption, the objective, the prompt."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ torch = pytest.importorskip("torch")
 
 from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.demo import scenes  # noqa: E402
-from fastcar_compile.dit.config import load_config  # noqa: E402
-from fastcar_compile.dit.model import build  # noqa: E402
-from fastcar_compile.dit.train import (  # noqa: E402
+from fastcar_compile.demo.dit_train import (  # noqa: E402
     DIT_PIXEL_CONFIG,
     DiTTrainSettings,
     batch_for_step,
@@ -21,6 +19,8 @@ from fastcar_compile.dit.train import (  # noqa: E402
     text_embeds,
     train_dit,
 )
+from fastcar_compile.dit.config import load_config  # noqa: E402
+from fastcar_compile.dit.model import build  # noqa: E402
 
 # One layer, 16 tokens per frame (patch 8 on the 32x32 clips), 2 chunks of 2 frames: a step in well under a second.
 SMALL = dataclasses.replace(DIT_PIXEL_CONFIG, layers=1, hidden=24, heads=2, ffn=32, patch=(1, 8, 8), freq_dim=16)

@@ -69,9 +69,9 @@ def parse_prompt(text: str) -> dict[str, str]:
 
 def load_trained(folder: Path):
     """The trained DiT (eager, eval) from `folder`; a one-line error naming the fix when it is not there."""
+    from fastcar_compile.demo.dit_train import TEXT_DIM
     from fastcar_compile.dit.config import load_config
     from fastcar_compile.dit.model import build
-    from fastcar_compile.dit.train import TEXT_DIM
 
     missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
     if missing:
@@ -86,9 +86,9 @@ def load_trained(folder: Path):
 
 def stream_prompt(model, labels: dict[str, str], frames: int, cfg_scale: float, seed: int) -> dict:
     """One video: uint8 frames [T, H, W, 3], per-frame ms (a chunk's time shared by its frames), RSS."""
+    from fastcar_compile.demo.dit_train import text_embeds, to_uint8
     from fastcar_compile.dit.cli import run_stream
     from fastcar_compile.dit.stream import StreamSettings, TorchDiT
-    from fastcar_compile.dit.train import text_embeds, to_uint8
 
     r = run_stream(TorchDiT(model), StreamSettings(frames=frames, seed=seed, cfg_scale=cfg_scale),
                    text_embeds(labels), progress=False)
