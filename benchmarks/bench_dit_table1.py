@@ -46,6 +46,17 @@ TARGETS = {"tempcache_density": 0.16, "tempcache_recall": 0.90, "annsa_density":
            "speedup": 5.0, "fps_flat": 0.9, "psnr": 24.0}
 
 
+def _shown(value) -> str:
+    """An argument as the result records it: a path inside the repository relative to its root, so the result
+    names no folder of the machine it ran on."""
+    if isinstance(value, Path):
+        try:
+            return str(value.resolve().relative_to(Path(__file__).resolve().parents[1]))
+        except ValueError:
+            pass
+    return str(value)
+
+
 def fast_settings(kw: dict, model, settings, text, **extra):
     """A mode's runtime settings; a FastCar replay ratio becomes the tau calibrated on this prompt's stream."""
     fa = modes.settings(**kw, **extra)
@@ -156,7 +167,7 @@ def main() -> None:
     title += (f"; quality run {a.diag_frames or 'skipped'} frames; timed run reached frame {reached}: early = frames "
               f"{early[0]}-{early[1]}, late = {late[0]}-{late[1]}; process RSS {rss[early[1] - 1]:.0f} MiB early, "
               f"{rss[-1]:.0f} MiB late")
-    doc = {"title": title, "threads": a.threads, "args": {k: str(v) for k, v in vars(a).items()},
+    doc = {"title": title, "threads": a.threads, "args": {k: _shown(v) for k, v in vars(a).items()},
            "frames": {"diagnostics": a.diag_frames, "timed_reached": reached, "early": list(early),
                       "late": list(late)},
            "seconds": {"diagnostics": t_diag, "timed": t_timed},
