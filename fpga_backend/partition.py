@@ -247,8 +247,9 @@ def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
 
     Tagged MatMuls (``fastcar.layer``) go to their layer; untagged ones (layers the compiler did not rewrite,
     plain exports) fill the remaining layers in graph order q, k, v, o, gate, up, down. RMSNorm scales are
-    the 1-D [hidden] initializers multiplied in: per layer first attn_norm then mlp_norm; the last untagged
-    one is the final norm.
+    the 1-D [hidden] initializers multiplied in: per layer first attn_norm then mlp_norm (by layer tag, else
+    in graph order: fused Skip*Norm nodes join two layers and carry no tag); the last untagged one is the final
+    norm.
     """
     h = spec.hidden
 
@@ -317,6 +318,7 @@ def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
         if list(t.dims) == [h]:
             inits[t.name] = t
     norms: dict[int | None, list[str]] = {}
+    ordered: list[str] = []  # every norm scale in graph order, tagged or not
     for node in iter_nodes(proto.graph):
         if node.op_type not in ("Mul", "RMSNormalization", "SimplifiedLayerNormalization",
                                 "SkipSimplifiedLayerNormalization"):
@@ -326,6 +328,8 @@ def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
         for name in node.input:
             if name in inits and name not in norms.setdefault(layer, []):
                 norms[layer].append(name)
+            if name in inits and name not in ordered:
+                ordered.append(name)
     for layer, names in norms.items():
         if layer is not None and len(names) >= 2:
             sources[f"L{layer}.attn_norm"], sources[f"L{layer}.mlp_norm"] = names[0], names[1]
@@ -334,6 +338,11 @@ def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
     if len(untagged_norms) == 2 * len(missing) + 1:  # plain export: pairs per layer in order, then final
         for i, layer in enumerate(missing):
             sources[f"L{layer}.attn_norm"], sources[f"L{layer}.mlp_norm"] = untagged_norms[2 * i : 2 * i + 2]
+    elif missing and len(ordered) == 2 * spec.layers + 1:
+        # fused Skip*Norm nodes sit between two layers and carry no layer tag (the exporter fusions run before
+        # discovery): the graph order still reads attn_norm, mlp_norm per layer, then the final norm
+        for layer in range(spec.layers):
+            sources[f"L{layer}.attn_norm"], sources[f"L{layer}.mlp_norm"] = ordered[2 * layer : 2 * layer + 2]
     if untagged_norms:
         sources["final_norm"] = untagged_norms[-1]
     return sources
