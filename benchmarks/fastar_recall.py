@@ -29,7 +29,17 @@ from fastcar_compile.demo.trace import TRACE_SOURCES, demo_trace
 from fastcar_compile.fastar.attention import run_trace, slot_bytes
 from fastcar_compile.fastar.config import KVCompressConfig
 
-PAPER = {"TempCache (paper)": (0.16, 0.90), "AnnSA (paper)": (0.28, 0.92)}
+PAPER = {"TempCache (paper)": (0.16, 0.90), "AnnSA (paper)": (0.28, 0.92)}  # FAST-AR's (density, recall) points
+
+
+def plot_paper_points(ax) -> None:
+    """The paper's points as red stars on a density / recall plot, with the axes every such plot shares."""
+    for name, (d, rc) in PAPER.items():
+        ax.scatter(d, rc, marker="*", s=140, color="tab:red")
+        ax.annotate(name, (d, rc), fontsize=7, color="tab:red", xytext=(4, -9), textcoords="offset points")
+    ax.set_xlabel("density (executed q.k pairs / dense)")
+    ax.set_xlim(0, 1.05)
+    ax.grid(alpha=0.3)
 
 
 def modes(frame_tokens: int, video_start: int, quick: bool, kv_heads: int,
@@ -93,14 +103,9 @@ def plot(rows: list[dict], path: Path) -> None:
                  "per-head:": "tab:purple"}.get(kind, "tab:green")
         ax.scatter(r["density"], r["recall"], color=color, s=30, marker="o" if r["source"] == "generated" else "^")
         ax.annotate(r["mode"], (r["density"], r["recall"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
-    for name, (d, rc) in PAPER.items():
-        ax.scatter(d, rc, marker="*", s=140, color="tab:red")
-        ax.annotate(name, (d, rc), fontsize=7, color="tab:red", xytext=(4, -9), textcoords="offset points")
-    ax.set_xlabel("density (executed q.k pairs / dense)")
+    plot_paper_points(ax)
     ax.set_ylabel("attention recall (dense softmax mass kept)")
-    ax.set_xlim(0, 1.05)
     ax.set_title("FAST-AR modes on the demo model's attention (o: generated, ^: clip)", fontsize=10)
-    ax.grid(alpha=0.3)
     shown = ("dense", "window", "tempcache 0.999", "annsa lsh 8x4 W", "per-head: window (h0-4) + tempcache 0.9 ")
     for r in rows:
         if r["layer"] == 0 and any(r["mode"].startswith(s) for s in shown):

@@ -31,7 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-PAPER = {"TempCache (paper)": (0.16, 0.90), "AnnSA (paper)": (0.28, 0.92)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fastar_recall import PAPER, plot_paper_points  # noqa: E402
+
 SEED = 0
 
 
@@ -353,13 +355,8 @@ def fastar_plot(path: Path, fastar: list[dict]) -> None:
         ax.plot(d, rc, ".", alpha=0.5)
         ax.scatter(r["density"], r["recall"], s=40)
         ax.annotate(r["mode"], (r["density"], r["recall"]), fontsize=7, xytext=(3, 2), textcoords="offset points")
-    for name, (d, rc) in PAPER.items():
-        ax.scatter(d, rc, marker="*", s=140, color="tab:red")
-        ax.annotate(name, (d, rc), fontsize=7, color="tab:red", xytext=(4, -9), textcoords="offset points")
-    ax.set_xlabel("density (executed q.k pairs / dense)")
+    plot_paper_points(ax)
     ax.set_ylabel("recall (dense softmax mass kept)")
-    ax.set_xlim(0, 1.05)
-    ax.grid(alpha=0.3)
     ax.set_title("FAST-AR modes inside sampled generation (dots: layers, circles: mean)", fontsize=9)
     save_figure(fig, path, dpi=110)
 

@@ -76,7 +76,8 @@ def _llama_bytes(spec: ModelSpec, context: int) -> float:
 
 def test_u55c_simulates_a_7b_decode_step_at_its_hbm_bandwidth():
     """LLaMA-2-7B dims at batch 1 stream 13.5 GB of weights a step: bandwidth bound, so the step takes the
-    data sheet's 460 GB/s (times the board's efficiency) plus issue latencies, which stay under 25% here."""
+    data sheet's 460 GB/s (times the board's efficiency) plus issue latencies, which stay under 25% here. The
+    step time is the simulator's modelled one (cycles / clock), checked against the analytic bandwidth floor."""
     board, context = load_board("u55c"), 512
     sim = Simulator(build_program(LLAMA2_7B, board, batch=1, context=context))
     res = sim.run(np.zeros((1, LLAMA2_7B.layers, 1), bool), context, policy="static")

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.core.limits import check_finite, check_int
 from fastcar_compile.core.options import ascii_float, ascii_int
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "training" / "dit_model"
@@ -29,7 +28,6 @@ BASE_LABELS = {"camera": "pan_right", "speed": "slow", "objects": "objects_1", "
 DEFAULT_PROMPTS = ("camera=pan_right", "camera=zoom_in", "camera=static,objects=objects_2")
 OUTPUTS = ("demo.gif", "strip.png", "results.json")
 SCALE = 4  # GIF pixels per frame pixel
-MAX_FRAMES = 100_000
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,15 +157,10 @@ def summarize(r: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    a = build_parser().parse_args(argv)
-    check_int("--frames", a.frames, 1, MAX_FRAMES, "frames")
-    check_finite("--cfg", a.cfg)
-    if a.cfg <= 0:
-        raise FastCarError(f"--cfg must be > 0 (1 = no guidance), got {a.cfg}")
-    check_int("--seed", a.seed, 0, 2**32 - 1)
-    from fastcar_compile.core.limits import MAX_THREADS
+    from fastcar_compile.dit.cli import check_rollout_args
 
-    check_int("--threads", a.threads, 1, MAX_THREADS)
+    a = build_parser().parse_args(argv)
+    check_rollout_args(a, "frames", min_threads=1)
     prompts = [parse_prompt(p) for p in (a.prompt or DEFAULT_PROMPTS)]
     from fastcar_compile.core import fileio
 

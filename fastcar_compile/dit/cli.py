@@ -150,16 +150,21 @@ def _read_text(path: str, text_dim: int):
     return arr
 
 
-def stream_main(argv: list[str]) -> int:
-    a = build_stream_parser().parse_args(argv)
-    check_int("--frames", a.frames, 1, MAX_FRAMES, "latent frames")
+def check_rollout_args(a, frames_what: str, min_threads: int) -> None:
+    """--frames, --cfg, --seed and --threads of a streaming command, each refused in one line when out of range."""
+    from fastcar_compile.core.limits import MAX_THREADS
+
+    check_int("--frames", a.frames, 1, MAX_FRAMES, frames_what)
     check_finite("--cfg", a.cfg)
     if a.cfg <= 0:
         raise FastCarError(f"--cfg must be > 0 (1 = no guidance), got {a.cfg}")
     check_int("--seed", a.seed, 0, 2**32 - 1)
-    from fastcar_compile.core.limits import MAX_THREADS
+    check_int("--threads", a.threads, min_threads, MAX_THREADS)
 
-    check_int("--threads", a.threads, 0, MAX_THREADS)
+
+def stream_main(argv: list[str]) -> int:
+    a = build_stream_parser().parse_args(argv)
+    check_rollout_args(a, "latent frames", min_threads=0)
     for flag, v in (("--sink", a.sink), ("--window", a.window)):
         if v is not None:
             check_int(flag, v, 0, MAX_FRAMES)
