@@ -108,52 +108,60 @@ def _size_class(n: torch.Tensor) -> torch.Tensor:
 def bucket_parts(q: torch.Tensor, q_group: torch.Tensor, q_codes: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  bias: torch.Tensor, k_group: torch.Tensor, k_codes: torch.Tensor) -> tuple[list[Part], int]:
     """Attention pieces of queries q [Nq, d] over keys k, v [Nk, d] (bias [Nk]) that share a bucket, computed
-    bucket by bucket: per table, the keys and the queries of each occupied (group, bucket) are gathered into a
-    block, and blocks of similar size (within 2x in queries and in keys) are multiplied as one batched matmul
-    (block-sparse: a key is gathered once per table, not once per pair, and skewed buckets pad only their own
-    class). A pair that already met in an earlier table is masked, so each executed pair counts once.
-    Returns (one Part per table, pairs executed)."""
-    parts, executed = [], 0
+    bucket by bucket: the keys and the queries of each occupied (table, group, bucket) are gathered into a
+    block, and the blocks of every table whose key counts are within 2x are multiplied as one batched matmul
+    (block-sparse: a key is gathered once per table, not once per pair; a skewed bucket pads its own class only;
+    one loop over the few size classes, no loop over tables or buckets). A pair that already met in an earlier
+    table is masked, so each executed pair counts once. Returns (one Part per table, pairs executed)."""
     nq, d = q.shape
-    for t in range(q_codes.shape[1]):
-        kkey = k_group * CODE_SPAN + k_codes[:, t]
-        ukey, kb = torch.unique(kkey, return_inverse=True)
-        nb = ukey.numel()
-        if nb == 0:
-            continue
-        qkey = q_group * CODE_SPAN + q_codes[:, t]
-        qb = torch.searchsorted(ukey, qkey).clamp(max=nb - 1)
-        qi = torch.nonzero(ukey[qb] == qkey).flatten()
-        if qi.numel() == 0:
-            continue
-        qb = qb[qi]
-        qcount = torch.bincount(qb, minlength=nb)
-        cls = _size_class(qcount) * 64 + _size_class(torch.bincount(kb, minlength=nb))
-        cls = torch.where(qcount > 0, cls, -1)
-        mm, ss = torch.zeros(nq), torch.zeros(nq)
-        oo = torch.zeros(nq, v.shape[-1])
-        for c in torch.unique(cls[cls >= 0]).tolist():
-            local = torch.full((nb,), -1, dtype=torch.int64)
-            members = torch.nonzero(cls == c).flatten()
-            local[members] = torch.arange(members.numel())
-            kin = torch.nonzero(local[kb] >= 0).flatten()
-            qin = torch.nonzero(local[qb] >= 0).flatten()
-            kpad = _by_bucket(local[kb[kin]], members.numel())
-            qpad = _by_bucket(local[qb[qin]], members.numel())
-            kpad = torch.where(kpad >= 0, kin[kpad.clamp(min=0)], -1)
-            qpad = torch.where(qpad >= 0, qi[qin[qpad.clamp(min=0)]], -1)
-            kc, qc = kpad.clamp(min=0), qpad.clamp(min=0)
-            logits = q[qc] @ k[kc].transpose(1, 2) * d ** -0.5 + bias[kc][:, None, :]
-            ok = (kpad >= 0)[:, None, :] & (qpad >= 0)[:, :, None]
-            for u in range(t):  # met in an earlier table: already counted there
-                ok &= q_codes[qc, u][:, :, None] != k_codes[kc, u][:, None, :]
-            logits = torch.where(ok, logits, torch.full_like(logits, -torch.inf))
-            executed += int(ok.sum())
-            m = logits.amax(-1)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            e = torch.exp(logits - m[..., None])
-            rows = qpad >= 0
-            idx = qpad[rows]
-            mm[idx], ss[idx], oo[idx] = m[rows], e.sum(-1)[rows], (e @ v[kc])[rows]
-        parts.append(Part(mm, ss, oo))
-    return parts, executed
+    tables = q_codes.shape[1]
+    if k.shape[0] == 0 or nq == 0:
+        return [], 0
+    tab = torch.arange(tables)
+    groups = int(max(k_group.max(), q_group.max())) + 1
+    # one id per (table, group, bucket): keys and queries of every table in one space
+    kkey = ((tab[None] * groups + k_group[:, None]) * CODE_SPAN + k_codes).flatten()
+    ukey, kb = torch.unique(kkey, return_inverse=True)  # kb: bucket of key (i // tables) in table i % tables
+    nb = ukey.numel()
+    qkey = ((tab[None] * groups + q_group[:, None]) * CODE_SPAN + q_codes).flatten()
+    qb = torch.searchsorted(ukey, qkey).clamp(max=nb - 1)
+    hit = torch.nonzero(ukey[qb] == qkey).flatten()  # (query, table) entries whose bucket holds keys
+    if hit.numel() == 0:
+        return [], 0
+    qb = qb[hit]
+    kcount = torch.bincount(kb, minlength=nb)
+    qcount = torch.bincount(qb, minlength=nb)
+    cls = torch.where(qcount > 0, _size_class(kcount), -1)
+    b_table = ukey // CODE_SPAN // groups
+    mm, ss = torch.zeros(tables * nq), torch.zeros(tables * nq)
+    oo = torch.zeros(tables * nq, v.shape[-1])
+    executed = 0
+    kent = torch.arange(kb.numel())
+    for c in torch.unique(cls[cls >= 0]).tolist():
+        members = torch.nonzero(cls == c).flatten()
+        local = torch.full((nb,), -1, dtype=torch.int64)
+        local[members] = torch.arange(members.numel())
+        kin = kent[local[kb] >= 0]
+        qin = hit[local[qb] >= 0]
+        kpad = _by_bucket(local[kb[kin]], members.numel())
+        qpad = _by_bucket(local[qb[local[qb] >= 0]], members.numel())
+        kpad = torch.where(kpad >= 0, kin[kpad.clamp(min=0)], -1)  # (key, table) entries
+        qpad = torch.where(qpad >= 0, qin[qpad.clamp(min=0)], -1)  # (query, table) entries
+        kc, qc = kpad.clamp(min=0) // tables, qpad.clamp(min=0) // tables  # key / query rows
+        logits = q[qc] @ k[kc].transpose(1, 2) * d ** -0.5 + bias[kc][:, None, :]
+        ok = (kpad >= 0)[:, None, :] & (qpad >= 0)[:, :, None]
+        if tables > 1:  # met in an earlier table: counted there
+            bt = b_table[members][:, None, None]
+            for u in range(tables - 1):
+                ok &= (bt <= u) | (q_codes[qc, u][:, :, None] != k_codes[kc, u][:, None, :])
+        logits = torch.where(ok, logits, torch.full_like(logits, -torch.inf))
+        executed += int(ok.sum())
+        m = logits.amax(-1)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = torch.exp(logits - m[..., None])
+        rows = qpad >= 0
+        ent = qpad[rows]
+        idx = (ent % tables) * nq + ent // tables
+        mm[idx], ss[idx], oo[idx] = m[rows], e.sum(-1)[rows], (e @ v[kc])[rows]
+    return [Part(mm[t * nq:(t + 1) * nq], ss[t * nq:(t + 1) * nq], oo[t * nq:(t + 1) * nq]) for t in range(tables)], \
+        executed
