@@ -21,7 +21,8 @@ L, N = 4, 24
 def _genai_tokens(folder, prompt: np.ndarray, n: int, inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
     model = og.Model(str(folder))
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=prompt.shape[1] + n, do_sample=False)
+    # batch_size must be given: without it genai reads a [2, S] prompt as one row of 2S tokens
+    params.set_search_options(max_length=prompt.shape[1] + n, do_sample=False, batch_size=prompt.shape[0])
     gen = og.Generator(model, params)
     for name, value in (inputs or {}).items():  # fed with every step of this generator (one video); genai
         gen.set_model_input(name, value)       # does not copy: `inputs` keeps the arrays alive meanwhile
@@ -91,3 +92,24 @@ def test_genai_generator_takes_tau_and_video_start_per_video(genai_model, fc_com
                                                       "video_start": np.array(0, np.int64)})
     np.testing.assert_array_equal(one, _session_tokens(per_layer, prompt, N, tau=taus)[0])
     assert (one != dense).any() and (one != got[0.0, 0]).any()
+
+
+def test_genai_generator_equals_eager_reference(genai_model, fc_compile, tmp_path):
+    """genai's own loop on a compiled folder (the native kernels it loads from genai_config.json, its shared KV
+    buffers, the FastCar state in its recurrent-state slots), two videos at once, greedy over four frames: the
+    tokens are those of the eager transformers model with FastCar hooked in (tests/reference.py) at a tau in a
+    gap of layer 0's TAS, where the reference both replays and computes, and the tokens are not the dense ones."""
+    from test_genai_graphs import VIDEO_START, _case
+    from test_genai_graphs import L as REF_L
+
+    src, tau, run = _case(genai_model, "llama", "fp32", "rope")
+    replayed = np.concatenate([np.concatenate(run.replay[i][1:], axis=1) for i in run.replay], axis=1)
+    assert replayed.any() and not replayed.all(), "the case must mix replay and compute"
+    out = tmp_path / "video" / "fast.onnx"
+    fc_compile(str(src), output=str(out), frame_tokens=REF_L, threshold=tau, max_replay=2,
+               required_video_inputs=True)
+    prompt = run.steps[0]
+    feeds = {"fastcar_threshold": np.array(tau, np.float32), "video_start": np.array(VIDEO_START, np.int64)}
+    got = _genai_tokens(out.parent, prompt, len(run.steps) - 1, feeds)
+    np.testing.assert_array_equal(got, np.concatenate(run.steps[1:], axis=1))
+    assert (got != _genai_tokens(src.parent, prompt, len(run.steps) - 1)).any(), "replay changed no token"

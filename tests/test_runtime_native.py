@@ -174,3 +174,20 @@ def test_float16_model_falls_back_to_function_bodies(native_lib, tmp_path):
     assert a.stats.steps == b.stats.steps
     with pytest.raises(FastCarError, match="float32 only"):
         FastCarSession(tmp_path / "fast.onnx", native=True)
+
+
+def test_unfed_gate_input_is_named(native_lib):
+    """ORT's IO binding runs a session without checking that every graph input is bound (a run() call refuses):
+    the gate meets a value holding no tensor, for which ORT's own words are "must contain a constructed tensor".
+    The kernel names the graph input that was not fed."""
+    feeds = {"q": np.zeros((1, 2, 1, 4), np.float32), "key": np.zeros((1, 2, 6, 4), np.float32),
+             "age": np.zeros((1, 4), np.int64), "video_start": np.array(0, np.int64),
+             "cache": np.zeros((1, 4, 8), np.float32), "fresh": np.zeros((1, 1, 8), np.float32)}
+    sess = _session(_ops_model(4, 0), native_lib)
+    io = sess.io_binding()
+    for k, v in feeds.items():  # every input but the threshold
+        io.bind_cpu_input(k, v)
+    for o in sess.get_outputs():
+        io.bind_output(o.name)
+    with pytest.raises(Exception, match=r"input threshold \('threshold'\) has no value: a graph input that was not"):
+        sess.run_with_iobinding(io)

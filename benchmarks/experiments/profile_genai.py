@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the suite scripts
 import bench_genai  # noqa: E402
-from _common import DEFAULT_CACHE, make_session  # noqa: E402
+from _common import DEFAULT_CACHE, ort_options  # noqa: E402
 
 KERNELS: dict[str, dict[str, int]] = {}  # model path -> op type -> kernels run per step (from the profile)
 CPU_TIME = False  # --cpu-time: process CPU seconds per step (1 thread, no spinning): robust to a loaded machine
@@ -39,12 +39,17 @@ KV_ZEROS = False  # --kv zeros: the old all-zero KV buffers (reads served by the
 
 
 def _session(path: Path, threads: int, profile: bool, native: bool):
+    """The model loaded as genai's generator loads it: from its file, the compiled defaults of `video_start` and
+    `fastcar_threshold` staying initializers (make_session would make them inputs to feed, as FastCarSession
+    feeds them, which _binding, binding genai's inputs only, leaves unbound)."""
+    import onnxruntime as ort
 
     from fastcar_compile.runtime.native import library_path
 
     lib = library_path() if native else None  # (a model without ai.fastcar ops is not affected)
-    return make_session(path, threads, spin=not CPU_TIME, library=lib,
-                        profile=Path(tempfile.gettempdir()) / "fastcar_profile_genai" if profile else None)
+    so = ort_options(threads, spin=not CPU_TIME, library=lib,
+                     profile=Path(tempfile.gettempdir()) / "fastcar_profile_genai" if profile else None)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
 def _binding(sess, ctx: int, max_length: int, head_dim: int, vocab: int, zeros: bool | None = None):

@@ -90,9 +90,13 @@ struct GateKernel {
   bool interleaved = false, use_total_len = false, aligned_keys = false, packed = false, rotary = false,
        select_rows = false;
   const GateSignature* sig;
+  std::string node;                  // the node's name and its input names: errors name the graph's tensors
+  std::vector<std::string> inputs;
 
   GateKernel(const OrtKernelInfo* info, const GateSignature* signature) : sig(signature) {
     Ort::ConstKernelInfo ki(info);
+    node = ki.GetNodeName();
+    for (size_t i = 0; i < ki.GetInputCount(); ++i) inputs.push_back(ki.GetInputName(i));
     L = ki.GetAttribute<int64_t>("frame_tokens");
     K = ki.GetAttribute<int64_t>("max_replay");
     age_offset = AttrOr<int64_t>(ki, "age_offset", 0);
@@ -117,6 +121,11 @@ struct GateKernel {
     Ort::ConstValue v = at >= 0 && static_cast<size_t>(at) < ctx.GetInputCount() ? ctx.GetInput(at)
                                                                                   : Ort::ConstValue(nullptr);
     if (!v) throw std::runtime_error(std::string("TemporalGate: this form needs the input ") + name);
+    // ORT's IO binding runs a session without checking that every graph input is bound: an unbound one
+    // reaches the kernel as a value holding no tensor (ORT's own words: "must contain a constructed tensor")
+    if (!v.IsTensor())
+      throw std::runtime_error("TemporalGate " + node + ": its input " + name + " ('" + inputs[at] +
+                               "') has no value: a graph input that was not fed or bound; feed it");
     return v;
   }
 
