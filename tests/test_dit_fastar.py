@@ -46,7 +46,7 @@ def _frames(rng, n_frames, T, d, copy=0.6, noise=0.0, permute=False):
     return k, rng.standard_normal((n_frames, T, d)).astype(np.float32)
 
 
-def _write_slotcache(k, v, mode, sim, sinks, tables=2, window=0, token_maps=False):
+def _write_slotcache(k, v, mode, sim, sinks, tables=2, window=0, token_maps=False, budget=0):
     n, T, d = k.shape
     hasher = sparse.make_hasher(mode if mode != "aligned" else "lsh", d, 4, 2, tables, 0)
     c = SlotCache(1, T, d, 0, tables if mode != "aligned" else 0)
@@ -61,6 +61,8 @@ def _write_slotcache(k, v, mode, sim, sinks, tables=2, window=0, token_maps=Fals
             tgt = c.ann_targets(f, kk, cp, sim, sinks)
         c.write_frame(f, kk, kk, vv, torch.zeros(1, T, 0, dtype=torch.int64), cp, tgt)
         c.evict(kept_frames(f + 1, sinks, window), set(range(f + 1)) if token_maps else {f})
+        if budget:
+            c.evict_budget(budget, sinks)
     return c
 
 
@@ -116,6 +118,32 @@ def test_tempcache_eviction_keeps_slots_of_window_frames(sinks, window):
     keep = kept_frames(k.shape[0], sinks, window)
     _assert_same_slots(c, ref, k.shape[0] * k.shape[1], keep)
     assert int(c.live.sum()) < int(ref.live.sum())
+
+
+@pytest.mark.parametrize("sinks,budget", [(1, 14), (0, 10), (2, 25)])
+def test_tempcache_budget_keeps_the_most_recently_merged_slots(sinks, budget):
+    """With a slot budget (no window), the sink frames' slots stay and, of the others, the `budget` slots whose
+    newest member is most recent (ties: the later first member): the reference's slots (no eviction) ranked by
+    hand. A budget of at least a frame never evicts a merge target (the previous frame's slots rank first)."""
+    rng = np.random.default_rng(20 + budget)
+    k, v = _frames(rng, 9, 10, 8, noise=0.2)
+    n, T = k.shape[:2]
+    c = _write_slotcache(k, v, "aligned", 0.9, sinks, budget=budget)
+    ref = _reference(k, v, "aligned", 0.9, sinks)
+    live = np.flatnonzero(ref.live)
+    newest = ref.pos[live] // T
+    first = np.array([np.flatnonzero(ref.token_slot[:n * T] == s)[0] for s in live])
+    other = sorted(zip(newest[newest >= sinks], first[newest >= sinks]), reverse=True)[:budget]
+    want = sorted(first[newest < sinks].tolist() + [f for _, f in other])
+    got = sorted(int(sid) for sid, cnt in zip(c.sid[0].tolist(), c.count[0].tolist()) if cnt > 0)
+    assert got == want
+    assert int(c.live.sum()) == sinks * T + min(budget, int((newest >= sinks).sum()))
+    assert int((newest >= sinks).sum()) > budget  # the budget did evict
+    for i in range(c.count.shape[1]):  # the kept slots are the reference's (count, key, mean value)
+        if c.count[0, i] > 0:
+            slot = int(ref.token_slot[int(c.sid[0, i])])
+            assert c.count[0, i] == ref.count[slot]
+            np.testing.assert_allclose(c.v[0, i].numpy(), ref.v[slot], atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["lsh", "quant"])
@@ -353,6 +381,7 @@ def test_stream_cli_records_modes(tmp_path, capsys):
     (["--fastcar-tau", "1", "--fastcar-ratio", "0.5"], "not both"),
     (["--lsh-bits", "17"], "--lsh-bits must be in 1..16"),
     (["--tempcache", "aligned", "--ann-tables", "0"], "--ann-tables must be in 1..64"),
+    (["--tempcache-budget", "14"], "give --tempcache too"),
 ])
 def test_stream_cli_bad_modes(tmp_path, capsys, argv, words):
     try:

@@ -194,6 +194,20 @@ class SlotCache:
         for f in [f for f in self.token_sid if f not in hold_tokens_of]:
             del self.token_sid[f]
 
+    def evict_budget(self, slots: int, sinks: int) -> None:
+        """TempCache's budget: keep at most `slots` live slots per group besides the sink frames' own, those
+        whose newest member is most recent (ties: the later created); the rest leave the cache."""
+        other = self.live & (self.frame >= sinks)
+        if self.count.shape[1] == 0 or int(other.sum(1).max()) <= slots:
+            return
+        key = torch.where(other, self.frame * (1 << 32) + self.sid, torch.full_like(self.sid, -1))
+        rank = torch.argsort(torch.argsort(key, dim=1, descending=True, stable=True), dim=1)
+        gone = other & (rank >= slots)
+        self.count = torch.where(gone, 0, self.count)
+        self.sid = torch.where(gone, DEAD, self.sid)
+        self.frame = torch.where(gone, -1, self.frame)
+        self.compact()
+
     def compact(self) -> None:
         """Live slots to the front, in id order; trim the padding to the fullest group."""
         if bool(self.live.all()):  # nothing merged or evicted: already in order (new slots are appended)
@@ -415,6 +429,8 @@ class FastARState:
         hold = set(self.shadow.resident) if self.shadow is not None else {self.written - 1}
         for i, c in enumerate(self.layers):
             c.evict(keep, hold)
+            if s.tempcache_budget:
+                c.evict_budget(s.tempcache_budget * T, self.sinks)
             st = rt.stats[i]
             st.resident_slots = int(c.live.sum())
             st.dense_slots = c.G * T * len(self.resident)

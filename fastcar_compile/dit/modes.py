@@ -27,6 +27,11 @@ DIT_OPTIONS: tuple[Option, ...] = (
            "--tempcache", choices=TEMPCACHE_MODES, group=GROUP),
     Option("tempcache_sim", float, 0.9, "TempCache's cosine threshold (default 0.9, the paper's)", "--tempcache-sim",
            metavar="SIM", lo=-1.0, hi=1.0, meaning="a cosine", group=GROUP),
+    Option("tempcache_budget", int, 0, "TempCache's slot budget: per row and head at most FRAMES frames' worth of "
+           "slots besides the sink frames; when a write exceeds it, the slots whose newest member is oldest leave "
+           "first (a slot that keeps merging stays). With --window 0 the merges alone leave the cache growing "
+           "with every new token; the budget holds it flat (0: none, default)", "--tempcache-budget",
+           metavar="FRAMES", lo=0, hi=1 << 20, meaning="frames of slots", group=GROUP),
     Option("annsa", str | None, None, "AnnSA: the chunk's queries attend only to cached slots sharing a bucket "
            "(any table), plus the sink frames, the --annsa-local most recent frames and the chunk itself; "
            "computed block-sparse, bucket by bucket", "--annsa", choices=BUCKETINGS, group=GROUP),
@@ -70,6 +75,8 @@ def settings(**values: Any) -> Any:
     s = FastARSettings(**out)
     if s.quant_dirs not in INT8_DIRS:
         raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {s.quant_dirs}")
+    if s.tempcache_budget and s.tempcache is None:
+        raise FastCarError("--tempcache-budget bounds TempCache's slots: give --tempcache too")
     if s.fastcar_tau is not None and s.fastcar_ratio is not None:
         raise FastCarError("give --fastcar-tau or --fastcar-ratio, not both")
     return s
