@@ -133,9 +133,9 @@ def test_tempcache_budget_keeps_the_most_recently_merged_slots(sinks, budget):
     live = np.flatnonzero(ref.live)
     newest = ref.pos[live] // T
     first = np.array([np.flatnonzero(ref.token_slot[:n * T] == s)[0] for s in live])
-    other = sorted(zip(newest[newest >= sinks], first[newest >= sinks]), reverse=True)[:budget]
+    other = sorted(zip(newest[newest >= sinks], first[newest >= sinks], strict=True), reverse=True)[:budget]
     want = sorted(first[newest < sinks].tolist() + [f for _, f in other])
-    got = sorted(int(sid) for sid, cnt in zip(c.sid[0].tolist(), c.count[0].tolist()) if cnt > 0)
+    got = sorted(int(sid) for sid, cnt in zip(c.sid[0].tolist(), c.count[0].tolist(), strict=True) if cnt > 0)
     assert got == want
     assert int(c.live.sum()) == sinks * T + min(budget, int((newest >= sinks).sum()))
     assert int((newest >= sinks).sum()) > budget  # the budget did evict
