@@ -373,32 +373,41 @@ def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
     cfg = model.cfg
     guided = settings.cfg_scale != 1.0
     cross = model.text_kv(prompt_rows(cfg, text, guided, settings.seed))
-    rows = cross[0].shape[0]
     # a backend with its own cache (a compiled graph's ring, the FAST-AR runtime of dit/fastar.py) makes it
     new_cache = getattr(model, "new_cache", FrameCache)
     cache = new_cache(cfg.layers, cfg.tokens_per_frame,
                       cfg.sink_frames if settings.sink_frames is None else settings.sink_frames,
                       cfg.window_frames if settings.window_frames is None else settings.window_frames)
     rng = np.random.default_rng(settings.seed)
+    for start in range(0, settings.frames, cfg.chunk_frames):
+        yield generate_chunk(model, settings, start, cache, cross, rng)
+
+
+def generate_chunk(model, settings: StreamSettings, start: int, cache, cross: list[np.ndarray],
+                   rng: np.random.Generator) -> ChunkResult:
+    """One chunk of the rollout at frame `start` over `cache` (which then holds its K/V): the denoising steps
+    from the rng's noise, then the clean pass whose K/V are written. `cross`: the prompt rows' K/V (text_kv)."""
+    cfg = model.cfg
+    rows = cross[0].shape[0]
+    guided = settings.cfg_scale != 1.0
     f = cfg.chunk_frames
     shape = (1, cfg.in_channels, f, cfg.latent_h, cfg.latent_w)
-    for start in range(0, settings.frames, f):
-        t0 = time.perf_counter()
-        past = cache.past(rows, cfg.heads, cfg.head_dim)
-        x = rng.standard_normal(shape).astype(np.float32)
-        x0 = x
-        for i, t in enumerate(settings.steps):
-            v = model.step(np.repeat(x, rows, 0), np.full((rows, f), t, np.float32), start, past, cross)[0]
-            v = v[:1] + settings.cfg_scale * (v[:1] - v[1:]) if guided else v
-            sigma = t / 1000.0
-            x0 = x - sigma * v
-            if i + 1 < len(settings.steps):
-                nxt = settings.steps[i + 1] / 1000.0
-                x = ((1 - nxt) * x0 + nxt * rng.standard_normal(shape)).astype(np.float32)
-        x0 = x0.astype(np.float32)
-        out = model.step(np.repeat(x0, rows, 0), np.zeros((rows, f), np.float32), start, past, cross)
-        cache.write(start, out[1:])
-        yield ChunkResult(start, x0[0], time.perf_counter() - t0, cache.resident, cache.nbytes)
+    t0 = time.perf_counter()
+    past = cache.past(rows, cfg.heads, cfg.head_dim)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x0 = x
+    for i, t in enumerate(settings.steps):
+        v = model.step(np.repeat(x, rows, 0), np.full((rows, f), t, np.float32), start, past, cross)[0]
+        v = v[:1] + settings.cfg_scale * (v[:1] - v[1:]) if guided else v
+        sigma = t / 1000.0
+        x0 = x - sigma * v
+        if i + 1 < len(settings.steps):
+            nxt = settings.steps[i + 1] / 1000.0
+            x = ((1 - nxt) * x0 + nxt * rng.standard_normal(shape)).astype(np.float32)
+    x0 = x0.astype(np.float32)
+    out = model.step(np.repeat(x0, rows, 0), np.zeros((rows, f), np.float32), start, past, cross)
+    cache.write(start, out[1:])
+    return ChunkResult(start, x0[0], time.perf_counter() - t0, cache.resident, cache.nbytes)
 
 
 def rss_mib() -> float:
