@@ -106,6 +106,11 @@ def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[
     loaded, in_path = load(model)
     if _dit().is_dit_step(loaded):  # a video DiT's step graph (export --dit): its own rewrite
         return _dit().compile_dit(loaded, out_path, source=in_path, **options)
+    for name in declared.DIT_ONLY:
+        if name in options and options[name] != declared.BY_NAME[name].default:
+            flag = declared.BY_NAME[name].flag
+            raise FastCarError(f"{flag} applies to video DiT step graphs (fastcar-compile export --dit) only; "
+                               f"leave {flag} out")
     genai_config = _genai_config(opts.genai, in_path, out_path)
     staging = Staging(out_path, source=in_path) if out_path is not None else None
     if staging is not None:

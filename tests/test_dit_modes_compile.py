@@ -66,7 +66,7 @@ def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_expor
     path = _compile(dit_tiny_export, tmp_path, "0.25")
     m = onnx.load(str(path))
     meta = {p.key: p.value for p in m.metadata_props}
-    assert json.loads(meta[MODES_KEY]) == {"threshold": 0.25, "tempcache": None}
+    assert json.loads(meta[MODES_KEY]) == {"threshold": 0.25, "tempcache": None, "annca": None}
     ins, outs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
     for i in range(CFG.layers):
         (a, b), (c, d), mask = replay_io(i)
@@ -83,7 +83,7 @@ def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_expor
 
 def test_dense_compile_records_no_mode(dit_tiny_export, tmp_path):
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, "inf"))
-    assert fast.tau is None and fast.sim is None and fast.modes == {"threshold": None, "tempcache": None}
+    assert fast.tau is None and fast.sim is None and fast.modes == {"threshold": None, "tempcache": None, "annca": None}
 
 
 @pytest.mark.parametrize("sim, tau, window", [("0.3", "inf", None), ("0.3", "inf", 0), ("0.2", "0", 2),

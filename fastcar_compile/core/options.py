@@ -40,6 +40,9 @@ VALUE, SWITCH, ON_OFF, NEGATE, TRISTATE, REPEAT, OPTIONAL = "value", "switch", "
     "repeat", "optional"
 EVICTION_POLICIES = ("mass", "oldest", "mean")  # which slot leaves a full compressed KV cache (fastar/cache.py)
 KV_GROUP = "compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)"
+DIT_GROUP = "FAST-AR on video DiTs (compiled into a step graph, or the stream runtime; docs/dit.md)"
+DIT_ONLY = ("annca", "lsh_bits", "quant_dirs", "ann_tables", "ann_seed")  # options of DiT step graphs alone
+MAX_ANN_TABLES = 64
 
 
 class NotANumber(ValueError, argparse.ArgumentTypeError):
@@ -217,6 +220,19 @@ OPTIONS: tuple[Option, ...] = (
            "1-3:budget=4100,window=64,tempcache=0.95 (TempCache where it reads by content), 2:off (uncompressed); settings: "
            "budget, sinks, window, eviction, tempcache, sparse (lsh:BxT, int8:DxT), prune (P)", "--kv-layer",
            cli=REPEAT, metavar="LAYERS:SETTINGS", convert=_kv_layers, group=KV_GROUP),
+    # FAST-AR on a video DiT: compiled into its step graph (dit/compile.py) and run by the eager stream runtime
+    # (dit/modes.DIT_OPTIONS holds these same entries): one declaration for both.
+    Option("annca", bool, False, "AnnCA: per frame, a prompt token is kept in the cross-attention only if a query "
+           "of that frame shares a bucket with it (--annsa's bucketing, lsh without it); DiT step graphs only",
+           "--annca", cli=SWITCH, group=DIT_GROUP),
+    Option("lsh_bits", int, 4, "sign bits per LSH table (default 4)", "--lsh-bits", metavar="BITS", lo=1, hi=16,
+           meaning="bits per table", group=DIT_GROUP),
+    Option("quant_dirs", int, 2, "int8-quantised directions per 'quant' table (1/2/4/8; default 2: 16 x 16 "
+           "levels)", "--quant-dirs", metavar="DIRS", lo=1, hi=8, meaning="directions per table", group=DIT_GROUP),
+    Option("ann_tables", int, 2, "bucket tables of AnnSA / AnnCA / TempCache's ANN match (default 2)",
+           "--ann-tables", metavar="T", lo=1, hi=MAX_ANN_TABLES, meaning="tables", group=DIT_GROUP),
+    Option("ann_seed", int, 0, "seed of the bucket projections", "--ann-seed", metavar="SEED", lo=0, hi=2**32 - 1,
+           meaning="a seed", group=DIT_GROUP),
     Option("genai", bool | None, None, "name the state for onnxruntime-genai's generator and write "
            "genai_config.json beside the output (default: when the input sits beside one)", "--genai", cli=TRISTATE,
            convert=lambda v: v if v is None else bool(v)),

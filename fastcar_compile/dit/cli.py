@@ -208,7 +208,8 @@ def stream_main(argv: list[str]) -> int:
                             "totals": totals(model.stats), "layers": model.layer_summary()}
     elif any(v is not None for v in getattr(model, "modes", {}).values()):  # compiled in (the graph's metadata)
         result["compiled_modes"] = {**model.modes, "replay_ratio": model.replayed[0] / max(model.replayed[1], 1),
-                                    "merge_ratio": model.cache.merges[0] / max(model.cache.merges[1], 1)}
+                                    "merge_ratio": model.cache.merges[0] / max(model.cache.merges[1], 1),
+                                    "cross_density": model.cross_pairs[0] / max(model.cross_pairs[1], 1)}
     with staged_dir(out) as tmp:
         write_outputs(tmp, result, model_path)
     fps = 1000 / (sum(result["frame_ms"]) / len(result["frame_ms"]))
@@ -224,6 +225,9 @@ def stream_main(argv: list[str]) -> int:
         if model.sim is not None:
             print(f"TempCache compiled in (SIM {model.sim:g}): {100 * done['merge_ratio']:.1f}% of the written "
                   "keys merged")
+        if model.annca is not None:
+            print(f"AnnCA compiled in ({model.annca['kind']} buckets x {model.annca['ann_tables']} tables): "
+                  f"{100 * done['cross_density']:.1f}% of the query x prompt pairs executed")
     return 0
 
 

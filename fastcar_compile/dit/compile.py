@@ -15,7 +15,8 @@ stay the `present.N.*` outputs, which the runtime writes into the ring after the
 chunk's bytes only). Keys are stored rotated at their absolute positions and attention is a sum over the
 keys, so their order in the buffer does not matter. `--threshold TAU` adds FastCar's FFN replay on every
 block (dit/replay.py); `--tempcache SIM` adds each slot's log(count) (`past_bias.N`) to the cache's scores and
-outputs the pre-RoPE keys (`present_pre.N.key`) for the runtime's aligned merge at write time (stream.RingCache).
+outputs the pre-RoPE keys (`present_pre.N.key`) for the runtime's aligned merge at write time (stream.RingCache);
+`--annca` keeps, per frame, the prompt tokens sharing a bucket with a query of the frame (dit/annca_graph.py).
 FAST-AR's other compressed caches are not compiled for DiT blocks yet: asked for, they are refused in one line.
 The modes compiled in are recorded in the metadata (config.MODES_KEY) for the runtime.
 """
@@ -34,6 +35,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.dit.annca_graph import ANNCA_OP, add_annca
 from fastcar_compile.dit.config import (
     CACHE_FORM_KEY,
     CACHE_IN_PLACE,
@@ -45,6 +47,7 @@ from fastcar_compile.dit.config import (
 )
 from fastcar_compile.dit.discover import DiTBlockMatch, SelfAttention, discover
 from fastcar_compile.dit.replay import REPLAY_OP, add_replay
+from fastcar_compile.fastar.config import INT8_DIRS
 from fastcar_compile.passes.build import Builder, const
 from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 from fastcar_compile.passes.plan import DiTBlockPlan, KvPlan, Plan
@@ -57,7 +60,7 @@ IN_PLACE_KV = "dense, read in place (the runtime's buffers: sink frames + a ring
 _REPLAY_OPTIONS = ("tas_query", "max_replay", "per_layer_threshold", "emit_diagnostics", "required_video_inputs")  # refused
 _KV_OPTIONS = ("kv_budget", "kv_sinks", "kv_window", "kv_eviction", "sparse_attention", "prune_prompt",
                "kv_diagnostics", "kv_layers")
-_IGNORED = ("frame_tokens", "threshold", "tempcache", "validate")  # checked on their own below
+_IGNORED = ("frame_tokens", "threshold", "tempcache", "validate", *options.DIT_ONLY)  # checked on their own below
 
 
 def is_dit_step(model: ir.Model) -> bool:
@@ -95,7 +98,7 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], dict]:
         raise FastCarError(f"--frame-tokens {given}: this DiT has {frame_tokens} tokens per latent frame (its "
                            "config); leave --frame-tokens out")
     sim = opts.get("tempcache")
-    modes = {"threshold": None, "tempcache": None if sim is None else float(sim)}
+    modes = {"threshold": None, "tempcache": None if sim is None else float(sim), "annca": annca_mode(opts)}
     taus = [float(t) for t in np.atleast_1d(opts.get("threshold", (np.inf,)))]
     default = tuple(by_name["threshold"].default)
     if tuple(taus) == default:
@@ -108,7 +111,30 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], dict]:
     return notes, modes
 
 
-def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None, sim: float | None = None) -> Plan:
+def annca_mode(opts: dict) -> dict | None:
+    """What the metadata records of `--annca` (None: off): its buckets, as the eager runtime draws them
+    (dit/fastar.FastARDiT: --annsa's bucketing, lsh without it)."""
+    if not opts.get("annca"):
+        return None
+    by_name = options.BY_NAME
+    mode = {"kind": opts.get("annsa") or "lsh"}
+    mode |= {k: by_name[k].check(opts.get(k, by_name[k].default)) for k in ("lsh_bits", "quant_dirs", "ann_tables",
+                                                                            "ann_seed")}
+    if mode["quant_dirs"] not in INT8_DIRS:
+        raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {mode['quant_dirs']}")
+    return mode
+
+
+def annca_hasher(mode: dict, head_dim: int):
+    """The bucketing `annca_mode` recorded (the eager runtime's, dit/sparse.make_hasher)."""
+    from fastcar_compile.dit.sparse import make_hasher
+
+    return make_hasher(mode["kind"], head_dim, mode["lsh_bits"], mode["quant_dirs"], mode["ann_tables"],
+                       mode["ann_seed"])
+
+
+def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None, sim: float | None = None,
+         annca: dict | None = None) -> Plan:
     """The DiT blocks' plan (passes/plan.py): what discovery found and what the compile builds from it."""
     blocks = []
     for m in matches:
@@ -119,7 +145,8 @@ def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None, 
         blocks.append(DiTBlockPlan(
             m.layer, True, rewrite,
             self_attention=f"Concat(past.{m.layer}.*, chunk) -> MatMul -> Softmax -> MatMul, heads {a.heads}x{a.head_dim}",
-            attention_op=IN_PLACE_OP, rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross, ffn=m.ffn,
+            attention_op=IN_PLACE_OP, rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross if annca is None else
+            f"{m.cross}; AnnCA ({annca['kind']} buckets x {annca['ann_tables']} tables): {ANNCA_OP}", ffn=m.ffn,
             modulation=m.modulation,
             kv=KvPlan(IN_PLACE_KV if sim is None else f"{IN_PLACE_KV}; TempCache aligned at SIM {sim:g} (the runtime "
                       "merges on write, the graph adds log(count) per slot: past_bias.N)"),
@@ -270,10 +297,13 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
                 else "no DiT block found (no past.N.key inputs)")
         raise FastCarError(f"{head}; every block must match, since the cache inputs change for all of them "
                            "(run with --inspect to see each block)")
-    report.plan = plan(matches, rewrite=True, tau=tau, sim=modes["tempcache"]).lines()
+    report.plan = plan(matches, rewrite=True, tau=tau, sim=modes["tempcache"],
+                       annca=modes["annca"]).lines()
     rewrite(loaded, matches, tempcache=modes["tempcache"] is not None)
     if tau is not None:
         add_replay(loaded, matches, cfg, tau)
+    if modes["annca"] is not None:
+        add_annca(loaded, matches, cfg, annca_hasher(modes["annca"], cfg.head_dim))
     loaded.metadata_props[MODES_KEY] = json.dumps(modes)
     for r in report.layers:
         r.rewritten = True

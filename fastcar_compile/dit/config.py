@@ -175,7 +175,8 @@ METADATA_KEY = "fastcar.dit_config"  # the step graph's metadata: the config it 
 TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph beside the step graph
 # The modes compiled into the step graph (dit/compile.py), recorded as JSON under MODES_KEY and read back by
 # stream.OrtDiT: {"threshold": tau or null (FastCar replay, dit/replay.py), "tempcache": SIM or null (TempCache
-# aligned at cache-write time: the runtime merges, the graph adds each slot's log(count), dit/compile.py)}.
+# aligned at cache-write time: the runtime merges, the graph adds each slot's log(count), dit/compile.py),
+# "annca": its buckets {"kind", "lsh_bits", "quant_dirs", "ann_tables", "ann_seed"} or null (dit/annca_graph.py)}.
 MODES_KEY = "fastcar.dit_modes"
 REPLAY_FIRST = "replay_first"  # bool [1]: the chunk's first frame may replay (the runtime holds its predecessor)
 
@@ -196,3 +197,8 @@ def tempcache_io(layer: int) -> tuple[str, str]:
 def tas_name(layer: int) -> str:
     """Block `layer`'s TAS output [B, S] (FastCar compiled in): what `--calibrate-replay` reads."""
     return f"tas.{layer}"
+
+
+def annca_io(layer: int) -> str:
+    """Block `layer`'s AnnCA output [B, heads, F, L] bool (AnnCA compiled in): the prompt tokens each frame kept."""
+    return f"annca.{layer}"

@@ -1,8 +1,9 @@
 """FAST-AR and FastCar settings of the DiT stream, each declared once (options.Option, as the compiler's are).
 
 `FastARSettings` (the runtime's), the `fastcar-compile stream` flags and the record in stream.json all derive
-from `DIT_OPTIONS`, so each can later become a compile option by moving its entry. Defaults are all off:
-the stream is then the dense rollout.
+from `DIT_OPTIONS`, so each can later become a compile option by moving its entry (those already moved,
+e.g. AnnCA's and the bucket tables', are core.options' entries, listed here by reference). Defaults are all
+off: the stream is then the dense rollout.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import dataclasses
 from typing import Any
 
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.options import BY_NAME as SHARED
 from fastcar_compile.core.options import SWITCH, Option
 from fastcar_compile.fastar.config import INT8_DIRS
 
 TEMPCACHE_MODES = ("aligned", "lsh", "quant")  # correspondence: same (h, w) one frame back, or ANN top-1 match
 BUCKETINGS = ("lsh", "quant")  # sign random projections (fastar/lsh.py) or 8-bit quantised ones (fastar/int8.py)
 GROUP = "FAST-AR and FastCar (eager runtime: give a DiT preset or folder; docs/dit.md)"
-MAX_TABLES = 64
 
 DIT_OPTIONS: tuple[Option, ...] = (
     Option("tempcache", str | None, None, "TempCache at cache-write time: a written key merges into its temporal "
@@ -37,16 +38,10 @@ DIT_OPTIONS: tuple[Option, ...] = (
            "computed block-sparse, bucket by bucket", "--annsa", choices=BUCKETINGS, group=GROUP),
     Option("annsa_local", int, 1, "cached frames before the chunk that AnnSA always attends (default 1)",
            "--annsa-local", metavar="FRAMES", lo=0, hi=1 << 20, meaning="frames", group=GROUP),
-    Option("lsh_bits", int, 4, "sign bits per LSH table (default 4)", "--lsh-bits", metavar="BITS", lo=1, hi=16,
-           meaning="bits per table", group=GROUP),
-    Option("quant_dirs", int, 2, f"int8-quantised directions per 'quant' table ({'/'.join(map(str, INT8_DIRS))}; "
-           "default 2: 16 x 16 levels)", "--quant-dirs", metavar="DIRS", lo=1, hi=8, meaning="directions per table",
-           group=GROUP),
-    Option("ann_tables", int, 2, "bucket tables of AnnSA / AnnCA / TempCache's ANN match (default 2)",
-           "--ann-tables", metavar="T", lo=1, hi=MAX_TABLES, meaning="tables", group=GROUP),
-    Option("annca", bool, False, "AnnCA: per frame, a prompt token is kept in the cross-attention only if a query "
-           "of that frame shares a bucket with it (--annsa's bucketing, lsh without it)", "--annca", cli=SWITCH,
-           group=GROUP),
+    SHARED["lsh_bits"],
+    SHARED["quant_dirs"],
+    SHARED["ann_tables"],
+    SHARED["annca"],
     Option("fastcar_tau", float | None, None, "FastCar on DiT blocks: a token's FFN output is replayed from the "
            "same (h, w) one frame earlier at the same denoising step when its TAS (query vs the key one frame "
            "back, mean over heads, / sqrt(d)) exceeds TAU; the other rows alone go through the FFN",
@@ -56,8 +51,7 @@ DIT_OPTIONS: tuple[Option, ...] = (
            meaning="a replay ratio", group=GROUP),
     Option("diagnostics", bool, False, "also attend densely on the side: recall per layer and mode in stream.json "
            "(costs a dense pass and an uncompressed copy of the cache)", "--diagnostics", cli=SWITCH, group=GROUP),
-    Option("ann_seed", int, 0, "seed of the bucket projections", "--ann-seed", metavar="SEED", lo=0, hi=2**32 - 1,
-           meaning="a seed", group=GROUP),
+    SHARED["ann_seed"],
 )
 BY_NAME = {o.name: o for o in DIT_OPTIONS}
 

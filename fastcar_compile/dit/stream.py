@@ -31,6 +31,7 @@ from fastcar_compile.dit.config import (
     REPLAY_FIRST,
     TEXT_GRAPH_KEY,
     DiTConfig,
+    annca_io,
     from_dict,
     past_names,
     replay_io,
@@ -236,6 +237,8 @@ class OrtDiT:
         self.modes = json.loads(meta.get(MODES_KEY, "{}"))  # what the compiler built in (dit/compile.py)
         self.tau = self.modes.get("threshold")
         self.sim = self.modes.get("tempcache")
+        self.annca = self.modes.get("annca")  # its buckets (dict) or None
+        self.cross_pairs = [0, 0]  # query x prompt-token pairs the cross-attention executed, dense pairs (AnnCA)
         self.replayed = [0, 0]  # FFN rows replayed, rows decided (FastCar compiled in), over the session
         self.tas_log: list[np.ndarray] | None = None  # a list: the eligible rows' TAS of every step (calibration)
         if self.in_place:
@@ -291,8 +294,11 @@ class OrtDiT:
             for i, bias in enumerate(cache.bias):
                 io.bind_input(tempcache_io(i)[0], bias)
             out += [io.output_buffer(tempcache_io(i)[1], kv_shape, np.float32) for i in range(n)]
+        kept = [io.output_buffer(annca_io(i), (rows, cfg.heads, f, cross[0].shape[2]), np.bool_)
+                for i in range(n)] if self.annca is not None else []
         if self.tau is None:
             io.run()
+            self._count_cross(kept, latent.shape[0] * cfg.heads * f * cfg.tokens_per_frame * cross[0].shape[2])
             return out
         key = tuple(np.asarray(timestep)[0].tolist())
         prev = cache.replay.get(key)
@@ -307,6 +313,7 @@ class OrtDiT:
             masks.append(io.output_buffer(mask, (rows, f * cfg.tokens_per_frame), np.bool_))
         scores = [io.output_buffer(tas_name(i), (rows, f * cfg.tokens_per_frame), np.float32) for i in range(n)]
         io.run()
+        self._count_cross(kept, latent.shape[0] * cfg.heads * f * cfg.tokens_per_frame * cross[0].shape[2])
         if self.tas_log is not None:  # eligible: past the chunk's first frame, or that frame's predecessor held
             first = cfg.tokens_per_frame * (0 if prev is not None and frame_start >= 1 else 1)
             self.tas_log += [t[:, first:].astype(np.float64).ravel() for t in scores]
@@ -314,6 +321,13 @@ class OrtDiT:
         self.replayed[0] += sum(int(m.sum()) for m in masks)
         self.replayed[1] += sum(m.size for m in masks)
         return out
+
+
+    def _count_cross(self, kept: list[np.ndarray], dense: int) -> None:
+        """AnnCA's executed pairs: each frame's queries times the prompt tokens it kept (`annca.N`)."""
+        if kept:
+            self.cross_pairs[0] += sum(int(k.sum()) for k in kept) * self.cfg.tokens_per_frame
+            self.cross_pairs[1] += dense * len(kept)
 
 
 class TorchDiT:

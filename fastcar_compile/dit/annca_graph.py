@@ -1,0 +1,178 @@
+"""AnnCA compiled into a DiT step graph (`--annca`): per frame of the chunk, a prompt token enters the
+cross-attention only if a query of that frame shares a bucket with it in at least one table, and the frame's
+queries attend to its kept tokens only. The eager runtime's mode (dit/fastar.cross_attend), as graph nodes.
+
+Per block N, on the cross-attention discovery found (dit/discover.py):
+    codes      = the bucket ids [.., tables] of the query and of `cross.N.key` (the reference hashers of
+                 fastar/lsh.py and fastar/int8.py as nodes, in float64 as they compute)
+    occupied   = per (row, head, frame, table) a bitmap over the buckets: ScatterElements of the frame's
+                 query codes (the frame's queries meet the prompt through it, never query by query)
+    kept       = per (row, head, frame) and prompt token: occupied at its code in any table (GatherElements,
+                 ReduceMax); output `annca.N` [B, heads, F, L] (the runtime counts the executed pairs)
+    attention  = per frame, the kept tokens' K/V gathered first (TopK of the mask: kept ones in prompt order,
+                 padded to the frame keeping most, the padding's logit -inf), the frame's queries times them,
+                 softmax, times their values; a frame that keeps nothing attends to nothing (output 0)
+The export's own scores / softmax / context nodes of the cross-attention are then unused and removed.
+
+ONNX ops rather than an ai.fastcar kernel: the selection is a handful of small tensors per block (codes,
+a bitmap of at most 256 buckets per frame and table, the mask), and the gathered attention is two batched
+MatMuls that ONNX Runtime's MLAS runs as fast as the dense ones; docs/dit.md has the measured costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from fastcar_compile.core import contract
+from fastcar_compile.dit.config import DiTConfig, annca_io
+from fastcar_compile.dit.discover import DiTBlockMatch, _attention_chain, _scalar
+from fastcar_compile.fastar.buckets import Buckets
+from fastcar_compile.fastar.int8 import SCALE, Int8Buckets
+from fastcar_compile.fastar.lsh import SignLSH
+from fastcar_compile.passes.build import Builder, const
+
+ANNCA_OP = "per frame, prompt tokens sharing a bucket with a query of the frame (bucket bitmap, no query x " \
+    "prompt map) gathered, attention over them only"
+_DOUBLE = ir.DataType.DOUBLE
+
+
+def n_buckets(hasher: Buckets) -> int:
+    """How many bucket ids a table of `hasher` has (the bitmap's size)."""
+    return 1 << hasher.bits if isinstance(hasher, SignLSH) else 256
+
+
+def bucket_codes(graph: ir.Graph, b: Builder, x: ir.Value, hasher: Buckets, tag: str) -> ir.Value:
+    """Nodes computing hasher.codes(x): bucket ids [..., tables] (int64) of x [..., d], in float64."""
+    t = hasher.tables
+
+    def c(name: str, array) -> ir.Value:
+        return const(graph, f"fastcar.dit.annca.{tag}.{name}", np.asarray(array))
+
+    xd = b("Cast", [x], {"to": _DOUBLE}, part="annca")
+    planes = hasher.planes.reshape(t * hasher.planes.shape[1], -1).T.astype(np.float64)  # [d, tables * n]
+    if isinstance(hasher, SignLSH):
+        bits = hasher.bits
+        proj = b("MatMul", [xd, c("planes", planes)], part="annca")
+        signs = b("Cast", [b("Greater", [proj, c("zero", np.float64(0))], part="annca")], {"to": _DOUBLE},
+                  part="annca")
+        pack = np.zeros((t * bits, t))
+        for i in range(t):
+            pack[i * bits:(i + 1) * bits, i] = 1 << np.arange(bits)
+    elif isinstance(hasher, Int8Buckets):
+        dirs, bits = hasher.dirs, hasher.bits
+        norm = b("Sqrt", [b("ReduceSum", [b("Mul", [xd, xd], part="annca"), c("last", np.array([-1], np.int64))],
+                            {"keepdims": 1}, part="annca")], part="annca")
+        unit = b("Div", [xd, b("Max", [norm, c("tiny", np.float64(1e-300))], part="annca")], part="annca")
+        y = b("Mul", [c("sqrt_dim", np.float64(math.sqrt(hasher.dim))),
+                      b("MatMul", [unit, c("planes", planes)], part="annca")], part="annca")
+        code = b("Clip", [b("Floor", [b("Mul", [c("scale", np.float64(SCALE)), y], part="annca")], part="annca"),
+                          c("lo", np.float64(-128)), c("hi", np.float64(127))], part="annca")
+        top = b("Floor", [b("Div", [code, c("step", np.float64(1 << (8 - bits)))], part="annca")], part="annca")
+        signs = b("Add", [top, c("offset", np.float64(1 << (bits - 1)))], part="annca")
+        pack = np.zeros((t * dirs, t))
+        for i in range(t):
+            pack[i * dirs:(i + 1) * dirs, i] = 1 << (bits * np.arange(dirs))
+    else:
+        raise TypeError(f"no graph form of {type(hasher).__name__}")
+    return b("Cast", [b("MatMul", [signs, c("pack", pack)], part="annca")], {"to": ir.DataType.INT64}, part="annca")
+
+
+def annca_attention(graph: ir.Graph, b: Builder, query: ir.Value, scaled: ir.Value, ckey: ir.Value,
+                    cvalue: ir.Value, frames: int, head_dim: int, hasher: Buckets) -> tuple[ir.Value, ir.Value]:
+    """AnnCA of `query` [B, H, F*T, d] (bucketed) over the prompt `ckey`, `cvalue` [B, H, L, d]; `scaled` is the
+    query as the scores read it (times every scale the export applied to either side). Returns (context
+    [B, H, F*T, d], kept [B, H, F, L] bool)."""
+    t = hasher.tables
+
+    def c(name: str, array) -> ir.Value:
+        return const(graph, f"fastcar.dit.annca.{name}", np.asarray(array))
+
+    def n(op, inputs, attrs=None, **kw):
+        return b(op, inputs, attrs, part="annca", **kw)
+
+    i64 = np.int64
+    qshape, kshape = n("Shape", [query]), n("Shape", [ckey])
+    rows_heads = n("Slice", [qshape, c("zero", np.array([0], i64)), c("two", np.array([2], i64))])  # [B, H]
+    prompt = n("Slice", [kshape, c("two", np.array([2], i64)), c("three", np.array([3], i64))])  # [L]
+    # the frame's query codes, as a bitmap over the buckets per (row, head, frame, table)
+    qc = n("Transpose", [n("Reshape", [bucket_codes(graph, b, query, hasher, "q"),
+                                       c("frames_codes", np.array([0, 0, frames, -1, t], i64))])],
+           {"perm": [0, 1, 2, 4, 3]})  # [B, H, F, tables, T]
+    occ_shape = n("Concat", [rows_heads, c("frames_tables_buckets", np.array([frames, t, n_buckets(hasher)], i64))],
+                  {"axis": 0})
+    empty = n("ConstantOfShape", [occ_shape], {"value": ir.tensor(np.zeros(1, np.float32))})
+    ones = n("ConstantOfShape", [n("Shape", [qc])], {"value": ir.tensor(np.ones(1, np.float32))})
+    occupied = n("ScatterElements", [empty, qc, ones], {"axis": -1})  # duplicates all write 1
+    # each prompt token's codes looked up in its frame's bitmap: kept when occupied in any table
+    kc = n("Unsqueeze", [n("Transpose", [bucket_codes(graph, b, ckey, hasher, "k")], {"perm": [0, 1, 3, 2]}),
+                         c("axis2", np.array([2], i64))])  # [B, H, 1, tables, L]
+    kc = n("Expand", [kc, n("Concat", [rows_heads, c("frames_tables", np.array([frames, t], i64)), prompt],
+                            {"axis": 0})])
+    keptf = n("ReduceMax", [n("GatherElements", [occupied, kc], {"axis": -1}), c("axis3", np.array([3], i64))],
+              {"keepdims": 0})  # [B, H, F, L] 1.0 / 0.0
+    kept = n("Cast", [keptf], {"to": ir.DataType.BOOL})
+    # the kept tokens first, in prompt order (TopK of kept * (L + 1) - position), padded to the largest frame
+    count = n("ReduceSum", [keptf, c("last", np.array([-1], i64))], {"keepdims": 0})  # [B, H, F]
+    widest = n("Reshape", [n("Cast", [n("Max", [n("ReduceMax", [count], {"keepdims": 0}), c("one_f", np.float32(1))])],
+                                {"to": ir.DataType.INT64}), c("one_dim", np.array([1], i64))])
+    length = n("Cast", [n("Squeeze", [prompt])], {"to": ir.DataType.FLOAT})
+    position = n("Range", [c("zero_f", np.float32(0)), length, c("one_f", np.float32(1))])
+    order = n("Sub", [n("Mul", [keptf, n("Add", [length, c("one_f", np.float32(1))])]), position])
+    first, idx = n("TopK", [order, widest], {"axis": -1, "largest": 1, "sorted": 1}, outputs=2)
+    bias = n("Where", [n("Greater", [first, c("zero_f", np.float32(0))]), c("zero_f", np.float32(0)),
+                       c("minus_inf", np.float32(-np.inf))])  # [B, H, F, n]
+    # flat rows of the prompt's K/V: (row * H + head) * L + token
+    groups = n("ReduceProd", [rows_heads], {"keepdims": 0})
+    base = n("Range", [c("zero_s", np.array(0, i64)), n("Mul", [groups, n("Squeeze", [prompt])]),
+                       n("Squeeze", [prompt])])
+    base = n("Reshape", [base, n("Concat", [rows_heads, c("ones2", np.array([1, 1], i64))], {"axis": 0})])
+    flat_idx = n("Add", [idx, base])  # [B, H, F, n]
+    rows_d = c("rows_d", np.array([-1, head_dim], i64))
+    keys = n("Gather", [n("Reshape", [ckey, rows_d]), flat_idx], {"axis": 0})  # [B, H, F, n, d]
+    values = n("Gather", [n("Reshape", [cvalue, rows_d]), flat_idx], {"axis": 0})
+    qf = n("Reshape", [scaled, c("frames_q", np.array([0, 0, frames, -1, head_dim], i64))])  # [B, H, F, T, d]
+    scores = n("FusedMatMul", [qf, keys], {"transB": 1, "alpha": 1.0}, domain=contract.MS_DOMAIN)
+    scores = n("Add", [scores, n("Unsqueeze", [bias, c("axis3", np.array([3], i64))])])
+    ctx = n("MatMul", [n("Softmax", [scores], {"axis": -1}), values])  # [B, H, F, T, d]
+    some = n("Unsqueeze", [n("Greater", [count, c("zero_f", np.float32(0))]), c("axes34", np.array([3, 4], i64))])
+    ctx = n("Where", [some, ctx, c("zero_f", np.float32(0))])  # a frame keeping nothing: 0, as the eager mode
+    return n("Reshape", [ctx, c("tokens_d", np.array([0, 0, -1, head_dim], i64))]), kept
+
+
+def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, hasher: Buckets) -> None:
+    """AnnCA on every block's cross-attention (module docstring); new outputs `annca.N`."""
+    graph = model.graph
+    model.opset_imports.setdefault(contract.MS_DOMAIN, 1)  # FusedMatMul
+    ins = {v.name: v for v in graph.inputs}
+    ids = itertools.count()
+    for m in matches:
+        ckey, cvalue = ins[f"cross.{m.layer}.key"], ins[f"cross.{m.layer}.value"]
+        scores, _, context, factors = _attention_chain(ckey, cvalue, "cross-attention")
+        scaled = scores.inputs[0]
+        query = scaled  # before its scale factors: the query the eager mode buckets
+        while query.producer() is not None and query.producer().op_type in ("Mul", "Div") \
+                and _scalar(query.producer().inputs[1]):
+            query = query.producer().inputs[0]
+        nodes: list[ir.Node] = []
+        b = Builder(m.layer, nodes, ids)
+        for f in factors:  # the keys' scale, applied to the query instead (the keys are gathered raw)
+            scaled = b("Mul", [scaled, f], part="annca")
+        ctx, kept = annca_attention(graph, b, query, scaled, ckey, cvalue, cfg.chunk_frames, cfg.head_dim, hasher)
+        for node in nodes:  # names of their own: the other modes' builders count from 0 per layer too
+            node.name = node.name.replace("fastcar/", "fastcar/annca/", 1)
+            for v in node.outputs:
+                v.name = v.name.replace("fastcar.", "fastcar.annca.", 1)
+        kept.name = annca_io(m.layer)
+        kept.type, kept.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape(["batch", cfg.heads, cfg.chunk_frames,
+                                                                           "text"])
+        graph.outputs.append(kept)
+        old = context.outputs[0]
+        ctx.shape, ctx.type = old.shape, old.type
+        ir.convenience.replace_all_uses_with(old, ctx)
+        graph.insert_after(context, nodes)
+    RemoveUnusedNodesPass()(model)  # the export's scores, softmax and context of the cross-attention

@@ -1,0 +1,166 @@
+"""`fastcar-compile dit.onnx -o fast.onnx --annca`: AnnCA compiled into the DiT step graph (dit/annca_graph.py),
+recorded in the metadata and read back by the stream runtime. References: the eager stream runtime's AnnCA
+(dit/fastar.FastARDiT, itself checked against NumPy in test_dit_fastar.py) over whole rollouts, and a NumPy
+recomputation of the op (the reference hashers' codes, the kept set per frame by comparing codes, softmax over
+the kept tokens) on random inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+from fastcar_compile.cli import main  # noqa: E402
+from fastcar_compile.dit import modes  # noqa: E402
+from fastcar_compile.dit.config import MODES_KEY, PRESETS, annca_io  # noqa: E402
+from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
+from fastcar_compile.dit.model import build  # noqa: E402
+from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
+from fastcar_compile.fastar.int8 import Int8Buckets  # noqa: E402
+from fastcar_compile.fastar.lsh import SignLSH  # noqa: E402
+
+CFG = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return build(CFG, seed=0)  # the weights `export --dit tiny` drew
+
+
+def _compile(exported: Path, folder: Path, *extra: str) -> Path:
+    out = folder / "fast.onnx"
+    assert main([str(exported), "-o", str(out), "--annca", *extra]) == 0
+    return out
+
+
+@pytest.mark.parametrize("extra, window, eager_kw", [
+    ((), None, {}),
+    (("--lsh-bits", "2", "--ann-tables", "1", "--ann-seed", "5"), 0, {"lsh_bits": 2, "ann_tables": 1, "ann_seed": 5}),
+    (("--threshold", "0"), None, {"fastcar_tau": 0.0}),
+])
+def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, extra, window, eager_kw):
+    """5 chunks (window, growing cache, with FastCar): the compiled rollout == the eager AnnCA rollout within
+    1e-4, with the same executed query x prompt pairs; some pairs dropped, some kept."""
+    fast = OrtDiT(_compile(dit_tiny_export, tmp_path, *extra))
+    assert fast.annca["kind"] == "lsh"  # read back from the metadata
+    settings = StreamSettings(frames=10, seed=3, window_frames=window)
+    ref = FastARDiT(eager, modes.settings(annca=True, **eager_kw))
+    for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
+        assert a.resident == b.resident
+        np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
+    executed, dense = sum(s.ca_executed for s in ref.stats), sum(s.ca_dense for s in ref.stats)
+    assert fast.cross_pairs == [executed, dense] and 0 < executed < dense
+    assert fast.replayed[0] == sum(s.ffn_replayed for s in ref.stats)
+
+
+def _reference(q, k, v, hasher, frames):
+    """NumPy AnnCA: q [G, Q, d] in `frames` frames over k, v [G, L, d]; (output, kept [G, frames, L])."""
+    G, Q, d = q.shape
+    qc, kc = hasher.codes(q), hasher.codes(k)  # [G, Q, T], [G, L, T]
+    per = Q // frames
+    out = np.zeros((G, Q, d))
+    kept = np.zeros((G, frames, k.shape[1]), bool)
+    for g in range(G):
+        for f in range(frames):
+            rows = slice(f * per, (f + 1) * per)
+            keep = (qc[g, rows, None, :] == kc[g, None, :, :]).any(-1).any(0)  # [L]
+            kept[g, f] = keep
+            if keep.any():
+                s = q[g, rows].astype(np.float64) @ k[g, keep].T / np.sqrt(d)
+                p = np.exp(s - s.max(-1, keepdims=True))
+                out[g, rows] = (p / p.sum(-1, keepdims=True)) @ v[g, keep]
+    return out, kept
+
+
+def _op_model(hasher, frames: int, d: int):
+    """A graph of the op alone: query, prompt K/V in; context and kept out (the scale on the query)."""
+    import itertools
+
+    import onnx_ir as ir
+
+    from fastcar_compile.core import contract
+    from fastcar_compile.dit.annca_graph import annca_attention
+    from fastcar_compile.passes.build import Builder, const
+
+    f32 = ir.TensorType(ir.DataType.FLOAT)
+    q, k, v = (ir.Value(name=n, type=f32, shape=ir.Shape(["b", "h", n_, d])) for n, n_ in
+               (("q", "s"), ("k", "l"), ("v", "l")))
+    graph = ir.Graph([q, k, v], [], nodes=[], opset_imports={"": 20, contract.MS_DOMAIN: 1})
+    nodes: list[ir.Node] = []
+    b = Builder(0, nodes, itertools.count())
+    scaled = b("Mul", [q, const(graph, "scale", np.float32(d ** -0.5))])
+    ctx, kept = annca_attention(graph, b, q, scaled, k, v, frames, d, hasher)
+    graph.extend(nodes)
+    ctx.name, kept.name = "ctx", "kept"
+    graph.outputs.extend([ctx, kept])
+    return ir.to_proto(ir.Model(graph, ir_version=10))
+
+
+@pytest.mark.parametrize("kind, bits, tables, prompt", [("lsh", 4, 2, 9), ("lsh", 12, 1, 40), ("quant", 2, 2, 40),
+                                                        ("quant", 1, 3, 7)])
+def test_op_matches_numpy(kind, bits, tables, prompt):
+    """Codes, kept set per frame and the attention over it vs NumPy (some frames keep nothing: output 0)."""
+    rng = np.random.default_rng(bits * 10 + tables)
+    B, H, F, T, d = 2, 3, 3, 5, 8
+    hasher = SignLSH(d, bits, tables, seed=4) if kind == "lsh" else Int8Buckets(d, bits, tables, seed=4)
+    q = rng.standard_normal((B, H, F * T, d)).astype(np.float32)
+    k, v = (rng.standard_normal((B, H, prompt, d)).astype(np.float32) for _ in range(2))
+    sess = ort.InferenceSession(_op_model(hasher, F, d).SerializeToString(), providers=["CPUExecutionProvider"])
+    ctx, kept = sess.run(None, {"q": q, "k": k, "v": v})
+    want, want_kept = _reference(q.reshape(B * H, F * T, d), k.reshape(B * H, prompt, d),
+                                 v.reshape(B * H, prompt, d), hasher, F)
+    np.testing.assert_array_equal(kept.reshape(B * H, F, prompt), want_kept)
+    np.testing.assert_allclose(ctx.reshape(B * H, F * T, d), want, atol=1e-5, rtol=0)
+    assert want_kept.any() and not want_kept.all()
+    if bits == 12:
+        assert (~want_kept.any(-1)).any()  # a frame that kept no token
+
+
+def test_graph_gathers_the_kept_tokens_and_records_the_mode(dit_tiny_export, tmp_path):
+    """The metadata records the buckets; each block outputs its kept mask; the prompt keys reach the
+    cross-attention's product only through a Gather (no product of every query with the whole prompt)."""
+    path = _compile(dit_tiny_export, tmp_path, "--ann-tables", "3")
+    m = onnx.load(str(path))
+    meta = json.loads({p.key: p.value for p in m.metadata_props}[MODES_KEY])
+    assert meta == {"threshold": None, "tempcache": None,
+                    "annca": {"kind": "lsh", "lsh_bits": 4, "quant_dirs": 2, "ann_tables": 3, "ann_seed": 0}}
+    outs = {o.name for o in m.graph.output}
+    assert {annca_io(i) for i in range(CFG.layers)} <= outs
+    producer = {o: n for n in m.graph.node for o in n.output}
+    for i in range(CFG.layers):
+        reads = [n for n in m.graph.node if f"cross.{i}.key" in n.input]
+        assert {n.op_type for n in reads} <= {"Cast", "Reshape", "Shape"}, [n.op_type for n in reads]
+    gathered = [n for n in m.graph.node if n.op_type == "FusedMatMul" and n.input[1] in producer
+                and producer[n.input[1]].op_type == "Gather"]
+    assert len(gathered) == CFG.layers
+
+
+def test_stream_cli_reports_the_compiled_mode(dit_tiny_export, tmp_path, capsys):
+    path = _compile(dit_tiny_export, tmp_path)
+    capsys.readouterr()
+    assert main(["stream", str(path), "--frames", "4", "-o", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "AnnCA compiled in (lsh buckets x 2 tables)" in out
+    done = json.loads((tmp_path / "run" / "stream.json").read_text())["compiled_modes"]
+    assert done["annca"]["kind"] == "lsh" and 0 < done["cross_density"] < 1
+
+
+def test_annca_on_a_decoder_is_refused(tmp_path, capsys):
+    """A graph without the DiT metadata: one line naming the flag, exit 2, nothing written."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])),
+              str(src))
+    assert main([str(src), "-o", str(tmp_path / "o.onnx"), "--frame-tokens", "4", "--annca"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "--annca" in err[0] and "DiT" in err[0]
+    assert not (tmp_path / "o.onnx").exists()
