@@ -147,10 +147,6 @@ class SkipNormFusionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
-        # (the rewriter also types the graph's Constant outputs as it matches; discovery runs next, so a graph
-        # with no norm to fuse is not handed to it)
-        if not any(n.op_type == "SimplifiedLayerNormalization" and n.domain == "" for n in model.graph):
-            return ir.passes.PassResult(model, modified=False)
         count = fuse_skip_rms_normalization(model)
         if count:
             model.opset_imports.setdefault(contract.MS_DOMAIN, 1)

@@ -98,11 +98,11 @@ def _projection_input(core_out: ir.Value) -> ir.Value | None:
     return nxt[0].outputs[0]
 
 
-def _score_scale(score: ir.Node) -> float | None:
+def _score_scale(score: ir.Node) -> tuple[float, ir.Node, list[ir.Value]] | None:
     """The constant factor applied to the scores between the score MatMul and Softmax (the demo's export scales
-    q.K^T after the MatMul), or None when anything but constant scaling, mask Adds/Where and casts lies there
-    (soft-capping, ...): such a core is not fused."""
-    factor, value = 1.0, score.outputs[0]
+    q.K^T after the MatMul), that Softmax and the mask values added or selected on the way, or None when anything
+    but constant scaling, mask Adds/Where and casts lies there (soft-capping, ...): such a core is not fused."""
+    factor, value, masks = 1.0, score.outputs[0], []
     for _ in range(16):
         cons = gu.real_consumers(value)
         if len(cons) != 1:
@@ -110,16 +110,51 @@ def _score_scale(score: ir.Node) -> float | None:
         node = cons[0]
         other = [i for i in node.inputs if i is not None and i is not value]
         if node.op_type == "Softmax":
-            return factor
+            return factor, node, masks
         const = gu.scalar_const(other[0]) if len(other) == 1 else None
         if node.op_type == "Mul" and const is not None:
             factor *= const
         elif node.op_type == "Div" and node.inputs[0] is value and const is not None:
             factor /= const
-        elif node.op_type not in ("Add", "Where", "Cast"):
+        elif node.op_type in ("Add", "Where"):
+            masks.extend(other)
+        elif node.op_type != "Cast":
             return None
         value = node.outputs[0]
     return None
+
+
+def _finite(values: list[ir.Value], limit: int = 400) -> bool:
+    """Whether every float constant the mask values are computed from is finite (a finite-minimum mask), so a
+    query that sees no key still has finite scores and its softmax is no NaN."""
+    nodes = gu.ancestors_until(values, set(), limit=limit)
+    if len(nodes) >= limit:
+        return False
+    tensors = [v.const_value for n in nodes for v in n.inputs if v is not None and v.const_value is not None]
+    tensors += [v.const_value for v in values if v.const_value is not None]
+    tensors += [a.value for n in nodes for a in n.attributes.values() if a.type == ir.AttributeType.TENSOR]
+    return all(np.isfinite(t.numpy()).all() for t in tensors if t.dtype.is_floating_point())
+
+
+def _reads_softmax(core_out: ir.Value, softmax: ir.Node, finite_scores: bool) -> bool:
+    """Whether P.V (the node making `core_out`) reads `softmax`'s probabilities as they are. Casts pass, and so does
+    the exporters' NaN guard Where(IsNaN(p), 0, p) when the scores are finite (it never fires). GPT-NeoX's
+    TorchScript export masks with -inf: there the guard gives a query that sees no key (a left pad) zeros, where
+    the fused op averages every value (what finite-minimum masks make softmax do); such a core is not fused."""
+    pv = core_out.producer()
+    probs = pv.inputs[0] if pv is not None and pv.op_type == "MatMul" else None
+    for _ in range(8):
+        node = probs.producer() if probs is not None else None
+        if node is None or node is softmax:
+            break
+        if node.op_type == "Cast":
+            probs = node.inputs[0]
+        elif node.op_type == "Where" and finite_scores and node.inputs[0].producer() is not None and \
+                node.inputs[0].producer().op_type == "IsNaN" and node.inputs[0].producer().inputs[0] is node.inputs[2]:
+            probs = node.inputs[2]
+        else:
+            return False
+    return probs is not None and probs.producer() is softmax
 
 
 def _plan(m: disc.LayerMatch) -> dict | None:
@@ -144,10 +179,11 @@ def _plan(m: disc.LayerMatch) -> dict | None:
     k_src, k_scale = _scaled_source(score.inputs[kidx], stop=att.present_key)
     if k_src is not att.present_key or q_src is not att.q:
         return None
-    s_scale = _score_scale(score)
+    found = _score_scale(score)
     out_in = _projection_input(att.core_output)
-    if out_in is None or s_scale is None:
+    if out_in is None or found is None or not _reads_softmax(att.core_output, found[1], _finite(found[2])):
         return None
+    s_scale = found[0]
     return {"q": att.q, "k": k_new, "v": v_new, "past_k": past_k, "past_v": past_v, "out": out_in,
             "scale": q_scale * k_scale * s_scale, "present_k": att.present_key, "present_v": att.present_value,
             "heads": att.num_heads, "kv_heads": att.num_kv_heads, "head_dim": att.head_dim}

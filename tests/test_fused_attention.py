@@ -63,6 +63,24 @@ def test_unfused_shapes_are_left_alone(zoo_model, fc_compile, tmp_path):
     assert "GroupQueryAttention" not in [n.op_type for n in onnx.load(str(out)).graph.node]
 
 
+@pytest.mark.parametrize("kind", ["fastcar", "gqa"])
+def test_a_nan_guarded_softmax_is_left_as_exported(zoo_model, fc_compile, tmp_path, kind):
+    """GPT-NeoX's TorchScript export masks with -inf and zeroes the NaN rows of its softmax (Where(IsNaN(p), 0, p)):
+    a left-padded query that sees no key gets zeros, where the fused op averages every value. With its Constant
+    outputs typed (ONNX shape inference), layer 1's core otherwise looks fusable; the compiled model must still give
+    the export's logits at every position, the padded ones included."""
+    src = tmp_path / "typed.onnx"
+    onnx.save(onnx.shape_inference.infer_shapes(onnx.load(str(zoo_model("neox", "torchscript17")))), str(src))
+    out = tmp_path / "fast.onnx"
+    fc_compile(str(src), output=str(out), frame_tokens=L, threshold=float("inf"), fused_attention=kind)
+    rng = np.random.default_rng(2)
+    steps = [rng.integers(0, zoo.VOCAB, (2, 6))] + [rng.integers(0, zoo.VOCAB, (2, 1)) for _ in range(2 * L)]
+    want = ort_driver.decode(src, steps, pad=[0, 2])
+    got = ort_driver.decode(out, steps, pad=[0, 2])
+    for k in range(len(steps)):
+        assert np.abs(got.logits[k] - want.logits[k]).max() <= 1e-5, f"step {k}"
+
+
 def _greedy(sess, prompt: np.ndarray, pad: list[int], n: int) -> tuple[np.ndarray, int]:
     state = sess.new_state(prompt.shape[0])
     mask = (np.arange(prompt.shape[1])[None, :] >= np.array(pad)[:, None]).astype(np.int64)
