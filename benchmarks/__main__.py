@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     ap.add_argument("suites", nargs="*", metavar="SUITE", help=f"one or more of: {', '.join(SUITES)}")
-    ap.add_argument("--size", choices=["default", "quick"], default="default",
-                    help="default: the published size (up to ~15 minutes each on 2 cores); quick: a smoke run")
+    ap.add_argument("--size", choices=["default", "quick", "full"], default="default",
+                    help="default: the published size (up to ~15 minutes each on 2 cores); quick: a smoke run; "
+                    "full: a longer run, for the suites that have one")
     ap.add_argument("--out", type=Path, default=harness.RESULTS, help="results folder (default: results/)")
     ap.add_argument("--list", action="store_true", help="name and describe the suites, then exit")
     ap.add_argument("--retable", action="store_true", help="rebuild table.md and plot.png of the named suites from "
@@ -106,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in a.suites if s not in SUITES]
     if unknown:
         print(f"error: unknown suite {', '.join(unknown)}; choose from {', '.join(SUITES)}", file=sys.stderr)
+        return 2
+    lacking = [s for s in a.suites if not a.retable and a.size not in SUITES[s].sizes]
+    if lacking:
+        print(f"error: suite {lacking[0]} has no size {a.size!r}; it has {', '.join(SUITES[lacking[0]].sizes)}",
+              file=sys.stderr)
         return 2
     for name in a.suites:
         if a.retable:

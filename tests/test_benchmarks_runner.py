@@ -96,3 +96,9 @@ def test_results_hold_default_runs_of_existing_suites():
     assert {name: d["size"] for name, d in folders.items() if d["size"] != "default"} == {}
     index = (ROOT / "results" / "README.md").read_text()
     assert [name for name in folders if f"[{name}]({name}/table.md)" not in index] == []
+
+
+def test_a_size_a_suite_lacks_is_one_line():
+    r = _run("dit-fastar", "--size", "full")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: suite dit-fastar has no size 'full'; it has default, quick"
