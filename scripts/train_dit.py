@@ -4,6 +4,8 @@
     python scripts/train_dit.py --until 100                # stop at step 100 (resume later)
     python scripts/train_dit.py --minutes 60               # stop after an hour of wall time (resume later)
     python scripts/train_dit.py plot                       # training/dit_model/loss.png from the log
+    nice -n 19 python scripts/train_dit.py --init training/dit_model --selfforcing 0.5 --lr 1e-4 \
+        --steps 500 --ckpt ~/.cache/fastcar-compile/dit-selfforcing --out OUT   # continue with own rollouts
 
 Writes a JSON line per step and per evaluation to training/dit_model/train_log.jsonl, checkpoints model +
 optimizer + step to --ckpt every ~5 minutes (atomically) and the fp16 weights (model.safetensors +
@@ -65,6 +67,12 @@ def main() -> None:
     p.add_argument("--until", type=int, default=None, help="stop at this step")
     p.add_argument("--minutes", type=float, default=None, help="stop after this much wall time")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=DiTTrainSettings.lr, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=DiTTrainSettings.warmup, help="warm-up steps")
+    p.add_argument("--selfforcing", type=float, default=0.0, metavar="P",
+                   help="share of batches whose context is the model's own rollout (0: teacher forcing only)")
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from this weights folder (config.json + model.safetensors) when no checkpoint")
     p.add_argument("--ckpt", type=Path, default=CKPT, help=f"checkpoint folder (default {CKPT})")
     p.add_argument("--out", type=Path, default=TRAINING, help="fp16 weights + log folder")
     a = p.parse_args()
@@ -72,8 +80,23 @@ def main() -> None:
     if a.what == "plot":
         plot(log, a.out / "loss.png")
         return
-    s = replace(DiTTrainSettings(), steps=a.steps, seed=a.seed)
-    step = train_dit(s, a.ckpt / "checkpoint.pt", log, until=a.until, export=a.out, minutes=a.minutes)
+    if not 0 <= a.selfforcing <= 1:
+        p.error(f"--selfforcing is a probability in [0, 1], got {a.selfforcing}")
+    init = None
+    if a.init is not None:
+        from fastcar_compile.core.errors import FastCarError
+        from fastcar_compile.dit.config import load_config
+
+        try:
+            cfg, init = load_config(str(a.init))
+        except FastCarError as exc:
+            p.error(str(exc))
+        if cfg != DiTTrainSettings().config or init is None:
+            p.error(f"--init {a.init}: not weights of the pixel DiT's config; give a folder train_dit.py wrote")
+    s = replace(DiTTrainSettings(), steps=a.steps, seed=a.seed, lr=a.lr, warmup=a.warmup,
+                selfforcing_prob=a.selfforcing)
+    step = train_dit(s, a.ckpt / "checkpoint.pt", log, until=a.until, export=a.out, minutes=a.minutes,
+                     init=init)
     print(f"step {step}: weights in {a.out}")
 
 

@@ -13,6 +13,18 @@ pass at t = 0 whose K/V extend the cache of the next chunk; gradients flow throu
 the attention sink; with some probability the later chunks' RoPE positions jump by a random gap, so that the
 distance from the sink frames to a frame hundreds of frames later is one the model has seen.
 
+Why the self-forced batches (`selfforcing_prob`, Self-Forcing's exposure-bias fix without its DMD critic):
+with teacher forcing the model only ever sees real frames as context, so at generation time its own blurry
+frames take it out of distribution and the video drifts. A self-forced batch writes the first
+`sf_real_chunks` real chunks to the cache, then lets the model generate the next k chunks itself, without
+gradients, with the rollout's own sampler (4 steps, CFG, fresh noise per step, the t = 0 pass writing the
+K/V); the loss is the teacher-forced one on the remaining chunks of the real clip over that self-generated
+context. Self-Forcing has no ground truth for its continuation and needs a distribution-matching critic; here
+the real sink chunk fixes the scene and the labels fix the camera, so the real clip's next chunks are the
+continuation the generated ones should have led to: the regression teaches the model to pull a drifting
+context back to the real clip (scheduled sampling over whole rollouts). The other batches stay teacher-forced
+so that the model does not forget the clean-context case.
+
 Why resumable this way: every batch (clip indices, noise, timesteps, prompt drop, gaps) is a pure function of
 (seed, step), so a checkpoint holds the model, the optimizer and the step, and a resumed run reproduces the
 weights of an uninterrupted one.
@@ -84,11 +96,15 @@ class DiTTrainSettings:
     eval_every: int = 50
     eval_clips: int = 8
     checkpoint_seconds: float = 300.0
+    selfforcing_prob: float = 0.0  # batches whose context after the real chunks is the model's own rollout
+    sf_real_chunks: int = 1  # real chunks written to the cache before the self-generated ones (the sink)
+    sf_cfg: float = 2.0  # guidance scale of the self-generated context (the demo's)
     config: DiTConfig = field(default_factory=lambda: DIT_PIXEL_CONFIG)
 
 
 # Settings a resumed run must share with its checkpoint (the data and what the weights mean).
-_RESUME_FIXED = ("batch", "frames", "uncond_prob", "gap_prob", "max_gap", "seed", "config")
+_RESUME_FIXED = ("batch", "frames", "uncond_prob", "gap_prob", "max_gap", "seed", "selfforcing_prob",
+                 "sf_real_chunks", "sf_cfg", "config")
 
 
 def _settings_dict(s: DiTTrainSettings) -> dict:
@@ -97,8 +113,9 @@ def _settings_dict(s: DiTTrainSettings) -> dict:
 
 def check_resumable(saved: dict, s: DiTTrainSettings, ckpt: Path) -> None:
     now = _settings_dict(s)
+    default = _settings_dict(DiTTrainSettings())  # a setting added later: its default is what ran
     for k in _RESUME_FIXED:
-        if saved.get(k) != now[k]:
+        if saved.get(k, default[k]) != now[k]:
             raise FastCarError(f"checkpoint {ckpt} was trained with {k}={saved.get(k)!r}, not {now[k]!r}; resume "
                                "with the same settings or give another --ckpt folder")
 
@@ -110,6 +127,10 @@ class Batch:
     t: np.ndarray  # [B, chunks] timestep of each chunk's noisy pass
     text: np.ndarray  # [B, fields, TEXT_DIM]
     gap: int  # RoPE offset of the chunks after the first (one per batch: the rows share their positions)
+    context: int = 0  # self-generated chunks after the real ones (0: teacher-forced)
+    real: int = 0  # real chunks before the self-generated ones
+    sample_noise: np.ndarray | None = None  # [context, len(STEPS), B, 3, chunk, H, W]: the sampler's noise
+    cfg_scale: float = 1.0  # guidance of the self-generated chunks
 
 
 def make_batch(s: DiTTrainSettings, split: str, index0: int, count: int, rng: np.random.Generator) -> Batch:
@@ -122,7 +143,15 @@ def make_batch(s: DiTTrainSettings, split: str, index0: int, count: int, rng: np
     drop = rng.random(count) < s.uncond_prob
     text = np.stack([text_embeds(None if d else c.labels) for c, d in zip(clips, drop, strict=True)])
     gap = int(rng.integers(0, s.max_gap + 1)) if rng.random() < s.gap_prob else 0
-    return Batch(clean, noise, t, text, gap)
+    b = Batch(clean, noise, t, text, gap)
+    # drawn only when self-forcing is on: a teacher-forced run's batches stay those of the settings without it
+    if s.selfforcing_prob > 0 and rng.random() < s.selfforcing_prob and chunks > s.sf_real_chunks + 1:
+        b.real, b.cfg_scale = s.sf_real_chunks, s.sf_cfg
+        b.context = int(rng.integers(1, chunks - s.sf_real_chunks))  # at least one chunk left for the loss
+        f = s.config.chunk_frames
+        shape = (b.context, len(STEPS), count, clean.shape[1], f, *clean.shape[3:])
+        b.sample_noise = rng.standard_normal(shape).astype(np.float32)
+    return b
 
 
 def batch_for_step(s: DiTTrainSettings, step: int) -> Batch:
@@ -137,21 +166,76 @@ def heldout_batch(s: DiTTrainSettings) -> Batch:
     return b
 
 
+def _start(b: Batch, c: int, f: int):
+    """int64 [1]: the first RoPE frame of chunk c (the chunks after the sink chunk moved by the gap)."""
+    import torch
+
+    return torch.tensor([c * f + (b.gap if c else 0)], dtype=torch.int64)
+
+
+def self_rollout(model, b: Batch) -> tuple[list, np.ndarray]:
+    """The context of a self-forced batch, without gradients: the K/V cache (cond rows, 2*layers tensors
+    [B, heads, (real + context) chunks * T, d]) after writing the b.real real chunks at t = 0 and then the
+    b.context chunks the model generates itself over that cache, as `stream.rollout` generates them (per step
+    x0 = x_t - sigma v, guided v = v_u + s (v_c - v_u), re-noised to the next sigma with the batch's noise; a
+    t = 0 pass on the clean chunk writes its K/V); and the generated frames [B, 3, context * chunk, H, W]."""
+    import torch
+
+    cfg = model.cfg
+    f = cfg.chunk_frames
+    guided = b.cfg_scale != 1.0
+    text = torch.from_numpy(b.text)
+    n = text.shape[0]
+    with torch.no_grad():
+        cross = model.text_kv(torch.cat([text, torch.zeros_like(text)]) if guided else text)
+        rows = 2 * n if guided else n
+        past = [text.new_zeros(rows, cfg.heads, 0, cfg.head_dim) for _ in range(2 * cfg.layers)]
+
+        def write(x0, c):
+            nonlocal past
+            kv = model(x0.repeat(rows // n, 1, 1, 1, 1), torch.zeros(rows, f), _start(b, c, f),
+                       *past, *cross)[1:]
+            past = [torch.cat([p, k], 2) for p, k in zip(past, kv, strict=True)]
+
+        for c in range(b.real):
+            write(torch.from_numpy(b.clean[:, :, c * f:(c + 1) * f]), c)
+        made = []
+        for j in range(b.context):
+            c = b.real + j
+            x = x0 = torch.from_numpy(b.sample_noise[j, 0])
+            for i, t in enumerate(STEPS):
+                v = model(x.repeat(rows // n, 1, 1, 1, 1), torch.full((rows, f), t), _start(b, c, f), *past,
+                          *cross)[0]
+                v = v[:n] + b.cfg_scale * (v[:n] - v[n:]) if guided else v
+                x0 = x - t / 1000.0 * v
+                if i + 1 < len(STEPS):
+                    nxt = STEPS[i + 1] / 1000.0
+                    x = (1 - nxt) * x0 + nxt * torch.from_numpy(b.sample_noise[j, i + 1])
+            write(x0, c)
+            made.append(x0)
+    frames = torch.cat(made, 2).numpy() if made else b.clean[:, :, :0]
+    return [p[:n] for p in past], frames
+
+
 def teacher_forced_loss(model, b: Batch, reduce: bool = True):
     """Mean squared error of the flow velocity over every chunk, each denoised over the K/V of the clean chunks
-    before it (written at t = 0, as the rollout writes them). Returns the mean, or per chunk [chunks]."""
+    before it (written at t = 0, as the rollout writes them). A self-forced batch (b.context > 0): over the
+    chunks after its self-generated context (`self_rollout`), the cache starting as that context's. Returns
+    the mean, or per chunk [chunks scored]."""
     import torch
 
     cfg = model.cfg
     f = cfg.chunk_frames
     clean, noise = torch.from_numpy(b.clean), torch.from_numpy(b.noise)
-    cross = model.text_kv(torch.from_numpy(b.text))
     rows = clean.shape[0]
-    past = [clean.new_zeros(rows, cfg.heads, 0, cfg.head_dim) for _ in range(2 * cfg.layers)]
+    first = b.real + b.context if b.context else 0
+    past = (self_rollout(model, b)[0] if b.context else
+            [clean.new_zeros(rows, cfg.heads, 0, cfg.head_dim) for _ in range(2 * cfg.layers)])
+    cross = model.text_kv(torch.from_numpy(b.text))
     losses = []
-    for c in range(clean.shape[2] // f):
+    for c in range(first, clean.shape[2] // f):
         sl = slice(c * f, (c + 1) * f)
-        start = torch.tensor([c * f + (b.gap if c else 0)], dtype=torch.int64)
+        start = _start(b, c, f)
         t = torch.from_numpy(b.t[:, c])
         sigma = (t / 1000.0)[:, None, None, None, None]
         x0, eps = clean[:, :, sl], noise[:, :, sl]
@@ -203,8 +287,9 @@ def new_model_and_optimizer(s: DiTTrainSettings):
 
 
 def train_dit(s: DiTTrainSettings, ckpt: Path, log_path: Path, until: int | None = None,
-              export: Path | None = None, minutes: float | None = None) -> int:
-    """Train from ckpt (when it exists) up to step `until` (default s.steps) or for `minutes` of wall time;
+              export: Path | None = None, minutes: float | None = None, init: Path | None = None) -> int:
+    """Train from ckpt (when it exists; else from the weights file `init`, when given, with a fresh optimizer)
+    up to step `until` (default s.steps) or for `minutes` of wall time;
     a JSON line per step and per evaluation to log_path; checkpoint (and fp16 export) every
     s.checkpoint_seconds and at the end. Returns the step reached."""
     import torch
@@ -218,6 +303,10 @@ def train_dit(s: DiTTrainSettings, ckpt: Path, log_path: Path, until: int | None
         model.load_state_dict(blob["model"])
         opt.load_state_dict(blob["optimizer"])
         step = int(blob["step"])
+    elif init is not None:
+        from fastcar_compile.dit.model import build
+
+        model.load_state_dict(build(s.config, init).state_dict())
     until = s.steps if until is None else min(until, s.steps)
     held = heldout_batch(s)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -228,7 +317,8 @@ def train_dit(s: DiTTrainSettings, ckpt: Path, log_path: Path, until: int | None
 
     log({"event": "start", "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
          "torch_threads": torch.get_num_threads(), "nice": os.nice(0),
-         "params": sum(p.numel() for p in model.parameters()), "settings": _settings_dict(s)})
+         "params": sum(p.numel() for p in model.parameters()), "settings": _settings_dict(s),
+         "init": None if init is None else str(init)})
     t_start = last_ckpt = time.time()
     done = step
     while done < until and (minutes is None or time.time() - t_start < 60 * minutes):
@@ -241,7 +331,7 @@ def train_dit(s: DiTTrainSettings, ckpt: Path, log_path: Path, until: int | None
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        log({"step": done, "loss": loss.item(), "lr": _lr(s, done), "seconds": time.time() - t0,
+        log({"step": done, "loss": loss.item(), "context": b.context, "lr": _lr(s, done), "seconds": time.time() - t0,
              "cpu_s": time.process_time()})
         done += 1
         if done % s.eval_every == 0 or done == until:
