@@ -15,12 +15,15 @@ from fastcar_compile.demo.dit_train import (  # noqa: E402
     DIT_PIXEL_CONFIG,
     DiTTrainSettings,
     batch_for_step,
+    save_weights,
+    self_rollout,
     teacher_forced_loss,
     text_embeds,
     train_dit,
 )
 from fastcar_compile.dit.config import load_config  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
+from fastcar_compile.dit.stream import STEPS, FrameCache, StreamSettings, TorchDiT, rollout  # noqa: E402
 
 # One layer, 16 tokens per frame (patch 8 on the 32x32 clips), 2 chunks of 2 frames: a step in well under a second.
 SMALL = dataclasses.replace(DIT_PIXEL_CONFIG, layers=1, hidden=24, heads=2, ffn=32, patch=(1, 8, 8), freq_dim=16)
@@ -98,3 +101,93 @@ def test_prompt_rows_are_one_hot_labels():
     assert not text_embeds(None).any()
     with pytest.raises(FastCarError, match="unknown label camera"):
         text_embeds({**clip.labels, "camera": "sideways"})
+
+
+class _ForcedStart(TorchDiT):
+    """The stream's eager backend with the first `real` chunks' cache writes (the t = 0 pass) fed the real clip's
+    frames, the chunks after the first moved by a RoPE gap, and the cache kept for inspection."""
+
+    def __init__(self, model, clean, real, gap):
+        super().__init__(model)
+        self.clean, self.real, self.gap = clean, real, gap
+
+    def new_cache(self, *args):
+        self.cache = FrameCache(*args)
+        return self.cache
+
+    def step(self, latent, timestep, frame_start, past, cross):
+        f = self.cfg.chunk_frames
+        if frame_start < self.real * f and not timestep.any():
+            latent = np.repeat(self.clean[:, :, frame_start:frame_start + f], latent.shape[0], 0)
+        return super().step(latent, timestep, frame_start + (self.gap if frame_start else 0), past, cross)
+
+
+@pytest.mark.parametrize("real,cfg_scale,gap", [(0, 2.0, 0), (1, 2.0, 7), (1, 1.0, 0)])
+def test_self_forced_context_is_the_streams_own_rollout(real, cfg_scale, gap):
+    """The K/V the self-forced loss sees are the cache `stream.rollout` (the generation loop) writes with the same
+    noise, its first `real` chunks written from the real clip, and the loss of the chunk after them is the
+    model's step on that cache; the generated frames are the stream's."""
+    model = build(SMALL, seed=2)
+    s = dataclasses.replace(SETTINGS, frames=8, batch=1, selfforcing_prob=1.0, sf_real_chunks=real,
+                            sf_cfg=cfg_scale)
+    b = next(b for b in (batch_for_step(s, i) for i in range(50)) if b.context >= 2)
+    b.gap, f = gap, SMALL.chunk_frames
+    chunks = b.real + b.context
+    # the stream's noise: per chunk one draw to start and one per later step, from default_rng(seed)
+    rng = np.random.default_rng(5)
+    shape = (1, 3, f, SMALL.latent_h, SMALL.latent_w)
+    draws = [[rng.standard_normal(shape) for _ in STEPS] for _ in range(chunks)]
+    b.sample_noise = np.asarray(draws[b.real:], np.float32)
+    past, made = self_rollout(model, b)
+
+    backend = _ForcedStart(model, b.clean, b.real, gap)
+    frames = [r.frames for r in rollout(backend, StreamSettings(frames=chunks * f, seed=5, cfg_scale=cfg_scale,
+                                                                window_frames=0), text=b.text[0])]
+    want = backend.cache.past(2 if cfg_scale != 1.0 else 1, SMALL.heads, SMALL.head_dim)
+    assert len(past) == len(want) == 2 * SMALL.layers
+    for got, ref in zip(past, want, strict=True):
+        assert got.shape == (1, *ref.shape[1:])
+        np.testing.assert_allclose(got.numpy(), ref[:1], atol=2e-5)
+    np.testing.assert_allclose(made[0], np.concatenate(frames[b.real:], 1), atol=2e-5)
+
+    c = chunks  # the first scored chunk: noisy real frames over that cache
+    loss = teacher_forced_loss(model, b, reduce=False).detach().numpy()
+    assert loss.shape == (8 // f - chunks,)
+    sigma = b.t[0, c] / 1000.0
+    x0, eps = b.clean[:, :, c * f:(c + 1) * f], b.noise[:, :, c * f:(c + 1) * f]
+    xt = ((1 - sigma) * x0 + sigma * eps).astype(np.float32)
+    cross = [a[:1] for a in TorchDiT(model).text_kv(b.text)]
+    v = TorchDiT(model).step(xt, np.full((1, f), b.t[0, c], np.float32), c * f + gap, [a[:1] for a in want],
+                             cross)[0]
+    np.testing.assert_allclose(loss[0], np.mean((v - (eps - x0)) ** 2), rtol=1e-4)
+
+
+def test_selfforcing_batches_mix_and_leave_teacher_forced_ones_unchanged():
+    s = dataclasses.replace(SETTINGS, frames=8, selfforcing_prob=0.5)
+    contexts = [batch_for_step(s, i).context for i in range(40)]
+    assert 8 < sum(c > 0 for c in contexts) < 32 and set(contexts) <= {0, 1, 2}
+    tf, plain = batch_for_step(s, 3), batch_for_step(dataclasses.replace(s, selfforcing_prob=0.0), 3)
+    assert np.array_equal(tf.noise, plain.noise) and np.array_equal(tf.t, plain.t) and tf.gap == plain.gap
+
+
+def test_selfforced_training_resumes_bit_for_bit_from_init(tmp_path):
+    """Continuing from a weights folder with self-forced batches: 2 steps at once == 1 + resume + 1."""
+    start = build(SMALL, seed=3)
+    save_weights(start, tmp_path / "init")
+    s = dataclasses.replace(SETTINGS, frames=6, selfforcing_prob=1.0)
+    init = tmp_path / "init" / "model.safetensors"
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert train_dit(s, a / "ckpt.pt", a / "log.jsonl", until=2, init=init) == 2
+    train_dit(s, b / "ckpt.pt", b / "log.jsonl", until=1, init=init)
+    train_dit(s, b / "ckpt.pt", b / "log.jsonl", until=2, init=init)
+    sa, sb = (torch.load(p / "ckpt.pt", weights_only=False)["model"] for p in (a, b))
+    for k, v in sa.items():
+        assert torch.equal(v, sb[k]), k
+    # the first step started from the init weights (fp16-rounded), not from a fresh seeded model
+    one = tmp_path / "one"
+    train_dit(dataclasses.replace(s, lr=0.0), one / "ckpt.pt", one / "log.jsonl", until=1, init=init)
+    got = torch.load(one / "ckpt.pt", weights_only=False)["model"]["head.weight"]
+    assert torch.equal(got, start.state_dict()["head.weight"].half().float())
+    assert '"context": ' in (a / "log.jsonl").read_text()
+    with pytest.raises(FastCarError, match="selfforcing_prob=1.0, not 0.0"):
+        train_dit(dataclasses.replace(s, selfforcing_prob=0.0), a / "ckpt.pt", a / "log.jsonl", until=3)
