@@ -40,15 +40,20 @@ def plot(log: Path, png: Path) -> None:
     from fastcar_compile.core.atomic import save_figure
 
     recs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["loss"]) for r in recs if "loss" in r]
     held = [(r["step"], r["eval_loss"]) for r in recs if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    if train:
+    # self-forced steps score fewer chunks over another context: their losses get a curve of their own
+    kinds = (("train", lambda r: True, "C0"),) if not any(r.get("context") for r in recs) else (
+        ("teacher-forced", lambda r: not r.get("context"), "C0"), ("self-forced", lambda r: r.get("context"), "C2"))
+    for name, keep, colour in kinds:
+        train = [(r["step"], r["loss"]) for r in recs if "loss" in r and keep(r)]
+        if not train:
+            continue
         steps, loss = zip(*train, strict=True)
         k = 20
         smooth = [sum(loss[max(0, i - k + 1):i + 1]) / len(loss[max(0, i - k + 1):i + 1]) for i in range(len(loss))]
-        ax.plot(steps, loss, color="0.8", lw=0.6, label="train (per step)")
-        ax.plot(steps, smooth, color="C0", label=f"train ({k}-step mean)")
+        ax.plot(steps, loss, color=colour, alpha=0.25, lw=0.6)
+        ax.plot(steps, smooth, color=colour, label=f"{name} ({k}-step mean; light: per step)")
     if held:
         ax.plot(*zip(*held, strict=True), "o-", color="C3", ms=3, label="held-out clips")
     ax.set_xlabel("step (4 clips of 16 frames)")
