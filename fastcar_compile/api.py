@@ -66,6 +66,14 @@ def _dit():
     return importlib.import_module(DIT_API)
 
 
+def _is_dit_step(model) -> bool:
+    """Is `model` a DiT step graph? Asked only when its options fail a decoder's rules, which a DiT's differ from."""
+    try:
+        return _dit().is_dit_step(load(model)[0])
+    except FastCarError:
+        return False
+
+
 def inspect(model) -> CompileReport:
     """Discovery only (after the exporter fusions a default compile runs first): what was found in each layer, and
     why a layer did not match."""
@@ -101,10 +109,15 @@ def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[
     parse_kv_layer). shared_mlp=False keeps the older nested MLP layout (docs/memory.md).
     """
     declared.unknown(options, "compile")
-    opts = CompileOptions(**options)
+    try:
+        opts = CompileOptions(**options)
+    except (FastCarError, TypeError):  # a decoder's rules (--tempcache needs --kv-budget, frame_tokens required)
+        opts = None
+        if not _is_dit_step(model):
+            raise
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = load(model)
-    if _dit().is_dit_step(loaded):  # a video DiT's step graph (export --dit): its own rewrite
+    if _dit().is_dit_step(loaded):  # a video DiT's step graph (export --dit): its own rewrite and option checks
         return _dit().compile_dit(loaded, out_path, source=in_path, **options)
     for name in declared.DIT_ONLY:
         if name in options and options[name] != declared.BY_NAME[name].default:

@@ -128,7 +128,7 @@ def test_graph_gathers_the_kept_tokens_and_records_the_mode(dit_tiny_export, tmp
     path = _compile(dit_tiny_export, tmp_path, "--ann-tables", "3")
     m = onnx.load(str(path))
     meta = json.loads({p.key: p.value for p in m.metadata_props}[MODES_KEY])
-    assert meta == {"threshold": None, "tempcache": None,
+    assert meta == {"threshold": None, "tempcache": None, "tempcache_match": None, "tempcache_buckets": None,
                     "annca": {"kind": "lsh", "lsh_bits": 4, "quant_dirs": 2, "ann_tables": 3, "ann_seed": 0}}
     outs = {o.name for o in m.graph.output}
     assert {annca_io(i) for i in range(CFG.layers)} <= outs

@@ -66,7 +66,8 @@ def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_expor
     path = _compile(dit_tiny_export, tmp_path, "0.25")
     m = onnx.load(str(path))
     meta = {p.key: p.value for p in m.metadata_props}
-    assert json.loads(meta[MODES_KEY]) == {"threshold": 0.25, "tempcache": None, "annca": None}
+    assert json.loads(meta[MODES_KEY]) == {"threshold": 0.25, "tempcache": None, "tempcache_match": None,
+                                           "tempcache_buckets": None, "annca": None}
     ins, outs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
     for i in range(CFG.layers):
         (a, b), (c, d), mask = replay_io(i)
@@ -83,7 +84,7 @@ def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_expor
 
 def test_dense_compile_records_no_mode(dit_tiny_export, tmp_path):
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, "inf"))
-    assert fast.tau is None and fast.sim is None and fast.modes == {"threshold": None, "tempcache": None, "annca": None}
+    assert fast.tau is None and fast.sim is None and all(v is None for v in fast.modes.values())
 
 
 @pytest.mark.parametrize("sim, tau, window", [("0.3", "inf", None), ("0.3", "inf", 0), ("0.2", "0", 2),
@@ -154,7 +155,7 @@ def test_stream_cli_reports_the_compiled_mode(dit_tiny_export, tmp_path, capsys)
     capsys.readouterr()
     assert main(["stream", str(path), "--frames", "6", "-o", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert "FastCar compiled in (tau 0)" in out and "TempCache compiled in (SIM 0.3)" in out
+    assert "FastCar compiled in (tau 0)" in out and "TempCache compiled in (SIM 0.3, aligned match)" in out
     done = json.loads((tmp_path / "run" / "stream.json").read_text())["compiled_modes"]
     assert done["threshold"] == 0.0 and 0 < done["replay_ratio"] < 1
     assert done["tempcache"] == 0.3 and 0 < done["merge_ratio"] < 1

@@ -39,9 +39,12 @@ REQUIRED = dataclasses.MISSING  # an option without a default (frame_tokens)
 VALUE, SWITCH, ON_OFF, NEGATE, TRISTATE, REPEAT, OPTIONAL = "value", "switch", "on|off", "negate", "tristate", \
     "repeat", "optional"
 EVICTION_POLICIES = ("mass", "oldest", "mean")  # which slot leaves a full compressed KV cache (fastar/cache.py)
+# TempCache's correspondent in a DiT stream (dit/modes.py, and compiled in: dit/tempcache.py): the same (h, w) one
+# frame back, or the top-1 cosine among the previous frame's slots sharing a bucket (sign LSH or int8 buckets)
+TEMPCACHE_MATCHES = ("aligned", "lsh", "quant")
 KV_GROUP = "compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)"
 DIT_GROUP = "FAST-AR on video DiTs (compiled into a step graph, or the stream runtime; docs/dit.md)"
-DIT_ONLY = ("annca", "lsh_bits", "quant_dirs", "ann_tables", "ann_seed")  # options of DiT step graphs alone
+DIT_ONLY = ("tempcache_match", "annca", "lsh_bits", "quant_dirs", "ann_tables", "ann_seed")  # options of DiT step graphs alone
 MAX_ANN_TABLES = 64
 
 
@@ -204,6 +207,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("tempcache", float | None, None, "TempCache: merge a key into the slot of its aligned token (p - L) when "
            "their pre-RoPE cosine exceeds SIM (mean value, count, +log(count) bias)", "--tempcache", metavar="SIM",
            lo=-1.0, hi=1.0, meaning="a cosine", group=KV_GROUP),
+    Option("tempcache_match", str, "aligned", "TempCache's correspondent on a DiT step graph (export --dit): "
+           "'aligned' = the same (h, w) one frame back; 'lsh' / 'quant' = the top-1 pre-RoPE cosine among the "
+           "previous frame's slots sharing a bucket (--lsh-bits, --quant-dirs, --ann-tables, --ann-seed), matched "
+           "by the runtime when it writes the frame; DiT step graphs only", "--tempcache-match",
+           choices=TEMPCACHE_MATCHES, group=DIT_GROUP),
     Option("sparse_attention", str | None, None, "AnnSA: a decode query attends only to slots sharing a bucket "
            "(plus sinks, window): sign random projections (lsh) or 8-bit quantised projections (int8 = int8:2x4)",
            "--sparse-attention", metavar="lsh:BITSxTABLES|int8[:DIRSxTABLES]", parse=str, group=KV_GROUP,

@@ -95,7 +95,7 @@ def compile_main(a: argparse.Namespace) -> int:
         cfg = from_dict(json.loads(meta[METADATA_KEY]), str(a.model))
         text = _read_text(a.calib_data, cfg.text_dim) if a.calib_data else None
         tau = calibrate_threshold(a.model, a.calibrate_replay, text=text, frames=a.calib_frames,
-                                  tempcache=opts.get("tempcache"))
+                                  tempcache=opts.get("tempcache"), tempcache_match=opts["tempcache_match"])
         opts["threshold"] = (tau,)
         print(f"calibrated --threshold {tau:.6g} for replay ratio {a.calibrate_replay:g} (TAS quantile over the "
               f"eligible rows of a {max(a.calib_frames, 2 * cfg.chunk_frames)}-frame stream, "
@@ -209,7 +209,8 @@ def stream_main(argv: list[str]) -> int:
     elif any(v is not None for v in getattr(model, "modes", {}).values()):  # compiled in (the graph's metadata)
         result["compiled_modes"] = {**model.modes, "replay_ratio": model.replayed[0] / max(model.replayed[1], 1),
                                     "merge_ratio": model.cache.merges[0] / max(model.cache.merges[1], 1),
-                                    "cross_density": model.cross_pairs[0] / max(model.cross_pairs[1], 1)}
+                                    "cross_density": model.cross_pairs[0] / max(model.cross_pairs[1], 1),
+                                    "kv_density": model.cache.kv_density}
     with staged_dir(out) as tmp:
         write_outputs(tmp, result, model_path)
     fps = 1000 / (sum(result["frame_ms"]) / len(result["frame_ms"]))
@@ -223,8 +224,8 @@ def stream_main(argv: list[str]) -> int:
             print(f"FastCar compiled in (tau {model.tau:g}): {100 * done['replay_ratio']:.1f}% of the FFN rows "
                   "replayed")
         if model.sim is not None:
-            print(f"TempCache compiled in (SIM {model.sim:g}): {100 * done['merge_ratio']:.1f}% of the written "
-                  "keys merged")
+            print(f"TempCache compiled in (SIM {model.sim:g}, {model.match} match): {100 * done['merge_ratio']:.1f}% "
+                  f"of the written keys merged, {100 * done['kv_density']:.1f}% of a dense cache's slots resident")
         if model.annca is not None:
             print(f"AnnCA compiled in ({model.annca['kind']} buckets x {model.annca['ann_tables']} tables): "
                   f"{100 * done['cross_density']:.1f}% of the query x prompt pairs executed")

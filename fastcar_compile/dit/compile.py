@@ -15,7 +15,8 @@ stay the `present.N.*` outputs, which the runtime writes into the ring after the
 chunk's bytes only). Keys are stored rotated at their absolute positions and attention is a sum over the
 keys, so their order in the buffer does not matter. `--threshold TAU` adds FastCar's FFN replay on every
 block (dit/replay.py); `--tempcache SIM` adds each slot's log(count) (`past_bias.N`) to the cache's scores and
-outputs the pre-RoPE keys (`present_pre.N.key`) for the runtime's aligned merge at write time (stream.RingCache);
+outputs the pre-RoPE keys (`present_pre.N.key`) for the runtime's merge at write time (stream.RingCache), with
+the correspondent `--tempcache-match` names (aligned, or the top-1 match in a bucket: dit/tempcache.py);
 `--annca` keeps, per frame, the prompt tokens sharing a bucket with a query of the frame (dit/annca_graph.py).
 FAST-AR's other compressed caches are not compiled for DiT blocks yet: asked for, they are refused in one line.
 The modes compiled in are recorded in the metadata (config.MODES_KEY) for the runtime.
@@ -35,6 +36,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.dit import modes as dit_modes
+from fastcar_compile.dit import tempcache
 from fastcar_compile.dit.annca_graph import ANNCA_OP, add_annca
 from fastcar_compile.dit.config import (
     CACHE_FORM_KEY,
@@ -47,7 +50,6 @@ from fastcar_compile.dit.config import (
 )
 from fastcar_compile.dit.discover import DiTBlockMatch, SelfAttention, discover
 from fastcar_compile.dit.replay import REPLAY_OP, add_replay
-from fastcar_compile.fastar.config import INT8_DIRS
 from fastcar_compile.passes.build import Builder, const
 from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 from fastcar_compile.passes.plan import DiTBlockPlan, KvPlan, Plan
@@ -98,7 +100,11 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], dict]:
         raise FastCarError(f"--frame-tokens {given}: this DiT has {frame_tokens} tokens per latent frame (its "
                            "config); leave --frame-tokens out")
     sim = opts.get("tempcache")
-    modes = {"threshold": None, "tempcache": None if sim is None else float(sim), "annca": annca_mode(opts)}
+    match = options.BY_NAME["tempcache_match"].check(opts.get("tempcache_match", "aligned"))
+    if sim is None and match != "aligned":
+        raise FastCarError(f"--tempcache-match {match} needs --tempcache SIM (the cosine above which keys merge)")
+    modes = {"threshold": None, "tempcache": None if sim is None else float(sim),
+             **tempcache.record(match if sim is not None else None, opts), "annca": annca_mode(opts)}
     taus = [float(t) for t in np.atleast_1d(opts.get("threshold", (np.inf,)))]
     default = tuple(by_name["threshold"].default)
     if tuple(taus) == default:
@@ -114,27 +120,11 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], dict]:
 def annca_mode(opts: dict) -> dict | None:
     """What the metadata records of `--annca` (None: off): its buckets, as the eager runtime draws them
     (dit/fastar.FastARDiT: --annsa's bucketing, lsh without it)."""
-    if not opts.get("annca"):
-        return None
-    by_name = options.BY_NAME
-    mode = {"kind": opts.get("annsa") or "lsh"}
-    mode |= {k: by_name[k].check(opts.get(k, by_name[k].default)) for k in ("lsh_bits", "quant_dirs", "ann_tables",
-                                                                            "ann_seed")}
-    if mode["quant_dirs"] not in INT8_DIRS:
-        raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {mode['quant_dirs']}")
-    return mode
-
-
-def annca_hasher(mode: dict, head_dim: int):
-    """The bucketing `annca_mode` recorded (the eager runtime's, dit/sparse.make_hasher)."""
-    from fastcar_compile.dit.sparse import make_hasher
-
-    return make_hasher(mode["kind"], head_dim, mode["lsh_bits"], mode["quant_dirs"], mode["ann_tables"],
-                       mode["ann_seed"])
+    return dit_modes.bucket_record(opts.get("annsa") or "lsh", opts) if opts.get("annca") else None
 
 
 def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None, sim: float | None = None,
-         annca: dict | None = None) -> Plan:
+         annca: dict | None = None, match: str = "aligned") -> Plan:
     """The DiT blocks' plan (passes/plan.py): what discovery found and what the compile builds from it."""
     blocks = []
     for m in matches:
@@ -148,7 +138,7 @@ def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None, 
             attention_op=IN_PLACE_OP, rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross if annca is None else
             f"{m.cross}; AnnCA ({annca['kind']} buckets x {annca['ann_tables']} tables): {ANNCA_OP}", ffn=m.ffn,
             modulation=m.modulation,
-            kv=KvPlan(IN_PLACE_KV if sim is None else f"{IN_PLACE_KV}; TempCache aligned at SIM {sim:g} (the runtime "
+            kv=KvPlan(IN_PLACE_KV if sim is None else f"{IN_PLACE_KV}; TempCache {match} at SIM {sim:g} (the runtime "
                       "merges on write, the graph adds log(count) per slot: past_bias.N)"),
             replay="none (--threshold TAU replays FFN rows)" if tau is None else f"tau {tau:g}: {REPLAY_OP}"))
     return Plan(tuple(blocks))
@@ -274,6 +264,7 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
     from fastcar_compile.passes.validate import ValidatePass
 
     options.unknown(opts, "compile")
+    opts = {**opts, **options.check_all({k: v for k, v in opts.items() if v is not None})}  # by declaration
     out_path = fileio.check_output_path(output) if output is not None else None
     loaded, in_path = (model, source) if isinstance(model, ir.Model) and source is not None else api.load(model)
     if not is_dit_step(loaded):
@@ -297,13 +288,13 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
                 else "no DiT block found (no past.N.key inputs)")
         raise FastCarError(f"{head}; every block must match, since the cache inputs change for all of them "
                            "(run with --inspect to see each block)")
-    report.plan = plan(matches, rewrite=True, tau=tau, sim=modes["tempcache"],
-                       annca=modes["annca"]).lines()
+    report.plan = plan(matches, rewrite=True, tau=tau, sim=modes["tempcache"], annca=modes["annca"],
+                       match=modes["tempcache_match"]).lines()
     rewrite(loaded, matches, tempcache=modes["tempcache"] is not None)
     if tau is not None:
         add_replay(loaded, matches, cfg, tau)
     if modes["annca"] is not None:
-        add_annca(loaded, matches, cfg, annca_hasher(modes["annca"], cfg.head_dim))
+        add_annca(loaded, matches, cfg, dit_modes.bucket_hasher(modes["annca"], cfg.head_dim))
     loaded.metadata_props[MODES_KEY] = json.dumps(modes)
     for r in report.layers:
         r.rewritten = True
@@ -339,7 +330,7 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
 
 
 def calibrate_threshold(path: str | os.PathLike, ratio: float, *, text: np.ndarray | None = None, frames: int = 3,
-                        tempcache: float | None = None) -> float:
+                        tempcache: float | None = None, tempcache_match: str = "aligned") -> float:
     """The tau giving FFN replay ratio `ratio` over the eligible rows (the decoders' one-pass calibration): a
     probe compiled with FastCar on and a tau no TAS exceeds streams `frames` frames (at least two chunks; the
     prompt `text` [L, text_dim] or a seeded random one) and the quantile of the TAS it outputs is the tau."""
@@ -350,7 +341,8 @@ def calibrate_threshold(path: str | os.PathLike, ratio: float, *, text: np.ndarr
 
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.onnx"
-        compile_dit(path, probe, threshold=(3e38,), tempcache=tempcache, validate=False)
+        compile_dit(path, probe, threshold=(3e38,), tempcache=tempcache, tempcache_match=tempcache_match,
+                    validate=False)
         runtime = OrtDiT(probe)
         runtime.tas_log = []
         for _ in rollout(runtime, StreamSettings(frames=max(frames, 2 * runtime.cfg.chunk_frames)), text):

@@ -175,8 +175,10 @@ METADATA_KEY = "fastcar.dit_config"  # the step graph's metadata: the config it 
 TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph beside the step graph
 # The modes compiled into the step graph (dit/compile.py), recorded as JSON under MODES_KEY and read back by
 # stream.OrtDiT: {"threshold": tau or null (FastCar replay, dit/replay.py), "tempcache": SIM or null (TempCache
-# aligned at cache-write time: the runtime merges, the graph adds each slot's log(count), dit/compile.py),
-# "annca": its buckets {"kind", "lsh_bits", "quant_dirs", "ann_tables", "ann_seed"} or null (dit/annca_graph.py)}.
+# at cache-write time: the runtime merges, the graph adds each slot's log(count), dit/compile.py),
+# "tempcache_match": its correspondent ("aligned", "lsh", "quant"; null when off) and "tempcache_buckets": the
+# buckets of a top-1 match (dit/tempcache.py), "annca": its buckets {"kind", "lsh_bits", "quant_dirs",
+# "ann_tables", "ann_seed"} or null (dit/annca_graph.py)}.
 MODES_KEY = "fastcar.dit_modes"
 REPLAY_FIRST = "replay_first"  # bool [1]: the chunk's first frame may replay (the runtime holds its predecessor)
 

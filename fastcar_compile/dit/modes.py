@@ -13,10 +13,10 @@ from typing import Any
 
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.options import BY_NAME as SHARED
-from fastcar_compile.core.options import SWITCH, Option
-from fastcar_compile.fastar.config import INT8_DIRS
+from fastcar_compile.core.options import SWITCH, TEMPCACHE_MATCHES, Option
+from fastcar_compile.fastar.buckets import Buckets
+from fastcar_compile.fastar.config import INT8_DIRS, make_hasher
 
-TEMPCACHE_MODES = ("aligned", "lsh", "quant")  # correspondence: same (h, w) one frame back, or ANN top-1 match
 BUCKETINGS = ("lsh", "quant")  # sign random projections (fastar/lsh.py) or 8-bit quantised ones (fastar/int8.py)
 GROUP = "FAST-AR and FastCar (eager runtime: give a DiT preset or folder; docs/dit.md)"
 
@@ -25,7 +25,7 @@ DIT_OPTIONS: tuple[Option, ...] = (
            "correspondent's slot when their pre-RoPE cosine exceeds --tempcache-sim (last key kept, running mean "
            "value, count, +log(count) on the logit). Correspondent: 'aligned' = the same (h, w) one frame back; "
            "'lsh' / 'quant' = the top-1 match among the previous frame's slots sharing a bucket",
-           "--tempcache", choices=TEMPCACHE_MODES, group=GROUP),
+           "--tempcache", choices=TEMPCACHE_MATCHES, group=GROUP),
     Option("tempcache_sim", float, 0.9, "TempCache's cosine threshold (default 0.9, the paper's)", "--tempcache-sim",
            metavar="SIM", lo=-1.0, hi=1.0, meaning="a cosine", group=GROUP),
     Option("tempcache_budget", int, 0, "TempCache's slot budget: per row and head at most FRAMES frames' worth of "
@@ -54,6 +54,22 @@ DIT_OPTIONS: tuple[Option, ...] = (
     SHARED["ann_seed"],
 )
 BY_NAME = {o.name: o for o in DIT_OPTIONS}
+BUCKET_SETTINGS = ("lsh_bits", "quant_dirs", "ann_tables", "ann_seed")  # what draws a bucketing, besides its kind
+
+
+def bucket_record(kind: str, values: dict) -> dict:
+    """A bucketing as a compiled graph's metadata records it: {"kind", *BUCKET_SETTINGS} from the compile's
+    option values (each checked, its default where not given); the runtime redraws it with bucket_hasher."""
+    out = {"kind": kind} | {k: BY_NAME[k].check(values.get(k, BY_NAME[k].default)) for k in BUCKET_SETTINGS}
+    if out["quant_dirs"] not in INT8_DIRS:
+        raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {out['quant_dirs']}")
+    return out
+
+
+def bucket_hasher(record: dict, head_dim: int) -> Buckets:
+    """The bucketing a bucket_record names (the eager runtime's: the same seeded projections)."""
+    return make_hasher(record["kind"], head_dim, record["lsh_bits"], record["quant_dirs"], record["ann_tables"],
+                       record["ann_seed"])
 
 FastARSettings = dataclasses.make_dataclass(
     "FastARSettings", [(o.name, o.type, dataclasses.field(default=o.default)) for o in DIT_OPTIONS], frozen=True)

@@ -16,15 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from fastcar_compile.fastar.buckets import Buckets
-from fastcar_compile.fastar.int8 import Int8Buckets
-from fastcar_compile.fastar.lsh import SignLSH
+from fastcar_compile.fastar.config import make_hasher  # noqa: F401 - the bucketings, re-exported for this runtime
 
 CODE_SPAN = 1 << 16  # bucket ids are below this (lsh bits <= 16, int8 tables: 8 bits): group * SPAN + code is unique
-
-
-def make_hasher(kind: str, dim: int, bits: int, dirs: int, tables: int, seed: int) -> Buckets:
-    """'lsh' (sign bits) or 'quant' (int8-quantised directions): fastar's reference bucketings."""
-    return SignLSH(dim, bits, tables, seed) if kind == "lsh" else Int8Buckets(dim, dirs, tables, seed)
 
 
 def codes(hasher: Buckets, x: torch.Tensor) -> torch.Tensor:

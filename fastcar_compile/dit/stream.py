@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.dit import tempcache
 from fastcar_compile.dit.config import (
     CACHE_FORM_KEY,
     CACHE_IN_PLACE,
@@ -39,6 +40,7 @@ from fastcar_compile.dit.config import (
     tas_name,
     tempcache_io,
 )
+from fastcar_compile.fastar.buckets import Buckets
 
 STEPS = (1000.0, 750.0, 500.0, 250.0)  # flow-matching timesteps of a 4-step distilled sampler
 
@@ -98,14 +100,16 @@ class RingCache:
     only. Same residency as FrameCache."""
 
     def __init__(self, layers: int, tokens_per_frame: int, sinks: int, window: int, grow_from: int = 8,
-                 tempcache: float | None = None):
+                 tempcache: float | None = None, match: Buckets | None = None):
         self.layers, self.tokens, self.sinks, self.window = layers, tokens_per_frame, sinks, window
         # TempCache compiled in (SIM): per layer the tokens merged into each slot [B, heads, slots * T] (0: empty,
         # or left by a merge), its log as the graph's past_bias.N (-inf where 0), the last frame's pre-RoPE keys
-        self.tempcache = tempcache
+        # and, for the top-1 match (`match`: its bucketing; None = aligned), their bucket codes (dit/tempcache.py)
+        self.tempcache, self.match = tempcache, match
         self.counts: list[np.ndarray] = []
         self.bias: list[np.ndarray] = []
         self.last_pre: list[np.ndarray] = []
+        self.last_codes: list[np.ndarray | None] = []
         self.merges = [0, 0]  # tokens merged, tokens written
         self.first_slots = sinks + window if window else max(sinks, grow_from)
         self.buffers: list[np.ndarray] = []  # allocated by the first past() or write() (rows known then)
@@ -159,7 +163,8 @@ class RingCache:
                 if self.tempcache is not None:
                     value, count = self._merge(i, pre[i][:, :, j * t:(j + 1) * t], value, src if merging else None)
                     self.counts[i][:, :, new] = count
-                    self.bias[i][:, :, new] = np.log(count)
+                    with np.errstate(divide="ignore"):  # a position a merge left: count 0, logit -inf
+                        self.bias[i][:, :, new] = np.log(count)
                 self.buffers[2 * i][:, :, new] = key
                 self.buffers[2 * i + 1][:, :, new] = value
             self.slot_frame[slot] = f
@@ -172,28 +177,34 @@ class RingCache:
         return new
 
     def _merge(self, i: int, k_pre: np.ndarray, value: np.ndarray, src: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """Layer i's merge of one frame into slot `src` (the previous frame's; None: no merge): (values to
-        write, counts); the previous frame's merged positions become dead."""
+        """Layer i's merge of one frame into the previous frame's slot `src` (None: no merge; dit/tempcache.py):
+        (values to write, counts); the previous frame's merged positions become dead."""
+        codes = None if self.match is None else self.match.codes(k_pre)
         count = np.ones(value.shape[:3], np.int32)
         if src is not None:
             old = slice(src * self.tokens, (src + 1) * self.tokens)
             c = self.counts[i][:, :, old].copy()
-            a, b = k_pre, self.last_pre[i]
-            den = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
-            cos = np.where(den > 0, (a * b).sum(-1) / np.where(den > 0, den, 1), 0)
-            merge = (c > 0) & (cos > self.tempcache)
-            cf = c[..., None].astype(np.float32)
-            value = np.where(merge[..., None], (self.buffers[2 * i + 1][:, :, old] * cf + value) / (cf + 1), value)
-            count = np.where(merge, c + 1, count).astype(np.int32)
-            self.counts[i][:, :, old] = np.where(merge, 0, c)
-            self.bias[i][:, :, old] = np.where(merge, -np.inf, self.bias[i][:, :, old])
-            self.merges[0] += int(merge.sum())
+            target = tempcache.targets(k_pre, self.last_pre[i], c > 0, self.tempcache, codes, self.last_codes[i])
+            value, count, left = tempcache.merge(target, self.buffers[2 * i + 1][:, :, old], c, value)
+            self.counts[i][:, :, old] = left
+            self.bias[i][:, :, old] = np.where(left > 0, self.bias[i][:, :, old], -np.inf)
+            self.merges[0] += int((target >= 0).sum())
         self.merges[1] += count.size
         if len(self.last_pre) <= i:
             self.last_pre.append(k_pre.copy())
+            self.last_codes.append(codes)
         else:
-            self.last_pre[i] = k_pre.copy()
+            self.last_pre[i], self.last_codes[i] = k_pre.copy(), codes
         return value, count
+
+    @property
+    def kv_density(self) -> float:
+        """Resident slots / the slots a dense cache of the same frames holds, all layers, rows and heads (TempCache
+        leaves dead slots behind its merges; 1 without it)."""
+        if self.tempcache is None or not self.counts:
+            return 1.0
+        dense = self.layers * self.counts[0][:, :, :1].size * self.tokens * len(self.slot_frame)
+        return sum(int((c[:, :, :self.length] > 0).sum()) for c in self.counts) / dense
 
     def past(self, batch: int, heads: int, head_dim: int) -> RingCache:
         self._allocate(batch, heads, head_dim)
@@ -239,6 +250,8 @@ class OrtDiT:
         self.sim = self.modes.get("tempcache")
         self.annca = self.modes.get("annca")  # its buckets (dict) or None
         self.cross_pairs = [0, 0]  # query x prompt-token pairs the cross-attention executed, dense pairs (AnnCA)
+        self.match = self.modes.get("tempcache_match") or "aligned"  # the correspondence (dit/tempcache.py)
+        self.hasher = tempcache.hasher(self.modes, self.cfg.head_dim) if self.sim is not None else None
         self.replayed = [0, 0]  # FFN rows replayed, rows decided (FastCar compiled in), over the session
         self.tas_log: list[np.ndarray] | None = None  # a list: the eligible rows' TAS of every step (calibration)
         if self.in_place:
@@ -257,7 +270,7 @@ class OrtDiT:
 
     def new_cache(self, layers: int, tokens_per_frame: int, sinks: int, window: int) -> FrameCache | RingCache:
         if self.in_place:
-            self.cache = RingCache(layers, tokens_per_frame, sinks, window, tempcache=self.sim)
+            self.cache = RingCache(layers, tokens_per_frame, sinks, window, tempcache=self.sim, match=self.hasher)
             return self.cache  # kept: its merge counts are the stream's
         return FrameCache(layers, tokens_per_frame, sinks, window)
 
