@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+ir = pytest.importorskip("onnx_ir")
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
@@ -39,14 +40,20 @@ def _compile(exported: Path, folder: Path, *extra: str) -> Path:
     return out
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "masked"])
 @pytest.mark.parametrize("extra, window, eager_kw", [
     ((), None, {}),
     (("--lsh-bits", "2", "--ann-tables", "1", "--ann-seed", "5"), 0, {"lsh_bits": 2, "ann_tables": 1, "ann_seed": 5}),
     (("--threshold", "0"), None, {"fastcar_tau": 0.0}),
 ])
-def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, extra, window, eager_kw):
-    """5 chunks (window, growing cache, with FastCar): the compiled rollout == the eager AnnCA rollout within
-    1e-4, with the same executed query x prompt pairs; some pairs dropped, some kept."""
+def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, extra, window, eager_kw, gather,
+                                              monkeypatch):
+    """5 chunks (window, growing cache, with FastCar), the kept tokens gathered or the others masked (tiny's
+    6-token prompt is masked by default): the compiled rollout == the eager AnnCA rollout within 1e-4, with the
+    same executed query x prompt pairs; some pairs dropped, some kept."""
+    from fastcar_compile.dit import annca_graph
+
+    monkeypatch.setattr(annca_graph, "GATHER_FROM", 0 if gather else 1 << 30)
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, *extra))
     assert fast.annca["kind"] == "lsh"  # read back from the metadata
     settings = StreamSettings(frames=10, seed=3, window_frames=window)
@@ -78,40 +85,20 @@ def _reference(q, k, v, hasher, frames):
     return out, kept
 
 
-def _op_model(hasher, frames: int, d: int):
-    """A graph of the op alone: query, prompt K/V in; context and kept out (the scale on the query)."""
-    import itertools
-
-    import onnx_ir as ir
-
-    from fastcar_compile.core import contract
-    from fastcar_compile.dit.annca_graph import annca_attention
-    from fastcar_compile.passes.build import Builder, const
-
-    f32 = ir.TensorType(ir.DataType.FLOAT)
-    q, k, v = (ir.Value(name=n, type=f32, shape=ir.Shape(["b", "h", n_, d])) for n, n_ in
-               (("q", "s"), ("k", "l"), ("v", "l")))
-    graph = ir.Graph([q, k, v], [], nodes=[], opset_imports={"": 20, contract.MS_DOMAIN: 1})
-    nodes: list[ir.Node] = []
-    b = Builder(0, nodes, itertools.count())
-    scaled = b("Mul", [q, const(graph, "scale", np.float32(d ** -0.5))])
-    ctx, kept = annca_attention(graph, b, q, scaled, k, v, frames, d, hasher)
-    graph.extend(nodes)
-    ctx.name, kept.name = "ctx", "kept"
-    graph.outputs.extend([ctx, kept])
-    return ir.to_proto(ir.Model(graph, ir_version=10))
-
-
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "masked"])
 @pytest.mark.parametrize("kind, bits, tables, prompt", [("lsh", 4, 2, 9), ("lsh", 12, 1, 40), ("quant", 2, 2, 40),
                                                         ("quant", 1, 3, 7)])
-def test_op_matches_numpy(kind, bits, tables, prompt):
-    """Codes, kept set per frame and the attention over it vs NumPy (some frames keep nothing: output 0)."""
+def test_op_matches_numpy(kind, bits, tables, prompt, gather):
+    """Codes, kept set per frame and the attention over it vs NumPy (some frames keep nothing: output 0), the
+    kept tokens gathered or the dropped ones masked."""
     rng = np.random.default_rng(bits * 10 + tables)
     B, H, F, T, d = 2, 3, 3, 5, 8
     hasher = SignLSH(d, bits, tables, seed=4) if kind == "lsh" else Int8Buckets(d, bits, tables, seed=4)
     q = rng.standard_normal((B, H, F * T, d)).astype(np.float32)
     k, v = (rng.standard_normal((B, H, prompt, d)).astype(np.float32) for _ in range(2))
-    sess = ort.InferenceSession(_op_model(hasher, F, d).SerializeToString(), providers=["CPUExecutionProvider"])
+    from fastcar_compile.dit.annca_graph import standalone
+
+    sess = ort.InferenceSession(ir.to_proto(standalone(hasher, F, d, gather)).SerializeToString(), providers=["CPUExecutionProvider"])
     ctx, kept = sess.run(None, {"q": q, "k": k, "v": v})
     want, want_kept = _reference(q.reshape(B * H, F * T, d), k.reshape(B * H, prompt, d),
                                  v.reshape(B * H, prompt, d), hasher, F)
@@ -122,9 +109,13 @@ def test_op_matches_numpy(kind, bits, tables, prompt):
         assert (~want_kept.any(-1)).any()  # a frame that kept no token
 
 
-def test_graph_gathers_the_kept_tokens_and_records_the_mode(dit_tiny_export, tmp_path):
-    """The metadata records the buckets; each block outputs its kept mask; the prompt keys reach the
-    cross-attention's product only through a Gather (no product of every query with the whole prompt)."""
+def test_graph_gathers_the_kept_tokens_and_records_the_mode(dit_tiny_export, tmp_path, monkeypatch):
+    """The metadata records the buckets; each block outputs its kept mask; with gathering on (a prompt of
+    GATHER_FROM tokens or more) the prompt keys reach the cross-attention's product only through a Gather (no
+    product of every query with the whole prompt)."""
+    from fastcar_compile.dit import annca_graph
+
+    monkeypatch.setattr(annca_graph, "GATHER_FROM", CFG.text_len)
     path = _compile(dit_tiny_export, tmp_path, "--ann-tables", "3")
     m = onnx.load(str(path))
     meta = json.loads({p.key: p.value for p in m.metadata_props}[MODES_KEY])

@@ -9,14 +9,16 @@ Per block N, on the cross-attention discovery found (dit/discover.py):
                  query codes (the frame's queries meet the prompt through it, never query by query)
     kept       = per (row, head, frame) and prompt token: occupied at its code in any table (GatherElements,
                  ReduceMax); output `annca.N` [B, heads, F, L] (the runtime counts the executed pairs)
-    attention  = per frame, the kept tokens' K/V gathered first (TopK of the mask: kept ones in prompt order,
-                 padded to the frame keeping most, the padding's logit -inf), the frame's queries times them,
-                 softmax, times their values; a frame that keeps nothing attends to nothing (output 0)
+    attention  = per frame, the kept tokens' K/V gathered first (a stable partition of the mask: kept ones in
+                 prompt order, padded to the frame keeping most, the padding's logit -inf), the frame's queries
+                 times them, softmax, times their values; a frame that keeps nothing attends to nothing (output
+                 0). For a short prompt (the config's text_len < GATHER_FROM) gathering costs more than it saves:
+                 the frame's queries attend to the whole prompt with the dropped tokens' logits at -inf.
 The export's own scores / softmax / context nodes of the cross-attention are then unused and removed.
 
-ONNX ops rather than an ai.fastcar kernel: the selection is a handful of small tensors per block (codes,
-a bitmap of at most 256 buckets per frame and table, the mask), and the gathered attention is two batched
-MatMuls that ONNX Runtime's MLAS runs as fast as the dense ones; docs/dit.md has the measured costs.
+ONNX ops, no ai.fastcar kernel: every step is a stock op ONNX Runtime runs anywhere (no native library to
+load for the step graph), the products stay MLAS MatMuls; the price is a fixed cost of about 50 small nodes per
+block and the padding to the widest frame, measured in docs/dit.md (a fused kernel would remove both).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from fastcar_compile.passes.build import Builder, const
 ANNCA_OP = "per frame, prompt tokens sharing a bucket with a query of the frame (bucket bitmap, no query x " \
     "prompt map) gathered, attention over them only"
 _DOUBLE = ir.DataType.DOUBLE
+GATHER_FROM = 64  # prompt tokens (the config's text_len) from which the kept tokens are gathered, not masked
+# (measured: benchmarks/experiments/dit_annca_compiled.py, docs/dit.md)
 
 
 def n_buckets(hasher: Buckets) -> int:
@@ -83,7 +87,8 @@ def bucket_codes(graph: ir.Graph, b: Builder, x: ir.Value, hasher: Buckets, tag:
 
 
 def annca_attention(graph: ir.Graph, b: Builder, query: ir.Value, scaled: ir.Value, ckey: ir.Value,
-                    cvalue: ir.Value, frames: int, head_dim: int, hasher: Buckets) -> tuple[ir.Value, ir.Value]:
+                    cvalue: ir.Value, frames: int, head_dim: int, hasher: Buckets, gather: bool = True
+                    ) -> tuple[ir.Value, ir.Value]:
     """AnnCA of `query` [B, H, F*T, d] (bucketed) over the prompt `ckey`, `cvalue` [B, H, L, d]; `scaled` is the
     query as the scores read it (times every scale the export applied to either side). Returns (context
     [B, H, F*T, d], kept [B, H, F, L] bool)."""
@@ -116,15 +121,42 @@ def annca_attention(graph: ir.Graph, b: Builder, query: ir.Value, scaled: ir.Val
     keptf = n("ReduceMax", [n("GatherElements", [occupied, kc], {"axis": -1}), c("axis3", np.array([3], i64))],
               {"keepdims": 0})  # [B, H, F, L] 1.0 / 0.0
     kept = n("Cast", [keptf], {"to": ir.DataType.BOOL})
-    # the kept tokens first, in prompt order (TopK of kept * (L + 1) - position), padded to the largest frame
     count = n("ReduceSum", [keptf, c("last", np.array([-1], i64))], {"keepdims": 0})  # [B, H, F]
+    qf = n("Reshape", [scaled, c("frames_q", np.array([0, 0, frames, -1, head_dim], i64))])  # [B, H, F, T, d]
+    if gather:
+        keys, values, bias = _gather_kept(n, c, kept, keptf, count, rows_heads, prompt, ckey, cvalue, head_dim)
+    else:  # the whole prompt, the dropped tokens' logits -inf: fewer nodes, for prompts too short to gather
+        axis2 = c("axis2", np.array([2], i64))
+        keys, values = n("Unsqueeze", [ckey, axis2]), n("Unsqueeze", [cvalue, axis2])  # [B, H, 1, L, d]
+        bias = n("Where", [kept, c("zero_f", np.float32(0)), c("minus_inf", np.float32(-np.inf))])  # [B, H, F, L]
+    scores = n("FusedMatMul", [qf, keys], {"transB": 1, "alpha": 1.0}, domain=contract.MS_DOMAIN)
+    scores = n("Add", [scores, n("Unsqueeze", [bias, c("axis3", np.array([3], i64))])])
+    ctx = n("MatMul", [n("Softmax", [scores], {"axis": -1}), values])  # [B, H, F, T, d]
+    some = n("Unsqueeze", [n("Greater", [count, c("zero_f", np.float32(0))]), c("axes34", np.array([3, 4], i64))])
+    ctx = n("Where", [some, ctx, c("zero_f", np.float32(0))])  # a frame keeping nothing: 0, as the eager mode
+    return n("Reshape", [ctx, c("tokens_d", np.array([0, 0, -1, head_dim], i64))]), kept
+
+
+def _gather_kept(n, c, kept, keptf, count, rows_heads, prompt, ckey, cvalue, head_dim: int):
+    """Each frame's kept prompt K/V gathered [B, H, F, n, d], kept ones first in prompt order, padded to the
+    frame keeping most; and the logit bias [B, H, F, n] (-inf on the padding). The order is a stable partition
+    (a kept token's place = the kept ones before it, a dropped one's = count + the dropped ones before it:
+    CumSum and one ScatterElements of a permutation, cheaper than TopK's sort)."""
+    i64 = np.int64
+    last = c("last", np.array([-1], i64))
     widest = n("Reshape", [n("Cast", [n("Max", [n("ReduceMax", [count], {"keepdims": 0}), c("one_f", np.float32(1))])],
                                 {"to": ir.DataType.INT64}), c("one_dim", np.array([1], i64))])
-    length = n("Cast", [n("Squeeze", [prompt])], {"to": ir.DataType.FLOAT})
-    position = n("Range", [c("zero_f", np.float32(0)), length, c("one_f", np.float32(1))])
-    order = n("Sub", [n("Mul", [keptf, n("Add", [length, c("one_f", np.float32(1))])]), position])
-    first, idx = n("TopK", [order, widest], {"axis": -1, "largest": 1, "sorted": 1}, outputs=2)
-    bias = n("Where", [n("Greater", [first, c("zero_f", np.float32(0))]), c("zero_f", np.float32(0)),
+    before_kept = n("CumSum", [keptf, last], {"exclusive": 1})
+    before_dropped = n("CumSum", [n("Sub", [c("one_f", np.float32(1)), keptf]), last], {"exclusive": 1})
+    place = n("Where", [kept, before_kept, n("Add", [n("Unsqueeze", [count, last]), before_dropped])])
+    tokens = n("Expand", [n("Range", [c("zero_s", np.array(0, i64)), n("Squeeze", [prompt]), c("one_s", np.array(1, i64))]),
+                          n("Shape", [keptf])])
+    order = n("ScatterElements", [n("ConstantOfShape", [n("Shape", [keptf])], {"value": ir.tensor(np.zeros(1, i64))}),
+                                  n("Cast", [place], {"to": ir.DataType.INT64}), tokens], {"axis": -1})
+    idx = n("Slice", [order, c("zero", np.array([0], i64)), widest, last])  # [B, H, F, n]
+    slots = n("Range", [c("zero_f", np.float32(0)), n("Cast", [n("Squeeze", [widest])], {"to": ir.DataType.FLOAT}),
+                        c("one_f", np.float32(1))])
+    bias = n("Where", [n("Less", [slots, n("Unsqueeze", [count, last])]), c("zero_f", np.float32(0)),
                        c("minus_inf", np.float32(-np.inf))])  # [B, H, F, n]
     # flat rows of the prompt's K/V: (row * H + head) * L + token
     groups = n("ReduceProd", [rows_heads], {"keepdims": 0})
@@ -135,13 +167,7 @@ def annca_attention(graph: ir.Graph, b: Builder, query: ir.Value, scaled: ir.Val
     rows_d = c("rows_d", np.array([-1, head_dim], i64))
     keys = n("Gather", [n("Reshape", [ckey, rows_d]), flat_idx], {"axis": 0})  # [B, H, F, n, d]
     values = n("Gather", [n("Reshape", [cvalue, rows_d]), flat_idx], {"axis": 0})
-    qf = n("Reshape", [scaled, c("frames_q", np.array([0, 0, frames, -1, head_dim], i64))])  # [B, H, F, T, d]
-    scores = n("FusedMatMul", [qf, keys], {"transB": 1, "alpha": 1.0}, domain=contract.MS_DOMAIN)
-    scores = n("Add", [scores, n("Unsqueeze", [bias, c("axis3", np.array([3], i64))])])
-    ctx = n("MatMul", [n("Softmax", [scores], {"axis": -1}), values])  # [B, H, F, T, d]
-    some = n("Unsqueeze", [n("Greater", [count, c("zero_f", np.float32(0))]), c("axes34", np.array([3, 4], i64))])
-    ctx = n("Where", [some, ctx, c("zero_f", np.float32(0))])  # a frame keeping nothing: 0, as the eager mode
-    return n("Reshape", [ctx, c("tokens_d", np.array([0, 0, -1, head_dim], i64))]), kept
+    return keys, values, bias
 
 
 def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, hasher: Buckets) -> None:
@@ -162,7 +188,8 @@ def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, has
         b = Builder(m.layer, nodes, ids)
         for f in factors:  # the keys' scale, applied to the query instead (the keys are gathered raw)
             scaled = b("Mul", [scaled, f], part="annca")
-        ctx, kept = annca_attention(graph, b, query, scaled, ckey, cvalue, cfg.chunk_frames, cfg.head_dim, hasher)
+        ctx, kept = annca_attention(graph, b, query, scaled, ckey, cvalue, cfg.chunk_frames, cfg.head_dim, hasher,
+                                    gather=cfg.text_len >= GATHER_FROM)
         for node in nodes:  # names of their own: the other modes' builders count from 0 per layer too
             node.name = node.name.replace("fastcar/", "fastcar/annca/", 1)
             for v in node.outputs:
@@ -176,3 +203,20 @@ def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, has
         ir.convenience.replace_all_uses_with(old, ctx)
         graph.insert_after(context, nodes)
     RemoveUnusedNodesPass()(model)  # the export's scores, softmax and context of the cross-attention
+
+
+def standalone(hasher: Buckets, frames: int, head_dim: int, gather: bool = True) -> ir.Model:
+    """The op alone, for tests and benchmarks: inputs q [B, H, F*T, d] (unscaled), k, v [B, H, L, d]; outputs
+    `ctx` (the attention with the 1/sqrt(d) scale) and `kept`."""
+    f32 = ir.TensorType(ir.DataType.FLOAT)
+    q, k, v = (ir.Value(name=name, type=f32, shape=ir.Shape(["batch", "heads", length, head_dim]))
+               for name, length in (("q", "tokens"), ("k", "text"), ("v", "text")))
+    graph = ir.Graph([q, k, v], [], nodes=[], opset_imports={"": 20, contract.MS_DOMAIN: 1})
+    nodes: list[ir.Node] = []
+    b = Builder(0, nodes, itertools.count())
+    scaled = b("Mul", [q, const(graph, "scale", np.float32(head_dim ** -0.5))], part="annca")
+    ctx, kept = annca_attention(graph, b, q, scaled, k, v, frames, head_dim, hasher, gather=gather)
+    graph.extend(nodes)
+    ctx.name, kept.name = "ctx", "kept"
+    graph.outputs.extend([ctx, kept])
+    return ir.Model(graph, ir_version=10)
