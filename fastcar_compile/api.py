@@ -18,7 +18,7 @@ from fastcar_compile import pipeline
 from fastcar_compile.core import fileio
 from fastcar_compile.core import options as declared
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.passes import fused_attention, genai_state, native_gqa
+from fastcar_compile.passes import attention_form, fused_attention, genai_state, native_gqa
 from fastcar_compile.passes.analysis import find_layers, parse_layers
 from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 from fastcar_compile.passes.context import CompileContext, CompileOptions
@@ -87,7 +87,10 @@ def inspect(model) -> CompileReport:
     matches = find_layers(loaded, notes)
     report = CompileReport.from_matches(matches)
     fused = fused_attention.fusable(loaded, matches, defaults, notes)
-    report.plan = plan_blocks(matches, [m.layer for m in matches if m.ok], defaults, fused).lines()
+    rewritten = [m.layer for m in matches if m.ok]
+    forms = attention_form.decide(loaded, fused, defaults, set(fused_attention.kv_configs(defaults, fused)),
+                                  set(rewritten), notes)
+    report.plan = plan_blocks(matches, rewritten, defaults, fused, forms=forms).lines()
     report.notes.extend(notes)
     report.notes.extend(native_gqa.inspect_notes(loaded))
     return report

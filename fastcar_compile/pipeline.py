@@ -1,16 +1,17 @@
 """The compiler's pipeline: which `onnx_ir.passes` passes run, in order, for a set of options.
 
     [exporter fusions: rotary, RMSNorm, skip-norm] -> discover -> select layers -> plan
-    -> emit: [fused attention [-> q/k/v layout [-> packed QKV + RoPE in the op]]] -> gate -> branch -> cache state
+    -> emit: [fused attention (q/k/v layout, packed QKV + RoPE in the op: the plan's form)] -> gate -> branch
+       -> cache state
        [-> genai state] [-> native GroupQueryAttention] -> KV dim names -> IR version -> metadata
     [-> validate] [-> genai config] [-> save]
 
 The exporter-level fusions run first, so discovery, the plan and `--inspect` see the forms onnxruntime-genai's
 builder writes (RotaryEmbedding, SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization). Discovery runs
-once; the plan (passes/plan.py) is decided from it and the options; the emission passes build from the plan and
-from what the earlier ones recorded (the layer's match, PackedQuery, LayerRewrite), never from the ai.fastcar
-nodes in the graph, and each layer's gate is emitted once, in its final form, after the attention passes decided
-what query it reads. A new transformation is one module under passes/ plus one line in `build`. `describe` is
+once; the plan (passes/plan.py, passes/attention_form.py) is decided from it and the options; the emission
+passes build from the plan and from what the earlier ones recorded (the layer's match, PackedQuery, LayerRewrite),
+never from the ai.fastcar nodes in the graph: each layer's attention op and gate are emitted once, in their final
+form. A new transformation is one module under passes/ plus one line in `build`. `describe` is
 what `fastcar-compile --verbose` prints.
 """
 
@@ -23,7 +24,6 @@ from fastcar_compile.passes.analysis import DiscoverPass, PlanPass, SelectLayers
 from fastcar_compile.passes.branch import BranchPass
 from fastcar_compile.passes.cache_state import CacheStatePass
 from fastcar_compile.passes.context import CompileContext
-from fastcar_compile.passes.fuse_layout import FusedLayoutPass
 from fastcar_compile.passes.fuse_norm import RmsNormFusionPass, SkipNormFusionPass
 from fastcar_compile.passes.fuse_rotary import RotaryFusionPass
 from fastcar_compile.passes.fused_attention import FusedAttentionPass
@@ -32,7 +32,6 @@ from fastcar_compile.passes.genai_state import GenaiConfigPass, GenaiStatePass
 from fastcar_compile.passes.kv_dims import KvDimNamesPass
 from fastcar_compile.passes.metadata import IrVersionPass, MetadataPass
 from fastcar_compile.passes.native_gqa import NativeGqaPass
-from fastcar_compile.passes.pack_qkv import PackQkvPass
 from fastcar_compile.passes.save import SavePass, Staging
 from fastcar_compile.passes.validate import ValidatePass
 
@@ -44,14 +43,12 @@ def exporter_fusions(ctx: CompileContext) -> list[ir.passes.PassBase]:
 
 def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = True) -> ir.passes.PassManager:
     """The passes for `ctx.options`; with `staging` the result is validated (unless off) and saved."""
-    fusions = ctx.options.fusions
     passes: list[ir.passes.PassBase] = [
         *exporter_fusions(ctx),
         DiscoverPass(ctx),
         SelectLayersPass(ctx),
         PlanPass(ctx),
         *([FusedAttentionPass(ctx)] if ctx.options.fused_attention else []),
-        *([FusedLayoutPass(ctx), *([PackQkvPass(ctx)] if ctx.options.pack_qkv else [])] if fusions else []),
         GatePass(ctx),
         BranchPass(ctx),
         CacheStatePass(ctx),

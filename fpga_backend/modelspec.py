@@ -158,7 +158,7 @@ def load_onnx_shapes_only(path: str | Path) -> onnx.ModelProto:
 
 
 def column_source(name: str, start: int, stop: int) -> str:
-    """A weight that is columns [start, stop) of an initializer: a packed q/k/v projection (passes/pack_qkv.py)
+    """A weight that is columns [start, stop) of an initializer: a packed q/k/v projection (passes/attention_form.py)
     holds q_proj, k_proj and v_proj side by side."""
     return f"{name}[:, {start}:{stop}]"
 

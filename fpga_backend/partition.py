@@ -267,7 +267,7 @@ def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
 
     def take(layer: int, w: dict[str, Any]) -> bool:
         if w["shape"] == [h, q + 2 * kv] and w.get("part") in (None, "attention") and \
-                all(n in want[layer] for n in qkv):  # one packed q/k/v projection (passes/pack_qkv.py)
+                all(n in want[layer] for n in qkv):  # one packed q/k/v projection (passes/attention_form.py)
             for n, (a, b) in zip(qkv, ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True):
                 sources[f"L{layer}.{n}"] = column_source(w["name"], a, b)
                 del want[layer][n]

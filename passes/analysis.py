@@ -18,8 +18,8 @@ from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import check_state_size
 from fastcar_compile.core.options import ascii_int
+from fastcar_compile.passes import attention_form, fused_attention
 from fastcar_compile.passes import discover as disc
-from fastcar_compile.passes import fused_attention
 from fastcar_compile.passes.compile_report import CompileReport
 from fastcar_compile.passes.context import CompileContext, weight_bytes
 from fastcar_compile.passes.plan import plan_blocks
@@ -163,7 +163,7 @@ class SelectLayersPass(ir.passes.InPlacePass):
 
 
 class PlanPass(ir.passes.InPlacePass):
-    """Analysis: the per-layer plan (attention op, KV mode, gate form, packing, rows) the emission builds."""
+    """Analysis: the per-layer plan (attention op and form, KV mode, gate form, packing, rows) the emission builds."""
 
     def __init__(self, ctx: CompileContext):
         super().__init__()
@@ -174,5 +174,7 @@ class PlanPass(ir.passes.InPlacePass):
         ctx.fusions = fused_attention.fusable(model, ctx.matches, ctx.options, ctx.notes)
         ctx.kv_configs = fused_attention.kv_configs(ctx.options, ctx.fusions)
         kv = {n: fused_attention.describe(c) for n, c in ctx.kv_configs.items()}
-        ctx.plan = plan_blocks(ctx.matches, [m.layer for m in ctx.selected], ctx.options, ctx.fusions, kv)
+        rewritten = [m.layer for m in ctx.selected]
+        ctx.forms = attention_form.decide(model, ctx.fusions, ctx.options, set(kv), set(rewritten), ctx.notes)
+        ctx.plan = plan_blocks(ctx.matches, rewritten, ctx.options, ctx.fusions, kv, ctx.forms)
         return ir.passes.PassResult(model, modified=False)

@@ -21,6 +21,7 @@ from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import MAX_KV_BUDGET, MAX_KV_DIAGNOSTICS, check_int
 from fastcar_compile.core.options import FUSED_ATTENTION, ascii_float, ascii_int, check_fused_attention  # noqa: F401
+from fastcar_compile.passes.attention_form import Forms
 from fastcar_compile.passes.discover import LayerMatch
 from fastcar_compile.passes.plan import Plan
 
@@ -236,7 +237,7 @@ def parse_kv_layer(spec: str, frame_tokens: int):
 
 @dataclass(frozen=True)
 class PackedQuery:
-    """The query a fused layer's packed gate reads, decided by the attention passes before the gate is emitted:
+    """The query a fused layer's packed gate reads, recorded by the attention emission before the gate is emitted:
     `value` [B, S, >= H*D] (its first H*D channels are the query), `rope` = (cos table, sin table, rotary dim)
     when `value` is the projection before RoPE and the gate rotates it itself."""
 
@@ -297,9 +298,9 @@ class CompileContext:
     metadata: dict[str, str] = field(default_factory=dict)  # the fastcar.* props written
     kv_state: list[contract.StateEntry] = field(default_factory=list)  # compressed-KV slot state (fused pass)
     kv_configs: dict[int, object] = field(default_factory=dict)  # those layers' fastar.KVCompressConfig
-    rotary_table: int | None = None  # positions of PackQkvPass's cos/sin table when it packed a layer
+    rotary_table: int | None = None  # positions of the packed attention's cos/sin table when a layer is packed
     fusions: dict[int, dict] = field(default_factory=dict)  # layer -> what its fused attention reads (the plan's)
-    layouts: set[int] = field(default_factory=set)  # fused layers FusedLayoutPass fed [B, S, H*D] q/k/v
+    forms: Forms = field(default_factory=lambda: Forms({}, [], 0))  # how each fused attention is built (the plan's)
     packed_queries: dict[int, PackedQuery] = field(default_factory=dict)  # rewritten fused layers: the packed gate's
     plan: Plan = field(default_factory=Plan)  # per layer: what the emission builds (PlanPass)
     genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator

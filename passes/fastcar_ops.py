@@ -145,7 +145,7 @@ CompressedAttention <num_heads, kv_num_heads, scale, budget, sinks, window, fram
 # seqlens_k = total_len - 1). The function overload PACKED_ROTARY of the op, so the node keeps its type (the
 # native kernel, discovery and the FPGA partitioner see one CompressedAttention) while its body, written only for
 # this form, never names an input another form leaves out (ONNX Runtime refuses a body node whose required input
-# is absent even in an If branch not taken). passes/pack_qkv.py emits it.
+# is absent even in an If branch not taken). passes/fused_attention.py emits it (attention_form.Packing).
 PACKED_ROTARY = "packed_rotary"
 _COMPRESSED_ATTENTION_PACKED_ROTARY = f"""
 <domain: "ai.fastcar", opset_import: ["" : {{opset}}, "ai.fastcar" : 1, "{contract.MS_DOMAIN}" : 1]>

@@ -19,6 +19,10 @@ to q and k. Layers that do not have this shape stay as they were.
 runtime/native/compressed_attention.h): q, k, v stay [B, heads, S, D], the attention_mask goes in as it is (left
 padding and causality over KV indices inside the op), so multi-token steps after the prompt work at any batch
 (ORT's GQA refuses them at batch > 1); a preallocated KV buffer bound as past and present is written in place.
+
+Each op is built once, in the form the plan decided on the export (passes/attention_form.py): q/k/v [B, S, H*D]
+straight from the projections (`qkv_perm`), or one packed QKV MatMul with RoPE inside the op; the query a rewritten
+layer's gate reads is recorded for GatePass (`PackedQuery`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from fastcar_compile.core.limits import check_state_bytes
 from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes import graph_utils as gu
-from fastcar_compile.passes.context import CompileContext
+from fastcar_compile.passes.attention_form import BSHD_PERM, TABLE_PREFIX, Packing
+from fastcar_compile.passes.context import CompileContext, PackedQuery
 from fastcar_compile.passes.match_rotary import find_rotary_path
 
 MS = contract.MS_DOMAIN
@@ -285,7 +290,7 @@ def fusable(model: ir.Model, matches: list[disc.LayerMatch], opts, notes: list[s
 
 def core_attributes(p: dict) -> dict:
     """The fused op's head counts and score scale for one layer's fusion (`p`: what fusable found), the attributes
-    every later form of the op (PackQkvPass's packed ones) carries too."""
+    every form of the op (the packed ones too) carries."""
     return {"num_heads": p["heads"], "kv_num_heads": p["kv_heads"], "scale": float(p["scale"])}
 
 
@@ -305,6 +310,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
+        self.tables: dict[int, tuple[ir.Value, ir.Value]] = {}  # cos/sin table initializers by Forms.tables index
         plans = self.ctx.fusions  # the plan's layers (fusable), matched before this pass
         if not plans:
             return ir.passes.PassResult(model, modified=False)
@@ -334,6 +340,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         RemoveUnusedNodesPass()(model)
         disc.rematch(model, [m for m in self.ctx.matches if m.layer in plans])  # (com.microsoft's op)
         self.ctx.notes.append(f"fused attention (GroupQueryAttention) in layers {sorted(plans)}")
+        self._packed_note("GroupQueryAttention", plans)
         return ir.passes.PassResult(model, modified=True)
 
     def _fastcar(self, model: ir.Model, plans: dict[int, dict], mask: ir.Value, shared: list[ir.Node],
@@ -353,6 +360,25 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             bl = build.Builder(n, nodes, itertools.count())
             attrs = core_attributes(p)
             inputs = [p["q"], p["k"], p["v"], p["past_k"], p["past_v"], mask, total]
+            form, overload = self.ctx.forms[n], ""
+            if form.packing is not None:  # one QKV MatMul, RoPE inside the op (overload packed_rotary)
+                qkv, table = self._qkv(graph, n, form.packing)
+                none_f, none_i = build.absent(graph), build.absent(graph, np.int64)
+                inputs = [qkv, none_f, none_f, *inputs[3:], none_f, none_f, none_f, none_f, none_i, *table]
+                attrs |= {"qkv_perm": BSHD_PERM, "do_rotary": 1, "rotary_interleaved": 0}
+                overload = fastcar_ops.PACKED_ROTARY
+                query = PackedQuery(qkv, (*table, form.packing.head_dim))
+            elif form.layout is not None:  # the rotaries and the op read the projections' [B, S, H*D] q/k/v
+                split = form.layout
+                for r, x, h in ((split.rq, split.xq, p["heads"]), (split.rk, split.xk, p["kv_heads"])):
+                    r.replace_input_with(0, x)
+                    r.attributes["num_heads"] = ir.AttrInt64("num_heads", h)
+                    r.outputs[0].shape = x.shape
+                inputs[2] = split.xv
+                attrs["qkv_perm"] = BSHD_PERM
+                query = PackedQuery(p["q"] if opts.tas_query == contract.TAS_ROPE else split.xq)
+            if form.packed_gate and self.ctx.plan[n].rewrite:  # the query the layer's gate (emitted next) reads
+                self.ctx.packed_queries[n] = query
             if cfg is not None:
                 attrs.update(compressed_attributes(cfg, p["head_dim"]))
                 inputs += self._slot_state(graph, n, p, cfg)
@@ -365,7 +391,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             diag = opts.kv_diagnostics is not None
             n_out = 3 if cfg is None else 8 if diag else 5 + (cfg.tempcache_sim is not None)
             outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, outputs=n_out,
-                      part="attention")
+                      part="attention", overload=overload)
             out, present_k, present_v = outs[:3]
             cores[n] = out.producer()
             if cfg is not None:
@@ -376,8 +402,17 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             self._rewire(graph, p, out, present_k, present_v)
         self._check_state_bytes(plans, configs)
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
+        if self.tables:
+            fastcar_ops.add_overload(model, contract.COMPRESSED_ATTENTION, fastcar_ops.PACKED_ROTARY,
+                                     model.opset_imports.get("", 17))
         RemoveUnusedNodesPass()(model)
         self.ctx.notes.append(f"fused attention (ai.fastcar CompressedAttention) in layers {sorted(plans)}")
+        laid_out = [n for n in plans if self.ctx.forms[n].layout is not None]
+        if laid_out:
+            gates = sum(self.ctx.plan[n].rewrite for n in laid_out)
+            self.ctx.notes.append(f"q/k/v kept [B, S, H*D] into the fused attention in {len(laid_out)} layers; "
+                                  f"one-node gate (packed TemporalGate) in {gates}")
+        self._packed_note("CompressedAttention", plans)
         for m in self.ctx.matches:  # the layer's attention is now the op this pass built
             if m.layer in cores:
                 core = cores[m.layer]
@@ -388,6 +423,40 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             same = [n for n, c in self.ctx.kv_configs.items() if describe(c) == text]
             self.ctx.notes.append(f"compressed KV cache in layers {same}: {text}")
         return ir.passes.PassResult(model, modified=True)
+
+    def _qkv(self, graph: ir.Graph, n: int, packing: Packing) -> tuple[ir.Value, tuple[ir.Value, ir.Value]]:
+        """One MatMul (+ bias Add) on the concatenated q/k/v weights, before the q projection (the three originals go
+        with the head splits); its [B, S, W] output and the cos/sin table initializers the op and gate rotate with."""
+        pq = packing.projections[0]
+        if packing.table not in self.tables:
+            cos, sin = self.ctx.forms.tables[packing.table]
+            k = packing.table
+            self.tables[k] = (build.const(graph, f"{TABLE_PREFIX}{k}.cos_table", cos),
+                              build.const(graph, f"{TABLE_PREFIX}{k}.sin_table", sin))
+        base, meta = f"fastcar/gqa{n}", dict(pq.matmul.metadata_props)
+        weight = build.const(graph, f"{pq.matmul.inputs[1].name}.qkv", np.ascontiguousarray(
+            np.concatenate([p.weight for p in packing.projections], axis=1)))
+        x = pq.matmul.inputs[0]
+        matmul = ir.node("MatMul", [x, weight], name=f"{base}/qkv_matmul", metadata_props=meta)
+        nodes, qkv = [matmul], matmul.outputs[0]
+        if pq.bias is not None:
+            bias = build.const(graph, f"{pq.matmul.inputs[1].name}.qkv_bias",
+                               np.concatenate([p.bias for p in packing.projections]).astype(np.float32))
+            add = ir.node("Add", [qkv, bias], name=f"{base}/qkv_bias", metadata_props=meta)
+            nodes.append(add)
+            qkv = add.outputs[0]
+        width = sum(p.weight.shape[1] for p in packing.projections)
+        qkv.name, qkv.dtype = f"{base}.qkv", ir.DataType.FLOAT
+        qkv.shape = ir.Shape([*(x.shape[:2] if x.shape is not None and len(x.shape) == 3 else [None, None]), width])
+        graph.insert_before(pq.matmul, nodes)
+        return qkv, self.tables[packing.table]
+
+    def _packed_note(self, op: str, plans: dict[int, dict]) -> None:
+        packed = [n for n in plans if self.ctx.forms[n].packing is not None]
+        if packed:  # the metadata says so: FastCarSession checks positions against the table
+            self.ctx.rotary_table = self.ctx.forms.positions
+            self.ctx.notes.append(f"packed QKV with RoPE inside {op} in {len(packed)} layers (rotary table of "
+                                  f"{self.ctx.forms.positions} positions)")
 
     def _check_state_bytes(self, plans: dict[int, dict], configs: dict) -> None:
         """The fixed state of one video (K/V slots and slot records of every compressed layer) must fit in this
@@ -453,20 +522,29 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         nodes: list[ir.Node] = []
         b = build.Builder(n, nodes, itertools.count())
         heads, kv_heads, head_dim = p["heads"], p["kv_heads"], p["head_dim"]
-        # The score's S axis must match the bias: [B, 1, 1, T] -> [B, 1, S, T].
-        s_len = b("Shape", [p["q"]], {"start": 2, "end": 3}, part="attention")
+        packing = self.ctx.forms[n].packing
+        qkv, table = self._qkv(graph, n, packing) if packing is not None else (None, None)
+        # The score's S axis must match the bias: [B, 1, 1, T] -> [B, 1, S, T] (S of q [B, H, S, D] or qkv [B, S, W]).
+        s_len = b("Shape", [p["q"]], {"start": 2, "end": 3}, part="attention") if qkv is None else \
+            b("Shape", [qkv], {"start": 1, "end": 2}, part="attention")
         t_len = b("Shape", [bias4], {"start": 3, "end": 4}, part="attention")
         b_len = b("Shape", [bias4], {"start": 0, "end": 1}, part="attention")
         one = build.const(graph, "fastcar.gqa.one_i64", np.array([1], np.int64))
         bias = b("Expand", [bias4, b("Concat", [b_len, one, s_len, t_len], {"axis": 0}, part="attention")],
                  part="attention")
-        q = _bhsd_to_bse(b, graph, p["q"], heads, head_dim)
-        k = _bhsd_to_bse(b, graph, p["k"], kv_heads, head_dim)
-        v = _bhsd_to_bse(b, graph, p["v"], kv_heads, head_dim)
-        out, present_k, present_v = b(
-            "GroupQueryAttention", [q, k, v, p["past_k"], p["past_v"], seqlens, total, None, None, None, bias],
-            {**core_attributes(p), "do_rotary": 0},
-            domain=MS, outputs=3, part="attention")
+        if packing is not None:  # GroupQueryAttention's own packed form: query = the QKV projection, do_rotary with
+            # the table (ORT's positions: seqlens_k + 1 - S + i = KV index, since seqlens_k = total - 1 here)
+            inputs = [qkv, None, None, p["past_k"], p["past_v"], seqlens, total, *table, None, bias]
+            attrs = {**core_attributes(p), "do_rotary": 1, "rotary_interleaved": 0}
+            if self.ctx.plan[n].rewrite:  # the gate (emitted next) rotates the query slice of the projection
+                self.ctx.packed_queries[n] = PackedQuery(qkv, (*table, packing.head_dim))
+        else:
+            q = _bhsd_to_bse(b, graph, p["q"], heads, head_dim)
+            k = _bhsd_to_bse(b, graph, p["k"], kv_heads, head_dim)
+            v = _bhsd_to_bse(b, graph, p["v"], kv_heads, head_dim)
+            inputs = [q, k, v, p["past_k"], p["past_v"], seqlens, total, None, None, None, bias]
+            attrs = {**core_attributes(p), "do_rotary": 0}
+        out, present_k, present_v = b("GroupQueryAttention", inputs, attrs, domain=MS, outputs=3, part="attention")
         out.shape, out.type = ir.Shape([None, None, heads * head_dim]), p["out"].type
         _own_names(nodes, str(n), tag=True)
         graph.insert_before(p["out"].consumers()[0], nodes)

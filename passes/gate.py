@@ -6,8 +6,8 @@
 onnxruntime-genai's GroupQueryAttention layers on packed QKV or rotating inside get the packed form, which also
 rebuilds the query from the op's query input and reads the cached rows and the branch conditions.) The pass adds the model-level inputs (`video_start`, `fastcar_threshold`: initializers with their defaults, not graph inputs, contract.OVERRIDABLE), the
 `ai.fastcar` functions, each layer's state inputs (cache_state.declare_state), brings the query into
-[B, H, S, D] and emits the gate, once, in its final form: the plan's, or for a fused layer whose attention passes kept
-the query packed (ctx.packed_queries: FusedLayoutPass, PackQkvPass run before) the packed form on that query.
+[B, H, S, D] and emits the gate, once, in its final form: the plan's, for a fused layer whose attention op reads
+[B, S, H*D] q/k/v or a packed QKV the packed form on the query the attention emission recorded (ctx.packed_queries).
 No later pass rewrites it. Attention nodes are tagged for the FPGA partitioner.
 """
 
@@ -94,9 +94,9 @@ class GatePass(ir.passes.InPlacePass):
             form = self.ctx.plan[n].gate  # packed_qkv; do_rotary for `rope` (no rotary: rope = raw); select_rows
             query, total = src.qkv, src.total_len
             rope = (src.cos_cache, src.sin_cache, src.rotary_dim, int(src.interleaved)) if form.do_rotary else None
-        else:  # [B, S, H*D] q (FusedLayoutPass) or the QKV projection with the op's rotary table (PackQkvPass)
-            form = contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=fused.rope is not None,
-                                     select_rows=opts.shared_mlp)
+        else:  # the fused op's [B, S, H*D] q, or its QKV projection with the op's rotary table
+            form = self.ctx.plan[n].gate  # packed_qkv; do_rotary where RoPE moved into the op; select_rows
+            assert form.packed_qkv and form.do_rotary == (fused.rope is not None), (n, form)
             query, total = fused.value, att.total_len
             rope = (*fused.rope, 0) if fused.rope is not None else None
         inputs = {"q": query, "key": keys, "past_mlp_age": lr.past_age, "past_mlp_cache": lr.past_cache,

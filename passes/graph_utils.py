@@ -104,6 +104,26 @@ def ancestors_until(outputs: Iterable[ir.Value], stop: set[ir.Value], limit: int
     return seen
 
 
+def live_nodes(graph: ir.Graph, replaced: set[ir.Value], reads: Iterable[ir.Value]) -> set[ir.Node]:
+    """The nodes that still compute something once the values in `replaced` get new producers reading `reads`:
+    everything reachable backwards from the graph's outputs and `reads` without passing through `replaced` (the If
+    branches of a live node, and the outer values they read, included). What a rewrite checks before it drops a
+    value: nothing else reads it when none of its consumers is live."""
+    seen: set[ir.Node] = set()
+    stack = [v for v in (*graph.outputs, *reads) if v is not None and v not in replaced]
+    while stack:
+        node = stack.pop().producer()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        inner = [n for a in node.attributes.values() if a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+                 for g in (a.value if a.type == ir.AttributeType.GRAPHS else [a.value])
+                 for n in ir.traversal.RecursiveGraphIterator(g)]
+        seen.update(inner)
+        stack.extend(i for n in (node, *inner) for i in n.inputs if i is not None and i not in replaced)
+    return seen
+
+
 def descendants(value: ir.Value, within: set[ir.Node]) -> set[ir.Node]:
     """Nodes of `within` that depend on `value`."""
     out: set[ir.Node] = set()

@@ -20,6 +20,7 @@ import onnx_ir as ir
 
 from fastcar_compile.core import contract
 from fastcar_compile.passes import native_gqa
+from fastcar_compile.passes.attention_form import NONE, AttentionForm, Forms
 from fastcar_compile.passes.layer_match import LayerMatch
 
 CompileOptions = Any  # passes/context.py's CompileOptions (which imports this module for the Plan it holds)
@@ -128,39 +129,42 @@ def _attention_op(m: LayerMatch, opts: CompileOptions | None, fused: dict[int, d
     return AS_EXPORTED
 
 
-def _gate(m: LayerMatch, opts: CompileOptions | None, op: str, kv: KvPlan) -> contract.GateForm:
+def _gate(m: LayerMatch, opts: CompileOptions | None, op: str, kv: KvPlan, form: AttentionForm) -> contract.GateForm:
     att = m.attention
     assert att is not None
     rows = opts is None or opts.shared_mlp
     if att.packed_query is not None:  # GroupQueryAttention on packed QKV or rotating inside
         rope = (opts is None or opts.tas_query == contract.TAS_ROPE) and att.packed_query.cos_cache is not None
         return contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=rope, select_rows=rows)
+    if form.packed_gate:  # a fused op reading [B, S, H*D] q/k/v: the query packed, rotated by the gate when RoPE
+        # moved into the op
+        return contract.GateForm(use_total_len=True, packed_qkv=True, do_rotary=form.packing is not None,
+                                 select_rows=rows)
     if kv.mode != "dense":
         return contract.GateForm(use_total_len=True, aligned_keys=True)
     total = att.total_len is not None or op in (FASTCAR_ATTENTION, MS_GQA, FASTCAR_GQA)
     return contract.GateForm(use_total_len=total)
 
 
-def _packing(m: LayerMatch, opts: CompileOptions | None, op: str, kv: KvPlan) -> str:
+def _packing(m: LayerMatch, form: AttentionForm, forms: Forms | None) -> str:
     att = m.attention
     assert att is not None
     if att.packed_query is not None:
         return "packed QKV " + ("with the rotary in the op" if att.packed_query.cos_cache is not None else "as exported")
-    fusions = opts is None or opts.fusions
-    if op == FASTCAR_ATTENTION and kv.mode == "dense" and fusions:
-        packed = opts is None or opts.pack_qkv
-        return ("[B, S, H*D] q/k/v and a packed gate" + (" + one QKV MatMul, RoPE in the op" if packed else "") +
-                " (where the fusions find the head split and rotary)")
-    if op in (MS_GQA, FASTCAR_GQA) and fusions and (opts is None or opts.pack_qkv):
-        return "one QKV MatMul, RoPE in the op (where the fusions find the head split and rotary)"
-    return f"separate q/k/v, query as {att.q_layout}"
+    left = f" (not packed: {form.left})" if form.left else ""
+    if form.packing is not None:
+        return f"one QKV MatMul, RoPE inside the op (cos/sin table of {forms.positions} positions)"
+    if form.layout is not None:
+        return "[B, S, H*D] q/k/v into the op, no head-split Reshape/Transpose" + left
+    return f"separate q/k/v, query as {att.q_layout}" + left
 
 
 def plan_blocks(matches: list[LayerMatch], selected: list[int], opts: CompileOptions | None,
-                fused: dict[int, dict] | None = None, kv: dict[int, str] | None = None) -> Plan:
+                fused: dict[int, dict] | None = None, kv: dict[int, str] | None = None,
+                forms: Forms | None = None) -> Plan:
     """The plan for discovery's `matches`: `selected` layers rewritten, `fused` layers' attention replaced by the
-    fused op (layer -> what fused_attention.fusable found), `kv` = layer -> settings text of its compressed cache. opts None: the defaults (what --inspect
-    plans)."""
+    fused op (layer -> what fused_attention.fusable found), `kv` = layer -> settings text of its compressed cache,
+    `forms` = how each fused op is built (attention_form.decide). opts None: the defaults."""
     blocks: list[BlockPlan] = []
     for m in matches:
         att, mlp = m.attention, m.mlp
@@ -170,10 +174,10 @@ def plan_blocks(matches: list[LayerMatch], selected: list[int], opts: CompileOpt
         op = _attention_op(m, opts, fused or {})
         cache = KvPlan("compressed", kv[m.layer]) if kv and m.layer in kv else KvPlan()
         rewrite = m.layer in selected
-        gate = _gate(m, opts, op, cache) if rewrite else None
+        form = forms[m.layer] if forms is not None else NONE
+        gate = _gate(m, opts, op, cache, form) if rewrite else None
         rows = "-" if not rewrite else "in the gate (select_rows)" if gate.select_rows else \
-            "SelectRows, one MLP under an If (the gate selects the rows where the attention passes pack its query)" \
-            if opts is None or opts.shared_mlp else "nested If (older layout)"
+            "SelectRows, one MLP under an If" if opts is None or opts.shared_mlp else "nested If (older layout)"
         mlp_text = (f"{len(mlp.nodes)} nodes, hidden {mlp.hidden}, weights {mlp.weights}" +
                     (", norm fused with the residual Add" if mlp.fused_norm else ""))
         blocks.append(DecoderLayerPlan(
@@ -184,5 +188,5 @@ def plan_blocks(matches: list[LayerMatch], selected: list[int], opts: CompileOpt
             attention_op=op, rotary=att.rope + (f" (rope TAS refused: {att.rope_refusal})" if att.rope_refusal else ""),
             residual=mlp.form, mlp=mlp_text, kv=cache, gate=gate,
             tas_query=(opts.tas_query if opts is not None else contract.TAS_ROPE) if rewrite else "",
-            packing=_packing(m, opts, op, cache) if rewrite else "-", row_selection=rows))
+            packing=_packing(m, form, forms) if m.layer in (fused or {}) or rewrite else "-", row_selection=rows))
     return Plan(tuple(blocks))

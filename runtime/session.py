@@ -283,7 +283,7 @@ class FastCarSession:
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
         # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
         self.max_length = self._check_shared_kv(max_length)
-        # packed q/k/v (PackQkvPass): the rotary is at the KV index (the export's positions plus the row's left
+        # packed q/k/v (--pack-qkv): the rotary is at the KV index (the export's positions plus the row's left
         # padding; equal scores, RoPE sees only differences), from a table of this many positions; None: the graph
         # rotates at the position_ids fed
         self.rotary_positions: int | None = fc.rotary_positions if fc is not None else None

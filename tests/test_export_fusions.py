@@ -39,7 +39,7 @@ def _ops(graph: onnx.GraphProto) -> list[str]:
 def _assert_fused(path, layers: int) -> None:
     graph = onnx.load(str(path)).graph
     ops = _ops(graph)
-    # q and k of every layer: RotaryEmbedding nodes, or inside the packed attention op (passes/pack_qkv.py)
+    # q and k of every layer: RotaryEmbedding nodes, or inside the packed attention op (passes/attention_form.py)
     packed = sum(n.op_type == "CompressedAttention" and n.overload == fastcar_ops.PACKED_ROTARY for n in graph.node)
     assert ops.count("RotaryEmbedding") + 2 * packed == 2 * layers
     # both residual Adds close into a norm: the attention's into the MLP norm (moved out of the If), the MLP's

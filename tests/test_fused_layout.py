@@ -1,4 +1,4 @@
-"""passes/fuse_layout.py: q/k/v stay [B, S, H*D] into RotaryEmbedding and CompressedAttention (qkv_perm), and the
+"""The layout form (passes/attention_form.py, built by passes/fused_attention.py): q/k/v stay [B, S, H*D] into RotaryEmbedding and CompressedAttention (qkv_perm), and the
 gate of a dynamo export's fused layer is one packed TemporalGate; the MLP norm is joined to the residual Add. References: NumPy attention (the op on its own),
 the eager PyTorch FastCar reference (finite tau, function bodies and native kernels) and the uncompiled export
 (tau = +inf, tests/test_export_fusions.py and tests/test_fused_attention.py run the same compiles)."""
@@ -27,7 +27,7 @@ def test_layer_is_one_gate_and_no_layout_ops(zoo_model, fc_compile, tmp_path):
     Gather, Cast/ReduceSum/Equal/Less, SelectRows)."""
     out = tmp_path / "fast.onnx"
     _, report = fc_compile(str(zoo_model("llama", "dynamo20")), output=str(out), frame_tokens=L, threshold=[0.1, 0.2],
-                           per_layer_threshold=True, pack_qkv=False)  # FusedLayoutPass's own form
+                           per_layer_threshold=True, pack_qkv=False)  # the layout form alone
     assert any("one-node gate (packed TemporalGate) in 2" in n for n in report.notes)
     graph = onnx.load(str(out)).graph
     ops = [n.op_type + (f"[{n.overload}]" if n.overload else "") for n in graph.node]

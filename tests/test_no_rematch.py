@@ -1,12 +1,13 @@
 """No pass decides from the ai.fastcar nodes an earlier pass built: they read the plan and the layer records, and
-each layer's gate is emitted once, in its final form.
+each layer's attention op and gate are emitted once, in their final form.
 
 A structural check over passes/*.py (Python's own parser): no comparison of a node's `op_type` or `domain` with an
 ai.fastcar op or domain, no reader of an emitted gate's form/inputs/attributes, no read of a compressed-cache
 setting (`budget`) off a node. Building such nodes (ir.node(contract.TEMPORAL_GATE, ...)) is what emission does
 and is not flagged. The one place that looks at ai.fastcar nodes is the input check before anything is emitted
 (an already compiled model is refused). The compile tests run the pipeline pass by pass and watch every
-TemporalGate node: once emitted, no later pass may replace it or change its inputs or attributes.
+ai.fastcar node and every attention op the compile built: once emitted, no later pass may replace it or change its
+inputs or attributes (NativeGqaPass's swap of com.microsoft's GroupQueryAttention for ours aside).
 """
 
 from __future__ import annotations
@@ -95,30 +96,80 @@ def test_the_check_sees_what_it_forbids():
     assert violations(fine, "x.py") == []
 
 
-def _gates(model: ir.Model) -> dict[ir.Node, tuple]:
-    """Every TemporalGate node of the model (If branches included) -> its inputs' names and its attributes (names:
-    a pass that replaces the op producing an input, e.g. NativeGqaPass, hands the gate the same value anew)."""
-    return {node: (tuple(v.name if v is not None else None for v in node.inputs), tuple(sorted((k, repr(a.value)) for k, a in node.attributes.items())))
-            for node in ir.traversal.RecursiveGraphIterator(model.graph)
-            if node.op_type == contract.TEMPORAL_GATE and node.domain == contract.DOMAIN}
+def _signature(node: ir.Node) -> tuple:
+    """A node's op, inputs (by name: a pass that replaces the op producing an input, e.g. NativeGqaPass, hands the
+    node the same value anew) and attributes."""
+    return (node.domain, node.op_type, node.overload, tuple(v.name if v is not None else None for v in node.inputs),
+            tuple(sorted((k, repr(a.value)) for k, a in node.attributes.items())))
 
 
-def compile_watching_gates(path, **options) -> tuple[CompileContext, dict[ir.Node, str], dict[ir.Node, tuple]]:
+def _emitted(model: ir.Model, before: set[ir.Node]) -> dict[ir.Node, tuple]:
+    """The nodes the compiler built that a later pass must leave as they are (If branches included): every
+    ai.fastcar node, and the com.microsoft attention ops it built (not in the input: `before`)."""
+    return {node: _signature(node) for node in ir.traversal.RecursiveGraphIterator(model.graph)
+            if node.domain == contract.DOMAIN or (node.domain == contract.MS_DOMAIN and
+                                                   node.op_type == contract.GROUP_QUERY_ATTENTION and
+                                                   node not in before)}
+
+
+def _swapped_in(sig: tuple, now: dict[ir.Node, tuple]) -> bool:
+    """NativeGqaPass's swap: com.microsoft.GroupQueryAttention -> ai.fastcar's op of that name on the same inputs
+    (it matches com.microsoft's node, the op exports contain, and writes ours once)."""
+    domain, op, _, inputs, _ = sig
+    stripped = tuple(inputs[:len(inputs) - next(i for i, v in enumerate(reversed(inputs)) if v is not None)])
+    return domain == contract.MS_DOMAIN and any(d == contract.DOMAIN and o == op and i == stripped
+                                                for d, o, _, i, _ in now.values())
+
+
+def compile_watching(path, **options) -> tuple[CompileContext, dict[ir.Node, str], dict[ir.Node, tuple]]:
     """Run the compile pipeline on `path` one pass at a time; fail when a pass replaces, rewires or re-attributes a
-    gate an earlier pass emitted. (context, gate -> the pass that emitted it, the final gates)."""
+    node an earlier pass built (an ai.fastcar op, or a com.microsoft attention op the compile wrote). (context,
+    node -> the pass that built it, the final nodes -> their signatures)."""
     model = ir.load(str(path))
+    exported = set(ir.traversal.RecursiveGraphIterator(model.graph))
     ctx = CompileContext(CompileOptions(frame_tokens=4, **options))
-    emitted: dict[ir.Node, str] = {}
+    built: dict[ir.Node, str] = {}
     seen: dict[ir.Node, tuple] = {}
     for p in pipeline.build(ctx).passes:
         p(model)
-        now = _gates(model)
-        for node, form in seen.items():
-            assert now.get(node) == form, f"{type(p).__name__} rewrote the gate {node.name} {emitted[node]} emitted"
-        for node, form in now.items():
-            if node not in seen:
-                emitted[node], seen[node] = type(p).__name__, form
-    return ctx, emitted, now
+        now = _emitted(model, exported)
+        for node, sig in seen.items():
+            if node not in now and _swapped_in(sig, now) and type(p).__name__ == "NativeGqaPass":
+                continue
+            assert now.get(node) == sig, f"{type(p).__name__} rewrote {node.op_type} {node.name} {built[node]} built"
+        for node in now.keys() - seen.keys():
+            built[node] = type(p).__name__
+        seen = now
+    return ctx, built, seen
+
+
+def compile_watching_gates(path, **options) -> tuple[CompileContext, dict[ir.Node, str], dict[ir.Node, tuple]]:
+    """compile_watching, its TemporalGate nodes only."""
+    ctx, built, final = compile_watching(path, **options)
+    gates = {n for n in final if n.op_type == contract.TEMPORAL_GATE and n.domain == contract.DOMAIN}
+    return ctx, {n: built[n] for n in gates}, {n: final[n] for n in gates}
+
+
+OPTIONS = [{}, {"tas_query": "raw"}, {"fused_attention": "gqa"}, {"pack_qkv": False},
+           {"fused_attention": "gqa", "tas_query": "raw"}, {"per_layer_threshold": True, "threshold": [0.3, 0.6]},
+           {"kv_budget": 16, "kv_sinks": 2, "kv_window": 8}]
+OPTION_IDS = ["default", "raw", "gqa", "nopack", "gqa-raw", "per-layer", "kv"]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_a_dynamo_exports_attention_ops_are_built_once(zoo_model, options):
+    """Each fused layer's attention op is built once, by the attention emission, in its final form (the layout and
+    the packed QKV with RoPE inside it included): no later pass replaces, rewires or re-attributes it, nor any other
+    ai.fastcar node."""
+    ctx, built, final = compile_watching(zoo_model("llama", "dynamo20"), **options)
+    ops = (contract.COMPRESSED_ATTENTION, contract.GROUP_QUERY_ATTENTION)
+    attention = [built[n] for n in final if n.op_type in ops]
+    swapped = [p for n, p in built.items() if n.op_type in ops and n not in final]
+    assert len(ctx.fusions) == 2
+    if options.get("fused_attention") == "gqa":  # com.microsoft's op, swapped for ai.fastcar's by NativeGqaPass
+        assert swapped == ["FusedAttentionPass"] * 2 and attention == ["NativeGqaPass"] * 2
+    else:
+        assert swapped == [] and attention == ["FusedAttentionPass"] * 2
 
 
 @pytest.mark.parametrize("options", [{}, {"tas_query": "raw"}, {"fused_attention": "gqa"},

@@ -1,4 +1,4 @@
-"""passes/pack_qkv.py: one packed q/k/v MatMul per layer, RoPE inside CompressedAttention (overload packed_rotary)
+"""The packed form (passes/attention_form.py, built by passes/fused_attention.py): one packed q/k/v MatMul per layer, RoPE inside CompressedAttention (overload packed_rotary)
 and the gate (TemporalGate with packed_qkv and do_rotary). References: NumPy (the op alone: rotation at KV indices, attention), the
 eager PyTorch FastCar reference (finite tau: logits, decisions, TAS, state) and the uncompiled export (tau = +inf),
 with batch 2, left padding and a multi-token step after the prompt, through the function bodies and the kernels."""
@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 from test_compressed_attention import HKV, HQ, D, reference
 
 from fastcar_compile.core import contract
-from fastcar_compile.passes import fastcar_ops, pack_qkv
+from fastcar_compile.passes import attention_form, fastcar_ops
 
 L = tpr.L
 PACKED = fastcar_ops.PACKED_ROTARY
@@ -153,7 +153,7 @@ def test_pass_fires_and_weights_do_not_grow(zoo_model, fc_compile, tmp_path):
     def weight_bytes(path):
         model = onnx.load(str(path))
         return sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer
-                   if not t.name.startswith(pack_qkv.TABLE_PREFIX))
+                   if not t.name.startswith(attention_form.TABLE_PREFIX))
 
     # not more; less only by the rotary plumbing's small constants (inv_freq, index vectors)
     assert weight_bytes(plain) - 1024 <= weight_bytes(packed) <= weight_bytes(plain)
@@ -298,7 +298,7 @@ def test_session_refuses_feeds_the_packed_rotary_cannot_honour(zoo_model, fc_com
 
 @pytest.mark.parametrize("switch", [False, True], ids=["plain", "length_dependent"])
 def test_table_refuses_a_rotary_that_depends_on_the_length(switch):
-    """_table: cos/sin of position_ids alone give the table NumPy computes; a rotary whose frequencies switch with
+    """rotary_table: cos/sin of position_ids alone give the table NumPy computes; a rotary whose frequencies switch with
     max(position_ids) (dynamic / longrope scaling) is refused with a reason instead of tabulated."""
     import onnx_ir as ir
 
@@ -323,7 +323,7 @@ def test_table_refuses_a_rotary_that_depends_on_the_length(switch):
                               inits)
     model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     outs = tuple(model.graph.outputs)
-    found = pack_qkv._table(model, outs, 100)
+    found = attention_form.rotary_table(model, outs, 100)
     if switch:
         assert isinstance(found, str) and "depend on the sequence length" in found
     else:
@@ -334,7 +334,7 @@ def test_table_refuses_a_rotary_that_depends_on_the_length(switch):
 
 def test_matchers_refuse_what_the_packed_form_would_drop():
     """A RotaryEmbedding with scale != 1 or is_packed_batching is left unpacked with a reason: the packed op and
-    the gate have no room for them. (The GroupQueryAttention the pass packs is the plan's fused one, which
+    the gate have no room for them. (The packed GroupQueryAttention is the plan's fused one, which
     FusedAttentionPass builds with inputs 0-10 only: no head_sink to refuse.)"""
     import onnx_ir as ir
 
@@ -343,10 +343,10 @@ def test_matchers_refuse_what_the_packed_form_would_drop():
         x, pos, cos, sin = (ir.Value(name=n) for n in ("x", "pos", "cos", "sin"))
         node = ir.node("RotaryEmbedding", [x, pos, cos, sin], {"num_heads": 2, **attrs}, domain="com.microsoft",
                        name="rope")
-        return node.outputs[0]
+        return node
 
-    assert isinstance(pack_qkv._rotary(rotary(), 2), ir.Node)  # the form RotaryFusionPass writes
+    assert attention_form.rotary_form(rotary(), 2) is None  # the form RotaryFusionPass writes
     for attrs in ({"scale": 0.5}, {"is_packed_batching": 1}):
-        why = pack_qkv._rotary(rotary(**attrs), 2)
+        why = attention_form.rotary_form(rotary(**attrs), 2)
         assert isinstance(why, str) and "does not apply" in why, attrs
 

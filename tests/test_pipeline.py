@@ -15,7 +15,7 @@ from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 L = 4
 PASSES = ["RotaryFusionPass", "RmsNormFusionPass", "SkipNormFusionPass",
-          "DiscoverPass", "SelectLayersPass", "PlanPass", "FusedAttentionPass", "FusedLayoutPass", "PackQkvPass",
+          "DiscoverPass", "SelectLayersPass", "PlanPass", "FusedAttentionPass",
           "GatePass", "BranchPass", "CacheStatePass", "NativeGqaPass", "KvDimNamesPass",
           "IrVersionPass", "MetadataPass", "ValidatePass", "SavePass"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import onnx
+import pytest
 
 from fastcar_compile.cli import main
 from fastcar_compile.core import contract
@@ -102,13 +103,32 @@ def test_the_plan_follows_the_options(genai_model, zoo_model, tmp_path, capsys):
     assert set(map(frozenset, _gate_forms(out).values())) == {frozenset({"use_total_len", "aligned_keys"})}
 
 
-def test_verbose_says_how_the_fusions_built_a_dynamo_exports_gate(zoo_model, tmp_path, capsys):
+PACKED_ROPE = {"use_total_len", "packed_qkv", "do_rotary", "select_rows"}
+PACKED = {"use_total_len", "packed_qkv", "select_rows"}
+
+
+@pytest.mark.parametrize("flags,gate,packing", [
+    ([], PACKED_ROPE, "one QKV MatMul"),
+    (["--tas-query", "raw"], PACKED, "[B, S, H*D] q/k/v"),
+    (["--pack-qkv", "off"], PACKED, "[B, S, H*D] q/k/v"),
+    (["--fused-attention", "gqa"], PACKED_ROPE, "one QKV MatMul"),
+    (["--fused-attention", "gqa", "--tas-query", "raw"], {"use_total_len"}, "separate q/k/v"),
+], ids=["default", "raw", "nopack", "gqa", "gqa-raw"])
+def test_the_plan_of_a_dynamo_export_is_what_the_compile_builds(zoo_model, tmp_path, capsys, flags, gate, packing):
+    """The printed plan names each layer's final gate and attention form (the layout and packing included), the
+    ones the written model holds (read back with ONNX's own reader)."""
     out = tmp_path / "fast.onnx"
-    assert main([str(zoo_model("llama", "dynamo20")), "-o", str(out), "--frame-tokens", str(L), "--verbose"]) == 0
+    assert main([str(zoo_model("llama", "dynamo20")), "-o", str(out), "--frame-tokens", str(L), "--verbose",
+                 *flags]) == 0
     text = capsys.readouterr().out
     blocks = _plan_blocks(text)
-    assert all(b["gate"] == "TemporalGate [use_total_len]" for b in blocks.values())  # what discovery plans
-    built = {int(m.group(1)): set(m.group(2).split(", "))
-             for m in re.finditer(r"^  layer +(\d+) built: TemporalGate \[(.*)\]$", text, re.M)}
-    assert built == _gate_forms(out)  # what the written model holds, layer by layer
-    assert sorted(built) == sorted(blocks) and all("packed_qkv" in form for form in built.values())
+    assert " built: " not in text  # nothing is built other than planned
+    assert {n: set(b["gate"].removeprefix("TemporalGate [").removesuffix("]").split(", "))
+            for n, b in blocks.items()} == _gate_forms(out) == dict.fromkeys(blocks, gate)
+    assert all(b["packing"].startswith(packing) for b in blocks.values()), blocks
+    attention = [n for n in onnx.load(str(out), load_external_data=False).graph.node
+                 if n.op_type in (contract.COMPRESSED_ATTENTION, contract.GROUP_QUERY_ATTENTION)]
+    assert len(attention) == len(blocks)
+    for node in attention:  # one QKV MatMul: the op takes the packed projection and rotates itself
+        rotates = node.overload == "packed_rotary" or any(a.name == "do_rotary" and a.i for a in node.attribute)
+        assert rotates == (packing == "one QKV MatMul"), node.name

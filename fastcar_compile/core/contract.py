@@ -355,7 +355,7 @@ class FastCarMetadata:
         "steps would (docs/DESIGN.md \"Semantics\"), so drafts can be verified in one step (docs/speculation.md); "
         "absent: compiled before that rule, its multi-token steps compute every MLP"))
     rotary_positions: int | None = field(default=None, metadata=_doc(
-        "packed q/k/v with the rotary inside the attention op (PackQkvPass): those layers rotate at the KV index "
+        "packed q/k/v with the rotary inside the attention op (--pack-qkv): those layers rotate at the KV index "
         "(the export's positions plus the row's left padding; RoPE scores and TAS `rope` see only position "
         "differences, so this equals the export's rotation while padding precedes a row's first real token), from a "
         "cos/sin table of this many positions; FastCarSession refuses attention_mask "
