@@ -243,6 +243,12 @@ def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotC
     info: executed pairs, and with diag the per-slot probabilities and the own part's)."""
     G, Q, d = q.shape
     bias = cache.bias()
+    if keep is None and not diag:  # every slot: one fused softmax over [cache; chunk], log(count) as the mask
+        mask = torch.cat([bias, torch.zeros(G, Q)], 1)[None, :, None, :]  # 4-D: the groups as heads (3-D
+        # inputs take a far slower path on the CPU)
+        out = F.scaled_dot_product_attention(q[None], torch.cat([cache.k_post, k], 1)[None],
+                                             torch.cat([cache.v, v], 1)[None], attn_mask=mask)[0]
+        return out, {"executed": G * Q * Q + Q * int(cache.live.sum())}
     parts = [sparse.dense_part(q, k, v)]
     executed = G * Q * Q
     if cache.count.shape[1] == 0:
