@@ -234,3 +234,21 @@ def test_top1_match_on_a_decoder_is_refused(tmp_path, capsys):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and "--tempcache-match" in err[0] and "DiT" in err[0]
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_calibrate_replay_streams_the_probe_with_the_match(dit_tiny_export, tmp_path, eager, capsys):
+    """`--calibrate-replay 0.4 --tempcache 0.3 --tempcache-match lsh --lsh-bits 3` over 8 frames: the probe's
+    rollout merges as the final graph's will, so the tau equals the eager calibration of TempCache-lsh with those
+    buckets (and differs from one without TempCache)."""
+    from fastcar_compile.dit.fastar import calibrate_tau
+
+    out = tmp_path / "cal.onnx"
+    assert main([str(dit_tiny_export), "-o", str(out), "--calibrate-replay", "0.4", "--tempcache", "0.3",
+                 "--tempcache-match", "lsh", "--lsh-bits", "3", "--calib-frames", "8"]) == 0
+    fast = OrtDiT(out)
+    assert fast.match == "lsh" and fast.hasher.bits == 3
+    fa = modes.settings(tempcache="lsh", tempcache_sim=0.3, lsh_bits=3, fastcar_ratio=0.4)
+    want = calibrate_tau(eager, fa, StreamSettings(frames=8, seed=0), chunks=4)
+    assert fast.tau == pytest.approx(want, abs=1e-4)
+    plain = calibrate_tau(eager, modes.settings(fastcar_ratio=0.4), StreamSettings(frames=8, seed=0), chunks=4)
+    assert abs(want - plain) > 1e-3  # the merges change the rollout: a probe without them would miss

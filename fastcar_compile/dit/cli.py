@@ -76,6 +76,7 @@ def compile_main(a: argparse.Namespace) -> int:
     """`fastcar-compile dit.onnx -o fast.onnx` on a DiT step graph (the compiler's parsed arguments)."""
     from fastcar_compile.core import options
     from fastcar_compile.dit.compile import REPLAY_FEATURE, calibrate_threshold, compile_dit
+    from fastcar_compile.dit.modes import BUCKET_SETTINGS
 
     if a.calibrate_quality is not None:
         raise FastCarError(f"--calibrate-quality: calibrating {REPLAY_FEATURE} by quality is not supported yet; "
@@ -95,7 +96,8 @@ def compile_main(a: argparse.Namespace) -> int:
         cfg = from_dict(json.loads(meta[METADATA_KEY]), str(a.model))
         text = _read_text(a.calib_data, cfg.text_dim) if a.calib_data else None
         tau = calibrate_threshold(a.model, a.calibrate_replay, text=text, frames=a.calib_frames,
-                                  tempcache=opts.get("tempcache"), tempcache_match=opts["tempcache_match"])
+                                  tempcache=opts.get("tempcache"), tempcache_match=opts["tempcache_match"],
+                                  **{k: opts[k] for k in BUCKET_SETTINGS})
         opts["threshold"] = (tau,)
         print(f"calibrated --threshold {tau:.6g} for replay ratio {a.calibrate_replay:g} (TAS quantile over the "
               f"eligible rows of a {max(a.calib_frames, 2 * cfg.chunk_frames)}-frame stream, "

@@ -330,10 +330,11 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
 
 
 def calibrate_threshold(path: str | os.PathLike, ratio: float, *, text: np.ndarray | None = None, frames: int = 3,
-                        tempcache: float | None = None, tempcache_match: str = "aligned") -> float:
+                        tempcache: float | None = None, tempcache_match: str = "aligned", **buckets) -> float:
     """The tau giving FFN replay ratio `ratio` over the eligible rows (the decoders' one-pass calibration): a
     probe compiled with FastCar on and a tau no TAS exceeds streams `frames` frames (at least two chunks; the
-    prompt `text` [L, text_dim] or a seeded random one) and the quantile of the TAS it outputs is the tau."""
+    prompt `text` [L, text_dim] or a seeded random one) and the quantile of the TAS it outputs is the tau.
+    TempCache (its SIM, match and `buckets`: dit/modes.BUCKET_SETTINGS) changes the rollout: the probe has it."""
     import tempfile
 
     from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout
@@ -342,7 +343,7 @@ def calibrate_threshold(path: str | os.PathLike, ratio: float, *, text: np.ndarr
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.onnx"
         compile_dit(path, probe, threshold=(3e38,), tempcache=tempcache, tempcache_match=tempcache_match,
-                    validate=False)
+                    validate=False, **buckets)
         runtime = OrtDiT(probe)
         runtime.tas_log = []
         for _ in rollout(runtime, StreamSettings(frames=max(frames, 2 * runtime.cfg.chunk_frames)), text):
