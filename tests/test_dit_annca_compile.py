@@ -89,8 +89,9 @@ def _reference(q, k, v, hasher, frames):
 @pytest.mark.parametrize("kind, bits, tables, prompt", [("lsh", 4, 2, 9), ("lsh", 12, 1, 40), ("quant", 2, 2, 40),
                                                         ("quant", 1, 3, 7)])
 def test_op_matches_numpy(kind, bits, tables, prompt, gather):
-    """Codes, kept set per frame and the attention over it vs NumPy (some frames keep nothing: output 0), the
-    kept tokens gathered or the dropped ones masked."""
+    """The queries' codes, the kept set per frame and the attention over it vs NumPy (some frames keep nothing:
+    output 0), the kept tokens gathered or the dropped ones masked (the prompt keys' codes are an input, as the
+    prompt graph computes them: checked in the next test)."""
     rng = np.random.default_rng(bits * 10 + tables)
     B, H, F, T, d = 2, 3, 3, 5, 8
     hasher = SignLSH(d, bits, tables, seed=4) if kind == "lsh" else Int8Buckets(d, bits, tables, seed=4)
@@ -99,7 +100,7 @@ def test_op_matches_numpy(kind, bits, tables, prompt, gather):
     from fastcar_compile.dit.annca_graph import standalone
 
     sess = ort.InferenceSession(ir.to_proto(standalone(hasher, F, d, gather)).SerializeToString(), providers=["CPUExecutionProvider"])
-    ctx, kept = sess.run(None, {"q": q, "k": k, "v": v})
+    ctx, kept = sess.run(None, {"q": q, "k": k, "v": v, "kc": hasher.codes(k)})  # the prompt graph's codes
     want, want_kept = _reference(q.reshape(B * H, F * T, d), k.reshape(B * H, prompt, d),
                                  v.reshape(B * H, prompt, d), hasher, F)
     np.testing.assert_array_equal(kept.reshape(B * H, F, prompt), want_kept)
@@ -110,26 +111,33 @@ def test_op_matches_numpy(kind, bits, tables, prompt, gather):
 
 
 def test_graph_gathers_the_kept_tokens_and_records_the_mode(dit_tiny_export, tmp_path, monkeypatch):
-    """The metadata records the buckets; each block outputs its kept mask; with gathering on (a prompt of
-    GATHER_FROM tokens or more) the prompt keys reach the cross-attention's product only through a Gather (no
-    product of every query with the whole prompt)."""
+    """The metadata records the buckets; each block outputs its kept mask; the prompt graph hashes the prompt
+    keys once (its `cross.N.codes` equal the reference hasher's codes of its keys) and the step graph reads them;
+    with gathering on (a prompt of GATHER_FROM tokens or more) the prompt keys reach the cross-attention's
+    product only through a Gather (no product of every query with the whole prompt)."""
     from fastcar_compile.dit import annca_graph
 
     monkeypatch.setattr(annca_graph, "GATHER_FROM", CFG.text_len)
     path = _compile(dit_tiny_export, tmp_path, "--ann-tables", "3")
     m = onnx.load(str(path))
     meta = json.loads({p.key: p.value for p in m.metadata_props}[MODES_KEY])
-    assert meta == {"threshold": None, "tempcache": None, "tempcache_match": None, "tempcache_buckets": None,
-                    "annca": {"kind": "lsh", "lsh_bits": 4, "quant_dirs": 2, "ann_tables": 3, "ann_seed": 0}}
-    outs = {o.name for o in m.graph.output}
-    assert {annca_io(i) for i in range(CFG.layers)} <= outs
+    assert meta["annca"] == {"kind": "lsh", "lsh_bits": 4, "quant_dirs": 2, "ann_tables": 3, "ann_seed": 0}
+    assert meta["threshold"] is None and meta["tempcache"] is None
+    ins, outs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
+    assert {annca_io(i)[0] for i in range(CFG.layers)} <= ins and {annca_io(i)[1] for i in range(CFG.layers)} <= outs
     producer = {o: n for n in m.graph.node for o in n.output}
     for i in range(CFG.layers):
         reads = [n for n in m.graph.node if f"cross.{i}.key" in n.input]
-        assert {n.op_type for n in reads} <= {"Cast", "Reshape", "Shape"}, [n.op_type for n in reads]
+        assert {n.op_type for n in reads} <= {"Reshape", "Shape"}, [n.op_type for n in reads]
     gathered = [n for n in m.graph.node if n.op_type == "FusedMatMul" and n.input[1] in producer
                 and producer[n.input[1]].op_type == "Gather"]
     assert len(gathered) == CFG.layers
+    text = ort.InferenceSession(str(path.with_name("fast.text.onnx")), providers=["CPUExecutionProvider"])
+    emb = np.random.default_rng(0).standard_normal((2, 9, CFG.text_dim)).astype(np.float32)
+    got = dict(zip([o.name for o in text.get_outputs()], text.run(None, {"text_embeds": emb}), strict=True))
+    hasher = SignLSH(CFG.head_dim, 4, 3, seed=0)
+    for i in range(CFG.layers):
+        np.testing.assert_array_equal(got[annca_io(i)[0]], hasher.codes(got[f"cross.{i}.key"]))
 
 
 def test_stream_cli_reports_the_compiled_mode(dit_tiny_export, tmp_path, capsys):

@@ -3,8 +3,9 @@ cross-attention only if a query of that frame shares a bucket with it in at leas
 queries attend to its kept tokens only. The eager runtime's mode (dit/fastar.cross_attend), as graph nodes.
 
 Per block N, on the cross-attention discovery found (dit/discover.py):
-    codes      = the bucket ids [.., tables] of the query and of `cross.N.key` (the reference hashers of
-                 fastar/lsh.py and fastar/int8.py as nodes, in float64 as they compute)
+    codes      = the bucket ids [.., tables] of the query, and of the prompt keys once per prompt (the prompt
+                 graph's outputs `cross.N.codes`, the step graph's inputs): the reference hashers of
+                 fastar/lsh.py and fastar/int8.py as nodes, in float64 as they compute
     occupied   = per (row, head, frame, table) a bitmap over the buckets: ScatterElements of the frame's
                  query codes (the frame's queries meet the prompt through it, never query by query)
     kept       = per (row, head, frame) and prompt token: occupied at its code in any table (GatherElements,
@@ -87,11 +88,12 @@ def bucket_codes(graph: ir.Graph, b: Builder, x: ir.Value, hasher: Buckets, tag:
 
 
 def annca_attention(graph: ir.Graph, b: Builder, query: ir.Value, scaled: ir.Value, ckey: ir.Value,
-                    cvalue: ir.Value, frames: int, head_dim: int, hasher: Buckets, gather: bool = True
-                    ) -> tuple[ir.Value, ir.Value]:
+                    cvalue: ir.Value, frames: int, head_dim: int, hasher: Buckets, gather: bool = True,
+                    key_codes: ir.Value | None = None) -> tuple[ir.Value, ir.Value]:
     """AnnCA of `query` [B, H, F*T, d] (bucketed) over the prompt `ckey`, `cvalue` [B, H, L, d]; `scaled` is the
-    query as the scores read it (times every scale the export applied to either side). Returns (context
-    [B, H, F*T, d], kept [B, H, F, L] bool)."""
+    query as the scores read it (times every scale the export applied to either side); `key_codes` [B, H, L,
+    tables] the prompt keys' codes when computed once per prompt (None: here). Returns (context [B, H, F*T, d],
+    kept [B, H, F, L] bool)."""
     t = hasher.tables
 
     def c(name: str, array) -> ir.Value:
@@ -114,7 +116,9 @@ def annca_attention(graph: ir.Graph, b: Builder, query: ir.Value, scaled: ir.Val
     ones = n("ConstantOfShape", [n("Shape", [qc])], {"value": ir.tensor(np.ones(1, np.float32))})
     occupied = n("ScatterElements", [empty, qc, ones], {"axis": -1})  # duplicates all write 1
     # each prompt token's codes looked up in its frame's bitmap: kept when occupied in any table
-    kc = n("Unsqueeze", [n("Transpose", [bucket_codes(graph, b, ckey, hasher, "k")], {"perm": [0, 1, 3, 2]}),
+    if key_codes is None:
+        key_codes = bucket_codes(graph, b, ckey, hasher, "k")
+    kc = n("Unsqueeze", [n("Transpose", [key_codes], {"perm": [0, 1, 3, 2]}),
                          c("axis2", np.array([2], i64))])  # [B, H, 1, tables, L]
     kc = n("Expand", [kc, n("Concat", [rows_heads, c("frames_tables", np.array([frames, t], i64)), prompt],
                             {"axis": 0})])
@@ -171,7 +175,8 @@ def _gather_kept(n, c, kept, keptf, count, rows_heads, prompt, ckey, cvalue, hea
 
 
 def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, hasher: Buckets) -> None:
-    """AnnCA on every block's cross-attention (module docstring); new outputs `annca.N`."""
+    """AnnCA on every block's cross-attention (module docstring); new inputs `cross.N.codes` (the prompt keys'
+    codes: `prompt_codes` adds them to the prompt graph) and outputs `annca.N`."""
     graph = model.graph
     model.opset_imports.setdefault(contract.MS_DOMAIN, 1)  # FusedMatMul
     ins = {v.name: v for v in graph.inputs}
@@ -184,17 +189,21 @@ def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, has
         while query.producer() is not None and query.producer().op_type in ("Mul", "Div") \
                 and _scalar(query.producer().inputs[1]):
             query = query.producer().inputs[0]
+        codes_name, kept_name = annca_io(m.layer)
+        codes = ir.Value(name=codes_name, type=ir.TensorType(ir.DataType.INT64),
+                         shape=ir.Shape(["batch", cfg.heads, "text", hasher.tables]))
+        graph.inputs.append(codes)
         nodes: list[ir.Node] = []
         b = Builder(m.layer, nodes, ids)
         for f in factors:  # the keys' scale, applied to the query instead (the keys are gathered raw)
             scaled = b("Mul", [scaled, f], part="annca")
         ctx, kept = annca_attention(graph, b, query, scaled, ckey, cvalue, cfg.chunk_frames, cfg.head_dim, hasher,
-                                    gather=cfg.text_len >= GATHER_FROM)
+                                    gather=cfg.text_len >= GATHER_FROM, key_codes=codes)
         for node in nodes:  # names of their own: the other modes' builders count from 0 per layer too
             node.name = node.name.replace("fastcar/", "fastcar/annca/", 1)
             for v in node.outputs:
                 v.name = v.name.replace("fastcar.", "fastcar.annca.", 1)
-        kept.name = annca_io(m.layer)
+        kept.name = kept_name
         kept.type, kept.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape(["batch", cfg.heads, cfg.chunk_frames,
                                                                            "text"])
         graph.outputs.append(kept)
@@ -205,17 +214,44 @@ def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, has
     RemoveUnusedNodesPass()(model)  # the export's scores, softmax and context of the cross-attention
 
 
+def prompt_codes(cfg: DiTConfig, hasher: Buckets) -> ir.Model:
+    """The nodes that give the prompt graph its outputs `cross.N.codes` [B, H, L, tables] (int64) from its
+    `cross.N.key` outputs: the prompt is fixed for a video, so its keys are hashed once, not every step. A graph
+    whose inputs are those keys; dit/compile.py appends its nodes, initializers and outputs to the prompt
+    graph's copy."""
+    f32 = ir.TensorType(ir.DataType.FLOAT)
+    keys = [ir.Value(name=f"cross.{i}.key", type=f32, shape=ir.Shape(["batch", cfg.heads, "text", cfg.head_dim]))
+            for i in range(cfg.layers)]
+    graph = ir.Graph(keys, [], nodes=[], opset_imports={"": 20})
+    nodes: list[ir.Node] = []
+    ids = itertools.count()
+    for i, key in enumerate(keys):
+        codes = bucket_codes(graph, Builder(i, nodes, ids), key, hasher, "k")
+        codes.name, codes.type = annca_io(i)[0], ir.TensorType(ir.DataType.INT64)
+        codes.shape = ir.Shape(["batch", cfg.heads, "text", hasher.tables])
+        graph.outputs.append(codes)
+    for node in nodes:
+        node.name = node.name.replace("fastcar/", "fastcar/annca_prompt/", 1)
+        for v in node.outputs:
+            v.name = v.name.replace("fastcar.", "fastcar.annca_prompt.", 1)
+    graph.extend(nodes)
+    return ir.Model(graph, ir_version=10)
+
+
 def standalone(hasher: Buckets, frames: int, head_dim: int, gather: bool = True) -> ir.Model:
-    """The op alone, for tests and benchmarks: inputs q [B, H, F*T, d] (unscaled), k, v [B, H, L, d]; outputs
-    `ctx` (the attention with the 1/sqrt(d) scale) and `kept`."""
+    """The op as the step graph runs it, alone (tests and benchmarks): inputs q [B, H, F*T, d] (unscaled), k, v
+    [B, H, L, d] and the prompt keys' codes kc [B, H, L, tables] (int64); outputs `ctx` (the attention with the
+    1/sqrt(d) scale) and `kept`."""
     f32 = ir.TensorType(ir.DataType.FLOAT)
     q, k, v = (ir.Value(name=name, type=f32, shape=ir.Shape(["batch", "heads", length, head_dim]))
                for name, length in (("q", "tokens"), ("k", "text"), ("v", "text")))
-    graph = ir.Graph([q, k, v], [], nodes=[], opset_imports={"": 20, contract.MS_DOMAIN: 1})
+    kc = ir.Value(name="kc", type=ir.TensorType(ir.DataType.INT64),
+                  shape=ir.Shape(["batch", "heads", "text", hasher.tables]))
+    graph = ir.Graph([q, k, v, kc], [], nodes=[], opset_imports={"": 20, contract.MS_DOMAIN: 1})
     nodes: list[ir.Node] = []
     b = Builder(0, nodes, itertools.count())
     scaled = b("Mul", [q, const(graph, "scale", np.float32(head_dim ** -0.5))], part="annca")
-    ctx, kept = annca_attention(graph, b, q, scaled, k, v, frames, head_dim, hasher, gather=gather)
+    ctx, kept = annca_attention(graph, b, q, scaled, k, v, frames, head_dim, hasher, gather=gather, key_codes=kc)
     graph.extend(nodes)
     ctx.name, kept.name = "ctx", "kept"
     graph.outputs.extend([ctx, kept])

@@ -38,7 +38,7 @@ from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.dit import modes as dit_modes
 from fastcar_compile.dit import tempcache
-from fastcar_compile.dit.annca_graph import ANNCA_OP, add_annca
+from fastcar_compile.dit.annca_graph import ANNCA_OP, add_annca, prompt_codes
 from fastcar_compile.dit.config import (
     CACHE_FORM_KEY,
     CACHE_IN_PLACE,
@@ -316,7 +316,9 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
     fileio.check_outputs({**{f: "output" for f in staging.files()}, text_out: "the prompt graph's copy",
                           text_out.with_name(text_out.name + ".data"): "the prompt graph's data"}, reads)
     passes: list[ir.passes.PassBase] = [ValidatePass(staging)] if validate else []
-    passes += [_StagePromptGraph(staging, text_src, text_out.name), SavePass(staging)]
+    extra = (prompt_codes(cfg, dit_modes.bucket_hasher(modes["annca"], cfg.head_dim)) if modes["annca"] is not None
+             else None)  # AnnCA hashes the prompt keys once per prompt, in the prompt graph
+    passes += [_StagePromptGraph(staging, text_src, text_out.name, extra), SavePass(staging)]
     from fastcar_compile import pipeline
 
     try:
@@ -352,11 +354,12 @@ def calibrate_threshold(path: str | os.PathLike, ratio: float, *, text: np.ndarr
 
 
 class _StagePromptGraph(ir.passes.InPlacePass):
-    """Stage the prompt graph (and its external data, holes kept) beside the model under the output's name."""
+    """Stage the prompt graph (and its external data, holes kept) beside the model under the output's name;
+    `extra` (a graph reading the prompt graph's outputs: AnnCA's key codes) appended to it."""
 
-    def __init__(self, staging, source: Path | None, name: str):
+    def __init__(self, staging, source: Path | None, name: str, extra: ir.Model | None = None):
         super().__init__()
-        self.staging, self.source, self.name = staging, source, name
+        self.staging, self.source, self.name, self.extra = staging, source, name, extra
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         import onnx
@@ -380,5 +383,10 @@ class _StagePromptGraph(ir.passes.InPlacePass):
             raise FastCarError(f"{self.source}: its weights are in {len(old)} files; keep them in one")
         if old:
             copy_file(self.source.with_name(old.pop()), self.staging.add(data_name))
+        if self.extra is not None:
+            more = ir.to_proto(self.extra).graph
+            proto.graph.node.extend(more.node)
+            proto.graph.initializer.extend(more.initializer)
+            proto.graph.output.extend(more.output)
         onnx.save(proto, str(self.staging.add(self.name)))
         return ir.passes.PassResult(model, modified=False)

@@ -201,6 +201,8 @@ def tas_name(layer: int) -> str:
     return f"tas.{layer}"
 
 
-def annca_io(layer: int) -> str:
-    """Block `layer`'s AnnCA output [B, heads, F, L] bool (AnnCA compiled in): the prompt tokens each frame kept."""
-    return f"annca.{layer}"
+def annca_io(layer: int) -> tuple[str, str]:
+    """Block `layer`'s AnnCA I/O (AnnCA compiled in): the prompt keys' bucket codes [B, heads, L, tables] int64
+    (an output of the prompt graph, an input of the step graph) and the prompt tokens each frame kept
+    [B, heads, F, L] bool (an output of the step graph)."""
+    return f"cross.{layer}.codes", f"annca.{layer}"

@@ -260,6 +260,8 @@ class OrtDiT:
                 ins += [tempcache_io(i)[0] for i in range(self.cfg.layers)]
             if self.tau is not None:
                 ins += [REPLAY_FIRST, *(n for i in range(self.cfg.layers) for n in replay_io(i)[0])]
+            if self.annca is not None:
+                ins += [annca_io(i)[0] for i in range(self.cfg.layers)]
             from fastcar_compile.runtime.binding import StepBinding
 
             self.binding = StepBinding(self.sess)
@@ -267,6 +269,13 @@ class OrtDiT:
         if got != ins:
             raise FastCarError(f"{step_path}: inputs {got[:4]}... are not the DiT step's {ins[:4]}...")
         self.outs = outs
+        self.text_outputs = [o.name for o in self.text_sess.get_outputs()]  # what text_kv returns, in order
+        want = ins[3 + 2 * self.cfg.layers:3 + 4 * self.cfg.layers]
+        if self.annca is not None:
+            want += [annca_io(i)[0] for i in range(self.cfg.layers)]
+        if self.text_outputs != want:
+            raise FastCarError(f"{text_path}: its outputs {self.text_outputs[:3]}... are not what {step_path.name} "
+                               f"reads ({want[:3]}...); give the prompt graph written beside it")
 
     def new_cache(self, layers: int, tokens_per_frame: int, sinks: int, window: int) -> FrameCache | RingCache:
         if self.in_place:
@@ -296,7 +305,7 @@ class OrtDiT:
         io.bind_input(PAST_LENGTH, np.array([cache.length], np.int64))
         for name, buf in zip(past_names(n), cache.buffers, strict=True):
             io.bind_input(name, buf)  # rebound only when the buffers grew
-        for name, a in zip(step_io(n)[0][3 + 2 * n:], cross, strict=True):
+        for name, a in zip(self.text_outputs, cross, strict=True):  # the prompt's K/V (and AnnCA's key codes)
             io.bind_input(name, a)
         rows, f = latent.shape[0], latent.shape[2]
         cfg = self.cfg
@@ -307,7 +316,7 @@ class OrtDiT:
             for i, bias in enumerate(cache.bias):
                 io.bind_input(tempcache_io(i)[0], bias)
             out += [io.output_buffer(tempcache_io(i)[1], kv_shape, np.float32) for i in range(n)]
-        kept = [io.output_buffer(annca_io(i), (rows, cfg.heads, f, cross[0].shape[2]), np.bool_)
+        kept = [io.output_buffer(annca_io(i)[1], (rows, cfg.heads, f, cross[0].shape[2]), np.bool_)
                 for i in range(n)] if self.annca is not None else []
         if self.tau is None:
             io.run()
