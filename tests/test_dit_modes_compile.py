@@ -67,7 +67,8 @@ def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_expor
     m = onnx.load(str(path))
     meta = {p.key: p.value for p in m.metadata_props}
     assert json.loads(meta[MODES_KEY]) == {"threshold": 0.25, "tempcache": None, "tempcache_match": None,
-                                           "tempcache_buckets": None, "annca": None}
+                                           "tempcache_buckets": None, "annca": None,
+                                           "annsa": None}
     ins, outs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
     for i in range(CFG.layers):
         (a, b), (c, d), mask = replay_io(i)

@@ -208,7 +208,8 @@ def test_metadata_records_the_match_and_the_runtime_reads_it(dit_tiny_export, tm
     buckets = {"kind": "quant"} | {n: modes.BY_NAME[n].default for n in ("lsh_bits", "quant_dirs", "ann_tables",
                                                                           "ann_seed")}
     assert json.loads(meta[MODES_KEY]) == {"threshold": None, "tempcache": 0.3, "tempcache_match": "quant",
-                                           "tempcache_buckets": buckets, "annca": None}
+                                           "tempcache_buckets": buckets, "annca": None,
+                                           "annsa": None}
     fast = OrtDiT(path)
     assert isinstance(fast.hasher, Int8Buckets) and (fast.hasher.dirs, fast.hasher.tables) == (2, 2)
     assert isinstance(OrtDiT(_compile(dit_tiny_export, tmp_path, "lsh", "0.3")).hasher, SignLSH)

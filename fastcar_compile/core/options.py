@@ -44,7 +44,9 @@ EVICTION_POLICIES = ("mass", "oldest", "mean")  # which slot leaves a full compr
 TEMPCACHE_MATCHES = ("aligned", "lsh", "quant")
 KV_GROUP = "compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)"
 DIT_GROUP = "FAST-AR on video DiTs (compiled into a step graph, or the stream runtime; docs/dit.md)"
-DIT_ONLY = ("tempcache_match", "annca", "lsh_bits", "quant_dirs", "ann_tables", "ann_seed")  # options of DiT step graphs alone
+DIT_ONLY = ("tempcache_match", "annsa", "annsa_local", "annca", "lsh_bits", "quant_dirs", "ann_tables",
+            "ann_seed")  # options of DiT step graphs alone
+BUCKETINGS = ("lsh", "quant")  # sign random projections (fastar/lsh.py) or 8-bit quantised ones (fastar/int8.py)
 MAX_ANN_TABLES = 64
 
 
@@ -230,6 +232,12 @@ OPTIONS: tuple[Option, ...] = (
            cli=REPEAT, metavar="LAYERS:SETTINGS", convert=_kv_layers, group=KV_GROUP),
     # FAST-AR on a video DiT: compiled into its step graph (dit/compile.py) and run by the eager stream runtime
     # (dit/modes.DIT_OPTIONS holds these same entries): one declaration for both.
+    Option("annsa", str | None, None, "AnnSA: the chunk's queries attend only to cached slots sharing a bucket "
+           "(any table), plus the sink frames, the --annsa-local most recent frames and the chunk itself; "
+           "computed block-sparse, bucket by bucket; DiT step graphs only", "--annsa", choices=BUCKETINGS,
+           group=DIT_GROUP),
+    Option("annsa_local", int, 1, "cached frames before the chunk that AnnSA always attends (default 1)",
+           "--annsa-local", metavar="FRAMES", lo=0, hi=1 << 20, meaning="frames", group=DIT_GROUP),
     Option("annca", bool, False, "AnnCA: per frame, a prompt token is kept in the cross-attention only if a query "
            "of that frame shares a bucket with it (--annsa's bucketing, lsh without it); DiT step graphs only",
            "--annca", cli=SWITCH, group=DIT_GROUP),

@@ -17,7 +17,8 @@ keys, so their order in the buffer does not matter. `--threshold TAU` adds FastC
 block (dit/replay.py); `--tempcache SIM` adds each slot's log(count) (`past_bias.N`) to the cache's scores and
 outputs the pre-RoPE keys (`present_pre.N.key`) for the runtime's merge at write time (stream.RingCache), with
 the correspondent `--tempcache-match` names (aligned, or the top-1 match in a bucket: dit/tempcache.py);
-`--annca` keeps, per frame, the prompt tokens sharing a bucket with a query of the frame (dit/annca_graph.py).
+`--annca` keeps, per frame, the prompt tokens sharing a bucket with a query of the frame (dit/annca_graph.py);
+`--annsa lsh|quant` replaces the cache's part by AnnSA's block-sparse attention over buckets (dit/annsa_graph.py).
 FAST-AR's other compressed caches are not compiled for DiT blocks yet: asked for, they are refused in one line.
 The modes compiled in are recorded in the metadata (config.MODES_KEY) for the runtime.
 """
@@ -36,8 +37,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.dit import annsa_graph, tempcache
 from fastcar_compile.dit import modes as dit_modes
-from fastcar_compile.dit import tempcache
 from fastcar_compile.dit.annca_graph import ANNCA_OP, add_annca, prompt_codes
 from fastcar_compile.dit.config import (
     CACHE_FORM_KEY,
@@ -55,7 +56,7 @@ from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 from fastcar_compile.passes.plan import DiTBlockPlan, KvPlan, Plan
 
 REPLAY_FEATURE = "FastCar FFN replay on DiT blocks"
-KV_FEATURE = "FAST-AR's compressed KV cache (TempCache, AnnSA, AnnCA) on DiT blocks"
+KV_FEATURE = "the decoders' compressed KV cache (a fixed budget, eviction, their AnnSA and prompt pruning) on DiT blocks"
 IN_PLACE_OP = "FusedMatMul over the cache buffer (transB, past_length mask) + MatMul over the chunk, one softmax"
 IN_PLACE_KV = "dense, read in place (the runtime's buffers: sink frames + a ring of window frames)"
 # Options that ask for those features (any value but the default), and options that do not apply to a DiT.
@@ -91,7 +92,8 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], dict]:
             raise FastCarError(f"{flag}: {flag} is not supported with {REPLAY_FEATURE} yet; leave {flag} out (one "
                                "--threshold for every block, TAS from the query as attention uses it)")
         if name in _KV_OPTIONS:
-            raise FastCarError(f"{flag}: {KV_FEATURE} is not supported yet; leave {flag} out")
+            raise FastCarError(f"{flag}: {KV_FEATURE} is not supported yet; leave {flag} out (a DiT's own modes: "
+                               "--annsa, --annca, --tempcache, --threshold)")
         raise FastCarError(f"{flag} does not apply to a DiT step graph (it compiles dense, with the cache read in "
                            f"place); leave {flag} out")
     notes = []
@@ -104,11 +106,23 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], dict]:
     if sim is None and match != "aligned":
         raise FastCarError(f"--tempcache-match {match} needs --tempcache SIM (the cosine above which keys merge)")
     modes = {"threshold": None, "tempcache": None if sim is None else float(sim),
-             **tempcache.record(match if sim is not None else None, opts), "annca": annca_mode(opts)}
+             **tempcache.record(match if sim is not None else None, opts), "annca": annca_mode(opts),
+             "annsa": annsa_mode(opts)}
+    if modes["annsa"] is not None and sim is not None:
+        raise FastCarError(f"--annsa with --tempcache: {annsa_graph.FEATURE} over merged slots is not compiled yet; "
+                           "give one of them")
+    for name in ("annsa_local", *dit_modes.BUCKET_SETTINGS):  # a setting no mode reads would change nothing
+        used = modes["annsa"] is not None or (name != "annsa_local" and (
+            modes["annca"] is not None or modes["tempcache_buckets"] is not None))
+        if not used and name in opts and opts[name] != by_name[name].default:
+            flag = by_name[name].flag
+            modes_of = "--annsa" if name == "annsa_local" else "--annsa / --annca / --tempcache-match lsh|quant"
+            raise FastCarError(f"{flag} is a setting of {modes_of}: give one of them with it, or leave {flag} out")
     taus = [float(t) for t in np.atleast_1d(opts.get("threshold", (np.inf,)))]
     default = tuple(by_name["threshold"].default)
     if tuple(taus) == default:
-        notes.append(f"the decoders' default tau ({default[0]:g}) does not apply to DiT blocks: compiled dense; "
+        done = "compiled dense" if all(modes[k] is None for k in ("tempcache", "annca", "annsa")) else "no FFN replay"
+        notes.append(f"the decoders' default tau ({default[0]:g}) does not apply to DiT blocks: {done}; "
                      f"give --threshold TAU for {REPLAY_FEATURE}")
         return notes, modes
     if len(taus) != 1:
@@ -123,8 +137,17 @@ def annca_mode(opts: dict) -> dict | None:
     return dit_modes.bucket_record(opts.get("annsa") or "lsh", opts) if opts.get("annca") else None
 
 
+def annsa_mode(opts: dict) -> dict | None:
+    """What the metadata records of `--annsa lsh|quant` (None: off): its buckets and the local frames."""
+    kind = options.BY_NAME["annsa"].check(opts.get("annsa"))
+    if kind is None:
+        return None
+    return dit_modes.bucket_record(kind, opts) | {"annsa_local": options.BY_NAME["annsa_local"].check(
+        opts.get("annsa_local", 1))}
+
+
 def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None, sim: float | None = None,
-         annca: dict | None = None, match: str = "aligned") -> Plan:
+         annca: dict | None = None, match: str = "aligned", annsa: dict | None = None) -> Plan:
     """The DiT blocks' plan (passes/plan.py): what discovery found and what the compile builds from it."""
     blocks = []
     for m in matches:
@@ -135,7 +158,8 @@ def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None, 
         blocks.append(DiTBlockPlan(
             m.layer, True, rewrite,
             self_attention=f"Concat(past.{m.layer}.*, chunk) -> MatMul -> Softmax -> MatMul, heads {a.heads}x{a.head_dim}",
-            attention_op=IN_PLACE_OP, rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross if annca is None else
+            attention_op=IN_PLACE_OP if annsa is None else f"{annsa_graph.OP}; {annsa['kind']} buckets x "
+            f"{annsa['ann_tables']} tables, {annsa['annsa_local']} local frames", rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross if annca is None else
             f"{m.cross}; AnnCA ({annca['kind']} buckets x {annca['ann_tables']} tables): {ANNCA_OP}", ffn=m.ffn,
             modulation=m.modulation,
             kv=KvPlan(IN_PLACE_KV if sim is None else f"{IN_PLACE_KV}; TempCache {match} at SIM {sim:g} (the runtime "
@@ -159,9 +183,10 @@ def _layer_report(m: DiTBlockMatch) -> LayerReport:
 
 
 def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: ir.Value, ids,
-                   slot_bias: ir.Value | None = None) -> list[ir.Node]:
+                   slot_bias: ir.Value | None = None, annsa: dict | None = None) -> list[ir.Node]:
     """The block's attention over (buffer, chunk) as in the module docstring, plus `slot_bias` [B, heads, C]
-    (TempCache's log(count) per slot) on the cache's scores when given; returns the new nodes."""
+    (TempCache's log(count) per slot) on the cache's scores when given; with `annsa` the cache's part is
+    AnnSA's (dit/annsa_graph.py) instead of the whole buffer; returns the new nodes."""
     a: SelfAttention = m.attention
     nodes: list[ir.Node] = []
     b = Builder(m.layer, nodes, ids)
@@ -172,31 +197,45 @@ def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: 
     q = a.query
     for f in a.key_factors:  # the scale the export applied to the keys, applied to the query instead
         q = b("Mul", [q, f], part="attention")
-    past_scores = b("FusedMatMul", [q, pkey], {"transB": 1, "alpha": 1.0}, domain=contract.MS_DOMAIN,
-                    part="attention")
-    masked = b("Add", [past_scores, bias], part="attention")  # (ORT's broadcasting Where is 5x slower)
-    if slot_bias is not None:
-        axis2 = const(graph, "fastcar.dit.axis2", np.array([2], np.int64))
-        masked = b("Add", [masked, b("Unsqueeze", [slot_bias, axis2], part="cache")], part="attention")
+    if annsa is not None:
+        masked, past_context = annsa_graph.cache_scores(b, graph, m.layer, a, q, pkey, pvalue, annsa, a.head_dim)
+        width = b("Shape", [masked], {"start": 3, "end": 4}, part="attention")
+    else:
+        past_scores = b("FusedMatMul", [q, pkey], {"transB": 1, "alpha": 1.0}, domain=contract.MS_DOMAIN,
+                        part="attention")
+        masked = b("Add", [past_scores, bias], part="attention")  # (ORT's broadcasting Where is 5x slower)
+        if slot_bias is not None:
+            axis2 = const(graph, "fastcar.dit.axis2", np.array([2], np.int64))
+            masked = b("Add", [masked, b("Unsqueeze", [slot_bias, axis2], part="cache")], part="attention")
+        width = capacity
+
+        def past_context(b2, probs):
+            return b2("MatMul", [probs, pvalue], part="attention")
     self_scores = a.softmax.inputs[0]
     joined = b("Concat", [masked, self_scores], {"axis": -1}, part="attention")
     a.softmax.replace_input_with(0, joined)
+    before = len(nodes)
     probs = a.softmax.outputs[0]
     zero = const(graph, "fastcar.dit.zero", np.array([0], np.int64))
     end = const(graph, "fastcar.dit.end", np.array([np.iinfo(np.int64).max], np.int64))
     last = const(graph, "fastcar.dit.last_axis", np.array([-1], np.int64))
-    p_past = b("Slice", [probs, zero, capacity, last], part="attention")
-    p_self = b("Slice", [probs, capacity, end, last], part="attention")
-    ctx = b("Add", [b("MatMul", [p_past, pvalue], part="attention"), b("MatMul", [p_self, value], part="attention")],
-            part="attention")
+    p_past = b("Slice", [probs, zero, width, last], part="attention")
+    p_self = b("Slice", [probs, width, end, last], part="attention")
+    ctx = b("Add", [past_context(b, p_past), b("MatMul", [p_self, value], part="attention")], part="attention")
     old = a.context.outputs[0]
     ir.convenience.replace_all_uses_with(old, ctx)
-    graph.insert_before(a.softmax, nodes[:-5])  # the scores, before the softmax reads them
-    graph.insert_after(a.softmax, nodes[-5:])  # the two slices, two MatMuls and their sum
+    for node in nodes:  # AnnSA's nodes get names of their own: the other modes' builders count from 0 per layer too
+        if node.metadata_props.get(contract.TAG_PART) in ("annsa", "annca"):  # (annca: its bucket codes)
+            node.name = node.name.replace("fastcar/", "fastcar/annsa/", 1)
+            for v in node.outputs:
+                v.name = v.name.replace("fastcar.", "fastcar.annsa.", 1)
+    graph.insert_before(a.softmax, nodes[:before])  # the scores, before the softmax reads them
+    graph.insert_after(a.softmax, nodes[before:])  # the two slices, the products and their sum
     return nodes
 
 
-def rewrite(model: ir.Model, matches: list[DiTBlockMatch], tempcache: bool = False) -> None:
+def rewrite(model: ir.Model, matches: list[DiTBlockMatch], tempcache: bool = False, annsa: dict | None = None
+            ) -> None:
     """Every block's attention reads `past.N.*` in place (module docstring); adds the `past_length` input. With
     `tempcache`, each block also takes its slots' log(count) (`past_bias.N`) on the cache's scores and outputs
     the chunk's pre-RoPE keys (`present_pre.N.key`) for the runtime's merge."""
@@ -220,9 +259,11 @@ def rewrite(model: ir.Model, matches: list[DiTBlockMatch], tempcache: bool = Fal
     bias = b("Where", [mask, const(graph, "fastcar.dit.zero_f", np.array(0.0, np.float32)),
                        const(graph, "fastcar.dit.minus_inf", np.array(-np.inf, np.float32))], part="cache")
     graph.insert_before(graph[0], shared)
+    if annsa is not None:
+        annsa_graph.add_dense_input(graph)
     for m in matches:
         slot_bias = _tempcache_io(graph, m, ids) if tempcache else None
-        _rewrite_block(graph, m, bias, capacity, ids, slot_bias)
+        _rewrite_block(graph, m, bias, capacity, ids, slot_bias, annsa)
     RemoveUnusedNodesPass()(model)
     for m in matches:
         i = m.layer
@@ -289,8 +330,8 @@ def compile_dit(model, output: str | os.PathLike | None = None, *, source: Path 
         raise FastCarError(f"{head}; every block must match, since the cache inputs change for all of them "
                            "(run with --inspect to see each block)")
     report.plan = plan(matches, rewrite=True, tau=tau, sim=modes["tempcache"], annca=modes["annca"],
-                       match=modes["tempcache_match"]).lines()
-    rewrite(loaded, matches, tempcache=modes["tempcache"] is not None)
+                       match=modes["tempcache_match"], annsa=modes["annsa"]).lines()
+    rewrite(loaded, matches, tempcache=modes["tempcache"] is not None, annsa=modes["annsa"])
     if tau is not None:
         add_replay(loaded, matches, cfg, tau)
     if modes["annca"] is not None:

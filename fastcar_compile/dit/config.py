@@ -178,7 +178,8 @@ TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph besid
 # at cache-write time: the runtime merges, the graph adds each slot's log(count), dit/compile.py),
 # "tempcache_match": its correspondent ("aligned", "lsh", "quant"; null when off) and "tempcache_buckets": the
 # buckets of a top-1 match (dit/tempcache.py), "annca": its buckets {"kind", "lsh_bits", "quant_dirs",
-# "ann_tables", "ann_seed"} or null (dit/annca_graph.py)}.
+# "ann_tables", "ann_seed"} or null (dit/annca_graph.py),
+# "annsa": the same buckets and "annsa_local", or null (dit/annsa_graph.py)}.
 MODES_KEY = "fastcar.dit_modes"
 REPLAY_FIRST = "replay_first"  # bool [1]: the chunk's first frame may replay (the runtime holds its predecessor)
 
@@ -206,3 +207,14 @@ def annca_io(layer: int) -> tuple[str, str]:
     (an output of the prompt graph, an input of the step graph) and the prompt tokens each frame kept
     [B, heads, F, L] bool (an output of the step graph)."""
     return f"cross.{layer}.codes", f"annca.{layer}"
+
+
+ANNSA_DENSE = "annsa_dense"  # int64 [Nd]: the cache's token positions AnnSA attends densely (sinks + local frames)
+
+
+def annsa_io(layer: int) -> dict[str, str]:
+    """Block `layer`'s AnnSA I/O (dit/annsa_graph.py): inputs `buckets` (the occupied bucket ids per table
+    [B, heads, T, K]), `keys` (their cache positions [B, heads, T, K, M]), `bias` (0, -inf for padding), `kcodes`
+    (those keys' ids in every table [B, heads, T, K, M, T]); output `codes` (the chunk's query ids [B, heads, S, T])."""
+    return {"buckets": f"annsa_buckets.{layer}", "keys": f"annsa_keys.{layer}", "bias": f"annsa_bias.{layer}",
+            "kcodes": f"annsa_kcodes.{layer}", "codes": f"annsa_codes.{layer}"}

@@ -17,7 +17,6 @@ from fastcar_compile.core.options import SWITCH, TEMPCACHE_MATCHES, Option
 from fastcar_compile.fastar.buckets import Buckets
 from fastcar_compile.fastar.config import INT8_DIRS, make_hasher
 
-BUCKETINGS = ("lsh", "quant")  # sign random projections (fastar/lsh.py) or 8-bit quantised ones (fastar/int8.py)
 GROUP = "FAST-AR and FastCar (eager runtime: give a DiT preset or folder; docs/dit.md)"
 
 DIT_OPTIONS: tuple[Option, ...] = (
@@ -33,11 +32,8 @@ DIT_OPTIONS: tuple[Option, ...] = (
            "first (a slot that keeps merging stays). With --window 0 the merges alone leave the cache growing "
            "with every new token; the budget holds it flat (0: none, default)", "--tempcache-budget",
            metavar="FRAMES", lo=0, hi=1 << 20, meaning="frames of slots", group=GROUP),
-    Option("annsa", str | None, None, "AnnSA: the chunk's queries attend only to cached slots sharing a bucket "
-           "(any table), plus the sink frames, the --annsa-local most recent frames and the chunk itself; "
-           "computed block-sparse, bucket by bucket", "--annsa", choices=BUCKETINGS, group=GROUP),
-    Option("annsa_local", int, 1, "cached frames before the chunk that AnnSA always attends (default 1)",
-           "--annsa-local", metavar="FRAMES", lo=0, hi=1 << 20, meaning="frames", group=GROUP),
+    SHARED["annsa"],
+    SHARED["annsa_local"],
     SHARED["lsh_bits"],
     SHARED["quant_dirs"],
     SHARED["ann_tables"],

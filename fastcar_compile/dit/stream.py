@@ -24,6 +24,7 @@ import numpy as np
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.dit import tempcache
 from fastcar_compile.dit.config import (
+    ANNSA_DENSE,
     CACHE_FORM_KEY,
     CACHE_IN_PLACE,
     METADATA_KEY,
@@ -33,6 +34,7 @@ from fastcar_compile.dit.config import (
     TEXT_GRAPH_KEY,
     DiTConfig,
     annca_io,
+    annsa_io,
     from_dict,
     past_names,
     replay_io,
@@ -252,10 +254,15 @@ class OrtDiT:
         self.cross_pairs = [0, 0]  # query x prompt-token pairs the cross-attention executed, dense pairs (AnnCA)
         self.match = self.modes.get("tempcache_match") or "aligned"  # the correspondence (dit/tempcache.py)
         self.hasher = tempcache.hasher(self.modes, self.cfg.head_dim) if self.sim is not None else None
+        self.annsa = self.modes.get("annsa")  # its buckets and local frames (dict) or None (dit/annsa_graph.py)
+        self.self_pairs: list[int] | None = None  # a list: [executed, dense] q.k pairs over the cache (AnnSA)
         self.replayed = [0, 0]  # FFN rows replayed, rows decided (FastCar compiled in), over the session
         self.tas_log: list[np.ndarray] | None = None  # a list: the eligible rows' TAS of every step (calibration)
         if self.in_place:
             ins = [*ins, PAST_LENGTH]
+            if self.annsa is not None:
+                ins += [ANNSA_DENSE, *(annsa_io(i)[k] for i in range(self.cfg.layers)
+                                       for k in ("buckets", "keys", "bias", "kcodes"))]
             if self.sim is not None:
                 ins += [tempcache_io(i)[0] for i in range(self.cfg.layers)]
             if self.tau is not None:
@@ -280,6 +287,10 @@ class OrtDiT:
     def new_cache(self, layers: int, tokens_per_frame: int, sinks: int, window: int) -> FrameCache | RingCache:
         if self.in_place:
             self.cache = RingCache(layers, tokens_per_frame, sinks, window, tempcache=self.sim, match=self.hasher)
+            if self.annsa is not None:  # the keys' bucket ids and the chunk's blocks, beside the ring
+                from fastcar_compile.dit.annsa_index import AnnIndex
+
+                self.ann = AnnIndex(self.annsa, layers, tokens_per_frame, sinks, self.cfg.head_dim)
             return self.cache  # kept: its merge counts are the stream's
         return FrameCache(layers, tokens_per_frame, sinks, window)
 
@@ -318,9 +329,16 @@ class OrtDiT:
             out += [io.output_buffer(tempcache_io(i)[1], kv_shape, np.float32) for i in range(n)]
         kept = [io.output_buffer(annca_io(i)[1], (rows, cfg.heads, f, cross[0].shape[2]), np.bool_)
                 for i in range(n)] if self.annca is not None else []
+        codes = []
+        if self.annsa is not None:  # what the chunk's queries attend to in; their bucket ids out (not returned)
+            for name, a in self.ann.inputs(cache, frame_start).items():
+                io.bind_input(name, a)
+            codes = [io.output_buffer(annsa_io(i)["codes"], (*kv_shape[:3], self.annsa["ann_tables"]), np.int64)
+                     for i in range(n)]
         if self.tau is None:
             io.run()
             self._count_cross(kept, latent.shape[0] * cfg.heads * f * cfg.tokens_per_frame * cross[0].shape[2])
+            self._count_self(codes, cache)
             return out
         key = tuple(np.asarray(timestep)[0].tolist())
         prev = cache.replay.get(key)
@@ -336,6 +354,7 @@ class OrtDiT:
         scores = [io.output_buffer(tas_name(i), (rows, f * cfg.tokens_per_frame), np.float32) for i in range(n)]
         io.run()
         self._count_cross(kept, latent.shape[0] * cfg.heads * f * cfg.tokens_per_frame * cross[0].shape[2])
+        self._count_self(codes, cache)
         if self.tas_log is not None:  # eligible: past the chunk's first frame, or that frame's predecessor held
             first = cfg.tokens_per_frame * (0 if prev is not None and frame_start >= 1 else 1)
             self.tas_log += [t[:, first:].astype(np.float64).ravel() for t in scores]
@@ -350,6 +369,14 @@ class OrtDiT:
         if kept:
             self.cross_pairs[0] += sum(int(k.sum()) for k in kept) * self.cfg.tokens_per_frame
             self.cross_pairs[1] += dense * len(kept)
+
+    def _count_self(self, codes: list[np.ndarray], cache: RingCache) -> None:
+        """With `self_pairs` on (a list; it compares every query's ids with every cached key's, so benchmarks
+        and tests only): AnnSA's executed q.k pairs (AnnIndex.executed_pairs) and the dense attention's."""
+        if codes and self.self_pairs is not None:
+            q = int(np.prod(codes[0].shape[:3]))
+            self.self_pairs[0] += sum(self.ann.executed_pairs(i, c) for i, c in enumerate(codes))
+            self.self_pairs[1] += len(codes) * q * (cache.length + codes[0].shape[2])
 
 
 class TorchDiT:
