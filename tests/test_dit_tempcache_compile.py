@@ -19,7 +19,7 @@ onnx = pytest.importorskip("onnx")
 
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.core.errors import FastCarError  # noqa: E402
-from fastcar_compile.dit import modes  # noqa: E402
+from fastcar_compile.dit import modes, tempcache  # noqa: E402
 from fastcar_compile.dit.config import MODES_KEY, PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
@@ -83,10 +83,13 @@ def _brute_force(k, prev, live, sim, codes, prev_codes):
     return out
 
 
-@pytest.mark.parametrize("kind", ["lsh", "quant"])
-def test_top1_targets_match_a_brute_force(kind):
+@pytest.mark.parametrize("kind, pairs", [("lsh", None), ("quant", None), ("lsh", 2 * 24 * 24)])
+def test_top1_targets_match_a_brute_force(kind, pairs, monkeypatch):
     """Keys that are noisy permuted copies of the previous frame's, fresh ones, duplicates among the previous
-    frame's (a tie: the later slot) and dead slots: the vectorised match equals a per-key loop."""
+    frame's (a tie: the later slot) and dead slots: the vectorised match equals a per-key loop (also when it
+    goes through the groups two at a time)."""
+    if pairs is not None:
+        monkeypatch.setattr(tempcache, "MAX_PAIRS", pairs)
     rng = np.random.default_rng(7)
     G, T, d = 6, 24, 16
     prev = rng.standard_normal((G, T, d)).astype(np.float32)
@@ -98,11 +101,12 @@ def test_top1_targets_match_a_brute_force(kind):
     live[:, [2, 5]] = True
     hasher = make_hasher(kind, d, 3, 2, 2, 1)
     codes, prev_codes = hasher.codes(k), hasher.codes(prev)
+    k, prev, live, codes, prev_codes = (a.reshape(2, 3, *a.shape[1:]) for a in (k, prev, live, codes, prev_codes))
     for sim in (0.5, 0.9, -1.0):
         got = targets(k, prev, live, sim, codes, prev_codes)
         want = _brute_force(k, prev, live, sim, codes, prev_codes)
         np.testing.assert_array_equal(got, want)
-        assert (got >= 0).any() and (got[:, 0] == 5).all()  # the exact duplicate: the later of the tied slots
+        assert (got >= 0).any() and (got[..., 0] == 5).all()  # the exact duplicate: the later of the tied slots
     assert ((got >= 0) & (got != np.arange(T))).mean() > 0.3  # mostly not the aligned slot
 
 

@@ -25,6 +25,8 @@ from fastcar_compile.core.options import TEMPCACHE_MATCHES
 from fastcar_compile.dit.modes import bucket_hasher, bucket_record
 from fastcar_compile.fastar.buckets import Buckets
 
+MAX_PAIRS = 1 << 22  # (new key, previous slot) pairs the top-1 match holds at once
+
 
 def record(match: str | None, values: dict) -> dict:
     """What the metadata (config.MODES_KEY) records of the correspondence (None: TempCache off): its name and,
@@ -58,15 +60,23 @@ def targets(k_pre: np.ndarray, prev_pre: np.ndarray, live: np.ndarray, sim: floa
         den = np.linalg.norm(k_pre, axis=-1) * np.linalg.norm(prev_pre, axis=-1)
         cos = np.where(den > 0, (k_pre * prev_pre).sum(-1) / np.where(den > 0, den, 1), 0)
         return np.where(live & (cos > sim), np.arange(k_pre.shape[-2]), -1)
-    cos = _unit(k_pre) @ np.swapaxes(_unit(prev_pre), -1, -2)  # [..., T new, T prev]
-    share = np.logical_or.reduce([codes[..., :, None, i] == prev_codes[..., None, :, i]
-                                  for i in range(codes.shape[-1])])  # (a table at a time: 15x faster than any)
-    share &= live[..., None, :]
-    cos = np.where(share, cos, -np.inf)
-    t = cos.shape[-1]
-    pick = t - 1 - np.argmax(cos[..., ::-1], axis=-1)  # the last position at the maximum
-    best = np.take_along_axis(cos, pick[..., None], -1)[..., 0]
-    return np.where(best > sim, pick, -1)
+    t, d = k_pre.shape[-2:]
+    lead = k_pre.shape[:-2]
+    k, prev = _unit(k_pre).reshape(-1, t, d), _unit(prev_pre).reshape(-1, t, d)
+    c, pc, lv = codes.reshape(-1, t, codes.shape[-1]), prev_codes.reshape(-1, t, codes.shape[-1]), live.reshape(-1, t)
+    out = np.empty((k.shape[0], t), np.int64)
+    step = max(1, MAX_PAIRS // (t * t))  # rows x heads at a time: the [T, T] products of 1560-token frames add up
+    for g in range(0, k.shape[0], step):
+        sl = slice(g, g + step)
+        cos = k[sl] @ np.swapaxes(prev[sl], -1, -2)  # [groups, T new, T prev]
+        share = np.logical_or.reduce([c[sl, :, None, i] == pc[sl, None, :, i]
+                                      for i in range(c.shape[-1])])  # (a table at a time: 15x faster than any)
+        share &= lv[sl, None, :]
+        cos = np.where(share, cos, -np.inf)
+        pick = t - 1 - np.argmax(cos[..., ::-1], axis=-1)  # the last position at the maximum
+        best = np.take_along_axis(cos, pick[..., None], -1)[..., 0]
+        out[sl] = np.where(best > sim, pick, -1)
+    return out.reshape(*lead, t)
 
 
 def merge(target: np.ndarray, prev_value: np.ndarray, prev_count: np.ndarray, value: np.ndarray
