@@ -45,17 +45,18 @@ def _compile(exported: Path, folder: Path, *extra: str) -> Path:
     ((), None, {}),
     (("--lsh-bits", "2", "--ann-tables", "1", "--ann-seed", "5"), 0, {"lsh_bits": 2, "ann_tables": 1, "ann_seed": 5}),
     (("--threshold", "0"), None, {"fastcar_tau": 0.0}),
+    (("--annsa", "quant"), None, {"annsa": "quant"}),  # AnnSA's int8 buckets, for AnnCA too
 ])
 def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, extra, window, eager_kw, gather,
                                               monkeypatch):
-    """5 chunks (window, growing cache, with FastCar), the kept tokens gathered or the others masked (tiny's
+    """5 chunks (window, growing cache, with FastCar, with AnnSA's int8 buckets), the kept tokens gathered or the others masked (tiny's
     6-token prompt is masked by default): the compiled rollout == the eager AnnCA rollout within 1e-4, with the
     same executed query x prompt pairs; some pairs dropped, some kept."""
     from fastcar_compile.dit import annca_graph
 
     monkeypatch.setattr(annca_graph, "GATHER_FROM", 0 if gather else 1 << 30)
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, *extra))
-    assert fast.annca["kind"] == "lsh"  # read back from the metadata
+    assert fast.annca["kind"] == eager_kw.get("annsa", "lsh")  # read back from the metadata
     settings = StreamSettings(frames=10, seed=3, window_frames=window)
     ref = FastARDiT(eager, modes.settings(annca=True, **eager_kw))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
