@@ -18,7 +18,7 @@ Per block N, on the cross-attention discovery found (dit/discover.py):
 The export's own scores / softmax / context nodes of the cross-attention are then unused and removed.
 
 ONNX ops, no ai.fastcar kernel: every step is a stock op ONNX Runtime runs anywhere (no native library to
-load for the step graph), the products stay MLAS MatMuls; the price is a fixed cost of about 50 small nodes per
+load for the step graph), the products stay MLAS MatMuls; the price is a fixed cost of about 40 small nodes per
 block and the padding to the widest frame, measured in docs/dit.md (a fused kernel would remove both).
 """
 
