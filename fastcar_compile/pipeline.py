@@ -3,7 +3,8 @@
     [exporter fusions: rotary, RMSNorm, skip-norm] -> discover -> select layers -> plan
     -> emit: [fused attention (q/k/v layout, packed QKV + RoPE in the op: the plan's form)] -> gate -> branch
        -> cache state
-       [-> genai state] [-> native GroupQueryAttention] -> KV dim names -> IR version -> metadata
+       [-> genai state] [-> native GroupQueryAttention (the export's own com.microsoft nodes)] -> KV dim names
+       -> IR version -> metadata
     [-> validate] [-> genai config] [-> save]
 
 The exporter-level fusions run first, so discovery, the plan and `--inspect` see the forms onnxruntime-genai's
@@ -53,7 +54,8 @@ def build(ctx: CompileContext, staging: Staging | None = None, validate: bool = 
         BranchPass(ctx),
         CacheStatePass(ctx),
         *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
-        *([NativeGqaPass(ctx.notes, ctx.swap_attention_node)] if ctx.options.native_attention else []),
+        *([NativeGqaPass(ctx.notes, ctx.swap_attention_node, lambda: ctx.exported_gqa)]
+          if ctx.options.native_attention else []),
         KvDimNamesPass(ctx),
         IrVersionPass(ctx),
         MetadataPass(ctx),

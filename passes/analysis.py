@@ -18,7 +18,7 @@ from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import check_state_size
 from fastcar_compile.core.options import ascii_int
-from fastcar_compile.passes import attention_form, fused_attention
+from fastcar_compile.passes import attention_form, fused_attention, native_gqa
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes.compile_report import CompileReport
 from fastcar_compile.passes.context import CompileContext, weight_bytes
@@ -177,4 +177,5 @@ class PlanPass(ir.passes.InPlacePass):
         rewritten = [m.layer for m in ctx.selected]
         ctx.forms = attention_form.decide(model, ctx.fusions, ctx.options, set(kv), set(rewritten), ctx.notes)
         ctx.plan = plan_blocks(ctx.matches, rewritten, ctx.options, ctx.fusions, kv, ctx.forms)
+        ctx.exported_gqa = [n for n in model.graph if native_gqa.is_ms_gqa(n)]  # before any op is emitted
         return ir.passes.PassResult(model, modified=False)

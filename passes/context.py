@@ -303,6 +303,8 @@ class CompileContext:
     forms: Forms = field(default_factory=lambda: Forms({}, [], 0))  # how each fused attention is built (the plan's)
     packed_queries: dict[int, PackedQuery] = field(default_factory=dict)  # rewritten fused layers: the packed gate's
     plan: Plan = field(default_factory=Plan)  # per layer: what the emission builds (PlanPass)
+    # the export's com.microsoft.GroupQueryAttention nodes (PlanPass), the only ones NativeGqaPass swaps
+    exported_gqa: list[ir.Node] = field(default_factory=list)
     genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator
 
     @property

@@ -56,17 +56,6 @@ def discover(model: ir.Model) -> list[LayerMatch]:
     return matches
 
 
-def rematch(model: ir.Model, matches: list[LayerMatch]) -> None:
-    """Match these layers again in place, after a pass replaced their attention by com.microsoft's
-    GroupQueryAttention (`--fused-attention gqa`): its query is a new [B, S, H*D] view the gate then reads."""
-    ctx = MatchContext.of(model.graph)
-    kvs = kv_outputs(model.graph)
-    for match in matches:
-        match.attention, match.mlp, match.failure = None, None, None
-        match.trace.clear()
-        _match_layer(ctx, match, kvs[match.layer])
-
-
 def _match_layer(ctx: MatchContext, match: LayerMatch, kv: dict[str, ir.Value]) -> None:
     ctx.trace = match.trace
     try:

@@ -1,5 +1,7 @@
-"""Fused attention: an exported attention core becomes `com.microsoft.GroupQueryAttention` or `ai.fastcar`
-CompressedAttention (`--fused-attention gqa|fastcar`).
+"""Fused attention: an exported attention core becomes GroupQueryAttention or `ai.fastcar` CompressedAttention
+(`--fused-attention gqa|fastcar`). The GroupQueryAttention is ai.fastcar's (native dense core, com.microsoft's
+inputs, outputs and semantics; passes/native_gqa.py) where the plan says so (`plan.fused_op`: --native-attention on,
+float32), else com.microsoft's: built once, as the op it stays.
 
 Exporters write attention as `present.N.key = Concat(past_key, k_new)`, a K transpose, the GQA expand
 (Unsqueeze/Expand/Reshape), MatMul/Softmax/MatMul: two O(context) copies of the cache per step (the
@@ -44,6 +46,7 @@ from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.attention_form import BSHD_PERM, TABLE_PREFIX, Packing
 from fastcar_compile.passes.context import CompileContext, PackedQuery
 from fastcar_compile.passes.match_rotary import find_rotary_path
+from fastcar_compile.passes.plan import FASTCAR_GQA, fused_op
 
 MS = contract.MS_DOMAIN
 
@@ -334,14 +337,28 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         bias4 = b("Unsqueeze", [bias2, build.const(graph, "fastcar.gqa.axes12", np.array([1, 2], np.int64))])
         _own_names(shared, "shared", tag=False)
         graph.insert_before(graph[0], shared)
-        for n, p in sorted(plans.items()):
-            self._fuse(graph, n, p, seqlens, total, bias4)
+        ops = {n: fused_op(self.ctx.options, p) for n, p in plans.items()}
+        cores = {n: self._fuse(graph, n, p, seqlens, total, bias4, ops[n]) for n, p in sorted(plans.items())}
         model.opset_imports.setdefault(MS, 1)
+        native = sorted(n for n, op in ops.items() if op == FASTCAR_GQA)
+        if native:
+            fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         RemoveUnusedNodesPass()(model)
-        disc.rematch(model, [m for m in self.ctx.matches if m.layer in plans])  # (com.microsoft's op)
-        self.ctx.notes.append(f"fused attention (GroupQueryAttention) in layers {sorted(plans)}")
+        self._record(cores)
+        self.ctx.notes.append(f"fused attention (GroupQueryAttention) in layers {sorted(plans)}" +
+                              (f"; ai.fastcar's (native dense core) in {native}" if native else ""))
         self._packed_note("GroupQueryAttention", plans)
         return ir.passes.PassResult(model, modified=True)
+
+    def _record(self, cores: dict[int, ir.Node]) -> None:
+        """The layer's attention is now the op this pass built (its present key, the keys the gate reads, and the
+        total length, input 6 of both ops): the gate, emitted next, reads them from the match, not the graph."""
+        for m in self.ctx.matches:
+            if m.layer in cores:
+                core = cores[m.layer]
+                m.attention = dataclasses.replace(
+                    m.attention, core_node=core, core_output=core.outputs[0], present_key=core.outputs[1],
+                    present_value=core.outputs[2], keys=core.outputs[1], total_len=core.inputs[6], form="fused op")
 
     def _fastcar(self, model: ir.Model, plans: dict[int, dict], mask: ir.Value, shared: list[ir.Node],
                  b: build.Builder) -> ir.passes.PassResult:
@@ -413,12 +430,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             self.ctx.notes.append(f"q/k/v kept [B, S, H*D] into the fused attention in {len(laid_out)} layers; "
                                   f"one-node gate (packed TemporalGate) in {gates}")
         self._packed_note("CompressedAttention", plans)
-        for m in self.ctx.matches:  # the layer's attention is now the op this pass built
-            if m.layer in cores:
-                core = cores[m.layer]
-                m.attention = dataclasses.replace(
-                    m.attention, core_node=core, core_output=core.outputs[0], present_key=core.outputs[1],
-                    present_value=core.outputs[2], keys=core.outputs[1], total_len=core.inputs[6], form="fused op")
+        self._record(cores)
         for text in dict.fromkeys(describe(c) for c in self.ctx.kv_configs.values()):
             same = [n for n, c in self.ctx.kv_configs.items() if describe(c) == text]
             self.ctx.notes.append(f"compressed KV cache in layers {same}: {text}")
@@ -518,7 +530,9 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         if not math.isfinite(p["scale"]) or p["scale"] <= 0:
             raise AssertionError(f"attention scale {p['scale']}")
 
-    def _fuse(self, graph: ir.Graph, n: int, p: dict, seqlens: ir.Value, total: ir.Value, bias4: ir.Value) -> None:
+    def _fuse(self, graph: ir.Graph, n: int, p: dict, seqlens: ir.Value, total: ir.Value, bias4: ir.Value,
+              op: str) -> ir.Node:
+        """One layer's GroupQueryAttention, built as the plan's `op` (ai.fastcar's or com.microsoft's); returns it."""
         nodes: list[ir.Node] = []
         b = build.Builder(n, nodes, itertools.count())
         heads, kv_heads, head_dim = p["heads"], p["kv_heads"], p["head_dim"]
@@ -544,8 +558,12 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             v = _bhsd_to_bse(b, graph, p["v"], kv_heads, head_dim)
             inputs = [q, k, v, p["past_k"], p["past_v"], seqlens, total, None, None, None, bias]
             attrs = {**core_attributes(p), "do_rotary": 0}
-        out, present_k, present_v = b("GroupQueryAttention", inputs, attrs, domain=MS, outputs=3, part="attention")
+        # ai.fastcar's op: com.microsoft's inputs, outputs and attributes (its function body is that op)
+        domain = contract.DOMAIN if op == FASTCAR_GQA else MS
+        out, present_k, present_v = b(contract.GROUP_QUERY_ATTENTION, inputs, attrs, domain=domain, outputs=3,
+                                      part="attention")
         out.shape, out.type = ir.Shape([None, None, heads * head_dim]), p["out"].type
         _own_names(nodes, str(n), tag=True)
         graph.insert_before(p["out"].consumers()[0], nodes)
         self._rewire(graph, p, out, present_k, present_v)
+        return out.producer()

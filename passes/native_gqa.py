@@ -6,14 +6,15 @@ dense attention core (runtime/native/group_query_attention.h). Its function body
 run without the native library behaves exactly as before: that is why the swap is on by default (it can only
 change speed, never values beyond float rounding; tests/test_native_gqa.py checks the kernel against ORT's op).
 
-Which nodes: onnxruntime-genai builder graphs (packed QKV, do_rotary) and `--fused-attention gqa` graphs (separate
-q/k/v, left-pad attention_bias), float32 activations (fp16 graphs keep ORT's op; int4 MatMulNBits graphs have
+Which nodes: the export's own (onnxruntime-genai builder graphs: packed QKV, do_rotary; in a compile, the ones the
+plan recorded before anything was emitted: `--fused-attention gqa` builds its op as the plan says, ai.fastcar's where
+this subset holds), float32 activations (fp16 graphs keep ORT's op; int4 MatMulNBits graphs have
 fp32 activations and are swapped). `unsupported` says in one line why a node is left alone (`--inspect` prints it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import onnx_ir as ir
 
@@ -147,15 +148,20 @@ def inspect_notes(model: ir.Model) -> list[str]:
 class NativeGqaPass(ir.passes.InPlacePass):
     """com.microsoft.GroupQueryAttention -> ai.fastcar.GroupQueryAttention (native dense core; body = the original)."""
 
-    def __init__(self, notes: list[str] | None = None, on_swap: Callable[[ir.Node, ir.Node], None] | None = None):
+    def __init__(self, notes: list[str] | None = None, on_swap: Callable[[ir.Node, ir.Node], None] | None = None,
+                 exported: Callable[[], Collection[ir.Node]] | None = None):
         super().__init__()
         self.notes = notes if notes is not None else []
         self.on_swap = on_swap  # told (old, new) per swapped node: the compile's layer records follow the new op
+        # the compile's: the export's own GroupQueryAttention nodes (the plan's record). The attention emission
+        # builds its ops in their final form, so this pass never rewrites a node the compile built.
+        self.exported = exported
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         swapped, kept = 0, []
-        for node in [n for n in graph if is_ms_gqa(n)]:
+        own = set(self.exported()) if self.exported is not None else None
+        for node in [n for n in graph if is_ms_gqa(n) and (own is None or n in own)]:
             if (why := unsupported(node)) is not None:
                 kept.append(f"{node.name}: {why}")
                 continue

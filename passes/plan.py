@@ -117,13 +117,21 @@ class Plan:
         return [line for block in self.blocks for line in block.lines()]
 
 
+def fused_op(opts: CompileOptions | None, fusion: dict) -> str:
+    """The op a fused layer's attention is emitted as (`fusion`: what fused_attention.fusable found for it): the
+    fastcar op, or with `--fused-attention gqa` ai.fastcar's GroupQueryAttention (--native-attention on, float32:
+    the native kernel's subset, which the emitted form always is otherwise) or com.microsoft's."""
+    if opts is not None and opts.fused_attention == "fastcar":
+        return FASTCAR_ATTENTION
+    native = opts is None or opts.native_attention
+    return FASTCAR_GQA if native and fusion["present_k"].dtype in (None, ir.DataType.FLOAT) else MS_GQA
+
+
 def _attention_op(m: LayerMatch, opts: CompileOptions | None, fused: dict[int, dict]) -> str:
     att = m.attention
-    native = opts is None or opts.native_attention  # NativeGqaPass: com.microsoft's op -> ai.fastcar's
+    native = opts is None or opts.native_attention  # NativeGqaPass: the export's com.microsoft op -> ai.fastcar's
     if m.layer in fused:
-        if opts is not None and opts.fused_attention == "fastcar":
-            return FASTCAR_ATTENTION
-        return FASTCAR_GQA if native and fused[m.layer]["present_k"].dtype in (None, ir.DataType.FLOAT) else MS_GQA
+        return fused_op(opts, fused[m.layer])
     if att is not None and native_gqa.is_ms_gqa(att.core_node):
         return FASTCAR_GQA if native and native_gqa.unsupported(att.core_node) is None else MS_GQA
     return AS_EXPORTED
