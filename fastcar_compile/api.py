@@ -18,11 +18,11 @@ from fastcar_compile import pipeline
 from fastcar_compile.core import fileio
 from fastcar_compile.core import options as declared
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.passes import attention_form, fused_attention, genai_state, native_gqa
-from fastcar_compile.passes.analysis import find_layers, parse_layers
+from fastcar_compile.passes import genai_state, native_gqa
+from fastcar_compile.passes.analysis import find_layers, parse_layers, plan, select_layers
 from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 from fastcar_compile.passes.context import CompileContext, CompileOptions
-from fastcar_compile.passes.plan import gate_text, plan_blocks
+from fastcar_compile.passes.plan import gate_text
 from fastcar_compile.passes.save import SavePass, Staging
 from fastcar_compile.passes.threshold import BakeThresholdPass
 from fastcar_compile.passes.validate import ValidatePass
@@ -74,26 +74,43 @@ def _is_dit_step(model) -> bool:
         return False
 
 
-def inspect(model) -> CompileReport:
-    """Discovery only (after the exporter fusions a default compile runs first): what was found in each layer, and
-    why a layer did not match."""
+def inspect(model, **options) -> CompileReport:
+    """Discovery and the plan, without compiling: what was found in each layer, why a layer did not match, and what
+    a compile with these `options` (compile()'s keywords; `frame_tokens` 1 when absent) would build per layer."""
+    declared.unknown(options, "inspect")
+    options = {k: v for k, v in options.items() if not (k == "frame_tokens" and v is None)}
     loaded, _ = load(model)
     if _dit().is_dit_step(loaded):
+        given = [o.flag or o.name for k, v in options.items() if (o := declared.BY_NAME[k]).name != "frame_tokens"
+                 and o.check(v) != o.check(o.default)]
+        if given:
+            raise FastCarError(f"--inspect plans a video DiT step graph with the default options; leave "
+                               f"{', '.join(given)} out (compile to apply them)")
         return _dit().inspect_dit(loaded)
-    defaults = CompileOptions(frame_tokens=1)  # what a compile with default options plans (frame_tokens aside)
-    ctx = CompileContext(defaults)
+    _refuse_dit_only(options)
+    opts = CompileOptions(**{"frame_tokens": 1, **options})
+    ctx = CompileContext(opts)
     pipeline.run(ir.passes.PassManager(pipeline.exporter_fusions(ctx)), loaded)
     notes = ctx.notes
     matches = find_layers(loaded, notes)
     report = CompileReport.from_matches(matches)
-    fused = fused_attention.fusable(loaded, matches, defaults, notes)
-    rewritten = [m.layer for m in matches if m.ok]
-    forms = attention_form.decide(loaded, fused, defaults, set(fused_attention.kv_configs(defaults, fused)),
-                                  set(rewritten), notes)
-    report.plan = plan_blocks(matches, rewritten, defaults, fused, forms=forms).lines()
+    rewritten = [m.layer for m in select_layers(matches, opts)]
+    report.plan = plan(loaded, matches, rewritten, opts, notes).plan.lines()
     report.notes.extend(notes)
     report.notes.extend(native_gqa.inspect_notes(loaded))
     return report
+
+
+inspect.__signature__ = declared.signature(inspect, 1)  # the declared options, for help() and editors
+
+
+def _refuse_dit_only(options: dict) -> None:
+    """A decoder takes no option of video DiT step graphs."""
+    for name in declared.DIT_ONLY:
+        if name in options and options[name] != declared.BY_NAME[name].default:
+            flag = declared.BY_NAME[name].flag
+            raise FastCarError(f"{flag} applies to video DiT step graphs (fastcar-compile export --dit) only; "
+                               f"leave {flag} out")
 
 
 def pass_list(output: bool = True, validate: bool = True) -> list[str]:
@@ -122,11 +139,7 @@ def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[
     loaded, in_path = load(model)
     if _dit().is_dit_step(loaded):  # a video DiT's step graph (export --dit): its own rewrite and option checks
         return _dit().compile_dit(loaded, out_path, source=in_path, **options)
-    for name in declared.DIT_ONLY:
-        if name in options and options[name] != declared.BY_NAME[name].default:
-            flag = declared.BY_NAME[name].flag
-            raise FastCarError(f"{flag} applies to video DiT step graphs (fastcar-compile export --dit) only; "
-                               f"leave {flag} out")
+    _refuse_dit_only(options)
     genai_config = _genai_config(opts.genai, in_path, out_path)
     staging = Staging(out_path, source=in_path) if out_path is not None else None
     if staging is not None:

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="output path (.onnx, or .fcb with --target fpga); written atomically")
     options.add_arguments(p)  # every compile option (fastcar_compile/core/options.py)
     p.add_argument("--inspect", action="store_true",
-                   help="only report what discovery finds per layer (and why a layer does not match)")
+                   help="only report what discovery finds per layer (and why a layer does not match) and, with -v, "
+                        "the plan a compile with the options given would build")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="print every anchor found per layer and the compiler's passes, in order")
     cal = p.add_argument_group("threshold calibration (needs the runtime)")
@@ -78,12 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _not_planned(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The flags given that --inspect cannot plan: those outside the compile options (the output, calibration, the
+    FPGA backend), which act only when a model is compiled, calibrated or scheduled."""
+    planned = {o.name for o in options.CLI_OPTIONS} | {"model", "inspect", "verbose", "help"}
+    return [max(a.option_strings, key=len) for a in parser._actions
+            if a.dest not in planned and a.option_strings and getattr(args, a.dest, a.default) != a.default]
+
+
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(_join_negative_values(argv))
+    parser = build_parser()
+    args = parser.parse_args(_join_negative_values(argv))
     import fastcar_compile as fc
 
     if args.inspect:
-        report = fc.inspect(args.model)
+        refused = _not_planned(parser, args)
+        if refused:
+            raise FastCarError(f"--inspect plans without compiling and cannot apply {', '.join(refused)}; leave "
+                               f"{'it' if len(refused) == 1 else 'them'} out (or compile without --inspect)")
+        report = fc.inspect(args.model, **options.from_args(args))
         print(report.format(verbose=args.verbose))
         if not report.matched:
             raise FastCarError(f"no {report.unit[:-1]} matched (see the missing anchors above)")

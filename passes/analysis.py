@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
@@ -21,8 +22,8 @@ from fastcar_compile.core.options import ascii_int
 from fastcar_compile.passes import attention_form, fused_attention, native_gqa
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes.compile_report import CompileReport
-from fastcar_compile.passes.context import CompileContext, weight_bytes
-from fastcar_compile.passes.plan import plan_blocks
+from fastcar_compile.passes.context import CompileContext, CompileOptions, weight_bytes
+from fastcar_compile.passes.plan import Plan, plan_blocks
 
 # Above this many bytes of weights shape inference is not tried (it would serialise every weight).
 SHAPE_INFERENCE_LIMIT = 2 << 30
@@ -128,6 +129,20 @@ def parse_layers(spec: str | list[int] | tuple[int, ...] | None, available: list
     return sorted(set(out))
 
 
+def select_layers(matches: list[disc.LayerMatch], opts: CompileOptions) -> list[disc.LayerMatch]:
+    """The matched layers to rewrite (`--layers`; every matched one by default). Refuses --layers naming a layer
+    that did not match and per-layer thresholds that do not fit the layers."""
+    chosen = parse_layers(opts.layers, [m.layer for m in matches])
+    selected = [m for m in matches if m.ok and (chosen is None or m.layer in chosen)]
+    unmatched = [m.layer for m in matches if not m.ok and (chosen is None or m.layer in chosen)]
+    if chosen is not None and unmatched:
+        raise FastCarError(f"--layers asks for layers {unmatched} that did not match:\n"
+                           + CompileReport.from_matches(matches).format())
+    if opts.per_layer_threshold and len(opts.threshold) not in (1, len(selected)):
+        raise FastCarError(f"--threshold gives {len(opts.threshold)} values for {len(selected)} rewritten layers")
+    return selected
+
+
 class SelectLayersPass(ir.passes.InPlacePass):
     """Analysis: the matched layers to rewrite (`--layers`), checked against the thresholds given."""
 
@@ -137,13 +152,8 @@ class SelectLayersPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         ctx, opts = self.ctx, self.ctx.options
-        matches = ctx.matches
-        chosen = parse_layers(opts.layers, [m.layer for m in matches])
-        ctx.selected = [m for m in matches if m.ok and (chosen is None or m.layer in chosen)]
-        unmatched = [m.layer for m in matches if not m.ok and (chosen is None or m.layer in chosen)]
-        if chosen is not None and unmatched:
-            raise FastCarError(f"--layers asks for layers {unmatched} that did not match:\n"
-                               + CompileReport.from_matches(matches).format())
+        ctx.selected = select_layers(ctx.matches, opts)
+        unmatched = [m.layer for m in ctx.matches if not m.ok] if opts.layers is None else []  # (else refused)
         if unmatched:
             ctx.notes.append(f"layers {unmatched} left dense (not matched)")
         refused = {m.layer: m.attention.rope_refusal for m in ctx.selected
@@ -155,8 +165,6 @@ class SelectLayersPass(ir.passes.InPlacePass):
             raise FastCarError(f"--tas-query rope: the rotary of layer{'s' if len(refused) > 1 else ''} "
                                f"{sorted(refused)} cannot be reproduced by the gate (layer {first}: {refused[first]}); "
                                f"compile with --tas-query raw{leave}")
-        if opts.per_layer_threshold and len(opts.threshold) not in (1, len(ctx.selected)):
-            raise FastCarError(f"--threshold gives {len(opts.threshold)} values for {len(ctx.selected)} rewritten layers")
         if ctx.selected and ctx.selected[0].mlp is not None:
             check_state_size(opts.frame_tokens, ctx.selected[0].mlp.hidden, len(ctx.selected))
         return ir.passes.PassResult(model, modified=False)
@@ -171,11 +179,25 @@ class PlanPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         ctx = self.ctx
-        ctx.fusions = fused_attention.fusable(model, ctx.matches, ctx.options, ctx.notes)
-        ctx.kv_configs = fused_attention.kv_configs(ctx.options, ctx.fusions)
-        kv = {n: fused_attention.describe(c) for n, c in ctx.kv_configs.items()}
-        rewritten = [m.layer for m in ctx.selected]
-        ctx.forms = attention_form.decide(model, ctx.fusions, ctx.options, set(kv), set(rewritten), ctx.notes)
-        ctx.plan = plan_blocks(ctx.matches, rewritten, ctx.options, ctx.fusions, kv, ctx.forms)
+        ctx.fusions, ctx.kv_configs, ctx.forms, ctx.plan = plan(model, ctx.matches, [m.layer for m in ctx.selected],
+                                                                ctx.options, ctx.notes)
         ctx.exported_gqa = [n for n in model.graph if native_gqa.is_ms_gqa(n)]  # before any op is emitted
         return ir.passes.PassResult(model, modified=False)
+
+
+class Planned(NamedTuple):
+    fusions: dict[int, dict]  # layer -> what its fused attention reads (fused_attention.fusable)
+    kv_configs: dict[int, object]  # layer -> its compressed cache's fastar.KVCompressConfig
+    forms: attention_form.Forms  # how each fused attention is built
+    plan: Plan
+
+
+def plan(model: ir.Model, matches: list[disc.LayerMatch], rewritten: list[int], opts: CompileOptions,
+         notes: list[str]) -> Planned:
+    """The plan for `opts` from discovery's matches (`rewritten`: the selected layers), on the export: what PlanPass
+    hands the emission and what `--inspect` prints for the same options."""
+    fusions = fused_attention.fusable(model, matches, opts, notes)
+    kv_configs = fused_attention.kv_configs(opts, fusions)
+    kv = {n: fused_attention.describe(c) for n, c in kv_configs.items()}
+    forms = attention_form.decide(model, fusions, opts, set(kv), set(rewritten), notes)
+    return Planned(fusions, kv_configs, forms, plan_blocks(matches, rewritten, opts, fusions, kv, forms))

@@ -84,6 +84,7 @@ class DecoderLayerPlan(BlockPlan):
     kv: KvPlan = KvPlan()
     gate: contract.GateForm | None = None  # the TemporalGate form emitted (None: the layer is not rewritten)
     tas_query: str = ""  # the query TAS reads: rope (after the rotary) or raw
+    threshold: str = ""  # the layer's tau as compiled in (its entry of fastcar_threshold with per-layer thresholds)
     packing: str = "-"  # how q/k/v reach the attention and the gate
     row_selection: str = "-"  # where the MLP's computing rows are selected
 
@@ -167,6 +168,15 @@ def _packing(m: LayerMatch, form: AttentionForm, forms: Forms | None) -> str:
     return f"separate q/k/v, query as {att.q_layout}" + left
 
 
+def _threshold(opts: CompileOptions | None, index: int) -> str:
+    """The compiled-in tau of the rewritten layer at `index` (its position among the rewritten layers)."""
+    if opts is None:
+        return ""
+    if not opts.per_layer_threshold:
+        return f"{opts.threshold[0]:g}"
+    return f"{opts.threshold[index if len(opts.threshold) > 1 else 0]:g} ({contract.THRESHOLD}[{index}])"
+
+
 def plan_blocks(matches: list[LayerMatch], selected: list[int], opts: CompileOptions | None,
                 fused: dict[int, dict] | None = None, kv: dict[int, str] | None = None,
                 forms: Forms | None = None) -> Plan:
@@ -196,5 +206,6 @@ def plan_blocks(matches: list[LayerMatch], selected: list[int], opts: CompileOpt
             attention_op=op, rotary=att.rope + (f" (rope TAS refused: {att.rope_refusal})" if att.rope_refusal else ""),
             residual=mlp.form, mlp=mlp_text, kv=cache, gate=gate,
             tas_query=(opts.tas_query if opts is not None else contract.TAS_ROPE) if rewrite else "",
+            threshold=_threshold(opts, selected.index(m.layer)) if rewrite else "",
             packing=_packing(m, form, forms) if m.layer in (fused or {}) or rewrite else "-", row_selection=rows))
     return Plan(tuple(blocks))

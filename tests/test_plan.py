@@ -132,3 +132,51 @@ def test_the_plan_of_a_dynamo_export_is_what_the_compile_builds(zoo_model, tmp_p
     for node in attention:  # one QKV MatMul: the op takes the packed projection and rotates itself
         rotates = node.overload == "packed_rotary" or any(a.name == "do_rotary" and a.i for a in node.attribute)
         assert rotates == (packing == "one QKV MatMul"), node.name
+
+
+INSPECTED = {"kv": ["--kv-budget", "16", "--kv-sinks", "2", "--kv-window", "8"],
+             "gqa": ["--fused-attention", "gqa"],
+             "per-layer": ["--per-layer-threshold", "--threshold", "0.3,0.6"],
+             "layers": ["--layers", "1", "--tas-query", "raw"]}
+
+
+def _attention_ops(path) -> dict[int, str]:
+    """Layer -> 'domain.op' of its fused attention op in the written model (ONNX's own reader)."""
+    ops = {}
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        if node.op_type in (contract.COMPRESSED_ATTENTION, contract.GROUP_QUERY_ATTENTION):
+            ops[int(dict((p.key, p.value) for p in node.metadata_props)[contract.TAG_LAYER])] = \
+                f"{node.domain}.{node.op_type}"
+    return ops
+
+
+@pytest.mark.parametrize("flags", INSPECTED.values(), ids=INSPECTED.keys())
+def test_inspect_plans_with_the_options_given(zoo_model, tmp_path, capsys, flags):
+    """`--inspect -v` with compile options prints the plan a compile with them builds (not the default plan): the
+    one `--verbose` prints while compiling, and what the written model holds (gates, attention ops, tau)."""
+    model = str(zoo_model("llama", "dynamo20"))
+    assert main([model, "--inspect", "-v"]) == 0
+    default = _plan_blocks(capsys.readouterr().out)
+    assert main([model, "--inspect", "-v", *flags]) == 0
+    inspected = _plan_blocks(capsys.readouterr().out)
+    assert inspected != default
+    out = tmp_path / "fast.onnx"
+    assert main([model, "-o", str(out), "--frame-tokens", str(L), "--verbose", *flags]) == 0
+    assert _plan_blocks(capsys.readouterr().out) == inspected
+    rewritten = {n: b for n, b in inspected.items() if b["state"] == "rewrite"}
+    assert _gate_forms(out) == {n: set(b["gate"].removeprefix("TemporalGate [").removesuffix("]").split(", "))
+                                for n, b in rewritten.items()}
+    assert _attention_ops(out) == {n: b["attention op"] for n, b in inspected.items()}
+    graph = onnx.load(str(out), load_external_data=False).graph
+    taus = next(onnx.numpy_helper.to_array(t) for t in graph.initializer if t.name == contract.THRESHOLD)
+    assert [float(b["threshold"].split()[0]) for _, b in sorted(rewritten.items())] == \
+        pytest.approx(taus.reshape(-1).tolist() if taus.size > 1 else [float(taus)] * len(rewritten))
+
+
+def test_inspect_refuses_what_it_cannot_plan(zoo_model, capsys):
+    """Settings that act only when a model is written, calibrated or scheduled are refused, in one line naming them,
+    not ignored."""
+    model = str(zoo_model("llama", "dynamo20"))
+    assert main([model, "--inspect", "-o", "x.onnx", "--calibrate-replay", "0.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--output" in err and "--calibrate-replay" in err, err
