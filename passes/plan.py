@@ -2,8 +2,8 @@
 
 Discovery (passes/discover.py) matches the export once; `plan_blocks` turns its matches and the options into one
 frozen `DecoderLayerPlan` per KV-cache layer: the attention, rotary, residual and MLP forms found, the op the
-attention becomes, the KV cache mode and its settings, the TemporalGate form emitted, how the query is packed and
-where the MLP rows are selected. The emission passes decide from it (never from the ai.fastcar nodes an earlier
+attention becomes, the KV cache mode and its settings, the TemporalGate form emitted, how the query is packed,
+where the MLP rows are selected and the layer's tau. The emission passes decide from it (never from the ai.fastcar nodes an earlier
 pass built), and `--inspect -v` / `--verbose` print it.
 
 A new block kind (say a DiT block) is a new frozen dataclass deriving from `BlockPlan` with its own fields:
