@@ -48,7 +48,7 @@ def add_inputs(graph: ir.Graph, layer: int, a: SelfAttention, tables: int) -> di
     shapes = {"buckets": (ir.DataType.INT64, ["batch", a.heads, tables, k]),
               "keys": (ir.DataType.INT64, ["batch", a.heads, tables, k, m]),
               "bias": (ir.DataType.FLOAT, ["batch", a.heads, tables, k, m]),
-              "kcodes": (ir.DataType.INT64, ["batch", a.heads, tables, k, m, tables])}
+              "kcodes": (ir.DataType.INT64, ["batch", a.heads, tables, tables, k, m])}
     out = {}
     for kind, (dtype, shape) in shapes.items():
         v = ir.Value(name=names[kind], type=ir.TensorType(dtype), shape=ir.Shape(shape))
@@ -129,17 +129,25 @@ def cache_scores(b, graph: ir.Graph, layer: int, a: SelfAttention, q: ir.Value, 
     lb = b("FusedMatMul", [qb, kb], {"transB": 1, "alpha": 1.0}, domain=contract.MS_DOMAIN, part="annsa")
     lb = b("Add", [lb, b("Unsqueeze", [ins["bias"], c("ax4", np.array([4], np.int64))], part="annsa")], part="annsa")
     minus_inf = c("minus_inf", np.array(-np.inf, np.float32))
-    if T > 1:  # a pair sharing a bucket in an earlier table was counted there
+    if T > 1:  # a pair sharing a bucket in an earlier table was counted there: per table t > 0, per u < t
         qcb = b("GatherND", [codes, qtab1], {"batch_dims": 2}, part="annsa")  # [B, H, T, K, Mq, T]
-        eq = b("Equal", [b("Unsqueeze", [qcb, c("ax5", np.array([5], np.int64))], part="annsa"),
-                         b("Unsqueeze", [ins["kcodes"], c("ax4", np.array([4], np.int64))], part="annsa")],
-               part="annsa")  # [B, H, T, K, Mq, M, T]
-        earlier = np.arange(T)[None, :] < np.arange(T)[:, None]  # [t, u]: u < t
-        seen = b("And", [eq, c("earlier", earlier.reshape(T, 1, 1, 1, T))], part="annsa")
-        dup = b("Greater", [b("ReduceMax", [b("Cast", [seen], {"to": ir.DataType.FLOAT}, part="annsa"),
-                                            c("last", np.array([-1], np.int64))], {"keepdims": 0}, part="annsa"),
-                            c("zero_f", np.array(0.0, np.float32))], part="annsa")
-        lb = b("Where", [dup, minus_inf, lb], part="annsa")
+        split = {"axis": 2, "num_outputs": T}
+        lbs = b("Split", [lb], split, outputs=T, part="annsa")  # [B, H, 1, K, Mq, M] each
+        qs = b("Split", [qcb], split, outputs=T, part="annsa")  # [B, H, 1, K, Mq, T]
+        ks = b("Split", [ins["kcodes"]], split, outputs=T, part="annsa")  # [B, H, 1, T, K, M]
+        pieces = [lbs[0]]
+        for t in range(1, T):
+            dup = None
+            for u in range(t):
+                u_ = c(f"table{u}", np.array(u, np.int64))
+                qu = b("Unsqueeze", [b("Gather", [qs[t], u_], {"axis": 5}, part="annsa"), c("last", np.array([-1], np.int64))],
+                       part="annsa")  # [B, H, 1, K, Mq, 1]
+                ku = b("Unsqueeze", [b("Gather", [ks[t], u_], {"axis": 3}, part="annsa"),
+                                     c("ax4", np.array([4], np.int64))], part="annsa")  # [B, H, 1, K, 1, M]
+                eq = b("Equal", [qu, ku], part="annsa")
+                dup = eq if dup is None else b("Or", [dup, eq], part="annsa")
+            pieces.append(b("Where", [dup, minus_inf, lbs[t]], part="annsa"))
+        lb = b("Concat", pieces, {"axis": 2}, part="annsa")
     # each query's row of its block, per table: (bucket, rank); queries in no occupied bucket get -inf
     at = b("Concat", [b("Unsqueeze", [slot, c("last", np.array([-1], np.int64))], part="annsa"),
                       b("Unsqueeze", [rank, c("last", np.array([-1], np.int64))], part="annsa")], {"axis": -1},

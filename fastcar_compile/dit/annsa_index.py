@@ -22,11 +22,11 @@ from fastcar_compile.dit.modes import bucket_hasher
 def blocks(codes: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, ...]:
     """Key blocks of the slots at `positions` [N] whose ids are `codes` [B, H, N, T]: (buckets [B, H, T, K]
     (-1: none), keys [B, H, T, K, M] (cache positions), bias [B, H, T, K, M] (0, -inf padding), kcodes
-    [B, H, T, K, M, T] (-1 padding)). K = the most occupied buckets of any (row, head, table), M = the fullest."""
+    [B, H, T, T, K, M] (the block keys' ids in each table; -1 padding)). K = the most occupied buckets of any (row, head, table), M = the fullest."""
     B, H, N, T = codes.shape
     if N == 0:
         return (np.full((B, H, T, 1), -1, np.int64), np.zeros((B, H, T, 1, 1), np.int64),
-                np.full((B, H, T, 1, 1), -np.inf, np.float32), np.full((B, H, T, 1, 1, T), -1, np.int64))
+                np.full((B, H, T, 1, 1), -np.inf, np.float32), np.full((B, H, T, T, 1, 1), -1, np.int64))
     rows = B * H * T
     per = codes.reshape(B * H, N, T)
     flat = per.transpose(0, 2, 1).reshape(rows, N)  # row = (b * H + h) * T + t
@@ -49,7 +49,7 @@ def blocks(codes: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, ...]:
     kcodes = np.full((rows, K, M, T), -1, np.int64)
     kcodes[r, bk, rk] = per[(np.arange(rows) // T)[:, None], order].reshape(rows * N, T)
     return (ids.reshape(B, H, T, K), keys.reshape(B, H, T, K, M), bias.reshape(B, H, T, K, M),
-            kcodes.reshape(B, H, T, K, M, T))
+            np.ascontiguousarray(kcodes.reshape(B, H, T, K, M, T).transpose(0, 1, 2, 5, 3, 4)))
 
 
 class AnnIndex:

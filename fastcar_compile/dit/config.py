@@ -215,6 +215,6 @@ ANNSA_DENSE = "annsa_dense"  # int64 [Nd]: the cache's token positions AnnSA att
 def annsa_io(layer: int) -> dict[str, str]:
     """Block `layer`'s AnnSA I/O (dit/annsa_graph.py): inputs `buckets` (the occupied bucket ids per table
     [B, heads, T, K]), `keys` (their cache positions [B, heads, T, K, M]), `bias` (0, -inf for padding), `kcodes`
-    (those keys' ids in every table [B, heads, T, K, M, T]); output `codes` (the chunk's query ids [B, heads, S, T])."""
+    (those keys' ids in every table [B, heads, T, T, K, M]); output `codes` (the chunk's query ids [B, heads, S, T])."""
     return {"buckets": f"annsa_buckets.{layer}", "keys": f"annsa_keys.{layer}", "bias": f"annsa_bias.{layer}",
             "kcodes": f"annsa_kcodes.{layer}", "codes": f"annsa_codes.{layer}"}
