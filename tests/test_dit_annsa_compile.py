@@ -211,3 +211,22 @@ def test_a_decoder_refuses_the_dit_modes(tmp_path):
     onnx.save(onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y])), str(src))
     with pytest.raises(FastCarError, match="--annsa applies to video DiT step graphs"):
         fc.compile(str(src), frame_tokens=4, annsa="lsh")
+
+
+@pytest.mark.parametrize("tables", [1, 2, 3, 4])
+def test_shared_pairs_count_equals_comparing_every_pair(tables):
+    from fastcar_compile.dit.annsa_index import shared_pairs
+
+    rng = np.random.default_rng(tables)
+    q, k = rng.integers(0, 5, (2, 3, 20, tables)), rng.integers(0, 5, (2, 3, 30, tables))
+    want = int((q[:, :, :, None, :] == k[:, :, None, :, :]).any(-1).sum())
+    assert shared_pairs(q, k) == want and 0 < want < q[..., 0].size * 30
+
+
+def test_stream_cli_reports_the_compiled_annsa(dit_tiny_export, tmp_path, capsys):
+    path = _compile(dit_tiny_export, tmp_path, "--annsa", "lsh")
+    capsys.readouterr()
+    assert main(["stream", str(path), "--frames", "8", "-o", str(tmp_path / "run")]) == 0
+    assert "AnnSA compiled in (lsh buckets x 2 tables, 1 local frames)" in capsys.readouterr().out
+    done = json.loads((tmp_path / "run" / "stream.json").read_text())["compiled_modes"]
+    assert done["annsa"]["kind"] == "lsh" and 0 < done["self_density"] < 1

@@ -11,6 +11,7 @@ ids in every table (so the graph counts a pair once, in the first table where it
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -107,12 +108,33 @@ class AnnIndex:
     def executed_pairs(self, layer: int, query_codes: np.ndarray) -> int:
         """q.k pairs layer `layer`'s step computed with the chunk's query ids [B, H, Q, T] (the graph's
         `annsa_codes.N`): every query with the dense slots and the chunk, and with each bucketed slot sharing a
-        bucket in some table (once). Counted by comparing ids, for the stats only."""
+        bucket in some table (once)."""
         B, H, Q, _ = query_codes.shape
         dense, sparse = self.split
-        kc = self.codes[layer][:, :, sparse]  # [B, H, N, T]
-        hits = 0
-        for bh in range(B * H):
-            b, h = divmod(bh, H)
-            hits += int((query_codes[b, h][:, None, :] == kc[b, h][None, :, :]).any(-1).sum())
-        return B * H * Q * (dense.size + Q) + hits
+        return B * H * Q * (dense.size + Q) + shared_pairs(query_codes, self.codes[layer][:, :, sparse])
+
+
+def shared_pairs(query_codes: np.ndarray, key_codes: np.ndarray) -> int:
+    """How many (query, key) pairs of the same (row, head) share a bucket in at least one table: query_codes
+    [B, H, Q, T], key_codes [B, H, N, T]. By inclusion-exclusion over the tables' subsets (a query's keys with
+    equal ids on a subset, counted by sorting: O((Q + N) 2^T)), no query x key comparison; more than 3 tables
+    compare every pair."""
+    B, H, Q, T = query_codes.shape
+    N = key_codes.shape[2]
+    if N == 0 or Q == 0:
+        return 0
+    if T > 3:
+        return int(sum((query_codes[b, h][:, None] == key_codes[b, h][None]).any(-1).sum()
+                       for b in range(B) for h in range(H)))
+    group = np.arange(B * H, dtype=np.int64)
+    qc, kc = query_codes.reshape(B * H, Q, T), key_codes.reshape(B * H, N, T)
+    total = 0
+    for size in range(1, T + 1):
+        for subset in itertools.combinations(range(T), size):
+            qk, kk = group[:, None], group[:, None]
+            for t in subset:  # ids < 2^16 (CODE_SPAN): the group and up to 3 ids in one int64
+                qk, kk = (qk << 16) | qc[:, :, t], (kk << 16) | kc[:, :, t]
+            keys = np.sort(kk.ravel())
+            count = np.searchsorted(keys, qk.ravel(), "right") - np.searchsorted(keys, qk.ravel(), "left")
+            total += (1 if size % 2 else -1) * int(count.sum())
+    return total

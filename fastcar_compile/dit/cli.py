@@ -202,6 +202,8 @@ def stream_main(argv: list[str]) -> int:
               "first two chunks)")
         model.tau = tau
         model.fa = dataclasses.replace(fa, fastcar_tau=tau)
+    if getattr(model, "annsa", None) is not None:  # AnnSA compiled in: count its executed pairs
+        model.self_pairs = [0, 0]
     result = run_stream(model, settings, text)
     if eager:
         from fastcar_compile.dit.fastar import totals
@@ -212,7 +214,9 @@ def stream_main(argv: list[str]) -> int:
         result["compiled_modes"] = {**model.modes, "replay_ratio": model.replayed[0] / max(model.replayed[1], 1),
                                     "merge_ratio": model.cache.merges[0] / max(model.cache.merges[1], 1),
                                     "cross_density": model.cross_pairs[0] / max(model.cross_pairs[1], 1),
-                                    "kv_density": model.cache.kv_density}
+                                    "kv_density": model.cache.kv_density,
+                                    "self_density": model.self_pairs[0] / max(model.self_pairs[1], 1)
+                                    if model.self_pairs is not None else None}
     with staged_dir(out) as tmp:
         write_outputs(tmp, result, model_path)
     fps = 1000 / (sum(result["frame_ms"]) / len(result["frame_ms"]))
@@ -231,6 +235,10 @@ def stream_main(argv: list[str]) -> int:
         if model.annca is not None:
             print(f"AnnCA compiled in ({model.annca['kind']} buckets x {model.annca['ann_tables']} tables): "
                   f"{100 * done['cross_density']:.1f}% of the query x prompt pairs executed")
+        if model.annsa is not None:
+            print(f"AnnSA compiled in ({model.annsa['kind']} buckets x {model.annsa['ann_tables']} tables, "
+                  f"{model.annsa['annsa_local']} local frames): {100 * done['self_density']:.1f}% of the query x "
+                  "cache-and-chunk pairs executed")
     return 0
 
 
