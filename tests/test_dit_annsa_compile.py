@@ -230,3 +230,19 @@ def test_stream_cli_reports_the_compiled_annsa(dit_tiny_export, tmp_path, capsys
     assert "AnnSA compiled in (lsh buckets x 2 tables, 1 local frames)" in capsys.readouterr().out
     done = json.loads((tmp_path / "run" / "stream.json").read_text())["compiled_modes"]
     assert done["annsa"]["kind"] == "lsh" and 0 < done["self_density"] < 1
+
+
+def test_calibrate_replay_with_annsa_equals_the_eager_calibration(dit_tiny_export, tmp_path, eager, capsys):
+    """`--calibrate-replay 0.4 --annsa quant`: the probe attends as the final graph does, so tau equals the
+    eager runtime's calibration with AnnSA on (its TAS over the same 4-frame stream)."""
+    from fastcar_compile.dit.fastar import calibrate_tau
+
+    out = tmp_path / "cal.onnx"
+    assert main([str(dit_tiny_export), "-o", str(out), "--calibrate-replay", "0.4", "--annsa", "quant",
+                 "--calib-frames", "6"]) == 0
+    fast = OrtDiT(out)
+    assert fast.annsa["kind"] == "quant"
+    want = calibrate_tau(eager, modes.settings(fastcar_ratio=0.4, annsa="quant"), StreamSettings(frames=6, seed=0),
+                         chunks=3)
+    dense = calibrate_tau(eager, modes.settings(fastcar_ratio=0.4), StreamSettings(frames=6, seed=0), chunks=3)
+    assert fast.tau == pytest.approx(want, abs=1e-4) and abs(want - dense) > 1e-4

@@ -97,7 +97,7 @@ def compile_main(a: argparse.Namespace) -> int:
         text = _read_text(a.calib_data, cfg.text_dim) if a.calib_data else None
         tau = calibrate_threshold(a.model, a.calibrate_replay, text=text, frames=a.calib_frames,
                                   tempcache=opts.get("tempcache"), tempcache_match=opts["tempcache_match"],
-                                  **{k: opts[k] for k in BUCKET_SETTINGS})
+                                  **{k: opts[k] for k in (*BUCKET_SETTINGS, "annsa", "annsa_local", "annca")})
         opts["threshold"] = (tau,)
         print(f"calibrated --threshold {tau:.6g} for replay ratio {a.calibrate_replay:g} (TAS quantile over the "
               f"eligible rows of a {max(a.calib_frames, 2 * cfg.chunk_frames)}-frame stream, "

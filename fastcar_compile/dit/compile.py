@@ -377,7 +377,8 @@ def calibrate_threshold(path: str | os.PathLike, ratio: float, *, text: np.ndarr
     """The tau giving FFN replay ratio `ratio` over the eligible rows (the decoders' one-pass calibration): a
     probe compiled with FastCar on and a tau no TAS exceeds streams `frames` frames (at least two chunks; the
     prompt `text` [L, text_dim] or a seeded random one) and the quantile of the TAS it outputs is the tau.
-    TempCache (its SIM, match and `buckets`: dit/modes.BUCKET_SETTINGS) changes the rollout: the probe has it."""
+    TempCache (its SIM, match and `buckets`: dit/modes.BUCKET_SETTINGS), AnnSA and AnnCA (`buckets` also takes
+    annsa, annsa_local, annca) change the rollout: the probe has them."""
     import tempfile
 
     from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout
