@@ -4,7 +4,7 @@
     python scripts/train_dit.py --until 100                # stop at step 100 (resume later)
     python scripts/train_dit.py --minutes 60               # stop after an hour of wall time (resume later)
     python scripts/train_dit.py plot                       # training/dit_model/loss.png from the log
-    nice -n 19 python scripts/train_dit.py --init training/dit_model --selfforcing 0.5 --lr 1e-4 \
+    nice -n 19 python scripts/train_dit.py --init training/dit_model --selfforcing 0.6 --own-steps --lr 1e-4 \
         --steps 500 --ckpt ~/.cache/fastcar-compile/dit-selfforcing --out OUT   # continue with own rollouts
 
 Writes a JSON line per step and per evaluation to training/dit_model/train_log.jsonl, checkpoints model +
@@ -76,6 +76,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=DiTTrainSettings.warmup, help="warm-up steps")
     p.add_argument("--selfforcing", type=float, default=0.0, metavar="P",
                    help="share of batches whose context is the model's own rollout (0: teacher forcing only)")
+    p.add_argument("--own-steps", action="store_true",
+                   help="self-forced batches: denoise the first scored chunk from the sampler's own x_t")
     p.add_argument("--init", type=Path, default=None,
                    help="start from this weights folder (config.json + model.safetensors) when no checkpoint")
     p.add_argument("--ckpt", type=Path, default=CKPT, help=f"checkpoint folder (default {CKPT})")
@@ -99,7 +101,7 @@ def main() -> None:
         if cfg != DiTTrainSettings().config or init is None:
             p.error(f"--init {a.init}: not weights of the pixel DiT's config; give a folder train_dit.py wrote")
     s = replace(DiTTrainSettings(), steps=a.steps, seed=a.seed, lr=a.lr, warmup=a.warmup,
-                selfforcing_prob=a.selfforcing)
+                selfforcing_prob=a.selfforcing, sf_own_steps=a.own_steps)
     step = train_dit(s, a.ckpt / "checkpoint.pt", log, until=a.until, export=a.out, minutes=a.minutes,
                      init=init)
     print(f"step {step}: weights in {a.out}")

@@ -105,11 +105,12 @@ def test_prompt_rows_are_one_hot_labels():
 
 class _ForcedStart(TorchDiT):
     """The stream's eager backend with the first `real` chunks' cache writes (the t = 0 pass) fed the real clip's
-    frames, the chunks after the first moved by a RoPE gap, and the cache kept for inspection."""
+    frames, the chunks after the first moved by a RoPE gap, the cache kept for inspection and the denoising
+    inputs of every step recorded."""
 
     def __init__(self, model, clean, real, gap):
         super().__init__(model)
-        self.clean, self.real, self.gap = clean, real, gap
+        self.clean, self.real, self.gap, self.inputs = clean, real, gap, []
 
     def new_cache(self, *args):
         self.cache = FrameCache(*args)
@@ -119,47 +120,64 @@ class _ForcedStart(TorchDiT):
         f = self.cfg.chunk_frames
         if frame_start < self.real * f and not timestep.any():
             latent = np.repeat(self.clean[:, :, frame_start:frame_start + f], latent.shape[0], 0)
+        if timestep.any():
+            self.inputs.append((frame_start, latent[:1].copy()))
         return super().step(latent, timestep, frame_start + (self.gap if frame_start else 0), past, cross)
 
 
-@pytest.mark.parametrize("real,cfg_scale,gap", [(0, 2.0, 0), (1, 2.0, 7), (1, 1.0, 0)])
-def test_self_forced_context_is_the_streams_own_rollout(real, cfg_scale, gap):
+@pytest.mark.parametrize("real,cfg_scale,gap,own", [(0, 2.0, 0, False), (1, 2.0, 7, False), (1, 1.0, 0, False),
+                                                     (1, 2.0, 5, True)])
+def test_self_forced_context_is_the_streams_own_rollout(real, cfg_scale, gap, own):
     """The K/V the self-forced loss sees are the cache `stream.rollout` (the generation loop) writes with the same
     noise, its first `real` chunks written from the real clip, and the loss of the chunk after them is the
-    model's step on that cache; the generated frames are the stream's."""
+    model's step on that cache (from noisy real frames, or with sf_own_steps from the stream's own input at the
+    row's step, the target the velocity that lands on the real chunk); the generated frames are the stream's."""
     model = build(SMALL, seed=2)
     s = dataclasses.replace(SETTINGS, frames=8, batch=1, selfforcing_prob=1.0, sf_real_chunks=real,
-                            sf_cfg=cfg_scale)
+                            sf_cfg=cfg_scale, sf_own_steps=own)
     b = next(b for b in (batch_for_step(s, i) for i in range(50)) if b.context >= 2)
+    assert len(b.sample_noise) == b.context + own
     b.gap, f = gap, SMALL.chunk_frames
     chunks = b.real + b.context
     # the stream's noise: per chunk one draw to start and one per later step, from default_rng(seed)
     rng = np.random.default_rng(5)
     shape = (1, 3, f, SMALL.latent_h, SMALL.latent_w)
-    draws = [[rng.standard_normal(shape) for _ in STEPS] for _ in range(chunks)]
+    draws = [[rng.standard_normal(shape) for _ in STEPS] for _ in range(chunks + own)]
     b.sample_noise = np.asarray(draws[b.real:], np.float32)
-    past, made = self_rollout(model, b)
+    past, made, states = self_rollout(model, b)
 
     backend = _ForcedStart(model, b.clean, b.real, gap)
-    frames = [r.frames for r in rollout(backend, StreamSettings(frames=chunks * f, seed=5, cfg_scale=cfg_scale,
-                                                                window_frames=0), text=b.text[0])]
-    want = backend.cache.past(2 if cfg_scale != 1.0 else 1, SMALL.heads, SMALL.head_dim)
+    frames = [r.frames for r in rollout(backend, StreamSettings(frames=(chunks + own) * f, seed=5,
+                                                                cfg_scale=cfg_scale, window_frames=0),
+                                        text=b.text[0])]
+    tokens = chunks * f * SMALL.tokens_per_frame
+    want = [a[:, :, :tokens] for a in backend.cache.past(2 if cfg_scale != 1.0 else 1, SMALL.heads, SMALL.head_dim)]
     assert len(past) == len(want) == 2 * SMALL.layers
     for got, ref in zip(past, want, strict=True):
         assert got.shape == (1, *ref.shape[1:])
         np.testing.assert_allclose(got.numpy(), ref[:1], atol=2e-5)
-    np.testing.assert_allclose(made[0], np.concatenate(frames[b.real:], 1), atol=2e-5)
+    np.testing.assert_allclose(made[0], np.concatenate(frames[b.real:chunks], 1), atol=2e-5)
 
-    c = chunks  # the first scored chunk: noisy real frames over that cache
+    c = chunks  # the first scored chunk over that cache
     loss = teacher_forced_loss(model, b, reduce=False).detach().numpy()
     assert loss.shape == (8 // f - chunks,)
     sigma = b.t[0, c] / 1000.0
     x0, eps = b.clean[:, :, c * f:(c + 1) * f], b.noise[:, :, c * f:(c + 1) * f]
     xt = ((1 - sigma) * x0 + sigma * eps).astype(np.float32)
+    target = eps - x0
+    if own:
+        assert states is not None and len(states) == len(STEPS)
+        stream_inputs = [x for start, x in backend.inputs if start == c * f]
+        for got, ref in zip(states, stream_inputs, strict=True):
+            np.testing.assert_allclose(got.numpy(), ref, atol=2e-5)
+        xt = stream_inputs[STEPS.index(float(b.t[0, c]))]
+        target = (xt - x0) / sigma
+    else:
+        assert states is None
     cross = [a[:1] for a in TorchDiT(model).text_kv(b.text)]
     v = TorchDiT(model).step(xt, np.full((1, f), b.t[0, c], np.float32), c * f + gap, [a[:1] for a in want],
                              cross)[0]
-    np.testing.assert_allclose(loss[0], np.mean((v - (eps - x0)) ** 2), rtol=1e-4)
+    np.testing.assert_allclose(loss[0], np.mean((v - target) ** 2), rtol=1e-4)
 
 
 def test_selfforcing_batches_mix_and_leave_teacher_forced_ones_unchanged():

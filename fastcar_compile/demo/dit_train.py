@@ -99,12 +99,13 @@ class DiTTrainSettings:
     selfforcing_prob: float = 0.0  # batches whose context after the real chunks is the model's own rollout
     sf_real_chunks: int = 1  # real chunks written to the cache before the self-generated ones (the sink)
     sf_cfg: float = 2.0  # guidance scale of the self-generated context (the demo's)
+    sf_own_steps: bool = False  # the first scored chunk denoised from the sampler's own x_t, not noisy real frames
     config: DiTConfig = field(default_factory=lambda: DIT_PIXEL_CONFIG)
 
 
 # Settings a resumed run must share with its checkpoint (the data and what the weights mean).
 _RESUME_FIXED = ("batch", "frames", "uncond_prob", "gap_prob", "max_gap", "seed", "selfforcing_prob",
-                 "sf_real_chunks", "sf_cfg", "config")
+                 "sf_real_chunks", "sf_cfg", "sf_own_steps", "config")
 
 
 def _settings_dict(s: DiTTrainSettings) -> dict:
@@ -129,7 +130,7 @@ class Batch:
     gap: int  # RoPE offset of the chunks after the first (one per batch: the rows share their positions)
     context: int = 0  # self-generated chunks after the real ones (0: teacher-forced)
     real: int = 0  # real chunks before the self-generated ones
-    sample_noise: np.ndarray | None = None  # [context, len(STEPS), B, 3, chunk, H, W]: the sampler's noise
+    sample_noise: np.ndarray | None = None  # [context (+1), len(STEPS), B, 3, chunk, H, W]: the sampler's noise
     cfg_scale: float = 1.0  # guidance of the self-generated chunks
 
 
@@ -149,7 +150,7 @@ def make_batch(s: DiTTrainSettings, split: str, index0: int, count: int, rng: np
         b.real, b.cfg_scale = s.sf_real_chunks, s.sf_cfg
         b.context = int(rng.integers(1, chunks - s.sf_real_chunks))  # at least one chunk left for the loss
         f = s.config.chunk_frames
-        shape = (b.context, len(STEPS), count, clean.shape[1], f, *clean.shape[3:])
+        shape = (b.context + s.sf_own_steps, len(STEPS), count, clean.shape[1], f, *clean.shape[3:])
         b.sample_noise = rng.standard_normal(shape).astype(np.float32)
     return b
 
@@ -173,12 +174,14 @@ def _start(b: Batch, c: int, f: int):
     return torch.tensor([c * f + (b.gap if c else 0)], dtype=torch.int64)
 
 
-def self_rollout(model, b: Batch) -> tuple[list, np.ndarray]:
+def self_rollout(model, b: Batch) -> tuple[list, np.ndarray, list | None]:
     """The context of a self-forced batch, without gradients: the K/V cache (cond rows, 2*layers tensors
     [B, heads, (real + context) chunks * T, d]) after writing the b.real real chunks at t = 0 and then the
     b.context chunks the model generates itself over that cache, as `stream.rollout` generates them (per step
     x0 = x_t - sigma v, guided v = v_u + s (v_c - v_u), re-noised to the next sigma with the batch's noise; a
-    t = 0 pass on the clean chunk writes its K/V); and the generated frames [B, 3, context * chunk, H, W]."""
+    t = 0 pass on the clean chunk writes its K/V); the generated frames [B, 3, context * chunk, H, W]; and
+    when b.sample_noise has a chunk more than the context (`sf_own_steps`), the sampler's input x_t at each
+    step of the next chunk over that cache [len(STEPS)] x [B, 3, chunk, H, W] (else None)."""
     import torch
 
     cfg = model.cfg
@@ -193,17 +196,14 @@ def self_rollout(model, b: Batch) -> tuple[list, np.ndarray]:
 
         def write(x0, c):
             nonlocal past
-            kv = model(x0.repeat(rows // n, 1, 1, 1, 1), torch.zeros(rows, f), _start(b, c, f),
-                       *past, *cross)[1:]
+            kv = model(x0.repeat(rows // n, 1, 1, 1, 1), torch.zeros(rows, f), _start(b, c, f), *past, *cross)[1:]
             past = [torch.cat([p, k], 2) for p, k in zip(past, kv, strict=True)]
 
-        for c in range(b.real):
-            write(torch.from_numpy(b.clean[:, :, c * f:(c + 1) * f]), c)
-        made = []
-        for j in range(b.context):
-            c = b.real + j
+        def sample(j, c):
             x = x0 = torch.from_numpy(b.sample_noise[j, 0])
+            states = []
             for i, t in enumerate(STEPS):
+                states.append(x)
                 v = model(x.repeat(rows // n, 1, 1, 1, 1), torch.full((rows, f), t), _start(b, c, f), *past,
                           *cross)[0]
                 v = v[:n] + b.cfg_scale * (v[:n] - v[n:]) if guided else v
@@ -211,10 +211,18 @@ def self_rollout(model, b: Batch) -> tuple[list, np.ndarray]:
                 if i + 1 < len(STEPS):
                     nxt = STEPS[i + 1] / 1000.0
                     x = (1 - nxt) * x0 + nxt * torch.from_numpy(b.sample_noise[j, i + 1])
-            write(x0, c)
+            return x0, states
+
+        for c in range(b.real):
+            write(torch.from_numpy(b.clean[:, :, c * f:(c + 1) * f]), c)
+        made = []
+        for j in range(b.context):
+            x0 = sample(j, b.real + j)[0]
+            write(x0, b.real + j)
             made.append(x0)
+        own = sample(b.context, b.real + b.context)[1] if len(b.sample_noise) > b.context else None
     frames = torch.cat(made, 2).numpy() if made else b.clean[:, :, :0]
-    return [p[:n] for p in past], frames
+    return [p[:n] for p in past], frames, own
 
 
 def teacher_forced_loss(model, b: Batch, reduce: bool = True):
@@ -229,8 +237,9 @@ def teacher_forced_loss(model, b: Batch, reduce: bool = True):
     clean, noise = torch.from_numpy(b.clean), torch.from_numpy(b.noise)
     rows = clean.shape[0]
     first = b.real + b.context if b.context else 0
-    past = (self_rollout(model, b)[0] if b.context else
-            [clean.new_zeros(rows, cfg.heads, 0, cfg.head_dim) for _ in range(2 * cfg.layers)])
+    past, own = ([clean.new_zeros(rows, cfg.heads, 0, cfg.head_dim) for _ in range(2 * cfg.layers)], None)
+    if b.context:
+        past, _, own = self_rollout(model, b)
     cross = model.text_kv(torch.from_numpy(b.text))
     losses = []
     for c in range(first, clean.shape[2] // f):
@@ -240,8 +249,12 @@ def teacher_forced_loss(model, b: Batch, reduce: bool = True):
         sigma = (t / 1000.0)[:, None, None, None, None]
         x0, eps = clean[:, :, sl], noise[:, :, sl]
         xt = (1 - sigma) * x0 + sigma * eps
+        target = eps - x0
+        if own is not None and c == first:  # the sampler's own x_t at each row's step; the velocity to x0
+            xt = torch.stack([own[STEPS.index(float(ti))][r] for r, ti in enumerate(b.t[:, c])])
+            target = (xt - x0) / sigma
         v = model(xt, t[:, None].expand(-1, f).contiguous(), start, *past, *cross)[0]
-        losses.append(((v - (eps - x0)) ** 2).mean())
+        losses.append(((v - target) ** 2).mean())
         if c + 1 < clean.shape[2] // f:
             kv = model(x0, torch.zeros(rows, f), start, *past, *cross)[1:]
             past = [torch.cat([p, k], 2) for p, k in zip(past, kv, strict=True)]
