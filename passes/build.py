@@ -13,25 +13,55 @@ from fastcar_compile.core import contract
 class Builder:
     """Creates nodes tagged with their layer and role, appending them to a node list.
 
-    Names are `fastcar/<layer>/<op>_<id>` with ids counted per layer (`ids`), so they are unique in the graph
-    and do not depend on the order in which the passes visit layers.
+    Names are `fastcar/[<namespace>/]<layer>/<op>_<id>` (values `fastcar.[<namespace>.]<layer>.<op>_<id>_<i>`)
+    with ids counted per layer (`ids`), so they do not depend on the order in which the passes visit layers.
+    Builders that share `ids` never collide; given `graph`, every name is also reserved on that graph (its
+    existing node and value names, then each Builder's), and a taken id is skipped, so modes whose own counters
+    both start at 0 for a layer still give graph-unique names.
     """
 
-    def __init__(self, layer: int, sink: list[ir.Node], ids: itertools.count):
+    def __init__(self, layer: int, sink: list[ir.Node], ids: itertools.count, *, graph: ir.Graph | None = None,
+                 namespace: str = ""):
         self.layer = layer
         self.sink = sink
         self.ids = ids
+        self.taken = _reserved(graph) if graph is not None else None
+        self.node_prefix = f"fastcar/{namespace}/{layer}" if namespace else f"fastcar/{layer}"
+        self.value_prefix = f"fastcar.{namespace}.{layer}" if namespace else f"fastcar.{layer}"
 
     def __call__(self, op: str, inputs, attrs=None, *, domain: str = "", outputs: int = 1, part: str = "gate",
                  names: list[str] | None = None, overload: str = "") -> ir.Value | tuple[ir.Value, ...]:
-        uid = next(self.ids)
-        node = ir.node(op, inputs, attrs or {}, domain=domain, num_outputs=outputs, overload=overload,
-                       name=f"fastcar/{self.layer}/{op}_{uid}",
+        while True:
+            uid = next(self.ids)
+            name = f"{self.node_prefix}/{op}_{uid}"
+            out_names = names or [f"{self.value_prefix}.{op.lower()}_{uid}_{i}" for i in range(outputs)]
+            if self.taken is None or not (name in self.taken or (names is None and self.taken.intersection(out_names))):
+                break  # (names given by the caller are its to keep unique)
+        if self.taken is not None:
+            self.taken.add(name)
+            self.taken.update(out_names)
+        node = ir.node(op, inputs, attrs or {}, domain=domain, num_outputs=outputs, overload=overload, name=name,
                        metadata_props={contract.TAG_LAYER: str(self.layer), contract.TAG_PART: part})
-        for i, out in enumerate(node.outputs):
-            out.name = names[i] if names else f"fastcar.{self.layer}.{op.lower()}_{uid}_{i}"
+        for out, out_name in zip(node.outputs, out_names, strict=False):
+            out.name = out_name
         self.sink.append(node)
         return node.outputs[0] if outputs == 1 else tuple(node.outputs)
+
+
+_RESERVED = "fastcar.builder_names"
+
+
+def _reserved(graph: ir.Graph) -> set[str]:
+    """The node and value names taken on `graph` (kept in its in-memory meta, not serialized): seeded from the
+    graph once, then grown by every Builder given that graph, whose nodes may not be in it yet."""
+    taken = graph.meta.get(_RESERVED)
+    if taken is None:
+        taken = {n.name for n in graph if n.name}
+        taken.update(v.name for v in graph.inputs if v.name)
+        taken.update(v.name for n in graph for v in n.outputs if v.name)
+        taken.update(graph.initializers)
+        graph.meta[_RESERVED] = taken
+    return taken
 
 
 def const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:

@@ -194,15 +194,11 @@ def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, has
                          shape=ir.Shape(["batch", cfg.heads, "text", hasher.tables]))
         graph.inputs.append(codes)
         nodes: list[ir.Node] = []
-        b = Builder(m.layer, nodes, ids)
+        b = Builder(m.layer, nodes, ids, graph=graph, namespace="annca")
         for f in factors:  # the keys' scale, applied to the query instead (the keys are gathered raw)
             scaled = b("Mul", [scaled, f], part="annca")
         ctx, kept = annca_attention(graph, b, query, scaled, ckey, cvalue, cfg.chunk_frames, cfg.head_dim, hasher,
                                     gather=cfg.text_len >= GATHER_FROM, key_codes=codes)
-        for node in nodes:  # names of their own: the other modes' builders count from 0 per layer too
-            node.name = node.name.replace("fastcar/", "fastcar/annca/", 1)
-            for v in node.outputs:
-                v.name = v.name.replace("fastcar.", "fastcar.annca.", 1)
         kept.name = kept_name
         kept.type, kept.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape(["batch", cfg.heads, cfg.chunk_frames,
                                                                            "text"])
@@ -226,14 +222,10 @@ def prompt_codes(cfg: DiTConfig, hasher: Buckets) -> ir.Model:
     nodes: list[ir.Node] = []
     ids = itertools.count()
     for i, key in enumerate(keys):
-        codes = bucket_codes(graph, Builder(i, nodes, ids), key, hasher, "k")
+        codes = bucket_codes(graph, Builder(i, nodes, ids, graph=graph, namespace="annca_prompt"), key, hasher, "k")
         codes.name, codes.type = annca_io(i)[0], ir.TensorType(ir.DataType.INT64)
         codes.shape = ir.Shape(["batch", cfg.heads, "text", hasher.tables])
         graph.outputs.append(codes)
-    for node in nodes:
-        node.name = node.name.replace("fastcar/", "fastcar/annca_prompt/", 1)
-        for v in node.outputs:
-            v.name = v.name.replace("fastcar.", "fastcar.annca_prompt.", 1)
     graph.extend(nodes)
     return ir.Model(graph, ir_version=10)
 
@@ -249,7 +241,7 @@ def standalone(hasher: Buckets, frames: int, head_dim: int, gather: bool = True)
                   shape=ir.Shape(["batch", "heads", "text", hasher.tables]))
     graph = ir.Graph([q, k, v, kc], [], nodes=[], opset_imports={"": 20, contract.MS_DOMAIN: 1})
     nodes: list[ir.Node] = []
-    b = Builder(0, nodes, itertools.count())
+    b = Builder(0, nodes, itertools.count(), graph=graph)
     scaled = b("Mul", [q, const(graph, "scale", np.float32(head_dim ** -0.5))], part="annca")
     ctx, kept = annca_attention(graph, b, q, scaled, k, v, frames, head_dim, hasher, gather=gather, key_codes=kc)
     graph.extend(nodes)

@@ -189,7 +189,7 @@ def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: 
     AnnSA's (dit/annsa_graph.py) instead of the whole buffer; returns the new nodes."""
     a: SelfAttention = m.attention
     nodes: list[ir.Node] = []
-    b = Builder(m.layer, nodes, ids)
+    b = Builder(m.layer, nodes, ids, graph=graph)
     pkey, key = a.key_concat.inputs
     pvalue, value = a.value_concat.inputs
     # the chunk's own scores: the export's key path, fed the chunk's keys instead of the concat
@@ -198,7 +198,11 @@ def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: 
     for f in a.key_factors:  # the scale the export applied to the keys, applied to the query instead
         q = b("Mul", [q, f], part="attention")
     if annsa is not None:
-        masked, past_context = annsa_graph.cache_scores(b, graph, m.layer, a, q, pkey, pvalue, annsa, a.head_dim)
+        ab = Builder(m.layer, nodes, ids, graph=graph, namespace="annsa")  # AnnSA's nodes (and its bucket codes)
+        masked, annsa_context = annsa_graph.cache_scores(ab, graph, m.layer, a, q, pkey, pvalue, annsa, a.head_dim)
+
+        def past_context(_, probs):
+            return annsa_context(ab, probs)
         width = b("Shape", [masked], {"start": 3, "end": 4}, part="attention")
     else:
         past_scores = b("FusedMatMul", [q, pkey], {"transB": 1, "alpha": 1.0}, domain=contract.MS_DOMAIN,
@@ -224,11 +228,6 @@ def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: 
     ctx = b("Add", [past_context(b, p_past), b("MatMul", [p_self, value], part="attention")], part="attention")
     old = a.context.outputs[0]
     ir.convenience.replace_all_uses_with(old, ctx)
-    for node in nodes:  # AnnSA's nodes get names of their own: the other modes' builders count from 0 per layer too
-        if node.metadata_props.get(contract.TAG_PART) in ("annsa", "annca"):  # (annca: its bucket codes)
-            node.name = node.name.replace("fastcar/", "fastcar/annsa/", 1)
-            for v in node.outputs:
-                v.name = v.name.replace("fastcar.", "fastcar.annsa.", 1)
     graph.insert_before(a.softmax, nodes[:before])  # the scores, before the softmax reads them
     graph.insert_after(a.softmax, nodes[before:])  # the two slices, the products and their sum
     return nodes
@@ -247,7 +246,7 @@ def rewrite(model: ir.Model, matches: list[DiTBlockMatch], tempcache: bool = Fal
     model.opset_imports.setdefault(contract.MS_DOMAIN, 1)  # FusedMatMul
     ids = itertools.count()
     shared: list[ir.Node] = []
-    b = Builder(-1, shared, ids)
+    b = Builder(-1, shared, ids, graph=graph)
     first = matches[0].attention.key_concat.inputs[0]
     two = const(graph, "fastcar.dit.two", np.array([2], np.int64))
     three = const(graph, "fastcar.dit.three", np.array([3], np.int64))
@@ -282,7 +281,7 @@ def _tempcache_io(graph: ir.Graph, m: DiTBlockMatch, ids) -> ir.Value:
                          shape=ir.Shape(["batch", a.heads, "capacity"]))
     graph.inputs.append(slot_bias)
     nodes: list[ir.Node] = []
-    b = Builder(m.layer, nodes, ids)
+    b = Builder(m.layer, nodes, ids, graph=graph)
     split = const(graph, "fastcar.dit.heads_shape", np.array([0, 0, a.heads, a.head_dim], np.int64))
     pre = b("Transpose", [b("Reshape", [m.key_pre, split], part="cache")], {"perm": [0, 2, 1, 3]}, part="cache",
             names=[name_out])

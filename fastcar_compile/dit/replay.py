@@ -72,7 +72,7 @@ def add_replay(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, ta
         present_key = next(v for v in graph.outputs if v.name == f"present.{i}.key")
         users = [(n, j) for n, j in ffn_out.uses()]
         before: list[ir.Node] = []
-        b = Builder(i, before, ids)
+        b = Builder(i, before, ids, graph=graph)
         q = a.query
         for f in a.key_factors:
             q = b("Mul", [q, f], part="gate")
@@ -95,7 +95,7 @@ def add_replay(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, ta
         graph.insert_before(up, before)
         _clear_shapes(up, ffn_out)
         after: list[ir.Node] = []
-        b = Builder(i, after, ids)
+        b = Builder(i, after, ids, graph=graph)
         full = b("ScatterND", [b("Mul", [flat, c("zero_f", np.float32(0))]),
                                b("Transpose", [rows], {"perm": [1, 0]}), ffn_out])
         frames = b("Reshape", [full, c("frames_shape", np.array([-1, F, T, D], np.int64))])
