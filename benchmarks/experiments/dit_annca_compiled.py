@@ -37,13 +37,13 @@ def cross_nodes(path: Path) -> set[str]:
     """Names of the nodes of each block's cross-attention as exported (key path, scores, softmax, context)."""
     import onnx_ir as ir
 
-    from fastcar_compile.dit.discover import _attention_chain
+    from fastcar_compile.dit.discover import attention_chain
 
     m = ir.load(str(path))
     ins = {v.name: v for v in m.graph.inputs}
     names: set[str] = set()
     for i in range(sum(1 for n in ins if n.startswith("cross.") and n.endswith(".key"))):
-        scores, softmax, context, _ = _attention_chain(ins[f"cross.{i}.key"], ins[f"cross.{i}.value"], "x")
+        scores, softmax, context, _ = attention_chain(ins[f"cross.{i}.key"], ins[f"cross.{i}.value"], "x")
         names |= {scores.name, softmax.name, context.name}
         v = scores.inputs[1]
         while v.name != f"cross.{i}.key":  # the key's layout and scale nodes (their data input) back to the input

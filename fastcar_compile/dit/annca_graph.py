@@ -33,7 +33,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fastcar_compile.core import contract
 from fastcar_compile.dit.config import DiTConfig, annca_io
-from fastcar_compile.dit.discover import DiTBlockMatch, _attention_chain, _scalar
+from fastcar_compile.dit.discover import DiTBlockMatch, attention_chain, is_scalar
 from fastcar_compile.fastar.buckets import Buckets
 from fastcar_compile.fastar.int8 import SCALE, Int8Buckets
 from fastcar_compile.fastar.lsh import SignLSH
@@ -183,11 +183,11 @@ def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, has
     ids = itertools.count()
     for m in matches:
         ckey, cvalue = ins[f"cross.{m.layer}.key"], ins[f"cross.{m.layer}.value"]
-        scores, _, context, factors = _attention_chain(ckey, cvalue, "cross-attention")
+        scores, _, context, factors = attention_chain(ckey, cvalue, "cross-attention")
         scaled = scores.inputs[0]
         query = scaled  # before its scale factors: the query the eager mode buckets
         while query.producer() is not None and query.producer().op_type in ("Mul", "Div") \
-                and _scalar(query.producer().inputs[1]):
+                and is_scalar(query.producer().inputs[1]):
             query = query.producer().inputs[0]
         codes_name, kept_name = annca_io(m.layer)
         codes = ir.Value(name=codes_name, type=ir.TensorType(ir.DataType.INT64),

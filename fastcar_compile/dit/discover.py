@@ -145,7 +145,7 @@ def _forward_to_matmul(value: ir.Value, what: str) -> tuple[ir.Node, list[ir.Val
         node = users[0]
         if node.op_type == "MatMul":
             return node, factors, list(node.inputs).index(value)
-        if node.op_type in _SCALE_OPS and node.inputs[0] is value and _scalar(node.inputs[1]):
+        if node.op_type in _SCALE_OPS and node.inputs[0] is value and is_scalar(node.inputs[1]):
             factors.append(node.inputs[1])
         elif node.op_type not in gu.LAYOUT_OPS or node.inputs[0] is not value:
             raise MatchFailure("self-attention", f"{what} goes through {gu.describe(node)}, not layout ops and a "
@@ -159,7 +159,7 @@ def _data_users(value: ir.Value) -> list[ir.Node]:
     return [n for n in gu.real_consumers(value) if not (n.op_type == "CastLike" and n.inputs[0] is not value)]
 
 
-def _scalar(value: ir.Value | None) -> bool:
+def is_scalar(value: ir.Value | None) -> bool:
     """A value with one element (a scale factor), by shape or as a constant."""
     if value is None:
         return False
@@ -210,7 +210,7 @@ def _from_shapes(value: ir.Value, limit: int = 32) -> bool:
     return one
 
 
-def _attention_chain(key_in: ir.Value, value_in: ir.Value, anchor: str) -> tuple[ir.Node, ir.Node, ir.Node, list]:
+def attention_chain(key_in: ir.Value, value_in: ir.Value, anchor: str) -> tuple[ir.Node, ir.Node, ir.Node, list]:
     """keys -> MatMul (as its right operand) -> Softmax -> MatMul(probs, values): the three nodes and the
     keys' scale factors."""
     try:
@@ -251,7 +251,7 @@ def self_attention(pkey: ir.Value, pvalue: ir.Value, key: ir.Value, value: ir.Va
             raise MatchFailure("self-attention", f"{gu.describe(cat)} joins on axis {axis}, not the token axis "
                                "of [B, heads, tokens, d]", gu.describe(cat))
         concats[kind] = cat
-    scores, softmax, context, factors = _attention_chain(concats["key"].outputs[0], concats["value"].outputs[0],
+    scores, softmax, context, factors = attention_chain(concats["key"].outputs[0], concats["value"].outputs[0],
                                                          "self-attention")
     if context.inputs[1] is not concats["value"].outputs[0]:
         raise MatchFailure("self-attention", f"{gu.describe(context)} reads the values through "
@@ -270,7 +270,7 @@ def _back_through_layout(value: ir.Value, scales: bool = True) -> ir.Value:
         node = value.producer()
         if node is None:
             break
-        if node.op_type in gu.LAYOUT_OPS or (scales and node.op_type in _SCALE_OPS and _scalar(node.inputs[1])):
+        if node.op_type in gu.LAYOUT_OPS or (scales and node.op_type in _SCALE_OPS and is_scalar(node.inputs[1])):
             value = node.inputs[0]
         else:
             break
@@ -361,7 +361,7 @@ def rms_norm(value: ir.Value, what: str) -> ir.Value:
 
 def cross_attention(ckey: ir.Value, cvalue: ir.Value) -> tuple[ir.Value, str, str]:
     """The attention to the prompt's K/V: its context value, a description and its nodes."""
-    scores, softmax, context, _ = _attention_chain(ckey, cvalue, "cross-attention")
+    scores, softmax, context, _ = attention_chain(ckey, cvalue, "cross-attention")
     dims = gu.static_dims(ckey) or [None] * 4
     return (context.outputs[0], f"cross-attention to the prompt ({dims[1]} heads)",
             f"{gu.describe(scores)} -> {gu.describe(softmax)} -> {gu.describe(context)}")
