@@ -31,6 +31,16 @@ def dit_tiny_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def dit_tiny_eager():
+    """The eager PyTorch DiT with the weights `export --dit tiny` drew (seed 0): the compiled DiT modes' reference
+    (one per module: a test may wrap it in a stream runtime that keeps state on it)."""
+    from fastcar_compile.dit.config import PRESETS
+    from fastcar_compile.dit.model import build
+
+    return build(PRESETS["tiny"], seed=0)
+
+
 @pytest.fixture(scope="session")
 def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where exported graphs live: $FASTCAR_ZOO_DIR (kept between runs) or a per-session temp dir."""

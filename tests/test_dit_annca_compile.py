@@ -17,11 +17,12 @@ ir = pytest.importorskip("onnx_ir")
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
+from dit_modes_helpers import compile_cli  # noqa: E402
+
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.dit import modes  # noqa: E402
 from fastcar_compile.dit.config import MODES_KEY, PRESETS, annca_io  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
-from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 from fastcar_compile.fastar.int8 import Int8Buckets  # noqa: E402
 from fastcar_compile.fastar.lsh import SignLSH  # noqa: E402
@@ -29,15 +30,8 @@ from fastcar_compile.fastar.lsh import SignLSH  # noqa: E402
 CFG = PRESETS["tiny"]
 
 
-@pytest.fixture(scope="module")
-def eager():
-    return build(CFG, seed=0)  # the weights `export --dit tiny` drew
-
-
 def _compile(exported: Path, folder: Path, *extra: str) -> Path:
-    out = folder / "fast.onnx"
-    assert main([str(exported), "-o", str(out), "--annca", *extra]) == 0
-    return out
+    return compile_cli(exported, folder, "--annca", *extra)
 
 
 @pytest.mark.parametrize("gather", [True, False], ids=["gathered", "masked"])
@@ -47,7 +41,7 @@ def _compile(exported: Path, folder: Path, *extra: str) -> Path:
     (("--threshold", "0"), None, {"fastcar_tau": 0.0}),
     (("--annsa", "quant"), None, {"annsa": "quant"}),  # AnnSA's int8 buckets, for AnnCA too
 ])
-def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, extra, window, eager_kw, gather,
+def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, extra, window, eager_kw, gather,
                                               monkeypatch):
     """5 chunks (window, growing cache, with FastCar, with AnnSA's int8 buckets), the kept tokens gathered or the others masked (tiny's
     6-token prompt is masked by default): the compiled rollout == the eager AnnCA rollout within 1e-4, with the
@@ -58,7 +52,7 @@ def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, 
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, *extra))
     assert fast.annca["kind"] == eager_kw.get("annsa", "lsh")  # read back from the metadata
     settings = StreamSettings(frames=10, seed=3, window_frames=window)
-    ref = FastARDiT(eager, modes.settings(annca=True, **eager_kw))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(annca=True, **eager_kw))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,13 +17,13 @@ ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 import onnx_ir as ir  # noqa: E402
+from dit_modes_helpers import compile_cli  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.dit import annsa_graph, modes  # noqa: E402
 from fastcar_compile.dit.annsa_index import blocks  # noqa: E402
 from fastcar_compile.dit.config import ANNSA_DENSE, MODES_KEY, PRESETS, annsa_io  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
-from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 from fastcar_compile.fastar.int8 import Int8Buckets  # noqa: E402
 from fastcar_compile.fastar.lsh import SignLSH  # noqa: E402
@@ -33,28 +32,17 @@ from fastcar_compile.passes.build import Builder  # noqa: E402
 CFG = PRESETS["tiny"]
 
 
-@pytest.fixture(scope="module")
-def eager():
-    return build(CFG, seed=0)  # the weights `export --dit tiny` drew
-
-
-def _compile(exported: Path, folder: Path, *extra: str) -> Path:
-    out = folder / "fast.onnx"
-    assert main([str(exported), "-o", str(out), *extra]) == 0
-    return out
-
-
 @pytest.mark.parametrize("kind, window, tables, local", [("lsh", 2, "2", "1"), ("quant", None, "2", "1"),
                                                          ("lsh", 0, "3", "0"), ("quant", 3, "1", "2")])
-def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, kind, window, tables, local):
+def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, kind, window, tables, local):
     """6 chunks (the ring wrapping at a 2-frame window, the default window, the buffers growing): the compiled
     rollout == the eager runtime's AnnSA with the same buckets within 1e-4, executing the same q.k pairs."""
-    fast = OrtDiT(_compile(dit_tiny_export, tmp_path, "--annsa", kind, "--ann-tables", tables, "--annsa-local",
+    fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, "--annsa", kind, "--ann-tables", tables, "--annsa-local",
                            local, "--ann-seed", "5"))
     assert fast.annsa["kind"] == kind and fast.annsa["ann_tables"] == int(tables)  # read back from the metadata
     fast.self_pairs = [0, 0]
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
-    ref = FastARDiT(eager, modes.settings(annsa=kind, ann_tables=int(tables), annsa_local=int(local), ann_seed=5))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(annsa=kind, ann_tables=int(tables), annsa_local=int(local), ann_seed=5))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -62,14 +50,14 @@ def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, 
     assert fast.self_pairs == [executed, dense] and executed < dense
 
 
-def test_compiled_annsa_with_annca_and_fastcar_equals_the_eager_modes(dit_tiny_export, tmp_path, eager):
+def test_compiled_annsa_with_annca_and_fastcar_equals_the_eager_modes(dit_tiny_export, tmp_path, dit_tiny_eager):
     """AnnSA (quant buckets) + AnnCA (the same bucketing, as the eager runtime draws it) + FastCar replay, all
     compiled in: the eager runtime with the three modes on within 1e-4 over 5 chunks, the same pair counts."""
-    fast = OrtDiT(_compile(dit_tiny_export, tmp_path, "--annsa", "quant", "--annca", "--threshold", "0"))
+    fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, "--annsa", "quant", "--annca", "--threshold", "0"))
     assert fast.annca["kind"] == "quant" and fast.tau == 0.0
     fast.self_pairs = [0, 0]
     settings = StreamSettings(frames=10, seed=2)
-    ref = FastARDiT(eager, modes.settings(annsa="quant", annca=True, fastcar_tau=0.0))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(annsa="quant", annca=True, fastcar_tau=0.0))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
     assert fast.self_pairs == [sum(s.sa_executed for s in ref.stats), sum(s.sa_dense for s in ref.stats)]
@@ -79,7 +67,7 @@ def test_compiled_annsa_with_annca_and_fastcar_equals_the_eager_modes(dit_tiny_e
 
 def test_annsa_covering_the_cache_is_the_dense_export(dit_tiny_export, tmp_path):
     """Local frames covering the whole window: every slot attended densely, the dense export's rollout."""
-    fast = OrtDiT(_compile(dit_tiny_export, tmp_path, "--annsa", "lsh", "--annsa-local", "8"))
+    fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, "--annsa", "lsh", "--annsa-local", "8"))
     settings = StreamSettings(frames=10, seed=4)
     for a, b in zip(rollout(fast, settings), rollout(OrtDiT(dit_tiny_export), settings), strict=True):
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -168,7 +156,7 @@ def test_graph_reads_the_cache_through_gathers_only_and_records_the_mode(dit_tin
     """Block-sparse, not masked: every read of past.N.key|value's values is a Gather / GatherND (the dense slots,
     the bucket blocks; Shape reads its size only), no product over the whole buffer; the mode is in the metadata
     with its settings."""
-    path = _compile(dit_tiny_export, tmp_path, "--annsa", "quant", "--quant-dirs", "4", "--ann-tables", "3")
+    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "quant", "--quant-dirs", "4", "--ann-tables", "3")
     m = onnx.load(str(path))
     meta = json.loads({p.key: p.value for p in m.metadata_props}[MODES_KEY])
     assert meta["annsa"] == {"kind": "quant", "annsa_local": 1, "lsh_bits": 4, "quant_dirs": 4, "ann_tables": 3,
@@ -224,7 +212,7 @@ def test_shared_pairs_count_equals_comparing_every_pair(tables):
 
 
 def test_stream_cli_reports_the_compiled_annsa(dit_tiny_export, tmp_path, capsys):
-    path = _compile(dit_tiny_export, tmp_path, "--annsa", "lsh")
+    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "lsh")
     capsys.readouterr()
     assert main(["stream", str(path), "--frames", "8", "-o", str(tmp_path / "run")]) == 0
     assert "AnnSA compiled in (lsh buckets x 2 tables, 1 local frames)" in capsys.readouterr().out
@@ -232,7 +220,7 @@ def test_stream_cli_reports_the_compiled_annsa(dit_tiny_export, tmp_path, capsys
     assert done["annsa"]["kind"] == "lsh" and 0 < done["self_density"] < 1
 
 
-def test_calibrate_replay_with_annsa_equals_the_eager_calibration(dit_tiny_export, tmp_path, eager, capsys):
+def test_calibrate_replay_with_annsa_equals_the_eager_calibration(dit_tiny_export, tmp_path, dit_tiny_eager, capsys):
     """`--calibrate-replay 0.4 --annsa quant`: the probe attends as the final graph does, so tau equals the
     eager runtime's calibration with AnnSA on (its TAS over the same 4-frame stream)."""
     from fastcar_compile.dit.fastar import calibrate_tau
@@ -242,7 +230,7 @@ def test_calibrate_replay_with_annsa_equals_the_eager_calibration(dit_tiny_expor
                  "--calib-frames", "6"]) == 0
     fast = OrtDiT(out)
     assert fast.annsa["kind"] == "quant"
-    want = calibrate_tau(eager, modes.settings(fastcar_ratio=0.4, annsa="quant"), StreamSettings(frames=6, seed=0),
+    want = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4, annsa="quant"), StreamSettings(frames=6, seed=0),
                          chunks=3)
-    dense = calibrate_tau(eager, modes.settings(fastcar_ratio=0.4), StreamSettings(frames=6, seed=0), chunks=3)
+    dense = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4), StreamSettings(frames=6, seed=0), chunks=3)
     assert fast.tau == pytest.approx(want, abs=1e-4) and abs(want - dense) > 1e-4

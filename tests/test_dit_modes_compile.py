@@ -16,35 +16,29 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
+from dit_modes_helpers import compile_cli  # noqa: E402
+
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.dit import modes  # noqa: E402
 from fastcar_compile.dit.config import MODES_KEY, PRESETS, replay_io  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
-from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 
 CFG = PRESETS["tiny"]
 
 
-@pytest.fixture(scope="module")
-def eager():
-    return build(CFG, seed=0)  # the weights `export --dit tiny` drew
-
-
 def _compile(exported: Path, folder: Path, tau: str, *extra: str) -> Path:
-    out = folder / "fast.onnx"
-    assert main([str(exported), "-o", str(out), "--threshold", tau, *extra]) == 0
-    return out
+    return compile_cli(exported, folder, "--threshold", tau, *extra)
 
 
 @pytest.mark.parametrize("tau, window", [("0", None), ("0", 0), ("-1e30", None)])
-def test_compiled_replay_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, tau, window):
+def test_compiled_replay_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, tau, window):
     """5 chunks: the compiled rollout == the eager FastCar rollout at the same tau within 1e-4, with the same
     number of replayed FFN rows (tau -1e30: every eligible row replays, so a step computes no FFN row)."""
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau))
     assert fast.tau == float(tau)  # read back from the metadata
     settings = StreamSettings(frames=10, seed=3, window_frames=window)
-    ref = FastARDiT(eager, modes.settings(fastcar_tau=float(tau)))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(fastcar_tau=float(tau)))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -90,14 +84,14 @@ def test_dense_compile_records_no_mode(dit_tiny_export, tmp_path):
 
 @pytest.mark.parametrize("sim, tau, window", [("0.3", "inf", None), ("0.3", "inf", 0), ("0.2", "0", 2),
                                               ("0.3", "0", None)])
-def test_compiled_tempcache_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, sim, tau, window):
+def test_compiled_tempcache_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, sim, tau, window):
     """6 chunks (the ring wrapping, or the buffers growing): TempCache compiled in (alone, or with FastCar)
     == the eager runtime's `tempcache aligned` at the same SIM within 1e-4, with the same merges."""
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau, "--tempcache", sim))
     assert fast.sim == float(sim) and fast.modes["threshold"] == (None if tau == "inf" else float(tau))
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
     kw = {"tempcache": "aligned", "tempcache_sim": float(sim)} | ({} if tau == "inf" else {"fastcar_tau": 0.0})
-    ref = FastARDiT(eager, modes.settings(**kw))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(**kw))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -162,7 +156,7 @@ def test_stream_cli_reports_the_compiled_mode(dit_tiny_export, tmp_path, capsys)
     assert done["tempcache"] == 0.3 and 0 < done["merge_ratio"] < 1
 
 
-def test_calibrate_replay_equals_the_eager_calibration(dit_tiny_export, tmp_path, eager, capsys):
+def test_calibrate_replay_equals_the_eager_calibration(dit_tiny_export, tmp_path, dit_tiny_eager, capsys):
     """`--calibrate-replay 0.4`: the tau read from the probe graph's TAS outputs equals the eager runtime's
     calibration (its own TAS over the same 4-frame stream) and the compiled stream then replays about that
     share of the eligible rows."""
@@ -174,7 +168,7 @@ def test_calibrate_replay_equals_the_eager_calibration(dit_tiny_export, tmp_path
     assert "calibrated --threshold" in capsys.readouterr().out
     fast = OrtDiT(out)
     settings = StreamSettings(frames=4, seed=0)
-    want = calibrate_tau(eager, modes.settings(fastcar_ratio=0.4), settings)
+    want = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4), settings)
     assert fast.tau == pytest.approx(want, abs=1e-4)
     list(rollout(fast, settings))
     ratio = fast.replayed[0] / fast.replayed[1]

@@ -17,12 +17,13 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
+from dit_modes_helpers import compile_cli  # noqa: E402
+
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.dit import modes, tempcache  # noqa: E402
 from fastcar_compile.dit.config import MODES_KEY, PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
-from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, rollout  # noqa: E402
 from fastcar_compile.dit.tempcache import merge, targets  # noqa: E402
 from fastcar_compile.fastar.cache import HeadCache  # noqa: E402
@@ -33,21 +34,14 @@ from fastcar_compile.fastar.lsh import SignLSH  # noqa: E402
 CFG = PRESETS["tiny"]
 
 
-@pytest.fixture(scope="module")
-def eager():
-    return build(CFG, seed=0)  # the weights `export --dit tiny` drew
-
-
 def _compile(exported: Path, folder: Path, match: str, sim: str, tau: str = "inf") -> Path:
-    out = folder / f"{match}.onnx"
-    assert main([str(exported), "-o", str(out), "--threshold", tau, "--tempcache", sim, "--tempcache-match",
-                 match]) == 0
-    return out
+    return compile_cli(exported, folder, "--threshold", tau, "--tempcache", sim, "--tempcache-match", match,
+                       name=f"{match}.onnx")
 
 
 @pytest.mark.parametrize("match, sim, tau, window", [("lsh", "0.3", "inf", None), ("lsh", "0.3", "inf", 0),
                                                      ("quant", "0.2", "inf", 2), ("quant", "0.3", "0", None)])
-def test_compiled_top1_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, match, sim, tau, window):
+def test_compiled_top1_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, match, sim, tau, window):
     """6 chunks (the default window, the buffers growing, the ring wrapping at 2 frames; with FastCar): the
     compiled rollout == the eager TempCache-lsh / -quant at the same SIM within 1e-4, with the same merges,
     many of them into a slot other than the aligned one, and the same resident slots."""
@@ -55,7 +49,7 @@ def test_compiled_top1_equals_the_eager_mode(dit_tiny_export, tmp_path, eager, m
     assert fast.sim == float(sim) and fast.match == match  # read back from the metadata
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
     kw = {"tempcache": match, "tempcache_sim": float(sim)} | ({} if tau == "inf" else {"fastcar_tau": 0.0})
-    ref = FastARDiT(eager, modes.settings(**kw))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(**kw))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -271,7 +265,7 @@ def test_top1_match_on_a_decoder_is_refused(tmp_path, capsys):
     assert not (tmp_path / "o.onnx").exists()
 
 
-def test_calibrate_replay_streams_the_probe_with_the_match(dit_tiny_export, tmp_path, eager, capsys):
+def test_calibrate_replay_streams_the_probe_with_the_match(dit_tiny_export, tmp_path, dit_tiny_eager, capsys):
     """`--calibrate-replay 0.4 --tempcache 0.3 --tempcache-match lsh --lsh-bits 3` over 8 frames: the probe's
     rollout merges as the final graph's will, so the tau equals the eager calibration of TempCache-lsh with those
     buckets (and differs from one without TempCache)."""
@@ -283,7 +277,7 @@ def test_calibrate_replay_streams_the_probe_with_the_match(dit_tiny_export, tmp_
     fast = OrtDiT(out)
     assert fast.match == "lsh" and fast.hasher.bits == 3
     fa = modes.settings(tempcache="lsh", tempcache_sim=0.3, lsh_bits=3, fastcar_ratio=0.4)
-    want = calibrate_tau(eager, fa, StreamSettings(frames=8, seed=0), chunks=4)
+    want = calibrate_tau(dit_tiny_eager, fa, StreamSettings(frames=8, seed=0), chunks=4)
     assert fast.tau == pytest.approx(want, abs=1e-4)
-    plain = calibrate_tau(eager, modes.settings(fastcar_ratio=0.4), StreamSettings(frames=8, seed=0), chunks=4)
+    plain = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4), StreamSettings(frames=8, seed=0), chunks=4)
     assert abs(want - plain) > 1e-3  # the merges change the rollout: a probe without them would miss
