@@ -49,7 +49,7 @@ class BranchPass(ir.passes.InPlacePass):
     def _branch(self, graph: ir.Graph, lr: LayerRewrite) -> None:
         mlp, n, dtype = lr.match.mlp, lr.layer, lr.dtype
         assert mlp is not None and lr.replay is not None
-        b = build.Builder(n, lr.nodes, lr.ids)
+        b = build.Builder(n, lr.nodes, lr.ids, graph=graph)
         full_nodes = list(mlp.nodes)
         graph.remove(full_nodes)
         build.tag(full_nodes, n, "mlp")
@@ -77,7 +77,7 @@ class BranchPass(ir.passes.InPlacePass):
         rows.type, rows.shape = ir.TensorType(dtype), ir.Shape([1, None, hd])
         some.type, some.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([])
         body: list[ir.Node] = []
-        t = build.Builder(n, body, lr.ids)
+        t = build.Builder(n, body, lr.ids, graph=graph)
         swap = {x: rows, **_row_shapes(graph, t, lr)}
         three = x.shape is not None and len(x.shape) == 3
         for node in full_nodes:
@@ -91,7 +91,7 @@ class BranchPass(ir.passes.InPlacePass):
         y = mlp.output
         y.type = ir.TensorType(dtype)
         skip_nodes: list[ir.Node] = []
-        none = build.Builder(n, skip_nodes, lr.ids)("Identity", [rows], part="mlp")  # [1, 0, hidden]
+        none = build.Builder(n, skip_nodes, lr.ids, graph=graph)("Identity", [rows], part="mlp")  # [1, 0, hidden]
         none.type = ir.TensorType(dtype)
         out = b("If", [some], {"then_branch": ir.Graph([], [y], nodes=body, name=f"fastcar_{n}_mlp_compute"),
                                "else_branch": ir.Graph([], [none], nodes=skip_nodes, name=f"fastcar_{n}_mlp_none")},
@@ -125,14 +125,14 @@ class BranchPass(ir.passes.InPlacePass):
             all_keep = b("Equal", [n_replay, build.const(graph, "fastcar.zero", np.array(0, np.int64))])
             any_keep = b("Less", [n_replay, b("Size", [tokens])])
         none_nodes: list[ir.Node] = []
-        skipped = build.Builder(n, none_nodes, lr.ids)("Identity", [cached], part="cache")
+        skipped = build.Builder(n, none_nodes, lr.ids, graph=graph)("Identity", [cached], part="cache")
         skipped.type = ir.TensorType(dtype)
         skip = ir.Graph([], [skipped], nodes=none_nodes, name=f"fastcar_{n}_mlp_none")
         full = ir.Graph([], [mlp.output], nodes=full_nodes, name=f"fastcar_{n}_mlp_all")
         mixed, comp_nodes = self._compacted(graph, lr, cached, full_nodes)
         compact = ir.Graph([], [mixed], nodes=comp_nodes, name=f"fastcar_{n}_mlp_some")
         partial_nodes: list[ir.Node] = []
-        inner = build.Builder(n, partial_nodes, lr.ids)("If", [any_keep],
+        inner = build.Builder(n, partial_nodes, lr.ids, graph=graph)("If", [any_keep],
                                                         {"then_branch": compact, "else_branch": skip}, part="mlp")
         partial = ir.Graph([], [inner], nodes=partial_nodes, name=f"fastcar_{n}_mlp_partial")
         for out in (mlp.output, mixed, inner):
@@ -156,7 +156,7 @@ class BranchPass(ir.passes.InPlacePass):
         mlp, n, hd = lr.match.mlp, lr.layer, lr.hidden
         assert mlp is not None
         comp_nodes: list[ir.Node] = []
-        c = build.Builder(n, comp_nodes, lr.ids)
+        c = build.Builder(n, comp_nodes, lr.ids, graph=graph)
         x = mlp.entry
         flat = build.const(graph, f"fastcar.shape.flat_{hd}", np.array([-1, hd], np.int64))
         axis0 = build.const(graph, "fastcar.axes0", np.array([0], np.int64))

@@ -43,7 +43,7 @@ class CacheStatePass(ir.passes.InPlacePass):
         ctx, n, L, hd = self.ctx, lr.layer, self.ctx.options.frame_tokens, lr.hidden
         assert lr.used is not None and lr.match.mlp is not None
         nodes: list[ir.Node] = []
-        b = build.Builder(n, nodes, lr.ids)
+        b = build.Builder(n, nodes, lr.ids, graph=graph)
         if lr.present is not None:  # BranchPass's MLPCacheMerge wrote the used rows back already
             present_cache, present_age = lr.present
         else:

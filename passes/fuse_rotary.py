@@ -154,7 +154,7 @@ class RotaryFusionPass(ir.passes.InPlacePass):
     def _caches(graph: ir.Graph, cos: ir.Value, sin: ir.Value, dim: int, ids) -> tuple[ir.Value, ...]:
         """position_ids = arange(B * S) as [B, S]; caches = the first halves of cos/sin as [B * S, D / 2]."""
         nodes: list[ir.Node] = []
-        b = build.Builder(0, nodes, ids)
+        b = build.Builder(0, nodes, ids, graph=graph, namespace="rotary")
         k = f"fastcar.rope{next(ids)}"
         c = lambda name, arr: build.const(graph, f"{k}.{name}", np.array(arr, np.int64))  # noqa: E731
         halves = []
@@ -165,11 +165,8 @@ class RotaryFusionPass(ir.passes.InPlacePass):
         count = b("Div", [b("Size", [cos], part="rotary"), c("dim", dim)], part="rotary")  # B * S
         rows = b("Range", [c("start", 0), count, c("step", 1)], part="rotary")
         pos = b("Reshape", [rows, bs], part="rotary")
-        for node in nodes:  # names of their own (the rewrite passes number `fastcar.<layer>.` values from 0)
-            node.name = f"fastcar/rotary/{node.name.rsplit('/', 1)[-1]}"
+        for node in nodes:  # shared by every layer whose RoPE reads these tables
             node.metadata_props.clear()
-            for out in node.outputs:
-                out.name = f"{k}.{out.name.rsplit('.', 1)[-1]}"
         later = max((v.producer() for v in (cos, sin)), key=lambda n: list(graph).index(n))
         graph.insert_after(later, nodes)
         return pos, halves[0], halves[1]

@@ -247,15 +247,10 @@ def describe(cfg) -> str:
     return ", ".join(parts)
 
 
-def _own_names(nodes: list[ir.Node], key: str, tag: bool) -> None:
-    """Names of their own (the rewrite passes number `fastcar/<layer>/...` from 0 too); shared nodes untagged."""
+def _untag(nodes: list[ir.Node]) -> None:
+    """The shared inputs of every layer's op belong to no layer."""
     for node in nodes:
-        node.name = f"fastcar/gqa{key}/{node.name.rsplit('/', 1)[-1]}"
-        for out in node.outputs:
-            if out.name.startswith("fastcar.") and not out.name.startswith("fastcar.gqa."):
-                out.name = f"fastcar.gqa{key}.{out.name.split('.', 2)[-1]}"
-        if not tag:
-            node.metadata_props.clear()
+        node.metadata_props.clear()
 
 
 def fusable(model: ir.Model, matches: list[disc.LayerMatch], opts, notes: list[str]) -> dict[int, dict]:
@@ -320,7 +315,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         mask = next(v for v in graph.inputs if v.name == "attention_mask")
         dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT
         shared: list[ir.Node] = []
-        b = build.Builder(0, shared, itertools.count())
+        b = build.Builder(0, shared, itertools.count(), graph=graph, namespace="gqa_shared")
         if self.ctx.options.fused_attention == "fastcar":
             return self._fastcar(model, plans, mask, shared, b)
         # Shared inputs of every layer's GQA: lengths and the left-padding bias.
@@ -335,7 +330,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         bias2 = b("Where", [pad, build.const(graph, f"fastcar.gqa.lowest_{dtype.name.lower()}", lowest),
                             build.const(graph, f"fastcar.gqa.zero_{dtype.name.lower()}", np.array(0, dtype.numpy()))])
         bias4 = b("Unsqueeze", [bias2, build.const(graph, "fastcar.gqa.axes12", np.array([1, 2], np.int64))])
-        _own_names(shared, "shared", tag=False)
+        _untag(shared)
         graph.insert_before(graph[0], shared)
         ops = {n: fused_op(self.ctx.options, p) for n, p in plans.items()}
         cores = {n: self._fuse(graph, n, p, seqlens, total, bias4, ops[n]) for n, p in sorted(plans.items())}
@@ -366,7 +361,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         total64 = b("Shape", [mask], {"start": 1, "end": 2})
         total = b("Cast", [b("Squeeze", [total64, build.const(graph, "fastcar.axes0", np.array([0], np.int64))])],
                   {"to": ir.DataType.INT32}, names=["fastcar.ca.total_len"])
-        _own_names(shared, "shared", tag=False)
+        _untag(shared)
         graph.insert_before(graph[0], shared)
         opts = self.ctx.options
         configs = {n: opts.kv_config(n) for n in plans}
@@ -374,7 +369,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         for n, p in sorted(plans.items()):
             cfg = configs[n]
             nodes: list[ir.Node] = []
-            bl = build.Builder(n, nodes, itertools.count())
+            bl = build.Builder(n, nodes, itertools.count(), graph=graph, namespace="gqa")
             attrs = core_attributes(p)
             inputs = [p["q"], p["k"], p["v"], p["past_k"], p["past_v"], mask, total]
             form, overload = self.ctx.forms[n], ""
@@ -414,7 +409,6 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             if cfg is not None:
                 self._slot_outputs(graph, n, outs, inputs[7:])
             out.shape, out.type = ir.Shape([None, None, p["heads"] * p["head_dim"]]), p["out"].type
-            _own_names(nodes, str(n), tag=True)
             graph.insert_before(p["out"].consumers()[0], nodes)
             self._rewire(graph, p, out, present_k, present_v)
         self._check_state_bytes(plans, configs)
@@ -534,7 +528,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
               op: str) -> ir.Node:
         """One layer's GroupQueryAttention, built as the plan's `op` (ai.fastcar's or com.microsoft's); returns it."""
         nodes: list[ir.Node] = []
-        b = build.Builder(n, nodes, itertools.count())
+        b = build.Builder(n, nodes, itertools.count(), graph=graph, namespace="gqa")
         heads, kv_heads, head_dim = p["heads"], p["kv_heads"], p["head_dim"]
         packing = self.ctx.forms[n].packing
         qkv, table = self._qkv(graph, n, packing) if packing is not None else (None, None)
@@ -563,7 +557,6 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         out, present_k, present_v = b(contract.GROUP_QUERY_ATTENTION, inputs, attrs, domain=domain, outputs=3,
                                       part="attention")
         out.shape, out.type = ir.Shape([None, None, heads * head_dim]), p["out"].type
-        _own_names(nodes, str(n), tag=True)
         graph.insert_before(p["out"].consumers()[0], nodes)
         self._rewire(graph, p, out, present_k, present_v)
         return out.producer()

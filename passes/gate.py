@@ -56,7 +56,7 @@ class GatePass(ir.passes.InPlacePass):
         opts, att, n = self.ctx.options, lr.match.attention, lr.layer
         assert att is not None and lr.match.mlp is not None
         tag_attention(att, n)
-        b = build.Builder(n, lr.nodes, lr.ids)
+        b = build.Builder(n, lr.nodes, lr.ids, graph=graph)
         names = [contract.replay_mask_output(n), contract.tas_output(n), f"fastcar.{n}.slot", f"fastcar.{n}.write"]
         keys = window.gate_keys(graph, b, att, opts.frame_tokens)  # the present key, or a window padded
         attrs = {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay, **self.ctx.age_attrs}
