@@ -19,7 +19,6 @@ from test_dit_stream import _reference_resident  # noqa: E402  (the independent 
 
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.dit.config import PAST_LENGTH, PRESETS  # noqa: E402
-from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, TorchDiT, rollout  # noqa: E402
 
 CFG = PRESETS["tiny"]
@@ -28,11 +27,6 @@ CFG = PRESETS["tiny"]
 @pytest.fixture(scope="module")
 def exported(dit_tiny_export: Path) -> Path:
     return dit_tiny_export  # exported once per test session (conftest)
-
-
-@pytest.fixture(scope="module")
-def eager():
-    return build(CFG, seed=0)  # the weights `export --dit tiny` drew
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +97,7 @@ def test_a_block_that_does_not_match_says_why(exported, tmp_path, capsys, how, l
 
 @pytest.mark.parametrize("window,sinks,cfg_scale,resident", [
     (None, None, 3.0, [0, 10, 11, 12, 13]), (0, None, 3.0, list(range(14))), (3, 0, 1.0, [11, 12, 13])])
-def test_compiled_rollout_matches_eager(compiled, eager, window, sinks, cfg_scale, resident):
+def test_compiled_rollout_matches_eager(compiled, dit_tiny_eager, window, sinks, cfg_scale, resident):
     """7 chunks of 2 frames: with the model's 1 sink + 4-frame window the ring wraps (frames 1..9 evicted);
     without a window the buffers grow past their first 8 frames; no sink, a 3-frame window and one row (no
     CFG). tau = +inf: equal to the export's model."""
@@ -111,7 +105,7 @@ def test_compiled_rollout_matches_eager(compiled, eager, window, sinks, cfg_scal
     model = OrtDiT(compiled)
     assert model.in_place
     got = list(rollout(model, settings))
-    want = list(rollout(TorchDiT(eager), settings))
+    want = list(rollout(TorchDiT(dit_tiny_eager), settings))
     assert len(got) == 7
     for a, b in zip(got, want, strict=True):
         assert a.resident == b.resident
@@ -172,7 +166,7 @@ def test_default_threshold_compiles_dense_and_says_so(exported, tmp_path, capsys
     assert (tmp_path / "d.text.onnx").is_file()
 
 
-def test_python_api_routes_dit_graphs(exported, tmp_path, eager):
+def test_python_api_routes_dit_graphs(exported, tmp_path, dit_tiny_eager):
     import fastcar_compile as fc
 
     report = fc.inspect(exported)
@@ -181,7 +175,7 @@ def test_python_api_routes_dit_graphs(exported, tmp_path, eager):
     assert report.rewritten == [0, 1]
     settings = StreamSettings(frames=4, seed=2)
     got = np.concatenate([c.frames for c in rollout(OrtDiT(tmp_path / "api.onnx"), settings)], 1)
-    want = np.concatenate([c.frames for c in rollout(TorchDiT(eager), settings)], 1)
+    want = np.concatenate([c.frames for c in rollout(TorchDiT(dit_tiny_eager), settings)], 1)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 

@@ -24,7 +24,6 @@ from fastcar_compile.dit.fastar import (  # noqa: E402
     replay_ffn,
     temporal_scores,
 )
-from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import StreamSettings, TorchDiT, kept_frames, rollout  # noqa: E402
 from fastcar_compile.fastar.attention import dense_step  # noqa: E402
 from fastcar_compile.fastar.cache import HeadCache  # noqa: E402
@@ -294,11 +293,6 @@ def test_temporal_scores_match_numpy():
 
 
 @pytest.fixture(scope="module")
-def eager():
-    return build(CFG, seed=0)
-
-
-@pytest.fixture(scope="module")
 def exported(dit_tiny_export):
     return dit_tiny_export  # exported once per test session (conftest)
 
@@ -312,14 +306,14 @@ def exported(dit_tiny_export):
      "diagnostics": True},
     {"tempcache": "quant", "tempcache_sim": 1.0, "annsa": "quant", "annsa_local": 64},
 ])
-def test_no_compression_equals_the_dense_export(exported, eager, kw):
+def test_no_compression_equals_the_dense_export(exported, dit_tiny_eager, kw):
     """5 chunks with eviction: the FAST-AR runtime with nothing merged or skipped == the exported dense graph
     in ONNX Runtime within 1e-4; density and recall read 1."""
     from fastcar_compile.dit.stream import OrtDiT
 
     settings = StreamSettings(frames=10, seed=5)
     want = list(rollout(OrtDiT(exported), settings))
-    rt = FastARDiT(eager, modes.settings(**kw))
+    rt = FastARDiT(dit_tiny_eager, modes.settings(**kw))
     got = list(rollout(rt, settings))
     for a, b in zip(got, want, strict=True):
         assert a.resident == b.resident
@@ -331,14 +325,14 @@ def test_no_compression_equals_the_dense_export(exported, eager, kw):
             assert s["self_recall"] == pytest.approx(1.0, abs=1e-5)
 
 
-def test_modes_compress_and_measure(eager):
+def test_modes_compress_and_measure(dit_tiny_eager):
     """Every mode on: less attention executed, fewer resident slots, replayed FFN rows, recall below 1
     but measured; the merged stream differs from the dense one (the modes act)."""
     settings = StreamSettings(frames=8, seed=1)
-    dense = [c.frames for c in rollout(TorchDiT(eager), settings)]
+    dense = [c.frames for c in rollout(TorchDiT(dit_tiny_eager), settings)]
     fa = modes.settings(tempcache="aligned", tempcache_sim=0.3, annsa="lsh", annca=True, fastcar_tau=0.0,
                         diagnostics=True)
-    rt = FastARDiT(eager, fa)
+    rt = FastARDiT(dit_tiny_eager, fa)
     got = [c.frames for c in rollout(rt, settings)]
     assert max(np.abs(a - b).max() for a, b in zip(got, dense, strict=True)) > 1e-3
     for s in rt.layer_summary():
@@ -348,13 +342,13 @@ def test_modes_compress_and_measure(eager):
         assert s["resident_kv_bytes"] < s["dense_kv_bytes"]
 
 
-def test_fastcar_ratio_calibration(eager):
+def test_fastcar_ratio_calibration(dit_tiny_eager):
     from fastcar_compile.dit.fastar import calibrate_tau
 
     settings = StreamSettings(frames=4, seed=2)
     fa = modes.settings(fastcar_ratio=0.4)
-    tau = calibrate_tau(eager, fa, settings)
-    rt = FastARDiT(eager, modes.settings(fastcar_tau=tau))
+    tau = calibrate_tau(dit_tiny_eager, fa, settings)
+    rt = FastARDiT(dit_tiny_eager, modes.settings(fastcar_tau=tau))
     list(rollout(rt, settings))
     ratio = sum(s.ffn_replayed for s in rt.stats) / sum(s.ffn_rows for s in rt.stats)
     # over all rows (frame 0's cannot replay: 3 of 4 frames are eligible), replay changes later layers' TAS

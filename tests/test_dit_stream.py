@@ -27,17 +27,12 @@ def exported(dit_tiny_export: Path) -> Path:
     return dit_tiny_export  # exported once per test session (conftest)
 
 
-@pytest.fixture(scope="module")
-def eager():
-    return build(CFG, seed=0)  # the weights the export above drew
-
-
 def test_export_cli_writes_both_graphs(exported, capsys):
     assert exported.is_file() and exported.with_name("dit.text.onnx").is_file()
     assert not list(exported.parent.glob(".export-*"))
 
 
-def test_step_with_cache_matches_eager(exported, eager):
+def test_step_with_cache_matches_eager(exported, dit_tiny_eager):
     """One denoising step of a CFG pair over 3 cached frames, at mixed per-frame noise levels."""
     g = torch.Generator().manual_seed(11)
     n = CFG.layers
@@ -46,8 +41,8 @@ def test_step_with_cache_matches_eager(exported, eager):
     timestep = torch.tensor([[750.0, 500.0], [750.0, 500.0]])
     past = [torch.randn(2, CFG.heads, 3 * CFG.tokens_per_frame, CFG.head_dim, generator=g) for _ in range(2 * n)]
     with torch.no_grad():
-        cross = eager.text_kv(text)
-        want = [t.numpy() for t in eager(latent, timestep, torch.tensor([3]), *past, *cross)]
+        cross = dit_tiny_eager.text_kv(text)
+        want = [t.numpy() for t in dit_tiny_eager(latent, timestep, torch.tensor([3]), *past, *cross)]
     m = OrtDiT(exported)
     got_cross = m.text_kv(text.numpy())
     for a, b in zip(got_cross, cross, strict=True):
@@ -62,11 +57,11 @@ def test_step_with_cache_matches_eager(exported, eager):
     assert np.abs(m.step(latent.numpy(), timestep.numpy(), 3, empty, got_cross)[0] - want[0]).max() > 1e-3
 
 
-def test_onnx_rollout_matches_eager_rollout(exported, eager):
+def test_onnx_rollout_matches_eager_rollout(exported, dit_tiny_eager):
     """5 chunks of 2 frames with 1 sink + a 4-frame window: eviction happens from the 3rd chunk on."""
     settings = StreamSettings(frames=10, seed=5, cfg_scale=3.0)
     onnx_chunks = list(rollout(OrtDiT(exported), settings))
-    eager_chunks = list(rollout(TorchDiT(eager), settings))
+    eager_chunks = list(rollout(TorchDiT(dit_tiny_eager), settings))
     assert len(onnx_chunks) == 5
     assert onnx_chunks[-1].resident == [0, 6, 7, 8, 9]  # frames 1..5 evicted
     for a, b in zip(onnx_chunks, eager_chunks, strict=True):

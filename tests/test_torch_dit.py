@@ -14,16 +14,10 @@ from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.dit import modes  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
-from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout  # noqa: E402
 from fastcar_compile.torch import apply_dit  # noqa: E402
 
 CFG = PRESETS["tiny"]
-
-
-@pytest.fixture(scope="module")
-def eager():
-    return build(CFG, seed=0)
 
 
 class Recorder:
@@ -43,10 +37,10 @@ class Recorder:
 
 
 @pytest.mark.parametrize("kw", [{}, {"tempcache": "aligned", "tempcache_sim": 1.0, "fastcar_tau": 1e30}])
-def test_nothing_merged_or_replayed_is_the_dense_model(eager, kw):
+def test_nothing_merged_or_replayed_is_the_dense_model(dit_tiny_eager, kw):
     """10 frames (5 chunks, the 4-frame window evicting): the module == the eager dense rollout within 1e-4."""
     settings = StreamSettings(frames=10, seed=5)
-    want, got = Recorder(TorchDiT(eager)), Recorder(apply_dit(eager, **kw))
+    want, got = Recorder(TorchDiT(dit_tiny_eager)), Recorder(apply_dit(dit_tiny_eager, **kw))
     for a, b in zip(rollout(got, settings), rollout(want, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -63,13 +57,13 @@ def test_nothing_merged_or_replayed_is_the_dense_model(eager, kw):
     {"tempcache": "aligned", "tempcache_sim": 0.3, "fastcar_tau": 0.0},
 ])
 @pytest.mark.parametrize("window", [None, 0])
-def test_modes_equal_the_eager_stream_runtime(eager, kw, window):
+def test_modes_equal_the_eager_stream_runtime(dit_tiny_eager, kw, window):
     """Merging and replay on: every denoising step's velocity and every chunk equal FastARDiT's within 1e-4,
     with the same residency and the same merge / replay counts per layer; and the modes act (vs dense)."""
     settings = StreamSettings(frames=10, seed=3, window_frames=window)
-    ref = Recorder(FastARDiT(eager, modes.settings(**kw)))
-    mod = Recorder(apply_dit(eager, **kw))
-    dense = [c.frames for c in rollout(TorchDiT(eager), settings)]
+    ref = Recorder(FastARDiT(dit_tiny_eager, modes.settings(**kw)))
+    mod = Recorder(apply_dit(dit_tiny_eager, **kw))
+    dense = [c.frames for c in rollout(TorchDiT(dit_tiny_eager), settings)]
     chunks = list(zip(rollout(mod, settings), rollout(ref, settings), strict=True))
     for a, b in chunks:
         assert a.resident == b.resident
@@ -85,11 +79,11 @@ def test_modes_equal_the_eager_stream_runtime(eager, kw, window):
             assert got.ffn_replayed == want.ffn_replayed > 0 and got.ffn_rows == want.ffn_rows
 
 
-def test_merged_slot_holds_mean_value_newest_key_and_count(eager):
+def test_merged_slot_holds_mean_value_newest_key_and_count(dit_tiny_eager):
     """The positional cache after a write, against a NumPy recount: a token whose pre-RoPE key's cosine with
     the same (h, w) one frame back exceeds SIM sits in that slot (count + 1, the mean of its values, its own
     key); the slot it left is dead (count 0); sink frames never merge."""
-    fast = apply_dit(eager, tempcache="aligned", tempcache_sim=0.5, sinks=1, window=0)
+    fast = apply_dit(dit_tiny_eager, tempcache="aligned", tempcache_sim=0.5, sinks=1, window=0)
     rng = np.random.default_rng(0)
     B, H, T, d = 1, CFG.heads, CFG.tokens_per_frame, CFG.head_dim
     base = rng.standard_normal((B, H, T, d)).astype(np.float32)
@@ -124,9 +118,9 @@ def test_merged_slot_holds_mean_value_newest_key_and_count(eager):
     ({"tempcache": "lsh"}, "tempcache='lsh' is not supported"),
     ({"fastcar_tau": "x"}, "fastcar"),
 ])
-def test_unsupported_options_are_one_line_errors(eager, kw, words):
+def test_unsupported_options_are_one_line_errors(dit_tiny_eager, kw, words):
     with pytest.raises(FastCarError) as e:
-        apply_dit(eager, **kw)
+        apply_dit(dit_tiny_eager, **kw)
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
