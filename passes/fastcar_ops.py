@@ -433,6 +433,52 @@ MLPCacheMerge <age_offset: int = 0> (past_mlp_cache, past_mlp_age, rows, replay,
 }}
 """
 
+# AnnSA over a DiT's frame cache (docs/DESIGN.md): masked dense, for an ONNX Runtime without the native kernel
+# (same result; the kernel scores only the selected keys). A bucketed slot is selected where its id equals the
+# query's in some table (key_codes -1: not bucketed, never equal: query ids are >= 0); dense slots always.
+_ANNSA_ATTENTION = """
+<domain: "ai.fastcar", opset_import: ["" : {opset}]>
+AnnSAAttention (q, k, v, past_key, past_value, dense, query_codes, key_codes, sorted_codes, sorted_slots)
+    => (out) {{
+  ax1 = Constant <value = int64[1] {{1}}> ()
+  ax2 = Constant <value = int64[1] {{2}}> ()
+  ax3 = Constant <value = int64[1] {{3}}> ()
+  zero1 = Constant <value = int64[1] {{0}}> ()
+  last = Constant <value = int64[1] {{-1}}> ()
+  end = Constant <value = int64[1] {{9223372036854775807}}> ()
+  zero_s = Constant <value = int64 {{0}}> ()
+  one_s = Constant <value = int64 {{1}}> ()
+  minus_inf = Constant <value = float {{-inf}}> ()
+  S_1 = Shape <start = 2, end = 3> (past_key)
+  S = Squeeze (S_1)
+  pos = Range (zero_s, S, one_s)
+  dense_col = Unsqueeze (dense, ax1)
+  at_dense_b = Equal (dense_col, pos)
+  at_dense = Cast <to = 1> (at_dense_b)
+  dense_f = ReduceSum <keepdims = 0> (at_dense, zero1)
+  qc = Unsqueeze (query_codes, ax3)
+  kc = Unsqueeze (key_codes, ax2)
+  same_b = Equal (qc, kc)
+  same = Cast <to = 1> (same_b)
+  shared = ReduceSum <keepdims = 0> (same, last)
+  picked = Add (shared, dense_f)
+  half = Constant <value = float {{0.5}}> ()
+  keep = Greater (picked, half)
+  past_key_t = Transpose <perm = [0, 1, 3, 2]> (past_key)
+  past_scores = MatMul (q, past_key_t)
+  masked = Where (keep, past_scores, minus_inf)
+  k_t = Transpose <perm = [0, 1, 3, 2]> (k)
+  self_scores = MatMul (q, k_t)
+  joined = Concat <axis = -1> (masked, self_scores)
+  probs = Softmax <axis = -1> (joined)
+  p_past = Slice (probs, zero1, S_1, last)
+  p_self = Slice (probs, S_1, end, last)
+  ctx_past = MatMul (p_past, past_value)
+  ctx_self = MatMul (p_self, v)
+  out = Add (ctx_past, ctx_self)
+}}
+"""
+
 
 OP_TEXTS = {
     contract.MLP_CACHE_READ: _MLP_CACHE_READ,
@@ -441,6 +487,7 @@ OP_TEXTS = {
     contract.GROUP_QUERY_ATTENTION: _GROUP_QUERY_ATTENTION,
     contract.SELECT_ROWS: _SELECT_ROWS,
     contract.MLP_CACHE_MERGE: _MLP_CACHE_MERGE,
+    contract.ANNSA_ATTENTION: _ANNSA_ATTENTION,
 }
 
 

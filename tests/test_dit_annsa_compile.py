@@ -22,7 +22,14 @@ from dit_modes_helpers import compile_cli  # noqa: E402
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.dit import annsa_graph, modes  # noqa: E402
 from fastcar_compile.dit.annsa_index import blocks  # noqa: E402
-from fastcar_compile.dit.config import ANNSA_DENSE, MODES_KEY, PRESETS, annsa_io  # noqa: E402
+from fastcar_compile.dit.config import (  # noqa: E402
+    ANNSA_DENSE,
+    ANNSA_GRAPH,
+    ANNSA_NATIVE,
+    MODES_KEY,
+    PRESETS,
+    annsa_io,
+)
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 from fastcar_compile.fastar.int8 import Int8Buckets  # noqa: E402
@@ -32,14 +39,35 @@ from fastcar_compile.passes.build import Builder  # noqa: E402
 CFG = PRESETS["tiny"]
 
 
+def _kernel_args(kernel: str, monkeypatch) -> list[str]:
+    """The compile flags asking for AnnSA's `kernel` form (config.ANNSA_KERNELS); "body": the native op compiled,
+    run with the library off (FASTCAR_NATIVE=0: its function body)."""
+    if kernel == ANNSA_GRAPH:
+        return ["--native-attention", "off"]
+    from fastcar_compile.runtime.native import library_path
+
+    if library_path() is None:
+        pytest.skip("native ai.fastcar kernels not built here")
+    return []
+
+
+@pytest.mark.parametrize("kernel", [ANNSA_NATIVE, ANNSA_GRAPH, "body"])
 @pytest.mark.parametrize("kind, window, tables, local", [("lsh", 2, "2", "1"), ("quant", None, "2", "1"),
                                                          ("lsh", 0, "3", "0"), ("quant", 3, "1", "2")])
-def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, kind, window, tables, local):
+def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, kind, window, tables, local,
+                                              kernel, monkeypatch):
     """6 chunks (the ring wrapping at a 2-frame window, the default window, the buffers growing): the compiled
-    rollout == the eager runtime's AnnSA with the same buckets within 1e-4, executing the same q.k pairs."""
-    fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, "--annsa", kind, "--ann-tables", tables, "--annsa-local",
-                           local, "--ann-seed", "5"))
+    rollout == the eager runtime's AnnSA with the same buckets within 1e-4, executing the same q.k pairs; in each
+    compiled form (the native op, its function body, the ONNX-op graph)."""
+    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", kind, "--ann-tables", tables, "--annsa-local", local,
+                       "--ann-seed", "5", *_kernel_args(kernel, monkeypatch))
+    if kernel == "body":
+        monkeypatch.setenv("FASTCAR_NATIVE", "0")
+    fast = OrtDiT(path)
     assert fast.annsa["kind"] == kind and fast.annsa["ann_tables"] == int(tables)  # read back from the metadata
+    assert fast.annsa["annsa_kernel"] == (ANNSA_GRAPH if kernel == ANNSA_GRAPH else ANNSA_NATIVE)
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert ("AnnSAAttention" in ops) == (kernel != ANNSA_GRAPH)
     fast.self_pairs = [0, 0]
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
     ref = FastARDiT(dit_tiny_eager, modes.settings(annsa=kind, ann_tables=int(tables), annsa_local=int(local), ann_seed=5))
@@ -156,11 +184,12 @@ def test_graph_reads_the_cache_through_gathers_only_and_records_the_mode(dit_tin
     """Block-sparse, not masked: every read of past.N.key|value's values is a Gather / GatherND (the dense slots,
     the bucket blocks; Shape reads its size only), no product over the whole buffer; the mode is in the metadata
     with its settings."""
-    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "quant", "--quant-dirs", "4", "--ann-tables", "3")
+    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "quant", "--quant-dirs", "4", "--ann-tables", "3",
+                       "--native-attention", "off")
     m = onnx.load(str(path))
     meta = json.loads({p.key: p.value for p in m.metadata_props}[MODES_KEY])
     assert meta["annsa"] == {"kind": "quant", "annsa_local": 1, "lsh_bits": 4, "quant_dirs": 4, "ann_tables": 3,
-                             "ann_seed": 0}
+                             "ann_seed": 0, "annsa_kernel": ANNSA_GRAPH}
     readers = {}
     for n in m.graph.node:
         for x in n.input:
@@ -168,6 +197,19 @@ def test_graph_reads_the_cache_through_gathers_only_and_records_the_mode(dit_tin
                 readers.setdefault(x, set()).add(n.op_type)
     assert len(readers) == 2 * CFG.layers and all(ops <= {"Gather", "GatherND", "Shape"} for ops in readers.values())
     assert all({"Gather", "GatherND"} <= ops for ops in readers.values())
+
+
+def test_native_form_is_one_op_per_block_with_its_function_body(dit_tiny_export, tmp_path, monkeypatch):
+    """With the native library (the default): each block's cache is read by one ai.fastcar AnnSAAttention node
+    (no softmax over the buffer in ONNX ops), the model ships the op's function body, the metadata says so."""
+    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "lsh", *_kernel_args(ANNSA_NATIVE, monkeypatch))
+    m = onnx.load(str(path))
+    assert json.loads({p.key: p.value for p in m.metadata_props}[MODES_KEY])["annsa"]["annsa_kernel"] == ANNSA_NATIVE
+    ops = [n for n in m.graph.node if n.op_type == "AnnSAAttention"]
+    assert len(ops) == CFG.layers and {f.name for f in m.functions} >= {"AnnSAAttention"}
+    for n in m.graph.node:
+        if any(x.startswith("past.") for x in n.input):
+            assert n.op_type in ("AnnSAAttention", "Shape"), n.op_type
 
 
 @pytest.mark.parametrize("args, msg", [

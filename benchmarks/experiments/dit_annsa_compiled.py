@@ -1,8 +1,9 @@
 """AnnSA compiled into a DiT step graph (`--annsa lsh|quant`) against the same graph compiled dense, on the DiT
-trained here (training/dit_model): self-attention time (ONNX Runtime's profile, summed over its nodes), ms per
+trained here (training/dit_model), AnnSA in both compiled forms (the native AnnSAAttention op, the ONNX-op
+graph: `--native-attention off`): self-attention time (ONNX Runtime's profile, summed over its nodes), ms per
 frame of the stream, density and recall, at a cache of `--contexts` frames.
 
-    python benchmarks/experiments/dit_annsa_compiled.py [--out DIR] [--contexts 16,64] [--late 8]
+    python benchmarks/experiments/dit_annsa_compiled.py [--out DIR] [--contexts 16,64] [--late 8] [--forms native,graph]
 
 Per context C: the model's 2 sink frames and a window of C - 2, so that from frame C on every chunk attends to C
 cached frames. Every graph streams the same C + `--late` frames (prompt `camera=pan_right`, CFG 2, same noise,
@@ -25,6 +26,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from fastcar_compile.dit.config import ANNSA_GRAPH, ANNSA_NATIVE
 
 
 def self_attention_nodes(path: Path) -> set[str]:
@@ -54,6 +57,10 @@ def profile(model, path: Path, settings, start: int, chunks: int, text) -> tuple
 
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.enable_profiling, so.log_severity_level = 1, True, 3
+    if (model.annsa or {}).get("annsa_kernel") == ANNSA_NATIVE:
+        from fastcar_compile.runtime.native import library_path
+
+        so.register_custom_ops_library(str(library_path()))
     pick = self_attention_nodes(path)
     with tempfile.TemporaryDirectory() as tmp:
         so.profile_file_prefix = str(Path(tmp) / "p")
@@ -84,6 +91,8 @@ def main() -> None:
     ap.add_argument("--tables", type=int, default=2)
     ap.add_argument("--local", type=int, default=1, help="--annsa-local")
     ap.add_argument("--no-recall", action="store_true", help="skip the eager runtime's recall runs")
+    ap.add_argument("--forms", default="native,graph", help="AnnSA's compiled forms to measure (native: the "
+                    "AnnSAAttention op, graph: the ONNX ops)")
     a = ap.parse_args()
     from fastcar_compile.cli import main as cli
     from fastcar_compile.demo.dit_demo import MODEL_DIR, load_trained, parse_prompt
@@ -98,12 +107,20 @@ def main() -> None:
     if not src.is_file():
         assert cli(["export", "--dit", str(MODEL_DIR), "-o", str(src)]) == 0
     bucket = {"lsh_bits": a.bits, "quant_dirs": a.dirs, "ann_tables": a.tables, "annsa_local": a.local}
-    graphs = {"dense": {}, f"AnnSA-LSH ({a.bits} bits x {a.tables})": {"annsa": "lsh", **bucket},
-              f"AnnSA-Quant ({a.dirs} dirs x {a.tables})": {"annsa": "quant", **bucket}}
+    forms = {ANNSA_GRAPH: ("ONNX ops", {"native_attention": False}), ANNSA_NATIVE: ("native op", {})}
+    graphs = {"dense": {}}
+    for kind, what in (("lsh", f"AnnSA-LSH ({a.bits} bits x {a.tables})"),
+                       ("quant", f"AnnSA-Quant ({a.dirs} dirs x {a.tables})")):
+        for form in a.forms.split(","):
+            graphs[f"{what}, {forms[form][0]}"] = {"annsa": kind, **bucket, **forms[form][1]}
     paths = {}
     for i, (g, kw) in enumerate(graphs.items()):
         paths[g] = out / f"graph{i}" / "dit.onnx"
         compile_dit(src, paths[g], **kw)
+        if "annsa" in kw and OrtDiT(paths[g]).annsa["annsa_kernel"] != (ANNSA_GRAPH if "native_attention" in kw
+                                                                       else ANNSA_NATIVE):
+            raise SystemExit(f"{g}: compiled as another form (is the native library built? "
+                             "python -m fastcar_compile.runtime.native.build)")
     text = text_embeds(parse_prompt("camera=pan_right"))
     torch_model = load_trained(MODEL_DIR) if not a.no_recall else None
     sinks = OrtDiT(paths["dense"]).cfg.sink_frames
@@ -126,18 +143,21 @@ def main() -> None:
                 m.self_pairs = [0, 0]
             prof[g] = profile(m, paths[g], settings, settings.frames, a.profile_chunks, text)
         step = {g: 1000 * float(np.median(v)) for g, v in late.items()}
+        recalls: dict[str, str] = {}  # per bucketing: both forms select the same pairs
         for g, m in models.items():
             density, recall = "100%", ("100%" if m.annsa is None else "-")
             if m.annsa is not None:
                 density = f"{100 * m.self_pairs[0] / m.self_pairs[1]:.1f}%"
-                if torch_model is not None:
-                    kw = {k: v for k, v in graphs[g].items()}
+                recall = recalls.get(m.annsa["kind"], recall)
+                if torch_model is not None and m.annsa["kind"] not in recalls:
+                    kw = {k: v for k, v in graphs[g].items() if k != "native_attention"}
                     ref = FastARDiT(torch_model, modes.settings(diagnostics=True, **kw), threads=1)
                     gen = rollout(ref, settings, text)
                     for chunk in gen:
                         if chunk.first_frame + len(chunk.frames[0]) == ctx:  # recall from here on
                             ref.stats = [type(s)() for s in ref.stats]
                     recall = f"{100 * totals(ref.stats)['self_recall']:.1f}%"
+                    recalls[m.annsa["kind"]] = recall
             lines.append(f"| {ctx} | {g} | {density} | {recall} | {prof[g][0]:.2f} | "
                          f"{prof['dense'][0] / prof[g][0]:.2f}x | {step[g]:.1f} | {step['dense'] / step[g]:.2f}x |")
             print(lines[-1], flush=True)

@@ -159,8 +159,10 @@ GROUP_QUERY_ATTENTION = "GroupQueryAttention"
 # BranchPass's row ops around the one MLP copy (passes/branch.py): the computing tokens' rows and the If condition,
 # then the write-back that merges the computed rows with the cached ones and updates the cache (MLPCacheUpdate)
 SELECT_ROWS, MLP_CACHE_MERGE = "SelectRows", "MLPCacheMerge"
+# AnnSA over a DiT's frame cache, each query scoring only its buckets' slots (dit/annsa_graph.py; body: masked dense)
+ANNSA_ATTENTION = "AnnSAAttention"
 OP_NAMES = (TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION, GROUP_QUERY_ATTENTION,
-            SELECT_ROWS, MLP_CACHE_MERGE)
+            SELECT_ROWS, MLP_CACHE_MERGE, ANNSA_ATTENTION)
 
 # TemporalGate's inputs and outputs in order; a form uses the first four outputs (seven when packed, eight when it
 # selects rows) and the inputs it names (the rest are left empty).
@@ -248,6 +250,7 @@ OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     GROUP_QUERY_ATTENTION: ("num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved"),
     SELECT_ROWS: (),
     MLP_CACHE_MERGE: ("age_offset",),
+    ANNSA_ATTENTION: (),
 }
 
 # --- TAS variants and node tags -------------------------------------------------------------------------------

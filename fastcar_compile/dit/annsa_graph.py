@@ -3,9 +3,11 @@ queries attend to the chunk, the sink frames and the `annsa_local` most recent c
 other cached slot only where query and key share a bucket in one of T tables (the eager runtime's AnnSA,
 dit/fastar.attend_cache), computed block-sparse in plain ONNX ops.
 
-Why ONNX ops and not a custom kernel: the products stay MLAS batched MatMuls over gathered blocks (a scalar
-per-pair kernel does the same arithmetic several times slower than MLAS at head size 32-128), the bookkeeping
-is small integer work on [queries x buckets], and the graph runs in any ONNX Runtime with nothing to build.
+Two forms (config.ANNSA_KERNELS, recorded in the metadata): with the native library (the default when it
+builds; `--native-attention off` asks for the graph) one ai.fastcar AnnSAAttention node per block
+(native_context), whose kernel walks each query's buckets and scores only the selected slots; otherwise the
+block-sparse ONNX ops below, which run in any ONNX Runtime with nothing to build but pad every bucket's
+queries and keys to the fullest (one 4-bit LSH bucket can hold nearly all of a chunk's queries).
 
 Per block N (B rows, H heads, Q chunk queries, d head size, T tables):
     codes    = the queries' bucket ids [B, H, Q, T] (annca_graph.bucket_codes: fastar's reference hashers as
@@ -32,13 +34,19 @@ import onnx_ir as ir
 
 from fastcar_compile.core import contract
 from fastcar_compile.dit.annca_graph import bucket_codes
-from fastcar_compile.dit.config import ANNSA_DENSE, annsa_io
+from fastcar_compile.dit.config import ANNSA_DENSE, ANNSA_INPUTS, ANNSA_NATIVE, annsa_io
 from fastcar_compile.dit.discover import SelfAttention
 from fastcar_compile.dit.modes import bucket_hasher
 
 FEATURE = "AnnSA (bucketed self-attention over the cache) on DiT blocks"
 OP = ("AnnSA: dense over sinks + local frames (Gather), bucket blocks of queries x keys (GatherND, batched "
       "MatMul), one softmax")
+NATIVE_OP = "AnnSA: ai.fastcar AnnSAAttention (each query scores its buckets' slots, the dense slots and the chunk)"
+
+
+def op_line(mode: dict) -> str:
+    """The plan's attention line for AnnSA's compiled form."""
+    return NATIVE_OP if mode.get("annsa_kernel") == ANNSA_NATIVE else OP
 
 
 def add_inputs(graph: ir.Graph, layer: int, a: SelfAttention, tables: int) -> dict[str, ir.Value]:
@@ -56,6 +64,36 @@ def add_inputs(graph: ir.Graph, layer: int, a: SelfAttention, tables: int) -> di
         out[kind] = v
     out["dense"] = next(v for v in graph.inputs if v.name == ANNSA_DENSE)
     return out
+
+
+def _codes_output(b, graph: ir.Graph, layer: int, a: SelfAttention, h) -> ir.Value:
+    """The chunk's query ids [B, H, Q, T] (AnnCA's nodes for the reference hashers), also the output
+    `annsa_codes.N` (the runtime counts the executed pairs from them)."""
+    codes = bucket_codes(graph, b, a.query, h, "sa")
+    codes = b("Identity", [codes], part="annsa", names=[annsa_io(layer)["codes"]])
+    codes.type, codes.shape = ir.TensorType(ir.DataType.INT64), ir.Shape(["batch", a.heads, None, h.tables])
+    graph.outputs.append(codes)
+    return codes
+
+
+def native_context(b, graph: ir.Graph, layer: int, a: SelfAttention, q: ir.Value, key: ir.Value, value: ir.Value,
+                   pkey: ir.Value, pvalue: ir.Value, mode: dict, head_dim: int) -> ir.Value:
+    """Block `layer`'s whole self-attention context [B, H, Q, d] as one AnnSAAttention node over the cache and
+    the chunk's own keys (`q` scaled as the scores use it), with the native form's inputs (config.annsa_io)."""
+    h = bucket_hasher(mode, head_dim)
+    names = annsa_io(layer)
+    shapes = {"key_codes": ["batch", a.heads, "capacity", h.tables],
+              "sorted_codes": ["batch", a.heads, h.tables, f"bucketed_{layer}"],
+              "sorted_slots": ["batch", a.heads, h.tables, f"bucketed_{layer}"]}
+    ins = []
+    for kind in ANNSA_INPUTS[ANNSA_NATIVE]:
+        v = ir.Value(name=names[kind], type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(shapes[kind]))
+        graph.inputs.append(v)
+        ins.append(v)
+    codes = _codes_output(b, graph, layer, a, h)
+    dense = next(v for v in graph.inputs if v.name == ANNSA_DENSE)
+    return b(contract.ANNSA_ATTENTION, [q, key, value, pkey, pvalue, dense, codes, *ins], domain=contract.DOMAIN,
+             part="annsa")
 
 
 def add_dense_input(graph: ir.Graph) -> None:
@@ -80,11 +118,7 @@ def cache_scores(b, graph: ir.Graph, layer: int, a: SelfAttention, q: ir.Value, 
 
     ins = add_inputs(graph, layer, a, T)
     i64 = {"to": ir.DataType.INT64}
-    codes = bucket_codes(graph, b, a.query, h, "sa")  # AnnCA's nodes for the reference hashers
-    out_name = annsa_io(layer)["codes"]
-    codes = b("Identity", [codes], part="annsa", names=[out_name])
-    codes.type, codes.shape = ir.TensorType(ir.DataType.INT64), ir.Shape(["batch", a.heads, None, T])
-    graph.outputs.append(codes)
+    codes = _codes_output(b, graph, layer, a, h)
     # dense part: sinks + local frames, gathered once per step
     kd = b("Gather", [pkey, ins["dense"]], {"axis": 2}, part="annsa")
     vd = b("Gather", [pvalue, ins["dense"]], {"axis": 2}, part="annsa")

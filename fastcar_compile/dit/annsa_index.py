@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fastcar_compile.dit.config import ANNSA_DENSE, annsa_io
+from fastcar_compile.dit.config import ANNSA_DENSE, ANNSA_GRAPH, ANNSA_INPUTS, ANNSA_NATIVE, annsa_io
 from fastcar_compile.dit.modes import bucket_hasher
 
 
@@ -51,6 +51,18 @@ def blocks(codes: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, ...]:
     kcodes[r, bk, rk] = per[(np.arange(rows) // T)[:, None], order].reshape(rows * N, T)
     return (ids.reshape(B, H, T, K), keys.reshape(B, H, T, K, M), bias.reshape(B, H, T, K, M),
             np.ascontiguousarray(kcodes.reshape(B, H, T, K, M, T).transpose(0, 1, 2, 5, 3, 4)))
+
+
+def slot_lists(codes: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The native form's inputs from every cache slot's ids `codes` [B, H, S, T] and the bucketed `positions`
+    [N]: (key_codes [B, H, S, T], -1 outside `positions`; sorted_codes, sorted_slots [B, H, T, N]: per table the
+    ids ascending and their positions, so each bucket's slots are one run the kernel finds by binary search)."""
+    key_codes = np.full(codes.shape, -1, np.int64)
+    key_codes[:, :, positions] = codes[:, :, positions]
+    sel = codes[:, :, positions].transpose(0, 1, 3, 2)  # [B, H, T, N]
+    order = np.argsort(sel, axis=-1, kind="stable")
+    return (key_codes, np.ascontiguousarray(np.take_along_axis(sel, order, -1)),
+            np.ascontiguousarray(positions[order]))
 
 
 class AnnIndex:
@@ -98,10 +110,14 @@ class AnnIndex:
         cat = [np.concatenate(x) if x else np.zeros(0, np.int64) for x in (dense, sparse)]
         self.split = (cat[0], cat[1])
         feed = {ANNSA_DENSE: cat[0]}
+        form = self.mode.get("annsa_kernel", ANNSA_GRAPH)
         for i in range(self.layers):
             names = annsa_io(i)
-            parts = blocks(np.ascontiguousarray(self.codes[i][:, :, cat[1]]), cat[1])
-            feed.update(zip((names["buckets"], names["keys"], names["bias"], names["kcodes"]), parts, strict=True))
+            if form == ANNSA_NATIVE:
+                parts = slot_lists(self.codes[i], cat[1])
+            else:
+                parts = blocks(np.ascontiguousarray(self.codes[i][:, :, cat[1]]), cat[1])
+            feed.update(zip((names[k] for k in ANNSA_INPUTS[form]), parts, strict=True))
         self.feed, self.built = feed, state
         return feed
 

@@ -41,6 +41,8 @@ from fastcar_compile.dit import annsa_graph, tempcache
 from fastcar_compile.dit import modes as dit_modes
 from fastcar_compile.dit.annca_graph import ANNCA_OP, add_annca, prompt_codes
 from fastcar_compile.dit.config import (
+    ANNSA_GRAPH,
+    ANNSA_NATIVE,
     CACHE_FORM_KEY,
     CACHE_IN_PLACE,
     METADATA_KEY,
@@ -63,7 +65,7 @@ IN_PLACE_KV = "dense, read in place (the runtime's buffers: sink frames + a ring
 _REPLAY_OPTIONS = ("tas_query", "max_replay", "per_layer_threshold", "emit_diagnostics", "required_video_inputs")  # refused
 _KV_OPTIONS = ("kv_budget", "kv_sinks", "kv_window", "kv_eviction", "sparse_attention", "prune_prompt",
                "kv_diagnostics", "kv_layers")
-_IGNORED = ("frame_tokens", "threshold", "tempcache", "validate", *options.DIT_ONLY)  # checked on their own below
+_IGNORED = ("frame_tokens", "threshold", "tempcache", "validate", "native_attention", *options.DIT_ONLY)  # checked on their own below
 
 
 def is_dit_step(model: ir.Model) -> bool:
@@ -143,7 +145,17 @@ def annsa_mode(opts: dict) -> dict | None:
     if kind is None:
         return None
     return dit_modes.bucket_record(kind, opts) | {"annsa_local": options.BY_NAME["annsa_local"].check(
-        opts.get("annsa_local", 1))}
+        opts.get("annsa_local", 1)), "annsa_kernel": annsa_kernel(opts)}
+
+
+def annsa_kernel(opts: dict) -> str:
+    """AnnSA's compiled form (config.ANNSA_KERNELS): the native op where `--native-attention` is on (default) and
+    the native library builds here, else the ONNX-op graph."""
+    if not opts.get("native_attention", True):
+        return ANNSA_GRAPH
+    from fastcar_compile.runtime.native import library_path
+
+    return ANNSA_NATIVE if library_path() is not None else ANNSA_GRAPH
 
 
 def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None, sim: float | None = None,
@@ -158,7 +170,7 @@ def plan(matches: list[DiTBlockMatch], rewrite: bool, tau: float | None = None, 
         blocks.append(DiTBlockPlan(
             m.layer, True, rewrite,
             self_attention=f"Concat(past.{m.layer}.*, chunk) -> MatMul -> Softmax -> MatMul, heads {a.heads}x{a.head_dim}",
-            attention_op=IN_PLACE_OP if annsa is None else f"{annsa_graph.OP}; {annsa['kind']} buckets x "
+            attention_op=IN_PLACE_OP if annsa is None else f"{annsa_graph.op_line(annsa)}; {annsa['kind']} buckets x "
             f"{annsa['ann_tables']} tables, {annsa['annsa_local']} local frames", rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross if annca is None else
             f"{m.cross}; AnnCA ({annca['kind']} buckets x {annca['ann_tables']} tables): {ANNCA_OP}", ffn=m.ffn,
             modulation=m.modulation,
@@ -197,6 +209,12 @@ def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: 
     q = a.query
     for f in a.key_factors:  # the scale the export applied to the keys, applied to the query instead
         q = b("Mul", [q, f], part="attention")
+    if annsa is not None and annsa["annsa_kernel"] == ANNSA_NATIVE:  # one node: the whole context
+        ab = Builder(m.layer, nodes, ids, graph=graph, namespace="annsa")
+        ctx = annsa_graph.native_context(ab, graph, m.layer, a, q, key, value, pkey, pvalue, annsa, a.head_dim)
+        ir.convenience.replace_all_uses_with(a.context.outputs[0], ctx)
+        graph.insert_before(a.softmax, nodes)
+        return nodes
     if annsa is not None:
         ab = Builder(m.layer, nodes, ids, graph=graph, namespace="annsa")  # AnnSA's nodes (and its bucket codes)
         masked, annsa_context = annsa_graph.cache_scores(ab, graph, m.layer, a, q, pkey, pvalue, annsa, a.head_dim)
@@ -263,6 +281,10 @@ def rewrite(model: ir.Model, matches: list[DiTBlockMatch], tempcache: bool = Fal
     for m in matches:
         slot_bias = _tempcache_io(graph, m, ids) if tempcache else None
         _rewrite_block(graph, m, bias, capacity, ids, slot_bias, annsa)
+    if annsa is not None and annsa["annsa_kernel"] == ANNSA_NATIVE:
+        from fastcar_compile.passes import fastcar_ops
+
+        fastcar_ops.add_functions(model, model.opset_imports.get("", 17))  # the op's body: runs without the library
     RemoveUnusedNodesPass()(model)
     for m in matches:
         i = m.layer

@@ -179,7 +179,7 @@ TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph besid
 # "tempcache_match": its correspondent ("aligned", "lsh", "quant"; null when off) and "tempcache_buckets": the
 # buckets of a top-1 match (dit/tempcache.py), "annca": its buckets {"kind", "lsh_bits", "quant_dirs",
 # "ann_tables", "ann_seed"} or null (dit/annca_graph.py),
-# "annsa": the same buckets and "annsa_local", or null (dit/annsa_graph.py)}.
+# "annsa": the same buckets, "annsa_local" and "annsa_kernel" (ANNSA_KERNELS), or null (dit/annsa_graph.py)}.
 MODES_KEY = "fastcar.dit_modes"
 REPLAY_FIRST = "replay_first"  # bool [1]: the chunk's first frame may replay (the runtime holds its predecessor)
 
@@ -210,11 +210,23 @@ def annca_io(layer: int) -> tuple[str, str]:
 
 
 ANNSA_DENSE = "annsa_dense"  # int64 [Nd]: the cache's token positions AnnSA attends densely (sinks + local frames)
+# AnnSA's compiled forms: "native" = the ai.fastcar AnnSAAttention op (each query scores its buckets' slots, no
+# padding; without the native library its function body runs, masked dense), "graph" = block-sparse ONNX ops
+ANNSA_NATIVE, ANNSA_GRAPH = "native", "graph"
+ANNSA_KERNELS = (ANNSA_NATIVE, ANNSA_GRAPH)
+# each form's per-block inputs (annsa_io's keys), after ANNSA_DENSE
+ANNSA_INPUTS = {ANNSA_NATIVE: ("key_codes", "sorted_codes", "sorted_slots"),
+                ANNSA_GRAPH: ("buckets", "keys", "bias", "kcodes")}
 
 
 def annsa_io(layer: int) -> dict[str, str]:
     """Block `layer`'s AnnSA I/O (dit/annsa_graph.py): inputs `buckets` (the occupied bucket ids per table
     [B, heads, T, K]), `keys` (their cache positions [B, heads, T, K, M]), `bias` (0, -inf for padding), `kcodes`
-    (those keys' ids in every table [B, heads, T, T, K, M]); output `codes` (the chunk's query ids [B, heads, S, T])."""
+    (those keys' ids in every table [B, heads, T, T, K, M]); output `codes` (the chunk's query ids [B, heads, S, T]).
+    The native form's inputs instead: `key_codes` (every cache slot's ids [B, heads, capacity, T], -1 where not
+    bucketed), `sorted_codes` and `sorted_slots` (per table the bucketed slots' ids ascending and their positions
+    [B, heads, T, N]: each bucket's slots are one run)."""
     return {"buckets": f"annsa_buckets.{layer}", "keys": f"annsa_keys.{layer}", "bias": f"annsa_bias.{layer}",
-            "kcodes": f"annsa_kcodes.{layer}", "codes": f"annsa_codes.{layer}"}
+            "kcodes": f"annsa_kcodes.{layer}", "codes": f"annsa_codes.{layer}",
+            "key_codes": f"annsa_key_codes.{layer}", "sorted_codes": f"annsa_sorted_codes.{layer}",
+            "sorted_slots": f"annsa_sorted_slots.{layer}"}

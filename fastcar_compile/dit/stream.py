@@ -25,6 +25,9 @@ from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.dit import tempcache
 from fastcar_compile.dit.config import (
     ANNSA_DENSE,
+    ANNSA_GRAPH,
+    ANNSA_INPUTS,
+    ANNSA_NATIVE,
     CACHE_FORM_KEY,
     CACHE_IN_PLACE,
     METADATA_KEY,
@@ -243,6 +246,12 @@ class OrtDiT:
         so.log_severity_level = 3
         if threads:
             so.intra_op_num_threads = threads
+        if (json.loads(meta.get(MODES_KEY, "{}")).get("annsa") or {}).get("annsa_kernel") == ANNSA_NATIVE:
+            from fastcar_compile.runtime.native import library_path
+
+            lib = library_path()  # None: the op's function body runs (same result, slower)
+            if lib is not None:
+                so.register_custom_ops_library(str(lib))
         self.sess = ort.InferenceSession(str(step_path), so, providers=["CPUExecutionProvider"])
         self.text_sess = ort.InferenceSession(str(text_path), so, providers=["CPUExecutionProvider"])
         ins, outs = step_io(self.cfg.layers)
@@ -261,8 +270,8 @@ class OrtDiT:
         if self.in_place:
             ins = [*ins, PAST_LENGTH]
             if self.annsa is not None:
-                ins += [ANNSA_DENSE, *(annsa_io(i)[k] for i in range(self.cfg.layers)
-                                       for k in ("buckets", "keys", "bias", "kcodes"))]
+                form = ANNSA_INPUTS[self.annsa.get("annsa_kernel", ANNSA_GRAPH)]
+                ins += [ANNSA_DENSE, *(annsa_io(i)[k] for i in range(self.cfg.layers) for k in form)]
             if self.sim is not None:
                 ins += [tempcache_io(i)[0] for i in range(self.cfg.layers)]
             if self.tau is not None:

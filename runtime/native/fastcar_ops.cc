@@ -12,6 +12,7 @@
 #include "onnxruntime_lite_custom_op.h"
 
 #include "compressed_attention.h"
+#include "annsa_attention.h"
 #include "group_query_attention.h"
 #include "row_ops.h"
 #include "thread_scratch.h"
@@ -745,6 +746,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
       g_ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp("SelectRows", "CPUExecutionProvider", fastcar_rows::SelectRows));
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MLPCacheMerge>("MLPCacheMerge", "CPUExecutionProvider"));
+      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp("AnnSAAttention", "CPUExecutionProvider",
+                                                         fastcar_annsa::AnnSAAttention));
       for (auto& op : g_ops) g_domain->Add(op.get());
       g_gates.push_back(std::make_unique<GateOp>(&kGate));
       for (const GateSignature& legacy : kLegacyGates) g_gates.push_back(std::make_unique<GateOp>(&legacy));
