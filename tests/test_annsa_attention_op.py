@@ -93,3 +93,11 @@ def test_annsa_attention_without_bucketed_slots():
     f["sorted_slots"] = f["sorted_slots"][..., :0]
     for native in (True, False):
         np.testing.assert_allclose(_session(native).run(None, f)[0], _brute(f), rtol=1e-4, atol=1e-5)
+
+
+def test_native_kernel_refuses_a_position_outside_the_cache():
+    """The registered kernel runs (not the function body, which would index silently): it names the bad input."""
+    f = _case(5)
+    f["dense"] = np.append(f["dense"], f["past_key"].shape[2])
+    with pytest.raises(Exception, match="AnnSAAttention: a dense position is outside past_key"):
+        _session(True).run(None, f)
