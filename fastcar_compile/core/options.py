@@ -187,7 +187,9 @@ OPTIONS: tuple[Option, ...] = (
            "kernels per step; default on)", "--fusions", cli=ON_OFF),
     Option("native_attention", bool, True, "com.microsoft.GroupQueryAttention (genai graphs, --fused-attention "
            "gqa) -> the ai.fastcar op with the native dense attention core: same semantics, faster; its function "
-           "body is the original op, so without the native library nothing changes (default on)",
+           "body is the original op, so without the native library nothing changes; on a DiT step graph, "
+           "--annsa's form: the ai.fastcar AnnSAAttention op where the native library builds, off = the ONNX-op "
+           "graph (default on)",
            "--native-attention", cli=ON_OFF),
     Option("pack_qkv", bool, True, "with --fusions and --fused-attention fastcar or gqa: one packed q/k/v MatMul "
            "per layer, RoPE inside the attention op (CompressedAttention or GroupQueryAttention) and the gate, at "

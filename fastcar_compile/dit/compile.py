@@ -113,12 +113,13 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], dict]:
     if modes["annsa"] is not None and sim is not None:
         raise FastCarError(f"--annsa with --tempcache: {annsa_graph.FEATURE} over merged slots is not compiled yet; "
                            "give one of them")
-    for name in ("annsa_local", *dit_modes.BUCKET_SETTINGS):  # a setting no mode reads would change nothing
-        used = modes["annsa"] is not None or (name != "annsa_local" and (
+    annsa_only = ("annsa_local", "native_attention")  # on a DiT, native_attention picks --annsa's form only
+    for name in (*annsa_only, *dit_modes.BUCKET_SETTINGS):  # a setting no mode reads would change nothing
+        used = modes["annsa"] is not None or (name not in annsa_only and (
             modes["annca"] is not None or modes["tempcache_buckets"] is not None))
         if not used and name in opts and opts[name] != by_name[name].default:
             flag = by_name[name].flag
-            modes_of = "--annsa" if name == "annsa_local" else "--annsa / --annca / --tempcache-match lsh|quant"
+            modes_of = "--annsa" if name in annsa_only else "--annsa / --annca / --tempcache-match lsh|quant"
             raise FastCarError(f"{flag} is a setting of {modes_of}: give one of them with it, or leave {flag} out")
     taus = [float(t) for t in np.atleast_1d(opts.get("threshold", (np.inf,)))]
     default = tuple(by_name["threshold"].default)
