@@ -1,7 +1,7 @@
 """AnnSA compiled into a DiT step graph (`fastcar-compile dit.onnx -o fast.onnx --annsa lsh|quant`): the chunk's
 queries attend to the chunk, the sink frames and the `annsa_local` most recent cached frames densely, and to any
 other cached slot only where query and key share a bucket in one of T tables (the eager runtime's AnnSA,
-dit/fastar.attend_cache), computed block-sparse in plain ONNX ops.
+dit/fastar.attend_cache).
 
 Two forms (config.ANNSA_KERNELS, recorded in the metadata): with the native library (the default when it
 builds; `--native-attention off` asks for the graph) one ai.fastcar AnnSAAttention node per block
@@ -9,7 +9,7 @@ builds; `--native-attention off` asks for the graph) one ai.fastcar AnnSAAttenti
 block-sparse ONNX ops below, which run in any ONNX Runtime with nothing to build but pad every bucket's
 queries and keys to the fullest (one 4-bit LSH bucket can hold nearly all of a chunk's queries).
 
-Per block N (B rows, H heads, Q chunk queries, d head size, T tables):
+The ONNX-op form, per block N (B rows, H heads, Q chunk queries, d head size, T tables):
     codes    = the queries' bucket ids [B, H, Q, T] (annca_graph.bucket_codes: fastar's reference hashers as
                nodes, in float64 as they compute); also the output `annsa_codes.N`
     dense    = the cache slots `annsa_dense` [Nd] (sinks + local frames, the runtime's ring positions) gathered
