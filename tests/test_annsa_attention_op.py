@@ -10,6 +10,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from ort_driver import make_session
 
 from fastcar_compile.core import contract
 from fastcar_compile.passes.fastcar_ops import function_proto
@@ -31,16 +32,7 @@ def _model() -> onnx.ModelProto:
 
 
 def _session(native: bool) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if native:
-        from fastcar_compile.runtime.native import library_path
-
-        lib = library_path()
-        if lib is None:
-            pytest.skip("native ai.fastcar kernels not built here")
-        so.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(_model().SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return make_session(_model().SerializeToString(), native=native)
 
 
 def _case(seed: int, B=2, H=3, Q=5, D=16, S=40, T=3, codes=4) -> dict[str, np.ndarray]:
