@@ -17,7 +17,7 @@ ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 import onnx_ir as ir  # noqa: E402
-from dit_modes_helpers import compile_cli  # noqa: E402
+from dit_modes_helpers import compile_cli, not_a_dit  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.dit import annsa_graph, modes  # noqa: E402
@@ -235,11 +235,7 @@ def test_a_decoder_refuses_the_dit_modes(tmp_path):
     import fastcar_compile as fc
     from fastcar_compile.core.errors import FastCarError
 
-    src = tmp_path / "in.onnx"
-    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
-    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
-    node = onnx.helper.make_node("Identity", ["x"], ["y"])
-    onnx.save(onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y])), str(src))
+    src = not_a_dit(tmp_path)
     with pytest.raises(FastCarError, match="--annsa applies to video DiT step graphs"):
         fc.compile(str(src), frame_tokens=4, annsa="lsh")
 

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from dit_modes_helpers import compile_cli  # noqa: E402
+from dit_modes_helpers import compile_cli, not_a_dit  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.core.errors import FastCarError  # noqa: E402
@@ -252,13 +252,7 @@ def test_api_takes_the_match_and_its_buckets(dit_tiny_export, tmp_path):
 
 def test_top1_match_on_a_decoder_is_refused(tmp_path, capsys):
     """A graph without the DiT metadata: one line naming the flag, exit 2, nothing written."""
-    from onnx import TensorProto, helper
-
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
-    src = tmp_path / "m.onnx"
-    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])),
-              str(src))
+    src = not_a_dit(tmp_path)
     assert main([str(src), "-o", str(tmp_path / "o.onnx"), "--frame-tokens", "4", "--tempcache-match", "lsh"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and "--tempcache-match" in err[0] and "DiT" in err[0]
