@@ -1,9 +1,11 @@
-"""What the compiled DiT mode tests share: compiling the exported step graph through the CLI, and a graph that
-is not a DiT step graph."""
+"""What the compiled DiT mode tests share: compiling the exported step graph through the CLI, a graph that is
+not a DiT step graph, and reading a CLI refusal."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from fastcar_compile.cli import main
 
@@ -25,3 +27,16 @@ def not_a_dit(folder: Path) -> Path:
     save(helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])), str(src))
     return src
 
+
+
+def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run the CLI on ARGV, asserting it exits 2 (argparse's own refusal of a flag's value included) with no
+    traceback; the last line it wrote to stderr."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own refusal of a flag's value
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return err.splitlines()[-1]
