@@ -57,9 +57,14 @@ def bucket_record(kind: str, values: dict) -> dict:
     """A bucketing as a compiled graph's metadata records it: {"kind", *BUCKET_SETTINGS} from the compile's
     option values (each checked, its default where not given); the runtime redraws it with bucket_hasher."""
     out = {"kind": kind} | {k: BY_NAME[k].check(values.get(k, BY_NAME[k].default)) for k in BUCKET_SETTINGS}
-    if out["quant_dirs"] not in INT8_DIRS:
-        raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {out['quant_dirs']}")
+    _check_quant_dirs(out["quant_dirs"])
     return out
+
+
+def _check_quant_dirs(dirs: int) -> None:
+    """--quant-dirs' rule beyond its Option's range: a power of two dividing the 8-bit code (fastar/int8.py)."""
+    if dirs not in INT8_DIRS:
+        raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {dirs}")
 
 
 def bucket_hasher(record: dict, head_dim: int) -> Buckets:
@@ -79,8 +84,7 @@ def settings(**values: Any) -> Any:
         raise FastCarError(f"unknown FAST-AR setting {bad[0]!r}; known: {', '.join(BY_NAME)}")
     out = {k: BY_NAME[k].check(v) for k, v in values.items()}
     s = FastARSettings(**out)
-    if s.quant_dirs not in INT8_DIRS:
-        raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {s.quant_dirs}")
+    _check_quant_dirs(s.quant_dirs)
     if s.tempcache_budget and s.tempcache is None:
         raise FastCarError("--tempcache-budget bounds TempCache's slots: give --tempcache too")
     if s.fastcar_tau is not None and s.fastcar_ratio is not None:
