@@ -96,11 +96,11 @@ class AnnIndex:
 
     def inputs(self, ring, frame_start: int) -> dict[str, np.ndarray]:
         """The graph's AnnSA inputs for a step of the chunk starting at `frame_start` (built once per chunk)."""
+        if not ring.buffers:
+            raise RuntimeError("AnnIndex.inputs before the ring's buffers exist")
         state = (frame_start, ring.buffers[0].shape[2], tuple(sorted(ring.slot_frame.items())))
         if state == self.built:
             return self.feed
-        if not ring.buffers:
-            raise RuntimeError("AnnIndex.inputs before the ring's buffers exist")
         self._code_new_frames(ring)
         t, local = self.tokens, self.mode["annsa_local"]
         dense, sparse = [], []
