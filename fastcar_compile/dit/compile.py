@@ -104,7 +104,7 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], dict]:
         raise FastCarError(f"--frame-tokens {given}: this DiT has {frame_tokens} tokens per latent frame (its "
                            "config); leave --frame-tokens out")
     sim = opts.get("tempcache")
-    match = options.BY_NAME["tempcache_match"].check(opts.get("tempcache_match", "aligned"))
+    match = _given(opts, "tempcache_match")
     if sim is None and match != "aligned":
         raise FastCarError(f"--tempcache-match {match} needs --tempcache SIM (the cosine above which keys merge)")
     modes = {"threshold": None, "tempcache": None if sim is None else float(sim),
@@ -134,6 +134,12 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], dict]:
     return notes, modes
 
 
+def _given(opts: dict, name: str):
+    """Option `name`'s checked value in `opts`, its declared default (core/options.py) where not given."""
+    o = options.BY_NAME[name]
+    return o.check(opts.get(name, o.default))
+
+
 def annca_mode(opts: dict) -> dict | None:
     """What the metadata records of `--annca` (None: off): its buckets, as the eager runtime draws them
     (dit/fastar.FastARDiT: --annsa's bucketing, lsh without it)."""
@@ -145,14 +151,14 @@ def annsa_mode(opts: dict) -> dict | None:
     kind = options.BY_NAME["annsa"].check(opts.get("annsa"))
     if kind is None:
         return None
-    return dit_modes.bucket_record(kind, opts) | {"annsa_local": options.BY_NAME["annsa_local"].check(
-        opts.get("annsa_local", 1)), "annsa_kernel": annsa_kernel(opts)}
+    return dit_modes.bucket_record(kind, opts) | {"annsa_local": _given(opts, "annsa_local"),
+                                                  "annsa_kernel": annsa_kernel(opts)}
 
 
 def annsa_kernel(opts: dict) -> str:
     """AnnSA's compiled form (config.ANNSA_KERNELS): the native op where `--native-attention` is on (default) and
     the native library builds here, else the ONNX-op graph."""
-    if not opts.get("native_attention", True):
+    if not _given(opts, "native_attention"):
         return ANNSA_GRAPH
     from fastcar_compile.runtime.native import library_path
 
