@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -25,6 +25,7 @@ from fastcar_compile.core.atomic import write_text
 from fastcar_compile.core.contract import io_names
 
 K = TypeVar("K")  # the key naming a timed variant (a string, or a tuple of its parts)
+T = TypeVar("T")
 
 DEFAULT_CACHE = Path(os.environ.get("FASTCAR_BENCH_CACHE", Path.home() / ".cache" / "fastcar-bench"))
 
@@ -282,6 +283,17 @@ def interleave(steps: dict[K, Callable[[], object]], rounds: int, block: int | d
                     step()
                     times[name].append(clock() - t0)
     return times
+
+
+def in_turn(gens: dict[K, Iterator[T]]) -> Iterator[tuple[K, T]]:
+    """(name, item) from each generator in turn, one item at a time, until the first one ends: the streams
+    (e.g. dit/stream.rollout's chunks) advance interleaved, so machine load hits them alike."""
+    while True:
+        for name, g in gens.items():
+            item = next(g, None)
+            if item is None:
+                return
+            yield name, item
 
 
 def lower_quartile_ms(times: dict[K, list[float]]) -> dict[K, float]:

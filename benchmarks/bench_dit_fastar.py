@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from fastcar_compile.dit import modes
-from fastcar_compile.dit.config import PRESETS, load_config
-from fastcar_compile.dit.fastar import FastARDiT, calibrate_tau, totals
-from fastcar_compile.dit.model import build
-from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout, rss_mib
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import in_turn  # noqa: E402
+
+from fastcar_compile.dit import modes  # noqa: E402
+from fastcar_compile.dit.config import PRESETS, load_config  # noqa: E402
+from fastcar_compile.dit.fastar import FastARDiT, calibrate_tau, totals  # noqa: E402
+from fastcar_compile.dit.model import build  # noqa: E402
+from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout, rss_mib  # noqa: E402
 
 MODES = {  # the paper's Table 1 rows (AnnCA and FastCar added)
     "dense (FAST-AR runtime)": {},
@@ -61,21 +65,13 @@ def backends(model, settings, extra: dict) -> dict:
 
 def run(bk: dict, settings) -> dict:
     """Interleaved rollouts: per-frame ms, latent frames, cache bytes per mode."""
-    gens = {n: rollout(b, settings) for n, b in bk.items()}
     res = {n: {"frame_ms": [], "frames": [], "cache_mib": []} for n in bk}
-    while True:
-        done = False
-        for n, g in gens.items():
-            c = next(g, None)
-            if c is None:
-                done = True
-                break
-            k = c.frames.shape[1]
-            res[n]["frame_ms"] += [1000 * c.seconds / k] * k
-            res[n]["frames"].append(c.frames)
-            res[n]["cache_mib"] += [c.cache_bytes / 2**20] * k
-        if done:
-            return res
+    for n, c in in_turn({n: rollout(b, settings) for n, b in bk.items()}):
+        k = c.frames.shape[1]
+        res[n]["frame_ms"] += [1000 * c.seconds / k] * k
+        res[n]["frames"].append(c.frames)
+        res[n]["cache_mib"] += [c.cache_bytes / 2**20] * k
+    return res
 
 
 def main() -> None:

@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.dit import tempcache
-from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, rollout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+from _common import in_turn  # noqa: E402
+
+from fastcar_compile.dit import tempcache  # noqa: E402
+from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, rollout  # noqa: E402
 
 MATCHES = ("aligned", "lsh", "quant")
 
@@ -99,21 +103,12 @@ def main() -> None:
         models[m] = rt
     cfg = models["aligned"].cfg
     full = cfg.sink_frames + cfg.window_frames  # frames resident once the window is full
-    gens = {m: rollout(rt, settings, text) for m, rt in models.items()}
     chunk_s = {m: [] for m in MATCHES}
     density = {m: [] for m in MATCHES}
-    while True:
-        done = False
-        for m, g in gens.items():
-            c = next(g, None)
-            if c is None:
-                done = True
-                break
-            chunk_s[m].append(c.seconds - caches[m]._side)
-            if len(c.resident) >= full:
-                density[m].append(caches[m].kv_density)
-        if done:
-            break
+    for m, c in in_turn({m: rollout(rt, settings, text) for m, rt in models.items()}):
+        chunk_s[m].append(c.seconds - caches[m]._side)
+        if len(c.resident) >= full:
+            density[m].append(caches[m].kv_density)
     rows = {}
     base = float(np.median(caches["aligned"].write_s))
     for m in MATCHES:
