@@ -129,9 +129,10 @@ def evaluate(weights: Path, clips) -> tuple[dict, dict]:
                        "ratio": round(float(np.mean(between) / np.mean(within)), 3)}
     out["steering"] = steer
     s = DiTTrainSettings()
+    held = heldout_batch(s)
     with torch.no_grad():
-        out["heldout_loss_teacher_forced"] = round(teacher_forced_loss(model, heldout_batch(s)).item(), 4)
-        hb = replace(heldout_batch(s), real=1, context=3, cfg_scale=CFG)
+        out["heldout_loss_teacher_forced"] = round(teacher_forced_loss(model, held).item(), 4)
+        hb = replace(held, real=1, context=3, cfg_scale=CFG)
         hb.sample_noise = continuation_batch(clips[:s.eval_clips], 1, 3).sample_noise[:3]
         out["heldout_loss_self_forced"] = round(teacher_forced_loss(model, hb).item(), 4)
     return out, {"continuation": gen, "truth": truth, "videos": videos}
