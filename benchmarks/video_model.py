@@ -125,10 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _decoded(tok, v):
-    return tok.decode(v.tokens)
-
-
 def measure(a, targets: list[float]) -> dict:
     import fastcar_compile
     from fastcar_compile.demo import quality as q
