@@ -12,7 +12,6 @@ import pytest
 from onnx import TensorProto, helper
 
 from fastcar_compile.passes import fastcar_ops
-from fastcar_compile.runtime.native import library_path
 
 HQ, HKV, D = 4, 2, 8
 
@@ -38,15 +37,7 @@ def _model(n_in: int = 7, n_out: int = 3, opset: int = 20, **attrs) -> bytes:
 
 
 def session(native: bool, threads: int = 2, **kw) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    if native:
-        lib = library_path()
-        if lib is None:
-            pytest.skip("native kernels not built here")
-        so.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(_model(**kw), so, providers=["CPUExecutionProvider"])
+    return ort_driver.make_session(_model(**kw), threads=threads, native=native)
 
 
 def reference(q, keys, vals, mask, P, scale):
