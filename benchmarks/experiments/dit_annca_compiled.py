@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fastcar_compile.core.atomic import write_text
+
 RANDOM_512 = {"layers": 4, "hidden": 128, "heads": 4, "ffn": 512, "text_dim": 64, "in_channels": 3, "latent_h": 32,
               "latent_w": 32, "patch": [1, 4, 4], "freq_dim": 64, "text_len": 512, "chunk_frames": 2,
               "sink_frames": 2, "window_frames": 14}
@@ -229,7 +231,7 @@ def main() -> None:
         table = run_model(name, src, build(cfg, weights), text, a, out) + [""]
         print("\n".join(table), flush=True)
         lines += table
-    (out / "table.md").write_text("\n".join(lines))
+    write_text(out / "table.md", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastcar_compile.core.atomic import write_text
 from fastcar_compile.dit.config import ANNSA_GRAPH, ANNSA_NATIVE
 
 
@@ -161,7 +162,7 @@ def main() -> None:
             lines.append(f"| {ctx} | {g} | {density} | {recall} | {prof[g][0]:.2f} | "
                          f"{prof['dense'][0] / prof[g][0]:.2f}x | {step[g]:.1f} | {step['dense'] / step[g]:.2f}x |")
             print(lines[-1], flush=True)
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    write_text(out / "table.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

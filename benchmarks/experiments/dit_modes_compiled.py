@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fastcar_compile.core.atomic import write_text
+
 CONFIG = {"layers": 4, "hidden": 192, "heads": 4, "ffn": 1536, "text_dim": 64, "in_channels": 4, "latent_h": 16,
           "latent_w": 16, "text_len": 32, "chunk_frames": 2, "sink_frames": 1, "window_frames": 4, "freq_dim": 64}
 
@@ -66,7 +68,7 @@ def main() -> None:
         tau = f"{m.tau:.4g}" if m.tau is not None else "-"
         lines.append(f"| {name} | {tau} | {m.replayed[0] / max(m.replayed[1], 1):.2f} | {merges:.2f} | "
                      f"{1000 * med / a.frames:.1f} | {dense / med:.2f}x |")
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    write_text(out / "table.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
 from _common import in_turn  # noqa: E402
 
+from fastcar_compile.core.atomic import write_text  # noqa: E402
 from fastcar_compile.dit import tempcache  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, rollout  # noqa: E402
 
@@ -139,7 +140,7 @@ def main() -> None:
             rows[m]["eager_self_recall"] = t["self_recall"]
             rows[m]["eager_kv_density_last"] = t["kv_density"]
     doc = {"frames": a.frames, "sim": a.sim, "prompt": a.prompt, "cfg": 2.0, "threads": 1, "rows": rows}
-    (a.out / "result.json").write_text(json.dumps(doc, indent=1))
+    write_text(a.out / "result.json", json.dumps(doc, indent=1))
     print(f"{a.frames} frames, SIM {a.sim:g}, prompt {a.prompt}, CFG 2, 1 thread")
     print("| match | write ms/chunk | x aligned | chunk ms | merged | KV density (full window) | KV density (last) "
           "| exhaustive recall / precision | attention recall (eager) |")
