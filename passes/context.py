@@ -327,17 +327,6 @@ class CompileContext:
         assert match.attention is not None
         return match.attention.core_node
 
-    def set_attention_node(self, layer: int, node: ir.Node, old: ir.Node | None = None) -> None:
-        """A pass replaced the layer's attention op (`old`) by `node` (same outputs): the layer's match names the
-        new op and its outputs (the gate, emitted later, reads the present key from it)."""
-        match = next(m for m in self.matches if m.layer == layer)
-        att = match.attention
-        assert att is not None
-        outputs = dict(zip(old.outputs, node.outputs, strict=True)) if old is not None else {}
-        moved = {f.name: outputs[v] for f in dataclasses.fields(att)
-                 if isinstance(v := getattr(att, f.name), ir.Value) and v in outputs}
-        match.attention = dataclasses.replace(att, core_node=node, **moved)
-
     def swap_attention_node(self, old: ir.Node, new: ir.Node) -> None:
         """A pass replaced the attention op `old` by `new` (same outputs), in whichever layer has it."""
         for m in self.matches:
