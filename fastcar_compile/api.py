@@ -22,7 +22,6 @@ from fastcar_compile.passes import genai_state, native_gqa
 from fastcar_compile.passes.analysis import find_layers, parse_layers, plan, select_layers
 from fastcar_compile.passes.compile_report import CompileReport, LayerReport
 from fastcar_compile.passes.context import CompileContext, CompileOptions
-from fastcar_compile.passes.plan import gate_text
 from fastcar_compile.passes.save import SavePass, Staging
 from fastcar_compile.passes.threshold import BakeThresholdPass
 from fastcar_compile.passes.validate import ValidatePass
@@ -159,8 +158,7 @@ def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[
     report.notes = ctx.notes
     report.metadata = ctx.metadata
     report.passes = pipeline.describe(manager)
-    report.plan = ctx.plan.lines() + [f"layer {lr.layer:>3} built: {gate_text(lr.gate_form)}" for lr in ctx.layers
-                                      if lr.gate_form is not None and lr.gate_form != ctx.plan[lr.layer].gate]
+    report.plan = ctx.plan.lines()
     return loaded, report
 
 
