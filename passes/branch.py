@@ -73,7 +73,6 @@ class BranchPass(ir.passes.InPlacePass):
         else:
             rows, some = b(contract.SELECT_ROWS, [x, lr.replay], domain=contract.DOMAIN, outputs=2, part="mlp",
                            names=[f"fastcar.{n}.rows", f"fastcar.{n}.compute_some"])
-            lr.select = rows.producer()
         rows.type, rows.shape = ir.TensorType(dtype), ir.Shape([1, None, hd])
         some.type, some.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([])
         body: list[ir.Node] = []
@@ -96,7 +95,6 @@ class BranchPass(ir.passes.InPlacePass):
         out = b("If", [some], {"then_branch": ir.Graph([], [y], nodes=body, name=f"fastcar_{n}_mlp_compute"),
                                "else_branch": ir.Graph([], [none], nodes=skip_nodes, name=f"fastcar_{n}_mlp_none")},
                 part="mlp", names=[f"fastcar.{n}.mlp_rows"])
-        lr.branch = out.producer()
         out.type = ir.TensorType(dtype)
         present_cache, present_age, used = b(
             contract.MLP_CACHE_MERGE, [lr.past_cache, lr.past_age, out, lr.replay, lr.slot, lr.write],
@@ -139,7 +137,6 @@ class BranchPass(ir.passes.InPlacePass):
             out.type = ir.TensorType(dtype)
         used = b("If", [all_keep], {"then_branch": full, "else_branch": partial}, part="mlp",
                  names=[f"fastcar.{n}.mlp_used"])
-        lr.branch = used.producer()
         return used
 
     @staticmethod

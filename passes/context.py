@@ -268,12 +268,7 @@ class LayerRewrite:
     used: ir.Value | None = None  # the MLP branch output actually used (computed or replayed)
     present: tuple[ir.Value, ir.Value] | None = None  # (cache, age) when the branch's merge wrote them back
     state: list[contract.StateEntry] = field(default_factory=list)
-    # What the emission built, for the passes after it (which never search the graph for ai.fastcar nodes):
-    gate: ir.Node | None = None  # the layer's TemporalGate node
-    gate_form: contract.GateForm | None = None
-    select: ir.Node | None = None  # the shared layout's SelectRows
     rows: tuple[ir.Value, ir.Value] | None = None  # (rows, some) when the gate selects the rows (select_rows)
-    branch: ir.Node | None = None  # the main-graph If around the MLP
 
     @property
     def layer(self) -> int:

@@ -77,7 +77,7 @@ class GatePass(ir.passes.InPlacePass):
             if form.aligned_keys:
                 # a compressed KV cache holds slots, not positions: the op gathered each token's aligned key
                 inputs["key"] = att.core_node.outputs[4]
-            lr.replay, lr.tas, lr.slot, lr.write = self._emit(b, lr, form, inputs, attrs, names)
+            lr.replay, lr.tas, lr.slot, lr.write = self._emit(b, form, inputs, attrs, names)
         graph.insert_before(lr.match.mlp.closing, lr.nodes)
         lr.nodes = []
 
@@ -108,7 +108,7 @@ class GatePass(ir.passes.InPlacePass):
         rows = form.select_rows
         if rows:
             inputs["mlp_input"] = mlp.entry
-        outs = self._emit(b, lr, form, inputs, attrs,
+        outs = self._emit(b, form, inputs, attrs,
                           [*names, f"fastcar.{n}.cached", f"fastcar.{n}.compute_all", f"fastcar.{n}.compute_some",
                            *([f"fastcar.{n}.rows"] if rows else [])])
         lr.replay, lr.tas, lr.slot, lr.write, lr.cached, compute_all, compute_some = outs[:7]
@@ -116,14 +116,12 @@ class GatePass(ir.passes.InPlacePass):
             lr.rows = (outs[7], compute_some)
         lr.conditions = (compute_all, compute_some)
 
-    def _emit(self, b: build.Builder, lr: LayerRewrite, form: contract.GateForm, inputs: dict[str, ir.Value],
+    def _emit(self, b: build.Builder, form: contract.GateForm, inputs: dict[str, ir.Value],
               attrs: dict, names: list[str]) -> tuple[ir.Value, ...]:
-        """One TemporalGate node of `form` (its body registered), appended to the layer's nodes and recorded."""
+        """One TemporalGate node of `form` (its body registered), appended to the layer's nodes."""
         values, attributes = fastcar_ops.gate_args(self.model, form, inputs, attrs)
-        outs = b(contract.TEMPORAL_GATE, values, attributes, domain=contract.DOMAIN, outputs=form.num_outputs,
+        return b(contract.TEMPORAL_GATE, values, attributes, domain=contract.DOMAIN, outputs=form.num_outputs,
                  names=names, overload=form.overload)
-        lr.gate, lr.gate_form = outs[0].producer(), form
-        return outs
 
 
 def tag_attention(att, layer: int) -> None:
