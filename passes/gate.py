@@ -88,14 +88,14 @@ class GatePass(ir.passes.InPlacePass):
         every step, replayed or not). `fused`: a fused layer's packed query (else genai's GroupQueryAttention's)."""
         opts, att, n = self.ctx.options, lr.match.attention, lr.layer
         mlp = lr.match.mlp
+        # packed_qkv; do_rotary for `rope` (no rotary: rope = raw) or where RoPE moved into the fused op; select_rows
+        form = self.ctx.plan[n].gate
         if fused is None:
             src = att.packed_query
             assert opts.tas_query != contract.TAS_ROPE or att.rope_refusal is None  # SelectLayersPass refused it
-            form = self.ctx.plan[n].gate  # packed_qkv; do_rotary for `rope` (no rotary: rope = raw); select_rows
             query, total = src.qkv, src.total_len
             rope = (src.cos_cache, src.sin_cache, src.rotary_dim, int(src.interleaved)) if form.do_rotary else None
         else:  # the fused op's [B, S, H*D] q, or its QKV projection with the op's rotary table
-            form = self.ctx.plan[n].gate  # packed_qkv; do_rotary where RoPE moved into the op; select_rows
             assert form.packed_qkv and form.do_rotary == (fused.rope is not None), (n, form)
             query, total = fused.value, att.total_len
             rope = (*fused.rope, 0) if fused.rope is not None else None
