@@ -271,10 +271,10 @@ def decide(model: ir.Model, fused: dict[int, dict], opts, compressed: set[int], 
     keys: dict[tuple[ir.Value, ...], int | str] = {}
     for n, split in splits.items():
         p = fused[n]
-        why = _pack_refusal(split, p, opts, n in rewritten, laid_out)
-        packing = None
+        found = _packable(split, p, opts, n in rewritten, laid_out)
+        why, packing = found if isinstance(found, str) else None, None
         if why is None:
-            projs, head_dim = _projections(split, p["heads"], p["kv_heads"])
+            projs, head_dim = found
             key = tuple(split.rq.inputs[2:4])
             if key not in keys:
                 table = rotary_table(model, key, opts.rotary_positions)
@@ -296,8 +296,10 @@ def decide(model: ir.Model, fused: dict[int, dict], opts, compressed: set[int], 
     return forms
 
 
-def _pack_refusal(split: HeadSplit, p: dict, opts, rewritten: bool, live: set[ir.Node]) -> str | None:
-    """Why a layer with q/k/v [B, S, H*D] cannot get the packed form (None: it can)."""
+def _packable(split: HeadSplit, p: dict, opts, rewritten: bool,
+              live: set[ir.Node]) -> tuple[tuple[Projection, ...], int] | str:
+    """The q/k/v projections and head size of a layer with q/k/v [B, S, H*D] that can get the packed form, or why
+    it cannot."""
     if not opts.pack_qkv:
         return "--pack-qkv off"
     for r, heads in ((split.rq, p["heads"]), (split.rk, p["kv_heads"])):
@@ -314,4 +316,4 @@ def _pack_refusal(split: HeadSplit, p: dict, opts, rewritten: bool, live: set[ir
     if rewritten and opts.tas_query != contract.TAS_ROPE:
         return ("TAS `raw` dots the unrotated query with keys rotated at their absolute positions, which moving the "
                 "rotation to KV indices would shift under left padding")
-    return None
+    return found
