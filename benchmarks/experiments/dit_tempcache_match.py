@@ -145,13 +145,13 @@ def main() -> None:
     print("| match | write ms/chunk | x aligned | chunk ms | merged | KV density (full window) | KV density (last) "
           "| exhaustive recall / precision | attention recall (eager) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    def pct(x: float | None) -> str:  # None: not measured (window never full, no exact merge, no --eager-recall)
+        return "-" if x is None else f"{100 * x:.1f}%"
+
     for m, r in rows.items():
-        rec = r.get("eager_self_recall")
-        ex = r["exhaustive_recall"], r["exhaustive_precision"]
         print(f"| {m} | {r['write_ms_per_chunk']:.2f} | {r['write_vs_aligned']:.2f} | {r['chunk_ms']:.1f} | "
-              f"{100 * r['merge_ratio']:.1f}% | {100 * r['kv_density_full_window']:.1f}% | "
-              f"{100 * r['kv_density_last']:.1f}% | {100 * ex[0]:.1f}% / {100 * ex[1]:.1f}% | "
-              f"{'-' if rec is None else f'{100 * rec:.1f}%'} |")
+              f"{pct(r['merge_ratio'])} | {pct(r['kv_density_full_window'])} | {pct(r['kv_density_last'])} | "
+              f"{pct(r['exhaustive_recall'])} / {pct(r['exhaustive_precision'])} | {pct(r.get('eager_self_recall'))} |")
 
 
 if __name__ == "__main__":
