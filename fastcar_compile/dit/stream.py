@@ -346,7 +346,7 @@ class OrtDiT:
                      for i in range(n)]
         if self.tau is None:
             io.run()
-            self._count_cross(kept, latent.shape[0] * cfg.heads * f * cfg.tokens_per_frame * cross[0].shape[2])
+            self._count_cross(kept)
             self._count_self(codes, cache)
             return out
         key = tuple(np.asarray(timestep)[0].tolist())
@@ -362,7 +362,7 @@ class OrtDiT:
             masks.append(io.output_buffer(mask, (rows, f * cfg.tokens_per_frame), np.bool_))
         scores = [io.output_buffer(tas_name(i), (rows, f * cfg.tokens_per_frame), np.float32) for i in range(n)]
         io.run()
-        self._count_cross(kept, latent.shape[0] * cfg.heads * f * cfg.tokens_per_frame * cross[0].shape[2])
+        self._count_cross(kept)
         self._count_self(codes, cache)
         if self.tas_log is not None:  # eligible: past the chunk's first frame, or that frame's predecessor held
             first = cfg.tokens_per_frame * (0 if prev is not None and frame_start >= 1 else 1)
@@ -373,11 +373,12 @@ class OrtDiT:
         return out
 
 
-    def _count_cross(self, kept: list[np.ndarray], dense: int) -> None:
-        """AnnCA's executed pairs: each frame's queries times the prompt tokens it kept (`annca.N`)."""
+    def _count_cross(self, kept: list[np.ndarray]) -> None:
+        """AnnCA's executed pairs: each frame's queries times the prompt tokens it kept (`annca.N` [B, H, F, L]);
+        dense: times every prompt token."""
         if kept:
             self.cross_pairs[0] += sum(int(k.sum()) for k in kept) * self.cfg.tokens_per_frame
-            self.cross_pairs[1] += dense * len(kept)
+            self.cross_pairs[1] += sum(k.size for k in kept) * self.cfg.tokens_per_frame
 
     def _count_self(self, codes: list[np.ndarray], cache: RingCache) -> None:
         """With `self_pairs` on (a list; it compares every query's ids with every cached key's, so benchmarks
