@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_dit_fastar import MODES  # noqa: E402
 
+from fastcar_compile.core.atomic import write_text  # noqa: E402
 from fastcar_compile.demo.dit_demo import MODEL_DIR, load_trained, parse_prompt  # noqa: E402
 from fastcar_compile.demo.dit_train import text_embeds, to_uint8  # noqa: E402
 from fastcar_compile.demo.metrics import psnr, ssim  # noqa: E402
@@ -321,7 +322,7 @@ def main() -> None:
                         for k, v in timed.items()}}
     print_table(doc)
     if a.json:
-        a.json.write_text(json.dumps(doc, indent=1) + "\n")
+        write_text(a.json, json.dumps(doc, indent=1) + "\n")
     if a.png:
         plot(doc, a.png)
 
