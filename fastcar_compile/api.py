@@ -65,12 +65,14 @@ def _dit():
     return importlib.import_module(DIT_API)
 
 
-def _is_dit_step(model) -> bool:
-    """Is `model` a DiT step graph? Asked only when its options fail a decoder's rules, which a DiT's differ from."""
+def _dit_step(model) -> tuple[ir.Model, Path | None] | None:
+    """`model` loaded (load()'s result) when it is a DiT step graph, else None. Asked only when its options fail a
+    decoder's rules, which a DiT's differ from; the compile then goes on with this load rather than a second one."""
     try:
-        return _dit().is_dit_step(load(model)[0])
+        loaded = load(model)
+        return loaded if _dit().is_dit_step(loaded[0]) else None
     except FastCarError:
-        return False
+        return None
 
 
 def inspect(model, **options) -> CompileReport:
@@ -128,14 +130,15 @@ def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[
     parse_kv_layer). shared_mlp=False keeps the older nested MLP layout (docs/memory.md).
     """
     declared.unknown(options, "compile")
+    dit = None
     try:
         opts = CompileOptions(**options)
     except (FastCarError, TypeError):  # a decoder's rules (--tempcache needs --kv-budget, frame_tokens required)
-        opts = None
-        if not _is_dit_step(model):
+        opts, dit = None, _dit_step(model)
+        if dit is None:
             raise
     out_path = fileio.check_output_path(output) if output is not None else None
-    loaded, in_path = load(model)
+    loaded, in_path = dit or load(model)
     if _dit().is_dit_step(loaded):  # a video DiT's step graph (export --dit): its own rewrite and option checks
         return _dit().compile_dit(loaded, out_path, source=in_path, **options)
     _refuse_dit_only(options)
