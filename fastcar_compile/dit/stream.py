@@ -246,7 +246,8 @@ class OrtDiT:
         so.log_severity_level = 3
         if threads:
             so.intra_op_num_threads = threads
-        if (json.loads(meta.get(MODES_KEY, "{}")).get("annsa") or {}).get("annsa_kernel") == ANNSA_NATIVE:
+        self.modes = json.loads(meta.get(MODES_KEY, "{}"))  # what the compiler built in (dit/compile.py)
+        if (self.modes.get("annsa") or {}).get("annsa_kernel") == ANNSA_NATIVE:
             from fastcar_compile.runtime.native import library_path
 
             lib = library_path()  # None: the op's function body runs (same result, slower)
@@ -256,7 +257,6 @@ class OrtDiT:
         self.text_sess = ort.InferenceSession(str(text_path), so, providers=["CPUExecutionProvider"])
         ins, outs = step_io(self.cfg.layers)
         self.in_place = meta.get(CACHE_FORM_KEY) == CACHE_IN_PLACE
-        self.modes = json.loads(meta.get(MODES_KEY, "{}"))  # what the compiler built in (dit/compile.py)
         self.tau = self.modes.get("threshold")
         self.sim = self.modes.get("tempcache")
         self.annca = self.modes.get("annca")  # its buckets (dict) or None
