@@ -379,7 +379,7 @@ struct MLPCacheMerge : MLPCacheUpdate {
 // qkv_perm [0,2,1,3]: q, k, v are [B,S,heads*D] (or [B,S,heads,D]) instead, as the projections produce them.
 // Packed QKV (qkv_perm [0,2,1,3], k and v empty): q is [B,S,(heads + 2 kv_heads)*D], GroupQueryAttention's packed
 // layout. do_rotary: q and k are rotated here (cos_cache/sin_cache [max_pos, <= D/2], inputs 12/13) at KV index
-// total_len - S + i, as GroupQueryAttention rotates with seqlens_k = total_len - 1 (passes/pack_qkv.py).
+// total_len - S + i, as GroupQueryAttention rotates with seqlens_k = total_len - 1 (passes/attention_form.py).
 struct CompressedAttention {
   // q/k/v copies; per thread, kept between Compute calls and trimmed after large ones (thread_scratch.h)
   struct Scratch {
