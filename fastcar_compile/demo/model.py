@@ -47,6 +47,9 @@ class DemoConfig:
     copy_scale: float = 4.5
     # Layers whose first heads get the copy init; None = every layer (the 1-layer model's setting).
     copy_layers: tuple[int, ...] | None = None
+    # RoPE frequency of each rotary pair (radians per position) instead of rope_theta's geometric ladder: a
+    # per-pair choice as LongRoPE's rescaling makes (the world model's; None = the ladder)
+    rope_frequencies: tuple[float, ...] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,9 +85,23 @@ def build_model(cfg: DemoConfig, seed: int = 0):
 
     torch.manual_seed(seed)
     model = tf.LlamaForCausalLM(llama_config(cfg)).float()
+    if cfg.rope_frequencies is not None:
+        set_rope_frequencies(model, cfg.rope_frequencies)
     if cfg.attention_bias and cfg.copy_offsets:
         _init_copy_heads(model, cfg)
     return model
+
+
+def set_rope_frequencies(model, frequencies) -> None:
+    """Use these rotary frequencies (one per pair of head dimensions): the export bakes them into its cos/sin."""
+    import torch
+
+    rot = model.model.rotary_emb
+    f = torch.as_tensor(np.asarray(frequencies, np.float64), dtype=torch.float32)
+    if f.shape != rot.inv_freq.shape:
+        raise FastCarError(f"rope_frequencies has {f.numel()} values; the model's heads need {rot.inv_freq.numel()}")
+    rot.inv_freq = f.clone()
+    rot.original_inv_freq = f.clone()
 
 
 def _init_copy_heads(model, cfg: DemoConfig) -> None:

@@ -6,28 +6,32 @@ and `video_start` = 1. Frame 0 is given ("start"); each later frame is predicted
 camera and everything before it.
 
 Why the init below: the model has to copy content from its past at two kinds of places, where the previous frame
-showed it (one cell over, by the action) and where a frame long ago showed it (a revisit). Both are copies keyed by
-content: the cell's left and upper neighbours, once seen next to it, say what it is (a 2-D induction head). On a
-shared 2-core CPU a freshly initialised model does not find such heads within hours, so they are built into the
-initial weights and then trained with everything else:
+showed it (one cell over, by the action) and where a frame long ago showed it (a revisit, keyed by content: the
+cell's left and upper neighbours, once seen next to it, say what it is: a 2-D induction head). On a shared 2-core
+CPU a freshly initialised model does not find such heads within hours, so they are built into the initial weights
+and then trained with everything else. Every head that must find a distance is built from RoPE scores, which are
+sums of cos / sin of the distance times the rotary frequencies: a linear program (`position_kernel`) picks the
+weights that best separate the wanted distances from all others up to 1000 frames back.
 
-- the embedding writes a token's code (a random vector) into a subspace TOK; special tokens write into SPECIAL;
-- layer 0's heads look a fixed distance back (bias-only queries and keys whose RoPE score peaks at the offset, as
-  `model._init_copy_heads`) and copy the code found there into their own subspace: the token 1 back (left
-  neighbour), 8 back (upper neighbour), 7 back (the upper neighbour of the token being predicted) and 64 back (the
-  predicted slot one frame earlier);
-- layer 1's heads match the query's (left, upper) neighbours of the token to predict against each key's own
-  (left, upper) neighbours, both neighbours, the left one or the upper one alone, and copy the key's code into OUT;
-- the output layer reads OUT as codes. Layers 2.. start as the usual random init (small output maps).
+- the embedding writes a token's code (a random unit vector) into a subspace TOK, special tokens a one-hot;
+- layer 0 gathers: the codes 1, 8 and 7 tokens back (left neighbour, upper neighbour, upper neighbour of the token
+  being predicted) into their own subspaces, and the frame's action (the nearest action token) as a one-hot;
+- layer 1 marks the entering strip: per move, a head that attends to the frame's action token only from the
+  positions whose predicted token lies where that move's new content enters, so the sum is 1 exactly there;
+- layer 2 copies: outside the strip, from the slot one frame back the action moved this content from (its query
+  aimed by the action one-hot); inside the strip, recall heads match the left / upper neighbour codes of the token
+  to predict against every earlier key's own neighbours (non-rotating dimensions: any distance) and copy the key's
+  code, with BOS as a sink that an exact match beats and a near miss does not;
+- the output layer reads OUT as codes. Layer 3 starts as the usual random init (small output maps).
 
-RoPE has a very large base (1e12): the content dimensions of the matching heads sit in rotary pairs that turn by
-less than 0.4 rad over 65 k positions, so a revisit is recognised however long ago it was (1000 frames = 65 k
-tokens), while the fast pairs still give the fixed-offset heads their aim. Training also shifts the positions of
+RoPE frequencies are chosen per rotary pair (`ROPE_FREQUENCIES`): the harmonics of a frame row, a geometric ladder
+and zeros (content compared however far apart, 1000 frames = 65 k positions). Training also shifts the positions of
 the frames after a random frame by a random gap, so the model sees such distances.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -45,21 +49,29 @@ FRAME_TOKENS = 1 + world.GRID * world.GRID  # L: the action token, then the fram
 VIDEO_START = 1  # KV index of frame 0's action token
 PATCHES = world.GRID * world.GRID
 
+# RoPE frequencies (radians per position), one per rotary pair of a 64-wide head: the harmonics of a frame row (period
+# 8: which column a token is in), a geometric ladder from 1 to 1e-5 (where in the frame, how far back) and zeros (no
+# rotation: content compared however far apart, 1000 frames = 65 k positions).
+ROW_HARMONICS = tuple(2 * math.pi * k / world.GRID for k in range(1, world.GRID // 2 + 1))
+NOPE_PAIRS = 12  # the last pairs: frequency 0
+ROPE_FREQUENCIES = (*ROW_HARMONICS, *np.geomspace(1.0, 1e-5, 16).tolist(), *[0.0] * NOPE_PAIRS)
 # 4 layers, hidden 256, 4 heads x 64, MLP 1024: 4.5 M parameters (9 MB as fp16).
 WORLD_CONFIG = DemoConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
                           num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=131072,
-                          rope_theta=1e12, copy_offsets=(), copy_layers=None)
+                          copy_offsets=(), copy_layers=None, rope_frequencies=ROPE_FREQUENCIES)
 
 
 @dataclass(frozen=True)
 class CircuitInit:
-    """Sizes of the built-in copy circuit (see the module docstring)."""
+    """Sizes of the built-in circuit (see the module docstring). Scores are in logits (after 1/sqrt(head))."""
 
     code_dim: int = 32
-    gather_offsets: tuple[int, ...] = (1, 8, 7, 64)  # layer 0's heads, positions back
-    aim_pairs: int = 8  # rotary pairs (fastest first) that aim the fixed-offset heads
-    aim: float = 12.0  # their bias size: the score peak is aim^2 * aim_pairs / sqrt(head_dim)
-    match_gain: float = 2.4  # layer 1's query / key gain on the codes
+    aim: float = 60.0  # the fixed-offset heads' score margin between their offset and any other distance
+    detect: float = 40.0  # the action and strip heads' margin between hit and miss
+    match: float = 40.0  # a recall head's score for an exact code match
+    copy_gate: float = 90.0  # the copy head's sink rises by this in the entering strip (above its aim)
+    recall_gate: float = 100.0  # the recall heads' sink outside the entering strip
+    recall_sink: float = 25.0  # ... and inside it: an exact match beats it, a near miss does not
     out_gain: float = 1.5  # the output layer's gain on OUT
     free_scale: float = 0.1  # output maps (o_proj, down_proj) of the free parts start this much smaller
     seed: int = 0
@@ -83,8 +95,8 @@ def token_mask(seq_len: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------ the init
 def _subspaces(cfg: DemoConfig, ci: CircuitInit) -> dict[str, slice]:
     k = ci.code_dim
-    names = ["tok", "special", *[f"back{o}" for o in ci.gather_offsets], "out"]
-    sizes = [k, 16, *[k] * len(ci.gather_offsets), k]
+    names = ["tok", "special", "action", "strip", "back1", "back8", "back7", "out"]
+    sizes = [k, 8, 8, 1, k, k, k, k]
     if sum(sizes) > cfg.hidden_size:
         raise FastCarError(f"hidden size {cfg.hidden_size} cannot hold the circuit's {sum(sizes)} dimensions")
     out, start = {}, 0
@@ -94,85 +106,189 @@ def _subspaces(cfg: DemoConfig, ci: CircuitInit) -> dict[str, slice]:
     return out
 
 
-def _content_dims(hd: int) -> np.ndarray:
-    """Head dimensions of the slowest rotary pairs, slowest last: pair i is dims (i, i + hd/2)."""
+def _features(freqs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    d = np.atleast_1d(d).astype(np.float64)
+    return np.concatenate([np.cos(d[:, None] * freqs), np.sin(d[:, None] * freqs)], 1)
+
+
+@functools.lru_cache(maxsize=16)
+def position_kernel(freqs: tuple[float, ...], hit: tuple[int, ...], miss: tuple[int, ...]) -> tuple[np.ndarray, float]:
+    """(weights [2, pairs] of K(d) = sum_i c_i cos(d w_i) + s_i sin(d w_i), |c|, |s| <= 1, margin t): the largest t
+    with K >= t at the distances `hit` and K <= -t at `miss`.
+
+    Why a linear program: RoPE scores are such sums, so a head that should find one distance (or a set, e.g. the
+    columns of a frame) among all others must be built from them; the LP says whether and how well it can."""
+    from scipy.optimize import linprog
+
+    f = np.asarray(freqs, np.float64)
+    n = 2 * len(f)
+    a_hit, a_miss = -_features(f, np.asarray(hit)), _features(f, np.asarray(miss))
+    a_ub = np.concatenate([np.concatenate([a_hit, np.ones((len(a_hit), 1))], 1),
+                           np.concatenate([a_miss, np.ones((len(a_miss), 1))], 1)])
+    c = np.zeros(n + 1)
+    c[-1] = -1.0
+    r = linprog(c, A_ub=a_ub, b_ub=np.zeros(len(a_ub)), bounds=[(-1, 1)] * n + [(None, None)], method="highs")
+    if r.status != 0 or r.x[-1] <= 1e-6:
+        raise FastCarError(f"no RoPE kernel separates these distances with frequencies {freqs[:6]}...")
+    return r.x[:-1].reshape(2, len(f)), float(r.x[-1])
+
+
+LOOKBACK = 1000  # frames the action and strip heads are built to see past (the benchmark's longest path)
+
+
+def _older(deltas) -> tuple[int, ...]:
+    """Distances to the action tokens of earlier frames from a token `deltas` after its own frame's action."""
+    k = np.arange(1, LOOKBACK + 1)[:, None] * FRAME_TOKENS
+    return tuple(int(x) for x in np.unique((np.asarray(deltas)[None, :] + k).reshape(-1)))
+
+
+def _kernels(freqs: tuple[float, ...]) -> dict[str, tuple[np.ndarray, float]]:
+    """The RoPE kernels the circuit uses: a sharp peak (fixed offsets), the nearest action token, and per move the
+    distances from the frame's action token at which the predicted token lies in the strip that enters view."""
+    inframe = np.arange(FRAME_TOKENS - 1)  # distance from the action token of the token that predicts index d
+    out = {"peak": position_kernel(freqs, (0,), tuple(int(x) for x in range(-80, 65001) if x != 0)),
+           "nearest": position_kernel(freqs, tuple(range(FRAME_TOKENS)), _older(np.arange(FRAME_TOKENS)))}
+    g = world.GRID
+    strips = {"right": inframe[inframe % g == g - 1], "left": inframe[inframe % g == 0],
+              "down": inframe[inframe >= g * (g - 1)], "up": inframe[inframe < g]}
+    for name, hit in strips.items():
+        miss = tuple(int(x) for x in inframe if x not in set(hit)) + _older(np.arange(FRAME_TOKENS))
+        out[name] = position_kernel(freqs, tuple(int(x) for x in hit), miss)
+    return out
+
+
+def _shifted(w: np.ndarray, freqs: np.ndarray, shift: int) -> np.ndarray:
+    """Weights of K(d - shift) from those of K(d)."""
+    c, s = w
+    cs, sn = np.cos(shift * freqs), np.sin(shift * freqs)
+    return np.stack([c * cs - s * sn, c * sn + s * cs])
+
+
+def _qk(w: np.ndarray, margin: float, score: float, hd: int) -> tuple[np.ndarray, np.ndarray]:
+    """(query [hd], key [hd]) whose RoPE score at distance d (query position - key position), divided by
+    sqrt(hd), is score / margin * K(d): with the key (a, 0) per pair and the query (c, -s) / a * g2."""
     half = hd // 2
-    pairs = np.arange(half)[::-1]  # slowest first
-    return np.stack([pairs, pairs + half], 1).reshape(-1)
+    a = math.sqrt(score / margin * math.sqrt(hd))
+    k = np.zeros(hd)
+    k[:half] = a
+    q = np.concatenate([w[0], -w[1]]) * a
+    return q, k
 
 
 def init_circuit(model, cfg: DemoConfig, ci: CircuitInit) -> None:
-    """Write the copy circuit of the module docstring into a freshly built model (in place)."""
+    """Write the circuit of the module docstring into a freshly built model (in place)."""
     import torch
 
-    if cfg.num_hidden_layers < 2 or cfg.num_attention_heads < max(len(ci.gather_offsets), 3):
-        raise FastCarError("the circuit init needs >= 2 layers and a head per gather offset (and >= 3 heads)")
+    if cfg.num_hidden_layers < 3 or cfg.num_attention_heads < 4 or cfg.rope_frequencies is None:
+        raise FastCarError("the circuit init needs >= 3 layers, >= 4 heads and the world model's rope_frequencies")
     hd = cfg.hidden_size // cfg.num_attention_heads
+    half = hd // 2
+    freqs = np.asarray(cfg.rope_frequencies, np.float64)
+    nope = np.nonzero(freqs == 0)[0]
+    if len(nope) < 2 or 2 * len(freqs) != hd:
+        raise FastCarError("rope_frequencies must give one frequency per rotary pair, some of them 0")
     sub = _subspaces(cfg, ci)
     rng = np.random.default_rng(ci.seed)
     k = ci.code_dim
     codes = rng.standard_normal((CODES, k))
     codes /= np.linalg.norm(codes, axis=1, keepdims=True)
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float32)  # noqa: E731
+    ker = _kernels(tuple(cfg.rope_frequencies))
     m = model.model
+    acts = {name: sub["special"].start + 1 + i for i, name in enumerate(world.ACTIONS)}  # special row 0 is BOS
+    bos = sub["special"].start
+    sink_dim = int(nope[0])  # a pair that never turns: the sink's score is the same at any distance
+    content = np.concatenate([nope[1:], nope[1:] + half])  # the other non-rotating dimensions: codes
+    kc = min(k, len(content))
     with torch.no_grad():
-        for layer in m.layers:  # free parts start quiet so the circuit dominates the residual stream
+        used = list(range(sub["out"].stop))  # the circuit's subspaces: nothing else writes there at the start
+        for i, layer in enumerate(m.layers):  # free parts start quiet so the circuit dominates the residual stream
             layer.self_attn.o_proj.weight.mul_(ci.free_scale)
             layer.mlp.down_proj.weight.mul_(ci.free_scale)
+            if i < 3:
+                layer.mlp.down_proj.weight[used] = 0.0
         emb = m.embed_tokens.weight
         emb.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(ci.seed))
+        emb[:, used] = 0.0
         emb[:CODES, sub["tok"]] = t(codes)
-        special = np.eye(16)[: VOCAB - CODES]
-        emb[CODES:, sub["special"]] = t(special)
-        # layer 0: fixed-offset gathers. With the embedding alone, rms(x) ~ |code| / sqrt(hidden), so the normed
-        # code has norm ~sqrt(hidden); the output map scales it back to the embedding's size.
-        theta = cfg.rope_theta ** (-np.arange(hd // 2) * 2 / hd)
-        norm_in = math.sqrt(cfg.hidden_size)
-        att = m.layers[0].self_attn
-        for h, off in enumerate(ci.gather_offsets):
+        emb[CODES:, sub["special"]] = t(np.eye(sub["special"].stop - sub["special"].start)[: VOCAB - CODES])
+
+        def clear(att, h):
             rows = slice(h * hd, (h + 1) * hd)
-            att.q_proj.weight[rows] = 0.0
-            att.k_proj.weight[rows] = 0.0
-            q = np.zeros(hd)
-            kk = np.zeros(hd)
-            p = np.arange(ci.aim_pairs)
-            q[p] = ci.aim
-            kk[p] = ci.aim * np.cos(off * theta[p])
-            kk[p + hd // 2] = ci.aim * np.sin(off * theta[p])
-            att.q_proj.bias[rows] = t(q)
-            att.k_proj.bias[rows] = t(kk)
-            att.v_proj.weight[rows] = 0.0
-            att.v_proj.bias[rows] = 0.0
-            att.v_proj.weight[h * hd: h * hd + k, sub["tok"]] = torch.eye(k)
-            att.o_proj.weight[:, rows] = 0.0
-            att.o_proj.weight[sub[f"back{off}"], h * hd: h * hd + k] = torch.eye(k) / norm_in
-        # layer 1: content matches. After layer 0 about 1 + len(offsets) code subspaces of similar size share the
-        # residual, so each normed code has norm ~sqrt(hidden / (1 + offsets)).
-        norm1 = math.sqrt(cfg.hidden_size / (1 + len(ci.gather_offsets)))
-        cdims = _content_dims(hd)
-        left, up, up_next = sub["back1"], sub["back8"], sub["back7"]
-        # (query sources, key sources): the token at the query is the left neighbour of the token it predicts,
-        # `back7` its upper neighbour; a key's own left / upper neighbours are `back1` / `back8`
-        matches = [((sub["tok"], up_next), (left, up)), ((sub["tok"],), (left,)), ((up_next,), (up,))]
-        att = m.layers[1].self_attn
-        for h, (qs, ks) in enumerate(matches):
-            rows = slice(h * hd, (h + 1) * hd)
-            per = len(cdims) // len(qs)
-            use = min(per, k)
-            for r in (att.q_proj, att.k_proj):
+            for r in (att.q_proj, att.k_proj, att.v_proj):
                 r.weight[rows] = 0.0
                 r.bias[rows] = 0.0
-            for j, (qsrc, ksrc) in enumerate(zip(qs, ks, strict=True)):
-                dims = cdims[j * per: j * per + use]
-                for src, proj in ((qsrc, att.q_proj), (ksrc, att.k_proj)):
-                    w = np.zeros((use, cfg.hidden_size))
-                    w[np.arange(use), np.arange(src.start, src.start + use)] = ci.match_gain
-                    proj.weight[h * hd + dims] = t(w)
-            att.v_proj.weight[rows] = 0.0
-            att.v_proj.bias[rows] = 0.0
-            att.v_proj.weight[h * hd: h * hd + k, sub["tok"]] = torch.eye(k)
             att.o_proj.weight[:, rows] = 0.0
-            att.o_proj.weight[sub["out"], h * hd: h * hd + k] = torch.eye(k) / (norm1 * len(matches))
+            return rows
+
+        def positional(att, h, name, score, shift=0, key_from=None, norm=1.0):
+            """Head h scores distances with kernel `name` (moved by `shift`); keys on every token (a bias) or only
+            on the tokens whose special dims `key_from` are set."""
+            rows = slice(h * hd, (h + 1) * hd)
+            w, margin = ker[name]
+            q, kv = _qk(_shifted(w, freqs, shift) if shift else w, margin, score, hd)
+            att.q_proj.bias[rows] = t(q)
+            if key_from is None:
+                att.k_proj.bias[rows] = t(kv)
+            else:
+                for col in key_from:
+                    att.k_proj.weight[rows, col] = t(kv) / norm
+
+        def copy_to(att, h, src: slice | list, dst: slice, norm: float, share: float = 1.0):
+            idx = list(range(src.start, src.stop)) if isinstance(src, slice) else list(src)
+            n = len(idx)
+            att.v_proj.weight[h * hd: h * hd + n, idx] = torch.eye(n)
+            att.o_proj.weight[dst.start: dst.start + n, h * hd: h * hd + n] = torch.eye(n) * share / norm
+
+        # layer 0: rms(x) ~ |code| / sqrt(hidden), so a normed code or one-hot has norm ~sqrt(hidden)
+        norm0 = math.sqrt(cfg.hidden_size)
+        att = m.layers[0].self_attn
+        for h, off in enumerate((1, 8, 7)):  # the token `off` back: left neighbour, upper, upper of the next
+            clear(att, h)
+            positional(att, h, "peak", ci.aim, shift=off)
+            copy_to(att, h, sub["tok"], sub[f"back{off}"], norm0)
+        clear(att, 3)  # the frame's action: the nearest action token
+        positional(att, 3, "nearest", ci.detect, key_from=[acts[a] for a in world.ACTIONS], norm=norm0)
+        copy_to(att, 3, [acts[a] for a in world.ACTIONS], sub["action"], norm0)
+        # layer 1: the entering strip. Head h attends to the frame's action token only when the predicted token
+        # lies where move h's new content enters, and copies that action's one-hot entry: their sum is 1 exactly in
+        # the strip of the frame's own move
+        norm1 = math.sqrt(cfg.hidden_size / 6)  # tok, action, back1/8/7 (+ special on action tokens)
+        att = m.layers[1].self_attn
+        for h, move in enumerate(("right", "left", "down", "up")):
+            clear(att, h)
+            positional(att, h, move, ci.detect, key_from=[acts[a] for a in world.ACTIONS], norm=norm1)
+            att.v_proj.weight[h * hd, acts[move]] = 1.0
+            att.o_proj.weight[sub["strip"].start, h * hd] = 1.0 / norm1
+        # layer 2: copy from the slot one frame back the action moved this content from, unless in the strip;
+        # recall by the left or the upper neighbour's code, only in the strip
+        norm2 = math.sqrt(cfg.hidden_size / 7)
+        att = m.layers[2].self_attn
+        back = {a: FRAME_TOKENS - 1 - dx - world.GRID * dy for a, (dx, dy) in world.MOVES.items()}
+        rows = clear(att, 0)
+        w, margin = ker["peak"]
+        for name, off in back.items():
+            q, kv = _qk(_shifted(w, freqs, off), margin, ci.aim, hd)
+            att.q_proj.weight[rows, sub["action"].start + world.ACTIONS.index(name)] = t(q) / norm2
+        att.k_proj.bias[rows] = t(kv)
+        # the sink: BOS's key on a non-rotating dimension (BOS's residual is its one-hot alone: normed, sqrt(hidden))
+        sink = math.sqrt(math.sqrt(hd))
+        to_q = math.sqrt(hd) / sink  # a query of value * to_q scores `value` logits on the sink
+        att.k_proj.weight[sink_dim, bos] = sink / norm0
+        att.q_proj.bias[sink_dim] = (ci.aim - ci.copy_gate / 2) * to_q
+        att.q_proj.weight[sink_dim, sub["strip"].start] = ci.copy_gate * to_q / norm2
+        copy_to(att, 0, sub["tok"], sub["out"], norm2)
+        gain = math.sqrt(ci.match * math.sqrt(hd) * k / kc) / norm2  # an exact match of unit codes scores `match`
+        for h, (qsrc, ksrc) in ((1, ("tok", "back1")), (2, ("back7", "back8"))):
+            rows = clear(att, h)
+            for j in range(kc):
+                att.q_proj.weight[h * hd + content[j], sub[qsrc].start + j] = gain
+                att.k_proj.weight[h * hd + content[j], sub[ksrc].start + j] = gain
+            att.k_proj.weight[h * hd + sink_dim, bos] = sink / norm0
+            att.q_proj.bias[h * hd + sink_dim] = ci.recall_gate * to_q
+            att.q_proj.weight[h * hd + sink_dim, sub["strip"].start] = (ci.recall_sink - ci.recall_gate) * to_q / norm2
+            copy_to(att, h, sub["tok"], sub["out"], norm2)
+        att.o_proj.weight[used, 3 * hd:] = 0.0
         head = model.lm_head.weight
         head.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(ci.seed + 1))
         head[:CODES, sub["out"]] = t(codes) * ci.out_gain

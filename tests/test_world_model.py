@@ -1,0 +1,172 @@
+"""The token world model: its RoPE kernels against NumPy, its frequencies reaching the model, rollouts through the
+compiled graph (full context and sink + window cache) equal to eager transformers, the fidelity metrics on hand-made
+cases and training that resumes bit for bit."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("skimage")
+pytest.importorskip("scipy")
+
+from fastcar_compile.demo import world  # noqa: E402
+from fastcar_compile.demo import worldmodel as wm  # noqa: E402
+from fastcar_compile.demo import worldrun as wr  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_weights = pytest.mark.skipif(not wr.WORLD_WEIGHTS.exists(), reason="world model weights not shipped")
+
+
+def test_position_kernel_separates_hits_from_misses() -> None:
+    """The LP's kernel, evaluated independently as sum c cos(d w) + s sin(d w), is >= t at the hit distances and
+    <= -t at the misses, with |c|, |s| <= 1."""
+    freqs = tuple(float(f) for f in wm.ROPE_FREQUENCIES)
+    hit, miss = (0, 8, 16), tuple(d for d in range(-40, 200) if d not in (0, 8, 16))
+    (c, s), t = wm.position_kernel(freqs, hit, miss)
+    f = np.asarray(freqs)
+    k = lambda d: float(np.sum(c * np.cos(d * f) + s * np.sin(d * f)))  # noqa: E731
+    assert t > 0.1 and np.abs(c).max() <= 1 + 1e-9 and np.abs(s).max() <= 1 + 1e-9
+    assert min(k(d) for d in hit) >= t - 1e-6
+    assert max(k(d) for d in miss) <= -t + 1e-6
+
+
+def test_query_key_score_is_the_scaled_kernel() -> None:
+    """A query / key pair from `_qk`, rotated by an independent NumPy rotate-half RoPE at positions m and n, scores
+    score / margin * K(m - n) after the 1/sqrt(head) scaling."""
+    f = np.asarray(wm.ROPE_FREQUENCIES)
+    hd = 2 * len(f)
+    w, margin = wm.position_kernel(tuple(float(x) for x in f), (3,), tuple(d for d in range(0, 70) if d != 3))
+    q, k = wm._qk(w, margin, 60.0, hd)
+
+    def rope(x, p):
+        a, b = x[: hd // 2], x[hd // 2:]
+        cs, sn = np.cos(p * f), np.sin(p * f)
+        return np.concatenate([a * cs - b * sn, b * cs + a * sn])
+
+    for m, n in ((10, 7), (500, 480), (70000, 69997)):
+        got = rope(q, m) @ rope(k, n) / math.sqrt(hd)
+        d = m - n
+        want = 60.0 / margin * np.sum(w[0] * np.cos(d * f) + w[1] * np.sin(d * f))
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-6)
+
+
+def test_rope_frequencies_reach_the_model() -> None:
+    """The model's rotary cos/sin at positions p are cos/sin(p * f) of the configured frequencies (both halves)."""
+    import torch
+
+    from fastcar_compile.demo.model import DemoConfig, build_model
+
+    f = wm.ROPE_FREQUENCIES
+    cfg = DemoConfig(hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, vocab_size=wm.VOCAB, max_position_embeddings=70000, copy_offsets=(),
+                     rope_frequencies=f)
+    model = build_model(cfg)
+    pos = torch.tensor([[0, 1, 7, 65000]])
+    cos, sin = model.model.rotary_emb(torch.zeros(1, 4, 128), pos)
+    ang = np.array([0, 1, 7, 65000], np.float64)[:, None] * np.asarray(f)
+    np.testing.assert_allclose(cos[0].numpy(), np.cos(np.concatenate([ang, ang], 1)), atol=2e-2)
+    np.testing.assert_allclose(sin[0].numpy(), np.sin(np.concatenate([ang, ang], 1)), atol=2e-2)
+    np.testing.assert_allclose(cos[0, :3].numpy(), np.cos(np.concatenate([ang, ang], 1))[:3], atol=1e-5)
+
+
+def _eager_rollout(model, first: np.ndarray, actions: np.ndarray, keep=None) -> np.ndarray:
+    """Greedy frames from eager transformers, the whole sequence every token; keep(i, j): query i sees key j."""
+    import torch
+
+    T = len(actions)
+    out = np.zeros((T, wm.PATCHES), np.int64)
+    out[0] = first
+    seq = [wm.BOS, wm.ACTION0 + int(actions[0]), *first.tolist(), wm.ACTION0 + int(actions[1])]
+    with torch.no_grad():
+        for t in range(1, T):
+            for j in range(wm.PATCHES):
+                ids = torch.tensor([seq])
+                if keep is None:
+                    logits = model(input_ids=ids).logits
+                else:
+                    n = len(seq)
+                    i_, j_ = np.arange(n)[:, None], np.arange(n)[None, :]
+                    allow = torch.from_numpy(keep(i_, j_) & (j_ <= i_))
+                    mask = torch.zeros(1, 1, n, n).masked_fill(~allow, float("-inf"))
+                    logits = model(input_ids=ids, attention_mask=mask).logits
+                out[t, j] = int(logits[0, -1, :wm.CODES].argmax())
+                seq.append(int(out[t, j]))
+            if t + 1 < T:
+                seq.append(wm.ACTION0 + int(actions[t + 1]))
+    return out
+
+
+@needs_weights
+def test_compiled_rollouts_equal_eager_transformers(tmp_path) -> None:
+    """The full-context graph and the sink + window graph generate, token for token, what eager transformers
+    generates from the same weights with the whole past / with attention limited to the sinks and the last
+    window + 1 tokens (the cache's oldest-first eviction)."""
+    import fastcar_compile
+    from fastcar_compile.demo.export import TOKENIZER, load_model
+    from fastcar_compile.demo.tokenizer import PatchTokenizer
+    from fastcar_compile.runtime.session import FastCarSession
+
+    tok = PatchTokenizer.load(TOKENIZER)
+    paths = world.make_paths("eval", 2, 3, seed=3)
+    truth, actions = wr.path_tokens(tok, paths)
+    onnx = wr.world_onnx(progress=False)
+    model = load_model(wr.WORLD_WEIGHTS, wr.WORLD_CONFIG_FILE)
+    L, sinks, window = wm.FRAME_TOKENS, 4, wm.FRAME_TOKENS
+    kv = {"full": {}, "window": {"kv_budget": sinks + window + 1, "kv_sinks": sinks, "kv_window": window,
+                                 "kv_eviction": "oldest"}}
+    keeps = {"full": None, "window": lambda i, j: (j < sinks) | (j > i - window - 1)}
+    got = {}
+    for name, opts in kv.items():
+        path = tmp_path / f"{name}.onnx"
+        fastcar_compile.compile(str(onnx), str(path), frame_tokens=L, rotary_positions=4096, **opts)
+        got[name] = wr.rollout(FastCarSession(path, threads=1), truth[:, 0], actions, threshold=float("inf")).tokens
+        for b in range(len(paths)):
+            want = _eager_rollout(model, truth[b, 0], actions[b], keeps[name])
+            np.testing.assert_array_equal(got[name][b], want, err_msg=name)
+    assert (got["full"] != got["window"]).any()  # the window's mask mattered: the check tells the two apart
+
+
+def test_label_accuracy_and_interval_by_hand() -> None:
+    p = world.make_path("eval", 0, 12)
+    truth = np.random.default_rng(0).integers(0, 512, (1, 12, 64))
+    pred = truth.copy()
+    lab = p.cell_labels.reshape(12, 64)
+    wrong = (lab == world.NEW) & (np.arange(12)[:, None] >= 1)
+    pred[0][wrong] = (truth[0][wrong] + 1) % 512  # every new cell wrong, all else right
+    acc = wr.label_accuracy(pred, truth, [p], window_frames=2)
+    assert acc["new"][0] == 0.0 and acc["previous"][0] == 1.0
+    assert np.isnan(acc["revisit"][0]) or acc["revisit"][0] == 1.0
+    m, h, n = wr.mean_ci(np.array([0.5, 0.7, np.nan, 0.9]))
+    # mean 0.7, sd 0.2, t(0.975, 2) = 4.302653 (tables)
+    assert (m, n) == (pytest.approx(0.7), 3) and h == pytest.approx(4.302653 * 0.2 / math.sqrt(3), rel=1e-5)
+
+
+def test_training_resumes_bit_for_bit(tmp_path) -> None:
+    """Two steps in one run and 1 + 1 steps with a stop in between end with the same weights."""
+    import torch
+
+    from fastcar_compile.demo.export import TOKENIZER
+    from fastcar_compile.demo.model import DemoConfig
+    from fastcar_compile.demo.tokenizer import PatchTokenizer
+    from fastcar_compile.demo.worldtrain import train_world_model
+
+    tok = PatchTokenizer.load(TOKENIZER)
+    cfg = DemoConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=2, vocab_size=wm.VOCAB, max_position_embeddings=70000, copy_offsets=())
+    s = wm.WorldTrainSettings(steps=4, threads=1, bf16=False, eval_every=100, eval_paths=2, circuit=None,
+                              config=cfg, data=wm.WorldData(frames=3, batch=2))
+    a, b = tmp_path / "a", tmp_path / "b"
+    train_world_model(s, tok, a, a / "log.jsonl", until=2)
+    train_world_model(s, tok, b, b / "log.jsonl", until=1)
+    train_world_model(s, tok, b, b / "log.jsonl", until=2)
+    sa, sb = (torch.load(d / "checkpoint.pt", weights_only=False)["model"] for d in (a, b))
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    first = torch.load(a / "checkpoint.pt", weights_only=False)
+    assert first["step"] == 2
