@@ -1,10 +1,13 @@
 """The token world model: its RoPE kernels against NumPy, its frequencies reaching the model, rollouts through the
 compiled graph (full context and sink + window cache) equal to eager transformers, the fidelity metrics on hand-made
-cases and training that resumes bit for bit."""
+cases, training that resumes bit for bit, and the world-memory benchmark on a tiny run."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -170,3 +173,55 @@ def test_training_resumes_bit_for_bit(tmp_path) -> None:
         assert torch.equal(sa[k], sb[k]), k
     first = torch.load(a / "checkpoint.pt", weights_only=False)
     assert first["step"] == 2
+
+
+@needs_weights
+def test_world_memory_bench_tiny(tmp_path) -> None:
+    """The benchmark's tiny run: every variant scored, the shift baseline equal to an independent shift of the truth's
+    frame 0, full context equal to itself, the window's cache flat while the full one grows."""
+    out = tmp_path / "wm"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_memory.py"), "--paths", "2", "--frames", "8",
+                        "--window-frames", "1", "--fastar-budget-frames", "2", "--calib-paths", "1",
+                        "--calib-frames", "3", "--quick", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    raw = json.loads((out / "world_memory.json").read_text())
+    rows = {x["variant"]: x for x in raw["rows"]}
+    assert set(rows) == {"full", "window", "fastar", "fastcar", "shift"}
+    assert (out / "plot.png").stat().st_size > 1000
+    # the shift baseline, recomputed with np.roll-free index arithmetic on the truth's tokens
+    from fastcar_compile.demo.export import TOKENIZER
+    from fastcar_compile.demo.tokenizer import PatchTokenizer
+
+    paths = world.make_paths("eval", 2, 8, seed=0)
+    truth = PatchTokenizer.load(TOKENIZER).encode(np.stack([p.frames for p in paths])).reshape(2, 8, 8, 8)
+    hits = []
+    for i, p in enumerate(paths):
+        g = truth[i, 0].copy()
+        pred = [g]
+        for t in range(1, 8):
+            dx, dy = world.MOVES[world.ACTIONS[p.actions[t]]]
+            g = np.array([[g[min(max(r + dy, 0), 7), min(max(c + dx, 0), 7)] for c in range(8)] for r in range(8)])
+            pred.append(g)
+        ok = (np.stack(pred) == truth[i])[1:]
+        sel = p.cell_labels[1:] == world.NEW
+        hits.append(ok[sel].mean() if sel.any() else np.nan)
+    assert rows["shift"]["new"] == pytest.approx(np.nanmean(hits))
+    assert rows["full"]["agree_full"] == 1.0
+    assert rows["window"]["cache_mib_late"] == rows["window"]["cache_mib_early"]
+    assert rows["full"]["cache_mib_late"] >= rows["full"]["cache_mib_early"]
+    for x in rows.values():
+        assert all(0.0 <= x[k] <= 1.0 for k in ("previous", "new") if x[k] == x[k])
+
+
+@pytest.mark.slow
+@needs_weights
+def test_world_memory_suite_quick(tmp_path) -> None:
+    """`python -m benchmarks world-memory --size quick --out DIR` writes DIR/world-memory/{result.json, table.md,
+    plot.png} over >= 16 held-out paths."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "world-memory", "--size", "quick", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = tmp_path / "world-memory"
+    res = json.loads((d / "result.json").read_text())
+    assert res["raw"]["paths"] >= 16 and (d / "table.md").is_file() and (d / "plot.png").is_file()
