@@ -1,7 +1,7 @@
 """Does the token world model remember, and what does each cache keep of that memory? Held-out revisit paths
 rolled out greedily through the compiled model with every cache variant, scored against the truth.
 
-    python benchmarks/world_memory.py --out DIR                  # 16 held-out paths x 96 frames
+    python benchmarks/world_memory.py --out DIR                  # 16 held-out paths x 64 frames
     python benchmarks/world_memory.py --quick --out DIR          # 16 paths x 24 frames (about a minute)
 
 Every variant runs the same compiled graph family (the shipped fp16 weights, exported once into the user cache) by
@@ -32,123 +32,51 @@ from pathlib import Path
 
 import numpy as np
 
-SIM = 0.9  # TempCache's merge cosine
-LSH = "lsh:8x4"
-INT8 = "int8"
-
-
-def variants(L: int, sinks: int, window: int, budget: int, full: bool) -> dict[str, dict]:
-    """Variant name -> compiler options (None: the shift baseline); every window covers whole frames."""
-    win = {"kv_sinks": sinks, "kv_window": window * L}
-    fastar = {"kv_budget": budget, **win}
-    out = {"full": {}, "window": {"kv_budget": sinks + window * L + 1, **win, "kv_eviction": "oldest"}}
-    if full:
-        out["TempCache"] = {**fastar, "tempcache": SIM}
-        out["AnnSA lsh"] = {**fastar, "sparse_attention": LSH}
-        out["AnnSA int8"] = {**fastar, "sparse_attention": INT8}
-    out["fastar"] = {**fastar, "tempcache": SIM, "sparse_attention": LSH}
-    out["fastcar"] = {}
-    if full:
-        out["fastcar+fastar"] = dict(out["fastar"])
-    out["shift"] = None
-    return out
-
-
-def calibrate_tau(onnx: Path, tmp: Path, tok, a, L: int) -> tuple[float, float]:
-    """(tau, measured replay) for `a.replay` of the MLPs on training-split paths' dense rollouts."""
-    import fastcar_compile
-    from fastcar_compile.demo import world
-    from fastcar_compile.demo.worldrun import path_tokens, rollout
-    from fastcar_compile.runtime.session import FastCarSession
-
-    path = tmp / "calibrate.onnx"
-    fastcar_compile.compile(str(onnx), str(path), frame_tokens=L, rotary_positions=a.rotary, emit_diagnostics=True)
-    s = FastCarSession(path, threads=a.threads)
-    paths = world.make_paths("train", a.calib_paths, a.calib_frames, seed=a.seed, start=10_000)
-    truth, actions = path_tokens(tok, paths)
-    r = rollout(s, truth[:, 0], actions, threshold=float("inf"))
-    tas = r.tas.reshape(-1)
-    tau = float(np.quantile(tas, 1.0 - a.replay))
-    return tau, float((tas > tau).mean())
-
 
 def measure(a) -> dict:
-    import fastcar_compile
     from fastcar_compile.demo import world
     from fastcar_compile.demo.export import TOKENIZER
     from fastcar_compile.demo.tokenizer import PatchTokenizer
-    from fastcar_compile.demo.worldmodel import FRAME_TOKENS as L
+    from fastcar_compile.demo.worldmodel import FRAME_TOKENS
     from fastcar_compile.demo.worldrun import (
         WORLD_CONFIG_FILE,
         WORLD_WEIGHTS,
-        label_accuracy,
-        mean_ci,
-        path_tokens,
-        rollout,
         rss_mib,
-        shift_tokens,
         weights_id,
         world_onnx,
     )
-    from fastcar_compile.runtime.session import FastCarSession
+    from fastcar_compile.demo.worldvariants import (
+        CacheSettings,
+        calibrate_tau,
+        frame_windows,
+        run_variants,
+        variants,
+    )
 
     weights = Path(a.weights or WORLD_WEIGHTS)
     config = weights.with_suffix(".json") if a.weights else WORLD_CONFIG_FILE
     onnx = world_onnx(weights, config, progress=False)
     tok = PatchTokenizer.load(TOKENIZER)
     paths = world.make_paths("eval", a.paths, a.frames, seed=a.seed)
-    truth, actions = path_tokens(tok, paths)
-    T = a.frames
-    early = (max(1, int(0.05 * T)), max(2, int(0.15 * T)))
-    late = (max(early[1], int(0.9 * T)), T)
-    a.rotary = 1 + T * L + 1
-    budget = a.sinks + a.fastar_budget_frames * L
-    graphs = tempfile.TemporaryDirectory(prefix="world-memory-")
-    tmp = Path(graphs.name)
-    tau, calib_replay = calibrate_tau(onnx, tmp, tok, a, L)
-    rows, dense_tokens = [], None
-    for name, opts in variants(L, a.sinks, a.window_frames, budget, not a.quick).items():
-        t0 = time.perf_counter()
-        if opts is None:
-            pred, fr = shift_tokens(truth[:, 0], actions), None
-        else:
-            path = tmp / f"{name.replace(' ', '_').replace('+', '_')}.onnx"
-            fastcar_compile.compile(str(onnx), str(path), frame_tokens=L, rotary_positions=a.rotary, **opts)
-            # a growing cache gets one buffer for the whole video, written in place
-            s = FastCarSession(path, threads=a.threads, max_length=None if opts.get("kv_budget") else a.rotary)
-            fr = rollout(s, truth[:, 0], actions, threshold=tau if name.startswith("fastcar") else float("inf"),
-                         measure_at=(early[1] - 1, T - 1))
-            pred = fr.tokens
-            del s
-        if name == "full":
-            dense_tokens = pred
-        acc = label_accuracy(pred, truth, paths, a.window_frames)
-        row: dict = {"variant": name, "options": opts}
-        for k, v in acc.items():
-            m, h, n = mean_ci(v)
-            row[k], row[f"{k}_ci"], row[f"{k}_n"] = m, h, n
-        row["agree_full"] = float((pred == dense_tokens)[:, 1:].mean()) if dense_tokens is not None else None
-        if fr is not None:
-            sec = fr.frame_seconds
-            row["fps_early"] = a.paths / float(np.median(sec[early[0]:early[1]]))
-            row["fps_late"] = a.paths / float(np.median(sec[late[0]:late[1]]))
-            row["cache_mib_early"] = fr.cache_mib[early[1] - 1]
-            row["cache_mib_late"] = fr.cache_mib[T - 1]
-            row["rss_mib"] = fr.rss_mib[T - 1]
-            row["replay"] = float(fr.replay[1:].mean()) if fr.replay is not None and name.startswith("fastcar") \
-                else None
-        row["seconds"] = time.perf_counter() - t0
-        rows.append(row)
-        print(f"[world-memory] {name}: revisit {row['revisit']:.3f} far {row['revisit_far']:.3f} new "
+    c = CacheSettings(a.sinks, a.window_frames, a.fastar_budget_frames)
+    with tempfile.TemporaryDirectory(prefix="world-memory-") as tmp:
+        tau, calib_replay = calibrate_tau(onnx, Path(tmp), tok, a.replay, a.calib_paths, a.calib_frames, a.seed,
+                                          a.threads)
+
+    def report(row: dict) -> None:
+        print(f"[world-memory] {row['variant']}: revisit {row['revisit']:.3f} far {row['revisit_far']:.3f} new "
               f"{row['new']:.3f} ({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
-    graphs.cleanup()
-    title = (f"token world model {weights_id(weights)}, {a.paths} held-out paths x {T} frames, window {a.window_frames} "
+
+    rows, _ = run_variants(onnx, tok, paths, variants(c, every=not a.quick), tau, a.window_frames, a.threads, report)
+    early, late = frame_windows(a.frames)
+    wid = weights_id(weights)
+    title = (f"token world model {wid}, {a.paths} held-out paths x {a.frames} frames, window {a.window_frames} "
              f"frames + {a.sinks} sinks, FAST-AR budget {a.fastar_budget_frames} frames, FastCar tau {tau:.4g} "
              f"({calib_replay:.0%} replay on training paths)")
-    return {"title": title, "weights": weights_id(weights), "paths": a.paths, "frames": T,
-            "frame_tokens": L, "window_frames": a.window_frames, "sinks": a.sinks, "fastar_budget": budget,
-            "early_frames": list(early), "late_frames": list(late), "tau": tau, "tau_replay_calibration": calib_replay,
-            "threads": a.threads, "seed": a.seed, "rss_mib_end": rss_mib(), "rows": rows}
+    return {"title": title, "weights": wid, "paths": a.paths, "frames": a.frames, "frame_tokens": FRAME_TOKENS,
+            "window_frames": a.window_frames, "sinks": a.sinks, "fastar_budget": c.budget, "early_frames": list(early),
+            "late_frames": list(late), "tau": tau, "tau_replay_calibration": calib_replay, "threads": a.threads,
+            "seed": a.seed, "rss_mib_end": rss_mib(), "rows": rows}
 
 
 def plot(raw: dict, path: Path) -> Path:
@@ -190,7 +118,7 @@ def plot(raw: dict, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--paths", type=int, default=16, help="held-out paths (default 16)")
-    ap.add_argument("--frames", type=int, help="frames per path, frame 0 given (default 96; --quick: 24)")
+    ap.add_argument("--frames", type=int, help="frames per path, frame 0 given (default 64; --quick: 24)")
     ap.add_argument("--window-frames", type=int, default=4, help="frames the window cache keeps (default 4)")
     ap.add_argument("--sinks", type=int, default=4, help="sink tokens every bounded cache keeps (default 4)")
     ap.add_argument("--fastar-budget-frames", type=int, default=8,
@@ -206,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="output folder")
     a = ap.parse_args(argv)
     if a.frames is None:
-        a.frames = 24 if a.quick else 96
+        a.frames = 24 if a.quick else 64
     from fastcar_compile.core.errors import FastCarError
 
     if a.paths < 2 or a.frames < 8 or a.window_frames < 1:

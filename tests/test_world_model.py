@@ -175,6 +175,47 @@ def test_training_resumes_bit_for_bit(tmp_path) -> None:
     assert first["step"] == 2
 
 
+def _shift_accuracy(p: world.WorldPath, truth: np.ndarray, label: int) -> float:
+    """Accuracy of "shift the last frame by the action" on `label` cells, by index arithmetic on [T, 8, 8] tokens."""
+    g = truth[0].copy()
+    pred = [g]
+    for t in range(1, len(p)):
+        dx, dy = world.MOVES[world.ACTIONS[p.actions[t]]]
+        g = np.array([[g[min(max(r + dy, 0), 7), min(max(c + dx, 0), 7)] for c in range(8)] for r in range(8)])
+        pred.append(g)
+    ok = (np.stack(pred) == truth)[1:]
+    sel = p.cell_labels[1:] == label
+    return float(ok[sel].mean()) if sel.any() else float("nan")
+
+
+@needs_weights
+def test_world_demo_writes_the_figures(tmp_path) -> None:
+    """`fastcar-compile demo --world --json FILE`: the GIF, and per variant revisit / new accuracy, FPS and cache MiB,
+    the shift baseline's equal to an independent shift of the chosen path's truth; bad input is one line."""
+    from fastcar_compile.demo.export import TOKENIZER
+    from fastcar_compile.demo.tokenizer import PatchTokenizer
+    from fastcar_compile.demo.world_demo import pick_path
+
+    out, js = tmp_path / "demo", tmp_path / "w.json"
+    cli = [sys.executable, "-m", "fastcar_compile", "demo", "--world"]
+    r = subprocess.run([*cli, "--frames", "10", "--out", str(out), "--json", str(js)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "demo.gif").stat().st_size > 1000
+    v = json.loads(js.read_text())["variants"]
+    assert set(v) == {"full", "window", "fastar", "fastcar", "shift"}
+    for name in ("full", "window", "fastar", "fastcar"):
+        assert 0.0 <= v[name]["revisit"] <= 1.0 and v[name]["fps"] > 0 and v[name]["cache_mib"] > 0
+    assert v["window"]["cache_mib"] < v["full"]["cache_mib"]
+    p = pick_path(10, 4, None)
+    truth = PatchTokenizer.load(TOKENIZER).encode(p.frames).reshape(10, 8, 8)
+    assert v["shift"]["revisit"] == pytest.approx(_shift_accuracy(p, truth, world.REVISIT))
+    assert v["shift"]["new"] == pytest.approx(_shift_accuracy(p, truth, world.NEW))
+    bad = subprocess.run([*cli, "--frames", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and bad.stderr.strip().count("\n") == 0
+    assert "--frames" in bad.stderr
+
+
 @needs_weights
 def test_world_memory_bench_tiny(tmp_path) -> None:
     """The benchmark's tiny run: every variant scored, the shift baseline equal to an independent shift of the truth's
@@ -195,17 +236,7 @@ def test_world_memory_bench_tiny(tmp_path) -> None:
 
     paths = world.make_paths("eval", 2, 8, seed=0)
     truth = PatchTokenizer.load(TOKENIZER).encode(np.stack([p.frames for p in paths])).reshape(2, 8, 8, 8)
-    hits = []
-    for i, p in enumerate(paths):
-        g = truth[i, 0].copy()
-        pred = [g]
-        for t in range(1, 8):
-            dx, dy = world.MOVES[world.ACTIONS[p.actions[t]]]
-            g = np.array([[g[min(max(r + dy, 0), 7), min(max(c + dx, 0), 7)] for c in range(8)] for r in range(8)])
-            pred.append(g)
-        ok = (np.stack(pred) == truth[i])[1:]
-        sel = p.cell_labels[1:] == world.NEW
-        hits.append(ok[sel].mean() if sel.any() else np.nan)
+    hits = [_shift_accuracy(p, truth[i], world.NEW) for i, p in enumerate(paths)]
     assert rows["shift"]["new"] == pytest.approx(np.nanmean(hits))
     assert rows["full"]["agree_full"] == 1.0
     assert rows["window"]["cache_mib_late"] == rows["window"]["cache_mib_early"]

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dit", action="store_true",
                     help="stream long videos from the causal video DiT trained in training/dit_model/ instead (its "
                          "own options: demo --dit --help)")
+    ap.add_argument("--world", action="store_true",
+                    help="one held-out revisit path through the token world model in training/world_model/ with full "
+                         "context, window, FAST-AR and FastCar (its own options: demo --world --help)")
     ap.add_argument("--long", action="store_true",
                     help="64-frame videos, per-layer replay and per-frame quality plots (video: 2 clips; small: the "
                          "bundled 4-layer long-video model, 4 clips; out fastcar-out/demo-long)")
@@ -71,6 +74,10 @@ def main(argv: list[str]) -> int:
 
         module, func = DIT_DEMO
         return int(getattr(importlib.import_module(module), func)(argv) or 0)
+    if "--world" in argv:  # the world model's demo has its own options
+        from fastcar_compile.demo.world_demo import main as world_main
+
+        return world_main(argv)
     a = build_parser().parse_args(argv)
     spec = demo_spec(a.demo_model, a.long)
     _defaults(a, spec)
