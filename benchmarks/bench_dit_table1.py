@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_dit_fastar import MODES  # noqa: E402
 
+from fastcar_compile.cli.demo_dit import MODEL_DIR, load_trained, parse_prompt  # noqa: E402
 from fastcar_compile.core.atomic import write_text  # noqa: E402
-from fastcar_compile.demo.dit_demo import MODEL_DIR, load_trained, parse_prompt  # noqa: E402
 from fastcar_compile.demo.dit_train import text_embeds, to_uint8  # noqa: E402
 from fastcar_compile.demo.metrics import psnr, ssim  # noqa: E402
 from fastcar_compile.dit import modes  # noqa: E402

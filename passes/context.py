@@ -336,3 +336,24 @@ def weight_bytes(model: ir.Model) -> int:
         if tensor is not None:
             total += math.prod(tensor.shape) * tensor.dtype.itemsize
     return total
+
+
+@dataclass
+class DiTContext:
+    """What the DiT target's passes share (passes/pipeline.py): the options checked into the modes, the model's
+    config (its metadata), discovery's block matches, the plan the emission reads, and the prompt graph the save
+    copies beside the output (`prompt_source` -> the output's `prompt_name`, None: not written)."""
+
+    options: dict
+    modes: contract.DiTModes
+    cfg: contract.DiTConfig
+    notes: list[str] = field(default_factory=list)
+    matches: list = field(default_factory=list)  # passes/dit_discover.DiTBlockMatch
+    plan: Plan = field(default_factory=Plan)
+    metadata: dict[str, str] = field(default_factory=dict)  # the fastcar.dit_* props written
+    prompt_source: Path | None = None
+    prompt_name: str | None = None
+
+    @property
+    def rewritten(self) -> list[int]:
+        return [m.layer for m in self.matches if m.ok]

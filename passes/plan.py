@@ -6,8 +6,8 @@ attention becomes, the KV cache mode and its settings, the TemporalGate form emi
 where the MLP rows are selected and the layer's tau. The emission passes decide from it (never from the ai.fastcar nodes an earlier
 pass built), and `--inspect -v` / `--verbose` print it.
 
-A new block kind (say a DiT block) is a new frozen dataclass deriving from `BlockPlan` with its own fields:
-`BlockPlan.lines` prints every field, so the report needs no change.
+A new block kind is a new frozen dataclass deriving from `BlockPlan` with its own fields (the DiT target's is
+passes/dit_plan.DiTBlockPlan): `BlockPlan.lines` prints every field, or what the subclass's `shown` says.
 """
 
 from __future__ import annotations
@@ -52,12 +52,17 @@ class BlockPlan:
     matched: bool
     rewrite: bool
 
+    def shown(self) -> list[tuple[str, object]]:
+        """(label, value) of each line under the head: every field (a subclass's new fields print with no change
+        here; one whose fields are decisions rather than text says how to show them by overriding this)."""
+        return [(f.name.replace("_", " "), getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in ("layer", "matched", "rewrite")]
+
     def lines(self) -> list[str]:
-        """`layer N: field value, ...` over every field (a subclass's new fields print with no change here)."""
+        """`layer N: rewrite|matched|not matched`, then one line per shown field."""
         head = f"layer {self.layer:>3}: " + ("rewrite" if self.rewrite else "matched" if self.matched else
                                               "not matched")
-        fields = [f for f in dataclasses.fields(self) if f.name not in ("layer", "matched", "rewrite")]
-        return [head] + [f"  {f.name.replace('_', ' ')}: {_text(getattr(self, f.name))}" for f in fields]
+        return [head] + [f"  {label}: {_text(value)}" for label, value in self.shown()]
 
 
 def gate_text(form: contract.GateForm) -> str:
@@ -87,22 +92,6 @@ class DecoderLayerPlan(BlockPlan):
     threshold: str = ""  # the layer's tau as compiled in (its entry of fastcar_threshold with per-layer thresholds)
     packing: str = "-"  # how q/k/v reach the attention and the gate
     row_selection: str = "-"  # where the MLP's computing rows are selected
-
-
-@dataclass(frozen=True)
-class DiTBlockPlan(BlockPlan):
-    """A chunk-causal video DiT block (fastcar_compile/dit): self-attention over [frame cache; chunk], cross-attention
-    to the prompt, FFN, AdaLN modulation. Its MLP replay is not planned yet (`replay` says so)."""
-
-    self_attention: str = ""  # discovery's nodes and heads
-    attention_op: str = AS_EXPORTED  # what the self-attention becomes
-    rotary: str = ""
-    qk_norm: str = ""
-    cross_attention: str = ""
-    ffn: str = ""
-    modulation: str = ""
-    kv: KvPlan = KvPlan()
-    replay: str = "-"
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def test_calibrated_compile_keeps_genai(genai_model, calib, tmp_path, capsys):
 
 def _cli_flags() -> dict[str, str]:
     """flag -> dest of every `fastcar-compile` option."""
-    from fastcar_compile.cmd_compile import build_parser
+    from fastcar_compile.cli.compile import build_parser
 
     return {f: a.dest for a in build_parser()._actions for f in a.option_strings}
 

@@ -1,5 +1,5 @@
 """`fastcar-compile dit.onnx -o fast.onnx --annsa lsh|quant`: AnnSA compiled into the DiT step graph
-(dit/annsa_graph.py, the runtime's blocks in dit/annsa_index.py). References: the eager stream runtime's AnnSA
+(passes/dit_annsa.py, the runtime's blocks in dit/annsa_index.py). References: the eager stream runtime's AnnSA
 (dit/fastar.FastARDiT, itself checked against NumPy softmaxes in test_dit_fastar.py) over whole rollouts, and a
 NumPy brute force of one attention (every query against every slot: bucket ids from fastar's hashers, the
 selected set, the softmax over it)."""
@@ -20,20 +20,22 @@ import onnx_ir as ir  # noqa: E402
 from dit_modes_helpers import compile_cli, not_a_dit  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
-from fastcar_compile.dit import annsa_graph, modes  # noqa: E402
-from fastcar_compile.dit.annsa_index import blocks  # noqa: E402
-from fastcar_compile.dit.config import (  # noqa: E402
+from fastcar_compile.core.contract import (  # noqa: E402
     ANNSA_DENSE,
     ANNSA_GRAPH,
     ANNSA_NATIVE,
-    MODES_KEY,
-    PRESETS,
+    DIT_MODES_KEY,
+    AnnSARecord,
     annsa_io,
 )
+from fastcar_compile.dit import modes  # noqa: E402
+from fastcar_compile.dit.annsa_index import blocks  # noqa: E402
+from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 from fastcar_compile.fastar.int8 import Int8Buckets  # noqa: E402
 from fastcar_compile.fastar.lsh import SignLSH  # noqa: E402
+from fastcar_compile.passes import dit_annsa as annsa_graph  # noqa: E402
 from fastcar_compile.passes.build import Builder  # noqa: E402
 
 CFG = PRESETS["tiny"]
@@ -64,8 +66,8 @@ def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tin
     if kernel == "body":
         monkeypatch.setenv("FASTCAR_NATIVE", "0")
     fast = OrtDiT(path)
-    assert fast.annsa["kind"] == kind and fast.annsa["ann_tables"] == int(tables)  # read back from the metadata
-    assert fast.annsa["annsa_kernel"] == (ANNSA_GRAPH if kernel == ANNSA_GRAPH else ANNSA_NATIVE)
+    assert fast.annsa.kind == kind and fast.annsa.ann_tables == int(tables)  # read back from the metadata
+    assert fast.annsa.annsa_kernel == (ANNSA_GRAPH if kernel == ANNSA_GRAPH else ANNSA_NATIVE)
     ops = {n.op_type for n in onnx.load(str(path)).graph.node}
     assert ("AnnSAAttention" in ops) == (kernel != ANNSA_GRAPH)
     fast.self_pairs = [0, 0]
@@ -82,7 +84,7 @@ def test_compiled_annsa_with_annca_and_fastcar_equals_the_eager_modes(dit_tiny_e
     """AnnSA (quant buckets) + AnnCA (the same bucketing, as the eager runtime draws it) + FastCar replay, all
     compiled in: the eager runtime with the three modes on within 1e-4 over 5 chunks, the same pair counts."""
     fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, "--annsa", "quant", "--annca", "--threshold", "0"))
-    assert fast.annca["kind"] == "quant" and fast.tau == 0.0
+    assert fast.annca.kind == "quant" and fast.tau == 0.0
     fast.self_pairs = [0, 0]
     settings = StreamSettings(frames=10, seed=2)
     ref = FastARDiT(dit_tiny_eager, modes.settings(annsa="quant", annca=True, fastcar_tau=0.0))
@@ -106,7 +108,7 @@ class _Attention:  # what annsa_graph.cache_scores reads of discovery's SelfAtte
         self.query, self.heads = query, heads
 
 
-def _attention_graph(mode: dict, B: int, H: int, Q: int, C: int, d: int) -> tuple[bytes, list[str]]:
+def _attention_graph(mode: AnnSARecord, B: int, H: int, Q: int, C: int, d: int) -> tuple[bytes, list[str]]:
     """A graph holding only the compiled AnnSA attention: q, k, v of the chunk [B, H, Q, d] and the cache
     buffers [B, H, C, d] (+ the AnnSA inputs) -> softmax([cache part | q k^T]) over [cache values | v], and the
     query codes."""
@@ -147,7 +149,7 @@ def test_annsa_attention_equals_a_numpy_brute_force(kind, tables):
     the chunk's own keys."""
     rng = np.random.default_rng(7)
     B, H, Q, C, d, T = 2, 3, 12, 40, 16, tables
-    mode = {"kind": kind, "annsa_local": 1, "lsh_bits": 3, "quant_dirs": 2, "ann_tables": T, "ann_seed": 11}
+    mode = AnnSARecord(kind, lsh_bits=3, quant_dirs=2, ann_tables=T, ann_seed=11, annsa_local=1)
     proto, outs = _attention_graph(mode, B, H, Q, C, d)
     sess = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
     h = SignLSH(d, 3, T, 11) if kind == "lsh" else Int8Buckets(d, 2, T, 11)
@@ -187,7 +189,7 @@ def test_graph_reads_the_cache_through_gathers_only_and_records_the_mode(dit_tin
     path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "quant", "--quant-dirs", "4", "--ann-tables", "3",
                        "--native-attention", "off")
     m = onnx.load(str(path))
-    meta = json.loads({p.key: p.value for p in m.metadata_props}[MODES_KEY])
+    meta = json.loads({p.key: p.value for p in m.metadata_props}[DIT_MODES_KEY])
     assert meta["annsa"] == {"kind": "quant", "annsa_local": 1, "lsh_bits": 4, "quant_dirs": 4, "ann_tables": 3,
                              "ann_seed": 0, "annsa_kernel": ANNSA_GRAPH}
     readers = {}
@@ -204,7 +206,7 @@ def test_native_form_is_one_op_per_block_with_its_function_body(dit_tiny_export,
     (no softmax over the buffer in ONNX ops), the model ships the op's function body, the metadata says so."""
     path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "lsh", *_kernel_args(ANNSA_NATIVE, monkeypatch))
     m = onnx.load(str(path))
-    assert json.loads({p.key: p.value for p in m.metadata_props}[MODES_KEY])["annsa"]["annsa_kernel"] == ANNSA_NATIVE
+    assert json.loads({p.key: p.value for p in m.metadata_props}[DIT_MODES_KEY])["annsa"]["annsa_kernel"] == ANNSA_NATIVE
     ops = [n for n in m.graph.node if n.op_type == "AnnSAAttention"]
     assert len(ops) == CFG.layers and {f.name for f in m.functions} >= {"AnnSAAttention"}
     for n in m.graph.node:
@@ -268,7 +270,7 @@ def test_calibrate_replay_with_annsa_equals_the_eager_calibration(dit_tiny_expor
     assert main([str(dit_tiny_export), "-o", str(out), "--calibrate-replay", "0.4", "--annsa", "quant",
                  "--calib-frames", "6"]) == 0
     fast = OrtDiT(out)
-    assert fast.annsa["kind"] == "quant"
+    assert fast.annsa.kind == "quant"
     want = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4, annsa="quant"), StreamSettings(frames=6, seed=0),
                          chunks=3)
     dense = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4), StreamSettings(frames=6, seed=0), chunks=3)

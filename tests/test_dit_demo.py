@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fastcar_compile.cli import main  # noqa: E402
-from fastcar_compile.demo.dit_demo import MODEL_DIR, parse_prompt  # noqa: E402
+from fastcar_compile.cli.demo_dit import MODEL_DIR, parse_prompt  # noqa: E402
 from fastcar_compile.demo.dit_train import DIT_PIXEL_CONFIG, save_weights  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
 
@@ -82,7 +82,7 @@ def test_shipped_weights_are_small_fp16_and_load():
     from safetensors.numpy import load_file
 
     assert {a.dtype for a in load_file(str(files[0])).values()} == {np.dtype(np.float16)}
-    from fastcar_compile.demo.dit_demo import load_trained
+    from fastcar_compile.cli.demo_dit import load_trained
 
     m = load_trained(MODEL_DIR)
     assert m.cfg.in_channels == 3 and m.cfg.latent_h == 32

@@ -1,4 +1,4 @@
-"""`fastcar-compile dit.onnx -o fast.onnx --threshold TAU --tempcache SIM`: FastCar's FFN replay (dit/replay.py,
+"""`fastcar-compile dit.onnx -o fast.onnx --threshold TAU --tempcache SIM`: FastCar's FFN replay (passes/dit_replay.py,
 the replay cache as graph I/O) and TempCache 'aligned' at cache-write time (the runtime merges, the graph adds
 log(count)) compiled into the DiT step graph, recorded in the metadata and read back by the stream runtime.
 References: the eager stream runtime's modes (dit/fastar.FastARDiT: its replay checked against computing every
@@ -19,8 +19,9 @@ onnx = pytest.importorskip("onnx")
 from dit_modes_helpers import compile_cli  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
+from fastcar_compile.core.contract import DIT_MODES_KEY, replay_io  # noqa: E402
 from fastcar_compile.dit import modes  # noqa: E402
-from fastcar_compile.dit.config import MODES_KEY, PRESETS, replay_io  # noqa: E402
+from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 
@@ -60,7 +61,7 @@ def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_expor
     path = _compile(dit_tiny_export, tmp_path, "0.25")
     m = onnx.load(str(path))
     meta = {p.key: p.value for p in m.metadata_props}
-    assert json.loads(meta[MODES_KEY]) == {"threshold": 0.25, "tempcache": None, "tempcache_match": None,
+    assert json.loads(meta[DIT_MODES_KEY]) == {"threshold": 0.25, "tempcache": None, "tempcache_match": None,
                                            "tempcache_buckets": None, "annca": None,
                                            "annsa": None}
     ins, outs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
@@ -79,7 +80,7 @@ def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_expor
 
 def test_dense_compile_records_no_mode(dit_tiny_export, tmp_path):
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, "inf"))
-    assert fast.tau is None and fast.sim is None and all(v is None for v in fast.modes.values())
+    assert fast.tau is None and fast.sim is None and fast.modes.dense
 
 
 @pytest.mark.parametrize("sim, tau, window", [("0.3", "inf", None), ("0.3", "inf", 0), ("0.2", "0", 2),
@@ -88,7 +89,7 @@ def test_compiled_tempcache_equals_the_eager_mode(dit_tiny_export, tmp_path, dit
     """6 chunks (the ring wrapping, or the buffers growing): TempCache compiled in (alone, or with FastCar)
     == the eager runtime's `tempcache aligned` at the same SIM within 1e-4, with the same merges."""
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau, "--tempcache", sim))
-    assert fast.sim == float(sim) and fast.modes["threshold"] == (None if tau == "inf" else float(tau))
+    assert fast.sim == float(sim) and fast.modes.threshold == (None if tau == "inf" else float(tau))
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
     kw = {"tempcache": "aligned", "tempcache_sim": float(sim)} | ({} if tau == "inf" else {"fastcar_tau": 0.0})
     ref = FastARDiT(dit_tiny_eager, modes.settings(**kw))

@@ -20,9 +20,10 @@ onnx = pytest.importorskip("onnx")
 from dit_modes_helpers import compile_cli, not_a_dit, refusal  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
+from fastcar_compile.core.contract import DIT_MODES_KEY  # noqa: E402
 from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.dit import modes, tempcache  # noqa: E402
-from fastcar_compile.dit.config import MODES_KEY, PRESETS  # noqa: E402
+from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, rollout  # noqa: E402
 from fastcar_compile.dit.tempcache import merge, targets  # noqa: E402
@@ -205,7 +206,7 @@ def test_metadata_records_the_match_and_the_runtime_reads_it(dit_tiny_export, tm
     meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
     buckets = {"kind": "quant"} | {n: modes.BY_NAME[n].default for n in ("lsh_bits", "quant_dirs", "ann_tables",
                                                                           "ann_seed")}
-    assert json.loads(meta[MODES_KEY]) == {"threshold": None, "tempcache": 0.3, "tempcache_match": "quant",
+    assert json.loads(meta[DIT_MODES_KEY]) == {"threshold": None, "tempcache": 0.3, "tempcache_match": "quant",
                                            "tempcache_buckets": buckets, "annca": None,
                                            "annsa": None}
     fast = OrtDiT(path)
@@ -234,7 +235,7 @@ def test_api_takes_the_match_and_its_buckets(dit_tiny_export, tmp_path):
 
     model, _ = fc.compile(str(dit_tiny_export), str(tmp_path / "api.onnx"), tempcache=0.5, tempcache_match="lsh",
                           lsh_bits=3, ann_tables=4)
-    rec = json.loads(model.metadata_props[MODES_KEY])
+    rec = json.loads(model.metadata_props[DIT_MODES_KEY])
     assert rec["tempcache_match"] == "lsh" and rec["tempcache_buckets"] == {
         "kind": "lsh", "lsh_bits": 3, "quant_dirs": 2, "ann_tables": 4, "ann_seed": 0}
     hasher = OrtDiT(tmp_path / "api.onnx").hasher

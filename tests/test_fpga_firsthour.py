@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from fastcar_compile.cli import main
+from fastcar_compile.cli.sim import representative_step
 from fastcar_compile.fpga_backend import encode, isa
 from fastcar_compile.fpga_backend.simulate import Simulator
-from fastcar_compile.fpga_cmds import representative_step
 
 L = 8
 

@@ -17,7 +17,7 @@ import pytest
 
 from fastcar_compile import cli
 from fastcar_compile.core import contract
-from fastcar_compile.genai_speculate import ONE_HOT, temporal_draft
+from fastcar_compile.runtime.genai_draft import ONE_HOT, temporal_draft
 from fastcar_compile.runtime.speculate import DraftSpec, propose
 
 VOCAB, L = 37, 5

@@ -21,19 +21,23 @@ import onnx_ir as ir
 import pytest
 
 import fastcar_compile.passes as passes_pkg
-from fastcar_compile import pipeline
 from fastcar_compile.core import contract
-from fastcar_compile.passes import discover
+from fastcar_compile.passes import discover, pipeline
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 PASSES = Path(passes_pkg.__file__).parent
+# every folder that builds or rewrites graphs: the passes, and the PyTorch front end's and the DiT's modules
+SCANNED = (PASSES, PASSES.parent / "fastcar_compile" / "torch", PASSES.parent / "fastcar_compile" / "dit")
 # ai.fastcar's op names, GroupQueryAttention aside: that name is also com.microsoft's op, which exports contain
 OPS = set(contract.OP_NAMES) - {contract.GROUP_QUERY_ATTENTION}
 FASTCAR_NAMES = {"DOMAIN", *(name for name in dir(contract) if isinstance(getattr(contract, name), str) and getattr(contract, name) in OPS)}
 READERS = {"gate_form", "gate_inputs", "gate_attributes"}  # read an emitted gate back
 SETTINGS = {"budget", "qkv_perm", "frame_tokens", "age_offset"}  # settings the plan holds
-# (file, function) allowed to look: the input check, before any pass has emitted anything
-ALLOWED = {("analysis.py", "find_layers")}
+# (file, function) allowed to look: the input check, before any pass has emitted anything; and the PyTorch path's
+# lowering, which finds the ai.fastcar nodes torch.onnx exported from the program's custom ops (its input, not
+# what an earlier pass built) to type them and to hand BranchPass the layer's gate and cache values
+ALLOWED = {("analysis.py", "find_layers"), ("onnx_branch.py", "_layer"), ("onnx_branch.py", "rebuild_branches"),
+           ("onnx_export.py", "_type_gate_outputs")}
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -72,14 +76,18 @@ def violations(source: str, filename: str) -> list[str]:
                 callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
                 if callee in READERS:
                     found.append(f"{filename}:{node.lineno}: reads an emitted gate back ({callee})")
-                if callee in ("get_int", "get", "_attr") and any(
+                on_attributes = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Attribute) \
+                    and node.func.value.attr == "attributes"  # node.attributes.get(...), not a dict's get
+                if (callee == "_attr" or callee in ("get_int", "get") and on_attributes) and any(
                         isinstance(a, ast.Constant) and a.value in SETTINGS for a in node.args):
                     found.append(f"{filename}:{node.lineno}: reads a setting back off a node ({callee})")
     return sorted(set(found))
 
 
 def test_no_pass_matches_or_reads_back_ai_fastcar_nodes():
-    found = [v for path in sorted(PASSES.glob("*.py")) for v in violations(path.read_text(), path.name)]
+    files = [path for folder in SCANNED for path in sorted(folder.glob("*.py"))]
+    assert len({f.parent for f in files}) == len(SCANNED), "a scanned folder has no Python files: moved?"
+    found = [v for path in files for v in violations(path.read_text(), path.name)]
     assert not found, "\n".join(found)
 
 
@@ -90,6 +98,7 @@ def test_the_check_sees_what_it_forbids():
         "def f(n):\n    return n.domain == contract.DOMAIN and n.op_type == 'CompressedAttention'\n": "op_type",
         "def f(g):\n    return [n for n in g if fastcar_ops.gate_form(n) == AT]\n": "gate back",
         "def f(ca):\n    return ca.attributes.get_int('budget', 0)\n": "setting",
+        "def f(ca):\n    return ca.attributes.get('frame_tokens')\n": "setting",
         "def f(ca):\n    return _attr(ca, 'qkv_perm', [0])\n": "setting",
         "def f(g):\n    return [n for n in g if n.op_type == 'If' and n.domain != contract.DOMAIN]\n": "op_type",
     }
@@ -97,6 +106,7 @@ def test_the_check_sees_what_it_forbids():
         assert any(what in v for v in violations(source, "x.py")), source
     fine = "def f(b):\n    return b(contract.TEMPORAL_GATE, [], domain=contract.DOMAIN)\n"  # emission
     assert violations(fine, "x.py") == []
+    assert violations("def f(opts):\n    return opts.get('frame_tokens')\n", "x.py") == []  # an options dict
 
 
 def _signature(node: ir.Node) -> tuple:
@@ -187,3 +197,28 @@ def test_a_genai_graphs_gates_are_emitted_once(genai_model):
     ctx, emitted, _ = compile_watching_gates(genai_model("llama", "fp32") / "model.onnx")
     assert ctx.rewritten and len(emitted) == len(ctx.rewritten)
     assert set(emitted.values()) == {"GatePass"}
+
+
+DIT_OPTIONS = [{"threshold": [0.05]}, {"tempcache": 0.3, "tempcache_match": "lsh", "annca": True},
+               {"annsa": "quant", "annca": True, "threshold": [0.05]}, {"annsa": "lsh", "native_attention": False}]
+
+
+@pytest.mark.parametrize("options", DIT_OPTIONS, ids=["fastcar", "tempcache-annca", "annsa-annca-fastcar", "annsa-graph"])
+def test_a_dit_step_graphs_blocks_are_matched_once(dit_tiny_export, options):
+    """The DiT target matches each block once, in DiTDiscoverPass: the emission passes (in-place cache, replay,
+    AnnCA) build on the nodes it found; no later pass walks an attention chain or a block again."""
+    from fastcar_compile import api
+    from fastcar_compile.passes import dit_discover
+
+    loaded = api.load(dit_tiny_export)
+    ctx, _ = api._dit_context(loaded, options, None)
+    calls: list[str] = []
+    running = [""]
+    match_block, chain = dit_discover._match_block, dit_discover.attention_chain
+    with mock.patch.object(dit_discover, "_match_block", lambda *a: (calls.append(running[0]), match_block(*a))[1]), \
+            mock.patch.object(dit_discover, "attention_chain", lambda *a: (calls.append(running[0]), chain(*a))[1]):
+        for p in pipeline.build(ctx).passes:
+            running[0] = type(p).__name__
+            p(loaded.model)
+    assert calls and set(calls) == {"DiTDiscoverPass"}, calls
+    assert [type(p).__name__ for p in pipeline.build(ctx).passes][:2] == ["DiTDiscoverPass", "DiTPlanPass"]

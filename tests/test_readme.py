@@ -63,7 +63,7 @@ def unknown_flags(prog: tuple[str, ...], args: list[str]) -> list[str]:
 
 def program(words: list[str]) -> tuple[tuple[str, ...], list[str]]:
     """(how to ask for its --help, its arguments) for a README command."""
-    from fastcar_compile.commands import SUBCOMMANDS
+    from fastcar_compile.cli.registry import SUBCOMMANDS
 
     if words[0] == "fastcar-compile":
         if len(words) > 1 and words[1] in SUBCOMMANDS:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fastcar_compile.core.atomic import write_text
-from fastcar_compile.dit.config import ANNSA_GRAPH, ANNSA_NATIVE
+from fastcar_compile.core.contract import ANNSA_GRAPH, ANNSA_NATIVE
 
 
 def self_attention_nodes(path: Path) -> set[str]:
@@ -95,11 +95,11 @@ def main() -> None:
     ap.add_argument("--forms", default="native,graph", help="AnnSA's compiled forms to measure (native: the "
                     "AnnSAAttention op, graph: the ONNX ops)")
     a = ap.parse_args()
+    from fastcar_compile.api import compile as compile_dit
     from fastcar_compile.cli import main as cli
-    from fastcar_compile.demo.dit_demo import MODEL_DIR, load_trained, parse_prompt
+    from fastcar_compile.cli.demo_dit import MODEL_DIR, load_trained, parse_prompt
     from fastcar_compile.demo.dit_train import text_embeds
     from fastcar_compile.dit import modes
-    from fastcar_compile.dit.compile import compile_dit
     from fastcar_compile.dit.fastar import FastARDiT, totals
     from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout
 
@@ -118,7 +118,7 @@ def main() -> None:
     for i, (g, kw) in enumerate(graphs.items()):
         paths[g] = out / f"graph{i}" / "dit.onnx"
         compile_dit(src, paths[g], **kw)
-        if "annsa" in kw and OrtDiT(paths[g]).annsa["annsa_kernel"] != (ANNSA_GRAPH if "native_attention" in kw
+        if "annsa" in kw and OrtDiT(paths[g]).annsa.annsa_kernel != (ANNSA_GRAPH if "native_attention" in kw
                                                                        else ANNSA_NATIVE):
             raise SystemExit(f"{g}: compiled as another form (is the native library built? "
                              "python -m fastcar_compile.runtime.native.build)")
@@ -149,8 +149,8 @@ def main() -> None:
             density, recall = "100%", ("100%" if m.annsa is None else "-")
             if m.annsa is not None:
                 density = f"{100 * m.self_pairs[0] / m.self_pairs[1]:.1f}%"
-                recall = recalls.get(m.annsa["kind"], recall)
-                if torch_model is not None and m.annsa["kind"] not in recalls:
+                recall = recalls.get(m.annsa.kind, recall)
+                if torch_model is not None and m.annsa.kind not in recalls:
                     kw = {k: v for k, v in graphs[g].items() if k != "native_attention"}
                     ref = FastARDiT(torch_model, modes.settings(diagnostics=True, **kw), threads=1)
                     gen = rollout(ref, settings, text)
@@ -158,7 +158,7 @@ def main() -> None:
                         if chunk.first_frame + len(chunk.frames[0]) == ctx:  # recall from here on
                             ref.stats = [type(s)() for s in ref.stats]
                     recall = f"{100 * totals(ref.stats)['self_recall']:.1f}%"
-                    recalls[m.annsa["kind"]] = recall
+                    recalls[m.annsa.kind] = recall
             lines.append(f"| {ctx} | {g} | {density} | {recall} | {prof[g][0]:.2f} | "
                          f"{prof['dense'][0] / prof[g][0]:.2f}x | {step[g]:.1f} | {step['dense'] / step[g]:.2f}x |")
             print(lines[-1], flush=True)

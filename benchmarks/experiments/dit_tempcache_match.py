@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--eager-recall", action="store_true", help="also the eager runtime's attention recall")
     a = ap.parse_args()
     from fastcar_compile.cli import main as cli
-    from fastcar_compile.demo.dit_demo import MODEL_DIR, parse_prompt
+    from fastcar_compile.cli.demo_dit import MODEL_DIR, parse_prompt
     from fastcar_compile.demo.dit_train import text_embeds
 
     a.out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def main() -> None:
     if a.eager_recall:
         import torch
 
-        from fastcar_compile.demo.dit_demo import load_trained
+        from fastcar_compile.cli.demo_dit import load_trained
         from fastcar_compile.dit import modes
         from fastcar_compile.dit.fastar import FastARDiT, totals
 

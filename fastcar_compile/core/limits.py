@@ -27,6 +27,11 @@ MAX_KV_DIAGNOSTICS = 1 << 20  # tokens of --kv-diagnostics' dense side buffer
 # ONNX Runtime threads of one session: ORT starts them all when the session opens (10**6 hung there); more than
 # this is oversubscription on any machine this runs on. 0 = ORT's default (one per core).
 MAX_THREADS = 1024
+# The buckets of FAST-AR on DiT step graphs (AnnSA, AnnCA, TempCache's ANN match): sign bits per LSH table, int8
+# directions per table (each one's 8-bit code split into 8 / dirs bits: fastar/int8.py), tables
+MAX_LSH_BITS = 16
+INT8_DIRS = (1, 2, 4, 8)
+MAX_ANN_TABLES = 64
 
 
 def check_int(flag: str, value, lo: int, hi: int, meaning: str = "") -> int:

@@ -24,9 +24,12 @@ from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import (
     DEFAULT_ROTARY_POSITIONS,
+    INT8_DIRS,
+    MAX_ANN_TABLES,
     MAX_FRAME_TOKENS,
     MAX_KV_BUDGET,
     MAX_KV_DIAGNOSTICS,
+    MAX_LSH_BITS,
     MAX_REPLAY,
     MAX_ROTARY_POSITIONS,
     check_int,
@@ -39,15 +42,19 @@ REQUIRED = dataclasses.MISSING  # an option without a default (frame_tokens)
 VALUE, SWITCH, ON_OFF, NEGATE, TRISTATE, REPEAT, OPTIONAL = "value", "switch", "on|off", "negate", "tristate", \
     "repeat", "optional"
 EVICTION_POLICIES = ("mass", "oldest", "mean")  # which slot leaves a full compressed KV cache (fastar/cache.py)
-# TempCache's correspondent in a DiT stream (dit/modes.py, and compiled in: dit/tempcache.py): the same (h, w) one
-# frame back, or the top-1 cosine among the previous frame's slots sharing a bucket (sign LSH or int8 buckets)
-TEMPCACHE_MATCHES = ("aligned", "lsh", "quant")
+# TempCache's correspondents and the bucketings on a DiT (the compiled step graph records them): the contract's
+TEMPCACHE_MATCHES, BUCKETINGS = contract.TEMPCACHE_MATCHES, contract.BUCKETINGS
 KV_GROUP = "compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)"
 DIT_GROUP = "FAST-AR on video DiTs (compiled into a step graph, or the stream runtime; docs/dit.md)"
 DIT_ONLY = ("tempcache_match", "annsa", "annsa_local", "annca", "lsh_bits", "quant_dirs", "ann_tables",
             "ann_seed")  # options of DiT step graphs alone
-BUCKETINGS = ("lsh", "quant")  # sign random projections (fastar/lsh.py) or 8-bit quantised ones (fastar/int8.py)
-MAX_ANN_TABLES = 64
+
+
+def check_quant_dirs(dirs: int) -> int:
+    """--quant-dirs' rule beyond its Option's range: a power of two dividing the 8-bit code (fastar/int8.py)."""
+    if dirs not in INT8_DIRS:
+        raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {dirs}")
+    return dirs
 
 
 class NotANumber(ValueError, argparse.ArgumentTypeError):
@@ -232,18 +239,18 @@ OPTIONS: tuple[Option, ...] = (
            "1-3:budget=4100,window=64,tempcache=0.95 (TempCache where it reads by content), 2:off (uncompressed); settings: "
            "budget, sinks, window, eviction, tempcache, sparse (lsh:BxT, int8:DxT), prune (P)", "--kv-layer",
            cli=REPEAT, metavar="LAYERS:SETTINGS", convert=_kv_layers, group=KV_GROUP),
-    # FAST-AR on a video DiT: compiled into its step graph (dit/compile.py) and run by the eager stream runtime
+    # FAST-AR on a video DiT: compiled into its step graph (passes/dit_plan.py) and run by the eager stream runtime
     # (dit/modes.DIT_OPTIONS holds these same entries): one declaration for both.
     Option("annsa", str | None, None, "AnnSA: the chunk's queries attend only to cached slots sharing a bucket "
            "(any table), plus the sink frames, the --annsa-local most recent frames and the chunk itself; "
            "computed block-sparse, bucket by bucket; DiT step graphs only", "--annsa", choices=BUCKETINGS,
            group=DIT_GROUP),
     Option("annsa_local", int, 1, "cached frames before the chunk that AnnSA always attends (default 1)",
-           "--annsa-local", metavar="FRAMES", lo=0, hi=1 << 20, meaning="frames", group=DIT_GROUP),
+           "--annsa-local", metavar="FRAMES", lo=0, hi=contract.MAX_ANNSA_LOCAL, meaning="frames", group=DIT_GROUP),
     Option("annca", bool, False, "AnnCA: per frame, a prompt token is kept in the cross-attention only if a query "
            "of that frame shares a bucket with it (--annsa's bucketing, lsh without it); DiT step graphs only",
            "--annca", cli=SWITCH, group=DIT_GROUP),
-    Option("lsh_bits", int, 4, "sign bits per LSH table (default 4)", "--lsh-bits", metavar="BITS", lo=1, hi=16,
+    Option("lsh_bits", int, 4, "sign bits per LSH table (default 4)", "--lsh-bits", metavar="BITS", lo=1, hi=MAX_LSH_BITS,
            meaning="bits per table", group=DIT_GROUP),
     Option("quant_dirs", int, 2, "int8-quantised directions per 'quant' table (1/2/4/8; default 2: 16 x 16 "
            "levels)", "--quant-dirs", metavar="DIRS", lo=1, hi=8, meaning="directions per table", group=DIT_GROUP),

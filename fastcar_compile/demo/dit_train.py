@@ -42,9 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from fastcar_compile.core.atomic import atomic_path, write_text
+from fastcar_compile.core.contract import DiTConfig
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo import scenes
-from fastcar_compile.dit.config import DiTConfig
 from fastcar_compile.dit.stream import STEPS
 
 # One row per label value of every field, in LABELS order: the prompt's one-hot "embedding" width.

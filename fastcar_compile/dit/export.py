@@ -19,18 +19,19 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from fastcar_compile.core.contract import (
+    DIT_CONFIG_KEY,
+    DIT_TEXT_GRAPH_KEY,
+    DiTConfig,
+    step_io,
+    text_graph_path,
+    text_io,
+)
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.fileio import refuse_special, with_path
-from fastcar_compile.dit.config import METADATA_KEY, TEXT_GRAPH_KEY, DiTConfig, step_io, text_io
 
 OPSET = 20
 ALIGN = 4096  # external-data offsets page-aligned, so that ONNX Runtime can map them
-
-
-def text_graph_path(step: str | os.PathLike) -> Path:
-    """Where the prompt graph of step graph `dit.onnx` lives: `dit.text.onnx` beside it."""
-    step = Path(step)
-    return step.with_name(f"{step.stem}.text.onnx")
 
 
 def example_inputs(cfg: DiTConfig, device: str = "cpu", batch: int = 2, past_frames: int = 2,
@@ -120,7 +121,7 @@ def export_dit(model, output: str | os.PathLike, *, weights: str = "random", com
                    tuple([{0: batch, 2: past}] * (2 * n) + [{0: batch, 2: text}] * (2 * n)))
     ex = example_inputs(cfg, device)
     text_ex = (torch.randn(2, 5, cfg.text_dim, generator=torch.Generator().manual_seed(1)).to(device),)
-    metadata = {METADATA_KEY: cfg.to_json(), TEXT_GRAPH_KEY: text_out.name, "fastcar.dit_weights": weights}
+    metadata = {DIT_CONFIG_KEY: cfg.to_json(), DIT_TEXT_GRAPH_KEY: text_out.name, "fastcar.dit_weights": weights}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmpdir = Path(tempfile.mkdtemp(dir=out.parent, prefix=".export-"))
     try:
@@ -128,7 +129,7 @@ def export_dit(model, output: str | os.PathLike, *, weights: str = "random", com
                                                                                       step_io(n), not meta)
         prompt = _export(TextGraph(model), text_ex, ({0: batch, 1: text},), text_io(n), not meta)
         _save(step, tmpdir / out.name, meta, metadata)
-        _save(prompt, tmpdir / text_out.name, meta, {METADATA_KEY: cfg.to_json()})
+        _save(prompt, tmpdir / text_out.name, meta, {DIT_CONFIG_KEY: cfg.to_json()})
         for path, names in ((tmpdir / out.name, step_io(n)), (tmpdir / text_out.name, text_io(n))):
             proto = onnx.load(str(path), load_external_data=False)
             got = ([i.name for i in proto.graph.input], [o.name for o in proto.graph.output])

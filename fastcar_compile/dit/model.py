@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastcar_compile.dit.config import DiTConfig
+from fastcar_compile.core.contract import DiTConfig
 
 
 class RMSNorm(nn.Module):

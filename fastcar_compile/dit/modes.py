@@ -13,9 +13,7 @@ from typing import Any
 
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.options import BY_NAME as SHARED
-from fastcar_compile.core.options import SWITCH, TEMPCACHE_MATCHES, Option
-from fastcar_compile.fastar.buckets import Buckets
-from fastcar_compile.fastar.config import INT8_DIRS, make_hasher
+from fastcar_compile.core.options import SWITCH, TEMPCACHE_MATCHES, Option, check_quant_dirs
 
 GROUP = "FAST-AR and FastCar (eager runtime: give a DiT preset or folder; docs/dit.md)"
 
@@ -50,27 +48,7 @@ DIT_OPTIONS: tuple[Option, ...] = (
     SHARED["ann_seed"],
 )
 BY_NAME = {o.name: o for o in DIT_OPTIONS}
-BUCKET_SETTINGS = ("lsh_bits", "quant_dirs", "ann_tables", "ann_seed")  # what draws a bucketing, besides its kind
 
-
-def bucket_record(kind: str, values: dict) -> dict:
-    """A bucketing as a compiled graph's metadata records it: {"kind", *BUCKET_SETTINGS} from the compile's
-    option values (each checked, its default where not given); the runtime redraws it with bucket_hasher."""
-    out = {"kind": kind} | {k: BY_NAME[k].check(values.get(k, BY_NAME[k].default)) for k in BUCKET_SETTINGS}
-    _check_quant_dirs(out["quant_dirs"])
-    return out
-
-
-def _check_quant_dirs(dirs: int) -> None:
-    """--quant-dirs' rule beyond its Option's range: a power of two dividing the 8-bit code (fastar/int8.py)."""
-    if dirs not in INT8_DIRS:
-        raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {dirs}")
-
-
-def bucket_hasher(record: dict, head_dim: int) -> Buckets:
-    """The bucketing a bucket_record names (the eager runtime's: the same seeded projections)."""
-    return make_hasher(record["kind"], head_dim, record["lsh_bits"], record["quant_dirs"], record["ann_tables"],
-                       record["ann_seed"])
 
 FastARSettings = dataclasses.make_dataclass(
     "FastARSettings", [(o.name, o.type, dataclasses.field(default=o.default)) for o in DIT_OPTIONS], frozen=True)
@@ -84,7 +62,7 @@ def settings(**values: Any) -> Any:
         raise FastCarError(f"unknown FAST-AR setting {bad[0]!r}; known: {', '.join(BY_NAME)}")
     out = {k: BY_NAME[k].check(v) for k, v in values.items()}
     s = FastARSettings(**out)
-    _check_quant_dirs(s.quant_dirs)
+    check_quant_dirs(s.quant_dirs)
     if s.tempcache_budget and s.tempcache is None:
         raise FastCarError("--tempcache-budget bounds TempCache's slots: give --tempcache too")
     if s.fastcar_tau is not None and s.fastcar_ratio is not None:

@@ -12,7 +12,6 @@ very same inputs and the eager loop is the reference and the baseline.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -21,30 +20,30 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.dit import tempcache
-from fastcar_compile.dit.config import (
+from fastcar_compile.core.contract import (
     ANNSA_DENSE,
-    ANNSA_GRAPH,
     ANNSA_INPUTS,
     ANNSA_NATIVE,
-    CACHE_FORM_KEY,
     CACHE_IN_PLACE,
-    METADATA_KEY,
-    MODES_KEY,
+    DIT_CACHE_FORM_KEY,
+    DIT_CONFIG_KEY,
+    DIT_MODES_KEY,
+    DIT_TEXT_GRAPH_KEY,
     PAST_LENGTH,
     REPLAY_FIRST,
-    TEXT_GRAPH_KEY,
     DiTConfig,
+    DiTModes,
     annca_io,
     annsa_io,
-    from_dict,
-    past_names,
+    dit_config_of,
+    dit_past_names,
     replay_io,
     step_io,
     tas_name,
     tempcache_io,
 )
+from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.dit import tempcache
 from fastcar_compile.fastar.buckets import Buckets
 
 STEPS = (1000.0, 750.0, 500.0, 250.0)  # flow-matching timesteps of a 4-step distilled sampler
@@ -97,7 +96,7 @@ class FrameCache:
 
 
 class RingCache:
-    """The cache of a compiled step graph (dit/compile.py): per layer and K|V one preallocated buffer
+    """The cache of a compiled step graph (passes/dit_cache.py): per layer and K|V one preallocated buffer
     [B, heads, slots * T, d] that ONNX Runtime reads in place. Sink frames own the first slots, the window's
     frames a ring of the next `window` slots (window 0: a slot per frame, the buffers growing by a quarter when
     full: a copy of the cache every few chunks, and at most a quarter of the slots masked out in attention).
@@ -233,12 +232,12 @@ class OrtDiT:
         step_path = Path(step_path)
         proto = onnx.load(str(step_path), load_external_data=False)
         meta = {p.key: p.value for p in proto.metadata_props}
-        if METADATA_KEY not in meta or TEXT_GRAPH_KEY not in meta:  # the prompt graph has the config only
-            raise FastCarError(f"{step_path} is not a DiT step graph (no {TEXT_GRAPH_KEY} metadata); give the "
+        if DIT_CONFIG_KEY not in meta or DIT_TEXT_GRAPH_KEY not in meta:  # the prompt graph has the config only
+            raise FastCarError(f"{step_path} is not a DiT step graph (no {DIT_TEXT_GRAPH_KEY} metadata); give the "
                                "step graph written by `fastcar-compile export --dit tiny -o dit.onnx`")
 
-        self.cfg: DiTConfig = from_dict(json.loads(meta[METADATA_KEY]), str(step_path))
-        text_path = Path(text_path) if text_path else step_path.with_name(meta[TEXT_GRAPH_KEY])
+        self.cfg: DiTConfig = dit_config_of(meta, str(step_path))
+        text_path = Path(text_path) if text_path else step_path.with_name(meta[DIT_TEXT_GRAPH_KEY])
         if not text_path.is_file():
             raise FastCarError(f"{step_path}: its prompt graph {text_path} is missing; export both again")
         self.text_path = text_path
@@ -246,8 +245,8 @@ class OrtDiT:
         so.log_severity_level = 3
         if threads:
             so.intra_op_num_threads = threads
-        self.modes = json.loads(meta.get(MODES_KEY, "{}"))  # what the compiler built in (dit/compile.py)
-        if (self.modes.get("annsa") or {}).get("annsa_kernel") == ANNSA_NATIVE:
+        self.modes = DiTModes.from_json(meta.get(DIT_MODES_KEY), f"{step_path}'s {DIT_MODES_KEY}")  # compiled in
+        if self.modes.annsa is not None and self.modes.annsa.annsa_kernel == ANNSA_NATIVE:
             from fastcar_compile.runtime.native import library_path
 
             lib = library_path()  # None: the op's function body runs (same result, slower)
@@ -256,21 +255,21 @@ class OrtDiT:
         self.sess = ort.InferenceSession(str(step_path), so, providers=["CPUExecutionProvider"])
         self.text_sess = ort.InferenceSession(str(text_path), so, providers=["CPUExecutionProvider"])
         ins, outs = step_io(self.cfg.layers)
-        self.in_place = meta.get(CACHE_FORM_KEY) == CACHE_IN_PLACE
-        self.tau = self.modes.get("threshold")
-        self.sim = self.modes.get("tempcache")
-        self.annca = self.modes.get("annca")  # its buckets (dict) or None
+        self.in_place = meta.get(DIT_CACHE_FORM_KEY) == CACHE_IN_PLACE
+        self.tau = self.modes.threshold
+        self.sim = self.modes.tempcache
+        self.annca = self.modes.annca  # its buckets (contract.BucketRecord) or None
         self.cross_pairs = [0, 0]  # query x prompt-token pairs the cross-attention executed, dense pairs (AnnCA)
-        self.match = self.modes.get("tempcache_match") or "aligned"  # the correspondence (dit/tempcache.py)
+        self.match = self.modes.tempcache_match or "aligned"  # the correspondence (dit/tempcache.py)
         self.hasher = tempcache.hasher(self.modes, self.cfg.head_dim) if self.sim is not None else None
-        self.annsa = self.modes.get("annsa")  # its buckets and local frames (dict) or None (dit/annsa_graph.py)
+        self.annsa = self.modes.annsa  # its buckets, local frames and form, or None (passes/dit_annsa.py)
         self.self_pairs: list[int] | None = None  # a list: [executed, dense] q.k pairs over the cache (AnnSA)
         self.replayed = [0, 0]  # FFN rows replayed, rows decided (FastCar compiled in), over the session
         self.tas_log: list[np.ndarray] | None = None  # a list: the eligible rows' TAS of every step (calibration)
         if self.in_place:
             ins = [*ins, PAST_LENGTH]
             if self.annsa is not None:
-                form = ANNSA_INPUTS[self.annsa.get("annsa_kernel", ANNSA_GRAPH)]
+                form = ANNSA_INPUTS[self.annsa.annsa_kernel]
                 ins += [ANNSA_DENSE, *(annsa_io(i)[k] for i in range(self.cfg.layers) for k in form)]
             if self.sim is not None:
                 ins += [tempcache_io(i)[0] for i in range(self.cfg.layers)]
@@ -311,7 +310,7 @@ class OrtDiT:
         if self.in_place:
             return self._step_bound(latent, timestep, frame_start, past, cross)
         feed = {"latent": latent, "timestep": timestep, "frame_start": np.array([frame_start], np.int64)}
-        feed.update(zip(past_names(n), past, strict=True))
+        feed.update(zip(dit_past_names(n), past, strict=True))
         feed.update(zip(step_io(n)[0][3 + 2 * n:], cross, strict=True))
         return self.sess.run(None, feed)
 
@@ -323,7 +322,7 @@ class OrtDiT:
         io.bind_input("timestep", np.ascontiguousarray(timestep, np.float32))
         io.bind_input("frame_start", np.array([frame_start], np.int64))
         io.bind_input(PAST_LENGTH, np.array([cache.length], np.int64))
-        for name, buf in zip(past_names(n), cache.buffers, strict=True):
+        for name, buf in zip(dit_past_names(n), cache.buffers, strict=True):
             io.bind_input(name, buf)  # rebound only when the buffers grew
         for name, a in zip(self.text_outputs, cross, strict=True):  # the prompt's K/V (and AnnCA's key codes)
             io.bind_input(name, a)
@@ -342,7 +341,7 @@ class OrtDiT:
         if self.annsa is not None:  # what the chunk's queries attend to in; their bucket ids out (not returned)
             for name, a in self.ann.inputs(cache, frame_start).items():
                 io.bind_input(name, a)
-            codes = [io.output_buffer(annsa_io(i)["codes"], (*kv_shape[:3], self.annsa["ann_tables"]), np.int64)
+            codes = [io.output_buffer(annsa_io(i)["codes"], (*kv_shape[:3], self.annsa.ann_tables), np.int64)
                      for i in range(n)]
         if self.tau is None:
             io.run()

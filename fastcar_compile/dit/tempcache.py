@@ -1,5 +1,5 @@
 """TempCache compiled into a DiT step graph: the merge a written frame makes on the runtime's ring buffers
-(stream.RingCache), for each correspondence ('aligned', 'lsh', 'quant'; config.MODES_KEY records which).
+(stream.RingCache), for each correspondence ('aligned', 'lsh', 'quant'; contract.DIT_MODES_KEY records which).
 
 The graph is the same for all three (each slot's log(count) in as `past_bias.N`, the chunk's pre-RoPE keys out
 as `present_pre.N.key`): which slot a key joins is decided here, in NumPy, when the runtime writes the clean
@@ -20,29 +20,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.core.options import TEMPCACHE_MATCHES
-from fastcar_compile.dit.modes import bucket_hasher, bucket_record
+from fastcar_compile.core.contract import DiTModes
 from fastcar_compile.fastar.buckets import Buckets
+from fastcar_compile.fastar.config import hasher_of
 
 MAX_PAIRS = 1 << 22  # (new key, previous slot) pairs the top-1 match holds at once
 
 
-def record(match: str | None, values: dict) -> dict:
-    """What the metadata (config.MODES_KEY) records of the correspondence (None: TempCache off): its name and,
-    for a bucketed match, its buckets (dit/modes.bucket_record, from the compile's --lsh-bits, --quant-dirs,
-    --ann-tables, --ann-seed) that the runtime redraws."""
-    return {"tempcache_match": match,
-            "tempcache_buckets": None if match in (None, "aligned") else bucket_record(match, values)}
-
-
-def hasher(modes: dict, head_dim: int) -> Buckets | None:
-    """The bucketing a compiled graph's metadata names (None: 'aligned', or a graph from before the record)."""
-    match = modes.get("tempcache_match") or "aligned"
-    if match not in TEMPCACHE_MATCHES:
-        raise FastCarError(f"the step graph's metadata names TempCache match {match!r}, not one of "
-                           f"{', '.join(TEMPCACHE_MATCHES)}; compile it again")
-    return None if match == "aligned" else bucket_hasher(modes["tempcache_buckets"], head_dim)
+def hasher(modes: DiTModes, head_dim: int) -> Buckets | None:
+    """The bucketing a compiled graph's modes name for TempCache's match (None: 'aligned')."""
+    if modes.tempcache_match in (None, "aligned") or modes.tempcache_buckets is None:
+        return None
+    return hasher_of(modes.tempcache_buckets, head_dim)
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from fastcar_compile.core.contract import BucketRecord
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.limits import INT8_DIRS
 from fastcar_compile.core.options import EVICTION_POLICIES
 from fastcar_compile.fastar.buckets import Buckets
 from fastcar_compile.fastar.int8 import Int8Buckets
 from fastcar_compile.fastar.lsh import SignLSH
 
 CORRESPONDENCE = ("aligned", "aligned+top1")
-INT8_DIRS = (1, 2, 4, 8)  # directions per int8 bucket table: 8 / dirs bits of each one's int8 code (fastar/int8.py)
 
 
 def make_hasher(kind: str, dim: int, bits: int, dirs: int, tables: int, seed: int) -> Buckets:
     """'lsh' (sign bits) or 'quant' (int8-quantised directions): the reference bucketings, one definition for
     every runtime that buckets DiT keys (the eager one in PyTorch, the compiled one's cache writes in NumPy)."""
     return SignLSH(dim, bits, tables, seed) if kind == "lsh" else Int8Buckets(dim, dirs, tables, seed)
+
+
+def hasher_of(record: BucketRecord, dim: int) -> Buckets:
+    """The bucketing a compiled step graph records (contract.BucketRecord): the same seeded projections."""
+    return make_hasher(record.kind, dim, record.lsh_bits, record.quant_dirs, record.ann_tables, record.ann_seed)
 
 
 def check_buckets(lsh_bits: int | None = None, lsh_tables: int = 1, int8_dirs: int | None = None,

@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from fastcar_compile import commands, fpga_cmds
+from fastcar_compile.cli import registry
+from fastcar_compile.cli.sim import board_presets
 from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
 
@@ -31,7 +32,7 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    sub = commands.help_lines()
+    sub = registry.help_lines()
     p = argparse.ArgumentParser(
         prog="fastcar-compile",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     fpga = p.add_argument_group("FPGA backend")
     fpga.add_argument("--target", choices=["onnx", "fpga"], default="onnx",
                       help="onnx (default): write fast.onnx; fpga: compile a fast.onnx into DRS bundles (.fcb)")
-    fpga.add_argument("--board", default="kv260", help=f"board preset ({fpga_cmds.board_presets()}; default kv260)")
+    fpga.add_argument("--board", default="kv260", help=f"board preset ({board_presets()}; default kv260)")
     fpga.add_argument("--board-file", help="JSON file overriding board parameters")
     fpga.add_argument("--batch", type=options.ascii_int, default=1, help="batch rows the bundles are scheduled for (<= 32)")
     fpga.add_argument("--context", type=options.ascii_int, help="KV context the attention tiles are sized for (default 2 x L)")
@@ -104,12 +105,10 @@ def main(argv: list[str]) -> int:
         return 0
     if args.target == "fpga":
         return _fpga(args)
-    calibrating = args.calibrate_replay is not None or args.calibrate_quality is not None
-    if (args.frame_tokens is None or calibrating) and _dit_step(args.model):  # a DiT knows its tokens per frame
-        import importlib
-
-        module, func = commands.DIT_COMPILE
-        return int(getattr(importlib.import_module(module), func)(args) or 0)
+    options.check_all({k: v for k, v in options.from_args(args).items() if v is not None})  # before any work
+    loaded = fc.load(args.model)  # its kind picks the target, once
+    if loaded.kind != contract.DECODER:  # a DiT knows its tokens per frame
+        return _compile_dit(args, loaded)
     if args.frame_tokens is None:
         raise FastCarError("--frame-tokens is required: the number of tokens per video frame (e.g. 256)")
     if args.output is None:
@@ -117,7 +116,7 @@ def main(argv: list[str]) -> int:
     if args.calibrate_replay is not None or args.calibrate_quality is not None:
         return _calibrate(args)
     start = time.perf_counter()
-    _, report = fc.compile(args.model, args.output, **options.from_args(args))
+    _, report = fc.compile(loaded, args.output, **options.from_args(args))
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
     if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):
@@ -125,19 +124,6 @@ def main(argv: list[str]) -> int:
               "often replays every eligible MLP there. Calibrate (--calibrate-replay 0.5 --calib-data p.npy) or "
               "use --tas-query raw", file=sys.stderr)
     return 0
-
-
-def _dit_step(model: str) -> bool:
-    """Is `model` a DiT step graph (export --dit)? Asked only when --frame-tokens is missing, which a decoder
-    needs, or before a calibration (which loads the model many times), so a decoder's compile never loads its
-    model twice."""
-    from fastcar_compile.api import _dit, load
-
-    try:
-        loaded, _ = load(model)
-    except FastCarError:
-        return False  # the decoder path says what is wrong with the file
-    return _dit().is_dit_graph(loaded)  # its prompt graph too: the DiT path says what to compile instead
 
 
 def _fpga(args) -> int:
@@ -162,7 +148,7 @@ def _calibrate(args) -> int:
     if args.calib_data is None:
         raise FastCarError("--calibrate-* needs --calib-data prompts.npy (int array [prompts, prompt_len])")
     from fastcar_compile.api import check_files
-    from fastcar_compile.eval_model import load_prompts
+    from fastcar_compile.runtime.evaluate import load_prompts
 
     check_files(args.model, args.output, genai=args.genai, reads={args.calib_data: "--calib-data"})
     prompts = load_prompts(args.calib_data, "--calib-data")
@@ -189,6 +175,40 @@ def _calibrate(args) -> int:
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, tau = {result.tau:.6g})")
     return 0
 
+
+def _compile_dit(a: argparse.Namespace, loaded) -> int:
+    """`fastcar-compile dit.onnx -o fast.onnx` on a DiT step graph (the compiler's parsed arguments, the model
+    loaded)."""
+    import fastcar_compile as fc
+    from fastcar_compile.api import refuse_prompt_graph
+    from fastcar_compile.passes.dit_plan import REPLAY_FEATURE
+
+    refuse_prompt_graph(loaded)
+    if a.calibrate_quality is not None:
+        raise FastCarError(f"--calibrate-quality: calibrating {REPLAY_FEATURE} by quality is not supported yet; "
+                           "give --calibrate-replay RATIO or --threshold TAU")
+    if a.output is None:
+        raise FastCarError("-o/--output is required: where to write the compiled step graph")
+    t0 = time.perf_counter()
+    opts = options.from_args(a)
+    if a.calibrate_replay is not None:
+        if not 0.0 <= a.calibrate_replay <= 1.0:
+            raise FastCarError(f"--calibrate-replay must be a replay ratio in [0, 1], got {a.calibrate_replay:g}")
+        from fastcar_compile.cli.stream import read_text_embeds
+        from fastcar_compile.dit.calibrate import calibrate_threshold
+
+        cfg = contract.dit_config_of(loaded.model.metadata_props, str(a.model))
+        text = read_text_embeds(a.calib_data, cfg.text_dim) if a.calib_data else None
+        tau = calibrate_threshold(a.model, a.calibrate_replay, text=text, frames=a.calib_frames, **opts)
+        opts["threshold"] = (tau,)
+        print(f"calibrated --threshold {tau:.6g} for replay ratio {a.calibrate_replay:g} (TAS quantile over the "
+              f"eligible rows of a {max(a.calib_frames, 2 * cfg.chunk_frames)}-frame stream, "
+              f"{'--calib-data' if text is not None else 'a seeded random'} prompt)")
+    _, report = fc.compile(loaded, a.output, **opts)
+    print(report.format(verbose=a.verbose))
+    print(f"wrote {a.output} ({len(report.rewritten)} DiT blocks rewritten, {time.perf_counter() - t0:.1f} s); "
+          f"next: fastcar-compile stream {a.output} --frames 24 -o stream_out")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

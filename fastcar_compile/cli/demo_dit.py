@@ -84,8 +84,8 @@ def load_trained(folder: Path):
 
 def stream_prompt(model, labels: dict[str, str], frames: int, cfg_scale: float, seed: int) -> dict:
     """One video: uint8 frames [T, H, W, 3], per-frame ms (a chunk's time shared by its frames), RSS."""
+    from fastcar_compile.cli.stream import run_stream
     from fastcar_compile.demo.dit_train import text_embeds, to_uint8
-    from fastcar_compile.dit.cli import run_stream
     from fastcar_compile.dit.stream import StreamSettings, TorchDiT
 
     r = run_stream(TorchDiT(model), StreamSettings(frames=frames, seed=seed, cfg_scale=cfg_scale),
@@ -157,7 +157,7 @@ def summarize(r: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from fastcar_compile.dit.cli import check_rollout_args
+    from fastcar_compile.cli.stream import check_rollout_args
 
     a = build_parser().parse_args(argv)
     check_rollout_args(a, "frames", min_threads=1)

@@ -3,14 +3,14 @@ queries attend to the chunk, the sink frames and the `annsa_local` most recent c
 other cached slot only where query and key share a bucket in one of T tables (the eager runtime's AnnSA,
 dit/fastar.attend_cache).
 
-Two forms (config.ANNSA_KERNELS, recorded in the metadata): with the native library (the default when it
+Two forms (contract.ANNSA_KERNELS, recorded in the metadata): with the native library (the default when it
 builds; `--native-attention off` asks for the graph) one ai.fastcar AnnSAAttention node per block
 (native_context), whose kernel walks each query's buckets and scores only the selected slots; otherwise the
 block-sparse ONNX ops below, which run in any ONNX Runtime with nothing to build but pad every bucket's
 queries and keys to the fullest (one 4-bit LSH bucket can hold nearly all of a chunk's queries).
 
 The ONNX-op form, per block N (B rows, H heads, Q chunk queries, d head size, T tables):
-    codes    = the queries' bucket ids [B, H, Q, T] (annca_graph.bucket_codes: fastar's reference hashers as
+    codes    = the queries' bucket ids [B, H, Q, T] (dit_annca.bucket_codes: fastar's reference hashers as
                nodes, in float64 as they compute); also the output `annsa_codes.N`
     dense    = the cache slots `annsa_dense` [Nd] (sinks + local frames, the runtime's ring positions) gathered
                once and multiplied with every query
@@ -33,24 +33,14 @@ import numpy as np
 import onnx_ir as ir
 
 from fastcar_compile.core import contract
-from fastcar_compile.dit.annca_graph import bucket_codes
-from fastcar_compile.dit.config import ANNSA_DENSE, ANNSA_INPUTS, ANNSA_NATIVE, annsa_io
-from fastcar_compile.dit.discover import SelfAttention
-from fastcar_compile.dit.modes import bucket_hasher
-
-FEATURE = "AnnSA (bucketed self-attention over the cache) on DiT blocks"
-OP = ("AnnSA: dense over sinks + local frames (Gather), bucket blocks of queries x keys (GatherND, batched "
-      "MatMul), one softmax")
-NATIVE_OP = "AnnSA: ai.fastcar AnnSAAttention (each query scores its buckets' slots, the dense slots and the chunk)"
-
-
-def op_line(mode: dict) -> str:
-    """The plan's attention line for AnnSA's compiled form."""
-    return NATIVE_OP if mode.get("annsa_kernel") == ANNSA_NATIVE else OP
+from fastcar_compile.core.contract import ANNSA_DENSE, ANNSA_INPUTS, ANNSA_NATIVE, AnnSARecord, annsa_io
+from fastcar_compile.fastar.config import hasher_of
+from fastcar_compile.passes.dit_annca import bucket_codes
+from fastcar_compile.passes.dit_discover import SelfAttention
 
 
 def add_inputs(graph: ir.Graph, layer: int, a: SelfAttention, tables: int) -> dict[str, ir.Value]:
-    """Block `layer`'s AnnSA graph inputs (config.annsa_io), with the shared `annsa_dense` (add_dense_input)."""
+    """Block `layer`'s AnnSA graph inputs (contract.annsa_io), with the shared `annsa_dense` (add_dense_input)."""
     names = annsa_io(layer)
     k, m = f"buckets_{layer}", f"bucket_keys_{layer}"  # per block: each has its own occupancy
     shapes = {"buckets": (ir.DataType.INT64, ["batch", a.heads, tables, k]),
@@ -77,10 +67,10 @@ def _codes_output(b, graph: ir.Graph, layer: int, a: SelfAttention, h) -> ir.Val
 
 
 def native_context(b, graph: ir.Graph, layer: int, a: SelfAttention, q: ir.Value, key: ir.Value, value: ir.Value,
-                   pkey: ir.Value, pvalue: ir.Value, mode: dict, head_dim: int) -> ir.Value:
+                   pkey: ir.Value, pvalue: ir.Value, mode: AnnSARecord, head_dim: int) -> ir.Value:
     """Block `layer`'s whole self-attention context [B, H, Q, d] as one AnnSAAttention node over the cache and
-    the chunk's own keys (`q` scaled as the scores use it), with the native form's inputs (config.annsa_io)."""
-    h = bucket_hasher(mode, head_dim)
+    the chunk's own keys (`q` scaled as the scores use it), with the native form's inputs (contract.annsa_io)."""
+    h = hasher_of(mode, head_dim)
     names = annsa_io(layer)
     shapes = {"key_codes": ["batch", a.heads, "capacity", h.tables],
               "sorted_codes": ["batch", a.heads, h.tables, f"bucketed_{layer}"],
@@ -103,18 +93,18 @@ def add_dense_input(graph: ir.Graph) -> None:
 
 
 def cache_scores(b, graph: ir.Graph, layer: int, a: SelfAttention, q: ir.Value, pkey: ir.Value, pvalue: ir.Value,
-                 mode: dict, head_dim: int):
+                 mode: AnnSARecord, head_dim: int):
     """The cache's part of block `layer`'s attention (module docstring): returns (scores [B, H, Q, n] to join
     before the chunk's own, context(probs of those n columns) -> [B, H, Q, d]). `q` is the query as the scores
     use it (the export's key scale applied); its codes are taken from the unscaled query (a positive scale
     changes no bucket, and the reference hashes the unscaled one)."""
-    h = bucket_hasher(mode, head_dim)
+    h = hasher_of(mode, head_dim)
     T = h.tables
 
     def c(name, array):
         from fastcar_compile.passes.build import const
 
-        return const(graph, f"fastcar.dit.annsa.{mode['kind']}.{name}", np.asarray(array))
+        return const(graph, f"fastcar.dit.annsa.{mode.kind}.{name}", np.asarray(array))
 
     ins = add_inputs(graph, layer, a, T)
     i64 = {"to": ir.DataType.INT64}

@@ -1,5 +1,5 @@
-"""`fastcar-compile genai-speculate GENAI_DIR -o OUT --draft temporal:K --frame-tokens L`: speculative decoding in
-onnxruntime-genai's own loop, genai unpatched (docs/speculation.md).
+"""The genai folder `fastcar-compile genai-speculate` writes: speculative decoding in onnxruntime-genai's own loop,
+genai unpatched (docs/speculation.md).
 
 genai (0.18) verifies the proposals of a *draft model* (`model.draft` in genai_config.json: any decoder-only ONNX
 graph with genai's decoder I/O and the target's vocabulary) or of its stock n-gram lookup (`speculative.ngram_size`).
@@ -12,7 +12,6 @@ position p the token at p - L (chained by genai beyond one frame: it feeds the d
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -25,7 +24,6 @@ from onnx import TensorProto, helper, numpy_helper
 from fastcar_compile.core import contract
 from fastcar_compile.core.atomic import write_bytes, write_text
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.core.options import ascii_int
 from fastcar_compile.runtime.speculate import ADAPTIVE_MAX, ADAPTIVE_START, parse_draft
 
 DRAFT_FILE = "draft.onnx"
@@ -184,27 +182,3 @@ def write(genai_dir: str | os.PathLike, out_dir: str | os.PathLike, draft: str, 
             files.append(_copy(f, dst / f.name))
     files.append(write_text(dst / cfg_path.name, json.dumps(cfg, indent=4) + "\n"))
     return files
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="fastcar-compile genai-speculate", description="Speculative decoding in onnxruntime-genai's generator: "
-        "write a genai folder that reads GENAI_DIR's model and verifies previous-frame drafts (a draft ONNX model) "
-        "or genai's own n-gram lookup. Greedy output is the model's (docs/speculation.md).")
-    ap.add_argument("genai_dir", help="the dense model's genai folder (genai_config.json + model.onnx), left as is")
-    ap.add_argument("-o", "--output", required=True, help="output folder (genai_config.json, draft.onnx, tokenizer)")
-    ap.add_argument("--draft", default=contract.DRAFT_TEMPORAL,
-                    help="temporal[:K] (the token one frame back, a draft model) or ngram[:K] (genai's lookup); "
-                    f"K fixed draft tokens per step (1-{GENAI_MAX_DRAFT}), else genai's adaptive K from "
-                    f"{ADAPTIVE_START}")
-    ap.add_argument("--frame-tokens", type=ascii_int, help="tokens per frame (the temporal draft's offset)")
-    ap.add_argument("--ngram-size", type=ascii_int, default=NGRAM_SIZE,
-                    help=f"ngram: genai's n-gram order (matches the last N - 1 tokens; default {NGRAM_SIZE})")
-    return ap
-
-
-def main(argv: list[str]) -> int:
-    a = build_parser().parse_args(argv)
-    files = write(a.genai_dir, a.output, a.draft, a.frame_tokens, a.ngram_size)
-    print(f"wrote {', '.join(p.name for p in files)} to {a.output}")
-    return 0

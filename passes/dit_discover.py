@@ -13,8 +13,9 @@ stopped, as the decoder's discovery does, passes/discover.py):
 6. `ffn`: MatMul -> GELU -> MatMul after the cross-attention.
 7. `modulation`: AdaLN: the self-attention's input is a LayerNorm scaled and shifted by values computed from
    the `timestep` input.
-Weight names and module paths are never used. The discovery of decoder layers is passes/discover.py; this one
-sits beside the DiT model it was written for and hands the rewrite (dit/compile.py) the nodes it found.
+Weight names and module paths are never used. The discovery of decoder layers is passes/discover.py; this is
+the DiT target's (DiTDiscoverPass): the emission passes (dit_cache, dit_replay, dit_annca) build on the nodes it
+found, never matching the graph again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from fastcar_compile.passes import graph_utils as gu
+from fastcar_compile.passes.context import DiTContext
 from fastcar_compile.passes.match_base import MatchFailure
 
 GELU_OPS = frozenset({"Gelu", "FastGelu", "BiasGelu"})
@@ -43,6 +45,17 @@ class SelfAttention:
     head_dim: int
 
 
+@dataclass(frozen=True)
+class CrossAttention:
+    """The block's attention to the prompt's K/V `cross.N.key|value` (what AnnCA replaces)."""
+
+    key: ir.Value
+    value: ir.Value
+    scores: ir.Node  # MatMul(query, keys^T): its left operand is the scaled query
+    context: ir.Node  # MatMul(probs, values)
+    key_factors: list[ir.Value]  # scalar factors applied to the keys before the scores
+
+
 @dataclass
 class DiTBlockMatch:
     layer: int
@@ -50,6 +63,7 @@ class DiTBlockMatch:
     rope: str = ""
     qk_norm: str = ""
     cross: str = ""
+    cross_attention: CrossAttention | None = None
     ffn: str = ""
     ffn_io: tuple[ir.Node, ir.Value] | None = None  # (the FFN's first MatMul, its output after the bias)
     key_pre: ir.Value | None = None  # the key before the rotary [B, S, heads * d] (TempCache compares those)
@@ -124,9 +138,9 @@ def _match_block(m: DiTBlockMatch, ins: dict[str, ir.Value], outs: dict[str, ir.
     m.key_pre = k_rot
     m.qk_norm = "q/k RMSNorm"
     m.trace.append(f"q/k norm: RMSNorm of {q_in.name} and of {k_in.name}")
-    cross_ctx, m.cross, where = cross_attention(ins[f"cross.{i}.key"], ins[f"cross.{i}.value"])
+    m.cross_attention, m.cross, where = cross_attention(ins[f"cross.{i}.key"], ins[f"cross.{i}.value"])
     m.trace.append(f"{m.cross}: {where}")
-    m.ffn, m.ffn_io = ffn(cross_ctx)
+    m.ffn, m.ffn_io = ffn(m.cross_attention.context.outputs[0])
     m.trace.append(m.ffn)
     m.modulation = modulation(projection(q_in, "query"), timestep)
     m.trace.append(m.modulation)
@@ -359,11 +373,11 @@ def rms_norm(value: ir.Value, what: str) -> ir.Value:
                        "+ eps) * w, RMSNormalization or SimplifiedLayerNormalization)", gu.describe(v.producer()))
 
 
-def cross_attention(ckey: ir.Value, cvalue: ir.Value) -> tuple[ir.Value, str, str]:
-    """The attention to the prompt's K/V: its context value, a description and its nodes."""
-    scores, softmax, context, _ = attention_chain(ckey, cvalue, "cross-attention")
+def cross_attention(ckey: ir.Value, cvalue: ir.Value) -> tuple[CrossAttention, str, str]:
+    """The attention to the prompt's K/V: its nodes, a description and where they are."""
+    scores, softmax, context, factors = attention_chain(ckey, cvalue, "cross-attention")
     dims = gu.static_dims(ckey) or [None] * 4
-    return (context.outputs[0], f"cross-attention to the prompt ({dims[1]} heads)",
+    return (CrossAttention(ckey, cvalue, scores, context, factors), f"cross-attention to the prompt ({dims[1]} heads)",
             f"{gu.describe(scores)} -> {gu.describe(softmax)} -> {gu.describe(context)}")
 
 
@@ -441,3 +455,15 @@ def modulation(proj: ir.Node, timestep: ir.Value | None) -> str:
         raise MatchFailure("modulation", f"the scale/shift around {gu.describe(norm)} do not come from the timestep "
                            "input (not AdaLN)", gu.describe(mul))
     return f"AdaLN ({norm.op_type} scaled and shifted by the timestep)"
+
+
+class DiTDiscoverPass(ir.passes.InPlacePass):
+    """Find every DiT block (self-attention over the cache, rotary, q/k norm, cross-attention, FFN, AdaLN)."""
+
+    def __init__(self, ctx: DiTContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.ctx.matches = discover(model)
+        return ir.passes.PassResult(model, modified=False)

@@ -1,7 +1,7 @@
 """`fastcar-compile eval`: dense vs FastCar, on your own model (`--model fast.onnx --prompts p.npy`) or as a
 tau sweep on the bundled video model.
 
-Your model: fastcar_compile/eval_model.py (replay, speed vs the dense model in the same run, logit
+Your model: runtime/evaluate.py (replay, speed vs the dense model in the same run, logit
 divergence, runtime traces for `report`). Bundled model: for each TAS variant (post-RoPE `rope`, pre-RoPE
 `raw`) and drift guard (max_replay 0 = off, K), the thresholds are the quantiles of the TAS values seen along
 dense generations (so the sweep lands near the target replay ratios 20/50/80/90% whatever the TAS scale),
@@ -206,14 +206,14 @@ def _sweep(a, targets: list[float], variants: list[str], out: Path) -> list[dict
 def _own(a) -> int:
     if a.model is None or a.prompts is None:
         raise FastCarError("eval on your model needs both --model fast.onnx and --prompts p.npy")
-    from fastcar_compile.eval_model import check_files, evaluate, load_prompts
+    from fastcar_compile.runtime.evaluate import check_files, evaluate, load_prompts
 
     frames = 4 if a.frames is None else a.frames
     threads = 2 if a.threads is None else a.threads
     if threads < 1:
         raise FastCarError(f"--threads must be >= 1, got {threads}")
     if a.draft is not None:
-        from fastcar_compile.eval_draft import evaluate_draft, frame_tokens_of
+        from fastcar_compile.runtime.evaluate_draft import evaluate_draft, frame_tokens_of
 
         evaluate_draft(a.model, load_prompts(a.prompts), a.out, a.draft, frame_tokens=frame_tokens_of(a.frame_shape),
                        frames=frames, batch=a.batch, threads=threads, given_video_tokens=a.given_video_tokens,

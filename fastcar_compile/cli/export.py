@@ -11,6 +11,7 @@ from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.options import ascii_int
 
 CHECK_TOLERANCE = 1e-3
+DIT_CHECK_TOLERANCE = 1e-4
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,12 +37,7 @@ def main(argv: list[str]) -> int:
     if a.dit is not None:
         if a.source is not None:
             raise FastCarError(f"give either a transformers model ({a.source}) or --dit {a.dit}, not both")
-        import importlib
-
-        from fastcar_compile.commands import DIT_EXPORT
-
-        module, func = DIT_EXPORT
-        return int(getattr(importlib.import_module(module), func)(a) or 0)
+        return _export_dit(a)
     if a.source is None:
         raise FastCarError("give a transformers model folder (or config.json), or --dit PRESET_OR_CONFIG")
     if a.opset is not None and not 7 <= a.opset <= 24:
@@ -93,3 +89,58 @@ def _check_files(source: Path, out: Path) -> None:
     if source.is_file():
         reads[source] = "the config"
     check_outputs({out: "-o", out.parent / f"{out.name}.data": "the output's external data"}, reads)
+
+
+def _export_dit(a: argparse.Namespace) -> int:
+    """The `--dit` branch: a chunk-causal video DiT (preset, config or folder) -> its step and prompt graphs."""
+    from fastcar_compile.core.contract import text_graph_path
+    from fastcar_compile.core.fileio import check_output_path, check_outputs
+    from fastcar_compile.dit.config import RANDOM_WEIGHTS_MAX_BYTES, load_config
+
+    if a.torchscript or a.opset is not None:
+        raise FastCarError("--dit exports with the dynamo exporter at opset 20; drop --torchscript / --opset")
+    out = Path(a.output)
+    if out.suffix != ".onnx":
+        raise FastCarError(f"-o {out}: give a path ending in .onnx")
+    check_output_path(out, "-o")
+    cfg, weights = load_config(a.dit)
+    text_out = text_graph_path(out)
+    src = Path(a.dit)
+    reads = {}
+    if src.exists():
+        reads = {f: "a file of the DiT folder" for f in (src.iterdir() if src.is_dir() else [src]) if f.is_file()}
+    check_outputs({out: "-o", text_out: "the prompt graph", out.parent / f"{out.name}.data": "the output's data",
+                   out.parent / f"{text_out.name}.data": "the prompt graph's data"}, reads)
+    from fastcar_compile.dit.export import check_step, export_dit
+    from fastcar_compile.dit.model import build
+
+    meta = weights is None and 4 * cfg.params > RANDOM_WEIGHTS_MAX_BYTES
+    t0 = time.perf_counter()
+    if weights is None and meta:
+        print(f"note: {a.dit} has no weights and {cfg.params / 1e9:.2f} B parameters; exporting the graph without "
+              "weights (zero-filled external data, never in memory)")
+    elif weights is None:
+        print(f"note: {a.dit} has no weights; exporting random weights (seed {a.seed}) to try the tool chain")
+    model = build(cfg, weights, seed=a.seed, device="meta" if meta else None)
+    print(f"exporting a {cfg.layers}-layer chunk-causal DiT ({cfg.params / 1e6:.1f} M parameters, "
+          f"{cfg.tokens_per_frame} tokens per frame) ...", flush=True)
+    try:
+        export_dit(model, out, weights="zeros" if meta else "checkpoint" if weights else "random")
+    except (FastCarError, OSError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.onnx raises many types
+        raise FastCarError(f"the dynamo exporter failed: {type(exc).__name__}: "
+                           f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}") from None
+    msg = f"wrote {out} and {text_out} ({time.perf_counter() - t0:.0f} s)"
+    if meta:
+        msg += "; not checked against eager PyTorch (no weights)"
+    elif not a.no_check:
+        err = check_step(model, out, text_out)
+        if not err <= DIT_CHECK_TOLERANCE:
+            raise FastCarError(f"{out}: ONNX Runtime differs from the eager model by {err:.3g} "
+                               f"(> {DIT_CHECK_TOLERANCE})")
+        msg += (f"; matches the eager model (max abs diff {err:.1e} over the prompt K/V and a step with an empty "
+                "and a non-empty cache)")
+    print(msg)
+    print(f"next: fastcar-compile stream {out} --frames 24 -o stream_out")
+    return 0

@@ -65,12 +65,9 @@ def main(argv: list[str]) -> int:
     from fastcar_compile.demo.decoding import decoding_from_args
 
     if "--dit" in argv:  # the DiT demo has its own options
-        import importlib
+        from fastcar_compile.cli import demo_dit
 
-        from fastcar_compile.commands import DIT_DEMO
-
-        module, func = DIT_DEMO
-        return int(getattr(importlib.import_module(module), func)(argv) or 0)
+        return demo_dit.main(argv)
     a = build_parser().parse_args(argv)
     spec = demo_spec(a.demo_model, a.long)
     _defaults(a, spec)

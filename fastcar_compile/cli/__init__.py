@@ -1,4 +1,5 @@
-"""Command line: `fastcar-compile model.onnx -o fast.onnx ...` and subcommands (registered in commands.py)."""
+"""Command line: `fastcar-compile model.onnx -o fast.onnx ...` and its subcommands, one module each in this folder
+(registered in registry.py); `main` dispatches."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import signal
 import sys
 
-from fastcar_compile.commands import SUBCOMMANDS, lookup
+from fastcar_compile.cli.registry import SUBCOMMANDS, lookup
 from fastcar_compile.core.errors import FastCarError
 
 __all__ = ["SUBCOMMANDS", "main"]

@@ -1,7 +1,7 @@
 """FastCar on the compiled DiT step graph: a token's FFN output replayed from the same (h, w) one frame earlier
 at the same denoising step when its TAS exceeds tau, with the replay cache as graph I/O.
 
-Per block N, on the nodes discovery found (dit/discover.py):
+Per block N planned with a tau (ReplayPass), on the nodes discovery found (passes/dit_discover.py):
     TAS [B, S]   = mean over heads of scores(q, k_back): the attention's own scaled query times the key one
                    frame back (the chunk's `present.N.key` shifted by a frame, `past_replay.N.key` [B, H, T, d]
                    for its first frame), times the export's key scale factors, summed over the head dimension
@@ -23,12 +23,11 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from fastcar_compile.dit.config import REPLAY_FIRST, DiTConfig, replay_io, tas_name
-from fastcar_compile.dit.discover import DiTBlockMatch
+from fastcar_compile.core.contract import REPLAY_FIRST, DiTConfig, replay_io, tas_name
+from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes.build import Builder, const
-
-REPLAY_OP = "TAS (scaled query . key one frame back, mean over heads) > tau -> FFN on the other rows only " \
-    "(NonZero/Gather/ScatterND), replayed rows chained frame by frame"
+from fastcar_compile.passes.context import DiTContext
+from fastcar_compile.passes.dit_discover import DiTBlockMatch
 
 
 def _clear_shapes(up: ir.Node, out: ir.Value) -> None:
@@ -46,7 +45,7 @@ def _clear_shapes(up: ir.Node, out: ir.Value) -> None:
 
 
 def add_replay(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, tau: float) -> None:
-    """FastCar replay on every block (module docstring): new inputs `replay_first` and `past_replay.N.*`,
+    """FastCar replay on the blocks `matches` (module docstring): new inputs `replay_first` and `past_replay.N.*`,
     new outputs `present_replay.N.*` and `replay.N`."""
     graph = model.graph
     T, F, D = cfg.tokens_per_frame, cfg.chunk_frames, cfg.hidden
@@ -121,3 +120,21 @@ def add_replay(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, ta
             v = next(n.outputs[0] for n in before + after if n.outputs[0].name == name)
             v.type, v.shape = ir.TensorType(dtype), ir.Shape(dims)
             graph.outputs.append(v)
+
+
+class ReplayPass(ir.passes.InPlacePass):
+    """FastCar's FFN replay on every block planned with a tau (TAS and the replay cache as graph I/O)."""
+
+    def __init__(self, ctx: DiTContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        taus = {self.ctx.plan[m.layer].replay_tau for m in self.ctx.matches} - {None}
+        if not taus:
+            return ir.passes.PassResult(model, modified=False)
+        if len(taus) > 1:  # one `replay_first` input and tau constant serve every block
+            raise FastCarError(f"the plan gives the DiT blocks {len(taus)} different taus; one tau serves every block")
+        tau = taus.pop()
+        add_replay(model, [m for m in self.ctx.matches if self.ctx.plan[m.layer].replay_tau == tau], self.ctx.cfg, tau)
+        return ir.passes.PassResult(model, modified=True)

@@ -2,7 +2,7 @@
 cross-attention only if a query of that frame shares a bucket with it in at least one table, and the frame's
 queries attend to its kept tokens only. The eager runtime's mode (dit/fastar.cross_attend), as graph nodes.
 
-Per block N, on the cross-attention discovery found (dit/discover.py):
+Per block N planned with AnnCA (AnnCAPass), on the cross-attention discovery found (passes/dit_discover.py):
     codes      = the bucket ids [.., tables] of the query, and of the prompt keys once per prompt (the prompt
                  graph's outputs `cross.N.codes`, the step graph's inputs): the reference hashers of
                  fastar/lsh.py and fastar/int8.py as nodes, in float64 as they compute
@@ -32,15 +32,15 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fastcar_compile.core import contract
-from fastcar_compile.dit.config import DiTConfig, annca_io
-from fastcar_compile.dit.discover import DiTBlockMatch, attention_chain, is_scalar
+from fastcar_compile.core.contract import BucketRecord, DiTConfig, annca_io
 from fastcar_compile.fastar.buckets import Buckets
+from fastcar_compile.fastar.config import hasher_of
 from fastcar_compile.fastar.int8 import SCALE, Int8Buckets
 from fastcar_compile.fastar.lsh import SignLSH
 from fastcar_compile.passes.build import Builder, const
+from fastcar_compile.passes.context import DiTContext
+from fastcar_compile.passes.dit_discover import DiTBlockMatch, is_scalar
 
-ANNCA_OP = "per frame, prompt tokens sharing a bucket with a query of the frame (bucket bitmap, no query x " \
-    "prompt map) gathered, attention over them only"
 _DOUBLE = ir.DataType.DOUBLE
 GATHER_FROM = 64  # prompt tokens (the config's text_len) from which the kept tokens are gathered, not masked
 # (measured: benchmarks/experiments/dit_annca_compiled.py, docs/dit.md)
@@ -179,12 +179,11 @@ def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, has
     codes: `prompt_codes` adds them to the prompt graph) and outputs `annca.N`."""
     graph = model.graph
     model.opset_imports.setdefault(contract.MS_DOMAIN, 1)  # FusedMatMul
-    ins = {v.name: v for v in graph.inputs}
     ids = itertools.count()
     for m in matches:
-        ckey, cvalue = ins[f"cross.{m.layer}.key"], ins[f"cross.{m.layer}.value"]
-        scores, _, context, factors = attention_chain(ckey, cvalue, "cross-attention")
-        scaled = scores.inputs[0]
+        cross = m.cross_attention
+        ckey, cvalue, context, factors = cross.key, cross.value, cross.context, cross.key_factors
+        scaled = cross.scores.inputs[0]
         query = scaled  # before its scale factors: the query the eager mode buckets
         while query.producer() is not None and query.producer().op_type in ("Mul", "Div") \
                 and is_scalar(query.producer().inputs[1]):
@@ -210,11 +209,36 @@ def add_annca(model: ir.Model, matches: list[DiTBlockMatch], cfg: DiTConfig, has
     RemoveUnusedNodesPass()(model)  # the export's scores, softmax and context of the cross-attention
 
 
+class AnnCAPass(ir.passes.InPlacePass):
+    """AnnCA on the cross-attention of every block planned with it (new inputs cross.N.codes, outputs annca.N)."""
+
+    def __init__(self, ctx: DiTContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        done = False
+        for record, blocks in _by_record(self.ctx, "annca"):
+            add_annca(model, blocks, self.ctx.cfg, hasher_of(record, self.ctx.cfg.head_dim))
+            done = True
+        return ir.passes.PassResult(model, modified=done)
+
+
+def _by_record(ctx: DiTContext, field: str) -> list[tuple[BucketRecord, list[DiTBlockMatch]]]:
+    """The matched blocks grouped by their plan's `field` record (blocks planned without it left out)."""
+    groups: dict[BucketRecord, list[DiTBlockMatch]] = {}
+    for m in ctx.matches:
+        record = getattr(ctx.plan[m.layer], field)
+        if record is not None:
+            groups.setdefault(record, []).append(m)
+    return list(groups.items())
+
+
 def prompt_codes(cfg: DiTConfig, hasher: Buckets) -> ir.Model:
     """The nodes that give the prompt graph its outputs `cross.N.codes` [B, H, L, tables] (int64) from its
     `cross.N.key` outputs: the prompt is fixed for a video, so its keys are hashed once, not every step. A graph
-    whose inputs are those keys; dit/compile.py appends its nodes, initializers and outputs to the prompt
-    graph's copy."""
+    whose inputs are those keys; the prompt graph's staging (passes/dit_prompt.py) appends its nodes,
+    initializers and outputs to the prompt graph's copy."""
     f32 = ir.TensorType(ir.DataType.FLOAT)
     keys = [ir.Value(name=f"cross.{i}.key", type=f32, shape=ir.Shape(["batch", cfg.heads, "text", cfg.head_dim]))
             for i in range(cfg.layers)]

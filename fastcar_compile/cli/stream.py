@@ -1,112 +1,19 @@
-"""`fastcar-compile export --dit CONFIG_OR_DIR_OR_PRESET -o dit.onnx` and `fastcar-compile stream dit.onnx
---frames N -o OUT` (registered in fastcar_compile/commands.py)."""
+"""`fastcar-compile stream dit.onnx --frames N -o OUT`: a video chunk by chunk with an exported DiT step graph
+(compiled or not), or with the DiT itself in eager PyTorch (the FAST-AR and FastCar modes)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import time
 from pathlib import Path
 
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import check_finite, check_int
 from fastcar_compile.core.options import add_arguments, ascii_float, ascii_int
 
-CHECK_TOLERANCE = 1e-4
-RANDOM_WEIGHTS_MAX_BYTES = 1 << 30  # larger configs without a checkpoint are exported without weights
 MAX_FRAMES = 100_000
-
-
-def export_main(a: argparse.Namespace) -> int:
-    """The `--dit` branch of `fastcar-compile export` (its parsed arguments)."""
-    from fastcar_compile.core.fileio import check_output_path, check_outputs
-    from fastcar_compile.dit.config import load_config
-    from fastcar_compile.dit.export import text_graph_path
-
-    if a.torchscript or a.opset is not None:
-        raise FastCarError("--dit exports with the dynamo exporter at opset 20; drop --torchscript / --opset")
-    out = Path(a.output)
-    if out.suffix != ".onnx":
-        raise FastCarError(f"-o {out}: give a path ending in .onnx")
-    check_output_path(out, "-o")
-    cfg, weights = load_config(a.dit)
-    text_out = text_graph_path(out)
-    src = Path(a.dit)
-    reads = {}
-    if src.exists():
-        reads = {f: "a file of the DiT folder" for f in (src.iterdir() if src.is_dir() else [src]) if f.is_file()}
-    check_outputs({out: "-o", text_out: "the prompt graph", out.parent / f"{out.name}.data": "the output's data",
-                   out.parent / f"{text_out.name}.data": "the prompt graph's data"}, reads)
-    from fastcar_compile.dit.export import check_step, export_dit
-    from fastcar_compile.dit.model import build
-
-    meta = weights is None and 4 * cfg.params > RANDOM_WEIGHTS_MAX_BYTES
-    t0 = time.perf_counter()
-    if weights is None and meta:
-        print(f"note: {a.dit} has no weights and {cfg.params / 1e9:.2f} B parameters; exporting the graph without "
-              "weights (zero-filled external data, never in memory)")
-    elif weights is None:
-        print(f"note: {a.dit} has no weights; exporting random weights (seed {a.seed}) to try the tool chain")
-    model = build(cfg, weights, seed=a.seed, device="meta" if meta else None)
-    print(f"exporting a {cfg.layers}-layer chunk-causal DiT ({cfg.params / 1e6:.1f} M parameters, "
-          f"{cfg.tokens_per_frame} tokens per frame) ...", flush=True)
-    try:
-        export_dit(model, out, weights="zeros" if meta else "checkpoint" if weights else "random")
-    except (FastCarError, OSError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - torch.onnx raises many types
-        raise FastCarError(f"the dynamo exporter failed: {type(exc).__name__}: "
-                           f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}") from None
-    msg = f"wrote {out} and {text_out} ({time.perf_counter() - t0:.0f} s)"
-    if meta:
-        msg += "; not checked against eager PyTorch (no weights)"
-    elif not a.no_check:
-        err = check_step(model, out, text_out)
-        if not err <= CHECK_TOLERANCE:
-            raise FastCarError(f"{out}: ONNX Runtime differs from the eager model by {err:.3g} (> {CHECK_TOLERANCE})")
-        msg += (f"; matches the eager model (max abs diff {err:.1e} over the prompt K/V and a step with an empty "
-                "and a non-empty cache)")
-    print(msg)
-    print(f"next: fastcar-compile stream {out} --frames 24 -o stream_out")
-    return 0
-
-
-def compile_main(a: argparse.Namespace) -> int:
-    """`fastcar-compile dit.onnx -o fast.onnx` on a DiT step graph (the compiler's parsed arguments)."""
-    from fastcar_compile.core import options
-    from fastcar_compile.dit.compile import REPLAY_FEATURE, calibrate_threshold, compile_dit
-    from fastcar_compile.dit.modes import BUCKET_SETTINGS
-
-    if a.calibrate_quality is not None:
-        raise FastCarError(f"--calibrate-quality: calibrating {REPLAY_FEATURE} by quality is not supported yet; "
-                           "give --calibrate-replay RATIO or --threshold TAU")
-    if a.output is None:
-        raise FastCarError("-o/--output is required: where to write the compiled step graph")
-    t0 = time.perf_counter()
-    opts = options.from_args(a)
-    if a.calibrate_replay is not None:
-        if not 0.0 <= a.calibrate_replay <= 1.0:
-            raise FastCarError(f"--calibrate-replay must be a replay ratio in [0, 1], got {a.calibrate_replay:g}")
-        import onnx
-
-        from fastcar_compile.dit.config import METADATA_KEY, from_dict
-
-        meta = {p.key: p.value for p in onnx.load(str(a.model), load_external_data=False).metadata_props}
-        cfg = from_dict(json.loads(meta[METADATA_KEY]), str(a.model))
-        text = _read_text(a.calib_data, cfg.text_dim) if a.calib_data else None
-        tau = calibrate_threshold(a.model, a.calibrate_replay, text=text, frames=a.calib_frames,
-                                  tempcache=opts.get("tempcache"), tempcache_match=opts["tempcache_match"],
-                                  **{k: opts[k] for k in (*BUCKET_SETTINGS, "annsa", "annsa_local", "annca")})
-        opts["threshold"] = (tau,)
-        print(f"calibrated --threshold {tau:.6g} for replay ratio {a.calibrate_replay:g} (TAS quantile over the "
-              f"eligible rows of a {max(a.calib_frames, 2 * cfg.chunk_frames)}-frame stream, "
-              f"{'--calib-data' if text is not None else 'a seeded random'} prompt)")
-    _, report = compile_dit(a.model, a.output, **opts)
-    print(report.format(verbose=a.verbose))
-    print(f"wrote {a.output} ({len(report.rewritten)} DiT blocks rewritten, {time.perf_counter() - t0:.1f} s); "
-          f"next: fastcar-compile stream {a.output} --frames 24 -o stream_out")
-    return 0
 
 
 def build_stream_parser() -> argparse.ArgumentParser:
@@ -132,7 +39,8 @@ def build_stream_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _read_text(path: str, text_dim: int):
+def read_text_embeds(path: str, text_dim: int):
+    """A prompt's embeddings .npy [tokens, text_dim] (--text, --calib-data), checked."""
     import numpy as np
 
     from fastcar_compile.core.fileio import check_input_file
@@ -164,7 +72,7 @@ def check_rollout_args(a, frames_what: str, min_threads: int) -> None:
     check_int("--threads", a.threads, min_threads, MAX_THREADS)
 
 
-def stream_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     a = build_stream_parser().parse_args(argv)
     check_rollout_args(a, "latent frames", min_threads=0)
     for flag, v in (("--sink", a.sink), ("--window", a.window)):
@@ -189,12 +97,10 @@ def stream_main(argv: list[str]) -> int:
     model = _eager_model(a.model, fa, a.threads) if eager else _ort_model(model_path, a.threads)
     if not eager:
         check_outputs(files, {model.text_path: "the prompt graph"})
-    text = _read_text(a.text, model.cfg.text_dim) if a.text else None
+    text = read_text_embeds(a.text, model.cfg.text_dim) if a.text else None
     settings = StreamSettings(frames=a.frames, seed=a.seed, cfg_scale=a.cfg, sink_frames=a.sink,
                               window_frames=a.window)
     if fa.fastcar_ratio is not None:
-        import dataclasses
-
         from fastcar_compile.dit.fastar import calibrate_tau
 
         tau = calibrate_tau(model.model, fa, settings, text)
@@ -210,8 +116,8 @@ def stream_main(argv: list[str]) -> int:
 
         result["fastar"] = {"mode": modes.label(model.fa), "settings": modes.record(model.fa),
                             "totals": totals(model.stats), "layers": model.layer_summary()}
-    elif any(v is not None for v in getattr(model, "modes", {}).values()):  # compiled in (the graph's metadata)
-        result["compiled_modes"] = {**model.modes, "replay_ratio": model.replayed[0] / max(model.replayed[1], 1),
+    elif getattr(model, "modes", None) is not None and not model.modes.dense:  # compiled in (the graph's metadata)
+        result["compiled_modes"] = {**dataclasses.asdict(model.modes), "replay_ratio": model.replayed[0] / max(model.replayed[1], 1),
                                     "merge_ratio": model.cache.merges[0] / max(model.cache.merges[1], 1),
                                     "cross_density": model.cross_pairs[0] / max(model.cross_pairs[1], 1),
                                     "kv_density": model.cache.kv_density,
@@ -233,11 +139,11 @@ def stream_main(argv: list[str]) -> int:
             print(f"TempCache compiled in (SIM {model.sim:g}, {model.match} match): {100 * done['merge_ratio']:.1f}% "
                   f"of the written keys merged, {100 * done['kv_density']:.1f}% of a dense cache's slots resident")
         if model.annca is not None:
-            print(f"AnnCA compiled in ({model.annca['kind']} buckets x {model.annca['ann_tables']} tables): "
+            print(f"AnnCA compiled in ({model.annca.kind} buckets x {model.annca.ann_tables} tables): "
                   f"{100 * done['cross_density']:.1f}% of the query x prompt pairs executed")
         if model.annsa is not None:
-            print(f"AnnSA compiled in ({model.annsa['kind']} buckets x {model.annsa['ann_tables']} tables, "
-                  f"{model.annsa['annsa_local']} local frames): {100 * done['self_density']:.1f}% of the query x "
+            print(f"AnnSA compiled in ({model.annsa.kind} buckets x {model.annsa.ann_tables} tables, "
+                  f"{model.annsa.annsa_local} local frames): {100 * done['self_density']:.1f}% of the query x "
                   "cache-and-chunk pairs executed")
     return 0
 
@@ -256,7 +162,7 @@ def _ort_model(model_path: Path, threads: int):
 
 def _eager_model(source: str, fa, threads: int):
     """The DiT (preset, config or folder) in eager PyTorch behind the FAST-AR runtime."""
-    from fastcar_compile.dit.config import PRESETS, load_config
+    from fastcar_compile.dit.config import PRESETS, RANDOM_WEIGHTS_MAX_BYTES, load_config
     from fastcar_compile.dit.fastar import FastARDiT
     from fastcar_compile.dit.model import build
 

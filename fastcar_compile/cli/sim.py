@@ -1,4 +1,5 @@
-"""CLI subcommands of the FPGA backend: `sim`, `disasm`, `asm` (registered in commands.SUBCOMMANDS)."""
+"""`fastcar-compile sim MODEL.fcb --replay-trace run.json`: the FPGA backend's simulator on a replay trace or
+synthetic masks."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def _sim_parser() -> argparse.ArgumentParser:
     return p
 
 
-def sim_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     args = _sim_parser().parse_args(argv)
     import numpy as np
 
@@ -207,45 +208,3 @@ def representative_step(replay) -> int:
     gap = np.abs(share[cand] - share[cand].mean())
     best = cand[gap == gap.min()]
     return int(best[len(best) // 2])
-
-
-def disasm_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="fastcar-compile disasm", description="Print a .fcb file as assembly.")
-    p.add_argument("fcb")
-    p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
-    args = p.parse_args(argv)
-    from fastcar_compile.core.atomic import write_text
-    from fastcar_compile.fpga_backend import asm, encode
-
-    program = encode.load(args.fcb)
-    if args.output:
-        from fastcar_compile.core.fileio import check_output_path, check_outputs
-
-        check_output_path(args.output, "-o")
-        check_outputs({args.output: "-o"}, {args.fcb: "the bundle"})
-        write_text(args.output, asm.disassemble(program))
-        return 0
-    try:
-        for line in asm.disassemble_lines(program):
-            sys.stdout.write(line + "\n")
-    except BrokenPipeError:  # `| head`
-        sys.stderr.close()
-    return 0
-
-
-def asm_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="fastcar-compile asm", description="Assemble text into a .fcb file.")
-    p.add_argument("source", help="assembly text (as printed by disasm)")
-    p.add_argument("-o", "--output", required=True, help="bundle file to write")
-    args = p.parse_args(argv)
-    from fastcar_compile.core.fileio import check_output_path, check_outputs, read_text
-    from fastcar_compile.fpga_backend import asm, encode
-    from fastcar_compile.fpga_backend.verify import check_program
-
-    check_output_path(args.output, "-o")
-    check_outputs({args.output: "-o"}, {args.source: "the assembly source"})
-    program = asm.assemble(read_text(args.source, "assembly file"))
-    check_program(program)  # what sim would refuse is never written
-    size = encode.save(program, args.output)
-    print(f"wrote {args.output} ({len(program)} bundles, {size} bytes)")
-    return 0
