@@ -115,7 +115,8 @@ def strip_mlp(src: Path, out: Path) -> None:
 
 # ORT session config entries every variant runs with (dense included: the baseline is the fastest dense decode).
 # genai 0.18 hands any unknown string key of `session_options` to AddConfigEntry (checked: a bad
-# "session.load_model_format" makes og.Model fail). Which entries are faster: benchmarks/experiments/ab_genai_session_config.py.
+# "session.load_model_format" makes og.Model fail). Which entries are faster: the A/B study
+# 08784a2:benchmarks/experiments/ab_genai_session_config.py (in history, `git show` it).
 SESSION_CONFIG: dict[str, str] = {}
 
 
