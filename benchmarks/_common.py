@@ -283,10 +283,6 @@ def empty_state(sess, batch: int, frame_tokens: int) -> dict[str, np.ndarray]:
     return state
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    write_text(path, text)
-
-
 def ms_lists(times: dict[str, list[float]]) -> dict[str, list[float]]:
     """Per-step times in seconds -> milliseconds, for the raw steps a benchmark's JSON keeps."""
     return {n: [x * 1e3 for x in t] for n, t in times.items()}
@@ -294,6 +290,6 @@ def ms_lists(times: dict[str, list[float]]) -> dict[str, list[float]]:
 
 def save_results(path: Path, results: dict) -> int:
     """Write a benchmark's results as JSON (atomically), say where, and return the exit code 0."""
-    atomic_write_text(path, json.dumps(results, indent=1))
+    write_text(path, json.dumps(results, indent=1))
     print(f"\nwrote {path}")
     return 0
