@@ -1,6 +1,6 @@
 """Two compilers, the same exports: equal logits, decisions and state, and the same nodes?
 
-    python benchmarks/experiments/compile_equivalence.py --old OLD/.venv/bin/fastcar-compile --new .venv/bin/fastcar-compile \
+    python scripts/compile_equivalence.py --old OLD/.venv/bin/fastcar-compile --new .venv/bin/fastcar-compile \
         --zoo $FASTCAR_ZOO_DIR [--models llama-dynamo20,genai-llama] [--options default,kv]
 
 For a refactoring of the compiler (e.g. an older checkout of the repository with its own venv as --old): every
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the tests' drivers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' drivers
 import ort_driver  # noqa: E402
 import session_driver  # noqa: E402
 
