@@ -21,6 +21,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dit", metavar="CONFIG_OR_DIR_OR_PRESET",
                     help="export a chunk-causal video DiT instead: a preset (tiny, wan2.1-1.3b), a DiT config .json "
                     "or a folder with config.json (+ model.safetensors); writes the step graph and OUT.text.onnx")
+    ck = ap.add_argument_group("--dit checkpoints without our config (diffusers' WanTransformer3DModel folder, or Wan's "
+                               "original layout: Self-Forcing, CausVid .pt / .safetensors; docs/dit.md)")
+    ck.add_argument("--dit-settings", metavar="JSON", help="a small JSON of the fields a checkpoint does not fix: heads, "
+                    "latent_h, latent_w, chunk_frames, sink_frames, window_frames, text_len, eps, rope_theta")
+    ck.add_argument("--heads", type=ascii_int, help="attention heads (default: the checkpoint config's, or hidden / 128)")
+    ck.add_argument("--latent", metavar="HxW", help="latent frame size (default 60x104: Wan2.1 at 480x832)")
+    ck.add_argument("--chunk-frames", type=ascii_int, help="latent frames denoised together (default 3)")
+    ck.add_argument("--sink-frames", type=ascii_int, help="first frames the cache keeps for ever (default 3)")
+    ck.add_argument("--window-frames", type=ascii_int, help="most recent frames the cache keeps, 0 = all (default 18)")
+    ck.add_argument("--state-key", metavar="KEY", help="the entry of a .pt checkpoint holding the weights (default: "
+                    "the top level, else 'generator', 'model', 'state_dict'; e.g. generator_ema)")
     ap.add_argument("-o", "--output", required=True, help="output .onnx (written atomically)")
     ap.add_argument("--opset", type=ascii_int, help="ONNX opset (default 20 with dynamo, 17 with --torchscript)")
     ap.add_argument("--torchscript", action="store_true",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def export_main(a: argparse.Namespace) -> int:
     if out.suffix != ".onnx":
         raise FastCarError(f"-o {out}: give a path ending in .onnx")
     check_output_path(out, "-o")
-    cfg, weights = load_config(a.dit)
+    cfg, weights = load_config(a.dit, checkpoint_overrides(a), a.state_key)
     text_out = text_graph_path(out)
     src = Path(a.dit)
     reads = {}
@@ -48,6 +49,10 @@ def export_main(a: argparse.Namespace) -> int:
               "weights (zero-filled external data, never in memory)")
     elif weights is None:
         print(f"note: {a.dit} has no weights; exporting random weights (seed {a.seed}) to try the tool chain")
+    if weights is not None and not isinstance(weights, Path):
+        print(f"reading {a.dit}: {weights.describe()}, mapped onto a {cfg.layers}-layer chunk-causal DiT ({cfg.heads} "
+              f"heads, latent {cfg.latent_h}x{cfg.latent_w}, chunk {cfg.chunk_frames}, sinks {cfg.sink_frames}, "
+              f"window {cfg.window_frames})")
     model = build(cfg, weights, seed=a.seed, device="meta" if meta else None)
     print(f"exporting a {cfg.layers}-layer chunk-causal DiT ({cfg.params / 1e6:.1f} M parameters, "
           f"{cfg.tokens_per_frame} tokens per frame) ...", flush=True)
@@ -70,6 +75,20 @@ def export_main(a: argparse.Namespace) -> int:
     print(msg)
     print(f"next: fastcar-compile stream {out} --frames 24 -o stream_out")
     return 0
+
+
+def checkpoint_overrides(a: argparse.Namespace) -> dict:
+    """The geometry given on export's command line (--dit-settings, then the flags): DiTConfig fields."""
+    from fastcar_compile.dit.checkpoints import read_overrides
+
+    flags = {"heads": a.heads, "chunk_frames": a.chunk_frames, "sink_frames": a.sink_frames,
+             "window_frames": a.window_frames}
+    if a.latent is not None:
+        m = re.fullmatch(r"([0-9]+)x([0-9]+)", a.latent)
+        if not m:
+            raise FastCarError(f"--latent {a.latent!r}: give the latent frame size as HxW, e.g. 60x104")
+        flags.update(latent_h=int(m.group(1)), latent_w=int(m.group(2)))
+    return read_overrides(a.dit_settings, flags)
 
 
 def compile_main(a: argparse.Namespace) -> int:
