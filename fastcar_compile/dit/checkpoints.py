@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.dit.config import DiTConfig
+from fastcar_compile.dit.config import PRESETS, DiTConfig, from_dict
 
 LAYOUTS = ("fastcar", "diffusers", "wan")
 
@@ -112,6 +112,11 @@ class Checkpoint:
         state = self.state if self.state is not None else _read(self.files, self.key)[0]
         return {k[len(self.strip):]: v for k, v in state.items()}
 
+    def state_dict(self, cfg: DiTConfig) -> dict[str, Any]:
+        """Our float32 state dict (module-level state_dict; dit/model.build calls it)."""
+        where = str(self.files[0].parent if len(self.files) != 1 else self.files[0]) if self.files else self.layout
+        return state_dict(self, cfg, where)
+
     def describe(self) -> str:
         if self.state is not None:
             return f"{self.layout} layout (a module in memory)"
@@ -154,6 +159,46 @@ def _read(files: tuple[Path, ...], key: str | None) -> tuple[dict, str | None]:
             raise FastCarError(f"{f}: no state dict under key {key!r} (keys: {sorted(map(str, obj))[:6]})")
         obj = obj[key]
     return {k: v for k, v in obj.items()}, key
+
+
+def load_config(source: str, overrides: dict | None = None, state_key: str | None = None):
+    """A preset name, a DiT config .json, a folder with config.json (+ model.safetensors), a diffusers
+    WanTransformer3DModel folder, or a checkpoint in Wan's original layout (a .pt / .pth / .safetensors file or
+    folder: Self-Forcing, CausVid); `overrides`: geometry fields (dit/OVERRIDABLE) replacing the
+    config's, `state_key`: the entry of a training checkpoint that holds the weights.
+
+    Returns (config, weights: None (random), a model.safetensors Path, or a dit/Checkpoint)."""
+    from fastcar_compile.core.fileio import read_json
+
+    overrides = overrides or {}
+    if source in PRESETS:
+        return with_overrides(PRESETS[source], overrides, f"--dit {source}"), None
+    src = Path(source)
+    if not src.exists():
+        raise FastCarError(f"--dit {source}: no such preset or path; give one of {sorted(PRESETS)}, a DiT "
+                           "config .json, a folder with config.json (+ model.safetensors), a diffusers Wan "
+                           "transformer folder or a Wan-layout checkpoint (.pt / .safetensors)")
+    if src.is_file() and src.suffix != ".json":
+        ckpt = open_checkpoint(src, state_key)
+        if ckpt.layout == "fastcar":
+            raise FastCarError(f"--dit {src}: weights in our own layout need their config.json: give the folder")
+        return infer_config(ckpt, None, overrides, str(src)), ckpt
+    cfg_file = src / "config.json" if src.is_dir() else src
+    data = read_json(cfg_file, "the DiT config") if cfg_file.is_file() else None
+    if data is not None and not isinstance(data, dict):
+        raise FastCarError(f"{cfg_file}: the DiT config must be a JSON object")
+    if src.is_dir() and (data is None or "layers" not in data):  # diffusers' or Wan's own folder
+        ckpt = open_checkpoint(src, state_key)
+        if ckpt.layout == "fastcar":
+            raise FastCarError(f"--dit {src}: the folder has no config.json of ours (layers, hidden, ...)")
+        return infer_config(ckpt, data, overrides, str(src)), ckpt
+    if data is None:
+        raise FastCarError(f"--dit {src}: the folder has no config.json")
+    if state_key is not None:
+        raise FastCarError("--state-key applies to a .pt / .pth checkpoint")
+    cfg = with_overrides(from_dict(data, str(cfg_file)), overrides, str(cfg_file))
+    weights = src / "model.safetensors" if src.is_dir() else None
+    return cfg, weights if weights is not None and weights.is_file() else None
 
 
 def layout_of(names) -> str | None:

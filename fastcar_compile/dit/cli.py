@@ -22,7 +22,7 @@ MAX_FRAMES = 100_000
 def export_main(a: argparse.Namespace) -> int:
     """The `--dit` branch of `fastcar-compile export` (its parsed arguments)."""
     from fastcar_compile.core.fileio import check_output_path, check_outputs
-    from fastcar_compile.dit.config import load_config
+    from fastcar_compile.dit.checkpoints import load_config
     from fastcar_compile.dit.export import text_graph_path
 
     if a.torchscript or a.opset is not None:
@@ -275,7 +275,8 @@ def _ort_model(model_path: Path, threads: int):
 
 def _eager_model(source: str, fa, threads: int):
     """The DiT (preset, config or folder) in eager PyTorch behind the FAST-AR runtime."""
-    from fastcar_compile.dit.config import PRESETS, load_config
+    from fastcar_compile.dit.checkpoints import load_config
+    from fastcar_compile.dit.config import PRESETS
     from fastcar_compile.dit.fastar import FastARDiT
     from fastcar_compile.dit.model import build
 

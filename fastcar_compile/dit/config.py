@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastcar_compile.core.errors import FastCarError
 
@@ -110,47 +109,6 @@ def from_dict(d: dict, where: str) -> DiTConfig:
             raise FastCarError(f"{where}: patch must be a list of three integers")
         d["patch"] = tuple(d["patch"])
     return DiTConfig(**d).check(where)
-
-
-def load_config(source: str, overrides: dict | None = None, state_key: str | None = None):
-    """A preset name, a DiT config .json, a folder with config.json (+ model.safetensors), a diffusers
-    WanTransformer3DModel folder, or a checkpoint in Wan's original layout (a .pt / .pth / .safetensors file or
-    folder: Self-Forcing, CausVid); `overrides`: geometry fields (dit/checkpoints.OVERRIDABLE) replacing the
-    config's, `state_key`: the entry of a training checkpoint that holds the weights.
-
-    Returns (config, weights: None (random), a model.safetensors Path, or a dit/checkpoints.Checkpoint)."""
-    from fastcar_compile.core.fileio import read_json
-    from fastcar_compile.dit import checkpoints
-
-    overrides = overrides or {}
-    if source in PRESETS:
-        return checkpoints.with_overrides(PRESETS[source], overrides, f"--dit {source}"), None
-    src = Path(source)
-    if not src.exists():
-        raise FastCarError(f"--dit {source}: no such preset or path; give one of {sorted(PRESETS)}, a DiT "
-                           "config .json, a folder with config.json (+ model.safetensors), a diffusers Wan "
-                           "transformer folder or a Wan-layout checkpoint (.pt / .safetensors)")
-    if src.is_file() and src.suffix != ".json":
-        ckpt = checkpoints.open_checkpoint(src, state_key)
-        if ckpt.layout == "fastcar":
-            raise FastCarError(f"--dit {src}: weights in our own layout need their config.json: give the folder")
-        return checkpoints.infer_config(ckpt, None, overrides, str(src)), ckpt
-    cfg_file = src / "config.json" if src.is_dir() else src
-    data = read_json(cfg_file, "the DiT config") if cfg_file.is_file() else None
-    if data is not None and not isinstance(data, dict):
-        raise FastCarError(f"{cfg_file}: the DiT config must be a JSON object")
-    if src.is_dir() and (data is None or "layers" not in data):  # diffusers' or Wan's own folder
-        ckpt = checkpoints.open_checkpoint(src, state_key)
-        if ckpt.layout == "fastcar":
-            raise FastCarError(f"--dit {src}: the folder has no config.json of ours (layers, hidden, ...)")
-        return checkpoints.infer_config(ckpt, data, overrides, str(src)), ckpt
-    if data is None:
-        raise FastCarError(f"--dit {src}: the folder has no config.json")
-    if state_key is not None:
-        raise FastCarError("--state-key applies to a .pt / .pth checkpoint")
-    cfg = checkpoints.with_overrides(from_dict(data, str(cfg_file)), overrides, str(cfg_file))
-    weights = src / "model.safetensors" if src.is_dir() else None
-    return cfg, weights if weights is not None and weights.is_file() else None
 
 
 # The ONNX I/O of the denoiser step (stream.py and export.py derive from these).

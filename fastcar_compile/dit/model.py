@@ -195,13 +195,12 @@ def build(cfg: DiTConfig, weights=None, seed: int = 0, device: str | None = None
     (dit/checkpoints.Checkpoint: diffusers', Wan's), random (seeded) ones, or on the meta device (device="meta":
     shapes only, nothing allocated, for exporting the graph of a large config)."""
     from fastcar_compile.core.errors import FastCarError
-    from fastcar_compile.dit.checkpoints import Checkpoint, state_dict
 
     if device == "meta":
         with torch.device("meta"):
             return ChunkDiT(cfg).eval()
-    if isinstance(weights, Checkpoint):  # built without weights, then given the mapped tensors (no copy kept)
-        state = state_dict(weights, cfg, str(weights.files[0].parent if len(weights.files) != 1 else weights.files[0]))
+    if hasattr(weights, "state_dict"):  # a Checkpoint: built without weights, then given the mapped tensors
+        state = weights.state_dict(cfg)
         with torch.device("meta"):
             model = ChunkDiT(cfg).eval()
         model.load_state_dict(state, strict=True, assign=True)
