@@ -11,6 +11,8 @@ from __future__ import annotations
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("fastcar_compile.cmd_export", "main", "transformers model folder -> ONNX decoder with KV cache"),
     "stream": ("fastcar_compile.dit.cli", "stream_main", "stream a video chunk by chunk with an exported DiT (export --dit)"),
+    "generate": ("fastcar_compile.cmd_generate", "main", "render one video per prompt row, in this process or on Ray "
+                 "Data actors (--ray)"),
     "demo": ("fastcar_compile.demo.cmd_demo", "main", "compile the bundled video model and compare dense vs FastCar"),
     "eval": ("fastcar_compile.demo.cmd_eval", "main", "dense vs FastCar on your model (--model fast.onnx --prompts p.npy), or a tau sweep "
              "on the bundled one"),
