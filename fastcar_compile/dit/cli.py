@@ -123,6 +123,9 @@ def compile_main(a: argparse.Namespace) -> int:
               f"{'--calib-data' if text is not None else 'a seeded random'} prompt)")
     _, report = compile_dit(a.model, a.output, **opts)
     print(report.format(verbose=a.verbose))
+    from fastcar_compile.passes.cuda_target import retarget
+
+    retarget(a)
     print(f"wrote {a.output} ({len(report.rewritten)} DiT blocks rewritten, {time.perf_counter() - t0:.1f} s); "
           f"next: fastcar-compile stream {a.output} --frames 24 -o stream_out")
     return 0
