@@ -67,6 +67,7 @@ class VideoRenderer:
 
     def __init__(self, spec: RenderSpec):
         self.spec = spec
+        t0 = time.perf_counter()
         self.dit = is_dit(spec.model)
         if self.dit:
             from fastcar_compile.dit.stream import OrtDiT
@@ -77,6 +78,7 @@ class VideoRenderer:
 
             self.model = FastCarSession(spec.model, frame_tokens=spec.frame_tokens, threads=spec.threads)
         _LOADS[0] += 1
+        self.load_s = time.perf_counter() - t0
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         """Ray Data's batch form: columns `index` and `prompt` -> one record per video."""
@@ -93,7 +95,7 @@ class VideoRenderer:
         seconds = time.perf_counter() - t0
         trace.update(video=index, seed=self.spec.seed + index, seconds=seconds, model=str(self.spec.model),
                      worker={"pid": os.getpid(), "host": os.uname().nodename, "model_loads": _LOADS[0],
-                             "threads": self.spec.threads})
+                             "load_s": self.load_s, "rss_mib": _rss_mib(), "threads": self.spec.threads})
         buf = io.BytesIO()
         np.savez(buf, **arrays, trace=np.array(json.dumps(trace)))
         written = commit(path, buf.getvalue())
@@ -119,6 +121,15 @@ class VideoRenderer:
         if getattr(self.model, "tau", None) is not None:
             trace["replay_ratio"] = self.model.replayed[0] / max(self.model.replayed[1], 1)
         return {"latent": np.concatenate(chunks, axis=1)}, trace
+
+
+def _rss_mib() -> float | None:
+    """This worker's resident memory (Linux), MiB: what one more actor costs."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def commit(path: Path, data: bytes) -> bool:
