@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import in_turn  # noqa: E402
 
 from fastcar_compile.dit import modes  # noqa: E402
-from fastcar_compile.dit.config import PRESETS, load_config  # noqa: E402
+from fastcar_compile.dit.checkpoints import load_config  # noqa: E402
+from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT, calibrate_tau, totals  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout, rss_mib  # noqa: E402

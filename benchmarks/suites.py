@@ -191,6 +191,18 @@ def _video_sections(raw: dict) -> list[str]:
 VIDEO_PICTURES = ("plot.png", "video-demo.gif", "strip.png", "replay_heatmap.png", "replay_layers.png", "fastar.png")
 
 SUITES: dict[str, Suite] = {s.name: s for s in [
+    Suite("many-videos", "Many videos: generate's in-process loop against Ray Data actor pools (tiny DiT, 1 thread each)",
+          "many_videos.py", {"default": ["--videos", "24", "--frames", "24"], "quick": ["--quick"]},
+          lambda d: ["--out", str(d / "many_videos.json")],
+          [Column("variant", "run"), Column("videos", "videos"), Column("wall_s", "wall s", "{:.1f}"),
+           Column("videos_per_min", "videos/min", "{:.1f}"), Column("x_loop", "x loop", "{:.2f}"),
+           Column("p50_s", "video p50 s", "{:.3f}"), Column("p90_s", "video p90 s", "{:.3f}"),
+           Column("max_s", "video max s", "{:.3f}"), Column("load_s", "model load s", "{:.2f}"),
+           Column("worker_rss_mib", "worker RSS MiB", "{:.0f}")],
+          lambda raw: [{**r, "label": r["variant"]} for r in raw["rows"]], ("label", ["videos_per_min"], "videos per minute"),
+          ["Wall time includes Ray's actor start-up and each actor's model load (a one-time cost per actor); a "
+           "video's own time is its trace's. The machine has 2 cores shared with other jobs: 2 actors of 1 thread "
+           "each use both."]),
     Suite("walk", "The README's five commands on the bundled video model as a transformers folder (64-token frames, 1 thread)",
           "walk.py", {"default": [], "quick": ["--quick"]}, lambda d: ["--out", str(d / "walk.json")],
           [Column("label", "model"), Column("ms", "decode ms/token", "{:.3f}"), Column("x_input", "x input model",

@@ -27,8 +27,8 @@ from fastcar_compile.passes.save import SavePass, Staging
 from fastcar_compile.passes.threshold import BakeThresholdPass
 from fastcar_compile.passes.validate import ValidatePass
 
-__all__ = ["CompileOptions", "CompileReport", "LayerReport", "Loaded", "bake_threshold", "compile", "inspect",
-           "load", "parse_layers", "pass_list"]
+__all__ = ["CompileOptions", "CompileReport", "LayerReport", "Loaded", "bake_threshold", "calibrate_dit", "compile",
+           "inspect", "load", "parse_layers", "pass_list"]
 
 
 class Loaded(NamedTuple):
@@ -315,3 +315,30 @@ def native_attention(model: str | os.PathLike, output: str | os.PathLike, valida
     finally:
         staging.cleanup()
     return ctx.notes
+
+
+DIT_PROBE_TAU = 3e38  # above any TAS: the calibration probe computes and outputs TAS but replays nothing
+
+
+def calibrate_dit(path: str | os.PathLike, ratio: float, *, text=None, frames: int = 3, **options) -> float:
+    """`--calibrate-replay` on a DiT step graph: the tau giving FFN replay ratio `ratio` over the eligible rows (the
+    decoders' one-pass calibration, for the DiT target). A probe compiled with FastCar on and a tau no TAS exceeds
+    streams `frames` frames (at least two chunks; the prompt `text` [L, text_dim] or a seeded random one) and the
+    quantile of the TAS it outputs is the tau. `options`: the compile's other options (TempCache, AnnSA and AnnCA
+    change the rollout whose TAS sets tau: the probe has them)."""
+    import tempfile
+
+    import numpy as np
+
+    from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout
+    from fastcar_compile.runtime.calib_stats import tau_for_share
+
+    options = {k: v for k, v in options.items() if k not in ("threshold", "validate")}
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.onnx"
+        compile(path, probe, threshold=(DIT_PROBE_TAU,), validate=False, **options)
+        runtime = OrtDiT(probe)
+        runtime.tas_log = []
+        for _ in rollout(runtime, StreamSettings(frames=max(frames, 2 * runtime.cfg.chunk_frames)), text):
+            pass
+    return tau_for_share(np.concatenate(runtime.tas_log), ratio)

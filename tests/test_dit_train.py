@@ -21,7 +21,7 @@ from fastcar_compile.demo.dit_train import (  # noqa: E402
     text_embeds,
     train_dit,
 )
-from fastcar_compile.dit.config import load_config  # noqa: E402
+from fastcar_compile.dit.checkpoints import load_config  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import STEPS, FrameCache, StreamSettings, TorchDiT, rollout  # noqa: E402
 

@@ -211,7 +211,7 @@ def main() -> None:
     from fastcar_compile.cli import main as cli
     from fastcar_compile.cli.demo_dit import MODEL_DIR, parse_prompt
     from fastcar_compile.demo.dit_train import text_embeds
-    from fastcar_compile.dit.config import load_config
+    from fastcar_compile.dit.checkpoints import load_config
     from fastcar_compile.dit.model import build
 
     out = Path(a.out)

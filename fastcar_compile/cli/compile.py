@@ -62,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the calibration prompts end with N video tokens (e.g. a given frame 0: N = L), so "
                           "the first generated frame may already replay (default 0)")
     fpga = p.add_argument_group("FPGA backend")
-    fpga.add_argument("--target", choices=["onnx", "fpga"], default="onnx",
-                      help="onnx (default): write fast.onnx; fpga: compile a fast.onnx into DRS bundles (.fcb)")
+    fpga.add_argument("--target", choices=["onnx", "cuda", "fpga"], default="onnx",
+                      help="onnx (default): write fast.onnx; cuda: fast.onnx with only ops ONNX Runtime's CUDA "
+                      "provider runs (the ai.fastcar ops' function bodies inlined; docs/scale.md); fpga: compile a "
+                      "fast.onnx into DRS bundles (.fcb)")
     fpga.add_argument("--board", default="kv260", help=f"board preset ({board_presets()}; default kv260)")
     fpga.add_argument("--board-file", help="JSON file overriding board parameters")
     fpga.add_argument("--batch", type=options.ascii_int, default=1, help="batch rows the bundles are scheduled for (<= 32)")
@@ -119,6 +121,9 @@ def main(argv: list[str]) -> int:
     _, report = fc.compile(loaded, args.output, **options.from_args(args))
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
+    from fastcar_compile.passes.cuda_target import retarget
+
+    retarget(args)
     if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):
         print(f"note: tau {args.threshold[0]:g} is on the paper's raw-TAS scale; post-RoPE TAS (--tas-query rope) "
               "often replays every eligible MLP there. Calibrate (--calibrate-replay 0.5 --calib-data p.npy) or "
@@ -173,6 +178,9 @@ def _calibrate(args) -> int:
     print(f"calibrated tau = {result.tau:.6g}; compiling {args.output} with it", flush=True)
     _, report = fc.compile(args.model, args.output, **options.from_args(args, threshold=result.tau))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, tau = {result.tau:.6g})")
+    from fastcar_compile.passes.cuda_target import retarget
+
+    retarget(args)
     return 0
 
 
@@ -194,18 +202,21 @@ def _compile_dit(a: argparse.Namespace, loaded) -> int:
     if a.calibrate_replay is not None:
         if not 0.0 <= a.calibrate_replay <= 1.0:
             raise FastCarError(f"--calibrate-replay must be a replay ratio in [0, 1], got {a.calibrate_replay:g}")
+        from fastcar_compile.api import calibrate_dit
         from fastcar_compile.cli.stream import read_text_embeds
-        from fastcar_compile.dit.calibrate import calibrate_threshold
 
         cfg = contract.dit_config_of(loaded.model.metadata_props, str(a.model))
         text = read_text_embeds(a.calib_data, cfg.text_dim) if a.calib_data else None
-        tau = calibrate_threshold(a.model, a.calibrate_replay, text=text, frames=a.calib_frames, **opts)
+        tau = calibrate_dit(a.model, a.calibrate_replay, text=text, frames=a.calib_frames, **opts)
         opts["threshold"] = (tau,)
         print(f"calibrated --threshold {tau:.6g} for replay ratio {a.calibrate_replay:g} (TAS quantile over the "
               f"eligible rows of a {max(a.calib_frames, 2 * cfg.chunk_frames)}-frame stream, "
               f"{'--calib-data' if text is not None else 'a seeded random'} prompt)")
     _, report = fc.compile(loaded, a.output, **opts)
     print(report.format(verbose=a.verbose))
+    from fastcar_compile.passes.cuda_target import retarget
+
+    retarget(a)
     print(f"wrote {a.output} ({len(report.rewritten)} DiT blocks rewritten, {time.perf_counter() - t0:.1f} s); "
           f"next: fastcar-compile stream {a.output} --frames 24 -o stream_out")
     return 0

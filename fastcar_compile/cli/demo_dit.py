@@ -68,7 +68,7 @@ def parse_prompt(text: str) -> dict[str, str]:
 def load_trained(folder: Path):
     """The trained DiT (eager, eval) from `folder`; a one-line error naming the fix when it is not there."""
     from fastcar_compile.demo.dit_train import TEXT_DIM
-    from fastcar_compile.dit.config import load_config
+    from fastcar_compile.dit.checkpoints import load_config
     from fastcar_compile.dit.model import build
 
     missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]

@@ -4,6 +4,7 @@ cache that the compiler reads (docs/export.md)."""
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
@@ -22,6 +23,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dit", metavar="CONFIG_OR_DIR_OR_PRESET",
                     help="export a chunk-causal video DiT instead: a preset (tiny, wan2.1-1.3b), a DiT config .json "
                     "or a folder with config.json (+ model.safetensors); writes the step graph and OUT.text.onnx")
+    ck = ap.add_argument_group("--dit checkpoints without our config (diffusers' WanTransformer3DModel folder, or Wan's "
+                               "original layout: Self-Forcing, CausVid .pt / .safetensors; docs/dit.md)")
+    ck.add_argument("--dit-settings", metavar="JSON", help="a small JSON of the fields a checkpoint does not fix: heads, "
+                    "latent_h, latent_w, chunk_frames, sink_frames, window_frames, text_len, eps, rope_theta")
+    ck.add_argument("--heads", type=ascii_int, help="attention heads (default: the checkpoint config's, or hidden / 128)")
+    ck.add_argument("--latent", metavar="HxW", help="latent frame size (default 60x104: Wan2.1 at 480x832)")
+    ck.add_argument("--chunk-frames", type=ascii_int, help="latent frames denoised together (default 3)")
+    ck.add_argument("--sink-frames", type=ascii_int, help="first frames the cache keeps for ever (default 3)")
+    ck.add_argument("--window-frames", type=ascii_int, help="most recent frames the cache keeps, 0 = all (default 18)")
+    ck.add_argument("--state-key", metavar="KEY", help="the entry of a .pt checkpoint holding the weights (default: "
+                    "the top level, else 'generator', 'model', 'state_dict'; e.g. generator_ema)")
     ap.add_argument("-o", "--output", required=True, help="output .onnx (written atomically)")
     ap.add_argument("--opset", type=ascii_int, help="ONNX opset (default 20 with dynamo, 17 with --torchscript)")
     ap.add_argument("--torchscript", action="store_true",
@@ -95,7 +107,8 @@ def _export_dit(a: argparse.Namespace) -> int:
     """The `--dit` branch: a chunk-causal video DiT (preset, config or folder) -> its step and prompt graphs."""
     from fastcar_compile.core.contract import text_graph_path
     from fastcar_compile.core.fileio import check_output_path, check_outputs
-    from fastcar_compile.dit.config import RANDOM_WEIGHTS_MAX_BYTES, load_config
+    from fastcar_compile.dit.checkpoints import load_config
+    from fastcar_compile.dit.config import RANDOM_WEIGHTS_MAX_BYTES
 
     if a.torchscript or a.opset is not None:
         raise FastCarError("--dit exports with the dynamo exporter at opset 20; drop --torchscript / --opset")
@@ -103,7 +116,7 @@ def _export_dit(a: argparse.Namespace) -> int:
     if out.suffix != ".onnx":
         raise FastCarError(f"-o {out}: give a path ending in .onnx")
     check_output_path(out, "-o")
-    cfg, weights = load_config(a.dit)
+    cfg, weights = load_config(a.dit, _checkpoint_overrides(a), a.state_key)
     text_out = text_graph_path(out)
     src = Path(a.dit)
     reads = {}
@@ -121,6 +134,10 @@ def _export_dit(a: argparse.Namespace) -> int:
               "weights (zero-filled external data, never in memory)")
     elif weights is None:
         print(f"note: {a.dit} has no weights; exporting random weights (seed {a.seed}) to try the tool chain")
+    if weights is not None and not isinstance(weights, Path):
+        print(f"reading {a.dit}: {weights.describe()}, mapped onto a {cfg.layers}-layer chunk-causal DiT ({cfg.heads} "
+              f"heads, latent {cfg.latent_h}x{cfg.latent_w}, chunk {cfg.chunk_frames}, sinks {cfg.sink_frames}, "
+              f"window {cfg.window_frames})")
     model = build(cfg, weights, seed=a.seed, device="meta" if meta else None)
     print(f"exporting a {cfg.layers}-layer chunk-causal DiT ({cfg.params / 1e6:.1f} M parameters, "
           f"{cfg.tokens_per_frame} tokens per frame) ...", flush=True)
@@ -144,3 +161,17 @@ def _export_dit(a: argparse.Namespace) -> int:
     print(msg)
     print(f"next: fastcar-compile stream {out} --frames 24 -o stream_out")
     return 0
+
+
+def _checkpoint_overrides(a: argparse.Namespace) -> dict:
+    """The geometry given on export's command line (--dit-settings, then the flags): DiTConfig fields."""
+    from fastcar_compile.dit.checkpoints import read_overrides
+
+    flags = {"heads": a.heads, "chunk_frames": a.chunk_frames, "sink_frames": a.sink_frames,
+             "window_frames": a.window_frames}
+    if a.latent is not None:
+        m = re.fullmatch(r"([0-9]+)x([0-9]+)", a.latent)
+        if not m:
+            raise FastCarError(f"--latent {a.latent!r}: give the latent frame size as HxW, e.g. 60x104")
+        flags.update(latent_h=int(m.group(1)), latent_w=int(m.group(2)))
+    return read_overrides(a.dit_settings, flags)

@@ -11,6 +11,8 @@ from __future__ import annotations
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("fastcar_compile.cli.export", "main", "transformers model folder (or --dit) -> ONNX with KV cache"),
     "stream": ("fastcar_compile.cli.stream", "main", "stream a video chunk by chunk with an exported DiT (export --dit)"),
+    "generate": ("fastcar_compile.cli.generate", "main", "render one video per prompt row, in this process or on Ray "
+                 "Data actors (--ray)"),
     "demo": ("fastcar_compile.cli.demo", "main", "compile the bundled video model and compare dense vs FastCar"),
     "eval": ("fastcar_compile.cli.eval", "main", "dense vs FastCar on your model (--model fast.onnx --prompts p.npy), "
              "or a tau sweep on the bundled one"),

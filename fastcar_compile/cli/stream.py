@@ -162,7 +162,8 @@ def _ort_model(model_path: Path, threads: int):
 
 def _eager_model(source: str, fa, threads: int):
     """The DiT (preset, config or folder) in eager PyTorch behind the FAST-AR runtime."""
-    from fastcar_compile.dit.config import PRESETS, RANDOM_WEIGHTS_MAX_BYTES, load_config
+    from fastcar_compile.dit.checkpoints import load_config
+    from fastcar_compile.dit.config import PRESETS, RANDOM_WEIGHTS_MAX_BYTES
     from fastcar_compile.dit.fastar import FastARDiT
     from fastcar_compile.dit.model import build
 

@@ -276,7 +276,7 @@ def save_checkpoint(path: Path, model, opt, step: int, s: DiTTrainSettings) -> N
 
 
 def save_weights(model, folder: Path) -> None:
-    """float16 model.safetensors + config.json: a folder `dit.config.load_config` reads."""
+    """float16 model.safetensors + config.json: a folder `dit.checkpoints.load_config` reads."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)

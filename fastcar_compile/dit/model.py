@@ -191,13 +191,20 @@ class TextGraph(nn.Module):
 
 
 def build(cfg: DiTConfig, weights=None, seed: int = 0, device: str | None = None) -> ChunkDiT:
-    """The model in eval mode: weights from a safetensors file, random (seeded) ones, or on the meta device
-    (device="meta": shapes only, nothing allocated, for exporting the graph of a large config)."""
+    """The model in eval mode: weights from a safetensors file of ours, a checkpoint of another layout
+    (dit/checkpoints.Checkpoint: diffusers', Wan's), random (seeded) ones, or on the meta device (device="meta":
+    shapes only, nothing allocated, for exporting the graph of a large config)."""
     from fastcar_compile.core.errors import FastCarError
 
     if device == "meta":
         with torch.device("meta"):
             return ChunkDiT(cfg).eval()
+    if hasattr(weights, "state_dict"):  # a Checkpoint: built without weights, then given the mapped tensors
+        state = weights.state_dict(cfg)
+        with torch.device("meta"):
+            model = ChunkDiT(cfg).eval()
+        model.load_state_dict(state, strict=True, assign=True)
+        return model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = ChunkDiT(cfg).eval()

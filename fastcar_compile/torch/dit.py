@@ -222,13 +222,29 @@ class FastCarDiT(nn.Module):
         return [vel.cpu().numpy(), *presents]
 
 
-def apply_dit(model: ChunkDiT, *, sinks: int | None = None, window: int | None = None, **options) -> FastCarDiT:
-    """TempCache and/or FastCar on a ChunkDiT (never modified). Options: dit/modes.py's `tempcache` ('aligned'),
-    `tempcache_sim`, `fastcar_tau` (a TAS threshold; None = no replay); all off is the dense model. `sinks` /
-    `window`: frames the cache keeps (the model config's by default)."""
+def apply_dit(model, *, sinks: int | None = None, window: int | None = None, latent: tuple[int, int] | None = None,
+              chunk_frames: int | None = None, **options) -> FastCarDiT:
+    """TempCache and/or FastCar on a ChunkDiT or a diffusers `WanTransformer3DModel` (never modified; a diffusers
+    transformer is mapped by dit/checkpoints' table onto a ChunkDiT sharing its tensors, for chunk-by-chunk
+    rollout with a KV cache). Options: dit/modes.py's `tempcache` ('aligned'), `tempcache_sim`, `fastcar_tau` (a
+    TAS threshold; None = no replay); all off is the dense model. `sinks` / `window`: frames the cache keeps (the
+    model config's by default); `latent` (H, W) and `chunk_frames`: the stream's geometry, which a diffusers
+    transformer does not hold (Wan2.1-480p's 60x104 and 3 by default)."""
+    if type(model).__name__ == "WanTransformer3DModel":
+        from fastcar_compile.dit.checkpoints import from_module
+
+        geometry = {k: v for k, v in (("chunk_frames", chunk_frames), ("sink_frames", sinks),
+                                      ("window_frames", window)) if v is not None}
+        if latent is not None:
+            geometry.update(latent_h=int(latent[0]), latent_w=int(latent[1]))
+        model = from_module(model, geometry)
+    elif latent is not None or chunk_frames is not None:
+        raise FastCarError("apply_dit: latent / chunk_frames are a diffusers transformer's stream geometry; a "
+                           "ChunkDiT has them in its config")
     if not isinstance(model, ChunkDiT):
-        raise FastCarError(f"apply_dit takes a fastcar_compile.dit.model.ChunkDiT, got {type(model).__name__}; "
-                           "for a transformers decoder use fastcar_compile.torch.apply")
+        raise FastCarError(f"apply_dit takes a fastcar_compile.dit.model.ChunkDiT or a diffusers "
+                           f"WanTransformer3DModel, got {type(model).__name__}; for a transformers decoder use "
+                           "fastcar_compile.torch.apply")
     bad = sorted(set(options) - set(SUPPORTED))
     if bad:
         raise FastCarError(f"apply_dit: {bad[0]!r} is not supported on the PyTorch DiT (it takes "
