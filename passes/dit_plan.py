@@ -38,7 +38,7 @@ BUCKET_SETTINGS = ("lsh_bits", "quant_dirs", "ann_tables", "ann_seed")  # what d
 _REPLAY_OPTIONS = ("tas_query", "max_replay", "per_layer_threshold", "emit_diagnostics", "required_video_inputs")
 _KV_OPTIONS = ("kv_budget", "kv_sinks", "kv_window", "kv_eviction", "sparse_attention", "prune_prompt",
                "kv_diagnostics", "kv_layers")
-_OWN = ("frame_tokens", "threshold", "tempcache", "validate", "native_attention", *options.DIT_ONLY)
+_OWN = ("frame_tokens", "threshold", "tempcache", "validate", "native_attention", "provider", *options.DIT_ONLY)
 
 
 def _given(opts: dict, name: str):

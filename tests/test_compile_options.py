@@ -186,7 +186,7 @@ BAD = {"frame_tokens": 0, "threshold": float("nan"), "tas_query": "post", "max_r
        "fused_attention": "dense", "rotary_positions": 2**21, "kv_budget": 2**24, "kv_sinks": -1, "kv_window": 2**40,
        "kv_eviction": "newest", "tempcache": 1.5, "tempcache_match": "nearest", "prune_prompt": -0.5,
        "kv_diagnostics": 0, "lsh_bits": 17, "quant_dirs": 0, "ann_tables": 65, "ann_seed": -1, "annsa": "hash",
-       "annsa_local": -1}
+       "annsa_local": -1, "provider": "tpu"}
 
 
 def test_every_bounded_option_refuses_out_of_range_through_api_and_cli(tmp_path, capsys):

@@ -62,10 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the calibration prompts end with N video tokens (e.g. a given frame 0: N = L), so "
                           "the first generated frame may already replay (default 0)")
     fpga = p.add_argument_group("FPGA backend")
-    fpga.add_argument("--target", choices=["onnx", "cuda", "fpga"], default="onnx",
-                      help="onnx (default): write fast.onnx; cuda: fast.onnx with only ops ONNX Runtime's CUDA "
-                      "provider runs (the ai.fastcar ops' function bodies inlined; docs/scale.md); fpga: compile a "
-                      "fast.onnx into DRS bundles (.fcb)")
+    fpga.add_argument("--target", choices=["onnx", "fpga"], default="onnx",
+                      help="onnx (default): write fast.onnx; fpga: compile a fast.onnx into DRS bundles (.fcb)")
     fpga.add_argument("--board", default="kv260", help=f"board preset ({board_presets()}; default kv260)")
     fpga.add_argument("--board-file", help="JSON file overriding board parameters")
     fpga.add_argument("--batch", type=options.ascii_int, default=1, help="batch rows the bundles are scheduled for (<= 32)")
@@ -121,9 +119,6 @@ def main(argv: list[str]) -> int:
     _, report = fc.compile(loaded, args.output, **options.from_args(args))
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
-    from fastcar_compile.passes.cuda_target import retarget
-
-    retarget(args)
     if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):
         print(f"note: tau {args.threshold[0]:g} is on the paper's raw-TAS scale; post-RoPE TAS (--tas-query rope) "
               "often replays every eligible MLP there. Calibrate (--calibrate-replay 0.5 --calib-data p.npy) or "
@@ -166,7 +161,7 @@ def _calibrate(args) -> int:
         # one tau for every layer, the outputs calibration reads, no genai files
         fc.compile(args.model, probe, **options.from_args(
             args, threshold=args.threshold[0], per_layer_threshold=False, emit_diagnostics=True, genai=False,
-            validate=False, required_video_inputs=False))
+            validate=False, required_video_inputs=False, provider="cpu"))
         n_held = max(1, len(prompts) // 4) if len(prompts) > 1 else 0
         calib, held = (prompts[:-n_held], prompts[-n_held:]) if n_held else (prompts, None)
         print(f"calibrating on {len(calib)} prompts x {args.calib_frames} frames, {n_held} held out ...", flush=True)
@@ -178,9 +173,6 @@ def _calibrate(args) -> int:
     print(f"calibrated tau = {result.tau:.6g}; compiling {args.output} with it", flush=True)
     _, report = fc.compile(args.model, args.output, **options.from_args(args, threshold=result.tau))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, tau = {result.tau:.6g})")
-    from fastcar_compile.passes.cuda_target import retarget
-
-    retarget(args)
     return 0
 
 
@@ -214,9 +206,6 @@ def _compile_dit(a: argparse.Namespace, loaded) -> int:
               f"{'--calib-data' if text is not None else 'a seeded random'} prompt)")
     _, report = fc.compile(loaded, a.output, **opts)
     print(report.format(verbose=a.verbose))
-    from fastcar_compile.passes.cuda_target import retarget
-
-    retarget(a)
     print(f"wrote {a.output} ({len(report.rewritten)} DiT blocks rewritten, {time.perf_counter() - t0:.1f} s); "
           f"next: fastcar-compile stream {a.output} --frames 24 -o stream_out")
     return 0

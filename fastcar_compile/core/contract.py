@@ -151,6 +151,12 @@ def state_output_for(input_name: str) -> str:
 # New-video fill values of the FastCar state (DESIGN.md: caches start at 0, ages at -1 = never written).
 CACHE_FILL, AGE_FILL = 0, -1
 
+# The ONNX Runtime execution provider a model is compiled for: cpu (the ai.fastcar ops, native kernels when built) or
+# cuda (only ops the CUDA provider runs: the ai.fastcar ops' function bodies inlined, passes/cuda_target.py),
+# recorded under PROVIDER_KEY when not cpu.
+PROVIDERS = ("cpu", "cuda")
+PROVIDER_KEY = "fastcar.provider"
+
 # --- the ai.fastcar ops ---------------------------------------------------------------------------------------
 DOMAIN = "ai.fastcar"
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops the passes emit (GQA, RotaryEmbedding, norms)

@@ -264,6 +264,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("required_video_inputs", bool, False, "make video_start and fastcar_threshold plain inputs without "
            "defaults, fed every run (onnxruntime-genai's generator.set_model_input then sets them per video)",
            "--required-video-inputs", cli=SWITCH),
+    Option("provider", str, "cpu", "the ONNX Runtime execution provider the model is compiled for: cpu (the "
+           "ai.fastcar ops, their native kernels when built) or cuda (only ops the CUDA provider has kernels for: the "
+           "ai.fastcar ops' function bodies inlined, every op checked against its kernel table; docs/scale.md)",
+           "--provider", choices=contract.PROVIDERS),
     Option("validate", bool, True, "skip the onnx.checker + ONNX Runtime check of the result before it is written",
            "--no-validate", cli=NEGATE),
     Option("shared_mlp", bool, True, "each MLP's nodes once in the compute branch (ONNX Runtime then keeps only "
