@@ -49,9 +49,9 @@ from fastcar_compile.core.atomic import write_text  # noqa: E402
 from fastcar_compile.demo.dit_train import text_embeds, to_uint8  # noqa: E402
 from fastcar_compile.demo.metrics import psnr, ssim  # noqa: E402
 from fastcar_compile.dit import modes  # noqa: E402
+from fastcar_compile.dit.cache import FrameCache  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT, calibrate_tau, totals  # noqa: E402
 from fastcar_compile.dit.stream import (  # noqa: E402
-    FrameCache,
     StreamSettings,
     TorchDiT,
     generate_chunk,

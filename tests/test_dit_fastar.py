@@ -17,6 +17,7 @@ from dit_modes_helpers import refusal  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.dit import modes, sparse  # noqa: E402
+from fastcar_compile.dit.cache import kept_frames  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import (  # noqa: E402
     FastARDiT,
@@ -26,7 +27,7 @@ from fastcar_compile.dit.fastar import (  # noqa: E402
     replay_ffn,
     temporal_scores,
 )
-from fastcar_compile.dit.stream import StreamSettings, TorchDiT, kept_frames, rollout  # noqa: E402
+from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout  # noqa: E402
 from fastcar_compile.fastar.attention import dense_step  # noqa: E402
 from fastcar_compile.fastar.cache import HeadCache  # noqa: E402
 from fastcar_compile.fastar.config import KVCompressConfig  # noqa: E402
@@ -413,7 +414,7 @@ def test_recall_matches_numpy_definition():
     computed in NumPy with the reference cache's token -> slot map and counts."""
     from types import SimpleNamespace
 
-    from fastcar_compile.dit.stream import FrameCache
+    from fastcar_compile.dit.cache import FrameCache
 
     rng = np.random.default_rng(12)
     n, T, d, Q = 6, 8, 8, 6

@@ -115,7 +115,7 @@ def test_ring_merges_match_a_numpy_recount():
     slot at the newest frame of a chain holds count = chain length, the mean value and the newest key; the
     slots a chain left are dead (count 0, bias -inf); sink frames never merge; the ring overwrites evicted
     frames."""
-    from fastcar_compile.dit.stream import RingCache
+    from fastcar_compile.dit.cache import RingCache
 
     rng = np.random.default_rng(1)
     B, H, T, d, sinks, window, frames = 2, 2, 3, 4, 1, 3, 8

@@ -23,10 +23,11 @@ from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.core.contract import DIT_MODES_KEY  # noqa: E402
 from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.dit import modes, tempcache  # noqa: E402
+from fastcar_compile.dit.cache import RingCache  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
-from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, rollout  # noqa: E402
-from fastcar_compile.dit.tempcache import merge, targets  # noqa: E402
+from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
+from fastcar_compile.dit.tempcache import merge_positional, targets  # noqa: E402
 from fastcar_compile.fastar.cache import HeadCache  # noqa: E402
 from fastcar_compile.fastar.config import KVCompressConfig, make_hasher  # noqa: E402
 from fastcar_compile.fastar.int8 import Int8Buckets  # noqa: E402
@@ -98,7 +99,7 @@ def test_top1_targets_match_a_brute_force(kind, pairs, monkeypatch):
     codes, prev_codes = hasher.codes(k), hasher.codes(prev)
     k, prev, live, codes, prev_codes = (a.reshape(2, 3, *a.shape[1:]) for a in (k, prev, live, codes, prev_codes))
     for sim in (0.5, 0.9, -1.0):
-        got = targets(k, prev, live, sim, codes, prev_codes)
+        got = targets(*map(torch.from_numpy, (k, prev, live)), sim, *map(torch.from_numpy, (codes, prev_codes))).numpy()
         want = _brute_force(k, prev, live, sim, codes, prev_codes)
         np.testing.assert_array_equal(got, want)
         assert (got >= 0).any() and (got[..., 0] == 5).all()  # the exact duplicate: the later of the tied slots
@@ -115,7 +116,8 @@ def test_merge_of_several_keys_into_one_slot_matches_a_loop():
     target[0] = np.where(rng.random(T) < 0.5, np.arange(T), -1)  # a row where the fast (aligned) form would do
     prev_value, value = rng.standard_normal((G, T, d)), rng.standard_normal((G, T, d))
     prev_count = rng.integers(1, 5, (G, T))
-    out, count, left = merge(target, prev_value.astype(np.float32), prev_count, value.astype(np.float32))
+    out, count, left = (a.numpy() for a in merge_positional(*map(torch.from_numpy, (target, prev_value.astype(np.float32),
+                                                                       prev_count, value.astype(np.float32)))))
     want_count, want_left, want_value = np.where(target >= 0, 0, 1), prev_count.copy(), value.copy()
     for g in range(G):
         for p in range(T):
@@ -129,7 +131,8 @@ def test_merge_of_several_keys_into_one_slot_matches_a_loop():
     np.testing.assert_array_equal(count, want_count)
     np.testing.assert_array_equal(left, want_left)
     np.testing.assert_allclose(out, want_value, atol=1e-5)
-    out, count, left = merge(target[:1], prev_value[:1].astype(np.float32), prev_count[:1], value[:1].astype(np.float32))
+    out, count, left = (a.numpy() for a in merge_positional(*map(torch.from_numpy, (target[:1], prev_value[:1].astype(np.float32),
+                                                                       prev_count[:1], value[:1].astype(np.float32)))))
     np.testing.assert_array_equal(count, want_count[:1])
     np.testing.assert_array_equal(left, want_left[:1])
     np.testing.assert_allclose(out, want_value[:1], atol=1e-5)

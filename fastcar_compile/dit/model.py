@@ -6,7 +6,7 @@ The structure is Wan2.1's: patch embedding over (frame, h, w); per block AdaLN t
 -> self-attention with q/k RMSNorm and 3D RoPE (real cos/sin form: ONNX has no complex numbers) -> cross-
 attention to the prompt -> GELU-tanh FFN, with gated residuals; an AdaLN head. Timesteps are per frame, so a
 chunk may hold frames at different noise levels (Rolling-Forcing). A chunk attends to itself and to the
-cache (no mask inside a chunk); the caller decides what the cache holds (stream.FrameCache).
+cache (no mask inside a chunk); the caller decides what the cache holds (cache.FrameCache).
 """
 
 from __future__ import annotations

@@ -43,180 +43,10 @@ from fastcar_compile.core.contract import (
     tempcache_io,
 )
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.dit import tempcache
-from fastcar_compile.fastar.buckets import Buckets
+from fastcar_compile.dit.cache import FrameCache, RingCache
+from fastcar_compile.fastar.config import hasher_of
 
 STEPS = (1000.0, 750.0, 500.0, 250.0)  # flow-matching timesteps of a 4-step distilled sampler
-
-
-def kept_frames(written: int, sinks: int, window: int) -> set[int] | None:
-    """Frames a cache keeps once `written` frames were written: the first `sinks`, then the `window` most
-    recent others (None: window 0, every frame)."""
-    if not window:
-        return None
-    return set(range(min(sinks, written))) | set(range(max(sinks, written - window), written))
-
-
-class FrameCache:
-    """The K/V of resident frames, per layer: the first `sinks` frames ever written, then at most `window`
-    of the most recent others (window 0: no eviction). Frames are kept one array per (frame, layer, K|V) so
-    that eviction drops whole frames; `past()` concatenates the resident ones in frame order."""
-
-    def __init__(self, layers: int, tokens_per_frame: int, sinks: int, window: int):
-        self.layers, self.tokens, self.sinks, self.window = layers, tokens_per_frame, sinks, window
-        self.frames: dict[int, list[np.ndarray]] = {}  # frame index -> 2*layers arrays [B, heads, T, d]
-        self.written = 0
-
-    @property
-    def resident(self) -> list[int]:
-        return sorted(self.frames)
-
-    def write(self, first_frame: int, kv: list[np.ndarray]) -> None:
-        """Store a chunk's K/V (2*layers arrays [B, heads, F*T, d]) as frames first_frame.., then evict."""
-        frames = kv[0].shape[2] // self.tokens
-        for j in range(frames):
-            sl = slice(j * self.tokens, (j + 1) * self.tokens)
-            self.frames[first_frame + j] = [np.ascontiguousarray(a[:, :, sl]) for a in kv]
-        self.written = max(self.written, first_frame + frames)
-        keep = kept_frames(self.written, self.sinks, self.window)
-        if keep is not None:
-            for f in [f for f in self.frames if f not in keep]:
-                del self.frames[f]
-
-    def past(self, batch: int, heads: int, head_dim: int) -> list[np.ndarray]:
-        """Flat past.N.key|value arrays [B, heads, resident*T, d] (0 tokens when empty)."""
-        order = self.resident
-        if not order:
-            return [np.zeros((batch, heads, 0, head_dim), np.float32) for _ in range(2 * self.layers)]
-        return [np.concatenate([self.frames[f][i] for f in order], axis=2) for i in range(2 * self.layers)]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for arrays in self.frames.values() for a in arrays)
-
-
-class RingCache:
-    """The cache of a compiled step graph (passes/dit_cache.py): per layer and K|V one preallocated buffer
-    [B, heads, slots * T, d] that ONNX Runtime reads in place. Sink frames own the first slots, the window's
-    frames a ring of the next `window` slots (window 0: a slot per frame, the buffers growing by a quarter when
-    full: a copy of the cache every few chunks, and at most a quarter of the slots masked out in attention).
-    Slots fill in order, so the first `length` tokens always hold K/V; a write copies the chunk's own K/V
-    only. Same residency as FrameCache."""
-
-    def __init__(self, layers: int, tokens_per_frame: int, sinks: int, window: int, grow_from: int = 8,
-                 tempcache: float | None = None, match: Buckets | None = None):
-        self.layers, self.tokens, self.sinks, self.window = layers, tokens_per_frame, sinks, window
-        # TempCache compiled in (SIM): per layer the tokens merged into each slot [B, heads, slots * T] (0: empty,
-        # or left by a merge), its log as the graph's past_bias.N (-inf where 0), the last frame's pre-RoPE keys
-        # and, for the top-1 match (`match`: its bucketing; None = aligned), their bucket codes (dit/tempcache.py)
-        self.tempcache, self.match = tempcache, match
-        self.counts: list[np.ndarray] = []
-        self.bias: list[np.ndarray] = []
-        self.last_pre: list[np.ndarray] = []
-        self.last_codes: list[np.ndarray | None] = []
-        self.merges = [0, 0]  # tokens merged, tokens written
-        self.first_slots = sinks + window if window else max(sinks, grow_from)
-        self.buffers: list[np.ndarray] = []  # allocated by the first past() or write() (rows known then)
-        self.slot_frame: dict[int, int] = {}
-        self.length = 0  # tokens at the start of the buffers that hold K/V
-        # FastCar compiled in: per denoising step (the chunk's timesteps), the replay cache the last chunk left
-        # (per layer its last frame's FFN output and key), fed back as past_replay.N.* at the same step
-        self.replay: dict[tuple, list[np.ndarray]] = {}
-
-    def _allocate(self, rows: int, heads: int, head_dim: int) -> None:
-        if not self.buffers:
-            self.buffers = [np.zeros((rows, heads, self.first_slots * self.tokens, head_dim), np.float32)
-                            for _ in range(2 * self.layers)]
-            if self.tempcache is not None:
-                self.counts = [np.zeros((rows, heads, self.first_slots * self.tokens), np.int32)
-                               for _ in range(self.layers)]
-                self.bias = [np.full(c.shape, -np.inf, np.float32) for c in self.counts]
-
-    @property
-    def slots(self) -> int:
-        return self.buffers[0].shape[2] // self.tokens
-
-    @property
-    def resident(self) -> list[int]:
-        return sorted(self.slot_frame.values())
-
-    def slot(self, frame: int) -> int:
-        return frame if frame < self.sinks or not self.window else self.sinks + (frame - self.sinks) % self.window
-
-    def write(self, first_frame: int, kv: list[np.ndarray]) -> None:
-        """Copy a chunk's K/V (2*layers arrays [B, heads, F*T, d], then with TempCache the pre-RoPE keys per
-        layer) into the slots of frames first_frame..; with TempCache a token whose pre-RoPE key's cosine with
-        the same (h, w) one frame back exceeds SIM merges into that slot, which moves to the new frame's slot
-        (newest key, running mean value, count + 1) leaving a dead one (count 0); sink frames never merge."""
-        t, n = self.tokens, self.layers
-        pre, kv = kv[2 * n:], kv[:2 * n]
-        self._allocate(kv[0].shape[0], kv[0].shape[1], kv[0].shape[3])
-        for j in range(kv[0].shape[2] // t):
-            f = first_frame + j
-            slot = self.slot(f)
-            if slot >= self.slots:  # window 0: the cache grows with the video
-                size = max(-(-5 * self.slots // 4), slot + 1) * t
-                self.buffers = [self._grown(b, size) for b in self.buffers]
-                self.counts = [self._grown(c, size) for c in self.counts]
-                self.bias = [self._grown(b, size, -np.inf) for b in self.bias]
-            src = self.slot(f - 1)
-            merging = (self.tempcache is not None and f - 1 >= self.sinks and self.slot_frame.get(src) == f - 1)
-            new = slice(slot * t, (slot + 1) * t)
-            for i in range(n):
-                key, value = kv[2 * i][:, :, j * t:(j + 1) * t], kv[2 * i + 1][:, :, j * t:(j + 1) * t]
-                if self.tempcache is not None:
-                    value, count = self._merge(i, pre[i][:, :, j * t:(j + 1) * t], value, src if merging else None)
-                    self.counts[i][:, :, new] = count
-                    with np.errstate(divide="ignore"):  # a position a merge left: count 0, logit -inf
-                        self.bias[i][:, :, new] = np.log(count)
-                self.buffers[2 * i][:, :, new] = key
-                self.buffers[2 * i + 1][:, :, new] = value
-            self.slot_frame[slot] = f
-            self.length = max(self.length, (slot + 1) * t)
-
-    def _grown(self, old: np.ndarray, size: int, fill: float = 0) -> np.ndarray:
-        """`old` with `size` slots' tokens on axis 2, the filled ones copied (a new array: ORT is rebound)."""
-        new = np.full((*old.shape[:2], size, *old.shape[3:]), fill, old.dtype)
-        new[:, :, :self.length] = old[:, :, :self.length]
-        return new
-
-    def _merge(self, i: int, k_pre: np.ndarray, value: np.ndarray, src: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """Layer i's merge of one frame into the previous frame's slot `src` (None: no merge; dit/tempcache.py):
-        (values to write, counts); the previous frame's merged positions become dead."""
-        codes = None if self.match is None else self.match.codes(k_pre)
-        count = np.ones(value.shape[:3], np.int32)
-        if src is not None:
-            old = slice(src * self.tokens, (src + 1) * self.tokens)
-            c = self.counts[i][:, :, old].copy()
-            target = tempcache.targets(k_pre, self.last_pre[i], c > 0, self.tempcache, codes, self.last_codes[i])
-            value, count, left = tempcache.merge(target, self.buffers[2 * i + 1][:, :, old], c, value)
-            self.counts[i][:, :, old] = left
-            self.bias[i][:, :, old] = np.where(left > 0, self.bias[i][:, :, old], -np.inf)
-            self.merges[0] += int((target >= 0).sum())
-        self.merges[1] += count.size
-        if len(self.last_pre) <= i:
-            self.last_pre.append(k_pre.copy())
-            self.last_codes.append(codes)
-        else:
-            self.last_pre[i], self.last_codes[i] = k_pre.copy(), codes
-        return value, count
-
-    @property
-    def kv_density(self) -> float:
-        """Resident slots / the slots a dense cache of the same frames holds, all layers, rows and heads (TempCache
-        leaves dead slots behind its merges; 1 without it)."""
-        if self.tempcache is None or not self.counts:
-            return 1.0
-        dense = self.layers * self.counts[0][:, :, :1].size * self.tokens * len(self.slot_frame)
-        return sum(int((c[:, :, :self.length] > 0).sum()) for c in self.counts) / dense
-
-    def past(self, batch: int, heads: int, head_dim: int) -> RingCache:
-        self._allocate(batch, heads, head_dim)
-        return self  # the compiled step reads the buffers themselves
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
 
 
 class OrtDiT:
@@ -261,7 +91,8 @@ class OrtDiT:
         self.annca = self.modes.annca  # its buckets (contract.BucketRecord) or None
         self.cross_pairs = [0, 0]  # query x prompt-token pairs the cross-attention executed, dense pairs (AnnCA)
         self.match = self.modes.tempcache_match or "aligned"  # the correspondence (dit/tempcache.py)
-        self.hasher = tempcache.hasher(self.modes, self.cfg.head_dim) if self.sim is not None else None
+        buckets = self.modes.tempcache_buckets  # the top-1 match's bucketing (None: aligned)
+        self.hasher = hasher_of(buckets, self.cfg.head_dim) if self.sim is not None and buckets is not None else None
         self.annsa = self.modes.annsa  # its buckets, local frames and form, or None (passes/dit_annsa.py)
         self.self_pairs: list[int] | None = None  # a list: [executed, dense] q.k pairs over the cache (AnnSA)
         self.replayed = [0, 0]  # FFN rows replayed, rows decided (FastCar compiled in), over the session
