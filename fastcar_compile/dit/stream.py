@@ -56,35 +56,7 @@ class OrtDiT:
 
     def __init__(self, step_path: str | os.PathLike, text_path: str | os.PathLike | None = None,
                  threads: int = 0):
-        import onnx
-        import onnxruntime as ort
-
-        step_path = Path(step_path)
-        proto = onnx.load(str(step_path), load_external_data=False)
-        meta = {p.key: p.value for p in proto.metadata_props}
-        if DIT_CONFIG_KEY not in meta or DIT_TEXT_GRAPH_KEY not in meta:  # the prompt graph has the config only
-            raise FastCarError(f"{step_path} is not a DiT step graph (no {DIT_TEXT_GRAPH_KEY} metadata); give the "
-                               "step graph written by `fastcar-compile export --dit tiny -o dit.onnx`")
-
-        self.cfg: DiTConfig = dit_config_of(meta, str(step_path))
-        text_path = Path(text_path) if text_path else step_path.with_name(meta[DIT_TEXT_GRAPH_KEY])
-        if not text_path.is_file():
-            raise FastCarError(f"{step_path}: its prompt graph {text_path} is missing; export both again")
-        self.text_path = text_path
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        if threads:
-            so.intra_op_num_threads = threads
-        self.modes = DiTModes.from_json(meta.get(DIT_MODES_KEY), f"{step_path}'s {DIT_MODES_KEY}")  # compiled in
-        if self.modes.annsa is not None and self.modes.annsa.annsa_kernel == ANNSA_NATIVE:
-            from fastcar_compile.runtime.native import library_path
-
-            lib = library_path()  # None: the op's function body runs (same result, slower)
-            if lib is not None:
-                so.register_custom_ops_library(str(lib))
-        self.sess = ort.InferenceSession(str(step_path), so, providers=["CPUExecutionProvider"])
-        self.text_sess = ort.InferenceSession(str(text_path), so, providers=["CPUExecutionProvider"])
-        ins, outs = step_io(self.cfg.layers)
+        meta = self._open(Path(step_path), text_path, threads)
         self.in_place = meta.get(DIT_CACHE_FORM_KEY) == CACHE_IN_PLACE
         self.tau = self.modes.threshold
         self.sim = self.modes.tempcache
@@ -97,6 +69,38 @@ class OrtDiT:
         self.self_pairs: list[int] | None = None  # a list: [executed, dense] q.k pairs over the cache (AnnSA)
         self.replayed = [0, 0]  # FFN rows replayed, rows decided (FastCar compiled in), over the session
         self.tas_log: list[np.ndarray] | None = None  # a list: the eligible rows' TAS of every step (calibration)
+        self._check_io(Path(step_path))
+
+    def _open(self, step_path: Path, text_path: str | os.PathLike | None, threads: int) -> dict[str, str]:
+        """The step graph's config and modes (its metadata, returned) and the two sessions (runtime/loader.py:
+        the native kernels registered where the graph has AnnSA's native op)."""
+        import onnx
+
+        from fastcar_compile.runtime import loader
+
+        proto = onnx.load(str(step_path), load_external_data=False)
+        meta = {p.key: p.value for p in proto.metadata_props}
+        if DIT_CONFIG_KEY not in meta or DIT_TEXT_GRAPH_KEY not in meta:  # the prompt graph has the config only
+            raise FastCarError(f"{step_path} is not a DiT step graph (no {DIT_TEXT_GRAPH_KEY} metadata); give the "
+                               "step graph written by `fastcar-compile export --dit tiny -o dit.onnx`")
+        self.cfg: DiTConfig = dit_config_of(meta, str(step_path))
+        text_path = Path(text_path) if text_path else step_path.with_name(meta[DIT_TEXT_GRAPH_KEY])
+        if not text_path.is_file():
+            raise FastCarError(f"{step_path}: its prompt graph {text_path} is missing; export both again")
+        self.text_path = text_path
+        self.modes = DiTModes.from_json(meta.get(DIT_MODES_KEY), f"{step_path}'s {DIT_MODES_KEY}")  # compiled in
+        # the native library only for AnnSA's op (None: the op's function body runs: same result, slower)
+        native = None if self.modes.annsa is not None and self.modes.annsa.annsa_kernel == ANNSA_NATIVE else False
+        self.sess, self.text_sess = (
+            loader.open_session(path, loader.session_options(threads, mem_pattern=True), native=native,
+                                plain_inputs=False)[0]
+            for path in (step_path, text_path))
+        return meta
+
+    def _check_io(self, step_path: Path) -> None:
+        """The inputs the runtime feeds (the compiled modes' included) and the prompt graph's outputs, refused in
+        one line when the graphs do not have them; the IO binding of a step graph that reads its cache in place."""
+        ins, outs = step_io(self.cfg.layers)
         if self.in_place:
             ins = [*ins, PAST_LENGTH]
             if self.annsa is not None:
@@ -120,8 +124,8 @@ class OrtDiT:
         if self.annca is not None:
             want += [annca_io(i)[0] for i in range(self.cfg.layers)]
         if self.text_outputs != want:
-            raise FastCarError(f"{text_path}: its outputs {self.text_outputs[:3]}... are not what {step_path.name} "
-                               f"reads ({want[:3]}...); give the prompt graph written beside it")
+            raise FastCarError(f"{self.text_path}: its outputs {self.text_outputs[:3]}... are not what "
+                               f"{step_path.name} reads ({want[:3]}...); give the prompt graph written beside it")
 
     def new_cache(self, layers: int, tokens_per_frame: int, sinks: int, window: int) -> FrameCache | RingCache:
         if self.in_place:
