@@ -103,8 +103,8 @@ def _shown(value) -> str:
 def fast_settings(kw: dict, model, settings, text, **extra):
     """A mode's runtime settings; a FastCar replay ratio becomes the tau calibrated on this prompt's stream."""
     fa = modes.settings(**kw, **extra)
-    if fa.fastcar_ratio is not None:
-        fa = dataclasses.replace(fa, fastcar_tau=calibrate_tau(model, fa, settings, text), fastcar_ratio=None)
+    if fa.calibrate_replay is not None:
+        fa = dataclasses.replace(fa, threshold=calibrate_tau(model, fa, settings, text), calibrate_replay=None)
     return fa
 
 
@@ -298,7 +298,7 @@ def main() -> None:
             row.update({"psnr_vs_dense": psnr(videos[name], dense_video, 255.0),
                         "ssim_vs_dense": ssim(videos[name], dense_video, 255.0), **diag[name]})
         if name in fas:
-            row["tau"] = fas[name].fastcar_tau
+            row["tau"] = fas[name].threshold
             sec = r["components"]
             row.update({f"{k}_speedup": (ref_sec[k] / sec[k] if sec[k] > 0 else None)
                         for k in ("self_attention", "cross_attention", "ffn")})

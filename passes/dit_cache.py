@@ -18,7 +18,7 @@ keys, so their order in the buffer does not matter. FastCar's FFN replay is pass
 outputs the pre-RoPE keys (`present_pre.N.key`) for the runtime's merge at write time (cache.RingCache), with
 the correspondent `--tempcache-match` names (aligned, or the top-1 match in a bucket: dit/tempcache.py);
 `--annca` keeps, per frame, the prompt tokens sharing a bucket with a query of the frame (passes/dit_annca.py);
-`--annsa lsh|quant` replaces the cache's part by AnnSA's block-sparse attention over buckets (passes/dit_annsa.py).
+`--annsa lsh|int8` replaces the cache's part by AnnSA's block-sparse attention over buckets (passes/dit_annsa.py).
 FAST-AR's other compressed caches are not compiled for DiT blocks yet: asked for, they are refused in one line.
 """
 

@@ -87,8 +87,8 @@ def main() -> int:
 
     model = build(PRESETS["tiny"])
     settings = StreamSettings(frames=8, seed=1)
-    on_cpu = np.concatenate([r.frames for r in rollout(apply_dit(model, fastcar_tau=0.0), settings)], 1)
-    on_gpu = np.concatenate([r.frames for r in rollout(apply_dit(model.to("cuda"), fastcar_tau=0.0), settings)], 1)
+    on_cpu = np.concatenate([r.frames for r in rollout(apply_dit(model, threshold=0.0), settings)], 1)
+    on_gpu = np.concatenate([r.frames for r in rollout(apply_dit(model.to("cuda"), threshold=0.0), settings)], 1)
     report["torch_dit_cuda_max_abs_diff"] = float(np.abs(on_gpu - on_cpu).max())
     report["torch_dit_cuda_ok"] = report["torch_dit_cuda_max_abs_diff"] < 1e-3
     Path(a.out).write_text(json.dumps(report, indent=1))

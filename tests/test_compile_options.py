@@ -104,7 +104,8 @@ def _cli_flags() -> dict[str, str]:
 def test_cli_flags_are_the_declared_options_and_the_command_flags():
     flags = _cli_flags()
     declared = {o.flag for o in options.CLI_OPTIONS}
-    assert set(flags) - {"--no-genai"} == declared | COMMAND_FLAGS
+    renamed = {options.flag_of(old) for old in options.RENAMED}  # refused, naming the flag to use
+    assert set(flags) - {"--no-genai"} - renamed == declared | COMMAND_FLAGS
     assert {flags[o.flag] for o in options.CLI_OPTIONS} == {o.name for o in options.CLI_OPTIONS}
     assert all(o.help for o in options.OPTIONS)
 
@@ -185,15 +186,15 @@ def test_api_keywords_are_the_declared_options():
 BAD = {"frame_tokens": 0, "threshold": float("nan"), "tas_query": "post", "max_replay": 2**70,
        "fused_attention": "dense", "rotary_positions": 2**21, "kv_budget": 2**24, "kv_sinks": -1, "kv_window": 2**40,
        "kv_eviction": "newest", "tempcache": 1.5, "tempcache_match": "nearest", "prune_prompt": -0.5,
-       "kv_diagnostics": 0, "lsh_bits": 17, "quant_dirs": 0, "ann_tables": 65, "ann_seed": -1, "annsa": "hash",
+       "kv_diagnostics": 0, "lsh_bits": 17, "int8_dirs": 0, "ann_tables": 65, "ann_seed": -1, "annsa": "hash",
        "annsa_local": -1, "provider": "tpu"}
 
 
 def test_every_bounded_option_refuses_out_of_range_through_api_and_cli(tmp_path, capsys):
     import fastcar_compile as fc
 
-    bounded = {o.name for o in options.OPTIONS if o.lo is not None or o.choices is not None} | {"threshold",
-                                                                                                 "fused_attention"}
+    bounded = {o.name for o in options.OPTIONS if o.lo is not None or o.choices is not None} | {
+        "threshold", "fused_attention", "int8_dirs"}
     assert set(BAD) == bounded
     src = tmp_path / "in.onnx"
     src.write_bytes(b"")  # never read: the options are checked first

@@ -39,7 +39,7 @@ def test_compiled_replay_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_ti
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau))
     assert fast.tau == float(tau)  # read back from the metadata
     settings = StreamSettings(frames=10, seed=3, window_frames=window)
-    ref = FastARDiT(dit_tiny_eager, modes.settings(fastcar_tau=float(tau)))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(threshold=float(tau)))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -87,11 +87,11 @@ def test_dense_compile_records_no_mode(dit_tiny_export, tmp_path):
                                               ("0.3", "0", None)])
 def test_compiled_tempcache_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, sim, tau, window):
     """6 chunks (the ring wrapping, or the buffers growing): TempCache compiled in (alone, or with FastCar)
-    == the eager runtime's `tempcache aligned` at the same SIM within 1e-4, with the same merges."""
+    == the eager runtime's TempCache 'aligned' at the same SIM within 1e-4, with the same merges."""
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau, "--tempcache", sim))
     assert fast.sim == float(sim) and fast.modes.threshold == (None if tau == "inf" else float(tau))
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
-    kw = {"tempcache": "aligned", "tempcache_sim": float(sim)} | ({} if tau == "inf" else {"fastcar_tau": 0.0})
+    kw = {"tempcache": float(sim)} | ({} if tau == "inf" else {"threshold": 0.0})
     ref = FastARDiT(dit_tiny_eager, modes.settings(**kw))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
@@ -169,7 +169,7 @@ def test_calibrate_replay_equals_the_eager_calibration(dit_tiny_export, tmp_path
     assert "calibrated --threshold" in capsys.readouterr().out
     fast = OrtDiT(out)
     settings = StreamSettings(frames=4, seed=0)
-    want = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4), settings)
+    want = calibrate_tau(dit_tiny_eager, modes.settings(calibrate_replay=0.4), settings)
     assert fast.tau == pytest.approx(want, abs=1e-4)
     list(rollout(fast, settings))
     ratio = fast.replayed[0] / fast.replayed[1]

@@ -1,4 +1,4 @@
-"""TempCache compiled into the trained DiT's step graph, per correspondence (aligned, lsh, quant: dit/tempcache.py):
+"""TempCache compiled into the trained DiT's step graph, per correspondence (aligned, lsh, int8: dit/tempcache.py):
 the cache write's cost per chunk, the resident slots against a dense cache, the merges' agreement with an
 exhaustive top-1 match, and (eager runtime, dense attention on the side) the attention recall.
 
@@ -37,7 +37,7 @@ from fastcar_compile.dit import tempcache  # noqa: E402
 from fastcar_compile.dit.cache import RingCache  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 
-MATCHES = ("aligned", "lsh", "quant")
+MATCHES = ("aligned", "lsh", "int8")
 
 
 class MeasuredRing(RingCache):
@@ -137,7 +137,7 @@ def main() -> None:
         torch.set_num_threads(1)
         model = load_trained(MODEL_DIR)
         for m in MATCHES:
-            rt = FastARDiT(model, modes.settings(tempcache=m, tempcache_sim=a.sim, diagnostics=True))
+            rt = FastARDiT(model, modes.settings(tempcache=a.sim, tempcache_match=m, diagnostics=True))
             for _ in rollout(rt, settings, text):
                 pass
             t = totals(rt.stats)

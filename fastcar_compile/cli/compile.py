@@ -50,8 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="print every anchor found per layer and the compiler's passes, in order")
     cal = p.add_argument_group("threshold calibration (needs the runtime)")
-    cal.add_argument("--calibrate-replay", type=options.ascii_float, metavar="RATIO",
-                     help="pick tau so that the replay ratio on --calib-data reaches RATIO (0-1)")
+    options.add_arguments(cal, [options.CALIBRATE_REPLAY])
     cal.add_argument("--calibrate-quality", type=options.ascii_float, metavar="BUDGET",
                      help="pick the largest replay whose mean KL(dense || FastCar) per generated token (nats, "
                           "teacher-forced on the FastCar tokens) stays within BUDGET, e.g. 0.05")
@@ -192,8 +191,7 @@ def _compile_dit(a: argparse.Namespace, loaded) -> int:
     t0 = time.perf_counter()
     opts = options.from_args(a)
     if a.calibrate_replay is not None:
-        if not 0.0 <= a.calibrate_replay <= 1.0:
-            raise FastCarError(f"--calibrate-replay must be a replay ratio in [0, 1], got {a.calibrate_replay:g}")
+        options.CALIBRATE_REPLAY.check(a.calibrate_replay)
         from fastcar_compile.api import calibrate_dit
         from fastcar_compile.cli.stream import read_text_embeds
 

@@ -100,14 +100,14 @@ def main(argv: list[str]) -> int:
     text = read_text_embeds(a.text, model.cfg.text_dim) if a.text else None
     settings = StreamSettings(frames=a.frames, seed=a.seed, cfg_scale=a.cfg, sink_frames=a.sink,
                               window_frames=a.window)
-    if fa.fastcar_ratio is not None:
+    if fa.calibrate_replay is not None:
         from fastcar_compile.dit.fastar import calibrate_tau
 
         tau = calibrate_tau(model.model, fa, settings, text)
-        print(f"calibrated --fastcar-tau {tau:.4g} for replay ratio {fa.fastcar_ratio:g} (TAS quantile over the "
+        print(f"calibrated --threshold {tau:.4g} for replay ratio {fa.calibrate_replay:g} (TAS quantile over the "
               "first two chunks)")
         model.tau = tau
-        model.fa = dataclasses.replace(fa, fastcar_tau=tau)
+        model.fa = dataclasses.replace(fa, threshold=tau)  # (the record keeps the ratio it came from)
     if getattr(model, "annsa", None) is not None:  # AnnSA compiled in: count its executed pairs
         model.self_pairs = [0, 0]
     result = run_stream(model, settings, text)

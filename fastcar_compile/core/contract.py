@@ -694,7 +694,7 @@ def annsa_io(layer: int) -> dict[str, str]:
 # The bucketings (sign random projections: fastar/lsh.py, or 8-bit quantised ones: fastar/int8.py) and TempCache's
 # correspondents: the same (h, w) one frame back, or the top-1 cosine among the previous frame's slots sharing a
 # bucket of one of the bucketings.
-BUCKETINGS = ("lsh", "quant")
+BUCKETINGS = ("lsh", "int8")
 TEMPCACHE_MATCHES = ("aligned", *BUCKETINGS)
 MAX_ANNSA_LOCAL = 1 << 20  # frames
 
@@ -727,7 +727,7 @@ class BucketRecord:
 
     kind: str
     lsh_bits: int
-    quant_dirs: int
+    int8_dirs: int
     ann_tables: int
     ann_seed: int
 
@@ -740,13 +740,13 @@ class BucketRecord:
             raise FastCarError(f"{where}: a bucketing has the keys {fields}, got {sorted(d)}; compile the model again")
         _choice(where, "kind", d["kind"], BUCKETINGS)
         _int_in(where, "lsh_bits", d["lsh_bits"], 1, MAX_LSH_BITS)
-        _choice(where, "quant_dirs", d["quant_dirs"], INT8_DIRS)
+        _choice(where, "int8_dirs", d["int8_dirs"], INT8_DIRS)
         _int_in(where, "ann_tables", d["ann_tables"], 1, MAX_ANN_TABLES)
         _int_in(where, "ann_seed", d["ann_seed"], 0, UINT32_MAX)
         return cls(**{k: d[k] for k in fields})
 
     def __str__(self) -> str:
-        size = f"{self.lsh_bits} bits" if self.kind == "lsh" else f"{self.quant_dirs} int8 directions"
+        size = f"{self.lsh_bits} bits" if self.kind == "lsh" else f"{self.int8_dirs} int8 directions"
         return f"{self.kind} buckets ({size}) x {self.ann_tables} tables, seed {self.ann_seed}"
 
 

@@ -5,7 +5,7 @@ AnnCA on the cross-attention, FFN replay by TAS, with density / recall / residen
 (`FastARState`, made by `new_cache`): per layer a `SlotCache` whose slots may hold several merged tokens.
 Semantics (docs/dit.md, "FAST-AR on the DiT"):
 - TempCache: when a frame is written, each token's pre-RoPE key is compared with its correspondent among the
-  previous frame's slots ('aligned': the slot of the same (h, w); 'lsh'/'quant': the best cosine among those
+  previous frame's slots ('aligned': the slot of the same (h, w); 'lsh'/'int8': the best cosine among those
   sharing a bucket); above SIM it merges: the slot keeps the newest key (post-RoPE at its own position),
   the running mean of the values, count + 1, and attention adds log(count) to its logit. Sink frames never
   merge. Tokens of one frame are matched against the cache as it was before that frame (several may join one
@@ -406,11 +406,11 @@ class FastARState(StreamCache):
             codes_pre = sparse.codes(rt.tc_hasher, kr) if rt.tc_hasher else torch.zeros(B * H, T, 0).long()
             target = torch.full((B * H, T), -1, dtype=torch.int64)
             c.merged = s.tempcache is not None
-            if s.tempcache == "aligned" and frame >= self.sinks:
-                target = c.aligned_targets(frame, kr, s.tempcache_sim, self.sinks)
+            if s.tempcache is not None and s.tempcache_match == "aligned" and frame >= self.sinks:
+                target = c.aligned_targets(frame, kr, s.tempcache, self.sinks)
                 st.merges_aligned += int((target >= 0).sum())
             elif s.tempcache is not None and frame >= self.sinks:
-                target = c.ann_targets(frame, kr, codes_pre, s.tempcache_sim, self.sinks)
+                target = c.ann_targets(frame, kr, codes_pre, s.tempcache, self.sinks)
                 al = c.aligned_targets(frame, kr, -2.0, self.sinks)  # the aligned slot, for the share
                 st.merges_aligned += int(((target >= 0) & (target == al)).sum())
             st.merges += c.write_frame(frame, kp, kr, vv, codes, codes_pre, target)
@@ -441,14 +441,15 @@ class FastARDiT(TorchDiT):
         d = cfg.head_dim
 
         def hasher(kind):
-            return sparse.make_hasher(kind, d, fa.lsh_bits, fa.quant_dirs, fa.ann_tables, fa.ann_seed)
+            return sparse.make_hasher(kind, d, fa.lsh_bits, fa.int8_dirs, fa.ann_tables, fa.ann_seed)
 
         self.sa_hasher = hasher(fa.annsa) if fa.annsa else None
-        self.tc_hasher = hasher(fa.tempcache) if fa.tempcache in ("lsh", "quant") else None
+        self.tc_hasher = hasher(fa.tempcache_match) if fa.tempcache is not None and fa.tempcache_match != "aligned" \
+            else None
         self.ca_hasher = hasher(fa.annsa or "lsh") if fa.annca else None
         self.tables = fa.ann_tables if fa.annsa else 0  # bucket ids stored per slot
         self.tc_tables = fa.ann_tables if self.tc_hasher else 0
-        self.tau = fa.fastcar_tau
+        self.tau = fa.threshold
         self.record_tas = False
         self.stats = [LayerStats() for _ in range(cfg.layers)]
         self.seconds = dict.fromkeys(COMPONENTS, 0.0)  # wall time per component over the stream
@@ -586,17 +587,17 @@ class FastARDiT(TorchDiT):
 
 
 def calibrate_tau(model, fa, settings, text=None, chunks: int = 2) -> float:
-    """The tau giving replay ratio `fa.fastcar_ratio` (over eligible rows) on the first `chunks` chunks of the
+    """The tau giving replay ratio `fa.calibrate_replay` (over eligible rows) on the first `chunks` chunks of the
     same stream run with FastCar off and its TAS recorded (the quantile, as the decoders' one-pass calibration)."""
     from fastcar_compile.dit.stream import rollout
     from fastcar_compile.runtime.calib_stats import tau_for_share
 
-    probe = FastARDiT(model, dataclasses.replace(fa, fastcar_tau=None, fastcar_ratio=None, diagnostics=False))
+    probe = FastARDiT(model, dataclasses.replace(fa, threshold=None, calibrate_replay=None, diagnostics=False))
     probe.record_tas = True
     short = dataclasses.replace(settings, frames=min(settings.frames, chunks * model.cfg.chunk_frames))
     for _ in rollout(probe, short, text):
         pass
-    return tau_for_share(np.concatenate(probe.state.tas_log), fa.fastcar_ratio)
+    return tau_for_share(np.concatenate(probe.state.tas_log), fa.calibrate_replay)
 
 
 def totals(stats: list[LayerStats]) -> dict:

@@ -1,5 +1,5 @@
-"""TempCache and FastCar on the PyTorch DiT: `fast = fastcar_compile.torch.apply_dit(model, fastcar_tau=0.5,
-tempcache="aligned")`.
+"""TempCache and FastCar on the PyTorch DiT: `fast = fastcar_compile.torch.apply_dit(model, threshold=0.5,
+tempcache=0.9)`.
 
 The DiT step (dit/model.ChunkDiT) takes its cache as tensors; these modes change what the cache is (merged
 slots with a count and a log(count) logit term) and add state across chunks (the replay cache), so the
@@ -28,8 +28,8 @@ from fastcar_compile.dit.cache import StreamCache
 from fastcar_compile.dit.fastar import LayerStats, block_inputs, replay_ffn, temporal_scores, totals
 from fastcar_compile.dit.model import ChunkDiT
 
-SUPPORTED = ("tempcache", "tempcache_sim", "fastcar_tau")  # of dit/modes.DIT_OPTIONS
-TEMPCACHE = ("aligned",)
+SUPPORTED = ("tempcache", "tempcache_match", "threshold")  # of dit/modes.DIT_OPTIONS
+TEMPCACHE = ("aligned",)  # the correspondents it takes (tempcache_match)
 
 
 class ModeCache(StreamCache):
@@ -37,10 +37,9 @@ class ModeCache(StreamCache):
     over the resident frames' positions in frame order, the last written frame's pre-RoPE keys (TempCache's
     comparison), and the replay cache (timesteps -> layer -> (FFN output, key) of the last frame)."""
 
-    def __init__(self, tokens: int, sinks: int, window: int, tempcache: str | None = None, sim: float = 0.9,
-                 layers: int = 0):
+    def __init__(self, tokens: int, sinks: int, window: int, tempcache: float | None = None, layers: int = 0):
         super().__init__(layers, tokens, sinks, window)
-        self.tempcache, self.sim = tempcache, sim
+        self.tempcache = tempcache  # SIM (None: TempCache off)
         self.frames: list[int] = []
         self.key: list[torch.Tensor] = []  # [B, H, frames * T, d]
         self.value: list[torch.Tensor] = []
@@ -75,7 +74,7 @@ class ModeCache(StreamCache):
         frame back exceeds SIM merges into that slot (dit/tempcache.merge_positional: newest key, running mean
         value, count + 1, the old position dead). Sink frames never merge."""
         T = self.tokens
-        merging = bool(self.tempcache) and frame - 1 >= self.sinks and self.frames[-1:] == [frame - 1]
+        merging = self.tempcache is not None and frame - 1 >= self.sinks and self.frames[-1:] == [frame - 1]
         for i, (kp, vv, kr) in enumerate(layers):
             if len(self.key) <= i:  # a new video's layer
                 B, H, _, d = kp.shape
@@ -87,7 +86,7 @@ class ModeCache(StreamCache):
             st = self.stats[i]
             if merging:
                 old_c = self.count[i][:, :, -T:]
-                target = tempcache.targets(kr, self.last_pre[i], old_c > 0, self.sim)
+                target = tempcache.targets(kr, self.last_pre[i], old_c > 0, self.tempcache)
                 vv, cnt, self.count[i][:, :, -T:] = tempcache.merge_positional(target, self.value[i][:, :, -T:],
                                                                                old_c, vv)
                 st.merges += int((target >= 0).sum())
@@ -132,7 +131,7 @@ class FastCarDiT(nn.Module):
     def new_cache(self, layers: int, tokens: int, sinks: int, window: int) -> ModeCache:
         """A new video (also the stream loop's hook: dit/stream.rollout calls it)."""
         s = self.settings
-        self.cache = ModeCache(tokens, sinks, window, tempcache=s.tempcache, sim=s.tempcache_sim, layers=layers)
+        self.cache = ModeCache(tokens, sinks, window, tempcache=s.tempcache, layers=layers)
         return self.cache
 
     def reset(self) -> None:
@@ -161,7 +160,7 @@ class FastCarDiT(nn.Module):
             x, kv = self._block(i, blk, x, e, cos, sin, cross[2 * i], cross[2 * i + 1], frame_start, prev.get(i),
                                 now)
             presents.append(kv)
-        if self.settings.fastcar_tau is not None:
+        if self.settings.threshold is not None:
             c.replay[key] = now
         return m.final(x, t), presents
 
@@ -183,7 +182,7 @@ class FastCarDiT(nn.Module):
         cq = blk.heads_first(blk.norm_cq(blk.cq(blk.norm3(x))))
         x = x + blk.co(F.scaled_dot_product_attention(cq, ck, cv).transpose(1, 2).flatten(2))
         xm = modulate(blk.norm2(x), mod[3], mod[4])
-        tau = self.settings.fastcar_tau
+        tau = self.settings.threshold
         if tau is None:
             ffn = blk.ffn(xm)
         else:
@@ -215,8 +214,8 @@ def apply_dit(model, *, sinks: int | None = None, window: int | None = None, lat
               chunk_frames: int | None = None, **options) -> FastCarDiT:
     """TempCache and/or FastCar on a ChunkDiT or a diffusers `WanTransformer3DModel` (never modified; a diffusers
     transformer is mapped by dit/checkpoints' table onto a ChunkDiT sharing its tensors, for chunk-by-chunk
-    rollout with a KV cache). Options: dit/modes.py's `tempcache` ('aligned'), `tempcache_sim`, `fastcar_tau` (a
-    TAS threshold; None = no replay); all off is the dense model. `sinks` / `window`: frames the cache keeps (the
+    rollout with a KV cache). Options: dit/modes.py's `tempcache` (SIM; None = no merging), `tempcache_match`
+    ('aligned'), `threshold` (a TAS threshold; None = no replay); all off is the dense model. `sinks` / `window`: frames the cache keeps (the
     model config's by default); `latent` (H, W) and `chunk_frames`: the stream's geometry, which a diffusers
     transformer does not hold (Wan2.1-480p's 60x104 and 3 by default)."""
     if type(model).__name__ == "WanTransformer3DModel":
@@ -235,13 +234,15 @@ def apply_dit(model, *, sinks: int | None = None, window: int | None = None, lat
                            f"WanTransformer3DModel, got {type(model).__name__}; for a transformers decoder use "
                            "fastcar_compile.torch.apply")
     bad = sorted(set(options) - set(SUPPORTED))
+    if bad and modes.RENAMED.get(bad[0]) in SUPPORTED:
+        raise FastCarError(f"apply_dit: {bad[0]!r}: renamed: use {modes.RENAMED[bad[0]]}")
     if bad:
         raise FastCarError(f"apply_dit: {bad[0]!r} is not supported on the PyTorch DiT (it takes "
                            f"{', '.join(SUPPORTED)}); the stream's eager runtime runs the other modes")
     s = modes.settings(**options)
-    if s.tempcache is not None and s.tempcache not in TEMPCACHE:
-        raise FastCarError(f"apply_dit: tempcache={s.tempcache!r} is not supported on the PyTorch DiT (only "
-                           f"{', '.join(map(repr, TEMPCACHE))}); the stream's eager runtime runs the ANN match")
+    if s.tempcache_match not in TEMPCACHE:
+        raise FastCarError(f"apply_dit: tempcache_match={s.tempcache_match!r} is not supported on the PyTorch DiT "
+                           f"(only {', '.join(map(repr, TEMPCACHE))}); the stream's eager runtime runs the ANN match")
     cfg = model.cfg
     return FastCarDiT(model, s, cfg.sink_frames if sinks is None else sinks,
                       cfg.window_frames if window is None else window)
