@@ -696,6 +696,7 @@ def annsa_io(layer: int) -> dict[str, str]:
 # bucket of one of the bucketings.
 BUCKETINGS = ("lsh", "int8")
 TEMPCACHE_MATCHES = ("aligned", *BUCKETINGS)
+BUCKETED_MATCHES = TEMPCACHE_MATCHES[1:]  # the kinds a recorded bucketing may name (AnnSA's: BUCKETINGS)
 MAX_ANNSA_LOCAL = 1 << 20  # frames
 
 
@@ -738,7 +739,7 @@ class BucketRecord:
         fields = [f.name for f in dataclasses.fields(cls)]
         if sorted(d) != sorted(fields):
             raise FastCarError(f"{where}: a bucketing has the keys {fields}, got {sorted(d)}; compile the model again")
-        _choice(where, "kind", d["kind"], BUCKETINGS)
+        _choice(where, "kind", d["kind"], BUCKETED_MATCHES)
         _int_in(where, "lsh_bits", d["lsh_bits"], 1, MAX_LSH_BITS)
         _choice(where, "int8_dirs", d["int8_dirs"], INT8_DIRS)
         _int_in(where, "ann_tables", d["ann_tables"], 1, MAX_ANN_TABLES)
@@ -762,6 +763,7 @@ class AnnSARecord(BucketRecord):
         if not isinstance(d, Mapping):
             raise FastCarError(f"{where}: AnnSA's record must be a JSON object, got {type(d).__name__}")
         base = BucketRecord.from_dict({k: v for k, v in d.items() if k not in ("annsa_local", "annsa_kernel")}, where)
+        _choice(where, "kind", base.kind, BUCKETINGS)
         local = _int_in(where, "annsa_local", d.get("annsa_local"), 0, MAX_ANNSA_LOCAL)
         kernel = _choice(where, "annsa_kernel", d.get("annsa_kernel"), ANNSA_KERNELS)
         return cls(**dataclasses.asdict(base), annsa_local=local, annsa_kernel=kernel)

@@ -448,7 +448,7 @@ class FastARDiT(TorchDiT):
             else None
         self.ca_hasher = hasher(fa.annsa or "lsh") if fa.annca else None
         self.tables = fa.ann_tables if fa.annsa else 0  # bucket ids stored per slot
-        self.tc_tables = fa.ann_tables if self.tc_hasher else 0
+        self.tc_tables = self.tc_hasher.tables if self.tc_hasher else 0
         self.tau = fa.threshold
         self.record_tas = False
         self.stats = [LayerStats() for _ in range(cfg.layers)]

@@ -8,17 +8,17 @@ from fastcar_compile.core import options
 from fastcar_compile.core.contract import BucketRecord
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import INT8_DIRS, MAX_ANN_TABLES, MAX_LSH_BITS
-from fastcar_compile.fastar.buckets import Buckets
-from fastcar_compile.fastar.int8 import Int8Buckets
-from fastcar_compile.fastar.lsh import SignLSH
+from fastcar_compile.fastar import int8, lsh  # noqa: F401 - their bucketings register themselves (buckets.KINDS)
+from fastcar_compile.fastar.buckets import KINDS, Buckets
 
 CORRESPONDENCE = ("aligned", "aligned+top1")
 
 
 def make_hasher(kind: str, dim: int, bits: int, dirs: int, tables: int, seed: int) -> Buckets:
-    """'lsh' (sign bits) or 'int8' (int8-quantised directions): the reference bucketings, one definition for
-    every runtime that buckets DiT keys (the eager one in PyTorch, the compiled one's cache writes in NumPy)."""
-    return SignLSH(dim, bits, tables, seed) if kind == "lsh" else Int8Buckets(dim, dirs, tables, seed)
+    """The bucketing registered as `kind` (buckets.KINDS: 'lsh' sign bits, 'int8' int8-quantised directions, ...)
+    drawn from the bucket settings: the reference bucketings, one definition for every runtime that buckets DiT
+    keys (the eager one in PyTorch, the compiled one's cache writes in NumPy)."""
+    return KINDS[kind].from_settings(dim, bits, dirs, tables, seed)
 
 
 def hasher_of(record: BucketRecord, dim: int) -> Buckets:
