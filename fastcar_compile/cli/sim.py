@@ -112,8 +112,6 @@ def _check_sim_args(args: argparse.Namespace) -> None:
         check_int("--context", args.context, 1, isa.MAX_CONTEXT, "KV length of a synthetic step")
     check_int("--seed", args.seed, 0, INT64_MAX)
     check_int("--timeline-layers", args.timeline_layers, 0, isa.MAX_LAYERS, "0 draws every layer")
-    for o in SIM_KV:
-        o.check(getattr(args, o.name))
     if args.timeline:
         from fastcar_compile.core.fileio import check_output_path, check_outputs
 
@@ -174,7 +172,11 @@ def _kv_lengths(args: argparse.Namespace, program, layers: int, replay, ctx, sou
 
     bounds = recorded_bounds(program.meta, layers)
     if any(v is not None for v in (args.kv_window, args.kv_budget, args.kv_sinks)):
-        bound = KVBound(budget=args.kv_budget, sinks=args.kv_sinks or 0, window=args.kv_window or 0)
+        from fastcar_compile.fastar.config import KVCompressConfig
+
+        # the compiler's value object checks them (its bounds, budget > sinks + window); the simulator reads its size
+        kv = KVCompressConfig(budget=args.kv_budget, sinks=args.kv_sinks or 0, window=args.kv_window or 0)
+        bound = KVBound(budget=kv.budget, sinks=kv.sinks, window=kv.window)
         was = f"compressed: {describe(bounds)}" if bounds else "dense"
         print(f"note: --kv-* override the KV cache the model records ({was}): every layer reads at most "
               f"{bound.capacity} slots (sinks {bound.sinks}, window {bound.window})", file=sys.stderr)

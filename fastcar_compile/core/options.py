@@ -376,10 +376,9 @@ def _cli_reader(o: Option) -> Callable[[str], Any]:
 
 
 def _cli_threshold(text: str) -> list[float]:
-    try:
-        values = [ascii_float(t) for t in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number or comma-separated list of numbers: {text!r}") from None
+    values = read_thresholds(text)
+    if values is None:
+        raise argparse.ArgumentTypeError(f"not a number or comma-separated list of numbers: {text!r}")
     try:
         return list(_threshold(values))
     except FastCarError as exc:  # NaN, or beyond float32 (where the model stores tau)
