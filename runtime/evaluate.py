@@ -84,18 +84,7 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
     compiled model at tau=+inf, i.e. its `fastcar_threshold` input set to +inf, against the input model: fused
     attention and norm fusions, minus the gate's cost) and the replay gain (FastCar at its tau against that same
     compiled model at tau=+inf), and their product. Without `dense_path` only the replay gain is measured."""
-    from tqdm.auto import tqdm
-
-    from fastcar_compile.runtime.calibrate import NeverReplay, teacher_forced_kl
-    from fastcar_compile.runtime.decode import ThresholdWarning
-    from fastcar_compile.runtime.report import (
-        comparison,
-        kv_summary,
-        parse_frame_shape,
-        render_report,
-        speedups,
-    )
-    from fastcar_compile.runtime.session import FastCarSession
+    from fastcar_compile.runtime.report import parse_frame_shape, render_report
     from fastcar_compile.runtime.stats import RunStats
 
     out = Path(out_dir)
@@ -104,14 +93,51 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
         raise FastCarError("--frames must be >= 2 (frame 0 never replays)")
     if batch < 1 or len(prompts) % batch:
         raise FastCarError(f"--batch {batch} must divide the number of prompts ({len(prompts)})")
+    fast, dense = _sessions(fast_path, dense_path, threads)
+    shape = parse_frame_shape(frame_shape, fast.frame_tokens)
+    stats, kl, agree, inf_agree = _interleaved(fast, dense, prompts, frames, batch, given_video_tokens, progress)
+    merged = {k: RunStats.merge(v) for k, v in stats.items()}
+    fs, gs, ds = merged["fast"], merged["inf"], merged.get("dense")
+    if (msg := fs.threshold_warning()) is not None:
+        print(f"warning: {msg}", file=sys.stderr)
+    pictures = render_report(fs, stem="fast", dense=ds, frame_shape=shape, compiled_inf=gs)
+    traces = {"fast.json": fs, "fast_inf.json": gs, **({"dense.json": ds} if ds is not None else {})}
+    result = _result(fast, fast_path, dense_path, prompts, frames, batch, threads, merged, kl, agree, inf_agree,
+                     [str(out / name) for name in (*traces, *pictures, "eval.json")])
+    with staged_dir(out) as tmp:  # every file of the run appears together at the end, or none
+        for name, run in traces.items():
+            run.save(tmp / name)
+        for name, data in pictures.items():
+            (tmp / name).write_bytes(data)
+        (tmp / "eval.json").write_text(json.dumps(result, indent=1))
+    _print_summary(result, merged, out)
+    return result
+
+
+def _sessions(fast_path: str | os.PathLike, dense_path: str | os.PathLike | None, threads: int) -> tuple[Any, Any]:
+    """The compiled model and (given) the input model, refused when they are the other way round."""
+    from fastcar_compile.runtime.session import FastCarSession
+
     fast = FastCarSession(fast_path, threads=threads)
     if not fast.is_fastcar:
         raise FastCarError(f"--model {fast_path} is not FastCar-compiled (no fastcar.* metadata); pass the "
                            "compiled fast.onnx to --model and the original export to --dense")
-    shape = parse_frame_shape(frame_shape, fast.frame_tokens)
     dense = FastCarSession(dense_path, frame_tokens=fast.frame_tokens, threads=threads) if dense_path else None
     if dense is not None and dense.is_fastcar:
         raise FastCarError(f"--dense {dense_path} is a FastCar-compiled model; pass the original export")
+    return fast, dense
+
+
+def _interleaved(fast, dense, prompts: np.ndarray, frames: int, batch: int, given_video_tokens: int,
+                 progress: bool) -> tuple[dict[str, list], list, list, list]:
+    """Every batch of prompts through the compiled model at tau=+inf, FastCar at its tau and (given) the input
+    model, each first in turn: (their run statistics, per batch the KL(dense || FastCar) per token, FastCar's
+    tokens equal to the reference's, the tau=+inf tokens equal to the input model's)."""
+    from tqdm.auto import tqdm
+
+    from fastcar_compile.runtime.calibrate import NeverReplay, teacher_forced_kl
+    from fastcar_compile.runtime.decode import ThresholdWarning
+
     reference = dense if dense is not None else NeverReplay(fast)
     kw = dict(given_video_tokens=given_video_tokens, progress=False)
     runs: dict[str, Callable[[np.ndarray], Any]] = {
@@ -135,14 +161,17 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
             agree.append(d.tokens == f.tokens)
             if dense is not None:
                 inf_agree.append(res["inf"].tokens == d.tokens)
-    merged = {k: RunStats.merge(v) for k, v in stats.items()}
+    return stats, kl, agree, inf_agree
+
+
+def _result(fast, fast_path, dense_path, prompts: np.ndarray, frames: int, batch: int, threads: int, merged: dict,
+            kl: list, agree: list, inf_agree: list, files: list[str]) -> dict[str, Any]:
+    """eval.json's content."""
+    from fastcar_compile.runtime.report import speedups
+
     fs, gs, ds = merged["fast"], merged["inf"], merged.get("dense")
-    if (msg := fs.threshold_warning()) is not None:
-        print(f"warning: {msg}", file=sys.stderr)
-    pictures = render_report(fs, stem="fast", dense=ds, frame_shape=shape, compiled_inf=gs)
-    traces = {"fast.json": fs, "fast_inf.json": gs, **({"dense.json": ds} if ds is not None else {})}
     k = np.concatenate([x.ravel() for x in kl])
-    result = {
+    return {
         "model": str(fast_path), "dense": str(dense_path) if dense_path else None,
         "prompts": int(len(prompts)), "frames": frames, "frame_tokens": fast.frame_tokens, "batch": batch,
         "threads": threads, "native_kernels": fast.native_library is not None, "tau": fs.threshold,
@@ -154,14 +183,14 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
         "token_agreement": float(np.mean(np.concatenate([a.ravel() for a in agree]))),
         "inf_token_agreement": float(np.mean(np.concatenate([a.ravel() for a in inf_agree]))) if inf_agree else None,
         "kv_diagnostics": fs.kv_diagnostics, "kv_diagnostics_per_video": fs.kv_diagnostics_per_video,
-        "files": [str(out / name) for name in (*traces, *pictures, "eval.json")],
+        "files": files,
     }
-    with staged_dir(out) as tmp:  # every file of the run appears together at the end, or none
-        for name, run in traces.items():
-            run.save(tmp / name)
-        for name, data in pictures.items():
-            (tmp / name).write_bytes(data)
-        (tmp / "eval.json").write_text(json.dumps(result, indent=1))
+
+
+def _print_summary(result: dict[str, Any], merged: dict, out: Path) -> None:
+    from fastcar_compile.runtime.report import comparison, kv_summary
+
+    fs, gs, ds = merged["fast"], merged["inf"], merged.get("dense")
     print(comparison(fs, ds, gs))
     if result["inf_token_agreement"] is not None:
         print(f"tokens of the compiled model at tau=+inf equal to the input model's: "
@@ -171,9 +200,9 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
           f"{result['kl_mean']:.4g}, 95th percentile {result['kl_p95']:.4g} nats (teacher-forced on FastCar's tokens)")
     if (kv := kv_summary(fs)) is not None:
         print(kv)
-    print(f"native kernels: {'on' if result['native_kernels'] else 'OFF'}; {len(prompts)} prompts x {frames} "
-          f"frames x {fast.frame_tokens} tokens, batch {batch}, {threads} thread(s)")
+    print(f"native kernels: {'on' if result['native_kernels'] else 'OFF'}; {result['prompts']} prompts x "
+          f"{result['frames']} frames x {result['frame_tokens']} tokens, batch {result['batch']}, "
+          f"{result['threads']} thread(s)")
     print(f"wrote {len(result['files'])} files in {out}:")
     for p in result["files"]:
         print(f"  {p}")
-    return result
