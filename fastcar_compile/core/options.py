@@ -49,7 +49,7 @@ TEMPCACHE_MATCHES, BUCKETINGS = contract.TEMPCACHE_MATCHES, contract.BUCKETINGS
 KV_GROUP = "compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)"
 DIT_GROUP = "FAST-AR on video DiTs (compiled into a step graph, or the stream runtime; docs/dit.md)"
 DIT_ONLY = ("tempcache_match", "annsa", "annsa_local", "annca", "lsh_bits", "int8_dirs", "ann_tables",
-            "ann_seed")  # options of DiT step graphs alone
+            "ann_seed")  # options of DiTs alone (step graphs, the stream)
 # Option names (keywords and flags) that were replaced by another one, refused with a line naming it
 RENAMED = {"fastcar_tau": "threshold", "tau": "threshold", "fastcar_ratio": "calibrate_replay",
            "tempcache_sim": "tempcache", "quant_dirs": "int8_dirs"}
@@ -288,12 +288,12 @@ OPTIONS: tuple[Option, ...] = (
     # (dit/modes.DIT_OPTIONS holds these same entries): one declaration for both.
     Option("annsa", str | None, None, "AnnSA: the chunk's queries attend only to cached slots sharing a bucket "
            "(any table), plus the sink frames, the --annsa-local most recent frames and the chunk itself; "
-           "computed block-sparse, bucket by bucket; DiT step graphs only", "--annsa", choices=BUCKETINGS,
+           "computed block-sparse, bucket by bucket; DiTs only", "--annsa", choices=BUCKETINGS,
            group=DIT_GROUP),
     Option("annsa_local", int, 1, "cached frames before the chunk that AnnSA always attends (default 1)",
            "--annsa-local", metavar="FRAMES", lo=0, hi=contract.MAX_ANNSA_LOCAL, meaning="frames", group=DIT_GROUP),
     Option("annca", bool, False, "AnnCA: per frame, a prompt token is kept in the cross-attention only if a query "
-           "of that frame shares a bucket with it (--annsa's bucketing, lsh without it); DiT step graphs only",
+           "of that frame shares a bucket with it (--annsa's bucketing, lsh without it); DiTs only",
            "--annca", cli=SWITCH, group=DIT_GROUP),
     Option("lsh_bits", int, 4, "sign bits per LSH table (default 4)", "--lsh-bits", metavar="BITS", lo=1,
            hi=MAX_LSH_BITS, meaning="bits per table", group=DIT_GROUP),

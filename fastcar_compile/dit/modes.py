@@ -25,7 +25,7 @@ from fastcar_compile.core.options import (
 GROUP = "FAST-AR and FastCar (eager runtime: give a DiT preset or folder; docs/dit.md)"
 
 DIT_OPTIONS: tuple[Option, ...] = (
-    SHARED["tempcache"],
+    dataclasses.replace(SHARED["tempcache"], group=SHARED["tempcache_match"].group),  # (listed with the DiT modes)
     SHARED["tempcache_match"],
     Option("tempcache_budget", int, 0, "TempCache's slot budget: per row and head at most FRAMES frames' worth of "
            "slots besides the sink frames; when a write exceeds it, the slots whose newest member is oldest leave "
