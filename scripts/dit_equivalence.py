@@ -1,6 +1,6 @@
 """Two checkouts, the same DiT rollouts: equal latents for every DiT mode, compiled and eager?
 
-    python benchmarks/experiments/dit_equivalence.py --old OLD/.venv/bin/python --new .venv/bin/python \
+    python scripts/dit_equivalence.py --old OLD/.venv/bin/python --new .venv/bin/python \
         [--frames 12] [--modes dense,tempcache-lsh,...] [--out dit-equivalence]
 
 For a refactoring of the DiT runtimes (e.g. an older checkout of the repository with its own venv as --old): each
