@@ -264,9 +264,9 @@ OPTIONS: tuple[Option, ...] = (
            "correspondent is its aligned token (p - L), a DiT's --tempcache-match's", "--tempcache", metavar="SIM",
            lo=-1.0, hi=1.0, meaning="a cosine", parse=_cli_tempcache, group=KV_GROUP),
     Option("tempcache_match", str, "aligned", "TempCache's correspondent on a DiT (a step graph from export --dit, "
-           "or the stream): 'aligned' = the same (h, w) one frame back; 'lsh' / 'int8' = the top-1 pre-RoPE cosine "
-           "among the previous frame's slots sharing a bucket (--lsh-bits, --int8-dirs, --ann-tables, --ann-seed), "
-           "matched when the frame is written; DiTs only", "--tempcache-match", choices=TEMPCACHE_MATCHES,
+           "or the stream): 'aligned' = the same (h, w) one frame back; another = the top-1 pre-RoPE cosine among the "
+           "previous frame's slots sharing a bucket of that bucketing ('lsh', 'int8': --lsh-bits, --int8-dirs, "
+           "--ann-tables, --ann-seed), matched when the frame is written; DiTs only", "--tempcache-match", choices=TEMPCACHE_MATCHES,
            group=DIT_GROUP),
     Option("sparse_attention", str | None, None, "AnnSA: a decode query attends only to slots sharing a bucket "
            "(plus sinks, window): sign random projections (lsh) or 8-bit quantised projections (int8 = int8:2x4)",
