@@ -74,9 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     fpga.add_argument("--dense", action="store_true",
                       help="compile without FastCar instructions (no TAS, nothing skipped): the dense baseline "
                            "for `sim --baseline`")
-    fpga.add_argument("--video-start", type=options.ascii_int,
-                      help="KV index of the first video token your runtime uses (run.json's video_start); "
-                           "recorded in the bundle (default 0)")
     return p
 
 
