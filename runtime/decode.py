@@ -271,9 +271,9 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
         return sampler(g, rng)
 
     show = progress if progress is not None else total >= AUTO_PROGRESS_TOKENS
-    from tqdm.auto import tqdm
+    from fastcar_compile.core.progress import bar as progress_bar
 
-    bar = tqdm(total=total, unit="tok", desc=session.path.name, disable=not show, leave=False)
+    bar = progress_bar(total=total, unit="tok", desc=session.path.name, enabled=show, leave=False)
     if show:  # long run: say up front what it will hold in memory
         bar.write(session.describe_memory(batch, video_start + total))
     n = 0

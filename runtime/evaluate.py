@@ -84,8 +84,7 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
     compiled model at tau=+inf, i.e. its `fastcar_threshold` input set to +inf, against the input model: fused
     attention and norm fusions, minus the gate's cost) and the replay gain (FastCar at its tau against that same
     compiled model at tau=+inf), and their product. Without `dense_path` only the replay gain is measured."""
-    from tqdm.auto import tqdm
-
+    from fastcar_compile.core.progress import bar
     from fastcar_compile.runtime.calibrate import NeverReplay, teacher_forced_kl
     from fastcar_compile.runtime.decode import ThresholdWarning
     from fastcar_compile.runtime.report import (
@@ -125,7 +124,7 @@ def evaluate(fast_path: str | os.PathLike, prompts: np.ndarray, out_dir: str | o
     order = list(runs)
     with warnings.catch_warnings():  # one video may replay all of frame 1 legitimately: judged on the whole run
         warnings.simplefilter("ignore", ThresholdWarning)
-        for i, chunk in enumerate(tqdm(chunks, desc="dense vs FastCar", unit="batch", disable=not progress)):
+        for i, chunk in enumerate(bar(chunks, desc="dense vs FastCar", unit="batch", enabled=progress)):
             res = {}
             for which in order[i % len(order):] + order[: i % len(order)]:  # each model first in turn
                 res[which] = runs[which](chunk).complete()

@@ -389,7 +389,7 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike, *, progress: bool 
     Holes stay holes (SEEK_DATA/SEEK_HOLE), data regions go through copy_file_range (in-kernel, and a
     server-side/CoW copy where the file system does that). Progress shows for large data.
     """
-    from tqdm.auto import tqdm
+    from fastcar_compile.core.progress import bar as progress_bar
 
     src, dst = Path(src), Path(dst)
     with open(src, "rb") as fs, open(dst, "wb") as fd:
@@ -399,7 +399,7 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike, *, progress: bool 
         extents = _data_extents(fs.fileno(), size)
         data = sum(n for _, n in extents)
         show = (data > PROGRESS_BYTES) if progress is None else progress
-        with tqdm(total=data, unit="B", unit_scale=True, desc=f"copying {src.name}", disable=not show,
+        with progress_bar(total=data, unit="B", unit_scale=True, desc=f"copying {src.name}", enabled=show,
                   leave=False) as bar:
             for off, n in extents:
                 _copy_range(fs.fileno(), fd.fileno(), off, n, bar)
