@@ -154,7 +154,12 @@ class FastCarDecoder(nn.Module):
 
     def threshold_tensor(self, threshold=None) -> torch.Tensor:
         tau = self.threshold if threshold is None else threshold
-        t = torch.as_tensor(tau, dtype=torch.float32)
+        try:
+            t = torch.as_tensor(tau, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise FastCarError(f"fastcar_threshold must be a number or one per rewritten layer, got {tau!r}") from None
+        if torch.isnan(t).any():
+            raise FastCarError("fastcar_threshold is NaN; give a number (TAS > threshold replays; +inf never replays)")
         if self.per_layer_threshold:
             t = t.reshape(-1)
             if t.numel() == 1:
@@ -188,6 +193,13 @@ class FastCarDecoder(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, *past, video_start=None, threshold=None,
                 prompt_frames=None):
         """One step; `input_ids` may be inputs_embeds [B, S, hidden] (floating point) instead of ids."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (2, 3) or (
+                input_ids.dim() == 2 and input_ids.dtype.is_floating_point) or (
+                input_ids.dim() == 3 and not input_ids.dtype.is_floating_point):
+            got = f"{input_ids.dtype} [{', '.join(map(str, input_ids.shape))}]" if isinstance(
+                input_ids, torch.Tensor) else type(input_ids).__name__
+            raise FastCarError(f"input_ids must be integer token ids [batch, seq] (or inputs_embeds, floating point "
+                               f"[batch, seq, hidden]), got {got}")
         new_video = past[0].shape[2] == 0
         if new_video or not self.state or self.state[0].shape[0] != input_ids.shape[0]:
             self.reset(input_ids.shape[0], input_ids.device)
@@ -286,6 +298,10 @@ class FastCarCausalLMMixin:
             input_ids = inputs_embeds  # the program for embeddings is chosen by the dtype (FastCarDecoder)
         if input_ids is None:
             raise FastCarError("the FastCar model needs input_ids or inputs_embeds")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() < 2:
+            shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise FastCarError(f"input_ids must be a tensor [batch, seq] (inputs_embeds [batch, seq, hidden]), got "
+                               f"{shape}")
         batch, seq = input_ids.shape[:2]
         cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
         past_len = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
