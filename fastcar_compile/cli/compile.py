@@ -11,6 +11,9 @@ from fastcar_compile.cli import registry
 from fastcar_compile.cli.sim import board_presets
 from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.limits import INT64_MAX, check_int
+
+MAX_CALIB_FRAMES = 4096  # frames per calibration prompt: far beyond what a calibration needs
 
 # Options whose value may start with '-' (argparse takes `--threshold -1e30` / `-inf` for an option).
 _NEGATIVE_OK = ("--threshold",)
@@ -85,9 +88,39 @@ def _not_planned(parser: argparse.ArgumentParser, args: argparse.Namespace) -> l
             if a.dest not in planned and a.option_strings and getattr(args, a.dest, a.default) != a.default]
 
 
+# Output names that say "not a model": a compiled graph written there would pass for a prompt, trace or picture
+# (`-o t.npy --calib-data t.npy` once replaced the calibration data with a graph).
+NOT_A_MODEL = (".npy", ".npz", ".json", ".png", ".gif", ".jpg", ".txt", ".csv", ".md", ".s", ".safetensors", ".pt")
+
+
+def _check_output_name(args: argparse.Namespace) -> None:
+    """The output's extension must not name another kind of file: a model is never written as x.npy, a bundle
+    never as x.onnx."""
+    if args.output is None:
+        return
+    suffix = Path(args.output).suffix.lower()
+    if args.target == "fpga" and suffix == ".onnx":
+        raise FastCarError(f"-o {args.output}: --target fpga writes a bundle (.fcb), not an ONNX model; name it "
+                           "model.fcb")
+    if suffix in NOT_A_MODEL or (args.target == "onnx" and suffix == ".fcb"):
+        raise FastCarError(f"-o {args.output}: {suffix} names another kind of file; the compiler writes an ONNX "
+                           f"model{' bundle (.fcb)' if args.target == 'fpga' else ' (.onnx)'}")
+
+
+def _check_calibration_args(args: argparse.Namespace, argv: list[str]) -> None:
+    calibrating = args.calibrate_replay is not None or args.calibrate_quality is not None
+    check_int("--calib-frames", args.calib_frames, 1, MAX_CALIB_FRAMES, "frames generated per calibration prompt")
+    check_int("--given-video-tokens", args.given_video_tokens, 0, INT64_MAX, "video tokens at the end of each "
+              "calibration prompt")
+    if calibrating and any(a == "--threshold" or a.startswith("--threshold=") for a in argv):
+        raise FastCarError("--threshold and --calibrate-* both set tau: calibration picks it; give one of them")
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(_join_negative_values(argv))
+    _check_output_name(args)
+    _check_calibration_args(args, argv)
     import fastcar_compile as fc
 
     if args.inspect:
