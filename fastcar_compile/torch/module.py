@@ -113,9 +113,11 @@ class FastCarDecoder(nn.Module):
         finally:
             self._compile_ctx = old
 
-    def _runnable(self, program: fx.GraphModule) -> nn.Module:
-        """What runs `program` this step: eagerly, its form that updates this decoder's own state in place."""
-        if self._compile_ctx is None:
+    def _runnable(self, program: fx.GraphModule, prefill: bool = False) -> nn.Module:
+        """What runs `program` this step: eagerly, its form that updates this decoder's own state in place; under
+        a torch.compile context the compiled decode step (a prefill runs eagerly: compiling a graph that runs
+        once per video costs more than it saves)."""
+        if self._compile_ctx is None or prefill:
             if not isinstance(program, fx.GraphModule):
                 return program  # e.g. a compiled program put in its place
             entry = self._inplace.get(id(program))
@@ -211,7 +213,10 @@ class FastCarDecoder(nn.Module):
             if entry is None or entry[0] is not program:
                 entry = self._decode[id(program)] = (program, self.decode_program(program))
             program = entry[1]
-        program = self._runnable(program)
+        program = self._runnable(program, prefill=new_video)
+        if self._compile_ctx is not None and not new_video:  # one decode graph for every KV length
+            for t in (attention_mask, *past):
+                torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1 if t is attention_mask else 2)
         outs = program(input_ids, attention_mask, position_ids, *past, vs, tau, *self.state)
         n = 1 + self.num_kv
         k = 2 * len(self.layers)
