@@ -206,6 +206,24 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _check_dit_files(a: argparse.Namespace, loaded) -> None:
+    """Before any work (a calibration streams the model): the output, the prompt graph written beside it and their
+    data files are none of the inputs: the step graph, its prompt graph, their data and --calib-data."""
+    from fastcar_compile.core import fileio
+
+    out = fileio.check_output_path(a.output, "-o")
+    reads: dict = dict(fileio.model_reads(a.model, "the step graph"))
+    text_src = Path(a.model).with_name(contract.dit_text_graph_name(loaded.model.metadata_props, str(a.model)))
+    if text_src.is_file():
+        reads.update(fileio.model_reads(text_src, "the prompt graph"))
+    if a.calib_data is not None:
+        reads[Path(a.calib_data)] = "--calib-data"
+    text_out = contract.text_graph_path(out)
+    fileio.check_outputs({out: "-o", out.with_name(out.name + ".data"): "the output's data",
+                          text_out: "the prompt graph's copy", text_out.with_name(text_out.name + ".data"):
+                          "the prompt graph's data"}, reads)
+
+
 def _compile_dit(a: argparse.Namespace, loaded) -> int:
     """`fastcar-compile dit.onnx -o fast.onnx` on a DiT step graph (the compiler's parsed arguments, the model
     loaded)."""
@@ -221,6 +239,7 @@ def _compile_dit(a: argparse.Namespace, loaded) -> int:
         raise FastCarError("-o/--output is required: where to write the compiled step graph")
     t0 = time.perf_counter()
     opts = options.from_args(a)
+    _check_dit_files(a, loaded)
     if a.calibrate_replay is not None:
         if not 0.0 <= a.calibrate_replay <= 1.0:
             raise FastCarError(f"--calibrate-replay must be a replay ratio in [0, 1], got {a.calibrate_replay:g}")

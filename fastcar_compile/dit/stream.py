@@ -37,6 +37,7 @@ from fastcar_compile.core.contract import (
     annsa_io,
     dit_config_of,
     dit_past_names,
+    dit_text_graph_name,
     replay_io,
     step_io,
     tas_name,
@@ -237,7 +238,7 @@ class OrtDiT:
                                "step graph written by `fastcar-compile export --dit tiny -o dit.onnx`")
 
         self.cfg: DiTConfig = dit_config_of(meta, str(step_path))
-        text_path = Path(text_path) if text_path else step_path.with_name(meta[DIT_TEXT_GRAPH_KEY])
+        text_path = Path(text_path) if text_path else step_path.with_name(dit_text_graph_name(meta, str(step_path)))
         if not text_path.is_file():
             raise FastCarError(f"{step_path}: its prompt graph {text_path} is missing; export both again")
         self.text_path = text_path
@@ -442,8 +443,14 @@ def prompt_rows(cfg: DiTConfig, text: np.ndarray | None, guided: bool, seed: int
 def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
             ) -> Iterator[ChunkResult]:
     """Generate `settings.frames` latent frames chunk by chunk with `model` (OrtDiT or TorchDiT)."""
+    from fastcar_compile.dit.config import check_stream_memory
+
     cfg = model.cfg
     guided = settings.cfg_scale != 1.0
+    sinks = cfg.sink_frames if settings.sink_frames is None else settings.sink_frames
+    window = cfg.window_frames if settings.window_frames is None else settings.window_frames
+    check_stream_memory(cfg, min(settings.frames, sinks + window) if window else settings.frames,
+                        2 if guided else 1, "the DiT")
     cross = model.text_kv(prompt_rows(cfg, text, guided, settings.seed))
     # a backend with its own cache (a compiled graph's ring, the FAST-AR runtime of dit/fastar.py) makes it
     new_cache = getattr(model, "new_cache", FrameCache)
@@ -452,7 +459,12 @@ def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
                       cfg.window_frames if settings.window_frames is None else settings.window_frames)
     rng = np.random.default_rng(settings.seed)
     for start in range(0, settings.frames, cfg.chunk_frames):
-        yield generate_chunk(model, settings, start, cache, cross, rng)
+        chunk = generate_chunk(model, settings, start, cache, cross, rng)
+        if not np.isfinite(chunk.frames).all():  # a blank video is not a result
+            raise FastCarError(f"the stream's frames {start}-{start + chunk.frames.shape[1] - 1} hold NaN or infinity "
+                               f"(CFG scale {settings.cfg_scale:g}, the prompt's values or the weights overflow "
+                               "float32); lower --cfg or check the prompt and weights")
+        yield chunk
 
 
 def generate_chunk(model, settings: StreamSettings, start: int, cache, cross: list[np.ndarray],
@@ -468,15 +480,16 @@ def generate_chunk(model, settings: StreamSettings, start: int, cache, cross: li
     past = cache.past(rows, cfg.heads, cfg.head_dim)
     x = rng.standard_normal(shape).astype(np.float32)
     x0 = x
-    for i, t in enumerate(settings.steps):
-        v = model.step(np.repeat(x, rows, 0), np.full((rows, f), t, np.float32), start, past, cross)[0]
-        v = v[:1] + settings.cfg_scale * (v[:1] - v[1:]) if guided else v
-        sigma = t / 1000.0
-        x0 = x - sigma * v
-        if i + 1 < len(settings.steps):
-            nxt = settings.steps[i + 1] / 1000.0
-            x = ((1 - nxt) * x0 + nxt * rng.standard_normal(shape)).astype(np.float32)
-    x0 = x0.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by rollout, in one line
+        for i, t in enumerate(settings.steps):
+            v = model.step(np.repeat(x, rows, 0), np.full((rows, f), t, np.float32), start, past, cross)[0]
+            v = v[:1] + settings.cfg_scale * (v[:1] - v[1:]) if guided else v
+            sigma = t / 1000.0
+            x0 = x - sigma * v
+            if i + 1 < len(settings.steps):
+                nxt = settings.steps[i + 1] / 1000.0
+                x = ((1 - nxt) * x0 + nxt * rng.standard_normal(shape)).astype(np.float32)
+        x0 = x0.astype(np.float32)
     out = model.step(np.repeat(x0, rows, 0), np.zeros((rows, f), np.float32), start, past, cross)
     cache.write(start, out[1:])
     return ChunkResult(start, x0[0], time.perf_counter() - t0, cache.resident, cache.nbytes)
