@@ -120,7 +120,32 @@ def build_sandbox(root: Path) -> Path:
     _genai_folders(root)
     _checkpoints(root)
     _special_files(root)
+    _dit_folders(root)
     return root
+
+
+def _dit_folders(root: Path) -> None:
+    """DiT configs and folders: weights that are a dangling link, a folder or a FIFO, none at all, of other shapes
+    than the config; configs whose sizes are absurd or need more memory than any machine has."""
+    import dataclasses
+
+    from fastcar_compile.demo.dit_train import DIT_PIXEL_CONFIG, save_weights
+    from fastcar_compile.dit.config import PRESETS
+    from fastcar_compile.dit.model import build
+
+    cfg = dataclasses.asdict(PRESETS["tiny"])
+    for name in ("dangling", "wdir", "wfifo", "noweights"):
+        (root / f"dit_{name}").mkdir()
+        (root / f"dit_{name}" / "config.json").write_text(json.dumps(cfg))
+    os.symlink("nowhere.safetensors", root / "dit_dangling" / "model.safetensors")
+    (root / "dit_wdir" / "model.safetensors").mkdir()
+    (root / "dit_wdir" / "model.safetensors" / "part").write_text("a folder, not the weights")  # not empty
+    os.mkfifo(root / "dit_wfifo" / "model.safetensors")
+    (root / "dit_hidden.json").write_text(json.dumps(dict(cfg, hidden=10**9)))
+    (root / "dit_big.json").write_text(json.dumps(dict(cfg, latent_h=4096, latent_w=4096, patch=[1, 1, 1])))
+    small = dataclasses.replace(DIT_PIXEL_CONFIG, layers=1, hidden=24, heads=2, ffn=32, patch=(1, 8, 8), freq_dim=16)
+    save_weights(build(dataclasses.replace(small, hidden=32), seed=2), root / "dit_shapes")
+    (root / "dit_shapes" / "config.json").write_text(json.dumps(dataclasses.asdict(small)))
 
 
 def _files_that_are_inputs(root: Path, run: dict) -> None:
@@ -707,6 +732,25 @@ def new_surface_cases(comp, fpga, sim, rep) -> list[Case]:
            patch=lambda: _fault("fastcar_compile.core.fileio._copy_range", errno.ENOSPC), message="space"),
         _c("genai-speculate (accepted)", spec("genai_ok"), exit=0,
            outputs=("out/g/genai_config.json", "out/g/model.onnx", "out/g/tokenizer.json")),
+        # the DiT path: its files, sizes and numbers
+        *[_c(f"export --dit, {what}", lambda d, n=name: ["export", "--dit", str(d / n), "-o", str(d / "out/d.onnx")],
+             message=word) for name, what, word in (
+            ("dit_dangling", "model.safetensors a dangling link", "dangling"),
+            ("dit_wdir", "model.safetensors a folder", "folder"),
+            ("dit_wfifo", "model.safetensors a FIFO", "named pipe"),
+            ("dit_noweights", "no weights and no --random-weights", "--random-weights"),
+            ("dit_hidden.json", "hidden 10**9", "beyond"))],
+        _c("stream, model.safetensors a dangling link", lambda d: ["stream", str(d / "dit_dangling"), "--frames", "2",
+                                                                   "-o", str(d / "out/s")], message="dangling"),
+        _c("stream, CFG 1e308 (NaN frames)", lambda d: ["stream", "tiny", "--frames", "4", "--cfg", "1e308", "-o",
+                                                        str(d / "out/s"), "--threads", "1"], message="NaN",
+           subprocess=True),
+        _c("stream, a 4096x4096-token frame with a 100,000-frame window", lambda d: [
+            "stream", str(d / "dit_big.json"), "--frames", "8", "--window", "100000", "--sink", "100000", "-o",
+            str(d / "out/s"), "--random-weights"], message="GiB"),
+        _c("demo --dit --weights of other shapes", lambda d: ["demo", "--dit", "--weights", str(d / "dit_shapes"),
+                                                              "--frames", "2", "--out", str(d / "out/dd")],
+           message="shapes"),
     ]
 
 
