@@ -48,7 +48,7 @@ def test_demo_prints_density_recall_and_fps_per_mode(weights, tmp_path, capsys):
     """Each FAST-AR mode streams the first prompt: its densities and recalls are those of an eager FAST-AR run
     with a dense attention on the side (fastcar_compile.dit.fastar, driven here directly), printed as percentages
     with its frames per second; the dense mode keeps every pair."""
-    from fastcar_compile.demo.dit_demo import DEMO_MODES
+    from fastcar_compile.cli.demo_dit import DEMO_MODES
     from fastcar_compile.demo.dit_train import text_embeds
     from fastcar_compile.dit import modes
     from fastcar_compile.dit.fastar import FastARDiT, totals
@@ -60,7 +60,7 @@ def test_demo_prints_density_recall_and_fps_per_mode(weights, tmp_path, capsys):
     text = capsys.readouterr().out
     doc = json.loads((out / "results.json").read_text())
     assert [r["mode"] for r in doc["modes"]] == list(DEMO_MODES) and doc["mode_frames"] == 6
-    from fastcar_compile.demo.dit_demo import load_trained
+    from fastcar_compile.cli.demo_dit import load_trained
 
     model = load_trained(weights)
     settings = StreamSettings(frames=6, seed=0, cfg_scale=2.0)

@@ -96,7 +96,10 @@ NOT_A_MODEL = (".npy", ".npz", ".json", ".png", ".gif", ".jpg", ".txt", ".csv", 
 def _check_output_name(args: argparse.Namespace) -> None:
     """The output's extension must not name another kind of file: a model is never written as x.npy, a bundle
     never as x.onnx."""
-    if args.output is None:
+    from fastcar_compile.core.fileio import same_file
+
+    inputs = [x for x in (args.model, args.calib_data, args.board_file) if x is not None]
+    if args.output is None or any(same_file(args.output, x) for x in inputs):  # the input's own refusal says more
         return
     suffix = Path(args.output).suffix.lower()
     if args.target == "fpga" and suffix == ".onnx":

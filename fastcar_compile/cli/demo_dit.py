@@ -197,8 +197,8 @@ def main(argv: list[str]) -> int:
 
     a = build_parser().parse_args(argv)
     check_rollout_args(a, "frames", min_threads=1)
+    from fastcar_compile.cli.stream import MAX_FRAMES
     from fastcar_compile.core.limits import check_int
-    from fastcar_compile.dit.cli import MAX_FRAMES
 
     check_int("--mode-frames", a.mode_frames, 0, MAX_FRAMES, "frames per FAST-AR mode; 0 skips them")
     prompts = [parse_prompt(p) for p in (a.prompt or DEFAULT_PROMPTS)]
