@@ -150,7 +150,7 @@ def test_genai_lines_run_on_the_stand_in(tmp_path):
     the tokens FastCarSession gives on the same file at the video start the prompt has (greedy)."""
     import numpy as np
 
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     run = [sys.executable, str(ROOT / "scripts" / "demo_as_user_model.py"), "--out", "my-model"]
     assert subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=600).returncode == 0
     block = next(b for b in shell_blocks() if any(c.startswith("python -m onnxruntime_genai") for c in b))
@@ -160,17 +160,13 @@ def test_genai_lines_run_on_the_stand_in(tmp_path):
                                                                            *words[1:]]
         r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
         assert r.returncode == 0, f"{command}: {r.stderr[-800:]}"
+    from test_genai_speculate import _greedy  # genai's own loop, greedy
+
+    from fastcar_compile.runtime import FastCarSession
+
     prompt = np.load(tmp_path / "heldout.npy")[:1]
     n = 70  # past the first generated frame: replay decides
-    model = og.Model(str(tmp_path / "genai-fast"))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=prompt.shape[1] + n, do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(prompt.astype(np.int32))
-    while not gen.is_done():
-        gen.generate_next_token()
-    got = np.array(gen.get_sequence(0))[prompt.shape[1]:]
-    from fastcar_compile.runtime import FastCarSession
+    got, _ = _greedy(tmp_path / "genai-fast", prompt, n)
 
     want = FastCarSession(tmp_path / "genai-fast" / "fast.onnx", threads=1).generate(
         prompt, num_frames=2, given_video_tokens=prompt.shape[1] - 8, progress=False).tokens.reshape(-1)
