@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in spec.decoding.generation_config(spec.codes, model.config.vocab_size).items():
         setattr(model.generation_config, k, v)
     model.generation_config.bos_token_id = None
+    from fastcar_compile.core.progress import hf_bars_on_terminal_only
+
+    hf_bars_on_terminal_only()
     model.save_pretrained(a.out)
     write_id_tokenizer(a.out, model.config.vocab_size)
     tok = spec.tokenizer()

@@ -37,3 +37,19 @@ def test_cli_prints_no_bar_into_a_pipe(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr + r.stdout and "simulate" not in r.stderr and "it/s" not in r.stderr, r.stderr
+
+
+def test_export_prints_no_transformers_bar_into_a_pipe(tmp_path):
+    """`export` of a transformers folder: transformers' own 'Loading weights' bar stays off when stderr is a pipe."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    exe = Path(sys.executable).with_name("fastcar-compile")
+    r = subprocess.run([str(exe), "export", str(tmp_path / "m"), "-o", str(tmp_path / "m.onnx")], capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr + r.stdout and "Loading weights" not in r.stderr, r.stderr

@@ -12,3 +12,14 @@ def bar(iterable: Any = None, *, enabled: bool = True, **kwargs: Any):
     from tqdm.auto import tqdm
 
     return tqdm(iterable, disable=None if enabled else True, **kwargs)
+
+
+def hf_bars_on_terminal_only() -> None:
+    """transformers (and the hub) draw their own tqdm bars when loading or saving weights: turned off unless stderr
+    is a terminal, as ours are."""
+    import sys
+
+    if not sys.stderr.isatty():
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
