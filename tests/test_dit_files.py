@@ -60,6 +60,8 @@ def graphs(dit_tiny_export, tmp_path_factory):
                                                               window_frames=100_000))},
         "bad_modes": {"fastcar.dit_modes": json.dumps({"annsa": {"kind": "lsh", "lsh_bits": 60, "ann_tables": 2,
                                                                  "ann_seed": 0, "annsa_local": 1}})},
+        "modes_uncompiled": {"fastcar.dit_modes": json.dumps({"threshold": 0.5})},
+        "hidden_other": {"fastcar.dit_config": json.dumps(dict(cfg, hidden=64, heads=2))},
         "modes_not_json": {"fastcar.dit_modes": "{not json"},
         "text_outside": {"fastcar.dit_text_graph": "../dit.text.onnx"},
     }
@@ -77,8 +79,9 @@ def graphs(dit_tiny_export, tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("name, word", [("huge_latent", "beyond"), ("huge_window", "GiB"), ("bad_modes", "lsh_bits"),
-                                        ("modes_not_json", "not valid JSON"), ("text_outside", "not a file name")])
+@pytest.mark.parametrize("name, word", [("huge_latent", "beyond"), ("huge_window", "shape"), ("bad_modes", "lsh_bits"),
+                                        ("modes_not_json", "not valid JSON"), ("text_outside", "not a file name"),
+                                        ("modes_uncompiled", "compiled form"), ("hidden_other", "shape")])
 def test_a_step_graph_with_broken_metadata_is_refused_before_allocating(graphs, tmp_path, capsys, name, word):
     _refused(["stream", str(graphs / name / "dit.onnx"), "--frames", "2", "-o", str(tmp_path / "o")], graphs,
              capsys, word)

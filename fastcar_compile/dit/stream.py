@@ -31,6 +31,7 @@ from fastcar_compile.core.contract import (
     DIT_TEXT_GRAPH_KEY,
     PAST_LENGTH,
     REPLAY_FIRST,
+    TEXT_INPUT,
     DiTConfig,
     DiTModes,
     annca_io,
@@ -292,6 +293,28 @@ class OrtDiT:
         if self.text_outputs != want:
             raise FastCarError(f"{text_path}: its outputs {self.text_outputs[:3]}... are not what {step_path.name} "
                                f"reads ({want[:3]}...); give the prompt graph written beside it")
+        if not self.in_place and not self.modes.dense:
+            raise FastCarError(f"{step_path}: its metadata records compiled modes but the graph is not in the compiled "
+                               "form (its cache is not read in place); compile the exported graph again")
+        self._check_shapes(step_path, text_path)
+
+    def _check_shapes(self, step_path: Path, text_path: Path) -> None:
+        """The graphs' static input dims against the config their metadata records (a config edited apart from its
+        graph would fail deep in ONNX Runtime, or allocate for shapes the graph never takes)."""
+        c = self.cfg
+        want = {"latent": [None, c.in_channels, c.chunk_frames, c.latent_h, c.latent_w],
+                **{n: [None, c.heads, None, c.head_dim] for n in dit_past_names(c.layers)}}
+        got = {i.name: i.shape for i in self.sess.get_inputs()}
+        got.update({i.name: i.shape for i in self.text_sess.get_inputs()})
+        want[TEXT_INPUT] = [None, None, c.text_dim]
+        for name, dims in want.items():
+            shape = got.get(name)
+            if shape is None:
+                continue
+            bad = [(w, g) for w, g in zip(dims, shape, strict=False) if w is not None and isinstance(g, int) and g != w]
+            if bad or len(shape) != len(dims):
+                raise FastCarError(f"{step_path if name != TEXT_INPUT else text_path}: input {name} has shape {shape}, "
+                                   f"not the {dims} its config ({DIT_CONFIG_KEY}) says; export the graph again")
 
     def new_cache(self, layers: int, tokens_per_frame: int, sinks: int, window: int) -> FrameCache | RingCache:
         if self.in_place:
