@@ -211,7 +211,8 @@ def _main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     ap.add_argument("suites", nargs="*", metavar="SUITE", help=f"one or more of: {', '.join(SUITES)}")
     ap.add_argument("--size", choices=["default", "quick", "full"], default="default",
-                    help="default: the published size (up to ~15 minutes each on 2 cores); quick: a smoke run; "
+                    help="default: the published size (speed suites up to ~15 minutes each on 2 cores, quality suites with "
+                    "16 held-out clips longer); quick: a smoke run; "
                     "full: a longer run, for the suites that have one")
     ap.add_argument("--out", type=Path, default=harness.RESULTS, help="results folder (default: results/)")
     ap.add_argument("--list", action="store_true", help="name and describe the suites, then exit")

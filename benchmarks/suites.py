@@ -1,8 +1,9 @@
 """The benchmark suites `python -m benchmarks` runs: for each, the measuring script, its arguments per size, and
 how its JSON becomes the table and the plot of results/SUITE/.
 
-Sizes: `default` is what the results/ tables publish and finishes within about 15 minutes on 2 cores once its model is
-exported (the first run exports into ~/.cache/fastcar-bench); `quick` is a smoke run of the same code on a
+Sizes: `default` is what the results/ tables publish: a speed suite finishes within about 15 minutes on 2 cores once its
+model is exported (the first run exports into ~/.cache/fastcar-bench), a quality suite measures 16 held-out clips or
+paths (30-60 minutes idle); `quick` is a smoke run of the same code on a
 smaller model or fewer steps. The scripts do the timing (interleaved variants, lower quartiles: _common.py).
 """
 
