@@ -45,6 +45,14 @@ class CompileOptions(dataclasses.make_dataclass("DeclaredOptions", options.field
             self._check_fastcar_windows()
         if not self.per_layer_threshold and len(self.threshold) != 1:
             raise FastCarError("several thresholds need --per-layer-threshold")
+        if self.required_video_inputs and self.video_start is not None:
+            raise FastCarError(f"--video-start {self.video_start} compiles video_start in, --required-video-inputs "
+                               "makes it an input fed every run: give one of them")
+
+    @property
+    def video_start_default(self) -> int | None:
+        """The compiled-in default of the video_start input (--video-start), None: an input every run feeds."""
+        return None if self.required_video_inputs else self.video_start
 
     @functools.cached_property
     def kv_compress(self) -> KVCompressConfig | None:

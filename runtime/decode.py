@@ -332,9 +332,9 @@ class _Run:
         it or Ctrl-C does; returns the state after the prefill (or the last decode step), None when none."""
         total = self.tokens.shape[1]
         show = progress if progress is not None else total >= AUTO_PROGRESS_TOKENS
-        from tqdm.auto import tqdm
+        from fastcar_compile.core.progress import bar as progress_bar
 
-        self.bar = tqdm(total=total, unit="tok", desc=self.session.path.name, disable=not show, leave=False)
+        self.bar = progress_bar(total=total, unit="tok", desc=self.session.path.name, enabled=show, leave=False)
         if show:  # long run: say up front what it will hold in memory
             self.bar.write(self.session.describe_memory(self.batch, video_start + total))
         state = None

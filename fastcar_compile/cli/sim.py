@@ -151,11 +151,22 @@ def _replay_source(args: argparse.Namespace, program, sim):
     replay, ctx, batch = masks.load_trace(args.replay_trace, layers)
     used = masks.trace_video_start(args.replay_trace)
     if used is not None and used != video_start:
-        print(f"note: the trace's run used video_start {used} but the program was compiled for {video_start}; "
-              f"recompile with --video-start {used} so the bundle records it", file=sys.stderr)
+        if program.meta.get("video_start_known") is True:  # given at compile time, and not the run's
+            print(f"note: the trace's run used video_start {used} but the program was compiled for "
+                  f"{video_start}; simulating the trace's (recompile with --video-start {used} so the bundle "
+                  "records it)", file=sys.stderr)
         video_start = used
     if args.batch is not None and args.batch != batch:
         raise FastCarError(f"--batch {args.batch} disagrees with the trace's batch {batch}")
+    if batch > sim.batch:
+        raise FastCarError(f"the trace has {batch} rows (videos decoded at once), more than the {sim.batch} "
+                           f"{args.fcb} was compiled for; compile it with --batch {batch}")
+    if batch < sim.batch and args.batch is None:  # fill the bundle's rows: its schedule is for sim.batch
+        print(f"note: the trace has {batch} row(s), the bundle was compiled for batch {sim.batch}: its rows are "
+              f"repeated to fill {sim.batch} (videos with the same replay); --batch {batch} simulates "
+              f"{batch} row(s)", file=sys.stderr)
+        replay = np.take(replay, np.arange(sim.batch) % batch, axis=2)
+        batch = sim.batch
     ignored = sorted(set(np.flatnonzero(replay.any(axis=(0, 2))).tolist()) - set(sim.replayable_layers))
     if ignored:
         print(f"note: the trace replays layers {ignored}, which this program computes densely; ignored",

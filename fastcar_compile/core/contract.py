@@ -481,6 +481,14 @@ def metadata_table() -> str:
 # A "frame" is a latent frame (Wan's VAE: 4x temporal, 8x8 spatial compression); the patch (1, 2, 2) makes
 # `tokens_per_frame` = (latent_h / 2) * (latent_w / 2) tokens, 1560 for 480x832 video. The config rides in the
 # step graph's metadata (DIT_CONFIG_KEY): the compiler and the runtime read the model's shapes from it.
+# Upper bounds of a DiT config's sizes, wherever it comes from (a config .json, a step graph's metadata): far above
+# any model this runs (Wan2.1-14B: 40 layers, hidden 5120, ffn 13824, text 4096 x 512), far below what overflows the
+# allocations derived from them (which are also checked against memory: dit/config.check_stream_memory).
+DIT_MAX_SIZES = {"layers": 1024, "hidden": 1 << 16, "heads": 1024, "ffn": 1 << 18, "text_dim": 1 << 16,
+                 "in_channels": 4096, "latent_h": 1 << 14, "latent_w": 1 << 14, "freq_dim": 1 << 16,
+                 "text_len": 1 << 16, "chunk_frames": 1024, "sink_frames": 1 << 20, "window_frames": 1 << 20}
+
+
 @dataclass(frozen=True)
 class DiTConfig:
     layers: int
@@ -522,14 +530,20 @@ class DiTConfig:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in ("eps", "rope_theta"):
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                    raise FastCarError(f"{where}: {f.name}={v!r} must be a positive number")
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= (1.0 if f.name == "eps"
+                                                                                            else 1e12):
+                    raise FastCarError(f"{where}: {f.name}={v!r} must be a positive number "
+                                       f"{'below 1' if f.name == 'eps' else 'up to 1e12'}")
             elif f.name == "patch":
                 if len(v) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
                     raise FastCarError(f"{where}: patch={list(v)!r} must be three positive integers")
             elif isinstance(v, bool) or not isinstance(v, int) or v < (0 if f.name in (
                     "window_frames", "sink_frames") else 1):
                 raise FastCarError(f"{where}: {f.name}={v!r} must be a {'non-negative' if f.name in ('window_frames', 'sink_frames') else 'positive'} integer")
+            elif v > DIT_MAX_SIZES[f.name]:
+                raise FastCarError(f"{where}: {f.name}={v} is beyond {DIT_MAX_SIZES[f.name]}; check the config")
+        if any(x > 64 for x in self.patch):
+            raise FastCarError(f"{where}: patch={list(self.patch)!r}: at most 64 pixels a side")
         if self.hidden % self.heads or self.head_dim % 2 or self.head_dim < 6:
             raise FastCarError(f"{where}: hidden {self.hidden} / heads {self.heads} must give an even head size "
                                ">= 6 (3D RoPE splits it over frame, h, w)")
@@ -627,6 +641,16 @@ def dit_config_of(props: Mapping[str, str], where: str) -> DiTConfig:
         raise FastCarError(f"{where}: its {DIT_CONFIG_KEY} metadata is not valid JSON; export it again") from None
     return DiTConfig.from_dict(d, f"{where}'s {DIT_CONFIG_KEY}")
 DIT_TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph beside the step graph
+
+
+def dit_text_graph_name(props: Mapping[str, str], where: str) -> str:
+    """The prompt graph's file name a step graph's metadata records, checked to be a plain name beside it (never a
+    path elsewhere: a graph is a file anyone can edit)."""
+    name = props.get(DIT_TEXT_GRAPH_KEY)
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name \
+            or len(name) > 255:
+        raise FastCarError(f"{where}: its prompt graph name {name!r} is not a file name beside it; export it again")
+    return name
 
 
 def text_graph_path(step: str | os.PathLike) -> Path:

@@ -32,6 +32,7 @@ from fastcar_compile.core.limits import (
     MAX_LSH_BITS,
     MAX_REPLAY,
     MAX_ROTARY_POSITIONS,
+    UINT32_MAX,
     check_int,
 )
 
@@ -313,6 +314,13 @@ OPTIONS: tuple[Option, ...] = (
            "ai.fastcar ops, their native kernels when built) or cuda (only ops the CUDA provider has kernels for: the "
            "ai.fastcar ops' function bodies inlined, every op checked against its kernel table; docs/scale.md)",
            "--provider", choices=contract.PROVIDERS),
+    Option("video_start", int | None, None, "KV index of the first video token, compiled in as the default of the "
+           "video_start input (e.g. 0 when every prompt is video, the prompt's length when a fixed-length text "
+           "prompt precedes the video). Without it video_start is an input every run must feed (FastCarSession "
+           "sets it from the prompt; a plain ONNX Runtime session that leaves it out is refused) instead of a "
+           "silent 0, with which a text prompt's last MLP outputs would be replayed into frame 0. With --target "
+           "fpga: recorded in the bundle (default 0)", "--video-start", metavar="N", lo=0, hi=UINT32_MAX,
+           meaning="a KV index"),
     Option("validate", bool, True, "skip the onnx.checker + ONNX Runtime check of the result before it is written",
            "--no-validate", cli=NEGATE),
     Option("shared_mlp", bool, True, "each MLP's nodes once in the compute branch (ONNX Runtime then keeps only "

@@ -31,12 +31,14 @@ from fastcar_compile.core.contract import (
     DIT_TEXT_GRAPH_KEY,
     PAST_LENGTH,
     REPLAY_FIRST,
+    TEXT_INPUT,
     DiTConfig,
     DiTModes,
     annca_io,
     annsa_io,
     dit_config_of,
     dit_past_names,
+    dit_text_graph_name,
     replay_io,
     step_io,
     tas_name,
@@ -84,7 +86,7 @@ class OrtDiT:
             raise FastCarError(f"{step_path} is not a DiT step graph (no {DIT_TEXT_GRAPH_KEY} metadata); give the "
                                "step graph written by `fastcar-compile export --dit tiny -o dit.onnx`")
         self.cfg: DiTConfig = dit_config_of(meta, str(step_path))
-        text_path = Path(text_path) if text_path else step_path.with_name(meta[DIT_TEXT_GRAPH_KEY])
+        text_path = Path(text_path) if text_path else step_path.with_name(dit_text_graph_name(meta, str(step_path)))
         if not text_path.is_file():
             raise FastCarError(f"{step_path}: its prompt graph {text_path} is missing; export both again")
         self.text_path = text_path
@@ -126,6 +128,28 @@ class OrtDiT:
         if self.text_outputs != want:
             raise FastCarError(f"{self.text_path}: its outputs {self.text_outputs[:3]}... are not what "
                                f"{step_path.name} reads ({want[:3]}...); give the prompt graph written beside it")
+        if not self.in_place and not self.modes.dense:
+            raise FastCarError(f"{step_path}: its metadata records compiled modes but the graph is not in the compiled "
+                               "form (its cache is not read in place); compile the exported graph again")
+        self._check_shapes(step_path, self.text_path)
+
+    def _check_shapes(self, step_path: Path, text_path: Path) -> None:
+        """The graphs' static input dims against the config their metadata records (a config edited apart from its
+        graph would fail deep in ONNX Runtime, or allocate for shapes the graph never takes)."""
+        c = self.cfg
+        want = {"latent": [None, c.in_channels, c.chunk_frames, c.latent_h, c.latent_w],
+                **{n: [None, c.heads, None, c.head_dim] for n in dit_past_names(c.layers)}}
+        got = {i.name: i.shape for i in self.sess.get_inputs()}
+        got.update({i.name: i.shape for i in self.text_sess.get_inputs()})
+        want[TEXT_INPUT] = [None, None, c.text_dim]
+        for name, dims in want.items():
+            shape = got.get(name)
+            if shape is None:
+                continue
+            bad = [(w, g) for w, g in zip(dims, shape, strict=False) if w is not None and isinstance(g, int) and g != w]
+            if bad or len(shape) != len(dims):
+                raise FastCarError(f"{step_path if name != TEXT_INPUT else text_path}: input {name} has shape {shape}, "
+                                   f"not the {dims} its config ({DIT_CONFIG_KEY}) says; export the graph again")
 
     def new_cache(self, layers: int, tokens_per_frame: int, sinks: int, window: int) -> FrameCache | RingCache:
         if self.in_place:
@@ -277,8 +301,14 @@ def prompt_rows(cfg: DiTConfig, text: np.ndarray | None, guided: bool, seed: int
 def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
             ) -> Iterator[ChunkResult]:
     """Generate `settings.frames` latent frames chunk by chunk with `model` (OrtDiT or TorchDiT)."""
+    from fastcar_compile.dit.config import check_stream_memory
+
     cfg = model.cfg
     guided = settings.cfg_scale != 1.0
+    sinks = cfg.sink_frames if settings.sink_frames is None else settings.sink_frames
+    window = cfg.window_frames if settings.window_frames is None else settings.window_frames
+    check_stream_memory(cfg, min(settings.frames, sinks + window) if window else settings.frames,
+                        2 if guided else 1, "the DiT")
     cross = model.text_kv(prompt_rows(cfg, text, guided, settings.seed))
     # a backend with its own cache (a compiled graph's ring, the FAST-AR runtime of dit/fastar.py) makes it
     new_cache = getattr(model, "new_cache", FrameCache)
@@ -287,7 +317,12 @@ def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
                       cfg.window_frames if settings.window_frames is None else settings.window_frames)
     rng = np.random.default_rng(settings.seed)
     for start in range(0, settings.frames, cfg.chunk_frames):
-        yield generate_chunk(model, settings, start, cache, cross, rng)
+        chunk = generate_chunk(model, settings, start, cache, cross, rng)
+        if not np.isfinite(chunk.frames).all():  # a blank video is not a result
+            raise FastCarError(f"the stream's frames {start}-{start + chunk.frames.shape[1] - 1} hold NaN or infinity "
+                               f"(CFG scale {settings.cfg_scale:g}, the prompt's values or the weights overflow "
+                               "float32); lower --cfg or check the prompt and weights")
+        yield chunk
 
 
 def generate_chunk(model, settings: StreamSettings, start: int, cache, cross: list[np.ndarray],
@@ -303,15 +338,16 @@ def generate_chunk(model, settings: StreamSettings, start: int, cache, cross: li
     past = cache.past(rows, cfg.heads, cfg.head_dim)
     x = rng.standard_normal(shape).astype(np.float32)
     x0 = x
-    for i, t in enumerate(settings.steps):
-        v = model.step(np.repeat(x, rows, 0), np.full((rows, f), t, np.float32), start, past, cross)[0]
-        v = v[:1] + settings.cfg_scale * (v[:1] - v[1:]) if guided else v
-        sigma = t / 1000.0
-        x0 = x - sigma * v
-        if i + 1 < len(settings.steps):
-            nxt = settings.steps[i + 1] / 1000.0
-            x = ((1 - nxt) * x0 + nxt * rng.standard_normal(shape)).astype(np.float32)
-    x0 = x0.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by rollout, in one line
+        for i, t in enumerate(settings.steps):
+            v = model.step(np.repeat(x, rows, 0), np.full((rows, f), t, np.float32), start, past, cross)[0]
+            v = v[:1] + settings.cfg_scale * (v[:1] - v[1:]) if guided else v
+            sigma = t / 1000.0
+            x0 = x - sigma * v
+            if i + 1 < len(settings.steps):
+                nxt = settings.steps[i + 1] / 1000.0
+                x = ((1 - nxt) * x0 + nxt * rng.standard_normal(shape)).astype(np.float32)
+        x0 = x0.astype(np.float32)
     out = model.step(np.repeat(x0, rows, 0), np.zeros((rows, f), np.float32), start, past, cross)
     cache.write(start, out[1:])
     return ChunkResult(start, x0[0], time.perf_counter() - t0, cache.resident, cache.nbytes)
