@@ -362,7 +362,8 @@ def _lowering_vs_onnx_path(family, zoo_model, fc_compile, tmp_path, fpga=False):
     fm = fct.apply(zoo.build_model(family), video_start=case.video_start, **opts)
     fct.to_onnx(fm, tmp_path / "torch.onnx", emit_diagnostics=True)
     fc_compile(str(zoo_model(family, "dynamo20")), output=str(tmp_path / "onnx.onnx"), emit_diagnostics=True,
-               fused_attention=None, fusions=False, **opts)  # the exported attention and ops, as the torch path keeps them
+               fused_attention=None, fusions=False, video_start=case.video_start,  # apply's video_start, compiled in
+               **opts)  # the exported attention and ops, as the torch path keeps them
     import onnx
 
     protos = [onnx.load(str(tmp_path / f"{n}.onnx"), load_external_data=False) for n in ("torch", "onnx")]
