@@ -96,7 +96,7 @@ def inspect(model, **options) -> CompileReport:
     matches = find_layers(loaded.model, notes)
     report = CompileReport.from_matches(matches)
     rewritten = [m.layer for m in select_layers(matches, opts)]
-    report.plan = plan(loaded.model, matches, rewritten, opts, notes).plan.lines()
+    report.plan = plan(loaded.model, matches, rewritten, opts, notes).lines()
     report.notes.extend(notes)
     report.notes.extend(native_gqa.inspect_notes(loaded.model))
     return report
