@@ -91,7 +91,9 @@ def inspect(model, **options) -> CompileReport:
     _refuse_dit_only(options)
     opts = CompileOptions(**{"frame_tokens": 1, **options})
     ctx = CompileContext(opts)
-    pipeline.run(ir.passes.PassManager(pipeline.exporter_fusions(ctx)), loaded.model)
+    fusions = pipeline.exporter_fusions(ctx)
+    if fusions:  # (none with fusions=False: a PassManager takes at least one pass)
+        pipeline.run(ir.passes.PassManager(fusions), loaded.model)
     notes = ctx.notes
     matches = find_layers(loaded.model, notes)
     report = CompileReport.from_matches(matches)
