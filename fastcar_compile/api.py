@@ -91,12 +91,14 @@ def inspect(model, **options) -> CompileReport:
     _refuse_dit_only(options)
     opts = CompileOptions(**{"frame_tokens": 1, **options})
     ctx = CompileContext(opts)
-    pipeline.run(ir.passes.PassManager(pipeline.exporter_fusions(ctx)), loaded.model)
+    fusions = pipeline.exporter_fusions(ctx)
+    if fusions:  # (none with fusions=False: a PassManager takes at least one pass)
+        pipeline.run(ir.passes.PassManager(fusions), loaded.model)
     notes = ctx.notes
     matches = find_layers(loaded.model, notes)
     report = CompileReport.from_matches(matches)
     rewritten = [m.layer for m in select_layers(matches, opts)]
-    report.plan = plan(loaded.model, matches, rewritten, opts, notes).plan.lines()
+    report.plan = plan(loaded.model, matches, rewritten, opts, notes).lines()
     report.notes.extend(notes)
     report.notes.extend(native_gqa.inspect_notes(loaded.model))
     return report

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import NamedTuple
 
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
@@ -23,7 +22,7 @@ from fastcar_compile.passes import attention_form, fused_attention, native_gqa
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes.compile_report import CompileReport
 from fastcar_compile.passes.context import CompileContext, CompileOptions, weight_bytes
-from fastcar_compile.passes.plan import Plan, plan_blocks
+from fastcar_compile.passes.plan import DecoderPlan, plan_blocks
 
 # Above this many bytes of weights shape inference is not tried (it would serialise every weight).
 SHAPE_INFERENCE_LIMIT = 2 << 30
@@ -169,25 +168,16 @@ class PlanPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         ctx = self.ctx
-        ctx.fusions, ctx.kv_configs, ctx.forms, ctx.plan = plan(model, ctx.matches, [m.layer for m in ctx.selected],
-                                                                ctx.options, ctx.notes)
+        ctx.plan = plan(model, ctx.matches, [m.layer for m in ctx.selected], ctx.options, ctx.notes)
         ctx.exported_gqa = [n for n in model.graph if native_gqa.is_ms_gqa(n)]  # before any op is emitted
         return ir.passes.PassResult(model, modified=False)
 
 
-class Planned(NamedTuple):
-    fusions: dict[int, dict]  # layer -> what its fused attention reads (fused_attention.fusable)
-    kv_configs: dict[int, object]  # layer -> its compressed cache's fastar.KVCompressConfig
-    forms: attention_form.Forms  # how each fused attention is built
-    plan: Plan
-
-
 def plan(model: ir.Model, matches: list[disc.LayerMatch], rewritten: list[int], opts: CompileOptions,
-         notes: list[str]) -> Planned:
+         notes: list[str]) -> DecoderPlan:
     """The plan for `opts` from discovery's matches (`rewritten`: the selected layers), on the export: what PlanPass
     hands the emission and what `--inspect` prints for the same options."""
     fusions = fused_attention.fusable(model, matches, opts, notes)
-    kv_configs = fused_attention.kv_configs(opts, fusions)
-    kv = {n: fused_attention.describe(c) for n, c in kv_configs.items()}
-    forms = attention_form.decide(model, fusions, opts, set(kv), set(rewritten), notes)
-    return Planned(fusions, kv_configs, forms, plan_blocks(matches, rewritten, opts, fusions, kv, forms))
+    compressed = {n for n in fusions if opts.fused_attention == "fastcar" and opts.kv_config(n) is not None}
+    forms = attention_form.decide(model, fusions, opts, compressed, set(rewritten), notes)
+    return plan_blocks(matches, rewritten, opts, fusions, forms)

@@ -2,7 +2,8 @@
 
 Passes are `onnx_ir.passes` passes over the model; the model cannot carry Python objects (layer matches,
 the values a rewrite created), so each pass gets this context and reads/writes it in pipeline order:
-discovery fills `matches`/`selected`, the rewrite passes fill `layers`, metadata reads all of it.
+discovery fills `matches`/`selected` (frozen from then on), the plan `plan`, the emission passes record what they
+built (`attention_ops`, `layers`, `kv_state`), metadata reads all of it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import onnx_ir as ir
 from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.options import FUSED_ATTENTION, ascii_float, ascii_int, check_fused_attention  # noqa: F401
-from fastcar_compile.passes.attention_form import Forms
 from fastcar_compile.passes.discover import LayerMatch
-from fastcar_compile.passes.plan import Plan
+from fastcar_compile.passes.plan import DecoderPlan, Plan
 
 if TYPE_CHECKING:
     from fastcar_compile.fastar.config import KVCompressConfig
@@ -247,6 +247,33 @@ class PackedQuery:
     rope: tuple[ir.Value, ir.Value, int] | None = None
 
 
+@dataclass(frozen=True)
+class AttentionOp:
+    """The fused attention op FusedAttentionPass built for a layer (discovery's match keeps the export's core): the
+    values the layer's gate reads off it, and for a rewritten layer with a packed form the query its gate reads."""
+
+    node: ir.Node
+    query: PackedQuery | None = None
+
+    @property
+    def output(self) -> ir.Value:
+        return self.node.outputs[0]
+
+    @property
+    def present_key(self) -> ir.Value:
+        return self.node.outputs[1]
+
+    @property
+    def total_len(self) -> ir.Value:
+        """total_sequence_length / total_len: input 6 of both ops."""
+        return self.node.inputs[6]
+
+    @property
+    def aligned_key(self) -> ir.Value:
+        """A compressed cache's key one frame back per token (CompressedAttention's output 4)."""
+        return self.node.outputs[4]
+
+
 GENAI_AGE_FILL = 0  # onnxruntime-genai zero-fills its state; the stored age is age + 1 (passes/genai_state.py)
 
 
@@ -294,12 +321,8 @@ class CompileContext:
     batch: ir.SymbolicDim | int | str = "batch"
     metadata: dict[str, str] = field(default_factory=dict)  # the fastcar.* props written
     kv_state: list[contract.StateEntry] = field(default_factory=list)  # compressed-KV slot state (fused pass)
-    kv_configs: dict[int, object] = field(default_factory=dict)  # those layers' fastar.KVCompressConfig
-    rotary_table: int | None = None  # positions of the packed attention's cos/sin table when a layer is packed
-    fusions: dict[int, dict] = field(default_factory=dict)  # layer -> what its fused attention reads (the plan's)
-    forms: Forms = field(default_factory=lambda: Forms({}, [], 0))  # how each fused attention is built (the plan's)
-    packed_queries: dict[int, PackedQuery] = field(default_factory=dict)  # rewritten fused layers: the packed gate's
-    plan: Plan = field(default_factory=Plan)  # per layer: what the emission builds (PlanPass)
+    plan: DecoderPlan = field(default_factory=DecoderPlan)  # per layer: what the emission builds (PlanPass)
+    attention_ops: dict[int, AttentionOp] = field(default_factory=dict)  # layer -> the fused op built (emission)
     # the export's com.microsoft.GroupQueryAttention nodes (PlanPass), the only ones NativeGqaPass swaps
     exported_gqa: list[ir.Node] = field(default_factory=list)
     genai_config: Path | None = None  # onnxruntime-genai config beside the input: run in genai's generator
@@ -317,18 +340,6 @@ class CompileContext:
     def rewrite_of(self, layer: int) -> LayerRewrite | None:
         """The rewritten layer's record (None: the layer is not rewritten)."""
         return next((r for r in self.layers if r.layer == layer), None)
-
-    def attention_node(self, layer: int) -> ir.Node:
-        """The op computing the layer's attention now (the fused op built for it, or the export's)."""
-        match = next(m for m in self.matches if m.layer == layer)
-        assert match.attention is not None
-        return match.attention.core_node
-
-    def swap_attention_node(self, old: ir.Node, new: ir.Node) -> None:
-        """A pass replaced the attention op `old` by `new` (same outputs), in whichever layer has it."""
-        for m in self.matches:
-            if m.attention is not None and m.attention.core_node is old:
-                m.attention.core_node = new
 
 
 def weight_bytes(model: ir.Model) -> int:

@@ -46,10 +46,10 @@ def metadata_of(ctx: CompileContext) -> contract.FastCarMetadata:
         state=[s for lr in ctx.layers for s in lr.state] + ctx.kv_state,
         kv=[contract.KVEntry(contract.kv_input(m.layer, k), contract.kv_output(m.layer, k))
             for m in ctx.matches for k in contract.KV_KINDS],
-        kv_compress=contract.kv_compress_record({n: c.to_dict() for n, c in ctx.kv_configs.items()},
+        kv_compress=contract.kv_compress_record({n: c.to_dict() for n, c in ctx.plan.compressed.items()},
                                                 opts.kv_diagnostics),
         multi_token_decode=True,  # the gate bodies of passes/fastcar_ops.py decide per token in decode steps
-        rotary_positions=ctx.rotary_table,
+        rotary_positions=ctx.plan.rotary_positions,
     )
 
 

@@ -76,7 +76,7 @@ def _decoder_emit(ctx: CompileContext) -> Passes:
         BranchPass(ctx),
         CacheStatePass(ctx),
         *([GenaiStatePass(ctx)] if ctx.genai_config is not None else []),
-        *([NativeGqaPass(ctx.notes, ctx.swap_attention_node, lambda: ctx.exported_gqa)]
+        *([NativeGqaPass(ctx.notes, lambda: ctx.exported_gqa)]
           if ctx.options.native_attention else []),
         KvDimNamesPass(ctx),
     ]

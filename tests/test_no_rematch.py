@@ -8,12 +8,14 @@ and is not flagged. The one place that looks at ai.fastcar nodes is the input ch
 (an already compiled model is refused). The compile tests run the pipeline pass by pass and watch every
 ai.fastcar node and every attention op the compile built: once emitted, no later pass may replace it or change its
 inputs or attributes (`--fused-attention gqa` builds ai.fastcar's GroupQueryAttention itself: NativeGqaPass swaps
-only the export's own com.microsoft nodes), and no pass after discovery matches a layer again.
+only the export's own com.microsoft nodes), no pass after discovery matches a layer again, and none changes what
+discovery matched (the LayerMatch objects, their blocks and what they hold, compared by identity after every pass).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 from unittest import mock
 
@@ -125,10 +127,34 @@ def _emitted(model: ir.Model, before: set[ir.Node]) -> dict[ir.Node, tuple]:
                                                    node not in before)}
 
 
+def _held(value) -> object:
+    """What a match field holds, comparable after a pass: plain values as they are, containers item by item, any
+    other object (a graph value, a node, a block) by identity."""
+    if isinstance(value, list | tuple):
+        return tuple(_held(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((_held(k), _held(v)) for k, v in value.items())
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return ("id", id(value))
+
+
+def match_state(matches: list[discover.LayerMatch]) -> list[tuple]:
+    """Every field of each LayerMatch and of its attention and MLP blocks (list and dict contents included), and the
+    matches themselves, by identity: what a pass assigning into a match, or into what a match holds, changes."""
+    state = []
+    for m in matches:
+        for obj in (m, m.attention, m.mlp):
+            if obj is not None:
+                state.append((id(obj), type(obj).__name__, m.layer,
+                              tuple((f.name, _held(getattr(obj, f.name))) for f in dataclasses.fields(obj))))
+    return state
+
+
 def compile_watching(path, **options) -> tuple[CompileContext, dict[ir.Node, str], dict[ir.Node, tuple]]:
     """Run the compile pipeline on `path` one pass at a time; fail when a pass replaces, rewires or re-attributes a
-    node an earlier pass built (an ai.fastcar op, or a com.microsoft attention op the compile wrote). (context,
-    node -> the pass that built it, the final nodes -> their signatures)."""
+    node an earlier pass built (an ai.fastcar op, or a com.microsoft attention op the compile wrote), or changes a
+    layer's match after discovery. (context, node -> the pass that built it, the final nodes -> their signatures)."""
     model = ir.load(str(path))
     exported = set(ir.traversal.RecursiveGraphIterator(model.graph))
     ctx = CompileContext(CompileOptions(frame_tokens=4, **options))
@@ -136,10 +162,15 @@ def compile_watching(path, **options) -> tuple[CompileContext, dict[ir.Node, str
     seen: dict[ir.Node, tuple] = {}
     matched: list[str] = []  # the pass running each time a layer is matched
     match_layer = discover._match_layer
+    frozen: list[tuple] | None = None  # the matches as discovery left them
     with mock.patch.object(discover, "_match_layer", lambda *a: (matched.append(name), match_layer(*a))[1]):
         for p in pipeline.build(ctx).passes:
             name = type(p).__name__
             p(model)
+            if frozen is not None:
+                assert match_state(ctx.matches) == frozen, f"{name} changed a layer's match after discovery"
+            elif name == "DiscoverPass":
+                frozen = match_state(ctx.matches)
             now = _emitted(model, exported)
             for node, sig in seen.items():
                 assert now.get(node) == sig, f"{name} rewrote {node.op_type} {node.name} {built[node]} built"
@@ -173,7 +204,7 @@ def test_a_dynamo_exports_attention_ops_are_built_once(zoo_model, options):
     ops = (contract.COMPRESSED_ATTENTION, contract.GROUP_QUERY_ATTENTION)
     attention = [built[n] for n in final if n.op_type in ops]
     swapped = [p for n, p in built.items() if n.op_type in ops and n not in final]
-    assert len(ctx.fusions) == 2
+    assert [b.layer for b in ctx.plan.fused] == [0, 1]
     assert swapped == [] and attention == ["FusedAttentionPass"] * 2
     if options.get("fused_attention") == "gqa":  # ai.fastcar's GroupQueryAttention (native on), built as such
         assert {(n.domain, n.op_type) for n in final if n.op_type in ops} == {
@@ -222,3 +253,20 @@ def test_a_dit_step_graphs_blocks_are_matched_once(dit_tiny_export, options):
             p(loaded.model)
     assert calls and set(calls) == {"DiTDiscoverPass"}, calls
     assert [type(p).__name__ for p in pipeline.build(ctx).passes][:2] == ["DiTDiscoverPass", "DiTPlanPass"]
+
+
+def test_the_matches_stay_as_discovery_left_them(zoo_model):
+    """A compile changes no LayerMatch (compile_watching compares them after every pass): the blocks are frozen, and
+    the check sees an assignment forced into one, a block replaced, and an item added to a list a match holds."""
+    ctx, _, _ = compile_watching(zoo_model("llama", "dynamo20"), kv_budget=16, kv_sinks=2, kv_window=8)
+    m = ctx.matches[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.attention.core_node = m.attention.core_node  # type: ignore[misc]
+    before = match_state(ctx.matches)
+    for change in (lambda: object.__setattr__(m.attention, "core_node", ctx.matches[1].attention.core_node),
+                   lambda: object.__setattr__(m, "attention", dataclasses.replace(m.attention)),
+                   lambda: m.mlp.nodes.append(m.mlp.nodes[0])):
+        state = match_state(ctx.matches)
+        change()
+        assert match_state(ctx.matches) != state
+    assert match_state(ctx.matches) != before

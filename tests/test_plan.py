@@ -146,7 +146,7 @@ def test_the_plan_of_a_dynamo_export_is_what_the_compile_builds(zoo_model, tmp_p
 
 
 INSPECTED = {"kv": ["--kv-budget", "16", "--kv-sinks", "2", "--kv-window", "8"],
-             "gqa": ["--fused-attention", "gqa"],
+             "gqa": ["--fused-attention", "gqa"], "nofusions": ["--fusions", "off"],
              "per-layer": ["--per-layer-threshold", "--threshold", "0.3,0.6"],
              "layers": ["--layers", "1", "--tas-query", "raw"]}
 
