@@ -101,7 +101,8 @@ class CostModel:
         ctx: the KV length attention reads, one int or one per layer (a bounded cache, fpga_backend/kvbound.py).
         """
         bd = self.board
-        base = popcount32(self.arg & active).astype(np.float64)
+        # a NOP slot carries no rows, whatever its arg says
+        base = np.where(self.op != isa.Op.NOP, popcount32(self.arg & active), 0).astype(np.float64)
         tab = popcount32(skip_masks).astype(np.float64)
         n_eff = np.where(self.skip, tab[np.minimum(self.layer_idx, self.num_layers), np.arange(self.C)[None, :]], base)
         ctx_l = np.broadcast_to(np.asarray(ctx, np.int64), (self.num_layers,))
@@ -130,9 +131,11 @@ class CostModel:
         dram_slot = n_eff * dram_row
         dram = dram_slot.sum(axis=1) + wbytes
         sram = n_eff * sram_row + w_slot
-        slot_t = np.maximum(compute, sram / bd.sram_bytes_per_cycle)
+        # whole cycles: a transfer ends on the first clock edge after its last byte (see ``BoardConfig.dram_rate``)
+        slot_t = np.maximum(compute, np.ceil(sram / bd.sram_bytes_per_cycle))
         core_max = slot_t.max(axis=1)
-        dram_t = dram / bd.dram_bytes_per_cycle
+        rate = bd.dram_rate
+        dram_t = np.ceil(dram * rate.denominator / rate.numerator)
         active_b = (n_eff > 0).any(axis=1)
         lat = bd.issue_latency
         if bd.double_buffering:
