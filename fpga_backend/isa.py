@@ -133,6 +133,54 @@ VALID_SUB: dict[int, frozenset[int]] = {
     int(op): frozenset(int(v) for v in SUB_ENUM[op]) if op in SUB_ENUM else frozenset({0}) for op in Op
 }
 
+
+class Fault(enum.IntEnum):
+    """Why the decoder refuses one instruction, checked in this order; of a stream's faulty instructions the
+    first in stream order (bundle by bundle, slot by slot) is the one reported, as a streaming decoder (the
+    RTL's ``fcar_decode``) meets them."""
+
+    NONE = 0
+    OPCODE = 1  # unknown opcode
+    CONTROL_IN_CORE = 2  # a control opcode in a core slot
+    CORE_IN_CONTROL = 3  # a core opcode in the control slot
+    FLAGS = 4  # reserved flag bits set
+    RESERVED = 5  # the reserved byte is not 0
+    SUB = 6  # sub-function unknown for the opcode
+
+
+FAULT_TEXT = {
+    Fault.OPCODE: "unknown opcode in",
+    Fault.CONTROL_IN_CORE: "control opcode in a core slot:",
+    Fault.CORE_IN_CONTROL: "core opcode in the control slot:",
+    Fault.FLAGS: "reserved flag bits set in",
+    Fault.RESERVED: "reserved byte set in",
+    Fault.SUB: "unknown sub-function for its opcode in",
+}
+
+
+def instruction_faults(bundles: np.ndarray) -> np.ndarray:
+    """The ``Fault`` of every instruction of a (bundles, slots) array (uint8, 0 where it decodes)."""
+    op, sub = bundles["opcode"], bundles["sub"]
+    ctl = np.zeros(op.shape, bool)
+    ctl[..., -1] = True
+    fault = np.zeros(op.shape, np.uint8)
+    sub_ok = np.zeros(op.shape, bool)
+    for code, allowed in VALID_SUB.items():
+        sel = op == code
+        sub_ok[sel] = np.isin(sub[sel], list(allowed))
+    checks = [  # later checks first: the earliest failing check of an instruction overwrites them
+        (Fault.SUB, ~sub_ok),
+        (Fault.RESERVED, bundles["reserved"] != 0),
+        (Fault.FLAGS, (bundles["flags"] & ~np.uint8(FLAG_MASK)) != 0),
+        (Fault.CORE_IN_CONTROL, ctl & ~np.isin(op, [int(o) for o in CONTROL_OPS])),
+        (Fault.CONTROL_IN_CORE, ~ctl & ~np.isin(op, [int(o) for o in CORE_OPS])),
+        (Fault.OPCODE, ~np.isin(op, [int(o) for o in Op])),
+    ]
+    for code, bad in checks:
+        fault[bad] = int(code)
+    return fault
+
+
 # Activation buffer ids used by the compiler (the functional simulator keys its buffers by these).
 BUF_NAMES = (
     "x", "xn", "q", "k", "v", "scores", "attn", "o", "gate", "up", "h", "mlp", "merged", "logits",
