@@ -19,7 +19,8 @@ offset  type     field
 16      u32      k: reduction extent (GEMM), frame tokens L (TAS)
 20      u32      off_m: offset of the tile along m; TAS: threshold tau as float32 bits
 24      u32      off_k: offset of the tile along k (> 0 accumulates); TAS: video_start
-28      u32      arg: row mask (bit r = batch row r) for core slots; Index Register value for DRS_SET
+28      u32      arg: row mask (bit r = batch row r) for core slots; Index Register value for DRS_SET;
+                 for DRS_DISPATCH the bundles of the layer's replayable phase, its own included (``drs.skip_span``)
 ======  =======  ==========================================================================================
 
 DRS_SET and DRS_DISPATCH carry the layer's remap thresholds (``drs.py``): one byte per compute-row count
@@ -87,7 +88,8 @@ class Op(enum.IntEnum):
     TAS = 5  # temporal attention score + threshold compare -> Index Register bit per row
     XCHG = 6  # replay cache exchange (see module doc)
     DRS_SET = 7  # control: latch the Index Register (arg; FROM_TAS = take it from the TAS unit); thr[1..16]
-    DRS_DISPATCH = 8  # control: remap compute rows to cores via Mapping Registers when it pays; thr[17..32]
+    DRS_DISPATCH = 8  # control: remap compute rows to cores via Mapping Registers when it pays; thr[17..32];
+    # when no row computes, the dispatcher jumps over the arg bundles of the replayable phase
     BARRIER = 9  # control: all cores finish before the next bundle issues
     FINISH = 10  # control: end of program
 
