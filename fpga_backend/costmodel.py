@@ -102,9 +102,11 @@ class CostModel:
         """
         bd = self.board
         # a NOP slot carries no rows, whatever its arg says
-        base = np.where(self.op != isa.Op.NOP, popcount32(self.arg & active), 0).astype(np.float64)
-        tab = popcount32(skip_masks).astype(np.float64)
-        n_eff = np.where(self.skip, tab[np.minimum(self.layer_idx, self.num_layers), np.arange(self.C)[None, :]], base)
+        live = self.op != isa.Op.NOP
+        mask = np.where(self.skip, skip_masks[np.minimum(self.layer_idx, self.num_layers), np.arange(self.C)[None, :]],
+                        self.arg & active)
+        mask = np.where(live, mask, 0).astype(np.uint32)  # the rows each slot runs after dispatch
+        n_eff = popcount32(mask).astype(np.float64)
         ctx_l = np.broadcast_to(np.asarray(ctx, np.int64), (self.num_layers,))
         m_ctx = np.where(self.ctx, ctx_l[np.minimum(self.layer_idx, self.num_layers - 1)], self.m)
         cyc_row = np.where(
@@ -145,4 +147,5 @@ class CostModel:
             t = np.where(active_b, core_max + dram_t + lat, 0.0)
             own = np.where(n_eff > 0, slot_t + dram_t[:, None] + lat, 0.0)
         return {"t": t, "compute": compute, "own": own, "macs": n_eff * macs_row, "dram_slot": dram_slot,
-                "wbytes": wbytes, "sram": sram, "bw_bound": active_b & (dram_t > core_max), "n": n_eff}
+                "wbytes": wbytes, "sram": sram, "bw_bound": active_b & (dram_t > core_max), "n": n_eff,
+                "mask": mask}

@@ -31,6 +31,7 @@ MAGIC = b"FCAR"
 VERSION = 1
 HEADER = struct.Struct("<4sHHQHHHHII")
 CRC = struct.Struct("<I")
+CRC32_POLY = 0xEDB88320  # zlib's CRC-32 (reflected IEEE 802.3): what the RTL loader computes bit by bit
 
 
 class Refusal(enum.IntEnum):
