@@ -26,8 +26,8 @@ from .pkg import package
 
 SV_DIR = Path(__file__).resolve().parent / "sv"
 # dependency order: package first (generated), then leaf modules up to the top
-SOURCES = ("fcar_decode.sv", "fcar_loader.sv", "fcar_tas.sv", "fcar_rowq.sv", "fcar_cacheport.sv",
-           "fcar_dispatch.sv", "fcar_drs.sv", "fcar_core_model.sv", "fcar_dram_model.sv", "tb_top.sv")
+SOURCES = ("fcar_tas.sv", "fcar_decode.sv", "fcar_loader.sv", "fcar_rowq.sv", "fcar_cacheport.sv",
+           "fcar_dispatch.sv", "fcar_drs.sv", "fcar_datapath_model.sv", "tb_top.sv")
 SYNTH_SOURCES = SOURCES[:7]  # the DRS unit: loader, decoder, dispatcher (fcar_drs is the top)
 TOP = "tb_top"
 FLAGS = ("-cc", "--exe", "--vpi", "--timing", "--timescale", "1ns/1ps", "-DCOCOTB_SIM=1", "--top-module", TOP,

@@ -177,7 +177,7 @@ class RtlStep:
     starts: list[int]
     remap: list[int]
     end: int
-    slots: list[tuple]  # (bundle position, core, op, sub, layer, rows, compute, sram_t, dram, w, macs, class)
+    slots: list[tuple]  # (bundle position, core, op, sub, layer, rows, compute, dram, w, macs, class)
     cores: dict[tuple[int, int], tuple[int, int]]  # (bundle position, core) -> (busy, own)
     latched: list[tuple[int, int]]  # (layer, Index Register)
     cache: list[tuple[int, int, int, int]]  # (core, read, row, bytes)
@@ -217,7 +217,7 @@ def parse_log(path: Path) -> dict[tuple[int, int], RtlStep]:
             elif kind == "S":
                 pos = len(cur.pcs) - 1
                 cur.slots.append((pos, int(t[1]), int(t[2]), int(t[3]), int(t[4]), int(t[5], 16),
-                                  *(int(x) for x in t[6:12])))
+                                  *(int(x) for x in t[6:11])))
             elif kind == "C":
                 cur.cores[(len(cur.pcs) - 1, int(t[1]))] = (int(t[2]), int(t[3]))
             elif kind == "R":
@@ -328,7 +328,7 @@ def _compare_step(sim, ev: dict, rtl: RtlStep, replay: np.ndarray, active: int, 
         for c in range(C):
             if not mask[b, c]:
                 continue
-            compute, sram_t, dram, w, macs, cls = figs.get((b, c), (None,) * 6)
+            compute, dram, _w, macs, cls = figs.get((b, c), (None,) * 5)
             ref = (int(ev["compute"][b, c]), int(ev["dram_slot"][b, c]), int(ev["macs"][b, c]), int(sim.dram_class[b, c]))
             if (compute, dram, macs, cls) != ref:
                 bad_slots += 1
@@ -355,7 +355,7 @@ def _compare_step(sim, ev: dict, rtl: RtlStep, replay: np.ndarray, active: int, 
     # weight stream of each bundle (broadcast: the largest tile once; per core: each), as the simulator counts it
     w = defaultdict(list)
     for s in rtl.slots:
-        w[rtl.pcs[s[0]]].append(s[9])
+        w[rtl.pcs[s[0]]].append(s[8])
     per_core = acc["stream"] == "per_core"
     got_w = np.asarray([(sum(w[b]) if per_core else max(w[b], default=0)) for b in want_pcs], np.float64)
     bad = np.flatnonzero(got_w != ev["wbytes"][want_pcs])

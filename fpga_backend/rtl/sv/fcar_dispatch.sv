@@ -10,6 +10,7 @@
 // ends the step when its bundle completes. Precondition violations set sticky bits of `err`.
 module fcar_dispatch
   import fcar_pkg::*;
+  import fcar_tas_pkg::*;
 #(
   parameter int ADDR_W = 20
 ) (
@@ -146,9 +147,7 @@ module fcar_dispatch
   logic                      in_remap;
   logic [CORES*MAX_ROWS-1:0] cur_mask;
   logic [CORES-1:0]          unmapped, is_skip, is_tas, mapped;
-  logic [MAX_ROWS-1:0]       tas_clear;
   logic                      tas_any;
-  logic [MAX_ROWS-1:0]       rep_c [CORES];
   logic [7:0]                s_op [CORES];
   logic [15:0]               s_layer [CORES];
   assign cur_mask = head_dispatch ? (dec_remap || in_remap ? rq_drs : rq_st) : lmask;
@@ -165,14 +164,9 @@ module fcar_dispatch
     assign is_tas[c] = s_op[c] == OP_TAS;
   end
   always_comb begin
-    tas_layer = '0; tas_any = 1'b0; tas_clear = '0;
+    tas_layer = '0; tas_any = 1'b0;
     for (int c = CORES - 1; c >= 0; c--)
       if (is_tas[c]) begin tas_layer = s_layer[c]; tas_any = 1'b1; end
-    for (int c = 0; c < CORES; c++)
-      if (is_tas[c] && slot_live[c]) tas_clear = tas_clear | (slot_rows[MAX_ROWS*c +: MAX_ROWS] & rep_c[c]);
-  end
-  for (genvar c = 0; c < CORES; c++) begin : g_tas
-    fcar_tas u_tas (.score(tas_score), .valid(tas_valid), .tau(bufw[c][F_OFF_M_LSB +: 32]), .replay(rep_c[c]));
   end
 
   // ---------------------------------------------------------------- issue control
@@ -265,8 +259,14 @@ module fcar_dispatch
         buf_valid <= 1'b0;
         f_pc <= (ctl_op == OP_FINISH) ? 32'd0 : buf_pc + 32'd1;
         if (|unmapped) err[E_SKIP_UNMAPPED] <= 1'b1;
-        if (tas_any) begin
-          tas_idx <= ((tas_ok && tas_l == tas_layer) ? tas_idx : ALL_ROWS) & ~tas_clear;
+        if (tas_any) begin : tas_compare
+          logic [MAX_ROWS-1:0] clear;
+          clear = '0;
+          for (int c = 0; c < CORES; c++)
+            if (is_tas[c] && slot_live[c])
+              clear = clear | (slot_rows[MAX_ROWS*c +: MAX_ROWS] &
+                               tas_replay(tas_score, tas_valid, bufw[c][F_OFF_M_LSB +: 32]));
+          tas_idx <= ((tas_ok && tas_l == tas_layer) ? tas_idx : ALL_ROWS) & ~clear;
           tas_l <= tas_layer;
           tas_ok <= 1'b1;
         end

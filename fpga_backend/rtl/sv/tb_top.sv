@@ -81,11 +81,10 @@ module tb_top
   logic [CORES*INSTR_BITS-1:0] slot_instr;
   logic [CORES*MAX_ROWS-1:0]   slot_rows;
   logic [CORES*ROW_BITS-1:0]   cache_row;
-  logic [CORES*64-1:0]         cache_bytes, dram_bytes, wbytes;
+  logic [CORES*64-1:0]         cache_bytes;
   logic [MAX_ROWS*CB-1:0]      mapping;
   logic [MAX_ROWS*32-1:0]      tas_score;
   logic [MAX_ROWS-1:0]         tas_valid;
-  logic [63:0]                 dram_t, dram_total;
 
   fcar_drs #(.ADDR_W(ADDR_W)) u_drs (
     .clk, .rst, .load_go, .load_len, .in_valid, .in_data, .load_busy, .load_done, .refusal, .fault, .fault_index,
@@ -109,22 +108,23 @@ module tb_top
   assign tas_valid = vmem[step_row(tas_layer)];
 
   // ---- datapath latency models
-  logic [63:0] compute [CORES], sram_t [CORES], macs [CORES];
-  logic [1:0]  dclass [CORES];
-  for (genvar c = 0; c < CORES; c++) begin : g_core
-    fcar_core_model u_core (
-      .clk, .rst, .issue, .live(slot_live[c]), .instr(slot_instr[INSTR_BITS*c +: INSTR_BITS]),
-      .rows(slot_rows[MAX_ROWS*c +: MAX_ROWS]),
-      .kvlen(kvmem[step_row(slot_instr[INSTR_BITS*c + F_LAYER_LSB +: 16])]), .dram_t,
-      .compute(compute[c]), .sram_t(sram_t[c]), .dram_bytes(dram_bytes[64*c +: 64]), .wbytes(wbytes[64*c +: 64]),
-      .macs(macs[c]), .dclass(dclass[c]), .done(core_done[c]), .busy_now(busy_now[c]), .own_now(own_now[c]));
+  logic [CORES*32-1:0] kvlen;
+  logic [CORES*64-1:0] f_compute, f_dram, f_wbytes, f_macs;
+  logic [CORES*2-1:0]  f_class;
+  for (genvar c = 0; c < CORES; c++) begin : g_kv
+    assign kvlen[32*c +: 32] = kvmem[step_row(slot_instr[INSTR_BITS*c + F_LAYER_LSB +: 16])];
   end
-  fcar_dram_model u_dram (.clk, .rst, .issue, .per_core(cfg_per_core), .live(slot_live), .dram_bytes, .wbytes,
-                          .dram_t, .total(dram_total), .done(dram_done));
+  fcar_datapath_model u_model (
+    .clk, .rst, .issue, .per_core(cfg_per_core), .live(slot_live), .instr(slot_instr), .rows(slot_rows), .kvlen,
+    .core_done, .dram_done, .busy_now, .own_now, .f_compute, .f_dram, .f_wbytes, .f_macs, .f_class);
 
   // ---- monitor: P step begin, B bundle start, S issued slot, C core cycles of the bundle, R Index Register,
   //      X MLP-cache request, E step end (cycle, stall cycles, err)
-  logic        open_b;
+  logic        open_b, issued_q;
+  logic [CORES-1:0]    live_q;
+  logic [7:0]          op_q [CORES], sub_q [CORES];
+  logic [15:0]         layer_q [CORES];
+  logic [MAX_ROWS-1:0] rows_q [CORES];
   logic [63:0] acc_busy [CORES], acc_own [CORES];
   logic [63:0] stall_cnt;
   logic        bstart;
@@ -135,6 +135,21 @@ module tb_top
       open_b <= 1'b0; stall_cnt <= '0;
     end else begin
       if (start && fd != 0) $fwrite(fd, "P %0d %0d %0d\n", log_tag, step_base, cyc);
+      // issued slots: logged the cycle after issue, with the figures the models registered
+      issued_q <= issue;
+      live_q <= slot_live;
+      for (int c = 0; c < CORES; c++) begin
+        op_q[c] <= slot_instr[INSTR_BITS*c + F_OPCODE_LSB +: 8];
+        sub_q[c] <= slot_instr[INSTR_BITS*c + F_SUB_LSB +: 8];
+        layer_q[c] <= slot_instr[INSTR_BITS*c + F_LAYER_LSB +: 16];
+        rows_q[c] <= slot_rows[MAX_ROWS*c +: MAX_ROWS];
+      end
+      if (issued_q && fd != 0)
+        for (int c = 0; c < CORES; c++)
+          if (live_q[c])
+            $fwrite(fd, "S %0d %0d %0d %0d %h %0d %0d %0d %0d %0d\n", c, op_q[c], sub_q[c], layer_q[c], rows_q[c],
+                    f_compute[64*c +: 64], f_dram[64*c +: 64], f_wbytes[64*c +: 64], f_macs[64*c +: 64],
+                    f_class[2*c +: 2]);
       if ((bstart || step_done) && open_b && fd != 0)
         for (int c = 0; c < CORES; c++) $fwrite(fd, "C %0d %0d %0d\n", c, acc_busy[c], acc_own[c]);
       if (bstart) begin
@@ -149,13 +164,6 @@ module tb_top
           acc_busy[c] <= acc_busy[c] + 64'(busy_now[c]);
           acc_own[c] <= acc_own[c] + 64'(own_now[c]) + 64'(issue && slot_live[c]);
         end
-      if (issue && fd != 0)
-        for (int c = 0; c < CORES; c++)
-          if (slot_live[c])
-            $fwrite(fd, "S %0d %0d %0d %0d %h %0d %0d %0d %0d %0d %0d\n", c,
-                    slot_instr[INSTR_BITS*c + F_OPCODE_LSB +: 8], slot_instr[INSTR_BITS*c + F_SUB_LSB +: 8],
-                    slot_instr[INSTR_BITS*c + F_LAYER_LSB +: 16], slot_rows[MAX_ROWS*c +: MAX_ROWS], compute[c],
-                    sram_t[c], dram_bytes[64*c +: 64], wbytes[64*c +: 64], macs[c], dclass[c]);
       if (drs_set && fd != 0) $fwrite(fd, "R %0d %h\n", drs_layer, latched);
       for (int c = 0; c < CORES; c++)
         if (cache_valid[c] && fd != 0)
