@@ -58,6 +58,11 @@ def _sim_parser() -> argparse.ArgumentParser:
                         "layer, and says so")
     p.add_argument("--kv-sinks", type=ascii_int, help="first tokens always read with --kv-window/--kv-budget")
     p.add_argument("--kv-budget", type=ascii_int, help="bounded KV cache of C slots per KV head (reads min(context, C))")
+    p.add_argument("--rtl", action="store_true",
+                   help="also run the bundles through the RTL of the DRS dispatcher (Verilator + cocotb, built "
+                        "once per board into ~/.cache/fastcar-compile/rtl) and compare with the simulator per "
+                        "bundle, layer and core: cycles, issued operations, MLP-cache traffic, replayed rows; "
+                        "differences are printed and exit 2")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
 
@@ -165,10 +170,14 @@ def main(argv: list[str]) -> int:
         out["dense_cycles"] = b.cycles
         for pol, r in results.items():
             out[f"{pol}_x_dense"] = b.cycles / r.cycles
+    report = None
+    if args.rtl:
+        report = _rtl(program, replay, ctx, policies, args.weights, batch, kv_len, board)
+        out["rtl"] = report.to_dict()
     if args.json:
         json.dump({"source": source, **out}, sys.stdout, indent=2)
         print()
-        return 0
+        return _rtl_verdict(report)
     kind = "dense baseline (no FastCar instructions)" if not sim.replayable_layers else "FastCar"
     print(f"board {sim.board.name}, batch {batch}, {source}, weights {args.weights}; {kind} program, "
           f"video_start {video_start}")
@@ -193,6 +202,27 @@ def main(argv: list[str]) -> int:
                                                              for pol in results))
     if args.timeline:
         print(f"  wrote {args.timeline} (step {step})")
+    if report is not None:
+        from fastcar_compile.fpga_backend.rtl.report import text
+
+        print(text(report))
+    return _rtl_verdict(report)
+
+
+def _rtl(program, replay, ctx, policies, stream, batch, kv_len, board):
+    """The co-simulation of `sim --rtl`; a missing tool is refused in one line."""
+    from fastcar_compile.fpga_backend.rtl import build, cosim
+
+    try:
+        return cosim.cosimulate(program, replay, ctx, policies=tuple(policies), stream=stream, batch=batch,
+                                kv_len=kv_len, board=board, log=lambda m: print(m, file=sys.stderr))
+    except build.Unavailable as exc:
+        raise FastCarError(f"--rtl: {exc}") from None
+
+
+def _rtl_verdict(report) -> int:
+    if report is not None and report.mismatches:
+        raise FastCarError(f"the RTL and the simulator differ in {len(report.mismatches)} places (listed above)")
     return 0
 
 
