@@ -125,6 +125,26 @@ def run_bench(board: BoardConfig, files: list[bytes], *, runs: list[dict] | None
     return json.loads(result.read_text()), workdir / "monitor.log"
 
 
+def reference_verdict(data: bytes, board: BoardConfig) -> tuple[int, int, int] | None:
+    """What the RTL loader built for ``board`` must answer for ``data``: ``encode.decode``'s refusal as (refusal,
+    fault, instruction index), (HASH, 0, 0) for a valid program of another board (the RTL runs its own), (NONE,
+    0, 0) for one it runs; None when decode refuses the JSON metadata, which only the host reads (invalid JSON,
+    no board, or a board other than the one the header's hash names)."""
+    try:
+        program = encode.decode(data)
+    except encode.DecodeError as exc:
+        if exc.refusal == encode.Refusal.META:
+            return None
+        if exc.refusal == encode.Refusal.HASH:
+            _, _, _, hw_hash, cores, *_ = encode.HEADER.unpack_from(data, 0)
+            if hw_hash == board.structural_hash() and cores == board.cores:
+                return None  # the header names the RTL's board; the metadata's board disagrees: the host's to refuse
+        return int(exc.refusal), int(exc.fault), max(exc.index, 0)
+    if program.board.structural_hash() != board.structural_hash():
+        return int(encode.Refusal.HASH), 0, 0
+    return int(encode.Refusal.NONE), 0, 0
+
+
 def loader_verdicts(board: BoardConfig, files: list[bytes], log=print) -> list[tuple[int, int, int]]:
     """The RTL loader's (refusal, fault, instruction index) of each file (``encode.Refusal`` codes; 15: more
     instructions than the model's program memory)."""
@@ -404,8 +424,12 @@ def _compare_step(sim, ev: dict, rtl: RtlStep, replay: np.ndarray, active: int, 
 
 def cosimulate(program: Program, replay: np.ndarray, context: np.ndarray | int, *, policies=("static", "drs"),
                stream: str = "broadcast", batch: int | None = None, kv_len: np.ndarray | None = None,
-               board: BoardConfig | None = None, seed: int = 0, log=print) -> CosimReport:
-    """Run ``replay`` (steps, layers, >= batch) through the RTL and the simulator under each policy; compare."""
+               board: BoardConfig | None = None, seed: int = 0, tas: tuple[np.ndarray, np.ndarray] | None = None,
+               log=print) -> CosimReport:
+    """Run ``replay`` (steps, layers, >= batch) through the RTL and the simulator under each policy; compare.
+
+    tas: the TAS datapath's (scores float32, valid bool), each (steps, layers, MAX_ROWS), instead of scores made
+    up to match ``replay`` (``tas_scores``); the RTL's decisions are then checked against ``replay`` as given."""
     from ..simulate import Simulator
 
     sim = Simulator(program, board)
@@ -422,7 +446,8 @@ def cosimulate(program: Program, replay: np.ndarray, context: np.ndarray | int, 
         raise FastCarError("context beyond the ISA's 32-bit length")
     active = (1 << batch) - 1
     rng = np.random.default_rng(seed)
-    scores, valid = tas_scores(program, replay, rng)
+    scores, valid = tas_scores(program, replay, rng) if tas is None else (np.asarray(tas[0], np.float32),
+                                                                         np.asarray(tas[1], bool))
     valid_words = (valid.astype(np.uint64) << np.arange(isa.MAX_ROWS, dtype=np.uint64)).sum(axis=2)
     refs: dict[str, list[dict]] = {}
     runs = []
