@@ -26,9 +26,9 @@ from .pkg import package
 
 SV_DIR = Path(__file__).resolve().parent / "sv"
 # dependency order: package first (generated), then leaf modules up to the top
-SOURCES = ("fcar_tas.sv", "fcar_decode.sv", "fcar_loader.sv", "fcar_rowq.sv", "fcar_cacheport.sv",
+SOURCES = ("fcar_decode.sv", "fcar_loader.sv", "fcar_rowq.sv", "fcar_cacheport.sv",
            "fcar_dispatch.sv", "fcar_drs.sv", "fcar_datapath_model.sv", "tb_top.sv")
-SYNTH_SOURCES = SOURCES[:7]  # the DRS unit: loader, decoder, dispatcher (fcar_drs is the top)
+SYNTH_SOURCES = SOURCES[:6]  # the DRS unit: loader, decoder, dispatcher (fcar_drs is the top)
 TOP = "tb_top"
 FLAGS = ("-cc", "--exe", "--vpi", "--timing", "--timescale", "1ns/1ps", "-DCOCOTB_SIM=1", "--top-module", TOP,
          "--prefix", "Vtop", "-o", "Vtop", "-Wno-fatal", "-Wno-lint", "-Wno-style", "-O3")

@@ -10,7 +10,6 @@
 // ends the step when its bundle completes. Precondition violations set sticky bits of `err`.
 module fcar_dispatch
   import fcar_pkg::*;
-  import fcar_tas_pkg::*;
 #(
   parameter int ADDR_W = 20
 ) (
@@ -68,6 +67,23 @@ module fcar_dispatch
   localparam int E_SET_NO_TAS = 2;      // DRS_SET FROM_TAS without a TAS of its layer
   localparam int E_JUMP = 3;            // a jump beyond the program
   localparam int E_CACHE = 4;           // MLP-cache port overrun
+
+  // TAS comparison: a row replays when its score is valid (the replay cache holds its slot one frame back) and
+  // exceeds tau as an IEEE-754 single (score > tau; NaN never, +0 == -0), the rule of functional.py's TAS.
+  // Functions, evaluated at issue.
+  function automatic logic f32_gt(input logic [31:0] a, input logic [31:0] b);
+    logic [31:0] ka, kb;
+    logic nan;
+    nan = (a[30:23] == 8'hFF && a[22:0] != 23'd0) || (b[30:23] == 8'hFF && b[22:0] != 23'd0);
+    ka = a[31] ? ~a : (a | 32'h8000_0000);  // order-preserving keys of sign-magnitude floats
+    kb = b[31] ? ~b : (b | 32'h8000_0000);
+    f32_gt = !nan && !(a[30:0] == 31'd0 && b[30:0] == 31'd0) && ka > kb;
+  endfunction
+
+  function automatic logic [MAX_ROWS-1:0] tas_replay(input logic [MAX_ROWS*32-1:0] score,
+                                                     input logic [MAX_ROWS-1:0] valid, input logic [31:0] tau);
+    for (int r = 0; r < MAX_ROWS; r++) tas_replay[r] = valid[r] && f32_gt(score[32*r +: 32], tau);
+  endfunction
 
   // ---------------------------------------------------------------- fetch
   logic [INSTR_BITS-1:0] bufw [SLOTS];

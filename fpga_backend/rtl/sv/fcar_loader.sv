@@ -62,14 +62,15 @@ module fcar_loader
   assign iend     = istart + 64'(h_bundles) * 64'(h_slots) * 64'(INSTR_BYTES);
   assign expected = iend + 64'(CRC_BYTES);
 
-  // one beat: up to four bytes, each through the CRC, the header, the instruction assembler or the CRC field
+  // one beat: up to four bytes, each through the CRC and shifted into the header, the instruction being
+  // assembled or the CRC field (byte 0 of each ends in bits [7:0])
   logic [31:0]  crc_n, crc_file_n;
   logic [255:0] hdr_n;
   logic [INSTR_BITS-1:0] wbuf_n, word_out;
   logic [5:0]   wcnt_n;
   logic         word_done;
   logic [2:0]   word_fault;
-  logic [63:0]  idx;
+  logic [32:0]  idx;
   logic [7:0]   b;
 
   fcar_decode u_dec (.instr(word_out), .is_ctl({1'b0, h_slots} != 17'd0 && slot == {1'b0, h_slots} - 17'd1),
@@ -77,16 +78,16 @@ module fcar_loader
 
   always_comb begin
     crc_n = crc; crc_file_n = crc_file; hdr_n = hdr; wbuf_n = wbuf; wcnt_n = wcnt;
-    word_done = 1'b0; word_out = '0;
+    word_done = 1'b0; word_out = wbuf;
     for (int i = 0; i < 4; i++) begin
-      idx = 64'(pos) + 64'(i);
+      idx = {1'b0, pos} + 33'(i);
       b = in_data[8*i +: 8];
-      if (in_valid && busy && !finishing && idx < 64'(flen)) begin
-        if (idx + 64'(CRC_BYTES) < 64'(flen)) crc_n = crc32_byte(crc_n, b);
-        else crc_file_n[8*(2'(idx + 64'(CRC_BYTES) - 64'(flen))) +: 8] = b;
-        if (idx < 64'(HEADER_BYTES)) hdr_n[8*idx[4:0] +: 8] = b;
-        else if (idx >= istart && idx < iend) begin
-          wbuf_n[8*wcnt_n[4:0] +: 8] = b;
+      if (in_valid && busy && !finishing && idx < {1'b0, flen}) begin
+        if (idx + 33'(CRC_BYTES) < {1'b0, flen}) crc_n = crc32_byte(crc_n, b);
+        else crc_file_n = {b, crc_file_n[31:8]};
+        if (idx < 33'(HEADER_BYTES)) hdr_n = {b, hdr_n[255:8]};
+        else if (64'(idx) >= istart && 64'(idx) < iend) begin
+          wbuf_n = {b, wbuf_n[INSTR_BITS-1:8]};
           if (wcnt_n == 6'd31) begin
             word_done = 1'b1;
             word_out = wbuf_n;

@@ -77,7 +77,7 @@ module fcar_rowq
       end
       if (cq_head != cq_tail) begin  // allocator: round-robin over the cores
         mapping[CB*cq[cq_head[ROW_BITS-1:0]] +: CB] <= rr;
-        drs_mask[MAX_ROWS*int'(rr) + int'(cq[cq_head[ROW_BITS-1:0]])] <= 1'b1;
+        drs_mask[MAX_ROWS * 32'(rr) + 32'(cq[cq_head[ROW_BITS-1:0]])] <= 1'b1;
         rr <= (rr == CB'(CORES - 1)) ? '0 : rr + 1'b1;
         cq_head <= cq_head + 6'd1;
       end
