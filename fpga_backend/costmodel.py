@@ -70,10 +70,13 @@ class CostModel:
         spill_row = np.where(flags & isa.Flag.SPILL, (self.k + self.m) * dt, 0)  # input slice in, output out
         self.dram_row = np.select([dma, self.kv_gemm, self.weight_gemm], [self.m * dt, self.m * self.k * dt, spill_row],
                                   0).astype(np.float64)
-        self.weight_bytes = np.where(self.weight_gemm, self.m * self.k * dt, 0).astype(np.float64)
+        # weights stream at the model's weight precision (int4: half a byte each, rounded up per tile)
+        wbits = int(spec.get("weight_bits") or 8 * dt)
+        tile = np.where(self.weight_gemm, (self.m * self.k * wbits + 7) // 8, self.m * self.k * dt)
+        self.weight_bytes = np.where(self.weight_gemm, tile, 0).astype(np.float64)
         self.sram_row = np.select(
             [is_gemm, op == isa.Op.VEC, op == isa.Op.TAS, dma],
-            [(self.m * self.k + self.k + self.m * self.n) * dt, 3 * self.m * dt, 2 * self.m * self.n * dt,
+            [tile + (self.k + self.m * self.n) * dt, 3 * self.m * dt, 2 * self.m * self.n * dt,
              self.m * dt],
             0,
         ).astype(np.float64)

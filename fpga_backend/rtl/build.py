@@ -1,4 +1,4 @@
-"""Verilator build of the co-simulation model (``tb_top`` with cocotb's VPI main loop), cached per board.
+"""Verilator build of the co-simulation model (``tb_top``, cocotb's VPI library, ``sv/fcar_main.cpp``), cached per board.
 
 One build per board description and source: ~/.cache/fastcar-compile/rtl/<board>-<hash>/Vtop, the hash over
 the generated package, every SystemVerilog source, the Verilator and cocotb versions and the flags (the
@@ -30,7 +30,9 @@ SOURCES = ("fcar_decode.sv", "fcar_loader.sv", "fcar_rowq.sv", "fcar_cacheport.s
            "fcar_dispatch.sv", "fcar_drs.sv", "fcar_datapath_model.sv", "tb_top.sv")
 SYNTH_SOURCES = SOURCES[:6]  # the DRS unit: loader, decoder, dispatcher (fcar_drs is the top)
 TOP = "tb_top"
-FLAGS = ("-cc", "--exe", "--vpi", "--timing", "--timescale", "1ns/1ps", "-DCOCOTB_SIM=1", "--top-module", TOP,
+MAIN = "fcar_main.cpp"  # the simulation loop: cocotb's VPI callback regions, the clock driven from C++
+# time unit = precision = 1 ns: the main loop runs a clock cycle every 2 ns (cosim_bench.CLOCK_NS)
+FLAGS = ("-cc", "--exe", "--vpi", "--timescale", "1ns/1ns", "-DCOCOTB_SIM=1", "--top-module", TOP,
          "--prefix", "Vtop", "-o", "Vtop", "-Wno-fatal", "-Wno-lint", "-Wno-style", "-O3")
 MAKE_FLAGS = ("OPT_FAST=-O2", "OPT_SLOW=-O1", "OPT_GLOBAL=-O2")
 
@@ -60,7 +62,7 @@ def tool_versions() -> dict[str, str]:
 def sources(board: BoardConfig) -> dict[str, str]:
     """File name -> text of everything the model is built from (the package generated for ``board``)."""
     out = {"fcar_pkg.sv": package(board)}
-    for name in SOURCES:
+    for name in (*SOURCES, MAIN):
         out[name] = (SV_DIR / name).read_text()
     return out
 
@@ -97,9 +99,8 @@ def build(board: BoardConfig, log=print) -> Path:
             (tmp / name).write_text(text)
             files.append(str(tmp / name))
         libs = Path(cocotb.__file__).parent / "libs"
-        main_cpp = Path(cocotb.__file__).parent / "share" / "lib" / "verilator" / "verilator.cpp"
         cmd = ["verilator", *FLAGS, "-Mdir", str(tmp / "obj"), "-LDFLAGS",
-               f"-Wl,-rpath,{libs} -L{libs} -lcocotbvpi_verilator", str(main_cpp), *files]
+               f"-Wl,-rpath,{libs} -L{libs} -lcocotbvpi_verilator", *files]
         log(f"rtl: building the {board.name} model with Verilator (once per board and source; a few minutes)")
         for step in (cmd, ["make", "-s", "-C", str(tmp / "obj"), "-f", "Vtop.mk", f"-j{min(4, os.cpu_count() or 1)}",
                            *MAKE_FLAGS]):

@@ -456,7 +456,10 @@ def cosimulate(program: Program, replay: np.ndarray, context: np.ndarray | int, 
         runs.append({"policy": pol, "stream": stream,
                      "budgets": [int(2 * ev["t"].sum() + 10 * len(program) + 100_000) for ev in refs[pol]]})
     data = encode.encode(program)
-    job = {"active": active, "binding": [int(m) for m in sim.binding], "layers": layers}
+    wbits = program.meta["model"].get("weight_bits") or 8 * bd.dtype_bytes
+    if not 1 <= wbits <= 255:
+        raise FastCarError(f"weight_bits {wbits} is beyond the RTL's 8-bit register")
+    job = {"active": active, "binding": [int(m) for m in sim.binding], "layers": layers, "wbits": int(wbits)}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fcar-rtl-") as tmp:
         out, logp = run_bench(bd, [data], runs=runs, job=job, kvlen=kv.astype(np.uint32),

@@ -11,14 +11,15 @@ import os
 from pathlib import Path
 
 import cocotb
-from cocotb.triggers import ReadOnly, RisingEdge, with_timeout
+from cocotb.triggers import ReadOnly, RisingEdge, Timer, with_timeout
 
-CLOCK_NS = 2  # tb_top: `always #1 clk = ~clk` at 1 ns/1 ps
+CLOCK_NS = 2  # fcar_main.cpp: one clock cycle per 2 ns time slot (build.FLAGS: 1 ns time unit)
 HOST_CYCLES = 100  # the host programs its registers after a load: the first bundle is fetched meanwhile
 
 
 async def _cycle(dut) -> None:
-    await RisingEdge(dut.clk)
+    """One clock cycle: fcar_main.cpp runs a whole cycle per time slot (the clock is not visible here)."""
+    await Timer(CLOCK_NS, "ns")
 
 
 async def _pulse(dut, signal) -> None:
@@ -48,6 +49,7 @@ async def run_job(dut):
         dut.cfg_active.value = job["active"]
         dut.cfg_binding.value = sum(int(m) << (32 * c) for c, m in enumerate(job["binding"]))
         dut.n_layers.value = job["layers"]
+        dut.cfg_wbits.value = job["wbits"]
         for _ in range(HOST_CYCLES):
             await _cycle(dut)
         for tag, run in enumerate(job["runs"]):

@@ -14,6 +14,7 @@ module fcar_datapath_model
   input  logic                        rst,
   input  logic                        issue,
   input  logic                        per_core,      // one weight stream per core, else one broadcast
+  input  logic [7:0]                  wbits,         // bits per stored weight (the program's weight precision)
   input  logic [CORES-1:0]            live,
   input  logic [CORES*INSTR_BITS-1:0] instr,
   input  logic [CORES*MAX_ROWS-1:0]   rows,
@@ -35,11 +36,12 @@ module fcar_datapath_model
 
   // one slot: compute cycles, SRAM cycles, per-row DRAM bytes, weight tile bytes, MACs, DRAM class
   function automatic void slot(input logic [INSTR_BITS-1:0] w, input logic [MAX_ROWS-1:0] rw, input logic lv,
-                               input logic [31:0] kvl, output logic [63:0] compute, output logic [63:0] slot_t,
+                               input logic [31:0] kvl, input logic [7:0] wb_bits,
+                               output logic [63:0] compute, output logic [63:0] slot_t,
                                output logic [63:0] dram, output logic [63:0] wb, output logic [63:0] macs,
                                output logic [1:0] cls);
     logic [7:0]  op, flags, sub;
-    logic [63:0] m, k, n, kv, rn, cyc_row, sram_row, dram_row, sram_t;
+    logic [63:0] m, k, n, kv, rn, cyc_row, sram_row, dram_row, sram_t, tile;
     logic        ctx, gemm, wgemm, kvgemm, dma;
     op = w[F_OPCODE_LSB +: 8];
     flags = w[F_FLAGS_LSB +: 8];
@@ -56,6 +58,7 @@ module fcar_datapath_model
     wgemm = gemm && sub == SPACE_WEIGHT;
     kvgemm = gemm && sub != SPACE_WEIGHT;
     dma = op == OP_LOAD || op == OP_STORE || op == OP_XCHG;
+    tile = wgemm ? (m * k * 64'(wb_bits) + 64'd7) / 64'd8 : m * k * DTYPE_BYTES;  // weights at their precision
     if (ctx) begin
       cyc_row = gemm ? cdiv(kv, 64'(ARRAY_COLS)) * cdiv(k, 64'(ARRAY_ROWS)) * n : cdiv(kv * n, 64'(SFU_LANES));
       sram_row = (kv * k + kv * n) * DTYPE_BYTES;
@@ -70,14 +73,14 @@ module fcar_datapath_model
         endcase
       else if (op == OP_TAS) cyc_row = cdiv(m * n, 64'(VECTOR_LANES));
       else cyc_row = '0;
-      if (gemm) sram_row = (m * k + k + m * n) * DTYPE_BYTES;
+      if (gemm) sram_row = tile + (k + m * n) * DTYPE_BYTES;
       else if (op == OP_VEC) sram_row = 3 * m * DTYPE_BYTES;
       else if (op == OP_TAS) sram_row = 2 * m * n * DTYPE_BYTES;
       else if (dma) sram_row = m * DTYPE_BYTES;
       else sram_row = '0;
     end
     compute = rn * cyc_row;
-    wb = (wgemm && rn != 64'd0) ? m * k * DTYPE_BYTES : 64'd0;
+    wb = (wgemm && rn != 64'd0) ? tile : 64'd0;
     sram_t = cdiv(rn * sram_row + wb, 64'(SRAM_BPC));
     slot_t = (compute > sram_t) ? compute : sram_t;
     if (dma) dram_row = m * DTYPE_BYTES;
@@ -105,7 +108,7 @@ module fcar_datapath_model
       logic [63:0] total, wsum, wmax, dram_t;
       total = '0; wsum = '0; wmax = '0;
       for (int c = 0; c < CORES; c++) begin
-        slot(instr[INSTR_BITS*c +: INSTR_BITS], rows[MAX_ROWS*c +: MAX_ROWS], live[c], kvlen[32*c +: 32],
+        slot(instr[INSTR_BITS*c +: INSTR_BITS], rows[MAX_ROWS*c +: MAX_ROWS], live[c], kvlen[32*c +: 32], wbits,
              compute[c], slot_t[c], dram[c], wb[c], macs[c], cls[c]);
         total = total + dram[c];
         wsum = wsum + wb[c];

@@ -1,20 +1,18 @@
 // Co-simulation top (Verilator + cocotb; not synthesised): the DRS unit with the core and DRAM latency models,
 // the program memory, the host-side memories (the .fcb image streamed to the loader, per step and layer the
 // KV length and the TAS datapath's scores) and a monitor writing every event to +LOG. cocotb (cosim_bench.py)
-// drives the host registers, the loads and the steps; the clock runs here.
+// drives the host registers, the loads and the steps; fcar_main.cpp drives the clock.
 module tb_top
   import fcar_pkg::*;
 #(
   parameter int ADDR_W = 20,        // program memory: 2^ADDR_W instructions
   parameter int FILE_W = 23,        // file image: 2^FILE_W 32-bit words
   parameter int STEP_W = 16         // steps x layers of KV lengths and TAS scores
-) ();
+) (
+  input logic clk  // driven by fcar_main.cpp: one cycle per 2 ns time slot
+);
   localparam int CB = (CORES > 1) ? $clog2(CORES) : 1;
 
-  /* verilator lint_off BLKSEQ */
-  logic clk /*verilator public_flat_rd*/ = 1'b0;
-  always #1 clk = ~clk;
-  /* verilator lint_on BLKSEQ */
 
   // ---- host registers (written by cocotb)
   logic                      rst          /*verilator public_flat_rw*/ = 1'b1;
@@ -25,6 +23,7 @@ module tb_top
   logic [CORES*MAX_ROWS-1:0] cfg_binding  /*verilator public_flat_rw*/ = '0;
   logic                      cfg_drs      /*verilator public_flat_rw*/ = 1'b0;
   logic                      cfg_per_core /*verilator public_flat_rw*/ = 1'b0;
+  logic [7:0]                cfg_wbits    /*verilator public_flat_rw*/ = 8'(8 * DTYPE_BYTES);
   logic [31:0]               n_layers     /*verilator public_flat_rw*/ = 32'd1;
   logic [31:0]               step_base    /*verilator public_flat_rw*/ = '0;  // row of this step in the step memories
   logic [31:0]               log_tag      /*verilator public_flat_rw*/ = '0;
@@ -115,7 +114,7 @@ module tb_top
     assign kvlen[32*c +: 32] = kvmem[step_row(slot_instr[INSTR_BITS*c + F_LAYER_LSB +: 16])];
   end
   fcar_datapath_model u_model (
-    .clk, .rst, .issue, .per_core(cfg_per_core), .live(slot_live), .instr(slot_instr), .rows(slot_rows), .kvlen,
+    .clk, .rst, .issue, .per_core(cfg_per_core), .wbits(cfg_wbits), .live(slot_live), .instr(slot_instr), .rows(slot_rows), .kvlen,
     .core_done, .dram_done, .busy_now, .own_now, .f_compute, .f_dram, .f_wbytes, .f_macs, .f_class);
 
   // ---- monitor: P step begin, B bundle start, S issued slot, C core cycles of the bundle, R Index Register,
