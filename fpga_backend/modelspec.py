@@ -126,6 +126,9 @@ LLAMA2_7B = ModelSpec(layers=32, hidden=4096, intermediate=11008, heads=32, kv_h
                       vocab=32000, dtype_bytes=2, frame_tokens=256)
 TINY = ModelSpec(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=128,
                  dtype_bytes=2, frame_tokens=4)
+# LLaMA-shaped (GQA, SwiGLU 2.75x) and small enough that the RTL co-simulates a decode step in ~10^5 cycles
+SMALL_LLAMA = ModelSpec(layers=2, hidden=512, intermediate=1408, heads=8, kv_heads=4, head_dim=64, vocab=1000,
+                        dtype_bytes=2, frame_tokens=16)
 
 
 def _meta(model: onnx.ModelProto) -> dict[str, str]:

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     fpga.add_argument("--video-start", type=options.ascii_int,
                       help="KV index of the first video token your runtime uses (run.json's video_start); "
                            "recorded in the bundle (default 0)")
+    fpga.add_argument("--weight-bits", type=options.ascii_int,
+                      help="bits per stored weight as the accelerator streams it (4: int4-quantised weights, "
+                           "dequantised into the arrays); default the board's element size")
     return p
 
 
@@ -135,7 +138,8 @@ def _fpga(args) -> int:
         raise FastCarError(f"the FPGA backend is not available: {exc}") from None
     report = compile_to_bundles(args.model, args.output, board=args.board, board_file=args.board_file,
                                 batch=args.batch, context=args.context, weights=args.weights,
-                                dense=args.dense, video_start=args.video_start, frame_tokens=args.frame_tokens)
+                                dense=args.dense, video_start=args.video_start, frame_tokens=args.frame_tokens,
+                                weight_bits=args.weight_bits)
     print(report.summary())
     return 0
 
