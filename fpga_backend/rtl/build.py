@@ -52,8 +52,12 @@ def tool_versions() -> dict[str, str]:
                           "build-essential)")
     try:
         import cocotb
+        from find_libpython import find_libpython
     except ImportError:
         raise Unavailable("cocotb is not installed (pip install -c constraints.txt -e '.[fpga]')") from None
+    if not find_libpython():
+        raise Unavailable("cocotb embeds Python through its shared library, which this Python lacks (Debian: "
+                          "apt-get install -y libpython3-dev)")
     out = subprocess.run([verilator, "--version"], capture_output=True, text=True).stdout.split()
     return {"verilator": out[1] if len(out) > 1 else "?", "cocotb": cocotb.__version__,
             "cocotb_libs": str(Path(cocotb.__file__).parent / "libs")}
