@@ -167,7 +167,8 @@ def _fpga(args) -> int:
         raise FastCarError(f"the FPGA backend is not available: {exc}") from None
     report = compile_to_bundles(args.model, args.output, board=args.board, board_file=args.board_file,
                                 batch=args.batch, context=args.context, weights=args.weights,
-                                dense=args.dense, video_start=args.video_start, frame_tokens=args.frame_tokens)
+                                dense=args.dense, video_start=args.video_start, frame_tokens=args.frame_tokens,
+                                weight_bits=args.weight_bits)
     print(report.summary())
     return 0
 
