@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     fpga.add_argument("--dense", action="store_true",
                       help="compile without FastCar instructions (no TAS, nothing skipped): the dense baseline "
                            "for `sim --baseline`")
+    fpga.add_argument("--weight-bits", type=options.ascii_int,
+                      help="bits per stored weight as the accelerator streams it (4: int4-quantised weights, "
+                           "dequantised into the arrays); default the board's element size")
     return p
 
 
