@@ -129,6 +129,51 @@ def _fpga_rows(raw: list) -> list[dict]:
     return [{**r, "label": r["config"]} for r in raw]
 
 
+def _rtl_rows(raw: dict) -> list[dict]:
+    return [{**r, "identical": "yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})"} for r in raw["matrix"]]
+
+
+def _synth_row(r: dict) -> str:
+    cap = "" if r["capacity"] is None else f"{r['capacity']:,}"
+    share = "" if r["share"] is None else f"{r['share']:.2%}"
+    return f"| {r['board']} | {r['resource']} | {r['used']:,.0f} | {cap} | {share} |\n"
+
+
+def _speedup_row(r: dict) -> str:
+    return (f"| {r['replay']:.0%} | {r['static_rtl']:,} / {r['static_sim']:,.0f} | {r['drs_rtl']:,} / "
+            f"{r['drs_sim']:,.0f} | {r['remaps']} | {r['speedup_rtl']:.3f} | {r['speedup_sim']:.3f} | "
+            f"{r['mismatches']} |\n")
+
+
+def _rtl_sections(raw: dict) -> list[str]:
+    """The RTL suite's other tables: loader vs decoder, the 7B DRS speed-up, the dense bound, synthesis."""
+    ld = raw["loader"]
+    out = [f"## Loader vs decoder on fuzzed bundles\n\n{ld['files']} files (tests/fcb_fuzz.py's mutations of two "
+           f"compiled programs, and both unmutated): {ld['compared']} reach the RTL loader ({ld['refused']} of them "
+           f"refused), whose verdict (refusal, instruction fault, instruction index) equals encode.decode's on "
+           f"{ld['agree']} / {ld['compared']}; {ld['host_side']} are refused for their JSON metadata, which only the "
+           "host reads."]
+    if raw.get("speedup"):
+        out.append("## DRS over static on the RTL: LLaMA-2-7B dims, U280, batch 32, context 1152\n\n"
+                   "| replay (clustered) | static cycles RTL / sim | DRS cycles RTL / sim | remaps | DRS / static RTL | "
+                   "DRS / static simulator | mismatches |\n|---:|---:|---:|---:|---:|---:|---:|\n"
+                   + "".join(_speedup_row(r) for r in raw["speedup"]))
+    if raw.get("dense"):
+        d = raw["dense"]
+        out.append("## Dense int4 LLaMA-2-7B-shaped decode (VILA-U-7B backbone), KV260, batch 1, context "
+                   f"{d['context']}\n\n| tokens/s | bound at 19.2 GB/s | share of the bound | share of the bound at "
+                   f"the preset's DRAM efficiency {d['dram_efficiency']:.2f} | weights GB/step | KV GB/step | cycles "
+                   "RTL / simulator |\n|---:|---:|---:|---:|---:|---:|---:|\n"
+                   f"| {d['tokens_per_s']:.2f} | {d['bound_tokens_per_s']:.2f} | {d['share_of_bound']:.1%} | "
+                   f"{d['share_of_effective_bound']:.1%} | {d['weights_gb']:.3f} | {d['kv_gb']:.3f} | "
+                   f"{d['rtl_cycles']:,} / {d['sim_cycles']:,.0f} |")
+    if raw.get("synth"):
+        out.append("## yosys synthesis of the DRS unit (fcar_drs: loader, decoder, dispatcher), UltraScale+\n\n"
+                   "| board | resource | used | device capacity | share |\n|---|---|---:|---:|---:|\n"
+                   + "".join(_synth_row(r) for r in raw["synth"]))
+    return out
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
@@ -339,6 +384,21 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
            Column("ms_per_step", "ms/step", "{:.1f}"), Column("x_dense", "x dense", "{:.2f}"),
            Column("bound", "bound"), Column("paper", "paper")],
           _fpga_rows, ("label", ["x_dense"], "x dense")),
+    Suite("fpga-rtl", "The DRS dispatcher's RTL (Verilator + cocotb) against the FPGA simulator, its yosys "
+          "resources, and the dense int4 bandwidth bound", "fpga_rtl.py", {"default": [], "quick": ["--quick"]},
+          lambda d: ["--out", str(d)],
+          [Column("board", "board"), Column("batch", "batch"), Column("replay", "replay", "{:.0%}"),
+           Column("static_rtl", "static cycles RTL", "{:,.0f}"), Column("static_sim", "static simulator", "{:,.0f}"),
+           Column("drs_rtl", "DRS cycles RTL", "{:,.0f}"), Column("drs_sim", "DRS simulator", "{:,.0f}"),
+           Column("remaps", "remaps RTL/sim"), Column("issued", "ops issued"), Column("identical", "identical")],
+          _rtl_rows, ("label", ["drs_speedup_rtl", "drs_speedup_sim"], "DRS / static"),
+          ["Every co-simulated step is compared bundle by bundle: the bundles issued and their cycles, the order "
+           "of issued operations (bundle, core, opcode, layer, row mask), per core busy and occupied cycles, "
+           "DRAM bytes per class, MACs, remaps, the rows each layer replayed (the RTL's Index Register from its "
+           "own TAS comparison) and the MLP-cache reads and writes; 'identical' means none of them differed. "
+           "The matrix decoder is modelspec.SMALL_LLAMA (2 layers, hidden 512, MLP 1408, GQA 8/4), clustered "
+           "masks, 2 steps per cell, both policies. Cycles are the accelerator's clock (simulated), not "
+           "measured hardware."], sections=_rtl_sections),
     Suite("speculation", "Speculative decoding with temporal drafts, alone and with FastCar: tokens per second "
           "against plain decoding",
           "speculation.py", {"default": [], "quick": ["--quick"]}, lambda d: ["--out", str(d)],

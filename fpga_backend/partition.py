@@ -110,9 +110,10 @@ def _round_down(x: int, step: int) -> int:
     return max(step, (x // step) * step)
 
 
-def tile_gemm(m_total: int, k_total: int, board: BoardConfig) -> list[tuple[int, int, int, int]]:
-    """Split a [k_total, m_total] weight into tiles that fit half a weight buffer, in whole array passes."""
-    tile_elems = board.weight_tile_bytes // board.dtype_bytes
+def tile_gemm(m_total: int, k_total: int, board: BoardConfig, weight_bits: int | None = None) -> list[tuple[int, int, int, int]]:
+    """Split a [k_total, m_total] weight into tiles that fit half a weight buffer, in whole array passes
+    (weight_bits: bits per stored weight, default the board's element size)."""
+    tile_elems = board.weight_tile_bytes * 8 // (weight_bits or 8 * board.dtype_bytes)
     k = min(k_total, _round_down(tile_elems // board.array_cols, board.array_rows))
     m = min(m_total, _round_down(tile_elems // k, board.array_cols))
     tiles = []
@@ -132,7 +133,7 @@ def _layer_tasks(spec: ModelSpec, layer: int, wid: dict[str, int], board: BoardC
 
     def gemm(name: str, dst: int, src: int, m: int, k: int, flags: int = 0) -> Task:
         return Task(name, "matrix", isa.Op.GEMM, W, dst, src, weight=wid[name], m=m, k=k, flags=flags,
-                    tiles=tile_gemm(m, k, board))
+                    tiles=tile_gemm(m, k, board, spec.wbits))
 
     tas = Task("tas", "vector", isa.Op.TAS, 0, 0, B["q"], m=spec.head_dim, k=spec.frame_tokens, n=spec.heads,
                off_m=isa.tau_bits(spec.threshold), off_k=spec.video_start)
@@ -236,7 +237,7 @@ def partition_spec(spec: ModelSpec, board: BoardConfig, sources: dict[str, str] 
     head = [
         Task("final_norm", "vector", isa.Op.VEC, isa.Vec.RMSNORM, B["xn"], B["x"], weight=fn, m=h),
         Task("lm_head", "matrix", isa.Op.GEMM, isa.Space.WEIGHT, B["logits"], B["xn"], weight=lm, m=spec.vocab,
-             k=h, tiles=tile_gemm(spec.vocab, h, board)),
+             k=h, tiles=tile_gemm(spec.vocab, h, board, spec.wbits)),
         Task("logits_store", "dma", isa.Op.STORE, isa.Space.ACT, 0, B["logits"], m=spec.vocab),
     ]
     graphs.append(_graph(head, isa.NO_LAYER))

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # `fastcar-compile` flags that are not compile options: what to read and write, what to print, calibration, FPGA
 COMMAND_FLAGS = {"-h", "--help", "-o", "--output", "--inspect", "--verbose", "-v", "--calibrate-replay",
                  "--calibrate-quality", "--calib-data", "--calib-frames", "--given-video-tokens", "--target", "--board",
-                 "--board-file", "--batch", "--context", "--weights", "--dense", "--video-start"}
+                 "--board-file", "--batch", "--context", "--weights", "--dense", "--video-start", "--weight-bits"}
 
 L = 4
 # Non-default values of options given together (each option alone: test_calibrated_compile_keeps_each_option).

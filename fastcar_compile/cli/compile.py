@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     fpga.add_argument("--dense", action="store_true",
                       help="compile without FastCar instructions (no TAS, nothing skipped): the dense baseline "
                            "for `sim --baseline`")
+    fpga.add_argument("--weight-bits", type=options.ascii_int,
+                      help="bits per stored weight as the accelerator streams it (4: int4-quantised weights, "
+                           "dequantised into the arrays); default the board's element size")
     return p
 
 
@@ -167,7 +170,8 @@ def _fpga(args) -> int:
         raise FastCarError(f"the FPGA backend is not available: {exc}") from None
     report = compile_to_bundles(args.model, args.output, board=args.board, board_file=args.board_file,
                                 batch=args.batch, context=args.context, weights=args.weights,
-                                dense=args.dense, video_start=args.video_start, frame_tokens=args.frame_tokens)
+                                dense=args.dense, video_start=args.video_start, frame_tokens=args.frame_tokens,
+                                weight_bits=args.weight_bits)
     print(report.summary())
     return 0
 

@@ -54,6 +54,11 @@ def _sim_parser() -> argparse.ArgumentParser:
                    help="the same model compiled with --dense: simulated on the same steps and contexts, "
                         "to print 'x dense' speed-ups")
     options.add_arguments(p, SIM_KV)
+    p.add_argument("--rtl", action="store_true",
+                   help="also run the bundles through the RTL of the DRS dispatcher (Verilator + cocotb, built "
+                        "once per board into ~/.cache/fastcar-compile/rtl) and compare with the simulator per "
+                        "bundle, layer and core: cycles, issued operations, MLP-cache traffic, replayed rows; "
+                        "differences are printed and exit 2")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
 
@@ -86,11 +91,35 @@ def main(argv: list[str]) -> int:
         out["drs_speedup_over_static"] = results["static"].cycles / results["drs"].cycles
     if args.baseline:
         out.update(_against_baseline(args, board, sim.num_layers, replay, ctx, batch, results))
+    report = _rtl(program, replay, ctx, policies, args.weights, batch, kv_len, board) if args.rtl else None
+    if report is not None:
+        out["rtl"] = report.to_dict()
     if args.json:
         json.dump({"source": source, **out}, sys.stdout, indent=2)
         print()
-        return 0
+        return _rtl_verdict(report)
     _print_results(args, sim, results, out, batch, source, video_start, step)
+    if report is not None:
+        from fastcar_compile.fpga_backend.rtl.report import text
+
+        print(text(report))
+    return _rtl_verdict(report)
+
+
+def _rtl(program, replay, ctx, policies, stream, batch, kv_len, board):
+    """The co-simulation of `sim --rtl`; a missing tool is refused in one line."""
+    from fastcar_compile.fpga_backend.rtl import build, cosim
+
+    try:
+        return cosim.cosimulate(program, replay, ctx, policies=tuple(policies), stream=stream, batch=batch,
+                                kv_len=kv_len, board=board, log=lambda m: print(m, file=sys.stderr))
+    except build.Unavailable as exc:
+        raise FastCarError(f"--rtl: {exc}") from None
+
+
+def _rtl_verdict(report) -> int:
+    if report is not None and report.mismatches:
+        raise FastCarError(f"the RTL and the simulator differ in {len(report.mismatches)} places (listed above)")
     return 0
 
 
