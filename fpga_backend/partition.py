@@ -315,6 +315,15 @@ def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
         qk = qk_norm_weights(proto, spec.head_dim, h)
         for layer in range(spec.layers):
             sources[f"L{layer}.q_norm"], sources[f"L{layer}.k_norm"] = qk[2 * layer : 2 * layer + 2]
+    sources.update(_norm_sources(proto, spec))
+    return sources
+
+
+def _norm_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
+    """The RMSNorm scales (weight_sources' docstring): per layer attn_norm then mlp_norm by layer tag, else in graph
+    order; the last untagged one is the final norm."""
+    h = spec.hidden
+    sources: dict[str, str] = {}
     inits = {}
     for t in proto.graph.initializer:
         if list(t.dims) == [h]:

@@ -153,25 +153,9 @@ def cache_scores(b, graph: ir.Graph, layer: int, a: SelfAttention, q: ir.Value, 
     lb = b("FusedMatMul", [qb, kb], {"transB": 1, "alpha": 1.0}, domain=contract.MS_DOMAIN, part="annsa")
     lb = b("Add", [lb, b("Unsqueeze", [ins["bias"], c("ax4", np.array([4], np.int64))], part="annsa")], part="annsa")
     minus_inf = c("minus_inf", np.array(-np.inf, np.float32))
-    if T > 1:  # a pair sharing a bucket in an earlier table was counted there: per table t > 0, per u < t
-        qcb = b("GatherND", [codes, qtab1], {"batch_dims": 2}, part="annsa")  # [B, H, T, K, Mq, T]
-        split = {"axis": 2, "num_outputs": T}
-        lbs = b("Split", [lb], split, outputs=T, part="annsa")  # [B, H, 1, K, Mq, M] each
-        qs = b("Split", [qcb], split, outputs=T, part="annsa")  # [B, H, 1, K, Mq, T]
-        ks = b("Split", [ins["kcodes"]], split, outputs=T, part="annsa")  # [B, H, 1, T, K, M]
-        pieces = [lbs[0]]
-        for t in range(1, T):
-            dup = None
-            for u in range(t):
-                u_ = c(f"table{u}", np.array(u, np.int64))
-                qu = b("Unsqueeze", [b("Gather", [qs[t], u_], {"axis": 5}, part="annsa"), c("last", np.array([-1], np.int64))],
-                       part="annsa")  # [B, H, 1, K, Mq, 1]
-                ku = b("Unsqueeze", [b("Gather", [ks[t], u_], {"axis": 3}, part="annsa"),
-                                     c("ax4", np.array([4], np.int64))], part="annsa")  # [B, H, 1, K, 1, M]
-                eq = b("Equal", [qu, ku], part="annsa")
-                dup = eq if dup is None else b("Or", [dup, eq], part="annsa")
-            pieces.append(b("Where", [dup, minus_inf, lbs[t]], part="annsa"))
-        lb = b("Concat", pieces, {"axis": 2}, part="annsa")
+    if T > 1:
+        lb = _count_pairs_once(b, c, lb, b("GatherND", [codes, qtab1], {"batch_dims": 2}, part="annsa"),
+                               ins["kcodes"], T, minus_inf)
     # each query's row of its block, per table: (bucket, rank); queries in no occupied bucket get -inf
     at = b("Concat", [b("Unsqueeze", [slot, c("last", np.array([-1], np.int64))], part="annsa"),
                       b("Unsqueeze", [rank, c("last", np.array([-1], np.int64))], part="annsa")], {"axis": -1},
@@ -201,3 +185,26 @@ def cache_scores(b, graph: ir.Graph, layer: int, a: SelfAttention, q: ir.Value, 
         return b2("Add", [b2("MatMul", [pd, vd], part="annsa"), total], part="annsa")
 
     return scores, context
+
+
+def _count_pairs_once(b, c, lb: ir.Value, qcb: ir.Value, kcodes: ir.Value, T: int, minus_inf: ir.Value) -> ir.Value:
+    """Block scores `lb` [B, H, T, K, Mq, M] with a query-key pair that shares a bucket in an earlier table masked
+    to -inf in every later one (the reference counts each pair once): per table t > 0, per u < t. `qcb` holds the
+    block rows' query codes [B, H, T, K, Mq, T], `kcodes` the keys' [B, H, T, T, K, M]."""
+    split = {"axis": 2, "num_outputs": T}
+    lbs = b("Split", [lb], split, outputs=T, part="annsa")  # [B, H, 1, K, Mq, M] each
+    qs = b("Split", [qcb], split, outputs=T, part="annsa")  # [B, H, 1, K, Mq, T]
+    ks = b("Split", [kcodes], split, outputs=T, part="annsa")  # [B, H, 1, T, K, M]
+    pieces = [lbs[0]]
+    for t in range(1, T):
+        dup = None
+        for u in range(t):
+            u_ = c(f"table{u}", np.array(u, np.int64))
+            qu = b("Unsqueeze", [b("Gather", [qs[t], u_], {"axis": 5}, part="annsa"), c("last", np.array([-1], np.int64))],
+                   part="annsa")  # [B, H, 1, K, Mq, 1]
+            ku = b("Unsqueeze", [b("Gather", [ks[t], u_], {"axis": 3}, part="annsa"),
+                                 c("ax4", np.array([4], np.int64))], part="annsa")  # [B, H, 1, K, 1, M]
+            eq = b("Equal", [qu, ku], part="annsa")
+            dup = eq if dup is None else b("Or", [dup, eq], part="annsa")
+        pieces.append(b("Where", [dup, minus_inf, lbs[t]], part="annsa"))
+    return b("Concat", pieces, {"axis": 2}, part="annsa")

@@ -372,6 +372,20 @@ def _compare_step(sim, ev: dict, rtl: RtlStep, replay: np.ndarray, active: int, 
             acc["busy_sim"][lay][c] += s_busy
         acc["cycles_rtl"][int(bl[b])] += int(dur[i])
         acc["cycles_sim"][int(bl[b])] += int(sim_t[i])
+    out += _compare_traffic(sim, ev, rtl, replay, active, want_pcs, tag, acc)
+    acc["issued"] += len(rtl.slots)
+    acc["stall"] += rtl.stall
+    if rtl.cycles != int(t.sum()):
+        out.append(f"{tag}: step takes {rtl.cycles} cycles in the RTL, {t.sum():.0f} in the simulator")
+    return out
+
+
+def _compare_traffic(sim, ev: dict, rtl: RtlStep, replay: np.ndarray, active: int, want_pcs: list[int], tag: str,
+                     acc: dict) -> list[str]:
+    """_compare_step's traffic part: the weight stream, the remaps, the rows each layer replayed and the MLP-cache
+    reads and writes; mismatches, and the figures accumulated into acc."""
+    out: list[str] = []
+    C, prog, mask = sim.C, sim.program.bundles, ev["mask"]
     # weight stream of each bundle (broadcast: the largest tile once; per core: each), as the simulator counts it
     w = defaultdict(list)
     for s in rtl.slots:
@@ -415,10 +429,6 @@ def _compare_step(sim, ev: dict, rtl: RtlStep, replay: np.ndarray, active: int, 
                    "from the trace and the simulator")
     acc["reads"] += reads
     acc["writes"] += writes
-    acc["issued"] += len(rtl.slots)
-    acc["stall"] += rtl.stall
-    if rtl.cycles != int(t.sum()):
-        out.append(f"{tag}: step takes {rtl.cycles} cycles in the RTL, {t.sum():.0f} in the simulator")
     return out
 
 
