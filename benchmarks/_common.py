@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +21,6 @@ from typing import TypeVar
 import numpy as np
 
 from fastcar_compile.core.atomic import write_text
-from fastcar_compile.core.contract import io_names
 
 K = TypeVar("K")  # the key naming a timed variant (a string, or a tuple of its parts)
 T = TypeVar("T")
@@ -69,42 +67,6 @@ def llama_config(shape: LlamaShape):
     return cfg
 
 
-def flat_kv_wrapper(model, num_layers: int | None = None):
-    """The package's flat-KV front (the exported I/O contract); num_layers is read from the config."""
-    from fastcar_compile.export import flat_kv_wrapper as wrapper
-
-    return wrapper(model)
-
-
-def example_inputs(shape: LlamaShape, device: str = "cpu", batch: int = 2, seq: int = 3, past: int = 5):
-    """Distinct batch/seq/past sizes so the exporter keeps them dynamic."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, shape.vocab, (batch, seq), generator=g)
-    mask = torch.ones(batch, past + seq, dtype=torch.int64)
-    pos = torch.arange(past, past + seq, dtype=torch.int64).unsqueeze(0).expand(batch, seq).contiguous()
-    kv = [torch.randn(batch, shape.kv_heads, past, shape.head_dim, generator=g) for _ in range(2 * shape.layers)]
-    return tuple(t.to(device) for t in (ids, mask, pos, *kv))
-
-
-def dynamic_shapes(num_layers: int):
-    kv = tuple({0: "batch", 2: "past"} for _ in range(2 * num_layers))
-    return ({0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, {0: "batch", 1: "seq"}, kv)
-
-
-def export_program(wrapper, shape: LlamaShape, inputs, *, optimize: bool, opset: int = 20):
-    """torch.onnx.export (dynamo) of the wrapper; returns the ONNXProgram."""
-    import torch
-
-    ins, outs = io_names(shape.layers)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        return torch.onnx.export(wrapper, inputs, input_names=ins, output_names=outs,
-                                 dynamic_shapes=dynamic_shapes(shape.layers), opset_version=opset, dynamo=True,
-                                 optimize=optimize, verbose=False)
-
-
 def build_random_llama(shape: LlamaShape, seed: int = 0):
     """Seeded random float32 LlamaForCausalLM (weights ~ 1/sqrt(fan_in), so activations stay O(1))."""
     import torch
@@ -124,26 +86,19 @@ def build_random_llama(shape: LlamaShape, seed: int = 0):
 
 
 def cached_export(shape: LlamaShape, cache_dir: Path, seed: int = 0) -> Path:
-    """Export the seeded model once (dynamo, opset 20) into cache_dir/<tag>/model.onnx; reuse it afterwards."""
-    import onnx
+    """Export the seeded model once (`fastcar_compile.export.export_decoder`: dynamo, opset 20, one self-contained
+    file) into cache_dir/<tag>/model.onnx; reuse it afterwards."""
     import torch
+
+    from fastcar_compile.export import export_decoder
 
     folder = Path(cache_dir) / f"{shape.tag()}-seed{seed}"
     path = folder / "model.onnx"
     if path.is_file():
         return path
-    folder.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     print(f"exporting {shape} (cached in {folder}) ...", file=sys.stderr)
-    model = build_random_llama(shape, seed)
-    prog = export_program(flat_kv_wrapper(model, shape.layers), shape, example_inputs(shape), optimize=True)
-    tmp = folder / ".model.tmp.onnx"
-    prog.save(str(tmp))
-    onnx.save(onnx.load(str(tmp)), str(tmp))  # one self-contained file (< 2 GB)
-    for side in folder.glob(".model.tmp.onnx.data"):
-        side.unlink()
-    os.replace(tmp, path)
-    return path
+    return export_decoder(build_random_llama(shape, seed), path)
 
 
 def ort_options(threads: int, entries: dict[str, str] | None = None, *, spin: bool = True,
@@ -302,27 +257,6 @@ def lower_quartile_ms(times: dict[K, list[float]]) -> dict[K, float]:
     return {n: float(np.percentile(t, 25)) * 1e3 for n, t in times.items()}
 
 
-class BadArgument(ValueError):
-    """A malformed command-line value: main() prints its one line and exits 2 (no traceback)."""
-
-
-def parse_models(text: str, option: str = "--models", *, files: bool = True) -> dict[str, Path]:
-    """`name=path,name=path,...` -> {name: Path}, in order; BadArgument naming the option when an item has no
-    `=`, a name is empty or repeated, or (files=True) a path is not an existing file."""
-    models: dict[str, Path] = {}
-    for item in text.split(","):
-        name, sep, path = item.partition("=")
-        name = name.strip()
-        if not sep or not name or not path:
-            raise BadArgument(f"{option}: {item!r} is not NAME=PATH; give e.g. {option} plain=A/fast.onnx,packed=B/fast.onnx")
-        if name in models:
-            raise BadArgument(f"{option}: the name {name!r} is given twice; give each model its own name")
-        if files and not Path(path).is_file():
-            raise BadArgument(f"{option}: {path} (for {name!r}) is not a file; give an existing model file")
-        models[name] = Path(path)
-    return models
-
-
 def past_name_for(output_name: str) -> str | None:
     """present.N.key -> past_key_values.N.key; present_X -> past_X (the FastCar state pairs of DESIGN.md)."""
     if output_name.startswith("present."):
@@ -349,10 +283,6 @@ def empty_state(sess, batch: int, frame_tokens: int) -> dict[str, np.ndarray]:
     return state
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    write_text(path, text)
-
-
 def ms_lists(times: dict[str, list[float]]) -> dict[str, list[float]]:
     """Per-step times in seconds -> milliseconds, for the raw steps a benchmark's JSON keeps."""
     return {n: [x * 1e3 for x in t] for n, t in times.items()}
@@ -360,6 +290,6 @@ def ms_lists(times: dict[str, list[float]]) -> dict[str, list[float]]:
 
 def save_results(path: Path, results: dict) -> int:
     """Write a benchmark's results as JSON (atomically), say where, and return the exit code 0."""
-    atomic_write_text(path, json.dumps(results, indent=1))
+    write_text(path, json.dumps(results, indent=1))
     print(f"\nwrote {path}")
     return 0

@@ -2,7 +2,7 @@
 export (cache concatenated into its inputs) and eager PyTorch, same loop, interleaved.
 
 The `tiny` preset (random weights, seed 0) is exported with `fastcar_compile.dit.export` and compiled with
-`fastcar_compile.dit.compile` (tau = +inf: dense), then the streaming rollout (fastcar_compile.dit.stream:
+`fastcar_compile.compile` (tau = +inf: dense), then the streaming rollout (fastcar_compile.dit.stream:
 4 flow-matching steps + the cache pass per chunk, CFG on two rows) runs once per backend, chunk by chunk in
 turn (compiled, export, eager, ...), so all see the same machine load. A chunk's time is shared by its frames.
 Runs with the model's rolling window (1 sink + 4 frames) and without (window 0: the cache grows with the
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastcar_compile.dit.compile import compile_dit
+from fastcar_compile.api import compile as compile_dit
 from fastcar_compile.dit.config import PRESETS
 from fastcar_compile.dit.export import export_dit
 from fastcar_compile.dit.model import build

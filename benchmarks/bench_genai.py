@@ -46,7 +46,6 @@ from _common import (  # noqa: E402
     DEFAULT_CACHE,
     LlamaShape,
     add_hugepage_flag,
-    atomic_write_text,
     build_random_llama,
     cached_export,
     hugepage_malloc_record,
@@ -57,6 +56,8 @@ from _common import (  # noqa: E402
     reexec_with_hugepage_malloc,
     save_results,
 )
+
+from fastcar_compile.core.atomic import write_text  # noqa: E402
 
 FULL = dict(shape=LlamaShape(hidden=1024, layers=8, heads=16, kv_heads=2, intermediate=3072, vocab=2048,
                              max_pos=4608), contexts=(1024, 4096), frame_tokens=256, tokens=48)
@@ -115,7 +116,8 @@ def strip_mlp(src: Path, out: Path) -> None:
 
 # ORT session config entries every variant runs with (dense included: the baseline is the fastest dense decode).
 # genai 0.18 hands any unknown string key of `session_options` to AddConfigEntry (checked: a bad
-# "session.load_model_format" makes og.Model fail). Which entries are faster: benchmarks/experiments/ab_genai_session_config.py.
+# "session.load_model_format" makes og.Model fail). Which entries are faster: the A/B study
+# 08784a2:benchmarks/experiments/ab_genai_session_config.py (in history, `git show` it).
 SESSION_CONFIG: dict[str, str] = {}
 
 
@@ -160,7 +162,7 @@ def set_session(folder: Path, threads: int, native: bool, entries: dict[str, str
         so["custom_ops_library"] = str(local.resolve())
     else:
         so.pop("custom_ops_library", None)
-    atomic_write_text(cfg_path, json.dumps(cfg, indent=4))
+    write_text(cfg_path, json.dumps(cfg, indent=4))
 
 
 def compiler_stamp() -> str:
@@ -189,7 +191,7 @@ def stale(out: Path) -> bool:
 
 
 def mark_fresh(out: Path) -> None:
-    atomic_write_text(out.parent / (out.name + ".compiler"), compiler_stamp())
+    write_text(out.parent / (out.name + ".compiler"), compiler_stamp())
 
 
 def replay_counts(layers: int, only: list[int] | None = None) -> list[int]:
@@ -223,7 +225,8 @@ def variants(src: Path, work: Path, layers: int, frame_tokens: int, only: list[i
             folder = work / (f"r{k}" if swap else f"r{k}-ortgqa")
             if stale(folder / "fast.onnx"):
                 fastcar_compile.compile(src / "model.onnx", folder / "fast.onnx", frame_tokens=frame_tokens,
-                                        threshold=taus, per_layer_threshold=True, native_attention=swap)
+                                        threshold=taus, per_layer_threshold=True, native_attention=swap,
+                                        video_start=0)  # og.Generator feeds no video_start: prompts are video
                 mark_fresh(folder / "fast.onnx")
             out[f"{prefix}{k}"] = folder
     return out

@@ -8,9 +8,9 @@ One seeded random LLaMA-style decoder (benchmarks/_common.py) is run three ways,
   stepping its own DynamicCache through its forward: the transformers model itself ("transformers") and the
   FastCar model from `fastcar_compile.torch.apply` ("model N%");
 - torch.compile (inductor, dynamic shapes) of the same two programs;
-- ONNX Runtime: the dense export and its `fastcar-compile` output (what bench_pass.py measures).
-Replay is forced per layer through a per-layer threshold (tau = -inf replays, +inf computes; the same
-Bresenham pattern as bench_pass.py), so every window of `period` steps holds exactly the ratio; the realised
+- ONNX Runtime: the dense export and its `fastcar-compile` output.
+Replay is forced per layer through a per-layer threshold (tau = -inf replays, +inf computes; a Bresenham
+pattern, `replay_pattern`), so every window of `period` steps holds exactly the ratio; the realised
 ratio is read back from the replay decisions. All configurations run interleaved step by step after a
 prefill of `--context` tokens; a ratio compares each configuration with its own runtime's dense step in the
 same window (medians over windows; the lower quartile of each configuration's window times too). Prints a
@@ -38,63 +38,115 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_CACHE, LlamaShape, build_random_llama, cached_export, make_session  # noqa: E402
-from bench_pass import Runner, period_of, prefill, replay_pattern  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_CACHE,
+    LlamaShape,
+    build_random_llama,
+    cached_export,
+    empty_state,
+    make_session,
+    past_name_for,
+)
 
 FULL = dict(shape=LlamaShape(max_pos=2048), context=1024, frame_tokens=256, rounds=20)
 QUICK = dict(shape=LlamaShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=512, max_pos=1024),
              context=256, frame_tokens=64, rounds=4)
 
 
-class TorchRunner:
-    """One PyTorch configuration: a callable with the flat contract, its carried KV (and FastCar) state."""
+def replay_pattern(ratio: Fraction, layers: int, step: int) -> list[int]:
+    """Layers (positions in the threshold vector) forced to replay at `step`: Bresenham count, rotating
+    start, so any `period` consecutive steps replay exactly ratio * layers * period layer-steps."""
+    done = math.floor(step * ratio * layers)
+    n = math.floor((step + 1) * ratio * layers) - done
+    return [(done + j) % layers for j in range(n)]
 
-    def __init__(self, name: str, fn, kv: list, past: int, vocab: int, *, state: list | None = None,
-                 ratio: Fraction | None = None, layers: int = 0):
-        self.name, self.fn, self.kv, self.past, self.vocab = name, fn, list(kv), past, vocab
-        # own copies: the eager FastCar step updates its state in place (as FastCarDecoder runs it)
-        self.state, self.ratio, self.layers = [s.clone() for s in state or []], ratio, layers
+
+def period_of(ratios: list[Fraction], layers: int) -> int:
+    """Smallest block length whose per-layer replay count is an integer for every ratio."""
+    p = 1
+    for r in ratios:
+        p = math.lcm(p, (r * layers).denominator)
+    return p
+
+
+class Runner:
+    """One configuration: its step, carried state, per-step times (wall and process CPU, all threads) and, at a
+    forced ratio, the replay decisions counted against the forced pattern. Subclasses say how a step runs."""
+
+    def __init__(self, name: str, fn, past: int, vocab: int, *, ratio: Fraction | None = None, layers: int = 0):
+        self.name, self.fn, self.past, self.vocab, self.ratio, self.layers = name, fn, past, vocab, ratio, layers
         self.rng = np.random.default_rng(1)
         self.step = 0
         self.wall_ms: list[float] = []
         self.cpu_ms: list[float] = []
         self.replayed = self.layer_steps = self.mismatch = 0
 
-    def run_step(self, record: bool = True) -> None:
-        import torch
+    def forced(self) -> set[int]:
+        """The layers (positions) this step forces to replay; empty without a ratio."""
+        return set(replay_pattern(self.ratio, self.layers, self.step)) if self.ratio is not None else set()
 
-        ids = torch.as_tensor(self.rng.integers(0, self.vocab, (1, 1)))
-        args = [ids, torch.ones(1, self.past + 1, dtype=torch.int64), torch.full((1, 1), self.past), *self.kv]
-        expect: set[int] = set()
-        if self.ratio is not None:
-            expect = set(replay_pattern(self.ratio, self.layers, self.step))
-            tau = torch.full((self.layers,), math.inf)
-            tau[list(expect)] = -math.inf
-            args += [torch.tensor(0), tau, *self.state]
+    def timed(self, call, record: bool):
         c0, t0 = time.process_time(), time.perf_counter()
-        with torch.no_grad():
-            outs = self.fn(*args)
+        out = call()
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if record:
             self.wall_ms.append(1e3 * dt)
             self.cpu_ms.append(1e3 * dc)
+        return out
+
+    def count(self, decisions, expect: set[int]) -> None:
+        """Tally one step's replay decisions (one bool per forced position) against the forced pattern."""
+        for pos, replayed in enumerate(decisions):
+            self.replayed += replayed
+            self.mismatch += replayed != (pos in expect)
+        self.layer_steps += self.layers
+
+    def run_step(self, record: bool = True) -> None:
+        self._step(self.forced(), record)
+        self.past += 1
+        self.step += 1
+
+    def _step(self, expect: set[int], record: bool) -> None:
+        raise NotImplementedError
+
+    @property
+    def realised(self) -> float:
+        return self.replayed / self.layer_steps if self.layer_steps else float("nan")
+
+
+def _no_grad(fn, *args, **kw):
+    import torch
+
+    with torch.no_grad():
+        return fn(*args, **kw)
+
+
+class TorchRunner(Runner):
+    """A PyTorch program with the flat contract, its carried KV (and FastCar) state."""
+
+    def __init__(self, name: str, fn, kv: list, past: int, vocab: int, *, state: list | None = None,
+                 ratio: Fraction | None = None, layers: int = 0):
+        super().__init__(name, fn, past, vocab, ratio=ratio, layers=layers)
+        self.kv = list(kv)
+        # own copies: the eager FastCar step updates its state in place (as FastCarDecoder runs it)
+        self.state = [s.clone() for s in state or []]
+
+    def _step(self, expect: set[int], record: bool) -> None:
+        import torch
+
+        ids = torch.as_tensor(self.rng.integers(0, self.vocab, (1, 1)))
+        args = [ids, torch.ones(1, self.past + 1, dtype=torch.int64), torch.full((1, 1), self.past), *self.kv]
+        if self.ratio is not None:
+            tau = torch.full((self.layers,), math.inf)
+            tau[list(expect)] = -math.inf
+            args += [torch.tensor(0), tau, *self.state]
+        outs = self.timed(lambda: _no_grad(self.fn, *args), record)
         n_kv = len(self.kv)
         self.kv = list(outs[1:1 + n_kv])
         if self.ratio is not None:
             k = 2 * self.layers
             self.state = list(outs[1 + n_kv:1 + n_kv + k])
-            replay = outs[1 + n_kv + k::2]
-            for pos, rep in enumerate(replay):
-                r = bool(rep.item())
-                self.replayed += r
-                self.mismatch += r != (pos in expect)
-            self.layer_steps += self.layers
-        self.past += 1
-        self.step += 1
-
-    @property
-    def realised(self) -> float:
-        return self.replayed / self.layer_steps if self.layer_steps else float("nan")
+            self.count((bool(rep.item()) for rep in outs[1 + n_kv + k::2]), expect)
 
 
 class ModelRunner(TorchRunner):
@@ -106,36 +158,64 @@ class ModelRunner(TorchRunner):
         super().__init__(name, model, [], past, vocab, state=state, ratio=ratio, layers=layers)
         self.cache = copy.deepcopy(cache)
 
-    def run_step(self, record: bool = True) -> None:
+    def _step(self, expect: set[int], record: bool) -> None:
         import torch
 
         ids = torch.as_tensor(self.rng.integers(0, self.vocab, (1, 1)))
         kw = {"input_ids": ids, "attention_mask": torch.ones(1, self.past + 1, dtype=torch.int64),
               "past_key_values": self.cache, "use_cache": True}
-        expect: set[int] = set()
         if self.ratio is not None:
-            expect = set(replay_pattern(self.ratio, self.layers, self.step))
             tau = torch.full((self.layers,), math.inf)
             tau[list(expect)] = -math.inf
             kw.update(fastcar_threshold=tau, video_start=0)
             self.fn.fastcar.state = self.state  # several runners share one FastCar model: each its own state
-        c0, t0 = time.process_time(), time.perf_counter()
-        with torch.no_grad():
-            self.fn(**kw)
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        if record:
-            self.wall_ms.append(1e3 * dt)
-            self.cpu_ms.append(1e3 * dc)
+        self.timed(lambda: _no_grad(self.fn, **kw), record)
         if self.ratio is not None:
             dec = self.fn.fastcar
             self.state = dec.state
-            for pos, layer in enumerate(dec.layers):
-                r = bool(dec.last_replay[layer].item())
-                self.replayed += r
-                self.mismatch += r != (pos in expect)
-            self.layer_steps += self.layers
-        self.past += 1
-        self.step += 1
+            self.count((bool(dec.last_replay[layer].item()) for layer in dec.layers), expect)
+
+
+class OrtRunner(Runner):
+    """An ONNX Runtime session with its own carried state (outputs fed back as the next step's past)."""
+
+    def __init__(self, name: str, sess, state: dict[str, np.ndarray], past: int, vocab: int, *,
+                 ratio: Fraction | None = None, layers: int = 0, frame_tokens: int = 0):
+        super().__init__(name, sess, past, vocab, ratio=ratio, layers=layers)
+        self.state, self.L = dict(state), frame_tokens
+        self.out_names = [o.name for o in sess.get_outputs()]
+        self.inputs = {i.name for i in sess.get_inputs()} | {i.name for i in sess.get_overridable_initializers()}
+
+    def _step(self, expect: set[int], record: bool) -> None:
+        ids = self.rng.integers(0, self.vocab, size=(1, 1), dtype=np.int64)
+        feeds = {"input_ids": ids, "attention_mask": np.ones((1, self.past + 1), dtype=np.int64),
+                 "position_ids": np.full((1, 1), self.past, dtype=np.int64), **self.state}
+        if self.ratio is not None:
+            tau = np.full(self.layers, np.inf, dtype=np.float32)
+            tau[list(expect)] = -np.inf
+            feeds["fastcar_threshold"] = tau
+            feeds["video_start"] = np.asarray(0, dtype=np.int64)
+        feeds = {k: v for k, v in feeds.items() if k in self.inputs}
+        outs = dict(zip(self.out_names, self.timed(lambda: self.fn.run(self.out_names, feeds), record), strict=True))
+        for name, val in outs.items():
+            nxt = past_name_for(name)
+            if nxt is not None:
+                self.state[nxt] = val
+        if self.ratio is not None:
+            slot = self.past % self.L  # (p - video_start) mod L, video_start = 0
+            self.count((bool(outs[f"present_mlp_age.{layer}"][0, slot] > 0) for layer in range(self.layers)), expect)
+
+
+def prefill(sess, ids: np.ndarray, frame_tokens: int, extra: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One multi-token step from an empty state; returns the state to carry."""
+    n = ids.shape[1]
+    state = empty_state(sess, 1, frame_tokens)
+    names = {i.name for i in sess.get_inputs()} | {i.name for i in sess.get_overridable_initializers()}
+    feeds = {"input_ids": ids, "attention_mask": np.ones((1, n), dtype=np.int64),
+             "position_ids": np.arange(n, dtype=np.int64)[None], **state, **extra}
+    out_names = [o.name for o in sess.get_outputs()]
+    outs = sess.run(out_names, {k: v for k, v in feeds.items() if k in names})
+    return {past_name_for(k): v for k, v in zip(out_names, outs, strict=True) if past_name_for(k)}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -289,9 +369,9 @@ def ort_runners(shape, a, L, ids, ratios) -> list:
     st_f = prefill(sess_f, ids_np, L, {"video_start": np.asarray(0, np.int64),
                                        "fastcar_threshold": np.full(n, np.inf, np.float32)})
     context = ids.shape[1]
-    runners = [Runner("ORT|dense", sess_d, st_d, context, np.random.default_rng(1), shape.vocab)]
-    runners += [Runner(f"ORT|{float(r):.0%}", sess_f, st_f, context, np.random.default_rng(1), shape.vocab,
-                       ratio=r, fast_layers=list(range(n)), frame_tokens=L) for r in ratios]
+    runners = [OrtRunner("ORT|dense", sess_d, st_d, context, shape.vocab)]
+    runners += [OrtRunner(f"ORT|{float(r):.0%}", sess_f, st_f, context, shape.vocab, ratio=r, layers=n,
+                          frame_tokens=L) for r in ratios]
     return runners
 
 
@@ -314,9 +394,9 @@ def report(runners, names, shape, n, context, L, a, rounds, period) -> None:
             if not r.name.startswith(rt + "|"):
                 continue
             w = windows(r)
-            ratio = getattr(r, "ratio", None)
+            ratio = r.ratio
             rows.append({"runtime": rt, "config": r.name.split("|", 1)[1], "ratio": None if ratio is None else float(ratio),
-                         "realised": None if ratio is None else r.realised, "mismatch": getattr(r, "mismatch", 0),
+                         "realised": None if ratio is None else r.realised, "mismatch": r.mismatch,
                          "ms": float(np.median(w)), "ms_q25": float(np.percentile(w, 25)),
                          "speedup": float(np.median(dw / w)),
                          "x_transformers": float(np.median(hw / w)) if rt == "torch eager" and hw is not None else None})

@@ -14,8 +14,8 @@ frames of 256 tokens: frame 64 = 16384 positions, frame 128 = 32768. Modes:
 Random weights and random tokens carry no temporal redundancy, so FastCar's replay ratio is forced (75%, the
 nearest whole-layer ratio to 80%, and 50%, about what the trained long demo model replays on frame 64:
 docs/fastar.md), TempCache finds nothing to merge and AnnSA's buckets select ~1/256 of the keys per table: these
-rows measure cost, not quality (quality of the same modes: `benchmarks/experiments/long_video.py --op-modes` on the trained
-demo model).
+rows measure cost, not quality (quality of the same modes on the trained demo model: the study
+`08784a2:benchmarks/experiments/long_video.py --op-modes`, in history).
 
 Every (mode, frame) runs in a fresh child process: load, prefill the first `frame x 256` tokens of one random
 token stream in chunks through the same model (the KV state at frame N really holds N frames), then greedy

@@ -23,8 +23,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_CACHE, atomic_write_text, cached_export, save_results  # noqa: E402
+from _common import DEFAULT_CACHE, cached_export, save_results  # noqa: E402
 from bench_genai import FULL, QUICK, build_genai, mark_fresh, set_session, stale  # noqa: E402
+
+from fastcar_compile.core.atomic import write_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -91,7 +93,7 @@ def prepare(cfg: dict, cache: Path, threads: int) -> dict[str, tuple[str, Path]]
         comp = work / f"genai{tag}" / "fast.onnx"
         if stale(comp):
             fastcar_compile.compile(genai / "model.onnx", comp, frame_tokens=ft, threshold=taus,
-                                    per_layer_threshold=True, shared_mlp=shared)
+                                    per_layer_threshold=True, shared_mlp=shared, video_start=0)  # run by og
             mark_fresh(comp)
         set_session(comp.parent, threads, native=True)
         fused = work / f"dynamo{tag}" / "fast.onnx"
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print(text)
     out = args.out if not args.quick else args.out.with_name(args.out.stem + "_quick.json")
-    atomic_write_text(out.with_suffix(".md"), f"`{' '.join(['python benchmarks/memory_footprint.py', *(argv or sys.argv[1:])])}`\n\n{text}\n")
+    write_text(out.with_suffix(".md"), f"`{' '.join(['python benchmarks/memory_footprint.py', *(argv or sys.argv[1:])])}`\n\n{text}\n")
     plot(rows, out.with_suffix(".png"))
     return save_results(out, {"shape": str(cfg["shape"]), "ctx": args.ctx, "steps": args.steps,
                               "threads": args.threads, "rows": rows})

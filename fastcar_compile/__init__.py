@@ -7,8 +7,8 @@ can then guard the heavy imports (onnx, ONNX Runtime) itself, and Ctrl-C while t
 from fastcar_compile.core._version import __version__
 from fastcar_compile.core.errors import FastCarError
 
-__all__ = ["CompileReport", "FastCarError", "__version__", "compile", "inspect", "native_attention"]
-_LAZY = {"CompileReport", "compile", "inspect", "native_attention"}
+__all__ = ["CompileReport", "FastCarError", "__version__", "compile", "inspect", "load", "native_attention"]
+_LAZY = {"CompileReport", "compile", "inspect", "load", "native_attention"}
 
 
 def __getattr__(name: str):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from .compiler import FpgaCompileReport, build_program, compile_to_bundles
 from .hwspec import PRESETS, BoardConfig, load_board
-from .modelspec import LLAMA2_7B, TINY, ModelSpec
+from .modelspec import LLAMA2_7B, SMALL_LLAMA, TINY, ModelSpec
 
 __all__ = [
-    "BoardConfig", "FpgaCompileReport", "LLAMA2_7B", "ModelSpec", "PRESETS", "TINY", "build_program",
+    "BoardConfig", "FpgaCompileReport", "LLAMA2_7B", "ModelSpec", "PRESETS", "SMALL_LLAMA", "TINY", "build_program",
     "compile_to_bundles", "load_board",
 ]

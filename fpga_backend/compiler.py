@@ -65,14 +65,16 @@ class FpgaCompileReport:
 def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfig, batch: int = 1,
                   context: int | None = None, *, num_heads: int | None = None, strict: bool = True,
                   weights: str = "broadcast", dense: bool = False, video_start: int | None = None,
-                  frame_tokens: int | None = None) -> Program:
+                  frame_tokens: int | None = None, weight_bits: int | None = None) -> Program:
     """partition -> schedule -> DRS thresholds (for the ``weights`` stream mode).
 
     dense: no FastCar instructions at all (no TAS, no replay exchange, nothing skippable): the baseline
     that "x dense" figures divide by (a plain export, without fastcar.* metadata, always compiles dense).
     video_start: KV index of the first video token the runtime used (run.json's video_start), encoded in the
     TAS/exchange instructions and recorded in the metadata. frame_tokens: tokens per frame of a plain export
-    (a compiled model records its own; a different value is refused), used for the default context."""
+    (a compiled model records its own; a different value is refused), used for the default context.
+    weight_bits: bits per weight as stored and streamed (4: int4-quantised weights); default the board's
+    element size. It sizes the weight tiles and the weight stream."""
     if weights not in isa.WEIGHT_STREAMS:
         raise FastCarError(f"weights {weights!r} must be one of {isa.WEIGHT_STREAMS}")
     from fastcar_compile.core.limits import UINT32_MAX, check_int
@@ -88,6 +90,9 @@ def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardC
         overrides["video_start"] = int(video_start)
     if frame_tokens is not None:
         check_int("--frame-tokens", frame_tokens, 1, UINT32_MAX, "tokens per video frame")
+    if weight_bits is not None:
+        check_int("--weight-bits", weight_bits, 1, 8 * board.dtype_bytes, "bits per stored weight (4: int4)")
+        overrides["weight_bits"] = int(weight_bits)
     part = partition(model, board, num_heads=num_heads, strict=strict, overrides=overrides,
                      frame_tokens=frame_tokens)
     if dense and part.spec.frame_tokens is not None:
@@ -101,7 +106,9 @@ def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardC
                            "length the attention tiles are sized for) or --frame-tokens L (context 2 x L)")
     ctx = context if context is not None else 2 * part.spec.frame_tokens
     check_int("--context", ctx, 1, UINT32_MAX, "KV length; the ISA's m field is 32-bit")
-    return fill_thresholds(emit_program(part, batch, ctx), weights)
+    program = fill_thresholds(emit_program(part, batch, ctx), weights)
+    program.meta["video_start_known"] = bool(part.video_start_known)  # else `sim` takes a trace's without a note
+    return program
 
 
 def report_for(program: Program, output: str | Path | None, file_bytes: int) -> FpgaCompileReport:
@@ -125,7 +132,8 @@ def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Pat
                        board_file: str | Path | None = None, batch: int = 1, context: int | None = None, *,
                        num_heads: int | None = None, strict: bool = True,
                        weights: str = "broadcast", dense: bool = False,
-                       video_start: int | None = None, frame_tokens: int | None = None) -> FpgaCompileReport:
+                       video_start: int | None = None, frame_tokens: int | None = None,
+                       weight_bits: int | None = None) -> FpgaCompileReport:
     """Compile a fast.onnx (or plain decoder, or ModelSpec) to a `.fcb` bundle file for ``board``.
 
     ``context`` is the KV length the attention instructions are encoded with (the simulator substitutes the
@@ -140,7 +148,8 @@ def compile_to_bundles(onnx_path: str | Path | ModelSpec, output_path: str | Pat
         check_outputs({output_path: "-o"}, {**reads, board_file: "--board-file"})
     cfg = load_board(board, board_file)
     program = build_program(onnx_path, cfg, batch, context, num_heads=num_heads, strict=strict, weights=weights,
-                            dense=dense, video_start=video_start, frame_tokens=frame_tokens)
+                            dense=dense, video_start=video_start, frame_tokens=frame_tokens,
+                            weight_bits=weight_bits)
     from .verify import check_program
 
     check_program(program)

@@ -70,10 +70,13 @@ class CostModel:
         spill_row = np.where(flags & isa.Flag.SPILL, (self.k + self.m) * dt, 0)  # input slice in, output out
         self.dram_row = np.select([dma, self.kv_gemm, self.weight_gemm], [self.m * dt, self.m * self.k * dt, spill_row],
                                   0).astype(np.float64)
-        self.weight_bytes = np.where(self.weight_gemm, self.m * self.k * dt, 0).astype(np.float64)
+        # weights stream at the model's weight precision (int4: half a byte each, rounded up per tile)
+        wbits = int(spec.get("weight_bits") or 8 * dt)
+        tile = np.where(self.weight_gemm, (self.m * self.k * wbits + 7) // 8, self.m * self.k * dt)
+        self.weight_bytes = np.where(self.weight_gemm, tile, 0).astype(np.float64)
         self.sram_row = np.select(
             [is_gemm, op == isa.Op.VEC, op == isa.Op.TAS, dma],
-            [(self.m * self.k + self.k + self.m * self.n) * dt, 3 * self.m * dt, 2 * self.m * self.n * dt,
+            [tile + (self.k + self.m * self.n) * dt, 3 * self.m * dt, 2 * self.m * self.n * dt,
              self.m * dt],
             0,
         ).astype(np.float64)
@@ -101,9 +104,12 @@ class CostModel:
         ctx: the KV length attention reads, one int or one per layer (a bounded cache, fpga_backend/kvbound.py).
         """
         bd = self.board
-        base = popcount32(self.arg & active).astype(np.float64)
-        tab = popcount32(skip_masks).astype(np.float64)
-        n_eff = np.where(self.skip, tab[np.minimum(self.layer_idx, self.num_layers), np.arange(self.C)[None, :]], base)
+        # a NOP slot carries no rows, whatever its arg says
+        live = self.op != isa.Op.NOP
+        mask = np.where(self.skip, skip_masks[np.minimum(self.layer_idx, self.num_layers), np.arange(self.C)[None, :]],
+                        self.arg & active)
+        mask = np.where(live, mask, 0).astype(np.uint32)  # the rows each slot runs after dispatch
+        n_eff = popcount32(mask).astype(np.float64)
         ctx_l = np.broadcast_to(np.asarray(ctx, np.int64), (self.num_layers,))
         m_ctx = np.where(self.ctx, ctx_l[np.minimum(self.layer_idx, self.num_layers - 1)], self.m)
         cyc_row = np.where(
@@ -130,9 +136,11 @@ class CostModel:
         dram_slot = n_eff * dram_row
         dram = dram_slot.sum(axis=1) + wbytes
         sram = n_eff * sram_row + w_slot
-        slot_t = np.maximum(compute, sram / bd.sram_bytes_per_cycle)
+        # whole cycles: a transfer ends on the first clock edge after its last byte (see ``BoardConfig.dram_rate``)
+        slot_t = np.maximum(compute, np.ceil(sram / bd.sram_bytes_per_cycle))
         core_max = slot_t.max(axis=1)
-        dram_t = dram / bd.dram_bytes_per_cycle
+        rate = bd.dram_rate
+        dram_t = np.ceil(dram * rate.denominator / rate.numerator)
         active_b = (n_eff > 0).any(axis=1)
         lat = bd.issue_latency
         if bd.double_buffering:
@@ -142,4 +150,5 @@ class CostModel:
             t = np.where(active_b, core_max + dram_t + lat, 0.0)
             own = np.where(n_eff > 0, slot_t + dram_t[:, None] + lat, 0.0)
         return {"t": t, "compute": compute, "own": own, "macs": n_eff * macs_row, "dram_slot": dram_slot,
-                "wbytes": wbytes, "sram": sram, "bw_bound": active_b & (dram_t > core_max), "n": n_eff}
+                "wbytes": wbytes, "sram": sram, "bw_bound": active_b & (dram_t > core_max), "n": n_eff,
+                "mask": mask}

@@ -42,6 +42,29 @@ def unpack(rec: np.void) -> list[int]:
     return [int(x) for x in out]
 
 
+def skip_span(bundles: np.ndarray, start: int) -> int:
+    """Bundles from ``start`` (a DRS_DISPATCH bundle) that hold only its layer's replayable instructions and no
+    further control op: what the dispatcher jumps over, at no cost, when every row of the layer replays (the
+    simulator prices those bundles 0 cycles: all their slots are dropped)."""
+    core, ctl = bundles[:, :-1], bundles[:, -1]
+    layer = int(ctl[start]["layer"])
+    end = start
+    while end < len(bundles):
+        live = core[end]["opcode"] != isa.Op.NOP
+        skip = (core[end]["flags"] & isa.Flag.SKIP_ON_REPLAY) != 0
+        if not live.any() or (live & ~(skip & (core[end]["layer"] == layer))).any() or \
+                (end > start and int(ctl[end]["opcode"]) != isa.Op.NOP):
+            break
+        end += 1
+    return end - start
+
+
+def set_skip_spans(bundles: np.ndarray) -> None:
+    """Write every DRS_DISPATCH's jump length (``skip_span``) into its arg."""
+    for i in np.flatnonzero(bundles[:, -1]["opcode"] == isa.Op.DRS_DISPATCH):
+        bundles[i, -1]["arg"] = skip_span(bundles, int(i))
+
+
 def table(program: Program) -> np.ndarray:
     """thr[layer, n] for n = 0..32 from the DRS_SET/DRS_DISPATCH instructions (column n = 0 unused); layers
     without them never remap."""

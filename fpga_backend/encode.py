@@ -12,6 +12,7 @@ Layout (little-endian)::
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import struct
 import zlib
@@ -30,6 +31,32 @@ MAGIC = b"FCAR"
 VERSION = 1
 HEADER = struct.Struct("<4sHHQHHHHII")
 CRC = struct.Struct("<I")
+CRC32_POLY = 0xEDB88320  # zlib's CRC-32 (reflected IEEE 802.3): what the RTL loader computes bit by bit
+
+
+class Refusal(enum.IntEnum):
+    """Why ``decode`` refuses a file, in the order it checks (the RTL loader ``fcar_loader`` reports the same
+    codes; META is the host's: the JSON metadata never reaches the accelerator)."""
+
+    NONE = 0
+    SHORT = 1  # shorter than header + CRC
+    MAGIC = 2
+    VERSION = 3
+    CRC = 4
+    HEADER = 5  # header size, instruction size or reserved field wrong
+    SLOTS = 6  # slots != cores + 1, or cores outside 1..MAX_ROWS
+    SIZE = 7  # file length disagrees with the header
+    META = 8  # metadata not JSON / no board (host side)
+    HASH = 9  # hardware hash or cores differ from the board
+    INSTRUCTION = 10  # an instruction the decoder refuses (``isa.Fault``)
+
+
+class DecodeError(FastCarError):
+    """A refused bundle file: the message, plus what the RTL loader is compared on."""
+
+    def __init__(self, message: str, refusal: Refusal, fault: isa.Fault = isa.Fault.NONE, index: int = -1):
+        super().__init__(message)
+        self.refusal, self.fault, self.index = refusal, fault, index  # index: instruction in stream order
 
 
 @dataclasses.dataclass
@@ -70,37 +97,46 @@ def encode(program: Program) -> bytes:
 def decode(data: bytes) -> Program:
     """Parse and check a `.fcb` image; every defect raises FastCarError naming it."""
     if len(data) < HEADER.size + CRC.size:
-        raise FastCarError(f"not a FastCar bundle file: {len(data)} bytes is shorter than the header")
+        raise DecodeError(f"not a FastCar bundle file: {len(data)} bytes is shorter than the header", Refusal.SHORT)
     magic, version, header_bytes, hw_hash, cores, slots, instr_bytes, reserved, n_bundles, meta_len = (
         HEADER.unpack_from(data, 0)
     )
     if magic != MAGIC:
-        raise FastCarError(f"not a FastCar bundle file: magic {magic!r}, expected {MAGIC!r}")
+        raise DecodeError(f"not a FastCar bundle file: magic {magic!r}, expected {MAGIC!r}", Refusal.MAGIC)
     if version != VERSION:
-        raise FastCarError(f"bundle file version {version} is not supported (this tool reads {VERSION}); recompile")
+        raise DecodeError(f"bundle file version {version} is not supported (this tool reads {VERSION}); recompile",
+                          Refusal.VERSION)
     (crc,) = CRC.unpack_from(data, len(data) - CRC.size)
     if zlib.crc32(data[: -CRC.size]) != crc:
-        raise FastCarError("bundle file is corrupt: CRC32 mismatch (file truncated or modified); recompile it")
+        raise DecodeError("bundle file is corrupt: CRC32 mismatch (file truncated or modified); recompile it",
+                          Refusal.CRC)
     if header_bytes != HEADER.size or instr_bytes != isa.INSTR_BYTES or reserved != 0:
-        raise FastCarError(
-            f"bundle header is malformed (header {header_bytes} B, instruction {instr_bytes} B, reserved {reserved})"
+        raise DecodeError(
+            f"bundle header is malformed (header {header_bytes} B, instruction {instr_bytes} B, reserved {reserved})",
+            Refusal.HEADER,
         )
     if slots != cores + 1 or not 1 <= cores <= isa.MAX_ROWS:
-        raise FastCarError(f"bundle header is malformed: {slots} slots for {cores} cores (expected cores + 1)")
+        raise DecodeError(f"bundle header is malformed: {slots} slots for {cores} cores (expected cores + 1)",
+                          Refusal.SLOTS)
     expected = HEADER.size + meta_len + n_bundles * slots * isa.INSTR_BYTES + CRC.size
     if expected != len(data):
-        raise FastCarError(f"bundle file size {len(data)} does not match its header (expected {expected})")
+        raise DecodeError(f"bundle file size {len(data)} does not match its header (expected {expected})",
+                          Refusal.SIZE)
     try:
         meta = json.loads(data[HEADER.size : HEADER.size + meta_len].decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FastCarError(f"bundle metadata is not valid JSON: {exc}") from None
+        raise DecodeError(f"bundle metadata is not valid JSON: {exc}", Refusal.META) from None
     if not isinstance(meta, dict) or not isinstance(meta.get("board"), dict):
-        raise FastCarError("bundle metadata lacks the board description")
-    board = board_from_dict(meta.pop("board"))
+        raise DecodeError("bundle metadata lacks the board description", Refusal.META)
+    try:
+        board = board_from_dict(meta.pop("board"))
+    except FastCarError as exc:
+        raise DecodeError(str(exc), Refusal.META) from None
     if board.structural_hash() != hw_hash or board.cores != cores:
-        raise FastCarError(
+        raise DecodeError(
             f"bundle file hardware hash {hw_hash:016x} does not match its board {board.name!r} "
-            f"({board.structural_hash():016x}); the file was edited or mixed from two builds"
+            f"({board.structural_hash():016x}); the file was edited or mixed from two builds",
+            Refusal.HASH,
         )
     start = HEADER.size + meta_len
     bundles = np.frombuffer(data, dtype=isa.INSTR_DTYPE, count=n_bundles * slots, offset=start)
@@ -109,43 +145,24 @@ def decode(data: bytes) -> Program:
     return Program(board=board, bundles=bundles, meta=meta)
 
 
-def _where(bundles: np.ndarray, bad: np.ndarray) -> str:
-    b, s = (int(x[0]) for x in np.nonzero(bad))
+def _where(bundles: np.ndarray, b: int, s: int) -> str:
     slot = "ctl" if s == bundles.shape[1] - 1 else f"c{s}"
     rec = bundles[b, s]
     return f"bundle {b} slot {slot} (opcode {int(rec['opcode'])}, flags {int(rec['flags']):#04x}, sub {int(rec['sub'])})"
 
 
 def validate_bundles(bundles: np.ndarray) -> None:
-    """Reject unknown opcodes, ops in the wrong slot kind, unknown sub-functions and non-zero reserved bits."""
+    """Reject unknown opcodes, ops in the wrong slot kind, unknown sub-functions and non-zero reserved bits:
+    the first faulty instruction in stream order, with its first failing check (``isa.Fault``)."""
     if bundles.size == 0:
         return
-    op = bundles["opcode"]
-    known = np.isin(op, [int(o) for o in isa.Op])
-    if not known.all():
-        raise FastCarError(f"unknown opcode in {_where(bundles, ~known)}")
-    core_ok = np.isin(op[:, :-1], [int(o) for o in isa.CORE_OPS])
-    if not core_ok.all():
-        bad = np.zeros(op.shape, bool)
-        bad[:, :-1] = ~core_ok
-        raise FastCarError(f"control opcode in a core slot: {_where(bundles, bad)}")
-    ctl_ok = np.isin(op[:, -1], [int(o) for o in isa.CONTROL_OPS])
-    if not ctl_ok.all():
-        bad = np.zeros(op.shape, bool)
-        bad[:, -1] = ~ctl_ok
-        raise FastCarError(f"core opcode in the control slot: {_where(bundles, bad)}")
-    bad = (bundles["flags"] & ~np.uint8(isa.FLAG_MASK)) != 0
-    if bad.any():
-        raise FastCarError(f"reserved flag bits set in {_where(bundles, bad)}")
-    bad = bundles["reserved"] != 0
-    if bad.any():
-        raise FastCarError(f"reserved byte set in {_where(bundles, bad)}")
-    sub_ok = np.zeros(op.shape, bool)
-    for code, allowed in isa.VALID_SUB.items():
-        sel = op == code
-        sub_ok[sel] = np.isin(bundles["sub"][sel], list(allowed))
-    if not sub_ok.all():
-        raise FastCarError(f"unknown sub-function for its opcode in {_where(bundles, ~sub_ok)}")
+    faults = isa.instruction_faults(bundles)
+    bad = np.flatnonzero(faults.ravel())
+    if bad.size:
+        b, s = divmod(int(bad[0]), bundles.shape[1])
+        fault = isa.Fault(int(faults[b, s]))
+        raise DecodeError(f"{isa.FAULT_TEXT[fault]} {_where(bundles, b, s)}", Refusal.INSTRUCTION, fault,
+                          int(bad[0]))
 
 
 def save(program: Program, path: str | Path) -> int:

@@ -152,22 +152,7 @@ class FunctionalSim:
                     if op == isa.Op.LOAD and sub == isa.Space.ACT:
                         buf[dst][r, :m] = x[r, :m]
                     elif op == isa.Op.VEC:
-                        v = buf[src][r]
-                        if sub == isa.Vec.RMSNORM:  # n groups of m / n (per-head q/k norm), one scale
-                            vv = v[:m].reshape(n, m // n)
-                            norm = np.sqrt(np.mean(vv * vv, axis=1, keepdims=True) + s.rms_eps)
-                            buf[dst][r, :m] = (vv / norm * self.w[ten]).reshape(-1)
-                        elif sub == isa.Vec.ROPE:
-                            buf[dst][r, :m] = rope(v[:m], n, pos, s.rope_theta)
-                        elif sub == isa.Vec.SOFTMAX:
-                            sc = v[: n * m].reshape(n, m)
-                            e = np.exp(sc - sc.max(axis=1, keepdims=True))
-                            buf[dst][r, : n * m] = (e / e.sum(axis=1, keepdims=True)).reshape(-1)
-                        elif sub == isa.Vec.SILU_MUL:
-                            a = v[:m]
-                            buf[dst][r, :m] = a / (1.0 + np.exp(-a)) * buf[ten][r, :m]
-                        elif sub == isa.Vec.ADD:
-                            buf[dst][r, :m] = v[:m] + buf[ten][r, :m]
+                        self._vec(sub, buf, r, src, dst, ten, m, n, pos)
                     elif op == isa.Op.GEMM and sub == isa.Space.WEIGHT:
                         y = buf[src][r, ok : ok + k] @ self.w[ten][ok : ok + k, om : om + m]
                         if ok == 0:
@@ -215,3 +200,23 @@ class FunctionalSim:
                     else:
                         raise FastCarError(f"functional mode cannot execute {isa.Op(op).name} sub {sub}")
         return {"logits": buf[B["logits"]].copy(), "hidden": buf[B["x"]].copy(), "replay": replay, "tas": tas}
+
+    def _vec(self, sub: int, buf: dict[int, np.ndarray], r: int, src: int, dst: int, ten: int, m: int, n: int,
+             pos: int) -> None:
+        """The vector unit on row r: buffer src (and ten, a weight or second operand) -> buffer dst."""
+        s, v = self.spec, buf[src][r]
+        if sub == isa.Vec.RMSNORM:  # n groups of m / n (per-head q/k norm), one scale
+            vv = v[:m].reshape(n, m // n)
+            norm = np.sqrt(np.mean(vv * vv, axis=1, keepdims=True) + s.rms_eps)
+            buf[dst][r, :m] = (vv / norm * self.w[ten]).reshape(-1)
+        elif sub == isa.Vec.ROPE:
+            buf[dst][r, :m] = rope(v[:m], n, pos, s.rope_theta)
+        elif sub == isa.Vec.SOFTMAX:
+            sc = v[: n * m].reshape(n, m)
+            e = np.exp(sc - sc.max(axis=1, keepdims=True))
+            buf[dst][r, : n * m] = (e / e.sum(axis=1, keepdims=True)).reshape(-1)
+        elif sub == isa.Vec.SILU_MUL:
+            a = v[:m]
+            buf[dst][r, :m] = a / (1.0 + np.exp(-a)) * buf[ten][r, :m]
+        elif sub == isa.Vec.ADD:
+            buf[dst][r, :m] = v[:m] + buf[ten][r, :m]

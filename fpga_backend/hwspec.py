@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,13 @@ class BoardConfig:
     def dram_bytes_per_cycle(self) -> float:
         """Effective DRAM bytes per accelerator clock."""
         return self.dram_gbps * 1e9 * self.dram_efficiency / (self.clock_mhz * 1e6)
+
+    @property
+    def dram_rate(self) -> Fraction:
+        """Effective DRAM bytes per clock as an exact fraction of the figures as written (19.2 GB/s x 0.75 at
+        300 MHz = 48): a transfer of B bytes takes ceil(B / rate) whole cycles, in the simulator and the RTL."""
+        return (Fraction(repr(float(self.dram_gbps))) * Fraction(repr(float(self.dram_efficiency))) * 1000
+                / Fraction(repr(float(self.clock_mhz))))
 
     @property
     def weight_tile_bytes(self) -> int:
@@ -149,7 +157,9 @@ ASSUMPTIONS = {
 }
 
 
-INTEGER_FIELDS = ("cores", "array_rows", "array_cols", "weight_buffer_kib", "dtype_bytes", "issue_latency")
+# Figures that count things or cycles: whole numbers, so every bundle takes a whole number of cycles.
+INTEGER_FIELDS = ("cores", "array_rows", "array_cols", "weight_buffer_kib", "act_buffer_kib", "kv_buffer_kib",
+                  "dtype_bytes", "issue_latency", "drs_overhead", "sram_bytes_per_cycle", "vector_lanes", "sfu_lanes")
 
 
 def _validated(cfg: BoardConfig) -> BoardConfig:

@@ -19,7 +19,8 @@ offset  type     field
 16      u32      k: reduction extent (GEMM), frame tokens L (TAS)
 20      u32      off_m: offset of the tile along m; TAS: threshold tau as float32 bits
 24      u32      off_k: offset of the tile along k (> 0 accumulates); TAS: video_start
-28      u32      arg: row mask (bit r = batch row r) for core slots; Index Register value for DRS_SET
+28      u32      arg: row mask (bit r = batch row r) for core slots; Index Register value for DRS_SET;
+                 for DRS_DISPATCH the bundles of the layer's replayable phase, its own included (``drs.skip_span``)
 ======  =======  ==========================================================================================
 
 DRS_SET and DRS_DISPATCH carry the layer's remap thresholds (``drs.py``): one byte per compute-row count
@@ -87,7 +88,8 @@ class Op(enum.IntEnum):
     TAS = 5  # temporal attention score + threshold compare -> Index Register bit per row
     XCHG = 6  # replay cache exchange (see module doc)
     DRS_SET = 7  # control: latch the Index Register (arg; FROM_TAS = take it from the TAS unit); thr[1..16]
-    DRS_DISPATCH = 8  # control: remap compute rows to cores via Mapping Registers when it pays; thr[17..32]
+    DRS_DISPATCH = 8  # control: remap compute rows to cores via Mapping Registers when it pays; thr[17..32];
+    # when no row computes, the dispatcher jumps over the arg bundles of the replayable phase
     BARRIER = 9  # control: all cores finish before the next bundle issues
     FINISH = 10  # control: end of program
 
@@ -132,6 +134,54 @@ SUB_ENUM: dict[Op, type[enum.IntEnum]] = {
 VALID_SUB: dict[int, frozenset[int]] = {
     int(op): frozenset(int(v) for v in SUB_ENUM[op]) if op in SUB_ENUM else frozenset({0}) for op in Op
 }
+
+
+class Fault(enum.IntEnum):
+    """Why the decoder refuses one instruction, checked in this order; of a stream's faulty instructions the
+    first in stream order (bundle by bundle, slot by slot) is the one reported, as a streaming decoder (the
+    RTL's ``fcar_decode``) meets them."""
+
+    NONE = 0
+    OPCODE = 1  # unknown opcode
+    CONTROL_IN_CORE = 2  # a control opcode in a core slot
+    CORE_IN_CONTROL = 3  # a core opcode in the control slot
+    FLAGS = 4  # reserved flag bits set
+    RESERVED = 5  # the reserved byte is not 0
+    SUB = 6  # sub-function unknown for the opcode
+
+
+FAULT_TEXT = {
+    Fault.OPCODE: "unknown opcode in",
+    Fault.CONTROL_IN_CORE: "control opcode in a core slot:",
+    Fault.CORE_IN_CONTROL: "core opcode in the control slot:",
+    Fault.FLAGS: "reserved flag bits set in",
+    Fault.RESERVED: "reserved byte set in",
+    Fault.SUB: "unknown sub-function for its opcode in",
+}
+
+
+def instruction_faults(bundles: np.ndarray) -> np.ndarray:
+    """The ``Fault`` of every instruction of a (bundles, slots) array (uint8, 0 where it decodes)."""
+    op, sub = bundles["opcode"], bundles["sub"]
+    ctl = np.zeros(op.shape, bool)
+    ctl[..., -1] = True
+    fault = np.zeros(op.shape, np.uint8)
+    sub_ok = np.zeros(op.shape, bool)
+    for code, allowed in VALID_SUB.items():
+        sel = op == code
+        sub_ok[sel] = np.isin(sub[sel], list(allowed))
+    checks = [  # later checks first: the earliest failing check of an instruction overwrites them
+        (Fault.SUB, ~sub_ok),
+        (Fault.RESERVED, bundles["reserved"] != 0),
+        (Fault.FLAGS, (bundles["flags"] & ~np.uint8(FLAG_MASK)) != 0),
+        (Fault.CORE_IN_CONTROL, ctl & ~np.isin(op, [int(o) for o in CONTROL_OPS])),
+        (Fault.CONTROL_IN_CORE, ~ctl & ~np.isin(op, [int(o) for o in CORE_OPS])),
+        (Fault.OPCODE, ~np.isin(op, [int(o) for o in Op])),
+    ]
+    for code, bad in checks:
+        fault[bad] = int(code)
+    return fault
+
 
 # Activation buffer ids used by the compiler (the functional simulator keys its buffers by these).
 BUF_NAMES = (

@@ -43,6 +43,9 @@ class ModelSpec:
     rope_theta: float = 10000.0
     tas_query: str = contract.TAS_ROPE  # rope: TAS uses q after RoPE (DESIGN default); raw: before (released code)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3), weights [head_dim]
+    # storage bits of a weight as streamed from DRAM (int4 / int8 quantised weights, dequantised into the array);
+    # None: the activations' 8 x dtype_bytes
+    weight_bits: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes"):
@@ -65,6 +68,9 @@ class ModelSpec:
         if not 0 < self.rms_eps < 1 or not 1 < self.rope_theta < float("inf"):
             raise FastCarError(f"model spec: rms_eps {self.rms_eps} must be in (0, 1) and rope_theta "
                                f"{self.rope_theta} a finite number > 1")
+        wb = self.weight_bits
+        if wb is not None and (isinstance(wb, bool) or not isinstance(wb, int) or not 1 <= wb <= 64):
+            raise FastCarError(f"model spec: weight_bits={wb!r} must be an integer in 1..64 (4 for int4 weights)")
         if not isinstance(self.qk_norm, bool):
             raise FastCarError(f"model spec: qk_norm={self.qk_norm!r} must be true or false")
         if self.heads % self.kv_heads:
@@ -85,6 +91,11 @@ class ModelSpec:
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def wbits(self) -> int:
+        """Bits of one weight in DRAM and in the weight buffer."""
+        return 8 * self.dtype_bytes if self.weight_bits is None else self.weight_bits
 
     @property
     def replayable(self) -> frozenset[int]:
@@ -115,6 +126,9 @@ LLAMA2_7B = ModelSpec(layers=32, hidden=4096, intermediate=11008, heads=32, kv_h
                       vocab=32000, dtype_bytes=2, frame_tokens=256)
 TINY = ModelSpec(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=128,
                  dtype_bytes=2, frame_tokens=4)
+# LLaMA-shaped (GQA, SwiGLU 2.75x) and small enough that the RTL co-simulates a decode step in ~10^5 cycles
+SMALL_LLAMA = ModelSpec(layers=2, hidden=512, intermediate=1408, heads=8, kv_heads=4, head_dim=64, vocab=1000,
+                        dtype_bytes=2, frame_tokens=16)
 
 
 def _meta(model: onnx.ModelProto) -> dict[str, str]:
@@ -147,14 +161,32 @@ def _initializers(graph: onnx.GraphProto, out: dict[str, onnx.TensorProto]) -> d
     return out
 
 
+SMALL_TENSOR = 1 << 21  # elements: external tensors up to this size are read (RoPE tables, norms, constants)
+
+
 def load_onnx_shapes_only(path: str | Path) -> onnx.ModelProto:
-    """The graph without external weight data (shapes are in the TensorProto dims)."""
+    """The graph without its large external weight data (shapes are in the TensorProto dims). Small external
+    tensors are read from beside the model, wherever the command runs: the readers of RoPE tables, epsilons and
+    reshape targets take their values (a compiled model over 16 MiB keeps its cos/sin tables in fast.onnx.data)."""
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
     try:
-        return onnx.load(str(path), load_external_data=False)
+        model = onnx.load(str(path), load_external_data=False)
     except FileNotFoundError:
         raise FastCarError(f"model {path} not found") from None
     except Exception as exc:  # onnx raises DecodeError and friends
         raise FastCarError(f"cannot read ONNX model {path}: {exc}") from None
+    base = str(Path(path).resolve().parent)
+    for t in _initializers(model.graph, {}).values():
+        if uses_external_data(t) and int(np.prod(t.dims)) <= SMALL_TENSOR:
+            try:
+                load_external_data_for_tensor(t, base)
+            except Exception as exc:  # noqa: BLE001 - a missing or unreadable data file
+                raise FastCarError(f"cannot read the external data of {t.name} beside {path} ({exc}); copy the "
+                                   "model with the data files it names") from None
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+    return model
 
 
 def column_source(name: str, start: int, stop: int) -> str:
@@ -395,6 +427,13 @@ def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num
             notes.append(f"max_replay {meta.max_replay} (drift guard) is not modelled: the TAS unit only "
                          "checks that the cache slot was written")
     details: dict[str, Any] = {}
+    if meta is not None:
+        start = next((t for t in model.graph.initializer if t.name == contract.VIDEO_START), None)
+        if start is not None:  # compiled in (--video-start): the video start every run of the model uses
+            details["video_start"] = int(numpy_helper.to_array(start).reshape(-1)[0])
+        else:
+            notes.append("video_start is an input of the model, fed per run: the bundle records 0 unless "
+                         "--video-start N says otherwise; `sim --replay-trace` uses the trace's")
     eps = rms_eps_values(model)
     if eps:
         details["rms_eps"] = eps.most_common(1)[0][0]

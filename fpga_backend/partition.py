@@ -100,6 +100,7 @@ class Partition:
     notes: list[str]
     op_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     kv: dict[int, KVBound] = dataclasses.field(default_factory=dict)  # bounded KV layers of the compiled model
+    video_start_known: bool = False  # the video start was given (--video-start) or compiled into the model
 
     def tasks(self, g: nx.DiGraph) -> list[Task]:
         return [g.nodes[n]["task"] for n in g.graph["order"]]
@@ -109,9 +110,10 @@ def _round_down(x: int, step: int) -> int:
     return max(step, (x // step) * step)
 
 
-def tile_gemm(m_total: int, k_total: int, board: BoardConfig) -> list[tuple[int, int, int, int]]:
-    """Split a [k_total, m_total] weight into tiles that fit half a weight buffer, in whole array passes."""
-    tile_elems = board.weight_tile_bytes // board.dtype_bytes
+def tile_gemm(m_total: int, k_total: int, board: BoardConfig, weight_bits: int | None = None) -> list[tuple[int, int, int, int]]:
+    """Split a [k_total, m_total] weight into tiles that fit half a weight buffer, in whole array passes
+    (weight_bits: bits per stored weight, default the board's element size)."""
+    tile_elems = board.weight_tile_bytes * 8 // (weight_bits or 8 * board.dtype_bytes)
     k = min(k_total, _round_down(tile_elems // board.array_cols, board.array_rows))
     m = min(m_total, _round_down(tile_elems // k, board.array_cols))
     tiles = []
@@ -131,7 +133,7 @@ def _layer_tasks(spec: ModelSpec, layer: int, wid: dict[str, int], board: BoardC
 
     def gemm(name: str, dst: int, src: int, m: int, k: int, flags: int = 0) -> Task:
         return Task(name, "matrix", isa.Op.GEMM, W, dst, src, weight=wid[name], m=m, k=k, flags=flags,
-                    tiles=tile_gemm(m, k, board))
+                    tiles=tile_gemm(m, k, board, spec.wbits))
 
     tas = Task("tas", "vector", isa.Op.TAS, 0, 0, B["q"], m=spec.head_dim, k=spec.frame_tokens, n=spec.heads,
                off_m=isa.tau_bits(spec.threshold), off_k=spec.video_start)
@@ -235,7 +237,7 @@ def partition_spec(spec: ModelSpec, board: BoardConfig, sources: dict[str, str] 
     head = [
         Task("final_norm", "vector", isa.Op.VEC, isa.Vec.RMSNORM, B["xn"], B["x"], weight=fn, m=h),
         Task("lm_head", "matrix", isa.Op.GEMM, isa.Space.WEIGHT, B["logits"], B["xn"], weight=lm, m=spec.vocab,
-             k=h, tiles=tile_gemm(spec.vocab, h, board)),
+             k=h, tiles=tile_gemm(spec.vocab, h, board, spec.wbits)),
         Task("logits_store", "dma", isa.Op.STORE, isa.Space.ACT, 0, B["logits"], m=spec.vocab),
     ]
     graphs.append(_graph(head, isa.NO_LAYER))
@@ -313,6 +315,15 @@ def weight_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
         qk = qk_norm_weights(proto, spec.head_dim, h)
         for layer in range(spec.layers):
             sources[f"L{layer}.q_norm"], sources[f"L{layer}.k_norm"] = qk[2 * layer : 2 * layer + 2]
+    sources.update(_norm_sources(proto, spec))
+    return sources
+
+
+def _norm_sources(proto: onnx.ModelProto, spec: ModelSpec) -> dict[str, str]:
+    """The RMSNorm scales (weight_sources' docstring): per layer attn_norm then mlp_norm by layer tag, else in graph
+    order; the last untagged one is the final norm."""
+    h = spec.hidden
+    sources: dict[str, str] = {}
     inits = {}
     for t in proto.graph.initializer:
         if list(t.dims) == [h]:
@@ -369,7 +380,9 @@ def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfi
     ModelSpec fields (e.g. ``replay_layers=()`` for the dense baseline, ``video_start``).
     """
     if isinstance(model, ModelSpec):
-        return partition_spec(dataclasses.replace(model, **(overrides or {})), board)
+        part = partition_spec(dataclasses.replace(model, **(overrides or {})), board)
+        part.video_start_known = True
+        return part
     proto = model if isinstance(model, onnx.ModelProto) else load_onnx_shapes_only(model)
     bad, counts = scan_onnx_ops(proto)
     if bad and strict:
@@ -389,6 +402,8 @@ def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfi
     part = partition_spec(spec, board, sources=sources, unsupported=bad, notes=notes + kv_notes)
     part.op_counts = counts
     part.kv = kv
+    part.video_start_known = "video_start" in (overrides or {}) or any(
+        t.name == "video_start" for t in proto.graph.initializer)
     return part
 
 

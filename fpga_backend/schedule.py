@@ -23,6 +23,7 @@ import numpy as np
 from fastcar_compile.core.errors import FastCarError
 
 from . import isa
+from .drs import set_skip_spans
 from .encode import Program
 from .isa import ceil_div
 from .kvbound import META_KEY as KV_META_KEY
@@ -144,6 +145,7 @@ def emit_program(part: Partition, batch: int, context: int) -> Program:
         end["layer"] = layer
         chunks.extend(layer_chunks)
     bundles = np.concatenate(chunks)
+    set_skip_spans(bundles)
     notes = list(part.notes)
     if spilled:
         notes.append(f"{rows_per_core} row(s) per core overflow the {board.act_buffer_kib} KiB act buffer in "

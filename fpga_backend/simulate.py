@@ -4,12 +4,14 @@ Execution model: bundles issue in order, the cores of a bundle in lock step (the
 stream). For one bundle, with n_c the rows core c runs after dispatch:
 
     compute_c = n_c * array passes of its instruction      (GEMM: ceil(m/cols) * ceil(k/rows) * n)
-    sram_c    = n_c * on-chip bytes / sram_bytes_per_cycle
-    dram      = (per-row bytes of all slots + weight stream bytes) / (peak * efficiency) per cycle
+    sram_c    = ceil(n_c * on-chip bytes / sram_bytes_per_cycle)
+    dram      = ceil((per-row bytes of all slots + weight stream bytes) / (peak * efficiency per cycle))
     time      = max(max_c max(compute_c, sram_c), dram) + issue_latency      (double buffering)
               = max_c max(compute_c, sram_c) + dram + issue_latency         (without)
 
-A bundle whose slots were all dropped costs nothing. Weight streams: ``broadcast`` fetches a tile once
+Every term is a whole number of cycles (the DRAM rate is the exact fraction ``BoardConfig.dram_rate``), so the
+RTL of the dispatcher (`fpga_backend/rtl/`) reproduces the count cycle for cycle. A bundle whose slots were all
+dropped costs nothing (a NOP slot has no rows). Weight streams: ``broadcast`` fetches a tile once
 for every core (saved only when every row of the batch skips), ``per_core`` fetches one copy per core with
 rows (saved when that core's rows all skip). KV reads grow with the context (or with the slots of a bounded
 cache: `kvbound.py`) and are never skipped by replay.
@@ -23,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.progress import bar as progress_bar
 
 from . import isa
 from .costmodel import CostModel
@@ -201,7 +203,7 @@ class Simulator(CostModel):
         busy, stall, idle = (np.zeros(self.C) for _ in range(3))
         remaps = 0
         tl = None
-        it = tqdm(range(steps), desc="simulate", unit="step", disable=not progress)
+        it = progress_bar(range(steps), desc="simulate", unit="step", enabled=progress)
         for s in it:
             ev = self.step(replay[s, :, :batch], kv[s], policy=policy, stream=stream, batch=batch)
             t = ev["t"]

@@ -88,6 +88,7 @@ def check_program(program: Program) -> None:
         raise FastCarError(f"the program does not end with FINISH (last control slot: "
                            f"{isa.Op(int(b[-1, -1]['opcode'])).name}); it is truncated")
     _check_bundles(b, spec.layers, batch, ids)
+    _check_control(b)
 
 
 def _is_int(v: object, lo: int, hi: int) -> bool:
@@ -165,3 +166,21 @@ def _check_bundles(b: np.ndarray, layers: int, batch: int, tensor_ids: set[int])
     bad = live & (work > MAX_WORK)
     if bad.any():
         raise _where(bad, "m x k x n is beyond what one instruction can describe (> 2^53)")
+
+
+def _check_control(b: np.ndarray) -> None:
+    """Control slots the dispatcher would act on wrongly: a FINISH before the end (the bundles after it never
+    issue) and a DRS_DISPATCH whose jump (arg) is not its layer's replayable phase (``drs.skip_span``: with
+    every row replaying, the dispatcher would skip what still runs, or run what is dropped)."""
+    from .drs import skip_span
+
+    ctl = b[:, -1]
+    early = np.flatnonzero(ctl["opcode"][:-1] == isa.Op.FINISH)
+    if early.size:
+        raise FastCarError(f"bundle {int(early[0])} control slot: FINISH before the last bundle "
+                           f"({len(b) - 1}); the bundles after it would never issue")
+    for i in np.flatnonzero(ctl["opcode"] == isa.Op.DRS_DISPATCH):
+        span = skip_span(b, int(i))
+        if int(ctl[i]["arg"]) != span:
+            raise FastCarError(f"bundle {int(i)} control slot: DRS_DISPATCH jumps {int(ctl[i]['arg'])} bundles "
+                               f"but its layer's replayable phase has {span}; recompile")

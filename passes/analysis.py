@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import NamedTuple
 
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
@@ -18,12 +17,12 @@ from onnx_ir.passes.common import ShapeInferencePass
 from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import check_state_size
-from fastcar_compile.core.options import ascii_int
+from fastcar_compile.core.options import parse_layer_ranges
 from fastcar_compile.passes import attention_form, fused_attention, native_gqa
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes.compile_report import CompileReport
 from fastcar_compile.passes.context import CompileContext, CompileOptions, weight_bytes
-from fastcar_compile.passes.plan import Plan, plan_blocks
+from fastcar_compile.passes.plan import DecoderPlan, plan_blocks
 
 # Above this many bytes of weights shape inference is not tried (it would serialise every weight).
 SHAPE_INFERENCE_LIMIT = 2 << 30
@@ -99,27 +98,17 @@ class DiscoverPass(ir.passes.InPlacePass):
 
 
 def parse_layers(spec: str | list[int] | tuple[int, ...] | None, available: list[int]) -> list[int] | None:
-    """'0,2-5' -> [0, 2, 3, 4, 5], checked against the layers the model has."""
+    """'0,2-5' -> [0, 2, 3, 4, 5] (options.parse_layer_ranges), checked against the layers the model has."""
     if spec is None:
         return None
     if isinstance(spec, str):
         out: list[int] = []
-        for part in spec.split(","):
-            part = part.strip()
-            try:
-                if "-" in part:
-                    lo, hi = (ascii_int(x.strip()) for x in part.split("-", 1))
-                    if hi < lo:
-                        raise ValueError
-                    top = max(available, default=-1)
-                    if lo < 0 or hi > top:  # checked before expanding: 0-1000000000 must not allocate
-                        raise FastCarError(f"--layers: range {part} goes beyond the model's decoder layers "
-                                           f"(0-{top}); use indices and ranges within them")
-                    out.extend(range(lo, hi + 1))
-                else:
-                    out.append(ascii_int(part))
-            except ValueError:
-                raise FastCarError(f"--layers: cannot read '{part}' in '{spec}'; use indices and ranges like 0,2-5") from None
+        top = max(available, default=-1)
+        for lo, hi in parse_layer_ranges(spec, "--layers"):
+            if hi > top and hi > lo:  # checked before expanding: 0-1000000000 must not allocate
+                raise FastCarError(f"--layers: range {lo}-{hi} goes beyond the model's decoder layers "
+                                   f"(0-{top}); use indices and ranges within them")
+            out.extend(range(lo, hi + 1))
     else:
         out = [int(x) for x in spec]
     missing = sorted(set(out) - set(available))
@@ -179,25 +168,16 @@ class PlanPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         ctx = self.ctx
-        ctx.fusions, ctx.kv_configs, ctx.forms, ctx.plan = plan(model, ctx.matches, [m.layer for m in ctx.selected],
-                                                                ctx.options, ctx.notes)
+        ctx.plan = plan(model, ctx.matches, [m.layer for m in ctx.selected], ctx.options, ctx.notes)
         ctx.exported_gqa = [n for n in model.graph if native_gqa.is_ms_gqa(n)]  # before any op is emitted
         return ir.passes.PassResult(model, modified=False)
 
 
-class Planned(NamedTuple):
-    fusions: dict[int, dict]  # layer -> what its fused attention reads (fused_attention.fusable)
-    kv_configs: dict[int, object]  # layer -> its compressed cache's fastar.KVCompressConfig
-    forms: attention_form.Forms  # how each fused attention is built
-    plan: Plan
-
-
 def plan(model: ir.Model, matches: list[disc.LayerMatch], rewritten: list[int], opts: CompileOptions,
-         notes: list[str]) -> Planned:
+         notes: list[str]) -> DecoderPlan:
     """The plan for `opts` from discovery's matches (`rewritten`: the selected layers), on the export: what PlanPass
     hands the emission and what `--inspect` prints for the same options."""
     fusions = fused_attention.fusable(model, matches, opts, notes)
-    kv_configs = fused_attention.kv_configs(opts, fusions)
-    kv = {n: fused_attention.describe(c) for n, c in kv_configs.items()}
-    forms = attention_form.decide(model, fusions, opts, set(kv), set(rewritten), notes)
-    return Planned(fusions, kv_configs, forms, plan_blocks(matches, rewritten, opts, fusions, kv, forms))
+    compressed = {n for n in fusions if opts.fused_attention == "fastcar" and opts.kv_config(n) is not None}
+    forms = attention_form.decide(model, fusions, opts, compressed, set(rewritten), notes)
+    return plan_blocks(matches, rewritten, opts, fusions, forms)

@@ -55,6 +55,26 @@ def _attr(node: ir.Node, name: str, default=None):
 
 
 @dataclass(frozen=True)
+class Fusion:
+    """What a layer's fused attention op reads and replaces, found on the export (fused_attention.fusable): the
+    rotated q [B, H, S, D], the new k, v [B, Hkv, S, D], the past key/value inputs, the [B, S, H*D] value the output
+    projection reads (`out`), the exported present key/value the op's outputs take over, and the score scale."""
+
+    q: ir.Value
+    k: ir.Value
+    v: ir.Value
+    past_k: ir.Value
+    past_v: ir.Value
+    out: ir.Value
+    scale: float
+    present_k: ir.Value
+    present_v: ir.Value
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
 class HeadSplit:
     """A layer's q, k rotated by RotaryEmbedding `rq`, `rk` from the exporter's head split of the [B, S, heads*D]
     projections `xq`, `xk`; v the head split of `xv`."""
@@ -95,15 +115,30 @@ class Projection:
         return Projection(value, node, weight, bias)
 
 
+@dataclass(frozen=True, eq=False)
+class RotaryTable:
+    """The export's rotary cos/sin evaluated on positions 0..positions-1 ([positions, D / 2] each); `index` numbers
+    the tables of one compile (their initializers are fastcar.rotaryK.{cos,sin}_table, layers sharing a rotary share
+    one)."""
+
+    index: int
+    cos: np.ndarray
+    sin: np.ndarray
+
+    @property
+    def positions(self) -> int:
+        return int(self.cos.shape[0])
+
+
 @dataclass(frozen=True)
 class Packing:
     """One QKV MatMul on the concatenated weights of `projections` (q, k, v), RoPE inside the op and the gate from the
-    cos/sin table number `table` (`Forms.tables`)."""
+    cos/sin `table`."""
 
     split: HeadSplit
     projections: tuple[Projection, Projection, Projection]
     head_dim: int
-    table: int
+    table: RotaryTable
 
 
 @dataclass(frozen=True)
@@ -121,19 +156,7 @@ class AttentionForm:
         return self.layout is not None or self.packing is not None
 
 
-@dataclass
-class Forms:
-    """Every fused layer's form and the cos/sin tables [positions, D / 2] their packed forms rotate with."""
-
-    layers: dict[int, AttentionForm]
-    tables: list[tuple[np.ndarray, np.ndarray]]
-    positions: int
-
-    def __getitem__(self, layer: int) -> AttentionForm:
-        return self.layers.get(layer, NONE)
-
-
-NONE = AttentionForm()
+NONE = AttentionForm()  # a layer whose attention is not fused, or fused in the plain form
 
 
 def head_split_source(value: ir.Value, heads: int) -> ir.Value | None:
@@ -199,14 +222,14 @@ def rotary_table(model: ir.Model, values: tuple[ir.Value, ...], positions: int) 
     return np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
 
 
-def _head_split(p: dict) -> HeadSplit | str:
-    """The layer's q/k rotaries and head splits (`p`: what fused_attention.fusable found), or why it has none."""
-    rq, rk = p["q"].producer(), p["k"].producer()
+def _head_split(p: Fusion) -> HeadSplit | str:
+    """The layer's q/k rotaries and head splits, or why it has none."""
+    rq, rk = p.q.producer(), p.k.producer()
     if any(r is None or r.op_type != "RotaryEmbedding" or r.domain != MS for r in (rq, rk)):
         return "q or k is not a com.microsoft.RotaryEmbedding output"
-    xq, xk = head_split_source(rq.inputs[0], p["heads"]), head_split_source(rk.inputs[0], p["kv_heads"])
-    xv = head_split_source(p["v"], p["kv_heads"])
-    if xq is None or xk is None or xv is None or len({rq.inputs[0], rk.inputs[0], p["v"]}) != 3:
+    xq, xk = head_split_source(rq.inputs[0], p.heads), head_split_source(rk.inputs[0], p.kv_heads)
+    xv = head_split_source(p.v, p.kv_heads)
+    if xq is None or xk is None or xv is None or len({rq.inputs[0], rk.inputs[0], p.v}) != 3:
         return "q/k/v are not the exporter's head split of [B, S, H*D] projections"
     return HeadSplit(rq, rk, xq, xk, xv)
 
@@ -234,20 +257,21 @@ def _projections(split: HeadSplit, heads: int, kv_heads: int) -> tuple[tuple[Pro
     return tuple(projs), D
 
 
-def decide(model: ir.Model, fused: dict[int, dict], opts, compressed: set[int], rewritten: set[int],
-           notes: list[str]) -> Forms:
+def decide(model: ir.Model, fused: dict[int, Fusion], opts, compressed: set[int], rewritten: set[int],
+           notes: list[str]) -> dict[int, AttentionForm]:
     """Each fused layer's form (`fused`: layer -> what fused_attention.fusable found; `compressed`: layers with a
     compressed KV cache, whose kernel reads [B, H, S, D] q/k/v; `rewritten`: layers that get a gate). Checked on the
-    export as the emission will change it; the notes say why a layer is left in a plainer form."""
-    forms = Forms({}, [], opts.rotary_positions)
+    export as the emission will change it; the notes say why a layer is left in a plainer form. A fused layer absent
+    from the result is built in the plain form (NONE)."""
+    forms: dict[int, AttentionForm] = {}
     fastcar = opts.fused_attention == "fastcar"
     if not fused or not opts.fusions or (not fastcar and not opts.pack_qkv):
         return forms
     graph = model.graph
     mask = [v for v in graph.inputs if v.name == "attention_mask"]
-    replaced = {p[k] for p in fused.values() for k in ("out", "present_k", "present_v")}
+    replaced = {v for p in fused.values() for v in (p.out, p.present_k, p.present_v)}
     # the graph once every fused op is built reading the exporter's [B, H, S, D] q/k/v
-    plain = gu.live_nodes(graph, replaced, [p[k] for p in fused.values() for k in ("q", "k", "v", "past_k", "past_v")]
+    plain = gu.live_nodes(graph, replaced, [v for p in fused.values() for v in (p.q, p.k, p.v, p.past_k, p.past_v)]
                           + mask)
     splits: dict[int, HeadSplit] = {}
     left: dict[int, str] = {}
@@ -256,9 +280,9 @@ def decide(model: ir.Model, fused: dict[int, dict], opts, compressed: set[int], 
             "a compressed KV cache (budget, TempCache, diagnostics): its kernel reads separate q/k/v"
         if isinstance(found, str):
             left[n] = found
-        elif not (_only_read_by(p["q"], set(), plain) and _only_read_by(found.rq.inputs[0], {found.rq}, plain) and
-                  _only_read_by(p["k"], set(), plain) and _only_read_by(found.rk.inputs[0], {found.rk}, plain) and
-                  _only_read_by(p["v"], set(), plain)):
+        elif not (_only_read_by(p.q, set(), plain) and _only_read_by(found.rq.inputs[0], {found.rq}, plain) and
+                  _only_read_by(p.k, set(), plain) and _only_read_by(found.rk.inputs[0], {found.rk}, plain) and
+                  _only_read_by(p.v, set(), plain)):
             left[n] = "q, k or v has readers besides the attention and its rotary"
         else:
             splits[n] = found
@@ -266,49 +290,54 @@ def decide(model: ir.Model, fused: dict[int, dict], opts, compressed: set[int], 
     laid_out = gu.live_nodes(graph, replaced | {s.rq.outputs[0] for s in splits.values()} |
                              {s.rk.outputs[0] for s in splits.values()},
                              [v for n, s in splits.items() for v in (s.xq, s.xk, s.xv, *s.rq.inputs[1:],
-                                                                     *s.rk.inputs[1:], fused[n]["past_k"],
-                                                                     fused[n]["past_v"])] + mask)
-    keys: dict[tuple[ir.Value, ...], int | str] = {}
+                                                                     *s.rk.inputs[1:], fused[n].past_k,
+                                                                     fused[n].past_v)] + mask)
+    tables: dict[tuple[ir.Value, ...], RotaryTable | str] = {}
     for n, split in splits.items():
-        p = fused[n]
-        found = _packable(split, p, opts, n in rewritten, laid_out)
+        found = _packable(split, fused[n], opts, n in rewritten, laid_out)
         why, packing = found if isinstance(found, str) else None, None
         if why is None:
             projs, head_dim = found
-            key = tuple(split.rq.inputs[2:4])
-            if key not in keys:
-                table = rotary_table(model, key, opts.rotary_positions)
-                keys[key] = table if isinstance(table, str) else len(forms.tables)
-                if not isinstance(table, str):
-                    forms.tables.append(table)
-            why = keys[key] if isinstance(keys[key], str) else None
+            table = _table(model, tuple(split.rq.inputs[2:4]), opts.rotary_positions, tables)
+            why = table if isinstance(table, str) else None
             if why is None:
-                packing = Packing(split, projs, head_dim, keys[key])
+                packing = Packing(split, projs, head_dim, table)
         if packing is not None or fastcar:
-            forms.layers[n] = AttentionForm(split if fastcar else None, packing, why or "")
+            forms[n] = AttentionForm(split if fastcar else None, packing, why or "")
         if why is not None and opts.pack_qkv:
             left[n] = why
     for n, why in left.items():
-        forms.layers.setdefault(n, AttentionForm(left=why))
+        forms.setdefault(n, AttentionForm(left=why))
     kept = [f"layer {n}: {why}" for n, why in sorted(left.items()) if opts.pack_qkv]
     if kept:
         notes.append("packed QKV: left " + "; ".join(kept))
     return forms
 
 
-def _packable(split: HeadSplit, p: dict, opts, rewritten: bool,
+def _table(model: ir.Model, caches: tuple[ir.Value, ...], positions: int,
+           tables: dict[tuple[ir.Value, ...], RotaryTable | str]) -> RotaryTable | str:
+    """The table of the rotary with these cos/sin caches (evaluated once per caches, numbered in order), or why
+    there is none."""
+    if caches not in tables:
+        found = rotary_table(model, caches, positions)
+        index = sum(isinstance(t, RotaryTable) for t in tables.values())
+        tables[caches] = found if isinstance(found, str) else RotaryTable(index, *found)
+    return tables[caches]
+
+
+def _packable(split: HeadSplit, p: Fusion, opts, rewritten: bool,
               live: set[ir.Node]) -> tuple[tuple[Projection, ...], int] | str:
     """The q/k/v projections and head size of a layer with q/k/v [B, S, H*D] that can get the packed form, or why
     it cannot."""
     if not opts.pack_qkv:
         return "--pack-qkv off"
-    for r, heads in ((split.rq, p["heads"]), (split.rk, p["kv_heads"])):
+    for r, heads in ((split.rq, p.heads), (split.rk, p.kv_heads)):
         why = rotary_form(r, heads)
         if why is not None:
             return why
     if split.rq.inputs[1:] != split.rk.inputs[1:]:
         return "q and k are rotated with different caches"
-    found = _projections(split, p["heads"], p["kv_heads"])
+    found = _projections(split, p.heads, p.kv_heads)
     if isinstance(found, str):
         return found
     if not all(_only_read_by(x, set(), live) for x in (split.xq, split.xk, split.xv)):

@@ -32,6 +32,7 @@ import onnx_ir as ir
 from fastcar_compile.core import contract
 from fastcar_compile.passes import build
 from fastcar_compile.passes.context import CompileContext, LayerRewrite
+from fastcar_compile.passes.plan import Rows
 
 
 class BranchPass(ir.passes.InPlacePass):
@@ -54,10 +55,10 @@ class BranchPass(ir.passes.InPlacePass):
         graph.remove(full_nodes)
         build.tag(full_nodes, n, "mlp")
         used_shape = mlp.output.shape
-        if self.ctx.options.shared_mlp:
-            lr.used = self._shared(graph, lr, b, full_nodes)
-        else:
+        if self.ctx.plan[n].rows is Rows.NESTED:
             lr.used = self._nested(graph, lr, b, full_nodes)
+        else:
+            lr.used = self._shared(graph, lr, b, full_nodes)
         lr.used.type, lr.used.shape = ir.TensorType(dtype), used_shape  # (the skip-norm fusion checks it)
         mlp.closing.replace_input_with(list(mlp.closing.inputs).index(mlp.output), lr.used)
         graph.insert_before(mlp.closing, lr.nodes)
@@ -68,7 +69,8 @@ class BranchPass(ir.passes.InPlacePass):
         mlp, n, hd, dtype = lr.match.mlp, lr.layer, lr.hidden, lr.dtype
         assert mlp is not None
         x = mlp.entry
-        if lr.rows is not None:  # the gate selected them (select_rows)
+        if self.ctx.plan[n].rows is Rows.IN_GATE:  # the gate selected them (select_rows)
+            assert lr.rows is not None
             rows, some = lr.rows
         else:
             rows, some = b(contract.SELECT_ROWS, [x, lr.replay], domain=contract.DOMAIN, outputs=2, part="mlp",

@@ -31,6 +31,11 @@ class CompileReport:
     def from_matches(cls, matches: list[LayerMatch]) -> CompileReport:
         return cls([LayerReport(m.layer, m.ok, False, summary(m), m.trace) for m in matches])
 
+    @classmethod
+    def from_dit_matches(cls, matches: list) -> CompileReport:
+        """The DiT target's blocks (passes/dit_discover.DiTBlockMatch: each says its own summary)."""
+        return cls([LayerReport(m.layer, m.ok, False, m.summary(), m.trace) for m in matches], unit="DiT blocks")
+
     @property
     def rewritten(self) -> list[int]:
         return [r.layer for r in self.layers if r.rewritten]

@@ -16,6 +16,7 @@ Weight names and module paths are never used: exporters rename and merge them.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import onnx_ir as ir
@@ -50,23 +51,24 @@ def discover(model: ir.Model) -> list[LayerMatch]:
     ctx = MatchContext.of(graph)
     matches = []
     for layer, kv in kv_outputs(graph).items():
-        match = LayerMatch(layer)
-        _match_layer(ctx, match, kv)
-        matches.append(match)
+        matches.append(_match_layer(ctx, layer, kv))
     return matches
 
 
-def _match_layer(ctx: MatchContext, match: LayerMatch, kv: dict[str, ir.Value]) -> None:
-    ctx.trace = match.trace
+def _match_layer(ctx: MatchContext, layer: int, kv: dict[str, ir.Value]) -> LayerMatch:
+    """The layer's match (frozen), or the anchor that failed with the blocks found before it."""
+    ctx.trace = trace = []
+    attention = mlp = None
     try:
         if "key" not in kv or "value" not in kv:
-            raise MatchFailure("kv", f"present.{match.layer}.key/value: only {sorted(kv)} found", "graph outputs")
-        match.attention = find_attention(ctx, kv["key"], kv["value"])
-        join, _, match.mlp = find_mlp(ctx, match.attention.core_output)
-        match.attention.join = join.node
-        match.attention.stream_in = match.mlp.residual if match.mlp.form == "parallel residual" else join.other
+            raise MatchFailure("kv", f"present.{layer}.key/value: only {sorted(kv)} found", "graph outputs")
+        attention = find_attention(ctx, kv["key"], kv["value"])
+        join, _, mlp = find_mlp(ctx, attention.core_output)
+        attention = dataclasses.replace(attention, join=join.node, stream_in=mlp.residual if
+                                        mlp.form == "parallel residual" else join.other)
     except MatchFailure as exc:
-        match.failure = exc
+        return LayerMatch(layer, attention, mlp, exc, trace)
+    return LayerMatch(layer, attention, mlp, None, trace)
 
 
 def find_attention(ctx: MatchContext, pkey: ir.Value, pvalue: ir.Value) -> AttentionBlock:

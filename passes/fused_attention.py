@@ -29,7 +29,6 @@ layer's gate reads is recorded for GatePass (`PackedQuery`).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 
@@ -43,10 +42,10 @@ from fastcar_compile.core.limits import check_state_bytes
 from fastcar_compile.passes import build, fastcar_ops
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes import graph_utils as gu
-from fastcar_compile.passes.attention_form import BSHD_PERM, TABLE_PREFIX, Packing
-from fastcar_compile.passes.context import CompileContext, PackedQuery
+from fastcar_compile.passes.attention_form import BSHD_PERM, TABLE_PREFIX, Fusion, Packing
+from fastcar_compile.passes.context import AttentionOp, CompileContext, PackedQuery
 from fastcar_compile.passes.match_rotary import find_rotary_path
-from fastcar_compile.passes.plan import FASTCAR_GQA, fused_op
+from fastcar_compile.passes.plan import FASTCAR_ATTENTION, FASTCAR_GQA, DecoderLayerPlan, kv_text
 
 MS = contract.MS_DOMAIN
 
@@ -165,7 +164,7 @@ def _reads_softmax(core_out: ir.Value, softmax: ir.Node, finite_scores: bool) ->
     return probs is not None and probs.producer() is softmax
 
 
-def _plan(m: disc.LayerMatch) -> dict | None:
+def _fusion(m: disc.LayerMatch) -> Fusion | None:
     """What one layer's fusion needs, or None when its attention is not the exported MatMul/Softmax core."""
     att = m.attention
     if att is None or att.core_node.op_type != "MatMul" or att.packed_query is not None:
@@ -192,9 +191,9 @@ def _plan(m: disc.LayerMatch) -> dict | None:
     if out_in is None or found is None or not _reads_softmax(att.core_output, found[1], _finite(found[2])):
         return None
     s_scale = found[0]
-    return {"q": att.q, "k": k_new, "v": v_new, "past_k": past_k, "past_v": past_v, "out": out_in,
-            "scale": q_scale * k_scale * s_scale, "present_k": att.present_key, "present_v": att.present_value,
-            "heads": att.num_heads, "kv_heads": att.num_kv_heads, "head_dim": att.head_dim}
+    return Fusion(q=att.q, k=k_new, v=v_new, past_k=past_k, past_v=past_v, out=out_in,
+                  scale=q_scale * k_scale * s_scale, present_k=att.present_key, present_v=att.present_value,
+                  heads=att.num_heads, kv_heads=att.num_kv_heads, head_dim=att.head_dim)
 
 
 def _bhsd_to_bse(b, graph, x: ir.Value, heads: int, head_dim: int) -> ir.Value:
@@ -234,34 +233,21 @@ def compressed_attributes(cfg, head_dim: int) -> dict:
     return attrs
 
 
-def describe(cfg) -> str:
-    parts = [f"budget {cfg.budget}, sinks {cfg.sinks}, window {cfg.window}, eviction {cfg.eviction}"]
-    if cfg.tempcache_sim is not None:
-        parts.append(f"TempCache {cfg.tempcache_sim:g}")
-    if cfg.lsh_bits:
-        parts.append(f"AnnSA lsh {cfg.lsh_bits}x{cfg.lsh_tables}")
-    if cfg.int8_dirs:
-        parts.append(f"AnnSA int8 {cfg.int8_dirs}x{cfg.int8_tables}")
-    if cfg.prune_prompt is not None:
-        parts.append(f"prompt pruning {cfg.prune_prompt:g}")
-    return ", ".join(parts)
-
-
 def _untag(nodes: list[ir.Node]) -> None:
     """The shared inputs of every layer's op belong to no layer."""
     for node in nodes:
         node.metadata_props.clear()
 
 
-def fusable(model: ir.Model, matches: list[disc.LayerMatch], opts, notes: list[str]) -> dict[int, dict]:
+def fusable(model: ir.Model, matches: list[disc.LayerMatch], opts, notes: list[str]) -> dict[int, Fusion]:
     """Layer -> what its fusion needs, for the layers `--fused-attention` replaces (the plan's decision; {} when
     none). Refuses compressed-KV options this model cannot take and --kv-layer naming a layer left as exported."""
     if not opts.fused_attention:
         return {}
     graph = model.graph
     mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
-    plans = {m.layer: p for m in matches if (p := _plan(m)) is not None} if mask is not None else {}
-    dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT if plans else None
+    plans = {m.layer: p for m in matches if (p := _fusion(m)) is not None} if mask is not None else {}
+    dtype = plans[min(plans)].present_k.dtype or ir.DataType.FLOAT if plans else None
     compress = opts.kv_compress is not None or any(c is not None for c in opts.kv_layer_configs.values())
     if compress and (not plans or dtype != ir.DataType.FLOAT):
         why = "no attention_mask input" if mask is None else "no exported MatMul/Softmax attention core " \
@@ -286,17 +272,10 @@ def fusable(model: ir.Model, matches: list[disc.LayerMatch], opts, notes: list[s
     return plans
 
 
-def core_attributes(p: dict) -> dict:
-    """The fused op's head counts and score scale for one layer's fusion (`p`: what fusable found), the attributes
-    every form of the op (the packed ones too) carries."""
-    return {"num_heads": p["heads"], "kv_num_heads": p["kv_heads"], "scale": float(p["scale"])}
-
-
-def kv_configs(opts, plans: dict[int, dict]) -> dict:
-    """Layer -> its compressed-KV settings (fastar.KVCompressConfig) among the fused layers (`fastcar` only)."""
-    if opts.fused_attention != "fastcar":
-        return {}
-    return {n: c for n in sorted(plans) if (c := opts.kv_config(n)) is not None}
+def core_attributes(p: Fusion) -> dict:
+    """The fused op's head counts and score scale for one layer's fusion, the attributes every form of the op (the
+    packed ones too) carries."""
+    return {"num_heads": p.heads, "kv_num_heads": p.kv_heads, "scale": float(p.scale)}
 
 
 class FusedAttentionPass(ir.passes.InPlacePass):
@@ -308,16 +287,16 @@ class FusedAttentionPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.tables: dict[int, tuple[ir.Value, ir.Value]] = {}  # cos/sin table initializers by Forms.tables index
-        plans = self.ctx.fusions  # the plan's layers (fusable), matched before this pass
-        if not plans:
+        self.tables: dict[int, tuple[ir.Value, ir.Value]] = {}  # cos/sin table initializers by RotaryTable.index
+        fused = self.ctx.plan.fused  # the plan's fused layers (fusable), matched before this pass
+        if not fused:
             return ir.passes.PassResult(model, modified=False)
         mask = next(v for v in graph.inputs if v.name == "attention_mask")
-        dtype = plans[min(plans)]["present_k"].dtype or ir.DataType.FLOAT
+        dtype = fused[0].fusion.present_k.dtype or ir.DataType.FLOAT
         shared: list[ir.Node] = []
         b = build.Builder(0, shared, itertools.count(), graph=graph, namespace="gqa_shared")
-        if self.ctx.options.fused_attention == "fastcar":
-            return self._fastcar(model, plans, mask, shared, b)
+        if fused[0].attention_op == FASTCAR_ATTENTION:  # (the plan fuses every layer into one kind of op)
+            return self._fastcar(model, fused, mask, shared, b)
         # Shared inputs of every layer's GQA: lengths and the left-padding bias.
         total64 = b("Squeeze", [b("Shape", [mask], {"start": 1, "end": 2}),
                                 build.const(graph, "fastcar.axes0", np.array([0], np.int64))])
@@ -332,30 +311,19 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         bias4 = b("Unsqueeze", [bias2, build.const(graph, "fastcar.gqa.axes12", np.array([1, 2], np.int64))])
         _untag(shared)
         graph.insert_before(graph[0], shared)
-        ops = {n: fused_op(self.ctx.options, p) for n, p in plans.items()}
-        cores = {n: self._fuse(graph, n, p, seqlens, total, bias4, ops[n]) for n, p in sorted(plans.items())}
+        for block in fused:
+            self.ctx.attention_ops[block.layer] = self._fuse(graph, block, seqlens, total, bias4)
         model.opset_imports.setdefault(MS, 1)
-        native = sorted(n for n, op in ops.items() if op == FASTCAR_GQA)
+        native = [blk.layer for blk in fused if blk.attention_op == FASTCAR_GQA]
         if native:
             fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         RemoveUnusedNodesPass()(model)
-        self._record(cores)
-        self.ctx.notes.append(f"fused attention (GroupQueryAttention) in layers {sorted(plans)}" +
+        self.ctx.notes.append(f"fused attention (GroupQueryAttention) in layers {[blk.layer for blk in fused]}" +
                               (f"; ai.fastcar's (native dense core) in {native}" if native else ""))
-        self._packed_note("GroupQueryAttention", plans)
+        self._packed_note("GroupQueryAttention", fused)
         return ir.passes.PassResult(model, modified=True)
 
-    def _record(self, cores: dict[int, ir.Node]) -> None:
-        """The layer's attention is now the op this pass built (its present key, the keys the gate reads, and the
-        total length, input 6 of both ops): the gate, emitted next, reads them from the match, not the graph."""
-        for m in self.ctx.matches:
-            if m.layer in cores:
-                core = cores[m.layer]
-                m.attention = dataclasses.replace(
-                    m.attention, core_node=core, core_output=core.outputs[0], present_key=core.outputs[1],
-                    present_value=core.outputs[2], keys=core.outputs[1], total_len=core.inputs[6], form="fused op")
-
-    def _fastcar(self, model: ir.Model, plans: dict[int, dict], mask: ir.Value, shared: list[ir.Node],
+    def _fastcar(self, model: ir.Model, fused: list[DecoderLayerPlan], mask: ir.Value, shared: list[ir.Node],
                  b: build.Builder) -> ir.passes.PassResult:
         graph = model.graph
         total64 = b("Shape", [mask], {"start": 1, "end": 2})
@@ -363,82 +331,83 @@ class FusedAttentionPass(ir.passes.InPlacePass):
                   {"to": ir.DataType.INT32}, names=["fastcar.ca.total_len"])
         _untag(shared)
         graph.insert_before(graph[0], shared)
-        opts = self.ctx.options
-        configs = {n: opts.kv_config(n) for n in plans}
-        cores: dict[int, ir.Node] = {}
-        for n, p in sorted(plans.items()):
-            cfg = configs[n]
-            nodes: list[ir.Node] = []
-            bl = build.Builder(n, nodes, itertools.count(), graph=graph, namespace="gqa")
-            attrs = core_attributes(p)
-            inputs = [p["q"], p["k"], p["v"], p["past_k"], p["past_v"], mask, total]
-            form, overload = self.ctx.forms[n], ""
-            if form.packing is not None:  # one QKV MatMul, RoPE inside the op (overload packed_rotary)
-                qkv, table = self._qkv(graph, n, form.packing)
-                none_f, none_i = build.absent(graph), build.absent(graph, np.int64)
-                inputs = [qkv, none_f, none_f, *inputs[3:], none_f, none_f, none_f, none_f, none_i, *table]
-                attrs |= {"qkv_perm": BSHD_PERM, "do_rotary": 1, "rotary_interleaved": 0}
-                overload = fastcar_ops.PACKED_ROTARY
-                query = PackedQuery(qkv, (*table, form.packing.head_dim))
-            elif form.layout is not None:  # the rotaries and the op read the projections' [B, S, H*D] q/k/v
-                split = form.layout
-                for r, x, h in ((split.rq, split.xq, p["heads"]), (split.rk, split.xk, p["kv_heads"])):
-                    r.replace_input_with(0, x)
-                    r.attributes["num_heads"] = ir.AttrInt64("num_heads", h)
-                    r.outputs[0].shape = x.shape
-                inputs[2] = split.xv
-                attrs["qkv_perm"] = BSHD_PERM
-                query = PackedQuery(p["q"] if opts.tas_query == contract.TAS_ROPE else split.xq)
-            if form.packed_gate and self.ctx.plan[n].rewrite:  # the query the layer's gate (emitted next) reads
-                self.ctx.packed_queries[n] = query
-            if cfg is not None:
-                attrs.update(compressed_attributes(cfg, p["head_dim"]))
-                inputs += self._slot_state(graph, n, p, cfg)
-                # video_start is input 11 (pruning; TempCache merges only when p - L is video): fill the
-                # optional inputs before it
-                if cfg.prune_prompt is not None or cfg.tempcache_sim is not None:
-                    none = build.absent(graph)
-                    inputs += [none] * (11 - len(inputs))
-                    inputs.append(build.video_start_input(graph, opts.required_video_inputs))
-            diag = opts.kv_diagnostics is not None
-            n_out = 3 if cfg is None else 8 if diag else 5 + (cfg.tempcache_sim is not None)
-            outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, outputs=n_out,
-                      part="attention", overload=overload)
-            out, present_k, present_v = outs[:3]
-            cores[n] = out.producer()
-            if cfg is not None:
-                self._slot_outputs(graph, n, outs, inputs[7:])
-            out.shape, out.type = ir.Shape([None, None, p["heads"] * p["head_dim"]]), p["out"].type
-            graph.insert_before(p["out"].consumers()[0], nodes)
-            self._rewire(graph, p, out, present_k, present_v)
-        self._check_state_bytes(plans, configs)
+        for block in fused:
+            self.ctx.attention_ops[block.layer] = self._compressed(graph, block, mask, total)
+        self._check_state_bytes(fused)
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         if self.tables:
             fastcar_ops.add_overload(model, contract.COMPRESSED_ATTENTION, fastcar_ops.PACKED_ROTARY,
                                      model.opset_imports.get("", 17))
         RemoveUnusedNodesPass()(model)
-        self.ctx.notes.append(f"fused attention (ai.fastcar CompressedAttention) in layers {sorted(plans)}")
-        laid_out = [n for n in plans if self.ctx.forms[n].layout is not None]
+        notes = self.ctx.notes
+        notes.append(f"fused attention (ai.fastcar CompressedAttention) in layers {[blk.layer for blk in fused]}")
+        laid_out = [blk for blk in fused if blk.form.layout is not None]
         if laid_out:
-            gates = sum(self.ctx.plan[n].rewrite for n in laid_out)
-            self.ctx.notes.append(f"q/k/v kept [B, S, H*D] into the fused attention in {len(laid_out)} layers; "
-                                  f"one-node gate (packed TemporalGate) in {gates}")
-        self._packed_note("CompressedAttention", plans)
-        self._record(cores)
-        for text in dict.fromkeys(describe(c) for c in self.ctx.kv_configs.values()):
-            same = [n for n, c in self.ctx.kv_configs.items() if describe(c) == text]
-            self.ctx.notes.append(f"compressed KV cache in layers {same}: {text}")
+            gates = sum(blk.rewrite for blk in laid_out)
+            notes.append(f"q/k/v kept [B, S, H*D] into the fused attention in {len(laid_out)} layers; "
+                         f"one-node gate (packed TemporalGate) in {gates}")
+        self._packed_note("CompressedAttention", fused)
+        compressed = self.ctx.plan.compressed
+        for text in dict.fromkeys(kv_text(c) for c in compressed.values()):
+            same = [n for n, c in compressed.items() if kv_text(c) == text]
+            notes.append(f"compressed KV cache in layers {same}: {text}")
         return ir.passes.PassResult(model, modified=True)
+
+    def _compressed(self, graph: ir.Graph, block: DecoderLayerPlan, mask: ir.Value, total: ir.Value) -> AttentionOp:
+        """One layer's CompressedAttention, in the plan's form (layout, packed QKV) and KV cache; its record."""
+        n, p, form, cfg, opts = block.layer, block.fusion, block.form, block.kv, self.ctx.options
+        assert p is not None
+        nodes: list[ir.Node] = []
+        bl = build.Builder(n, nodes, itertools.count(), graph=graph, namespace="gqa")
+        attrs = core_attributes(p)
+        inputs = [p.q, p.k, p.v, p.past_k, p.past_v, mask, total]
+        overload, query = "", None
+        if form.packing is not None:  # one QKV MatMul, RoPE inside the op (overload packed_rotary)
+            qkv, table = self._qkv(graph, n, form.packing)
+            none_f, none_i = build.absent(graph), build.absent(graph, np.int64)
+            inputs = [qkv, none_f, none_f, *inputs[3:], none_f, none_f, none_f, none_f, none_i, *table]
+            attrs |= {"qkv_perm": BSHD_PERM, "do_rotary": 1, "rotary_interleaved": 0}
+            overload = fastcar_ops.PACKED_ROTARY
+            query = PackedQuery(qkv, (*table, form.packing.head_dim))
+        elif form.layout is not None:  # the rotaries and the op read the projections' [B, S, H*D] q/k/v
+            split = form.layout
+            for r, x, h in ((split.rq, split.xq, p.heads), (split.rk, split.xk, p.kv_heads)):
+                r.replace_input_with(0, x)
+                r.attributes["num_heads"] = ir.AttrInt64("num_heads", h)
+                r.outputs[0].shape = x.shape
+            inputs[2] = split.xv
+            attrs["qkv_perm"] = BSHD_PERM
+            query = PackedQuery(p.q if block.tas_query == contract.TAS_ROPE else split.xq)
+        if cfg is not None:
+            attrs.update(compressed_attributes(cfg, p.head_dim))
+            inputs += self._slot_state(graph, n, p, cfg)
+            # video_start is input 11 (pruning; TempCache merges only when p - L is video): fill the
+            # optional inputs before it
+            if cfg.prune_prompt is not None or cfg.tempcache_sim is not None:
+                none = build.absent(graph)
+                inputs += [none] * (11 - len(inputs))
+                inputs.append(build.video_start_input(graph, opts.video_start_default))
+        diag = opts.kv_diagnostics is not None
+        n_out = 3 if cfg is None else 8 if diag else 5 + (cfg.tempcache_sim is not None)
+        outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, outputs=n_out,
+                  part="attention", overload=overload)
+        out, present_k, present_v = outs[:3]
+        if cfg is not None:
+            self._slot_outputs(graph, n, outs, inputs[7:])
+        out.shape, out.type = ir.Shape([None, None, p.heads * p.head_dim]), p.out.type
+        graph.insert_before(p.out.consumers()[0], nodes)
+        self._rewire(graph, p, out, present_k, present_v)
+        # the query the layer's gate (emitted next) reads
+        return AttentionOp(out.producer(), query if block.rewrite else None)
 
     def _qkv(self, graph: ir.Graph, n: int, packing: Packing) -> tuple[ir.Value, tuple[ir.Value, ir.Value]]:
         """One MatMul (+ bias Add) on the concatenated q/k/v weights, before the q projection (the three originals go
         with the head splits); its [B, S, W] output and the cos/sin table initializers the op and gate rotate with."""
         pq = packing.projections[0]
-        if packing.table not in self.tables:
-            cos, sin = self.ctx.forms.tables[packing.table]
-            k = packing.table
-            self.tables[k] = (build.const(graph, f"{TABLE_PREFIX}{k}.cos_table", cos),
-                              build.const(graph, f"{TABLE_PREFIX}{k}.sin_table", sin))
+        k = packing.table.index
+        if k not in self.tables:
+            self.tables[k] = (build.const(graph, f"{TABLE_PREFIX}{k}.cos_table", packing.table.cos),
+                              build.const(graph, f"{TABLE_PREFIX}{k}.sin_table", packing.table.sin))
         base, meta = f"fastcar/gqa{n}", dict(pq.matmul.metadata_props)
         weight = build.const(graph, f"{pq.matmul.inputs[1].name}.qkv", np.ascontiguousarray(
             np.concatenate([p.weight for p in packing.projections], axis=1)))
@@ -455,45 +424,45 @@ class FusedAttentionPass(ir.passes.InPlacePass):
         qkv.name, qkv.dtype = f"{base}.qkv", ir.DataType.FLOAT
         qkv.shape = ir.Shape([*(x.shape[:2] if x.shape is not None and len(x.shape) == 3 else [None, None]), width])
         graph.insert_before(pq.matmul, nodes)
-        return qkv, self.tables[packing.table]
+        return qkv, self.tables[k]
 
-    def _packed_note(self, op: str, plans: dict[int, dict]) -> None:
-        packed = [n for n in plans if self.ctx.forms[n].packing is not None]
-        if packed:  # the metadata says so: FastCarSession checks positions against the table
-            self.ctx.rotary_table = self.ctx.forms.positions
+    def _packed_note(self, op: str, fused: list[DecoderLayerPlan]) -> None:
+        packed = [blk for blk in fused if blk.form.packing is not None]
+        if packed:  # (the metadata records the positions: FastCarSession checks positions against the table)
             self.ctx.notes.append(f"packed QKV with RoPE inside {op} in {len(packed)} layers (rotary table of "
-                                  f"{self.ctx.forms.positions} positions)")
+                                  f"{packed[0].form.packing.table.positions} positions)")
 
-    def _check_state_bytes(self, plans: dict[int, dict], configs: dict) -> None:
+    def _check_state_bytes(self, fused: list[DecoderLayerPlan]) -> None:
         """The fixed state of one video (K/V slots and slot records of every compressed layer) must fit in this
         machine's memory: refused here, naming the budget, rather than as a MemoryError when a session allocates."""
-        budgets = {n: c.budget for n, c in configs.items() if c is not None and c.budget is not None}
+        budgets = {blk.layer: blk.kv.budget for blk in fused if blk.kv is not None and blk.kv.budget is not None}
         if not budgets:
             return
-        kv = sum(2 * plans[n]["kv_heads"] * c * plans[n]["head_dim"] * 4 for n, c in budgets.items())
+        fusions = {blk.layer: blk.fusion for blk in fused}
+        kv = sum(2 * fusions[n].kv_heads * c * fusions[n].head_dim * 4 for n, c in budgets.items())
         records = sum(math.prod(int(d) for d in e.shape[1:]) * 4 for e in self.ctx.kv_state)
         big = max(budgets.values())
         flag = "--kv-budget" if self.ctx.options.kv_budget == big else "--kv-layer budget"
         check_state_bytes(flag, big, kv + records, f"{len(budgets)} layers x K/V slots and their records")
 
-    def _slot_state(self, graph: ir.Graph, n: int, p: dict, cfg) -> list[ir.Value]:
+    def _slot_state(self, graph: ir.Graph, n: int, p: Fusion, cfg) -> list[ir.Value]:
         """The layer's slot records (and raw keys for TempCache) as state inputs, recorded for the metadata."""
-        batch = p["past_k"].shape[0] if p["past_k"].shape is not None else "batch"
+        batch = p.past_k.shape[0] if p.past_k.shape is not None else "batch"
         width = slot_width(cfg)
         diag = self.ctx.options.kv_diagnostics
         pairs = [(contract.kv_slots_input(n), contract.kv_slots_output(n), cfg.budget, width)]
         if cfg.tempcache_sim is not None or diag is not None:  # (diagnostics: inputs after them must not gap)
-            pairs.append((contract.kv_rawkey_input(n), contract.kv_rawkey_output(n), cfg.budget, p["head_dim"]))
+            pairs.append((contract.kv_rawkey_input(n), contract.kv_rawkey_output(n), cfg.budget, p.head_dim))
         if diag is not None:
-            pairs.append((contract.kv_dense_input(n), contract.kv_dense_output(n), diag, 2 * p["head_dim"]))
+            pairs.append((contract.kv_dense_input(n), contract.kv_dense_output(n), diag, 2 * p.head_dim))
         values = []
         for name, out_name, rows, last in pairs:
-            shape = [batch, p["kv_heads"], rows, last]
+            shape = [batch, p.kv_heads, rows, last]
             values.append(build.graph_input(graph, name, ir.DataType.FLOAT, shape))
-            self.ctx.kv_state.append(contract.StateEntry(name, out_name, ("batch", p["kv_heads"], rows, last),
+            self.ctx.kv_state.append(contract.StateEntry(name, out_name, ("batch", p.kv_heads, rows, last),
                                                          "float", 0))
         if len(pairs) > 1:
-            k_raw, _, _ = find_rotary_path(p["k"])
+            k_raw, _, _ = find_rotary_path(p.k)
             values.insert(1, k_raw)
         return values
 
@@ -516,47 +485,50 @@ class FusedAttentionPass(ir.passes.InPlacePass):
             graph.outputs.append(stats)
 
     @staticmethod
-    def _rewire(graph: ir.Graph, p: dict, out: ir.Value, present_k: ir.Value, present_v: ir.Value) -> None:
+    def _rewire(graph: ir.Graph, p: Fusion, out: ir.Value, present_k: ir.Value, present_v: ir.Value) -> None:
         """The fused op's output replaces the projection input; its present key/value become the graph's."""
-        ir.convenience.replace_all_uses_with(p["out"], out)
-        for old, new in ((p["present_k"], present_k), (p["present_v"], present_v)):
+        ir.convenience.replace_all_uses_with(p.out, out)
+        for old, new in ((p.present_k, present_k), (p.present_v, present_v)):
             gu.take_over(old, new, graph_outputs=True)
-        if not math.isfinite(p["scale"]) or p["scale"] <= 0:
-            raise AssertionError(f"attention scale {p['scale']}")
+        if not math.isfinite(p.scale) or p.scale <= 0:
+            raise AssertionError(f"attention scale {p.scale}")
 
-    def _fuse(self, graph: ir.Graph, n: int, p: dict, seqlens: ir.Value, total: ir.Value, bias4: ir.Value,
-              op: str) -> ir.Node:
-        """One layer's GroupQueryAttention, built as the plan's `op` (ai.fastcar's or com.microsoft's); returns it."""
+    def _fuse(self, graph: ir.Graph, block: DecoderLayerPlan, seqlens: ir.Value, total: ir.Value,
+              bias4: ir.Value) -> AttentionOp:
+        """One layer's GroupQueryAttention, built as the plan's op (ai.fastcar's or com.microsoft's); its record."""
+        n, p = block.layer, block.fusion
+        assert p is not None
         nodes: list[ir.Node] = []
         b = build.Builder(n, nodes, itertools.count(), graph=graph, namespace="gqa")
-        heads, kv_heads, head_dim = p["heads"], p["kv_heads"], p["head_dim"]
-        packing = self.ctx.forms[n].packing
+        heads, kv_heads, head_dim = p.heads, p.kv_heads, p.head_dim
+        packing = block.form.packing
         qkv, table = self._qkv(graph, n, packing) if packing is not None else (None, None)
         # The score's S axis must match the bias: [B, 1, 1, T] -> [B, 1, S, T] (S of q [B, H, S, D] or qkv [B, S, W]).
-        s_len = b("Shape", [p["q"]], {"start": 2, "end": 3}, part="attention") if qkv is None else \
+        s_len = b("Shape", [p.q], {"start": 2, "end": 3}, part="attention") if qkv is None else \
             b("Shape", [qkv], {"start": 1, "end": 2}, part="attention")
         t_len = b("Shape", [bias4], {"start": 3, "end": 4}, part="attention")
         b_len = b("Shape", [bias4], {"start": 0, "end": 1}, part="attention")
         one = build.const(graph, "fastcar.gqa.one_i64", np.array([1], np.int64))
         bias = b("Expand", [bias4, b("Concat", [b_len, one, s_len, t_len], {"axis": 0}, part="attention")],
                  part="attention")
+        query = None
         if packing is not None:  # GroupQueryAttention's own packed form: query = the QKV projection, do_rotary with
             # the table (ORT's positions: seqlens_k + 1 - S + i = KV index, since seqlens_k = total - 1 here)
-            inputs = [qkv, None, None, p["past_k"], p["past_v"], seqlens, total, *table, None, bias]
+            inputs = [qkv, None, None, p.past_k, p.past_v, seqlens, total, *table, None, bias]
             attrs = {**core_attributes(p), "do_rotary": 1, "rotary_interleaved": 0}
-            if self.ctx.plan[n].rewrite:  # the gate (emitted next) rotates the query slice of the projection
-                self.ctx.packed_queries[n] = PackedQuery(qkv, (*table, packing.head_dim))
+            if block.rewrite:  # the gate (emitted next) rotates the query slice of the projection
+                query = PackedQuery(qkv, (*table, packing.head_dim))
         else:
-            q = _bhsd_to_bse(b, graph, p["q"], heads, head_dim)
-            k = _bhsd_to_bse(b, graph, p["k"], kv_heads, head_dim)
-            v = _bhsd_to_bse(b, graph, p["v"], kv_heads, head_dim)
-            inputs = [q, k, v, p["past_k"], p["past_v"], seqlens, total, None, None, None, bias]
+            q = _bhsd_to_bse(b, graph, p.q, heads, head_dim)
+            k = _bhsd_to_bse(b, graph, p.k, kv_heads, head_dim)
+            v = _bhsd_to_bse(b, graph, p.v, kv_heads, head_dim)
+            inputs = [q, k, v, p.past_k, p.past_v, seqlens, total, None, None, None, bias]
             attrs = {**core_attributes(p), "do_rotary": 0}
         # ai.fastcar's op: com.microsoft's inputs, outputs and attributes (its function body is that op)
-        domain = contract.DOMAIN if op == FASTCAR_GQA else MS
+        domain = contract.DOMAIN if block.attention_op == FASTCAR_GQA else MS
         out, present_k, present_v = b(contract.GROUP_QUERY_ATTENTION, inputs, attrs, domain=domain, outputs=3,
                                       part="attention")
-        out.shape, out.type = ir.Shape([None, None, heads * head_dim]), p["out"].type
-        graph.insert_before(p["out"].consumers()[0], nodes)
+        out.shape, out.type = ir.Shape([None, None, heads * head_dim]), p.out.type
+        graph.insert_before(p.out.consumers()[0], nodes)
         self._rewire(graph, p, out, present_k, present_v)
-        return out.producer()
+        return AttentionOp(out.producer(), query)

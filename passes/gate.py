@@ -7,8 +7,9 @@ onnxruntime-genai's GroupQueryAttention layers on packed QKV or rotating inside 
 rebuilds the query from the op's query input and reads the cached rows and the branch conditions.) The pass adds the model-level inputs (`video_start`, `fastcar_threshold`: initializers with their defaults, not graph inputs, contract.OVERRIDABLE), the
 `ai.fastcar` functions, each layer's state inputs (cache_state.declare_state), brings the query into
 [B, H, S, D] and emits the gate, once, in its final form: the plan's, for a fused layer whose attention op reads
-[B, S, H*D] q/k/v or a packed QKV the packed form on the query the attention emission recorded (ctx.packed_queries).
-No later pass rewrites it. Attention nodes are tagged for the FPGA partitioner.
+[B, S, H*D] q/k/v or a packed QKV the packed form on the query the attention emission recorded (the layer's
+AttentionOp, whose present key and total length the gate reads too). No later pass rewrites it. Attention nodes are
+tagged for the FPGA partitioner.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fastcar_compile.core import contract
 from fastcar_compile.passes import build, fastcar_ops, window
 from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.cache_state import declare_state
-from fastcar_compile.passes.context import CompileContext, LayerRewrite, PackedQuery
+from fastcar_compile.passes.context import AttentionOp, CompileContext, LayerRewrite
 
 
 class GatePass(ir.passes.InPlacePass):
@@ -36,7 +37,7 @@ class GatePass(ir.passes.InPlacePass):
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         ctx.batch = build.batch_dim(graph)
         plain = opts.required_video_inputs  # no defaults: the caller feeds both every run
-        ctx.video_start = build.video_start_input(graph, plain)
+        ctx.video_start = build.video_start_input(graph, opts.video_start_default)
         if opts.per_layer_threshold:
             taus = np.asarray(opts.threshold, np.float32).reshape(-1)
             if taus.size == 1:
@@ -55,53 +56,59 @@ class GatePass(ir.passes.InPlacePass):
     def _gate(self, graph: ir.Graph, lr: LayerRewrite) -> None:
         opts, att, n = self.ctx.options, lr.match.attention, lr.layer
         assert att is not None and lr.match.mlp is not None
-        tag_attention(att, n)
+        plan = self.ctx.plan[n]
+        fused = self.ctx.attention_ops.get(n)  # the op the attention emission built in place of the export's core
+        tag_attention(att, n, fused)
         b = build.Builder(n, lr.nodes, lr.ids, graph=graph)
         names = [contract.replay_mask_output(n), contract.tas_output(n), f"fastcar.{n}.slot", f"fastcar.{n}.write"]
-        keys = window.gate_keys(graph, b, att, opts.frame_tokens)  # the present key, or a window padded
+        # the present key (the fused op's), or a sliding window's padded to absolute positions
+        keys = fused.present_key if fused is not None else window.gate_keys(graph, b, att, opts.frame_tokens)
         attrs = {"frame_tokens": opts.frame_tokens, "max_replay": opts.max_replay, **self.ctx.age_attrs}
-        packed = self.ctx.packed_queries.get(n)  # a fused layer's query kept packed by the attention passes
-        if att.packed_query is not None or packed is not None:  # packed QKV (genai's GroupQueryAttention): one node
-            self._packed_gate(b, lr, keys, attrs, names, packed)
+        if att.packed_query is not None or (fused is not None and fused.query is not None):  # one node
+            self._packed_gate(b, lr, keys, attrs, names, fused)
         else:
-            q = query_bhsd(graph, b, att, opts.tas_query)
-            tau = self.ctx.threshold
-            if opts.per_layer_threshold:
-                tau = b("Gather", [tau, build.const(graph, f"fastcar.index.{lr.index}",
-                                                    np.array(lr.index, np.int64))], {"axis": 0})
+            q = query_bhsd(graph, b, att, plan.tas_query)
+            tau, index = self.ctx.threshold, plan.threshold_index
+            if index is not None:  # its entry of the per-layer thresholds
+                tau = b("Gather", [tau, build.const(graph, f"fastcar.index.{index}", np.array(index, np.int64))],
+                        {"axis": 0})
             inputs = {"q": q, "key": keys, "past_mlp_age": lr.past_age, "threshold": tau,
                       "video_start": self.ctx.video_start}
-            form = self.ctx.plan[n].gate  # the plan's form (passes/plan.py)
+            form = plan.gate  # the plan's form (passes/plan.py)
             if form.use_total_len:  # the key buffer may be preallocated (shared): positions from total_len
-                inputs["total_len"] = att.total_len
+                inputs["total_len"] = fused.total_len if fused is not None else att.total_len
             if form.aligned_keys:
                 # a compressed KV cache holds slots, not positions: the op gathered each token's aligned key
-                inputs["key"] = att.core_node.outputs[4]
+                assert fused is not None
+                inputs["key"] = fused.aligned_key
             lr.replay, lr.tas, lr.slot, lr.write = self._emit(b, form, inputs, attrs, names)
         graph.insert_before(lr.match.mlp.closing, lr.nodes)
         lr.nodes = []
 
     def _packed_gate(self, b: build.Builder, lr: LayerRewrite, keys: ir.Value, attrs: dict, names: list[str],
-                     fused: PackedQuery | None) -> None:
+                     fused: AttentionOp | None) -> None:
         """The packed gate (packed_qkv, do_rotary for `rope`): query rebuild, gate, cached rows, the branch conditions
         and (shared layout) the MLP's computing rows in one node (each node on the main graph costs a kernel launch
-        every step, replayed or not). `fused`: a fused layer's packed query (else genai's GroupQueryAttention's)."""
-        opts, att, n = self.ctx.options, lr.match.attention, lr.layer
+        every step, replayed or not). `fused`: the op the attention emission built, with the packed query it
+        recorded (None: genai's GroupQueryAttention, whose query inputs discovery found)."""
+        att, n = lr.match.attention, lr.layer
         mlp = lr.match.mlp
         # packed_qkv; do_rotary for `rope` (no rotary: rope = raw) or where RoPE moved into the fused op; select_rows
-        form = self.ctx.plan[n].gate
+        plan = self.ctx.plan[n]
+        form = plan.gate
         if fused is None:
             src = att.packed_query
-            assert opts.tas_query != contract.TAS_ROPE or att.rope_refusal is None  # SelectLayersPass refused it
+            assert plan.tas_query != contract.TAS_ROPE or att.rope_refusal is None  # SelectLayersPass refused it
             query, total = src.qkv, src.total_len
             rope = (src.cos_cache, src.sin_cache, src.rotary_dim, int(src.interleaved)) if form.do_rotary else None
         else:  # the fused op's [B, S, H*D] q, or its QKV projection with the op's rotary table
-            assert form.packed_qkv and form.do_rotary == (fused.rope is not None), (n, form)
-            query, total = fused.value, att.total_len
-            rope = (*fused.rope, 0) if fused.rope is not None else None
+            packed = fused.query
+            assert packed is not None and form.packed_qkv and form.do_rotary == (packed.rope is not None), (n, form)
+            query, total = packed.value, fused.total_len
+            rope = (*packed.rope, 0) if packed.rope is not None else None
         inputs = {"q": query, "key": keys, "past_mlp_age": lr.past_age, "past_mlp_cache": lr.past_cache,
                   "threshold": self.ctx.threshold, "video_start": self.ctx.video_start, "total_len": total}
-        attrs = {**attrs, "num_heads": att.num_heads, "threshold_index": lr.index if opts.per_layer_threshold else 0}
+        attrs = {**attrs, "num_heads": att.num_heads, "threshold_index": plan.threshold_index or 0}
         if rope is not None:
             inputs |= {"cos_cache": rope[0], "sin_cache": rope[1]}
             attrs |= {"rotary_embedding_dim": rope[2], "interleaved": rope[3]}
@@ -124,9 +131,10 @@ class GatePass(ir.passes.InPlacePass):
                  names=names, overload=form.overload)
 
 
-def tag_attention(att, layer: int) -> None:
-    """Tag the layer's norm and attention nodes (the FPGA partitioner assigns weights by these tags)."""
-    for node in att.nodes():
+def tag_attention(att, layer: int, fused: AttentionOp | None = None) -> None:
+    """Tag the layer's norm and attention nodes (the FPGA partitioner assigns weights by these tags); `fused`: the op
+    built in place of the export's attention core."""
+    for node in att.nodes(fused.output if fused is not None else None):
         build.tag([node], layer, "norm" if node.op_type in gu.NORM_OPS else "attention")
 
 

@@ -1,4 +1,9 @@
-"""What discovery hands to the rewrite, per decoder layer: the attention block and the MLP branch it found."""
+"""What discovery hands to the rewrite, per decoder layer: the attention block and the MLP branch it found.
+
+Frozen: discovery builds them once and no later pass assigns into them (tests/test_no_rematch.py checks it). What
+the emission builds in their place (the fused attention op, the gate, the MLP's If) is its own record
+(passes/context.py: AttentionOp, LayerRewrite), not written into the match.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from fastcar_compile.passes import graph_utils as gu
 from fastcar_compile.passes.match_base import MatchFailure
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionBlock:
     present_key: ir.Value
     present_value: ir.Value
@@ -41,11 +46,13 @@ class AttentionBlock:
     def sliding_window(self) -> bool:
         return self.keys is not None and self.keys is not self.present_key
 
-    def nodes(self) -> set[ir.Node]:
-        """Norm, projections, rotary, KV concat and attention: nodes between the incoming stream and the join."""
+    def nodes(self, output: ir.Value | None = None) -> set[ir.Node]:
+        """Norm, projections, rotary, KV concat and attention: nodes between the incoming stream and the join.
+        `output`: the attention's output as emitted when an op built in place of the core computes it now."""
         if self.join is None:
             return set()
-        attn_in = [i for i in self.join.inputs[:2] if i is not None and gu.depends_on(i, self.core_output)]
+        out = self.core_output if output is None else output
+        attn_in = [i for i in self.join.inputs[:2] if i is not None and gu.depends_on(i, out)]
         stream_in = [i for i in self.join.inputs[:2] if i is not None and i not in attn_in]
         if self.stream_in is not None:
             stream_in = [self.stream_in]
@@ -62,7 +69,7 @@ class AttentionBlock:
         return found
 
 
-@dataclass
+@dataclass(frozen=True)
 class MLPBlock:
     entry: ir.Value  # per-token input of the branch ([B, S, hidden])
     output: ir.Value  # branch output, added to the residual by `closing`
@@ -78,7 +85,7 @@ class MLPBlock:
     form: str = ""  # which residual matcher matched
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerMatch:
     layer: int
     attention: AttentionBlock | None = None

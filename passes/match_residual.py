@@ -14,6 +14,7 @@ Each form's branch must be isolable (match_mlp.isolate) or the next form is trie
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -164,5 +165,4 @@ def find_mlp(ctx: MatchContext, core_out: ir.Value) -> tuple[Join, str, MLPBlock
         ("parallel residual", lambda: parallel_residual(ctx, join, core_out)),
     )
     name, mlp = first_match("mlp", forms, ctx.trace)
-    mlp.form = name
-    return join, name, mlp
+    return join, name, dataclasses.replace(mlp, form=name)

@@ -148,11 +148,9 @@ def inspect_notes(model: ir.Model) -> list[str]:
 class NativeGqaPass(ir.passes.InPlacePass):
     """com.microsoft.GroupQueryAttention -> ai.fastcar.GroupQueryAttention (native dense core; body = the original)."""
 
-    def __init__(self, notes: list[str] | None = None, on_swap: Callable[[ir.Node, ir.Node], None] | None = None,
-                 exported: Callable[[], Collection[ir.Node]] | None = None):
+    def __init__(self, notes: list[str] | None = None, exported: Callable[[], Collection[ir.Node]] | None = None):
         super().__init__()
         self.notes = notes if notes is not None else []
-        self.on_swap = on_swap  # told (old, new) per swapped node: the compile's layer records follow the new op
         # the compile's: the export's own GroupQueryAttention nodes (the plan's record). The attention emission
         # builds its ops in their final form, so this pass never rewrites a node the compile built.
         self.exported = exported
@@ -175,8 +173,6 @@ class NativeGqaPass(ir.passes.InPlacePass):
             for old, out in zip(node.outputs[:3], new.outputs, strict=True):
                 gu.take_over(old, out, graph_outputs=True)
             graph.remove(node, safe=True)
-            if self.on_swap is not None:
-                self.on_swap(node, new)
             swapped += 1
         if swapped:
             fastcar_ops.add_functions(model, model.opset_imports.get("", 17))

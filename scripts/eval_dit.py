@@ -29,9 +29,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
+from fastcar_compile.cli.demo_dit import DEFAULT_PROMPTS, parse_prompt  # noqa: E402
 from fastcar_compile.core.atomic import save_figure, write_text  # noqa: E402
 from fastcar_compile.demo import scenes  # noqa: E402
-from fastcar_compile.demo.dit_demo import DEFAULT_PROMPTS, parse_prompt  # noqa: E402
 from fastcar_compile.demo.dit_train import (  # noqa: E402
     Batch,
     DiTTrainSettings,
@@ -79,7 +79,7 @@ def continuation_batch(clips, real: int, seed: int) -> Batch:
 def evaluate(weights: Path, clips) -> tuple[dict, dict]:
     import torch
 
-    from fastcar_compile.demo.dit_demo import load_trained
+    from fastcar_compile.cli.demo_dit import load_trained
 
     torch.set_num_threads(1)
     model = load_trained(weights)

@@ -92,7 +92,7 @@ def main() -> None:
     init = None
     if a.init is not None:
         from fastcar_compile.core.errors import FastCarError
-        from fastcar_compile.dit.config import load_config
+        from fastcar_compile.dit.checkpoints import load_config
 
         try:
             cfg, init = load_config(str(a.init))

@@ -30,12 +30,26 @@ def modules() -> dict[str, Path]:
     return mods
 
 
-def imported(name: str, f: Path, mods: dict[str, Path]) -> Iterator[tuple[str, ast.stmt]]:
-    """(first-party module, import statement) for each module that `name` (file `f`) names in an import: every
-    `import` / `from ... import` anywhere in the file (functions included), relative ones resolved, `from pkg
-    import sub` counted as importing both the package and the submodule."""
+def _import_module_name(node: ast.AST) -> str | None:
+    """The module a call `importlib.import_module("x.y")` / `import_module("x.y")` / `__import__("x.y")` names with
+    a string literal (a string built at run time is invisible to any scan: the product has none)."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant) \
+            or not isinstance(node.args[0].value, str):
+        return None
+    f = node.func
+    called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    return node.args[0].value if called in ("import_module", "__import__") else None
+
+
+def imported(name: str, f: Path, mods: dict[str, Path]) -> Iterator[tuple[str, ast.AST]]:
+    """(first-party module, import statement or call) for each module that `name` (file `f`) names in an import:
+    every `import` / `from ... import` anywhere in the file (functions included), relative ones resolved, `from pkg
+    import sub` counted as importing both the package and the submodule, and `importlib.import_module("...")`
+    with a literal name (a lazy import is still an edge)."""
     for node in ast.walk(ast.parse(f.read_text())):
-        if isinstance(node, ast.Import):
+        if (dynamic := _import_module_name(node)) is not None:
+            targets = [dynamic]
+        elif isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""

@@ -101,7 +101,7 @@ def test_cli_calibrates_prints_tau_then_compiles(models, tmp_path, capsys):
 
 
 def test_cli_help_says_defaults_and_kl(capsys):
-    from fastcar_compile.cmd_compile import build_parser
+    from fastcar_compile.cli.compile import build_parser
 
     text = " ".join(build_parser().format_help().split())
     assert "per calibration prompt (default 3" in text

@@ -1,4 +1,4 @@
-"""`fastcar-compile dit.onnx -o fast.onnx --annca`: AnnCA compiled into the DiT step graph (dit/annca_graph.py),
+"""`fastcar-compile dit.onnx -o fast.onnx --annca`: AnnCA compiled into the DiT step graph (passes/dit_annca.py),
 recorded in the metadata and read back by the stream runtime. References: the eager stream runtime's AnnCA
 (dit/fastar.FastARDiT, itself checked against NumPy in test_dit_fastar.py) over whole rollouts, and a NumPy
 recomputation of the op (the reference hashers' codes, the kept set per frame by comparing codes, softmax over
@@ -20,8 +20,9 @@ onnx = pytest.importorskip("onnx")
 from dit_modes_helpers import compile_cli, not_a_dit  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
+from fastcar_compile.core.contract import DIT_MODES_KEY, annca_io  # noqa: E402
 from fastcar_compile.dit import modes  # noqa: E402
-from fastcar_compile.dit.config import MODES_KEY, PRESETS, annca_io  # noqa: E402
+from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 from fastcar_compile.fastar.int8 import Int8Buckets  # noqa: E402
@@ -38,19 +39,19 @@ def _compile(exported: Path, folder: Path, *extra: str) -> Path:
 @pytest.mark.parametrize("extra, window, eager_kw", [
     ((), None, {}),
     (("--lsh-bits", "2", "--ann-tables", "1", "--ann-seed", "5"), 0, {"lsh_bits": 2, "ann_tables": 1, "ann_seed": 5}),
-    (("--threshold", "0"), None, {"fastcar_tau": 0.0}),
-    (("--annsa", "quant"), None, {"annsa": "quant"}),  # AnnSA's int8 buckets, for AnnCA too
+    (("--threshold", "0"), None, {"threshold": 0.0}),
+    (("--annsa", "int8"), None, {"annsa": "int8"}),  # AnnSA's int8 buckets, for AnnCA too
 ])
 def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, extra, window, eager_kw, gather,
                                               monkeypatch):
     """5 chunks (window, growing cache, with FastCar, with AnnSA's int8 buckets), the kept tokens gathered or the others masked (tiny's
     6-token prompt is masked by default): the compiled rollout == the eager AnnCA rollout within 1e-4, with the
     same executed query x prompt pairs; some pairs dropped, some kept."""
-    from fastcar_compile.dit import annca_graph
+    from fastcar_compile.passes import dit_annca as annca_graph
 
     monkeypatch.setattr(annca_graph, "GATHER_FROM", 0 if gather else 1 << 30)
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, *extra))
-    assert fast.annca["kind"] == eager_kw.get("annsa", "lsh")  # read back from the metadata
+    assert fast.annca.kind == eager_kw.get("annsa", "lsh")  # read back from the metadata
     settings = StreamSettings(frames=10, seed=3, window_frames=window)
     ref = FastARDiT(dit_tiny_eager, modes.settings(annca=True, **eager_kw))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
@@ -81,8 +82,8 @@ def _reference(q, k, v, hasher, frames):
 
 
 @pytest.mark.parametrize("gather", [True, False], ids=["gathered", "masked"])
-@pytest.mark.parametrize("kind, bits, tables, prompt", [("lsh", 4, 2, 9), ("lsh", 12, 1, 40), ("quant", 2, 2, 40),
-                                                        ("quant", 1, 3, 7)])
+@pytest.mark.parametrize("kind, bits, tables, prompt", [("lsh", 4, 2, 9), ("lsh", 12, 1, 40), ("int8", 2, 2, 40),
+                                                        ("int8", 1, 3, 7)])
 def test_op_matches_numpy(kind, bits, tables, prompt, gather):
     """The queries' codes, the kept set per frame and the attention over it vs NumPy (some frames keep nothing:
     output 0), the kept tokens gathered or the dropped ones masked (the prompt keys' codes are an input, as the
@@ -92,7 +93,7 @@ def test_op_matches_numpy(kind, bits, tables, prompt, gather):
     hasher = SignLSH(d, bits, tables, seed=4) if kind == "lsh" else Int8Buckets(d, bits, tables, seed=4)
     q = rng.standard_normal((B, H, F * T, d)).astype(np.float32)
     k, v = (rng.standard_normal((B, H, prompt, d)).astype(np.float32) for _ in range(2))
-    from fastcar_compile.dit.annca_graph import standalone
+    from fastcar_compile.passes.dit_annca import standalone
 
     sess = ort.InferenceSession(ir.to_proto(standalone(hasher, F, d, gather)).SerializeToString(), providers=["CPUExecutionProvider"])
     ctx, kept = sess.run(None, {"q": q, "k": k, "v": v, "kc": hasher.codes(k)})  # the prompt graph's codes
@@ -110,13 +111,13 @@ def test_graph_gathers_the_kept_tokens_and_records_the_mode(dit_tiny_export, tmp
     keys once (its `cross.N.codes` equal the reference hasher's codes of its keys) and the step graph reads them;
     with gathering on (a prompt of GATHER_FROM tokens or more) the prompt keys reach the cross-attention's
     product only through a Gather (no product of every query with the whole prompt)."""
-    from fastcar_compile.dit import annca_graph
+    from fastcar_compile.passes import dit_annca as annca_graph
 
     monkeypatch.setattr(annca_graph, "GATHER_FROM", CFG.text_len)
     path = _compile(dit_tiny_export, tmp_path, "--ann-tables", "3")
     m = onnx.load(str(path))
-    meta = json.loads({p.key: p.value for p in m.metadata_props}[MODES_KEY])
-    assert meta["annca"] == {"kind": "lsh", "lsh_bits": 4, "quant_dirs": 2, "ann_tables": 3, "ann_seed": 0}
+    meta = json.loads({p.key: p.value for p in m.metadata_props}[DIT_MODES_KEY])
+    assert meta["annca"] == {"kind": "lsh", "lsh_bits": 4, "int8_dirs": 2, "ann_tables": 3, "ann_seed": 0}
     assert meta["threshold"] is None and meta["tempcache"] is None
     ins, outs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
     assert {annca_io(i)[0] for i in range(CFG.layers)} <= ins and {annca_io(i)[1] for i in range(CFG.layers)} <= outs

@@ -1,4 +1,4 @@
-"""`fastcar-compile dit.onnx -o fast.onnx --threshold TAU --tempcache SIM`: FastCar's FFN replay (dit/replay.py,
+"""`fastcar-compile dit.onnx -o fast.onnx --threshold TAU --tempcache SIM`: FastCar's FFN replay (passes/dit_replay.py,
 the replay cache as graph I/O) and TempCache 'aligned' at cache-write time (the runtime merges, the graph adds
 log(count)) compiled into the DiT step graph, recorded in the metadata and read back by the stream runtime.
 References: the eager stream runtime's modes (dit/fastar.FastARDiT: its replay checked against computing every
@@ -19,8 +19,9 @@ onnx = pytest.importorskip("onnx")
 from dit_modes_helpers import compile_cli  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
+from fastcar_compile.core.contract import DIT_MODES_KEY, replay_io  # noqa: E402
 from fastcar_compile.dit import modes  # noqa: E402
-from fastcar_compile.dit.config import MODES_KEY, PRESETS, replay_io  # noqa: E402
+from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 
@@ -38,7 +39,7 @@ def test_compiled_replay_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_ti
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau))
     assert fast.tau == float(tau)  # read back from the metadata
     settings = StreamSettings(frames=10, seed=3, window_frames=window)
-    ref = FastARDiT(dit_tiny_eager, modes.settings(fastcar_tau=float(tau)))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(threshold=float(tau)))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -60,7 +61,7 @@ def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_expor
     path = _compile(dit_tiny_export, tmp_path, "0.25")
     m = onnx.load(str(path))
     meta = {p.key: p.value for p in m.metadata_props}
-    assert json.loads(meta[MODES_KEY]) == {"threshold": 0.25, "tempcache": None, "tempcache_match": None,
+    assert json.loads(meta[DIT_MODES_KEY]) == {"threshold": 0.25, "tempcache": None, "tempcache_match": None,
                                            "tempcache_buckets": None, "annca": None,
                                            "annsa": None}
     ins, outs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
@@ -79,18 +80,18 @@ def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_expor
 
 def test_dense_compile_records_no_mode(dit_tiny_export, tmp_path):
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, "inf"))
-    assert fast.tau is None and fast.sim is None and all(v is None for v in fast.modes.values())
+    assert fast.tau is None and fast.sim is None and fast.modes.dense
 
 
 @pytest.mark.parametrize("sim, tau, window", [("0.3", "inf", None), ("0.3", "inf", 0), ("0.2", "0", 2),
                                               ("0.3", "0", None)])
 def test_compiled_tempcache_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, sim, tau, window):
     """6 chunks (the ring wrapping, or the buffers growing): TempCache compiled in (alone, or with FastCar)
-    == the eager runtime's `tempcache aligned` at the same SIM within 1e-4, with the same merges."""
+    == the eager runtime's TempCache 'aligned' at the same SIM within 1e-4, with the same merges."""
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau, "--tempcache", sim))
-    assert fast.sim == float(sim) and fast.modes["threshold"] == (None if tau == "inf" else float(tau))
+    assert fast.sim == float(sim) and fast.modes.threshold == (None if tau == "inf" else float(tau))
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
-    kw = {"tempcache": "aligned", "tempcache_sim": float(sim)} | ({} if tau == "inf" else {"fastcar_tau": 0.0})
+    kw = {"tempcache": float(sim)} | ({} if tau == "inf" else {"threshold": 0.0})
     ref = FastARDiT(dit_tiny_eager, modes.settings(**kw))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
@@ -114,7 +115,7 @@ def test_ring_merges_match_a_numpy_recount():
     slot at the newest frame of a chain holds count = chain length, the mean value and the newest key; the
     slots a chain left are dead (count 0, bias -inf); sink frames never merge; the ring overwrites evicted
     frames."""
-    from fastcar_compile.dit.stream import RingCache
+    from fastcar_compile.dit.cache import RingCache
 
     rng = np.random.default_rng(1)
     B, H, T, d, sinks, window, frames = 2, 2, 3, 4, 1, 3, 8
@@ -168,7 +169,7 @@ def test_calibrate_replay_equals_the_eager_calibration(dit_tiny_export, tmp_path
     assert "calibrated --threshold" in capsys.readouterr().out
     fast = OrtDiT(out)
     settings = StreamSettings(frames=4, seed=0)
-    want = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4), settings)
+    want = calibrate_tau(dit_tiny_eager, modes.settings(calibrate_replay=0.4), settings)
     assert fast.tau == pytest.approx(want, abs=1e-4)
     list(rollout(fast, settings))
     ratio = fast.replayed[0] / fast.replayed[1]

@@ -17,9 +17,11 @@ ort = pytest.importorskip("onnxruntime")
 from dit_modes_helpers import refusal  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
-from fastcar_compile.dit.config import PRESETS, DiTConfig  # noqa: E402
+from fastcar_compile.core.contract import DiTConfig  # noqa: E402
+from fastcar_compile.dit.cache import FrameCache  # noqa: E402
+from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
-from fastcar_compile.dit.stream import FrameCache, OrtDiT, StreamSettings, TorchDiT, rollout  # noqa: E402
+from fastcar_compile.dit.stream import OrtDiT, StreamSettings, TorchDiT, rollout  # noqa: E402
 
 CFG = PRESETS["tiny"]
 
@@ -172,7 +174,7 @@ def test_wan_shaped_export_without_weights(tmp_path, capsys):
     sparse hole; the checker accepts the model with its external data."""
     import onnx
 
-    from fastcar_compile.dit.config import step_io
+    from fastcar_compile.core.contract import step_io
 
     out = tmp_path / "wan.onnx"
     assert main(["export", "--dit", "wan2.1-1.3b", "-o", str(out)]) == 0

@@ -4,6 +4,7 @@ and every repository path a guide names (a script to run, a file to read) exists
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,10 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT
 TOP = ("docs", "results", "benchmarks", "scripts", "tests", "fastcar_compile", "passes", "runtime", "fpga_backend",
        "training")
 # a path from the repository root as prose and commands write it (`python benchmarks/x.py`, docs/y.md, tests/test_*.py)
-REPO_PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(TOP)})/[\w./*-]*[\w*/])")
+_PATH = rf"(?:{'|'.join(TOP)})/[\w./*-]*[\w*/]"
+REPO_PATH = re.compile(rf"(?<![\w./-])({_PATH})")
+# a file as it stood at a commit, git's COMMIT:PATH (`git show 08784a2:benchmarks/x.py`): history, not the tree
+AT_COMMIT = re.compile(rf"(?<![\w./-])([0-9a-f]{{7,40}}):({_PATH})")
 SOURCES = [p for d in ("fastcar_compile", "runtime", "passes", "fpga_backend", "benchmarks", "scripts", "tests")
            for p in sorted((ROOT / d).rglob("*.py"))]
 
@@ -33,13 +37,17 @@ def test_relative_links_resolve(path):
         assert (path.parent / target).exists(), f"{path.name} links to {target}, which is not in the repository"
 
 
+def _placeholder(target: str) -> bool:
+    return any(part.split(".")[0].isupper() for part in target.split("/"))
+
+
 def missing_paths(text: str) -> list[str]:
     """The repository paths `text` names that are not in the repository (globs must match something; a segment in
     capitals, such as results/SUITE, is a placeholder)."""
     missing = []
-    for target in REPO_PATH.findall(text):
+    for target in REPO_PATH.findall(AT_COMMIT.sub("", text)):
         target = target.rstrip("/.")
-        if any(part.split(".")[0].isupper() for part in target.split("/")):
+        if _placeholder(target):
             continue
         found = list(ROOT.glob(target)) if "*" in target else (ROOT / target).exists()
         if not found:
@@ -53,8 +61,24 @@ def test_named_repository_paths_exist(path):
 
 
 def test_path_check_finds_a_moved_script():
-    text = "run `python benchmarks/quality.py --clips 16`, then read docs/demo.md and tests/test_fpga_*.py; results/SUITE/, benchmarks/NAME.py"
+    text = ("run `python benchmarks/quality.py --clips 16`, then read docs/demo.md and tests/test_fpga_*.py; "
+            "results/SUITE/, benchmarks/NAME.py; `git show 08784a2:benchmarks/experiments/gone.py`")
     assert missing_paths(text) == ["benchmarks/quality.py"]
+    assert AT_COMMIT.findall(text) == [("08784a2", "benchmarks/experiments/gone.py")]
+
+
+def _git(*args: str) -> bool:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_paths_at_a_commit_exist_there(path):
+    """A study that left the tree is cited as COMMIT:PATH: the commit holds that file (checked where the clone has
+    the commit's history; a shallow clone lacks it)."""
+    missing = [f"{commit}:{target}" for commit, target in AT_COMMIT.findall(path.read_text(encoding="utf-8"))
+               if not _placeholder(target)
+               and _git("cat-file", "-e", f"{commit}^{{commit}}") and not _git("cat-file", "-e", f"{commit}:{target}")]
+    assert missing == [], f"{path.name} cites files its commits lack"
 
 
 def test_genai_tokenizer_recipe_runs(tmp_path, monkeypatch):

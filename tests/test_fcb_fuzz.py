@@ -172,9 +172,10 @@ def test_isa_constants_are_defined_once():
     import fastcar_compile.fpga_backend as fb
 
     root = Path(fb.__file__).parent
-    import fastcar_compile.fpga_cmds as cmds
+    import fastcar_compile.cli.asm as asm_cmds
+    import fastcar_compile.cli.sim as cmds
 
-    files = [f for f in root.glob("*.py") if f.name != "isa.py"] + [Path(cmds.__file__)]
+    files = [f for f in root.glob("*.py") if f.name != "isa.py"] + [Path(cmds.__file__), Path(asm_cmds.__file__)]
     bad = []
     for f in files:
         for node in ast.walk(ast.parse(f.read_text())):

@@ -91,9 +91,9 @@ def test_u55c_simulates_a_7b_decode_step_at_its_hbm_bandwidth():
 
 def test_every_preset_is_listed_by_the_command_line_help():
     """The help texts list the board files themselves: a new preset needs no edit in the CLI."""
-    from fastcar_compile.cmd_compile import build_parser
+    from fastcar_compile.cli.compile import build_parser
+    from fastcar_compile.cli.sim import board_presets
     from fastcar_compile.fpga_backend.hwspec import PRESETS
-    from fastcar_compile.fpga_cmds import board_presets
 
     assert board_presets() == ", ".join(sorted(PRESETS)) and "u55c" in PRESETS
     assert board_presets() in " ".join(build_parser().format_help().split())

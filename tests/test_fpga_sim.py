@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
-from fastcar_compile.fpga_backend import LLAMA2_7B, ModelSpec, build_program, load_board
+from fastcar_compile.fpga_backend import LLAMA2_7B, ModelSpec, build_program, isa, load_board
 from fastcar_compile.fpga_backend import masks as M
 from fastcar_compile.fpga_backend.simulate import Simulator
 
@@ -278,3 +279,20 @@ def test_qk_norm_costs_two_vector_bundles_per_layer(board, batch):
         want += max(compute, sram) + cfg.issue_latency
     got = qk.run(replay, CTX, policy="static").cycles_per_step - plain.run(replay, CTX, policy="static").cycles_per_step
     assert cfg.double_buffering and got == pytest.approx(SPEC.layers * want)
+
+
+@pytest.mark.parametrize("board,batch", [("kv260", 1), ("u280", 6)])
+def test_int4_weights_stream_half_a_byte_each(board, batch):
+    """weight_bits=4: the weight stream is exactly half the fp16 one (the dims' weight elements / 2 bytes), tiles
+    hold twice the weights in the same half buffer, and MACs and KV bytes do not change."""
+    cfg = load_board(board).replace(weight_buffer_kib=16)
+    dense = dataclasses.replace(SPEC, replay_layers=())
+    fp16, int4 = (build_program(dense, cfg, batch=batch, context=CTX, weight_bits=w) for w in (None, 4))
+    replay = np.zeros((2, SPEC.layers, batch), bool)
+    a, b = (Simulator(p).run(replay, CTX, policy="static") for p in (fp16, int4))
+    elems = sum(SPEC.layer_weight_elems().values()) * SPEC.layers + SPEC.hidden * SPEC.vocab
+    assert a.dram_bytes["weights"] == 2 * elems * 2 and b.dram_bytes["weights"] == 2 * elems // 2
+    assert a.macs == b.macs and a.dram_bytes["kv"] == b.dram_bytes["kv"]
+    gemm = lambda p: p.bundles[:, 0][(p.bundles[:, 0]["opcode"] == isa.Op.GEMM) & (p.bundles[:, 0]["sub"] == isa.Space.WEIGHT)]  # noqa: E731
+    assert (gemm(int4)["m"].astype(np.int64) * gemm(int4)["k"] * 4 // 8 <= cfg.weight_tile_bytes).all()
+    assert len(gemm(int4)) < len(gemm(fp16)) and b.cycles < a.cycles

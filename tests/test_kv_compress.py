@@ -557,7 +557,7 @@ def test_bucket_planes_of_another_size_are_refused(name, key):
 
 
 def test_kv_ratios_without_finalize():
-    """benchmarks/experiments/kv_diagnostics.py steps the session itself and never calls finalize: `kv_ratios` must give
+    """A caller that steps the session itself never calls finalize: `kv_ratios` must give
     density/recall from the running sums alone, equal to NumPy ratios of the summed kv_stats.N outputs, and
     finalize must store the same numbers."""
     from fastcar_compile.runtime.stats import RunStats

@@ -19,12 +19,12 @@ from import_scan import ROOT, imported, modules
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ground: contract, errors, options, limits, file I/O, locks", ("fastcar_compile/core",)),
     ("the NumPy FAST-AR reference; the native kernels' build", ("fastcar_compile/fastar", "runtime/native")),
-    ("the compiler's passes, the ONNX Runtime runtime, the FPGA backend",
-     ("passes", "runtime", "fpga_backend", "fpga_backend/boards")),
-    ("front door: API, pipeline, CLI; the PyTorch front end; the video DiT",
+    ("the compiler's passes, the ONNX Runtime runtime, the FPGA backend and its RTL",
+     ("passes", "runtime", "fpga_backend", "fpga_backend/boards", "fpga_backend/rtl")),
+    ("the Python API (compile, inspect, export); the PyTorch front end; the video DiT (model, export, stream runtime)",
      ("fastcar_compile", "fastcar_compile/torch", "fastcar_compile/dit")),
-    ("the bundled demo and its `demo` / `eval` commands (named by the CLI's registry, imported by no library code)",
-     ("fastcar_compile/demo",)),
+    ("the bundled demo models, their data and evaluation", ("fastcar_compile/demo",)),
+    ("the command line: one module per command (imported by no library code)", ("fastcar_compile/cli",)),
 )
 # Never imported by library code: run as scripts, or pytest's.
 OUTSIDE = ("benchmarks", "scripts", "tests")

@@ -8,12 +8,14 @@ and is not flagged. The one place that looks at ai.fastcar nodes is the input ch
 (an already compiled model is refused). The compile tests run the pipeline pass by pass and watch every
 ai.fastcar node and every attention op the compile built: once emitted, no later pass may replace it or change its
 inputs or attributes (`--fused-attention gqa` builds ai.fastcar's GroupQueryAttention itself: NativeGqaPass swaps
-only the export's own com.microsoft nodes), and no pass after discovery matches a layer again.
+only the export's own com.microsoft nodes), no pass after discovery matches a layer again, and none changes what
+discovery matched (the LayerMatch objects, their blocks and what they hold, compared by identity after every pass).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 from unittest import mock
 
@@ -21,19 +23,23 @@ import onnx_ir as ir
 import pytest
 
 import fastcar_compile.passes as passes_pkg
-from fastcar_compile import pipeline
 from fastcar_compile.core import contract
-from fastcar_compile.passes import discover
+from fastcar_compile.passes import discover, pipeline
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 PASSES = Path(passes_pkg.__file__).parent
+# every folder that builds or rewrites graphs: the passes, and the PyTorch front end's and the DiT's modules
+SCANNED = (PASSES, PASSES.parent / "fastcar_compile" / "torch", PASSES.parent / "fastcar_compile" / "dit")
 # ai.fastcar's op names, GroupQueryAttention aside: that name is also com.microsoft's op, which exports contain
 OPS = set(contract.OP_NAMES) - {contract.GROUP_QUERY_ATTENTION}
 FASTCAR_NAMES = {"DOMAIN", *(name for name in dir(contract) if isinstance(getattr(contract, name), str) and getattr(contract, name) in OPS)}
 READERS = {"gate_form", "gate_inputs", "gate_attributes"}  # read an emitted gate back
 SETTINGS = {"budget", "qkv_perm", "frame_tokens", "age_offset"}  # settings the plan holds
-# (file, function) allowed to look: the input check, before any pass has emitted anything
-ALLOWED = {("analysis.py", "find_layers")}
+# (file, function) allowed to look: the input check, before any pass has emitted anything; and the PyTorch path's
+# lowering, which finds the ai.fastcar nodes torch.onnx exported from the program's custom ops (its input, not
+# what an earlier pass built) to type them and to hand BranchPass the layer's gate and cache values
+ALLOWED = {("analysis.py", "find_layers"), ("onnx_branch.py", "_layer"), ("onnx_branch.py", "rebuild_branches"),
+           ("onnx_export.py", "_type_gate_outputs")}
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -72,14 +78,18 @@ def violations(source: str, filename: str) -> list[str]:
                 callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
                 if callee in READERS:
                     found.append(f"{filename}:{node.lineno}: reads an emitted gate back ({callee})")
-                if callee in ("get_int", "get", "_attr") and any(
+                on_attributes = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Attribute) \
+                    and node.func.value.attr == "attributes"  # node.attributes.get(...), not a dict's get
+                if (callee == "_attr" or callee in ("get_int", "get") and on_attributes) and any(
                         isinstance(a, ast.Constant) and a.value in SETTINGS for a in node.args):
                     found.append(f"{filename}:{node.lineno}: reads a setting back off a node ({callee})")
     return sorted(set(found))
 
 
 def test_no_pass_matches_or_reads_back_ai_fastcar_nodes():
-    found = [v for path in sorted(PASSES.glob("*.py")) for v in violations(path.read_text(), path.name)]
+    files = [path for folder in SCANNED for path in sorted(folder.glob("*.py"))]
+    assert len({f.parent for f in files}) == len(SCANNED), "a scanned folder has no Python files: moved?"
+    found = [v for path in files for v in violations(path.read_text(), path.name)]
     assert not found, "\n".join(found)
 
 
@@ -90,6 +100,7 @@ def test_the_check_sees_what_it_forbids():
         "def f(n):\n    return n.domain == contract.DOMAIN and n.op_type == 'CompressedAttention'\n": "op_type",
         "def f(g):\n    return [n for n in g if fastcar_ops.gate_form(n) == AT]\n": "gate back",
         "def f(ca):\n    return ca.attributes.get_int('budget', 0)\n": "setting",
+        "def f(ca):\n    return ca.attributes.get('frame_tokens')\n": "setting",
         "def f(ca):\n    return _attr(ca, 'qkv_perm', [0])\n": "setting",
         "def f(g):\n    return [n for n in g if n.op_type == 'If' and n.domain != contract.DOMAIN]\n": "op_type",
     }
@@ -97,6 +108,7 @@ def test_the_check_sees_what_it_forbids():
         assert any(what in v for v in violations(source, "x.py")), source
     fine = "def f(b):\n    return b(contract.TEMPORAL_GATE, [], domain=contract.DOMAIN)\n"  # emission
     assert violations(fine, "x.py") == []
+    assert violations("def f(opts):\n    return opts.get('frame_tokens')\n", "x.py") == []  # an options dict
 
 
 def _signature(node: ir.Node) -> tuple:
@@ -115,10 +127,34 @@ def _emitted(model: ir.Model, before: set[ir.Node]) -> dict[ir.Node, tuple]:
                                                    node not in before)}
 
 
+def _held(value) -> object:
+    """What a match field holds, comparable after a pass: plain values as they are, containers item by item, any
+    other object (a graph value, a node, a block) by identity."""
+    if isinstance(value, list | tuple):
+        return tuple(_held(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((_held(k), _held(v)) for k, v in value.items())
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return ("id", id(value))
+
+
+def match_state(matches: list[discover.LayerMatch]) -> list[tuple]:
+    """Every field of each LayerMatch and of its attention and MLP blocks (list and dict contents included), and the
+    matches themselves, by identity: what a pass assigning into a match, or into what a match holds, changes."""
+    state = []
+    for m in matches:
+        for obj in (m, m.attention, m.mlp):
+            if obj is not None:
+                state.append((id(obj), type(obj).__name__, m.layer,
+                              tuple((f.name, _held(getattr(obj, f.name))) for f in dataclasses.fields(obj))))
+    return state
+
+
 def compile_watching(path, **options) -> tuple[CompileContext, dict[ir.Node, str], dict[ir.Node, tuple]]:
     """Run the compile pipeline on `path` one pass at a time; fail when a pass replaces, rewires or re-attributes a
-    node an earlier pass built (an ai.fastcar op, or a com.microsoft attention op the compile wrote). (context,
-    node -> the pass that built it, the final nodes -> their signatures)."""
+    node an earlier pass built (an ai.fastcar op, or a com.microsoft attention op the compile wrote), or changes a
+    layer's match after discovery. (context, node -> the pass that built it, the final nodes -> their signatures)."""
     model = ir.load(str(path))
     exported = set(ir.traversal.RecursiveGraphIterator(model.graph))
     ctx = CompileContext(CompileOptions(frame_tokens=4, **options))
@@ -126,10 +162,15 @@ def compile_watching(path, **options) -> tuple[CompileContext, dict[ir.Node, str
     seen: dict[ir.Node, tuple] = {}
     matched: list[str] = []  # the pass running each time a layer is matched
     match_layer = discover._match_layer
+    frozen: list[tuple] | None = None  # the matches as discovery left them
     with mock.patch.object(discover, "_match_layer", lambda *a: (matched.append(name), match_layer(*a))[1]):
         for p in pipeline.build(ctx).passes:
             name = type(p).__name__
             p(model)
+            if frozen is not None:
+                assert match_state(ctx.matches) == frozen, f"{name} changed a layer's match after discovery"
+            elif name == "DiscoverPass":
+                frozen = match_state(ctx.matches)
             now = _emitted(model, exported)
             for node, sig in seen.items():
                 assert now.get(node) == sig, f"{name} rewrote {node.op_type} {node.name} {built[node]} built"
@@ -163,7 +204,7 @@ def test_a_dynamo_exports_attention_ops_are_built_once(zoo_model, options):
     ops = (contract.COMPRESSED_ATTENTION, contract.GROUP_QUERY_ATTENTION)
     attention = [built[n] for n in final if n.op_type in ops]
     swapped = [p for n, p in built.items() if n.op_type in ops and n not in final]
-    assert len(ctx.fusions) == 2
+    assert [b.layer for b in ctx.plan.fused] == [0, 1]
     assert swapped == [] and attention == ["FusedAttentionPass"] * 2
     if options.get("fused_attention") == "gqa":  # ai.fastcar's GroupQueryAttention (native on), built as such
         assert {(n.domain, n.op_type) for n in final if n.op_type in ops} == {
@@ -187,3 +228,45 @@ def test_a_genai_graphs_gates_are_emitted_once(genai_model):
     ctx, emitted, _ = compile_watching_gates(genai_model("llama", "fp32") / "model.onnx")
     assert ctx.rewritten and len(emitted) == len(ctx.rewritten)
     assert set(emitted.values()) == {"GatePass"}
+
+
+DIT_OPTIONS = [{"threshold": [0.05]}, {"tempcache": 0.3, "tempcache_match": "lsh", "annca": True},
+               {"annsa": "int8", "annca": True, "threshold": [0.05]}, {"annsa": "lsh", "native_attention": False}]
+
+
+@pytest.mark.parametrize("options", DIT_OPTIONS, ids=["fastcar", "tempcache-annca", "annsa-annca-fastcar", "annsa-graph"])
+def test_a_dit_step_graphs_blocks_are_matched_once(dit_tiny_export, options):
+    """The DiT target matches each block once, in DiTDiscoverPass: the emission passes (in-place cache, replay,
+    AnnCA) build on the nodes it found; no later pass walks an attention chain or a block again."""
+    from fastcar_compile import api
+    from fastcar_compile.passes import dit_discover
+
+    loaded = api.load(dit_tiny_export)
+    ctx, _ = api._dit_context(loaded, options, None)
+    calls: list[str] = []
+    running = [""]
+    match_block, chain = dit_discover._match_block, dit_discover.attention_chain
+    with mock.patch.object(dit_discover, "_match_block", lambda *a: (calls.append(running[0]), match_block(*a))[1]), \
+            mock.patch.object(dit_discover, "attention_chain", lambda *a: (calls.append(running[0]), chain(*a))[1]):
+        for p in pipeline.build(ctx).passes:
+            running[0] = type(p).__name__
+            p(loaded.model)
+    assert calls and set(calls) == {"DiTDiscoverPass"}, calls
+    assert [type(p).__name__ for p in pipeline.build(ctx).passes][:2] == ["DiTDiscoverPass", "DiTPlanPass"]
+
+
+def test_the_matches_stay_as_discovery_left_them(zoo_model):
+    """A compile changes no LayerMatch (compile_watching compares them after every pass): the blocks are frozen, and
+    the check sees an assignment forced into one, a block replaced, and an item added to a list a match holds."""
+    ctx, _, _ = compile_watching(zoo_model("llama", "dynamo20"), kv_budget=16, kv_sinks=2, kv_window=8)
+    m = ctx.matches[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.attention.core_node = m.attention.core_node  # type: ignore[misc]
+    before = match_state(ctx.matches)
+    for change in (lambda: object.__setattr__(m.attention, "core_node", ctx.matches[1].attention.core_node),
+                   lambda: object.__setattr__(m, "attention", dataclasses.replace(m.attention)),
+                   lambda: m.mlp.nodes.append(m.mlp.nodes[0])):
+        state = match_state(ctx.matches)
+        change()
+        assert match_state(ctx.matches) != state
+    assert match_state(ctx.matches) != before

@@ -9,8 +9,9 @@ import pytest
 from onnx import TensorProto, helper
 
 import fastcar_compile as fc
-from fastcar_compile import api, pipeline
+from fastcar_compile import api
 from fastcar_compile.cli import main
+from fastcar_compile.passes import pipeline
 from fastcar_compile.passes.context import CompileContext, CompileOptions
 
 L = 4

@@ -126,7 +126,8 @@ def test_compiled_rollouts_equal_eager_transformers(tmp_path) -> None:
     got = {}
     for name, opts in kv.items():
         path = tmp_path / f"{name}.onnx"
-        fastcar_compile.compile(str(onnx), str(path), frame_tokens=L, rotary_positions=4096, **opts)
+        fastcar_compile.compile(str(onnx), str(path), frame_tokens=L, video_start=wm.VIDEO_START, rotary_positions=4096,
+                                **opts)
         got[name] = wr.rollout(FastCarSession(path, threads=1), truth[:, 0], actions, threshold=float("inf")).tokens
         for b in range(len(paths)):
             want = _eager_rollout(model, truth[b, 0], actions[b], keeps[name])
@@ -192,9 +193,9 @@ def _shift_accuracy(p: world.WorldPath, truth: np.ndarray, label: int) -> float:
 def test_world_demo_writes_the_figures(tmp_path) -> None:
     """`fastcar-compile demo --world --json FILE`: the GIF, and per variant revisit / new accuracy, FPS and cache MiB,
     the shift baseline's equal to an independent shift of the chosen path's truth; bad input is one line."""
+    from fastcar_compile.cli.demo_world import pick_path
     from fastcar_compile.demo.export import TOKENIZER
     from fastcar_compile.demo.tokenizer import PatchTokenizer
-    from fastcar_compile.demo.world_demo import pick_path
 
     out, js = tmp_path / "demo", tmp_path / "w.json"
     cli = [sys.executable, "-m", "fastcar_compile", "demo", "--world"]

@@ -3,7 +3,7 @@ time (ONNX Runtime's profile, summed over its nodes), ms per frame of the stream
 
     python benchmarks/experiments/dit_annca_compiled.py [--out DIR] [--frames 8] [--reps 3] [--bits 4,8]
 
-First the op alone (dit/annca_graph.standalone) against the export's cross-attention alone over random prompts
+First the op alone (passes/dit_annca.standalone) against the export's cross-attention alone over random prompts
 of `--op-prompts` lengths (min ms per call). Then two models: the DiT trained here (training/dit_model: a 6-token prompt, `camera=pan_right`) and a random-weight
 DiT with a 512-token prompt (Wan's text length) at the same sizes otherwise (hidden 128, 4 heads, 4 layers, 64
 tokens per frame, 2-frame chunks), which shows how the op scales with the prompt. Per model and `--bits` entry
@@ -39,7 +39,7 @@ def cross_nodes(path: Path) -> set[str]:
     """Names of the nodes of each block's cross-attention as exported (key path, scores, softmax, context)."""
     import onnx_ir as ir
 
-    from fastcar_compile.dit.discover import attention_chain
+    from fastcar_compile.passes.dit_discover import attention_chain
 
     m = ir.load(str(path))
     ins = {v.name: v for v in m.graph.inputs}
@@ -83,10 +83,11 @@ def profiled_ms(path: Path, settings, text, pick) -> float:
 
 
 def run_model(name: str, src: Path, torch_model, text, a, out: Path) -> list[str]:
-    from fastcar_compile.dit import annca_graph, modes
-    from fastcar_compile.dit.compile import compile_dit
+    from fastcar_compile.api import compile as compile_dit
+    from fastcar_compile.dit import modes
     from fastcar_compile.dit.fastar import FastARDiT, totals
     from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout
+    from fastcar_compile.passes import dit_annca as annca_graph
 
     graphs = {"dense": {}}
     for bits in (int(b) for b in a.bits.split(",")):
@@ -160,8 +161,8 @@ def op_table(a) -> list[str]:
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from fastcar_compile.dit.annca_graph import standalone
     from fastcar_compile.fastar.lsh import SignLSH
+    from fastcar_compile.passes.dit_annca import standalone
 
     B, H, F, T, d = 2, 4, 2, 64, 32
     so = ort.SessionOptions()
@@ -208,9 +209,9 @@ def main() -> None:
     ap.add_argument("--op-rounds", type=int, default=20)
     a = ap.parse_args()
     from fastcar_compile.cli import main as cli
-    from fastcar_compile.demo.dit_demo import MODEL_DIR, parse_prompt
+    from fastcar_compile.cli.demo_dit import MODEL_DIR, parse_prompt
     from fastcar_compile.demo.dit_train import text_embeds
-    from fastcar_compile.dit.config import load_config
+    from fastcar_compile.dit.checkpoints import load_config
     from fastcar_compile.dit.model import build
 
     out = Path(a.out)

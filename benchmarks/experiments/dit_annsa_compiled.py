@@ -1,4 +1,4 @@
-"""AnnSA compiled into a DiT step graph (`--annsa lsh|quant`) against the same graph compiled dense, on the DiT
+"""AnnSA compiled into a DiT step graph (`--annsa lsh|int8`) against the same graph compiled dense, on the DiT
 trained here (training/dit_model), AnnSA in both compiled forms (the native AnnSAAttention op, the ONNX-op
 graph: `--native-attention off`): self-attention time (ONNX Runtime's profile, summed over its nodes), ms per
 frame of the stream, density and recall, at a cache of `--contexts` frames.
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fastcar_compile.core.atomic import write_text
-from fastcar_compile.dit.config import ANNSA_GRAPH, ANNSA_NATIVE
+from fastcar_compile.core.contract import ANNSA_GRAPH, ANNSA_NATIVE
 
 
 def self_attention_nodes(path: Path) -> set[str]:
@@ -88,18 +88,18 @@ def main() -> None:
     ap.add_argument("--late", type=int, default=8, help="frames streamed past the context (the timed chunks)")
     ap.add_argument("--profile-chunks", type=int, default=2)
     ap.add_argument("--bits", type=int, default=4, help="sign bits per LSH table")
-    ap.add_argument("--dirs", type=int, default=2, help="int8 directions per quant table")
+    ap.add_argument("--dirs", type=int, default=2, help="int8 directions per int8 table")
     ap.add_argument("--tables", type=int, default=2)
     ap.add_argument("--local", type=int, default=1, help="--annsa-local")
     ap.add_argument("--no-recall", action="store_true", help="skip the eager runtime's recall runs")
     ap.add_argument("--forms", default="native,graph", help="AnnSA's compiled forms to measure (native: the "
                     "AnnSAAttention op, graph: the ONNX ops)")
     a = ap.parse_args()
+    from fastcar_compile.api import compile as compile_dit
     from fastcar_compile.cli import main as cli
-    from fastcar_compile.demo.dit_demo import MODEL_DIR, load_trained, parse_prompt
+    from fastcar_compile.cli.demo_dit import MODEL_DIR, load_trained, parse_prompt
     from fastcar_compile.demo.dit_train import text_embeds
     from fastcar_compile.dit import modes
-    from fastcar_compile.dit.compile import compile_dit
     from fastcar_compile.dit.fastar import FastARDiT, totals
     from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout
 
@@ -107,18 +107,18 @@ def main() -> None:
     src = out / "export" / "dit.onnx"
     if not src.is_file():
         assert cli(["export", "--dit", str(MODEL_DIR), "-o", str(src)]) == 0
-    bucket = {"lsh_bits": a.bits, "quant_dirs": a.dirs, "ann_tables": a.tables, "annsa_local": a.local}
+    bucket = {"lsh_bits": a.bits, "int8_dirs": a.dirs, "ann_tables": a.tables, "annsa_local": a.local}
     forms = {ANNSA_GRAPH: ("ONNX ops", {"native_attention": False}), ANNSA_NATIVE: ("native op", {})}
     graphs = {"dense": {}}
     for kind, what in (("lsh", f"AnnSA-LSH ({a.bits} bits x {a.tables})"),
-                       ("quant", f"AnnSA-Quant ({a.dirs} dirs x {a.tables})")):
+                       ("int8", f"AnnSA-Quant ({a.dirs} dirs x {a.tables})")):
         for form in a.forms.split(","):
             graphs[f"{what}, {forms[form][0]}"] = {"annsa": kind, **bucket, **forms[form][1]}
     paths = {}
     for i, (g, kw) in enumerate(graphs.items()):
         paths[g] = out / f"graph{i}" / "dit.onnx"
         compile_dit(src, paths[g], **kw)
-        if "annsa" in kw and OrtDiT(paths[g]).annsa["annsa_kernel"] != (ANNSA_GRAPH if "native_attention" in kw
+        if "annsa" in kw and OrtDiT(paths[g]).annsa.annsa_kernel != (ANNSA_GRAPH if "native_attention" in kw
                                                                        else ANNSA_NATIVE):
             raise SystemExit(f"{g}: compiled as another form (is the native library built? "
                              "python -m fastcar_compile.runtime.native.build)")
@@ -149,8 +149,8 @@ def main() -> None:
             density, recall = "100%", ("100%" if m.annsa is None else "-")
             if m.annsa is not None:
                 density = f"{100 * m.self_pairs[0] / m.self_pairs[1]:.1f}%"
-                recall = recalls.get(m.annsa["kind"], recall)
-                if torch_model is not None and m.annsa["kind"] not in recalls:
+                recall = recalls.get(m.annsa.kind, recall)
+                if torch_model is not None and m.annsa.kind not in recalls:
                     kw = {k: v for k, v in graphs[g].items() if k != "native_attention"}
                     ref = FastARDiT(torch_model, modes.settings(diagnostics=True, **kw), threads=1)
                     gen = rollout(ref, settings, text)
@@ -158,7 +158,7 @@ def main() -> None:
                         if chunk.first_frame + len(chunk.frames[0]) == ctx:  # recall from here on
                             ref.stats = [type(s)() for s in ref.stats]
                     recall = f"{100 * totals(ref.stats)['self_recall']:.1f}%"
-                    recalls[m.annsa["kind"]] = recall
+                    recalls[m.annsa.kind] = recall
             lines.append(f"| {ctx} | {g} | {density} | {recall} | {prof[g][0]:.2f} | "
                          f"{prof['dense'][0] / prof[g][0]:.2f}x | {step[g]:.1f} | {step['dense'] / step[g]:.2f}x |")
             print(lines[-1], flush=True)

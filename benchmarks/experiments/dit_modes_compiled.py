@@ -33,8 +33,9 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.25,0.5,0.75", help="FastCar replay ratios to calibrate for")
     ap.add_argument("--tempcache", type=float, default=0.5, help="TempCache SIM of the TempCache row")
     a = ap.parse_args()
+    from fastcar_compile.api import calibrate_dit as calibrate_threshold
+    from fastcar_compile.api import compile as compile_dit
     from fastcar_compile.cli import main as cli
-    from fastcar_compile.dit.compile import calibrate_threshold, compile_dit
     from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout
 
     out = Path(a.out)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from fastcar_compile.core.atomic import write_text
-from fastcar_compile.genai_speculate import write as write_speculation
+from fastcar_compile.runtime.genai_draft import write as write_speculation
 
 VARIANTS = {  # name -> genai-speculate's --draft (None: the plain folder)
     "plain genai": None,

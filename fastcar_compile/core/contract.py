@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.limits import INT8_DIRS, MAX_ANN_TABLES, MAX_LSH_BITS, UINT32_MAX
 
 # --- exporter I/O (docs/semantics.md section 4) ---------------------------------------------------------
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
@@ -148,6 +151,12 @@ def state_output_for(input_name: str) -> str:
 # New-video fill values of the FastCar state (DESIGN.md: caches start at 0, ages at -1 = never written).
 CACHE_FILL, AGE_FILL = 0, -1
 
+# The ONNX Runtime execution provider a model is compiled for: cpu (the ai.fastcar ops, native kernels when built) or
+# cuda (only ops the CUDA provider runs: the ai.fastcar ops' function bodies inlined, passes/cuda_target.py),
+# recorded under PROVIDER_KEY when not cpu.
+PROVIDERS = ("cpu", "cuda")
+PROVIDER_KEY = "fastcar.provider"
+
 # --- the ai.fastcar ops ---------------------------------------------------------------------------------------
 DOMAIN = "ai.fastcar"
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops the passes emit (GQA, RotaryEmbedding, norms)
@@ -159,7 +168,7 @@ GROUP_QUERY_ATTENTION = "GroupQueryAttention"
 # BranchPass's row ops around the one MLP copy (passes/branch.py): the computing tokens' rows and the If condition,
 # then the write-back that merges the computed rows with the cached ones and updates the cache (MLPCacheUpdate)
 SELECT_ROWS, MLP_CACHE_MERGE = "SelectRows", "MLPCacheMerge"
-# AnnSA over a DiT's frame cache, each query scoring only its buckets' slots (dit/annsa_graph.py; body: masked dense)
+# AnnSA over a DiT's frame cache, each query scoring only its buckets' slots (passes/dit_annsa.py; body: masked dense)
 ANNSA_ATTENTION = "AnnSAAttention"
 OP_NAMES = (TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION, GROUP_QUERY_ATTENTION,
             SELECT_ROWS, MLP_CACHE_MERGE, ANNSA_ATTENTION)
@@ -466,3 +475,374 @@ def metadata_table() -> str:
     rows = ["| key | value |", "|---|---|"]
     rows += [f"| `{FastCarMetadata.key(f.name)}` | {f.metadata['doc']} |" for f in dataclasses.fields(FastCarMetadata)]
     return "\n".join(rows)
+
+
+# --- video DiT step graphs (`export --dit`; compiled by the DiT target of passes/pipeline.py) -------------------
+# A "frame" is a latent frame (Wan's VAE: 4x temporal, 8x8 spatial compression); the patch (1, 2, 2) makes
+# `tokens_per_frame` = (latent_h / 2) * (latent_w / 2) tokens, 1560 for 480x832 video. The config rides in the
+# step graph's metadata (DIT_CONFIG_KEY): the compiler and the runtime read the model's shapes from it.
+# Upper bounds of a DiT config's sizes, wherever it comes from (a config .json, a step graph's metadata): far above
+# any model this runs (Wan2.1-14B: 40 layers, hidden 5120, ffn 13824, text 4096 x 512), far below what overflows the
+# allocations derived from them (which are also checked against memory: dit/config.check_stream_memory).
+DIT_MAX_SIZES = {"layers": 1024, "hidden": 1 << 16, "heads": 1024, "ffn": 1 << 18, "text_dim": 1 << 16,
+                 "in_channels": 4096, "latent_h": 1 << 14, "latent_w": 1 << 14, "freq_dim": 1 << 16,
+                 "text_len": 1 << 16, "chunk_frames": 1024, "sink_frames": 1 << 20, "window_frames": 1 << 20}
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    text_dim: int
+    in_channels: int = 16
+    patch: tuple[int, int, int] = (1, 2, 2)
+    latent_h: int = 60
+    latent_w: int = 104
+    freq_dim: int = 256
+    text_len: int = 512
+    chunk_frames: int = 3  # latent frames denoised together (Self-Forcing's block)
+    sink_frames: int = 3  # first frames kept in the cache for ever (attention sinks)
+    window_frames: int = 18  # most recent non-sink frames kept; 0 = keep every frame (the cache grows)
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.latent_h // self.patch[1], self.latent_w // self.patch[2]
+
+    @property
+    def tokens_per_frame(self) -> int:
+        h, w = self.grid
+        return h * w
+
+    @property
+    def patch_dim(self) -> int:
+        p = self.patch
+        return self.in_channels * p[0] * p[1] * p[2]
+
+    def check(self, where: str = "the DiT config") -> DiTConfig:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("eps", "rope_theta"):
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= (1.0 if f.name == "eps"
+                                                                                            else 1e12):
+                    raise FastCarError(f"{where}: {f.name}={v!r} must be a positive number "
+                                       f"{'below 1' if f.name == 'eps' else 'up to 1e12'}")
+            elif f.name == "patch":
+                if len(v) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
+                    raise FastCarError(f"{where}: patch={list(v)!r} must be three positive integers")
+            elif isinstance(v, bool) or not isinstance(v, int) or v < (0 if f.name in (
+                    "window_frames", "sink_frames") else 1):
+                raise FastCarError(f"{where}: {f.name}={v!r} must be a {'non-negative' if f.name in ('window_frames', 'sink_frames') else 'positive'} integer")
+            elif v > DIT_MAX_SIZES[f.name]:
+                raise FastCarError(f"{where}: {f.name}={v} is beyond {DIT_MAX_SIZES[f.name]}; check the config")
+        if any(x > 64 for x in self.patch):
+            raise FastCarError(f"{where}: patch={list(self.patch)!r}: at most 64 pixels a side")
+        if self.hidden % self.heads or self.head_dim % 2 or self.head_dim < 6:
+            raise FastCarError(f"{where}: hidden {self.hidden} / heads {self.heads} must give an even head size "
+                               ">= 6 (3D RoPE splits it over frame, h, w)")
+        if self.patch[0] != 1:
+            raise FastCarError(f"{where}: patch {list(self.patch)}: only a temporal patch of 1 is supported")
+        if self.latent_h % self.patch[1] or self.latent_w % self.patch[2]:
+            raise FastCarError(f"{where}: latent {self.latent_h}x{self.latent_w} is not a multiple of the patch "
+                               f"{self.patch[1]}x{self.patch[2]}")
+        if self.freq_dim % 2:
+            raise FastCarError(f"{where}: freq_dim {self.freq_dim} must be even")
+        return self
+
+    @property
+    def params(self) -> int:
+        """Parameter count (for messages and the memory check)."""
+        d, f, t = self.hidden, self.ffn, self.text_dim
+        block = 8 * d * d + 2 * d * f + 6 * d + 4 * d + 2 * d
+        return (self.layers * block + self.patch_dim * d + t * d + d * d + self.freq_dim * d + 7 * d * d
+                + d * self.patch_dim)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str) -> DiTConfig:
+        """A config from its JSON object (a config.json, the step graph's metadata), checked."""
+        if not isinstance(d, Mapping):
+            raise FastCarError(f"{where}: the DiT config must be a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise FastCarError(f"{where}: unknown DiT config keys {unknown}; known: {sorted(names)}")
+        missing = sorted(k for k in ("layers", "hidden", "heads", "ffn", "text_dim") if k not in d)
+        if missing:
+            raise FastCarError(f"{where}: the DiT config lacks {missing}")
+        d = dict(d)
+        if "patch" in d:
+            if not isinstance(d["patch"], list):
+                raise FastCarError(f"{where}: patch must be a list of three integers")
+            d["patch"] = tuple(d["patch"])
+        return cls(**d).check(where)
+
+
+# The ONNX I/O of the denoiser step (the export writes them, the compiler and the stream runtime read them).
+STEP_INPUTS = ("latent", "timestep", "frame_start")
+STEP_OUTPUT = "velocity"
+TEXT_INPUT = "text_embeds"
+
+
+def dit_past_names(layers: int) -> list[str]:
+    return [f"past.{i}.{kv}" for i in range(layers) for kv in KV_KINDS]
+
+
+def dit_cross_names(layers: int) -> list[str]:
+    return [f"cross.{i}.{kv}" for i in range(layers) for kv in KV_KINDS]
+
+
+def dit_present_names(layers: int) -> list[str]:
+    return [f"present.{i}.{kv}" for i in range(layers) for kv in KV_KINDS]
+
+
+def step_io(layers: int) -> tuple[list[str], list[str]]:
+    """(inputs, outputs) of the step graph: the noisy chunk, per-frame timesteps, its first frame's index, the
+    cache (past K/V per layer), the prompt's cross-attention K/V -> velocity, the chunk's own K/V."""
+    return ([*STEP_INPUTS, *dit_past_names(layers), *dit_cross_names(layers)],
+            [STEP_OUTPUT, *dit_present_names(layers)])
+
+
+def text_io(layers: int) -> tuple[list[str], list[str]]:
+    """(inputs, outputs) of the prompt graph: text embeddings -> cross-attention K/V per layer, once a video."""
+    return [TEXT_INPUT], dit_cross_names(layers)
+
+
+DIT_CONFIG_KEY = "fastcar.dit_config"  # the step graph's metadata: the config it was exported from
+# What a loaded model is, read off its metadata once where it is loaded (fastcar_compile.api.load): a decoder with
+# KV cache, the step graph `export --dit` writes (config + the prompt graph's name), or that prompt graph.
+DECODER, DIT_STEP, DIT_PROMPT = "decoder", "dit-step", "dit-prompt"
+
+
+def model_kind(props: Mapping[str, str]) -> str:
+    """DECODER, DIT_STEP or DIT_PROMPT for a model's metadata_props."""
+    if DIT_CONFIG_KEY not in props:
+        return DECODER
+    return DIT_STEP if DIT_TEXT_GRAPH_KEY in props else DIT_PROMPT
+
+
+def dit_config_of(props: Mapping[str, str], where: str) -> DiTConfig:
+    """The DiT config a graph's metadata_props record (DIT_CONFIG_KEY), checked like a user's config file."""
+    try:
+        d = json.loads(props[DIT_CONFIG_KEY])
+    except KeyError:
+        raise FastCarError(f"{where}: no {DIT_CONFIG_KEY} metadata; export the DiT with `fastcar-compile export "
+                           "--dit`") from None
+    except (ValueError, RecursionError):
+        raise FastCarError(f"{where}: its {DIT_CONFIG_KEY} metadata is not valid JSON; export it again") from None
+    return DiTConfig.from_dict(d, f"{where}'s {DIT_CONFIG_KEY}")
+DIT_TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph beside the step graph
+
+
+def dit_text_graph_name(props: Mapping[str, str], where: str) -> str:
+    """The prompt graph's file name a step graph's metadata records, checked to be a plain name beside it (never a
+    path elsewhere: a graph is a file anyone can edit)."""
+    name = props.get(DIT_TEXT_GRAPH_KEY)
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name \
+            or len(name) > 255:
+        raise FastCarError(f"{where}: its prompt graph name {name!r} is not a file name beside it; export it again")
+    return name
+
+
+def text_graph_path(step: str | os.PathLike) -> Path:
+    """Where the prompt graph of step graph `dit.onnx` is written: `dit.text.onnx` beside it."""
+    step = Path(step)
+    return step.with_name(f"{step.stem}.text.onnx")
+# The compiled step graph: `past.N.key|value` are the runtime's preallocated cache buffers [B, heads, capacity, d],
+# written in place between chunks; their first `past_length` tokens hold K/V (the rest is masked out). Its metadata
+# names this form; the stream runtime binds the buffers instead of concatenating them.
+PAST_LENGTH = "past_length"
+DIT_CACHE_FORM_KEY = "fastcar.dit_cache"
+CACHE_IN_PLACE = "in-place"
+DIT_MODES_KEY = "fastcar.dit_modes"  # the modes compiled in: DiTModes as JSON
+REPLAY_FIRST = "replay_first"  # bool [1]: the chunk's first frame may replay (the runtime holds its predecessor)
+
+
+def replay_io(layer: int) -> tuple[tuple[str, str], tuple[str, str], str]:
+    """Block `layer`'s replay cache: (inputs (FFN output, key) of the frame before the chunk), (outputs: the
+    chunk's last frame's), and its replay decision output [B, S]."""
+    return ((f"past_replay.{layer}.ffn", f"past_replay.{layer}.key"),
+            (f"present_replay.{layer}.ffn", f"present_replay.{layer}.key"), f"replay.{layer}")
+
+
+def tempcache_io(layer: int) -> tuple[str, str]:
+    """Block `layer`'s TempCache I/O: the input log(count) per cache slot [B, heads, capacity] (-inf: empty)
+    and the output pre-RoPE keys of the chunk [B, heads, F x T, d] (what the runtime compares)."""
+    return f"past_bias.{layer}", f"present_pre.{layer}.key"
+
+
+def tas_name(layer: int) -> str:
+    """Block `layer`'s TAS output [B, S] (FastCar compiled in): what `--calibrate-replay` reads."""
+    return f"tas.{layer}"
+
+
+def annca_io(layer: int) -> tuple[str, str]:
+    """Block `layer`'s AnnCA I/O (AnnCA compiled in): the prompt keys' bucket codes [B, heads, L, tables] int64
+    (an output of the prompt graph, an input of the step graph) and the prompt tokens each frame kept
+    [B, heads, F, L] bool (an output of the step graph)."""
+    return f"cross.{layer}.codes", f"annca.{layer}"
+
+
+ANNSA_DENSE = "annsa_dense"  # int64 [Nd]: the cache's token positions AnnSA attends densely (sinks + local frames)
+# AnnSA's compiled forms: "native" = the ai.fastcar AnnSAAttention op (each query scores its buckets' slots, no
+# padding; without the native library its function body runs, masked dense), "graph" = block-sparse ONNX ops
+ANNSA_NATIVE, ANNSA_GRAPH = "native", "graph"
+ANNSA_KERNELS = (ANNSA_NATIVE, ANNSA_GRAPH)
+# each form's per-block inputs (annsa_io's keys), after ANNSA_DENSE
+ANNSA_INPUTS = {ANNSA_NATIVE: ("key_codes", "sorted_codes", "sorted_slots"),
+                ANNSA_GRAPH: ("buckets", "keys", "bias", "kcodes")}
+
+
+def annsa_io(layer: int) -> dict[str, str]:
+    """Block `layer`'s AnnSA I/O: inputs `buckets` (the occupied bucket ids per table [B, heads, T, K]), `keys`
+    (their cache positions [B, heads, T, K, M]), `bias` (0, -inf for padding), `kcodes` (those keys' ids in every
+    table [B, heads, T, T, K, M]); output `codes` (the chunk's query ids [B, heads, S, T]). The native form's
+    inputs instead: `key_codes` (every cache slot's ids [B, heads, capacity, T], -1 where not bucketed),
+    `sorted_codes` and `sorted_slots` (per table the bucketed slots' ids ascending and their positions
+    [B, heads, T, N]: each bucket's slots are one run)."""
+    return {"buckets": f"annsa_buckets.{layer}", "keys": f"annsa_keys.{layer}", "bias": f"annsa_bias.{layer}",
+            "kcodes": f"annsa_kcodes.{layer}", "codes": f"annsa_codes.{layer}",
+            "key_codes": f"annsa_key_codes.{layer}", "sorted_codes": f"annsa_sorted_codes.{layer}",
+            "sorted_slots": f"annsa_sorted_slots.{layer}"}
+
+
+# The bucketings (sign random projections: fastar/lsh.py, or 8-bit quantised ones: fastar/int8.py) and TempCache's
+# correspondents: the same (h, w) one frame back, or the top-1 cosine among the previous frame's slots sharing a
+# bucket of one of the bucketings.
+BUCKETINGS = ("lsh", "int8")
+TEMPCACHE_MATCHES = ("aligned", *BUCKETINGS)
+BUCKETED_MATCHES = TEMPCACHE_MATCHES[1:]  # the kinds a recorded bucketing may name (AnnSA's: BUCKETINGS)
+MAX_ANNSA_LOCAL = 1 << 20  # frames
+
+
+def _int_in(where: str, name: str, v: Any, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise FastCarError(f"{where}: {name}={v!r} must be an integer in {lo}..{hi}; compile the model again")
+    return v
+
+
+def _float_or_none(where: str, name: str, v: Any, lo: float, hi: float) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:  # NaN fails too
+        raise FastCarError(f"{where}: {name}={v!r} must be null or a number in [{lo:g}, {hi:g}]; compile the model "
+                           "again")
+    return float(v)
+
+
+def _choice(where: str, name: str, v: Any, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        raise FastCarError(f"{where}: {name}={v!r} must be one of {', '.join(choices)}; compile the model again")
+    return v
+
+
+@dataclass(frozen=True)
+class BucketRecord:
+    """A bucketing as a compiled step graph records it: the runtime draws the same seeded projections from it
+    (fastar.config.hasher_of)."""
+
+    kind: str
+    lsh_bits: int
+    int8_dirs: int
+    ann_tables: int
+    ann_seed: int
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> BucketRecord:
+        if not isinstance(d, Mapping):
+            raise FastCarError(f"{where}: a bucketing must be a JSON object, got {type(d).__name__}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if sorted(d) != sorted(fields):
+            raise FastCarError(f"{where}: a bucketing has the keys {fields}, got {sorted(d)}; compile the model again")
+        _choice(where, "kind", d["kind"], BUCKETED_MATCHES)
+        _int_in(where, "lsh_bits", d["lsh_bits"], 1, MAX_LSH_BITS)
+        _choice(where, "int8_dirs", d["int8_dirs"], INT8_DIRS)
+        _int_in(where, "ann_tables", d["ann_tables"], 1, MAX_ANN_TABLES)
+        _int_in(where, "ann_seed", d["ann_seed"], 0, UINT32_MAX)
+        return cls(**{k: d[k] for k in fields})
+
+    def __str__(self) -> str:
+        size = f"{self.lsh_bits} bits" if self.kind == "lsh" else f"{self.int8_dirs} int8 directions"
+        return f"{self.kind} buckets ({size}) x {self.ann_tables} tables, seed {self.ann_seed}"
+
+
+@dataclass(frozen=True)
+class AnnSARecord(BucketRecord):
+    """AnnSA's bucketing, the cached frames it always attends (`annsa_local`) and its compiled form."""
+
+    annsa_local: int = 1
+    annsa_kernel: str = ANNSA_GRAPH
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> AnnSARecord:
+        if not isinstance(d, Mapping):
+            raise FastCarError(f"{where}: AnnSA's record must be a JSON object, got {type(d).__name__}")
+        base = BucketRecord.from_dict({k: v for k, v in d.items() if k not in ("annsa_local", "annsa_kernel")}, where)
+        _choice(where, "kind", base.kind, BUCKETINGS)
+        local = _int_in(where, "annsa_local", d.get("annsa_local"), 0, MAX_ANNSA_LOCAL)
+        kernel = _choice(where, "annsa_kernel", d.get("annsa_kernel"), ANNSA_KERNELS)
+        return cls(**dataclasses.asdict(base), annsa_local=local, annsa_kernel=kernel)
+
+
+@dataclass(frozen=True)
+class DiTModes:
+    """The FAST-AR / FastCar modes compiled into a DiT step graph, written as JSON under DIT_MODES_KEY and read
+    back by the stream runtime (checked like any input: a graph is a file anyone can edit).
+
+    threshold: FastCar's tau (FFN replay, passes/dit_replay.py), None = off; tempcache: TempCache's SIM (the runtime
+    merges at cache-write time, the graph adds each slot's log(count)), None = off; tempcache_match: its
+    correspondent (TEMPCACHE_MATCHES; None when off) and tempcache_buckets: the bucketing of a top-1 match;
+    annca: AnnCA's bucketing (passes/dit_annca.py); annsa: AnnSA's (passes/dit_annsa.py)."""
+
+    threshold: float | None = None
+    tempcache: float | None = None
+    tempcache_match: str | None = None
+    tempcache_buckets: BucketRecord | None = None
+    annca: BucketRecord | None = None
+    annsa: AnnSARecord | None = None
+
+    @property
+    def dense(self) -> bool:
+        return all(getattr(self, f.name) is None for f in dataclasses.fields(self))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | None, where: str = "the step graph's fastcar.dit_modes") -> DiTModes:
+        """The record (all off when `text` is None: a graph compiled without modes, or not compiled)."""
+        if text is None:
+            return cls()
+        try:
+            d = json.loads(text)
+        except (ValueError, RecursionError):
+            raise FastCarError(f"{where}: not valid JSON; compile the model again") from None
+        if not isinstance(d, Mapping):
+            raise FastCarError(f"{where}: must be a JSON object; compile the model again")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise FastCarError(f"{where}: unknown modes {unknown}; known: {names}")
+        match = d.get("tempcache_match")
+        sim = _float_or_none(where, "tempcache", d.get("tempcache"), -1.0, 1.0)
+        if match is not None:
+            _choice(where, "tempcache_match", match, TEMPCACHE_MATCHES)
+        buckets = d.get("tempcache_buckets")
+        return cls(
+            threshold=_float_or_none(where, "threshold", d.get("threshold"), -FLOAT32_LIMIT, FLOAT32_LIMIT),
+            tempcache=sim, tempcache_match=match,
+            tempcache_buckets=None if buckets is None else BucketRecord.from_dict(buckets, f"{where} tempcache_buckets"),
+            annca=None if d.get("annca") is None else BucketRecord.from_dict(d["annca"], f"{where} annca"),
+            annsa=None if d.get("annsa") is None else AnnSARecord.from_dict(d["annsa"], f"{where} annsa"))
+
+
+FLOAT32_LIMIT = 3.4028234663852886e38  # a tau the float32 graph constant can hold

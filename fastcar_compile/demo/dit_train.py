@@ -42,9 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from fastcar_compile.core.atomic import atomic_path, write_text
+from fastcar_compile.core.contract import DiTConfig
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo import scenes
-from fastcar_compile.dit.config import DiTConfig
 from fastcar_compile.dit.stream import STEPS
 
 # One row per label value of every field, in LABELS order: the prompt's one-hot "embedding" width.
@@ -276,7 +276,7 @@ def save_checkpoint(path: Path, model, opt, step: int, s: DiTTrainSettings) -> N
 
 
 def save_weights(model, folder: Path) -> None:
-    """float16 model.safetensors + config.json: a folder `dit.config.load_config` reads."""
+    """float16 model.safetensors + config.json: a folder `dit.checkpoints.load_config` reads."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -175,6 +175,86 @@ def _qk(w: np.ndarray, margin: float, score: float, hd: int) -> tuple[np.ndarray
     return q, k
 
 
+def _t(a):
+    import torch
+
+    return torch.as_tensor(np.asarray(a), dtype=torch.float32)
+
+
+@dataclass
+class _Heads:
+    """Writes single attention heads of the circuit: hd wide, RoPE `freqs`, the LP kernels `ker`."""
+
+    hd: int
+    freqs: np.ndarray
+    ker: dict
+
+    def clear(self, att, h: int) -> slice:
+        rows = slice(h * self.hd, (h + 1) * self.hd)
+        for r in (att.q_proj, att.k_proj, att.v_proj):
+            r.weight[rows] = 0.0
+            r.bias[rows] = 0.0
+        att.o_proj.weight[:, rows] = 0.0
+        return rows
+
+    def positional(self, att, h: int, name: str, score: float, shift: int = 0, key_from=None, norm: float = 1.0):
+        """Head h scores distances with kernel `name` (moved by `shift`); keys on every token (a bias) or only
+        on the tokens whose special dims `key_from` are set."""
+        rows = slice(h * self.hd, (h + 1) * self.hd)
+        w, margin = self.ker[name]
+        q, kv = _qk(_shifted(w, self.freqs, shift) if shift else w, margin, score, self.hd)
+        att.q_proj.bias[rows] = _t(q)
+        if key_from is None:
+            att.k_proj.bias[rows] = _t(kv)
+        else:
+            for col in key_from:
+                att.k_proj.weight[rows, col] = _t(kv) / norm
+
+    def copy_to(self, att, h: int, src: slice | list, dst: slice, norm: float, share: float = 1.0):
+        import torch
+
+        idx = list(range(src.start, src.stop)) if isinstance(src, slice) else list(src)
+        n, hd = len(idx), self.hd
+        att.v_proj.weight[h * hd: h * hd + n, idx] = torch.eye(n)
+        att.o_proj.weight[dst.start: dst.start + n, h * hd: h * hd + n] = torch.eye(n) * share / norm
+
+
+def _write_copy_layer(att, hw: _Heads, cfg: DemoConfig, ci: CircuitInit, sub: dict[str, slice], bos: int,
+                      sink_dim: int, content: np.ndarray, used: list[int]) -> None:
+    """Layer 2 (module docstring): the copy head and the recall heads, BOS their sink."""
+    hd, k = hw.hd, ci.code_dim
+    kc = min(k, len(content))
+    norm0 = math.sqrt(cfg.hidden_size)
+    # copy from the slot one frame back the action moved this content from, unless in the strip; recall by the
+    # left or the upper neighbour's code, only in the strip
+    norm2 = math.sqrt(cfg.hidden_size / 7)
+    back = {a: FRAME_TOKENS - 1 - dx - world.GRID * dy for a, (dx, dy) in world.MOVES.items()}
+    rows = hw.clear(att, 0)
+    w, margin = hw.ker["peak"]
+    for name, off in back.items():
+        q, kv = _qk(_shifted(w, hw.freqs, off), margin, ci.aim, hd)
+        att.q_proj.weight[rows, sub["action"].start + world.ACTIONS.index(name)] = _t(q) / norm2
+    att.k_proj.bias[rows] = _t(kv)
+    # the sink: BOS's key on a non-rotating dimension (BOS's residual is its one-hot alone: normed, sqrt(hidden))
+    sink = math.sqrt(math.sqrt(hd))
+    to_q = math.sqrt(hd) / sink  # a query of value * to_q scores `value` logits on the sink
+    att.k_proj.weight[sink_dim, bos] = sink / norm0
+    att.q_proj.bias[sink_dim] = (ci.aim - ci.copy_gate / 2) * to_q
+    att.q_proj.weight[sink_dim, sub["strip"].start] = ci.copy_gate * to_q / norm2
+    hw.copy_to(att, 0, sub["tok"], sub["out"], norm2)
+    gain = math.sqrt(ci.match * math.sqrt(hd) * k / kc) / norm2  # an exact match of unit codes scores `match`
+    for h, (qsrc, ksrc) in ((1, ("tok", "back1")), (2, ("back7", "back8"))):
+        rows = hw.clear(att, h)
+        for j in range(kc):
+            att.q_proj.weight[h * hd + content[j], sub[qsrc].start + j] = gain
+            att.k_proj.weight[h * hd + content[j], sub[ksrc].start + j] = gain
+        att.k_proj.weight[h * hd + sink_dim, bos] = sink / norm0
+        att.q_proj.bias[h * hd + sink_dim] = ci.recall_gate * to_q
+        att.q_proj.weight[h * hd + sink_dim, sub["strip"].start] = (ci.recall_sink - ci.recall_gate) * to_q / norm2
+        hw.copy_to(att, h, sub["tok"], sub["out"], norm2)
+    att.o_proj.weight[used, 3 * hd:] = 0.0
+
+
 def init_circuit(model, cfg: DemoConfig, ci: CircuitInit) -> None:
     """Write the circuit of the module docstring into a freshly built model (in place)."""
     import torch
@@ -192,14 +272,12 @@ def init_circuit(model, cfg: DemoConfig, ci: CircuitInit) -> None:
     k = ci.code_dim
     codes = rng.standard_normal((CODES, k))
     codes /= np.linalg.norm(codes, axis=1, keepdims=True)
-    t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float32)  # noqa: E731
     ker = _kernels(tuple(cfg.rope_frequencies))
     m = model.model
     acts = {name: sub["special"].start + 1 + i for i, name in enumerate(world.ACTIONS)}  # special row 0 is BOS
     bos = sub["special"].start
     sink_dim = int(nope[0])  # a pair that never turns: the sink's score is the same at any distance
     content = np.concatenate([nope[1:], nope[1:] + half])  # the other non-rotating dimensions: codes
-    kc = min(k, len(content))
     with torch.no_grad():
         used = list(range(sub["out"].stop))  # the circuit's subspaces: nothing else writes there at the start
         for i, layer in enumerate(m.layers):  # free parts start quiet so the circuit dominates the residual stream
@@ -210,88 +288,34 @@ def init_circuit(model, cfg: DemoConfig, ci: CircuitInit) -> None:
         emb = m.embed_tokens.weight
         emb.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(ci.seed))
         emb[:, used] = 0.0
-        emb[:CODES, sub["tok"]] = t(codes)
-        emb[CODES:, sub["special"]] = t(np.eye(sub["special"].stop - sub["special"].start)[: VOCAB - CODES])
+        emb[:CODES, sub["tok"]] = _t(codes)
+        emb[CODES:, sub["special"]] = _t(np.eye(sub["special"].stop - sub["special"].start)[: VOCAB - CODES])
 
-        def clear(att, h):
-            rows = slice(h * hd, (h + 1) * hd)
-            for r in (att.q_proj, att.k_proj, att.v_proj):
-                r.weight[rows] = 0.0
-                r.bias[rows] = 0.0
-            att.o_proj.weight[:, rows] = 0.0
-            return rows
-
-        def positional(att, h, name, score, shift=0, key_from=None, norm=1.0):
-            """Head h scores distances with kernel `name` (moved by `shift`); keys on every token (a bias) or only
-            on the tokens whose special dims `key_from` are set."""
-            rows = slice(h * hd, (h + 1) * hd)
-            w, margin = ker[name]
-            q, kv = _qk(_shifted(w, freqs, shift) if shift else w, margin, score, hd)
-            att.q_proj.bias[rows] = t(q)
-            if key_from is None:
-                att.k_proj.bias[rows] = t(kv)
-            else:
-                for col in key_from:
-                    att.k_proj.weight[rows, col] = t(kv) / norm
-
-        def copy_to(att, h, src: slice | list, dst: slice, norm: float, share: float = 1.0):
-            idx = list(range(src.start, src.stop)) if isinstance(src, slice) else list(src)
-            n = len(idx)
-            att.v_proj.weight[h * hd: h * hd + n, idx] = torch.eye(n)
-            att.o_proj.weight[dst.start: dst.start + n, h * hd: h * hd + n] = torch.eye(n) * share / norm
-
+        hw = _Heads(hd, freqs, ker)
         # layer 0: rms(x) ~ |code| / sqrt(hidden), so a normed code or one-hot has norm ~sqrt(hidden)
         norm0 = math.sqrt(cfg.hidden_size)
         att = m.layers[0].self_attn
         for h, off in enumerate((1, 8, 7)):  # the token `off` back: left neighbour, upper, upper of the next
-            clear(att, h)
-            positional(att, h, "peak", ci.aim, shift=off)
-            copy_to(att, h, sub["tok"], sub[f"back{off}"], norm0)
-        clear(att, 3)  # the frame's action: the nearest action token
-        positional(att, 3, "nearest", ci.detect, key_from=[acts[a] for a in world.ACTIONS], norm=norm0)
-        copy_to(att, 3, [acts[a] for a in world.ACTIONS], sub["action"], norm0)
+            hw.clear(att, h)
+            hw.positional(att, h, "peak", ci.aim, shift=off)
+            hw.copy_to(att, h, sub["tok"], sub[f"back{off}"], norm0)
+        hw.clear(att, 3)  # the frame's action: the nearest action token
+        hw.positional(att, 3, "nearest", ci.detect, key_from=[acts[a] for a in world.ACTIONS], norm=norm0)
+        hw.copy_to(att, 3, [acts[a] for a in world.ACTIONS], sub["action"], norm0)
         # layer 1: the entering strip. Head h attends to the frame's action token only when the predicted token
         # lies where move h's new content enters, and copies that action's one-hot entry: their sum is 1 exactly in
         # the strip of the frame's own move
         norm1 = math.sqrt(cfg.hidden_size / 6)  # tok, action, back1/8/7 (+ special on action tokens)
         att = m.layers[1].self_attn
         for h, move in enumerate(("right", "left", "down", "up")):
-            clear(att, h)
-            positional(att, h, move, ci.detect, key_from=[acts[a] for a in world.ACTIONS], norm=norm1)
+            hw.clear(att, h)
+            hw.positional(att, h, move, ci.detect, key_from=[acts[a] for a in world.ACTIONS], norm=norm1)
             att.v_proj.weight[h * hd, acts[move]] = 1.0
             att.o_proj.weight[sub["strip"].start, h * hd] = 1.0 / norm1
-        # layer 2: copy from the slot one frame back the action moved this content from, unless in the strip;
-        # recall by the left or the upper neighbour's code, only in the strip
-        norm2 = math.sqrt(cfg.hidden_size / 7)
-        att = m.layers[2].self_attn
-        back = {a: FRAME_TOKENS - 1 - dx - world.GRID * dy for a, (dx, dy) in world.MOVES.items()}
-        rows = clear(att, 0)
-        w, margin = ker["peak"]
-        for name, off in back.items():
-            q, kv = _qk(_shifted(w, freqs, off), margin, ci.aim, hd)
-            att.q_proj.weight[rows, sub["action"].start + world.ACTIONS.index(name)] = t(q) / norm2
-        att.k_proj.bias[rows] = t(kv)
-        # the sink: BOS's key on a non-rotating dimension (BOS's residual is its one-hot alone: normed, sqrt(hidden))
-        sink = math.sqrt(math.sqrt(hd))
-        to_q = math.sqrt(hd) / sink  # a query of value * to_q scores `value` logits on the sink
-        att.k_proj.weight[sink_dim, bos] = sink / norm0
-        att.q_proj.bias[sink_dim] = (ci.aim - ci.copy_gate / 2) * to_q
-        att.q_proj.weight[sink_dim, sub["strip"].start] = ci.copy_gate * to_q / norm2
-        copy_to(att, 0, sub["tok"], sub["out"], norm2)
-        gain = math.sqrt(ci.match * math.sqrt(hd) * k / kc) / norm2  # an exact match of unit codes scores `match`
-        for h, (qsrc, ksrc) in ((1, ("tok", "back1")), (2, ("back7", "back8"))):
-            rows = clear(att, h)
-            for j in range(kc):
-                att.q_proj.weight[h * hd + content[j], sub[qsrc].start + j] = gain
-                att.k_proj.weight[h * hd + content[j], sub[ksrc].start + j] = gain
-            att.k_proj.weight[h * hd + sink_dim, bos] = sink / norm0
-            att.q_proj.bias[h * hd + sink_dim] = ci.recall_gate * to_q
-            att.q_proj.weight[h * hd + sink_dim, sub["strip"].start] = (ci.recall_sink - ci.recall_gate) * to_q / norm2
-            copy_to(att, h, sub["tok"], sub["out"], norm2)
-        att.o_proj.weight[used, 3 * hd:] = 0.0
+        _write_copy_layer(m.layers[2].self_attn, hw, cfg, ci, sub, bos, sink_dim, content, used)
         head = model.lm_head.weight
         head.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(ci.seed + 1))
-        head[:CODES, sub["out"]] = t(codes) * ci.out_gain
+        head[:CODES, sub["out"]] = _t(codes) * ci.out_gain
 
 
 def build_world_model(cfg: DemoConfig = WORLD_CONFIG, ci: CircuitInit | None = CircuitInit(), seed: int = 0):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fastcar_compile.demo import world
-from fastcar_compile.demo.worldmodel import FRAME_TOKENS
+from fastcar_compile.demo.worldmodel import FRAME_TOKENS, VIDEO_START
 from fastcar_compile.demo.worldrun import label_accuracy, mean_ci, path_tokens, rollout, shift_tokens
 
 SIM = 0.9  # TempCache's merge cosine
@@ -69,7 +69,8 @@ def calibrate_tau(onnx: Path, folder: Path, tok, replay: float, paths: int, fram
     from fastcar_compile.runtime.session import FastCarSession
 
     path = folder / "calibrate.onnx"
-    fastcar_compile.compile(str(onnx), str(path), frame_tokens=FRAME_TOKENS, rotary_positions=rotary_positions(frames),
+    fastcar_compile.compile(str(onnx), str(path), frame_tokens=FRAME_TOKENS, video_start=VIDEO_START,
+                            rotary_positions=rotary_positions(frames),
                             emit_diagnostics=True)
     ps = world.make_paths("train", paths, frames, seed=seed, start=10_000)
     truth, actions = path_tokens(tok, ps)
@@ -98,7 +99,7 @@ def run_variants(onnx: Path, tok, paths: list[world.WorldPath], chosen: dict[str
                 pred = shift_tokens(truth[:, 0], actions)
             else:
                 path = Path(tmp) / f"{len(rows)}.onnx"
-                fastcar_compile.compile(str(onnx), str(path), frame_tokens=FRAME_TOKENS,
+                fastcar_compile.compile(str(onnx), str(path), frame_tokens=FRAME_TOKENS, video_start=VIDEO_START,
                                         rotary_positions=rotary_positions(T), **opts)
                 # a growing cache gets one buffer for the whole video, written in place
                 s = FastCarSession(path, threads=threads,

@@ -1,4 +1,4 @@
-"""The stream runtime's side of AnnSA compiled into a step graph (dit/annsa_graph.py): each cached key's bucket
+"""The stream runtime's side of AnnSA compiled into a step graph (passes/dit_annsa.py): each cached key's bucket
 ids, and once per chunk the graph's inputs naming what the chunk's queries attend to.
 
 Keys are coded once, when their frame lands in the ring (RingCache's buffers: the post-RoPE keys attention
@@ -12,12 +12,17 @@ ids in every table (so the graph counts a pair once, in the first table where it
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import numpy as np
 
-from fastcar_compile.dit.config import ANNSA_DENSE, ANNSA_GRAPH, ANNSA_INPUTS, ANNSA_NATIVE, annsa_io
-from fastcar_compile.dit.modes import bucket_hasher
+from fastcar_compile.core.contract import (
+    ANNSA_DENSE,
+    ANNSA_INPUTS,
+    ANNSA_NATIVE,
+    AnnSARecord,
+    annsa_io,
+)
+from fastcar_compile.fastar.config import hasher_of
 
 
 def blocks(codes: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -69,9 +74,9 @@ class AnnIndex:
     """One video's AnnSA state beside a RingCache: per layer the bucket ids of every cached key [B, H, slots*T, T]
     and the inputs built for the current chunk."""
 
-    def __init__(self, mode: dict[str, Any], layers: int, tokens: int, sinks: int, head_dim: int):
+    def __init__(self, mode: AnnSARecord, layers: int, tokens: int, sinks: int, head_dim: int):
         self.mode, self.layers, self.tokens, self.sinks = mode, layers, tokens, sinks
-        self.hasher = bucket_hasher(mode, head_dim)
+        self.hasher = hasher_of(mode, head_dim)
         self.codes: list[np.ndarray] = []
         self.coded: dict[int, int] = {}  # ring slot -> the frame whose keys' ids `codes` holds there
         self.built: tuple | None = None
@@ -102,7 +107,7 @@ class AnnIndex:
         if state == self.built:
             return self.feed
         self._code_new_frames(ring)
-        t, local = self.tokens, self.mode["annsa_local"]
+        t, local = self.tokens, self.mode.annsa_local
         dense, sparse = [], []
         for slot, frame in sorted(ring.slot_frame.items()):
             span = np.arange(slot * t, (slot + 1) * t, dtype=np.int64)
@@ -110,7 +115,7 @@ class AnnIndex:
         cat = [np.concatenate(x) if x else np.zeros(0, np.int64) for x in (dense, sparse)]
         self.split = (cat[0], cat[1])
         feed = {ANNSA_DENSE: cat[0]}
-        form = self.mode.get("annsa_kernel", ANNSA_GRAPH)
+        form = self.mode.annsa_kernel
         for i in range(self.layers):
             names = annsa_io(i)
             if form == ANNSA_NATIVE:

@@ -6,7 +6,7 @@ The structure is Wan2.1's: patch embedding over (frame, h, w); per block AdaLN t
 -> self-attention with q/k RMSNorm and 3D RoPE (real cos/sin form: ONNX has no complex numbers) -> cross-
 attention to the prompt -> GELU-tanh FFN, with gated residuals; an AdaLN head. Timesteps are per frame, so a
 chunk may hold frames at different noise levels (Rolling-Forcing). A chunk attends to itself and to the
-cache (no mask inside a chunk); the caller decides what the cache holds (stream.FrameCache).
+cache (no mask inside a chunk); the caller decides what the cache holds (cache.FrameCache).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastcar_compile.dit.config import DiTConfig
+from fastcar_compile.core.contract import DiTConfig
 
 
 class RMSNorm(nn.Module):
@@ -191,13 +191,20 @@ class TextGraph(nn.Module):
 
 
 def build(cfg: DiTConfig, weights=None, seed: int = 0, device: str | None = None) -> ChunkDiT:
-    """The model in eval mode: weights from a safetensors file, random (seeded) ones, or on the meta device
-    (device="meta": shapes only, nothing allocated, for exporting the graph of a large config)."""
+    """The model in eval mode: weights from a safetensors file of ours, a checkpoint of another layout
+    (dit/checkpoints.Checkpoint: diffusers', Wan's), random (seeded) ones, or on the meta device (device="meta":
+    shapes only, nothing allocated, for exporting the graph of a large config)."""
     from fastcar_compile.core.errors import FastCarError
 
     if device == "meta":
         with torch.device("meta"):
             return ChunkDiT(cfg).eval()
+    if hasattr(weights, "state_dict"):  # a Checkpoint: built without weights, then given the mapped tensors
+        state = weights.state_dict(cfg)
+        with torch.device("meta"):
+            model = ChunkDiT(cfg).eval()
+        model.load_state_dict(state, strict=True, assign=True)
+        return model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = ChunkDiT(cfg).eval()
@@ -209,7 +216,12 @@ def build(cfg: DiTConfig, weights=None, seed: int = 0, device: str | None = None
         except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a broken file
             raise FastCarError(f"{weights}: cannot read the weights ({type(exc).__name__}); "
                                "give a safetensors file saved from this model") from None
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # torch: "size mismatch for ..." per tensor whose shape differs
+            first = next((ln.strip() for ln in str(exc).splitlines() if "size mismatch" in ln), str(exc)[:200])
+            raise FastCarError(f"{weights}: the weights' shapes do not match config.json ({first[:240]}); give the "
+                               "weights saved with this config") from None
         bad = [f"missing {missing[:3]}"] * bool(missing) + [f"unexpected {unexpected[:3]}"] * bool(unexpected)
         if bad:
             raise FastCarError(f"{weights}: the weights do not match config.json ({'; '.join(bad)})")

@@ -24,6 +24,7 @@ from fastcar_compile.passes.branch import BranchPass
 from fastcar_compile.passes.context import CompileContext, CompileOptions, LayerRewrite
 from fastcar_compile.passes.discover import LayerMatch, discover
 from fastcar_compile.passes.gate import tag_attention
+from fastcar_compile.passes.plan import plan_blocks
 
 
 def _only_feeding(node: ir.Node) -> list[ir.Node]:
@@ -75,6 +76,7 @@ def rebuild_branches(model: ir.Model, *, layers: list[int], options: CompileOpti
     outputs = {v.name: v for v in graph.outputs if v.name}
     ctx = CompileContext(options)
     ctx.layers = [_layer(found, outputs, layer, k) for k, layer in enumerate(layers)]
+    ctx.plan = plan_blocks(list(found.values()), layers, options)  # (the MLP rows' layout, as the compiler plans it)
     mlp_outputs = [lr.match.mlp.output for lr in ctx.layers]  # type: ignore[union-attr]
     # BranchPass rewires the residual Add to its If (nested layout): the program's cache update must read the If
     # too; its MLPCacheMerge (shared layout) writes the cache itself and replaces the program's update.

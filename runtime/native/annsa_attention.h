@@ -1,5 +1,5 @@
 // ai.fastcar AnnSAAttention: AnnSA over a DiT's frame cache without padding (semantics: docs/DESIGN.md, body:
-// passes/fastcar_ops.py, compiled by fastcar_compile/dit/annsa_graph.py).
+// passes/fastcar_ops.py, compiled by passes/dit_annsa.py).
 //
 // Why native: in ONNX ops the bucketed part is a batched MatMul over key blocks padded to the fullest bucket (one
 // 4-bit LSH bucket can hold nearly every query of a chunk), so most of its products are padding. Here each query
