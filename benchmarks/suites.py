@@ -269,18 +269,22 @@ def _world_rows(raw: dict) -> list[dict]:
     rows = []
     for r in raw["rows"]:
         row = dict(r)
-        for k in ("revisit", "revisit_far", "new", "previous"):
-            row[k] = f"{r[k]:.3f} ± {r[k + '_ci']:.3f}" if r[k] == r[k] else "n/a"
+        for k in ("revisit", "revisit_far", "new", "previous", "revisit_far_minus_window", "new_minus_shift"):
+            v = r.get(k)
+            row[k] = f"{v:+.3f} ± {r[k + '_ci']:.3f}" if k.endswith(("window", "shift")) and v is not None \
+                else f"{v:.3f} ± {r[k + '_ci']:.3f}" if v is not None and v == v else ""
         rows.append(row)
     return rows
 
 
 WORLD_NOTE = ("Token accuracy vs the truth on the generated frames' cells the truth labels revisited (seen before, "
               "not in the previous frame), revisited beyond the window, new (never seen) and in the previous frame: "
-              "mean over the held-out paths with a 95% Student-t interval (n paths: result.json). FPS: frames per "
+              "mean over the held-out paths with a 95% Student-t interval (n paths: result.json); the paired columns: the "
+              "per-path difference to the window's accuracy on revisits beyond the window (the memory's gain) and to "
+              "the shift baseline's on new cells, mean and 95% interval. FPS: frames per "
               "second of the paths batched, median over the early frames (5-15% of the video) and the last 10%; "
-              "cache: the session state. 'agree' = share of tokens equal to the full-context rollout's. "
-              "Variants run one after another on a shared machine: speed ratios are indicative.")
+              "cache: the state the video holds (KV slots written so far; a bounded cache its budget). 'agree' = "
+              "share of tokens equal to the full-context rollout's. Variants run one after another on a shared machine: speed ratios are indicative.")
 VIDEO_PICTURES = ("plot.png", "video-demo.gif", "strip.png", "replay_heatmap.png", "replay_layers.png", "fastar.png")
 
 SUITES: dict[str, Suite] = {s.name: s for s in [
@@ -455,7 +459,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           "FastCar and shift-by-action against the truth", "world_memory.py",
           {"default": [], "quick": ["--quick"]}, lambda d: ["--out", str(d)],
           [Column("variant", "variant"), Column("revisit", "revisited"), Column("revisit_far", "revisited > window"),
-           Column("new", "new"), Column("previous", "previous"), Column("agree_full", "agree full", "{:.3f}"),
+           Column("new", "new"), Column("previous", "previous"),
+           Column("revisit_far_minus_window", "> window: - window (paired)"),
+           Column("new_minus_shift", "new: - shift (paired)"), Column("agree_full", "agree full", "{:.3f}"),
            Column("fps_early", "FPS early", "{:.2f}"), Column("fps_late", "FPS late", "{:.2f}"),
            Column("cache_mib_early", "cache MiB early", "{:.1f}"), Column("cache_mib_late", "cache MiB late", "{:.1f}"),
            Column("replay", "MLP replay", "{:.1%}")],

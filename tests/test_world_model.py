@@ -241,7 +241,7 @@ def test_world_memory_bench_tiny(tmp_path) -> None:
     assert rows["shift"]["new"] == pytest.approx(np.nanmean(hits))
     assert rows["full"]["agree_full"] == 1.0
     assert rows["window"]["cache_mib_late"] == rows["window"]["cache_mib_early"]
-    assert rows["full"]["cache_mib_late"] >= rows["full"]["cache_mib_early"]
+    assert rows["full"]["cache_mib_late"] > rows["full"]["cache_mib_early"]  # the full cache grows
     for x in rows.values():
         assert all(0.0 <= x[k] <= 1.0 for k in ("previous", "new") if x[k] == x[k])
 

@@ -39,6 +39,20 @@ def world_onnx(weights: Path = WORLD_WEIGHTS, config: Path = WORLD_CONFIG_FILE, 
     return long_onnx(weights, config, progress, name="the world model")
 
 
+def live_cache_mib(session, state) -> float:
+    """MiB of the state the video holds: a KV buffer allocated for the whole video (max_length) counts only the
+    slots written so far, a bounded cache its slots in use, everything else in full."""
+    total = 0.0
+    for spec in session.specs:
+        arr = state.arrays[spec.input]
+        if spec.kind == "kv" and "past" in spec.shape and arr.size:
+            axis = spec.shape.index("past")
+            total += arr.nbytes / arr.shape[axis] * min(arr.shape[axis], state.past_len)
+        else:
+            total += arr.nbytes
+    return total / 2**20
+
+
 def rss_mib() -> float:
     """Resident memory of this process now (VmRSS), MiB."""
     try:
@@ -55,7 +69,7 @@ class Rollout:
     """One batch of generated paths.
 
     tokens [B, T, 64] (frame 0 given); frame_seconds [T] (wall time of each generated frame, the whole batch);
-    cache_mib {frame: the session state's MiB after it}; replay [T, layers] share of replayed MLPs per frame
+    cache_mib {frame: the state's live MiB after it (`live_cache_mib`)}; replay [T, layers] share of replayed MLPs per frame
     (None: no FastCar layers); kv_sums {layer: summed kv_stats} (--kv-diagnostics graphs)."""
 
     tokens: np.ndarray
@@ -111,7 +125,7 @@ def rollout(session, first: np.ndarray, actions: np.ndarray, threshold=None, mea
             nxt = step(np.stack([tokens[:, t, -1], ACTION0 + actions[:, t + 1]], 1))
         seconds[t] = time.perf_counter() - t0
         if t in measure_at:
-            out_cache[t] = state.nbytes() / 2**20
+            out_cache[t] = live_cache_mib(session, state)
             out_rss[t] = rss_mib()
         if on_frame is not None:
             on_frame(t, tokens[:, t])

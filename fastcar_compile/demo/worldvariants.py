@@ -44,7 +44,7 @@ def variants(c: CacheSettings, every: bool) -> dict[str, dict | None]:
     win = {"kv_sinks": c.sinks, "kv_window": c.window_frames * L}
     fastar = {"kv_budget": c.budget, **win}
     out: dict[str, dict | None] = {
-        "full": {}, "window": {"kv_budget": c.sinks + c.window_frames * L + 1, **win, "kv_eviction": "oldest"}}
+        SHIFT: None, "full": {}, "window": {"kv_budget": c.sinks + c.window_frames * L + 1, **win, "kv_eviction": "oldest"}}
     if every:
         out["TempCache"] = {**fastar, "tempcache": SIM}
         out["AnnSA lsh"] = {**fastar, "sparse_attention": LSH}
@@ -53,7 +53,6 @@ def variants(c: CacheSettings, every: bool) -> dict[str, dict | None]:
     out[FASTCAR] = {}
     if every:
         out[f"{FASTCAR}+fastar"] = dict(out["fastar"])
-    out[SHIFT] = None
     return out
 
 
@@ -83,14 +82,16 @@ def run_variants(onnx: Path, tok, paths: list[world.WorldPath], chosen: dict[str
                  window_frames: int, threads: int = 1,
                  report: Callable[[dict], None] | None = None) -> tuple[list[dict], dict[str, np.ndarray]]:
     """Roll `paths` (batched) out through each variant: (a row per variant: accuracy per cell label with its 95%
-    interval, agreement with `full`, FPS early / late, cache MiB early / late, RSS, replay; tokens per variant)."""
+    interval and per path, the paired difference to the window (revisits beyond it) and to the shift baseline
+    (new cells), agreement with `full`, FPS early / late, cache MiB early / late,
+    RSS, replay; tokens per variant)."""
     import fastcar_compile
     from fastcar_compile.runtime.session import FastCarSession
 
     truth, actions = path_tokens(tok, paths)
     B, T = actions.shape
     early, late = frame_windows(T)
-    rows, tokens = [], {}
+    rows, tokens, per_path = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="world-variants-") as tmp:
         for name, opts in chosen.items():
             t0 = time.perf_counter()
@@ -110,8 +111,10 @@ def run_variants(onnx: Path, tok, paths: list[world.WorldPath], chosen: dict[str
                 del s
             tokens[name] = pred
             row: dict = {"variant": name, "options": opts}
-            for k, v in label_accuracy(pred, truth, paths, window_frames).items():
+            per_path[name] = label_accuracy(pred, truth, paths, window_frames)
+            for k, v in per_path[name].items():
                 row[k], row[f"{k}_ci"], row[f"{k}_n"] = mean_ci(v)
+                row[f"{k}_paths"] = [None if x != x else float(x) for x in v]
             row["agree_full"] = float((pred == tokens["full"])[:, 1:].mean()) if "full" in tokens else None
             if fr is not None:
                 sec = fr.frame_seconds
@@ -126,6 +129,11 @@ def run_variants(onnx: Path, tok, paths: list[world.WorldPath], chosen: dict[str
             rows.append(row)
             if report is not None:
                 report(row)
+    for row in rows:  # paired over the same paths
+        for k, ref in (("revisit_far", "window"), ("new", SHIFT)):
+            if ref in per_path and row["variant"] != ref:
+                d = per_path[row["variant"]][k] - per_path[ref][k]
+                row[f"{k}_minus_{ref}"], row[f"{k}_minus_{ref}_ci"], _ = mean_ci(d)
     return rows, tokens
 
 
