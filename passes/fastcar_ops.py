@@ -479,6 +479,47 @@ AnnSAAttention (q, k, v, past_key, past_value, dense, query_codes, key_codes, so
 }}
 """
 
+# Attention over listed cache slots (docs/DESIGN.md): masked dense, for an ONNX Runtime without the native kernel. A
+# position is attended where some entry of its (row, head)'s `slots` names it (-1 entries name none); its logit
+# takes slot_bias (TempCache's log(count)).
+_SLOT_ATTENTION = """
+<domain: "ai.fastcar", opset_import: ["" : {opset}]>
+SlotAttention (q, k, v, past_key, past_value, slots, slot_bias) => (out) {{
+  ax2 = Constant <value = int64[1] {{2}}> ()
+  ax3 = Constant <value = int64[1] {{3}}> ()
+  zero1 = Constant <value = int64[1] {{0}}> ()
+  last = Constant <value = int64[1] {{-1}}> ()
+  end = Constant <value = int64[1] {{9223372036854775807}}> ()
+  zero_s = Constant <value = int64 {{0}}> ()
+  one_s = Constant <value = int64 {{1}}> ()
+  minus_inf = Constant <value = float {{-inf}}> ()
+  S_1 = Shape <start = 2, end = 3> (past_key)
+  S = Squeeze (S_1)
+  pos = Range (zero_s, S, one_s)
+  listed = Unsqueeze (slots, ax3)
+  at_b = Equal (listed, pos)
+  at = Cast <to = 1> (at_b)
+  named = ReduceSum <keepdims = 0> (at, ax2)
+  half = Constant <value = float {{0.5}}> ()
+  keep_hs = Greater (named, half)
+  keep = Unsqueeze (keep_hs, ax2)
+  bias = Unsqueeze (slot_bias, ax2)
+  past_key_t = Transpose <perm = [0, 1, 3, 2]> (past_key)
+  raw = MatMul (q, past_key_t)
+  biased = Add (raw, bias)
+  masked = Where (keep, biased, minus_inf)
+  k_t = Transpose <perm = [0, 1, 3, 2]> (k)
+  self_scores = MatMul (q, k_t)
+  joined = Concat <axis = -1> (masked, self_scores)
+  probs = Softmax <axis = -1> (joined)
+  p_past = Slice (probs, zero1, S_1, last)
+  p_self = Slice (probs, S_1, end, last)
+  ctx_past = MatMul (p_past, past_value)
+  ctx_self = MatMul (p_self, v)
+  out = Add (ctx_past, ctx_self)
+}}
+"""
+
 
 OP_TEXTS = {
     contract.MLP_CACHE_READ: _MLP_CACHE_READ,
@@ -488,6 +529,7 @@ OP_TEXTS = {
     contract.SELECT_ROWS: _SELECT_ROWS,
     contract.MLP_CACHE_MERGE: _MLP_CACHE_MERGE,
     contract.ANNSA_ATTENTION: _ANNSA_ATTENTION,
+    contract.SLOT_ATTENTION: _SLOT_ATTENTION,
 }
 
 

@@ -164,8 +164,11 @@ GROUP_QUERY_ATTENTION = "GroupQueryAttention"
 SELECT_ROWS, MLP_CACHE_MERGE = "SelectRows", "MLPCacheMerge"
 # AnnSA over a DiT's frame cache, each query scoring only its buckets' slots (passes/dit_annsa.py; body: masked dense)
 ANNSA_ATTENTION = "AnnSAAttention"
+# Attention over listed cache slots with a per-slot bias (TempCache's resident slots and log(count)): the work follows
+# the slots listed, not the buffer's size (runtime/native/slot_attention.h; body: masked dense)
+SLOT_ATTENTION = "SlotAttention"
 OP_NAMES = (TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION, GROUP_QUERY_ATTENTION,
-            SELECT_ROWS, MLP_CACHE_MERGE, ANNSA_ATTENTION)
+            SELECT_ROWS, MLP_CACHE_MERGE, ANNSA_ATTENTION, SLOT_ATTENTION)
 
 # TemporalGate's inputs and outputs in order; a form uses the first four outputs (seven when packed, eight when it
 # selects rows) and the inputs it names (the rest are left empty).
@@ -254,6 +257,7 @@ OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     SELECT_ROWS: (),
     MLP_CACHE_MERGE: ("age_offset",),
     ANNSA_ATTENTION: (),
+    SLOT_ATTENTION: (),
 }
 
 # --- TAS variants and node tags -------------------------------------------------------------------------------

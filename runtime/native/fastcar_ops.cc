@@ -13,6 +13,7 @@
 
 #include "compressed_attention.h"
 #include "annsa_attention.h"
+#include "slot_attention.h"
 #include "group_query_attention.h"
 #include "row_ops.h"
 #include "thread_scratch.h"
@@ -748,6 +749,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MLPCacheMerge>("MLPCacheMerge", "CPUExecutionProvider"));
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp("AnnSAAttention", "CPUExecutionProvider",
                                                          fastcar_annsa::AnnSAAttention));
+      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp("SlotAttention", "CPUExecutionProvider",
+                                                         fastcar_slots::SlotAttention));
       for (auto& op : g_ops) g_domain->Add(op.get());
       g_gates.push_back(std::make_unique<GateOp>(&kGate));
       for (const GateSignature& legacy : kLegacyGates) g_gates.push_back(std::make_unique<GateOp>(&legacy));
