@@ -14,8 +14,9 @@ import numpy as np
 import onnx_ir as ir
 
 from fastcar_compile.core import contract, options
-from fastcar_compile.core.contract import AnnSARecord, BucketRecord, DiTModes
+from fastcar_compile.core.contract import AnnSARecord, BucketRecord, DiTConfig, DiTModes
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.passes import dit_cost
 from fastcar_compile.passes.context import DiTContext
 from fastcar_compile.passes.dit_discover import DiTBlockMatch
 from fastcar_compile.passes.plan import BlockPlan, KvPlan, Plan
@@ -100,7 +101,7 @@ def _refuse_foreign(opts: dict) -> None:
 
 def _refuse_unused_settings(opts: dict, modes: DiTModes) -> None:
     """A bucket or AnnSA setting that no mode compiled in reads would change nothing: refused."""
-    annsa_only = ("annsa_local", "native_attention")  # on a DiT, native_attention picks --annsa's form only
+    annsa_only = ("annsa_local", "annsa_always", "native_attention")  # native_attention: on a DiT, --annsa's form
     for name in (*annsa_only, *BUCKET_SETTINGS):
         used = modes.annsa is not None or (name not in annsa_only and (
             modes.annca is not None or modes.tempcache_buckets is not None))
@@ -154,6 +155,7 @@ class DiTBlockPlan(BlockPlan):
     ffn: str = ""
     modulation: str = ""
     annsa: AnnSARecord | None = None
+    annsa_cost: str = ""  # with --annsa: the cost model's verdict (passes/dit_cost.py), also when kept dense
     tempcache: float | None = None
     tempcache_match: str | None = None
     annca: BucketRecord | None = None
@@ -166,6 +168,8 @@ class DiTBlockPlan(BlockPlan):
         op = IN_PLACE_OP if a is None else (
             f"{ANNSA_NATIVE_OP if a.annsa_kernel == contract.ANNSA_NATIVE else ANNSA_GRAPH_OP}; {a.kind} buckets x "
             f"{a.ann_tables} tables, {a.annsa_local} local frames")
+        if self.annsa_cost:
+            op = f"{op}; AnnSA {self.annsa_cost}"
         cross = self.cross_attention if self.annca is None else (
             f"{self.cross_attention}; AnnCA ({self.annca.kind} buckets x {self.annca.ann_tables} tables): {ANNCA_OP}")
         kv = KvPlan(IN_PLACE_KV if self.tempcache is None else
@@ -178,8 +182,24 @@ class DiTBlockPlan(BlockPlan):
                 ("modulation", self.modulation), ("kv", kv), ("replay", replay)]
 
 
-def plan(matches: list[DiTBlockMatch], modes: DiTModes, rewrite: bool = True) -> Plan:
-    """Every block's plan: what discovery found and, for a matched block, the modes compiled into it."""
+def annsa_decision(cfg: DiTConfig, annsa: AnnSARecord | None, always: bool) -> tuple[AnnSARecord | None, str]:
+    """AnnSA as a block compiles it (None: the dense in-place attention) and the verdict to show: the cost model's
+    prediction (passes/dit_cost.py) keeps a block dense where AnnSA would not pay, unless `always`."""
+    if annsa is None:
+        return None, ""
+    cost = dit_cost.predict(cfg, annsa)
+    if cost.pays:
+        return annsa, f"compiled: {cost}"
+    if always:
+        return annsa, f"compiled (--annsa-always) though it does not pay: {cost}"
+    return None, f"kept dense: {cost}, not below 1 (--annsa-always compiles it anyway)"
+
+
+def plan(matches: list[DiTBlockMatch], modes: DiTModes, rewrite: bool = True, cfg: DiTConfig | None = None,
+         annsa_always: bool = False) -> Plan:
+    """Every block's plan: what discovery found and, for a matched block, the modes compiled into it (AnnSA where
+    the cost model says it pays on `cfg`'s shapes, or `annsa_always`)."""
+    annsa, verdict = annsa_decision(cfg, modes.annsa, annsa_always) if cfg is not None else (modes.annsa, "")
     blocks: list[BlockPlan] = []
     for m in matches:
         if not m.ok:
@@ -190,8 +210,8 @@ def plan(matches: list[DiTBlockMatch], modes: DiTModes, rewrite: bool = True) ->
             m.layer, True, rewrite,
             self_attention=f"Concat(past.{m.layer}.*, chunk) -> MatMul -> Softmax -> MatMul, heads {a.heads}x{a.head_dim}",
             rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross, ffn=m.ffn, modulation=m.modulation,
-            annsa=modes.annsa, tempcache=modes.tempcache, tempcache_match=modes.tempcache_match, annca=modes.annca,
-            replay_tau=modes.threshold))
+            annsa=annsa, annsa_cost=verdict, tempcache=modes.tempcache, tempcache_match=modes.tempcache_match,
+            annca=modes.annca, replay_tau=modes.threshold))
     return Plan(tuple(blocks))
 
 
@@ -222,5 +242,10 @@ class DiTPlanPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         refuse_unmatched(self.ctx.matches)
-        self.ctx.plan = plan(self.ctx.matches, self.ctx.modes)
+        ctx = self.ctx
+        ctx.plan = plan(ctx.matches, ctx.modes, cfg=ctx.cfg, annsa_always=bool(ctx.options.get("annsa_always")))
+        blocks = [b for b in ctx.plan.blocks if isinstance(b, DiTBlockPlan) and b.matched]
+        if ctx.modes.annsa is not None and all(b.annsa is None for b in blocks):  # the metadata names what is built
+            ctx.modes = dataclasses.replace(ctx.modes, annsa=None)
+            ctx.notes.append(f"--annsa: every block {blocks[0].annsa_cost}")
         return ir.passes.PassResult(model, modified=False)
