@@ -108,6 +108,10 @@ def _dit_stream_rows(raw: dict) -> list[dict]:
     return rows
 
 
+def _attention_rows(raw: dict) -> list[dict]:
+    return [{**r, "label": f"{r['shape']} C={r['context_frames']}: {r['variant']}"} for r in raw["rows"]]
+
+
 def _fpga_rows(raw: list) -> list[dict]:
     return [{**r, "label": r["config"]} for r in raw]
 
@@ -296,6 +300,28 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
            "at recall >= 90%, AnnSA density <= 28% at recall >= 92%, >= 5x vs the full-context dense rollout late "
            "with FPS flat (late >= 0.9x early) and memory flat (the mode's cache late <= 1.1x early), PSNR vs "
            "dense >= 24 dB; docs/dit.md discusses each miss."], artifacts=("frames.png",)),
+    Suite("attention", "One attention layer at real shapes: the fastest dense attention against AnnSA and TempCache "
+          "at their density", "bench_attention.py",
+          {"quick": ["--shapes", "dit", "--contexts", "16,64", "--rounds", "3"],
+           "default": ["--shapes", "dit,wan", "--contexts", "dit:16,64,200;wan:16,64", "--rounds", "5"],
+           "full": ["--shapes", "dit,wan", "--contexts", "dit:16,64,128,200;wan:16,64,128", "--rounds", "5"]},
+          lambda d: ["--out", str(d / "attention.json")],
+          [Column("shape", "shape"), Column("context_frames", "context (frames)"), Column("variant", "attention"),
+           Column("density", "density", "{:.1%}"), Column("recall", "recall", "{:.1%}"),
+           Column("ms", "ms", "{:.2f}"), Column("ms_dense", "fastest dense ms", "{:.2f}"),
+           Column("speedup", "x fastest dense", "{:.2f}"), Column("bound", "bound 1/d", "{:.2f}"),
+           Column("pair_cost", "time per pair / dense", "{:.2f}"),
+           Column("speedup_with_index", "x dense with index", "{:.2f}"), Column("resident", "resident keys", "{:.1%}")],
+          _attention_rows, ("label", ["speedup", "bound"], "x the fastest dense attention"),
+          ["A chunk's queries over C cached frames (every frame kept) and the chunk itself, one layer; keys and queries "
+           "from the causal DiT trained here (training/dit_model: its rollout's own q/k/v), tiled to Wan2.1-1.3B's "
+           "shape for `wan`. Times are thread CPU time, 1 thread, lower quartile of interleaved rounds (the machine "
+           "is shared: wall times are in result.json). Dense: PyTorch SDPA, ONNX Runtime's MultiHeadAttention and "
+           "Attention-23, and the compiled step graph's in-place form; 'fastest dense' is the fastest of them. "
+           "AnnSA: sinks + 1 local frame + the chunk dense, ai.fastcar AnnSAAttention; TempCache: the stream "
+           "runtime's aligned merge over the C frames, ai.fastcar SlotAttention over the resident slots. "
+           "time per pair / dense = ms / (fastest dense ms x density); bound 1/d = the speed-up at dense cost per "
+           "pair; with index: + the query codes per step and a fifth of the per-chunk index (5 steps per chunk)."]),
     Suite("fpga", "FPGA simulator: DRS schedule and KV-bounded modes on a VILA-U-7B-shaped decoder (U280)",
           "fpga_table2.py", {"default": [], "quick": ["--frames", "4"]}, lambda d: ["--out-dir", str(d)],
           [Column("config", "configuration"), Column("replay", "replay", "{:.0%}"),
