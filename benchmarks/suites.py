@@ -302,9 +302,11 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
            "dense >= 24 dB; docs/dit.md discusses each miss."], artifacts=("frames.png",)),
     Suite("attention", "One attention layer at real shapes: the fastest dense attention against AnnSA and TempCache "
           "at their density", "bench_attention.py",
-          {"quick": ["--shapes", "dit", "--contexts", "16,64", "--rounds", "3"],
-           "default": ["--shapes", "dit,wan", "--contexts", "dit:16,64,200;wan:16,64", "--rounds", "5"],
-           "full": ["--shapes", "dit,wan", "--contexts", "dit:16,64,128,200;wan:16,64,128", "--rounds", "5"]},
+          {"quick": ["--shapes", "dit,token", "--contexts", "16,64", "--rounds", "3"],
+           "default": ["--shapes", "dit,token,wan", "--contexts", "dit:16,64,200;token:16,64,200;wan:16,64",
+                       "--rounds", "5"],
+           "full": ["--shapes", "dit,token,wan", "--contexts", "dit:16,64,128,200;token:16,64,128,200;wan:16,64,128",
+                    "--rounds", "5"]},
           lambda d: ["--out", str(d / "attention.json")],
           [Column("shape", "shape"), Column("context_frames", "context (frames)"), Column("variant", "attention"),
            Column("density", "density", "{:.1%}"), Column("recall", "recall", "{:.1%}"),
@@ -313,9 +315,11 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
            Column("pair_cost", "time per pair / dense", "{:.2f}"),
            Column("speedup_with_index", "x dense with index", "{:.2f}"), Column("resident", "resident keys", "{:.1%}")],
           _attention_rows, ("label", ["speedup", "bound"], "x the fastest dense attention"),
-          ["A chunk's queries over C cached frames (every frame kept) and the chunk itself, one layer; keys and queries "
-           "from the causal DiT trained here (training/dit_model: its rollout's own q/k/v), tiled to Wan2.1-1.3B's "
-           "shape for `wan`. Times are thread CPU time, 1 thread, lower quartile of interleaved rounds (the machine "
+          ["`dit` / `wan`: a chunk's queries over C cached frames (every frame kept) and the chunk itself, one layer; "
+           "keys and queries from the causal DiT trained here (training/dit_model: its rollout's own q/k/v), tiled to "
+           "Wan2.1-1.3B's shape for `wan`. `token`: one decode step of the token world model's shape (4 heads x 64, "
+           "65-token frames) over C frames, the bundled long-video decoder's q/k/v tiled, through CompressedAttention "
+           "as a compiled decoder runs it (AnnSA keeps the first and the last frame). Times are thread CPU time, 1 thread, lower quartile of interleaved rounds (the machine "
            "is shared: wall times are in result.json). Dense: PyTorch SDPA, ONNX Runtime's MultiHeadAttention and "
            "Attention-23, and the compiled step graph's in-place form; 'fastest dense' is the fastest of them. "
            "AnnSA: sinks + 1 local frame + the chunk dense, ai.fastcar AnnSAAttention; TempCache: the stream "

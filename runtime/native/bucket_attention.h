@@ -17,9 +17,11 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -115,11 +117,11 @@ inline Scratch& ThreadScratch() {  // outside the cloned function: one per threa
   return s;
 }
 
-// A query group's lanes (R = W V rows) in one float buffer, 64-byte aligned: qT [D][V], acc [D][V], m [V], l [V]
+// A query group's lanes (R = W V rows) in one float buffer, 64-byte aligned (vector loads assume it): qT [D][V], acc [D][V], m [V], l [V]
 // (F vectors), then the rows' ids in the tables before this one [table][V] (I vectors).
 template <int W, int V>
-constexpr int64_t GroupFloats(int64_t D, int table) {
-  return (2 * D * V + 2 * V + table * V) * W;
+constexpr int64_t GroupFloats(int64_t D, int table) {  // rounded up to 16 floats: every group 64-byte aligned
+  return ((2 * D * V + 2 * V + table * V) * W + 15) / 16 * 16;
 }
 
 // Rows `rows[0..nr)` (query indices, nr <= W V) into the lanes of `g`: queries, their state, their earlier ids.
@@ -166,7 +168,7 @@ FB_INLINE void Store(const int32_t* rows, int64_t nr, int64_t D, const State& st
 // `table` tables before this one for the dedup.
 template <int W, int V, int KJ, int DC>
 FB_INLINE void Pass(float* g, int64_t D, int64_t T, const KeySet& ks, int64_t j_begin, int64_t j_end, int table,
-                    float* scf) {
+                    float* scf, bool prefetch) {
   typedef typename Lanes<W>::f F;
   typedef typename Lanes<W>::i I;
   F* qT = reinterpret_cast<F*>(g);
@@ -184,6 +186,12 @@ FB_INLINE void Pass(float* g, int64_t D, int64_t T, const KeySet& ks, int64_t j_
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kTile) {
     const int64_t nb = std::min(kTile, j_end - j0);
     const float* const* kp = ks.k + j0;
+    if (prefetch)  // the next tile's rows: a bucket's keys are scattered over the cache (latency, not bandwidth)
+      for (int64_t j = j0 + kTile; j < std::min(j_end, j0 + 2 * kTile); ++j)
+        for (int64_t x = 0; x < D; x += 16) {
+          __builtin_prefetch(ks.k[j] + x);
+          __builtin_prefetch(ks.v[j] + x);
+        }
     // scores: KJ keys at a time, each key element broadcast once into every lane
     int64_t j = 0;
     for (; j + KJ <= nb; j += KJ) {
@@ -307,8 +315,9 @@ FB_INLINE void StoreL(const int32_t* rows, int64_t nr, int64_t D, const State& s
   Store<LaneOf<L>::W, LaneOf<L>::V>(rows, nr, D, st, g);
 }
 template <Lane L>
-FB_INLINE void PassL(float* g, int64_t D, int64_t T, const KeySet& ks, int64_t j0, int64_t j1, int table, float* sc) {
-  Pass<LaneOf<L>::W, LaneOf<L>::V, LaneOf<L>::KJ, LaneOf<L>::DC>(g, D, T, ks, j0, j1, table, sc);
+FB_INLINE void PassL(float* g, int64_t D, int64_t T, const KeySet& ks, int64_t j0, int64_t j1, int table, float* sc,
+                     bool prefetch) {
+  Pass<LaneOf<L>::W, LaneOf<L>::V, LaneOf<L>::KJ, LaneOf<L>::DC>(g, D, T, ks, j0, j1, table, sc, prefetch);
 }
 
 #define FB_BY_LANE(lane, CALL)                     \
@@ -363,7 +372,7 @@ static void Block(const Query& qs, const int32_t* rows, int64_t nrows, const Key
   for (int64_t j0 = 0; j0 < ks.n; j0 += chunk) {
     const int64_t j1 = std::min(ks.n, j0 + chunk);
     for (const GroupPlan& g : groups) {
-#define FB_PASS(L) PassL<L>(base + g.offset, D, qs.T, ks, j0, j1, table, sc)
+#define FB_PASS(L) PassL<L>(base + g.offset, D, qs.T, ks, j0, j1, table, sc, &g == &groups[0])
       FB_BY_LANE(g.lane, FB_PASS)
 #undef FB_PASS
     }
@@ -477,6 +486,67 @@ inline void RunItem(const AnnSAItem& t) {
     const float inv = b.l[i] > 0.0f ? 1.0f / b.l[i] : 0.0f;
     for (int64_t d = 0; d < D; ++d) o[d] = b.acc[i * D + d] * inv;
   }
+}
+
+// AnnSA over G groups of a slot cache whose slots are described by masks (the eager DiT runtime's layout,
+// dit/sparse.py, through the C entry point FastcarAnnSAGroups): per group g, the slots with dense[g, p] are dense,
+// the other slots with a bucket id (key_codes >= 0) bucketed, and slots whose bias is -inf (no slot there) left out
+// of both; each table's bucketed slots are sorted by id here (the ONNX Runtime op gets them from the stream
+// runtime's index). Groups run on `threads` threads.
+struct Groups {
+  const float *q, *k, *v, *pk, *pv, *bias;  // [G,Q,D] x3 (q scaled), [G,S,D] x2, [G,S]
+  const uint8_t* dense;                     // [G,S]
+  const int64_t *qc, *kc;                   // [G,Q,T], [G,S,T]
+  float* out;                               // [G,Q,D]
+  int64_t G, Q, D, S, T;
+};
+
+inline void RunGroup(const Groups& t, int64_t g) {
+  static thread_local std::vector<int64_t> listed, bucketed, sorted_codes, sorted_slots;
+  static thread_local std::vector<std::pair<int64_t, int64_t>> order;
+  const int64_t Q = t.Q, D = t.D, S = t.S, T = t.T;
+  const float* b = t.bias + g * S;
+  const uint8_t* d = t.dense + g * S;
+  const int64_t* kc = t.kc + g * S * T;
+  listed.clear();
+  bucketed.clear();
+  for (int64_t p = 0; p < S; ++p) {
+    if (!(b[p] > kNeg)) continue;  // -inf (or below kNeg): no slot
+    if (d[p]) listed.push_back(p);
+    else if (T > 0 && kc[p * T] >= 0) bucketed.push_back(p);
+  }
+  const int64_t N = static_cast<int64_t>(bucketed.size());
+  sorted_codes.resize(static_cast<size_t>(T * N));
+  sorted_slots.resize(sorted_codes.size());
+  for (int64_t tb = 0; tb < T; ++tb) {
+    order.clear();
+    for (const int64_t p : bucketed) order.emplace_back(kc[p * T + tb], p);
+    std::sort(order.begin(), order.end());
+    for (int64_t j = 0; j < N; ++j) {
+      sorted_codes[tb * N + j] = order[j].first;
+      sorted_slots[tb * N + j] = order[j].second;
+    }
+  }
+  const AnnSAItem it{t.q + g * Q * D, t.k + g * Q * D, t.v + g * Q * D, t.pk + g * S * D, t.pv + g * S * D, b,
+                     listed.data(), t.qc + g * Q * T, kc, sorted_codes.data(), sorted_slots.data(), t.out + g * Q * D,
+                     Q, D, S, T, N, static_cast<int64_t>(listed.size())};
+  RunItem(it);
+}
+
+inline void RunGroups(const Groups& t, int64_t threads) {
+  threads = std::max<int64_t>(1, std::min(threads, t.G));
+  if (threads == 1) {
+    for (int64_t g = 0; g < t.G; ++g) RunGroup(t, g);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t g = next++; g < t.G; g = next++) RunGroup(t, g);
+  };
+  std::vector<std::thread> pool;
+  for (int64_t i = 1; i < threads; ++i) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
 }
 
 }  // namespace fastcar_bucket
