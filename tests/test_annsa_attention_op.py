@@ -99,12 +99,12 @@ def _brute_vectorised(f: dict[str, np.ndarray]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("seed,Q,D,T,codes", [(10, 70, 20, 3, 3), (11, 9, 37, 2, 5), (12, 133, 64, 1, 2),
-                                              (13, 40, 8, 4, 8)])
+                                              (13, 40, 8, 4, 8), (14, 37, 31, 2, 3)])
 def test_annsa_attention_blocks_at_kernel_sizes(seed: int, Q: int, D: int, T: int, codes: int):
     """Sizes that exercise the kernel's blocking: query groups of 32, 16 and 8 lanes and their tails, thousands of
     keys (several key tiles and L2 chunks per block), head sizes off the register blocking, skewed buckets (a few
-    ids, so each bucket holds hundreds of slots and dozens of queries) and up to 4 tables (pairs met in an earlier
-    table masked)."""
+    ids, so each bucket holds hundreds of slots and dozens of queries), up to 4 tables (pairs met in an earlier
+    table masked), and group buffers of odd sizes (Q 37, D 31: an 8-lane tail after 16-lane groups)."""
     f = _case(seed, B=1, H=2, Q=Q, D=D, S=3000, T=T, codes=codes)
     np.testing.assert_allclose(_session(True).run(None, f)[0], _brute_vectorised(f), rtol=1e-4, atol=1e-5)
 
