@@ -286,8 +286,97 @@ FB_INLINE void Pass(float* g, int64_t D, int64_t T, const KeySet& ks, int64_t j_
   }
 }
 
-// The lane configurations: (W lanes, V vectors per row group); Pass's register blocking follows from them.
-enum class Lane { k16x2, k16x1, k8x2, k8x1 };
+constexpr int64_t kRowQueries = 8;  // a group of at most this many queries runs in the row form (PassRows)
+
+typedef float Row16 __attribute__((vector_size(64), aligned(4)));  // 16 floats of a row, any alignment
+typedef int32_t RowIdx __attribute__((vector_size(64)));
+
+FB_INLINE float HSum(Row16 v) {  // the 16 lanes' sum: 4 shuffle + add steps
+  v += __builtin_shuffle(v, RowIdx{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, RowIdx{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, RowIdx{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, RowIdx{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+FB_INLINE float RowDot(const float* a, const float* b, int64_t D) {
+  Row16 acc = {};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) acc += *reinterpret_cast<const Row16*>(a + d) * *reinterpret_cast<const Row16*>(b + d);
+  float s = HSum(acc);
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+FB_INLINE void RowAxpy(float* y, float a, const float* x, int64_t D) {  // y += a x
+  int64_t d = 0;
+  const Row16 av = Row16{} + a;
+  for (; d + 16 <= D; d += 16)
+    *reinterpret_cast<Row16*>(y + d) += av * *reinterpret_cast<const Row16*>(x + d);
+  for (; d < D; ++d) y[d] += a * x[d];
+}
+
+// A small group (nr <= kRowQueries rows) against keys [j_begin, j_end), in the row form: each pair one dot product
+// along the head (D / 16 vector FMAs and a reduction) and one p v update of the query's state row, the key's and
+// value's rows read once for all nr queries. Vector lanes across queries (Pass) would run mostly empty here (a
+// small bucket: the trained DiT's int8 buckets hold ~3 queries), costing a full group's arithmetic per key.
+FB_INLINE void PassRows(const Query& qs, const int32_t* rows, int64_t nr, const KeySet& ks, int64_t j_begin,
+                        int64_t j_end, int table, const State& st, float* sc) {
+  typedef typename Lanes<16>::f F;
+  const int64_t D = qs.D;
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kTile) {
+    const int64_t nb = std::min(kTile, j_end - j0);
+    const int64_t nv = (nb + 15) / 16;  // the tile's scores as 16-lane vectors per row (padding lanes: kNeg)
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t x = nb; x < nv * 16; ++x) sc[r * kTile + x] = kNeg;
+    for (int64_t jj = 0; jj < nb; ++jj) {
+      const float* kr = ks.k[j0 + jj];
+      const float bias = ks.bias != nullptr ? ks.bias[j0 + jj] : 0.0f;
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t i = rows[r];
+        float s = bias <= kMasked ? kNeg : RowDot(qs.q + i * D, kr, D) + bias;
+        for (int u = 0; u < table; ++u)  // met in table u < this one: counted there
+          if (qs.codes[i * qs.T + u] == ks.codes[(j0 + jj) * qs.T + u]) s = kNeg;
+        sc[r * kTile + jj] = s;
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t i = rows[r];
+      float* sr = sc + r * kTile;
+      float mnew = st.m[i];
+      for (int64_t jj = 0; jj < nb; ++jj) mnew = std::max(mnew, sr[jj]);
+      const F mv = Splat<16>(mnew);
+      F sum = F{};
+      for (int64_t v = 0; v < nv; ++v) {
+        F x;
+        std::memcpy(&x, sr + v * 16, sizeof(F));
+        F p = ExpV<16>(x - mv);
+        p = x > Splat<16>(kMasked) ? p : F{};  // absent keys (and the padding lanes) weigh exactly 0
+        std::memcpy(sr + v * 16, &p, sizeof(F));
+        sum += p;
+      }
+      float total = 0.0f;
+      for (int x = 0; x < 16; ++x) total += sum[x];
+      const float alpha = ExpV<16>(Splat<16>(st.m[i] - mnew))[0];
+      st.l[i] = st.l[i] * alpha + total;
+      st.m[i] = mnew;
+      float* acc = st.acc + i * D;
+      if (alpha != 1.0f)
+        for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+    }
+    for (int64_t jj = 0; jj < nb; ++jj) {
+      const float* vr = ks.v[j0 + jj];
+      for (int64_t r = 0; r < nr; ++r) {
+        const float pj = sc[r * kTile + jj];
+        if (pj != 0.0f) RowAxpy(st.acc + rows[r] * D, pj, vr, D);
+      }
+    }
+  }
+}
+
+// The lane configurations: (W lanes, V vectors per row group); Pass's register blocking follows from them. kRows:
+// the row form (PassRows), for groups of at most kRowQueries rows.
+enum class Lane { k16x2, k16x1, k8x2, k8x1, kRows };
 
 struct GroupPlan {
   int64_t r0, nr;
@@ -325,7 +414,8 @@ FB_INLINE void PassL(float* g, int64_t D, int64_t T, const KeySet& ks, int64_t j
     case Lane::k16x2: CALL(Lane::k16x2); break;     \
     case Lane::k16x1: CALL(Lane::k16x1); break;     \
     case Lane::k8x2: CALL(Lane::k8x2); break;       \
-    default: CALL(Lane::k8x1); break;               \
+    case Lane::k8x1: CALL(Lane::k8x1); break;       \
+    default: break;                                 \
   }
 
 // One block: every row of `rows` against every key of `ks`. The rows go into query groups sized to the rows left
@@ -354,6 +444,8 @@ static void Block(const Query& qs, const int32_t* rows, int64_t nrows, const Key
       g.nr = std::min<int64_t>(16, left);
       g.lane = Lane::k8x2;
       floats += GroupFloats<8, 2>(D, table);
+    } else if (left <= kRowQueries) {
+      g.lane = Lane::kRows;  // its state stays in st's rows: no lanes to load
     } else {
       floats += GroupFloats<8, 1>(D, table);
     }
@@ -361,7 +453,7 @@ static void Block(const Query& qs, const int32_t* rows, int64_t nrows, const Key
     r0 += g.nr;
   }
   Scratch& scratch = ThreadScratch();
-  float* base = scratch.Get(floats + kTile * 32);
+  float* base = scratch.Get(floats + kTile * std::max<int64_t>(32, kRowQueries));
   float* sc = base + floats;
   for (const GroupPlan& g : groups) {
 #define FB_LOAD(L) LoadL<L>(qs, rows + g.r0, g.nr, table, st, base + g.offset)
@@ -372,6 +464,10 @@ static void Block(const Query& qs, const int32_t* rows, int64_t nrows, const Key
   for (int64_t j0 = 0; j0 < ks.n; j0 += chunk) {
     const int64_t j1 = std::min(ks.n, j0 + chunk);
     for (const GroupPlan& g : groups) {
+      if (g.lane == Lane::kRows) {
+        PassRows(qs, rows + g.r0, g.nr, ks, j0, j1, table, st, sc);
+        continue;
+      }
 #define FB_PASS(L) PassL<L>(base + g.offset, D, qs.T, ks, j0, j1, table, sc, &g == &groups[0])
       FB_BY_LANE(g.lane, FB_PASS)
 #undef FB_PASS
@@ -475,6 +571,13 @@ inline void RunItem(const AnnSAItem& t) {
         for (int64_t j = kj; j < ke; ++j) b.bias[j - kj] = std::max(t.pbias[slots[j]], kNeg);
         ks.bias = b.bias.data();
       }
+      // the next bucket's first rows, fetched while this block runs: a small bucket's block is over before its
+      // scattered rows would stream in on their own (the trained DiT's int8 buckets: 3 queries, ~50 slots each)
+      for (int64_t j = ke; j < std::min(N, ke + kTile); ++j)
+        for (int64_t x = 0; x < D; x += 16) {
+          __builtin_prefetch(t.pk + slots[j] * D + x);
+          __builtin_prefetch(t.pv + slots[j] * D + x);
+        }
       Block(qs, b.rows.data() + qi, qe - qi, ks, static_cast<int>(tb), st);
       qi = qe;
       kj = ke;
