@@ -29,6 +29,8 @@ ANNSA_GRAPH_OP = ("AnnSA: dense over sinks + local frames (Gather), bucket block
                   "batched MatMul), one softmax")
 ANNSA_NATIVE_OP = ("AnnSA: ai.fastcar AnnSAAttention (each query scores its buckets' slots, the dense slots and the "
                    "chunk)")
+TEMPCACHE_SLOTS_OP = ("ai.fastcar SlotAttention over the resident slots the runtime lists (tempcache_slots.N) with "
+                      "log(count) (past_bias.N): merged-away positions cost nothing")
 IN_PLACE_KV = "dense, read in place (the runtime's buffers: sink frames + a ring of window frames)"
 REPLAY_OP = "TAS (scaled query . key one frame back, mean over heads) > tau -> FFN on the other rows only " \
     "(NonZero/Gather/ScatterND), replayed rows chained frame by frame"
@@ -61,14 +63,19 @@ def annca_mode(opts: dict) -> BucketRecord | None:
     return bucket_record(opts.get("annsa") or "lsh", opts) if opts.get("annca") else None
 
 
-def annsa_kernel(opts: dict) -> str:
-    """AnnSA's compiled form: the native op where `--native-attention` is on (default) and the native library
-    builds here, else the ONNX-op graph."""
+def native_forms(opts: dict) -> bool:
+    """Whether the DiT modes compile to their native ops: `--native-attention` on (default) and the native library
+    builds here (else their ONNX-op forms)."""
     if not _given(opts, "native_attention"):
-        return contract.ANNSA_GRAPH
+        return False
     from fastcar_compile.runtime.native import library_path
 
-    return contract.ANNSA_NATIVE if library_path() is not None else contract.ANNSA_GRAPH
+    return library_path() is not None
+
+
+def annsa_kernel(opts: dict) -> str:
+    """AnnSA's compiled form: the native op (native_forms), else the ONNX-op graph."""
+    return contract.ANNSA_NATIVE if native_forms(opts) else contract.ANNSA_GRAPH
 
 
 def annsa_mode(opts: dict) -> AnnSARecord | None:
@@ -101,7 +108,11 @@ def _refuse_foreign(opts: dict) -> None:
 
 def _refuse_unused_settings(opts: dict, modes: DiTModes) -> None:
     """A bucket or AnnSA setting that no mode compiled in reads would change nothing: refused."""
-    annsa_only = ("annsa_local", "annsa_always", "native_attention")  # native_attention: on a DiT, --annsa's form
+    annsa_only = ("annsa_local", "annsa_always")
+    if "native_attention" in opts and opts["native_attention"] != options.BY_NAME["native_attention"].default and \
+            modes.annsa is None and modes.tempcache is None:  # on a DiT it picks AnnSA's and TempCache's forms
+        raise FastCarError("--native-attention picks the compiled form of --annsa / --tempcache: give one of them "
+                           "with it, or leave --native-attention out")
     for name in (*annsa_only, *BUCKET_SETTINGS):
         used = modes.annsa is not None or (name not in annsa_only and (
             modes.annca is not None or modes.tempcache_buckets is not None))
@@ -125,6 +136,8 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], DiTModes]:
         raise FastCarError(f"--tempcache-match {match} needs --tempcache SIM (the cosine above which keys merge)")
     modes = DiTModes(tempcache=None if sim is None else float(sim), tempcache_match=None if sim is None else match,
                      tempcache_buckets=None if sim is None or match == "aligned" else bucket_record(match, opts),
+                     tempcache_kernel=None if sim is None else (contract.TEMPCACHE_SLOTS if native_forms(opts) else
+                                                                contract.TEMPCACHE_MASKED),
                      annca=annca_mode(opts), annsa=annsa_mode(opts))
     if modes.annsa is not None and sim is not None:
         raise FastCarError(f"--annsa with --tempcache: {ANNSA_FEATURE} over merged slots is not compiled yet; "
@@ -158,6 +171,7 @@ class DiTBlockPlan(BlockPlan):
     annsa_cost: str = ""  # with --annsa: the cost model's verdict (passes/dit_cost.py), also when kept dense
     tempcache: float | None = None
     tempcache_match: str | None = None
+    tempcache_kernel: str | None = None
     annca: BucketRecord | None = None
     replay_tau: float | None = None
 
@@ -174,7 +188,10 @@ class DiTBlockPlan(BlockPlan):
             f"{self.cross_attention}; AnnCA ({self.annca.kind} buckets x {self.annca.ann_tables} tables): {ANNCA_OP}")
         kv = KvPlan(IN_PLACE_KV if self.tempcache is None else
                     f"{IN_PLACE_KV}; TempCache {self.tempcache_match} at SIM {self.tempcache:g} (the runtime merges on "
-                    "write, the graph adds log(count) per slot: past_bias.N)")
+                    "write; " + (TEMPCACHE_SLOTS_OP if self.tempcache_kernel == contract.TEMPCACHE_SLOTS else
+                                 "the graph adds log(count) per slot: past_bias.N") + ")")
+        if self.tempcache is not None and self.tempcache_kernel == contract.TEMPCACHE_SLOTS and a is None:
+            op = TEMPCACHE_SLOTS_OP
         replay = "none (--threshold TAU replays FFN rows)" if self.replay_tau is None else \
             f"tau {self.replay_tau:g}: {REPLAY_OP}"
         return [("self attention", self.self_attention), ("attention op", op), ("rotary", self.rotary),
@@ -211,7 +228,7 @@ def plan(matches: list[DiTBlockMatch], modes: DiTModes, rewrite: bool = True, cf
             self_attention=f"Concat(past.{m.layer}.*, chunk) -> MatMul -> Softmax -> MatMul, heads {a.heads}x{a.head_dim}",
             rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross, ffn=m.ffn, modulation=m.modulation,
             annsa=annsa, annsa_cost=verdict, tempcache=modes.tempcache, tempcache_match=modes.tempcache_match,
-            annca=modes.annca, replay_tau=modes.threshold))
+            tempcache_kernel=modes.tempcache_kernel, annca=modes.annca, replay_tau=modes.threshold))
     return Plan(tuple(blocks))
 
 

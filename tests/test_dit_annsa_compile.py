@@ -217,7 +217,7 @@ def test_native_form_is_one_op_per_block_with_its_function_body(dit_tiny_export,
 @pytest.mark.parametrize("args, msg", [
     (["--lsh-bits", "6"], "--lsh-bits is a setting of --annsa / --annca / --tempcache-match lsh|quant: give one"),
     (["--annca", "--annsa-local", "2"], "--annsa-local is a setting of --annsa: give one of them"),
-    (["--native-attention", "off"], "--native-attention is a setting of --annsa: give one of them"),
+    (["--native-attention", "off"], "--native-attention picks the compiled form of --annsa / --tempcache: give one"),
     (["--annsa", "lsh", "--tempcache", "0.9"], "--annsa with --tempcache"),
     (["--annsa", "quant", "--quant-dirs", "3"], "--quant-dirs must be one of 1, 2, 4, 8"),
     (["--annsa", "bogus"], "--annsa"),

@@ -31,6 +31,7 @@ from fastcar_compile.core.contract import (
     DIT_TEXT_GRAPH_KEY,
     PAST_LENGTH,
     REPLAY_FIRST,
+    TEMPCACHE_SLOTS,
     DiTConfig,
     DiTModes,
     annca_io,
@@ -41,6 +42,7 @@ from fastcar_compile.core.contract import (
     step_io,
     tas_name,
     tempcache_io,
+    tempcache_slots_name,
 )
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.dit import tempcache
@@ -219,6 +221,15 @@ class RingCache:
         return sum(b.nbytes for b in self.buffers)
 
 
+def resident_slots(counts: np.ndarray) -> np.ndarray:
+    """[B, heads, N] int64: per (row, head) the positions whose count is > 0 (a slot lives there), ascending,
+    then -1; N = the most any (row, head) holds (at least 1). What TempCache's `slots` form attends."""
+    live = counts > 0
+    n = max(int(live.sum(-1).max(initial=0)), 1)
+    order = np.argsort(~live, axis=-1, kind="stable")[..., :n]
+    return np.where(np.take_along_axis(live, order, -1), order, -1).astype(np.int64)
+
+
 class OrtDiT:
     """The exported (or compiled) step graph and the prompt graph in ONNX Runtime. A compiled step graph
     reads the cache in place: its buffers (RingCache) are bound once through ORT's IO binding, as are the
@@ -246,7 +257,8 @@ class OrtDiT:
         if threads:
             so.intra_op_num_threads = threads
         self.modes = DiTModes.from_json(meta.get(DIT_MODES_KEY), f"{step_path}'s {DIT_MODES_KEY}")  # compiled in
-        if self.modes.annsa is not None and self.modes.annsa.annsa_kernel == ANNSA_NATIVE:
+        self.slot_form = self.modes.tempcache_kernel == TEMPCACHE_SLOTS  # TempCache over the listed resident slots
+        if (self.modes.annsa is not None and self.modes.annsa.annsa_kernel == ANNSA_NATIVE) or self.slot_form:
             from fastcar_compile.runtime.native import library_path
 
             lib = library_path()  # None: the op's function body runs (same result, slower)
@@ -272,7 +284,8 @@ class OrtDiT:
                 form = ANNSA_INPUTS[self.annsa.annsa_kernel]
                 ins += [ANNSA_DENSE, *(annsa_io(i)[k] for i in range(self.cfg.layers) for k in form)]
             if self.sim is not None:
-                ins += [tempcache_io(i)[0] for i in range(self.cfg.layers)]
+                ins += [n for i in range(self.cfg.layers)
+                        for n in (tempcache_io(i)[0], *([tempcache_slots_name(i)] if self.slot_form else []))]
             if self.tau is not None:
                 ins += [REPLAY_FIRST, *(n for i in range(self.cfg.layers) for n in replay_io(i)[0])]
             if self.annca is not None:
@@ -334,6 +347,8 @@ class OrtDiT:
         if self.sim is not None:  # log(count) per slot in; the pre-RoPE keys out, after the K/V (RingCache.write)
             for i, bias in enumerate(cache.bias):
                 io.bind_input(tempcache_io(i)[0], bias)
+                if self.slot_form:  # the resident slots SlotAttention reads (listed once per cache state)
+                    io.bind_input(tempcache_slots_name(i), self._resident(cache, i))
             out += [io.output_buffer(tempcache_io(i)[1], kv_shape, np.float32) for i in range(n)]
         kept = [io.output_buffer(annca_io(i)[1], (rows, cfg.heads, f, cross[0].shape[2]), np.bool_)
                 for i in range(n)] if self.annca is not None else []
@@ -371,6 +386,15 @@ class OrtDiT:
         self.replayed[1] += sum(m.size for m in masks)
         return out
 
+
+    def _resident(self, cache: RingCache, layer: int) -> np.ndarray:
+        """Layer `layer`'s resident slots [B, heads, N] (resident_slots), recomputed only when the cache changed."""
+        state = (id(cache), cache.length, cache.merges[1], layer)
+        held = getattr(self, "_listed", {})
+        if held.get(layer, (None,))[0] != state:
+            held[layer] = (state, resident_slots(cache.counts[layer][:, :, :cache.length]))
+            self._listed = held
+        return held[layer][1]
 
     def _count_cross(self, kept: list[np.ndarray]) -> None:
         """AnnCA's executed pairs: each frame's queries times the prompt tokens it kept (`annca.N` [B, H, F, L]);
