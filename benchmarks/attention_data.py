@@ -23,6 +23,8 @@ from fastcar_compile.core.atomic import write_bytes
 PROMPT = "camera=pan_right"
 CFG = 2.0  # the dit-table1 benchmark's guidance: two rows (prompt, empty prompt)
 STEP = 2  # the denoising step whose queries are recorded (t = 500 of the 4-step sampler)
+# the AnnSA rows' names per bucketing (4 sign bits x 2 tables; 2 int8 directions x 2 tables), both shapes' suites
+ANNSA_ROWS = {"lsh": "AnnSA-LSH 4x2", "int8": "AnnSA-int8 2x2"}
 
 
 @dataclass

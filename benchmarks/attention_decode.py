@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from attention_data import TokenCapture
+from attention_data import ANNSA_ROWS, TokenCapture
 
 HEADS, HEAD_DIM, FRAME = 4, 64, 65
 SINKS = WINDOW = FRAME  # the first frame and the last frame are always attended (AnnSA)
@@ -246,7 +246,7 @@ def measure_tokens(cap: TokenCapture, context: int, rounds: int, threads: int, s
     plain.prepare(x, decoded - DECODE_QUERIES)
     steps["fastcar CompressedAttention (dense core)"] = lambda: plain.step(x)
     common = {"budget": capacity, "sinks": SINKS, "window": WINDOW, "frame_tokens": FRAME, "video_start": 0}
-    configs = {f"AnnSA-{'LSH 4x2' if k == 'lsh' else 'Quant 2x2'}":
+    configs = {ANNSA_ROWS[k]:
                KVCompressConfig(**common, **({"lsh_bits": 4, "lsh_tables": 2} if k == "lsh" else
                                              {"int8_dirs": 2, "int8_tables": 2})) for k in kinds}
     configs.update({f"TempCache SIM {s:g}": KVCompressConfig(**common, tempcache_sim=s) for s in sims})

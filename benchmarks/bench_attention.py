@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_CACHE, interleave_cpu_wall, make_session, save_results  # noqa: E402
-from attention_data import Capture, capture_dit, capture_tokens  # noqa: E402
+from attention_data import ANNSA_ROWS, Capture, capture_dit, capture_tokens  # noqa: E402
 
 STEPS_PER_CHUNK = 5  # 4 denoising steps + the clean pass share a chunk's index
 SCORES_LIMIT = 1 << 30  # bytes of score matrix an ONNX Runtime attention may form at once (the machine's memory)
@@ -407,7 +407,7 @@ def measure(shape: Shape, context: int, p: Problem, rounds: int, threads: int, s
         "q", "k", "v", "past_key", "past_value", "slots", "slot_bias")], contract.DOMAIN), threads, library=lib)
     for kind in kinds:
         feed, info = annsa_inputs(p, shape, context, kind)
-        name = f"AnnSA-{'LSH 4x2' if kind == 'lsh' else 'Quant 2x2'}"
+        name = ANNSA_ROWS[kind]
         steps[name] = lambda feed=feed: annsa_sess.run(None, feed)
         info["recall"] = annsa_recall(p, info.pop("selected"), exact)
         modes[name] = info
@@ -455,7 +455,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sims", default="0.9,0.95", help="TempCache similarity thresholds")
-    ap.add_argument("--annsa", default="lsh,quant", help="AnnSA bucketings")
+    ap.add_argument("--annsa", default="lsh,int8", help="AnnSA bucketings")
     ap.add_argument("--capture-frames", type=int, default=CAPTURED_FRAMES,
                     help=f"frames of the DiT rollout recorded (cached once; default {CAPTURED_FRAMES})")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
@@ -477,6 +477,8 @@ def main() -> int:
     cap = capture_dit(max(a.capture_frames, need + need % 2), a.cache) if need else None
     tokens = capture_tokens(a.cache) if "token" in shapes else None
     sims, kinds = [float(x) for x in a.sims.split(",") if x], [k for k in a.annsa.split(",") if k]
+    if any(k not in ANNSA_ROWS for k in kinds):
+        raise SystemExit(f"--annsa {a.annsa!r}: a comma-separated list of {', '.join(ANNSA_ROWS)}")
     rows = []
     for s in shapes:
         shape = SHAPES[s]

@@ -32,17 +32,19 @@ from fastcar_compile.dit.fastar import FastARDiT, calibrate_tau, totals  # noqa:
 from fastcar_compile.dit.model import build  # noqa: E402
 from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout, rss_mib  # noqa: E402
 
-MODES = {  # the paper's Table 1 rows (AnnCA and FastCar added)
+SIM = 0.9  # TempCache's cosine (the paper's)
+MODES = {  # the paper's Table 1 rows (AnnCA and FastCar added; Quant: the int8 buckets)
     "dense (FAST-AR runtime)": {},
-    "TempCache-aligned": {"tempcache": "aligned"},
-    "TempCache-LSH": {"tempcache": "lsh"},
-    "TempCache-Quant": {"tempcache": "quant"},
+    "TempCache-aligned": {"tempcache": SIM},
+    "TempCache-LSH": {"tempcache": SIM, "tempcache_match": "lsh"},
+    "TempCache-Quant": {"tempcache": SIM, "tempcache_match": "int8"},
     "AnnSA-LSH": {"annsa": "lsh"},
-    "AnnSA-Quant": {"annsa": "quant"},
+    "AnnSA-Quant": {"annsa": "int8"},
     "AnnCA": {"annca": True},
-    "all (TempCache-LSH + AnnSA-LSH + AnnCA)": {"tempcache": "lsh", "annsa": "lsh", "annca": True},
-    "FastCar": {"fastcar_ratio": 0.5},
-    "FastCar + all": {"tempcache": "lsh", "annsa": "lsh", "annca": True, "fastcar_ratio": 0.5},
+    "all (TempCache-LSH + AnnSA-LSH + AnnCA)": {"tempcache": SIM, "tempcache_match": "lsh", "annsa": "lsh", "annca": True},
+    "FastCar": {"calibrate_replay": 0.5},
+    "FastCar + all": {"tempcache": SIM, "tempcache_match": "lsh", "annsa": "lsh", "annca": True,
+                      "calibrate_replay": 0.5},
 }
 
 
@@ -56,10 +58,10 @@ def backends(model, settings, extra: dict) -> dict:
     out = {"dense (TorchDiT)": TorchDiT(model)}
     for name, kw in MODES.items():
         fa = modes.settings(**kw, **extra)
-        if fa.fastcar_ratio is not None:
+        if fa.calibrate_replay is not None:
             import dataclasses
 
-            fa = dataclasses.replace(fa, fastcar_tau=calibrate_tau(model, fa, settings), fastcar_ratio=None)
+            fa = dataclasses.replace(fa, threshold=calibrate_tau(model, fa, settings), calibrate_replay=None)
         out[name] = FastARDiT(model, fa)
     return out
 

@@ -225,7 +225,8 @@ def variants(src: Path, work: Path, layers: int, frame_tokens: int, only: list[i
             folder = work / (f"r{k}" if swap else f"r{k}-ortgqa")
             if stale(folder / "fast.onnx"):
                 fastcar_compile.compile(src / "model.onnx", folder / "fast.onnx", frame_tokens=frame_tokens,
-                                        threshold=taus, per_layer_threshold=True, native_attention=swap)
+                                        threshold=taus, per_layer_threshold=True, native_attention=swap,
+                                        video_start=0)  # og.Generator feeds no video_start: prompts are video
                 mark_fresh(folder / "fast.onnx")
             out[f"{prefix}{k}"] = folder
     return out

@@ -1,13 +1,14 @@
 """FAST-AR modes on real attention: density, recall and KV bytes per mode on the bundled demo model.
 
-    python benchmarks/fastar_recall.py                  # 12 frames (771 tokens), all modes, ~1-2 min
+    python benchmarks/fastar_recall.py                  # 16 held-out clips x 12 frames (771 tokens), all modes
     python benchmarks/fastar_recall.py --frames 6 --quick
     python benchmarks/fastar_recall.py --long --frames 16 --quick   # the 4-layer long-video model, per layer
 
 The demo model (1-layer LLaMA, 6 heads, 64 tokens per frame) generates `--frames` frames greedily from an
 eval clip's first frame; its per-layer q/k/v are captured (fastcar_compile.demo.trace) and replayed through
 the NumPy reference (fastcar_compile.fastar.attention) with dense attention on the side. Metrics are over the
-decode steps of frames >= 2 (so every mode has a full frame of history to work with). Definitions: the module
+decode steps of frames >= 2 (so every mode has a full frame of history to work with). Every figure is the mean
+over the held-out clips (`--clips`, eval clips 0..N-1) with the half width of its 95% interval. Definitions: the module
 docstring of fastcar_compile/fastar/attention.py. FAST-AR's own figures (AR video diffusion, not token AR):
 TempCache ~16% KV density at ~90% recall, AnnSA ~28% density at ~92% recall.
 
@@ -121,10 +122,31 @@ def plot(rows: list[dict], path: Path) -> None:
     save_figure(fig, path, dpi=130)
 
 
+def over_clips(clips: list[dict]) -> dict:
+    """One mode's figures over the clips: each number the mean, `<key>_ci` the half width of its 95% interval
+    (Student t), per-head recall averaged, the first clip's KV curve and config, `clips` the count."""
+    from fastcar_compile.runtime.calib_stats import ci95
+
+    out = {"clips": len(clips), "kv_bytes_per_frame": clips[0]["kv_bytes_per_frame"], "config": clips[0]["config"]}
+    for key, v in clips[0].items():
+        if key in out:
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            values = np.array([c[key] for c in clips], float)
+            out[key] = float(values.mean())
+            out[f"{key}_ci"] = ci95(values) if len(values) > 1 else None
+        elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+            out[key] = np.mean([c[key] for c in clips], axis=0).tolist()
+        else:
+            out[key] = v
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=12, help="frames in the trace (<= 15: 1024 positions)")
-    ap.add_argument("--clip", type=int, default=0, help="eval clip index (its first frame seeds generation)")
+    ap.add_argument("--clips", type=int, default=16, help="eval clips 0..N-1 (each clip's first frame seeds its "
+                    "generation); figures are means over them with 95%% intervals")
     ap.add_argument("--source", choices=TRACE_SOURCES, nargs="+", default=list(TRACE_SOURCES),
                     help="generated: greedy continuation (nearly static videos); clip: teacher-forced real clip")
     ap.add_argument("--quick", action="store_true", help="fewer modes")
@@ -139,23 +161,30 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     stem = "fastar_recall_long" if a.long else "fastar_recall"
+    if a.clips < 1:
+        print(f"error: --clips must be >= 1, got {a.clips}", file=sys.stderr)
+        return 2
     rows = []
     notes = []
     for source in a.source:
-        tr = demo_trace(a.frames, a.clip, source, long=a.long)
-        start = tr.video_start + 2 * tr.frame_tokens
-        hkv = tr.layers[0].k.shape[1]
-        for name, cfg in tqdm(modes(tr.frame_tokens, tr.video_start, a.quick, hkv, per_head=not a.long).items(),
-                              desc=f"modes ({source})", unit="mode"):
-            for li, layer in enumerate(tr.layers):
-                res = run_trace(layer.q, layer.k, layer.v, cfg, theta=tr.rope_theta, measure_from=start)
-                m = res.metrics
-                per_slot = np.array([slot_bytes(c.cfg, layer.k.shape[-1], 2) for c in res.caches])
-                ends = [tr.video_start + (f + 1) * tr.frame_tokens - 1 for f in range(a.frames)]
-                rows.append({"source": source, "mode": name, "layer": li, **m.to_dict(),
-                             "kv_ratio": m.kv_bytes / m.dense_kv_bytes,
-                             "kv_bytes_per_frame": [float(res.slots[e] @ per_slot) for e in ends],
-                             "config": [c.cfg.to_dict() for c in res.caches] if isinstance(cfg, list) else cfg.to_dict()})
+        per_clip: dict[tuple[str, int], list[dict]] = {}
+        for clip in range(a.clips):
+            tr = demo_trace(a.frames, clip, source, long=a.long)
+            start = tr.video_start + 2 * tr.frame_tokens
+            hkv = tr.layers[0].k.shape[1]
+            for name, cfg in tqdm(modes(tr.frame_tokens, tr.video_start, a.quick, hkv, per_head=not a.long).items(),
+                                  desc=f"modes ({source}, clip {clip})", unit="mode", disable=None):
+                for li, layer in enumerate(tr.layers):
+                    res = run_trace(layer.q, layer.k, layer.v, cfg, theta=tr.rope_theta, measure_from=start)
+                    m = res.metrics
+                    per_slot = np.array([slot_bytes(c.cfg, layer.k.shape[-1], 2) for c in res.caches])
+                    ends = [tr.video_start + (f + 1) * tr.frame_tokens - 1 for f in range(a.frames)]
+                    per_clip.setdefault((name, li), []).append({
+                        **m.to_dict(), "kv_ratio": m.kv_bytes / m.dense_kv_bytes,
+                        "kv_bytes_per_frame": [float(res.slots[e] @ per_slot) for e in ends],
+                        "config": [c.cfg.to_dict() for c in res.caches] if isinstance(cfg, list) else cfg.to_dict()})
+        for (name, li), clips in per_clip.items():
+            rows.append({"source": source, "mode": name, "layer": li, **over_clips(clips)})
         notes.append(f"{source}: {len(tr.tokens)} tokens ({tr.frame_tokens} per frame), metrics over positions >= {start}")
     head = ("| trace | mode | layer | density | recall | recall per head | kept mass | out rel. err | KV bytes (fp16) "
             "| KV vs dense | merges | evicted |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -171,12 +200,12 @@ def main(argv: list[str] | None = None) -> int:
             body += (f"| {key[0]} | {key[1]} | {np.mean([r['density'] for r in sel]):.1%} | "
                      f"{np.mean([r['recall'] for r in sel]):.1%} | {per_layer} | "
                      f"{np.mean([r['kv_ratio'] for r in sel]):.1%} |\n")
-    note = (f"\n{'Long-video' if a.long else 'Demo'} model, eval clip {a.clip}, {a.frames} frames; " + "; ".join(notes) + ". FAST-AR (paper, AR video diffusion): TempCache ~16% density at "
+    note = (f"\n{'Long-video' if a.long else 'Demo'} model, eval clips 0-{a.clips - 1} (means), {a.frames} frames; " + "; ".join(notes) + ". FAST-AR (paper, AR video diffusion): TempCache ~16% density at "
             "~90% recall; AnnSA ~28% at ~92%.\n")
     table = head + body + note
     print(table)
     write_text(a.out_dir / f"{stem}.md", f"# FAST-AR modes: density vs recall\n\n`python benchmarks/fastar_recall.py "
-               f"{'--long ' if a.long else ''}--frames {a.frames} --clip {a.clip} --source {' '.join(a.source)}"
+               f"{'--long ' if a.long else ''}--frames {a.frames} --clips {a.clips} --source {' '.join(a.source)}"
                f"{' --quick' if a.quick else ''}`\n\n" + table)
     write_text(a.out_dir / f"{stem}.json", json.dumps(rows, indent=1))
     plot(rows, a.out_dir / f"{stem}.png")

@@ -128,12 +128,12 @@ def write(result: Result, out: Path = RESULTS) -> Path:
     p = result.provenance
     data = {**{k: v for k, v in asdict(result).items() if k not in ("columns",)},
             "columns": [asdict(c) for c in result.columns]}
-    write_text(folder / "result.json", json.dumps(data, indent=1, default=str) + "\n")
-    lines = [f"# {result.title}", "", table_md(result), ""]
+    lines = [f"# {result.title}", "", table_md(result), ""]  # composed before anything is written
     lines += [f"- {n}" for n in result.notes]
     lines += [x for sec in result.sections for x in ("", sec)]
     lines += ["", f"Command: `{p['command']}` (size `{result.size}`, {result.seconds:.0f} s), commit {p['commit']}, "
               f"{p['date']}.", "", f"Machine: {describe_machine(p)}.", ""]
+    write_text(folder / "result.json", json.dumps(data, indent=1, default=str) + "\n")
     write_text(folder / "table.md", "\n".join(lines))
     write_index(out)
     return folder

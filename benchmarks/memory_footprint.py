@@ -93,7 +93,7 @@ def prepare(cfg: dict, cache: Path, threads: int) -> dict[str, tuple[str, Path]]
         comp = work / f"genai{tag}" / "fast.onnx"
         if stale(comp):
             fastcar_compile.compile(genai / "model.onnx", comp, frame_tokens=ft, threshold=taus,
-                                    per_layer_threshold=True, shared_mlp=shared)
+                                    per_layer_threshold=True, shared_mlp=shared, video_start=0)  # run by og
             mark_fresh(comp)
         set_session(comp.parent, threads, native=True)
         fused = work / f"dynamo{tag}" / "fast.onnx"

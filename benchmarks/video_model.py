@@ -1,10 +1,13 @@
 """The conditioned video model (training/video_model/) measured as a user decodes it: sampled with CFG, dense
 against FastCar and FAST-AR, against the truth and against repeating the last given frame.
 
-    python benchmarks/video_model.py --out DIR              # 2 held-out clips x 16 frames (~5 min on 2 cores)
+    python benchmarks/video_model.py --out DIR              # 16 held-out clips x 16 frames (~30 min on 2 cores)
     python benchmarks/video_model.py --quick --out DIR      # 1 clip x 6 frames, fewer configurations
 
-What it measures, on the same held-out clips and sampler seeds (clip i: `clip_seed(0, i)` for every model):
+What it measures, on the same held-out clips and sampler seeds (held-out clip k: `clip_seed(0, k)` for every model,
+k its index in the held-out split, whichever clips a run picks), each quality figure as the mean over the clips
+with its 95% interval (Student t; differences between two videos of the same clip: the interval of the paired
+per-clip differences):
 - **tau / quality / speed**: taus calibrated on training-split clips (TAS quantiles of their sampled dense
   videos, `--calib-clips`) for `--targets` replay ratios, one tau for all layers (the paper's) and one per layer
   (each layer's own quantile); per configuration the replay per layer, PSNR / copy rate vs the truth, the bare
@@ -98,21 +101,34 @@ def fpga(fast_onnx: Path, runs: list, video_start: int, stride: int) -> list[dic
     return rows
 
 
+def parse_clips(text: str) -> list[int]:
+    """Held-out clip indices from '0-15' (a range, both ends included), '0,3' or a mix ('0-3,8')."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+    if not out or min(out) < 0 or len(set(out)) != len(out):
+        raise SystemExit(f"--clips {text!r}: distinct non-negative clip indices, e.g. 0-15 or 0,3")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--clips", default="0,3", help="held-out clip indices (default 0,3: a scene clip and a clean pan, "
-                    "whose camera shift the pan check recovers)")
+    ap.add_argument("--clips", default="0-15", help="held-out clip indices, e.g. 0-15 or 0,3 (default 0-15: every "
+                    "4th a clean pan, whose camera shift the pan check recovers)")
     ap.add_argument("--frames", type=int, default=16, help="frames per clip incl. the given frame 0 (default 16)")
     ap.add_argument("--calib-clips", type=int, default=1, help="training-split clips the taus are calibrated on")
     ap.add_argument("--targets", default="0.5,0.8", help="replay ratios to calibrate taus for")
     ap.add_argument("--timed-clips", type=int, default=1, help="clips whose decode steps are re-timed in bare ORT")
-    ap.add_argument("--fastar-clips", type=int, default=2, help="of those clips, how many each FAST-AR mode generates")
+    ap.add_argument("--fastar-clips", type=int, default=16, help="of those clips, how many each FAST-AR mode generates")
+    ap.add_argument("--gif-clips", type=int, default=2, help="of those clips, how many the GIF and strip show")
     ap.add_argument("--fpga-stride", type=int, default=8, help="simulate every N-th decode step")
     ap.add_argument("--quick", action="store_true", help="1 clip x 6 frames, targets 0.5,0.8, two FAST-AR modes")
     ap.add_argument("--out", type=Path, required=True, help="output folder")
     a = ap.parse_args(argv)
     if a.quick:
         a.clips, a.frames, a.calib_clips, a.targets, a.fpga_stride, a.fastar_clips = "0", 6, 1, "0.5,0.8", 16, 1
+        a.gif_clips = 1
     targets = [float(t) for t in a.targets.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -139,17 +155,18 @@ def measure(a, targets: list[float]) -> dict:
     L = tok.tokens_per_frame
     onnx = spec.onnx()
     dec = spec.decoding
-    ids = [int(x) for x in a.clips.split(",")]
+    ids = parse_clips(a.clips)
     every = spec.clips(max(ids) + 1, a.frames, SEED)
     clips = [every[i] for i in ids]
+    a.fastar_clips = min(a.fastar_clips, len(clips))
     calib = [scenes.make_scene_clip("train", i, a.frames, SEED) for i in range(a.calib_clips)]
     a.timed_clips = min(a.timed_clips, len(clips))
     work = a.out / "models"
     work.mkdir(exist_ok=True)
 
-    def gen(sess, c, i, thr=None):
+    def gen(sess, c, k, thr=None):  # k: the clip's identity (its index in its split), never its place in `clips`
         return generate_video(sess, spec.prompt(c), tok.encode(c.frames)[0], len(c.frames) - 1, threshold=thr,
-                              decoding=dec, seed=clip_seed(SEED, i), uncond_ids=spec.uncond, codes=spec.codes)
+                              decoding=dec, seed=clip_seed(SEED, k), uncond_ids=spec.uncond, codes=spec.codes)
 
     # 1. calibration: TAS along sampled dense videos of training-split clips (tau=+inf never replays). The
     # FastCar model carries the TAS outputs (emit_diagnostics: one [batch, 1] output per layer, no other change),
@@ -169,10 +186,10 @@ def measure(a, targets: list[float]) -> dict:
     dense_runs, fast_runs = [], {n: [] for n in names}
     ort: dict[str, list] = {n: [] for n in ["dense", *names]}
     for i, c in enumerate(clips):
-        d = gen(dense_s, c, i)
+        d = gen(dense_s, c, ids[i])
         dense_runs.append(d)
         pre = spec.prompt(c)
-        runs = {n: gen(fast_s, c, i, cfgs[n]) for n in names}
+        runs = {n: gen(fast_s, c, ids[i], cfgs[n]) for n in names}
         for n in names:
             fast_runs[n].append(runs[n])
         timed = [("dense", dense_s, d, None)] + [(n, fast_s, runs[n], cfgs[n]) for n in names]
@@ -203,7 +220,8 @@ def measure(a, targets: list[float]) -> dict:
                                            "psnr_fast_vs_dense", "copy_rate_fast", "copy_rate_dense",
                                            "copy_rate_truth", "token_acc_fast", "token_acc_dense",
                                            "frozen_fraction_fast", "frozen_fraction_dense", "pan_match_dense",
-                                           "pan_match_fast", "pan_match_truth", "psnr_tokenizer")}})
+                                           "pan_match_fast", "pan_match_truth", "psnr_tokenizer", "fast_minus_dense_db",
+                                           "fast_minus_dense_db_clips_above", "ci95", "clips")}})
         print(f"  {n}: replay {replay:.1%} per layer {np.round(per_layer, 2).tolist()} x{dense_ms / ms:.2f} "
               f"PSNR {curve[-1]['psnr_fast_vs_truth']:.2f} copy {curve[-1]['copy_rate_fast']:.3f}", file=sys.stderr)
     dense_q = q.summarize_quality(per_clip_q[names[0]])
@@ -219,7 +237,7 @@ def measure(a, targets: list[float]) -> dict:
         fastcar_compile.compile(str(onnx), output=str(path), frame_tokens=L, threshold=float("inf"),
                                 kv_diagnostics=total + 8, **opts)
         sess = open_session(path)
-        rs = [gen(sess, c, i, np.inf) for i, c in enumerate(clips[: a.fastar_clips])]
+        rs = [gen(sess, c, ids[i], np.inf) for i, c in enumerate(clips[: a.fastar_clips])]
         del sess
         fastar_runs[name] = rs
         layers = sorted(rs[0].kv, key=int)
@@ -233,6 +251,7 @@ def measure(a, targets: list[float]) -> dict:
                             "recall": float(np.mean([p["recall"] for p in per_layer])),
                             "psnr_vs_truth": s["psnr_fast_vs_truth"], "psnr_vs_dense": s["psnr_fast_vs_dense"],
                             "psnr_dense_vs_truth": s["psnr_dense_vs_truth"], "copy_rate": s["copy_rate_fast"],
+                            "psnr_vs_dense_truth_diff": s["fast_minus_dense_db"], "ci95": s["ci95"],
                             "clips": len(rs)})
         print(f"  {name}: density {fastar_rows[-1]['density']:.1%} recall {fastar_rows[-1]['recall']:.1%}",
               file=sys.stderr)
@@ -248,7 +267,7 @@ def measure(a, targets: list[float]) -> dict:
         extra = {"FAST-AR": fastar_runs[fa_show][i]} if i < len(fastar_runs[fa_show]) else {}
         results.append(ClipResult(spec.motion(c), c.source, c.frames, dense_runs[i], fast_runs[show][i], clip=c,
                                   extra=extra))
-    pictures(a.out, results[: a.fastar_clips], results, tok, show, curve)
+    pictures(a.out, results[: a.gif_clips], results, tok, show, curve)
     fastar_plot(a.out / "fastar.png", fastar_rows)
 
     return {"model": model_facts(), "clips": ids, "frames": a.frames, "calib_clips": a.calib_clips,
@@ -256,7 +275,10 @@ def measure(a, targets: list[float]) -> dict:
             "dense": {k: dense_q[k] for k in ("psnr_dense_vs_truth", "psnr_repeat_last_vs_truth", "copy_rate_dense",
                                               "copy_rate_truth", "token_acc_dense", "token_acc_repeat_last",
                                               "frozen_fraction_dense", "pan_match_dense", "pan_match_truth",
-                                              "psnr_tokenizer", "ssim_dense_vs_truth")},
+                                              "psnr_tokenizer", "ssim_dense_vs_truth", "dense_minus_repeat_db",
+                                              "dense_minus_repeat_db_clips_above", "ci95", "clips")},
+            "per_clip_dense_minus_repeat_db": [c["psnr_dense_vs_truth"] - c["psnr_repeat_last_vs_truth"]
+                                               for c in per_clip_q[names[0]]],
             "dense_ms": dense_ms, "curve": curve, "fastar": fastar_rows, "fpga": sim, "gif_config": show,
             "gif_fastar": fa_show, "paper": PAPER}
 
@@ -320,12 +342,15 @@ def pictures(out: Path, gif_results: list, results: list, tok, show: str, curve:
     for (key, label), ax in zip(keys, axes, strict=True):
         for (name, rows), style in zip(groups.items(), ("o-", "s--", "D"), strict=True):
             rows = sorted(rows, key=lambda r: r["replay"])
-            ax.plot([r["replay"] for r in rows], [r[key] for r in rows], style, label=name)
+            err = [r["ci95"].get(key, 0.0) for r in rows] if key == "psnr_fast_vs_truth" else None
+            ax.errorbar([r["replay"] for r in rows], [r[key] for r in rows], yerr=err, fmt=style, capsize=3,
+                        label=name)
         ax.set_xlabel("replay ratio")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].axhline(curve[0]["psnr_dense_vs_truth"], color="k", lw=0.8, label="dense")
     axes[0].axhline(curve[0]["psnr_repeat_last_vs_truth"], color="tab:red", lw=0.8, ls=":", label="repeat last frame")
+    axes[0].set_title(f"mean over {curve[0]['clips']} held-out clips, bars: 95% interval", fontsize=9)
     axes[1].axhline(curve[0]["copy_rate_dense"], color="k", lw=0.8, label="dense")
     axes[1].axhline(curve[0]["copy_rate_truth"], color="tab:green", lw=0.8, ls=":", label="truth")
     for ax in axes:

@@ -165,7 +165,7 @@ def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[
     manager = pipeline.build(ctx, staging, validate)
     try:
         with fileio.os_errors(str(out_path or "")):
-            pipeline.run(manager, loaded.model)
+            compiled = pipeline.run(manager, loaded.model).model  # a functional pass may hand on a new model
     finally:
         if staging is not None:
             staging.cleanup()
@@ -174,7 +174,7 @@ def compile(model, output: str | os.PathLike | None = None, **options) -> tuple[
     if isinstance(ctx, DiTContext) and out_path is not None:
         report.notes.append(f"cache read in place: past.N.* are the runtime's buffers, past_length the tokens they "
                             f"hold; prompt graph copied to {ctx.prompt_name} ({time.perf_counter() - t0:.1f} s)")
-    return loaded.model, report
+    return compiled, report
 
 
 compile.__signature__ = declared.signature(compile, 2)  # the declared options, for help() and editors
@@ -338,7 +338,7 @@ def calibrate_dit(path: str | os.PathLike, ratio: float, *, text=None, frames: i
     options = {k: v for k, v in options.items() if k not in ("threshold", "validate")}
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.onnx"
-        compile(path, probe, threshold=(DIT_PROBE_TAU,), validate=False, **options)
+        compile(path, probe, **{**options, "threshold": (DIT_PROBE_TAU,), "validate": False, "provider": "cpu"})
         runtime = OrtDiT(probe)
         runtime.tas_log = []
         for _ in rollout(runtime, StreamSettings(frames=max(frames, 2 * runtime.cfg.chunk_frames)), text):

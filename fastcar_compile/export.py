@@ -139,6 +139,9 @@ def load_model(source: str | os.PathLike, seed: int = 0):
     weights = bool(weight_files)
     verbosity = tf.logging.get_verbosity()
     tf.logging.set_verbosity_error()  # its load report of a broken checkpoint: said in one line below
+    from fastcar_compile.core.progress import hf_bars_on_terminal_only
+
+    hf_bars_on_terminal_only()
     try:
         if weights and src.is_dir():
             model, info = tf.AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,

@@ -101,7 +101,9 @@ def build_program(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardC
                            "length the attention tiles are sized for) or --frame-tokens L (context 2 x L)")
     ctx = context if context is not None else 2 * part.spec.frame_tokens
     check_int("--context", ctx, 1, UINT32_MAX, "KV length; the ISA's m field is 32-bit")
-    return fill_thresholds(emit_program(part, batch, ctx), weights)
+    program = fill_thresholds(emit_program(part, batch, ctx), weights)
+    program.meta["video_start_known"] = bool(part.video_start_known)  # else `sim` takes a trace's without a note
+    return program
 
 
 def report_for(program: Program, output: str | Path | None, file_bytes: int) -> FpgaCompileReport:

@@ -147,14 +147,32 @@ def _initializers(graph: onnx.GraphProto, out: dict[str, onnx.TensorProto]) -> d
     return out
 
 
+SMALL_TENSOR = 1 << 21  # elements: external tensors up to this size are read (RoPE tables, norms, constants)
+
+
 def load_onnx_shapes_only(path: str | Path) -> onnx.ModelProto:
-    """The graph without external weight data (shapes are in the TensorProto dims)."""
+    """The graph without its large external weight data (shapes are in the TensorProto dims). Small external
+    tensors are read from beside the model, wherever the command runs: the readers of RoPE tables, epsilons and
+    reshape targets take their values (a compiled model over 16 MiB keeps its cos/sin tables in fast.onnx.data)."""
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
     try:
-        return onnx.load(str(path), load_external_data=False)
+        model = onnx.load(str(path), load_external_data=False)
     except FileNotFoundError:
         raise FastCarError(f"model {path} not found") from None
     except Exception as exc:  # onnx raises DecodeError and friends
         raise FastCarError(f"cannot read ONNX model {path}: {exc}") from None
+    base = str(Path(path).resolve().parent)
+    for t in _initializers(model.graph, {}).values():
+        if uses_external_data(t) and int(np.prod(t.dims)) <= SMALL_TENSOR:
+            try:
+                load_external_data_for_tensor(t, base)
+            except Exception as exc:  # noqa: BLE001 - a missing or unreadable data file
+                raise FastCarError(f"cannot read the external data of {t.name} beside {path} ({exc}); copy the "
+                                   "model with the data files it names") from None
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+    return model
 
 
 def column_source(name: str, start: int, stop: int) -> str:
@@ -395,6 +413,13 @@ def spec_from_model(model: onnx.ModelProto, *, num_heads: int | None = None, num
             notes.append(f"max_replay {meta.max_replay} (drift guard) is not modelled: the TAS unit only "
                          "checks that the cache slot was written")
     details: dict[str, Any] = {}
+    if meta is not None:
+        start = next((t for t in model.graph.initializer if t.name == contract.VIDEO_START), None)
+        if start is not None:  # compiled in (--video-start): the video start every run of the model uses
+            details["video_start"] = int(numpy_helper.to_array(start).reshape(-1)[0])
+        else:
+            notes.append("video_start is an input of the model, fed per run: the bundle records 0 unless "
+                         "--video-start N says otherwise; `sim --replay-trace` uses the trace's")
     eps = rms_eps_values(model)
     if eps:
         details["rms_eps"] = eps.most_common(1)[0][0]

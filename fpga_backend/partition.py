@@ -100,6 +100,7 @@ class Partition:
     notes: list[str]
     op_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     kv: dict[int, KVBound] = dataclasses.field(default_factory=dict)  # bounded KV layers of the compiled model
+    video_start_known: bool = False  # the video start was given (--video-start) or compiled into the model
 
     def tasks(self, g: nx.DiGraph) -> list[Task]:
         return [g.nodes[n]["task"] for n in g.graph["order"]]
@@ -369,7 +370,9 @@ def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfi
     ModelSpec fields (e.g. ``replay_layers=()`` for the dense baseline, ``video_start``).
     """
     if isinstance(model, ModelSpec):
-        return partition_spec(dataclasses.replace(model, **(overrides or {})), board)
+        part = partition_spec(dataclasses.replace(model, **(overrides or {})), board)
+        part.video_start_known = True
+        return part
     proto = model if isinstance(model, onnx.ModelProto) else load_onnx_shapes_only(model)
     bad, counts = scan_onnx_ops(proto)
     if bad and strict:
@@ -389,6 +392,8 @@ def partition(model: ModelSpec | str | Path | onnx.ModelProto, board: BoardConfi
     part = partition_spec(spec, board, sources=sources, unsupported=bad, notes=notes + kv_notes)
     part.op_counts = counts
     part.kv = kv
+    part.video_start_known = "video_start" in (overrides or {}) or any(
+        t.name == "video_start" for t in proto.graph.initializer)
     return part
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.progress import bar as progress_bar
 
 from . import isa
 from .costmodel import CostModel
@@ -201,7 +201,7 @@ class Simulator(CostModel):
         busy, stall, idle = (np.zeros(self.C) for _ in range(3))
         remaps = 0
         tl = None
-        it = tqdm(range(steps), desc="simulate", unit="step", disable=not progress)
+        it = progress_bar(range(steps), desc="simulate", unit="step", enabled=progress)
         for s in it:
             ev = self.step(replay[s, :, :batch], kv[s], policy=policy, stream=stream, batch=batch)
             t = ev["t"]

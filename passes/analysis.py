@@ -18,7 +18,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.limits import check_state_size
-from fastcar_compile.core.options import ascii_int
+from fastcar_compile.core.options import parse_layer_ranges
 from fastcar_compile.passes import attention_form, fused_attention, native_gqa
 from fastcar_compile.passes import discover as disc
 from fastcar_compile.passes.compile_report import CompileReport
@@ -99,27 +99,17 @@ class DiscoverPass(ir.passes.InPlacePass):
 
 
 def parse_layers(spec: str | list[int] | tuple[int, ...] | None, available: list[int]) -> list[int] | None:
-    """'0,2-5' -> [0, 2, 3, 4, 5], checked against the layers the model has."""
+    """'0,2-5' -> [0, 2, 3, 4, 5] (options.parse_layer_ranges), checked against the layers the model has."""
     if spec is None:
         return None
     if isinstance(spec, str):
         out: list[int] = []
-        for part in spec.split(","):
-            part = part.strip()
-            try:
-                if "-" in part:
-                    lo, hi = (ascii_int(x.strip()) for x in part.split("-", 1))
-                    if hi < lo:
-                        raise ValueError
-                    top = max(available, default=-1)
-                    if lo < 0 or hi > top:  # checked before expanding: 0-1000000000 must not allocate
-                        raise FastCarError(f"--layers: range {part} goes beyond the model's decoder layers "
-                                           f"(0-{top}); use indices and ranges within them")
-                    out.extend(range(lo, hi + 1))
-                else:
-                    out.append(ascii_int(part))
-            except ValueError:
-                raise FastCarError(f"--layers: cannot read '{part}' in '{spec}'; use indices and ranges like 0,2-5") from None
+        top = max(available, default=-1)
+        for lo, hi in parse_layer_ranges(spec, "--layers"):
+            if hi > top and hi > lo:  # checked before expanding: 0-1000000000 must not allocate
+                raise FastCarError(f"--layers: range {lo}-{hi} goes beyond the model's decoder layers "
+                                   f"(0-{top}); use indices and ranges within them")
+            out.extend(range(lo, hi + 1))
     else:
         out = [int(x) for x in spec]
     missing = sorted(set(out) - set(available))

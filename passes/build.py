@@ -100,15 +100,17 @@ def overridable(graph: ir.Graph, name: str, dtype: ir.DataType, shape, default: 
     return value
 
 
-def video_start_input(graph: ir.Graph, plain: bool) -> ir.Value:
+def video_start_input(graph: ir.Graph, default: int | None) -> ir.Value:
     """The model's `video_start` (KV index of the first video token), created once: the gate pass and the
-    fused attention's prompt pruning both read it. plain: no default (every run feeds it; onnxruntime-genai)."""
+    fused attention's prompt pruning both read it. default None: a plain input without a default, which every run
+    must feed (ONNX Runtime refuses a run without it: no silent 0); else the compiled-in default (--video-start)."""
     for value in graph.inputs:
         if value.name == contract.VIDEO_START:
             return value
     if contract.VIDEO_START in graph.initializers:
         return graph.initializers[contract.VIDEO_START]
-    return overridable(graph, contract.VIDEO_START, ir.DataType.INT64, [], None if plain else np.array(0, np.int64))
+    return overridable(graph, contract.VIDEO_START, ir.DataType.INT64, [],
+                       None if default is None else np.array(default, np.int64))
 
 
 def graph_output(graph: ir.Graph, value: ir.Value, name: str, dtype: ir.DataType, shape) -> None:

@@ -19,7 +19,6 @@ import onnx_ir as ir
 
 from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.core.limits import MAX_KV_BUDGET, MAX_KV_DIAGNOSTICS, check_int
 from fastcar_compile.core.options import FUSED_ATTENTION, ascii_float, ascii_int, check_fused_attention  # noqa: F401
 from fastcar_compile.passes.attention_form import Forms
 from fastcar_compile.passes.discover import LayerMatch
@@ -46,6 +45,14 @@ class CompileOptions(dataclasses.make_dataclass("DeclaredOptions", options.field
             self._check_fastcar_windows()
         if not self.per_layer_threshold and len(self.threshold) != 1:
             raise FastCarError("several thresholds need --per-layer-threshold")
+        if self.required_video_inputs and self.video_start is not None:
+            raise FastCarError(f"--video-start {self.video_start} compiles video_start in, --required-video-inputs "
+                               "makes it an input fed every run: give one of them")
+
+    @property
+    def video_start_default(self) -> int | None:
+        """The compiled-in default of the video_start input (--video-start), None: an input every run feeds."""
+        return None if self.required_video_inputs else self.video_start
 
     @functools.cached_property
     def kv_compress(self) -> KVCompressConfig | None:
@@ -58,8 +65,8 @@ class CompileOptions(dataclasses.make_dataclass("DeclaredOptions", options.field
             raise FastCarError("--kv-sinks/--kv-window/--tempcache/--sparse-attention/--prune-prompt/"
                                "--kv-diagnostics need --kv-budget C (the "
                                "fixed number of KV slots per layer and KV head)")
-        return kv_settings(self.frame_tokens, ("--kv-budget", "KV slots per layer and KV head"),
-                           self.sparse_attention, diagnostics=self.kv_diagnostics, budget=self.kv_budget,
+        return kv_settings(self.frame_tokens, self.sparse_attention, diagnostics=self.kv_diagnostics,
+                           budget=self.kv_budget,
                            sinks=self.kv_sinks, window=self.kv_window, tempcache_sim=self.tempcache,
                            eviction=self.kv_eviction, prune_prompt=self.prune_prompt)
 
@@ -100,13 +107,10 @@ class CompileOptions(dataclasses.make_dataclass("DeclaredOptions", options.field
             return None
         if not isinstance(self.layers, str):
             return [(int(n), int(n)) for n in self.layers]
-        out = []
-        for part in self.layers.split(","):
-            lo, _, hi = part.strip().partition("-")
-            if not lo.isdigit() or not (hi or lo).isdigit():
-                return None
-            out.append((int(lo), int(hi or lo)))
-        return out
+        try:
+            return options.parse_layer_ranges(self.layers, "--layers")
+        except FastCarError:
+            return None
 
     def _fastcar_on(self, layer: int) -> bool:
         """Whether `layer` is asked to be rewritten (the FastCar gate on it)."""
@@ -134,8 +138,8 @@ INT8_DEFAULT = (2, 4)  # `int8` alone: 2 directions x 16 levels per table, 4 tab
 
 def parse_sparse_attention(value: str | None, flag: str = "--sparse-attention") -> dict:
     """'lsh:BITSxTABLES' | 'int8[:DIRSxTABLES]' -> KVCompressConfig keywords ({} for None). The one reader of
-    this grammar (--sparse-attention, --kv-layer sparse=, eval --kv-modes); the buckets' own limits are
-    KVCompressConfig's (fastar.config.check_buckets), their messages prefixed with `flag` and the value."""
+    this grammar (--sparse-attention, --kv-layer sparse=, eval --kv-modes); the buckets' limits are
+    fastar.config.check_buckets' (core/options.py's bounds), their messages prefixed with `flag` and the value."""
     from fastcar_compile.fastar.config import check_buckets
 
     if value is None:
@@ -146,8 +150,6 @@ def parse_sparse_attention(value: str | None, flag: str = "--sparse-attention") 
         kw = {"int8_dirs": INT8_DEFAULT[0], "int8_tables": INT8_DEFAULT[1]}
     elif head not in ("lsh", "int8") or not _digits(first) or not _digits(tables):
         raise FastCarError(f"{flag} must look like {SPARSE_FORM}, got {value!r}")
-    elif (head == "lsh" and not 1 <= int(first) <= 24) or not 1 <= int(tables) <= 64:  # the kernel's limits
-        raise FastCarError(f"{flag} {value}: use 1..24 bits (lsh) and 1..64 tables")
     else:
         kw = {"lsh_bits": int(first), "lsh_tables": int(tables)} if head == "lsh" else \
             {"int8_dirs": int(first), "int8_tables": int(tables)}
@@ -168,36 +170,37 @@ def _digits(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+MAX_LAYER_INDEX = 1 << 16  # a --kv-layer range is expanded before the model's layers are known
+
+
 def _layer_indices(text: str, spec: str) -> list[int]:
-    """'0,2-5' -> [0, 2, 3, 4, 5] (checked against the model's layers by the fused-attention pass)."""
-    out: list[int] = []
-    for part in text.split(","):
-        lo, dash, hi = part.strip().partition("-")
-        if not _digits(lo) or (dash and not _digits(hi)) or (dash and int(hi) < int(lo)) or \
-                int(hi or lo) > 1 << 16:
-            raise FastCarError(f"--kv-layer {spec!r}: cannot read layers {text!r}; {KV_LAYER_FORM}")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
+    """'0,2-5' -> [0, 2, 3, 4, 5] (options.parse_layer_ranges; checked against the model's layers by the
+    fused-attention pass)."""
+    flag = f"--kv-layer {spec!r}"
+    ranges = options.parse_layer_ranges(text, flag, KV_LAYER_FORM)
+    if any(hi > MAX_LAYER_INDEX for _, hi in ranges):
+        raise FastCarError(f"{flag}: layer indices go up to {MAX_LAYER_INDEX}; {KV_LAYER_FORM}")
+    return [n for lo, hi in ranges for n in range(lo, hi + 1)]
 
 
 def check_diagnostics(tokens: int | None) -> None:
     """--kv-diagnostics' range (the dense side buffer's tokens), when set."""
     if tokens is not None:
-        check_int("--kv-diagnostics", tokens, 1, MAX_KV_DIAGNOSTICS, "tokens the dense side buffer holds")
+        options.BY_NAME["kv_diagnostics"].check(tokens)
 
 
-def kv_settings(frame_tokens: int, budget_flag: tuple[str, str], sparse: str | None, diagnostics: int | None = None,
-                context: str = "", **settings) -> KVCompressConfig:
-    """The one check-and-build of a compressed-KV setting (the global kv_* options and each --kv-layer), in this
-    order: the budget's range (budget_flag = its name and meaning), --kv-diagnostics, the sparse spec, then
-    fastar.KVCompressConfig's own checks (their messages prefixed with `context` when given). The layout is the
-    compiler's: L = frame_tokens; video_start is not known here (the op reads the model's input)."""
+def kv_settings(frame_tokens: int, sparse: str | None, diagnostics: int | None = None, context: str = "",
+                **settings) -> KVCompressConfig:
+    """The one check-and-build of a compressed-KV setting (the global kv_* options and each --kv-layer): the
+    value object is fastar.KVCompressConfig, whose checks are the compile options' bounds (core/options.py);
+    --kv-diagnostics' range and the sparse spec are read first. Messages are prefixed with `context` when given.
+    The layout is the compiler's: L = frame_tokens; video_start is not known here (the op reads the model's
+    input)."""
     from fastcar_compile.fastar.config import KVCompressConfig
 
-    check_int(budget_flag[0], settings["budget"], 1, MAX_KV_BUDGET, budget_flag[1])
     check_diagnostics(diagnostics)
-    settings.update(parse_sparse_attention(sparse))
     try:
+        settings.update(parse_sparse_attention(sparse))
         return KVCompressConfig(**settings, frame_tokens=frame_tokens, video_start=0)
     except FastCarError as exc:
         if not context:
@@ -228,10 +231,9 @@ def parse_kv_layer(spec: str, frame_tokens: int):
     except ValueError:
         raise FastCarError(f"--kv-layer {spec!r}: budget/sinks/window must be integers, tempcache/prune numbers; "
                            f"{KV_LAYER_FORM}") from None
-    cfg = kv_settings(frame_tokens, ("--kv-layer budget", "KV slots per KV head"), values.get("sparse"),
-                      context=f"--kv-layer {spec!r}", budget=ints["budget"], sinks=ints.get("sinks", 0),
-                      window=ints.get("window", 0), tempcache_sim=sim, eviction=values.get("eviction", "mass"),
-                      prune_prompt=prune)
+    cfg = kv_settings(frame_tokens, values.get("sparse"), context=f"--kv-layer {spec!r}", budget=ints["budget"],
+                      sinks=ints.get("sinks", 0), window=ints.get("window", 0), tempcache_sim=sim,
+                      eviction=values.get("eviction", "mass"), prune_prompt=prune)
     return layers, cfg
 
 

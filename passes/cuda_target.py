@@ -1,4 +1,4 @@
-"""The CUDA target (`--target cuda`): a compiled model whose every node ONNX Runtime's CUDAExecutionProvider runs.
+"""The CUDA provider (`--provider cuda`, CudaProviderPass at the end of the finish stage): a compiled model whose every node ONNX Runtime's CUDAExecutionProvider runs.
 
 The `ai.fastcar` ops' kernels are CPU C++ (runtime/native): under the CUDA provider each would be placed on the
 CPU, a device round trip per layer and step. For CUDA the compiler inlines the ops' ONNX function bodies (the
@@ -11,16 +11,17 @@ kernel for at the model's opset refuses the compile in one line naming it.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
+import onnx_ir as ir
+
+from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
 
 TABLE = Path(__file__).with_name("cuda_ep_kernels.txt")
 ONNX_DOMAINS = ("", "ai.onnx")
 EXPANDED = "expanded"  # no kernel, but ONNX Runtime rewrites the node before placement
 NO_FLOAT32 = "no float32"
-TARGET_KEY = "fastcar.target"  # metadata: the execution provider the graph was compiled for
 
 
 @functools.cache
@@ -106,37 +107,29 @@ def for_cuda(model):
     out.opset_import.extend(keep)
     bad = unsupported(out)
     if bad:
-        raise FastCarError(f"--target cuda: ONNX Runtime's CUDA provider has no kernel for {', '.join(bad[:5])}"
-                           f"{' ...' if len(bad) > 5 else ''}; compile for the CPU (--target onnx) or without the "
-                           "option that emits it (e.g. --no-native-attention for a float32 GroupQueryAttention)")
-    meta = [p for p in out.metadata_props if p.key != TARGET_KEY]
+        raise FastCarError(f"--provider cuda: ONNX Runtime's CUDA provider has no kernel for {', '.join(bad[:5])}"
+                           f"{' ...' if len(bad) > 5 else ''}; compile for --provider cpu or without the "
+                           "option that emits it (e.g. --native-attention off for a float32 GroupQueryAttention)")
+    meta = [p for p in out.metadata_props if p.key != contract.PROVIDER_KEY]
     del out.metadata_props[:]
     out.metadata_props.extend(meta)
-    out.metadata_props.add(key=TARGET_KEY, value="cuda")
+    out.metadata_props.add(key=contract.PROVIDER_KEY, value="cuda")
     return out
 
 
-def retarget_file(path: str | os.PathLike) -> list[str]:
-    """Rewrite the compiled model at `path` for CUDA in place (atomically; weights inside the file).
-    Returns the op set of the result ('domain::Op'), for the report."""
-    import onnx
+class CudaProviderPass(ir.passes.FunctionalPass):
+    """For ONNX Runtime's CUDA provider: the ai.fastcar function bodies inlined, every op checked against its kernels."""
 
-    from fastcar_compile.core.atomic import atomic_path
+    def __init__(self, notes: list[str]):
+        super().__init__()
+        self.notes = notes
 
-    path = Path(path)
-    if any(t.data_location == onnx.TensorProto.EXTERNAL
-           for t in onnx.load(str(path), load_external_data=False).graph.initializer):
-        raise FastCarError(f"--target cuda: {path} keeps its weights in external data, which the CUDA rewrite does "
-                           "not carry yet; compile a model under 2 GiB, or run the CPU compile")
-    out = for_cuda(onnx.load(str(path)))
-    with atomic_path(path) as tmp:
-        onnx.save(out, str(tmp))
-    return sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in _nodes(out.graph)})
-
-
-def retarget(args) -> None:
-    """--target cuda of a compile command line: the written model rewritten for the CUDA provider, said in a line."""
-    if getattr(args, "target", "onnx") != "cuda":
-        return
-    ops = retarget_file(args.output)
-    print(f"--target cuda: ai.fastcar function bodies inlined; {len(ops)} op types, each with a CUDA provider kernel")
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values()):
+            raise FastCarError("--provider cuda: the model keeps its weights in external data, which the CUDA "
+                               "rewrite does not carry yet; compile a model under 2 GiB, or for --provider cpu")
+        out = for_cuda(ir.to_proto(model))
+        ops = {f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in _nodes(out.graph)}
+        self.notes.append(f"--provider cuda: ai.fastcar function bodies inlined; {len(ops)} op types, each with a "
+                          "CUDA provider kernel")
+        return ir.passes.PassResult(ir.from_proto(out), modified=True)

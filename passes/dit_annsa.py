@@ -1,4 +1,4 @@
-"""AnnSA compiled into a DiT step graph (`fastcar-compile dit.onnx -o fast.onnx --annsa lsh|quant`): the chunk's
+"""AnnSA compiled into a DiT step graph (`fastcar-compile dit.onnx -o fast.onnx --annsa lsh|int8`): the chunk's
 queries attend to the chunk, the sink frames and the `annsa_local` most recent cached frames densely, and to any
 other cached slot only where query and key share a bucket in one of T tables (the eager runtime's AnnSA,
 dit/fastar.attend_cache).

@@ -10,17 +10,17 @@ computes the same attention without touching the cache's bytes except to read th
     out    = Slice(softmax(scores), :C) past_v + Slice(softmax(scores), C:) v
 
 `past.N.key|value` become the runtime's preallocated buffers [B, heads, C, d] (C slots: sink frames, then a
-ring of window frames, stream.RingCache) of which the first `past_length` tokens hold K/V; the chunk's own K/V
+ring of window frames, cache.RingCache) of which the first `past_length` tokens hold K/V; the chunk's own K/V
 stay the `present.N.*` outputs, which the runtime writes into the ring after the chunk's cache pass (the
 chunk's bytes only). Keys are stored rotated at their absolute positions and attention is a sum over the
 keys, so their order in the buffer does not matter. FastCar's FFN replay is passes/dit_replay.py's;
 `--tempcache SIM` adds each slot's log(count) (`past_bias.N`) to the cache's scores and
-outputs the pre-RoPE keys (`present_pre.N.key`) for the runtime's merge at write time (stream.RingCache), with
+outputs the pre-RoPE keys (`present_pre.N.key`) for the runtime's merge at write time (cache.RingCache), with
 the correspondent `--tempcache-match` names (aligned, or the top-1 match in a bucket: dit/tempcache.py); in its
 `slots` form (the native library there) the block's attention is one ai.fastcar SlotAttention node over the
 resident slots the runtime lists per (row, head) (`tempcache_slots.N`), so a position a merge left costs nothing;
 `--annca` keeps, per frame, the prompt tokens sharing a bucket with a query of the frame (passes/dit_annca.py);
-`--annsa lsh|quant` replaces the cache's part by AnnSA's block-sparse attention over buckets (passes/dit_annsa.py).
+`--annsa lsh|int8` replaces the cache's part by AnnSA's block-sparse attention over buckets (passes/dit_annsa.py).
 FAST-AR's other compressed caches are not compiled for DiT blocks yet: asked for, they are refused in one line.
 """
 

@@ -36,12 +36,12 @@ REPLAY_OP = "TAS (scaled query . key one frame back, mean over heads) > tau -> F
     "(NonZero/Gather/ScatterND), replayed rows chained frame by frame"
 ANNCA_OP = "per frame, prompt tokens sharing a bucket with a query of the frame (bucket bitmap, no query x " \
     "prompt map) gathered, attention over them only"
-BUCKET_SETTINGS = ("lsh_bits", "quant_dirs", "ann_tables", "ann_seed")  # what draws a bucketing, besides its kind
+BUCKET_SETTINGS = ("lsh_bits", "int8_dirs", "ann_tables", "ann_seed")  # what draws a bucketing, besides its kind
 # Options that ask for features a DiT does not have (any value but the default), and those checked on their own.
 _REPLAY_OPTIONS = ("tas_query", "max_replay", "per_layer_threshold", "emit_diagnostics", "required_video_inputs")
 _KV_OPTIONS = ("kv_budget", "kv_sinks", "kv_window", "kv_eviction", "sparse_attention", "prune_prompt",
                "kv_diagnostics", "kv_layers")
-_OWN = ("frame_tokens", "threshold", "tempcache", "validate", "native_attention", *options.DIT_ONLY)
+_OWN = ("frame_tokens", "threshold", "tempcache", "validate", "native_attention", "provider", *options.DIT_ONLY)
 
 
 def _given(opts: dict, name: str):
@@ -53,9 +53,7 @@ def _given(opts: dict, name: str):
 def bucket_record(kind: str, opts: dict) -> BucketRecord:
     """A bucketing as the metadata records it, from the compile's option values (each checked, its default where
     not given); the runtime redraws it (fastar.config.hasher_of)."""
-    record = BucketRecord(kind, **{k: _given(opts, k) for k in BUCKET_SETTINGS})
-    options.check_quant_dirs(record.quant_dirs)
-    return record
+    return BucketRecord(kind, **{k: _given(opts, k) for k in BUCKET_SETTINGS})
 
 
 def annca_mode(opts: dict) -> BucketRecord | None:
@@ -79,7 +77,7 @@ def annsa_kernel(opts: dict) -> str:
 
 
 def annsa_mode(opts: dict) -> AnnSARecord | None:
-    """`--annsa lsh|quant` (None: off): its buckets, the local frames and the compiled form."""
+    """`--annsa lsh|int8` (None: off): its buckets, the local frames and the compiled form."""
     kind = options.BY_NAME["annsa"].check(opts.get("annsa"))
     if kind is None:
         return None
@@ -118,7 +116,8 @@ def _refuse_unused_settings(opts: dict, modes: DiTModes) -> None:
             modes.annca is not None or modes.tempcache_buckets is not None))
         if not used and name in opts and opts[name] != options.BY_NAME[name].default:
             flag = options.BY_NAME[name].flag
-            modes_of = "--annsa" if name in annsa_only else "--annsa / --annca / --tempcache-match lsh|quant"
+            modes_of = "--annsa" if name in annsa_only else \
+                "--annsa / --annca / --tempcache-match " + "|".join(options.BUCKETINGS)
             raise FastCarError(f"{flag} is a setting of {modes_of}: give one of them with it, or leave {flag} out")
 
 

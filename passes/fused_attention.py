@@ -399,7 +399,7 @@ class FusedAttentionPass(ir.passes.InPlacePass):
                 if cfg.prune_prompt is not None or cfg.tempcache_sim is not None:
                     none = build.absent(graph)
                     inputs += [none] * (11 - len(inputs))
-                    inputs.append(build.video_start_input(graph, opts.required_video_inputs))
+                    inputs.append(build.video_start_input(graph, opts.video_start_default))
             diag = opts.kv_diagnostics is not None
             n_out = 3 if cfg is None else 8 if diag else 5 + (cfg.tempcache_sim is not None)
             outs = bl(contract.COMPRESSED_ATTENTION, inputs, attrs, domain=contract.DOMAIN, outputs=n_out,

@@ -36,7 +36,7 @@ class GatePass(ir.passes.InPlacePass):
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))
         ctx.batch = build.batch_dim(graph)
         plain = opts.required_video_inputs  # no defaults: the caller feeds both every run
-        ctx.video_start = build.video_start_input(graph, plain)
+        ctx.video_start = build.video_start_input(graph, opts.video_start_default)
         if opts.per_layer_threshold:
             taus = np.asarray(opts.threshold, np.float32).reshape(-1)
             if taus.size == 1:

@@ -8,7 +8,7 @@ graph), each stage the `onnx_ir.passes` passes of that target, in order.
               graph again: decoders' fused attention (the plan's form) -> gate -> branch -> cache state [-> genai
               state] [-> native GroupQueryAttention on the export's own com.microsoft nodes] -> KV dim names;
               DiTs' in-place cache (+ TempCache, AnnSA) -> FFN replay -> AnnCA
-    finish    IR version, metadata
+    finish    IR version, metadata [-> the CUDA provider's form: function bodies inlined, ops checked]
     validate  onnx.checker and an ONNX Runtime session on the staged file (when writing, unless off)
     save      stage the files that go with the model (the genai folder; the DiT's prompt graph), rename into place
 
@@ -29,6 +29,7 @@ from fastcar_compile.passes.analysis import DiscoverPass, PlanPass, SelectLayers
 from fastcar_compile.passes.branch import BranchPass
 from fastcar_compile.passes.cache_state import CacheStatePass
 from fastcar_compile.passes.context import CompileContext, DiTContext
+from fastcar_compile.passes.cuda_target import CudaProviderPass
 from fastcar_compile.passes.dit_annca import AnnCAPass
 from fastcar_compile.passes.dit_cache import InPlaceCachePass
 from fastcar_compile.passes.dit_discover import DiTDiscoverPass
@@ -81,13 +82,18 @@ def _decoder_emit(ctx: CompileContext) -> Passes:
     ]
 
 
+def _provider(provider: str, notes: list[str]) -> Passes:
+    """The last finishing pass for an execution provider other than the CPU's."""
+    return [CudaProviderPass(notes)] if provider == "cuda" else []
+
+
 DECODER = Target(
     "decoder",
     fuse=exporter_fusions,
     discover=lambda ctx: [DiscoverPass(ctx), SelectLayersPass(ctx)],
     plan=lambda ctx: [PlanPass(ctx)],
     emit=_decoder_emit,
-    finish=lambda ctx: [IrVersionPass(ctx), MetadataPass(ctx)],
+    finish=lambda ctx: [IrVersionPass(ctx), MetadataPass(ctx), *_provider(ctx.options.provider, ctx.notes)],
     files=lambda ctx, staging: [GenaiConfigPass(ctx, staging)] if ctx.genai_config is not None else [],
 )
 DIT = Target(
@@ -96,7 +102,7 @@ DIT = Target(
     discover=lambda ctx: [DiTDiscoverPass(ctx)],
     plan=lambda ctx: [DiTPlanPass(ctx)],
     emit=lambda ctx: [InPlaceCachePass(ctx), ReplayPass(ctx), AnnCAPass(ctx)],
-    finish=lambda ctx: [DiTMetadataPass(ctx)],
+    finish=lambda ctx: [DiTMetadataPass(ctx), *_provider(ctx.options.get("provider", "cpu"), ctx.notes)],
     files=lambda ctx, staging: [StagePromptGraphPass(ctx, staging)],
 )
 

@@ -107,6 +107,15 @@ class Plan:
         return [line for block in self.blocks for line in block.lines()]
 
 
+def _tas_query(opts: CompileOptions | None, rope: str) -> str:
+    """The query TAS reads, as the layer has it: on a layer without a rotary (NoPE, learned positions) 'rope' and
+    'raw' are the same query, and the plan says so instead of naming a rotary the layer lacks."""
+    asked = opts.tas_query if opts is not None else contract.TAS_ROPE
+    if rope == "none":
+        return f"{asked} = raw: no rotary on this layer, TAS reads the query as the attention does"
+    return asked
+
+
 def fused_op(opts: CompileOptions | None, fusion: dict) -> str:
     """The op a fused layer's attention is emitted as (`fusion`: what fused_attention.fusable found for it): the
     fastcar op, or with `--fused-attention gqa` ai.fastcar's GroupQueryAttention (--native-attention on, float32:
@@ -194,7 +203,7 @@ def plan_blocks(matches: list[LayerMatch], selected: list[int], opts: CompileOpt
                       (f", sliding window {att.window or '?'}" if att.sliding_window else ""),
             attention_op=op, rotary=att.rope + (f" (rope TAS refused: {att.rope_refusal})" if att.rope_refusal else ""),
             residual=mlp.form, mlp=mlp_text, kv=cache, gate=gate,
-            tas_query=(opts.tas_query if opts is not None else contract.TAS_ROPE) if rewrite else "",
+            tas_query=_tas_query(opts, att.rope) if rewrite else "",
             threshold=_threshold(opts, selected.index(m.layer)) if rewrite else "",
             packing=_packing(m, form, forms) if m.layer in (fused or {}) or rewrite else "-", row_selection=rows))
     return Plan(tuple(blocks))

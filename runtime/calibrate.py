@@ -175,9 +175,9 @@ def _search(evaluate: Callable[[float], tuple[float, float | None]], good: Calla
     doubling, then bisect until the score is 0, the replay ratios at both ends differ by at most
     `replay_resolution`, or the probes run out; return the best-scoring good tau."""
     probes: list[tuple[float, float, float | None]] = []
-    from tqdm.auto import tqdm
+    from fastcar_compile.core.progress import bar as progress_bar
 
-    bar = tqdm(total=max_probes, desc="calibrating tau", unit="probe", disable=not progress, leave=False)
+    bar = progress_bar(total=max_probes, desc="calibrating tau", unit="probe", enabled=progress, leave=False)
 
     def probe(t: float) -> bool:
         r, d = evaluate(t)
@@ -236,10 +236,10 @@ def _quantile(prober: _Prober, target: float, ceiling: float, tolerance: float, 
               ) -> tuple[float, list[tuple[float, float, float | None]]]:
     """tau for `target` replay: the TAS quantile of one never-replay pass, then up to `refine` passes at the
     current tau that re-read the quantile with replay on and correct the share by the remaining error."""
-    from tqdm.auto import tqdm
+    from fastcar_compile.core.progress import bar as progress_bar
 
     probes: list[tuple[float, float, float | None]] = []
-    bar = tqdm(total=1 + refine, desc="calibrating tau", unit="pass", disable=not progress, leave=False)
+    bar = progress_bar(total=1 + refine, desc="calibrating tau", unit="pass", enabled=progress, leave=False)
     try:
         probes.append((math.inf, *prober.run(math.inf, collect_tas=True)))
         bar.update(1)

@@ -194,17 +194,7 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     token of a verify step decides replay as its own step would (K < L), and rejected tokens' MLP cache rows and
     ages are restored.
     """
-    L = int(frame_tokens or session.frame_tokens or 0)
-    if session.frame_tokens and frame_tokens and frame_tokens != session.frame_tokens:
-        raise FastCarError(f"frame_tokens={frame_tokens} but the model was compiled for L={session.frame_tokens}")
-    if L <= 0:
-        raise FastCarError("frame size unknown: pass frame_tokens=L (a dense model has no fastcar metadata)")
-    if isinstance(num_frames, bool) or not isinstance(num_frames, int | np.integer) or not 1 <= num_frames <= 2**31:
-        raise FastCarError(f"num_frames must be a whole number of frames >= 1, got {num_frames!r}")
-    if trace is not None:  # checked before generating: a bad path must not cost the generated tokens
-        from fastcar_compile.core.fileio import check_output_path
-
-        check_output_path(trace, "trace")
+    L = _frame_size(session, frame_tokens, num_frames, trace)
     if threshold is not None and not session.is_fastcar:
         raise FastCarError("threshold given but this is a dense model (no FastCar replay); drop it")
     thr = None if threshold is None else session.threshold_array(threshold)  # type/NaN checks first
@@ -217,86 +207,166 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
     spec = parse_draft(draft, draft_tokens)
     if spec is not None and (why := session.speculation_refusal()) is not None:
         raise FastCarError(why)
-    vocab = getattr(session, "vocab", None)
-    cond = _as_rows(prompt_ids, "prompt_ids", vocab)
-    rows = cond
-    cfg = cfg_scale is not None
-    if cfg:
-        if uncond_prompt_ids is None:
-            raise FastCarError("cfg_scale needs uncond_prompt_ids (one unconditional prompt per row)")
-        uncond = _as_rows(uncond_prompt_ids, "uncond_prompt_ids", vocab)
-        if len(uncond) != len(cond):
-            raise FastCarError(f"{len(cond)} conditional prompts but {len(uncond)} unconditional ones")
-        rows = cond + uncond
-    elif uncond_prompt_ids is not None:
-        raise FastCarError("uncond_prompt_ids given without cfg_scale")
+    cond, rows = _prompt_rows(prompt_ids, uncond_prompt_ids, cfg_scale, getattr(session, "vocab", None))
     ids, mask = left_pad(rows, pad_token_id)
-    batch, padded = ids.shape
-    if not 0 <= given_video_tokens <= min(len(r) for r in rows):
-        raise FastCarError(f"given_video_tokens={given_video_tokens} must be in [0, shortest prompt length]")
-    video_start = padded - given_video_tokens
-    n_out = len(cond)
-    total = num_frames * L
-    session.check_video_length(padded + total - 1)  # (the last token is sampled, never fed)
-    session.check_memory(batch, f"{num_frames} frames of {L} tokens for {batch} row(s) after a {padded}-token prompt",
-                         "generate fewer frames or rows", tokens=padded + total - 1)
-    rng = np.random.default_rng(seed)
-    mem = session.state_nbytes(batch)
-    stats = RunStats(model=str(session.path), fastcar=session.is_fastcar, frame_tokens=L,
-                     layers=list(session.layers), batch=batch, video_start=video_start, num_frames=num_frames,
-                     given_video_tokens=given_video_tokens,
-                     threshold=(float(threshold) if np.ndim(threshold) == 0 else list(map(float, threshold)))
-                     if threshold is not None else session.default_threshold,
-                     cfg_scale=cfg_scale, state_bytes=mem["fastcar_state"],
-                     kv_bytes_per_token=mem["kv_per_token"], native_ops=session.native_library is not None)
+    video_start = _video_start(session, rows, ids.shape[1], given_video_tokens, num_frames, L)
+    stats = _new_stats(session, L, len(rows), video_start, num_frames, given_video_tokens, threshold, cfg_scale)
     if collect_tas:
         stats.tas = []
-    tokens = np.zeros((n_out, total), dtype=np.int64)
-    logit_rows: list[np.ndarray] = []
+    run = _Run(session, stats, np.zeros((len(cond), num_frames * L), dtype=np.int64), thr, sampler,
+               np.random.default_rng(seed), cfg_scale, len(rows), callback, logits_processor,
+               [] if keep_logits else None, collect_tas)
+    state = run.go(ids, mask, video_start, progress, spec, cond, given_video_tokens)
+    stats.finalize()
+    if stats.kv_diagnostics and state is not None:
+        stats.add_kv_bytes(state.arrays, state.past_len)
+    kept = np.stack(run.logit_rows, axis=1) if run.logit_rows else None
+    result = GenerationResult(run.tokens[:, :run.n], stats, kept)
+    if trace:
+        stats.save(trace)
+    return result
 
-    def guided(last: np.ndarray, n: int) -> np.ndarray:
+
+def _frame_size(session: StepModel, frame_tokens: int | None, num_frames: Any, trace: str | None) -> int:
+    """L (the model's, or frame_tokens for a dense model), refusing another L, a bad frame count and an unwritable
+    trace path before anything is generated (a bad path must not cost the generated tokens)."""
+    L = int(frame_tokens or session.frame_tokens or 0)
+    if session.frame_tokens and frame_tokens and frame_tokens != session.frame_tokens:
+        raise FastCarError(f"frame_tokens={frame_tokens} but the model was compiled for L={session.frame_tokens}")
+    if L <= 0:
+        raise FastCarError("frame size unknown: pass frame_tokens=L (a dense model has no fastcar metadata)")
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int | np.integer) or not 1 <= num_frames <= 2**31:
+        raise FastCarError(f"num_frames must be a whole number of frames >= 1, got {num_frames!r}")
+    if trace is not None:
+        from fastcar_compile.core.fileio import check_output_path
+
+        check_output_path(trace, "trace")
+    return L
+
+
+def _prompt_rows(prompt_ids: Any, uncond_prompt_ids: Any, cfg_scale: float | None, vocab: int | None
+                 ) -> tuple[list[list[int]], list[list[int]]]:
+    """(the conditional prompts, every row of the batch): with guidance the unconditional ones follow, one each."""
+    cond = _as_rows(prompt_ids, "prompt_ids", vocab)
+    if cfg_scale is None:
+        if uncond_prompt_ids is not None:
+            raise FastCarError("uncond_prompt_ids given without cfg_scale")
+        return cond, cond
+    if uncond_prompt_ids is None:
+        raise FastCarError("cfg_scale needs uncond_prompt_ids (one unconditional prompt per row)")
+    uncond = _as_rows(uncond_prompt_ids, "uncond_prompt_ids", vocab)
+    if len(uncond) != len(cond):
+        raise FastCarError(f"{len(cond)} conditional prompts but {len(uncond)} unconditional ones")
+    return cond, cond + uncond
+
+
+def _video_start(session: StepModel, rows: list[list[int]], padded: int, given_video_tokens: int, num_frames: int,
+                 L: int) -> int:
+    """The KV index of the first video token (the given ones' included), refusing a video longer than the model's
+    tables or this machine's memory before the first step."""
+    if not 0 <= given_video_tokens <= min(len(r) for r in rows):
+        raise FastCarError(f"given_video_tokens={given_video_tokens} must be in [0, shortest prompt length]")
+    total = num_frames * L
+    session.check_video_length(padded + total - 1)  # (the last token is sampled, never fed)
+    session.check_memory(len(rows), f"{num_frames} frames of {L} tokens for {len(rows)} row(s) after a "
+                         f"{padded}-token prompt", "generate fewer frames or rows", tokens=padded + total - 1)
+    return padded - given_video_tokens
+
+
+def _new_stats(session: StepModel, L: int, batch: int, video_start: int, num_frames: int, given_video_tokens: int,
+               threshold: Any, cfg_scale: float | None) -> RunStats:
+    mem = session.state_nbytes(batch)
+    return RunStats(model=str(session.path), fastcar=session.is_fastcar, frame_tokens=L,
+                    layers=list(session.layers), batch=batch, video_start=video_start, num_frames=num_frames,
+                    given_video_tokens=given_video_tokens,
+                    threshold=(float(threshold) if np.ndim(threshold) == 0 else list(map(float, threshold)))
+                    if threshold is not None else session.default_threshold,
+                    cfg_scale=cfg_scale, state_bytes=mem["fastcar_state"],
+                    kv_bytes_per_token=mem["kv_per_token"], native_ops=session.native_library is not None)
+
+
+@dataclass
+class _Run:
+    """One generate call's decoding: what each step needs besides the state, and the tokens so far (`n`)."""
+
+    session: StepModel
+    stats: RunStats
+    tokens: np.ndarray  # [conditional rows, frames x L]
+    thr: np.ndarray | None
+    sampler: Sampler
+    rng: np.random.Generator
+    cfg_scale: float | None
+    batch: int
+    callback: FrameCallback | None
+    logits_processor: Callable[[np.ndarray], np.ndarray] | None
+    logit_rows: list[np.ndarray] | None  # the guided logits of each token (keep_logits), else None
+    collect_tas: bool
+    n: int = 0
+    bar: Any = None
+
+    @property
+    def cfg(self) -> bool:
+        return self.cfg_scale is not None
+
+    def guided(self, last: np.ndarray, n: int) -> np.ndarray:
         """The logits token n is chosen from ([rows, vocab] float64): guidance, then the processor."""
-        g = guide(last[:n_out], last[n_out:], cfg_scale) if cfg else last.astype(np.float64)
+        n_out = self.tokens.shape[0]
+        g = guide(last[:n_out], last[n_out:], self.cfg_scale) if self.cfg else last.astype(np.float64)
         if np.isnan(g).any():
-            raise FastCarError(f"the model's logits for token {n} contain NaN ({session.path.name}); its weights "
-                               "or inputs hold NaN or overflow, so no token can be chosen")
-        if logits_processor is not None:
-            g = _processed(logits_processor, g, n)
+            raise FastCarError(f"the model's logits for token {n} contain NaN ({self.session.path.name}); its "
+                               "weights or inputs hold NaN or overflow, so no token can be chosen")
+        if self.logits_processor is not None:
+            g = _processed(self.logits_processor, g, n)
         return g
 
-    def choose(logits: np.ndarray) -> np.ndarray:
-        g = guided(logits[:, -1, :], n)
-        if keep_logits:
-            logit_rows.append(g.astype(np.float32))
-        return sampler(g, rng)
+    def choose(self, logits: np.ndarray) -> np.ndarray:
+        """Token n (= self.n) of every row, from a step's last logits."""
+        g = self.guided(logits[:, -1, :], self.n)
+        if self.logit_rows is not None:
+            self.logit_rows.append(g.astype(np.float32))
+        return self.sampler(g, self.rng)
 
-    show = progress if progress is not None else total >= AUTO_PROGRESS_TOKENS
-    from tqdm.auto import tqdm
+    def go(self, ids: np.ndarray, mask: np.ndarray, video_start: int, progress: bool | None, spec: DraftSpec | None,
+           prompts: list[list[int]], given_video_tokens: int) -> Any:
+        """Prefill, then the decode loop (with drafts: _speculate) until every frame is done, the callback stops
+        it or Ctrl-C does; returns the state after the prefill (or the last decode step), None when none."""
+        total = self.tokens.shape[1]
+        show = progress if progress is not None else total >= AUTO_PROGRESS_TOKENS
+        from fastcar_compile.core.progress import bar as progress_bar
 
-    bar = tqdm(total=total, unit="tok", desc=session.path.name, disable=not show, leave=False)
-    if show:  # long run: say up front what it will hold in memory
-        bar.write(session.describe_memory(batch, video_start + total))
-    n = 0
-    try:
-        state = session.new_state(batch, video_start=video_start)
-        t0 = time.perf_counter()
-        out = session.step(state, ids, attention_mask=mask, threshold=thr)
-        stats.prefill_ms = 1e3 * (time.perf_counter() - t0)
-        stats.add_kv_stats(out.extra)
-        tokens[:, 0] = choose(out.logits)
-        prefill_logits = out.logits
-        n = 1
-        bar.update(1)
-        state = out.state
+        self.bar = progress_bar(total=total, unit="tok", desc=self.session.path.name, enabled=show, leave=False)
+        if show:  # long run: say up front what it will hold in memory
+            self.bar.write(self.session.describe_memory(self.batch, video_start + total))
+        state = None
+        try:
+            state = self.session.new_state(self.batch, video_start=video_start)
+            t0 = time.perf_counter()
+            out = self.session.step(state, ids, attention_mask=mask, threshold=self.thr)
+            self.stats.prefill_ms = 1e3 * (time.perf_counter() - t0)
+            self.stats.add_kv_stats(out.extra)
+            self.tokens[:, 0] = self.choose(out.logits)
+            self.n = 1
+            self.bar.update(1)
+            state = out.state
+            if spec is not None:
+                self.n = _speculate(self, state, spec, [np.asarray(r, np.int64) for r in prompts], given_video_tokens,
+                                    out.logits)
+            else:
+                state = self.decode(state)
+        except KeyboardInterrupt:
+            self.stats.interrupted = True
+        finally:
+            self.bar.close()
+        return state
+
+    def decode(self, state: Any) -> Any:
+        """One token per step until the last frame is done or the callback returns False; the last state."""
+        L, total, stats = self.stats.frame_tokens, self.tokens.shape[1], self.stats
         frame_ms = 0.0
         warned = False
-        one = np.ones((batch, 1), np.int64)
-        if spec is not None:
-            histories = [np.asarray(r, np.int64) for r in cond]
-            n = _speculate(session, state, spec, thr, tokens, n, histories, given_video_tokens, prefill_logits,
-                           guided, sampler,
-                           rng, stats, bar, callback, logit_rows if keep_logits else None, batch, cfg)
-        while spec is None and n <= total:
+        one = np.ones((self.batch, 1), np.int64)
+        while self.n <= total:
+            n = self.n
             if n % L == 0:  # a frame is complete
                 f = n // L - 1
                 if not warned and stats.steps:
@@ -304,46 +374,32 @@ def generate(session: StepModel, prompt_ids: Any, num_frames: int, *, frame_toke
                 stats.frame_ms.append(frame_ms)
                 frame_ms = 0.0
                 stats.frames_done = f + 1
-                if callback is not None and callback(f, tokens[:, f * L: n].copy()) is False:
+                if self.callback is not None and self.callback(f, self.tokens[:, f * L: n].copy()) is False:
                     break
             if n == total:
                 break
-            fed = tokens[:, n - 1]
-            feed = np.concatenate([fed, fed]) if cfg else fed
+            fed = self.tokens[:, n - 1]
+            feed = np.concatenate([fed, fed]) if self.cfg else fed
             pos = state.past_len
             t0 = time.perf_counter()
-            out = session.step(state, feed[:, None], attention_mask=one, threshold=thr, check=False)
+            out = self.session.step(state, feed[:, None], attention_mask=one, threshold=self.thr, check=False)
             dt = 1e3 * (time.perf_counter() - t0)
-            tokens[:, n] = choose(out.logits)
+            self.tokens[:, n] = self.choose(out.logits)
             state = out.state
             stats.step_ms.append(dt)
             frame_ms += dt
             rep = out.replay.astype(int).tolist() if out.replay is not None else []
             stats.steps.append({"pos": int(pos), "replay": rep})
             stats.add_kv_stats(out.extra)
-            if collect_tas and out.tas is not None:
+            if self.collect_tas and out.tas is not None:
                 stats.tas.append(out.tas[:, :, 0].tolist())
-            n += 1
-            bar.update(1)
-    except KeyboardInterrupt:
-        stats.interrupted = True
-    finally:
-        bar.close()
-    stats.finalize()
-    if stats.kv_diagnostics:
-        stats.add_kv_bytes(state.arrays, state.past_len)
-    kept = np.stack(logit_rows, axis=1) if keep_logits and logit_rows else None
-    result = GenerationResult(tokens[:, :n], stats, kept)
-    if trace:
-        stats.save(trace)
-    return result
+            self.n = n + 1
+            self.bar.update(1)
+        return state
 
 
-
-def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray | None, tokens: np.ndarray, n: int,
-               prompts: list[np.ndarray], given_video_tokens: int, prefill_logits: np.ndarray, guided: Callable[[np.ndarray, int], np.ndarray],
-               sampler: Sampler, rng: np.random.Generator, stats: RunStats, bar: Any,
-               callback: FrameCallback | None, logit_rows: list[np.ndarray] | None, batch: int, cfg: bool) -> int:
+def _speculate(run: _Run, state: Any, spec: DraftSpec, prompts: list[np.ndarray], given_video_tokens: int,
+               prefill_logits: np.ndarray) -> int:
     """The decode loop with drafts (runtime/speculate.py): each step feeds the last kept token and k draft
     tokens, keeps what the model accepts plus its own next token, and rewinds the KV cache to them. Returns the
     number of tokens generated. Each kept token is a trace step at its KV index, with its share of the step's
@@ -351,6 +407,9 @@ def _speculate(session: StepModel, state: Any, spec: DraftSpec, thr: np.ndarray 
     False return drops the tokens after that frame. On a FastCar model a verify step holds at most L tokens (each
     token's slot written once, its decision that of a single-token step) and the FastCar state rows it writes are
     copied before it, so a rejection restores them (session.snapshot / rewind)."""
+    session, tokens, n, thr, guided, sampler, rng, stats, bar = (run.session, run.tokens, run.n, run.thr, run.guided,
+                                                                 run.sampler, run.rng, run.stats, run.bar)
+    callback, logit_rows, batch, cfg = run.callback, run.logit_rows, run.batch, run.cfg
     n_out, total = tokens.shape
     L = stats.frame_tokens
     length = DraftLength(spec.tokens)

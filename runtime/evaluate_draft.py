@@ -32,8 +32,7 @@ def evaluate_draft(model_path: str | os.PathLike, prompts: np.ndarray, out_dir: 
                    dense_path: str | os.PathLike | None = None) -> dict[str, Any]:
     """Plain vs draft decoding of `model_path` on `prompts` (and of `dense_path`, the dense model a FastCar
     `model_path` was compiled from, when given); returns eval.json's dict."""
-    from tqdm.auto import tqdm
-
+    from fastcar_compile.core.progress import bar
     from fastcar_compile.runtime.session import FastCarSession
     from fastcar_compile.runtime.speculate import parse_draft
     from fastcar_compile.runtime.stats import RunStats
@@ -64,7 +63,7 @@ def evaluate_draft(model_path: str | os.PathLike, prompts: np.ndarray, out_dir: 
     same: dict[str, list] = {"draft": [], "dense_draft": []}
     chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     order = list(sessions)
-    for i, chunk in enumerate(tqdm(chunks, desc=f"plain vs draft {spec}", unit="batch", disable=not progress)):
+    for i, chunk in enumerate(bar(chunks, desc=f"plain vs draft {spec}", unit="batch", enabled=progress)):
         res = {}
         for which in order[i % len(order):] + order[: i % len(order)]:
             t0 = time.perf_counter()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -106,7 +105,11 @@ def _draft_block(target: dict) -> dict:
 
 def _target_io(model_path: Path, config: dict) -> tuple[int, int]:
     """(vocab, input_ids ONNX type) of the target graph: genai needs a static vocabulary dim equal to the draft's."""
-    m = onnx.load(str(model_path), load_external_data=False)
+    try:
+        m = onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - onnx raises DecodeError, OSError, ValueError ... for a bad file
+        raise FastCarError(f"{model_path} (genai_config.json's decoder filename) is not a readable ONNX model "
+                           f"({type(exc).__name__}); rebuild the folder with the model builder") from None
     dec = config["model"]["decoder"]
     names = {v.name: v for v in [*m.graph.input, *m.graph.output]}
     logits, ids = names.get(dec.get("outputs", {}).get("logits", "logits")), names.get(
@@ -117,19 +120,58 @@ def _target_io(model_path: Path, config: dict) -> tuple[int, int]:
         raise FastCarError(f"{model_path} is FastCar-compiled: genai rewinds a rejected draft's KV but not the FastCar "
                            "state (its recurrent_state), so a rejected token's MLP cache row would stay; give the "
                            "dense model's genai folder (FastCar with drafts: FastCarSession.generate(draft=...))")
-    last = logits.type.tensor_type.shape.dim[-1]
-    if not last.HasField("dim_value"):
+    dims = logits.type.tensor_type.shape.dim
+    if not dims or not dims[-1].HasField("dim_value") or dims[-1].dim_value < 1:
         raise FastCarError(f"{model_path}: the logits' vocabulary dim is symbolic; genai's speculation needs it static")
-    return last.dim_value, ids.type.tensor_type.elem_type
+    return dims[-1].dim_value, ids.type.tensor_type.elem_type
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    """dst as a copy of src, an older dst replaced. Not a hard link: onnx refuses external data files with more
-    than one link ("potential hardlink attack"), so a link would make the input folder unloadable by onnx.load."""
-    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-    return dst
+def _non_finite(value, where: str = "") -> str | None:
+    """The path of the first NaN / Infinity number in a JSON value (Python's json reads those literals)."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "(top)"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if (found := _non_finite(v, f"{where}.{k}" if where else str(k))) is not None:
+            return found
+    return None
+
+
+def read_config(src: Path) -> tuple[dict, Path]:
+    """GENAI_DIR's genai_config.json and the target model it names, each field this command reads checked as it
+    is read: one FastCarError per problem (malformed JSON, a wrong type, a missing key, a decoder file outside
+    the folder, a NaN), never a traceback."""
+    from fastcar_compile.core.fileio import check_input_file, read_json
+
+    cfg_path = src / "genai_config.json"
+    if not src.is_dir() or not (cfg_path.exists() or cfg_path.is_symlink()):
+        raise FastCarError(f"{src} has no genai_config.json; give the folder the onnxruntime-genai model builder wrote")
+    config = read_json(cfg_path, "genai_config.json")
+    if (bad := _non_finite(config)) is not None:
+        raise FastCarError(f"{cfg_path}: {bad} is not a finite number (NaN or Infinity); fix or rebuild the folder")
+    model = config.get("model")
+    decoder = model.get("decoder") if isinstance(model, dict) else None
+    if not isinstance(decoder, dict):
+        raise FastCarError(f"{cfg_path}: needs a 'model' object holding a 'decoder' object (genai's layout); rebuild "
+                           "the folder with the model builder")
+    name = decoder.get("filename")
+    if not isinstance(name, str) or not name:
+        raise FastCarError(f"{cfg_path}: model.decoder.filename must be the decoder's file name (a string)")
+    if Path(name).is_absolute() or os.path.normpath(name).split(os.sep)[0] == "..":  # a link inside may lead out
+        raise FastCarError(f"{cfg_path}: model.decoder.filename {name!r} lies outside the folder; genai reads a "
+                           "model only from below its config's folder")
+    for key in ("inputs", "outputs", "session_options"):
+        if key in decoder and not isinstance(decoder[key], dict):
+            raise FastCarError(f"{cfg_path}: model.decoder.{key} must be an object")
+    for key in ("inputs", "outputs"):
+        if any(not isinstance(v, str) for v in decoder.get(key, {}).values()):
+            raise FastCarError(f"{cfg_path}: model.decoder.{key} must map names to strings")
+    search = config.get("search", {})
+    if not isinstance(search, dict) or not isinstance(search.get("past_present_share_buffer", False), bool):
+        raise FastCarError(f"{cfg_path}: search must be an object and search.past_present_share_buffer true/false")
+    return config, check_input_file(src / name, "genai_config.json's model.decoder.filename")
 
 
 def speculation_config(config: dict, draft: str, k: int | None, ngram: int) -> dict:
@@ -150,13 +192,11 @@ def write(genai_dir: str | os.PathLike, out_dir: str | os.PathLike, draft: str, 
           ngram: int = NGRAM_SIZE) -> list[Path]:
     """Write OUT: genai_config.json, draft.onnx for the temporal draft, and copies of GENAI_DIR's other files
     (genai 0.18 reads a model only from below its config's folder: no '..', no absolute path). GENAI_DIR is
-    left as is. Returns the files written."""
+    left as is and never written into; OUT's files appear together or not at all (staged beside them, then
+    renamed). Returns the files written."""
+    from fastcar_compile.core.fileio import check_output_dir, copy_file, staged_dir
+
     src, dst = Path(genai_dir), Path(out_dir)
-    cfg_path = src / "genai_config.json"
-    if not cfg_path.is_file():
-        raise FastCarError(f"{src} has no genai_config.json; give the folder the onnxruntime-genai model builder wrote")
-    if dst.resolve() == src.resolve():
-        raise FastCarError(f"-o {dst}: write into another folder than the input (its genai_config.json stays as is)")
     spec = parse_draft(draft)
     if spec.kind == contract.DRAFT_BOTH:
         raise FastCarError("genai cannot combine a draft model with its n-gram lookup; give --draft temporal[:K] "
@@ -167,18 +207,24 @@ def write(genai_dir: str | os.PathLike, out_dir: str | os.PathLike, draft: str, 
         raise FastCarError(f"--ngram-size {ngram}: genai takes 2 to {GENAI_MAX_DRAFT}")
     if spec.kind == contract.DRAFT_TEMPORAL and (frame_tokens is None or frame_tokens < 1):
         raise FastCarError("--draft temporal needs --frame-tokens L (tokens per frame, >= 1)")
-    config = json.loads(cfg_path.read_text())
-    target = src / config["model"]["decoder"]["filename"]
+    config, target = read_config(src)
+    if dst.resolve().is_relative_to(src.resolve()):
+        raise FastCarError(f"-o {dst}: write into a folder outside the input {src} (it is left as is: nothing is "
+                           "written inside it)")
+    check_output_dir(dst, "-o")
     vocab, ids_type = _target_io(target, config)
-    files: list[Path] = []
-    dst.mkdir(parents=True, exist_ok=True)
-    if spec.kind == contract.DRAFT_TEMPORAL:
-        shared = bool(config.get("search", {}).get("past_present_share_buffer", False))
-        files.append(write_bytes(dst / DRAFT_FILE, temporal_draft(vocab, frame_tokens, shared,
-                                                                  ids_type).SerializeToString()))
     cfg = speculation_config(config, spec.kind, spec.tokens, ngram)
-    for f in sorted(src.iterdir()):  # the model, its weights, the tokenizer: genai reads only below its folder
-        if f.is_file() and f.name != cfg_path.name and f.name != DRAFT_FILE:
-            files.append(_copy(f, dst / f.name))
-    files.append(write_text(dst / cfg_path.name, json.dumps(cfg, indent=4) + "\n"))
-    return files
+    names: list[str] = []
+    with staged_dir(dst) as tmp:
+        if spec.kind == contract.DRAFT_TEMPORAL:
+            shared = bool(config.get("search", {}).get("past_present_share_buffer", False))
+            write_bytes(tmp / DRAFT_FILE, temporal_draft(vocab, frame_tokens, shared, ids_type).SerializeToString())
+            names.append(DRAFT_FILE)
+        for f in sorted(src.iterdir()):  # the model, its weights, the tokenizer: genai reads only below its folder
+            if f.is_file() and f.name not in ("genai_config.json", DRAFT_FILE):
+                copy_file(f, tmp / f.name, progress=False)  # a copy, not a link (onnx refuses linked data files)
+                names.append(f.name)
+        write_text(tmp / "genai_config.json", json.dumps(cfg, indent=4) + "\n")
+        names.append("genai_config.json")
+    return [dst / n for n in names]
+

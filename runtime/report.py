@@ -76,15 +76,33 @@ def speedup_text(gains: dict[str, float | None]) -> str:
         text or (f"{t:.2f}x vs the input model" if t is not None else "not measured")
 
 
-def comparison(fast: RunStats, dense: RunStats | None, compiled_inf: RunStats | None = None) -> str:
+def spread_text(gains: list[dict[str, float | None]]) -> str:
+    """'graph/attention 1.09x (1.02-1.15) x replay 1.66x (...) = 1.81x (...), median (lowest-highest) of N
+    interleaved rounds', with the factors that were measured."""
+    import numpy as np
+
+    def one(key: str) -> str | None:
+        v = [g[key] for g in gains if g[key] is not None]
+        return f"{np.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})" if v else None
+
+    g, r, t = one("speedup_graph"), one("speedup_replay"), one("speedup")
+    parts = [f"graph/attention {g} (compiled at tau=+inf vs the input model)" if g else None,
+             f"replay {r} (FastCar vs the same compiled model at tau=+inf)" if r else None]
+    text = " x ".join(p for p in parts if p) + (f" = {t} in all" if t and g and r else "")
+    return f"{text or t}; median (lowest-highest) of {len(gains)} interleaved rounds"
+
+
+def comparison(fast: RunStats, dense: RunStats | None, compiled_inf: RunStats | None = None,
+               rounds: list[dict[str, float | None]] | None = None) -> str:
     """Lines comparing a FastCar run with the input model's run and/or the compiled model's tau=+inf run of the
-    same prompts: ms per token of each and the speed-up as its factors."""
+    same prompts: ms per token of each and the speed-up as its factors (`rounds`: each round's factors, printed
+    as their median and range)."""
     times = [f"{name} {r.ms_per_token:.3f}" for name, r in (("input model", dense), ("compiled at tau=+inf",
                                                                                     compiled_inf), ("FastCar", fast))
              if r is not None]
     videos = " + ".join(str(r.videos) for r in (dense, compiled_inf, fast) if r is not None)
     return (f"decode ms/token: {', '.join(times)} (runtime step incl. Python; {videos} videos, same prompts)\n"
-            f"speed-up: {speedup_text(speedups(dense, compiled_inf, fast))}\n"
+            f"speed-up: {spread_text(rounds) if rounds and len(rounds) > 1 else speedup_text(speedups(dense, compiled_inf, fast))}\n"
             f"replay {100 * fast.replay_ratio:.1f}% of all decode steps (frame 0 included), "
             f"{100 * fast.replay_ratio_eligible:.1f}% of eligible steps (frame 0 excluded)")
 

@@ -23,11 +23,12 @@ import numpy as np
 
 from fastcar_compile.core import contract
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.core.fileio import model_fingerprint, read_json, refuse_special_input
+from fastcar_compile.core.fileio import model_fingerprint, read_json
 from fastcar_compile.core.limits import INT64_MAX, MAX_THREADS, check_fits_memory, check_int
 from fastcar_compile.core.locks import folder_lock
+from fastcar_compile.runtime import loader
 from fastcar_compile.runtime.binding import StepBinding
-from fastcar_compile.runtime.overridable import model_source
+from fastcar_compile.runtime.loader import DEFAULT_THREADS
 from fastcar_compile.runtime.tokens import check_token_ids
 
 _ORT_DTYPES: dict[str, np.dtype] = {
@@ -40,7 +41,6 @@ _ORT_DTYPES: dict[str, np.dtype] = {
     "tensor(uint8)": np.dtype(np.uint8),
     "tensor(int8)": np.dtype(np.int8),
 }
-DEFAULT_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -111,33 +111,6 @@ class StepOutput:
     extra: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def _ort():
-    import onnxruntime as ort
-
-    return ort
-
-
-def _needs_native(name: str) -> str:
-    """Why a compressed-KV model cannot run on the function bodies, and what to do (one line)."""
-    return (f"{name} has a compressed KV cache ({contract.COMPRESSED_ATTENTION} with a budget), which only the "
-            "native kernels run; build them (python -m fastcar_compile.runtime.native.build) or recompile "
-            "without --kv-budget")
-
-
-def _load_error(path: Path, exc: Exception, native: bool) -> str:
-    """ORT's load failure as one line: a non-ONNX file is named as such; native=False only when it helps."""
-    text = str(exc)
-    if "protobuf parsing failed" in text.lower() or "INVALID_PROTOBUF" in text:
-        return f"{path} is not an ONNX model (ONNX Runtime cannot parse it); give the path of an .onnx file"
-    first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
-    if not native and contract.COMPRESSED_ATTENTION in text:  # the function body is the dense mode only
-        return _needs_native(path.name)
-    hint = ""
-    if native and any(k in text for k in ("ai.fastcar", "TemporalGate", "MLPCacheUpdate")):
-        hint = " (the native kernels are float32 only; pass native=False)"
-    return f"ONNX Runtime cannot load {path}: {first}{hint}"
-
-
 def _check_positions(position_ids: Any, shape: tuple[int, ...]) -> np.ndarray:
     """position_ids as int64 [batch, seq] (broadcast), refused when not integers, of another shape or negative
     (a negative position indexes RoPE's tables from their end: plausible logits, wrong model)."""
@@ -175,46 +148,19 @@ class FastCarSession:
               frame_tokens: int | None, native: bool | None, threads: int, inplace: bool | None,
               max_length: int | None) -> None:
         threads = check_int("threads", threads, 0, MAX_THREADS, "ONNX Runtime threads; 0 = one per core")
-        ort = _ort()
-        self.path = Path(path)
-        if self.path.is_dir():
-            raise FastCarError(f"model file {self.path} is a directory; pass the path of an .onnx file")
-        refuse_special_input(self.path, "model file")
-        if not self.path.is_file():
-            raise FastCarError(f"model file {self.path} does not exist; pass the path of an .onnx file")
-        so = session_options if session_options is not None else self._options(threads)
-        so.enable_mem_pattern = False  # also on a caller's options: see _options (flat memory with a bounded cache)
-        self.native_library: str | None = None
-        lib = None
-        if native is not False:
-            from fastcar_compile.runtime.native import announce, library_path, native_status
+        self.path = loader.check_model_path(path)
+        so = session_options if session_options is not None else loader.session_options(threads)
+        so.enable_mem_pattern = False  # also on a caller's options (loader.session_options: flat memory)
+        self.session, self.native_library = loader.open_session(
+            self.path, so, providers=list(providers) if providers else None, native=native)
+        self._read_model(frame_tokens)
+        self._read_state()
+        self._prepare_steps(inplace)
+        self._prepare_kv(max_length)
 
-            lib = library_path()
-            if lib is None and native:
-                raise FastCarError(f"native=True but {native_status(None).split(': ', 1)[1]}")
-            announce(lib)
-        provs = list(providers) if providers else ["CPUExecutionProvider"]
-        plain_so = so
-        if lib is not None:
-            plain_so = self._options(threads)  # for the float16 fallback below: same threads, no library
-            for attr in ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
-                         "enable_cpu_mem_arena", "log_severity_level"):
-                setattr(plain_so, attr, getattr(so, attr))
-            so.register_custom_ops_library(str(lib))
-        # video_start / fastcar_threshold as plain inputs, fed every run
-        source = model_source(self.path, *{id(o): o for o in (so, plain_so)}.values())
-        try:
-            self.session = ort.InferenceSession(source, sess_options=so, providers=provs)
-            self.native_library = str(lib) if lib is not None else None
-        except Exception as exc:  # ORT raises its own exception types; make it a user error
-            if lib is not None and native is None and "TemporalGate" in str(exc) + str(exc.__cause__):
-                # the kernels are float32 only: a float16 model keeps its function bodies
-                try:
-                    self.session = ort.InferenceSession(source, sess_options=plain_so, providers=provs)
-                except Exception as exc2:
-                    raise FastCarError(f"ONNX Runtime cannot load {self.path}: {exc2}") from exc2
-            else:
-                raise FastCarError(_load_error(self.path, exc, lib is not None)) from None
+    def _read_model(self, frame_tokens: int | None) -> None:
+        """The model's metadata and I/O: what FastCar compiled in (layers, L, tau), refusing a model that is no
+        decoder with a KV cache, or a frame_tokens that contradicts the compiled one."""
         self.meta: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self.fastcar: contract.FastCarMetadata | None = contract.FastCarMetadata.from_props(self.meta)
         self.is_fastcar = self.fastcar is not None
@@ -222,9 +168,9 @@ class FastCarSession:
         self._outputs = {o.name: o for o in self.session.get_outputs()}
         self.output_names = list(self._outputs)
         self._kv_stats_names = [n for n in self.output_names if n.startswith(contract.KV_STATS_PREFIX)]
-        for need in (contract.INPUT_IDS,):
-            if need not in self._inputs:
-                raise FastCarError(f"{self.path} has no `{need}` input; is it a decoder exported with KV cache?")
+        if contract.INPUT_IDS not in self._inputs:
+            raise FastCarError(f"{self.path} has no `{contract.INPUT_IDS}` input; is it a decoder exported with "
+                               "KV cache?")
         if contract.LOGITS not in self._outputs:
             raise FastCarError(f"{self.path} has no `logits` output; export the causal LM head too")
         fc = self.fastcar
@@ -237,9 +183,17 @@ class FastCarSession:
         self.num_layers = (fc.num_layers if fc is not None else 0) or self._count_kv_layers()
         self.per_layer_threshold = fc.per_layer_threshold if fc is not None else False
         self.default_threshold = fc.threshold if fc is not None else None
-        # tau is a plain input (model_source): every run feeds one, the metadata's default unless the caller's
+        # tau is a plain input (runtime/overridable.py): every run feeds one, the metadata's default unless the
+        # caller's
         self._feed_tau = contract.THRESHOLD in self._inputs
         self.max_replay = fc.max_replay if fc is not None else 0
+        logits_shape = self._outputs[contract.LOGITS].shape
+        self.vocab: int | None = logits_shape[-1] if logits_shape and isinstance(logits_shape[-1], int) else None
+
+    def _read_state(self) -> None:
+        """The state the model carries between steps (past_* inputs paired with present_* outputs), what a
+        rejected draft token must restore, and where each layer's replay decisions are read."""
+        fc = self.fastcar
         self.specs: list[StateSpec] = self._pair_state()
         # the FastCar state indexed by slot ([batch, L] ages, [batch, L, hidden] MLP caches): what a verify step
         # writes per token, one slot each, and a rejected draft token must restore (snapshot / rewind)
@@ -257,8 +211,10 @@ class FastCarSession:
         self._ages = [ages[n] for n in self.layers] if all(n in ages for n in self.layers) else None
         self.has_diagnostics = all(contract.tas_output(n) in self._outputs for n in self.layers) and bool(self.layers)
         self.signature = self._signature()
-        logits_shape = self._outputs[contract.LOGITS].shape if contract.LOGITS in self._outputs else None
-        self.vocab: int | None = logits_shape[-1] if logits_shape and isinstance(logits_shape[-1], int) else None
+
+    def _prepare_steps(self, inplace: bool | None) -> None:
+        """What the steps keep between calls: the IO binding's plan (made on the first bound step), the feeds the
+        model takes, and whether the FastCar state is written in place."""
         if inplace and self.native_library is None:
             raise FastCarError("inplace=True needs the native kernels (the function bodies would read the "
                                "cache while overwriting it); build them or drop inplace")
@@ -280,6 +236,11 @@ class FastCarSession:
         self._feeds_positions = contract.POSITION_IDS in self._inputs
         self._feeds_video_start = contract.VIDEO_START in self._inputs
         self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
+
+    def _prepare_kv(self, max_length: int | None) -> None:
+        """The KV cache's fixed buffers: max_length's shared buffer, the compressed cache's budgets, the packed
+        rotary's table; refused when one video's fixed buffers cannot fit in memory."""
+        fc = self.fastcar
         # max_length: one KV buffer per video, [batch, kv_heads, max_length, head_dim], bound as both past and
         # present of GroupQueryAttention, which then appends in place (no per-step cache copy)
         self.max_length = self._check_shared_kv(max_length)
@@ -298,7 +259,7 @@ class FastCarSession:
         if self.max_length is not None:
             self.check_video_length(self.max_length, "positions of max_length")
         if self.kv_slots is not None and self.native_library is None:
-            raise FastCarError(_needs_native(self.path.name))
+            raise FastCarError(loader.needs_native(self.path.name))
         if self.max_length is not None or self._kv_caps:  # one video's fixed buffers must fit
             self.check_memory(1, f"one video's state of {self.path.name}"
                               + (f" with max_length={self.max_length}" if self.max_length is not None else ""),
@@ -373,18 +334,6 @@ class FastCarSession:
             b, i = map(int, np.argwhere(differ)[0])
             raise FastCarError(f"position_ids[{b}, {i}] = {int(given[b, i])} but the packed rotary rotates at "
                                f"{int(implied[b, i])} (the real tokens before it){self._kv_index_fix()}")
-
-    @staticmethod
-    def _options(threads: int):
-        so = _ort().SessionOptions()
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.log_severity_level = 3
-        # ORT's memory patterns are cached per distinct input shape; a decode loop's attention mask grows by
-        # one token every step, so each step cached a new plan that was never reused: resident memory grew by
-        # a few KB per token even with a bounded KV cache (tests/test_session_memory.py)
-        so.enable_mem_pattern = False
-        return so
 
     # ------------------------------------------------------------------ I/O pairing
     def _count_kv_layers(self) -> int:

@@ -3,7 +3,8 @@ recommended decoding in its generation_config.json) plus prompt files and the he
 from "my transformers model" to "measured speed-up on my model", and for evaluating it with one's own code.
 
     python scripts/demo_as_user_model.py --out my-model   # my-model/{config.json, model.safetensors,
-                                                          #   generation_config.json}; in the current folder:
+                                                          #   generation_config.json, tokenizer files (one word
+                                                          #   per token id)}; in the current folder:
                                                           # calib.npy (64 prompts), heldout.npy (16 prompts),
                                                           # heldout_truth.npy, frame_shape.json
 
@@ -25,6 +26,19 @@ from pathlib import Path
 import numpy as np
 
 
+def write_id_tokenizer(folder: Path, vocab: int) -> None:
+    """A tokenizer with one word per token id (t0, t1, ...) beside the weights: onnxruntime-genai's model builder
+    reads the folder offline and fails without tokenizer files; token ids go in and come out unchanged
+    (docs/genai.md)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
+                            pad_token="t0").save_pretrained(folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("my-model"))
@@ -43,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in spec.decoding.generation_config(spec.codes, model.config.vocab_size).items():
         setattr(model.generation_config, k, v)
     model.generation_config.bos_token_id = None
+    from fastcar_compile.core.progress import hf_bars_on_terminal_only
+
+    hf_bars_on_terminal_only()
     model.save_pretrained(a.out)
+    write_id_tokenizer(a.out, model.config.vocab_size)
     tok = spec.tokenizer()
     L = tok.tokens_per_frame
     clips = spec.clips(a.calib + a.heldout, 1 + a.truth_frames, 0)

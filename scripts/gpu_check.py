@@ -1,8 +1,8 @@
-"""The GPU checks of `--target cuda` and the PyTorch DiT path, for a machine with an NVIDIA GPU, onnxruntime-gpu and a
+"""The GPU checks of `--provider cuda` and the PyTorch DiT path, for a machine with an NVIDIA GPU, onnxruntime-gpu and a
 CUDA build of torch (not run in CI: there is no GPU there; tests/test_cuda_target.py checks the op set against the
 CUDA provider's registry and the tokens against the CPU compile on the CPU).
 
-1. Placement: the bundled decoder compiled with `--target cuda` (dense, and FastCar at taus calibrated for 50% and
+1. Placement: the bundled decoder compiled with `--provider cuda` (dense, and FastCar at taus calibrated for 50% and
    80% replay) loads with the CPU fallback disabled (`session.disable_cpu_ep_fallback`): session creation fails
    unless every node is placed on the CUDA provider.
 2. Tokens: each GPU run's greedy tokens equal the CPU compile's on the CPU (native kernels).
@@ -49,12 +49,12 @@ def main() -> int:
         fc = [sys.executable, "-m", "fastcar_compile", str(ONNX), "--frame-tokens", "64"]
         models = {"dense": [], "fastcar50": ["--calibrate-replay", "0.5"], "fastcar80": ["--calibrate-replay", "0.8"]}
         for name, extra in models.items():
-            for target in ("onnx", "cuda"):
+            for target in ("cpu", "cuda"):
                 if not extra:  # the plain model: the export itself (standard ops only)
                     (t / f"{name}.{target}.onnx").write_bytes(Path(ONNX).read_bytes())
                     continue
                 subprocess.run([*fc, "-o", str(t / f"{name}.{target}.onnx"), *extra, "--calib-data",
-                                str(t / "calib.npy"), "--calib-frames", "3", "--target", target],
+                                str(t / "calib.npy"), "--calib-frames", "3", "--provider", target],
                                check=True, capture_output=True)
         so = ort.SessionOptions()
         so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # any CPU-placed node: load fails
@@ -63,7 +63,7 @@ def main() -> int:
             ft = {"frame_tokens": 64} if name == "dense" else {}
             gpu[name] = FastCarSession(t / f"{name}.cuda.onnx", providers=["CUDAExecutionProvider"],
                                        session_options=so, native=False, **ft)
-            cpu[name] = FastCarSession(t / f"{name}.onnx.onnx", threads=2, **ft)
+            cpu[name] = FastCarSession(t / f"{name}.cpu.onnx", threads=2, **ft)
         report["all_nodes_on_cuda"] = True  # the sessions above loaded with the CPU fallback disabled
         ms = {name: [] for name in models}
         equal = {name: True for name in models}
@@ -87,8 +87,8 @@ def main() -> int:
 
     model = build(PRESETS["tiny"])
     settings = StreamSettings(frames=8, seed=1)
-    on_cpu = np.concatenate([r.frames for r in rollout(apply_dit(model, fastcar_tau=0.0), settings)], 1)
-    on_gpu = np.concatenate([r.frames for r in rollout(apply_dit(model.to("cuda"), fastcar_tau=0.0), settings)], 1)
+    on_cpu = np.concatenate([r.frames for r in rollout(apply_dit(model, threshold=0.0), settings)], 1)
+    on_gpu = np.concatenate([r.frames for r in rollout(apply_dit(model.to("cuda"), threshold=0.0), settings)], 1)
     report["torch_dit_cuda_max_abs_diff"] = float(np.abs(on_gpu - on_cpu).max())
     report["torch_dit_cuda_ok"] = report["torch_dit_cuda_max_abs_diff"] < 1e-3
     Path(a.out).write_text(json.dumps(report, indent=1))

@@ -120,7 +120,32 @@ def build_sandbox(root: Path) -> Path:
     _genai_folders(root)
     _checkpoints(root)
     _special_files(root)
+    _dit_folders(root)
     return root
+
+
+def _dit_folders(root: Path) -> None:
+    """DiT configs and folders: weights that are a dangling link, a folder or a FIFO, none at all, of other shapes
+    than the config; configs whose sizes are absurd or need more memory than any machine has."""
+    import dataclasses
+
+    from fastcar_compile.demo.dit_train import DIT_PIXEL_CONFIG, save_weights
+    from fastcar_compile.dit.config import PRESETS
+    from fastcar_compile.dit.model import build
+
+    cfg = dataclasses.asdict(PRESETS["tiny"])
+    for name in ("dangling", "wdir", "wfifo", "noweights"):
+        (root / f"dit_{name}").mkdir()
+        (root / f"dit_{name}" / "config.json").write_text(json.dumps(cfg))
+    os.symlink("nowhere.safetensors", root / "dit_dangling" / "model.safetensors")
+    (root / "dit_wdir" / "model.safetensors").mkdir()
+    (root / "dit_wdir" / "model.safetensors" / "part").write_text("a folder, not the weights")  # not empty
+    os.mkfifo(root / "dit_wfifo" / "model.safetensors")
+    (root / "dit_hidden.json").write_text(json.dumps(dict(cfg, hidden=10**9)))
+    (root / "dit_big.json").write_text(json.dumps(dict(cfg, latent_h=4096, latent_w=4096, patch=[1, 1, 1])))
+    small = dataclasses.replace(DIT_PIXEL_CONFIG, layers=1, hidden=24, heads=2, ffn=32, patch=(1, 8, 8), freq_dim=16)
+    save_weights(build(dataclasses.replace(small, hidden=32), seed=2), root / "dit_shapes")
+    (root / "dit_shapes" / "config.json").write_text(json.dumps(dataclasses.asdict(small)))
 
 
 def _files_that_are_inputs(root: Path, run: dict) -> None:
@@ -138,6 +163,10 @@ def _files_that_are_inputs(root: Path, run: dict) -> None:
     (root / "run_deep.json").write_text("[" * 100_000 + "]" * 100_000)
     (root / "run_tau_str.json").write_text(json.dumps(dict(run, threshold="abc")))
     (root / "run_ft31.json").write_text(json.dumps(dict(run, frame_tokens=2**31)))
+    with open(root / "run_bigstring.json", "w") as f:  # a 100 MB JSON string
+        f.write('"' + "a" * (100 << 20) + '"')
+    (root / "run_batch8.json").write_text(json.dumps(dict(run, batch=8, steps=[
+        {"pos": st["pos"], "replay": [[0] * 8, [1] * 8]} for st in run["steps"]])))
     (root / "cfg.onnx").write_text(json.dumps(_tiny_llama().to_dict()))  # a config.json by another name
 
 
@@ -184,6 +213,20 @@ def _genai_folders(root: Path) -> None:
         (d / "tokenizer.json").write_text('{"version": "1.0"}')
     with open(root / "genai_hugetok" / "tokenizer.model", "wb") as f:  # sparse: costs no disk
         f.truncate((1 << 30) + 1)
+    for name, decoder in (("absfile", {"filename": str(root / "model.onnx")}), ("upfile", {"filename": "../model.onnx"}),
+                          ("numfile", {"filename": 7}), ("nan", {}), ("badmodel", {})):
+        d = root / f"genai_{name}"
+        d.mkdir()
+        config = json.loads(json.dumps(GENAI_CONFIG))
+        config["model"]["decoder"].update(decoder)
+        text = json.dumps(config)
+        if name == "nan":
+            text = text.replace('"context_length": 2048', '"context_length": NaN')
+        (d / "genai_config.json").write_text(text)
+        if name == "badmodel":
+            (d / "model.onnx").write_bytes(np.random.default_rng(4).bytes(512))
+        else:
+            os.symlink("../model.onnx", d / "model.onnx")
 
 
 def _tiny_llama():
@@ -501,8 +544,12 @@ def cases() -> list[Case]:
         _c("report, second picture fails", lambda d: ["report", str(d / "run.json"), "-o", str(d / "out/pics")],
            patch=lambda: _fault("os.replace", errno.ENOSPC, nth=2), message="space"),
         # demo / eval (rejected before any work)
-        _c("demo --tau nan", lambda d: ["demo", "--tau", "nan", "--out", str(d / "out/demo")], message="--tau"),
-        _c("demo --tau 1e39", lambda d: ["demo", "--tau", "1e39", "--out", str(d / "out/demo")], message="--tau"),
+        _c("demo --threshold nan", lambda d: ["demo", "--threshold", "nan", "--out", str(d / "out/demo")],
+           message="--threshold"),
+        _c("demo --threshold 1e39", lambda d: ["demo", "--threshold", "1e39", "--out", str(d / "out/demo")],
+           message="--threshold"),
+        _c("demo --tau (renamed)", lambda d: ["demo", "--tau", "1", "--out", str(d / "out/demo")],
+           message="renamed: use --threshold"),
         _c("demo --clips 0", lambda d: ["demo", "--clips", "0", "--out", str(d / "out/demo")], message="--clips"),
         _c("demo --max-replay -1", lambda d: ["demo", "--max-replay", "-1", "--out", str(d / "out/demo")],
            message="--max-replay"),
@@ -526,6 +573,7 @@ def cases() -> list[Case]:
            message="--frame-shape"),
         *files_cases(comp, fpga, sim, rep),
         *runtime_cases(),
+        *new_surface_cases(comp, fpga, sim, rep),
         # accepted: what must work, and leaves the inputs as they were
         _c("compile external data (accepted)", comp(model="ext/model.onnx"), exit=0,
            outputs=("out/fast.onnx", "out/fast.onnx.data"), subprocess=True),
@@ -637,6 +685,77 @@ def files_cases(comp, fpga, sim, rep) -> list[Case]:
            outputs=genai_outputs()),
     ]
     return out
+
+
+def new_surface_cases(comp, fpga, sim, rep) -> list[Case]:
+    """The newer surfaces: video_start, the calibration's own flags, the output's name, genai-speculate's folder
+    and output, sim's batch against a trace, report on a huge JSON string."""
+    spec = lambda name, *extra, out="out/g": lambda d: ["genai-speculate", str(d / name), "-o",  # noqa: E731
+                                                        str(d / out), "--draft", "ngram", *extra]
+    cal = ("--calibrate-replay", "0.3", "--calib-data")
+    return [
+        _c("--video-start -1", comp("--video-start=-1"), message="--video-start"),
+        _c("--video-start 2**32", comp("--video-start", str(2**32)), message="--video-start"),
+        _c("--video-start with --required-video-inputs", comp("--video-start", "3", "--required-video-inputs"),
+           message="--required-video-inputs"),
+        _c("--video-start in Arabic-Indic digits", comp("--video-start", "٣"), message="--video-start"),
+        _c("compile -o x.npy (a graph named as an array)", comp(out="out/x.npy"), message=".npy", subprocess=True),
+        _c("compile -o x.json", comp(out="out/x.json"), message=".json"),
+        _c("--target fpga -o x.onnx (a bundle named as a model)", fpga(out="out/p.onnx"), message=".fcb"),
+        _c("--calibrate-replay with an explicit --threshold", lambda d: comp(*cal, str(d / "calib.npy"),
+                                                                             "--threshold", "0.5")(d),
+           message="--threshold"),
+        _c("--calib-frames 0", lambda d: comp(*cal, str(d / "calib.npy"), "--calib-frames", "0")(d),
+           message="--calib-frames"),
+        _c("--calib-frames -1", lambda d: comp(*cal, str(d / "calib.npy"), "--calib-frames=-1")(d),
+           message="--calib-frames"),
+        _c("--calib-frames 10**9", lambda d: comp(*cal, str(d / "calib.npy"), "--calib-frames", str(10**9))(d),
+           message="--calib-frames"),
+        _c("--given-video-tokens -1", lambda d: comp(*cal, str(d / "calib.npy"), "--given-video-tokens=-1")(d),
+           message="--given-video-tokens"),
+        _c("report a 100 MB JSON string", rep("run_bigstring.json"), message="object", subprocess=True,
+           timeout=300),
+        _c("sim a trace of more rows than the bundle", lambda d: sim("--replay-trace",
+                                                                     str(d / "run_batch8.json"))(d),
+           message="--batch 8"),
+        # genai-speculate: the folder and its genai_config.json, the output
+        *[_c(f"genai-speculate a {what} genai_config.json", spec(f"genai_{name}"), message=word)
+          for name, what, word in (("trunc", "truncated", "JSON"), ("list", "JSON list", "object"),
+                                   ("null", "null", "object"), ("bin", "binary", "UTF-8"),
+                                   ("deep", "100,000-deep", "nests"), ("nodecoder", "decoder-less", "decoder"),
+                                   ("absfile", "absolute decoder filename", "outside"),
+                                   ("upfile", "../ decoder filename", "outside"),
+                                   ("nan", "NaN-holding", "finite"), ("numfile", "numeric decoder filename",
+                                                                      "filename"),
+                                   ("badmodel", "unloadable model's", "ONNX"))],
+        _c("genai-speculate -o inside its input folder", spec("genai_ok", out="genai_ok/spec"), message="outside"),
+        _c("genai-speculate -o its input folder", spec("genai_ok", out="genai_ok"), message="outside"),
+        _c("genai-speculate -o a file", spec("genai_ok", out="afile"), message="not a folder"),
+        _c("genai-speculate a missing folder", spec("nosuch"), message="genai_config.json"),
+        _c("genai-speculate, disk full while copying the model", spec("genai_ok"),
+           patch=lambda: _fault("fastcar_compile.core.fileio._copy_range", errno.ENOSPC), message="space"),
+        _c("genai-speculate (accepted)", spec("genai_ok"), exit=0,
+           outputs=("out/g/genai_config.json", "out/g/model.onnx", "out/g/tokenizer.json")),
+        # the DiT path: its files, sizes and numbers
+        *[_c(f"export --dit, {what}", lambda d, n=name: ["export", "--dit", str(d / n), "-o", str(d / "out/d.onnx")],
+             message=word) for name, what, word in (
+            ("dit_dangling", "model.safetensors a dangling link", "dangling"),
+            ("dit_wdir", "model.safetensors a folder", "folder"),
+            ("dit_wfifo", "model.safetensors a FIFO", "named pipe"),
+            ("dit_noweights", "no weights and no --random-weights", "--random-weights"),
+            ("dit_hidden.json", "hidden 10**9", "beyond"))],
+        _c("stream, model.safetensors a dangling link", lambda d: ["stream", str(d / "dit_dangling"), "--frames", "2",
+                                                                   "-o", str(d / "out/s")], message="dangling"),
+        _c("stream, CFG 1e308 (NaN frames)", lambda d: ["stream", "tiny", "--frames", "4", "--cfg", "1e308", "-o",
+                                                        str(d / "out/s"), "--threads", "1"], message="NaN",
+           subprocess=True),
+        _c("stream, a 4096x4096-token frame with a 100,000-frame window", lambda d: [
+            "stream", str(d / "dit_big.json"), "--frames", "8", "--window", "100000", "--sink", "100000", "-o",
+            str(d / "out/s"), "--random-weights"], message="GiB"),
+        _c("demo --dit --weights of other shapes", lambda d: ["demo", "--dit", "--weights", str(d / "dit_shapes"),
+                                                              "--frames", "2", "--out", str(d / "out/dd")],
+           message="shapes"),
+    ]
 
 
 def runtime_cases() -> list[Case]:

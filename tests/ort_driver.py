@@ -181,13 +181,16 @@ def decode(
     """Run `steps` (token ids [B, S] each; the first is the prompt) carrying all state between steps.
 
     pad: left-padding length per row of the prompt. video_start / threshold: override the graph's defaults
-    (`video_start`, `fastcar_threshold` inputs); None leaves the defaults in the model.
+    (`video_start`, `fastcar_threshold` inputs); None leaves the defaults in the model, and feeds video_start 0
+    (every step's tokens are video) to a model that takes it as an input without a default.
     """
     values = {name: np.asarray(value, dtype=dtype) for name, value, dtype in (
         ("video_start", video_start, np.int64), ("fastcar_threshold", threshold, np.float32)) if value is not None}
-    sess, extra = session_with(model, values), values
+    sess, extra = session_with(model, values), dict(values)
     batch = int(steps[0].shape[0])
     input_names = {i.name for i in sess.get_inputs()}
+    if "video_start" in input_names and "video_start" not in extra:
+        extra["video_start"] = np.array(0, np.int64)
     overridable = {i.name for i in sess.get_overridable_initializers()}
     out_names = [o.name for o in sess.get_outputs()]
     state = initial_state(sess, batch, frame_tokens, head_dim)

@@ -104,7 +104,8 @@ def _cli_flags() -> dict[str, str]:
 def test_cli_flags_are_the_declared_options_and_the_command_flags():
     flags = _cli_flags()
     declared = {o.flag for o in options.CLI_OPTIONS}
-    assert set(flags) - {"--no-genai"} == declared | COMMAND_FLAGS
+    renamed = {options.flag_of(old) for old in options.RENAMED}  # refused, naming the flag to use
+    assert set(flags) - {"--no-genai"} - renamed == declared | COMMAND_FLAGS
     assert {flags[o.flag] for o in options.CLI_OPTIONS} == {o.name for o in options.CLI_OPTIONS}
     assert all(o.help for o in options.OPTIONS)
 
@@ -118,7 +119,7 @@ VALUES = {"layers": ["--layers", "1"], "fused_attention": ["--fused-attention", 
           "kv_budget": ["--kv-budget", "16", "--kv-window", "8"], "kv_window": ["--kv-window", "12"],
           "kv_diagnostics": ["--kv-diagnostics", "64"], "sparse_attention": ["--sparse-attention", "lsh:4x2"],
           "kv_layers": ["--kv-layer", "0:budget=12,sinks=1,window=4,eviction=oldest", "--kv-layer", "1:off"],
-          "genai": ["--no-genai"]}
+          "genai": ["--no-genai"], "video_start": ["--video-start", "0"]}
 # What an option needs to act on, given before it: --native-attention acts on GroupQueryAttention nodes, the
 # compressed-cache settings on a cache (a budget, and a window of at least a frame on FastCar layers).
 KV_CACHE = ["--kv-budget", "16", "--kv-window", "8"]
@@ -185,15 +186,15 @@ def test_api_keywords_are_the_declared_options():
 BAD = {"frame_tokens": 0, "threshold": float("nan"), "tas_query": "post", "max_replay": 2**70,
        "fused_attention": "dense", "rotary_positions": 2**21, "kv_budget": 2**24, "kv_sinks": -1, "kv_window": 2**40,
        "kv_eviction": "newest", "tempcache": 1.5, "tempcache_match": "nearest", "prune_prompt": -0.5,
-       "kv_diagnostics": 0, "lsh_bits": 17, "quant_dirs": 0, "ann_tables": 65, "ann_seed": -1, "annsa": "hash",
-       "annsa_local": -1}
+       "kv_diagnostics": 0, "lsh_bits": 17, "int8_dirs": 0, "ann_tables": 65, "ann_seed": -1, "annsa": "hash",
+       "annsa_local": -1, "provider": "tpu", "video_start": -1}
 
 
 def test_every_bounded_option_refuses_out_of_range_through_api_and_cli(tmp_path, capsys):
     import fastcar_compile as fc
 
-    bounded = {o.name for o in options.OPTIONS if o.lo is not None or o.choices is not None} | {"threshold",
-                                                                                                 "fused_attention"}
+    bounded = {o.name for o in options.OPTIONS if o.lo is not None or o.choices is not None} | {
+        "threshold", "fused_attention", "int8_dirs"}
     assert set(BAD) == bounded
     src = tmp_path / "in.onnx"
     src.write_bytes(b"")  # never read: the options are checked first
@@ -219,7 +220,9 @@ def test_torch_apply_options_are_the_declared_ones():
     fct = pytest.importorskip("fastcar_compile.torch")
     for func in (fct.apply, fct.build):
         params = inspect.signature(func).parameters
-        assert [n for n in params if n in options.BY_NAME] == [o.name for o in options.TORCH_OPTIONS]
+        # apply's own video_start (every call may pass one; the program's start) is not the compile option
+        assert [n for n in params if n in options.BY_NAME and n != "video_start"] == \
+            [o.name for o in options.TORCH_OPTIONS]
     guide = (ROOT / "docs" / "pytorch.md").read_text()
     said = re.search(r"Options are `fastcar-compile`'s\s+\(([^)]*)\)", guide).group(1)
     assert set(re.findall(r"`(\w+)`", said)) == {o.name for o in options.TORCH_OPTIONS} - {"frame_tokens",

@@ -1,4 +1,4 @@
-"""`--target cuda`: the compiled model holds only ops that ONNX Runtime's CUDA provider has kernels for (checked
+"""`--provider cuda`: the compiled model holds only ops that ONNX Runtime's CUDA provider has kernels for (checked
 against the provider's registry as ONNX Runtime's own generated table lists it, passes/cuda_ep_kernels.txt), no
 `ai.fastcar` op or function is left, and it computes what the CPU compile computes: the same greedy tokens for a
 FastCar decoder (native CPU kernels on the CPU compile, inlined function bodies on the CUDA one), the same
@@ -41,9 +41,9 @@ def test_decoder_for_cuda_has_only_provider_ops_and_the_cpu_tokens(tmp_path, cap
     from fastcar_compile.runtime import FastCarSession
 
     cpu, cuda = tmp_path / "cpu.onnx", tmp_path / "cuda.onnx"
-    for out, target in ((cpu, "onnx"), (cuda, "cuda")):
+    for out, target in ((cpu, "cpu"), (cuda, "cuda")):
         assert main([str(ONNX), "-o", str(out), "--frame-tokens", "64", "--threshold", str(DECODER_TAU),
-                     "--target", target]) == 0
+                     "--provider", target]) == 0
     assert "each with a CUDA provider kernel" in capsys.readouterr().out
     table = kernels()
     ops = registry_ops(cuda)
@@ -60,9 +60,9 @@ def test_dit_for_cuda_rolls_out_as_the_cpu_compile(dit_tiny_export, tmp_path):
     from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout
 
     cpu, cuda = tmp_path / "cpu.onnx", tmp_path / "cuda.onnx"
-    for out, target in ((cpu, "onnx"), (cuda, "cuda")):
+    for out, target in ((cpu, "cpu"), (cuda, "cuda")):
         assert main([str(dit_tiny_export), "-o", str(out), "--threshold", "0.5", "--tempcache", "0.9",
-                     "--target", target]) == 0
+                     "--provider", target]) == 0
     table = kernels()
     assert all(op in table for op in registry_ops(cuda))
     settings = StreamSettings(frames=6, seed=2)
@@ -89,5 +89,5 @@ def test_weights_in_external_data_are_refused_in_one_line(tmp_path, capsys):
     src = onnx.load(str(ONNX))
     big = tmp_path / "ext.onnx"
     onnx.save(src, str(big), save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
-    err = refusal([str(big), "-o", str(tmp_path / "o.onnx"), "--frame-tokens", "64", "--target", "cuda"], capsys)
+    err = refusal([str(big), "-o", str(tmp_path / "o.onnx"), "--frame-tokens", "64", "--provider", "cuda"], capsys)
     assert "external data" in err

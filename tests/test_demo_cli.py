@@ -25,7 +25,7 @@ from fastcar_compile.demo.model import CODES, VIDEO_START, prompt  # noqa: E402
 
 def test_demo_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo"
-    rc = main(["demo", "--demo-model", "small", "--clips", "1", "--frames", "3", "--out", str(out), "--tau=-inf"])
+    rc = main(["demo", "--demo-model", "small", "--clips", "1", "--frames", "3", "--out", str(out), "--threshold=-inf"])
     assert rc == 0
     text = capsys.readouterr().out
     for name in ("demo.gif", "strip.png", "replay_heatmap.png", "quality.png", "results.json", "fast.onnx"):
@@ -64,8 +64,8 @@ def test_demo_never_replay_equals_dense(tmp_path: Path, capsys: pytest.CaptureFi
     """tau = +inf: the compiled model must generate exactly the dense model's video, sampled (the default) with
     the clip's shared seed."""
     out = tmp_path / "demo"
-    assert main(["demo", "--demo-model", "small", "--clips", "1", "--frames", "2", "--out", str(out), "--tau",
-                 "inf"]) == 0
+    assert main(["demo", "--demo-model", "small", "--clips", "1", "--frames", "2", "--out", str(out),
+                 "--threshold", "inf"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["decoding"]["do_sample"] is True
     s = res["summary"]
@@ -130,7 +130,7 @@ def test_demo_video_model_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
     import re
 
     out = tmp_path / "demo"
-    assert main(["demo", "--clips", "1", "--frames", "4", "--out", str(out), "--tau=-inf"]) == 0
+    assert main(["demo", "--clips", "1", "--frames", "4", "--out", str(out), "--threshold=-inf"]) == 0
     text = capsys.readouterr().out
     n = int(re.search(r"wrote (\d+) files", text).group(1))
     listed = [ln.split()[0] for ln in text.splitlines() if ln.startswith(f"  {out}")]

@@ -75,7 +75,7 @@ def test_demo_long_tiny_end_to_end(tmp_path, capsys):
 
     out = tmp_path / "long"
     assert main(["demo", "--long", "--demo-model", "small", "--clips", "1", "--frames", "4", "--out", str(out),
-                 "--tau=-inf"]) == 0
+                 "--threshold=-inf"]) == 0
     for name in ("demo.gif", "strip.png", "replay_heatmap.png", "replay_layers.png", "psnr_frames.png",
                  "results.json", "fast.onnx"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name

@@ -88,3 +88,29 @@ def test_targets_met_and_missed() -> None:
                                      psnr_fast_vs_truth=16.5)], replay_ratio=0.8)
     assert not any(v["met"] for v in bad["targets"].values())
     assert bad["frozen_fraction_dense"] == 1.0 and bad["targets"]["fast_drop_at_80pct_db"]["value"] == pytest.approx(1.5)
+
+
+def test_summary_intervals_are_students_t_over_clips_and_paired_differences() -> None:
+    """Every mean carries its 95% interval over clips (scipy's Student t), and dense - repeat / FastCar - dense
+    carry the interval of the per-clip differences, which is tighter than the two means' when clips vary alike."""
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    base = rng.normal(19.0, 2.0, 16)
+    dense, rep = base + rng.normal(-0.5, 0.3, 16), base
+    fast = dense + rng.normal(0.1, 0.2, 16)
+    clips = [_clip(psnr_dense_vs_truth=float(d), psnr_repeat_last_vs_truth=float(r), psnr_fast_vs_truth=float(f))
+             for d, r, f in zip(dense, rep, fast, strict=True)]
+    s = q.summarize_quality(clips, replay_ratio=0.5)
+
+    def half(v):
+        lo, hi = stats.t.interval(0.95, len(v) - 1, loc=np.mean(v), scale=stats.sem(v))
+        return (hi - lo) / 2
+
+    assert s["ci95"]["psnr_dense_vs_truth"] == pytest.approx(half(dense), rel=1e-3)
+    assert s["dense_minus_repeat_db"] == pytest.approx(np.mean(dense - rep))
+    assert s["ci95"]["dense_minus_repeat_db"] == pytest.approx(half(dense - rep), rel=1e-3)
+    assert s["ci95"]["fast_minus_dense_db"] == pytest.approx(half(fast - dense), rel=1e-3)
+    assert s["dense_minus_repeat_db_clips_above"] == int(np.sum(dense > rep))
+    assert s["ci95"]["dense_minus_repeat_db"] < s["ci95"]["psnr_dense_vs_truth"]
+    assert q.db(s, "dense_minus_repeat_db", "+").endswith(f"+- {half(dense - rep):.2f} (95%, 16 clips)")

@@ -39,8 +39,8 @@ def _compile(exported: Path, folder: Path, *extra: str) -> Path:
 @pytest.mark.parametrize("extra, window, eager_kw", [
     ((), None, {}),
     (("--lsh-bits", "2", "--ann-tables", "1", "--ann-seed", "5"), 0, {"lsh_bits": 2, "ann_tables": 1, "ann_seed": 5}),
-    (("--threshold", "0"), None, {"fastcar_tau": 0.0}),
-    (("--annsa", "quant"), None, {"annsa": "quant"}),  # AnnSA's int8 buckets, for AnnCA too
+    (("--threshold", "0"), None, {"threshold": 0.0}),
+    (("--annsa", "int8"), None, {"annsa": "int8"}),  # AnnSA's int8 buckets, for AnnCA too
 ])
 def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, extra, window, eager_kw, gather,
                                               monkeypatch):
@@ -82,8 +82,8 @@ def _reference(q, k, v, hasher, frames):
 
 
 @pytest.mark.parametrize("gather", [True, False], ids=["gathered", "masked"])
-@pytest.mark.parametrize("kind, bits, tables, prompt", [("lsh", 4, 2, 9), ("lsh", 12, 1, 40), ("quant", 2, 2, 40),
-                                                        ("quant", 1, 3, 7)])
+@pytest.mark.parametrize("kind, bits, tables, prompt", [("lsh", 4, 2, 9), ("lsh", 12, 1, 40), ("int8", 2, 2, 40),
+                                                        ("int8", 1, 3, 7)])
 def test_op_matches_numpy(kind, bits, tables, prompt, gather):
     """The queries' codes, the kept set per frame and the attention over it vs NumPy (some frames keep nothing:
     output 0), the kept tokens gathered or the dropped ones masked (the prompt keys' codes are an input, as the
@@ -117,7 +117,7 @@ def test_graph_gathers_the_kept_tokens_and_records_the_mode(dit_tiny_export, tmp
     path = _compile(dit_tiny_export, tmp_path, "--ann-tables", "3")
     m = onnx.load(str(path))
     meta = json.loads({p.key: p.value for p in m.metadata_props}[DIT_MODES_KEY])
-    assert meta["annca"] == {"kind": "lsh", "lsh_bits": 4, "quant_dirs": 2, "ann_tables": 3, "ann_seed": 0}
+    assert meta["annca"] == {"kind": "lsh", "lsh_bits": 4, "int8_dirs": 2, "ann_tables": 3, "ann_seed": 0}
     assert meta["threshold"] is None and meta["tempcache"] is None
     ins, outs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
     assert {annca_io(i)[0] for i in range(CFG.layers)} <= ins and {annca_io(i)[1] for i in range(CFG.layers)} <= outs

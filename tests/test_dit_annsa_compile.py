@@ -1,4 +1,4 @@
-"""`fastcar-compile dit.onnx -o fast.onnx --annsa lsh|quant`: AnnSA compiled into the DiT step graph
+"""`fastcar-compile dit.onnx -o fast.onnx --annsa lsh|int8`: AnnSA compiled into the DiT step graph
 (passes/dit_annsa.py, the runtime's blocks in dit/annsa_index.py). References: the eager stream runtime's AnnSA
 (dit/fastar.FastARDiT, itself checked against NumPy softmaxes in test_dit_fastar.py) over whole rollouts, and a
 NumPy brute force of one attention (every query against every slot: bucket ids from fastar's hashers, the
@@ -54,8 +54,8 @@ def _kernel_args(kernel: str, monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize("kernel", [ANNSA_NATIVE, ANNSA_GRAPH, "body"])
-@pytest.mark.parametrize("kind, window, tables, local", [("lsh", 2, "2", "1"), ("quant", None, "2", "1"),
-                                                         ("lsh", 0, "3", "0"), ("quant", 3, "1", "2")])
+@pytest.mark.parametrize("kind, window, tables, local", [("lsh", 2, "2", "1"), ("int8", None, "2", "1"),
+                                                         ("lsh", 0, "3", "0"), ("int8", 3, "1", "2")])
 def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, kind, window, tables, local,
                                               kernel, monkeypatch):
     """6 chunks (the ring wrapping at a 2-frame window, the default window, the buffers growing): the compiled
@@ -81,13 +81,13 @@ def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tin
 
 
 def test_compiled_annsa_with_annca_and_fastcar_equals_the_eager_modes(dit_tiny_export, tmp_path, dit_tiny_eager):
-    """AnnSA (quant buckets) + AnnCA (the same bucketing, as the eager runtime draws it) + FastCar replay, all
+    """AnnSA (int8 buckets) + AnnCA (the same bucketing, as the eager runtime draws it) + FastCar replay, all
     compiled in: the eager runtime with the three modes on within 1e-4 over 5 chunks, the same pair counts."""
-    fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, "--annsa", "quant", "--annca", "--threshold", "0"))
-    assert fast.annca.kind == "quant" and fast.tau == 0.0
+    fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, "--annsa", "int8", "--annca", "--threshold", "0"))
+    assert fast.annca.kind == "int8" and fast.tau == 0.0
     fast.self_pairs = [0, 0]
     settings = StreamSettings(frames=10, seed=2)
-    ref = FastARDiT(dit_tiny_eager, modes.settings(annsa="quant", annca=True, fastcar_tau=0.0))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(annsa="int8", annca=True, threshold=0.0))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
     assert fast.self_pairs == [sum(s.sa_executed for s in ref.stats), sum(s.sa_dense for s in ref.stats)]
@@ -141,7 +141,7 @@ def _attention_graph(mode: AnnSARecord, B: int, H: int, Q: int, C: int, d: int) 
     return ir.serde.serialize_model(model).SerializeToString(), [v.name for v in graph.outputs]
 
 
-@pytest.mark.parametrize("kind, tables", [("lsh", 1), ("lsh", 3), ("quant", 2)])
+@pytest.mark.parametrize("kind, tables", [("lsh", 1), ("lsh", 3), ("int8", 2)])
 def test_annsa_attention_equals_a_numpy_brute_force(kind, tables):
     """The compiled attention on its own, against every query x slot in NumPy: the graph's query codes are the
     reference hasher's; a query's selected slots are the dense ones plus every slot sharing a bucket in some
@@ -149,7 +149,7 @@ def test_annsa_attention_equals_a_numpy_brute_force(kind, tables):
     the chunk's own keys."""
     rng = np.random.default_rng(7)
     B, H, Q, C, d, T = 2, 3, 12, 40, 16, tables
-    mode = AnnSARecord(kind, lsh_bits=3, quant_dirs=2, ann_tables=T, ann_seed=11, annsa_local=1)
+    mode = AnnSARecord(kind, lsh_bits=3, int8_dirs=2, ann_tables=T, ann_seed=11, annsa_local=1)
     proto, outs = _attention_graph(mode, B, H, Q, C, d)
     sess = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
     h = SignLSH(d, 3, T, 11) if kind == "lsh" else Int8Buckets(d, 2, T, 11)
@@ -186,11 +186,11 @@ def test_graph_reads_the_cache_through_gathers_only_and_records_the_mode(dit_tin
     """Block-sparse, not masked: every read of past.N.key|value's values is a Gather / GatherND (the dense slots,
     the bucket blocks; Shape reads its size only), no product over the whole buffer; the mode is in the metadata
     with its settings."""
-    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "quant", "--quant-dirs", "4", "--ann-tables", "3",
+    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "int8", "--int8-dirs", "4", "--ann-tables", "3",
                        "--native-attention", "off")
     m = onnx.load(str(path))
     meta = json.loads({p.key: p.value for p in m.metadata_props}[DIT_MODES_KEY])
-    assert meta["annsa"] == {"kind": "quant", "annsa_local": 1, "lsh_bits": 4, "quant_dirs": 4, "ann_tables": 3,
+    assert meta["annsa"] == {"kind": "int8", "annsa_local": 1, "lsh_bits": 4, "int8_dirs": 4, "ann_tables": 3,
                              "ann_seed": 0, "annsa_kernel": ANNSA_GRAPH}
     readers = {}
     for n in m.graph.node:
@@ -215,11 +215,11 @@ def test_native_form_is_one_op_per_block_with_its_function_body(dit_tiny_export,
 
 
 @pytest.mark.parametrize("args, msg", [
-    (["--lsh-bits", "6"], "--lsh-bits is a setting of --annsa / --annca / --tempcache-match lsh|quant: give one"),
+    (["--lsh-bits", "6"], "--lsh-bits is a setting of --annsa / --annca / --tempcache-match lsh|int8: give one"),
     (["--annca", "--annsa-local", "2"], "--annsa-local is a setting of --annsa: give one of them"),
     (["--native-attention", "off"], "--native-attention picks the compiled form of --annsa / --tempcache: give one"),
     (["--annsa", "lsh", "--tempcache", "0.9"], "--annsa with --tempcache"),
-    (["--annsa", "quant", "--quant-dirs", "3"], "--quant-dirs must be one of 1, 2, 4, 8"),
+    (["--annsa", "int8", "--int8-dirs", "3"], "--int8-dirs must be one of 1, 2, 4, 8"),
     (["--annsa", "bogus"], "--annsa"),
 ])
 def test_bad_annsa_options_are_refused_in_one_line(dit_tiny_export, tmp_path, capsys, args, msg):
@@ -262,16 +262,16 @@ def test_stream_cli_reports_the_compiled_annsa(dit_tiny_export, tmp_path, capsys
 
 
 def test_calibrate_replay_with_annsa_equals_the_eager_calibration(dit_tiny_export, tmp_path, dit_tiny_eager, capsys):
-    """`--calibrate-replay 0.4 --annsa quant`: the probe attends as the final graph does, so tau equals the
+    """`--calibrate-replay 0.4 --annsa int8`: the probe attends as the final graph does, so tau equals the
     eager runtime's calibration with AnnSA on (its TAS over the same 4-frame stream)."""
     from fastcar_compile.dit.fastar import calibrate_tau
 
     out = tmp_path / "cal.onnx"
-    assert main([str(dit_tiny_export), "-o", str(out), "--calibrate-replay", "0.4", "--annsa", "quant",
+    assert main([str(dit_tiny_export), "-o", str(out), "--calibrate-replay", "0.4", "--annsa", "int8",
                  "--calib-frames", "6"]) == 0
     fast = OrtDiT(out)
-    assert fast.annsa.kind == "quant"
-    want = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4, annsa="quant"), StreamSettings(frames=6, seed=0),
+    assert fast.annsa.kind == "int8"
+    want = calibrate_tau(dit_tiny_eager, modes.settings(calibrate_replay=0.4, annsa="int8"), StreamSettings(frames=6, seed=0),
                          chunks=3)
-    dense = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4), StreamSettings(frames=6, seed=0), chunks=3)
+    dense = calibrate_tau(dit_tiny_eager, modes.settings(calibrate_replay=0.4), StreamSettings(frames=6, seed=0), chunks=3)
     assert fast.tau == pytest.approx(want, abs=1e-4) and abs(want - dense) > 1e-4

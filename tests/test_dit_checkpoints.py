@@ -141,7 +141,7 @@ def test_apply_dit_on_diffusers_rolls_out_as_the_exported_graph(diffusers_module
     the exported graph's rollout over 5 chunks at tau=+inf, and the module is left as it was."""
     module = diffusers_module
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    fast = apply_dit(module, latent=(8, 8), chunk_frames=2, sinks=1, window=4, fastcar_tau=1e30)  # no TAS exceeds it: replay off
+    fast = apply_dit(module, latent=(8, 8), chunk_frames=2, sinks=1, window=4, threshold=1e30)  # no TAS exceeds it: replay off
     settings = StreamSettings(frames=10, seed=4)
     got = list(rollout(fast, settings))
     want = list(rollout(OrtDiT(diffusers_export), settings))

@@ -19,8 +19,9 @@ from test_dit_stream import _reference_resident  # noqa: E402  (the independent 
 
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.core.contract import PAST_LENGTH  # noqa: E402
+from fastcar_compile.dit.cache import RingCache  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
-from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, TorchDiT, rollout  # noqa: E402
+from fastcar_compile.dit.stream import OrtDiT, StreamSettings, TorchDiT, rollout  # noqa: E402
 
 CFG = PRESETS["tiny"]
 

@@ -44,6 +44,41 @@ def test_demo_streams_labelled_videos(weights, tmp_path, capsys):
     assert "frames/s" in capsys.readouterr().out
 
 
+def test_demo_prints_density_recall_and_fps_per_mode(weights, tmp_path, capsys):
+    """Each FAST-AR mode streams the first prompt: its densities and recalls are those of an eager FAST-AR run
+    with a dense attention on the side (fastcar_compile.dit.fastar, driven here directly), printed as percentages
+    with its frames per second; the dense mode keeps every pair."""
+    from fastcar_compile.cli.demo_dit import DEMO_MODES
+    from fastcar_compile.demo.dit_train import text_embeds
+    from fastcar_compile.dit import modes
+    from fastcar_compile.dit.fastar import FastARDiT, totals
+    from fastcar_compile.dit.stream import StreamSettings, rollout
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--dit", "--weights", str(weights), "--frames", "4", "--out", str(out),
+                 "--prompt", "camera=pan_left", "--mode-frames", "6"]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads((out / "results.json").read_text())
+    assert [r["mode"] for r in doc["modes"]] == list(DEMO_MODES) and doc["mode_frames"] == 6
+    from fastcar_compile.cli.demo_dit import load_trained
+
+    model = load_trained(weights)
+    settings = StreamSettings(frames=6, seed=0, cfg_scale=2.0)
+    for row, (name, kw) in zip(doc["modes"], DEMO_MODES.items(), strict=True):
+        rt = FastARDiT(model, dataclasses.replace(modes.settings(**kw), diagnostics=True))
+        for _ in rollout(rt, settings, text_embeds(parse_prompt("camera=pan_left"))):
+            pass
+        want = totals(rt.stats)
+        for key in ("self_density", "self_recall", "cross_density", "cross_recall"):
+            assert row[key] == pytest.approx(want[key]) if want[key] is not None else row[key] is None
+        assert row["fps"] > 0
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(name))
+        assert f"self density {100 * want['self_density']:.1f}%" in " ".join(line.split()) and "frames/s" in line
+    dense = doc["modes"][0]
+    assert dense["self_density"] == pytest.approx(1.0) and dense["self_recall"] == pytest.approx(1.0)
+    assert doc["modes"][-1]["self_density"] < 1.0
+
+
 def test_prompt_fills_and_checks_labels():
     p = parse_prompt("camera=zoom_out, scene=texture")
     assert p["camera"] == "zoom_out" and p["scene"] == "texture" and p["speed"] == "slow" and len(p) == 6
@@ -58,6 +93,7 @@ def test_prompt_fills_and_checks_labels():
     (["--weights", "{w}", "--cfg", "nan"], "--cfg"),
     (["--weights", "{w}", "--cfg", "0"], "--cfg must be > 0"),
     (["--weights", "{w}", "--threads", "0"], "--threads"),
+    (["--weights", "{w}", "--mode-frames", "-1"], "--mode-frames"),
     (["--weights", "{w}", "--out", "{w}/config.json"], "is a file"),
 ])
 def test_bad_input_is_one_line(weights, tmp_path, capsys, argv, words):

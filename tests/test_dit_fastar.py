@@ -17,6 +17,7 @@ from dit_modes_helpers import refusal  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.dit import modes, sparse  # noqa: E402
+from fastcar_compile.dit.cache import kept_frames  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import (  # noqa: E402
     FastARDiT,
@@ -26,7 +27,7 @@ from fastcar_compile.dit.fastar import (  # noqa: E402
     replay_ffn,
     temporal_scores,
 )
-from fastcar_compile.dit.stream import StreamSettings, TorchDiT, kept_frames, rollout  # noqa: E402
+from fastcar_compile.dit.stream import StreamSettings, TorchDiT, rollout  # noqa: E402
 from fastcar_compile.fastar.attention import dense_step  # noqa: E402
 from fastcar_compile.fastar.cache import HeadCache  # noqa: E402
 from fastcar_compile.fastar.config import KVCompressConfig  # noqa: E402
@@ -147,7 +148,7 @@ def test_tempcache_budget_keeps_the_most_recently_merged_slots(sinks, budget):
             np.testing.assert_allclose(c.v[0, i].numpy(), ref.v[slot], atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["lsh", "quant"])
+@pytest.mark.parametrize("mode", ["lsh", "int8"])
 def test_tempcache_top1_matches_numpy_reference(mode):
     """Each frame copies a permutation of part of the previous one: the top-1 match is found through the
     buckets (an exact copy shares every bucket) and no two tokens pick one slot, where both semantics agree."""
@@ -182,7 +183,7 @@ def _softmax_out(q, keys, vals, bias):
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch"])
-@pytest.mark.parametrize("mode", ["lsh", "quant"])
+@pytest.mark.parametrize("mode", ["lsh", "int8"])
 def test_annsa_matches_numpy_selection(mode, native, monkeypatch):
     """The chunk's queries over a merged cache: dense over the kept slots and the chunk, bucket matches
     elsewhere == NumPy softmax over exactly that selection, with log(count); in the native kernel
@@ -223,7 +224,7 @@ def test_annsa_matches_numpy_selection(mode, native, monkeypatch):
     assert info["executed"] == pairs < Q * G * (Q + int(c.live.sum()) // G + 1)
 
 
-@pytest.mark.parametrize("mode", ["lsh", "quant"])
+@pytest.mark.parametrize("mode", ["lsh", "int8"])
 def test_annca_matches_numpy_selection(mode):
     rng = np.random.default_rng(7)
     G, frames, per, L, d = 2, 3, 5, 9, 8
@@ -310,9 +311,9 @@ def exported(dit_tiny_export):
     {"diagnostics": True},
     # no merging (a cosine never exceeds 1), AnnSA whose always-kept frames cover the whole cache,
     # FastCar whose tau no TAS exceeds: each machinery on, nothing dropped
-    {"tempcache": "aligned", "tempcache_sim": 1.0, "annsa": "lsh", "annsa_local": 64, "fastcar_tau": 1e30,
+    {"tempcache": 1.0, "tempcache_match": "aligned", "annsa": "lsh", "annsa_local": 64, "threshold": 1e30,
      "diagnostics": True},
-    {"tempcache": "quant", "tempcache_sim": 1.0, "annsa": "quant", "annsa_local": 64},
+    {"tempcache": 1.0, "tempcache_match": "int8", "annsa": "int8", "annsa_local": 64},
 ])
 def test_no_compression_equals_the_dense_export(exported, dit_tiny_eager, kw):
     """5 chunks with eviction: the FAST-AR runtime with nothing merged or skipped == the exported dense graph
@@ -338,7 +339,7 @@ def test_modes_compress_and_measure(dit_tiny_eager):
     but measured; the merged stream differs from the dense one (the modes act)."""
     settings = StreamSettings(frames=8, seed=1)
     dense = [c.frames for c in rollout(TorchDiT(dit_tiny_eager), settings)]
-    fa = modes.settings(tempcache="aligned", tempcache_sim=0.3, annsa="lsh", annca=True, fastcar_tau=0.0,
+    fa = modes.settings(tempcache=0.3, tempcache_match="aligned", annsa="lsh", annca=True, threshold=0.0,
                         diagnostics=True)
     rt = FastARDiT(dit_tiny_eager, fa)
     got = [c.frames for c in rollout(rt, settings)]
@@ -350,13 +351,13 @@ def test_modes_compress_and_measure(dit_tiny_eager):
         assert s["resident_kv_bytes"] < s["dense_kv_bytes"]
 
 
-def test_fastcar_ratio_calibration(dit_tiny_eager):
+def test_calibrate_replay(dit_tiny_eager):
     from fastcar_compile.dit.fastar import calibrate_tau
 
     settings = StreamSettings(frames=4, seed=2)
-    fa = modes.settings(fastcar_ratio=0.4)
+    fa = modes.settings(calibrate_replay=0.4)
     tau = calibrate_tau(dit_tiny_eager, fa, settings)
-    rt = FastARDiT(dit_tiny_eager, modes.settings(fastcar_tau=tau))
+    rt = FastARDiT(dit_tiny_eager, modes.settings(threshold=tau))
     list(rollout(rt, settings))
     ratio = sum(s.ffn_replayed for s in rt.stats) / sum(s.ffn_rows for s in rt.stats)
     # over all rows (frame 0's cannot replay: 3 of 4 frames are eligible), replay changes later layers' TAS
@@ -365,12 +366,12 @@ def test_fastcar_ratio_calibration(dit_tiny_eager):
 
 def test_stream_cli_records_modes(tmp_path, capsys):
     out = tmp_path / "run"
-    argv = ["stream", "tiny", "--frames", "6", "-o", str(out), "--tempcache", "lsh", "--annsa", "quant", "--annca",
-            "--fastcar-tau", "0.5", "--diagnostics"]
+    argv = ["stream", "tiny", "--frames", "6", "-o", str(out), "--tempcache", "0.9", "--tempcache-match", "lsh",
+            "--annsa", "int8", "--annca", "--threshold", "0.5", "--diagnostics"]
     assert main(argv) == 0
     doc = json.loads((out / "stream.json").read_text())
-    assert doc["fastar"]["settings"]["tempcache"] == "lsh" and doc["fastar"]["settings"]["annsa"] == "quant"
-    assert doc["fastar"]["settings"]["fastcar_tau"] == 0.5 and doc["fastar"]["mode"].startswith("TempCache-lsh")
+    assert doc["fastar"]["settings"]["tempcache_match"] == "lsh" and doc["fastar"]["settings"]["annsa"] == "int8"
+    assert doc["fastar"]["settings"]["threshold"] == 0.5 and doc["fastar"]["mode"].startswith("TempCache-lsh")
     layers = doc["fastar"]["layers"]
     assert len(layers) == CFG.layers and all(0 < x["self_density"] <= 1 and x["self_recall"] > 0 for x in layers)
     assert (out / "fastar.png").is_file() and (out / "stream.png").is_file()
@@ -378,12 +379,16 @@ def test_stream_cli_records_modes(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--tempcache", "nearest"], "invalid choice"),
-    (["--quant-dirs", "3"], "--quant-dirs must be one of"),
-    (["--fastcar-tau", "1", "--fastcar-ratio", "0.5"], "not both"),
+    (["--tempcache", "0.9", "--tempcache-match", "nearest"], "invalid choice"),
+    (["--tempcache", "lsh"], "renamed: --tempcache takes SIM"),
+    (["--tempcache-match", "lsh"], "--tempcache-match lsh needs --tempcache SIM"),
+    (["--int8-dirs", "3"], "--int8-dirs must be one of"),
+    (["--quant-dirs", "2"], "--quant-dirs: renamed: use --int8-dirs"),
+    (["--fastcar-tau", "1"], "--fastcar-tau: renamed: use --threshold"),
+    (["--threshold", "1", "--calibrate-replay", "0.5"], "not both"),
     (["--lsh-bits", "17"], "--lsh-bits must be in 1..16"),
-    (["--tempcache", "aligned", "--ann-tables", "0"], "--ann-tables must be in 1..64"),
-    (["--tempcache-budget", "14"], "give --tempcache too"),
+    (["--tempcache", "0.9", "--ann-tables", "0"], "--ann-tables must be in 1..64"),
+    (["--tempcache-budget", "14"], "give --tempcache SIM too"),
 ])
 def test_stream_cli_bad_modes(tmp_path, capsys, argv, words):
     assert words in refusal(["stream", "tiny", "--frames", "2", "-o", str(tmp_path / "x"), *argv], capsys)
@@ -397,7 +402,7 @@ def test_stream_cli_unknown_model_is_one_line(tmp_path, capsys):
 
 
 def test_stream_cli_refuses_modes_on_an_onnx_graph(exported, tmp_path, capsys):
-    rc = main(["stream", str(exported), "--frames", "2", "-o", str(tmp_path / "x"), "--tempcache", "aligned"])
+    rc = main(["stream", str(exported), "--frames", "2", "-o", str(tmp_path / "x"), "--tempcache", "0.9"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "eager" in err and len(err.splitlines()) == 1
 
@@ -419,7 +424,7 @@ def test_recall_matches_numpy_definition():
     computed in NumPy with the reference cache's token -> slot map and counts."""
     from types import SimpleNamespace
 
-    from fastcar_compile.dit.stream import FrameCache
+    from fastcar_compile.dit.cache import FrameCache
 
     rng = np.random.default_rng(12)
     n, T, d, Q = 6, 8, 8, 6

@@ -28,9 +28,10 @@ from fastcar_compile.core.contract import (  # noqa: E402
     tempcache_slots_name,
 )
 from fastcar_compile.dit import modes  # noqa: E402
+from fastcar_compile.dit.cache import resident_slots  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
-from fastcar_compile.dit.stream import OrtDiT, StreamSettings, resident_slots, rollout  # noqa: E402
+from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 
 CFG = PRESETS["tiny"]
 
@@ -46,7 +47,7 @@ def test_compiled_replay_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_ti
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau))
     assert fast.tau == float(tau)  # read back from the metadata
     settings = StreamSettings(frames=10, seed=3, window_frames=window)
-    ref = FastARDiT(dit_tiny_eager, modes.settings(fastcar_tau=float(tau)))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(threshold=float(tau)))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -109,7 +110,7 @@ def _tempcache_form(form: str, monkeypatch) -> list[str]:
 def test_compiled_tempcache_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, sim, tau, window, form,
                                                   monkeypatch):
     """6 chunks (the ring wrapping, or the buffers growing): TempCache compiled in (alone, or with FastCar)
-    == the eager runtime's `tempcache aligned` at the same SIM within 1e-4, with the same merges; in each form
+    == the eager runtime's TempCache 'aligned' at the same SIM within 1e-4, with the same merges; in each form
     (SlotAttention over the resident slots, its function body, the masked in-place graph)."""
     path = _compile(dit_tiny_export, tmp_path, tau, "--tempcache", sim, *_tempcache_form(form, monkeypatch))
     if form == "body":
@@ -120,7 +121,7 @@ def test_compiled_tempcache_equals_the_eager_mode(dit_tiny_export, tmp_path, dit
     assert fast.modes.tempcache_kernel == (TEMPCACHE_MASKED if form == TEMPCACHE_MASKED else TEMPCACHE_SLOTS)
     assert len(slot_ops) == (0 if form == TEMPCACHE_MASKED else CFG.layers)
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
-    kw = {"tempcache": "aligned", "tempcache_sim": float(sim)} | ({} if tau == "inf" else {"fastcar_tau": 0.0})
+    kw = {"tempcache": float(sim)} | ({} if tau == "inf" else {"threshold": 0.0})
     ref = FastARDiT(dit_tiny_eager, modes.settings(**kw))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
@@ -168,7 +169,7 @@ def test_ring_merges_match_a_numpy_recount():
     slot at the newest frame of a chain holds count = chain length, the mean value and the newest key; the
     slots a chain left are dead (count 0, bias -inf); sink frames never merge; the ring overwrites evicted
     frames."""
-    from fastcar_compile.dit.stream import RingCache
+    from fastcar_compile.dit.cache import RingCache
 
     rng = np.random.default_rng(1)
     B, H, T, d, sinks, window, frames = 2, 2, 3, 4, 1, 3, 8
@@ -222,7 +223,7 @@ def test_calibrate_replay_equals_the_eager_calibration(dit_tiny_export, tmp_path
     assert "calibrated --threshold" in capsys.readouterr().out
     fast = OrtDiT(out)
     settings = StreamSettings(frames=4, seed=0)
-    want = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4), settings)
+    want = calibrate_tau(dit_tiny_eager, modes.settings(calibrate_replay=0.4), settings)
     assert fast.tau == pytest.approx(want, abs=1e-4)
     list(rollout(fast, settings))
     ratio = fast.replayed[0] / fast.replayed[1]

@@ -18,9 +18,10 @@ from dit_modes_helpers import refusal  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
 from fastcar_compile.core.contract import DiTConfig  # noqa: E402
+from fastcar_compile.dit.cache import FrameCache  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
-from fastcar_compile.dit.stream import FrameCache, OrtDiT, StreamSettings, TorchDiT, rollout  # noqa: E402
+from fastcar_compile.dit.stream import OrtDiT, StreamSettings, TorchDiT, rollout  # noqa: E402
 
 CFG = PRESETS["tiny"]
 

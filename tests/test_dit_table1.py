@@ -19,10 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_dit_table1 as bench  # noqa: E402
 
 from fastcar_compile.dit import modes  # noqa: E402
+from fastcar_compile.dit.cache import FrameCache  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
-from fastcar_compile.dit.stream import FrameCache, StreamSettings, rollout  # noqa: E402
+from fastcar_compile.dit.stream import StreamSettings, rollout  # noqa: E402
 from fastcar_compile.fastar.lsh import SignLSH  # noqa: E402
 
 CFG = dataclasses.replace(PRESETS["tiny"], window_frames=3)  # 1 sink + 3 frames: eviction within 8 frames

@@ -1,6 +1,6 @@
-"""`fastcar-compile dit.onnx -o fast.onnx --tempcache SIM --tempcache-match lsh|quant`: TempCache's top-1 match
+"""`fastcar-compile dit.onnx -o fast.onnx --tempcache SIM --tempcache-match lsh|int8`: TempCache's top-1 match
 compiled in (dit/tempcache.py: the runtime's cache write picks, among the previous frame's slots sharing a
-bucket, the best pre-RoPE cosine). References: the eager runtime's TempCache-lsh / -quant
+bucket, the best pre-RoPE cosine). References: the eager runtime's TempCache-lsh / -int8
 (dit/fastar.FastARDiT), a per-token NumPy brute force of the match, the NumPy decoder cache
 (fastar/cache.HeadCache, exhaustive top-1) for the bookkeeping, and the plain export over the unmerged cache
 for the lemma."""
@@ -20,13 +20,14 @@ onnx = pytest.importorskip("onnx")
 from dit_modes_helpers import compile_cli, not_a_dit, refusal  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
-from fastcar_compile.core.contract import DIT_MODES_KEY  # noqa: E402
+from fastcar_compile.core.contract import DIT_MODES_KEY, TEMPCACHE_MASKED, TEMPCACHE_SLOTS  # noqa: E402
 from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.dit import modes, tempcache  # noqa: E402
+from fastcar_compile.dit.cache import RingCache  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
-from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, rollout  # noqa: E402
-from fastcar_compile.dit.tempcache import merge, targets  # noqa: E402
+from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
+from fastcar_compile.dit.tempcache import merge_positional, targets  # noqa: E402
 from fastcar_compile.fastar.cache import HeadCache  # noqa: E402
 from fastcar_compile.fastar.config import KVCompressConfig, make_hasher  # noqa: E402
 from fastcar_compile.fastar.int8 import Int8Buckets  # noqa: E402
@@ -35,21 +36,28 @@ from fastcar_compile.fastar.lsh import SignLSH  # noqa: E402
 CFG = PRESETS["tiny"]
 
 
+def _kernel() -> str:
+    """TempCache's compiled form by default: SlotAttention over the resident slots where the native library builds."""
+    from fastcar_compile.runtime.native import library_path
+
+    return TEMPCACHE_SLOTS if library_path() is not None else TEMPCACHE_MASKED
+
+
 def _compile(exported: Path, folder: Path, match: str, sim: str, tau: str = "inf") -> Path:
     return compile_cli(exported, folder, "--threshold", tau, "--tempcache", sim, "--tempcache-match", match,
                        name=f"{match}.onnx")
 
 
 @pytest.mark.parametrize("match, sim, tau, window", [("lsh", "0.3", "inf", None), ("lsh", "0.3", "inf", 0),
-                                                     ("quant", "0.2", "inf", 2), ("quant", "0.3", "0", None)])
+                                                     ("int8", "0.2", "inf", 2), ("int8", "0.3", "0", None)])
 def test_compiled_top1_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, match, sim, tau, window):
     """6 chunks (the default window, the buffers growing, the ring wrapping at 2 frames; with FastCar): the
-    compiled rollout == the eager TempCache-lsh / -quant at the same SIM within 1e-4, with the same merges,
+    compiled rollout == the eager TempCache-lsh / -int8 at the same SIM within 1e-4, with the same merges,
     many of them into a slot other than the aligned one, and the same resident slots."""
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, match, sim, tau))
     assert fast.sim == float(sim) and fast.match == match  # read back from the metadata
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
-    kw = {"tempcache": match, "tempcache_sim": float(sim)} | ({} if tau == "inf" else {"fastcar_tau": 0.0})
+    kw = {"tempcache": float(sim), "tempcache_match": match} | ({} if tau == "inf" else {"threshold": 0.0})
     ref = FastARDiT(dit_tiny_eager, modes.settings(**kw))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
@@ -78,7 +86,7 @@ def _brute_force(k, prev, live, sim, codes, prev_codes):
     return out
 
 
-@pytest.mark.parametrize("kind, pairs", [("lsh", None), ("quant", None), ("lsh", 2 * 24 * 24)])
+@pytest.mark.parametrize("kind, pairs", [("lsh", None), ("int8", None), ("lsh", 2 * 24 * 24)])
 def test_top1_targets_match_a_brute_force(kind, pairs, monkeypatch):
     """Keys that are noisy permuted copies of the previous frame's, fresh ones, duplicates among the previous
     frame's (a tie: the later slot) and dead slots: the vectorised match equals a per-key loop (also when it
@@ -98,7 +106,7 @@ def test_top1_targets_match_a_brute_force(kind, pairs, monkeypatch):
     codes, prev_codes = hasher.codes(k), hasher.codes(prev)
     k, prev, live, codes, prev_codes = (a.reshape(2, 3, *a.shape[1:]) for a in (k, prev, live, codes, prev_codes))
     for sim in (0.5, 0.9, -1.0):
-        got = targets(k, prev, live, sim, codes, prev_codes)
+        got = targets(*map(torch.from_numpy, (k, prev, live)), sim, *map(torch.from_numpy, (codes, prev_codes))).numpy()
         want = _brute_force(k, prev, live, sim, codes, prev_codes)
         np.testing.assert_array_equal(got, want)
         assert (got >= 0).any() and (got[..., 0] == 5).all()  # the exact duplicate: the later of the tied slots
@@ -115,7 +123,8 @@ def test_merge_of_several_keys_into_one_slot_matches_a_loop():
     target[0] = np.where(rng.random(T) < 0.5, np.arange(T), -1)  # a row where the fast (aligned) form would do
     prev_value, value = rng.standard_normal((G, T, d)), rng.standard_normal((G, T, d))
     prev_count = rng.integers(1, 5, (G, T))
-    out, count, left = merge(target, prev_value.astype(np.float32), prev_count, value.astype(np.float32))
+    out, count, left = (a.numpy() for a in merge_positional(*map(torch.from_numpy, (target, prev_value.astype(np.float32),
+                                                                       prev_count, value.astype(np.float32)))))
     want_count, want_left, want_value = np.where(target >= 0, 0, 1), prev_count.copy(), value.copy()
     for g in range(G):
         for p in range(T):
@@ -129,7 +138,8 @@ def test_merge_of_several_keys_into_one_slot_matches_a_loop():
     np.testing.assert_array_equal(count, want_count)
     np.testing.assert_array_equal(left, want_left)
     np.testing.assert_allclose(out, want_value, atol=1e-5)
-    out, count, left = merge(target[:1], prev_value[:1].astype(np.float32), prev_count[:1], value[:1].astype(np.float32))
+    out, count, left = (a.numpy() for a in merge_positional(*map(torch.from_numpy, (target[:1], prev_value[:1].astype(np.float32),
+                                                                       prev_count[:1], value[:1].astype(np.float32)))))
     np.testing.assert_array_equal(count, want_count[:1])
     np.testing.assert_array_equal(left, want_left[:1])
     np.testing.assert_allclose(out, want_value[:1], atol=1e-5)
@@ -202,21 +212,21 @@ def test_lemma_merged_identical_keys_equal_the_export_over_every_token(dit_tiny_
 
 
 def test_metadata_records_the_match_and_the_runtime_reads_it(dit_tiny_export, tmp_path, capsys):
-    path = _compile(dit_tiny_export, tmp_path, "quant", "0.3")
+    path = _compile(dit_tiny_export, tmp_path, "int8", "0.3")
     meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
-    buckets = {"kind": "quant"} | {n: modes.BY_NAME[n].default for n in ("lsh_bits", "quant_dirs", "ann_tables",
+    buckets = {"kind": "int8"} | {n: modes.BY_NAME[n].default for n in ("lsh_bits", "int8_dirs", "ann_tables",
                                                                           "ann_seed")}
-    assert json.loads(meta[DIT_MODES_KEY]) == {"threshold": None, "tempcache": 0.3, "tempcache_match": "quant",
-                                           "tempcache_buckets": buckets, "annca": None,
-                                           "annsa": None}
+    assert json.loads(meta[DIT_MODES_KEY]) == {"threshold": None, "tempcache": 0.3, "tempcache_match": "int8",
+                                           "tempcache_buckets": buckets, "tempcache_kernel": _kernel(),
+                                           "annca": None, "annsa": None}
     fast = OrtDiT(path)
     assert isinstance(fast.hasher, Int8Buckets) and (fast.hasher.dirs, fast.hasher.tables) == (2, 2)
     assert isinstance(OrtDiT(_compile(dit_tiny_export, tmp_path, "lsh", "0.3")).hasher, SignLSH)
     capsys.readouterr()
     assert main(["stream", str(path), "--frames", "6", "-o", str(tmp_path / "run")]) == 0
-    assert "TempCache compiled in (SIM 0.3, quant match)" in capsys.readouterr().out
+    assert "TempCache compiled in (SIM 0.3, int8 match)" in capsys.readouterr().out
     done = json.loads((tmp_path / "run" / "stream.json").read_text())["compiled_modes"]
-    assert done["tempcache_match"] == "quant" and 0 < done["merge_ratio"] < 1 and 0 < done["kv_density"] < 1
+    assert done["tempcache_match"] == "int8" and 0 < done["merge_ratio"] < 1 and 0 < done["kv_density"] < 1
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -237,10 +247,10 @@ def test_api_takes_the_match_and_its_buckets(dit_tiny_export, tmp_path):
                           lsh_bits=3, ann_tables=4)
     rec = json.loads(model.metadata_props[DIT_MODES_KEY])
     assert rec["tempcache_match"] == "lsh" and rec["tempcache_buckets"] == {
-        "kind": "lsh", "lsh_bits": 3, "quant_dirs": 2, "ann_tables": 4, "ann_seed": 0}
+        "kind": "lsh", "lsh_bits": 3, "int8_dirs": 2, "ann_tables": 4, "ann_seed": 0}
     hasher = OrtDiT(tmp_path / "api.onnx").hasher
     assert (hasher.bits, hasher.tables) == (3, 4)
-    with pytest.raises(FastCarError, match="must be one of aligned, lsh, quant, got 'nearest'") as err:
+    with pytest.raises(FastCarError, match="must be one of aligned, lsh, int8, got 'nearest'") as err:
         fc.compile(str(dit_tiny_export), tempcache=0.5, tempcache_match="nearest")
     assert "\n" not in str(err.value)
 
@@ -265,8 +275,8 @@ def test_calibrate_replay_streams_the_probe_with_the_match(dit_tiny_export, tmp_
                  "--tempcache-match", "lsh", "--lsh-bits", "3", "--calib-frames", "8"]) == 0
     fast = OrtDiT(out)
     assert fast.match == "lsh" and fast.hasher.bits == 3
-    fa = modes.settings(tempcache="lsh", tempcache_sim=0.3, lsh_bits=3, fastcar_ratio=0.4)
+    fa = modes.settings(tempcache=0.3, tempcache_match="lsh", lsh_bits=3, calibrate_replay=0.4)
     want = calibrate_tau(dit_tiny_eager, fa, StreamSettings(frames=8, seed=0), chunks=4)
     assert fast.tau == pytest.approx(want, abs=1e-4)
-    plain = calibrate_tau(dit_tiny_eager, modes.settings(fastcar_ratio=0.4), StreamSettings(frames=8, seed=0), chunks=4)
+    plain = calibrate_tau(dit_tiny_eager, modes.settings(calibrate_replay=0.4), StreamSettings(frames=8, seed=0), chunks=4)
     assert abs(want - plain) > 1e-3  # the merges change the rollout: a probe without them would miss

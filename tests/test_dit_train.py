@@ -21,9 +21,10 @@ from fastcar_compile.demo.dit_train import (  # noqa: E402
     text_embeds,
     train_dit,
 )
+from fastcar_compile.dit.cache import FrameCache  # noqa: E402
 from fastcar_compile.dit.checkpoints import load_config  # noqa: E402
 from fastcar_compile.dit.model import build  # noqa: E402
-from fastcar_compile.dit.stream import STEPS, FrameCache, StreamSettings, TorchDiT, rollout  # noqa: E402
+from fastcar_compile.dit.stream import STEPS, StreamSettings, TorchDiT, rollout  # noqa: E402
 
 # One layer, 16 tokens per frame (patch 8 on the 32x32 clips), 2 chunks of 2 frames: a step in well under a second.
 SMALL = dataclasses.replace(DIT_PIXEL_CONFIG, layers=1, hidden=24, heads=2, ffn=32, patch=(1, 8, 8), freq_dim=16)

@@ -38,7 +38,7 @@ def test_eval_own_model_matches_direct_runs(setup, capsys):
     out = d / "out"
     assert main(["eval", "--model", str(d / "fast.onnx"), "--dense", str(dense_path), "--prompts",
                  str(d / "p.npy"), "--frames", "3", "--batch", "2", "--threads", "1", "--out", str(out),
-                 "--frame-shape", "2x4"]) == 0
+                 "--frame-shape", "2x4", "--rounds", "1"]) == 0
     text = capsys.readouterr().out
     assert "speed-up" in text and "KL(dense || FastCar)" in text
     res = json.loads((out / "eval.json").read_text())
@@ -74,6 +74,34 @@ def test_eval_own_model_matches_direct_runs(setup, capsys):
     assert (inf.tokens == g.tokens).all() and res["inf_token_agreement"] == 1.0
     for line in ("graph/attention", "replay", "in all", "compiled at tau=+inf"):
         assert line in text
+
+
+def test_eval_repeats_its_rounds_and_prints_median_and_range(setup, capsys):
+    """--rounds 3: each factor is the median of three interleaved rounds' values, printed with their range; the
+    quality figures and traces are those of one round (the same greedy videos: 2 per model)."""
+    import statistics
+
+    from fastcar_compile.runtime.stats import RunStats
+
+    dense_path, d = setup
+    out = d / "rounds"
+    assert main(["eval", "--model", str(d / "fast.onnx"), "--dense", str(dense_path), "--prompts",
+                 str(d / "p.npy"), "--frames", "3", "--batch", "2", "--threads", "1", "--out", str(out),
+                 "--rounds", "3"]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((out / "eval.json").read_text())
+    assert res["rounds"] == 3
+    for key in ("speedup_graph", "speedup_replay", "speedup"):
+        values = res[f"{key}_rounds"]
+        assert len(values) == 3 and res[key] == pytest.approx(statistics.median(values))
+        assert res[f"{key}_range"] == [min(values), max(values)]
+        lo, hi = res[f"{key}_range"]
+        assert f"{statistics.median(values):.2f}x ({lo:.2f}-{hi:.2f})" in text
+    assert "median (lowest-highest) of 3 interleaved rounds" in text
+    assert RunStats.load(out / "fast.json").videos == 2
+    assert main(["eval", "--model", str(d / "fast.onnx"), "--prompts", str(d / "p.npy"), "--out", str(d / "r0"),
+                 "--rounds", "0"]) == 2
+    assert "--rounds" in capsys.readouterr().err
 
 
 def test_report_compares_runs_and_draws_tokens(setup, tmp_path, capsys):

@@ -82,6 +82,51 @@ def test_read_json_bounds(tmp_path, text, problem):
         fileio.read_json(p, "run.json", max_bytes=4)
 
 
+def _depth_reference(text: str) -> int:
+    """Nesting of [ and { outside strings, character by character (a backslash escapes the next character)."""
+    depth = deepest = 0
+    inside = escaped = False
+    for ch in text:
+        if ch == "\\":
+            escaped = not escaped
+            continue
+        was, escaped = escaped, False
+        if ch == '"' and not was:
+            inside = not inside
+        elif not inside and ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif not inside and ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def test_json_depth_counts_like_a_character_scan_at_any_chunk_size():
+    import random
+
+    rng = random.Random(0)
+    pieces = ["[", "{", "]", "}", '"', "\\", "a", ":", ",", "\\\\", '\\"', "\u00e9", "\u00e9"]
+    for _ in range(1500):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
+        for chunk in (1, 3, 7, 1 << 22):
+            assert fileio._json_depth(text.encode(), chunk=chunk) == _depth_reference(text), (text, chunk)
+
+
+def test_json_depth_of_a_long_string_needs_bounded_memory():
+    """A 40 MB JSON string: the depth check's peak allocation stays near its chunk's few arrays (a regex over the
+    text, or arrays over all of it, took memory per character: a MemoryError on a 100 MB string)."""
+    import tracemalloc
+
+    data = b'"' + b"a\\" * (20 << 20) + b'"'
+    tracemalloc.start()
+    try:
+        assert fileio._json_depth(data) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 200 << 20, f"{peak / 2**20:.0f} MiB"
+
+
 def test_staged_dir_leaves_nothing_on_failure(tmp_path):
     target = tmp_path / "new" / "deeper"
     with pytest.raises(RuntimeError), fileio.staged_dir(target) as tmp:

@@ -85,3 +85,69 @@ def test_representative_timeline_step_and_all_layers(programs, tmp_path):
     assert main(["sim", str(programs / "fast.fcb"), "--replay-ratio", "0.5", "--timeline",
                  str(tmp_path / "tl.png")]) == 0
     assert (tmp_path / "tl.png").stat().st_size > 0
+
+
+def _trace(batch: int, video_start: int = 0) -> dict:
+    return {"frame_tokens": L, "layers": [0, 1], "batch": batch, "video_start": video_start,
+            "steps": [{"pos": video_start + i, "replay": [[int(i >= L and (i + r) % 2) for r in range(batch)],
+                                                          [int(i >= L) for _ in range(batch)]]}
+                      for i in range(3 * L)]}
+
+
+def test_a_smaller_trace_fills_the_bundles_batch_with_a_note(programs, tmp_path, capsys):
+    """Bundle compiled for batch 4, trace of 2 rows: simulated at batch 4 with the rows repeated (the same cycles
+    as the simulator fed the tiled mask directly), and said; a trace with more rows than the bundle is refused."""
+    import onnx
+
+    fast4 = tmp_path / "b4.fcb"
+    assert main([str(programs / "fast.onnx"), "--target", "fpga", "--batch", "4", "-o", str(fast4)]) == 0
+    trace = _trace(2)
+    (tmp_path / "run.json").write_text(json.dumps(trace))
+    capsys.readouterr()
+    assert main(["sim", str(fast4), "--replay-trace", str(tmp_path / "run.json"), "--json"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert "repeated to fill 4" in cap.err and "batch 4" not in cap.err.split("note")[0]
+    rows = np.array([s["replay"] for s in trace["steps"]], bool)  # [steps, layers, 2]
+    ctx = np.array([s["pos"] + 1 for s in trace["steps"]])
+    want = Simulator(encode.load(fast4)).run(rows[:, :, [0, 1, 0, 1]], ctx, policy="drs")
+    assert out["drs"]["cycles_per_step"] == pytest.approx(want.cycles / len(ctx))
+    assert main(["sim", str(fast4), "--replay-trace", str(tmp_path / "run.json"), "--batch", "2"]) == 0
+    assert "repeated" not in capsys.readouterr().err
+    (tmp_path / "run8.json").write_text(json.dumps(_trace(8)))
+    assert main(["sim", str(fast4), "--replay-trace", str(tmp_path / "run8.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--batch 8" in err
+    assert onnx.load(str(programs / "fast.onnx")) is not None
+
+
+def test_video_start_note_only_when_the_bundle_recorded_one(programs, tmp_path, capsys):
+    """A model compiled without --video-start takes it per run: its bundle simulates a trace's video start
+    silently; a bundle given --video-start 5 notes the trace's 3."""
+    plain = tmp_path / "plain.fcb"
+    assert main([str(programs / "fast.onnx"), "--target", "fpga", "-o", str(plain)]) == 0
+    (tmp_path / "run.json").write_text(json.dumps(_trace(1, video_start=3)))
+    capsys.readouterr()
+    assert main(["sim", str(plain), "--replay-trace", str(tmp_path / "run.json")]) == 0
+    cap = capsys.readouterr()
+    assert "note" not in cap.err and "video_start 3" in cap.out
+    assert main(["sim", str(programs / "fast.fcb"), "--replay-trace", str(tmp_path / "run.json")]) == 0
+    assert "--video-start 3" in capsys.readouterr().err
+
+
+def test_a_model_with_external_data_compiles_to_bundles_from_any_folder(programs, tmp_path, monkeypatch):
+    """fast.onnx over 16 MiB keeps its RoPE tables in fast.onnx.data: the FPGA compile reads them from beside the
+    model, not from the current folder (it failed with onnx's traceback there), and gives the inline model's
+    bundle."""
+    import onnx
+
+    ext = tmp_path / "ext"
+    ext.mkdir()
+    onnx.save_model(onnx.load(str(programs / "fast.onnx")), str(ext / "fast.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="fast.onnx.data", size_threshold=0)
+    monkeypatch.chdir(tmp_path)
+    assert main([str(ext / "fast.onnx"), "--target", "fpga", "-o", str(tmp_path / "e.fcb")]) == 0
+    assert main([str(programs / "fast.onnx"), "--target", "fpga", "-o", str(tmp_path / "i.fcb")]) == 0
+    a, b = encode.load(tmp_path / "e.fcb"), encode.load(tmp_path / "i.fcb")
+    np.testing.assert_array_equal(a.bundles, b.bundles)
+    assert a.meta["model"] == b.meta["model"]

@@ -53,8 +53,11 @@ def test_genai_generator_runs_fastcar(genai_model, fc_compile, tmp_path, family)
     prompt = np.random.default_rng(7).integers(3, genai_zoo.GENAI_VOCAB, (1, 5))
     dense = _genai_tokens(src, prompt, N)
     never, finite = tmp_path / "never", tmp_path / "finite"
-    fc_compile(str(src / "model.onnx"), output=str(never / "fast.onnx"), frame_tokens=L, threshold=float("inf"))
-    fc_compile(str(src / "model.onnx"), output=str(finite / "fast.onnx"), frame_tokens=L, threshold=0.0)
+    # the prompt is all video: --video-start 0 compiles that in, so genai's generator needs no model input
+    fc_compile(str(src / "model.onnx"), output=str(never / "fast.onnx"), frame_tokens=L, threshold=float("inf"),
+               video_start=0)
+    fc_compile(str(src / "model.onnx"), output=str(finite / "fast.onnx"), frame_tokens=L, threshold=0.0,
+               video_start=0)
     assert (finite / "genai_config.json").is_file() and (finite / "tokenizer.json").is_file()
     np.testing.assert_array_equal(_genai_tokens(never, prompt, N), dense)
     want, ratio = _session_tokens(finite / "fast.onnx", prompt, N)
@@ -62,6 +65,21 @@ def test_genai_generator_runs_fastcar(genai_model, fc_compile, tmp_path, family)
     got = _genai_tokens(finite, prompt, N)
     np.testing.assert_array_equal(got, want)
     assert (got != dense).any(), "replay changed nothing: genai did not carry the FastCar state"
+
+
+def test_genai_generator_without_video_start_is_refused_and_takes_it_as_a_model_input(genai_model, fc_compile,
+                                                                                       tmp_path):
+    """A default compile (no --video-start): a generator that does not set video_start fails at its first step,
+    naming it, instead of decoding with 0; one that sets it decodes as FastCarSession does with that value."""
+    src = genai_model("llama", "fp32")
+    prompt = np.random.default_rng(7).integers(3, genai_zoo.GENAI_VOCAB, (1, 5))
+    out = tmp_path / "default" / "fast.onnx"
+    fc_compile(str(src / "model.onnx"), output=str(out), frame_tokens=L, threshold=0.0)
+    with pytest.raises(RuntimeError, match="video_start"):
+        _genai_tokens(out.parent, prompt, N)
+    start = np.array(3, np.int64)
+    np.testing.assert_array_equal(_genai_tokens(out.parent, prompt, N, {"video_start": start}),
+                                  _session_tokens(out, prompt, N, video_start=3)[0])
 
 
 def test_genai_generator_takes_tau_and_video_start_per_video(genai_model, fc_compile, tmp_path):

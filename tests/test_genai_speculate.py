@@ -127,3 +127,106 @@ def test_genai_speculate_refuses_a_fastcar_compiled_folder(genai_model, tmp_path
     err = capsys.readouterr().err.strip()
     assert "FastCar-compiled" in err and "\n" not in err
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------ a broken genai folder
+def _tree(root) -> dict:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else "dir")
+            for p in sorted(root.rglob("*"))}
+
+
+def _broken(src, d, kind: str):
+    """A copy of the genai folder `src` at `d` with its genai_config.json (or model) broken one way."""
+    import shutil
+
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "genai_config.json").read_text())
+    text = None
+    if kind == "malformed JSON":
+        text = (d / "genai_config.json").read_text()[:-20]
+    elif kind == "a list":
+        text = "[1, 2]"
+    elif kind == "model is a string":
+        cfg["model"] = "llama"
+    elif kind == "no decoder":
+        del cfg["model"]["decoder"]
+    elif kind == "no filename":
+        del cfg["model"]["decoder"]["filename"]
+    elif kind == "filename a number":
+        cfg["model"]["decoder"]["filename"] = 7
+    elif kind == "filename absolute":
+        cfg["model"]["decoder"]["filename"] = str((d / "model.onnx").resolve())
+    elif kind == "filename outside":
+        cfg["model"]["decoder"]["filename"] = "../elsewhere/model.onnx"
+    elif kind == "filename missing":
+        cfg["model"]["decoder"]["filename"] = "nope.onnx"
+    elif kind == "inputs a list":
+        cfg["model"]["decoder"]["inputs"] = ["input_ids"]
+    elif kind == "share buffer a string":
+        cfg.setdefault("search", {})["past_present_share_buffer"] = "yes"
+    elif kind == "NaN number":
+        text = json.dumps(cfg).replace('"context_length": ', '"context_length": NaN, "x": ', 1)
+    elif kind == "unloadable model":
+        (d / "model.onnx").write_bytes(b"not an onnx model" * 10)
+    if text is None:
+        text = json.dumps(cfg)
+    (d / "genai_config.json").write_text(text)
+    return d
+
+
+BROKEN = {"malformed JSON": "not valid JSON", "a list": "JSON object", "model is a string": "'model' object",
+          "no decoder": "'decoder' object", "no filename": "filename", "filename a number": "filename",
+          "filename absolute": "outside the folder", "filename outside": "outside the folder",
+          "filename missing": "does not exist", "inputs a list": "model.decoder.inputs",
+          "share buffer a string": "past_present_share_buffer", "NaN number": "finite",
+          "unloadable model": "not a readable ONNX model"}
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_a_broken_genai_folder_is_one_line_and_leaves_nothing(genai_model, tmp_path, capsys, kind):
+    """Each way of being broken: exit 2, one line naming it, the input folder byte for byte as it was, no output."""
+    src = _broken(genai_model("llama"), tmp_path / "in", kind)
+    before = _tree(src)
+    rc = cli.main(["genai-speculate", str(src), "-o", str(tmp_path / "out"), "--draft", "temporal",
+                   "--frame-tokens", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and BROKEN[kind] in err and "Traceback" not in err, err
+    assert _tree(src) == before and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_genai_speculate_never_writes_inside_its_input_folder(genai_model, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "in"
+    shutil.copytree(genai_model("llama"), src)
+    before = _tree(src)
+    for out in (src / "spec", src / "sub" / "deeper"):
+        assert cli.main(["genai-speculate", str(src), "-o", str(out), "--draft", "ngram"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "outside the input" in err
+        assert _tree(src) == before
+
+
+def test_a_failed_write_leaves_no_draft_tokenizer_or_temp_file(genai_model, tmp_path, capsys, monkeypatch):
+    """The disk fills while the model is copied (after draft.onnx and before genai_config.json): the output folder
+    this command created is gone, with nothing of it left (no draft.onnx, no tokenizer, no temp file)."""
+    import errno
+
+    from fastcar_compile.core import fileio
+
+    src = genai_model("llama")
+    real, calls = fileio.copy_file, []
+
+    def full(a, b, **kw):
+        calls.append(a)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(b))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(fileio, "copy_file", full)
+    rc = cli.main(["genai-speculate", str(src), "-o", str(tmp_path / "out" / "spec"), "--draft", "temporal",
+                   "--frame-tokens", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "space" in err.lower() and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []

@@ -229,7 +229,7 @@ def test_ctrl_c_during_eval_exits_130_quietly(sandbox, tmp_path, delay):
     np.save(tmp_path / "p.npy", np.random.default_rng(0).integers(1, 50, (256, 4)))
     out = tmp_path / "eval"
     proc, chunks = _start_and_wait(["eval", "--model", str(sandbox / "fast.onnx"), "--prompts", str(tmp_path / "p.npy"),
-                                    "--frames", "8", "--out", str(out)], "dense vs FastCar")
+                                    "--frames", "8", "--out", str(out)], "fastcar-compile: native")  # the session loaded
     time.sleep(delay)
     assert proc.poll() is None, "eval ended before the signal: the test measures nothing"
     proc.send_signal(signal.SIGINT)

@@ -34,13 +34,8 @@ def layer_of() -> dict[str, int]:
     return {folder: i for i, (_, folders) in enumerate(LAYERS) for folder in folders}
 
 
-# Run, never imported: `python -m fastcar_compile` is the command line's door, so it sits in the CLI's layer.
-ENTRY_POINTS = {"fastcar_compile/__main__.py": "fastcar_compile/cli"}
-
-
 def folder(f: Path) -> str:
-    rel = f.relative_to(ROOT).as_posix()
-    return ENTRY_POINTS.get(rel, f.parent.relative_to(ROOT).as_posix())
+    return f.parent.relative_to(ROOT).as_posix()
 
 
 def folder_edges() -> dict[tuple[str, str], list[str]]:

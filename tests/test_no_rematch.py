@@ -200,7 +200,7 @@ def test_a_genai_graphs_gates_are_emitted_once(genai_model):
 
 
 DIT_OPTIONS = [{"threshold": [0.05]}, {"tempcache": 0.3, "tempcache_match": "lsh", "annca": True},
-               {"annsa": "quant", "annca": True, "threshold": [0.05]}, {"annsa": "lsh", "native_attention": False}]
+               {"annsa": "int8", "annca": True, "threshold": [0.05]}, {"annsa": "lsh", "native_attention": False}]
 
 
 @pytest.mark.parametrize("options", DIT_OPTIONS, ids=["fastcar", "tempcache-annca", "annsa-annca-fastcar", "annsa-graph"])

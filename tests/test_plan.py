@@ -63,6 +63,17 @@ def test_inspect_v_plans_every_layer_of_a_dynamo_export(zoo_model, tmp_path, cap
     assert _plan_blocks(capsys.readouterr().out) == blocks  # the compile plans what --inspect -v printed
 
 
+def test_inspect_v_says_tas_reads_the_raw_query_on_a_layer_without_rotary(zoo_model, capsys):
+    """GPT-2 (learned positions): every layer's rotary is 'none', so the plan says the TAS query the option names
+    is the raw query there, never 'rope' beside 'rotary: none'; a LLaMA layer keeps 'rope'."""
+    assert main([str(zoo_model("gpt2", "dynamo20")), "--inspect", "-v"]) == 0
+    blocks = _plan_blocks(capsys.readouterr().out)
+    assert blocks and all(b["rotary"] == "none" for b in blocks.values())
+    assert all(b["tas query"].startswith("rope = raw: no rotary") for b in blocks.values()), blocks
+    assert main([str(zoo_model("llama", "dynamo20")), "--inspect", "-v"]) == 0
+    assert {b["tas query"] for b in _plan_blocks(capsys.readouterr().out).values()} == {"rope"}
+
+
 def test_inspect_v_plans_a_genai_graph_and_the_compile_builds_that_gate(genai_model, tmp_path, capsys):
     src = genai_model("llama", "fp32")
     assert main([str(src / "model.onnx"), "--inspect", "-v"]) == 0

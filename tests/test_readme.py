@@ -143,6 +143,36 @@ def test_five_commands_run(tmp_path):
     assert (tmp_path / "run" / "eval.json").is_file() and list((tmp_path / "run").glob("*.png"))
 
 
+@pytest.mark.slow
+def test_genai_lines_run_on_the_stand_in(tmp_path):
+    """The onnxruntime-genai block as printed, on the stand-in the walk uses (the script writes the tokenizer the
+    builder needs): the builder builds, the compiler compiles, and og.Generator generates from a held-out prompt
+    the tokens FastCarSession gives on the same file at the video start the prompt has (greedy)."""
+    import numpy as np
+
+    pytest.importorskip("onnxruntime_genai")
+    run = [sys.executable, str(ROOT / "scripts" / "demo_as_user_model.py"), "--out", "my-model"]
+    assert subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=600).returncode == 0
+    block = next(b for b in shell_blocks() if any(c.startswith("python -m onnxruntime_genai") for c in b))
+    for command in block:
+        words = shlex.split(command)
+        argv = [sys.executable, *words[1:]] if words[0] == "python" else [sys.executable, "-m", "fastcar_compile",
+                                                                           *words[1:]]
+        r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+        assert r.returncode == 0, f"{command}: {r.stderr[-800:]}"
+    from test_genai_speculate import _greedy  # genai's own loop, greedy
+
+    from fastcar_compile.runtime import FastCarSession
+
+    prompt = np.load(tmp_path / "heldout.npy")[:1]
+    n = 70  # past the first generated frame: replay decides
+    got, _ = _greedy(tmp_path / "genai-fast", prompt, n)
+
+    want = FastCarSession(tmp_path / "genai-fast" / "fast.onnx", threads=1).generate(
+        prompt, num_frames=2, given_video_tokens=prompt.shape[1] - 8, progress=False).tokens.reshape(-1)
+    np.testing.assert_array_equal(got, want[:n])
+
+
 def test_every_guide_is_linked():
     """A user finds every guide from the README (a new docs/*.md page needs its link)."""
     linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)\)", README))

@@ -36,7 +36,7 @@ class Recorder:
         return out
 
 
-@pytest.mark.parametrize("kw", [{}, {"tempcache": "aligned", "tempcache_sim": 1.0, "fastcar_tau": 1e30}])
+@pytest.mark.parametrize("kw", [{}, {"tempcache": 1.0, "threshold": 1e30}])
 def test_nothing_merged_or_replayed_is_the_dense_model(dit_tiny_eager, kw):
     """10 frames (5 chunks, the 4-frame window evicting): the module == the eager dense rollout within 1e-4."""
     settings = StreamSettings(frames=10, seed=5)
@@ -52,9 +52,9 @@ def test_nothing_merged_or_replayed_is_the_dense_model(dit_tiny_eager, kw):
 
 
 @pytest.mark.parametrize("kw", [
-    {"tempcache": "aligned", "tempcache_sim": 0.3},
-    {"fastcar_tau": 0.0},
-    {"tempcache": "aligned", "tempcache_sim": 0.3, "fastcar_tau": 0.0},
+    {"tempcache": 0.3},
+    {"threshold": 0.0},
+    {"tempcache": 0.3, "tempcache_match": "aligned", "threshold": 0.0},
 ])
 @pytest.mark.parametrize("window", [None, 0])
 def test_modes_equal_the_eager_stream_runtime(dit_tiny_eager, kw, window):
@@ -75,7 +75,7 @@ def test_modes_equal_the_eager_stream_runtime(dit_tiny_eager, kw, window):
         if "tempcache" in kw:
             assert got.merges == want.merges > 0 and got.written == want.written
             assert got.resident_slots == want.resident_slots < got.dense_slots == want.dense_slots
-        if "fastcar_tau" in kw:
+        if "threshold" in kw:
             assert got.ffn_replayed == want.ffn_replayed > 0 and got.ffn_rows == want.ffn_rows
 
 
@@ -83,7 +83,7 @@ def test_merged_slot_holds_mean_value_newest_key_and_count(dit_tiny_eager):
     """The positional cache after a write, against a NumPy recount: a token whose pre-RoPE key's cosine with
     the same (h, w) one frame back exceeds SIM sits in that slot (count + 1, the mean of its values, its own
     key); the slot it left is dead (count 0); sink frames never merge."""
-    fast = apply_dit(dit_tiny_eager, tempcache="aligned", tempcache_sim=0.5, sinks=1, window=0)
+    fast = apply_dit(dit_tiny_eager, tempcache=0.5, sinks=1, window=0)
     rng = np.random.default_rng(0)
     B, H, T, d = 1, CFG.heads, CFG.tokens_per_frame, CFG.head_dim
     base = rng.standard_normal((B, H, T, d)).astype(np.float32)
@@ -115,8 +115,9 @@ def test_merged_slot_holds_mean_value_newest_key_and_count(dit_tiny_eager):
 
 @pytest.mark.parametrize("kw, words", [
     ({"annsa": "lsh"}, "'annsa' is not supported"),
-    ({"tempcache": "lsh"}, "tempcache='lsh' is not supported"),
-    ({"fastcar_tau": "x"}, "fastcar"),
+    ({"tempcache": 0.5, "tempcache_match": "lsh"}, "tempcache_match='lsh' is not supported"),
+    ({"threshold": "x"}, "threshold"),
+    ({"fastcar_tau": 0.5}, "renamed: use threshold"),
 ])
 def test_unsupported_options_are_one_line_errors(dit_tiny_eager, kw, words):
     with pytest.raises(FastCarError) as e:
@@ -126,4 +127,4 @@ def test_unsupported_options_are_one_line_errors(dit_tiny_eager, kw, words):
 
 def test_not_a_dit_is_refused():
     with pytest.raises(FastCarError, match="ChunkDiT"):
-        apply_dit(torch.nn.Linear(2, 2), fastcar_tau=0.0)
+        apply_dit(torch.nn.Linear(2, 2), threshold=0.0)

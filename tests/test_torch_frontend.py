@@ -279,6 +279,25 @@ def test_torch_compile_model_generate():
     assert counter.frame_count == frames
 
 
+def test_torch_compile_compiles_one_decode_graph():
+    """torch.compile(model) with its defaults (no dynamic=True): a whole generate() compiles one graph, the decode
+    step, for every KV length (the prefill, once per video, runs eagerly): it compiled three before (prefill, the
+    first decode step, then a dynamic one), each taking a minute or more on a CPU; the tokens are the eager model's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    fm = fct.apply(zoo.build_model("llama"), frame_tokens=L, threshold=0.0)
+    prompt = torch.as_tensor(np.random.default_rng(6).integers(0, zoo.VOCAB, (1, 3 + L)))
+    with torch.no_grad():
+        want = fm.generate(prompt, max_new_tokens=2 * L, do_sample=False, prompt_frames=1)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        got = torch.compile(fm, backend=counter).generate(prompt, max_new_tokens=2 * L, do_sample=False,
+                                                          prompt_frames=1)
+    assert torch.equal(got, want)
+    assert counter.frame_count == 1
+
+
 def _mlp_rows_run(path, profile: str) -> dict[int, int]:
     """Rows each layer's MLP ran on in an ORT profile: every MLP MatMul/Gemm event's input rows (all but the last
     dim of its first input), summed and divided by the MatMuls per branch."""
@@ -343,7 +362,8 @@ def _lowering_vs_onnx_path(family, zoo_model, fc_compile, tmp_path, fpga=False):
     fm = fct.apply(zoo.build_model(family), video_start=case.video_start, **opts)
     fct.to_onnx(fm, tmp_path / "torch.onnx", emit_diagnostics=True)
     fc_compile(str(zoo_model(family, "dynamo20")), output=str(tmp_path / "onnx.onnx"), emit_diagnostics=True,
-               fused_attention=None, fusions=False, **opts)  # the exported attention and ops, as the torch path keeps them
+               fused_attention=None, fusions=False, video_start=case.video_start,  # apply's video_start, compiled in
+               **opts)  # the exported attention and ops, as the torch path keeps them
     import onnx
 
     protos = [onnx.load(str(tmp_path / f"{n}.onnx"), load_external_data=False) for n in ("torch", "onnx")]

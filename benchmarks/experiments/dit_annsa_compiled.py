@@ -1,4 +1,4 @@
-"""AnnSA compiled into a DiT step graph (`--annsa lsh|quant`) against the same graph compiled dense, on the DiT
+"""AnnSA compiled into a DiT step graph (`--annsa lsh|int8`) against the same graph compiled dense, on the DiT
 trained here (training/dit_model), AnnSA in both compiled forms (the native AnnSAAttention op, the ONNX-op
 graph: `--native-attention off`): self-attention time (ONNX Runtime's profile, summed over its nodes), ms per
 frame of the stream, density and recall, at a cache of `--contexts` frames.
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--late", type=int, default=8, help="frames streamed past the context (the timed chunks)")
     ap.add_argument("--profile-chunks", type=int, default=2)
     ap.add_argument("--bits", type=int, default=4, help="sign bits per LSH table")
-    ap.add_argument("--dirs", type=int, default=2, help="int8 directions per quant table")
+    ap.add_argument("--dirs", type=int, default=2, help="int8 directions per int8 table")
     ap.add_argument("--tables", type=int, default=2)
     ap.add_argument("--local", type=int, default=1, help="--annsa-local")
     ap.add_argument("--no-recall", action="store_true", help="skip the eager runtime's recall runs")
@@ -107,11 +107,11 @@ def main() -> None:
     src = out / "export" / "dit.onnx"
     if not src.is_file():
         assert cli(["export", "--dit", str(MODEL_DIR), "-o", str(src)]) == 0
-    bucket = {"lsh_bits": a.bits, "quant_dirs": a.dirs, "ann_tables": a.tables, "annsa_local": a.local}
+    bucket = {"lsh_bits": a.bits, "int8_dirs": a.dirs, "ann_tables": a.tables, "annsa_local": a.local}
     forms = {ANNSA_GRAPH: ("ONNX ops", {"native_attention": False}), ANNSA_NATIVE: ("native op", {})}
     graphs = {"dense": {}}
     for kind, what in (("lsh", f"AnnSA-LSH ({a.bits} bits x {a.tables})"),
-                       ("quant", f"AnnSA-Quant ({a.dirs} dirs x {a.tables})")):
+                       ("int8", f"AnnSA-Quant ({a.dirs} dirs x {a.tables})")):
         for form in a.forms.split(","):
             graphs[f"{what}, {forms[form][0]}"] = {"annsa": kind, **bucket, **forms[form][1]}
     paths = {}

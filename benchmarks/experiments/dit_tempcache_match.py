@@ -1,4 +1,4 @@
-"""TempCache compiled into the trained DiT's step graph, per correspondence (aligned, lsh, quant: dit/tempcache.py):
+"""TempCache compiled into the trained DiT's step graph, per correspondence (aligned, lsh, int8: dit/tempcache.py):
 the cache write's cost per chunk, the resident slots against a dense cache, the merges' agreement with an
 exhaustive top-1 match, and (eager runtime, dense attention on the side) the attention recall.
 
@@ -27,15 +27,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
 from _common import in_turn  # noqa: E402
 
 from fastcar_compile.core.atomic import write_text  # noqa: E402
 from fastcar_compile.dit import tempcache  # noqa: E402
-from fastcar_compile.dit.stream import OrtDiT, RingCache, StreamSettings, rollout  # noqa: E402
+from fastcar_compile.dit.cache import RingCache  # noqa: E402
+from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
 
-MATCHES = ("aligned", "lsh", "quant")
+MATCHES = ("aligned", "lsh", "int8")
 
 
 class MeasuredRing(RingCache):
@@ -58,11 +60,13 @@ class MeasuredRing(RingCache):
         if src is not None:
             t0 = time.perf_counter()
             old = slice(src * self.tokens, (src + 1) * self.tokens)
-            live = self.counts[i][:, :, old] > 0
-            zero = np.zeros((*k_pre.shape[:3], 1), np.int64)  # one bucket for all: every live slot a candidate
-            best = tempcache.targets(k_pre, self.last_pre[i], live, self.tempcache, zero, zero)
-            codes = None if self.match is None else self.match.codes(k_pre)
-            got = tempcache.targets(k_pre, self.last_pre[i], live, self.tempcache, codes, self.last_codes[i])
+            live = torch.from_numpy(self.counts[i][:, :, old] > 0)
+            k, prev = torch.from_numpy(k_pre.copy()), torch.from_numpy(self.last_pre[i])
+            zero = torch.zeros((*k_pre.shape[:3], 1), dtype=torch.int64)  # one bucket for all: every live slot
+            best = tempcache.targets(k, prev, live, self.tempcache, zero, zero)
+            codes = None if self.match is None else torch.from_numpy(self.match.codes(k_pre))
+            last = None if codes is None else torch.from_numpy(self.last_codes[i])
+            got = tempcache.targets(k, prev, live, self.tempcache, codes, last)
             self.exhaustive[0] += int((best >= 0).sum())
             self.exhaustive[1] += int(((best >= 0) & (got == best)).sum())
             self.exhaustive[2] += int((got >= 0).sum())
@@ -133,7 +137,7 @@ def main() -> None:
         torch.set_num_threads(1)
         model = load_trained(MODEL_DIR)
         for m in MATCHES:
-            rt = FastARDiT(model, modes.settings(tempcache=m, tempcache_sim=a.sim, diagnostics=True))
+            rt = FastARDiT(model, modes.settings(tempcache=a.sim, tempcache_match=m, diagnostics=True))
             for _ in rollout(rt, settings, text):
                 pass
             t = totals(rt.stats)

@@ -11,6 +11,9 @@ from fastcar_compile.cli import registry
 from fastcar_compile.cli.sim import board_presets
 from fastcar_compile.core import contract, options
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.limits import INT64_MAX, check_int
+
+MAX_CALIB_FRAMES = 4096  # frames per calibration prompt: far beyond what a calibration needs
 
 # Options whose value may start with '-' (argparse takes `--threshold -1e30` / `-inf` for an option).
 _NEGATIVE_OK = ("--threshold",)
@@ -50,8 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="print every anchor found per layer and the compiler's passes, in order")
     cal = p.add_argument_group("threshold calibration (needs the runtime)")
-    cal.add_argument("--calibrate-replay", type=options.ascii_float, metavar="RATIO",
-                     help="pick tau so that the replay ratio on --calib-data reaches RATIO (0-1)")
+    options.add_arguments(cal, [options.CALIBRATE_REPLAY])
     cal.add_argument("--calibrate-quality", type=options.ascii_float, metavar="BUDGET",
                      help="pick the largest replay whose mean KL(dense || FastCar) per generated token (nats, "
                           "teacher-forced on the FastCar tokens) stays within BUDGET, e.g. 0.05")
@@ -62,10 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the calibration prompts end with N video tokens (e.g. a given frame 0: N = L), so "
                           "the first generated frame may already replay (default 0)")
     fpga = p.add_argument_group("FPGA backend")
-    fpga.add_argument("--target", choices=["onnx", "cuda", "fpga"], default="onnx",
-                      help="onnx (default): write fast.onnx; cuda: fast.onnx with only ops ONNX Runtime's CUDA "
-                      "provider runs (the ai.fastcar ops' function bodies inlined; docs/scale.md); fpga: compile a "
-                      "fast.onnx into DRS bundles (.fcb)")
+    fpga.add_argument("--target", choices=["onnx", "fpga"], default="onnx",
+                      help="onnx (default): write fast.onnx; fpga: compile a fast.onnx into DRS bundles (.fcb)")
     fpga.add_argument("--board", default="kv260", help=f"board preset ({board_presets()}; default kv260)")
     fpga.add_argument("--board-file", help="JSON file overriding board parameters")
     fpga.add_argument("--batch", type=options.ascii_int, default=1, help="batch rows the bundles are scheduled for (<= 32)")
@@ -76,9 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     fpga.add_argument("--dense", action="store_true",
                       help="compile without FastCar instructions (no TAS, nothing skipped): the dense baseline "
                            "for `sim --baseline`")
-    fpga.add_argument("--video-start", type=options.ascii_int,
-                      help="KV index of the first video token your runtime uses (run.json's video_start); "
-                           "recorded in the bundle (default 0)")
     return p
 
 
@@ -90,9 +87,42 @@ def _not_planned(parser: argparse.ArgumentParser, args: argparse.Namespace) -> l
             if a.dest not in planned and a.option_strings and getattr(args, a.dest, a.default) != a.default]
 
 
+# Output names that say "not a model": a compiled graph written there would pass for a prompt, trace or picture
+# (`-o t.npy --calib-data t.npy` once replaced the calibration data with a graph).
+NOT_A_MODEL = (".npy", ".npz", ".json", ".png", ".gif", ".jpg", ".txt", ".csv", ".md", ".s", ".safetensors", ".pt")
+
+
+def _check_output_name(args: argparse.Namespace) -> None:
+    """The output's extension must not name another kind of file: a model is never written as x.npy, a bundle
+    never as x.onnx."""
+    from fastcar_compile.core.fileio import same_file
+
+    inputs = [x for x in (args.model, args.calib_data, args.board_file) if x is not None]
+    if args.output is None or any(same_file(args.output, x) for x in inputs):  # the input's own refusal says more
+        return
+    suffix = Path(args.output).suffix.lower()
+    if args.target == "fpga" and suffix == ".onnx":
+        raise FastCarError(f"-o {args.output}: --target fpga writes a bundle (.fcb), not an ONNX model; name it "
+                           "model.fcb")
+    if suffix in NOT_A_MODEL or (args.target == "onnx" and suffix == ".fcb"):
+        raise FastCarError(f"-o {args.output}: {suffix} names another kind of file; the compiler writes an ONNX "
+                           f"model{' bundle (.fcb)' if args.target == 'fpga' else ' (.onnx)'}")
+
+
+def _check_calibration_args(args: argparse.Namespace, argv: list[str]) -> None:
+    calibrating = args.calibrate_replay is not None or args.calibrate_quality is not None
+    check_int("--calib-frames", args.calib_frames, 1, MAX_CALIB_FRAMES, "frames generated per calibration prompt")
+    check_int("--given-video-tokens", args.given_video_tokens, 0, INT64_MAX, "video tokens at the end of each "
+              "calibration prompt")
+    if calibrating and any(a == "--threshold" or a.startswith("--threshold=") for a in argv):
+        raise FastCarError("--threshold and --calibrate-* both set tau: calibration picks it; give one of them")
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(_join_negative_values(argv))
+    _check_output_name(args)
+    _check_calibration_args(args, argv)
     import fastcar_compile as fc
 
     if args.inspect:
@@ -121,9 +151,6 @@ def main(argv: list[str]) -> int:
     _, report = fc.compile(loaded, args.output, **options.from_args(args))
     print(report.format(verbose=args.verbose))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, {time.perf_counter() - start:.1f} s)")
-    from fastcar_compile.passes.cuda_target import retarget
-
-    retarget(args)
     if args.tas_query == contract.TAS_ROPE and all(t <= -1.0 for t in args.threshold):
         print(f"note: tau {args.threshold[0]:g} is on the paper's raw-TAS scale; post-RoPE TAS (--tas-query rope) "
               "often replays every eligible MLP there. Calibrate (--calibrate-replay 0.5 --calib-data p.npy) or "
@@ -166,7 +193,7 @@ def _calibrate(args) -> int:
         # one tau for every layer, the outputs calibration reads, no genai files
         fc.compile(args.model, probe, **options.from_args(
             args, threshold=args.threshold[0], per_layer_threshold=False, emit_diagnostics=True, genai=False,
-            validate=False, required_video_inputs=False))
+            validate=False, required_video_inputs=False, provider="cpu"))
         n_held = max(1, len(prompts) // 4) if len(prompts) > 1 else 0
         calib, held = (prompts[:-n_held], prompts[-n_held:]) if n_held else (prompts, None)
         print(f"calibrating on {len(calib)} prompts x {args.calib_frames} frames, {n_held} held out ...", flush=True)
@@ -178,10 +205,25 @@ def _calibrate(args) -> int:
     print(f"calibrated tau = {result.tau:.6g}; compiling {args.output} with it", flush=True)
     _, report = fc.compile(args.model, args.output, **options.from_args(args, threshold=result.tau))
     print(f"wrote {args.output} ({len(report.rewritten)} layers rewritten, tau = {result.tau:.6g})")
-    from fastcar_compile.passes.cuda_target import retarget
-
-    retarget(args)
     return 0
+
+
+def _check_dit_files(a: argparse.Namespace, loaded) -> None:
+    """Before any work (a calibration streams the model): the output, the prompt graph written beside it and their
+    data files are none of the inputs: the step graph, its prompt graph, their data and --calib-data."""
+    from fastcar_compile.core import fileio
+
+    out = fileio.check_output_path(a.output, "-o")
+    reads: dict = dict(fileio.model_reads(a.model, "the step graph"))
+    text_src = Path(a.model).with_name(contract.dit_text_graph_name(loaded.model.metadata_props, str(a.model)))
+    if text_src.is_file():
+        reads.update(fileio.model_reads(text_src, "the prompt graph"))
+    if a.calib_data is not None:
+        reads[Path(a.calib_data)] = "--calib-data"
+    text_out = contract.text_graph_path(out)
+    fileio.check_outputs({out: "-o", out.with_name(out.name + ".data"): "the output's data",
+                          text_out: "the prompt graph's copy", text_out.with_name(text_out.name + ".data"):
+                          "the prompt graph's data"}, reads)
 
 
 def _compile_dit(a: argparse.Namespace, loaded) -> int:
@@ -199,9 +241,9 @@ def _compile_dit(a: argparse.Namespace, loaded) -> int:
         raise FastCarError("-o/--output is required: where to write the compiled step graph")
     t0 = time.perf_counter()
     opts = options.from_args(a)
+    _check_dit_files(a, loaded)
     if a.calibrate_replay is not None:
-        if not 0.0 <= a.calibrate_replay <= 1.0:
-            raise FastCarError(f"--calibrate-replay must be a replay ratio in [0, 1], got {a.calibrate_replay:g}")
+        options.CALIBRATE_REPLAY.check(a.calibrate_replay)
         from fastcar_compile.api import calibrate_dit
         from fastcar_compile.cli.stream import read_text_embeds
 
@@ -214,9 +256,6 @@ def _compile_dit(a: argparse.Namespace, loaded) -> int:
               f"{'--calib-data' if text is not None else 'a seeded random'} prompt)")
     _, report = fc.compile(loaded, a.output, **opts)
     print(report.format(verbose=a.verbose))
-    from fastcar_compile.passes.cuda_target import retarget
-
-    retarget(a)
     print(f"wrote {a.output} ({len(report.rewritten)} DiT blocks rewritten, {time.perf_counter() - t0:.1f} s); "
           f"next: fastcar-compile stream {a.output} --frames 24 -o stream_out")
     return 0

@@ -10,14 +10,14 @@ the same seed per clip for dense and FastCar.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 
-from fastcar_compile.core import contract, fileio, limits
+from fastcar_compile.core import fileio, options
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.core.options import ascii_float, ascii_int
+from fastcar_compile.core.options import ascii_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,9 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clips", type=ascii_int, default=None, help="held-out clips to generate (default: the model's)")
     ap.add_argument("--frames", type=ascii_int, default=None,
                     help="frames per clip incl. the given frame 0 (default: the model's)")
-    ap.add_argument("--tau", type=ascii_float, default=None, help="TAS threshold (default: the model's, ~80%% replay)")
-    ap.add_argument("--tas-query", choices=contract.TAS_QUERIES, default=contract.TAS_ROPE)
-    ap.add_argument("--max-replay", type=ascii_int, default=0, help="drift guard: max consecutive replays (0 = off)")
+    options.add_arguments(ap, [dataclasses.replace(options.ONE_THRESHOLD, help="tau: replay when TAS > tau "
+                                                   "(default: the model's, ~80%% replay; inf never replays)"),
+                               options.BY_NAME["tas_query"], options.BY_NAME["max_replay"]])
     ap.add_argument("--threads", type=ascii_int, default=1, help="ORT intra-op threads for both models (default 1)")
     ap.add_argument("--seed", type=ascii_int, default=0, help="clip selection seed (default 0)")
     add_decoding_args(ap)
@@ -57,7 +57,7 @@ def _defaults(a: argparse.Namespace, spec) -> None:
     a.out = a.out or Path("fastcar-out/demo-long" if a.long else "fastcar-out/demo")
     a.clips = a.clips if a.clips is not None else spec.default_clips
     a.frames = a.frames if a.frames is not None else spec.default_frames
-    a.tau = a.tau if a.tau is not None else spec.default_tau
+    a.threshold = a.threshold if a.threshold is not None else spec.default_tau
 
 
 def main(argv: list[str]) -> int:
@@ -78,10 +78,8 @@ def main(argv: list[str]) -> int:
         raise FastCarError(f"--frames must be >= 2 (frame 0 is given, the rest generated), got {a.frames}")
     if a.threads < 1:
         raise FastCarError(f"--threads must be >= 1, got {a.threads}")
-    if math.isnan(a.tau) or (math.isfinite(a.tau) and abs(a.tau) > limits.FLOAT32_MAX):
-        raise FastCarError(f"--tau {a.tau:g}: give a number within float32 (TAS > tau replays; inf never replays)")
-    if a.max_replay < 0 or a.max_replay > limits.MAX_REPLAY:
-        raise FastCarError(f"--max-replay must be in 0..{limits.MAX_REPLAY} (0 = off), got {a.max_replay}")
+    a.threshold = options.ONE_THRESHOLD.check(a.threshold)
+    options.BY_NAME["max_replay"].check(a.max_replay)
     fileio.check_output_dir(a.out, "--out")
     fileio.check_outputs({a.out / name: f"--out's {name}" for name in OUTPUTS})
     t0 = time.time()
@@ -108,15 +106,15 @@ def _run(a: argparse.Namespace, spec, decoding, out: Path, t0: float):
     clips = spec.clips(a.clips, a.frames, a.seed)  # first: bad sizes fail before the export and compile
     tok = spec.tokenizer()
     model = spec.onnx()
-    print(f"compiling the {spec.name} model (L={tok.tokens_per_frame}, tau={a.tau:g}, "
+    print(f"compiling the {spec.name} model (L={tok.tokens_per_frame}, tau={a.threshold:g}, "
           f"tas_query={a.tas_query}, max_replay={a.max_replay}) ...", flush=True)
-    fast = compile_bundled(out / "fast.onnx", a.tau, a.tas_query, a.max_replay, model=model,
+    fast = compile_bundled(out / "fast.onnx", a.threshold, a.tas_query, a.max_replay, model=model,
                            frame_tokens=tok.tokens_per_frame)
     # --long: 2 x 4031 steps per clip already; the bare-ORT re-timing would double the run (5-minute budget)
-    results = run_clips(spec, model, fast, clips, tok, a.tau, threads=a.threads,
+    results = run_clips(spec, model, fast, clips, tok, a.threshold, threads=a.threads,
                         rounds=0 if a.long else spec.timing_rounds,
                         decoding=decoding, seed=a.sample_seed)
-    s = summarize(results, tok, a.tau, a.tas_query, a.max_replay)
+    s = summarize(results, tok, a.threshold, a.tas_query, a.max_replay)
     per_clip = [q.clip_quality(r.gt, tok.encode(r.gt), r.dense.tokens, r.fast.tokens, tok.decode, r.clip)
                 for r in results]
     qs = q.summarize_quality(per_clip, s.replay_ratio)
@@ -124,10 +122,10 @@ def _run(a: argparse.Namespace, spec, decoding, out: Path, t0: float):
     files = [write_gif(results, tok, out / "demo.gif", fps=8.0 if a.long else 4.0),
              write_strip(results, tok, out / "strip.png", every=every),
              write_heatmap(results, tok, out / "replay_heatmap.png",
-                           f"replay per token, tau={a.tau:g} ({100 * s.replay_ratio:.0f}% overall)", every=every),
+                           f"replay per token, tau={a.threshold:g} ({100 * s.replay_ratio:.0f}% overall)", every=every),
              q.write_quality_plot(per_clip, qs, out / "quality.png",
                                   f"{spec.name} model, {s.clips} held-out clips x {s.frames} frames, "
-                                  f"{decoding.describe()}, tau={a.tau:g} ({100 * s.replay_ratio:.0f}% replay)")]
+                                  f"{decoding.describe()}, tau={a.threshold:g} ({100 * s.replay_ratio:.0f}% replay)")]
     extra: dict = {}
     if a.long:
         from fastcar_compile.demo import longvideo as lv
@@ -135,7 +133,7 @@ def _run(a: argparse.Namespace, spec, decoding, out: Path, t0: float):
         curves = lv.psnr_per_frame(results, tok)
         per_layer = lv.layer_replay(results, tok.tokens_per_frame)[:, 1:].mean(axis=(1, 2))
         files += [lv.write_layer_plots(results, tok, out / "replay_layers.png",
-                                       f"FastCar replay per layer, tau={a.tau:g}, {s.clips} clips x {s.frames} frames"),
+                                       f"FastCar replay per layer, tau={a.threshold:g}, {s.clips} clips x {s.frames} frames"),
                   lv.write_psnr_plot(curves, out / "psnr_frames.png", f"PSNR vs truth per frame, {s.clips} held-out clips")]
         extra = {"replay_per_layer": per_layer.tolist(), "psnr_per_frame": {k: v.tolist() for k, v in curves.items()}}
     res = out / "results.json"

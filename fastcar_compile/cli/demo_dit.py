@@ -5,7 +5,10 @@ scene clips in 32x32 pixels, prompts = the clips' labels) generates each prompt'
 its KV cache (attention sinks + a rolling window, so the cost per frame stays flat), 4 denoising steps per
 chunk with classifier-free guidance. Writes into --out: demo.gif (one labelled panel per prompt, frame
 number on top), strip.png (every k-th frame), results.json (per prompt: frames per second early and late,
-RSS, motion per frame, the settings) and prints the numbers.
+RSS, motion per frame, the settings) and prints the numbers. Then each FAST-AR mode (`DEMO_MODES`, the eager
+FAST-AR runtime of fastcar_compile/dit/fastar.py) streams the first prompt for --mode-frames frames on the model's
+capped context: its self- and cross-attention density and recall (measured against a dense attention on the
+side) and its frames per second (a second run without that side pass), printed and in results.json.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ BASE_LABELS = {"camera": "pan_right", "speed": "slow", "objects": "objects_1", "
                "cut": "no_cut", "scene": "photo"}
 DEFAULT_PROMPTS = ("camera=pan_right", "camera=zoom_in", "camera=static,objects=objects_2")
 OUTPUTS = ("demo.gif", "strip.png", "results.json")
+# The FAST-AR modes the demo measures (the stream runtime's settings, dit/modes.py): name -> settings.
+TEMPCACHE_LSH = {"tempcache": 0.9, "tempcache_match": "lsh"}  # SIM 0.9 (the paper's), the top-1 match by LSH
+DEMO_MODES = {"dense (FAST-AR runtime)": {}, "TempCache-LSH": TEMPCACHE_LSH, "AnnSA-LSH": {"annsa": "lsh"},
+              "AnnCA": {"annca": True}, "all (TempCache-LSH + AnnSA-LSH + AnnCA)":
+              {**TEMPCACHE_LSH, "annsa": "lsh", "annca": True}}
 SCALE = 4  # GIF pixels per frame pixel
 
 
@@ -44,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="folder with config.json + model.safetensors (default: the repository's training/dit_model)")
     ap.add_argument("--out", type=Path, default=Path("fastcar-out/demo-dit"), help="output folder")
     ap.add_argument("--threads", type=ascii_int, default=1, help="PyTorch threads (default 1)")
+    ap.add_argument("--mode-frames", type=ascii_int, default=48, help="frames each FAST-AR mode streams on the first "
+                    "prompt for its density, recall and frames per second (default 48; 0: skip the modes)")
     return ap
 
 
@@ -156,11 +166,42 @@ def summarize(r: dict) -> dict:
             "seconds": float(ms.sum() / 1000)}
 
 
+def mode_rows(model, labels: dict[str, str], frames: int, cfg_scale: float, seed: int) -> list[dict]:
+    """Per FAST-AR mode of DEMO_MODES on one prompt: density and recall (self and cross attention, against a dense
+    attention on the side) over `frames` frames, and frames per second over the second half of a run without
+    that side pass (the first chunks warm up)."""
+    import dataclasses
+
+    from fastcar_compile.demo.dit_train import text_embeds
+    from fastcar_compile.dit import modes
+    from fastcar_compile.dit.fastar import FastARDiT, totals
+    from fastcar_compile.dit.stream import StreamSettings, rollout
+
+    text, settings = text_embeds(labels), StreamSettings(frames=frames, seed=seed, cfg_scale=cfg_scale)
+    rows = []
+    for name, kw in DEMO_MODES.items():
+        fa = modes.settings(**kw)
+        side = FastARDiT(model, dataclasses.replace(fa, diagnostics=True))
+        for _ in rollout(side, settings, text):
+            pass
+        ms = [1000 * c.seconds / c.frames.shape[1] for c in rollout(FastARDiT(model, fa), settings, text)]
+        rows.append({"mode": name, **totals(side.stats), "fps": float(1000 / np.median(ms[len(ms) // 2:]))})
+    return rows
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
 def main(argv: list[str]) -> int:
     from fastcar_compile.cli.stream import check_rollout_args
 
     a = build_parser().parse_args(argv)
     check_rollout_args(a, "frames", min_threads=1)
+    from fastcar_compile.cli.stream import MAX_FRAMES
+    from fastcar_compile.core.limits import check_int
+
+    check_int("--mode-frames", a.mode_frames, 0, MAX_FRAMES, "frames per FAST-AR mode; 0 skips them")
     prompts = [parse_prompt(p) for p in (a.prompt or DEFAULT_PROMPTS)]
     from fastcar_compile.core import fileio
 
@@ -177,6 +218,7 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     runs = [stream_prompt(model, p, a.frames, a.cfg, a.seed) for p in prompts]
     rows = [{"prompt": p, **summarize(r)} for p, r in zip(prompts, runs, strict=True)]
+    by_mode = mode_rows(model, prompts[0], a.mode_frames, a.cfg, a.seed) if a.mode_frames else []
     from fastcar_compile.core.atomic import write_text
 
     with fileio.staged_dir(a.out) as tmp:
@@ -184,7 +226,7 @@ def main(argv: list[str]) -> int:
         write_strip([r["video"] for r in runs], prompts, tmp / "strip.png")
         write_text(tmp / "results.json", json.dumps({
             "model": str(a.weights), "config": json.loads(cfg.to_json()), "settings": runs[0]["settings"],
-            "threads": a.threads, "videos": rows,
+            "threads": a.threads, "videos": rows, "modes": by_mode, "mode_frames": a.mode_frames,
             "frame_ms": [r["frame_ms"] for r in runs], "rss_mib": [r["rss_mib"] for r in runs]}, indent=1) + "\n")
     for r in rows:
         p = r["prompt"]
@@ -192,5 +234,12 @@ def main(argv: list[str]) -> int:
               f"{r['early_frames'][0]}-{r['early_frames'][1]}, {r['fps_late']:.1f} at {r['late_frames'][0]}-"
               f"{r['late_frames'][1]}, RSS {r['rss_mib_early']:.0f} -> {r['rss_mib_late']:.0f} MiB, motion "
               f"{r['motion_first_quarter']:.1f} -> {r['motion_last_quarter']:.1f} per frame")
+    if by_mode:
+        print(f"FAST-AR modes on {prompts[0]['camera']}, {a.mode_frames} frames (capped context; density and recall "
+              "against a dense attention on the side):")
+        for r in by_mode:
+            print(f"  {r['mode']:<42} self density {_pct(r['self_density']):>6} recall {_pct(r['self_recall']):>6}  "
+                  f"cross density {_pct(r['cross_density']):>6} recall {_pct(r['cross_recall']):>6}  "
+                  f"{r['fps']:.1f} frames/s")
     print(f"wrote {a.out}/demo.gif, strip.png, results.json ({time.time() - t0:.0f} s)")
     return 0

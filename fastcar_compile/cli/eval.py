@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--dense", type=Path, help="the original export (dense baseline); default: --model at "
                                                 "tau=+inf (same tokens, but carries the gate's overhead)")
     own.add_argument("--batch", type=ascii_int, default=1, help="prompts per generate call (default 1)")
+    own.add_argument("--rounds", type=ascii_int, default=3, help="interleaved timing rounds over every prompt "
+                     "(default 3): each speed-up factor is printed as its median and its range over the rounds")
     own.add_argument("--given-video-tokens", type=ascii_int, default=0,
                      help="the prompts end with this many video tokens (e.g. a given frame 0)")
     own.add_argument("--draft", metavar="KIND[:K]",
@@ -222,7 +224,7 @@ def _own(a) -> int:
     check_files(a.model, a.dense, a.out, a.prompts)
     prompts = load_prompts(a.prompts)
     evaluate(a.model, prompts, a.out, dense_path=a.dense, frames=frames, batch=a.batch, threads=threads,
-             given_video_tokens=a.given_video_tokens, frame_shape=a.frame_shape)
+             given_video_tokens=a.given_video_tokens, frame_shape=a.frame_shape, rounds=a.rounds)
     return 0
 
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.limits import check_int
 from fastcar_compile.core.options import ascii_int
 
 CHECK_TOLERANCE = 1e-3
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--torchscript", action="store_true",
                     help="use the TorchScript exporter (dynamo=False) instead of dynamo (the default)")
     ap.add_argument("--seed", type=ascii_int, default=0, help="seed of the random weights when given a config only")
+    ap.add_argument("--random-weights", action="store_true", help="--dit: a config or folder without "
+                    "model.safetensors exports random weights (seeded) to try the tool chain; without this flag it "
+                    "is refused (a preset such as tiny always has random weights)")
     ap.add_argument("--no-check", action="store_true",
                     help="skip the check that ONNX Runtime's logits equal the eager model's (prompt + 2 steps)")
     return ap
@@ -116,6 +120,7 @@ def _export_dit(a: argparse.Namespace) -> int:
     if out.suffix != ".onnx":
         raise FastCarError(f"-o {out}: give a path ending in .onnx")
     check_output_path(out, "-o")
+    check_int("--seed", a.seed, 0, 2**32 - 1)
     cfg, weights = load_config(a.dit, _checkpoint_overrides(a), a.state_key)
     text_out = text_graph_path(out)
     src = Path(a.dit)
@@ -128,6 +133,12 @@ def _export_dit(a: argparse.Namespace) -> int:
     from fastcar_compile.dit.model import build
 
     meta = weights is None and 4 * cfg.params > RANDOM_WEIGHTS_MAX_BYTES
+    if not meta:  # random weights only when asked (a large config without weights exports zeros, said below)
+        from fastcar_compile.dit.checkpoints import refuse_random
+        from fastcar_compile.dit.config import check_model_memory
+
+        refuse_random(a.dit, weights, a.random_weights)
+        check_model_memory(cfg, str(a.dit))
     t0 = time.perf_counter()
     if weights is None and meta:
         print(f"note: {a.dit} has no weights and {cfg.params / 1e9:.2f} B parameters; exporting the graph without "

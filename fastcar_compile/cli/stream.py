@@ -33,6 +33,8 @@ def build_stream_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sink", type=ascii_int, help="sink frames kept for ever (default: the model's)")
     ap.add_argument("--window", type=ascii_int, help="recent frames kept in the cache, 0 = all (default: the model's)")
     ap.add_argument("--threads", type=ascii_int, default=0, help="ONNX Runtime / PyTorch threads (0: one per core)")
+    ap.add_argument("--random-weights", action="store_true", help="a DiT config or folder without model.safetensors "
+                    "runs with random weights (seed 0) to try the tool chain; without this flag it is refused")
     from fastcar_compile.dit.modes import DIT_OPTIONS
 
     add_arguments(ap, DIT_OPTIONS)
@@ -94,20 +96,20 @@ def main(argv: list[str]) -> int:
     check_outputs(files, reads)
     from fastcar_compile.dit.stream import StreamSettings
 
-    model = _eager_model(a.model, fa, a.threads) if eager else _ort_model(model_path, a.threads)
+    model = _eager_model(a.model, fa, a.threads, a.random_weights) if eager else _ort_model(model_path, a.threads)
     if not eager:
         check_outputs(files, {model.text_path: "the prompt graph"})
     text = read_text_embeds(a.text, model.cfg.text_dim) if a.text else None
     settings = StreamSettings(frames=a.frames, seed=a.seed, cfg_scale=a.cfg, sink_frames=a.sink,
                               window_frames=a.window)
-    if fa.fastcar_ratio is not None:
+    if fa.calibrate_replay is not None:
         from fastcar_compile.dit.fastar import calibrate_tau
 
         tau = calibrate_tau(model.model, fa, settings, text)
-        print(f"calibrated --fastcar-tau {tau:.4g} for replay ratio {fa.fastcar_ratio:g} (TAS quantile over the "
+        print(f"calibrated --threshold {tau:.4g} for replay ratio {fa.calibrate_replay:g} (TAS quantile over the "
               "first two chunks)")
         model.tau = tau
-        model.fa = dataclasses.replace(fa, fastcar_tau=tau)
+        model.fa = dataclasses.replace(fa, threshold=tau)  # (the record keeps the ratio it came from)
     if getattr(model, "annsa", None) is not None:  # AnnSA compiled in: count its executed pairs
         model.self_pairs = [0, 0]
     result = run_stream(model, settings, text)
@@ -160,10 +162,10 @@ def _ort_model(model_path: Path, threads: int):
                            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})") from None
 
 
-def _eager_model(source: str, fa, threads: int):
+def _eager_model(source: str, fa, threads: int, random_weights: bool = False):
     """The DiT (preset, config or folder) in eager PyTorch behind the FAST-AR runtime."""
-    from fastcar_compile.dit.checkpoints import load_config
-    from fastcar_compile.dit.config import PRESETS, RANDOM_WEIGHTS_MAX_BYTES
+    from fastcar_compile.dit.checkpoints import load_config, refuse_random
+    from fastcar_compile.dit.config import PRESETS, RANDOM_WEIGHTS_MAX_BYTES, check_model_memory
     from fastcar_compile.dit.fastar import FastARDiT
     from fastcar_compile.dit.model import build
 
@@ -174,6 +176,8 @@ def _eager_model(source: str, fa, threads: int):
     if 4 * cfg.params > RANDOM_WEIGHTS_MAX_BYTES and weights is None:
         raise FastCarError(f"{source}: {cfg.params / 1e9:.2f} B parameters and no weights; the eager stream needs "
                            "a folder with model.safetensors (or a small config)")
+    refuse_random(source, weights, random_weights)
+    check_model_memory(cfg, source)
     return FastARDiT(build(cfg, weights), fa, threads)
 
 

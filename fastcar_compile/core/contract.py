@@ -151,6 +151,12 @@ def state_output_for(input_name: str) -> str:
 # New-video fill values of the FastCar state (DESIGN.md: caches start at 0, ages at -1 = never written).
 CACHE_FILL, AGE_FILL = 0, -1
 
+# The ONNX Runtime execution provider a model is compiled for: cpu (the ai.fastcar ops, native kernels when built) or
+# cuda (only ops the CUDA provider runs: the ai.fastcar ops' function bodies inlined, passes/cuda_target.py),
+# recorded under PROVIDER_KEY when not cpu.
+PROVIDERS = ("cpu", "cuda")
+PROVIDER_KEY = "fastcar.provider"
+
 # --- the ai.fastcar ops ---------------------------------------------------------------------------------------
 DOMAIN = "ai.fastcar"
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops the passes emit (GQA, RotaryEmbedding, norms)
@@ -479,6 +485,14 @@ def metadata_table() -> str:
 # A "frame" is a latent frame (Wan's VAE: 4x temporal, 8x8 spatial compression); the patch (1, 2, 2) makes
 # `tokens_per_frame` = (latent_h / 2) * (latent_w / 2) tokens, 1560 for 480x832 video. The config rides in the
 # step graph's metadata (DIT_CONFIG_KEY): the compiler and the runtime read the model's shapes from it.
+# Upper bounds of a DiT config's sizes, wherever it comes from (a config .json, a step graph's metadata): far above
+# any model this runs (Wan2.1-14B: 40 layers, hidden 5120, ffn 13824, text 4096 x 512), far below what overflows the
+# allocations derived from them (which are also checked against memory: dit/config.check_stream_memory).
+DIT_MAX_SIZES = {"layers": 1024, "hidden": 1 << 16, "heads": 1024, "ffn": 1 << 18, "text_dim": 1 << 16,
+                 "in_channels": 4096, "latent_h": 1 << 14, "latent_w": 1 << 14, "freq_dim": 1 << 16,
+                 "text_len": 1 << 16, "chunk_frames": 1024, "sink_frames": 1 << 20, "window_frames": 1 << 20}
+
+
 @dataclass(frozen=True)
 class DiTConfig:
     layers: int
@@ -520,14 +534,20 @@ class DiTConfig:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in ("eps", "rope_theta"):
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                    raise FastCarError(f"{where}: {f.name}={v!r} must be a positive number")
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= (1.0 if f.name == "eps"
+                                                                                            else 1e12):
+                    raise FastCarError(f"{where}: {f.name}={v!r} must be a positive number "
+                                       f"{'below 1' if f.name == 'eps' else 'up to 1e12'}")
             elif f.name == "patch":
                 if len(v) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
                     raise FastCarError(f"{where}: patch={list(v)!r} must be three positive integers")
             elif isinstance(v, bool) or not isinstance(v, int) or v < (0 if f.name in (
                     "window_frames", "sink_frames") else 1):
                 raise FastCarError(f"{where}: {f.name}={v!r} must be a {'non-negative' if f.name in ('window_frames', 'sink_frames') else 'positive'} integer")
+            elif v > DIT_MAX_SIZES[f.name]:
+                raise FastCarError(f"{where}: {f.name}={v} is beyond {DIT_MAX_SIZES[f.name]}; check the config")
+        if any(x > 64 for x in self.patch):
+            raise FastCarError(f"{where}: patch={list(self.patch)!r}: at most 64 pixels a side")
         if self.hidden % self.heads or self.head_dim % 2 or self.head_dim < 6:
             raise FastCarError(f"{where}: hidden {self.hidden} / heads {self.heads} must give an even head size "
                                ">= 6 (3D RoPE splits it over frame, h, w)")
@@ -627,6 +647,16 @@ def dit_config_of(props: Mapping[str, str], where: str) -> DiTConfig:
 DIT_TEXT_GRAPH_KEY = "fastcar.dit_text_graph"  # file name of the prompt graph beside the step graph
 
 
+def dit_text_graph_name(props: Mapping[str, str], where: str) -> str:
+    """The prompt graph's file name a step graph's metadata records, checked to be a plain name beside it (never a
+    path elsewhere: a graph is a file anyone can edit)."""
+    name = props.get(DIT_TEXT_GRAPH_KEY)
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name \
+            or len(name) > 255:
+        raise FastCarError(f"{where}: its prompt graph name {name!r} is not a file name beside it; export it again")
+    return name
+
+
 def text_graph_path(step: str | os.PathLike) -> Path:
     """Where the prompt graph of step graph `dit.onnx` is written: `dit.text.onnx` beside it."""
     step = Path(step)
@@ -705,8 +735,9 @@ def annsa_io(layer: int) -> dict[str, str]:
 # The bucketings (sign random projections: fastar/lsh.py, or 8-bit quantised ones: fastar/int8.py) and TempCache's
 # correspondents: the same (h, w) one frame back, or the top-1 cosine among the previous frame's slots sharing a
 # bucket of one of the bucketings.
-BUCKETINGS = ("lsh", "quant")
+BUCKETINGS = ("lsh", "int8")
 TEMPCACHE_MATCHES = ("aligned", *BUCKETINGS)
+BUCKETED_MATCHES = TEMPCACHE_MATCHES[1:]  # the kinds a recorded bucketing may name (AnnSA's: BUCKETINGS)
 MAX_ANNSA_LOCAL = 1 << 20  # frames
 
 
@@ -738,7 +769,7 @@ class BucketRecord:
 
     kind: str
     lsh_bits: int
-    quant_dirs: int
+    int8_dirs: int
     ann_tables: int
     ann_seed: int
 
@@ -749,15 +780,15 @@ class BucketRecord:
         fields = [f.name for f in dataclasses.fields(cls)]
         if sorted(d) != sorted(fields):
             raise FastCarError(f"{where}: a bucketing has the keys {fields}, got {sorted(d)}; compile the model again")
-        _choice(where, "kind", d["kind"], BUCKETINGS)
+        _choice(where, "kind", d["kind"], BUCKETED_MATCHES)
         _int_in(where, "lsh_bits", d["lsh_bits"], 1, MAX_LSH_BITS)
-        _choice(where, "quant_dirs", d["quant_dirs"], INT8_DIRS)
+        _choice(where, "int8_dirs", d["int8_dirs"], INT8_DIRS)
         _int_in(where, "ann_tables", d["ann_tables"], 1, MAX_ANN_TABLES)
         _int_in(where, "ann_seed", d["ann_seed"], 0, UINT32_MAX)
         return cls(**{k: d[k] for k in fields})
 
     def __str__(self) -> str:
-        size = f"{self.lsh_bits} bits" if self.kind == "lsh" else f"{self.quant_dirs} int8 directions"
+        size = f"{self.lsh_bits} bits" if self.kind == "lsh" else f"{self.int8_dirs} int8 directions"
         return f"{self.kind} buckets ({size}) x {self.ann_tables} tables, seed {self.ann_seed}"
 
 
@@ -773,6 +804,7 @@ class AnnSARecord(BucketRecord):
         if not isinstance(d, Mapping):
             raise FastCarError(f"{where}: AnnSA's record must be a JSON object, got {type(d).__name__}")
         base = BucketRecord.from_dict({k: v for k, v in d.items() if k not in ("annsa_local", "annsa_kernel")}, where)
+        _choice(where, "kind", base.kind, BUCKETINGS)
         local = _int_in(where, "annsa_local", d.get("annsa_local"), 0, MAX_ANNSA_LOCAL)
         kernel = _choice(where, "annsa_kernel", d.get("annsa_kernel"), ANNSA_KERNELS)
         return cls(**dataclasses.asdict(base), annsa_local=local, annsa_kernel=kernel)

@@ -274,16 +274,33 @@ MAX_JSON_BYTES = 256 << 20  # a run.json of a long batched run stays far below; 
 MAX_JSON_DEPTH = 64  # run.json nests 4 deep, genai_config.json 5: deeper is not one of ours
 
 
-def _json_depth(text: str) -> int:
-    """The deepest [ / { nesting of a JSON text, counted without recursion (strings cannot open a level)."""
-    import re
-
+def _json_depth(data: bytes, chunk: int = 1 << 22) -> int:
+    """The deepest [ / { nesting of a JSON text (UTF-8 bytes: brackets and quotes are ASCII, never inside a
+    multi-byte sequence), counted without recursion and without a regex (which needs memory per character of a
+    long string), chunk by chunk in NumPy: a bracket inside a string does not count, a quote preceded by an odd
+    run of backslashes does not end one."""
     import numpy as np
 
-    bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text).encode("utf-8", "replace")
-    b = np.frombuffer(bare, np.uint8)
-    step = np.isin(b, (ord("["), ord("{"))).astype(np.int64) - np.isin(b, (ord("]"), ord("}")))
-    return int(np.cumsum(step).max()) if len(step) else 0
+    inside, run, depth, deepest = False, 0, 0, 0
+    for off in range(0, len(data), chunk):
+        b = np.frombuffer(data, np.uint8, count=min(chunk, len(data) - off), offset=off)
+        quote = b == 34
+        if run or (b == 92).any():  # escaped quotes: a quote after an odd run of backslashes
+            idx = np.arange(len(b), dtype=np.int64)
+            last = np.maximum.accumulate(np.where(b != 92, idx, -1))  # last non-backslash at or before i
+            before = np.empty(len(b), np.int64)  # backslashes right before position i
+            before[0] = run
+            before[1:] = idx[:-1] - last[:-1] + np.where(last[:-1] < 0, run, 0)
+            quote &= before % 2 == 0
+            run = run + len(b) if last[-1] < 0 else len(b) - 1 - int(last[-1])
+        ins = ((np.cumsum(quote, dtype=np.int64) - quote) % 2 == 1) ^ inside  # in a string (a quote: before it)
+        bracket = (b | 32) == 123  # '{' or '['
+        step = (bracket & ~ins).astype(np.int8) - (((b | 32) == 125) & ~ins)  # '}' or ']'
+        if step.any():
+            level = np.cumsum(step, dtype=np.int64) + depth
+            deepest, depth = max(deepest, int(level.max())), int(level[-1])
+        inside = bool(ins[-1] ^ quote[-1])
+    return deepest
 
 
 def read_json(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_JSON_BYTES,
@@ -303,7 +320,7 @@ def read_json(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_JSON_B
         text = data.decode("utf-8-sig")  # a byte-order mark is harmless
     except UnicodeDecodeError:
         raise FastCarError(f"{what} {path} is not a UTF-8 text file (binary?); give the JSON file") from None
-    if (depth := _json_depth(text)) > max_depth:
+    if (depth := _json_depth(data)) > max_depth:
         raise FastCarError(f"{what} {path} nests {depth} levels deep (at most {max_depth}); give the right file")
     try:
         value = json.loads(text)
@@ -389,7 +406,7 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike, *, progress: bool 
     Holes stay holes (SEEK_DATA/SEEK_HOLE), data regions go through copy_file_range (in-kernel, and a
     server-side/CoW copy where the file system does that). Progress shows for large data.
     """
-    from tqdm.auto import tqdm
+    from fastcar_compile.core.progress import bar as progress_bar
 
     src, dst = Path(src), Path(dst)
     with open(src, "rb") as fs, open(dst, "wb") as fd:
@@ -399,7 +416,7 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike, *, progress: bool 
         extents = _data_extents(fs.fileno(), size)
         data = sum(n for _, n in extents)
         show = (data > PROGRESS_BYTES) if progress is None else progress
-        with tqdm(total=data, unit="B", unit_scale=True, desc=f"copying {src.name}", disable=not show,
+        with progress_bar(total=data, unit="B", unit_scale=True, desc=f"copying {src.name}", enabled=show,
                   leave=False) as bar:
             for off, n in extents:
                 _copy_range(fs.fileno(), fd.fileno(), off, n, bar)

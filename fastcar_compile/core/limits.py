@@ -27,8 +27,10 @@ MAX_KV_DIAGNOSTICS = 1 << 20  # tokens of --kv-diagnostics' dense side buffer
 # ONNX Runtime threads of one session: ORT starts them all when the session opens (10**6 hung there); more than
 # this is oversubscription on any machine this runs on. 0 = ORT's default (one per core).
 MAX_THREADS = 1024
-# The buckets of FAST-AR on DiT step graphs (AnnSA, AnnCA, TempCache's ANN match): sign bits per LSH table, int8
-# directions per table (each one's 8-bit code split into 8 / dirs bits: fastar/int8.py), tables
+# The bounds of every bucketing, one set for every reader (the DiT modes' options: AnnSA, AnnCA, TempCache's ANN
+# match; the decoders' --sparse-attention / --kv-layer sparse=; fastar.KVCompressConfig): sign bits per LSH table
+# (a DiT's bucket bitmaps hold 2^bits ids per table, its bucket keys group x 2^16; the kernel's float-coded ids
+# 2^24), int8 directions per table (each one's 8-bit code split into 8 / dirs bits: fastar/int8.py), tables
 MAX_LSH_BITS = 16
 INT8_DIRS = (1, 2, 4, 8)
 MAX_ANN_TABLES = 64

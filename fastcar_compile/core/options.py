@@ -32,6 +32,7 @@ from fastcar_compile.core.limits import (
     MAX_LSH_BITS,
     MAX_REPLAY,
     MAX_ROTARY_POSITIONS,
+    UINT32_MAX,
     check_int,
 )
 
@@ -42,19 +43,17 @@ REQUIRED = dataclasses.MISSING  # an option without a default (frame_tokens)
 VALUE, SWITCH, ON_OFF, NEGATE, TRISTATE, REPEAT, OPTIONAL = "value", "switch", "on|off", "negate", "tristate", \
     "repeat", "optional"
 EVICTION_POLICIES = ("mass", "oldest", "mean")  # which slot leaves a full compressed KV cache (fastar/cache.py)
-# TempCache's correspondents and the bucketings on a DiT (the compiled step graph records them): the contract's
+# The bucketings (sign random projections: fastar/lsh.py, or 8-bit quantised ones: fastar/int8.py; everywhere by
+# these words: --sparse-attention lsh:BxT|int8:DxT, --kv-layer sparse=, --annsa, --tempcache-match) and TempCache's
+# correspondents on a DiT (the compiled step graph records them): the contract's
 TEMPCACHE_MATCHES, BUCKETINGS = contract.TEMPCACHE_MATCHES, contract.BUCKETINGS
 KV_GROUP = "compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)"
 DIT_GROUP = "FAST-AR on video DiTs (compiled into a step graph, or the stream runtime; docs/dit.md)"
-DIT_ONLY = ("tempcache_match", "annsa", "annsa_local", "annsa_always", "annca", "lsh_bits", "quant_dirs",
-            "ann_tables", "ann_seed")  # options of DiT step graphs alone
-
-
-def check_quant_dirs(dirs: int) -> int:
-    """--quant-dirs' rule beyond its Option's range: a power of two dividing the 8-bit code (fastar/int8.py)."""
-    if dirs not in INT8_DIRS:
-        raise FastCarError(f"--quant-dirs must be one of {', '.join(map(str, INT8_DIRS))}, got {dirs}")
-    return dirs
+DIT_ONLY = ("tempcache_match", "annsa", "annsa_local", "annsa_always", "annca", "lsh_bits", "int8_dirs",
+            "ann_tables", "ann_seed")  # options of DiTs alone (step graphs, the stream)
+# Option names (keywords and flags) that were replaced by another one, refused with a line naming it
+RENAMED = {"fastcar_tau": "threshold", "tau": "threshold", "fastcar_ratio": "calibrate_replay",
+           "tempcache_sim": "tempcache", "quant_dirs": "int8_dirs"}
 
 
 class NotANumber(ValueError, argparse.ArgumentTypeError):
@@ -77,6 +76,26 @@ def ascii_float(text: str) -> float:
         return float(text)
     except ValueError:
         raise NotANumber(f"not a number in ASCII digits: {text!r}") from None
+
+
+LAYER_LIST_FORM = "use indices and ranges like 0,2-5"
+
+
+def parse_layer_ranges(text: str, flag: str, form: str = LAYER_LIST_FORM) -> list[tuple[int, int]]:
+    """'0,2-5' -> [(0, 0), (2, 5)]: the one reader of a layer list (--layers, --kv-layer's LAYERS), in ASCII
+    digits; the ranges stay unexpanded, so that a caller bounds them (the model's layers) before expanding."""
+    out = []
+    for part in str(text).split(","):
+        lo, dash, hi = (x.strip() for x in part.partition("-"))
+        if not _digits(lo) or (dash and not _digits(hi)) or (dash and int(hi) < int(lo)):
+            raise FastCarError(f"{flag}: cannot read layers {part.strip()!r} in {str(text)!r}; {form}")
+        out.append((int(lo), int(hi or lo)))
+    return out
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes '²' (which int() refuses) and '٢' (which int() reads as 2)."""
+    return text.isascii() and text.isdigit()
 
 
 @dataclass(frozen=True)
@@ -130,6 +149,32 @@ def _is_int(o: Option) -> bool:
 
 def _threshold(value) -> tuple[float, ...]:
     return tuple(float(t) for t in contract.check_thresholds(value).reshape(-1))
+
+
+def check_int8_dirs(value, name: str = "--int8-dirs") -> int:
+    """int8 directions per bucket table: one of INT8_DIRS."""
+    if isinstance(value, bool) or value not in INT8_DIRS:
+        raise FastCarError(f"{name} must be one of {', '.join(map(str, INT8_DIRS))} (int8 directions per table), "
+                           f"got {value!r}")
+    return int(value)
+
+
+def _one_threshold(value) -> float | None:
+    """One tau for every layer (None: not given)."""
+    if value is None:
+        return None
+    taus = _threshold(value)
+    if len(taus) != 1:
+        raise FastCarError(f"--threshold gives {len(taus)} values: one tau for every layer is taken here")
+    return taus[0]
+
+
+def _cli_tempcache(text: str) -> float:
+    """--tempcache's reader: SIM, with a refusal naming --tempcache-match for a correspondent given instead."""
+    if text in TEMPCACHE_MATCHES:
+        raise argparse.ArgumentTypeError(f"renamed: --tempcache takes SIM (the cosine above which keys merge); give "
+                                         f"the correspondent as --tempcache-match {text}")
+    return ascii_float(text)
 
 
 def _tas_query(value) -> str:
@@ -215,14 +260,15 @@ OPTIONS: tuple[Option, ...] = (
            hi=MAX_KV_BUDGET, meaning="tokens always kept, below --kv-budget", group=KV_GROUP),
     Option("kv_eviction", str, "mass", "which slot leaves a full cache: least attention mass received (default), "
            "oldest, or mean (least mass per token the slot holds: TempCache merges do not protect a slot)", "--kv-eviction", choices=EVICTION_POLICIES, group=KV_GROUP),
-    Option("tempcache", float | None, None, "TempCache: merge a key into the slot of its aligned token (p - L) when "
-           "their pre-RoPE cosine exceeds SIM (mean value, count, +log(count) bias)", "--tempcache", metavar="SIM",
-           lo=-1.0, hi=1.0, meaning="a cosine", group=KV_GROUP),
-    Option("tempcache_match", str, "aligned", "TempCache's correspondent on a DiT step graph (export --dit): "
-           "'aligned' = the same (h, w) one frame back; 'lsh' / 'quant' = the top-1 pre-RoPE cosine among the "
-           "previous frame's slots sharing a bucket (--lsh-bits, --quant-dirs, --ann-tables, --ann-seed), matched "
-           "by the runtime when it writes the frame; DiT step graphs only", "--tempcache-match",
-           choices=TEMPCACHE_MATCHES, group=DIT_GROUP),
+    Option("tempcache", float | None, None, "TempCache: merge a key into the slot of its temporal correspondent when "
+           "their pre-RoPE cosine exceeds SIM (mean value, count, +log(count) on the logit); a decoder's "
+           "correspondent is its aligned token (p - L), a DiT's --tempcache-match's", "--tempcache", metavar="SIM",
+           lo=-1.0, hi=1.0, meaning="a cosine", parse=_cli_tempcache, group=KV_GROUP),
+    Option("tempcache_match", str, "aligned", "TempCache's correspondent on a DiT (a step graph from export --dit, "
+           "or the stream): 'aligned' = the same (h, w) one frame back; another = the top-1 pre-RoPE cosine among the "
+           "previous frame's slots sharing a bucket of that bucketing ('lsh', 'int8': --lsh-bits, --int8-dirs, "
+           "--ann-tables, --ann-seed), matched when the frame is written; DiTs only", "--tempcache-match", choices=TEMPCACHE_MATCHES,
+           group=DIT_GROUP),
     Option("sparse_attention", str | None, None, "AnnSA: a decode query attends only to slots sharing a bucket "
            "(plus sinks, window): sign random projections (lsh) or 8-bit quantised projections (int8 = int8:2x4)",
            "--sparse-attention", metavar="lsh:BITSxTABLES|int8[:DIRSxTABLES]", parse=str, group=KV_GROUP,
@@ -243,7 +289,7 @@ OPTIONS: tuple[Option, ...] = (
     # (dit/modes.DIT_OPTIONS holds these same entries): one declaration for both.
     Option("annsa", str | None, None, "AnnSA: the chunk's queries attend only to cached slots sharing a bucket "
            "(any table), plus the sink frames, the --annsa-local most recent frames and the chunk itself; "
-           "computed block-sparse, bucket by bucket; DiT step graphs only", "--annsa", choices=BUCKETINGS,
+           "computed block-sparse, bucket by bucket; DiTs only", "--annsa", choices=BUCKETINGS,
            group=DIT_GROUP),
     Option("annsa_local", int, 1, "cached frames before the chunk that AnnSA always attends (default 1)",
            "--annsa-local", metavar="FRAMES", lo=0, hi=contract.MAX_ANNSA_LOCAL, meaning="frames", group=DIT_GROUP),
@@ -251,12 +297,12 @@ OPTIONS: tuple[Option, ...] = (
            "pay (by default such a block keeps the dense attention, and --inspect -v says why)", "--annsa-always",
            cli=SWITCH, group=DIT_GROUP),
     Option("annca", bool, False, "AnnCA: per frame, a prompt token is kept in the cross-attention only if a query "
-           "of that frame shares a bucket with it (--annsa's bucketing, lsh without it); DiT step graphs only",
+           "of that frame shares a bucket with it (--annsa's bucketing, lsh without it); DiTs only",
            "--annca", cli=SWITCH, group=DIT_GROUP),
-    Option("lsh_bits", int, 4, "sign bits per LSH table (default 4)", "--lsh-bits", metavar="BITS", lo=1, hi=MAX_LSH_BITS,
-           meaning="bits per table", group=DIT_GROUP),
-    Option("quant_dirs", int, 2, "int8-quantised directions per 'quant' table (1/2/4/8; default 2: 16 x 16 "
-           "levels)", "--quant-dirs", metavar="DIRS", lo=1, hi=8, meaning="directions per table", group=DIT_GROUP),
+    Option("lsh_bits", int, 4, "sign bits per LSH table (default 4)", "--lsh-bits", metavar="BITS", lo=1,
+           hi=MAX_LSH_BITS, meaning="bits per table", group=DIT_GROUP),
+    Option("int8_dirs", int, 2, "int8-quantised directions per 'int8' table (1/2/4/8; default 2: 16 x 16 "
+           "levels)", "--int8-dirs", metavar="DIRS", convert=check_int8_dirs, parse=ascii_int, group=DIT_GROUP),
     Option("ann_tables", int, 2, "bucket tables of AnnSA / AnnCA / TempCache's ANN match (default 2)",
            "--ann-tables", metavar="T", lo=1, hi=MAX_ANN_TABLES, meaning="tables", group=DIT_GROUP),
     Option("ann_seed", int, 0, "seed of the bucket projections", "--ann-seed", metavar="SEED", lo=0, hi=2**32 - 1,
@@ -267,6 +313,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("required_video_inputs", bool, False, "make video_start and fastcar_threshold plain inputs without "
            "defaults, fed every run (onnxruntime-genai's generator.set_model_input then sets them per video)",
            "--required-video-inputs", cli=SWITCH),
+    Option("provider", str, "cpu", "the ONNX Runtime execution provider the model is compiled for: cpu (the "
+           "ai.fastcar ops, their native kernels when built) or cuda (only ops the CUDA provider has kernels for: the "
+           "ai.fastcar ops' function bodies inlined, every op checked against its kernel table; docs/scale.md)",
+           "--provider", choices=contract.PROVIDERS),
+    Option("video_start", int | None, None, "KV index of the first video token, compiled in as the default of the "
+           "video_start input (e.g. 0 when every prompt is video, the prompt's length when a fixed-length text "
+           "prompt precedes the video). Without it video_start is an input every run must feed (FastCarSession "
+           "sets it from the prompt; a plain ONNX Runtime session that leaves it out is refused) instead of a "
+           "silent 0, with which a text prompt's last MLP outputs would be replayed into frame 0. With --target "
+           "fpga: recorded in the bundle (default 0)", "--video-start", metavar="N", lo=0, hi=UINT32_MAX,
+           meaning="a KV index"),
     Option("validate", bool, True, "skip the onnx.checker + ONNX Runtime check of the result before it is written",
            "--no-validate", cli=NEGATE),
     Option("shared_mlp", bool, True, "each MLP's nodes once in the compute branch (ONNX Runtime then keeps only "
@@ -274,6 +331,18 @@ OPTIONS: tuple[Option, ...] = (
            "for compacted rows"),
 )
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+# A compile option's value picked by the runtime instead (threshold calibration: cmd_compile, and the DiT stream)
+CALIBRATE_REPLAY = Option("calibrate_replay", float | None, None, "pick tau so that the replay ratio reaches RATIO "
+                          "(0-1; a decoder: on --calib-data, a DiT: the TAS quantile of a first stream)",
+                          "--calibrate-replay", metavar="RATIO", lo=0.0, hi=1.0, meaning="a replay ratio")
+# --threshold as one tau for every layer, no default (None: a caller's own default): the demo's, and FastCar on DiT
+# blocks (the stream's eager runtime, fastcar_compile.torch.apply_dit), where the decoders' default does not apply
+ONE_THRESHOLD = dataclasses.replace(BY_NAME["threshold"], type=float | None, default=None, convert=_one_threshold)
+DIT_THRESHOLD = dataclasses.replace(
+    ONE_THRESHOLD, group=DIT_GROUP,
+    help="tau: a DiT token's FFN output is replayed from the same (h, w) one frame earlier at the same denoising "
+         "step when its TAS (query vs the key one frame back, mean over heads, / sqrt(d)) exceeds TAU; the other "
+         "rows alone go through the FFN (default: no replay)")
 CLI_OPTIONS: tuple[Option, ...] = tuple(o for o in OPTIONS if o.flag is not None)
 TORCH_OPTIONS: tuple[Option, ...] = tuple(o for o in OPTIONS if o.torch)
 
@@ -292,6 +361,8 @@ def unknown(keywords: Sequence[str], func: str, declared: Sequence[Option] = OPT
     """A TypeError, as Python's, for a keyword that is not one of `declared` (with the list of those that are)."""
     names = [o.name for o in declared]
     bad = [k for k in keywords if k not in names]
+    if bad and RENAMED.get(bad[0]) in names:
+        raise TypeError(f"{func}() got an unexpected keyword argument {bad[0]!r}: renamed: use {RENAMED[bad[0]]}")
     if bad:
         raise TypeError(f"{func}() got an unexpected keyword argument {bad[0]!r}; its options: " + ", ".join(names))
 
@@ -316,10 +387,9 @@ def _cli_reader(o: Option) -> Callable[[str], Any]:
 
 
 def _cli_threshold(text: str) -> list[float]:
-    try:
-        values = [ascii_float(t) for t in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number or comma-separated list of numbers: {text!r}") from None
+    values = read_thresholds(text)
+    if values is None:
+        raise argparse.ArgumentTypeError(f"not a number or comma-separated list of numbers: {text!r}")
     try:
         return list(_threshold(values))
     except FastCarError as exc:  # NaN, or beyond float32 (where the model stores tau)
@@ -334,11 +404,27 @@ def read_thresholds(text: str) -> list[float] | None:
         return None
 
 
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class _Renamed(argparse.Action):
+    """A flag that was replaced by another: refused naming the one to use."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: renamed: use {self.metavar}")
+
+
 def add_arguments(parser: argparse.ArgumentParser, declared: Sequence[Option] | None = None) -> None:
     """Every option with a flag, in declaration order, in its help group (what `fastcar-compile` accepts;
-    `declared`: another command's options, e.g. the DiT stream's)."""
+    `declared`: another command's options, e.g. the DiT stream's); a renamed flag of one of them (RENAMED) is
+    refused with the flag to use."""
     groups: dict[str | None, Any] = {None: parser}
-    for o in (CLI_OPTIONS if declared is None else [o for o in declared if o.flag is not None]):
+    chosen = CLI_OPTIONS if declared is None else [o for o in declared if o.flag is not None]
+    for old, new in RENAMED.items():
+        if any(o.name == new for o in chosen):
+            parser.add_argument(flag_of(old), action=_Renamed, nargs="?", metavar=flag_of(new), help=argparse.SUPPRESS)
+    for o in chosen:
         if o.group not in groups:
             groups[o.group] = parser.add_argument_group(o.group)
         add = groups[o.group].add_argument

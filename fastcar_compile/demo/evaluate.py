@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.core.progress import bar
 from fastcar_compile.demo.decoding import Decoding, clip_seed
 from fastcar_compile.demo.export import ONNX, TOKENIZER
 from fastcar_compile.demo.metrics import psnr, ssim
@@ -119,7 +119,7 @@ def run_clips(spec: VideoSpec, dense_path: Path, fast_path: Path, clips: list, t
     dense = open_session(dense_path, threads)
     fast = open_session(fast_path, threads)
     out = []
-    for i, c in enumerate(tqdm(clips, desc=f"clips tau={tau:g}", disable=not progress, leave=False)):
+    for i, c in enumerate(bar(clips, desc=f"clips tau={tau:g}", enabled=progress, leave=False)):
         toks = tok.encode(c.frames)
         pre = spec.prompt(c)
         order = [0, 1] if i % 2 == 0 else [1, 0]

@@ -19,10 +19,10 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.core.options import ascii_float, ascii_int
+from fastcar_compile.core.progress import bar
 from fastcar_compile.fastar.config import KVCompressConfig
 from fastcar_compile.passes.context import parse_sparse_attention
 
@@ -116,7 +116,7 @@ def sweep(model, tok, clips, modes: list[tuple[str, KVCompressConfig | None]], p
     L = tok.tokens_per_frame
     dense_frames: list[np.ndarray] = []
     rows = []
-    for name, cfg in tqdm(modes, desc="KV modes", disable=not progress):
+    for name, cfg in bar(modes, desc="KV modes", enabled=progress):
         frames, stats, kv, kvd, secs, agree = [], [], 0, 0, 0.0, []
         for i, c in enumerate(clips):
             toks = tok.encode(c.frames)

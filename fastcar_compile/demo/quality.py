@@ -14,12 +14,16 @@ from pathlib import Path
 import numpy as np
 
 from fastcar_compile.demo.metrics import copy_rate, psnr, ssim
+from fastcar_compile.runtime.calib_stats import ci95
 
 # Targets of a video model worth measuring (dense vs truth over the generated frames).
 TARGET_GAIN_DB = 2.0  # dense beats repeating the last given frame by at least this
 TARGET_COPY_POINTS = 0.10  # |copy rate of the generated video - the truth's| at most this
 TARGET_FAST_DROP_DB = {0.5: 0.5, 0.8: 1.0}  # FastCar at this replay ratio loses at most this vs dense (vs truth)
 PSNR_CAP = 100.0  # identical frames: PSNR is infinite; means use this instead
+# paired differences (dB, vs the truth) a summary reports with their own interval: name -> (minuend, subtrahend)
+PAIRED = {"dense_minus_repeat_db": ("psnr_dense_vs_truth", "psnr_repeat_last_vs_truth"),
+          "fast_minus_dense_db": ("psnr_fast_vs_truth", "psnr_dense_vs_truth")}
 PANS = ("pan_left", "pan_right", "pan_up", "pan_down", "pan_up_left", "pan_up_right", "pan_down_left",
         "pan_down_right")
 
@@ -107,7 +111,8 @@ def _mean(xs: list[float]) -> float:
 
 
 def summarize_quality(clips: list[dict], replay_ratio: float | None = None) -> dict:
-    """Means over clips, the freeze fractions, the pan check, and each target met or missed."""
+    """Means over clips with their 95% intervals (`ci95`: half widths; paired differences in `PAIRED`), the
+    freeze fractions, the pan check, and each target met or missed (on the mean)."""
     keys = [k for k in clips[0] if isinstance(clips[0][k], float)]
     s: dict = {k: _mean([c[k] for c in clips]) for k in keys}
     s["clips"] = len(clips)
@@ -118,9 +123,15 @@ def summarize_quality(clips: list[dict], replay_ratio: float | None = None) -> d
     s["pan_clips"] = len(pans)
     for who in ("truth", "dense", "fast"):
         s[f"pan_match_{who}"] = float(np.mean([p[f"{who}_match"] for p in pans])) if pans else float("nan")
-    gain = s["psnr_dense_vs_truth"] - s["psnr_repeat_last_vs_truth"]
+    s["ci95"] = {k: ci95([min(c[k], PSNR_CAP) for c in clips]) for k in keys}
+    # differences between two videos of the same clip: the interval of the paired per-clip differences
+    for name, (x, y) in PAIRED.items():
+        diff = [min(c[x], PSNR_CAP) - min(c[y], PSNR_CAP) for c in clips]
+        s[name], s["ci95"][name] = float(np.mean(diff)), ci95(diff)
+        s[f"{name}_clips_above"] = int(np.sum(np.asarray(diff) > 0))
+    gain = s["dense_minus_repeat_db"]
     gap = abs(s["copy_rate_dense"] - s["copy_rate_truth"])
-    drop = s["psnr_dense_vs_truth"] - s["psnr_fast_vs_truth"]
+    drop = -s["fast_minus_dense_db"]
     s["targets"] = {
         "dense_vs_repeat_last_db": {"value": gain, "target": f">= {TARGET_GAIN_DB}", "met": gain >= TARGET_GAIN_DB},
         "copy_rate_gap": {"value": gap, "target": f"<= {TARGET_COPY_POINTS}", "met": gap <= TARGET_COPY_POINTS},
@@ -136,15 +147,26 @@ def summarize_quality(clips: list[dict], replay_ratio: float | None = None) -> d
     return s
 
 
+def db(s: dict, key: str, sign: str = "") -> str:
+    """'mean +- half width dB (95%, n clips)' of a summary's figure; the interval is absent below 2 clips."""
+    ci = s["ci95"].get(key, float("nan"))
+    return f"{s[key]:{sign}.2f} dB" + ("" if ci != ci else f" +- {ci:.2f} (95%, {s['clips']} clips)")
+
+
 def quality_lines(s: dict) -> list[tuple[str, str]]:
     """Table rows (name, text) of a summary, for the demo's printout."""
-    rows = [("dense vs truth", f"PSNR {s['psnr_dense_vs_truth']:.2f} dB  SSIM {s['ssim_dense_vs_truth']:.3f}  "
+    n = s["clips"]
+    rows = [("dense vs truth", f"PSNR {db(s, 'psnr_dense_vs_truth')}  SSIM {s['ssim_dense_vs_truth']:.3f}  "
                                f"token acc {s['token_acc_dense']:.3f}"),
-            ("FastCar vs truth", f"PSNR {s['psnr_fast_vs_truth']:.2f} dB  SSIM {s['ssim_fast_vs_truth']:.3f}  "
+            ("FastCar vs truth", f"PSNR {db(s, 'psnr_fast_vs_truth')}  SSIM {s['ssim_fast_vs_truth']:.3f}  "
                                  f"token acc {s['token_acc_fast']:.3f}"),
             ("FastCar vs dense", f"PSNR {s['psnr_fast_vs_dense']:.2f} dB  SSIM {s['ssim_fast_vs_dense']:.3f}"),
-            ("repeat last frame", f"PSNR {s['psnr_repeat_last_vs_truth']:.2f} dB  token acc "
+            ("repeat last frame", f"PSNR {db(s, 'psnr_repeat_last_vs_truth')}  token acc "
                                   f"{s['token_acc_repeat_last']:.3f} (baseline)"),
+            ("dense - repeat last", f"{db(s, 'dense_minus_repeat_db', '+')} ({s['dense_minus_repeat_db_clips_above']}"
+                                    f" of {n} clips above)"),
+            ("FastCar - dense", f"{db(s, 'fast_minus_dense_db', '+')} vs truth ({s['fast_minus_dense_db_clips_above']}"
+                                f" of {n} clips above)"),
             ("tokenizer ceiling", f"PSNR {s['psnr_tokenizer']:.2f} dB"),
             ("copy rate", f"dense {s['copy_rate_dense']:.3f}  FastCar {s['copy_rate_fast']:.3f}  truth "
                           f"{s['copy_rate_truth']:.3f}"),

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from fastcar_compile.core.atomic import save_figure, write_text
+from fastcar_compile.core.progress import bar as progress_bar
 from fastcar_compile.demo import data
 from fastcar_compile.demo.model import VIDEO_START, DemoConfig, build_model, sequence
 from fastcar_compile.demo.tokenizer import PatchTokenizer, train_tokenizer
@@ -90,7 +90,7 @@ def train(s: TrainSettings, log_json: Path | None = None, log_png: Path | None =
                                                                        s.seed)])
         tok = train_tokenizer(tok_frames, codes=s.codes, seed=s.seed)
     first = (s.data_seed or 0) * s.clips
-    clips = [data.make_clip("train", first + i, s.frames, s.seed) for i in tqdm(range(s.clips), desc="train clips")]
+    clips = [data.make_clip("train", first + i, s.frames, s.seed) for i in progress_bar(range(s.clips), desc="train clips")]
     seqs = torch.from_numpy(tokenize_clips(tok, clips))
     ev = torch.from_numpy(tokenize_clips(tok, data.make_clips("eval", eval_clips, s.frames, s.seed)))
     L = tok.tokens_per_frame
@@ -131,7 +131,7 @@ def train(s: TrainSettings, log_json: Path | None = None, log_png: Path | None =
 
     order = torch.randperm(len(seqs), generator=gen)
     pos = 0
-    bar = tqdm(range(s.steps), desc="train")
+    bar = progress_bar(range(s.steps), desc="train")
     for step in bar:
         if pos + s.batch > len(order):
             order, pos = torch.randperm(len(seqs), generator=gen), 0

@@ -160,8 +160,8 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
     `batches(step)` replaces `batch_for_step` (e.g. `ClipPool.batch`); `wall_seconds` ends the run (evaluated,
     checkpointed, exported) at the first step past that many seconds. Returns the step reached."""
     import torch
-    from tqdm import tqdm
 
+    from fastcar_compile.core.progress import bar as progress_bar
     from fastcar_compile.demo.export import save_weights
 
     if not 0 <= s.schedule_start < s.steps:
@@ -208,7 +208,7 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
          **({"device_name": torch.cuda.get_device_name()} if s.device.startswith("cuda") else {})})
     model.train()
     last_ckpt = time.time()
-    bar = tqdm(range(step, until), initial=step, total=until, desc="train video model")
+    bar = progress_bar(range(step, until), initial=step, total=until, desc="train video model")
     for step in bar:
         t = time.time()
         seqs, gaps = batches(step)

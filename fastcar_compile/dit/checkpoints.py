@@ -198,8 +198,33 @@ def load_config(source: str, overrides: dict | None = None, state_key: str | Non
     if state_key is not None:
         raise FastCarError("--state-key applies to a .pt / .pth checkpoint")
     cfg = with_overrides(DiTConfig.from_dict(data, str(cfg_file)), overrides, str(cfg_file))
-    weights = src / "model.safetensors" if src.is_dir() else None
-    return cfg, weights if weights is not None and weights.is_file() else None
+    return cfg, weights_file(src, f"--dit {src}") if src.is_dir() else None
+
+
+def weights_file(folder: Path, where: str) -> Path | None:
+    """The folder's model.safetensors, None when there is none. A weights path that is a dangling link, a folder or
+    a FIFO is refused, never read past into random weights (the callers say when random weights are allowed: a
+    preset, or --random-weights)."""
+    from fastcar_compile.core.fileio import refuse_special_input
+
+    w = folder / "model.safetensors"
+    if w.is_symlink() and not w.exists():
+        raise FastCarError(f"{where}: {w} is a dangling link (to {w.readlink()}); point it at the weights")
+    if w.is_dir():
+        raise FastCarError(f"{where}: {w} is a folder, not a weights file")
+    refuse_special_input(w, "the weights")
+    return w if w.is_file() else None
+
+
+def refuse_random(source: str, weights, random_weights: bool) -> None:
+    """A DiT given as a config or folder without weights runs with random weights only when asked (a preset is
+    random by definition): weights that were meant are never silently replaced."""
+    from fastcar_compile.dit.config import PRESETS
+
+    if weights is None and source not in PRESETS and not random_weights:
+        raise FastCarError(f"--dit {source}: no weights (no model.safetensors beside the config); give the trained "
+                           "weights, or --random-weights to try the tool chain with random ones (a preset such as "
+                           "tiny has them)")
 
 
 def layout_of(names) -> str | None:

@@ -202,9 +202,32 @@ def _compose_step(model, ex: tuple, dims: tuple, meta: bool):
     """The step graph from three traces (embedding, one block, head): the block's nodes are copied once per
     layer with renamed values, wired x -> x, and given that layer's weights (`blocks.i.` + the block's own
     parameter names). Returns (proto, initializer stubs) for _save; real weights are embedded."""
-    import onnx
+    n = model.cfg.layers
+    (pre, pre_w), (blk, blk_w), (head, head_w) = _trace_parts(model, ex, dims, meta)
+    out = _Composed(meta)
+    out.add(pre, {name: name for name in _EMBED_INPUTS} | {o.name: o.name for o in pre.graph.output}, "embed/", pre_w)
+    params = {name for name, _ in model.blocks[0].named_parameters()}
+    for i in range(n):
+        rename = dict(zip(_BLOCK_INPUTS, [f"tokens_{i}", "modulation", "rope_cos", "rope_sin", f"past.{i}.key",
+                                          f"past.{i}.value", f"cross.{i}.key", f"cross.{i}.value"], strict=True))
+        rename.update(x_out=f"tokens_{i + 1}", k=f"present.{i}.key", v=f"present.{i}.value")
+        state = {k: v.detach().numpy() for k, v in model.blocks[i].named_parameters()} if not meta else {}
+        out.add(blk, rename, f"blocks.{i}/", blk_w,
+                lambda k, i=i: f"blocks.{i}.{k}" if k in params else f"blocks.{i}/{k}",
+                lambda k, a, state=state: state[k] if k in state else a)
+    out.add(head, {"x": f"tokens_{n}", "t": "time_embedding", "velocity": "velocity"}, "head/", head_w)
+    _wire_io(out.graph, pre, blk, head, n)
+    return _model(out.graph, (pre, blk, head)), out.stubs
+
+
+_EMBED_INPUTS = ["latent", "timestep", "frame_start"]
+_BLOCK_INPUTS = ["x", "e", "cos", "sin", "past_k", "past_v", "cross_k", "cross_v"]
+
+
+def _trace_parts(model, ex: tuple, dims: tuple, meta: bool) -> tuple:
+    """The three traced parts ((graph, initializers) each, _part): the embedding, block 0 (every block's
+    graph: the blocks differ in weights only) and the head, traced on the example inputs `ex`."""
     import torch
-    from onnx import numpy_helper
 
     from fastcar_compile.dit.model import ChunkDiT
 
@@ -236,80 +259,92 @@ def _compose_step(model, ex: tuple, dims: tuple, meta: bool):
     with torch.no_grad():
         x, t, e, cos, sin = model.embed(*ex[:3])
     kv = ex[3:]
-    ex_names = ["latent", "timestep", "frame_start"]
-    b_in = ["x", "e", "cos", "sin", "past_k", "past_v", "cross_k", "cross_v"]
     tmpdir = Path(tempfile.mkdtemp(prefix=".dit-parts-"))
     try:
-        pre, pre_w = _part(Embed(), ex[:3], ({0: batch}, {0: batch}, None),
-                           (ex_names, ["tokens_0", "time_embedding", "modulation", "rope_cos", "rope_sin"]), meta,
-                           tmpdir / "pre.onnx")
-        blk, blk_w = _part(model.blocks[0], (x, e, cos, sin, kv[0], kv[1], kv[2 * n], kv[2 * n + 1]),
-                           ({0: batch}, {0: batch}, None, None, {0: batch, 2: past}, {0: batch, 2: past},
-                            {0: batch, 2: text}, {0: batch, 2: text}), (b_in, ["x_out", "k", "v"]), meta,
-                           tmpdir / "block.onnx")
-        head, head_w = _part(Final(), (x, t), ({0: batch}, {0: batch}), (["x", "t"], ["velocity"]), meta,
-                             tmpdir / "head.onnx")
+        return (_part(Embed(), ex[:3], ({0: batch}, {0: batch}, None),
+                      (_EMBED_INPUTS, ["tokens_0", "time_embedding", "modulation", "rope_cos", "rope_sin"]), meta,
+                      tmpdir / "pre.onnx"),
+                _part(model.blocks[0], (x, e, cos, sin, kv[0], kv[1], kv[2 * n], kv[2 * n + 1]),
+                      ({0: batch}, {0: batch}, None, None, {0: batch, 2: past}, {0: batch, 2: past},
+                       {0: batch, 2: text}, {0: batch, 2: text}), (_BLOCK_INPUTS, ["x_out", "k", "v"]), meta,
+                      tmpdir / "block.onnx"),
+                _part(Final(), (x, t), ({0: batch}, {0: batch}), (["x", "t"], ["velocity"]), meta,
+                      tmpdir / "head.onnx"))
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
-    params = {name for name, _ in model.blocks[0].named_parameters()}
-    graph = onnx.GraphProto(name="dit_step")
-    stubs: list[tuple[str, list[int], int]] = []
 
-    def add(part, rename: dict[str, str], prefix: str, weights: dict, weight_name, weight_of) -> None:
+
+class _Composed:
+    """The step graph being composed from the parts, and the initializer stubs of a weightless (meta) export."""
+
+    def __init__(self, meta: bool):
+        import onnx
+
+        self.meta = meta
+        self.graph = onnx.GraphProto(name="dit_step")
+        self.stubs: list[tuple[str, list[int], int]] = []
+
+    def add(self, part, rename: dict[str, str], prefix: str, weights: dict, weight_name=lambda k: k,
+            weight_of=lambda k, a: a) -> None:
+        """Copy `part`'s nodes and value infos with its values renamed (`rename`, else `prefix` + name) and its
+        initializers named weight_name(name) holding weight_of(name, traced array)."""
+        from onnx import numpy_helper
+
         def r(name: str) -> str:
             return name and rename.get(name, prefix + name)
 
         for name, (shape, dtype, arr) in weights.items():
             rename[name] = final = weight_name(name)
-            if meta:
-                stubs.append((final, shape, dtype))
+            if self.meta:
+                self.stubs.append((final, shape, dtype))
             else:
-                graph.initializer.append(numpy_helper.from_array(weight_of(name, arr), final))
+                self.graph.initializer.append(numpy_helper.from_array(weight_of(name, arr), final))
         for node in part.graph.node:
-            new = graph.node.add()
+            new = self.graph.node.add()
             new.CopyFrom(node)
             new.name = prefix + node.name
             new.input[:] = [r(v) for v in node.input]
             new.output[:] = [r(v) for v in node.output]
         for vi in part.graph.value_info:
-            new = graph.value_info.add()
+            new = self.graph.value_info.add()
             new.CopyFrom(vi)
             new.name = r(vi.name)
 
-    add(pre, {name: name for name in ex_names} | {o.name: o.name for o in pre.graph.output}, "embed/", pre_w,
-        lambda k: k, lambda k, a: a)
-    for name in ex_names:
+
+def _wire_io(graph, pre, blk, head, n: int) -> None:
+    """The step graph's inputs (the embedding's, then past.N.* and cross.N.* as the block takes them) and
+    outputs (the velocity, then present.N.*), in the order the runtime binds them (config.step_io)."""
+    import onnx
+
+    def named(vi, name: str):
+        out = onnx.ValueInfoProto()
+        out.CopyFrom(vi)
+        out.name = name
+        return out
+
+    for name in _EMBED_INPUTS:
         graph.input.append(next(i for i in pre.graph.input if i.name == name))
-    for i in range(n):
-        rename = dict(zip(b_in, [f"tokens_{i}", "modulation", "rope_cos", "rope_sin", f"past.{i}.key",
-                                 f"past.{i}.value", f"cross.{i}.key", f"cross.{i}.value"], strict=True))
-        rename.update(x_out=f"tokens_{i + 1}", k=f"present.{i}.key", v=f"present.{i}.value")
-        state = {k: v.detach().numpy() for k, v in model.blocks[i].named_parameters()} if not meta else {}
-        add(blk, rename, f"blocks.{i}/", blk_w,
-            lambda k, i=i: f"blocks.{i}.{k}" if k in params else f"blocks.{i}/{k}",
-            lambda k, a, state=state: state[k] if k in state else a)
     for name in ("past", "cross"):
         for i in range(n):
             for kv_name, src in (("key", f"{name}_k"), ("value", f"{name}_v")):
-                vi = onnx.ValueInfoProto()
-                vi.CopyFrom(next(x for x in blk.graph.input if x.name == src))
-                vi.name = f"{name}.{i}.{kv_name}"
-                graph.input.append(vi)
-    add(head, {"x": f"tokens_{n}", "t": "time_embedding", "velocity": "velocity"}, "head/", head_w,
-        lambda k: k, lambda k, a: a)
+                graph.input.append(named(next(x for x in blk.graph.input if x.name == src), f"{name}.{i}.{kv_name}"))
     graph.output.append(next(o for o in head.graph.output if o.name == "velocity"))
     for i in range(n):
         for kv_name, src in (("key", "k"), ("value", "v")):
-            vi = onnx.ValueInfoProto()
-            vi.CopyFrom(next(x for x in blk.graph.output if x.name == src))
-            vi.name = f"present.{i}.{kv_name}"
-            graph.output.append(vi)
+            graph.output.append(named(next(x for x in blk.graph.output if x.name == src), f"present.{i}.{kv_name}"))
+
+
+def _model(graph, parts: tuple):
+    """The model of `graph`, with the block's opset and producer and the parts' functions, each once."""
+    import onnx
+
+    blk = parts[1]
     proto = onnx.helper.make_model(graph, opset_imports=list(blk.opset_import), ir_version=blk.ir_version,
                                    producer_name=blk.producer_name, producer_version=blk.producer_version)
     seen = set()
-    for part in (pre, blk, head):
+    for part in parts:
         for f in part.functions:
             if (f.domain, f.name) not in seen:
                 seen.add((f.domain, f.name))
                 proto.functions.append(f)
-    return proto, stubs
+    return proto

@@ -5,7 +5,7 @@ AnnCA on the cross-attention, FFN replay by TAS, with density / recall / residen
 (`FastARState`, made by `new_cache`): per layer a `SlotCache` whose slots may hold several merged tokens.
 Semantics (docs/dit.md, "FAST-AR on the DiT"):
 - TempCache: when a frame is written, each token's pre-RoPE key is compared with its correspondent among the
-  previous frame's slots ('aligned': the slot of the same (h, w); 'lsh'/'quant': the best cosine among those
+  previous frame's slots ('aligned': the slot of the same (h, w); 'lsh'/'int8': the best cosine among those
   sharing a bucket); above SIM it merges: the slot keeps the newest key (post-RoPE at its own position),
   the running mean of the values, count + 1, and attention adds log(count) to its logit. Sink frames never
   merge. Tokens of one frame are matched against the cache as it was before that frame (several may join one
@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastcar_compile.dit import sparse
+from fastcar_compile.dit import sparse, tempcache
 from fastcar_compile.dit.annsa_index import shared_pairs
+from fastcar_compile.dit.cache import FrameCache, StreamCache, kept_frames
 from fastcar_compile.dit.model import apply_rope
-from fastcar_compile.dit.stream import FrameCache, TorchDiT, kept_frames
+from fastcar_compile.dit.stream import TorchDiT
 
 DEAD = torch.iinfo(torch.int64).max  # slot id of an empty padding slot (sorts last)
 COMPONENTS = ("self_attention", "cross_attention", "ffn", "cache_write")  # timed parts (component speed-ups)
@@ -76,13 +77,6 @@ class LayerStats:
                 "resident_kv_bytes": self.resident_bytes, "dense_kv_bytes": self.dense_bytes}
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise cosine of a and b [..., d] (0 for a zero vector)."""
-    den = a.norm(dim=-1) * b.norm(dim=-1)
-    return torch.where(den > 0, (a * b).sum(-1) / torch.where(den > 0, den, torch.ones_like(den)),
-                       torch.zeros_like(den))
-
-
 class SlotCache:
     """One layer's self-attention cache for G = rows x heads groups: live slots first in each group, in
     creation order, padded to a common capacity with dead slots (id DEAD, count 0). A slot's id is the index
@@ -115,60 +109,47 @@ class SlotCache:
 
     # --- writing ----------------------------------------------------------------------------------------------
     def aligned_targets(self, f: int, k_pre: torch.Tensor, sim: float, sinks: int) -> torch.Tensor:
-        """[G, T] position of the slot holding token (f-1, s) where the cosine > sim, else -1."""
+        """[G, T] position of the slot holding token (f-1, s) where TempCache merges key s into it, else -1."""
         prev = self.token_sid.get(f - 1)
         if prev is None or f - 1 < sinks:
             return torch.full((self.G, self.T), -1, dtype=torch.int64)
         pos, found = self.positions(prev)
         ok = found & (self.count.gather(1, pos) > 0)
         cand = self.k_pre.gather(1, pos[..., None].expand(-1, -1, k_pre.shape[-1]))
-        return torch.where(ok & (cosine(k_pre, cand) > sim), pos, torch.full_like(pos, -1))
+        return torch.where(tempcache.targets(k_pre, cand, ok, sim) >= 0, pos, torch.full_like(pos, -1))
 
     def ann_targets(self, f: int, k_pre: torch.Tensor, codes_pre: torch.Tensor, sim: float, sinks: int
                     ) -> torch.Tensor:
-        """[G, T] position of the best-cosine slot of frame f-1 sharing a bucket with each key (> sim), else -1."""
+        """[G, T] position of the best-cosine slot of frame f-1 sharing a bucket with each key (> sim; ties: the
+        later slot), else -1."""
         out = torch.full((self.G, self.T), -1, dtype=torch.int64)
-        if f - 1 < sinks:
+        cand = self.live & (self.frame == f - 1)
+        if f - 1 < sinks or not bool(cand.any()):
             return out
-        cg, cp = torch.nonzero(self.live & (self.frame == f - 1), as_tuple=True)
-        if cg.numel() == 0:
-            return out
-        qg = torch.arange(self.G).repeat_interleave(self.T)
-        qi, ci = sparse.bucket_join(qg, codes_pre.flatten(0, 1), cg, self.codes_pre[cg, cp])
-        if qi.numel() == 0:
-            return out
-        cos = cosine(k_pre.flatten(0, 1)[qi], self.k_pre[cg[ci], cp[ci]])
-        best = torch.full((self.G * self.T,), -torch.inf, dtype=cos.dtype).scatter_reduce(0, qi, cos, "amax")
-        at_best = cos == best[qi]
-        pick = torch.full((self.G * self.T,), -1, dtype=torch.int64).scatter_reduce(
-            0, qi[at_best], cp[ci[at_best]], "amax")  # ties: the later slot
-        return torch.where(best > sim, pick, torch.full_like(pick, -1)).view(self.G, self.T)
+        idx = torch.argsort((~cand).to(torch.int8), dim=1, stable=True)[:, :int(cand.sum(1).max())]  # in slot order
+        e = idx[..., None]
+        pick = tempcache.targets(k_pre, self.k_pre.gather(1, e.expand(-1, -1, k_pre.shape[-1])), cand.gather(1, idx),
+                                 sim, codes_pre, self.codes_pre.gather(1, e.expand(-1, -1, codes_pre.shape[-1])))
+        return torch.where(pick >= 0, idx.gather(1, pick.clamp(min=0)), out)
 
     def write_frame(self, f: int, k_post, k_pre, v, codes, codes_pre, target: torch.Tensor) -> int:
-        """Write frame f's tokens [G, T, ...]: those with target >= 0 merge into that slot, the rest get new
-        slots. Returns the number merged."""
+        """Write frame f's tokens [G, T, ...]: those with target >= 0 merge into that slot (dit/tempcache.merge:
+        count, running mean value, the newest member's keys and codes), the rest get new slots. Returns the
+        number merged."""
         G, T = self.G, self.T
         sid_new = f * T + torch.arange(T).expand(G, T)
         merge = target >= 0
         n_merge = int(merge.sum())
         token_sid = sid_new.clone()
         if n_merge:
-            g, s = torch.nonzero(merge, as_tuple=True)
-            slot = target[g, s]
-            cap = self.count.shape[1]
-            flat = g * cap + slot
-            add = torch.zeros(G * cap, dtype=torch.int64).index_add_(0, flat, torch.ones_like(flat))
-            vsum = torch.zeros(G * cap, v.shape[-1]).index_add_(0, flat, v[g, s])
-            last = torch.full((G * cap,), -1, dtype=torch.int64).scatter_reduce(0, flat, s, "amax")
-            hit = torch.nonzero(add > 0).flatten()
-            hg, hp, hs = hit // cap, hit % cap, last[hit]
-            c = self.count[hg, hp]
-            self.v[hg, hp] = (self.v[hg, hp] * c[:, None] + vsum[hit]) / (c + add[hit])[:, None]
-            self.count[hg, hp] = c + add[hit]
+            m = tempcache.merge(target, self.v, self.count, v)
+            hg, hp, hs = m.group, m.slot, m.last
+            self.v[hg, hp], self.count[hg, hp] = m.value, m.count
             self.k_post[hg, hp], self.k_pre[hg, hp] = k_post[hg, hs], k_pre[hg, hs]
             self.codes[hg, hp], self.codes_pre[hg, hp] = codes[hg, hs], codes_pre[hg, hs]
             self.frame[hg, hp] = f
-            token_sid[g, s] = self.sid[g, slot]
+            g, s = torch.nonzero(merge, as_tuple=True)
+            token_sid[g, s] = self.sid[g, target[g, s]]
         new = ~merge
         dead = torch.full((G, T), DEAD, dtype=torch.int64)
         self.k_post = torch.cat([self.k_post, k_post * new[..., None]], 1)
@@ -382,20 +363,19 @@ def block_inputs(blk, x: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: 
     return mod, modulate, gate, q, k, k_pre, blk.heads_first(blk.v(h))
 
 
-@dataclass
-class FastARState:
-    """The stream's cache and FAST-AR state for one video (made by FastARDiT.new_cache; rollout's `past`)."""
+class FastARState(StreamCache):
+    """The stream's cache and FAST-AR state for one video (made by FastARDiT.new_cache; rollout's `past`): per
+    layer a SlotCache, written frame by frame with TempCache's merge (dit/tempcache.py) where it is on."""
 
-    runtime: FastARDiT
-    tokens: int
-    sinks: int
-    window: int
-    layers: list[SlotCache] = field(default_factory=list)
-    shadow: FrameCache | None = None  # the uncompressed cache (diagnostics)
-    replay_state: dict = field(default_factory=dict)  # timestep -> layer -> (FFN output, key) of the last frame
-    cross_codes: dict = field(default_factory=dict)  # layer -> prompt key codes [G, L, T]
-    written: int = 0
-    tas_log: list = field(default_factory=list)  # eligible TAS values (calibration)
+    def __init__(self, runtime: FastARDiT, layers: int, tokens: int, sinks: int, window: int,
+                 shadow: FrameCache | None = None):
+        super().__init__(layers, tokens, sinks, window)
+        self.runtime = runtime
+        self.caches: list[SlotCache] = []
+        self.shadow = shadow  # the uncompressed cache (diagnostics)
+        self.replay_state: dict = {}  # timestep -> layer -> (FFN output, key) of the last frame
+        self.cross_codes: dict = {}  # layer -> prompt key codes [G, L, T]
+        self.tas_log: list = []  # eligible TAS values (calibration)
 
     def past(self, batch: int, heads: int, head_dim: int) -> FastARState:
         return self
@@ -407,51 +387,57 @@ class FastARState:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(c.live.sum()) * c.slot_bytes() for c in self.layers)
+        return sum(int(c.live.sum()) * c.slot_bytes() for c in self.caches)
 
     def write(self, first_frame: int, kv: list) -> None:
-        """Write the clean chunk's keys/values (per layer (k_post, k_pre, v) [B, H, F*T, d]) frame by frame."""
+        """Write the clean chunk's keys/values (per layer (k_post, k_pre, v) [B, H, F*T, d]), timed."""
         t0 = time.perf_counter()
-        rt, T = self.runtime, self.tokens
-        s = rt.fa
-        frames = kv[0][0].shape[2] // T
         if self.shadow is not None:
             self.shadow.write(first_frame, [a.numpy() for k_post, _, v in kv for a in (k_post, v)])
-        for i, (k_post, k_pre, v) in enumerate(kv):
-            B, H, _, d = k_post.shape
-            if len(self.layers) <= i:
-                self.layers.append(SlotCache(B * H, T, d, rt.tables, rt.tc_tables))
-            c, st = self.layers[i], rt.stats[i]
-            kp, kr, vv = (a.reshape(B * H, frames, T, d) for a in (k_post, k_pre, v))
-            for j in range(frames):
-                f = first_frame + j
-                codes = sparse.codes(rt.sa_hasher, kp[:, j]) if rt.sa_hasher else torch.zeros(B * H, T, 0).long()
-                codes_pre = (sparse.codes(rt.tc_hasher, kr[:, j]) if rt.tc_hasher
-                             else torch.zeros(B * H, T, 0).long())
-                target = torch.full((B * H, T), -1, dtype=torch.int64)
-                c.merged = s.tempcache is not None
-                if s.tempcache == "aligned" and f >= self.sinks:
-                    target = c.aligned_targets(f, kr[:, j], s.tempcache_sim, self.sinks)
-                    st.merges_aligned += int((target >= 0).sum())
-                elif s.tempcache is not None and f >= self.sinks:
-                    target = c.ann_targets(f, kr[:, j], codes_pre, s.tempcache_sim, self.sinks)
-                    al = c.aligned_targets(f, kr[:, j], -2.0, self.sinks)  # the aligned slot, for the share
-                    st.merges_aligned += int(((target >= 0) & (target == al)).sum())
-                st.merges += c.write_frame(f, kp[:, j], kr[:, j], vv[:, j], codes, codes_pre, target)
-                st.written += B * H * T
-        self.written = max(self.written, first_frame + frames)
-        keep = kept_frames(self.written, self.sinks, self.window)
+        super().write(first_frame, kv)
+        self.runtime.seconds["cache_write"] += time.perf_counter() - t0
+
+    def per_layer(self, kv: list) -> list[tuple]:
+        return [(k_post, v, k_pre) for k_post, k_pre, v in kv]
+
+    def write_frame(self, frame: int, layers: list[tuple]) -> None:
+        """Each layer's frame into its SlotCache: the keys' bucket codes (AnnSA's, and TempCache's match), the
+        slots TempCache merges them into, the counters."""
+        rt = self.runtime
+        s = rt.fa
+        for i, (k_post, value, k_pre) in enumerate(layers):
+            B, H, T, d = k_post.shape
+            if len(self.caches) <= i:
+                self.caches.append(SlotCache(B * H, T, d, rt.tables, rt.tc_tables))
+            c, st = self.caches[i], rt.stats[i]
+            kp, kr, vv = (a.reshape(B * H, T, d) for a in (k_post, k_pre, value))
+            codes = sparse.codes(rt.sa_hasher, kp) if rt.sa_hasher else torch.zeros(B * H, T, 0).long()
+            codes_pre = sparse.codes(rt.tc_hasher, kr) if rt.tc_hasher else torch.zeros(B * H, T, 0).long()
+            target = torch.full((B * H, T), -1, dtype=torch.int64)
+            c.merged = s.tempcache is not None
+            if s.tempcache is not None and s.tempcache_match == "aligned" and frame >= self.sinks:
+                target = c.aligned_targets(frame, kr, s.tempcache, self.sinks)
+                st.merges_aligned += int((target >= 0).sum())
+            elif s.tempcache is not None and frame >= self.sinks:
+                target = c.ann_targets(frame, kr, codes_pre, s.tempcache, self.sinks)
+                al = c.aligned_targets(frame, kr, -2.0, self.sinks)  # the aligned slot, for the share
+                st.merges_aligned += int(((target >= 0) & (target == al)).sum())
+            st.merges += c.write_frame(frame, kp, kr, vv, codes, codes_pre, target)
+            st.written += B * H * T
+
+    def evict(self, keep: set[int] | None) -> None:
+        """Slots whose newest member's frame is not kept leave, then TempCache's budget; the resident counters."""
+        s, T = self.runtime.fa, self.tokens
         hold = set(self.shadow.resident) if self.shadow is not None else {self.written - 1}
-        for i, c in enumerate(self.layers):
+        for i, c in enumerate(self.caches):
             c.evict(keep, hold)
             if s.tempcache_budget:
                 c.evict_budget(s.tempcache_budget * T, self.sinks)
-            st = rt.stats[i]
+            st = self.runtime.stats[i]
             st.resident_slots = int(c.live.sum())
             st.dense_slots = c.G * T * len(self.resident)
             st.resident_bytes = st.resident_slots * c.slot_bytes()
             st.dense_bytes = st.dense_slots * 2 * 4 * c.k_post.shape[-1]
-        rt.seconds["cache_write"] += time.perf_counter() - t0
 
 
 class FastARDiT(TorchDiT):
@@ -464,14 +450,15 @@ class FastARDiT(TorchDiT):
         d = cfg.head_dim
 
         def hasher(kind):
-            return sparse.make_hasher(kind, d, fa.lsh_bits, fa.quant_dirs, fa.ann_tables, fa.ann_seed)
+            return sparse.make_hasher(kind, d, fa.lsh_bits, fa.int8_dirs, fa.ann_tables, fa.ann_seed)
 
         self.sa_hasher = hasher(fa.annsa) if fa.annsa else None
-        self.tc_hasher = hasher(fa.tempcache) if fa.tempcache in ("lsh", "quant") else None
+        self.tc_hasher = hasher(fa.tempcache_match) if fa.tempcache is not None and fa.tempcache_match != "aligned" \
+            else None
         self.ca_hasher = hasher(fa.annsa or "lsh") if fa.annca else None
         self.tables = fa.ann_tables if fa.annsa else 0  # bucket ids stored per slot
-        self.tc_tables = fa.ann_tables if self.tc_hasher else 0
-        self.tau = fa.fastcar_tau
+        self.tc_tables = self.tc_hasher.tables if self.tc_hasher else 0
+        self.tau = fa.threshold
         self.record_tas = False
         self.stats = [LayerStats() for _ in range(cfg.layers)]
         self.seconds = dict.fromkeys(COMPONENTS, 0.0)  # wall time per component over the stream
@@ -480,7 +467,7 @@ class FastARDiT(TorchDiT):
         self.stats = [LayerStats() for _ in range(layers)]
         self.seconds = dict.fromkeys(COMPONENTS, 0.0)
         shadow = FrameCache(layers, tokens, sinks, window) if self.fa.diagnostics else None
-        self.state = FastARState(self, tokens, sinks, window, shadow=shadow)
+        self.state = FastARState(self, layers, tokens, sinks, window, shadow=shadow)
         return self.state
 
     def step(self, latent, timestep, frame_start: int, past: FastARState, cross) -> list:
@@ -546,7 +533,7 @@ class FastARDiT(TorchDiT):
         B, H, Q, d = q.shape
         G = B * H
         fa, st = self.fa, self.stats[i]
-        cache = state.layers[i] if i < len(state.layers) else SlotCache(G, state.tokens, d, self.tables,
+        cache = state.caches[i] if i < len(state.caches) else SlotCache(G, state.tokens, d, self.tables,
                                                                         self.tc_tables)
         keep = None
         if self.sa_hasher is not None:
@@ -609,17 +596,17 @@ class FastARDiT(TorchDiT):
 
 
 def calibrate_tau(model, fa, settings, text=None, chunks: int = 2) -> float:
-    """The tau giving replay ratio `fa.fastcar_ratio` (over eligible rows) on the first `chunks` chunks of the
+    """The tau giving replay ratio `fa.calibrate_replay` (over eligible rows) on the first `chunks` chunks of the
     same stream run with FastCar off and its TAS recorded (the quantile, as the decoders' one-pass calibration)."""
     from fastcar_compile.dit.stream import rollout
     from fastcar_compile.runtime.calib_stats import tau_for_share
 
-    probe = FastARDiT(model, dataclasses.replace(fa, fastcar_tau=None, fastcar_ratio=None, diagnostics=False))
+    probe = FastARDiT(model, dataclasses.replace(fa, threshold=None, calibrate_replay=None, diagnostics=False))
     probe.record_tas = True
     short = dataclasses.replace(settings, frames=min(settings.frames, chunks * model.cfg.chunk_frames))
     for _ in rollout(probe, short, text):
         pass
-    return tau_for_share(np.concatenate(probe.state.tas_log), fa.fastcar_ratio)
+    return tau_for_share(np.concatenate(probe.state.tas_log), fa.calibrate_replay)
 
 
 def totals(stats: list[LayerStats]) -> dict:

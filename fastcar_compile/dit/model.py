@@ -6,7 +6,7 @@ The structure is Wan2.1's: patch embedding over (frame, h, w); per block AdaLN t
 -> self-attention with q/k RMSNorm and 3D RoPE (real cos/sin form: ONNX has no complex numbers) -> cross-
 attention to the prompt -> GELU-tanh FFN, with gated residuals; an AdaLN head. Timesteps are per frame, so a
 chunk may hold frames at different noise levels (Rolling-Forcing). A chunk attends to itself and to the
-cache (no mask inside a chunk); the caller decides what the cache holds (stream.FrameCache).
+cache (no mask inside a chunk); the caller decides what the cache holds (cache.FrameCache).
 """
 
 from __future__ import annotations
@@ -216,7 +216,12 @@ def build(cfg: DiTConfig, weights=None, seed: int = 0, device: str | None = None
         except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a broken file
             raise FastCarError(f"{weights}: cannot read the weights ({type(exc).__name__}); "
                                "give a safetensors file saved from this model") from None
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # torch: "size mismatch for ..." per tensor whose shape differs
+            first = next((ln.strip() for ln in str(exc).splitlines() if "size mismatch" in ln), str(exc)[:200])
+            raise FastCarError(f"{weights}: the weights' shapes do not match config.json ({first[:240]}); give the "
+                               "weights saved with this config") from None
         bad = [f"missing {missing[:3]}"] * bool(missing) + [f"unexpected {unexpected[:3]}"] * bool(unexpected)
         if bad:
             raise FastCarError(f"{weights}: the weights do not match config.json ({'; '.join(bad)})")

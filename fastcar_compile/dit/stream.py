@@ -32,12 +32,14 @@ from fastcar_compile.core.contract import (
     PAST_LENGTH,
     REPLAY_FIRST,
     TEMPCACHE_SLOTS,
+    TEXT_INPUT,
     DiTConfig,
     DiTModes,
     annca_io,
     annsa_io,
     dit_config_of,
     dit_past_names,
+    dit_text_graph_name,
     replay_io,
     step_io,
     tas_name,
@@ -45,189 +47,10 @@ from fastcar_compile.core.contract import (
     tempcache_slots_name,
 )
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.dit import tempcache
-from fastcar_compile.fastar.buckets import Buckets
+from fastcar_compile.dit.cache import FrameCache, RingCache
+from fastcar_compile.fastar.config import hasher_of
 
 STEPS = (1000.0, 750.0, 500.0, 250.0)  # flow-matching timesteps of a 4-step distilled sampler
-
-
-def kept_frames(written: int, sinks: int, window: int) -> set[int] | None:
-    """Frames a cache keeps once `written` frames were written: the first `sinks`, then the `window` most
-    recent others (None: window 0, every frame)."""
-    if not window:
-        return None
-    return set(range(min(sinks, written))) | set(range(max(sinks, written - window), written))
-
-
-class FrameCache:
-    """The K/V of resident frames, per layer: the first `sinks` frames ever written, then at most `window`
-    of the most recent others (window 0: no eviction). Frames are kept one array per (frame, layer, K|V) so
-    that eviction drops whole frames; `past()` concatenates the resident ones in frame order."""
-
-    def __init__(self, layers: int, tokens_per_frame: int, sinks: int, window: int):
-        self.layers, self.tokens, self.sinks, self.window = layers, tokens_per_frame, sinks, window
-        self.frames: dict[int, list[np.ndarray]] = {}  # frame index -> 2*layers arrays [B, heads, T, d]
-        self.written = 0
-
-    @property
-    def resident(self) -> list[int]:
-        return sorted(self.frames)
-
-    def write(self, first_frame: int, kv: list[np.ndarray]) -> None:
-        """Store a chunk's K/V (2*layers arrays [B, heads, F*T, d]) as frames first_frame.., then evict."""
-        frames = kv[0].shape[2] // self.tokens
-        for j in range(frames):
-            sl = slice(j * self.tokens, (j + 1) * self.tokens)
-            self.frames[first_frame + j] = [np.ascontiguousarray(a[:, :, sl]) for a in kv]
-        self.written = max(self.written, first_frame + frames)
-        keep = kept_frames(self.written, self.sinks, self.window)
-        if keep is not None:
-            for f in [f for f in self.frames if f not in keep]:
-                del self.frames[f]
-
-    def past(self, batch: int, heads: int, head_dim: int) -> list[np.ndarray]:
-        """Flat past.N.key|value arrays [B, heads, resident*T, d] (0 tokens when empty)."""
-        order = self.resident
-        if not order:
-            return [np.zeros((batch, heads, 0, head_dim), np.float32) for _ in range(2 * self.layers)]
-        return [np.concatenate([self.frames[f][i] for f in order], axis=2) for i in range(2 * self.layers)]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for arrays in self.frames.values() for a in arrays)
-
-
-class RingCache:
-    """The cache of a compiled step graph (passes/dit_cache.py): per layer and K|V one preallocated buffer
-    [B, heads, slots * T, d] that ONNX Runtime reads in place. Sink frames own the first slots, the window's
-    frames a ring of the next `window` slots (window 0: a slot per frame, the buffers growing by a quarter when
-    full: a copy of the cache every few chunks, and at most a quarter of the slots masked out in attention).
-    Slots fill in order, so the first `length` tokens always hold K/V; a write copies the chunk's own K/V
-    only. Same residency as FrameCache."""
-
-    def __init__(self, layers: int, tokens_per_frame: int, sinks: int, window: int, grow_from: int = 8,
-                 tempcache: float | None = None, match: Buckets | None = None):
-        self.layers, self.tokens, self.sinks, self.window = layers, tokens_per_frame, sinks, window
-        # TempCache compiled in (SIM): per layer the tokens merged into each slot [B, heads, slots * T] (0: empty,
-        # or left by a merge), its log as the graph's past_bias.N (-inf where 0), the last frame's pre-RoPE keys
-        # and, for the top-1 match (`match`: its bucketing; None = aligned), their bucket codes (dit/tempcache.py)
-        self.tempcache, self.match = tempcache, match
-        self.counts: list[np.ndarray] = []
-        self.bias: list[np.ndarray] = []
-        self.last_pre: list[np.ndarray] = []
-        self.last_codes: list[np.ndarray | None] = []
-        self.merges = [0, 0]  # tokens merged, tokens written
-        self.first_slots = sinks + window if window else max(sinks, grow_from)
-        self.buffers: list[np.ndarray] = []  # allocated by the first past() or write() (rows known then)
-        self.slot_frame: dict[int, int] = {}
-        self.length = 0  # tokens at the start of the buffers that hold K/V
-        # FastCar compiled in: per denoising step (the chunk's timesteps), the replay cache the last chunk left
-        # (per layer its last frame's FFN output and key), fed back as past_replay.N.* at the same step
-        self.replay: dict[tuple, list[np.ndarray]] = {}
-
-    def _allocate(self, rows: int, heads: int, head_dim: int) -> None:
-        if not self.buffers:
-            self.buffers = [np.zeros((rows, heads, self.first_slots * self.tokens, head_dim), np.float32)
-                            for _ in range(2 * self.layers)]
-            if self.tempcache is not None:
-                self.counts = [np.zeros((rows, heads, self.first_slots * self.tokens), np.int32)
-                               for _ in range(self.layers)]
-                self.bias = [np.full(c.shape, -np.inf, np.float32) for c in self.counts]
-
-    @property
-    def slots(self) -> int:
-        return self.buffers[0].shape[2] // self.tokens
-
-    @property
-    def resident(self) -> list[int]:
-        return sorted(self.slot_frame.values())
-
-    def slot(self, frame: int) -> int:
-        return frame if frame < self.sinks or not self.window else self.sinks + (frame - self.sinks) % self.window
-
-    def write(self, first_frame: int, kv: list[np.ndarray]) -> None:
-        """Copy a chunk's K/V (2*layers arrays [B, heads, F*T, d], then with TempCache the pre-RoPE keys per
-        layer) into the slots of frames first_frame..; with TempCache a token whose pre-RoPE key's cosine with
-        the same (h, w) one frame back exceeds SIM merges into that slot, which moves to the new frame's slot
-        (newest key, running mean value, count + 1) leaving a dead one (count 0); sink frames never merge."""
-        t, n = self.tokens, self.layers
-        pre, kv = kv[2 * n:], kv[:2 * n]
-        self._allocate(kv[0].shape[0], kv[0].shape[1], kv[0].shape[3])
-        for j in range(kv[0].shape[2] // t):
-            f = first_frame + j
-            slot = self.slot(f)
-            if slot >= self.slots:  # window 0: the cache grows with the video
-                size = max(-(-5 * self.slots // 4), slot + 1) * t
-                self.buffers = [self._grown(b, size) for b in self.buffers]
-                self.counts = [self._grown(c, size) for c in self.counts]
-                self.bias = [self._grown(b, size, -np.inf) for b in self.bias]
-            src = self.slot(f - 1)
-            merging = (self.tempcache is not None and f - 1 >= self.sinks and self.slot_frame.get(src) == f - 1)
-            new = slice(slot * t, (slot + 1) * t)
-            for i in range(n):
-                key, value = kv[2 * i][:, :, j * t:(j + 1) * t], kv[2 * i + 1][:, :, j * t:(j + 1) * t]
-                if self.tempcache is not None:
-                    value, count = self._merge(i, pre[i][:, :, j * t:(j + 1) * t], value, src if merging else None)
-                    self.counts[i][:, :, new] = count
-                    with np.errstate(divide="ignore"):  # a position a merge left: count 0, logit -inf
-                        self.bias[i][:, :, new] = np.log(count)
-                self.buffers[2 * i][:, :, new] = key
-                self.buffers[2 * i + 1][:, :, new] = value
-            self.slot_frame[slot] = f
-            self.length = max(self.length, (slot + 1) * t)
-
-    def _grown(self, old: np.ndarray, size: int, fill: float = 0) -> np.ndarray:
-        """`old` with `size` slots' tokens on axis 2, the filled ones copied (a new array: ORT is rebound)."""
-        new = np.full((*old.shape[:2], size, *old.shape[3:]), fill, old.dtype)
-        new[:, :, :self.length] = old[:, :, :self.length]
-        return new
-
-    def _merge(self, i: int, k_pre: np.ndarray, value: np.ndarray, src: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """Layer i's merge of one frame into the previous frame's slot `src` (None: no merge; dit/tempcache.py):
-        (values to write, counts); the previous frame's merged positions become dead."""
-        codes = None if self.match is None else self.match.codes(k_pre)
-        count = np.ones(value.shape[:3], np.int32)
-        if src is not None:
-            old = slice(src * self.tokens, (src + 1) * self.tokens)
-            c = self.counts[i][:, :, old].copy()
-            target = tempcache.targets(k_pre, self.last_pre[i], c > 0, self.tempcache, codes, self.last_codes[i])
-            value, count, left = tempcache.merge(target, self.buffers[2 * i + 1][:, :, old], c, value)
-            self.counts[i][:, :, old] = left
-            self.bias[i][:, :, old] = np.where(left > 0, self.bias[i][:, :, old], -np.inf)
-            self.merges[0] += int((target >= 0).sum())
-        self.merges[1] += count.size
-        if len(self.last_pre) <= i:
-            self.last_pre.append(k_pre.copy())
-            self.last_codes.append(codes)
-        else:
-            self.last_pre[i], self.last_codes[i] = k_pre.copy(), codes
-        return value, count
-
-    @property
-    def kv_density(self) -> float:
-        """Resident slots / the slots a dense cache of the same frames holds, all layers, rows and heads (TempCache
-        leaves dead slots behind its merges; 1 without it)."""
-        if self.tempcache is None or not self.counts:
-            return 1.0
-        dense = self.layers * self.counts[0][:, :, :1].size * self.tokens * len(self.slot_frame)
-        return sum(int((c[:, :, :self.length] > 0).sum()) for c in self.counts) / dense
-
-    def past(self, batch: int, heads: int, head_dim: int) -> RingCache:
-        self._allocate(batch, heads, head_dim)
-        return self  # the compiled step reads the buffers themselves
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
-
-
-def resident_slots(counts: np.ndarray) -> np.ndarray:
-    """[B, heads, N] int64: per (row, head) the positions whose count is > 0 (a slot lives there), ascending,
-    then -1; N = the most any (row, head) holds (at least 1). What TempCache's `slots` form attends."""
-    live = counts > 0
-    n = max(int(live.sum(-1).max(initial=0)), 1)
-    order = np.argsort(~live, axis=-1, kind="stable")[..., :n]
-    return np.where(np.take_along_axis(live, order, -1), order, -1).astype(np.int64)
 
 
 class OrtDiT:
@@ -237,47 +60,54 @@ class OrtDiT:
 
     def __init__(self, step_path: str | os.PathLike, text_path: str | os.PathLike | None = None,
                  threads: int = 0):
-        import onnx
-        import onnxruntime as ort
-
-        step_path = Path(step_path)
-        proto = onnx.load(str(step_path), load_external_data=False)
-        meta = {p.key: p.value for p in proto.metadata_props}
-        if DIT_CONFIG_KEY not in meta or DIT_TEXT_GRAPH_KEY not in meta:  # the prompt graph has the config only
-            raise FastCarError(f"{step_path} is not a DiT step graph (no {DIT_TEXT_GRAPH_KEY} metadata); give the "
-                               "step graph written by `fastcar-compile export --dit tiny -o dit.onnx`")
-
-        self.cfg: DiTConfig = dit_config_of(meta, str(step_path))
-        text_path = Path(text_path) if text_path else step_path.with_name(meta[DIT_TEXT_GRAPH_KEY])
-        if not text_path.is_file():
-            raise FastCarError(f"{step_path}: its prompt graph {text_path} is missing; export both again")
-        self.text_path = text_path
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        if threads:
-            so.intra_op_num_threads = threads
-        self.modes = DiTModes.from_json(meta.get(DIT_MODES_KEY), f"{step_path}'s {DIT_MODES_KEY}")  # compiled in
-        self.slot_form = self.modes.tempcache_kernel == TEMPCACHE_SLOTS  # TempCache over the listed resident slots
-        if (self.modes.annsa is not None and self.modes.annsa.annsa_kernel == ANNSA_NATIVE) or self.slot_form:
-            from fastcar_compile.runtime.native import library_path
-
-            lib = library_path()  # None: the op's function body runs (same result, slower)
-            if lib is not None:
-                so.register_custom_ops_library(str(lib))
-        self.sess = ort.InferenceSession(str(step_path), so, providers=["CPUExecutionProvider"])
-        self.text_sess = ort.InferenceSession(str(text_path), so, providers=["CPUExecutionProvider"])
-        ins, outs = step_io(self.cfg.layers)
+        meta = self._open(Path(step_path), text_path, threads)
         self.in_place = meta.get(DIT_CACHE_FORM_KEY) == CACHE_IN_PLACE
         self.tau = self.modes.threshold
         self.sim = self.modes.tempcache
         self.annca = self.modes.annca  # its buckets (contract.BucketRecord) or None
         self.cross_pairs = [0, 0]  # query x prompt-token pairs the cross-attention executed, dense pairs (AnnCA)
         self.match = self.modes.tempcache_match or "aligned"  # the correspondence (dit/tempcache.py)
-        self.hasher = tempcache.hasher(self.modes, self.cfg.head_dim) if self.sim is not None else None
+        buckets = self.modes.tempcache_buckets  # the top-1 match's bucketing (None: aligned)
+        self.hasher = hasher_of(buckets, self.cfg.head_dim) if self.sim is not None and buckets is not None else None
         self.annsa = self.modes.annsa  # its buckets, local frames and form, or None (passes/dit_annsa.py)
         self.self_pairs: list[int] | None = None  # a list: [executed, dense] q.k pairs over the cache (AnnSA)
         self.replayed = [0, 0]  # FFN rows replayed, rows decided (FastCar compiled in), over the session
         self.tas_log: list[np.ndarray] | None = None  # a list: the eligible rows' TAS of every step (calibration)
+        self._check_io(Path(step_path))
+
+    def _open(self, step_path: Path, text_path: str | os.PathLike | None, threads: int) -> dict[str, str]:
+        """The step graph's config and modes (its metadata, returned) and the two sessions (runtime/loader.py:
+        the native kernels registered where the graph has AnnSA's native op)."""
+        import onnx
+
+        from fastcar_compile.runtime import loader
+
+        proto = onnx.load(str(step_path), load_external_data=False)
+        meta = {p.key: p.value for p in proto.metadata_props}
+        if DIT_CONFIG_KEY not in meta or DIT_TEXT_GRAPH_KEY not in meta:  # the prompt graph has the config only
+            raise FastCarError(f"{step_path} is not a DiT step graph (no {DIT_TEXT_GRAPH_KEY} metadata); give the "
+                               "step graph written by `fastcar-compile export --dit tiny -o dit.onnx`")
+        self.cfg: DiTConfig = dit_config_of(meta, str(step_path))
+        text_path = Path(text_path) if text_path else step_path.with_name(dit_text_graph_name(meta, str(step_path)))
+        if not text_path.is_file():
+            raise FastCarError(f"{step_path}: its prompt graph {text_path} is missing; export both again")
+        self.text_path = text_path
+        self.modes = DiTModes.from_json(meta.get(DIT_MODES_KEY), f"{step_path}'s {DIT_MODES_KEY}")  # compiled in
+        # the native library only for AnnSA's op and TempCache's SlotAttention (None: when built; else the op's
+        # function body runs: same result, slower)
+        self.slot_form = self.modes.tempcache_kernel == TEMPCACHE_SLOTS  # TempCache over the listed resident slots
+        native = None if (self.modes.annsa is not None and self.modes.annsa.annsa_kernel == ANNSA_NATIVE) or \
+            self.slot_form else False
+        self.sess, self.text_sess = (
+            loader.open_session(path, loader.session_options(threads, mem_pattern=True), native=native,
+                                plain_inputs=False)[0]
+            for path in (step_path, text_path))
+        return meta
+
+    def _check_io(self, step_path: Path) -> None:
+        """The inputs the runtime feeds (the compiled modes' included) and the prompt graph's outputs, refused in
+        one line when the graphs do not have them; the IO binding of a step graph that reads its cache in place."""
+        ins, outs = step_io(self.cfg.layers)
         if self.in_place:
             ins = [*ins, PAST_LENGTH]
             if self.annsa is not None:
@@ -302,8 +132,30 @@ class OrtDiT:
         if self.annca is not None:
             want += [annca_io(i)[0] for i in range(self.cfg.layers)]
         if self.text_outputs != want:
-            raise FastCarError(f"{text_path}: its outputs {self.text_outputs[:3]}... are not what {step_path.name} "
-                               f"reads ({want[:3]}...); give the prompt graph written beside it")
+            raise FastCarError(f"{self.text_path}: its outputs {self.text_outputs[:3]}... are not what "
+                               f"{step_path.name} reads ({want[:3]}...); give the prompt graph written beside it")
+        if not self.in_place and not self.modes.dense:
+            raise FastCarError(f"{step_path}: its metadata records compiled modes but the graph is not in the compiled "
+                               "form (its cache is not read in place); compile the exported graph again")
+        self._check_shapes(step_path, self.text_path)
+
+    def _check_shapes(self, step_path: Path, text_path: Path) -> None:
+        """The graphs' static input dims against the config their metadata records (a config edited apart from its
+        graph would fail deep in ONNX Runtime, or allocate for shapes the graph never takes)."""
+        c = self.cfg
+        want = {"latent": [None, c.in_channels, c.chunk_frames, c.latent_h, c.latent_w],
+                **{n: [None, c.heads, None, c.head_dim] for n in dit_past_names(c.layers)}}
+        got = {i.name: i.shape for i in self.sess.get_inputs()}
+        got.update({i.name: i.shape for i in self.text_sess.get_inputs()})
+        want[TEXT_INPUT] = [None, None, c.text_dim]
+        for name, dims in want.items():
+            shape = got.get(name)
+            if shape is None:
+                continue
+            bad = [(w, g) for w, g in zip(dims, shape, strict=False) if w is not None and isinstance(g, int) and g != w]
+            if bad or len(shape) != len(dims):
+                raise FastCarError(f"{step_path if name != TEXT_INPUT else text_path}: input {name} has shape {shape}, "
+                                   f"not the {dims} its config ({DIT_CONFIG_KEY}) says; export the graph again")
 
     def new_cache(self, layers: int, tokens_per_frame: int, sinks: int, window: int) -> FrameCache | RingCache:
         if self.in_place:
@@ -348,7 +200,7 @@ class OrtDiT:
             for i, bias in enumerate(cache.bias):
                 io.bind_input(tempcache_io(i)[0], bias)
                 if self.slot_form:  # the resident slots SlotAttention reads (listed once per cache state)
-                    io.bind_input(tempcache_slots_name(i), self._resident(cache, i))
+                    io.bind_input(tempcache_slots_name(i), cache.resident_slots(i))
             out += [io.output_buffer(tempcache_io(i)[1], kv_shape, np.float32) for i in range(n)]
         kept = [io.output_buffer(annca_io(i)[1], (rows, cfg.heads, f, cross[0].shape[2]), np.bool_)
                 for i in range(n)] if self.annca is not None else []
@@ -386,15 +238,6 @@ class OrtDiT:
         self.replayed[1] += sum(m.size for m in masks)
         return out
 
-
-    def _resident(self, cache: RingCache, layer: int) -> np.ndarray:
-        """Layer `layer`'s resident slots [B, heads, N] (resident_slots), recomputed only when the cache changed."""
-        state = (id(cache), cache.length, cache.merges[1], layer)
-        held = getattr(self, "_listed", {})
-        if held.get(layer, (None,))[0] != state:
-            held[layer] = (state, resident_slots(cache.counts[layer][:, :, :cache.length]))
-            self._listed = held
-        return held[layer][1]
 
     def _count_cross(self, kept: list[np.ndarray]) -> None:
         """AnnCA's executed pairs: each frame's queries times the prompt tokens it kept (`annca.N` [B, H, F, L]);
@@ -466,8 +309,14 @@ def prompt_rows(cfg: DiTConfig, text: np.ndarray | None, guided: bool, seed: int
 def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
             ) -> Iterator[ChunkResult]:
     """Generate `settings.frames` latent frames chunk by chunk with `model` (OrtDiT or TorchDiT)."""
+    from fastcar_compile.dit.config import check_stream_memory
+
     cfg = model.cfg
     guided = settings.cfg_scale != 1.0
+    sinks = cfg.sink_frames if settings.sink_frames is None else settings.sink_frames
+    window = cfg.window_frames if settings.window_frames is None else settings.window_frames
+    check_stream_memory(cfg, min(settings.frames, sinks + window) if window else settings.frames,
+                        2 if guided else 1, "the DiT")
     cross = model.text_kv(prompt_rows(cfg, text, guided, settings.seed))
     # a backend with its own cache (a compiled graph's ring, the FAST-AR runtime of dit/fastar.py) makes it
     new_cache = getattr(model, "new_cache", FrameCache)
@@ -476,7 +325,12 @@ def rollout(model, settings: StreamSettings, text: np.ndarray | None = None,
                       cfg.window_frames if settings.window_frames is None else settings.window_frames)
     rng = np.random.default_rng(settings.seed)
     for start in range(0, settings.frames, cfg.chunk_frames):
-        yield generate_chunk(model, settings, start, cache, cross, rng)
+        chunk = generate_chunk(model, settings, start, cache, cross, rng)
+        if not np.isfinite(chunk.frames).all():  # a blank video is not a result
+            raise FastCarError(f"the stream's frames {start}-{start + chunk.frames.shape[1] - 1} hold NaN or infinity "
+                               f"(CFG scale {settings.cfg_scale:g}, the prompt's values or the weights overflow "
+                               "float32); lower --cfg or check the prompt and weights")
+        yield chunk
 
 
 def generate_chunk(model, settings: StreamSettings, start: int, cache, cross: list[np.ndarray],
@@ -492,15 +346,16 @@ def generate_chunk(model, settings: StreamSettings, start: int, cache, cross: li
     past = cache.past(rows, cfg.heads, cfg.head_dim)
     x = rng.standard_normal(shape).astype(np.float32)
     x0 = x
-    for i, t in enumerate(settings.steps):
-        v = model.step(np.repeat(x, rows, 0), np.full((rows, f), t, np.float32), start, past, cross)[0]
-        v = v[:1] + settings.cfg_scale * (v[:1] - v[1:]) if guided else v
-        sigma = t / 1000.0
-        x0 = x - sigma * v
-        if i + 1 < len(settings.steps):
-            nxt = settings.steps[i + 1] / 1000.0
-            x = ((1 - nxt) * x0 + nxt * rng.standard_normal(shape)).astype(np.float32)
-    x0 = x0.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by rollout, in one line
+        for i, t in enumerate(settings.steps):
+            v = model.step(np.repeat(x, rows, 0), np.full((rows, f), t, np.float32), start, past, cross)[0]
+            v = v[:1] + settings.cfg_scale * (v[:1] - v[1:]) if guided else v
+            sigma = t / 1000.0
+            x0 = x - sigma * v
+            if i + 1 < len(settings.steps):
+                nxt = settings.steps[i + 1] / 1000.0
+                x = ((1 - nxt) * x0 + nxt * rng.standard_normal(shape)).astype(np.float32)
+        x0 = x0.astype(np.float32)
     out = model.step(np.repeat(x0, rows, 0), np.zeros((rows, f), np.float32), start, past, cross)
     cache.write(start, out[1:])
     return ChunkResult(start, x0[0], time.perf_counter() - t0, cache.resident, cache.nbytes)

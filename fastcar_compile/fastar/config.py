@@ -4,37 +4,39 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from fastcar_compile.core import options
 from fastcar_compile.core.contract import BucketRecord
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.core.limits import INT8_DIRS
-from fastcar_compile.core.options import EVICTION_POLICIES
-from fastcar_compile.fastar.buckets import Buckets
-from fastcar_compile.fastar.int8 import Int8Buckets
-from fastcar_compile.fastar.lsh import SignLSH
+from fastcar_compile.core.limits import INT8_DIRS, MAX_ANN_TABLES, MAX_LSH_BITS
+from fastcar_compile.fastar import int8, lsh  # noqa: F401 - their bucketings register themselves (buckets.KINDS)
+from fastcar_compile.fastar.buckets import KINDS, Buckets
 
 CORRESPONDENCE = ("aligned", "aligned+top1")
 
 
 def make_hasher(kind: str, dim: int, bits: int, dirs: int, tables: int, seed: int) -> Buckets:
-    """'lsh' (sign bits) or 'quant' (int8-quantised directions): the reference bucketings, one definition for
-    every runtime that buckets DiT keys (the eager one in PyTorch, the compiled one's cache writes in NumPy)."""
-    return SignLSH(dim, bits, tables, seed) if kind == "lsh" else Int8Buckets(dim, dirs, tables, seed)
+    """The bucketing registered as `kind` (buckets.KINDS: 'lsh' sign bits, 'int8' int8-quantised directions, ...)
+    drawn from the bucket settings: the reference bucketings, one definition for every runtime that buckets DiT
+    keys (the eager one in PyTorch, the compiled one's cache writes in NumPy)."""
+    return KINDS[kind].from_settings(dim, bits, dirs, tables, seed)
 
 
 def hasher_of(record: BucketRecord, dim: int) -> Buckets:
     """The bucketing a compiled step graph records (contract.BucketRecord): the same seeded projections."""
-    return make_hasher(record.kind, dim, record.lsh_bits, record.quant_dirs, record.ann_tables, record.ann_seed)
+    return make_hasher(record.kind, dim, record.lsh_bits, record.int8_dirs, record.ann_tables, record.ann_seed)
 
 
 def check_buckets(lsh_bits: int | None = None, lsh_tables: int = 1, int8_dirs: int | None = None,
                   int8_tables: int = 1) -> None:
-    """The AnnSA bucket settings' limits: KVCompressConfig's own, and the --sparse-attention reader's (which
-    checks its part before a whole config exists, so the config is then built, and checked, once)."""
-    if lsh_bits is not None and not (1 <= lsh_bits <= 62 and lsh_tables >= 1):
-        raise FastCarError(f"lsh needs 1..62 bits and >= 1 table, got {lsh_bits}x{lsh_tables}")
-    if int8_dirs is not None and not (int8_dirs in INT8_DIRS and int8_tables >= 1):
-        raise FastCarError(f"int8 buckets need {'/'.join(map(str, INT8_DIRS))} directions per table and >= 1 "
-                           f"table, got {int8_dirs}x{int8_tables}")
+    """The AnnSA bucket settings' limits (core/limits.py's, the same for every bucketing of every runtime):
+    KVCompressConfig's own, and the --sparse-attention reader's (which checks its part before a whole config
+    exists, so the config is then built, and checked, once)."""
+    if lsh_bits is not None and not (1 <= lsh_bits <= MAX_LSH_BITS and 1 <= lsh_tables <= MAX_ANN_TABLES):
+        raise FastCarError(f"lsh needs 1..{MAX_LSH_BITS} bits and 1..{MAX_ANN_TABLES} tables, got "
+                           f"{lsh_bits}x{lsh_tables}")
+    if int8_dirs is not None and not (int8_dirs in INT8_DIRS and 1 <= int8_tables <= MAX_ANN_TABLES):
+        raise FastCarError(f"int8 buckets need {'/'.join(map(str, INT8_DIRS))} directions per table and "
+                           f"1..{MAX_ANN_TABLES} tables, got {int8_dirs}x{int8_tables}")
     if int8_dirs is not None and lsh_bits is not None:
         raise FastCarError("choose one AnnSA bucketing: lsh or int8, not both")
 
@@ -73,20 +75,21 @@ class KVCompressConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.sinks < 0 or self.window < 0:
-            raise FastCarError(f"kv sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
+        """Every bound is its compile option's (core/options.py: --kv-budget, --kv-sinks, --kv-window,
+        --tempcache, --kv-eviction, --prune-prompt, the buckets'), whichever way the settings came in (the global
+        flags, a --kv-layer, the Python API, the reference's sweeps)."""
+        o = options.BY_NAME
+        for name, value in (("kv_budget", self.budget), ("kv_sinks", self.sinks), ("kv_window", self.window),
+                            ("tempcache", self.tempcache_sim), ("kv_eviction", self.eviction),
+                            ("prune_prompt", self.prune_prompt)):
+            if value is not None:
+                o[name].check(value)
         if self.budget is not None and self.budget < self.sinks + self.window + 1:
             raise FastCarError(f"kv budget {self.budget} must exceed sinks + window = {self.sinks + self.window}"
                                "; raise --kv-budget or lower --kv-sinks/--kv-window")
-        if self.tempcache_sim is not None and not -1.0 <= self.tempcache_sim <= 1.0:
-            raise FastCarError(f"tempcache similarity must be a cosine in [-1, 1], got {self.tempcache_sim}")
         if self.correspondence not in CORRESPONDENCE:
             raise FastCarError(f"correspondence must be one of {CORRESPONDENCE}, got {self.correspondence!r}")
-        if self.eviction not in EVICTION_POLICIES:
-            raise FastCarError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         check_buckets(self.lsh_bits, self.lsh_tables, self.int8_dirs, self.int8_tables)
-        if self.prune_prompt is not None and not 0.0 <= self.prune_prompt <= 1.0:
-            raise FastCarError(f"prune-prompt threshold must be a softmax weight in [0, 1], got {self.prune_prompt}")
         if self.frame_tokens < 1 or self.video_start < 0:
             raise FastCarError(f"frame_tokens must be >= 1 and video_start >= 0, got {self.frame_tokens}, {self.video_start}")
 

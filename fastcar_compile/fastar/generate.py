@@ -144,7 +144,8 @@ def generate(model, prompt_ids: list[int], new_tokens: int, cfgs: list[KVCompres
     """Greedy: the prompt ids, then `new_tokens` tokens (argmax over ids < vocab_limit), attention on the
     reference. Returns (generated ids [new_tokens], the reference state with per-layer stats)."""
     import torch
-    from tqdm import tqdm
+
+    from fastcar_compile.core.progress import bar
 
     if len(cfgs) != model.config.num_hidden_layers:
         raise FastCarError(f"give one KV config (or None) per layer: {model.config.num_hidden_layers}, got {len(cfgs)}")
@@ -154,7 +155,7 @@ def generate(model, prompt_ids: list[int], new_tokens: int, cfgs: list[KVCompres
     with reference_attention(model, ref), torch.no_grad():
         res = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
         past = res.past_key_values
-        for t in tqdm(range(new_tokens), desc="reference path", disable=not progress, leave=False):
+        for t in bar(range(new_tokens), desc="reference path", enabled=progress, leave=False):
             out[t] = int(res.logits[0, -1, :vocab_limit].argmax())
             if t + 1 == new_tokens:
                 break

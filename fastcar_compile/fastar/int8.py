@@ -20,9 +20,13 @@ from fastcar_compile.fastar.buckets import Buckets
 SCALE = 32.0  # int8 steps per sigma of a projection: +-4 sigma fill the int8 range
 
 
-class Int8Buckets(Buckets):
+class Int8Buckets(Buckets, kind="int8"):
     """`dirs` int8-quantised projections per table, their top 8 / dirs bits packed into one byte (module
     docstring); keys are quantised once when written, so a slot stores one byte per table."""
+
+    @classmethod
+    def from_settings(cls, dim: int, bits: int, dirs: int, tables: int, seed: int) -> Int8Buckets:
+        return cls(dim, dirs, tables, seed)
 
     def __init__(self, dim: int, dirs: int, tables: int, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)

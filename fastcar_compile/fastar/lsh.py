@@ -13,8 +13,12 @@ import numpy as np
 from fastcar_compile.fastar.buckets import Buckets
 
 
-class SignLSH(Buckets):
+class SignLSH(Buckets, kind="lsh"):
     """`bits` sign bits of seeded Gaussian projections per table (SimHash): bucket id = the bits packed."""
+
+    @classmethod
+    def from_settings(cls, dim: int, bits: int, dirs: int, tables: int, seed: int) -> SignLSH:
+        return cls(dim, bits, tables, seed)
 
     def __init__(self, dim: int, bits: int, tables: int, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)

@@ -6,8 +6,8 @@ inserted into that graph (fastcar_compile.torch.rewrite) and the rewritten progr
 model's forward. A transformers causal LM comes back as a model of the same class whose `generate()` just
 works; `to_onnx` lowers the same program to a fast.onnx with the ONNX path's contract.
 
-A chunk-causal video DiT (fastcar_compile.dit.model) takes `apply_dit(model, tempcache="aligned",
-fastcar_tau=...)` instead (fastcar_compile.torch.dit): its modes change what the cache holds.
+A chunk-causal video DiT (fastcar_compile.dit.model) takes `apply_dit(model, tempcache=0.9,
+threshold=...)` instead (fastcar_compile.torch.dit): its modes change what the cache holds.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""TempCache and FastCar on the PyTorch DiT: `fast = fastcar_compile.torch.apply_dit(model, fastcar_tau=0.5,
-tempcache="aligned")`.
+"""TempCache and FastCar on the PyTorch DiT: `fast = fastcar_compile.torch.apply_dit(model, threshold=0.5,
+tempcache=0.9)`.
 
 The DiT step (dit/model.ChunkDiT) takes its cache as tensors; these modes change what the cache is (merged
 slots with a count and a log(count) logit term) and add state across chunks (the replay cache), so the
@@ -16,7 +16,6 @@ and key) held here. The eager stream runtime (dit/fastar.FastARDiT, slot lists) 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,38 +23,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.dit import modes
-from fastcar_compile.dit.fastar import LayerStats, block_inputs, cosine, replay_ffn, temporal_scores, totals
+from fastcar_compile.dit import modes, tempcache
+from fastcar_compile.dit.cache import StreamCache
+from fastcar_compile.dit.fastar import LayerStats, block_inputs, replay_ffn, temporal_scores, totals
 from fastcar_compile.dit.model import ChunkDiT
-from fastcar_compile.dit.stream import kept_frames
 
-SUPPORTED = ("tempcache", "tempcache_sim", "fastcar_tau")  # of dit/modes.DIT_OPTIONS
-TEMPCACHE = ("aligned",)
+SUPPORTED = ("tempcache", "tempcache_match", "threshold")  # of dit/modes.DIT_OPTIONS
+TEMPCACHE = ("aligned",)  # the correspondents it takes (tempcache_match)
 
 
-@dataclass
-class ModeCache:
+class ModeCache(StreamCache):
     """One video's state: per layer the resident slots (key post-RoPE, value, count; count 0 = a dead slot)
     over the resident frames' positions in frame order, the last written frame's pre-RoPE keys (TempCache's
     comparison), and the replay cache (timesteps -> layer -> (FFN output, key) of the last frame)."""
 
-    tokens: int
-    sinks: int
-    window: int
-    frames: list[int] = field(default_factory=list)
-    key: list[torch.Tensor] = field(default_factory=list)  # [B, H, frames * T, d]
-    value: list[torch.Tensor] = field(default_factory=list)
-    count: list[torch.Tensor] = field(default_factory=list)  # [B, H, frames * T] int64
-    last_pre: list[torch.Tensor] = field(default_factory=list)  # [B, H, T, d]
-    replay: dict = field(default_factory=dict)
-    written: int = 0
-    tempcache: str | None = None
-    sim: float = 0.9
-    layers: int = 0
-    stats: list[LayerStats] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.stats = [LayerStats() for _ in range(self.layers)]
+    def __init__(self, tokens: int, sinks: int, window: int, tempcache: float | None = None, layers: int = 0):
+        super().__init__(layers, tokens, sinks, window)
+        self.tempcache = tempcache  # SIM (None: TempCache off)
+        self.frames: list[int] = []
+        self.key: list[torch.Tensor] = []  # [B, H, frames * T, d]
+        self.value: list[torch.Tensor] = []
+        self.count: list[torch.Tensor] = []  # [B, H, frames * T] int64
+        self.last_pre: list[torch.Tensor] = []  # [B, H, T, d]
+        self.replay: dict = {}
+        self.stats = [LayerStats() for _ in range(layers)]
 
     # the stream loop's cache interface (dit/stream.rollout): the module reads its own state
     def past(self, batch: int, heads: int, head_dim: int) -> ModeCache:
@@ -75,44 +66,41 @@ class ModeCache:
         c = self.count[i].to(self.key[i].dtype)
         return torch.where(c > 0, torch.log(c.clamp(min=1)), torch.full_like(c, -math.inf))
 
-    def write(self, first_frame: int, kv: list) -> None:
-        """Write the clean chunk (per layer (key post-RoPE, key pre-RoPE, value) [B, H, F*T, d]) frame by
-        frame: with TempCache a token whose pre-RoPE key's cosine with the aligned token one frame back
-        exceeds SIM merges into that slot (newest key, running mean value, count + 1). Sink frames never
-        merge. Then the frames outside the sinks and the window are dropped."""
+    def per_layer(self, kv: list) -> list[tuple]:
+        return [(k_post, v, k_pre) for k_post, k_pre, v in kv]
+
+    def write_frame(self, frame: int, layers: list[tuple]) -> None:
+        """Append a frame's slots: with TempCache a token whose pre-RoPE key's cosine with the aligned token one
+        frame back exceeds SIM merges into that slot (dit/tempcache.merge_positional: newest key, running mean
+        value, count + 1, the old position dead). Sink frames never merge."""
         T = self.tokens
-        frames = kv[0][0].shape[2] // T
-        for k_post, k_pre, v in kv[len(self.key):]:  # a new video's layers
-            B, H, _, d = k_post.shape
-            self.key.append(k_post.new_zeros(B, H, 0, d))
-            self.value.append(v.new_zeros(B, H, 0, d))
-            self.count.append(torch.zeros(B, H, 0, dtype=torch.int64, device=k_post.device))
-            self.last_pre.append(k_pre.new_zeros(B, H, 0, d))
-        for j in range(frames):
-            f = first_frame + j
-            sl = slice(j * T, (j + 1) * T)
-            merging = bool(self.tempcache) and f - 1 >= self.sinks and self.frames[-1:] == [f - 1]
-            for i, (k_post, k_pre, v) in enumerate(kv):
-                kp, kr, vv = k_post[:, :, sl], k_pre[:, :, sl], v[:, :, sl]
-                cnt = torch.ones(kp.shape[:3], dtype=torch.int64, device=kp.device)
-                st = self.stats[i]
-                if merging:
-                    old_c = self.count[i][:, :, -T:]
-                    merge = (old_c > 0) & (cosine(kr, self.last_pre[i]) > self.sim)
-                    c = old_c.to(vv.dtype)[..., None]
-                    vv = torch.where(merge[..., None], (self.value[i][:, :, -T:] * c + vv) / (c + 1), vv)
-                    cnt = torch.where(merge, old_c + 1, cnt)
-                    self.count[i][:, :, -T:] = torch.where(merge, 0, old_c)  # the slot moves to frame f
-                    st.merges += int(merge.sum())
-                    st.merges_aligned += int(merge.sum())
-                st.written += cnt.numel()
-                self.key[i] = torch.cat([self.key[i], kp], 2)
-                self.value[i] = torch.cat([self.value[i], vv], 2)
-                self.count[i] = torch.cat([self.count[i], cnt], 2)
-                self.last_pre[i] = kr
-            self.frames.append(f)
-        self.written = max(self.written, first_frame + frames)
-        keep = kept_frames(self.written, self.sinks, self.window)
+        merging = self.tempcache is not None and frame - 1 >= self.sinks and self.frames[-1:] == [frame - 1]
+        for i, (kp, vv, kr) in enumerate(layers):
+            if len(self.key) <= i:  # a new video's layer
+                B, H, _, d = kp.shape
+                self.key.append(kp.new_zeros(B, H, 0, d))
+                self.value.append(vv.new_zeros(B, H, 0, d))
+                self.count.append(torch.zeros(B, H, 0, dtype=torch.int64, device=kp.device))
+                self.last_pre.append(kr.new_zeros(B, H, 0, d))
+            cnt = torch.ones(kp.shape[:3], dtype=torch.int64, device=kp.device)
+            st = self.stats[i]
+            if merging:
+                old_c = self.count[i][:, :, -T:]
+                target = tempcache.targets(kr, self.last_pre[i], old_c > 0, self.tempcache)
+                vv, cnt, self.count[i][:, :, -T:] = tempcache.merge_positional(target, self.value[i][:, :, -T:],
+                                                                               old_c, vv)
+                st.merges += int((target >= 0).sum())
+                st.merges_aligned += int((target >= 0).sum())
+            st.written += cnt.numel()
+            self.key[i] = torch.cat([self.key[i], kp], 2)
+            self.value[i] = torch.cat([self.value[i], vv], 2)
+            self.count[i] = torch.cat([self.count[i], cnt], 2)
+            self.last_pre[i] = kr
+        self.frames.append(frame)
+
+    def evict(self, keep: set[int] | None) -> None:
+        """The frames outside the sinks and the window leave; the resident counters."""
+        T = self.tokens
         if keep is not None and any(f not in keep for f in self.frames):
             pos = torch.tensor([p for n, f in enumerate(self.frames) if f in keep for p in range(n * T, (n + 1) * T)],
                                dtype=torch.int64, device=self.key[0].device)
@@ -143,7 +131,7 @@ class FastCarDiT(nn.Module):
     def new_cache(self, layers: int, tokens: int, sinks: int, window: int) -> ModeCache:
         """A new video (also the stream loop's hook: dit/stream.rollout calls it)."""
         s = self.settings
-        self.cache = ModeCache(tokens, sinks, window, tempcache=s.tempcache, sim=s.tempcache_sim, layers=layers)
+        self.cache = ModeCache(tokens, sinks, window, tempcache=s.tempcache, layers=layers)
         return self.cache
 
     def reset(self) -> None:
@@ -172,7 +160,7 @@ class FastCarDiT(nn.Module):
             x, kv = self._block(i, blk, x, e, cos, sin, cross[2 * i], cross[2 * i + 1], frame_start, prev.get(i),
                                 now)
             presents.append(kv)
-        if self.settings.fastcar_tau is not None:
+        if self.settings.threshold is not None:
             c.replay[key] = now
         return m.final(x, t), presents
 
@@ -194,7 +182,7 @@ class FastCarDiT(nn.Module):
         cq = blk.heads_first(blk.norm_cq(blk.cq(blk.norm3(x))))
         x = x + blk.co(F.scaled_dot_product_attention(cq, ck, cv).transpose(1, 2).flatten(2))
         xm = modulate(blk.norm2(x), mod[3], mod[4])
-        tau = self.settings.fastcar_tau
+        tau = self.settings.threshold
         if tau is None:
             ffn = blk.ffn(xm)
         else:
@@ -226,8 +214,8 @@ def apply_dit(model, *, sinks: int | None = None, window: int | None = None, lat
               chunk_frames: int | None = None, **options) -> FastCarDiT:
     """TempCache and/or FastCar on a ChunkDiT or a diffusers `WanTransformer3DModel` (never modified; a diffusers
     transformer is mapped by dit/checkpoints' table onto a ChunkDiT sharing its tensors, for chunk-by-chunk
-    rollout with a KV cache). Options: dit/modes.py's `tempcache` ('aligned'), `tempcache_sim`, `fastcar_tau` (a
-    TAS threshold; None = no replay); all off is the dense model. `sinks` / `window`: frames the cache keeps (the
+    rollout with a KV cache). Options: dit/modes.py's `tempcache` (SIM; None = no merging), `tempcache_match`
+    ('aligned'), `threshold` (a TAS threshold; None = no replay); all off is the dense model. `sinks` / `window`: frames the cache keeps (the
     model config's by default); `latent` (H, W) and `chunk_frames`: the stream's geometry, which a diffusers
     transformer does not hold (Wan2.1-480p's 60x104 and 3 by default)."""
     if type(model).__name__ == "WanTransformer3DModel":
@@ -246,13 +234,15 @@ def apply_dit(model, *, sinks: int | None = None, window: int | None = None, lat
                            f"WanTransformer3DModel, got {type(model).__name__}; for a transformers decoder use "
                            "fastcar_compile.torch.apply")
     bad = sorted(set(options) - set(SUPPORTED))
+    if bad and modes.RENAMED.get(bad[0]) in SUPPORTED:
+        raise FastCarError(f"apply_dit: {bad[0]!r}: renamed: use {modes.RENAMED[bad[0]]}")
     if bad:
         raise FastCarError(f"apply_dit: {bad[0]!r} is not supported on the PyTorch DiT (it takes "
                            f"{', '.join(SUPPORTED)}); the stream's eager runtime runs the other modes")
     s = modes.settings(**options)
-    if s.tempcache is not None and s.tempcache not in TEMPCACHE:
-        raise FastCarError(f"apply_dit: tempcache={s.tempcache!r} is not supported on the PyTorch DiT (only "
-                           f"{', '.join(map(repr, TEMPCACHE))}); the stream's eager runtime runs the ANN match")
+    if s.tempcache_match not in TEMPCACHE:
+        raise FastCarError(f"apply_dit: tempcache_match={s.tempcache_match!r} is not supported on the PyTorch DiT "
+                           f"(only {', '.join(map(repr, TEMPCACHE))}); the stream's eager runtime runs the ANN match")
     cfg = model.cfg
     return FastCarDiT(model, s, cfg.sink_frames if sinks is None else sinks,
                       cfg.window_frames if window is None else window)

@@ -113,9 +113,11 @@ class FastCarDecoder(nn.Module):
         finally:
             self._compile_ctx = old
 
-    def _runnable(self, program: fx.GraphModule) -> nn.Module:
-        """What runs `program` this step: eagerly, its form that updates this decoder's own state in place."""
-        if self._compile_ctx is None:
+    def _runnable(self, program: fx.GraphModule, prefill: bool = False) -> nn.Module:
+        """What runs `program` this step: eagerly, its form that updates this decoder's own state in place; under
+        a torch.compile context the compiled decode step (a prefill runs eagerly: compiling a graph that runs
+        once per video costs more than it saves)."""
+        if self._compile_ctx is None or prefill:
             if not isinstance(program, fx.GraphModule):
                 return program  # e.g. a compiled program put in its place
             entry = self._inplace.get(id(program))
@@ -154,7 +156,12 @@ class FastCarDecoder(nn.Module):
 
     def threshold_tensor(self, threshold=None) -> torch.Tensor:
         tau = self.threshold if threshold is None else threshold
-        t = torch.as_tensor(tau, dtype=torch.float32)
+        try:
+            t = torch.as_tensor(tau, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise FastCarError(f"fastcar_threshold must be a number or one per rewritten layer, got {tau!r}") from None
+        if torch.isnan(t).any():
+            raise FastCarError("fastcar_threshold is NaN; give a number (TAS > threshold replays; +inf never replays)")
         if self.per_layer_threshold:
             t = t.reshape(-1)
             if t.numel() == 1:
@@ -188,6 +195,13 @@ class FastCarDecoder(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, *past, video_start=None, threshold=None,
                 prompt_frames=None):
         """One step; `input_ids` may be inputs_embeds [B, S, hidden] (floating point) instead of ids."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (2, 3) or (
+                input_ids.dim() == 2 and input_ids.dtype.is_floating_point) or (
+                input_ids.dim() == 3 and not input_ids.dtype.is_floating_point):
+            got = f"{input_ids.dtype} [{', '.join(map(str, input_ids.shape))}]" if isinstance(
+                input_ids, torch.Tensor) else type(input_ids).__name__
+            raise FastCarError(f"input_ids must be integer token ids [batch, seq] (or inputs_embeds, floating point "
+                               f"[batch, seq, hidden]), got {got}")
         new_video = past[0].shape[2] == 0
         if new_video or not self.state or self.state[0].shape[0] != input_ids.shape[0]:
             self.reset(input_ids.shape[0], input_ids.device)
@@ -199,7 +213,10 @@ class FastCarDecoder(nn.Module):
             if entry is None or entry[0] is not program:
                 entry = self._decode[id(program)] = (program, self.decode_program(program))
             program = entry[1]
-        program = self._runnable(program)
+        program = self._runnable(program, prefill=new_video)
+        if self._compile_ctx is not None and not new_video:  # one decode graph for every KV length
+            for t in (attention_mask, *past):
+                torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1 if t is attention_mask else 2)
         outs = program(input_ids, attention_mask, position_ids, *past, vs, tau, *self.state)
         n = 1 + self.num_kv
         k = 2 * len(self.layers)
@@ -286,6 +303,10 @@ class FastCarCausalLMMixin:
             input_ids = inputs_embeds  # the program for embeddings is chosen by the dtype (FastCarDecoder)
         if input_ids is None:
             raise FastCarError("the FastCar model needs input_ids or inputs_embeds")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() < 2:
+            shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise FastCarError(f"input_ids must be a tensor [batch, seq] (inputs_embeds [batch, seq, hidden]), got "
+                               f"{shape}")
         batch, seq = input_ids.shape[:2]
         cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
         past_len = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0

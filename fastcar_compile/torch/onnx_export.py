@@ -197,6 +197,9 @@ def to_onnx(decoder, path: str | os.PathLike, *, opset: int = 20, emit_diagnosti
     dec = getattr(decoder, "fastcar", decoder)
     if not isinstance(dec, FastCarDecoder):
         raise FastCarError(f"to_onnx takes a model returned by fastcar_compile.torch.apply, got {type(decoder).__name__}")
+    from fastcar_compile.core.fileio import refuse_special
+
+    refuse_special(path, "to_onnx path")  # a rename would replace a FIFO or device node
     ins, outs = io_names(dec)
     B, S, T, P = Dim.AUTO, Dim.AUTO, Dim.AUTO, Dim.AUTO
     shapes = [{0: B, 1: S}, {0: B, 1: T}, {0: B, 1: S}] + [{0: B, 2: P}] * dec.num_kv + [None, None]

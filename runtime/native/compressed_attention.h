@@ -44,12 +44,31 @@ inline float FastExp(float x) {
 
 
 
+// Which slot leaves a full cache (fastar/cache.py HeadCache._evict, core/options.py EVICTION_POLICIES): each
+// policy's name (the op's `eviction` attribute) and its score (the lowest score leaves), one entry each.
+enum class Eviction { kMass, kOldest, kMean };
+
+inline Eviction EvictionNamed(const std::string& name) {  // (the compiler writes only the names above)
+  if (name == "oldest") return Eviction::kOldest;
+  if (name == "mean") return Eviction::kMean;
+  return Eviction::kMass;
+}
+
+// pos: the slot's latest position; mass: the attention probability it received; count: the tokens it holds
+inline float EvictionScore(Eviction e, int64_t pos, float mass, float count) {
+  switch (e) {
+    case Eviction::kOldest: return static_cast<float>(pos);
+    case Eviction::kMean: return mass / count;
+    default: return mass;
+  }
+}
+
 struct Settings {
   int64_t heads = 1, kv_heads = 1;
   float scale = 1.0f;
   int64_t budget = 0, sinks = 0, window = 0, frame_tokens = 1;
   float tempcache_sim = 2.0f;  // > 1: no merging
-  enum class Eviction { kMass, kOldest, kMean } eviction = Eviction::kMass;  // fastar/cache.py _evict
+  Eviction eviction = Eviction::kMass;
   int64_t lsh_bits = 0, lsh_tables = 0;
   std::vector<float> lsh_planes;  // [tables, bits, D]
   int64_t int8_dirs = 0, int8_tables = 0;  // AnnSA by 8-bit quantised buckets (fastcar_compile/fastar/int8.py)
@@ -430,9 +449,7 @@ static inline void CompressedItem(const CompressedTask& t, int64_t bh) {
         for (int64_t s = 0; s < C; ++s) {
           const int64_t ps = pos(s);
           if (ps < c.sinks || ps > p - c.window) continue;
-          const float score = c.eviction == Settings::Eviction::kOldest ? static_cast<float>(ps)
-                              : c.eviction == Settings::Eviction::kMean ? slots[s * F + kMass] / slots[s * F + kCount]
-                                                                        : slots[s * F + kMass];
+          const float score = EvictionScore(c.eviction, ps, slots[s * F + kMass], slots[s * F + kCount]);
           if (score < best) {
             best = score;
             slot = s;

@@ -404,9 +404,7 @@ struct CompressedAttention {
     cfg.window = AttrOr<int64_t>(ki, "window", 0);
     cfg.frame_tokens = AttrOr<int64_t>(ki, "frame_tokens", 1);
     cfg.tempcache_sim = AttrOr<float>(ki, "tempcache_sim", 2.0f);
-    const std::string eviction = AttrOr<std::string>(ki, "eviction", "mass");
-    cfg.eviction = eviction == "oldest" ? fastcar_attn::Settings::Eviction::kOldest
-                   : eviction == "mean" ? fastcar_attn::Settings::Eviction::kMean : fastcar_attn::Settings::Eviction::kMass;
+    cfg.eviction = fastcar_attn::EvictionNamed(AttrOr<std::string>(ki, "eviction", "mass"));
     cfg.lsh_bits = AttrOr<int64_t>(ki, "lsh_bits", 0);
     cfg.lsh_tables = AttrOr<int64_t>(ki, "lsh_tables", 0);
     if (cfg.lsh_bits > 0) cfg.lsh_planes = ki.GetAttributes<float>("lsh_planes");
