@@ -27,7 +27,7 @@ from fastcar_compile.core.contract import AnnSARecord, DiTConfig
 # vector lanes (`python -m benchmarks attention`: 0.94-1.05 at Wan2.1-1.3B's shape, 4680 queries per head).
 ANNSA_PAIR_COST = 1.05
 # Flop per byte: a core's dense attention throughput over the bandwidth it streams scattered key rows at (the same
-# benchmark where AnnSA is bound by reading the keys, the trained DiT's shape with 128 queries per head: 13-21 over
+# benchmark where AnnSA is bound by reading the keys, the trained DiT's shape with 128 queries per head: 12-22 over
 # 16-200 cached frames, LSH and int8).
 MACHINE_BALANCE = 16.0
 QUANT_IDS = 256  # the int8 bucketing packs 8 bits per table whatever its directions (fastar/int8.py)
