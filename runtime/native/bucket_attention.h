@@ -636,7 +636,9 @@ inline void RunGroup(const Groups& t, int64_t g) {
   RunItem(it);
 }
 
-inline void RunGroups(const Groups& t, int64_t threads) {
+// static: internal linkage for its thread lambda too, so the std::thread instantiations stay out of the library's
+// exported symbols (an older cached library loaded RTLD_GLOBAL would otherwise interpose them).
+static void RunGroups(const Groups& t, int64_t threads) {
   threads = std::max<int64_t>(1, std::min(threads, t.G));
   if (threads == 1) {
     for (int64_t g = 0; g < t.G; ++g) RunGroup(t, g);
