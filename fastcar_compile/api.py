@@ -108,18 +108,20 @@ inspect.__signature__ = declared.signature(inspect, 1)  # the declared options, 
 
 
 def _inspect_dit(loaded: Loaded, options: dict) -> CompileReport:
-    """A DiT step graph's blocks and the plan of a compile with the default options."""
-    given = [o.flag or o.name for k, v in options.items() if (o := declared.BY_NAME[k]).name != "frame_tokens"
-             and o.check(v) != o.check(o.default)]
-    if given:
-        raise FastCarError(f"--inspect plans a video DiT step graph with the default options; leave "
-                           f"{', '.join(given)} out (compile to apply them)")
+    """A DiT step graph's blocks and the plan of a compile with these options (the modes each block would be built
+    with, AnnSA's cost-model verdict included)."""
+    opts = {**options, **declared.check_all({k: v for k, v in options.items() if v is not None})}
     matches = dit_discover.discover(loaded.model)
     report = CompileReport.from_dit_matches(matches)
-    report.plan = dit_plan.plan(matches, contract.DiTModes()).lines()
-    if contract.DIT_CACHE_FORM_KEY in loaded.model.metadata_props:
-        report.notes.append(f"already compiled (cache {loaded.model.metadata_props[contract.DIT_CACHE_FORM_KEY]}): "
-                            "compile the export")
+    props = loaded.model.metadata_props
+    if contract.DIT_CACHE_FORM_KEY in props:
+        report.plan = dit_plan.plan(matches, contract.DiTModes()).lines()
+        report.notes.append(f"already compiled (cache {props[contract.DIT_CACHE_FORM_KEY]}): compile the export")
+        return report
+    cfg = contract.dit_config_of(props, "the step graph")
+    notes, modes = dit_plan.check_options(opts, cfg.tokens_per_frame)
+    report.plan = dit_plan.plan(matches, modes, cfg=cfg, annsa_always=bool(opts.get("annsa_always"))).lines()
+    report.notes.extend(notes)
     return report
 
 

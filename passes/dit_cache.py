@@ -16,7 +16,9 @@ chunk's bytes only). Keys are stored rotated at their absolute positions and att
 keys, so their order in the buffer does not matter. FastCar's FFN replay is passes/dit_replay.py's;
 `--tempcache SIM` adds each slot's log(count) (`past_bias.N`) to the cache's scores and
 outputs the pre-RoPE keys (`present_pre.N.key`) for the runtime's merge at write time (cache.RingCache), with
-the correspondent `--tempcache-match` names (aligned, or the top-1 match in a bucket: dit/tempcache.py);
+the correspondent `--tempcache-match` names (aligned, or the top-1 match in a bucket: dit/tempcache.py); in its
+`slots` form (the native library there) the block's attention is one ai.fastcar SlotAttention node over the
+resident slots the runtime lists per (row, head) (`tempcache_slots.N`), so a position a merge left costs nothing;
 `--annca` keeps, per frame, the prompt tokens sharing a bucket with a query of the frame (passes/dit_annca.py);
 `--annsa lsh|int8` replaces the cache's part by AnnSA's block-sparse attention over buckets (passes/dit_annsa.py).
 FAST-AR's other compressed caches are not compiled for DiT blocks yet: asked for, they are refused in one line.
@@ -31,7 +33,14 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from fastcar_compile.core import contract
-from fastcar_compile.core.contract import ANNSA_NATIVE, PAST_LENGTH, AnnSARecord, tempcache_io
+from fastcar_compile.core.contract import (
+    ANNSA_NATIVE,
+    PAST_LENGTH,
+    TEMPCACHE_SLOTS,
+    AnnSARecord,
+    tempcache_io,
+    tempcache_slots_name,
+)
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.passes import dit_annsa as annsa_graph
 from fastcar_compile.passes.build import Builder, const
@@ -41,10 +50,12 @@ from fastcar_compile.passes.dit_plan import DiTBlockPlan
 
 
 def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: ir.Value, ids,
-                   slot_bias: ir.Value | None = None, annsa: AnnSARecord | None = None) -> list[ir.Node]:
+                   slot_bias: ir.Value | None = None, annsa: AnnSARecord | None = None,
+                   slots: ir.Value | None = None) -> list[ir.Node]:
     """The block's attention over (buffer, chunk) as in the module docstring, plus `slot_bias` [B, heads, C]
     (TempCache's log(count) per slot) on the cache's scores when given; with `annsa` the cache's part is
-    AnnSA's (passes/dit_annsa.py) instead of the whole buffer; returns the new nodes."""
+    AnnSA's (passes/dit_annsa.py) instead of the whole buffer; with `slots` (TempCache's resident slots) one
+    SlotAttention node over them; returns the new nodes."""
     a: SelfAttention = m.attention
     nodes: list[ir.Node] = []
     b = Builder(m.layer, nodes, ids, graph=graph)
@@ -55,6 +66,12 @@ def _rewrite_block(graph: ir.Graph, m: DiTBlockMatch, bias: ir.Value, capacity: 
     q = a.query
     for f in a.key_factors:  # the scale the export applied to the keys, applied to the query instead
         q = b("Mul", [q, f], part="attention")
+    if slots is not None:  # TempCache's slots form: one node over the resident slots (the work follows them)
+        ctx = b(contract.SLOT_ATTENTION, [q, key, value, pkey, pvalue, slots, slot_bias], domain=contract.DOMAIN,
+                part="cache")
+        ir.convenience.replace_all_uses_with(a.context.outputs[0], ctx)
+        graph.insert_before(a.softmax, nodes)
+        return nodes
     if annsa is not None and annsa.annsa_kernel == ANNSA_NATIVE:  # one node: the whole context
         ab = Builder(m.layer, nodes, ids, graph=graph, namespace="annsa")
         ctx = annsa_graph.native_context(ab, graph, m.layer, a, q, key, value, pkey, pvalue, annsa, a.head_dim)
@@ -126,8 +143,10 @@ def rewrite(model: ir.Model, matches: list[DiTBlockMatch], plans: list[DiTBlockP
         annsa_graph.add_dense_input(graph)
     for m, p in zip(matches, plans, strict=True):
         slot_bias = _tempcache_io(graph, m, ids) if p.tempcache is not None else None
-        _rewrite_block(graph, m, bias, capacity, ids, slot_bias, p.annsa)
-    if any(p.annsa is not None and p.annsa.annsa_kernel == ANNSA_NATIVE for p in plans):
+        slots = _slots_input(graph, m) if p.tempcache is not None and p.tempcache_kernel == TEMPCACHE_SLOTS else None
+        _rewrite_block(graph, m, bias, capacity, ids, slot_bias, p.annsa, slots)
+    if any((p.annsa is not None and p.annsa.annsa_kernel == ANNSA_NATIVE) or
+           (p.tempcache is not None and p.tempcache_kernel == TEMPCACHE_SLOTS) for p in plans):
         from fastcar_compile.passes import fastcar_ops
 
         fastcar_ops.add_functions(model, model.opset_imports.get("", 17))  # the op's body: runs without the library
@@ -138,6 +157,14 @@ def rewrite(model: ir.Model, matches: list[DiTBlockMatch], plans: list[DiTBlockP
             v = next(x for x in graph.inputs if x.name == f"past.{i}.{kind}")
             dims = list(v.shape) if v.shape is not None else [None] * 4
             v.shape = ir.Shape([dims[0], dims[1], "capacity", dims[3]])
+
+
+def _slots_input(graph: ir.Graph, m: DiTBlockMatch) -> ir.Value:
+    """Block m's `tempcache_slots.N` input [B, heads, N] int64: the resident slots the runtime lists."""
+    v = ir.Value(name=tempcache_slots_name(m.layer), type=ir.TensorType(ir.DataType.INT64),
+                 shape=ir.Shape(["batch", m.attention.heads, f"resident_{m.layer}"]))
+    graph.inputs.append(v)
+    return v
 
 
 def _tempcache_io(graph: ir.Graph, m: DiTBlockMatch, ids) -> ir.Value:

@@ -14,8 +14,9 @@ import numpy as np
 import onnx_ir as ir
 
 from fastcar_compile.core import contract, options
-from fastcar_compile.core.contract import AnnSARecord, BucketRecord, DiTModes
+from fastcar_compile.core.contract import AnnSARecord, BucketRecord, DiTConfig, DiTModes
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.passes import dit_cost
 from fastcar_compile.passes.context import DiTContext
 from fastcar_compile.passes.dit_discover import DiTBlockMatch
 from fastcar_compile.passes.plan import BlockPlan, KvPlan, Plan
@@ -28,6 +29,8 @@ ANNSA_GRAPH_OP = ("AnnSA: dense over sinks + local frames (Gather), bucket block
                   "batched MatMul), one softmax")
 ANNSA_NATIVE_OP = ("AnnSA: ai.fastcar AnnSAAttention (each query scores its buckets' slots, the dense slots and the "
                    "chunk)")
+TEMPCACHE_SLOTS_OP = ("ai.fastcar SlotAttention over the resident slots the runtime lists (tempcache_slots.N) with "
+                      "log(count) (past_bias.N): merged-away positions cost nothing")
 IN_PLACE_KV = "dense, read in place (the runtime's buffers: sink frames + a ring of window frames)"
 REPLAY_OP = "TAS (scaled query . key one frame back, mean over heads) > tau -> FFN on the other rows only " \
     "(NonZero/Gather/ScatterND), replayed rows chained frame by frame"
@@ -58,14 +61,19 @@ def annca_mode(opts: dict) -> BucketRecord | None:
     return bucket_record(opts.get("annsa") or "lsh", opts) if opts.get("annca") else None
 
 
-def annsa_kernel(opts: dict) -> str:
-    """AnnSA's compiled form: the native op where `--native-attention` is on (default) and the native library
-    builds here, else the ONNX-op graph."""
+def native_forms(opts: dict) -> bool:
+    """Whether the DiT modes compile to their native ops: `--native-attention` on (default) and the native library
+    builds here (else their ONNX-op forms)."""
     if not _given(opts, "native_attention"):
-        return contract.ANNSA_GRAPH
+        return False
     from fastcar_compile.runtime.native import library_path
 
-    return contract.ANNSA_NATIVE if library_path() is not None else contract.ANNSA_GRAPH
+    return library_path() is not None
+
+
+def annsa_kernel(opts: dict) -> str:
+    """AnnSA's compiled form: the native op (native_forms), else the ONNX-op graph."""
+    return contract.ANNSA_NATIVE if native_forms(opts) else contract.ANNSA_GRAPH
 
 
 def annsa_mode(opts: dict) -> AnnSARecord | None:
@@ -98,7 +106,11 @@ def _refuse_foreign(opts: dict) -> None:
 
 def _refuse_unused_settings(opts: dict, modes: DiTModes) -> None:
     """A bucket or AnnSA setting that no mode compiled in reads would change nothing: refused."""
-    annsa_only = ("annsa_local", "native_attention")  # on a DiT, native_attention picks --annsa's form only
+    annsa_only = ("annsa_local", "annsa_always")
+    if "native_attention" in opts and opts["native_attention"] != options.BY_NAME["native_attention"].default and \
+            modes.annsa is None and modes.tempcache is None:  # on a DiT it picks AnnSA's and TempCache's forms
+        raise FastCarError("--native-attention picks the compiled form of --annsa / --tempcache: give one of them "
+                           "with it, or leave --native-attention out")
     for name in (*annsa_only, *BUCKET_SETTINGS):
         used = modes.annsa is not None or (name not in annsa_only and (
             modes.annca is not None or modes.tempcache_buckets is not None))
@@ -123,6 +135,8 @@ def check_options(opts: dict, frame_tokens: int) -> tuple[list[str], DiTModes]:
         raise FastCarError(f"--tempcache-match {match} needs --tempcache SIM (the cosine above which keys merge)")
     modes = DiTModes(tempcache=None if sim is None else float(sim), tempcache_match=None if sim is None else match,
                      tempcache_buckets=None if sim is None or match == "aligned" else bucket_record(match, opts),
+                     tempcache_kernel=None if sim is None else (contract.TEMPCACHE_SLOTS if native_forms(opts) else
+                                                                contract.TEMPCACHE_MASKED),
                      annca=annca_mode(opts), annsa=annsa_mode(opts))
     if modes.annsa is not None and sim is not None:
         raise FastCarError(f"--annsa with --tempcache: {ANNSA_FEATURE} over merged slots is not compiled yet; "
@@ -153,8 +167,10 @@ class DiTBlockPlan(BlockPlan):
     ffn: str = ""
     modulation: str = ""
     annsa: AnnSARecord | None = None
+    annsa_cost: str = ""  # with --annsa: the cost model's verdict (passes/dit_cost.py), also when kept dense
     tempcache: float | None = None
     tempcache_match: str | None = None
+    tempcache_kernel: str | None = None
     annca: BucketRecord | None = None
     replay_tau: float | None = None
 
@@ -165,11 +181,16 @@ class DiTBlockPlan(BlockPlan):
         op = IN_PLACE_OP if a is None else (
             f"{ANNSA_NATIVE_OP if a.annsa_kernel == contract.ANNSA_NATIVE else ANNSA_GRAPH_OP}; {a.kind} buckets x "
             f"{a.ann_tables} tables, {a.annsa_local} local frames")
+        if self.annsa_cost:
+            op = f"{op}; AnnSA {self.annsa_cost}"
         cross = self.cross_attention if self.annca is None else (
             f"{self.cross_attention}; AnnCA ({self.annca.kind} buckets x {self.annca.ann_tables} tables): {ANNCA_OP}")
         kv = KvPlan(IN_PLACE_KV if self.tempcache is None else
                     f"{IN_PLACE_KV}; TempCache {self.tempcache_match} at SIM {self.tempcache:g} (the runtime merges on "
-                    "write, the graph adds log(count) per slot: past_bias.N)")
+                    "write; " + (TEMPCACHE_SLOTS_OP if self.tempcache_kernel == contract.TEMPCACHE_SLOTS else
+                                 "the graph adds log(count) per slot: past_bias.N") + ")")
+        if self.tempcache is not None and self.tempcache_kernel == contract.TEMPCACHE_SLOTS and a is None:
+            op = TEMPCACHE_SLOTS_OP
         replay = "none (--threshold TAU replays FFN rows)" if self.replay_tau is None else \
             f"tau {self.replay_tau:g}: {REPLAY_OP}"
         return [("self attention", self.self_attention), ("attention op", op), ("rotary", self.rotary),
@@ -177,8 +198,24 @@ class DiTBlockPlan(BlockPlan):
                 ("modulation", self.modulation), ("kv", kv), ("replay", replay)]
 
 
-def plan(matches: list[DiTBlockMatch], modes: DiTModes, rewrite: bool = True) -> Plan:
-    """Every block's plan: what discovery found and, for a matched block, the modes compiled into it."""
+def annsa_decision(cfg: DiTConfig, annsa: AnnSARecord | None, always: bool) -> tuple[AnnSARecord | None, str]:
+    """AnnSA as a block compiles it (None: the dense in-place attention) and the verdict to show: the cost model's
+    prediction (passes/dit_cost.py) keeps a block dense where AnnSA would not pay, unless `always`."""
+    if annsa is None:
+        return None, ""
+    cost = dit_cost.predict(cfg, annsa)
+    if cost.pays:
+        return annsa, f"compiled: {cost}"
+    if always:
+        return annsa, f"compiled (--annsa-always) though it does not pay: {cost}"
+    return None, f"kept dense: {cost}, not below 1 (--annsa-always compiles it anyway)"
+
+
+def plan(matches: list[DiTBlockMatch], modes: DiTModes, rewrite: bool = True, cfg: DiTConfig | None = None,
+         annsa_always: bool = False) -> Plan:
+    """Every block's plan: what discovery found and, for a matched block, the modes compiled into it (AnnSA where
+    the cost model says it pays on `cfg`'s shapes, or `annsa_always`)."""
+    annsa, verdict = annsa_decision(cfg, modes.annsa, annsa_always) if cfg is not None else (modes.annsa, "")
     blocks: list[BlockPlan] = []
     for m in matches:
         if not m.ok:
@@ -189,8 +226,8 @@ def plan(matches: list[DiTBlockMatch], modes: DiTModes, rewrite: bool = True) ->
             m.layer, True, rewrite,
             self_attention=f"Concat(past.{m.layer}.*, chunk) -> MatMul -> Softmax -> MatMul, heads {a.heads}x{a.head_dim}",
             rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross, ffn=m.ffn, modulation=m.modulation,
-            annsa=modes.annsa, tempcache=modes.tempcache, tempcache_match=modes.tempcache_match, annca=modes.annca,
-            replay_tau=modes.threshold))
+            annsa=annsa, annsa_cost=verdict, tempcache=modes.tempcache, tempcache_match=modes.tempcache_match,
+            tempcache_kernel=modes.tempcache_kernel, annca=modes.annca, replay_tau=modes.threshold))
     return Plan(tuple(blocks))
 
 
@@ -221,5 +258,10 @@ class DiTPlanPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         refuse_unmatched(self.ctx.matches)
-        self.ctx.plan = plan(self.ctx.matches, self.ctx.modes)
+        ctx = self.ctx
+        ctx.plan = plan(ctx.matches, ctx.modes, cfg=ctx.cfg, annsa_always=bool(ctx.options.get("annsa_always")))
+        blocks = [b for b in ctx.plan.blocks if isinstance(b, DiTBlockPlan) and b.matched]
+        if ctx.modes.annsa is not None and all(b.annsa is None for b in blocks):  # the metadata names what is built
+            ctx.modes = dataclasses.replace(ctx.modes, annsa=None)
+            ctx.notes.append(f"--annsa: every block {blocks[0].annsa_cost}")
         return ir.passes.PassResult(model, modified=False)

@@ -433,6 +433,31 @@ MLPCacheMerge <age_offset: int = 0> (past_mlp_cache, past_mlp_age, rows, replay,
 }}
 """
 
+# The masked-dense bodies' shared parts: the cache's positions (`pos` [S]) with the slicing constants, and the
+# joint softmax of the masked cache scores (`masked`) with the chunk's own, its two halves applied to the values
+_POSITIONS = """\
+  zero1 = Constant <value = int64[1] {0}> ()
+  last = Constant <value = int64[1] {-1}> ()
+  end = Constant <value = int64[1] {9223372036854775807}> ()
+  zero_s = Constant <value = int64 {0}> ()
+  one_s = Constant <value = int64 {1}> ()
+  minus_inf = Constant <value = float {-inf}> ()
+  S_1 = Shape <start = 2, end = 3> (past_key)
+  S = Squeeze (S_1)
+  pos = Range (zero_s, S, one_s)
+"""
+_JOINED = """\
+  k_t = Transpose <perm = [0, 1, 3, 2]> (k)
+  self_scores = MatMul (q, k_t)
+  joined = Concat <axis = -1> (masked, self_scores)
+  probs = Softmax <axis = -1> (joined)
+  p_past = Slice (probs, zero1, S_1, last)
+  p_self = Slice (probs, S_1, end, last)
+  ctx_past = MatMul (p_past, past_value)
+  ctx_self = MatMul (p_self, v)
+  out = Add (ctx_past, ctx_self)
+"""
+
 # AnnSA over a DiT's frame cache (docs/DESIGN.md): masked dense, for an ONNX Runtime without the native kernel
 # (same result; the kernel scores only the selected keys). A bucketed slot is selected where its id equals the
 # query's in some table (key_codes -1: not bucketed, never equal: query ids are >= 0); dense slots always.
@@ -443,16 +468,7 @@ AnnSAAttention (q, k, v, past_key, past_value, dense, query_codes, key_codes, so
   ax1 = Constant <value = int64[1] {{1}}> ()
   ax2 = Constant <value = int64[1] {{2}}> ()
   ax3 = Constant <value = int64[1] {{3}}> ()
-  zero1 = Constant <value = int64[1] {{0}}> ()
-  last = Constant <value = int64[1] {{-1}}> ()
-  end = Constant <value = int64[1] {{9223372036854775807}}> ()
-  zero_s = Constant <value = int64 {{0}}> ()
-  one_s = Constant <value = int64 {{1}}> ()
-  minus_inf = Constant <value = float {{-inf}}> ()
-  S_1 = Shape <start = 2, end = 3> (past_key)
-  S = Squeeze (S_1)
-  pos = Range (zero_s, S, one_s)
-  dense_col = Unsqueeze (dense, ax1)
+{positions}  dense_col = Unsqueeze (dense, ax1)
   at_dense_b = Equal (dense_col, pos)
   at_dense = Cast <to = 1> (at_dense_b)
   dense_f = ReduceSum <keepdims = 0> (at_dense, zero1)
@@ -467,16 +483,30 @@ AnnSAAttention (q, k, v, past_key, past_value, dense, query_codes, key_codes, so
   past_key_t = Transpose <perm = [0, 1, 3, 2]> (past_key)
   past_scores = MatMul (q, past_key_t)
   masked = Where (keep, past_scores, minus_inf)
-  k_t = Transpose <perm = [0, 1, 3, 2]> (k)
-  self_scores = MatMul (q, k_t)
-  joined = Concat <axis = -1> (masked, self_scores)
-  probs = Softmax <axis = -1> (joined)
-  p_past = Slice (probs, zero1, S_1, last)
-  p_self = Slice (probs, S_1, end, last)
-  ctx_past = MatMul (p_past, past_value)
-  ctx_self = MatMul (p_self, v)
-  out = Add (ctx_past, ctx_self)
-}}
+{joined}}}
+"""
+
+# Attention over listed cache slots (docs/DESIGN.md): masked dense, for an ONNX Runtime without the native kernel. A
+# position is attended where some entry of its (row, head)'s `slots` names it (-1 entries name none); its logit
+# takes slot_bias (TempCache's log(count)).
+_SLOT_ATTENTION = """
+<domain: "ai.fastcar", opset_import: ["" : {opset}]>
+SlotAttention (q, k, v, past_key, past_value, slots, slot_bias) => (out) {{
+  ax2 = Constant <value = int64[1] {{2}}> ()
+  ax3 = Constant <value = int64[1] {{3}}> ()
+{positions}  listed = Unsqueeze (slots, ax3)
+  at_b = Equal (listed, pos)
+  at = Cast <to = 1> (at_b)
+  named = ReduceSum <keepdims = 0> (at, ax2)
+  half = Constant <value = float {{0.5}}> ()
+  keep_hs = Greater (named, half)
+  keep = Unsqueeze (keep_hs, ax2)
+  bias = Unsqueeze (slot_bias, ax2)
+  past_key_t = Transpose <perm = [0, 1, 3, 2]> (past_key)
+  raw = MatMul (q, past_key_t)
+  biased = Add (raw, bias)
+  masked = Where (keep, biased, minus_inf)
+{joined}}}
 """
 
 
@@ -488,6 +518,7 @@ OP_TEXTS = {
     contract.SELECT_ROWS: _SELECT_ROWS,
     contract.MLP_CACHE_MERGE: _MLP_CACHE_MERGE,
     contract.ANNSA_ATTENTION: _ANNSA_ATTENTION,
+    contract.SLOT_ATTENTION: _SLOT_ATTENTION,
 }
 
 
@@ -504,7 +535,7 @@ def function_proto(op: str, opset: int, overload: str = "") -> onnx.FunctionProt
     if op == contract.TEMPORAL_GATE:
         return gate_function(next(f for f in contract.GATE_FORMS if f.overload == overload), opset)
     text = OVERLOAD_TEXTS[(op, overload)] if overload else OP_TEXTS[op]
-    proto = onnx.parser.parse_function(text.format(opset=opset))
+    proto = onnx.parser.parse_function(text.format(opset=opset, positions=_POSITIONS, joined=_JOINED))
     proto.overload = overload
     return proto
 

@@ -77,6 +77,38 @@ def test_annsa_attention_matches_brute_force(native: bool, seed: int, T: int, co
     np.testing.assert_allclose(got, _brute(f), rtol=1e-4, atol=1e-5)
 
 
+def _brute_vectorised(f: dict[str, np.ndarray]) -> np.ndarray:
+    """The same definition as _brute, one (row, head) at a time: the selection as a boolean [Q, S] mask."""
+    B, H, Q, D = f["q"].shape
+    S = f["past_key"].shape[2]
+    out = np.zeros((B, H, Q, D), np.float64)
+    dense = np.zeros(S, bool)
+    dense[f["dense"]] = True
+    for b in range(B):
+        for h in range(H):
+            kc, qc = f["key_codes"][b, h], f["query_codes"][b, h]  # [S, T], [Q, T]
+            shared = ((kc[None] == qc[:, None]) & (kc[None] >= 0)).any(-1)  # [Q, S]
+            sel = shared | dense[None]
+            q = f["q"][b, h].astype(np.float64)
+            past = np.where(sel, q @ f["past_key"][b, h].astype(np.float64).T, -np.inf)
+            logits = np.concatenate([past, q @ f["k"][b, h].astype(np.float64).T], 1)
+            w = np.exp(logits - logits.max(1, keepdims=True))
+            vals = np.concatenate([f["past_value"][b, h], f["v"][b, h]]).astype(np.float64)
+            out[b, h] = (w / w.sum(1, keepdims=True)) @ vals
+    return out
+
+
+@pytest.mark.parametrize("seed,Q,D,T,codes", [(10, 70, 20, 3, 3), (11, 9, 37, 2, 5), (12, 133, 64, 1, 2),
+                                              (13, 40, 8, 4, 8), (14, 37, 31, 2, 3)])
+def test_annsa_attention_blocks_at_kernel_sizes(seed: int, Q: int, D: int, T: int, codes: int):
+    """Sizes that exercise the kernel's blocking: query groups of 32, 16 and 8 lanes and their tails, thousands of
+    keys (several key tiles and L2 chunks per block), head sizes off the register blocking, skewed buckets (a few
+    ids, so each bucket holds hundreds of slots and dozens of queries), up to 4 tables (pairs met in an earlier
+    table masked), and group buffers of odd sizes (Q 37, D 31: an 8-lane tail after 16-lane groups)."""
+    f = _case(seed, B=1, H=2, Q=Q, D=D, S=3000, T=T, codes=codes)
+    np.testing.assert_allclose(_session(True).run(None, f)[0], _brute_vectorised(f), rtol=1e-4, atol=1e-5)
+
+
 def test_annsa_attention_without_bucketed_slots():
     """No slot in any bucket (N = 0): dense positions and the chunk only."""
     f = _case(4)

@@ -40,7 +40,7 @@ def _compile(exported: Path, folder: Path, *extra: str) -> Path:
     ((), None, {}),
     (("--lsh-bits", "2", "--ann-tables", "1", "--ann-seed", "5"), 0, {"lsh_bits": 2, "ann_tables": 1, "ann_seed": 5}),
     (("--threshold", "0"), None, {"threshold": 0.0}),
-    (("--annsa", "int8"), None, {"annsa": "int8"}),  # AnnSA's int8 buckets, for AnnCA too
+    (("--annsa", "int8", "--annsa-always"), None, {"annsa": "int8"}),  # AnnSA's int8 buckets, for AnnCA too
 ])
 def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, extra, window, eager_kw, gather,
                                               monkeypatch):

@@ -39,6 +39,9 @@ from fastcar_compile.passes import dit_annsa as annsa_graph  # noqa: E402
 from fastcar_compile.passes.build import Builder  # noqa: E402
 
 CFG = PRESETS["tiny"]
+# tiny (32 queries per head, a 5-frame cache) is too small for AnnSA to pay (passes/dit_cost.py keeps it dense):
+# the tests of the compiled AnnSA compile it anyway
+ALWAYS = ("--annsa-always",)
 
 
 def _kernel_args(kernel: str, monkeypatch) -> list[str]:
@@ -61,7 +64,7 @@ def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tin
     """6 chunks (the ring wrapping at a 2-frame window, the default window, the buffers growing): the compiled
     rollout == the eager runtime's AnnSA with the same buckets within 1e-4, executing the same q.k pairs; in each
     compiled form (the native op, its function body, the ONNX-op graph)."""
-    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", kind, "--ann-tables", tables, "--annsa-local", local,
+    path = compile_cli(dit_tiny_export, tmp_path, *ALWAYS, "--annsa", kind, "--ann-tables", tables, "--annsa-local", local,
                        "--ann-seed", "5", *_kernel_args(kernel, monkeypatch))
     if kernel == "body":
         monkeypatch.setenv("FASTCAR_NATIVE", "0")
@@ -83,7 +86,7 @@ def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tin
 def test_compiled_annsa_with_annca_and_fastcar_equals_the_eager_modes(dit_tiny_export, tmp_path, dit_tiny_eager):
     """AnnSA (int8 buckets) + AnnCA (the same bucketing, as the eager runtime draws it) + FastCar replay, all
     compiled in: the eager runtime with the three modes on within 1e-4 over 5 chunks, the same pair counts."""
-    fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, "--annsa", "int8", "--annca", "--threshold", "0"))
+    fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, *ALWAYS, "--annsa", "int8", "--annca", "--threshold", "0"))
     assert fast.annca.kind == "int8" and fast.tau == 0.0
     fast.self_pairs = [0, 0]
     settings = StreamSettings(frames=10, seed=2)
@@ -97,7 +100,7 @@ def test_compiled_annsa_with_annca_and_fastcar_equals_the_eager_modes(dit_tiny_e
 
 def test_annsa_covering_the_cache_is_the_dense_export(dit_tiny_export, tmp_path):
     """Local frames covering the whole window: every slot attended densely, the dense export's rollout."""
-    fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, "--annsa", "lsh", "--annsa-local", "8"))
+    fast = OrtDiT(compile_cli(dit_tiny_export, tmp_path, *ALWAYS, "--annsa", "lsh", "--annsa-local", "8"))
     settings = StreamSettings(frames=10, seed=4)
     for a, b in zip(rollout(fast, settings), rollout(OrtDiT(dit_tiny_export), settings), strict=True):
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -186,7 +189,7 @@ def test_graph_reads_the_cache_through_gathers_only_and_records_the_mode(dit_tin
     """Block-sparse, not masked: every read of past.N.key|value's values is a Gather / GatherND (the dense slots,
     the bucket blocks; Shape reads its size only), no product over the whole buffer; the mode is in the metadata
     with its settings."""
-    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "int8", "--int8-dirs", "4", "--ann-tables", "3",
+    path = compile_cli(dit_tiny_export, tmp_path, *ALWAYS, "--annsa", "int8", "--int8-dirs", "4", "--ann-tables", "3",
                        "--native-attention", "off")
     m = onnx.load(str(path))
     meta = json.loads({p.key: p.value for p in m.metadata_props}[DIT_MODES_KEY])
@@ -204,7 +207,7 @@ def test_graph_reads_the_cache_through_gathers_only_and_records_the_mode(dit_tin
 def test_native_form_is_one_op_per_block_with_its_function_body(dit_tiny_export, tmp_path, monkeypatch):
     """With the native library (the default): each block's cache is read by one ai.fastcar AnnSAAttention node
     (no softmax over the buffer in ONNX ops), the model ships the op's function body, the metadata says so."""
-    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "lsh", *_kernel_args(ANNSA_NATIVE, monkeypatch))
+    path = compile_cli(dit_tiny_export, tmp_path, *ALWAYS, "--annsa", "lsh", *_kernel_args(ANNSA_NATIVE, monkeypatch))
     m = onnx.load(str(path))
     assert json.loads({p.key: p.value for p in m.metadata_props}[DIT_MODES_KEY])["annsa"]["annsa_kernel"] == ANNSA_NATIVE
     ops = [n for n in m.graph.node if n.op_type == "AnnSAAttention"]
@@ -217,7 +220,7 @@ def test_native_form_is_one_op_per_block_with_its_function_body(dit_tiny_export,
 @pytest.mark.parametrize("args, msg", [
     (["--lsh-bits", "6"], "--lsh-bits is a setting of --annsa / --annca / --tempcache-match lsh|int8: give one"),
     (["--annca", "--annsa-local", "2"], "--annsa-local is a setting of --annsa: give one of them"),
-    (["--native-attention", "off"], "--native-attention is a setting of --annsa: give one of them"),
+    (["--native-attention", "off"], "--native-attention picks the compiled form of --annsa / --tempcache: give one"),
     (["--annsa", "lsh", "--tempcache", "0.9"], "--annsa with --tempcache"),
     (["--annsa", "int8", "--int8-dirs", "3"], "--int8-dirs must be one of 1, 2, 4, 8"),
     (["--annsa", "bogus"], "--annsa"),
@@ -253,7 +256,7 @@ def test_shared_pairs_count_equals_comparing_every_pair(tables):
 
 
 def test_stream_cli_reports_the_compiled_annsa(dit_tiny_export, tmp_path, capsys):
-    path = compile_cli(dit_tiny_export, tmp_path, "--annsa", "lsh")
+    path = compile_cli(dit_tiny_export, tmp_path, *ALWAYS, "--annsa", "lsh")
     capsys.readouterr()
     assert main(["stream", str(path), "--frames", "8", "-o", str(tmp_path / "run")]) == 0
     assert "AnnSA compiled in (lsh buckets x 2 tables, 1 local frames)" in capsys.readouterr().out
@@ -267,7 +270,7 @@ def test_calibrate_replay_with_annsa_equals_the_eager_calibration(dit_tiny_expor
     from fastcar_compile.dit.fastar import calibrate_tau
 
     out = tmp_path / "cal.onnx"
-    assert main([str(dit_tiny_export), "-o", str(out), "--calibrate-replay", "0.4", "--annsa", "int8",
+    assert main([str(dit_tiny_export), "-o", str(out), "--calibrate-replay", "0.4", *ALWAYS, "--annsa", "int8",
                  "--calib-frames", "6"]) == 0
     fast = OrtDiT(out)
     assert fast.annsa.kind == "int8"

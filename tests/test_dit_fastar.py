@@ -182,10 +182,16 @@ def _softmax_out(q, keys, vals, bias):
     return (w / w.sum()) @ vals
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch"])
 @pytest.mark.parametrize("mode", ["lsh", "int8"])
-def test_annsa_matches_numpy_selection(mode):
+def test_annsa_matches_numpy_selection(mode, native, monkeypatch):
     """The chunk's queries over a merged cache: dense over the kept slots and the chunk, bucket matches
-    elsewhere (gathered pairs) == NumPy softmax over exactly that selection, with log(count)."""
+    elsewhere == NumPy softmax over exactly that selection, with log(count); in the native kernel
+    (sparse.native_annsa) and in torch ops (gathered pairs, sparse.bucket_parts)."""
+    if not native:
+        monkeypatch.setattr(sparse, "_NATIVE", {"off": True})
+    elif sparse._native_fn() is None:
+        pytest.skip("native ai.fastcar kernels not built here")
     rng = np.random.default_rng(6)
     T, d, Q, G = 10, 16, 8, 3
     c = SlotCache(G, T, d, 3, 0)

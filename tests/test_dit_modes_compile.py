@@ -19,8 +19,16 @@ onnx = pytest.importorskip("onnx")
 from dit_modes_helpers import compile_cli  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
-from fastcar_compile.core.contract import DIT_MODES_KEY, replay_io  # noqa: E402
+from fastcar_compile.core.contract import (  # noqa: E402
+    DIT_MODES_KEY,
+    TEMPCACHE_MASKED,
+    TEMPCACHE_SLOTS,
+    replay_io,
+    tempcache_io,
+    tempcache_slots_name,
+)
 from fastcar_compile.dit import modes  # noqa: E402
+from fastcar_compile.dit.cache import resident_slots  # noqa: E402
 from fastcar_compile.dit.config import PRESETS  # noqa: E402
 from fastcar_compile.dit.fastar import FastARDiT  # noqa: E402
 from fastcar_compile.dit.stream import OrtDiT, StreamSettings, rollout  # noqa: E402
@@ -62,7 +70,7 @@ def test_replay_cache_is_graph_io_and_the_ffn_reads_gathered_rows(dit_tiny_expor
     m = onnx.load(str(path))
     meta = {p.key: p.value for p in m.metadata_props}
     assert json.loads(meta[DIT_MODES_KEY]) == {"threshold": 0.25, "tempcache": None, "tempcache_match": None,
-                                           "tempcache_buckets": None, "annca": None,
+                                           "tempcache_buckets": None, "tempcache_kernel": None, "annca": None,
                                            "annsa": None}
     ins, outs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
     for i in range(CFG.layers):
@@ -83,13 +91,35 @@ def test_dense_compile_records_no_mode(dit_tiny_export, tmp_path):
     assert fast.tau is None and fast.sim is None and fast.modes.dense
 
 
+def _tempcache_form(form: str, monkeypatch) -> list[str]:
+    """The compile flags for TempCache's `form` ("slots": SlotAttention over the resident slots, the default with
+    the native library; "body": that graph run with the library off, its function body; "masked": the in-place
+    graph over the whole buffer, --native-attention off)."""
+    if form == TEMPCACHE_MASKED:
+        return ["--native-attention", "off"]
+    from fastcar_compile.runtime.native import library_path
+
+    if library_path() is None:
+        pytest.skip("native ai.fastcar kernels not built here")
+    return []
+
+
+@pytest.mark.parametrize("form", [TEMPCACHE_SLOTS, TEMPCACHE_MASKED, "body"])
 @pytest.mark.parametrize("sim, tau, window", [("0.3", "inf", None), ("0.3", "inf", 0), ("0.2", "0", 2),
                                               ("0.3", "0", None)])
-def test_compiled_tempcache_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, sim, tau, window):
+def test_compiled_tempcache_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, sim, tau, window, form,
+                                                  monkeypatch):
     """6 chunks (the ring wrapping, or the buffers growing): TempCache compiled in (alone, or with FastCar)
-    == the eager runtime's TempCache 'aligned' at the same SIM within 1e-4, with the same merges."""
-    fast = OrtDiT(_compile(dit_tiny_export, tmp_path, tau, "--tempcache", sim))
+    == the eager runtime's TempCache 'aligned' at the same SIM within 1e-4, with the same merges; in each form
+    (SlotAttention over the resident slots, its function body, the masked in-place graph)."""
+    path = _compile(dit_tiny_export, tmp_path, tau, "--tempcache", sim, *_tempcache_form(form, monkeypatch))
+    if form == "body":
+        monkeypatch.setenv("FASTCAR_NATIVE", "0")
+    fast = OrtDiT(path)
     assert fast.sim == float(sim) and fast.modes.threshold == (None if tau == "inf" else float(tau))
+    slot_ops = [n for n in onnx.load(str(path)).graph.node if n.op_type == "SlotAttention"]
+    assert fast.modes.tempcache_kernel == (TEMPCACHE_MASKED if form == TEMPCACHE_MASKED else TEMPCACHE_SLOTS)
+    assert len(slot_ops) == (0 if form == TEMPCACHE_MASKED else CFG.layers)
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
     kw = {"tempcache": float(sim)} | ({} if tau == "inf" else {"threshold": 0.0})
     ref = FastARDiT(dit_tiny_eager, modes.settings(**kw))
@@ -108,6 +138,30 @@ def test_tempcache_merging_nothing_is_the_dense_export(dit_tiny_export, tmp_path
     for a, b in zip(rollout(fast, settings), rollout(OrtDiT(dit_tiny_export), settings), strict=True):
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
     assert fast.cache.merges[0] == 0 < fast.cache.merges[1]
+
+
+def test_the_slots_form_reads_the_cache_only_through_slot_attention(dit_tiny_export, tmp_path):
+    """TempCache's slots form: each block's attention is one SlotAttention over past.N.* with the resident slots
+    the runtime lists and log(count); no other node reads the cache buffers' values (the whole buffer is never
+    multiplied; the export's Shape of past.N.key, its batch size, reads the dimensions only)."""
+    path = _compile(dit_tiny_export, tmp_path, "inf", "--tempcache", "0.3", *_tempcache_form(TEMPCACHE_SLOTS, None))
+    g = onnx.load(str(path)).graph
+    for i in range(CFG.layers):
+        readers = {n.op_type for n in g.node if {f"past.{i}.key", f"past.{i}.value"} & set(n.input)}
+        assert readers - {"Shape"} == {"SlotAttention"}
+        (op,) = [n for n in g.node if n.op_type == "SlotAttention" and f"past.{i}.key" in n.input]
+        assert list(op.input[5:]) == [tempcache_slots_name(i), tempcache_io(i)[0]]
+
+
+def test_resident_slots_list_the_live_positions():
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 3, (2, 3, 50)) * (rng.random((2, 3, 50)) < 0.6)
+    got = resident_slots(counts)
+    for b in range(2):
+        for h in range(3):
+            want = [p for p in range(50) if counts[b, h, p] > 0]
+            assert got[b, h].tolist() == want + [-1] * (got.shape[2] - len(want))
+    assert got.shape[2] == max(int((counts[b, h] > 0).sum()) for b in range(2) for h in range(3))
 
 
 def test_ring_merges_match_a_numpy_recount():

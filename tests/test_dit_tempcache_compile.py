@@ -20,7 +20,7 @@ onnx = pytest.importorskip("onnx")
 from dit_modes_helpers import compile_cli, not_a_dit, refusal  # noqa: E402
 
 from fastcar_compile.cli import main  # noqa: E402
-from fastcar_compile.core.contract import DIT_MODES_KEY  # noqa: E402
+from fastcar_compile.core.contract import DIT_MODES_KEY, TEMPCACHE_MASKED, TEMPCACHE_SLOTS  # noqa: E402
 from fastcar_compile.core.errors import FastCarError  # noqa: E402
 from fastcar_compile.dit import modes, tempcache  # noqa: E402
 from fastcar_compile.dit.cache import RingCache  # noqa: E402
@@ -34,6 +34,13 @@ from fastcar_compile.fastar.int8 import Int8Buckets  # noqa: E402
 from fastcar_compile.fastar.lsh import SignLSH  # noqa: E402
 
 CFG = PRESETS["tiny"]
+
+
+def _kernel() -> str:
+    """TempCache's compiled form by default: SlotAttention over the resident slots where the native library builds."""
+    from fastcar_compile.runtime.native import library_path
+
+    return TEMPCACHE_SLOTS if library_path() is not None else TEMPCACHE_MASKED
 
 
 def _compile(exported: Path, folder: Path, match: str, sim: str, tau: str = "inf") -> Path:
@@ -210,8 +217,8 @@ def test_metadata_records_the_match_and_the_runtime_reads_it(dit_tiny_export, tm
     buckets = {"kind": "int8"} | {n: modes.BY_NAME[n].default for n in ("lsh_bits", "int8_dirs", "ann_tables",
                                                                           "ann_seed")}
     assert json.loads(meta[DIT_MODES_KEY]) == {"threshold": None, "tempcache": 0.3, "tempcache_match": "int8",
-                                           "tempcache_buckets": buckets, "annca": None,
-                                           "annsa": None}
+                                           "tempcache_buckets": buckets, "tempcache_kernel": _kernel(),
+                                           "annca": None, "annsa": None}
     fast = OrtDiT(path)
     assert isinstance(fast.hasher, Int8Buckets) and (fast.hasher.dirs, fast.hasher.tables) == (2, 2)
     assert isinstance(OrtDiT(_compile(dit_tiny_export, tmp_path, "lsh", "0.3")).hasher, SignLSH)

@@ -170,8 +170,11 @@ GROUP_QUERY_ATTENTION = "GroupQueryAttention"
 SELECT_ROWS, MLP_CACHE_MERGE = "SelectRows", "MLPCacheMerge"
 # AnnSA over a DiT's frame cache, each query scoring only its buckets' slots (passes/dit_annsa.py; body: masked dense)
 ANNSA_ATTENTION = "AnnSAAttention"
+# Attention over listed cache slots with a per-slot bias (TempCache's resident slots and log(count)): the work follows
+# the slots listed, not the buffer's size (runtime/native/slot_attention.h; body: masked dense)
+SLOT_ATTENTION = "SlotAttention"
 OP_NAMES = (TEMPORAL_GATE, MLP_CACHE_READ, MLP_CACHE_UPDATE, COMPRESSED_ATTENTION, GROUP_QUERY_ATTENTION,
-            SELECT_ROWS, MLP_CACHE_MERGE, ANNSA_ATTENTION)
+            SELECT_ROWS, MLP_CACHE_MERGE, ANNSA_ATTENTION, SLOT_ATTENTION)
 
 # TemporalGate's inputs and outputs in order; a form uses the first four outputs (seven when packed, eight when it
 # selects rows) and the inputs it names (the rest are left empty).
@@ -260,6 +263,7 @@ OP_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     SELECT_ROWS: (),
     MLP_CACHE_MERGE: ("age_offset",),
     ANNSA_ATTENTION: (),
+    SLOT_ATTENTION: (),
 }
 
 # --- TAS variants and node tags -------------------------------------------------------------------------------
@@ -680,6 +684,19 @@ def tempcache_io(layer: int) -> tuple[str, str]:
     return f"past_bias.{layer}", f"present_pre.{layer}.key"
 
 
+def tempcache_slots_name(layer: int) -> str:
+    """Block `layer`'s resident slots input in TempCache's `slots` form [B, heads, N] int64: the cache positions
+    holding a slot per (row, head), -1 after them (what SlotAttention attends; merged-away positions are not listed)."""
+    return f"tempcache_slots.{layer}"
+
+
+# TempCache's compiled forms: "slots" = ai.fastcar SlotAttention over the resident slots the runtime lists (work
+# follows the resident keys), "masked" = the in-place form over the whole buffer with log(count) added (-inf on
+# the positions merges left), for an ONNX Runtime without the native library
+TEMPCACHE_SLOTS, TEMPCACHE_MASKED = "slots", "masked"
+TEMPCACHE_KERNELS = (TEMPCACHE_SLOTS, TEMPCACHE_MASKED)
+
+
 def tas_name(layer: int) -> str:
     """Block `layer`'s TAS output [B, S] (FastCar compiled in): what `--calibrate-replay` reads."""
     return f"tas.{layer}"
@@ -801,12 +818,14 @@ class DiTModes:
     threshold: FastCar's tau (FFN replay, passes/dit_replay.py), None = off; tempcache: TempCache's SIM (the runtime
     merges at cache-write time, the graph adds each slot's log(count)), None = off; tempcache_match: its
     correspondent (TEMPCACHE_MATCHES; None when off) and tempcache_buckets: the bucketing of a top-1 match;
+    tempcache_kernel: its compiled form (TEMPCACHE_KERNELS; None when off: a record without it is `masked`);
     annca: AnnCA's bucketing (passes/dit_annca.py); annsa: AnnSA's (passes/dit_annsa.py)."""
 
     threshold: float | None = None
     tempcache: float | None = None
     tempcache_match: str | None = None
     tempcache_buckets: BucketRecord | None = None
+    tempcache_kernel: str | None = None
     annca: BucketRecord | None = None
     annsa: AnnSARecord | None = None
 
@@ -836,10 +855,15 @@ class DiTModes:
         sim = _float_or_none(where, "tempcache", d.get("tempcache"), -1.0, 1.0)
         if match is not None:
             _choice(where, "tempcache_match", match, TEMPCACHE_MATCHES)
+        kernel = d.get("tempcache_kernel")
+        if kernel is not None:
+            _choice(where, "tempcache_kernel", kernel, TEMPCACHE_KERNELS)
+        elif sim is not None:
+            kernel = TEMPCACHE_MASKED
         buckets = d.get("tempcache_buckets")
         return cls(
             threshold=_float_or_none(where, "threshold", d.get("threshold"), -FLOAT32_LIMIT, FLOAT32_LIMIT),
-            tempcache=sim, tempcache_match=match,
+            tempcache=sim, tempcache_match=match, tempcache_kernel=kernel,
             tempcache_buckets=None if buckets is None else BucketRecord.from_dict(buckets, f"{where} tempcache_buckets"),
             annca=None if d.get("annca") is None else BucketRecord.from_dict(d["annca"], f"{where} annca"),
             annsa=None if d.get("annsa") is None else AnnSARecord.from_dict(d["annsa"], f"{where} annsa"))

@@ -140,6 +140,7 @@ class RingCache(StreamCache):
         # FastCar compiled in: per denoising step (the chunk's timesteps), the replay cache the last chunk left
         # (per layer its last frame's FFN output and key), fed back as past_replay.N.* at the same step
         self.replay: dict[tuple, list[np.ndarray]] = {}
+        self._listed: dict[int, tuple[tuple[int, int], np.ndarray]] = {}  # layer -> (cache state, resident_slots)
 
     def _allocate(self, rows: int, heads: int, head_dim: int) -> None:
         if not self.buffers:
@@ -232,6 +233,14 @@ class RingCache(StreamCache):
         dense = self.layers * self.counts[0][:, :, :1].size * self.tokens * len(self.slot_frame)
         return sum(int((c[:, :, :self.length] > 0).sum()) for c in self.counts) / dense
 
+    def resident_slots(self, layer: int) -> np.ndarray:
+        """Layer `layer`'s resident slots [B, heads, N] (resident_slots), listed again only after a write."""
+        state = (self.length, self.merges[1])  # every write with TempCache counts its tokens in merges[1]
+        held = self._listed.get(layer)
+        if held is None or held[0] != state:
+            held = self._listed[layer] = (state, resident_slots(self.counts[layer][:, :, :self.length]))
+        return held[1]
+
     def past(self, batch: int, heads: int, head_dim: int) -> RingCache:
         self._allocate(batch, heads, head_dim)
         return self  # the compiled step reads the buffers themselves
@@ -239,3 +248,12 @@ class RingCache(StreamCache):
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
+
+
+def resident_slots(counts: np.ndarray) -> np.ndarray:
+    """[B, heads, N] int64: per (row, head) the positions whose count is > 0 (a slot lives there), ascending,
+    then -1; N = the most any (row, head) holds (at least 1). What TempCache's `slots` form attends."""
+    live = counts > 0
+    n = max(int(live.sum(-1).max(initial=0)), 1)
+    order = np.argsort(~live, axis=-1, kind="stable")[..., :n]
+    return np.where(np.take_along_axis(live, order, -1), order, -1).astype(np.int64)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fastcar_compile.dit import sparse, tempcache
+from fastcar_compile.dit.annsa_index import shared_pairs
 from fastcar_compile.dit.cache import FrameCache, StreamCache, kept_frames
 from fastcar_compile.dit.model import apply_rope
 from fastcar_compile.dit.stream import TorchDiT
@@ -230,6 +231,14 @@ def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotC
         out = F.scaled_dot_product_attention(q[None], torch.cat([cache.k_post, k], 1)[None],
                                              torch.cat([cache.v, v], 1)[None], attn_mask=mask)[0]
         return out, {"executed": G * Q * Q + Q * int(cache.live.sum())}
+    if keep is not None and not diag and cache.count.shape[1]:  # AnnSA in the native kernel, where it runs
+        kept = keep & cache.live
+        qcodes = sparse.codes(hasher, q)
+        kcodes = torch.where((cache.live & ~kept)[..., None], cache.codes, torch.full_like(cache.codes, -1))
+        out = sparse.native_annsa(q * d ** -0.5, k, v, cache.k_post, cache.v, bias, kept, qcodes, kcodes)
+        if out is not None:
+            return out, {"executed": G * Q * Q + Q * int(kept.sum()) + shared_pairs(qcodes[None].numpy(),
+                                                                                     kcodes[None].numpy())}
     parts = [sparse.dense_part(q, k, v)]
     executed = G * Q * Q
     if cache.count.shape[1] == 0:

@@ -11,6 +11,7 @@ Bucket codes come from the NumPy hashers of fastcar_compile.fastar (one definiti
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -159,3 +160,44 @@ def bucket_parts(q: torch.Tensor, q_group: torch.Tensor, q_codes: torch.Tensor, 
         mm[idx], ss[idx], oo[idx] = m[rows], e.sum(-1)[rows], (e @ v[kc])[rows]
     return [Part(mm[t * nq:(t + 1) * nq], ss[t * nq:(t + 1) * nq], oo[t * nq:(t + 1) * nq]) for t in range(tables)], \
         executed
+
+
+_NATIVE: dict[str, object] = {}  # "fn": the C entry point, or "off": why not (looked up once per process)
+
+
+def _native_fn():
+    """FastcarAnnSAGroups of the native ai.fastcar library (runtime/native/bucket_attention.h), None without it."""
+    if "fn" not in _NATIVE and "off" not in _NATIVE:
+        from fastcar_compile.runtime.native import library_path
+
+        lib = library_path()
+        if lib is None:
+            _NATIVE["off"] = True
+        else:
+            fn = ctypes.CDLL(str(lib)).FastcarAnnSAGroups
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6
+            _NATIVE["fn"] = fn
+    return _NATIVE.get("fn")
+
+
+def native_annsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                 bias: torch.Tensor, dense: torch.Tensor, q_codes: torch.Tensor, k_codes: torch.Tensor
+                 ) -> torch.Tensor | None:
+    """AnnSA in the native kernel (each bucket's queries x its slots as dense blocks), or None where it cannot run
+    (no native library, or tensors off the CPU). Per group g: query i of q [G, Q, d] (scaled) attends to the chunk's
+    k, v [G, Q, d], to the slots p of past_k / past_v [G, S, d] with dense[g, p] and to the slots sharing a bucket
+    id with it in some table (k_codes [G, S, T] >= 0, q_codes [G, Q, T]); a slot's logit takes bias[g, p] (-inf: no
+    slot). The same attention as dense_part + bucket_parts + combine."""
+    fn = _native_fn()
+    if fn is None or any(t.device.type != "cpu" for t in (q, past_k)):
+        return None
+    G, Q, d = q.shape
+    S, T = past_k.shape[1], q_codes.shape[-1]
+    ts = [q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), past_k.float().contiguous(),
+          past_v.float().contiguous(), bias.float().contiguous(), dense.to(torch.uint8).contiguous(),
+          q_codes.long().contiguous(), k_codes.long().contiguous()]
+    out = torch.empty(G, Q, d)
+    if fn(*(t.data_ptr() for t in ts), out.data_ptr(), G, Q, d, S, T, torch.get_num_threads()) != 0:
+        raise RuntimeError("the native AnnSA kernel failed")
+    return out

@@ -31,6 +31,7 @@ from fastcar_compile.core.contract import (
     DIT_TEXT_GRAPH_KEY,
     PAST_LENGTH,
     REPLAY_FIRST,
+    TEMPCACHE_SLOTS,
     TEXT_INPUT,
     DiTConfig,
     DiTModes,
@@ -43,6 +44,7 @@ from fastcar_compile.core.contract import (
     step_io,
     tas_name,
     tempcache_io,
+    tempcache_slots_name,
 )
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.dit.cache import FrameCache, RingCache
@@ -91,8 +93,11 @@ class OrtDiT:
             raise FastCarError(f"{step_path}: its prompt graph {text_path} is missing; export both again")
         self.text_path = text_path
         self.modes = DiTModes.from_json(meta.get(DIT_MODES_KEY), f"{step_path}'s {DIT_MODES_KEY}")  # compiled in
-        # the native library only for AnnSA's op (None: the op's function body runs: same result, slower)
-        native = None if self.modes.annsa is not None and self.modes.annsa.annsa_kernel == ANNSA_NATIVE else False
+        # the native library only for AnnSA's op and TempCache's SlotAttention (None: when built; else the op's
+        # function body runs: same result, slower)
+        self.slot_form = self.modes.tempcache_kernel == TEMPCACHE_SLOTS  # TempCache over the listed resident slots
+        native = None if (self.modes.annsa is not None and self.modes.annsa.annsa_kernel == ANNSA_NATIVE) or \
+            self.slot_form else False
         self.sess, self.text_sess = (
             loader.open_session(path, loader.session_options(threads, mem_pattern=True), native=native,
                                 plain_inputs=False)[0]
@@ -109,7 +114,8 @@ class OrtDiT:
                 form = ANNSA_INPUTS[self.annsa.annsa_kernel]
                 ins += [ANNSA_DENSE, *(annsa_io(i)[k] for i in range(self.cfg.layers) for k in form)]
             if self.sim is not None:
-                ins += [tempcache_io(i)[0] for i in range(self.cfg.layers)]
+                ins += [n for i in range(self.cfg.layers)
+                        for n in (tempcache_io(i)[0], *([tempcache_slots_name(i)] if self.slot_form else []))]
             if self.tau is not None:
                 ins += [REPLAY_FIRST, *(n for i in range(self.cfg.layers) for n in replay_io(i)[0])]
             if self.annca is not None:
@@ -193,6 +199,8 @@ class OrtDiT:
         if self.sim is not None:  # log(count) per slot in; the pre-RoPE keys out, after the K/V (RingCache.write)
             for i, bias in enumerate(cache.bias):
                 io.bind_input(tempcache_io(i)[0], bias)
+                if self.slot_form:  # the resident slots SlotAttention reads (listed once per cache state)
+                    io.bind_input(tempcache_slots_name(i), cache.resident_slots(i))
             out += [io.output_buffer(tempcache_io(i)[1], kv_shape, np.float32) for i in range(n)]
         kept = [io.output_buffer(annca_io(i)[1], (rows, cfg.heads, f, cross[0].shape[2]), np.bool_)
                 for i in range(n)] if self.annca is not None else []

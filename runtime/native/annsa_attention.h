@@ -1,12 +1,12 @@
-// ai.fastcar AnnSAAttention: AnnSA over a DiT's frame cache without padding (semantics: docs/DESIGN.md, body:
+// ai.fastcar AnnSAAttention: AnnSA over a DiT's frame cache at its density (semantics: docs/DESIGN.md, body:
 // passes/fastcar_ops.py, compiled by passes/dit_annsa.py).
 //
 // Why native: in ONNX ops the bucketed part is a batched MatMul over key blocks padded to the fullest bucket (one
-// 4-bit LSH bucket can hold nearly every query of a chunk), so most of its products are padding. Here each query
-// walks its own bucket's slots in every table (a run of the table's slots sorted by bucket id: CSR without an
-// offsets array, the run found by binary search) and scores exactly the selected keys, each once. One work item
-// per (row, head) on ORT's intra-op pool; the loops are cloned per x86-64 level (FASTCAR_CLONES, dense_attention.h).
-// Included by fastcar_ops.cc after the ORT headers.
+// 4-bit LSH bucket can hold nearly every query of a chunk), so most of its products are padding. Here the work is
+// bucket_attention.h's dense blocks: per (row, head) every query against the dense slots and the chunk, then per
+// table each bucket's queries against that bucket's slots (a run of the table's slots sorted by bucket id, found by
+// a merge-join with the queries sorted by bucket), each executed pair once, at a dense tile's cost per pair. One
+// work item per (row, head) on ORT's intra-op pool. Included by fastcar_ops.cc after the ORT headers.
 #pragma once
 
 #include <algorithm>
@@ -16,13 +16,11 @@
 #include <string>
 #include <vector>
 
-#include "compressed_attention.h"
+#include "bucket_attention.h"
 
 namespace fastcar_annsa {
 
 using Ort::Custom::Tensor;
-
-using fastcar_attn::Dot;  // compressed_attention.h: q.k with 8 partial sums (vectorised without -ffast-math)
 
 struct Task {
   const float *q, *k, *v, *pk, *pv;
@@ -31,59 +29,14 @@ struct Task {
   int64_t H, Q, D, S, T, N, Nd;
 };
 
-// Work item bh = b * H + h: per query its logits over [dense | chunk | its buckets' slots], softmax, values.
-FASTCAR_CLONES
-static void AnnSAItem(const Task& t, int64_t bh) {
-  const int64_t D = t.D, T = t.T, N = t.N, S = t.S, Q = t.Q, Nd = t.Nd;
-  const float* K = t.pk + bh * S * D;
-  const float* V = t.pv + bh * S * D;
-  const int64_t* kcb = t.kc + bh * S * T;
-  std::vector<float> logit, acc(static_cast<size_t>(D));
-  std::vector<const float*> rows;  // the value row of each logit
-  for (int64_t i = 0; i < Q; ++i) {
-    const float* qi = t.q + (bh * Q + i) * D;
-    const int64_t* qci = t.qc + (bh * Q + i) * T;
-    logit.clear();
-    rows.clear();
-    for (int64_t j = 0; j < Nd; ++j) {
-      logit.push_back(Dot(qi, K + t.dense[j] * D, D));
-      rows.push_back(V + t.dense[j] * D);
-    }
-    for (int64_t j = 0; j < Q; ++j) {
-      logit.push_back(Dot(qi, t.k + (bh * Q + j) * D, D));
-      rows.push_back(t.v + (bh * Q + j) * D);
-    }
-    for (int64_t tb = 0; tb < T; ++tb) {
-      const int64_t* codes = t.sc + (bh * T + tb) * N;
-      const int64_t* slots = t.sl + (bh * T + tb) * N;
-      const auto run = std::equal_range(codes, codes + N, qci[tb]);
-      for (const int64_t* c = run.first; c != run.second; ++c) {
-        const int64_t p = slots[c - codes];
-        bool seen = false;  // met in an earlier table: counted there
-        for (int64_t u = 0; u < tb && !seen; ++u) seen = kcb[p * T + u] == qci[u];
-        if (seen) continue;
-        logit.push_back(Dot(qi, K + p * D, D));
-        rows.push_back(V + p * D);
-      }
-    }
-    // softmax times the values (logit holds >= Q >= 1 entries: the chunk's keys are always there)
-    const float mx = *std::max_element(logit.begin(), logit.end());
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    float sum = 0.0f;
-    for (size_t j = 0; j < logit.size(); ++j) {
-      const float e = std::exp(logit[j] - mx);
-      sum += e;
-      const float* r = rows[j];
-      for (int64_t d = 0; d < D; ++d) acc[d] += e * r[d];
-    }
-    float* oi = t.out + (bh * Q + i) * D;
-    const float inv = 1.0f / sum;
-    for (int64_t d = 0; d < D; ++d) oi[d] = acc[d] * inv;
-  }
-}
-
+// Work item bh = b * H + h: bucket_attention.h's blocks for one (row, head).
 inline void AnnSAThunk(void* task, size_t item) {
-  AnnSAItem(*static_cast<const Task*>(task), static_cast<int64_t>(item));
+  const Task& t = *static_cast<const Task*>(task);
+  const int64_t bh = static_cast<int64_t>(item), Q = t.Q, D = t.D, S = t.S, T = t.T, N = t.N;
+  const fastcar_bucket::AnnSAItem it{t.q + bh * Q * D, t.k + bh * Q * D, t.v + bh * Q * D, t.pk + bh * S * D,
+                                     t.pv + bh * S * D, nullptr, t.dense, t.qc + bh * Q * T, t.kc + bh * S * T,
+                                     t.sc + bh * T * N, t.sl + bh * T * N, t.out + bh * Q * D, Q, D, S, T, N, t.Nd};
+  fastcar_bucket::RunItem(it);
 }
 
 // AnnSAAttention(q [B,H,Q,D] (scaled), k [B,H,Q,D] (the chunk's keys), v [B,H,Q,D], past_key [B,H,S,D],

@@ -313,6 +313,80 @@ inline int64_t FindSlot(const float* slots, int64_t C, int64_t F, int64_t kv) {
   return -1;
 }
 
+// FindSlot, trying first the slot at the token's own index (where it sits when nothing merged or was evicted
+// before it: slots fill in order), then every slot. Exact: a latest position names at most one slot.
+inline int64_t FindSlotFrom(const float* slots, int64_t C, int64_t F, int64_t kv) {
+  if (kv < C && slots[kv * F + kPos] == static_cast<float>(kv + 1)) return kv;
+  return FindSlot(slots, C, F, kv);
+}
+
+// A slot's stored bucket id in table tb, clamped into [0, ids) (ids are whole numbers below ids; the clamp only
+// guards the counting sort against a corrupt record).
+inline int64_t BucketId(const float* slots, int64_t s, int64_t F, int64_t tb, int64_t ids) {
+  const int64_t id = static_cast<int64_t>(slots[s * F + kCodes + tb]);
+  return std::min(std::max<int64_t>(id, 0), ids - 1);
+}
+
+// The first free slot (-1: none). This op never frees a slot (a merge joins one, an eviction reuses one) and takes
+// the first free one, so from a new video's zero state the free slots are always a suffix: found by bisection
+// instead of a pass over every record per token. A state that breaks the suffix (not this op's) gets the scan.
+inline int64_t FirstFree(const float* slots, int64_t C, int64_t F) {
+  int64_t lo = 0, hi = C;  // slots [0, lo) used, [hi, C) free
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (slots[mid * F + kPos] == 0.0f) hi = mid;
+    else lo = mid + 1;
+  }
+  if (lo < C) {  // check the prefix's shape where it is cheap to (its last used slots); the scan if it fails
+    bool ok = true;
+    for (int64_t s = lo - std::min<int64_t>(lo, 64); s < lo && ok; ++s) ok = slots[s * F + kPos] != 0.0f;
+    if (ok) return lo;
+  }  // (a full cache scans: its eviction below passes over every slot anyway)
+  for (int64_t s = 0; s < C; ++s)
+    if (slots[s * F + kPos] == 0.0f) return s;
+  return -1;
+}
+
+// log(count) for a slot's logit; counts are small integers, so a table serves most (std::log per live slot per
+// token showed in decode profiles)
+inline float LogCount(float count) {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 1; i < 256; ++i) t[i] = std::log(static_cast<float>(i));
+    return t;
+  }();
+  const int64_t n = static_cast<int64_t>(count);
+  return n < 256 && static_cast<float>(n) == count ? table[n] : std::log(count);
+}
+
+// One work item's buffers (CompressedItem), per thread, reused across tokens and calls. `runs`: AnnSA's live slots
+// grouped by bucket id per table (a counting sort once per token, so each head gathers its buckets' slots instead
+// of testing every live slot); `stamp`: which live slots a head already selected (one table's match is enough).
+struct ItemBuffers {
+  std::vector<float> w, qcode, bias, pd;
+  std::vector<int64_t> sel, live, pad_queries, always, order, start, fill;
+  std::vector<uint32_t> stamp;
+  uint32_t epoch = 0;
+  GroupBuffers group;
+  void Size(int64_t C, int64_t tables) {
+    const size_t n = static_cast<size_t>(C);
+    if (w.size() < n) {
+      for (auto* v : {&w, &bias}) v->resize(n);
+      for (auto* v : {&sel, &live, &always}) v->resize(n);
+      order.resize(n * static_cast<size_t>(tables));
+      stamp.assign(n, 0);
+      epoch = 0;
+    }
+    if (order.size() < n * static_cast<size_t>(tables)) order.resize(n * static_cast<size_t>(tables));
+    qcode.resize(static_cast<size_t>(tables));
+  }
+};
+
+inline ItemBuffers& ThreadBuffers() {
+  static thread_local ItemBuffers b;
+  return b;
+}
+
 FASTCAR_CLONES
 static inline void CompressedItem(const CompressedTask& t, int64_t bh) {
   const Settings& c = *t.cfg;
@@ -328,18 +402,24 @@ static inline void CompressedItem(const CompressedTask& t, int64_t bh) {
   const int64_t tables = c.CodeTables(), kHit = kCodes + tables;
   const bool prune = c.prune_prompt >= 0.0f;
   const int64_t vs = t.video_start;
-  std::vector<float> w(C), qcode(std::max<int64_t>(tables, 1)), bias(C);
+  // Per-thread buffers, kept across calls: a C-sized allocation per call is an mmap and page faults per decode step
+  // (budgets of thousands of slots), which cost more than the attention over the selected slots.
+  ItemBuffers& buf = ThreadBuffers();
+  buf.Size(C, std::max<int64_t>(tables, 1));
   float* dense = t.dense != nullptr ? t.dense + bh * t.dense_cap * 2 * D : nullptr;
   float* stats = t.stats != nullptr ? t.stats + bh * 4 : nullptr;
-  std::vector<float> pd(dense != nullptr ? t.dense_cap : 0);
+  std::vector<float>& pd = buf.pd;
+  if (dense != nullptr && pd.size() < static_cast<size_t>(t.dense_cap)) pd.resize(static_cast<size_t>(t.dense_cap));
   if (stats != nullptr) std::fill_n(stats, 4, 0.0f);
-  std::vector<int64_t> sel(C), live(C), pad_queries;
-  GroupBuffers block;
+  std::vector<float>&w = buf.w, &qcode = buf.qcode, &bias = buf.bias;
+  std::vector<int64_t>&sel = buf.sel, &live = buf.live, &pad_queries = buf.pad_queries;
+  pad_queries.clear();
+  GroupBuffers& block = buf.group;
   auto pos = [&](int64_t s) { return static_cast<int64_t>(slots[s * F + kPos]) - 1; };
   for (int64_t i = 0; i < sh.S; ++i) {
     const int64_t p = sh.P + i;
     // the slot of token p - L, looked up before token p is written (it may merge there)
-    const int64_t prev = p >= c.frame_tokens ? FindSlot(slots, C, F, p - c.frame_tokens) : -1;
+    const int64_t prev = p >= c.frame_tokens ? FindSlotFrom(slots, C, F, p - c.frame_tokens) : -1;
     if (t.aligned != nullptr) {  // the gate's aligned key (zeros when p - L is not resident)
       float* dst = t.aligned + (bh * sh.S + i) * D;
       if (prev >= 0) std::memcpy(dst, key + prev * D, sizeof(float) * D);
@@ -363,8 +443,7 @@ static inline void CompressedItem(const CompressedTask& t, int64_t bh) {
       for (int64_t d = 0; d < D; ++d) sv[d] = (sv[d] * cnt + vn[d]) / (cnt + 1.0f);
       slots[slot * F + kCount] = cnt + 1.0f;
     } else {
-      for (int64_t s = 0; s < C && slot < 0; ++s)
-        if (slots[s * F + kPos] == 0.0f) slot = s;
+      slot = FirstFree(slots, C, F);
       if (slot < 0) {  // 2. full: evict a slot that is neither a sink nor in the window
         float best = std::numeric_limits<float>::infinity();
         for (int64_t s = 0; s < C; ++s) {
@@ -400,22 +479,54 @@ static inline void CompressedItem(const CompressedTask& t, int64_t bh) {
     // minus (prompt pruning, from video frame 1 on) prefix slots no query of the previous frame hit.
     // The live, visible slots and their log(count) bias are the same for the whole group: gathered once.
     const int64_t frame = p >= vs ? (p - vs) / c.frame_tokens : -1;
+    // AnnSA with one query head per KV head (MHA): that head's selection is made in the same pass (its bucket
+    // ids first), so `live` holds exactly the slots it attends: one pass over the slot records per token
+    const bool fused = tables > 0 && G == 1;
+    if (fused) BucketCodes(c, t.q + ((b * c.heads + hk) * sh.S + i) * D, D, qcode.data());
     int64_t nl = 0;
     for (int64_t s = 0; s < C; ++s) {
       const float* rec = slots + s * F;
-      if (rec[kPos] == 0.0f || m[pos(s)] == 0) continue;
-      if (prune && frame >= 1 && pos(s) < vs && s != slot && rec[kHit] < static_cast<float>(frame)) continue;
+      if (rec[kPos] == 0.0f) continue;
+      const int64_t ps = static_cast<int64_t>(rec[kPos]) - 1;
+      if (m[ps] == 0) continue;
+      if (prune && frame >= 1 && ps < vs && s != slot && rec[kHit] < static_cast<float>(frame)) continue;
+      if (fused) {
+        bool keep = s == slot || ps < c.sinks || ps > p - c.window;
+        for (int64_t tb = 0; tb < tables && !keep; ++tb) keep = rec[kCodes + tb] == qcode[tb];
+        if (!keep) continue;
+      }
       live[nl] = s;
-      bias[nl++] = rec[kCount] > 1.0f ? std::log(rec[kCount]) : 0.0f;  // log(1) = 0 exactly
+      bias[nl++] = rec[kCount] > 1.0f ? LogCount(rec[kCount]) : 0.0f;  // log(1) = 0 exactly
     }
     if (tables == 0 && !prune && G >= 4) {  // every query head attends to the same slots: score them together
       GroupAttend(t, b, hk, i, p, live.data(), bias.data(), nl, key, val, slots, m, dense, stats, pd, block);
       continue;
     }
+    // AnnSA with G >= 4 heads per KV head: the live slots every head keeps (own slot, sinks, window), and per table
+    // the live slots by bucket id (a counting sort once per token), so each head gathers its buckets' slots; with
+    // 2-3 heads each head tests every live slot (one pass each, cheaper than the sort)
+    const bool runs = tables > 0 && G >= 4;
+    int64_t na = 0;
+    const int64_t ids = runs ? (c.lsh_bits > 0 ? int64_t{1} << c.lsh_bits : 256) : 0;
+    if (runs) {
+      buf.start.assign(static_cast<size_t>(tables * (ids + 1)), 0);
+      for (int64_t a = 0; a < nl; ++a) {
+        const int64_t s = live[a];
+        const int64_t ps = pos(s);
+        if (s == slot || ps < c.sinks || ps > p - c.window) buf.always[na++] = a;
+        for (int64_t tb = 0; tb < tables; ++tb) ++buf.start[tb * (ids + 1) + BucketId(slots, s, F, tb, ids) + 1];
+      }
+      for (int64_t tb = 0; tb < tables; ++tb) {
+        int64_t* st = buf.start.data() + tb * (ids + 1);
+        for (int64_t u = 0; u < ids; ++u) st[u + 1] += st[u];
+        buf.fill.assign(st, st + ids);  // the next position in each bucket's run
+        for (int64_t a = 0; a < nl; ++a) buf.order[tb * nl + buf.fill[BucketId(slots, live[a], F, tb, ids)]++] = a;
+      }
+    }
     for (int64_t g = 0; g < G; ++g) {
       const float* qv = t.q + ((b * c.heads + hk * G + g) * sh.S + i) * D;
       int64_t n = 0;
-      if (tables > 0) {
+      if (tables > 0 && !fused && !runs) {
         BucketCodes(c, qv, D, qcode.data());
         for (int64_t a = 0; a < nl; ++a) {
           const int64_t s = live[a];
@@ -427,6 +538,31 @@ static inline void CompressedItem(const CompressedTask& t, int64_t bh) {
             w[n++] = bias[a];
           }
         }
+      } else if (runs) {
+        BucketCodes(c, qv, D, qcode.data());
+        if (++buf.epoch == 0) {  // the stamps wrapped: clear them
+          std::fill(buf.stamp.begin(), buf.stamp.end(), 0u);
+          buf.epoch = 1;
+        }
+        const uint32_t e = buf.epoch;
+        for (int64_t x = 0; x < na; ++x) {
+          const int64_t a = buf.always[x];
+          buf.stamp[a] = e;
+          sel[n] = live[a];
+          w[n++] = bias[a];
+        }
+        for (int64_t tb = 0; tb < tables; ++tb) {
+          const int64_t id = static_cast<int64_t>(qcode[tb]);
+          if (id < 0 || id >= ids) continue;
+          const int64_t* st = buf.start.data() + tb * (ids + 1);
+          for (int64_t r = st[id]; r < st[id + 1]; ++r) {
+            const int64_t a = buf.order[tb * nl + r];
+            if (buf.stamp[a] == e) continue;
+            buf.stamp[a] = e;
+            sel[n] = live[a];
+            w[n++] = bias[a];
+          }
+        }
       } else {
         std::copy_n(live.data(), nl, sel.data());
         std::copy_n(bias.data(), nl, w.data());
@@ -434,6 +570,10 @@ static inline void CompressedItem(const CompressedTask& t, int64_t bh) {
       }
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t a = 0; a < n; ++a) {
+        if (a + 8 < n) {  // AnnSA's selected rows are scattered: fetch ahead (a no-op cost on consecutive ones)
+          __builtin_prefetch(key + sel[a + 8] * D);
+          __builtin_prefetch(val + sel[a + 8] * D);
+        }
         w[a] += Dot(qv, key + sel[a] * D, D) * c.scale;
         mx = std::max(mx, w[a]);
       }

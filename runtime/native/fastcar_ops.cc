@@ -13,6 +13,7 @@
 
 #include "compressed_attention.h"
 #include "annsa_attention.h"
+#include "slot_attention.h"
 #include "group_query_attention.h"
 #include "row_ops.h"
 #include "thread_scratch.h"
@@ -728,6 +729,21 @@ std::vector<std::unique_ptr<GateOp>> g_gates;
 
 }  // namespace
 
+// AnnSA for the eager DiT runtime (dit/sparse.native_annsa, through ctypes: that runtime sits below the torch front
+// end, so it calls this library's kernel rather than a torch op): bucket_attention.h's RunGroups, no ORT involved.
+extern "C" __attribute__((visibility("default"))) int FastcarAnnSAGroups(
+    const float* q, const float* k, const float* v, const float* past_key, const float* past_value, const float* bias,
+    const uint8_t* dense, const int64_t* query_codes, const int64_t* key_codes, float* out, int64_t G, int64_t Q,
+    int64_t D, int64_t S, int64_t T, int64_t threads) {
+  try {
+    fastcar_bucket::RunGroups({q, k, v, past_key, past_value, bias, dense, query_codes, key_codes, out, G, Q, D, S, T},
+                              threads);
+  } catch (...) {
+    return 1;
+  }
+  return 0;
+}
+
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
   if (api == nullptr) api = api_base->GetApi(21);
@@ -746,6 +762,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MLPCacheMerge>("MLPCacheMerge", "CPUExecutionProvider"));
       g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp("AnnSAAttention", "CPUExecutionProvider",
                                                          fastcar_annsa::AnnSAAttention));
+      g_ops.emplace_back(Ort::Custom::CreateLiteCustomOp("SlotAttention", "CPUExecutionProvider",
+                                                         fastcar_slots::SlotAttention));
       for (auto& op : g_ops) g_domain->Add(op.get());
       g_gates.push_back(std::make_unique<GateOp>(&kGate));
       for (const GateSignature& legacy : kLegacyGates) g_gates.push_back(std::make_unique<GateOp>(&legacy));
