@@ -44,7 +44,7 @@ import numpy as np
 from fastcar_compile.core.atomic import atomic_path, write_text
 from fastcar_compile.core.contract import DiTConfig
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.demo import scenes
+from fastcar_compile.demo import scenes, training
 from fastcar_compile.dit.stream import STEPS
 
 # One row per label value of every field, in LABELS order: the prompt's one-hot "embedding" width.
@@ -287,16 +287,11 @@ def save_weights(model, folder: Path) -> None:
 
 
 def new_model_and_optimizer(s: DiTTrainSettings):
-    import torch
 
     from fastcar_compile.dit.model import build
 
     model = build(s.config, seed=s.seed).train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.98))
-    return model, opt
+    return model, training.adamw(model, s.lr, s.weight_decay, betas=(0.9, 0.98))
 
 
 def train_dit(s: DiTTrainSettings, ckpt: Path, log_path: Path, until: int | None = None,
@@ -310,11 +305,7 @@ def train_dit(s: DiTTrainSettings, ckpt: Path, log_path: Path, until: int | None
     torch.set_num_threads(s.threads)
     model, opt = new_model_and_optimizer(s)
     step = 0
-    if ckpt.exists():
-        blob = torch.load(ckpt, weights_only=False)
-        check_resumable(blob["settings"], s, ckpt)
-        model.load_state_dict(blob["model"])
-        opt.load_state_dict(blob["optimizer"])
+    if (blob := training.resume(ckpt, model, opt, lambda saved: check_resumable(saved, s, ckpt))) is not None:
         step = int(blob["step"])
     elif init is not None:
         from fastcar_compile.dit.model import build
@@ -322,11 +313,7 @@ def train_dit(s: DiTTrainSettings, ckpt: Path, log_path: Path, until: int | None
         model.load_state_dict(build(s.config, init).state_dict())
     until = s.steps if until is None else min(until, s.steps)
     held = heldout_batch(s)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-
-    def log(rec: dict) -> None:
-        with open(log_path, "a") as fh:
-            fh.write(json.dumps(rec) + "\n")
+    log = training.jsonl_log(log_path)
 
     log({"event": "start", "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
          "torch_threads": torch.get_num_threads(), "nice": os.nice(0),

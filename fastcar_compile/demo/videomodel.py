@@ -15,7 +15,6 @@ clip costs ~6x an 8x8 one, so the ~3 CPU hours would see ~6x fewer clips, and ge
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -26,7 +25,7 @@ import numpy as np
 
 from fastcar_compile.core.atomic import atomic_path
 from fastcar_compile.core.errors import FastCarError
-from fastcar_compile.demo import condition, scenes
+from fastcar_compile.demo import condition, scenes, training
 from fastcar_compile.demo.model import DemoConfig, build_model
 
 # 6 layers, hidden 256, MLP 8x wide (FastCar skips MLPs: their share of a decode step bounds its speed-up);
@@ -178,29 +177,18 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
 
         model.load_state_dict({k: v.float() for k, v in load_file(s.init).items()})
     model.to(s.device)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    opt = training.adamw(model, s.lr, s.weight_decay)
     ckpt = ckpt_dir / "checkpoint.pt"
     step = 0
-    if ckpt.exists():
-        blob = torch.load(ckpt, weights_only=False)
-        check_resumable(blob["settings"], s, ckpt)
-        model.load_state_dict(blob["model"])
-        opt.load_state_dict(blob["optimizer"])  # moments follow the parameters' device
+    if (blob := training.resume(ckpt, model, opt, lambda saved: check_resumable(saved, s, ckpt))) is not None:
         step = int(blob["step"])
         torch.set_rng_state(blob["torch_rng"])
     until = s.steps if until is None else until
     L = tok.tokens_per_frame
     held = torch.from_numpy(heldout_sequences(tok, s)).to(s.device)
     batches = batches or (lambda k: batch_for_step(tok, s, k))
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     params = sum(p.numel() for p in model.parameters())
-
-    def log(rec: dict) -> None:
-        with open(log_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    log = training.jsonl_log(log_path)
 
     log({"event": "start", "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
          "torch_threads": torch.get_num_threads(), "nice": os.nice(0), "params": params,

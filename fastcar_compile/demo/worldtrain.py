@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fastcar_compile.core.atomic import atomic_path
 from fastcar_compile.core.errors import FastCarError
+from fastcar_compile.demo import training
 from fastcar_compile.demo.worldmodel import (
     WorldTrainSettings,
     accuracy_by_label,
@@ -76,26 +77,15 @@ def train_world_model(s: WorldTrainSettings, tok, ckpt_dir: Path, log_path: Path
     torch.manual_seed(s.data.seed)
     model = build_world_model(s.config, s.circuit, seed=s.data.seed)
     model.set_attn_implementation("sdpa")
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    opt = training.adamw(model, s.lr, s.weight_decay)
     ckpt = ckpt_dir / "checkpoint.pt"
     step = 0
-    if ckpt.exists():
-        blob = torch.load(ckpt, weights_only=False)
-        check_resumable(blob["settings"], s, ckpt)
-        model.load_state_dict(blob["model"])
-        opt.load_state_dict(blob["optimizer"])
+    if (blob := training.resume(ckpt, model, opt, lambda saved: check_resumable(saved, s, ckpt))) is not None:
         step = int(blob["step"])
         torch.set_rng_state(blob["torch_rng"])
     until = s.steps if until is None else until
     held = heldout_batch(tok, s.data, s.eval_paths)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-
-    def log(rec: dict) -> None:
-        with open(log_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    log = training.jsonl_log(log_path)
 
     log({"event": "start", "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
          "torch_threads": torch.get_num_threads(), "nice": os.nice(0),
