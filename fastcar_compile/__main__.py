@@ -4,5 +4,8 @@ declares (the command line is the top layer; the package root, which the API sha
 import sys
 from importlib.metadata import entry_points
 
-(script,) = entry_points(group="console_scripts", name="fastcar-compile")
-sys.exit(script.load()())
+scripts = entry_points(group="console_scripts", name="fastcar-compile")
+if not scripts:
+    sys.exit("fastcar-compile: error: the package is not installed (no console script); run "
+             "`python3 -m pip install -c constraints.txt -e .` in the repository")
+sys.exit(next(iter(scripts)).load()())

@@ -304,13 +304,12 @@ def train_dit(s: DiTTrainSettings, ckpt: Path, log_path: Path, until: int | None
 
     torch.set_num_threads(s.threads)
     model, opt = new_model_and_optimizer(s)
-    step = 0
-    if (blob := training.resume(ckpt, model, opt, lambda saved: check_resumable(saved, s, ckpt))) is not None:
-        step = int(blob["step"])
-    elif init is not None:
+    resumed = training.resume(ckpt, model, opt, lambda saved: check_resumable(saved, s, ckpt))
+    if resumed is None and init is not None:
         from fastcar_compile.dit.model import build
 
         model.load_state_dict(build(s.config, init).state_dict())
+    step = resumed or 0
     until = s.steps if until is None else min(until, s.steps)
     held = heldout_batch(s)
     log = training.jsonl_log(log_path)

@@ -19,9 +19,10 @@ def adamw(model, lr: float, weight_decay: float, betas: tuple[float, float] = (0
                               {"params": rest, "weight_decay": 0.0}], lr=lr, betas=betas)
 
 
-def resume(ckpt: Path, model, opt, check: Callable[[dict], None]) -> dict | None:
-    """Load the checkpoint `ckpt` into model and optimizer once `check` accepted the settings it records (it
-    raises a one-line error otherwise); its dict (step, RNG state, ...), or None when there is no checkpoint."""
+def resume(ckpt: Path, model, opt, check: Callable[[dict], None]) -> int | None:
+    """Load the checkpoint `ckpt` into model and optimizer (and torch's RNG, when it recorded one) once `check`
+    accepted the settings it records (it raises a one-line error otherwise); the step it reached, or None when
+    there is no checkpoint."""
     import torch
 
     if not ckpt.exists():
@@ -30,7 +31,9 @@ def resume(ckpt: Path, model, opt, check: Callable[[dict], None]) -> dict | None
     check(blob["settings"])
     model.load_state_dict(blob["model"])
     opt.load_state_dict(blob["optimizer"])  # moments follow the parameters' device
-    return blob
+    if "torch_rng" in blob:
+        torch.set_rng_state(blob["torch_rng"])
+    return int(blob["step"])
 
 
 def jsonl_log(path: Path) -> Callable[[dict], None]:

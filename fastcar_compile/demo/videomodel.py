@@ -179,10 +179,7 @@ def train_video_model(s: VideoTrainSettings, tok, ckpt_dir: Path, log_path: Path
     model.to(s.device)
     opt = training.adamw(model, s.lr, s.weight_decay)
     ckpt = ckpt_dir / "checkpoint.pt"
-    step = 0
-    if (blob := training.resume(ckpt, model, opt, lambda saved: check_resumable(saved, s, ckpt))) is not None:
-        step = int(blob["step"])
-        torch.set_rng_state(blob["torch_rng"])
+    step = training.resume(ckpt, model, opt, lambda saved: check_resumable(saved, s, ckpt)) or 0
     until = s.steps if until is None else until
     L = tok.tokens_per_frame
     held = torch.from_numpy(heldout_sequences(tok, s)).to(s.device)

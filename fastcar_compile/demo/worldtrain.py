@@ -79,10 +79,7 @@ def train_world_model(s: WorldTrainSettings, tok, ckpt_dir: Path, log_path: Path
     model.set_attn_implementation("sdpa")
     opt = training.adamw(model, s.lr, s.weight_decay)
     ckpt = ckpt_dir / "checkpoint.pt"
-    step = 0
-    if (blob := training.resume(ckpt, model, opt, lambda saved: check_resumable(saved, s, ckpt))) is not None:
-        step = int(blob["step"])
-        torch.set_rng_state(blob["torch_rng"])
+    step = training.resume(ckpt, model, opt, lambda saved: check_resumable(saved, s, ckpt)) or 0
     until = s.steps if until is None else until
     held = heldout_batch(tok, s.data, s.eval_paths)
     log = training.jsonl_log(log_path)
