@@ -134,13 +134,13 @@ class CostModel:
             w_slot = np.where(w_on, self.weight_bytes, 0.0)
             wbytes = w_slot.sum(axis=1)
         dram_slot = n_eff * dram_row
-        dram = dram_slot.sum(axis=1) + wbytes
         sram = n_eff * sram_row + w_slot
-        # whole cycles: a transfer ends on the first clock edge after its last byte (see ``BoardConfig.dram_rate``)
+        # whole cycles: a transfer ends on the first clock edge after its last byte (see ``BoardConfig.dram_terms``)
         slot_t = np.maximum(compute, np.ceil(sram / bd.sram_bytes_per_cycle))
         core_max = slot_t.max(axis=1)
-        rate = bd.dram_rate
-        dram_t = np.ceil(dram * rate.denominator / rate.numerator)
+        w_mul, o_mul, div = bd.dram_terms  # the weight stream and the rest at their own rates, in whole cycles
+        held = wbytes.astype(np.int64) * w_mul + dram_slot.sum(axis=1).astype(np.int64) * o_mul
+        dram_t = (-(-held // div)).astype(np.float64)
         active_b = (n_eff > 0).any(axis=1)
         lat = bd.issue_latency
         if bd.double_buffering:

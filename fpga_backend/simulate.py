@@ -5,11 +5,12 @@ stream). For one bundle, with n_c the rows core c runs after dispatch:
 
     compute_c = n_c * array passes of its instruction      (GEMM: ceil(m/cols) * ceil(k/rows) * n)
     sram_c    = ceil(n_c * on-chip bytes / sram_bytes_per_cycle)
-    dram      = ceil((per-row bytes of all slots + weight stream bytes) / (peak * efficiency per cycle))
+    dram      = ceil(weight stream bytes / (peak * stream efficiency per cycle)
+                   + per-row bytes of all slots / (peak * efficiency per cycle))
     time      = max(max_c max(compute_c, sram_c), dram) + issue_latency      (double buffering)
               = max_c max(compute_c, sram_c) + dram + issue_latency         (without)
 
-Every term is a whole number of cycles (the DRAM rate is the exact fraction ``BoardConfig.dram_rate``), so the
+Every term is a whole number of cycles (the DRAM rates are the exact fractions ``BoardConfig.dram_terms``), so the
 RTL of the dispatcher (`fpga_backend/rtl/`) reproduces the count cycle for cycle. A bundle whose slots were all
 dropped costs nothing (a NOP slot has no rows). Weight streams: ``broadcast`` fetches a tile once
 for every core (saved only when every row of the batch skips), ``per_core`` fetches one copy per core with

@@ -78,8 +78,8 @@ def draw() -> bytes:
     box(ax, 12.3, 6.0, 4.0, 3.3, "Cores 0..C-1  (latency models)", ["[fcar_datapath_model]", "MAC array: rows x passes",
                                                                       "vector unit / SFU lanes", "SRAM port bytes/cycle",
                                                                       "issue latency", "-> done, busy"], DATAPATH)
-    box(ax, 12.3, 2.6, 4.0, 2.6, "DRAM stream", ["per-row bytes + weight tiles", "(broadcast or per core)",
-                                                  "DRAM_NUM / DRAM_DEN bytes a cycle", "-> done"], DATAPATH)
+    box(ax, 12.3, 2.6, 4.0, 2.6, "DRAM stream", ["weight tiles (broadcast or per core)",
+                                                  "at the stream rate, per-row bytes", "at the mixed rate", "-> done"], DATAPATH)
     box(ax, 12.3, 0.4, 4.0, 1.6, "Replay cache (DRAM)", ["cached MLP outputs per", "layer, row, frame slot"], MEMORY)
     # arrows
     arrow(ax, (2.3, 8.2), (2.9, 8.2), "file")

@@ -54,6 +54,9 @@ def test_board_fits_its_data_sheet(name):
     assert board.dram_gbps == pytest.approx(sheet.memory_gbps, rel=1e-12)
     per_cycle = sheet.memory_gbps * 1e9 * board.dram_efficiency / (board.clock_mhz * 1e6)
     assert board.dram_bytes_per_cycle == pytest.approx(per_cycle, rel=1e-12)
+    stream = sheet.memory_gbps * 1e9 * board.dram_stream_efficiency / (board.clock_mhz * 1e6)
+    assert board.dram_stream_bytes_per_cycle == pytest.approx(stream, rel=1e-12)
+    assert board.dram_efficiency <= board.dram_stream_efficiency  # a sequential stream is never the slower class
 
 
 def test_u55c_derived_figures():

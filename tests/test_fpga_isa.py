@@ -156,7 +156,8 @@ def test_board_overrides_and_hashes(tmp_path):
     assert b.config_hash() != PRESETS["u280"].config_hash()
     assert len({p.structural_hash() for p in PRESETS.values()}) == len(PRESETS)
     for content, msg in [({"cores": 0}, "positive"), ({"nope": 1}, "unknown fields"), ({"cores": 2.5}, "integer"),
-                         ({"dram_efficiency": 1.5}, r"\(0, 1\]"), ({"cores": 64}, "<= 32")]:
+                         ({"dram_efficiency": 1.5}, r"\(0, 1\]"), ({"cores": 64}, "<= 32"),
+                         ({"dram_stream_efficiency": 1.5}, r"dram_stream_efficiency must be in \(0, 1\]")]:
         f.write_text(json.dumps(content))
         with pytest.raises(FastCarError, match=msg):
             load_board("kv260", f)

@@ -49,6 +49,36 @@ def _analytic(spec: ModelSpec, replay: np.ndarray, ctx: int, stream: str, cores:
             "activations": batch * h * dt + batch * v * dt}  # embedding rows in, logits out
 
 
+def _dram_floor(dram_bytes: dict[str, float], board) -> float:
+    """Fewest cycles DRAM needs for these bytes: the weight stream at the stream rate, the rest at the mixed one."""
+    rest = sum(v for k, v in dram_bytes.items() if k != "weights")
+    return dram_bytes["weights"] / board.dram_stream_bytes_per_cycle + rest / board.dram_bytes_per_cycle
+
+
+@pytest.mark.parametrize("board", ["kv260", "u280"])
+def test_dram_cycles_charge_each_traffic_class_at_its_rate(board):
+    """Every DRAM-bound bundle takes issue latency + ceil(W / stream rate + B / mixed rate) cycles, the rates
+    worked out here as exact fractions of the board file's decimals (GB/s x efficiency / MHz)."""
+    import json
+    from fractions import Fraction
+
+    from fastcar_compile.fpga_backend.hwspec import BOARDS_DIR
+
+    raw = json.loads((BOARDS_DIR / f"{board}.json").read_text(), parse_float=Fraction)
+    stream_rate = raw["dram_gbps"] * raw["dram_stream_efficiency"] * 1000 / raw["clock_mhz"]
+    mixed_rate = raw["dram_gbps"] * raw["dram_efficiency"] * 1000 / raw["clock_mhz"]
+    sim = _sim(board, 4)
+    replay = np.zeros((SPEC.layers, 4), bool)
+    replay[0, :2] = True
+    ev = sim.step(replay, CTX, policy="static")
+    bound = np.flatnonzero(ev["bw_bound"])
+    assert len(bound) > 5
+    for i in bound:
+        w, b = Fraction(int(ev["wbytes"][i])), Fraction(int(ev["dram_slot"][i].sum()))
+        want = math.ceil(w / stream_rate + b / mixed_rate) + sim.board.issue_latency
+        assert ev["t"][i] == want, (i, w, b)
+
+
 @pytest.mark.parametrize("board,batch,stream,policy", [
     ("kv260", 1, "broadcast", "static"), ("kv260", 6, "broadcast", "drs"), ("u280", 13, "per_core", "static"),
     ("zcu102", 32, "broadcast", "static"), ("zcu102", 5, "per_core", "static"),
@@ -67,7 +97,7 @@ def test_counters_equal_analytic_totals(board, batch, stream, policy):
     for k in ("weights", "kv", "replay_cache", "activations"):
         assert res.dram_bytes[k] == pytest.approx(want[k], rel=1e-12), k
     # time can never beat the DRAM or the MAC-array floor
-    floor = max(sum(res.dram_bytes.values()) / sim.board.dram_bytes_per_cycle, res.macs / sim.board.macs_per_cycle)
+    floor = max(_dram_floor(res.dram_bytes, sim.board), res.macs / sim.board.macs_per_cycle)
     assert res.cycles >= floor
     np.testing.assert_allclose(res.core_busy + res.core_stall + res.core_idle, res.cycles, rtol=1e-9)
     assert 0 < res.utilisation <= 1
@@ -256,7 +286,7 @@ def test_double_buffering_overlaps_weight_loads_with_compute():
                                   context=CTX)).run(replay, CTX)
     assert on.macs == off.macs and on.dram_bytes == off.dram_bytes
     bd = cfg
-    both_floors = sum(on.dram_bytes.values()) / bd.dram_bytes_per_cycle + on.macs / bd.macs_per_cycle
+    both_floors = _dram_floor(on.dram_bytes, bd) + on.macs / bd.macs_per_cycle
     assert off.cycles >= both_floors > on.cycles
 
 

@@ -3,7 +3,7 @@
 // model (simulate.py), written here in integer logic from the same definitions (costmodel.py is the other
 // implementation), and report done when their part of the bundle is over:
 //   compute = rows x passes       sram_t = ceil(SRAM bytes / SRAM_BPC)       slot = max(compute, sram_t)
-//   dram_t  = ceil(bytes of every slot + weight stream  /  (DRAM_NUM / DRAM_DEN))
+//   dram_t  = ceil((weight stream bytes x DRAM_W_MUL + bytes of every slot x DRAM_O_MUL) / DRAM_DIV)
 //   core own = ISSUE_LATENCY + max(slot, dram_t)   (double buffering; else ISSUE_LATENCY + dram_t + slot)
 //   DRAM     = ISSUE_LATENCY + dram_t
 // The figures are worked out once, at issue; a core is busy in its compute cycles and occupied until its own end.
@@ -114,8 +114,8 @@ module fcar_datapath_model
         wsum = wsum + wb[c];
         if (wb[c] > wmax) wmax = wb[c];
       end
-      total = total + (per_core ? wsum : wmax);
-      dram_t = (total * DRAM_DEN + DRAM_NUM - 64'd1) / DRAM_NUM;
+      total = (per_core ? wsum : wmax) * DRAM_W_MUL + total * DRAM_O_MUL;
+      dram_t = (total + DRAM_DIV - 64'd1) / DRAM_DIV;
       e <= 64'd1;  // the issue cycle was the first of the bundle
       d_act <= |live;
       d_end <= 64'(ISSUE_LATENCY) + dram_t;
