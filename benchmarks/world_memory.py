@@ -19,6 +19,9 @@ frame); mean over paths with a 95% Student-t interval. Speed: the batch's frames
 (5-15% of the video) and the last 10%; cache MiB (the session state) at both points and the process RSS.
 Variants run one after another in one process, so their speeds share the machine's load only roughly; the
 ratios are indicative on a shared machine.
+Long videos (`--speed-frames`, default 1000; off with --quick): the bounded caches (sink + window, all FAST-AR
+modes together, FastCar on them) over the same number of held-out paths that long, FPS at frames 5-15% and the
+last 10% (50-150 and 900-1000), each against the sink + window cache: what a user of a long world pays.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def measure(a) -> dict:
         world_onnx,
     )
     from fastcar_compile.demo.worldvariants import (
+        FASTCAR,
         CacheSettings,
         calibrate_tau,
         frame_windows,
@@ -67,7 +71,17 @@ def measure(a) -> dict:
         print(f"[world-memory] {row['variant']}: revisit {row['revisit']:.3f} far {row['revisit_far']:.3f} new "
               f"{row['new']:.3f} ({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
 
-    rows, _ = run_variants(onnx, tok, paths, variants(c, every=not a.quick), tau, a.window_frames, a.threads, report)
+    chosen = variants(c, every=not a.quick)
+    rows, _ = run_variants(onnx, tok, paths, chosen, tau, a.window_frames, a.threads, report)
+    long_rows = []
+    if a.speed_frames:
+        bounded = {k: v for k, v in variants(c, every=True).items() if k in ("window", "fastar", f"{FASTCAR}+fastar")}
+        long_paths = world.make_paths("eval", a.paths, a.speed_frames, seed=a.seed)
+        long_rows, _ = run_variants(onnx, tok, long_paths, bounded, tau, a.window_frames, a.threads, report)
+        win = next(r for r in long_rows if r["variant"] == "window")
+        for r in long_rows:
+            r["x_window_late"] = r["fps_late"] / win["fps_late"]
+            r["late_over_early"] = r["fps_late"] / r["fps_early"]
     early, late = frame_windows(a.frames)
     wid = weights_id(weights)
     title = (f"token world model {wid}, {a.paths} held-out paths x {a.frames} frames, window {a.window_frames} "
@@ -76,7 +90,9 @@ def measure(a) -> dict:
     return {"title": title, "weights": wid, "paths": a.paths, "frames": a.frames, "frame_tokens": FRAME_TOKENS,
             "window_frames": a.window_frames, "sinks": a.sinks, "fastar_budget": c.budget, "early_frames": list(early),
             "late_frames": list(late), "tau": tau, "tau_replay_calibration": calib_replay, "threads": a.threads,
-            "seed": a.seed, "rss_mib_end": rss_mib(), "rows": rows}
+            "seed": a.seed, "rss_mib_end": rss_mib(), "rows": rows, "speed_frames": a.speed_frames,
+            "speed_windows": [list(w) for w in frame_windows(a.speed_frames)] if a.speed_frames else None,
+            "long_rows": long_rows}
 
 
 def plot(raw: dict, path: Path) -> Path:
@@ -129,16 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weights", help="world.safetensors (its .json beside it; default: the shipped model)")
+    ap.add_argument("--speed-frames", type=int, help="frames of the long-video speed run of the bounded caches "
+                    "(default 1000; --quick: 0, no run)")
     ap.add_argument("--quick", action="store_true", help="24 frames, the variants full, window, all FAST-AR "
-                    "modes, FastCar and shift")
+                    "modes, FastCar and shift, no long-video run")
     ap.add_argument("--out", type=Path, required=True, help="output folder")
     a = ap.parse_args(argv)
     if a.frames is None:
         a.frames = 24 if a.quick else 64
+    if a.speed_frames is None:
+        a.speed_frames = 0 if a.quick else 1000
     from fastcar_compile.core.errors import FastCarError
 
-    if a.paths < 2 or a.frames < 8 or a.window_frames < 1:
-        raise SystemExit("error: need --paths >= 2, --frames >= 8 and --window-frames >= 1")
+    if a.paths < 2 or a.frames < 8 or a.window_frames < 1 or (a.speed_frames and a.speed_frames < 20):
+        raise SystemExit("error: need --paths >= 2, --frames >= 8, --window-frames >= 1 and --speed-frames 0 or "
+                         ">= 20")
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:

@@ -224,7 +224,8 @@ def test_world_memory_bench_tiny(tmp_path) -> None:
     out = tmp_path / "wm"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_memory.py"), "--paths", "2", "--frames", "8",
                         "--window-frames", "1", "--fastar-budget-frames", "2", "--calib-paths", "1",
-                        "--calib-frames", "3", "--quick", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        "--calib-frames", "3", "--quick", "--speed-frames", "20", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     raw = json.loads((out / "world_memory.json").read_text())
@@ -244,6 +245,19 @@ def test_world_memory_bench_tiny(tmp_path) -> None:
     assert rows["full"]["cache_mib_late"] > rows["full"]["cache_mib_early"]  # the full cache grows
     for x in rows.values():
         assert all(0.0 <= x[k] <= 1.0 for k in ("previous", "new") if x[k] == x[k])
+    # the long-video run: the bounded caches over 20 frames, speeds at frames 1-3 and 18-20, caches flat
+    assert raw["speed_windows"] == [[1, 3], [18, 20]]
+    long = {x["variant"]: x for x in raw["long_rows"]}
+    assert set(long) == {"window", "fastar", "fastcar+fastar"}
+    assert long["window"]["x_window_late"] == 1.0
+    for x in long.values():
+        assert x["cache_mib_late"] == x["cache_mib_early"] and x["fps_late"] > 0
+        assert x["late_over_early"] == pytest.approx(x["fps_late"] / x["fps_early"])
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from suites import SUITES
+
+    text = "\n".join(SUITES["world-memory"].sections(raw))
+    assert "x 20 frames" in text and text.count("\n| fastar") == 1
 
 
 @pytest.mark.slow
