@@ -120,7 +120,7 @@ def _inspect_dit(loaded: Loaded, options: dict) -> CompileReport:
         return report
     cfg = contract.dit_config_of(props, "the step graph")
     notes, modes = dit_plan.check_options(opts, cfg.tokens_per_frame)
-    report.plan = dit_plan.plan(matches, modes, cfg=cfg, annsa_always=bool(opts.get("annsa_always"))).lines()
+    report.plan = dit_plan.plan(matches, modes, cfg=cfg, ann_always=bool(opts.get("ann_always"))).lines()
     report.notes.extend(notes)
     return report
 

@@ -8,6 +8,7 @@ where a mode is decided, and `--inspect -v` / `--verbose` print it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,11 +107,14 @@ def _refuse_foreign(opts: dict) -> None:
 
 def _refuse_unused_settings(opts: dict, modes: DiTModes) -> None:
     """A bucket or AnnSA setting that no mode compiled in reads would change nothing: refused."""
-    annsa_only = ("annsa_local", "annsa_always")
+    annsa_only = ("annsa_local",)
     if "native_attention" in opts and opts["native_attention"] != options.BY_NAME["native_attention"].default and \
             modes.annsa is None and modes.tempcache is None:  # on a DiT it picks AnnSA's and TempCache's forms
         raise FastCarError("--native-attention picks the compiled form of --annsa / --tempcache: give one of them "
                            "with it, or leave --native-attention out")
+    if opts.get("ann_always") and modes.annsa is None and modes.annca is None:
+        raise FastCarError("--ann-always is a setting of --annsa / --annca: give one of them with it, or leave "
+                           "--ann-always out")
     for name in (*annsa_only, *BUCKET_SETTINGS):
         used = modes.annsa is not None or (name not in annsa_only and (
             modes.annca is not None or modes.tempcache_buckets is not None))
@@ -172,6 +176,7 @@ class DiTBlockPlan(BlockPlan):
     tempcache_match: str | None = None
     tempcache_kernel: str | None = None
     annca: BucketRecord | None = None
+    annca_cost: str = ""  # with --annca: the cost model's verdict, also when kept dense
     replay_tau: float | None = None
 
     def shown(self) -> list[tuple[str, object]]:
@@ -185,6 +190,8 @@ class DiTBlockPlan(BlockPlan):
             op = f"{op}; AnnSA {self.annsa_cost}"
         cross = self.cross_attention if self.annca is None else (
             f"{self.cross_attention}; AnnCA ({self.annca.kind} buckets x {self.annca.ann_tables} tables): {ANNCA_OP}")
+        if self.annca_cost:
+            cross = f"{cross}; AnnCA {self.annca_cost}"
         kv = KvPlan(IN_PLACE_KV if self.tempcache is None else
                     f"{IN_PLACE_KV}; TempCache {self.tempcache_match} at SIM {self.tempcache:g} (the runtime merges on "
                     "write; " + (TEMPCACHE_SLOTS_OP if self.tempcache_kernel == contract.TEMPCACHE_SLOTS else
@@ -198,24 +205,33 @@ class DiTBlockPlan(BlockPlan):
                 ("modulation", self.modulation), ("kv", kv), ("replay", replay)]
 
 
-def annsa_decision(cfg: DiTConfig, annsa: AnnSARecord | None, always: bool) -> tuple[AnnSARecord | None, str]:
-    """AnnSA as a block compiles it (None: the dense in-place attention) and the verdict to show: the cost model's
-    prediction (passes/dit_cost.py) keeps a block dense where AnnSA would not pay, unless `always`."""
-    if annsa is None:
+def decision(mode: BucketRecord | None, cost: Callable[[], dit_cost.AnnSACost], always: bool,
+             ) -> tuple[BucketRecord | None, str]:
+    """A bucketed attention as a block compiles it (None: the dense attention) and the verdict to show: the cost
+    model's prediction (passes/dit_cost.py) keeps a block dense where it would not pay, unless `always`."""
+    if mode is None:
         return None, ""
-    cost = dit_cost.predict(cfg, annsa)
-    if cost.pays:
-        return annsa, f"compiled: {cost}"
+    c = cost()
+    if c.pays:
+        return mode, f"compiled: {c}"
     if always:
-        return annsa, f"compiled (--annsa-always) though it does not pay: {cost}"
-    return None, f"kept dense: {cost}, not below 1 (--annsa-always compiles it anyway)"
+        return mode, f"compiled (--ann-always) though it does not pay: {c}"
+    return None, f"kept dense: {c}, not below 1 (--ann-always compiles it anyway)"
+
+
+def decisions(cfg: DiTConfig, annsa: AnnSARecord | None, annca: BucketRecord | None, always: bool,
+              ) -> tuple[tuple[AnnSARecord | None, str], tuple[BucketRecord | None, str]]:
+    """AnnSA's and AnnCA's decisions on `cfg`'s blocks: what the compiler emits and the eager runtime runs."""
+    return (decision(annsa, lambda: dit_cost.predict(cfg, annsa), always),
+            decision(annca, lambda: dit_cost.predict_cross(cfg, annca), always))
 
 
 def plan(matches: list[DiTBlockMatch], modes: DiTModes, rewrite: bool = True, cfg: DiTConfig | None = None,
-         annsa_always: bool = False) -> Plan:
-    """Every block's plan: what discovery found and, for a matched block, the modes compiled into it (AnnSA where
-    the cost model says it pays on `cfg`'s shapes, or `annsa_always`)."""
-    annsa, verdict = annsa_decision(cfg, modes.annsa, annsa_always) if cfg is not None else (modes.annsa, "")
+         ann_always: bool = False) -> Plan:
+    """Every block's plan: what discovery found and, for a matched block, the modes compiled into it (AnnSA and
+    AnnCA where the cost model says they pay on `cfg`'s shapes, or `ann_always`)."""
+    (annsa, sa_verdict), (annca, ca_verdict) = decisions(cfg, modes.annsa, modes.annca, ann_always) \
+        if cfg is not None else ((modes.annsa, ""), (modes.annca, ""))
     blocks: list[BlockPlan] = []
     for m in matches:
         if not m.ok:
@@ -226,8 +242,8 @@ def plan(matches: list[DiTBlockMatch], modes: DiTModes, rewrite: bool = True, cf
             m.layer, True, rewrite,
             self_attention=f"Concat(past.{m.layer}.*, chunk) -> MatMul -> Softmax -> MatMul, heads {a.heads}x{a.head_dim}",
             rotary=m.rope, qk_norm=m.qk_norm, cross_attention=m.cross, ffn=m.ffn, modulation=m.modulation,
-            annsa=annsa, annsa_cost=verdict, tempcache=modes.tempcache, tempcache_match=modes.tempcache_match,
-            tempcache_kernel=modes.tempcache_kernel, annca=modes.annca, replay_tau=modes.threshold))
+            annsa=annsa, annsa_cost=sa_verdict, tempcache=modes.tempcache, tempcache_match=modes.tempcache_match,
+            tempcache_kernel=modes.tempcache_kernel, annca=annca, annca_cost=ca_verdict, replay_tau=modes.threshold))
     return Plan(tuple(blocks))
 
 
@@ -259,9 +275,12 @@ class DiTPlanPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         refuse_unmatched(self.ctx.matches)
         ctx = self.ctx
-        ctx.plan = plan(ctx.matches, ctx.modes, cfg=ctx.cfg, annsa_always=bool(ctx.options.get("annsa_always")))
+        ctx.plan = plan(ctx.matches, ctx.modes, cfg=ctx.cfg, ann_always=bool(ctx.options.get("ann_always")))
         blocks = [b for b in ctx.plan.blocks if isinstance(b, DiTBlockPlan) and b.matched]
         if ctx.modes.annsa is not None and all(b.annsa is None for b in blocks):  # the metadata names what is built
             ctx.modes = dataclasses.replace(ctx.modes, annsa=None)
             ctx.notes.append(f"--annsa: every block {blocks[0].annsa_cost}")
+        if ctx.modes.annca is not None and all(b.annca is None for b in blocks):
+            ctx.modes = dataclasses.replace(ctx.modes, annca=None)
+            ctx.notes.append(f"--annca: every block {blocks[0].annca_cost}")
         return ir.passes.PassResult(model, modified=False)

@@ -32,7 +32,7 @@ CFG = PRESETS["tiny"]
 
 
 def _compile(exported: Path, folder: Path, *extra: str) -> Path:
-    return compile_cli(exported, folder, "--annca", *extra)
+    return compile_cli(exported, folder, "--annca", "--ann-always", *extra)
 
 
 @pytest.mark.parametrize("gather", [True, False], ids=["gathered", "masked"])
@@ -40,7 +40,7 @@ def _compile(exported: Path, folder: Path, *extra: str) -> Path:
     ((), None, {}),
     (("--lsh-bits", "2", "--ann-tables", "1", "--ann-seed", "5"), 0, {"lsh_bits": 2, "ann_tables": 1, "ann_seed": 5}),
     (("--threshold", "0"), None, {"threshold": 0.0}),
-    (("--annsa", "int8", "--annsa-always"), None, {"annsa": "int8"}),  # AnnSA's int8 buckets, for AnnCA too
+    (("--annsa", "int8"), None, {"annsa": "int8"}),  # AnnSA's int8 buckets, for AnnCA too
 ])
 def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tiny_eager, extra, window, eager_kw, gather,
                                               monkeypatch):
@@ -53,7 +53,7 @@ def test_compiled_annca_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tin
     fast = OrtDiT(_compile(dit_tiny_export, tmp_path, *extra))
     assert fast.annca.kind == eager_kw.get("annsa", "lsh")  # read back from the metadata
     settings = StreamSettings(frames=10, seed=3, window_frames=window)
-    ref = FastARDiT(dit_tiny_eager, modes.settings(annca=True, **eager_kw))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(annca=True, ann_always=True, **eager_kw))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)

@@ -41,7 +41,7 @@ from fastcar_compile.passes.build import Builder  # noqa: E402
 CFG = PRESETS["tiny"]
 # tiny (32 queries per head, a 5-frame cache) is too small for AnnSA to pay (passes/dit_cost.py keeps it dense):
 # the tests of the compiled AnnSA compile it anyway
-ALWAYS = ("--annsa-always",)
+ALWAYS = ("--ann-always",)
 
 
 def _kernel_args(kernel: str, monkeypatch) -> list[str]:
@@ -75,7 +75,8 @@ def test_compiled_annsa_equals_the_eager_mode(dit_tiny_export, tmp_path, dit_tin
     assert ("AnnSAAttention" in ops) == (kernel != ANNSA_GRAPH)
     fast.self_pairs = [0, 0]
     settings = StreamSettings(frames=12, seed=3, window_frames=window)
-    ref = FastARDiT(dit_tiny_eager, modes.settings(annsa=kind, ann_tables=int(tables), annsa_local=int(local), ann_seed=5))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(annsa=kind, ann_tables=int(tables), annsa_local=int(local), ann_seed=5,
+                                                   ann_always=True))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         assert a.resident == b.resident
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
@@ -90,7 +91,7 @@ def test_compiled_annsa_with_annca_and_fastcar_equals_the_eager_modes(dit_tiny_e
     assert fast.annca.kind == "int8" and fast.tau == 0.0
     fast.self_pairs = [0, 0]
     settings = StreamSettings(frames=10, seed=2)
-    ref = FastARDiT(dit_tiny_eager, modes.settings(annsa="int8", annca=True, threshold=0.0))
+    ref = FastARDiT(dit_tiny_eager, modes.settings(annsa="int8", annca=True, threshold=0.0, ann_always=True))
     for a, b in zip(rollout(fast, settings), rollout(ref, settings), strict=True):
         np.testing.assert_allclose(a.frames, b.frames, atol=1e-4, rtol=0)
     assert fast.self_pairs == [sum(s.sa_executed for s in ref.stats), sum(s.sa_dense for s in ref.stats)]
@@ -274,7 +275,7 @@ def test_calibrate_replay_with_annsa_equals_the_eager_calibration(dit_tiny_expor
                  "--calib-frames", "6"]) == 0
     fast = OrtDiT(out)
     assert fast.annsa.kind == "int8"
-    want = calibrate_tau(dit_tiny_eager, modes.settings(calibrate_replay=0.4, annsa="int8"), StreamSettings(frames=6, seed=0),
+    want = calibrate_tau(dit_tiny_eager, modes.settings(calibrate_replay=0.4, annsa="int8", ann_always=True), StreamSettings(frames=6, seed=0),
                          chunks=3)
     dense = calibrate_tau(dit_tiny_eager, modes.settings(calibrate_replay=0.4), StreamSettings(frames=6, seed=0), chunks=3)
     assert fast.tau == pytest.approx(want, abs=1e-4) and abs(want - dense) > 1e-4

@@ -339,7 +339,7 @@ def test_modes_compress_and_measure(dit_tiny_eager):
     but measured; the merged stream differs from the dense one (the modes act)."""
     settings = StreamSettings(frames=8, seed=1)
     dense = [c.frames for c in rollout(TorchDiT(dit_tiny_eager), settings)]
-    fa = modes.settings(tempcache=0.3, tempcache_match="aligned", annsa="lsh", annca=True, threshold=0.0,
+    fa = modes.settings(tempcache=0.3, tempcache_match="aligned", annsa="lsh", annca=True, threshold=0.0, ann_always=True,
                         diagnostics=True)
     rt = FastARDiT(dit_tiny_eager, fa)
     got = [c.frames for c in rollout(rt, settings)]
@@ -367,7 +367,7 @@ def test_calibrate_replay(dit_tiny_eager):
 def test_stream_cli_records_modes(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["stream", "tiny", "--frames", "6", "-o", str(out), "--tempcache", "0.9", "--tempcache-match", "lsh",
-            "--annsa", "int8", "--annca", "--threshold", "0.5", "--diagnostics"]
+            "--annsa", "int8", "--annca", "--ann-always", "--threshold", "0.5", "--diagnostics"]
     assert main(argv) == 0
     doc = json.loads((out / "stream.json").read_text())
     assert doc["fastar"]["settings"]["tempcache_match"] == "lsh" and doc["fastar"]["settings"]["annsa"] == "int8"

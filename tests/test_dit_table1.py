@@ -36,7 +36,7 @@ def _softmax(x):
 
 def test_density_and_recall_equal_a_numpy_brute_force(monkeypatch):
     model = build(CFG, seed=2)
-    fa = modes.settings(annsa="lsh", annca=True, lsh_bits=2, ann_tables=2, annsa_local=1)
+    fa = modes.settings(annsa="lsh", annca=True, lsh_bits=2, ann_tables=2, annsa_local=1, ann_always=True)
     calls = {"self": [], "cross": []}
     orig_sa, orig_ca = FastARDiT.self_attention, FastARDiT.cross_attention
 

@@ -99,6 +99,9 @@ def main(argv: list[str]) -> int:
     model = _eager_model(a.model, fa, a.threads, a.random_weights) if eager else _ort_model(model_path, a.threads)
     if not eager:
         check_outputs(files, {model.text_path: "the prompt graph"})
+    for name, verdict in getattr(model, "verdicts", {}).items():  # a mode asked for but not run: say why
+        if verdict.startswith("kept dense"):
+            print(f"--{name}: {verdict}")
     text = read_text_embeds(a.text, model.cfg.text_dim) if a.text else None
     settings = StreamSettings(frames=a.frames, seed=a.seed, cfg_scale=a.cfg, sink_frames=a.sink,
                               window_frames=a.window)
@@ -109,7 +112,7 @@ def main(argv: list[str]) -> int:
         print(f"calibrated --threshold {tau:.4g} for replay ratio {fa.calibrate_replay:g} (TAS quantile over the "
               "first two chunks)")
         model.tau = tau
-        model.fa = dataclasses.replace(fa, threshold=tau)  # (the record keeps the ratio it came from)
+        model.fa = dataclasses.replace(model.fa, threshold=tau)  # (the record keeps the ratio it came from)
     if getattr(model, "annsa", None) is not None:  # AnnSA compiled in: count its executed pairs
         model.self_pairs = [0, 0]
     result = run_stream(model, settings, text)
@@ -117,7 +120,8 @@ def main(argv: list[str]) -> int:
         from fastcar_compile.dit.fastar import totals
 
         result["fastar"] = {"mode": modes.label(model.fa), "settings": modes.record(model.fa),
-                            "totals": totals(model.stats), "layers": model.layer_summary()}
+                            "cost_model": model.verdicts, "totals": totals(model.stats),
+                            "layers": model.layer_summary()}
     elif getattr(model, "modes", None) is not None and not model.modes.dense:  # compiled in (the graph's metadata)
         result["compiled_modes"] = {**dataclasses.asdict(model.modes), "replay_ratio": model.replayed[0] / max(model.replayed[1], 1),
                                     "merge_ratio": model.cache.merges[0] / max(model.cache.merges[1], 1),

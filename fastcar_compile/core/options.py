@@ -49,11 +49,11 @@ EVICTION_POLICIES = ("mass", "oldest", "mean")  # which slot leaves a full compr
 TEMPCACHE_MATCHES, BUCKETINGS = contract.TEMPCACHE_MATCHES, contract.BUCKETINGS
 KV_GROUP = "compressed KV cache (FAST-AR, in the fastcar attention op; docs/fastar.md)"
 DIT_GROUP = "FAST-AR on video DiTs (compiled into a step graph, or the stream runtime; docs/dit.md)"
-DIT_ONLY = ("tempcache_match", "annsa", "annsa_local", "annsa_always", "annca", "lsh_bits", "int8_dirs",
+DIT_ONLY = ("tempcache_match", "annsa", "annsa_local", "ann_always", "annca", "lsh_bits", "int8_dirs",
             "ann_tables", "ann_seed")  # options of DiTs alone (step graphs, the stream)
 # Option names (keywords and flags) that were replaced by another one, refused with a line naming it
 RENAMED = {"fastcar_tau": "threshold", "tau": "threshold", "fastcar_ratio": "calibrate_replay",
-           "tempcache_sim": "tempcache", "quant_dirs": "int8_dirs"}
+           "tempcache_sim": "tempcache", "quant_dirs": "int8_dirs", "annsa_always": "ann_always"}
 
 
 class NotANumber(ValueError, argparse.ArgumentTypeError):
@@ -293,9 +293,9 @@ OPTIONS: tuple[Option, ...] = (
            group=DIT_GROUP),
     Option("annsa_local", int, 1, "cached frames before the chunk that AnnSA always attends (default 1)",
            "--annsa-local", metavar="FRAMES", lo=0, hi=contract.MAX_ANNSA_LOCAL, meaning="frames", group=DIT_GROUP),
-    Option("annsa_always", bool, False, "compile AnnSA into every block even where its predicted density does not "
-           "pay (by default such a block keeps the dense attention, and --inspect -v says why)", "--annsa-always",
-           cli=SWITCH, group=DIT_GROUP),
+    Option("ann_always", bool, False, "compile AnnSA / AnnCA into every block even where the cost model predicts "
+           "they would not pay (by default such a block keeps its dense attention, and --inspect -v says why)",
+           "--ann-always", cli=SWITCH, group=DIT_GROUP),
     Option("annca", bool, False, "AnnCA: per frame, a prompt token is kept in the cross-attention only if a query "
            "of that frame shares a bucket with it (--annsa's bucketing, lsh without it); DiTs only",
            "--annca", cli=SWITCH, group=DIT_GROUP),

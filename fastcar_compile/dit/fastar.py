@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastcar_compile.dit import sparse, tempcache
+from fastcar_compile.dit import modes, sparse, tempcache
 from fastcar_compile.dit.annsa_index import shared_pairs
 from fastcar_compile.dit.cache import FrameCache, StreamCache, kept_frames
 from fastcar_compile.dit.model import apply_rope
@@ -445,8 +445,9 @@ class FastARDiT(TorchDiT):
 
     def __init__(self, model, fa, threads: int = 0):
         super().__init__(model, threads)
-        self.fa = fa
         cfg = model.cfg
+        self.fa, self.verdicts = modes.effective(fa, cfg)  # AnnSA / AnnCA only where they pay (or --ann-always)
+        fa = self.fa
         d = cfg.head_dim
 
         def hasher(kind):
