@@ -504,7 +504,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("torch-dit", "TempCache on the PyTorch DiT (apply_dit, trained DiT): dead slots compacted out vs kept",
           "bench_torch_dit.py", {"default": ["--frames", "64"], "quick": ["--frames", "8"]},
           lambda d: ["--json", str(d / "bench_torch_dit.json")],
-          [Column("window", "window"), Column("variant", "cache"), Column("ms_per_chunk", "ms/chunk (2nd half)", "{:.1f}"),
+          [Column("window", "window"), Column("variant", "cache"), Column("ms_per_chunk", "ms/chunk (2nd half, q1)", "{:.1f}"),
            Column("cache_mib", "cache MiB (last)", "{:.2f}"), Column("keys", "self-attention keys", "{}"),
            Column("kv_density", "live / dense slots", "{:.3f}")],
           lambda raw: [{**r, "label": f"{r['variant']} w{r['window']}"} for r in raw["rows"]],
