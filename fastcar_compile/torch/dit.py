@@ -8,8 +8,8 @@ positional, as the compiled step graph's buffers do: per layer one key/value/cou
 that frame's positions. With TempCache 'aligned' a written token merges into the slot at its own (h, w) one
 frame back; that slot always sits at the previous frame's position (a merge moves it to the new frame's
 position, leaving a dead slot of count 0 behind), so a merge is a masked update of the last frame's positions,
-never a search. Once the next frame is written the dead slots are compacted out of the older frames, so they
-cost neither memory nor attention work beyond the padding that evens out the heads (ModeCache).
+never a search; the same write compacts the dead slots out of the older frames, so they cost neither memory
+nor attention work beyond the padding that evens out the heads (ModeCache).
 FastCar's TAS and replay are dit/fastar.py's definitions (`temporal_scores`, `replay_ffn`: only the computed
 rows go through the FFN), with the replay cache (per denoising step and layer, the last frame's FFN output
 and key) held here. The eager stream runtime (dit/fastar.FastARDiT, slot lists) is the reference.
