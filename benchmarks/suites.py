@@ -517,6 +517,16 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           [Column("window", "window"), Column("backend", "backend"), Column("ms", "ms/frame (last 50)", "{:.2f}"),
            Column("x_eager", "x eager", "{:.2f}"), Column("cache_mib", "cache MiB", "{:.2f}")],
           _dit_stream_rows, ("label", ["x_eager"], "x eager PyTorch")),
+    Suite("torch-dit", "TempCache on the PyTorch DiT (apply_dit, trained DiT): dead slots compacted out vs kept",
+          "bench_torch_dit.py", {"default": ["--frames", "64"], "quick": ["--frames", "8"]},
+          lambda d: ["--json", str(d / "bench_torch_dit.json")],
+          [Column("window", "window"), Column("variant", "cache"), Column("ms_per_chunk", "ms/chunk (2nd half, q1)", "{:.1f}"),
+           Column("cache_mib", "cache MiB (last)", "{:.2f}"), Column("keys", "self-attention keys", "{}"),
+           Column("kv_density", "live / dense slots", "{:.3f}")],
+          lambda raw: [{**r, "label": f"{r['variant']} w{r['window']}"} for r in raw["rows"]],
+          ("label", ["ms_per_chunk"], "ms per chunk"),
+          ["training/dit_model, SIM 0.9, CFG 2, 1 thread, both variants interleaved chunk by chunk in one process; "
+           "keys: per query, summed over layers (the compacted cache pads each (row, head) to the fullest)."]),
     Suite("video-model", "The conditioned video model (6 layers, sampled with CFG): dense, FastCar and FAST-AR against "
           "the truth and repeat-last-frame", "video_model.py",
           {"default": [], "quick": ["--quick"]}, lambda d: ["--out", str(d)],

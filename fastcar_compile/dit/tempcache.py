@@ -1,6 +1,6 @@
 """TempCache's merge in PyTorch: one definition for every DiT runtime that writes a frame into a cache (the
 compiled step graph's ring buffers: cache.RingCache; the eager FAST-AR runtime's slot lists:
-fastar.SlotCache; the PyTorch DiT's positional cache: torch/dit.ModeCache). The NumPy decoder cache
+fastar.SlotCache; the PyTorch DiT's compacted cache: torch/dit.ModeCache). The NumPy decoder cache
 (fastar/cache.HeadCache, token by token) stays apart as the reference these are tested against, and the
 compressed-attention kernel (runtime/native/compressed_attention.h) is the C++ one.
 

@@ -3,11 +3,13 @@ tempcache=0.9)`.
 
 The DiT step (dit/model.ChunkDiT) takes its cache as tensors; these modes change what the cache is (merged
 slots with a count and a log(count) logit term) and add state across chunks (the replay cache), so the
-returned `FastCarDiT` owns both as tensors on the model's device. Its cache is positional, as the compiled
-step graph's buffers are: per layer one key/value/count tensor over the resident frames' token positions in
-frame order. With TempCache 'aligned' a written token merges into the slot at its own (h, w) one frame back;
-that slot always sits at the previous frame's position (a merge moves it to the new frame's position, leaving
-a dead slot of count 0 behind), so a merge is a masked update of the last frame's positions, never a search.
+returned `FastCarDiT` owns both as tensors on the model's device. Its cache keeps the last written frame
+positional, as the compiled step graph's buffers do: per layer one key/value/count tensor whose last T tokens are
+that frame's positions. With TempCache 'aligned' a written token merges into the slot at its own (h, w) one
+frame back; that slot always sits at the previous frame's position (a merge moves it to the new frame's
+position, leaving a dead slot of count 0 behind), so a merge is a masked update of the last frame's positions,
+never a search; the same write compacts the dead slots out of the older frames, so they cost neither memory
+nor attention work beyond the padding that evens out the heads (ModeCache).
 FastCar's TAS and replay are dit/fastar.py's definitions (`temporal_scores`, `replay_ffn`: only the computed
 rows go through the FFN), with the replay cache (per denoising step and layer, the last frame's FFN output
 and key) held here. The eager stream runtime (dit/fastar.FastARDiT, slot lists) is the reference.
@@ -33,17 +35,29 @@ TEMPCACHE = ("aligned",)  # the correspondents it takes (tempcache_match)
 
 
 class ModeCache(StreamCache):
-    """One video's state: per layer the resident slots (key post-RoPE, value, count; count 0 = a dead slot)
-    over the resident frames' positions in frame order, the last written frame's pre-RoPE keys (TempCache's
-    comparison), and the replay cache (timesteps -> layer -> (FFN output, key) of the last frame)."""
+    """One video's state: per layer the resident slots (key post-RoPE, value, count; count 0 = a dead slot) and,
+    with TempCache, the frame each slot sits at (its newest member's: what eviction reads); the last written
+    frame's pre-RoPE keys (TempCache's comparison); the replay cache (timesteps -> layer -> (FFN output, key)).
 
-    def __init__(self, tokens: int, sinks: int, window: int, tempcache: float | None = None, layers: int = 0):
+    Layout [B, H, slots, ...]: the older frames' live slots in frame order, then the last frame's T positions
+    (`tail`: merges target them in place). Heads merge different tokens, so each (row, head) keeps its own
+    live slots and all are padded to the fullest one with dead slots (count 0, masked by the -inf logit): one
+    dense tensor that SDPA and the mask read as before, never more keys than the eager runtime's slot lists
+    hold (dit/fastar.SlotCache pads the same way). A ragged per-(row, head) layout would drop the padding too
+    but needs a varlen attention kernel per device. `compact=False` keeps dead slots until their frame leaves
+    (the former layout, for measurements)."""
+
+    def __init__(self, tokens: int, sinks: int, window: int, tempcache: float | None = None, layers: int = 0,
+                 compact: bool = True):
         super().__init__(layers, tokens, sinks, window)
         self.tempcache = tempcache  # SIM (None: TempCache off)
+        self.compact = compact
         self.frames: list[int] = []
-        self.key: list[torch.Tensor] = []  # [B, H, frames * T, d]
+        self.tail: int | None = None  # the frame whose T positions end every layer's tensors
+        self.key: list[torch.Tensor] = []  # [B, H, slots, d]
         self.value: list[torch.Tensor] = []
-        self.count: list[torch.Tensor] = []  # [B, H, frames * T] int64
+        self.count: list[torch.Tensor] = []  # [B, H, slots] int64
+        self.slot_frame: list[torch.Tensor] = []  # [B, H, slots] int32, TempCache only (-1: padding)
         self.last_pre: list[torch.Tensor] = []  # [B, H, T, d]
         self.replay: dict = {}
         self.stats = [LayerStats() for _ in range(layers)]
@@ -58,8 +72,8 @@ class ModeCache(StreamCache):
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes + c.nbytes * (self.tempcache is not None)
-                   for k, v, c in zip(self.key, self.value, self.count, strict=True))
+        return sum(a.nbytes for a in (*self.key, *self.value, *self.slot_frame)) + \
+            sum(c.nbytes for c in self.count) * (self.tempcache is not None)
 
     def bias(self, i: int) -> torch.Tensor:
         """log(count) per slot of layer i [B, H, slots], -inf for a dead one (the TempCache lemma's term)."""
@@ -72,15 +86,18 @@ class ModeCache(StreamCache):
     def write_frame(self, frame: int, layers: list[tuple]) -> None:
         """Append a frame's slots: with TempCache a token whose pre-RoPE key's cosine with the aligned token one
         frame back exceeds SIM merges into that slot (dit/tempcache.merge_positional: newest key, running mean
-        value, count + 1, the old position dead). Sink frames never merge."""
+        value, count + 1, the old position dead); the previous frame then joins the older ones, so its dead
+        slots are compacted out. Sink frames never merge."""
         T = self.tokens
-        merging = self.tempcache is not None and frame - 1 >= self.sinks and self.frames[-1:] == [frame - 1]
+        merging = self.tempcache is not None and frame - 1 >= self.sinks and self.tail == frame - 1
         for i, (kp, vv, kr) in enumerate(layers):
             if len(self.key) <= i:  # a new video's layer
                 B, H, _, d = kp.shape
                 self.key.append(kp.new_zeros(B, H, 0, d))
                 self.value.append(vv.new_zeros(B, H, 0, d))
                 self.count.append(torch.zeros(B, H, 0, dtype=torch.int64, device=kp.device))
+                if self.tempcache is not None:
+                    self.slot_frame.append(torch.zeros(B, H, 0, dtype=torch.int32, device=kp.device))
                 self.last_pre.append(kr.new_zeros(B, H, 0, d))
             cnt = torch.ones(kp.shape[:3], dtype=torch.int64, device=kp.device)
             st = self.stats[i]
@@ -91,24 +108,61 @@ class ModeCache(StreamCache):
                                                                                old_c, vv)
                 st.merges += int((target >= 0).sum())
                 st.merges_aligned += int((target >= 0).sum())
+            if merging and self.compact:
+                self._select(i, self.count[i] > 0, 0)
             st.written += cnt.numel()
             self.key[i] = torch.cat([self.key[i], kp], 2)
             self.value[i] = torch.cat([self.value[i], vv], 2)
             self.count[i] = torch.cat([self.count[i], cnt], 2)
+            if self.tempcache is not None:
+                self.slot_frame[i] = torch.cat([self.slot_frame[i], torch.full_like(cnt, frame, dtype=torch.int32)], 2)
             self.last_pre[i] = kr
         self.frames.append(frame)
+        self.tail = frame
+
+    def _select(self, i: int, keep: torch.Tensor, tail: int) -> None:
+        """Layer i keeps, of the slots before its last `tail` tokens, those where keep [B, H, slots - tail] holds
+        (in order, each (row, head) padded to the fullest with dead slots); the tail stays as it is."""
+        n_old = keep.shape[-1]
+        n = int(keep.sum(-1).max()) if keep.numel() else 0
+        if n == n_old:  # nothing to give back: the slots left are only marked dead
+            order, ok = None, keep
+        else:
+            order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :n]
+            ok = keep.gather(-1, order)
+
+        def take(a: torch.Tensor, fill: int | None = None) -> torch.Tensor:
+            head = a[:, :, :n_old]
+            if order is not None:
+                head = head.gather(2, order if a.dim() == 3 else order[..., None].expand(-1, -1, -1, a.shape[-1]))
+            if fill is not None:
+                head = torch.where(ok, head, torch.full_like(head, fill))
+            return torch.cat([head, a[:, :, n_old:]], 2)
+
+        if order is not None:
+            self.key[i], self.value[i] = take(self.key[i]), take(self.value[i])
+        self.count[i], self.slot_frame[i] = take(self.count[i], 0), take(self.slot_frame[i], -1)
 
     def evict(self, keep: set[int] | None) -> None:
-        """The frames outside the sinks and the window leave; the resident counters."""
+        """The frames outside the sinks and the window leave (with TempCache: the slots sitting at them, the
+        dead ones too where they were kept); the resident counters."""
         T = self.tokens
         if keep is not None and any(f not in keep for f in self.frames):
-            pos = torch.tensor([p for n, f in enumerate(self.frames) if f in keep for p in range(n * T, (n + 1) * T)],
-                               dtype=torch.int64, device=self.key[0].device)
+            if self.tempcache is None:  # positional: whole frames
+                pos = torch.tensor([p for n, f in enumerate(self.frames) if f in keep
+                                    for p in range(n * T, (n + 1) * T)], dtype=torch.int64, device=self.key[0].device)
+                for i in range(len(self.key)):
+                    self.key[i] = self.key[i].index_select(2, pos)
+                    self.value[i] = self.value[i].index_select(2, pos)
+                    self.count[i] = self.count[i].index_select(2, pos)
+            else:
+                tail = T if self.tail in keep else 0
+                for i in range(len(self.key)):
+                    fr = self.slot_frame[i][:, :, :self.count[i].shape[2] - tail]
+                    kept = torch.isin(fr, torch.tensor(sorted(keep), dtype=fr.dtype, device=fr.device))
+                    self._select(i, kept & (self.count[i][:, :, :fr.shape[2]] > 0) if self.compact else kept, tail)
             self.frames = [f for f in self.frames if f in keep]
-            for i in range(len(self.key)):
-                self.key[i] = self.key[i].index_select(2, pos)
-                self.value[i] = self.value[i].index_select(2, pos)
-                self.count[i] = self.count[i].index_select(2, pos)
+            self.tail = self.tail if self.tail in keep else None
         for i, st in enumerate(self.stats):
             st.resident_slots = int((self.count[i] > 0).sum())
             st.dense_slots = self.count[i].shape[0] * self.count[i].shape[1] * T * len(self.frames)
@@ -118,7 +172,10 @@ class FastCarDiT(nn.Module):
     """A ChunkDiT with TempCache and/or FastCar, owning its cache. Per chunk: `forward(latent, timestep,
     frame_start, *cross)` for each denoising step (the cache read, nothing written), then the clean pass's
     presents to `write(frame_start, presents)`. `reset()` starts a new video. The modes' settings are
-    dit/modes.py's (`settings`); `sinks` / `window` the cache's residency (the model config's by default)."""
+    dit/modes.py's (`settings`); `sinks` / `window` the cache's residency (the model config's by default).
+    `compact_cache = False` before a new video keeps TempCache's dead slots (ModeCache: measurements only)."""
+
+    compact_cache = True
 
     def __init__(self, model: ChunkDiT, settings, sinks: int, window: int):
         super().__init__()
@@ -131,7 +188,7 @@ class FastCarDiT(nn.Module):
     def new_cache(self, layers: int, tokens: int, sinks: int, window: int) -> ModeCache:
         """A new video (also the stream loop's hook: dit/stream.rollout calls it)."""
         s = self.settings
-        self.cache = ModeCache(tokens, sinks, window, tempcache=s.tempcache, layers=layers)
+        self.cache = ModeCache(tokens, sinks, window, tempcache=s.tempcache, layers=layers, compact=self.compact_cache)
         return self.cache
 
     def reset(self) -> None:
@@ -165,11 +222,14 @@ class FastCarDiT(nn.Module):
         return m.final(x, t), presents
 
     def _block(self, i, blk, x, e, cos, sin, ck, cv, frame_start, prev, now):
-        """model.Block.forward over the positional cache (+ log(count) with TempCache) and with FastCar's FFN."""
+        """model.Block.forward over the cache (+ log(count) with TempCache) and with FastCar's FFN. The self-
+        attention counters are the eager runtime's: pairs with a live slot or the chunk vs the dense cache's."""
         c, cfg = self.cache, self.cfg
         b, s, d = x.shape
         fr, T, H = e.shape[1], cfg.tokens_per_frame, cfg.heads
         mod, modulate, gate, q, k, k_pre, v = block_inputs(blk, x, e, cos, sin)
+        c.stats[i].sa_executed += b * H * s * s + s * (c.stats[i].resident_slots if i < len(c.key) else 0)
+        c.stats[i].sa_dense += b * H * s * (T * len(c.frames) + s)
         if i < len(c.key):
             keys, vals = torch.cat([c.key[i], k], 2), torch.cat([c.value[i], v], 2)
             mask = None
