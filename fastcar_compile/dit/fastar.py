@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from fastcar_compile.dit import modes, sparse, tempcache
-from fastcar_compile.dit.annsa_index import shared_pairs
 from fastcar_compile.dit.cache import FrameCache, StreamCache, kept_frames
 from fastcar_compile.dit.model import apply_rope
 from fastcar_compile.dit.stream import TorchDiT
@@ -235,10 +234,9 @@ def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotC
         kept = keep & cache.live
         qcodes = sparse.codes(hasher, q)
         kcodes = torch.where((cache.live & ~kept)[..., None], cache.codes, torch.full_like(cache.codes, -1))
-        out = sparse.native_annsa(q * d ** -0.5, k, v, cache.k_post, cache.v, bias, kept, qcodes, kcodes)
-        if out is not None:
-            return out, {"executed": G * Q * Q + Q * int(kept.sum()) + shared_pairs(qcodes[None].numpy(),
-                                                                                     kcodes[None].numpy())}
+        native = sparse.native_annsa(q * d ** -0.5, k, v, cache.k_post, cache.v, bias, kept, qcodes, kcodes)
+        if native is not None:  # the kernel counts the pairs it computes
+            return native[0], {"executed": native[1]}
     parts = [sparse.dense_part(q, k, v)]
     executed = G * Q * Q
     if cache.count.shape[1] == 0:

@@ -176,19 +176,20 @@ def _native_fn():
         else:
             fn = ctypes.CDLL(str(lib)).FastcarAnnSAGroups
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6
+            fn.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 6
             _NATIVE["fn"] = fn
     return _NATIVE.get("fn")
 
 
 def native_annsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
                  bias: torch.Tensor, dense: torch.Tensor, q_codes: torch.Tensor, k_codes: torch.Tensor
-                 ) -> torch.Tensor | None:
-    """AnnSA in the native kernel (each bucket's queries x its slots as dense blocks), or None where it cannot run
-    (no native library, or tensors off the CPU). Per group g: query i of q [G, Q, d] (scaled) attends to the chunk's
-    k, v [G, Q, d], to the slots p of past_k / past_v [G, S, d] with dense[g, p] and to the slots sharing a bucket
-    id with it in some table (k_codes [G, S, T] >= 0, q_codes [G, Q, T]); a slot's logit takes bias[g, p] (-inf: no
-    slot). The same attention as dense_part + bucket_parts + combine."""
+                 ) -> tuple[torch.Tensor, int] | None:
+    """AnnSA in the native kernel (each bucket's queries x its slots as dense blocks) and the q.k pairs it computed
+    (each once), or None where it cannot run (no native library, or tensors off the CPU). Per group g: query i of
+    q [G, Q, d] (scaled) attends to the chunk's k, v [G, Q, d], to the slots p of past_k / past_v [G, S, d] with
+    dense[g, p] and to the slots sharing a bucket id with it in some table (k_codes [G, S, T] >= 0, q_codes
+    [G, Q, T]); a slot's logit takes bias[g, p] (-inf: no slot). The same attention as dense_part + bucket_parts +
+    combine."""
     fn = _native_fn()
     if fn is None or any(t.device.type != "cpu" for t in (q, past_k)):
         return None
@@ -198,6 +199,8 @@ def native_annsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torc
           past_v.float().contiguous(), bias.float().contiguous(), dense.to(torch.uint8).contiguous(),
           q_codes.long().contiguous(), k_codes.long().contiguous()]
     out = torch.empty(G, Q, d)
-    if fn(*(t.data_ptr() for t in ts), out.data_ptr(), G, Q, d, S, T, torch.get_num_threads()) != 0:
+    executed = torch.zeros(G, dtype=torch.int64)
+    if fn(*(t.data_ptr() for t in ts), out.data_ptr(), executed.data_ptr(), G, Q, d, S, T,
+          torch.get_num_threads()) != 0:
         raise RuntimeError("the native AnnSA kernel failed")
-    return out
+    return out, int(executed.sum())

@@ -494,7 +494,26 @@ struct AnnSAItem {
   const int64_t *sc, *sl;    // [T, N] per table the bucketed slots' ids ascending, and their positions
   float* out;                // [Q, D]
   int64_t Q, D, S, T, N, Nd;
+  int64_t* executed = nullptr;  // += the q.k pairs computed (each once, where it first met), or null
 };
+
+// q.k pairs of a bucket block in table `tb` not met in an earlier table (those the block masks): rows' ids qcodes
+// [Q][T], the block keys' kcodes [nk][T] (the first tb tables filled).
+inline int64_t BlockPairs(const int32_t* rows, int64_t nr, const int32_t* qcodes, const int32_t* kcodes, int64_t nk,
+                          int64_t T, int64_t tb) {
+  if (tb == 0) return nr * nk;
+  int64_t n = 0;
+  for (int64_t i = 0; i < nr; ++i) {
+    const int32_t* qc = qcodes + rows[i] * T;
+    for (int64_t j = 0; j < nk; ++j) {
+      const int32_t* kc = kcodes + j * T;
+      bool met = false;
+      for (int64_t u = 0; u < tb && !met; ++u) met = qc[u] == kc[u];
+      n += !met;
+    }
+  }
+  return n;
+}
 
 // Per-thread buffers of one item (reused across items and calls).
 struct ItemBuffers {
@@ -536,6 +555,7 @@ inline void RunItem(const AnnSAItem& t) {
   b.rows.resize(static_cast<size_t>(Q));
   for (int64_t i = 0; i < Q; ++i) b.rows[i] = static_cast<int32_t>(i);
   Block(qs, b.rows.data(), Q, dense, 0, st);
+  if (t.executed != nullptr) *t.executed += Q * nd;
   // 2. per table, each bucket's queries x the bucket's slots (merge-join of the two sorted lists)
   b.order.resize(static_cast<size_t>(Q));
   if (T > 1) b.kcodes.resize(static_cast<size_t>(N * T));
@@ -579,6 +599,8 @@ inline void RunItem(const AnnSAItem& t) {
           __builtin_prefetch(t.pv + slots[j] * D + x);
         }
       Block(qs, b.rows.data() + qi, qe - qi, ks, static_cast<int>(tb), st);
+      if (t.executed != nullptr)
+        *t.executed += BlockPairs(b.rows.data() + qi, qe - qi, b.qcodes.data(), b.kcodes.data(), ke - kj, T, tb);
       qi = qe;
       kj = ke;
     }
@@ -601,6 +623,7 @@ struct Groups {
   const uint8_t* dense;                     // [G,S]
   const int64_t *qc, *kc;                   // [G,Q,T], [G,S,T]
   float* out;                               // [G,Q,D]
+  int64_t* executed;                        // [G] q.k pairs computed per group, or null
   int64_t G, Q, D, S, T;
 };
 
@@ -632,7 +655,9 @@ inline void RunGroup(const Groups& t, int64_t g) {
   }
   const AnnSAItem it{t.q + g * Q * D, t.k + g * Q * D, t.v + g * Q * D, t.pk + g * S * D, t.pv + g * S * D, b,
                      listed.data(), t.qc + g * Q * T, kc, sorted_codes.data(), sorted_slots.data(), t.out + g * Q * D,
-                     Q, D, S, T, N, static_cast<int64_t>(listed.size())};
+                     Q, D, S, T, N, static_cast<int64_t>(listed.size()),
+                     t.executed == nullptr ? nullptr : t.executed + g};
+  if (t.executed != nullptr) t.executed[g] = 0;
   RunItem(it);
 }
 

@@ -731,13 +731,14 @@ std::vector<std::unique_ptr<GateOp>> g_gates;
 
 // AnnSA for the eager DiT runtime (dit/sparse.native_annsa, through ctypes: that runtime sits below the torch front
 // end, so it calls this library's kernel rather than a torch op): bucket_attention.h's RunGroups, no ORT involved.
+// `executed` [G] (or null) receives each group's computed q.k pairs, the runtime's density counter.
 extern "C" __attribute__((visibility("default"))) int FastcarAnnSAGroups(
     const float* q, const float* k, const float* v, const float* past_key, const float* past_value, const float* bias,
-    const uint8_t* dense, const int64_t* query_codes, const int64_t* key_codes, float* out, int64_t G, int64_t Q,
-    int64_t D, int64_t S, int64_t T, int64_t threads) {
+    const uint8_t* dense, const int64_t* query_codes, const int64_t* key_codes, float* out, int64_t* executed,
+    int64_t G, int64_t Q, int64_t D, int64_t S, int64_t T, int64_t threads) {
   try {
-    fastcar_bucket::RunGroups({q, k, v, past_key, past_value, bias, dense, query_codes, key_codes, out, G, Q, D, S, T},
-                              threads);
+    fastcar_bucket::RunGroups(
+        {q, k, v, past_key, past_value, bias, dense, query_codes, key_codes, out, executed, G, Q, D, S, T}, threads);
   } catch (...) {
     return 1;
   }
