@@ -318,7 +318,8 @@ def _world_sections(raw: dict) -> list[str]:
         f"| {r['variant']} | {r['fps_early']:.2f} | {r['fps_late']:.2f} | {r['late_over_early']:.2f} | "
         f"{r['x_window_late']:.2f} | {r['cache_mib_late']:.1f} | {r['revisit_far']:.3f} ± {r['revisit_far_ci']:.3f} "
         f"| {'' if r.get('replay') is None else format(r['replay'], '.1%')} |\n" for r in raw["long_rows"])
-    return [head + body + "\nSpeeds of variants run one after another in one process: indicative on a shared machine."]
+    return [head + body + "\nThe variants advance one frame each in turn (lockstep), so their speeds share the machine's "
+            "load."]
 
 
 WORLD_NOTE = ("Token accuracy vs the truth on the generated frames' cells the truth labels revisited (seen before, "

@@ -20,8 +20,9 @@ frame); mean over paths with a 95% Student-t interval. Speed: the batch's frames
 Variants run one after another in one process, so their speeds share the machine's load only roughly; the
 ratios are indicative on a shared machine.
 Long videos (`--speed-frames`, default 1000; off with --quick): the bounded caches (sink + window, all FAST-AR
-modes together, FastCar on them) over the same number of held-out paths that long, FPS at frames 5-15% and the
-last 10% (50-150 and 900-1000), each against the sink + window cache: what a user of a long world pays.
+modes together, FastCar on them) over the same number of held-out paths that long, rolled out frame by frame in
+lockstep (each variant one frame in turn, so all see the same load), FPS at frames 5-15% and the last 10%
+(50-150 and 900-1000), each against the sink + window cache: what a user of a long world pays.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def measure(a) -> dict:
     if a.speed_frames:
         bounded = {k: v for k, v in variants(c, every=True).items() if k in ("window", "fastar", f"{FASTCAR}+fastar")}
         long_paths = world.make_paths("eval", a.paths, a.speed_frames, seed=a.seed)
-        long_rows, _ = run_variants(onnx, tok, long_paths, bounded, tau, a.window_frames, a.threads, report)
+        long_rows, _ = run_variants(onnx, tok, long_paths, bounded, tau, a.window_frames, a.threads, report,
+                                    in_lockstep=True)
         win = next(r for r in long_rows if r["variant"] == "window")
         for r in long_rows:
             r["x_window_late"] = r["fps_late"] / win["fps_late"]

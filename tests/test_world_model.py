@@ -133,6 +133,13 @@ def test_compiled_rollouts_equal_eager_transformers(tmp_path) -> None:
             want = _eager_rollout(model, truth[b, 0], actions[b], keeps[name])
             np.testing.assert_array_equal(got[name][b], want, err_msg=name)
     assert (got["full"] != got["window"]).any()  # the window's mask mattered: the check tells the two apart
+    # in lockstep (one frame of each in turn, as the long-video speed run rolls them out) each still generates
+    # what eager transformers does: no state crosses between the interleaved rollouts
+    runs = {name: wr.rollout_frames(FastCarSession(tmp_path / f"{name}.onnx", threads=1), truth[:, 0], actions,
+                                    threshold=float("inf")) for name in kv}
+    for name, done in wr.lockstep(runs).items():
+        for b in range(len(paths)):
+            np.testing.assert_array_equal(done.tokens[b], _eager_rollout(model, truth[b, 0], actions[b], keeps[name]))
 
 
 def test_label_accuracy_and_interval_by_hand() -> None:

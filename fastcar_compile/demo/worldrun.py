@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +85,32 @@ def rollout(session, first: np.ndarray, actions: np.ndarray, threshold=None, mea
             on_frame: Callable[[int, np.ndarray], None] | None = None) -> Rollout:
     """Generate frames 1..T-1 of B paths from `first` [B, 64] (frame 0's tokens) and `actions` [B, T].
     The cache size and process RSS are recorded after the frames in `measure_at`."""
+    frames = rollout_frames(session, first, actions, threshold, measure_at, on_frame)
+    while True:
+        try:
+            next(frames)
+        except StopIteration as done:
+            return done.value
+
+
+def lockstep(runs: dict[str, Generator[int, None, Rollout]]) -> dict[str, Rollout]:
+    """Advance several rollouts (`rollout_frames`) one frame each in turn, so all see the same machine load; their
+    results by name."""
+    out: dict[str, Rollout] = {}
+    while len(out) < len(runs):
+        for name, frames in runs.items():
+            if name not in out:
+                try:
+                    next(frames)
+                except StopIteration as done:
+                    out[name] = done.value
+    return {name: out[name] for name in runs}
+
+
+def rollout_frames(session, first: np.ndarray, actions: np.ndarray, threshold=None,
+                   measure_at: tuple[int, ...] = (), on_frame: Callable[[int, np.ndarray], None] | None = None,
+                   ) -> Generator[int, None, Rollout]:
+    """`rollout` one frame at a time: yields each generated frame's index, returns the Rollout."""
     first, actions = np.asarray(first, np.int64), np.asarray(actions, np.int64)
     b, frames = actions.shape
     if first.shape != (b, PATCHES):
@@ -129,6 +155,7 @@ def rollout(session, first: np.ndarray, actions: np.ndarray, threshold=None, mea
             out_rss[t] = rss_mib()
         if on_frame is not None:
             on_frame(t, tokens[:, t])
+        yield t
     return Rollout(tokens, seconds, out_cache, out_rss, replay, kv, np.stack(tas) if tas else None)
 
 
