@@ -233,6 +233,7 @@ class FastCarSession:
         self._all_inplace = False  # every state output is its input's buffer: the next state reuses the arrays
         self._planned = False
         self._feeds_mask = contract.ATTENTION_MASK in self._inputs
+        self._ones_buffer = np.ones(0, np.int64)  # `_ones`
         self._feeds_positions = contract.POSITION_IDS in self._inputs
         self._feeds_video_start = contract.VIDEO_START in self._inputs
         self.inplace = bool(self.native_library is not None and self.layers if inplace is None else inplace)
@@ -423,6 +424,16 @@ class FastCarSession:
         buffer = np.ones((batch, self.max_length), np.int64) if self.max_length is not None else None
         return DecodeState(arrays, batch, 0, int(video_start), self.signature,
                            np.zeros((batch, 0), dtype=np.int64), mask_buffer=buffer)
+
+    def _ones(self, batch: int, length: int) -> np.ndarray:
+        """An all-ones attention mask [batch, length], contiguous, as a read-only view of one buffer the session
+        grows by doubling: the mask's length is the KV position, so building it anew each step would cost O(video
+        length) per token even when the KV cache itself is bounded."""
+        need = batch * length
+        if self._ones_buffer.size < need:
+            self._ones_buffer = np.ones(max(need, 2 * self._ones_buffer.size), np.int64)
+            self._ones_buffer.flags.writeable = False
+        return self._ones_buffer[:need].reshape(batch, length)
 
     def _kv_capacity(self, spec: StateSpec) -> int | None:
         """A KV input's fixed past length: its layer's budget, else max_length; None = grows with the video."""
@@ -624,7 +635,9 @@ class FastCarSession:
         if new_mask is not None and new_mask.shape != (b, seq):
             raise FastCarError(f"attention_mask for the new tokens must be [{b}, {seq}], got {list(new_mask.shape)}")
         past = state.past_len
-        if state.mask_buffer is not None and past + seq <= state.mask_buffer.shape[1]:  # no per-step concat
+        if new_mask is None and bool((state.real_len == past).all()):  # no padding: every mask is all ones
+            mask = self._ones(b, past + seq)
+        elif state.mask_buffer is not None and past + seq <= state.mask_buffer.shape[1]:  # no per-step concat
             if new_mask is not None:
                 state.mask_buffer[:, past:past + seq] = new_mask
             mask = state.mask_buffer[:, :past + seq]

@@ -60,6 +60,25 @@ def test_bound_steps_equal_plain_runs(fused):
             assert np.abs(got[v][k] - want[v][k]).max() <= 1e-4, f"video {v} step {k}"
 
 
+def test_unpadded_batch_mask_is_not_rebuilt_per_step(fused):
+    """A growing cache (no max_length), batch 3, no padding: logits equal the stock runs, and every step's attention
+    mask is a contiguous all-ones view of one buffer (building a [batch, position] mask anew each step costs
+    O(video length) per token, which a bounded cache would otherwise pay as the video grows)."""
+    sess = FastCarSession(fused)
+    rng = np.random.default_rng(3)
+    steps = [rng.integers(0, zoo.VOCAB, (3, 5))] + [rng.integers(0, zoo.VOCAB, (3, 1)) for _ in range(4 * L)]
+    want = ort_driver.decode(fused, steps).logits
+    state, masks = sess.new_state(3), []
+    for k, ids in enumerate(steps):
+        out = sess.step(state, ids)
+        state = out.state
+        masks.append(state.attention_mask)
+        assert np.abs(out.logits - want[k]).max() <= 1e-4, f"step {k}"
+    assert all(m.flags.c_contiguous and (m == 1).all() and m.shape == (3, 5 + k) for k, m in enumerate(masks))
+    buffers = 1 + sum(not np.shares_memory(a, b) for a, b in zip(masks, masks[1:]))
+    assert buffers <= 4 < len(masks)  # one buffer grown by doubling (15 -> 63 tokens), not a new mask a step
+
+
 def test_batch_changes_between_bound_steps(fused):
     """Three videos of batch 2, 1 and 3 stepped in turn on one session, so consecutive bound steps change batch
     (and the bound feeds, state and output buffers their shapes) with no new_state in between, with 2- and
