@@ -75,7 +75,7 @@ def test_unpadded_batch_mask_is_not_rebuilt_per_step(fused):
         masks.append(state.attention_mask)
         assert np.abs(out.logits - want[k]).max() <= 1e-4, f"step {k}"
     assert all(m.flags.c_contiguous and (m == 1).all() and m.shape == (3, 5 + k) for k, m in enumerate(masks))
-    buffers = 1 + sum(not np.shares_memory(a, b) for a, b in zip(masks, masks[1:]))
+    buffers = 1 + sum(not np.shares_memory(a, b) for a, b in zip(masks[:-1], masks[1:], strict=True))
     assert buffers <= 4 < len(masks)  # one buffer grown by doubling (15 -> 63 tokens), not a new mask a step
 
 
