@@ -1,5 +1,5 @@
 """TempCache on the PyTorch DiT (`fastcar_compile.torch.apply_dit`) with its dead slots compacted out of the
-cache vs kept until their frame leaves (`compact_cache = False`, the former layout), on the causal DiT trained
+cache vs kept until their frame leaves (`compact_cache = False`, the uncompacted layout), on the causal DiT trained
 here (training/dit_model), in one process: the two rollouts run interleaved chunk by chunk on the same prompt
 and seed. Per variant: ms per chunk (the lower quartile over the video's second half, where the cache is full), cache MiB
 and the self-attention keys per query (summed over layers) after the last chunk, and the max |difference|

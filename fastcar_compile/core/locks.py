@@ -9,7 +9,7 @@
   provably left behind by a dead run, and one whose lock is held belongs to a live run and is never touched.
 
 flock is per open file: it works between processes and between threads alike. Where there is no flock
-(not POSIX) these are no-ops and the behaviour is the former one.
+(not POSIX) these are no-ops: nothing is locked.
 """
 
 from __future__ import annotations

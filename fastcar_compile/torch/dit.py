@@ -45,7 +45,7 @@ class ModeCache(StreamCache):
     dense tensor that SDPA and the mask read as before, never more keys than the eager runtime's slot lists
     hold (dit/fastar.SlotCache pads the same way). A ragged per-(row, head) layout would drop the padding too
     but needs a varlen attention kernel per device. `compact=False` keeps dead slots until their frame leaves
-    (the former layout, for measurements)."""
+    (the uncompacted layout, kept for measurements)."""
 
     def __init__(self, tokens: int, sinks: int, window: int, tempcache: float | None = None, layers: int = 0,
                  compact: bool = True):
