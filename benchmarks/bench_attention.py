@@ -286,6 +286,7 @@ def annsa_inputs(p: Problem, shape: Shape, context: int, kind: str) -> tuple[dic
 def tempcache_inputs(p: Problem, shape: Shape, context: int, sim: float) -> tuple[dict, dict]:
     """SlotAttention's feed over the cache the stream runtime's aligned TempCache leaves after writing the C
     frames one chunk at a time (sink frames never merge): each (row, head)'s resident slots and log(count)."""
+    from fastcar_compile.dit.cache import resident_slots
     from fastcar_compile.dit.stream import RingCache
 
     T, ch = shape.tokens, shape.chunk
@@ -299,12 +300,7 @@ def tempcache_inputs(p: Problem, shape: Shape, context: int, sim: float) -> tupl
         seconds.append(time.thread_time() - t0)
     counts = ring.counts[0][:, :, :ring.length]
     resident = counts > 0
-    n = int(resident.sum(-1).max())
-    slots = np.full((B, H, max(n, 1)), -1, np.int64)
-    for b in range(B):
-        for h in range(H):
-            live = np.flatnonzero(resident[b, h])
-            slots[b, h, :live.size] = live
+    slots = resident_slots(counts)
     S = ring.length
     feed = {"q": p.q, "k": p.k, "v": p.v, "past_key": np.ascontiguousarray(ring.buffers[0][:, :, :S]),
             "past_value": np.ascontiguousarray(ring.buffers[1][:, :, :S]), "slots": slots,

@@ -12,7 +12,6 @@ between the two videos (compaction reorders keys only: float rounding).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import lower_quartile_ms  # noqa: E402
+from _common import lower_quartile_ms, save_results  # noqa: E402
 
 from fastcar_compile.cli.demo_dit import MODEL_DIR, load_trained, parse_prompt  # noqa: E402
 from fastcar_compile.demo.dit_train import text_embeds  # noqa: E402
@@ -93,8 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['cache_mib']:.2f} MiB (peak {r['peak_cache_mib']:.2f})  self-attention keys {r['keys']}  "
                   f"merge ratio {r['merge_ratio']:.3f}  KV density {r['kv_density']:.3f}")
     if a.json:
-        a.json.write_text(json.dumps({"command": ["bench_torch_dit.py", *(argv or sys.argv[1:])], "rows": rows,
-                                      "runs": runs}, indent=1))
+        save_results(a.json, {"command": ["bench_torch_dit.py", *(argv or sys.argv[1:])], "rows": rows, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -131,6 +131,8 @@ def _hash64(obj: dict[str, Any]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
+# The fields a board description must give (the rest have defaults).
+REQUIRED = frozenset(f.name for f in dataclasses.fields(BoardConfig) if f.default is dataclasses.MISSING)
 BOARDS_DIR = Path(__file__).with_name("boards")
 
 
@@ -138,7 +140,7 @@ def _board_from_json(data: dict[str, Any], where: str) -> BoardConfig:
     """A full board from a JSON object; keys starting with "_" are comments."""
     names = {f.name for f in dataclasses.fields(BoardConfig)}
     fields = {k: v for k, v in data.items() if not k.startswith("_")}
-    unknown, missing = sorted(set(fields) - names), sorted(names - set(fields) - {"double_buffering"})
+    unknown, missing = sorted(set(fields) - names), sorted(REQUIRED - set(fields))
     if unknown or missing:
         raise FastCarError(f"{where}: unknown fields {unknown}, missing fields {missing}")
     return BoardConfig(**fields)
@@ -238,7 +240,7 @@ def load_board(board: str | BoardConfig = "kv260", board_file: str | Path | None
         cfg = PRESETS[base]
     elif not isinstance(board, BoardConfig) and str(board).lower() not in PRESETS:
         # a custom board: no preset to fill gaps from, so every figure must be given
-        missing = sorted(set(names) - set(data) - {"double_buffering", "name"})
+        missing = sorted(REQUIRED - set(data) - {"name"})
         if missing:
             raise FastCarError(f"board file {path} describes a custom board {board!r} but lacks {missing}; give "
                                f"every field, or \"base\": one of {sorted(PRESETS)} to start from a preset")
@@ -270,7 +272,7 @@ def load_board(board: str | BoardConfig = "kv260", board_file: str | Path | None
 def board_from_dict(data: dict[str, Any]) -> BoardConfig:
     """Rebuild a board stored in a bundle file's metadata."""
     names = {f.name for f in dataclasses.fields(BoardConfig)}
-    missing = sorted(names - set(data) - {"double_buffering"})
+    missing = sorted(REQUIRED - set(data))
     if missing:
         raise FastCarError(f"bundle file holds an incomplete board description (no {', '.join(missing)}); "
                            "recompile it with this fastcar-compile")

@@ -105,6 +105,13 @@ def _refuse_foreign(opts: dict) -> None:
                            f"place); leave {flag} out")
 
 
+def refuse_unused_always(always: bool, bucketed: bool) -> None:
+    """--ann-always without --annsa / --annca would change nothing (the compile's and the stream's check)."""
+    if always and not bucketed:
+        raise FastCarError("--ann-always is a setting of --annsa / --annca: give one of them with it, or leave "
+                           "--ann-always out")
+
+
 def _refuse_unused_settings(opts: dict, modes: DiTModes) -> None:
     """A bucket or AnnSA setting that no mode compiled in reads would change nothing: refused."""
     annsa_only = ("annsa_local",)
@@ -112,9 +119,7 @@ def _refuse_unused_settings(opts: dict, modes: DiTModes) -> None:
             modes.annsa is None and modes.tempcache is None:  # on a DiT it picks AnnSA's and TempCache's forms
         raise FastCarError("--native-attention picks the compiled form of --annsa / --tempcache: give one of them "
                            "with it, or leave --native-attention out")
-    if opts.get("ann_always") and modes.annsa is None and modes.annca is None:
-        raise FastCarError("--ann-always is a setting of --annsa / --annca: give one of them with it, or leave "
-                           "--ann-always out")
+    refuse_unused_always(bool(opts.get("ann_always")), modes.annsa is not None or modes.annca is not None)
     for name in (*annsa_only, *BUCKET_SETTINGS):
         used = modes.annsa is not None or (name not in annsa_only and (
             modes.annca is not None or modes.tempcache_buckets is not None))

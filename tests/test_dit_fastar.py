@@ -378,6 +378,18 @@ def test_stream_cli_records_modes(tmp_path, capsys):
     assert "self density" in capsys.readouterr().out
 
 
+def test_stream_cli_says_when_the_cost_model_keeps_a_mode_dense(tmp_path, capsys):
+    """tiny's 32 queries a chunk: AnnCA would cost more than the dense cross-attention (passes/dit_cost.py), so
+    the stream runs it dense, says so in one line, and records the verdict and the mode it ran."""
+    out = tmp_path / "run"
+    assert main(["stream", "tiny", "--frames", "4", "-o", str(out), "--annca"]) == 0
+    said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("--annca: ")]
+    assert len(said) == 1 and "kept dense" in said[0]
+    doc = json.loads((out / "stream.json").read_text())
+    assert doc["fastar"]["settings"]["annca"] is False and doc["fastar"]["mode"] == "dense"
+    assert doc["fastar"]["cost_model"]["annca"].startswith("kept dense")
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--tempcache", "0.9", "--tempcache-match", "nearest"], "invalid choice"),
     (["--tempcache", "lsh"], "renamed: --tempcache takes SIM"),

@@ -133,5 +133,7 @@ def test_shift_baseline_moves_content_against_the_camera() -> None:
         if dy:
             keep[slice(-PATCH, None) if dy > 0 else slice(0, PATCH)] = False
         np.testing.assert_array_equal(sh[keep], p.frames[t][keep])
-    roll = world.shift_rollout(g, np.array([0, 3, 3]))
-    np.testing.assert_array_equal(roll[2], world.shift_grid(world.shift_grid(g, 3), 3))
+    roll = world.shift_rollout(g, np.array([0, world.action_id("right"), world.action_id("right")]))
+    np.testing.assert_array_equal(roll[1], right)
+    np.testing.assert_array_equal(roll[2][:, :6], g[:, 2:])  # two moves right: content two cells left
+    np.testing.assert_array_equal(roll[2][:, 6:], np.repeat(g[:, 7:8], 2, 1))  # the edge repeated

@@ -143,15 +143,19 @@ def test_compiled_rollouts_equal_eager_transformers(tmp_path) -> None:
 
 
 def test_label_accuracy_and_interval_by_hand() -> None:
-    p = world.make_path("eval", 0, 12)
-    truth = np.random.default_rng(0).integers(0, 512, (1, 12, 64))
+    p = world.make_path("eval", 0, 24)
+    truth = np.random.default_rng(0).integers(0, 512, (1, 24, 64))
     pred = truth.copy()
-    lab = p.cell_labels.reshape(12, 64)
-    wrong = (lab == world.NEW) & (np.arange(12)[:, None] >= 1)
-    pred[0][wrong] = (truth[0][wrong] + 1) % 512  # every new cell wrong, all else right
+    lab, gap = p.cell_labels.reshape(24, 64), p.gap.reshape(24, 64)
+    later = np.arange(24)[:, None] >= 1  # frame 0 is given, never scored
+    far = (lab == world.REVISIT) & (gap > 2) & later
+    near = (lab == world.REVISIT) & (gap <= 2) & later
+    assert far.sum() > 0 and near.sum() > 0  # the path revisits both within and beyond a 2-frame window
+    wrong = ((lab == world.NEW) & later) | far
+    pred[0][wrong] = (truth[0][wrong] + 1) % 512  # every new and every far-revisited cell wrong, all else right
     acc = wr.label_accuracy(pred, truth, [p], window_frames=2)
-    assert acc["new"][0] == 0.0 and acc["previous"][0] == 1.0
-    assert np.isnan(acc["revisit"][0]) or acc["revisit"][0] == 1.0
+    assert acc["new"][0] == 0.0 and acc["previous"][0] == 1.0 and acc["revisit_far"][0] == 0.0
+    assert acc["revisit"][0] == pytest.approx(near.sum() / (near.sum() + far.sum()))
     m, h, n = wr.mean_ci(np.array([0.5, 0.7, np.nan, 0.9]))
     # mean 0.7, sd 0.2, t(0.975, 2) = 4.302653 (tables)
     assert (m, n) == (pytest.approx(0.7), 3) and h == pytest.approx(4.302653 * 0.2 / math.sqrt(3), rel=1e-5)
@@ -247,7 +251,7 @@ def test_world_memory_bench_tiny(tmp_path) -> None:
     truth = PatchTokenizer.load(TOKENIZER).encode(np.stack([p.frames for p in paths])).reshape(2, 8, 8, 8)
     hits = [_shift_accuracy(p, truth[i], world.NEW) for i, p in enumerate(paths)]
     assert rows["shift"]["new"] == pytest.approx(np.nanmean(hits))
-    assert rows["full"]["agree_full"] == 1.0
+    assert rows["full"]["agree_full"] is None and 0.0 <= rows["window"]["agree_full"] <= 1.0
     assert rows["window"]["cache_mib_late"] == rows["window"]["cache_mib_early"]
     assert rows["full"]["cache_mib_late"] > rows["full"]["cache_mib_early"]  # the full cache grows
     for x in rows.values():
@@ -256,10 +260,8 @@ def test_world_memory_bench_tiny(tmp_path) -> None:
     assert raw["speed_windows"] == [[1, 3], [18, 20]]
     long = {x["variant"]: x for x in raw["long_rows"]}
     assert set(long) == {"window", "fastar", "fastcar+fastar"}
-    assert long["window"]["x_window_late"] == 1.0
     for x in long.values():
         assert x["cache_mib_late"] == x["cache_mib_early"] and x["fps_late"] > 0
-        assert x["late_over_early"] == pytest.approx(x["fps_late"] / x["fps_early"])
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from suites import SUITES
 

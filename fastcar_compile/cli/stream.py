@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
     if not eager:
         check_outputs(files, {model.text_path: "the prompt graph"})
     for name, verdict in getattr(model, "verdicts", {}).items():  # a mode asked for but not run: say why
-        if verdict.startswith("kept dense"):
+        if not getattr(model.fa, name):
             print(f"--{name}: {verdict}")
     text = read_text_embeds(a.text, model.cfg.text_dim) if a.text else None
     settings = StreamSettings(frames=a.frames, seed=a.seed, cfg_scale=a.cfg, sink_frames=a.sink,

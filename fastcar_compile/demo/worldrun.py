@@ -11,9 +11,8 @@ first token).
 from __future__ import annotations
 
 import hashlib
-import resource
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import numpy as np
 from fastcar_compile.core.errors import FastCarError
 from fastcar_compile.demo import world
 from fastcar_compile.demo.worldmodel import ACTION0, BOS, CODES, PATCHES, VIDEO_START
+from fastcar_compile.dit.stream import rss_mib
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD_MODEL_DIR = REPO / "training" / "world_model"
@@ -53,39 +53,27 @@ def live_cache_mib(session, state) -> float:
     return total / 2**20
 
 
-def rss_mib() -> float:
-    """Resident memory of this process now (VmRSS), MiB."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 @dataclass
 class Rollout:
     """One batch of generated paths.
 
     tokens [B, T, 64] (frame 0 given); frame_seconds [T] (wall time of each generated frame, the whole batch);
     cache_mib {frame: the state's live MiB after it (`live_cache_mib`)}; replay [T, layers] share of replayed MLPs per frame
-    (None: no FastCar layers); kv_sums {layer: summed kv_stats} (--kv-diagnostics graphs)."""
+    (None: no FastCar layers)."""
 
     tokens: np.ndarray
     frame_seconds: np.ndarray
     cache_mib: dict[int, float] = field(default_factory=dict)
     rss_mib: dict[int, float] = field(default_factory=dict)
     replay: np.ndarray | None = None
-    kv_sums: dict[str, np.ndarray] = field(default_factory=dict)
     tas: np.ndarray | None = None  # [decode steps, layers, B] (diagnostics graphs: their TAS, for calibration)
 
 
 def rollout(session, first: np.ndarray, actions: np.ndarray, threshold=None, measure_at: tuple[int, ...] = (),
-            on_frame: Callable[[int, np.ndarray], None] | None = None) -> Rollout:
+            ) -> Rollout:
     """Generate frames 1..T-1 of B paths from `first` [B, 64] (frame 0's tokens) and `actions` [B, T].
     The cache size and process RSS are recorded after the frames in `measure_at`."""
-    frames = rollout_frames(session, first, actions, threshold, measure_at, on_frame)
+    frames = rollout_frames(session, first, actions, threshold, measure_at)
     while True:
         try:
             next(frames)
@@ -108,8 +96,7 @@ def lockstep(runs: dict[str, Generator[int, None, Rollout]]) -> dict[str, Rollou
 
 
 def rollout_frames(session, first: np.ndarray, actions: np.ndarray, threshold=None,
-                   measure_at: tuple[int, ...] = (), on_frame: Callable[[int, np.ndarray], None] | None = None,
-                   ) -> Generator[int, None, Rollout]:
+                   measure_at: tuple[int, ...] = ()) -> Generator[int, None, Rollout]:
     """`rollout` one frame at a time: yields each generated frame's index, returns the Rollout."""
     first, actions = np.asarray(first, np.int64), np.asarray(actions, np.int64)
     b, frames = actions.shape
@@ -121,7 +108,6 @@ def rollout_frames(session, first: np.ndarray, actions: np.ndarray, threshold=No
     state = session.new_state(b, VIDEO_START)
     layers = len(session.layers)
     replay = np.zeros((frames, layers)) if layers else None
-    kv: dict[str, np.ndarray] = {}
     out_cache, out_rss = {}, {}
     tas: list[np.ndarray] = []
 
@@ -129,9 +115,6 @@ def rollout_frames(session, first: np.ndarray, actions: np.ndarray, threshold=No
         nonlocal state
         out = session.step(state, ids, threshold=threshold, check=False)
         state = out.state
-        for name, arr in out.extra.items():
-            s = np.asarray(arr, np.float64).sum(axis=(0, 1))
-            kv[name] = kv.get(name, 0.0) + s
         if replay is not None and out.replay is not None:
             r = out.replay.reshape(layers, b, -1)[:, :, -1]
             replay[t] += r.mean(axis=1) / PATCHES
@@ -153,10 +136,8 @@ def rollout_frames(session, first: np.ndarray, actions: np.ndarray, threshold=No
         if t in measure_at:
             out_cache[t] = live_cache_mib(session, state)
             out_rss[t] = rss_mib()
-        if on_frame is not None:
-            on_frame(t, tokens[:, t])
         yield t
-    return Rollout(tokens, seconds, out_cache, out_rss, replay, kv, np.stack(tas) if tas else None)
+    return Rollout(tokens, seconds, out_cache, out_rss, replay, np.stack(tas) if tas else None)
 
 
 def path_tokens(tok, paths: list[world.WorldPath]) -> tuple[np.ndarray, np.ndarray]:

@@ -111,11 +111,11 @@ def run_variants(onnx: Path, tok, paths: list[world.WorldPath], chosen: dict[str
         for name, opts in chosen.items():
             if opts is None:
                 done: Rollout | np.ndarray = shift_tokens(truth[:, 0], actions)
-            else:
+            elif in_lockstep:
                 runs[name] = frames(name, opts)
-                if in_lockstep:
-                    continue
-                done = lockstep({name: runs.pop(name)})[name]
+                continue
+            else:
+                done = lockstep({name: frames(name, opts)})[name]
             rows.append(_score(name, opts, done, truth, paths, window_frames, tokens, per_path, t0))
             t0 = time.perf_counter()
             if report is not None:
@@ -157,7 +157,8 @@ def _score(name: str, opts: dict | None, done, truth: np.ndarray, paths: list[wo
     for k, v in per_path[name].items():
         row[k], row[f"{k}_ci"], row[f"{k}_n"] = mean_ci(v)
         row[f"{k}_paths"] = [None if x != x else float(x) for x in v]
-    row["agree_full"] = float((pred == tokens["full"])[:, 1:].mean()) if "full" in tokens else None
+    row["agree_full"] = float((pred == tokens["full"])[:, 1:].mean()) if "full" in tokens and name != "full" \
+        else None
     if fr is not None:
         sec = fr.frame_seconds
         row["fps_early"] = B / float(np.median(sec[early[0]:early[1]]))

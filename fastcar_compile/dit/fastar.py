@@ -230,9 +230,9 @@ def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotC
         out = F.scaled_dot_product_attention(q[None], torch.cat([cache.k_post, k], 1)[None],
                                              torch.cat([cache.v, v], 1)[None], attn_mask=mask)[0]
         return out, {"executed": G * Q * Q + Q * int(cache.live.sum())}
-    if keep is not None and not diag and cache.count.shape[1]:  # AnnSA in the native kernel, where it runs
+    qcodes = sparse.codes(hasher, q) if keep is not None and cache.count.shape[1] else None  # AnnSA's query ids
+    if qcodes is not None and not diag:  # AnnSA in the native kernel, where it runs
         kept = keep & cache.live
-        qcodes = sparse.codes(hasher, q)
         kcodes = torch.where((cache.live & ~kept)[..., None], cache.codes, torch.full_like(cache.codes, -1))
         native = sparse.native_annsa(q * d ** -0.5, k, v, cache.k_post, cache.v, bias, kept, qcodes, kcodes)
         if native is not None:  # the kernel counts the pairs it computes
@@ -255,7 +255,6 @@ def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotC
         executed += Q * int(kept.sum())
         cg, cp = torch.nonzero(cache.live & ~kept, as_tuple=True)
         if cg.numel():
-            qcodes = sparse.codes(hasher, q)
             more, n_pairs = sparse.bucket_parts(q.flatten(0, 1), torch.arange(G).repeat_interleave(Q),
                                                 qcodes.flatten(0, 1), cache.k_post[cg, cp], cache.v[cg, cp],
                                                 bias[cg, cp], cg, cache.codes[cg, cp])
@@ -267,8 +266,7 @@ def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotC
         lse = lse.view(G, Q)
         full = (q @ cache.k_post.transpose(1, 2) / d ** 0.5 + bias[:, None]) - lse[..., None]
         sel = cache.live[:, None, :].expand(G, Q, -1)
-        if keep is not None and cache.count.shape[1]:
-            qcodes = sparse.codes(hasher, q)
+        if qcodes is not None:
             hit = (qcodes[:, :, None, :] == cache.codes[:, None, :, :]).any(-1)  # [G, Q, cap]
             sel = sel & (keep[:, None, :] | hit)
         info["p_slot"] = torch.where(sel, torch.exp(full), torch.zeros_like(full))

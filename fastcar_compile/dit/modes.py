@@ -67,9 +67,9 @@ def settings(**values: Any) -> Any:
     if s.tempcache_match != "aligned" and s.tempcache is None:
         raise FastCarError(f"--tempcache-match {s.tempcache_match} needs --tempcache SIM (the cosine above which "
                            "keys merge)")
-    if s.ann_always and s.annsa is None and not s.annca:
-        raise FastCarError("--ann-always is a setting of --annsa / --annca: give one of them with it, or leave "
-                           "--ann-always out")
+    from fastcar_compile.passes.dit_plan import refuse_unused_always
+
+    refuse_unused_always(s.ann_always, s.annsa is not None or s.annca)
     if s.threshold is not None and s.calibrate_replay is not None:
         raise FastCarError("give --threshold or --calibrate-replay, not both")
     return s
@@ -78,15 +78,13 @@ def settings(**values: Any) -> Any:
 def effective(s: Any, cfg: Any) -> tuple[Any, dict[str, str]]:
     """The settings the eager runtime runs on `cfg`'s blocks and the cost model's verdicts: AnnSA and AnnCA are
     dropped where they would not pay (passes/dit_cost.py, the compiler's decision too), unless `ann_always`."""
-    from fastcar_compile.core.contract import AnnSARecord, BucketRecord
-    from fastcar_compile.passes.dit_plan import decisions
+    from fastcar_compile.core.contract import AnnSARecord
+    from fastcar_compile.passes.dit_plan import annca_mode, bucket_record, decisions
 
-    def bucketing(kind: str) -> BucketRecord:
-        return BucketRecord(kind, s.lsh_bits, s.int8_dirs, s.ann_tables, s.ann_seed)
-
-    sa = None if s.annsa is None else AnnSARecord(**dataclasses.asdict(bucketing(s.annsa)), annsa_local=s.annsa_local)
-    ca = bucketing(s.annsa or "lsh") if s.annca else None
-    (sa_kept, sa_verdict), (ca_kept, ca_verdict) = decisions(cfg, sa, ca, s.ann_always)
+    opts = record(s)  # the compiler's records of these settings
+    sa = None if s.annsa is None else AnnSARecord(**dataclasses.asdict(bucket_record(s.annsa, opts)),
+                                                  annsa_local=s.annsa_local)
+    (sa_kept, sa_verdict), (ca_kept, ca_verdict) = decisions(cfg, sa, annca_mode(opts), s.ann_always)
     verdicts = {k: v for k, v in (("annsa", sa_verdict), ("annca", ca_verdict)) if v}
     return dataclasses.replace(s, annsa=s.annsa if sa_kept else None, annca=ca_kept is not None), verdicts
 

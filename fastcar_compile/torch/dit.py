@@ -157,9 +157,10 @@ class ModeCache(StreamCache):
                     self.count[i] = self.count[i].index_select(2, pos)
             else:
                 tail = T if self.tail in keep else 0
+                frames = torch.tensor(sorted(keep), dtype=self.slot_frame[0].dtype, device=self.slot_frame[0].device)
                 for i in range(len(self.key)):
                     fr = self.slot_frame[i][:, :, :self.count[i].shape[2] - tail]
-                    kept = torch.isin(fr, torch.tensor(sorted(keep), dtype=fr.dtype, device=fr.device))
+                    kept = torch.isin(fr, frames)
                     self._select(i, kept & (self.count[i][:, :, :fr.shape[2]] > 0) if self.compact else kept, tail)
             self.frames = [f for f in self.frames if f in keep]
             self.tail = self.tail if self.tail in keep else None

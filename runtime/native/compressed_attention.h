@@ -373,7 +373,6 @@ struct ItemBuffers {
     if (w.size() < n) {
       for (auto* v : {&w, &bias}) v->resize(n);
       for (auto* v : {&sel, &live, &always}) v->resize(n);
-      order.resize(n * static_cast<size_t>(tables));
       stamp.assign(n, 0);
       epoch = 0;
     }
